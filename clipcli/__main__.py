@@ -1,0 +1,3 @@
+from clipcli.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,262 @@
+"""The command line: parse options, call the engine, render the report, map errors to exit codes.
+
+No numerics here. Heavy modules (numpy, h5py, safetensors) are imported inside the
+commands so that `clipcli --help` starts fast.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+
+from clipcli.errors import ClipcliError, ExitCode, UsageError, printable
+from clipcli.report import OutputFormat, SortKey
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0    success
+  1    --fail-above: the global norm exceeds the threshold
+  2    usage error or refused request (bad option, OUT exists, OUT is IN)
+  3    input unreadable, malformed or unsafe
+  4    data refused (NaN/Inf where a norm is needed, axis out of range)
+  5    writing failed; nothing was left behind
+  70   internal error (set CLIPCLI_DEBUG=1 for the traceback)
+  130  interrupted (143 for SIGTERM); nothing was left behind"""
+
+app = typer.Typer(
+    name="clipcli",
+    help="Inspect L2 norms of checkpoint tensors (.npz, .safetensors, .h5/.hdf5) and write "
+    "clipped copies, with TensorFlow's clip_by_value / clip_by_norm / clip_by_average_norm / "
+    "clip_by_global_norm semantics.\n\n"
+    "\b\nExamples:\n"
+    "  clipcli ls model.safetensors\n"
+    "  clipcli norms model.safetensors --sort norm --top 10\n"
+    "  clipcli clip --global 5.0 in.safetensors out.safetensors\n"
+    "  clipcli clip --norm 1.0 --axes 0 in.h5 out.h5\n\n" + EXIT_CODES_HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--include", "-i", help="Only tensors whose name matches this glob (repeatable)."),
+]
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--exclude", "-x", help="Skip tensors matching this glob (repeatable; wins)."),
+]
+
+
+def _selection(include: list[str] | None, exclude: list[str] | None) -> object:
+    from clipcli.engine import Selection
+
+    return Selection(tuple(include or ()), tuple(exclude or ()))
+
+
+def _print(report: object, fmt: OutputFormat) -> None:
+    from clipcli.report import Report, render
+
+    assert isinstance(report, Report)
+    render(report, fmt, sys.stdout)
+
+
+@app.command("ls", epilog="Example: clipcli ls model.safetensors --format json")
+def ls_command(
+    path: Annotated[Path, typer.Argument(help="Checkpoint file.", show_default=False)],
+    fmt: Annotated[
+        OutputFormat, typer.Option("--format", "-f", help="Report format.")
+    ] = OutputFormat.TABLE,
+) -> None:
+    """List tensors (name, dtype, shape, bytes) and file metadata, reading no tensor data."""
+    from clipcli.engine import list_tensors
+    from clipcli.report import ls_report
+
+    file_format, metadata, infos = list_tensors(path)
+    _print(ls_report(str(path), file_format, metadata, infos), fmt)
+
+
+@app.command(
+    "norms",
+    epilog="\b\nExamples:\n"
+    "  clipcli norms model.safetensors\n"
+    "  clipcli norms model.safetensors --sort norm --top 5 --format json\n"
+    "  clipcli norms m.safetensors --fail-above 5 ||\n"
+    "      clipcli clip --global 5 m.safetensors o.safetensors",
+)
+def norms_command(
+    path: Annotated[Path, typer.Argument(help="Checkpoint file.", show_default=False)],
+    fmt: Annotated[
+        OutputFormat, typer.Option("--format", "-f", help="Report format.")
+    ] = OutputFormat.TABLE,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    sort: Annotated[
+        SortKey, typer.Option(help="Row order: file order, name, norm (largest first), size.")
+    ] = SortKey.FILE,
+    top: Annotated[int | None, typer.Option(help="Show only the first N rows.", min=1)] = None,
+    fail_above: Annotated[
+        float | None,
+        typer.Option(help="Exit 1 if the global norm exceeds X (or is NaN/Inf).", metavar="X"),
+    ] = None,
+) -> None:
+    """Per-tensor L2 norm, max |x| and non-finite count, and the global norm over
+    floating-point tensors. Accumulated exactly in float64."""
+    from clipcli.engine import Selection, measure
+    from clipcli.report import norms_report
+
+    selection = _selection(include, exclude)
+    assert isinstance(selection, Selection)
+    measurement = measure(path, selection)
+    _print(norms_report(measurement, sort, top), fmt)
+    if fail_above is not None:
+        g = measurement.global_norm
+        if math.isnan(g) or g > fail_above:
+            print(
+                f"clipcli: global norm {g:.6g} exceeds --fail-above {fail_above:g}",
+                file=sys.stderr,
+            )
+            raise typer.Exit(ExitCode.CONDITION)
+
+
+def _parse_axes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip() != ""]
+    except ValueError:
+        raise UsageError(f"--axes takes comma-separated integers, got {text!r}") from None
+
+
+@app.command(
+    "clip",
+    epilog="\b\nExamples:\n"
+    "  clipcli clip --global 5.0 in.safetensors out.safetensors\n"
+    "  clipcli clip --norm 1.0 --axes 0 in.h5 out.h5        # per-column max-norm\n"
+    "  clipcli clip --average 0.01 in.npz out.npz\n"
+    "  clipcli clip --value 3 --include '*.weight' in.safetensors out.safetensors\n"
+    "  clipcli clip --global 1 --dry-run --format json in.safetensors out.safetensors",
+)
+def clip_command(
+    src: Annotated[
+        Path, typer.Argument(metavar="IN", help="Input checkpoint.", show_default=False)
+    ],
+    out: Annotated[
+        Path,
+        typer.Argument(
+            metavar="OUT", help="Output file; its extension picks the format.", show_default=False
+        ),
+    ],
+    low: Annotated[
+        float | None, typer.Option("--min", help="clip_by_value lower bound.", metavar="X")
+    ] = None,
+    high: Annotated[
+        float | None, typer.Option("--max", help="clip_by_value upper bound.", metavar="Y")
+    ] = None,
+    value: Annotated[
+        float | None, typer.Option("--value", help="Same as --min -V --max V.", metavar="V")
+    ] = None,
+    norm: Annotated[
+        float | None,
+        typer.Option("--norm", help="clip_by_norm: t * C / max(||t||, C).", metavar="C"),
+    ] = None,
+    axes: Annotated[
+        str | None,
+        typer.Option(help="With --norm: axes to take the norm over, e.g. 0 or 0,-1.", metavar="A"),
+    ] = None,
+    average: Annotated[
+        float | None,
+        typer.Option("--average", help="clip_by_average_norm: ||t|| / numel(t) <= C.", metavar="C"),
+    ] = None,
+    global_: Annotated[
+        float | None,
+        typer.Option(
+            "--global", help="clip_by_global_norm over all selected tensors.", metavar="C"
+        ),
+    ] = None,
+    use_norm: Annotated[
+        float | None,
+        typer.Option(
+            help="With --global: use this global norm instead of computing it.", metavar="N"
+        ),
+    ] = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    skip_nonfinite: Annotated[
+        bool,
+        typer.Option(help="Leave tensors holding NaN/Inf unchanged instead of refusing (exit 4)."),
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option(help="Compute and report the plan; write nothing.")
+    ] = False,
+    force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no report.")] = False,
+    fmt: Annotated[
+        OutputFormat, typer.Option("--format", "-f", help="Report format.")
+    ] = OutputFormat.TABLE,
+) -> None:
+    """Write a clipped copy of IN to OUT. Choose exactly one mode: --min/--max/--value,
+    --norm [--axes], --average or --global [--use-norm]. Tensors within the limit, not
+    selected, or not floating point are copied bit-identical."""
+    from clipcli.clipping import build_spec
+    from clipcli.engine import Selection, clip
+    from clipcli.report import clip_report
+
+    spec = build_spec(
+        low=low,
+        high=high,
+        value=value,
+        norm=norm,
+        average=average,
+        global_=global_,
+        axes=_parse_axes(axes),
+        use_norm=use_norm,
+        skip_nonfinite=skip_nonfinite,
+    )
+    selection = _selection(include, exclude)
+    assert isinstance(selection, Selection)
+    result = clip(src, out, spec, selection, dry_run=dry_run, force=force)
+    if not quiet:
+        _print(clip_report(result), fmt)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    print(f"clipcli: error: {printable(message)}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code. Every failure is one stderr line."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:
+        args = ["--help"]
+    try:
+        result = app(args=args, prog_name="clipcli", standalone_mode=False)
+    except ClipcliError as exc:
+        _fail(str(exc), exc.exit_code)
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except typer.TyperException as exc:  # usage errors from option parsing
+        _fail(exc.format_message().replace("\n", " "), ExitCode.USAGE)
+    except (typer.Abort, KeyboardInterrupt):
+        _fail("interrupted", ExitCode.INTERRUPTED)
+    except BrokenPipeError:
+        # The reader of our stdout went away (e.g. `| head`); that is not an error.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return ExitCode.OK
+    except Exception as exc:  # noqa: BLE001 - last line of defence: one line, exit 70
+        if os.environ.get("CLIPCLI_DEBUG"):
+            traceback.print_exc()
+        _fail(
+            f"internal error: {type(exc).__name__}: {exc} (set CLIPCLI_DEBUG=1 for details)",
+            ExitCode.INTERNAL,
+        )
+    return int(result) if isinstance(result, int) else ExitCode.OK

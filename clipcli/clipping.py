@@ -1,0 +1,294 @@
+"""Pure clipping semantics: the four modes, their options, and scale factors. No I/O.
+
+The formulas are TensorFlow's (clip_by_value, clip_by_norm, clip_by_average_norm,
+clip_by_global_norm). Where we differ, on purpose:
+- limits must be positive (TF zeroes or flips the sign of the tensor);
+- a tensor within its limit is left bit-identical (TF's t*c/c moves it by about 1 ulp);
+- the scale is chosen so that the *rounded* output's norm never exceeds the limit, which
+  makes clipping idempotent: clip(clip(x)) == clip(x).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from clipcli.errors import DataRefusedError, UsageError
+from clipcli.formats.base import finfo, is_floating
+from clipcli.norms import slice_norms, smallest_subnormal, unit_roundoff
+
+# Relative slack for errors of the float64 norm itself (~1e-13 for any size).
+_NORM_SLACK = 1e-12
+# A provably safe scale this close to TF's is used directly; lower precisions refine.
+_FIDELITY = 1e-6
+
+
+class Mode(str, Enum):
+    VALUE = "value"
+    NORM = "norm"
+    AVERAGE = "average"
+    GLOBAL = "global"
+
+
+@dataclass(frozen=True)
+class ClipSpec:
+    """A validated clipping request."""
+
+    mode: Mode
+    limit: float = math.inf  # C for the norm modes
+    low: float = -math.inf  # value mode bounds
+    high: float = math.inf
+    axes: tuple[int, ...] | None = None
+    use_norm: float | None = None
+    skip_nonfinite: bool = False
+
+    def describe_limit(self) -> str:
+        if self.mode is Mode.VALUE:
+            return f"[{self.low:g}, {self.high:g}]"
+        return f"{self.limit:g}"
+
+
+def _check_positive(flag: str, value: float) -> None:
+    if math.isnan(value) or value <= 0:
+        raise UsageError(f"{flag} must be a positive number, got {value:g}")
+
+
+def build_spec(
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    value: float | None = None,
+    norm: float | None = None,
+    average: float | None = None,
+    global_: float | None = None,
+    axes: Sequence[int] | None = None,
+    use_norm: float | None = None,
+    skip_nonfinite: bool = False,
+) -> ClipSpec:
+    """Turn the CLI flags into a ClipSpec, refusing conflicts and bad values (exit 2)."""
+    chosen = {
+        "--min/--max": low is not None or high is not None,
+        "--value": value is not None,
+        "--norm": norm is not None,
+        "--average": average is not None,
+        "--global": global_ is not None,
+    }
+    modes = [flag for flag, given in chosen.items() if given]
+    if not modes:
+        raise UsageError("choose a mode: --min/--max, --value, --norm, --average or --global")
+    if len(modes) > 1:
+        raise UsageError(f"choose one mode, got {' and '.join(modes)}")
+    if axes is not None and norm is None:
+        raise UsageError("--axes is valid only with --norm")
+    if use_norm is not None and global_ is None:
+        raise UsageError("--use-norm is valid only with --global")
+    if value is not None:
+        _check_positive("--value", value)
+        low, high = -value, value
+    if low is not None or high is not None:
+        lo = -math.inf if low is None else low
+        hi = math.inf if high is None else high
+        if math.isnan(lo) or math.isnan(hi):
+            raise UsageError("--min and --max must be numbers, got nan")
+        if lo > hi:
+            raise UsageError(f"--min {lo:g} is greater than --max {hi:g}")
+        return ClipSpec(Mode.VALUE, low=lo, high=hi, skip_nonfinite=skip_nonfinite)
+    if norm is not None:
+        _check_positive("--norm", norm)
+        checked_axes = None
+        if axes is not None:
+            if not axes:
+                raise UsageError("--axes needs at least one axis")
+            if len(set(axes)) != len(axes):
+                raise UsageError(f"--axes has a duplicate axis: {','.join(map(str, axes))}")
+            checked_axes = tuple(axes)
+        return ClipSpec(Mode.NORM, limit=norm, axes=checked_axes, skip_nonfinite=skip_nonfinite)
+    if average is not None:
+        _check_positive("--average", average)
+        return ClipSpec(Mode.AVERAGE, limit=average, skip_nonfinite=skip_nonfinite)
+    assert global_ is not None
+    _check_positive("--global", global_)
+    if use_norm is not None:
+        _check_positive("--use-norm", use_norm)
+    return ClipSpec(Mode.GLOBAL, limit=global_, use_norm=use_norm, skip_nonfinite=skip_nonfinite)
+
+
+def normalize_axes(axes: tuple[int, ...], shape: tuple[int, ...], name: str) -> tuple[int, ...]:
+    """Resolve negative axes against one tensor's rank; out of range is refused data (exit 4)."""
+    rank = len(shape)
+    resolved = []
+    for axis in axes:
+        if not -rank <= axis < rank:
+            raise DataRefusedError(
+                f"tensor {name!r} with shape {list(shape)} has no axis {axis} (rank {rank})"
+            )
+        resolved.append(axis % rank)
+    if len(set(resolved)) != len(resolved):
+        raise DataRefusedError(f"tensor {name!r}: --axes {axes} name the same axis twice")
+    return tuple(resolved)
+
+
+def tensor_limit(spec: ClipSpec, numel: int) -> float:
+    """The norm a single tensor may have: C, or C * numel for TF's average norm."""
+    if spec.mode is Mode.AVERAGE:
+        return spec.limit * numel
+    return spec.limit
+
+
+def tf_scale(norm: float, limit: float) -> float | None:
+    """TF's factor C / max(norm, C); None when the tensor stays as it is."""
+    if norm <= limit or norm == 0.0 or math.isinf(limit) or not math.isfinite(norm):
+        return None
+    return limit / norm
+
+
+def safe_scale(limit: float, norm: float, numel: int, dtypes: Sequence[np.dtype[Any]]) -> float:
+    """A scale for which the rounded output's norm provably stays within `limit`.
+
+    Rounding each scaled element to its dtype moves it by at most u*|x| (normal values) or
+    half a subnormal step; by the triangle inequality the output norm is then at most
+    s*norm*(1+u) + sqrt(numel)*step/2.
+    """
+    u = max((unit_roundoff(d) for d in dtypes), default=0.0)
+    if any(d.itemsize <= 2 and is_floating(d) for d in dtypes):
+        u += unit_roundoff(np.dtype(np.float32))  # computed in float32 before the last rounding
+    step = max((smallest_subnormal(d) for d in dtypes), default=0.0)
+    headroom = limit * (1 - _NORM_SLACK) - math.sqrt(numel) * step / 2
+    return max(headroom, 0.0) / (norm * (1 + u))
+
+
+def choose_scale(
+    limit: float,
+    norm: float,
+    numel: int,
+    dtypes: Sequence[np.dtype[Any]],
+    output_norm: Callable[[float], float],
+    tries: int = 3,
+) -> float | None:
+    """The scale to apply, or None to leave the data unchanged.
+
+    TF's factor is used when rounding provably cannot push the output over the limit (or
+    nearly: float32 and float64). For float16/bf16/fp8 that guarantee would cost up to 12%
+    of the norm, so we try TF's factor and shrink it only if the rounded output measures
+    over the limit, falling back to the guaranteed factor after `tries` attempts.
+    """
+    tf = tf_scale(norm, limit)
+    if tf is None:
+        return None
+    guaranteed = safe_scale(limit, norm, numel, dtypes)
+    if guaranteed >= tf * (1 - _FIDELITY):
+        return guaranteed
+    scale = tf
+    for _ in range(tries):
+        measured = output_norm(scale)
+        if measured <= limit:
+            return scale
+        scale = max(scale * limit / measured * (1 - _NORM_SLACK), guaranteed)
+    return guaranteed
+
+
+def compute_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """float64 for float32/float64 (and complex), float32 for 16-bit and 8-bit floats."""
+    if dtype.kind == "c":
+        return np.dtype(np.complex128)
+    if dtype.itemsize <= 2:
+        return np.dtype(np.float32)
+    return np.dtype(np.float64)
+
+
+def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray) -> np.ndarray:
+    """chunk * scale, computed wide and rounded once to the chunk's own dtype."""
+    work = compute_dtype(chunk.dtype)
+    factor = np.asarray(scale, dtype=np.float64).astype(
+        work.char.lower() if work.kind == "c" else work
+    )
+    scaled: np.ndarray = (chunk.astype(work) * factor).astype(chunk.dtype)
+    return scaled
+
+
+def value_bounds(dtype: np.dtype[Any], low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    """[low, high] shrunk to the nearest values the dtype can hold, so clamping never overshoots."""
+    lo = _representable(dtype, low, toward=1)
+    hi = _representable(dtype, high, toward=-1)
+    if float(lo) > float(hi):
+        raise DataRefusedError(
+            f"no {dtype.name} value lies in [{low:g}, {high:g}]; value clipping is impossible"
+        )
+    return lo, hi
+
+
+def _representable(dtype: np.dtype[Any], value: float, toward: int) -> np.ndarray:
+    """The dtype value (0-d) nearest `value` that is >= it (toward=1) or <= it (toward=-1)."""
+    info_max = float(finfo(dtype).max)
+    if math.isinf(value) or abs(value) > info_max:
+        if (value > 0) == (toward < 0) and math.isfinite(value):
+            return np.asarray(math.copysign(info_max, value)).astype(dtype)
+        return np.asarray(value).astype(dtype)
+    candidate = np.asarray(value).astype(dtype)
+    if (float(candidate) - value) * toward >= 0:
+        return candidate
+    return _next_toward(candidate, toward)
+
+
+def _next_toward(value: np.ndarray, direction: int) -> np.ndarray:
+    """The adjacent representable value (sign-magnitude float bit patterns)."""
+    uint = np.dtype(f"u{value.dtype.itemsize}")
+    bits = int(value.view(uint))
+    sign_bit = 1 << (8 * value.dtype.itemsize - 1)
+    negative = bool(bits & sign_bit)
+    magnitude = bits & ~sign_bit
+    if magnitude == 0:
+        bits = 1 if direction > 0 else sign_bit | 1
+    elif negative == (direction > 0):
+        bits -= 1
+    else:
+        bits += 1
+    return np.asarray(bits, dtype=uint).view(value.dtype)
+
+
+def clamp_chunk(chunk: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Elementwise clamp in the tensor's own dtype; NaN stays NaN, infinities are clamped."""
+    clamped: np.ndarray = np.clip(chunk, lo, hi)
+    return clamped
+
+
+def axes_scales(
+    array: np.ndarray, axes: tuple[int, ...], limit: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(per-slice norms, per-slice scales) with keepdims; scale 1.0 marks unchanged slices.
+
+    Slices of 16-bit and 8-bit floats are measured after rounding and shrunk where the
+    rounded slice came out over the limit, as in choose_scale.
+    """
+    norms = slice_norms(array, axes)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        over = (norms > limit) & np.isfinite(norms)
+        scales = np.where(over, limit / np.where(over, norms, 1.0), 1.0)
+    slice_numel = math.prod(array.shape[a] for a in axes)
+    guaranteed = np.array(
+        [
+            safe_scale(limit, float(n), slice_numel, [array.dtype]) if o else 1.0
+            for n, o in zip(norms.ravel(), over.ravel(), strict=True)
+        ]
+    ).reshape(norms.shape)
+    if np.all(guaranteed >= scales * (1 - _FIDELITY)):
+        return norms, np.where(over, guaranteed, 1.0)
+    for _ in range(3):
+        measured = slice_norms(scale_chunk(array, scales), axes)
+        too_big = over & (measured > limit)
+        if not np.any(too_big):
+            return norms, scales
+        scales = np.where(
+            too_big,
+            np.maximum(
+                scales * limit / np.where(too_big, measured, 1.0) * (1 - _NORM_SLACK), guaranteed
+            ),
+            scales,
+        )
+    measured = slice_norms(scale_chunk(array, scales), axes)
+    return norms, np.where(over & (measured > limit), guaranteed, scales)

@@ -1,0 +1,304 @@
+"""The library API behind the CLI: measure a checkpoint, plan a clip, stream it out.
+
+It joins the pure numerics (norms, clipping) with the format readers and writers.
+Pass 1 measures every tensor; the plan (selection, refusals, scales) is then complete
+before pass 2 writes the first byte.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from clipcli import clipping
+from clipcli.clipping import ClipSpec, Mode
+from clipcli.errors import DataRefusedError, UsageError
+from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, is_floating
+from clipcli.io import atomic_output, check_output_path, open_reader, writer_class
+from clipcli.norms import NormAccumulator, accumulate, global_norm
+
+
+@dataclass(frozen=True)
+class Selection:
+    """--include/--exclude globs on tensor names; exclude wins."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    def __call__(self, name: str) -> bool:
+        if self.include and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
+            return False
+        return not any(fnmatch.fnmatchcase(name, g) for g in self.exclude)
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    info: TensorInfo
+    stats: NormAccumulator
+    in_global: bool
+
+    @property
+    def norm(self) -> float:
+        return self.stats.norm
+
+
+@dataclass(frozen=True)
+class Measurement:
+    path: Path
+    format: str
+    metadata: dict[str, str]
+    tensors: list[TensorStats]
+
+    @property
+    def global_norm(self) -> float:
+        return global_norm(t.norm for t in self.tensors if t.in_global)
+
+
+def _tapped(chunks: Iterable[np.ndarray], acc: NormAccumulator) -> Iterator[np.ndarray]:
+    """Pass chunks through while measuring them."""
+    for chunk in chunks:
+        acc.add(chunk)
+        yield chunk
+
+
+def measure_reader(reader: Reader, selection: Selection = Selection()) -> Measurement:
+    rows = [
+        TensorStats(info, accumulate(reader.chunks(info)), is_floating(info.dtype))
+        for info in reader.infos
+        if selection(info.name)
+    ]
+    return Measurement(reader.path, reader.format_name, dict(reader.metadata), rows)
+
+
+def measure(path: Path, selection: Selection = Selection()) -> Measurement:
+    with open_reader(path) as reader:
+        return measure_reader(reader, selection)
+
+
+def list_tensors(path: Path) -> tuple[str, dict[str, str], list[TensorInfo]]:
+    with open_reader(path) as reader:
+        return reader.format_name, dict(reader.metadata), list(reader.infos)
+
+
+# ---------------------------------------------------------------- clipping
+
+
+@dataclass
+class TensorPlan:
+    info: TensorInfo
+    before: NormAccumulator
+    selected: bool
+    action: str = "keep"  # keep | scale | clamp | axes
+    scale: float | None = None
+    note: str = ""
+    after: NormAccumulator = field(default_factory=NormAccumulator)
+    changed: bool = False
+    axes: tuple[int, ...] = ()
+
+    @property
+    def in_global(self) -> bool:
+        return self.selected and is_floating(self.info.dtype) and self.note != "non-finite, skipped"
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    src: Path
+    out: Path
+    spec: ClipSpec
+    dry_run: bool
+    plans: list[TensorPlan]
+    used_norm: float | None  # the G that --global scaled by
+
+    @property
+    def global_before(self) -> float:
+        return global_norm(p.before.norm for p in self.plans if p.in_global)
+
+    @property
+    def global_after(self) -> float:
+        return global_norm(p.after.norm for p in self.plans if p.in_global)
+
+
+def _refuse_nonfinite(plans: Sequence[TensorPlan], spec: ClipSpec) -> None:
+    if spec.mode is Mode.VALUE:
+        return
+    bad = [p for p in plans if p.selected and is_floating(p.info.dtype) and p.before.nonfinite]
+    if not bad:
+        return
+    if spec.skip_nonfinite:
+        for plan in bad:
+            plan.note = "non-finite, skipped"
+        return
+    listed = ", ".join(f"{p.info.name!r} ({p.before.nonfinite} non-finite)" for p in bad)
+    raise DataRefusedError(
+        f"NaN/Inf values where a norm is needed: {listed}; pass --skip-nonfinite to leave them"
+    )
+
+
+def _chunk_norm_at(reader: Reader, infos: Sequence[TensorInfo]) -> Callable[[float], float]:
+    """A function giving the norm of `infos` scaled by s and rounded, for choose_scale."""
+
+    def output_norm(scale: float) -> float:
+        return global_norm(
+            accumulate(clipping.scale_chunk(c, scale) for c in reader.chunks(info)).norm
+            for info in infos
+        )
+
+    return output_norm
+
+
+def plan_clip(reader: Reader, spec: ClipSpec, selection: Selection) -> list[TensorPlan]:
+    """Measure every tensor and decide what happens to it. Raises before any write."""
+    plans = [
+        TensorPlan(info, accumulate(reader.chunks(info)), selection(info.name))
+        for info in reader.infos
+    ]
+    for plan in plans:
+        if not plan.selected:
+            plan.note = "not selected"
+        elif not is_floating(plan.info.dtype):
+            plan.note = "not floating point"
+    targets = [p for p in plans if p.selected and is_floating(p.info.dtype)]
+    _refuse_nonfinite(targets, spec)
+    targets = [p for p in targets if not p.note]
+    if spec.mode is Mode.VALUE:
+        _plan_value(targets, spec)
+    elif spec.mode is Mode.NORM and spec.axes is not None:
+        for plan in targets:
+            plan.axes = clipping.normalize_axes(spec.axes, plan.info.shape, plan.info.name)
+            plan.action = "axes"
+    elif spec.mode in (Mode.NORM, Mode.AVERAGE):
+        for plan in targets:
+            info = plan.info
+            plan.scale = clipping.choose_scale(
+                clipping.tensor_limit(spec, info.numel),
+                plan.before.norm,
+                info.numel,
+                [info.dtype],
+                _chunk_norm_at(reader, [info]),
+            )
+    else:
+        _plan_global(reader, targets, spec)
+    for plan in targets:
+        if plan.scale is not None:
+            plan.action, plan.changed = "scale", True
+        elif not plan.note and spec.mode is not Mode.VALUE and plan.action != "axes":
+            plan.note = "within limit"
+    return plans
+
+
+def _plan_value(targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
+    for plan in targets:
+        if plan.info.dtype.kind == "c":
+            plan.note = "complex: no order to clamp by"
+            continue
+        low, high = clipping.value_bounds(plan.info.dtype, spec.low, spec.high)
+        stats = plan.before
+        if stats.numel and (stats.min_value < float(low) or stats.max_value > float(high)):
+            plan.action, plan.changed = "clamp", True
+        else:
+            plan.note = "within range"
+
+
+def _plan_global(reader: Reader, targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
+    if spec.use_norm is not None:
+        scale = clipping.tf_scale(spec.use_norm, spec.limit)
+    else:
+        infos = [p.info for p in targets]
+        scale = clipping.choose_scale(
+            spec.limit,
+            global_norm(p.before.norm for p in targets),
+            sum(i.numel for i in infos),
+            [i.dtype for i in infos],
+            _chunk_norm_at(reader, infos),
+        )
+    for plan in targets:
+        # A zero tensor stays bit-identical whatever the scale.
+        plan.scale = scale if plan.before.norm > 0 else None
+
+
+def _output_chunks(reader: Reader, plan: TensorPlan, spec: ClipSpec) -> Iterable[np.ndarray]:
+    info = plan.info
+    if plan.action == "scale":
+        assert plan.scale is not None
+        scale = plan.scale
+        return (clipping.scale_chunk(c, scale) for c in reader.chunks(info))
+    if plan.action == "clamp":
+        low, high = clipping.value_bounds(info.dtype, spec.low, spec.high)
+        return (clipping.clamp_chunk(c, low, high) for c in reader.chunks(info))
+    if plan.action == "axes":
+        array = reader.read(info)
+        _, scales = clipping.axes_scales(array, plan.axes, spec.limit)
+        changed = scales != 1.0
+        plan.changed = bool(np.any(changed))
+        plan.note = f"{int(np.count_nonzero(changed))} of {scales.size} slices clipped"
+        if not plan.changed:
+            return [array.reshape(-1)]
+        return [clipping.scale_chunk(array, scales).reshape(-1)]
+    return reader.chunks(info)
+
+
+def _write_all(
+    reader: Reader, writer: Writer | None, plans: Sequence[TensorPlan], spec: ClipSpec
+) -> None:
+    """Stream every tensor to the writer (or, with None, only measure the output)."""
+    for plan in plans:
+        if plan.action == "keep" and (writer is None or writer.copy_unchanged(reader, plan.info)):
+            plan.after = plan.before
+            continue
+        chunks = _tapped(_output_chunks(reader, plan, spec), plan.after)
+        if writer is None:
+            for _ in chunks:
+                pass
+        else:
+            writer.write(plan.info, chunks)
+        if not plan.changed:
+            plan.after = plan.before
+
+
+def check_writable(infos: Sequence[TensorInfo], out: Path) -> type[Writer]:
+    cls = writer_class(out)
+    for info in infos:
+        if (reason := cls.check_dtype(info)) is not None:
+            raise UsageError(f"{out}: tensor {info.name!r}: {reason}")
+    return cls
+
+
+def clip(
+    src: Path,
+    out: Path,
+    spec: ClipSpec,
+    selection: Selection = Selection(),
+    *,
+    dry_run: bool = False,
+    force: bool = False,
+) -> ClipResult:
+    """Plan, then (unless dry_run) write the clipped copy atomically."""
+    if not dry_run:
+        check_output_path(src, out, force)
+    with open_reader(src) as reader:
+        writer_cls = check_writable(reader.infos, out)
+        plans = plan_clip(reader, spec, selection)
+        used = None
+        if spec.mode is Mode.GLOBAL:
+            used = (
+                spec.use_norm
+                if spec.use_norm is not None
+                else global_norm(p.before.norm for p in plans if p.in_global)
+            )
+        if dry_run:
+            _write_all(reader, None, plans, spec)
+            return ClipResult(src, out, spec, True, plans, used)
+        with atomic_output(out) as tmp:
+            checkpoint = Checkpoint(list(reader.infos), dict(reader.metadata), reader)
+            writer = writer_cls(tmp, checkpoint)
+            try:
+                _write_all(reader, writer, plans, spec)
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+    return ClipResult(src, out, spec, False, plans, used)

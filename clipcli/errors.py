@@ -1,0 +1,71 @@
+"""Exceptions that carry their exit code; only cli.py turns them into output."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    CONDITION = 1  # --fail-above exceeded
+    USAGE = 2
+    BAD_INPUT = 3
+    REFUSED_DATA = 4
+    WRITE_FAILED = 5
+    INTERNAL = 70
+    INTERRUPTED = 130
+    TERMINATED = 143
+
+
+def printable(text: str) -> str:
+    """Escape control characters (newlines, ANSI escapes) so a hostile name stays on one line."""
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+    )
+
+
+class ClipcliError(Exception):
+    """Base class: the message is one line, the exit code says what kind of failure it is."""
+
+    exit_code: ExitCode = ExitCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(printable(message))
+
+
+class UsageError(ClipcliError):
+    """Bad option values, conflicting modes, OUT exists, OUT is IN."""
+
+    exit_code = ExitCode.USAGE
+
+
+class InputError(ClipcliError):
+    """The input is unreadable, malformed or unsafe."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+    def __init__(self, path: object, problem: str, tensor: str | None = None) -> None:
+        where = f"{path}" if tensor is None else f"{path}: tensor {tensor!r}"
+        super().__init__(f"{where}: {problem}")
+
+
+class DataRefusedError(ClipcliError):
+    """The data cannot be processed as asked: non-finite values, axes out of range."""
+
+    exit_code = ExitCode.REFUSED_DATA
+
+
+class WriteError(ClipcliError):
+    """Writing the output failed; nothing was left behind."""
+
+    exit_code = ExitCode.WRITE_FAILED
+
+
+class Interrupted(ClipcliError):
+    """SIGINT or SIGTERM arrived; the partial output was removed."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+    def __init__(self, message: str, exit_code: ExitCode = ExitCode.INTERRUPTED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

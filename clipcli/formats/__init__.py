@@ -1,0 +1,1 @@
+"""One module per file format behind the small interface in base.py."""

@@ -1,0 +1,154 @@
+"""The interface every format module implements.
+
+A Reader lists TensorInfo without reading data, then hands out one tensor at a time,
+either whole (`read`) or as consecutive flat C-order chunks (`chunks`) so that memory
+stays bounded. A Writer is told every tensor up front and then receives the tensors in
+that order, each as an iterable of flat C-order chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, ClassVar
+
+import numpy as np
+
+# Target size of one chunk in bytes. Large enough to amortise Python overhead,
+# small enough that a float64 copy of it stays in L2/L3 cache.
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dtype_name(self) -> str:
+        """numpy's name, independent of byte order: float32, bfloat16, float8_e4m3fn, ..."""
+        return self.dtype.name
+
+
+def is_numeric(dtype: np.dtype[Any]) -> bool:
+    """bool, integer, float (incl. ml_dtypes' bf16/fp8) or complex; nothing else is a tensor."""
+    if dtype.kind in "biufc":
+        return True
+    return dtype.kind == "V" and is_ml_float(dtype)
+
+
+def finfo(dtype: np.dtype[Any]) -> Any:
+    """Float limits for numpy's and ml_dtypes' floats alike."""
+    import ml_dtypes
+
+    return ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+
+
+def is_ml_float(dtype: np.dtype[Any]) -> bool:
+    """True for the ml_dtypes floats (bfloat16, float8_*, float4/6 variants)."""
+    try:
+        finfo(dtype)
+    except (ValueError, TypeError):
+        return False
+    return dtype.kind == "V" or dtype.type.__module__.startswith("ml_dtypes")
+
+
+def is_floating(dtype: np.dtype[Any]) -> bool:
+    """Floating point or complex: the tensors that norms, clipping and the global norm act on."""
+    return dtype.kind in "fc" or is_ml_float(dtype)
+
+
+def default_chunk_elems(dtype: np.dtype[Any]) -> int:
+    return max(1, CHUNK_BYTES // max(1, dtype.itemsize))
+
+
+@dataclass
+class Checkpoint:
+    """What a writer needs besides the tensors: metadata, and the reader for format extras."""
+
+    infos: list[TensorInfo]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    source: Reader | None = None
+
+
+class Reader(ABC):
+    format_name: ClassVar[str]
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @property
+    @abstractmethod
+    def infos(self) -> list[TensorInfo]:
+        """Tensors in file order, without reading their data."""
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        """File-level string metadata (safetensors __metadata__, HDF5 root attributes)."""
+        return {}
+
+    @abstractmethod
+    def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        """Consecutive 1-D C-order pieces of the tensor, each at most chunk_elems long."""
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        """The whole tensor, shaped. Costs memory equal to the tensor."""
+        out = np.empty(info.numel, dtype=info.dtype)
+        pos = 0
+        for piece in self.chunks(info):
+            out[pos : pos + piece.size] = piece
+            pos += piece.size
+        return out.reshape(info.shape)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Writer(ABC):
+    format_name: ClassVar[str]
+
+    def __init__(self, path: Path, checkpoint: Checkpoint) -> None:
+        self.path = path
+        self.checkpoint = checkpoint
+
+    @classmethod
+    def check_dtype(cls, info: TensorInfo) -> str | None:
+        """Why this format cannot hold the tensor's dtype, or None if it can."""
+        return None
+
+    @abstractmethod
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        """Write the next tensor (in checkpoint order) from flat C-order chunks."""
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+        """Write the next tensor straight from `source` if this format can do it faster
+        than chunk by chunk (e.g. a kernel copy); False means the caller streams it."""
+        return False
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish the file. Called only when every tensor was written."""
+
+    def abort(self) -> None:  # noqa: B027 - optional hook
+        """Release handles after a failure; the caller deletes the file."""

@@ -1,0 +1,282 @@
+"""safetensors: our own header parser (validated as the official reader does) and a
+streaming writer (header first, then one tensor at a time), which covers bf16 and fp8 that
+`safetensors.numpy` cannot load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import ml_dtypes
+import numpy as np
+
+from clipcli.errors import InputError
+from clipcli.formats.base import (
+    Checkpoint,
+    Reader,
+    TensorInfo,
+    Writer,
+    default_chunk_elems,
+)
+
+MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
+MAX_TENSORS = 200_000  # real checkpoints hold at most tens of thousands
+_U64 = struct.Struct("<Q")
+
+DTYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "I16": np.dtype("<i2"),
+    "U16": np.dtype("<u2"),
+    "I32": np.dtype("<i4"),
+    "U32": np.dtype("<u4"),
+    "I64": np.dtype("<i8"),
+    "U64": np.dtype("<u8"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "C64": np.dtype("<c8"),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+}
+# Sub-byte types are packed two (or four thirds) to a byte; numpy cannot view them.
+_PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
+CODES = {dtype.name: code for code, dtype in DTYPES.items()}
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class SafetensorsReader(Reader):
+    format_name = "safetensors"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._file: BinaryIO = open(path, "rb")  # noqa: SIM115 - closed by close()
+        try:
+            self._infos, self._offsets, self._metadata = self._parse()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _fail(self, problem: str, tensor: str | None = None) -> InputError:
+        return InputError(self.path, problem, tensor)
+
+    def _parse(self) -> tuple[list[TensorInfo], dict[str, tuple[int, int]], dict[str, str]]:
+        file_size = os.fstat(self._file.fileno()).st_size
+        prefix = self._file.read(8)
+        if len(prefix) < 8:
+            raise self._fail(f"file is {len(prefix)} bytes; a safetensors file has at least 8")
+        (header_len,) = _U64.unpack(prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise self._fail(f"header length {header_len} exceeds the {MAX_HEADER_BYTES} limit")
+        if 8 + header_len > file_size:
+            raise self._fail(
+                f"header length {header_len} runs past the end of the {file_size}-byte file"
+            )
+        raw = self._file.read(header_len)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self._fail("header is not valid UTF-8") from None
+        try:
+            header = json.loads(text, object_pairs_hook=_reject_duplicates)
+        except RecursionError:
+            raise self._fail("header JSON is nested too deeply") from None
+        except ValueError as exc:
+            raise self._fail(f"header is not valid JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise self._fail("header is not a JSON object")
+        metadata = self._parse_metadata(header.pop("__metadata__", None))
+        if len(header) > MAX_TENSORS:
+            raise self._fail(f"header lists {len(header)} tensors; the limit is {MAX_TENSORS}")
+        entries = [self._parse_entry(name, entry) for name, entry in header.items()]
+        entries.sort(key=lambda item: (item[1], item[2]))
+        expected = 0
+        for info, begin, end in entries:
+            if begin != expected:
+                problem = "overlaps the previous tensor" if begin < expected else "leaves a gap"
+                raise self._fail(f"data_offsets [{begin}, {end}] {problem}", info.name)
+            expected = end
+        if 8 + header_len + expected != file_size:
+            actual = file_size - 8 - header_len
+            kind = "trailing bytes" if actual > expected else "missing bytes (truncated file)"
+            raise self._fail(f"{kind}: tensors need {expected} data bytes, file has {actual}")
+        infos = [info for info, _, _ in entries]
+        offsets = {
+            info.name: (8 + header_len + begin, 8 + header_len + end)
+            for info, begin, end in entries
+        }
+        return infos, offsets, metadata
+
+    def _parse_metadata(self, raw: object) -> dict[str, str]:
+        if raw is None:
+            return {}
+        if not isinstance(raw, dict):
+            raise self._fail("__metadata__ is not an object")
+        for key, value in raw.items():
+            if not isinstance(value, str):
+                raise self._fail(f"__metadata__[{key!r}] is not a string")
+        return dict(raw)
+
+    def _parse_entry(self, name: str, entry: object) -> tuple[TensorInfo, int, int]:
+        if not isinstance(entry, dict):
+            raise self._fail("header entry is not an object", name)
+        code = entry.get("dtype")
+        if code in _PACKED:
+            raise self._fail(f"dtype {code} (packed sub-byte floats) is not supported", name)
+        if not isinstance(code, str) or code not in DTYPES:
+            raise self._fail(f"unknown dtype {code!r}", name)
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise self._fail(f"shape {shape!r} is not a list of non-negative integers", name)
+        offsets = entry.get("data_offsets")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_int(o) and o >= 0 for o in offsets)
+        ):
+            raise self._fail(f"data_offsets {offsets!r} is not two non-negative integers", name)
+        begin, end = offsets
+        if begin > end:
+            raise self._fail(f"data_offsets [{begin}, {end}] has begin > end", name)
+        dtype = DTYPES[code]
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if nbytes >= 2**63:
+            raise self._fail(f"shape {shape} overflows", name)
+        if end - begin != nbytes:
+            raise self._fail(
+                f"data_offsets span {end - begin} bytes but {code} {shape} needs {nbytes}", name
+            )
+        return TensorInfo(name, dtype, tuple(shape), nbytes), begin, end
+
+    @property
+    def infos(self) -> list[TensorInfo]:
+        return self._infos
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        return self._metadata
+
+    def byte_range(self, info: TensorInfo) -> tuple[int, int]:
+        """Absolute [begin, end) of the tensor's bytes in the file."""
+        return self._offsets[info.name]
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        begin, end = self.byte_range(info)
+        step = (chunk_elems or default_chunk_elems(info.dtype)) * info.dtype.itemsize
+        for start in range(begin, end, step):
+            yield self.read_bytes(info, start, min(start + step, end))
+
+    def read_bytes(self, info: TensorInfo, start: int, stop: int) -> np.ndarray:
+        """Elements stored in the absolute byte range [start, stop), read with pread.
+
+        pread into a fresh buffer keeps the resident set bounded, where a memory map
+        would count every touched page of a multi-GB file.
+        """
+        buffer = np.empty((stop - start) // info.dtype.itemsize, dtype=info.dtype)
+        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._file.fileno(), [view[done:]], start + done)
+            if got == 0:
+                raise self._fail("file shrank while reading", info.name)
+            done += got
+        return buffer
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        begin, end = self.byte_range(info)
+        return self.read_bytes(info, begin, end).reshape(info.shape)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def build_header(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> bytes:
+    """Compact JSON with __metadata__ first, space-padded to 8 bytes, like the official writer."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for info in infos:
+        header[info.name] = {
+            "dtype": CODES[info.dtype.name],
+            "shape": list(info.shape),
+            "data_offsets": [offset, offset + info.nbytes],
+        }
+        offset += info.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return _U64.pack(len(text)) + text
+
+
+class SafetensorsWriter(Writer):
+    format_name = "safetensors"
+
+    def __init__(self, path: Path, checkpoint: Checkpoint) -> None:
+        super().__init__(path, checkpoint)
+        for info in checkpoint.infos:
+            if (reason := self.check_dtype(info)) is not None:
+                raise ValueError(reason)
+        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed by close()/abort()
+        self._file.write(build_header(checkpoint.infos, checkpoint.metadata))
+
+    @classmethod
+    def check_dtype(cls, info: TensorInfo) -> str | None:
+        if info.dtype.name not in CODES:
+            return f"safetensors cannot hold {info.dtype.name}"
+        return None
+
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        little = info.dtype.newbyteorder("<") if info.dtype.byteorder == ">" else info.dtype
+        for chunk in chunks:
+            data = chunk if chunk.dtype == little else chunk.astype(little)
+            self._file.write(np.ascontiguousarray(data).tobytes())
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+        """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
+        if not isinstance(source, SafetensorsReader):
+            return False
+        self._file.flush()
+        begin, end = source.byte_range(info)
+        out_fd = self._file.fileno()
+        position = self._file.tell()
+        while begin < end:
+            sent = os.copy_file_range(source.fileno(), out_fd, end - begin, begin, position)
+            if sent == 0:
+                raise OSError("copy_file_range copied nothing")
+            begin += sent
+            position += sent
+        self._file.seek(position)
+        return True
+
+    def close(self) -> None:
+        self._file.close()
+
+    def abort(self) -> None:
+        self._file.close()

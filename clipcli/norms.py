@@ -1,0 +1,184 @@
+"""Pure numerics: exact L2 norms accumulated in float64, with no overflow or underflow.
+
+Every input chunk is widened to float64 (squares of any float32/float16/bf16/fp8/int
+value are exact-ish and finite in float64). Only float64 input can overflow (1e200²) or
+underflow (1e-200²); such chunks are rescaled by a power of two first, so the sum of
+squares is carried as `ssq * 4**exp`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from clipcli.formats.base import finfo, is_floating
+
+# float64 squares lose precision below 2**-511 and overflow above 2**511; scale outside.
+_SAFE_HI = 2.0**500
+_SAFE_LO = 2.0**-500
+
+
+def _as_real(chunk: np.ndarray) -> np.ndarray:
+    """A real view for complex data (sum |z|² == sum of squares of re and im)."""
+    if chunk.dtype.kind == "c":
+        return chunk.view(chunk.real.dtype)
+    return chunk
+
+
+def widen(chunk: np.ndarray) -> np.ndarray:
+    """The chunk as float64 (real view for complex), values unchanged."""
+    chunk = _as_real(chunk)
+    if chunk.dtype == np.float64:
+        return chunk
+    if chunk.dtype.name == "bfloat16":
+        # bf16 is the top half of a float32: widen by a shift, 10x faster than ml_dtypes' cast.
+        bits = chunk.view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).astype(np.float64)
+    if chunk.dtype.kind == "V" or (chunk.dtype.itemsize == 1 and chunk.dtype.kind == "f"):
+        return chunk.astype(np.float32).astype(np.float64)
+    return chunk.astype(np.float64)
+
+
+@dataclass
+class NormAccumulator:
+    """Running sum of squares (as ssq * 4**exp), max |x| and non-finite count of a tensor."""
+
+    ssq: float = 0.0
+    exp: int = 0
+    max_abs: float = 0.0
+    nonfinite: int = 0
+    nan_count: int = 0
+    numel: int = 0
+    # Extremes of the non-NaN values (infinities included): what value clipping acts on.
+    min_value: float = math.inf
+    max_value: float = -math.inf
+
+    def add_sumsq(self, ssq: float, exp: int) -> None:
+        if ssq == 0.0:
+            return
+        if self.ssq == 0.0:
+            self.ssq, self.exp = ssq, exp
+        elif exp > self.exp:
+            self.ssq = ssq + math.ldexp(self.ssq, 2 * (self.exp - exp))
+            self.exp = exp
+        else:
+            self.ssq += math.ldexp(ssq, 2 * (exp - self.exp))
+
+    def add(self, chunk: np.ndarray) -> None:
+        """Accumulate one chunk of any numeric dtype."""
+        if chunk.size == 0:
+            return
+        self.numel += chunk.size
+        wide = widen(chunk)
+        high, low = float(np.max(wide)), float(np.min(wide))
+        if not (math.isfinite(high) and math.isfinite(low)):
+            finite = np.isfinite(chunk)
+            self.nonfinite += int(chunk.size - np.count_nonzero(finite))
+            self.nan_count += int(np.count_nonzero(np.isnan(chunk)))
+            if chunk.dtype.kind != "c":
+                has_values = not np.all(np.isnan(wide))
+                if has_values:
+                    high, low = float(np.nanmax(wide)), float(np.nanmin(wide))
+                    self.max_value = max(self.max_value, high)
+                    self.min_value = min(self.min_value, low)
+            chunk = chunk[finite]
+            if chunk.size == 0:
+                return
+            wide = widen(chunk)
+            high, low = float(np.max(wide)), float(np.min(wide))
+        elif chunk.dtype.kind != "c":
+            self.max_value = max(self.max_value, high)
+            self.min_value = min(self.min_value, low)
+        chunk_max = float(np.max(np.abs(chunk))) if chunk.dtype.kind == "c" else max(high, -low)
+        self.max_abs = max(self.max_abs, chunk_max)
+        if chunk_max == 0.0:
+            return
+        if _SAFE_LO <= chunk_max <= _SAFE_HI:
+            self.add_sumsq(float(np.dot(wide, wide)), 0)
+        else:
+            exp = math.frexp(chunk_max)[1]
+            scaled = np.ldexp(wide, -exp)
+            self.add_sumsq(float(np.dot(scaled, scaled)), exp)
+
+    def merge(self, other: NormAccumulator) -> None:
+        self.add_sumsq(other.ssq, other.exp)
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.nonfinite += other.nonfinite
+        self.nan_count += other.nan_count
+        self.numel += other.numel
+        self.min_value = min(self.min_value, other.min_value)
+        self.max_value = max(self.max_value, other.max_value)
+
+    @property
+    def norm(self) -> float:
+        """The L2 norm: nan if any value is NaN, inf if any is infinite or it overflows."""
+        if self.nan_count:
+            return math.nan
+        if self.nonfinite:
+            return math.inf
+        return self.finite_norm
+
+    @property
+    def finite_norm(self) -> float:
+        """The L2 norm of the finite values; inf if it does not fit in float64."""
+        try:
+            return math.ldexp(math.sqrt(self.ssq), self.exp)
+        except OverflowError:
+            return math.inf
+
+
+def accumulate(chunks: Iterable[np.ndarray]) -> NormAccumulator:
+    acc = NormAccumulator()
+    for chunk in chunks:
+        acc.add(chunk)
+    return acc
+
+
+def l2_norm(array: np.ndarray) -> float:
+    """Exact L2 norm of a whole array (finite values only)."""
+    return accumulate([array.reshape(-1)]).norm
+
+
+def global_norm(norms: Iterable[float]) -> float:
+    """sqrt(sum of squares) of per-tensor norms, without overflow."""
+    acc = NormAccumulator()
+    for value in norms:
+        if value:
+            exp = math.frexp(value)[1]
+            acc.add_sumsq(math.ldexp(value, -exp) ** 2, exp)
+    return acc.norm
+
+
+def slice_norms(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """Norms over `axes` (keepdims), exact in float64 with power-of-two rescaling."""
+    wide = np.abs(array).astype(np.float64) if array.dtype.kind == "c" else widen(array)
+    if wide.size == 0:
+        return np.zeros([1 if i in axes else n for i, n in enumerate(array.shape)])
+    peak = np.max(np.abs(wide), axis=axes, keepdims=True)
+    safe_peak = np.where((peak > 0) & np.isfinite(peak), peak, 1.0)
+    exps = np.frexp(safe_peak)[1]
+    scaled = np.ldexp(wide, -exps)
+    norms: np.ndarray = np.sqrt(np.sum(scaled * scaled, axis=axes, keepdims=True))
+    result: np.ndarray = np.ldexp(norms, exps)
+    return result
+
+
+def unit_roundoff(dtype: np.dtype[Any]) -> float:
+    """Half the machine epsilon: the largest relative error of rounding to this dtype."""
+    if not is_floating(dtype):
+        return 0.0
+    if dtype.kind == "c":
+        dtype = np.dtype(dtype.char.lower()) if dtype.char in "FD" else np.dtype(np.float64)
+    return float(finfo(dtype).eps) / 2
+
+
+def smallest_subnormal(dtype: np.dtype[Any]) -> float:
+    if not is_floating(dtype):
+        return 0.0
+    if dtype.kind == "c":
+        dtype = np.dtype(np.float32) if dtype.itemsize == 8 else np.dtype(np.float64)
+    return float(finfo(dtype).smallest_subnormal)

@@ -1,0 +1,239 @@
+"""Reports: results as frozen rows, rendered as a rich table, JSON or CSV."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, TextIO
+
+from clipcli.errors import printable
+
+if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
+    from clipcli.engine import ClipResult, Measurement, TensorStats
+    from clipcli.formats.base import TensorInfo
+
+
+class OutputFormat(str, Enum):
+    TABLE = "table"
+    JSON = "json"
+    CSV = "csv"
+
+
+class SortKey(str, Enum):
+    FILE = "file"
+    NAME = "name"
+    NORM = "norm"
+    SIZE = "size"
+
+
+Value = str | int | float | bool | list[int] | None
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    title: str
+    numeric: bool = False
+
+
+@dataclass(frozen=True)
+class Report:
+    """Rows of one table plus the summary fields that go around it."""
+
+    title: str
+    columns: tuple[Column, ...]
+    rows: tuple[tuple[Value, ...], ...]
+    summary: tuple[tuple[str, Value], ...] = ()
+    footer: tuple[str, ...] = ()
+
+    def records(self) -> list[dict[str, Value]]:
+        return [dict(zip((c.key for c in self.columns), row, strict=True)) for row in self.rows]
+
+
+def _json_number(value: Value) -> Value:
+    """JSON has no NaN or Infinity; they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _cell(value: Value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return printable(str(value))
+
+
+def render(report: Report, fmt: OutputFormat, stream: TextIO, width: int | None = None) -> None:
+    if fmt is OutputFormat.JSON:
+        document: dict[str, Any] = {key: _json_number(value) for key, value in report.summary}
+        document["tensors"] = [
+            {k: _json_number(v) for k, v in record.items()} for record in report.records()
+        ]
+        stream.write(json.dumps(document, allow_nan=False) + "\n")
+    elif fmt is OutputFormat.CSV:
+        buffer = io.StringIO()
+        out = csv.writer(buffer, lineterminator="\n")
+        out.writerow([c.key for c in report.columns])
+        for row in report.rows:
+            out.writerow(["" if v is None else _csv_value(v) for v in row])
+        stream.write(buffer.getvalue())
+    else:
+        _render_table(report, stream, width)
+
+
+def _csv_value(value: Value) -> str:
+    if isinstance(value, list):
+        return "x".join(map(str, value))
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def _render_table(report: Report, stream: TextIO, width: int | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=report.title, title_justify="left")
+    for column in report.columns:
+        table.add_column(column.title, justify="right" if column.numeric else "left")
+    for row in report.rows:
+        table.add_row(*(_cell(v) for v in row))
+    console = Console(file=stream, width=width, highlight=False)
+    console.print(table)
+    for line in report.footer:
+        console.print(line, markup=False)
+
+
+# ------------------------------------------------------------------ builders
+
+LS_COLUMNS = (
+    Column("name", "tensor"),
+    Column("dtype", "dtype"),
+    Column("shape", "shape"),
+    Column("numel", "numel", numeric=True),
+    Column("bytes", "bytes", numeric=True),
+)
+
+
+def ls_report(path: str, fmt: str, metadata: dict[str, str], infos: Sequence[TensorInfo]) -> Report:
+    rows = tuple((i.name, i.dtype_name, list(i.shape), i.numel, i.nbytes) for i in infos)
+    total = sum(i.nbytes for i in infos)
+    footer = [f"{len(infos)} tensors, {total} bytes"]
+    footer += [f"metadata {printable(k)} = {printable(v)}" for k, v in metadata.items()]
+    return Report(
+        f"{path} ({fmt})",
+        LS_COLUMNS,
+        rows,
+        (("path", path), ("format", fmt), ("metadata", metadata), ("total_bytes", total)),  # type: ignore[arg-type]
+        tuple(footer),
+    )
+
+
+NORM_COLUMNS = (
+    Column("name", "tensor"),
+    Column("dtype", "dtype"),
+    Column("shape", "shape"),
+    Column("numel", "numel", numeric=True),
+    Column("norm", "norm", numeric=True),
+    Column("max_abs", "max|x|", numeric=True),
+    Column("nonfinite", "nonfinite", numeric=True),
+    Column("in_global", "global"),
+)
+
+_SORTS: dict[SortKey, Callable[[TensorStats], Any]] = {  # noqa: F821
+    SortKey.NAME: lambda t: t.info.name,
+    SortKey.NORM: lambda t: -t.norm if not math.isnan(t.norm) else -math.inf,
+    SortKey.SIZE: lambda t: -t.info.nbytes,
+}
+
+
+def norms_report(m: Measurement, sort: SortKey = SortKey.FILE, top: int | None = None) -> Report:
+    tensors = list(m.tensors)
+    if sort is not SortKey.FILE:
+        tensors.sort(key=_SORTS[sort])
+    if top is not None:
+        tensors = tensors[:top]
+    rows = tuple(
+        (
+            t.info.name,
+            t.info.dtype_name,
+            list(t.info.shape),
+            t.info.numel,
+            t.norm,
+            t.stats.max_abs,
+            t.stats.nonfinite,
+            t.in_global,
+        )
+        for t in tensors
+    )
+    g = m.global_norm
+    counted = sum(t.in_global for t in m.tensors)
+    footer = (f"global L2 norm {g:.6g} over {counted} floating-point tensors",)
+    return Report(
+        f"{m.path} ({m.format})",
+        NORM_COLUMNS,
+        rows,
+        (("path", str(m.path)), ("format", m.format), ("global_norm", g)),
+        footer,
+    )
+
+
+CLIP_COLUMNS = (
+    Column("name", "tensor"),
+    Column("dtype", "dtype"),
+    Column("norm_before", "before", numeric=True),
+    Column("norm_after", "after", numeric=True),
+    Column("scale", "scale", numeric=True),
+    Column("changed", "changed"),
+    Column("note", "note"),
+)
+
+
+def clip_report(result: ClipResult) -> Report:
+    rows = tuple(
+        (
+            p.info.name,
+            p.info.dtype_name,
+            p.before.norm,
+            p.after.norm,
+            p.scale,
+            p.changed,
+            p.note,
+        )
+        for p in result.plans
+    )
+    spec = result.spec
+    changed = sum(p.changed for p in result.plans)
+    verb = "would change" if result.dry_run else "changed"
+    footer = [
+        f"global L2 norm {result.global_before:.6g} -> {result.global_after:.6g}",
+        f"{verb} {changed} of {len(result.plans)} tensors"
+        + ("" if result.dry_run else f"; wrote {result.out}"),
+    ]
+    summary: tuple[tuple[str, Value], ...] = (
+        ("src", str(result.src)),
+        ("out", str(result.out)),
+        ("mode", spec.mode.value),
+        ("limit", spec.limit if spec.mode.value != "value" else None),
+        ("min", spec.low if spec.mode.value == "value" else None),
+        ("max", spec.high if spec.mode.value == "value" else None),
+        ("axes", list(spec.axes) if spec.axes is not None else None),
+        ("used_norm", result.used_norm),
+        ("dry_run", result.dry_run),
+        ("global_norm_before", result.global_before),
+        ("global_norm_after", result.global_after),
+        ("changed", changed),
+    )
+    title = f"clip {spec.mode.value} {spec.describe_limit()}: {result.src}"
+    return Report(title, CLIP_COLUMNS, rows, summary, tuple(footer))
