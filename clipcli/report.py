@@ -70,7 +70,7 @@ def _cell(value: Value) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, list):
-        return "[" + ", ".join(map(str, value)) + "]"
+        return "[" + ",".join(map(str, value)) + "]"
     return printable(str(value))
 
 
@@ -93,6 +93,8 @@ def render(report: Report, fmt: OutputFormat, stream: TextIO, width: int | None 
 
 
 def _csv_value(value: Value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, list):
         return "x".join(map(str, value))
     if isinstance(value, float):
@@ -106,9 +108,17 @@ def _render_table(report: Report, stream: TextIO, width: int | None) -> None:
 
     table = Table(title=report.title, title_justify="left")
     for column in report.columns:
-        table.add_column(column.title, justify="right" if column.numeric else "left")
+        table.add_column(
+            column.title,
+            justify="right" if column.numeric else "left",
+            no_wrap=column.numeric,
+            overflow="fold",
+        )
     for row in report.rows:
         table.add_row(*(_cell(v) for v in row))
+    if width is None and not stream.isatty():
+        # Piped or redirected: never wrap or cut names to fit an imaginary 80-column screen.
+        width = 4096
     console = Console(file=stream, width=width, highlight=False)
     console.print(table)
     for line in report.footer:

@@ -199,15 +199,15 @@ class SafetensorsReader(Reader):
         pread into a fresh buffer keeps the resident set bounded, where a memory map
         would count every touched page of a multi-GB file.
         """
-        buffer = np.empty((stop - start) // info.dtype.itemsize, dtype=info.dtype)
-        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+        raw = np.empty(stop - start, dtype=np.uint8)
+        view = memoryview(raw)  # type: ignore[arg-type]
         done = 0
         while done < len(view):
             got = os.preadv(self._file.fileno(), [view[done:]], start + done)
             if got == 0:
                 raise self._fail("file shrank while reading", info.name)
             done += got
-        return buffer
+        return raw.view(info.dtype)
 
     def read(self, info: TensorInfo) -> np.ndarray:
         begin, end = self.byte_range(info)
