@@ -198,6 +198,13 @@ def clip_command(
         bool, typer.Option(help="Compute and report the plan; write nothing.")
     ] = False,
     force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
+    fsync: Annotated[
+        bool,
+        typer.Option(
+            help="fsync OUT and its directory before reporting success. --no-fsync is faster "
+            "for scratch outputs; the rename stays atomic either way."
+        ),
+    ] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no report.")] = False,
     fmt: Annotated[
         OutputFormat, typer.Option("--format", "-f", help="Report format.")
@@ -223,7 +230,7 @@ def clip_command(
     )
     selection = _selection(include, exclude)
     assert isinstance(selection, Selection)
-    result = clip(src, out, spec, selection, dry_run=dry_run, force=force)
+    result = clip(src, out, spec, selection, dry_run=dry_run, force=force, durable=fsync)
     if not quiet:
         _print(clip_report(result), fmt)
 
@@ -235,6 +242,9 @@ def _fail(message: str, code: int) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Every failure is one stderr line."""
+    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        # We thread over chunks ourselves; BLAS threads on top of that only spin and contend.
+        os.environ.setdefault(variable, "1")
     args = sys.argv[1:] if argv is None else list(argv)
     if not args:
         args = ["--help"]

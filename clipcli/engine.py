@@ -8,9 +8,11 @@ before pass 2 writes the first byte.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -20,6 +22,9 @@ from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, is_floating
 from clipcli.io import atomic_output, check_output_path, open_reader, writer_class
 from clipcli.norms import NormAccumulator, accumulate, global_norm
+from clipcli.parallel import ordered_map
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -59,17 +64,44 @@ class Measurement:
 
 
 def _tapped(chunks: Iterable[np.ndarray], acc: NormAccumulator) -> Iterator[np.ndarray]:
-    """Pass chunks through while measuring them."""
-    for chunk in chunks:
-        acc.add(chunk)
+    """Pass chunks through while measuring them (in threads, ahead of the consumer)."""
+    for chunk, partial in ordered_map(lambda c: (c, accumulate([c])), chunks):
+        acc.merge(partial)
         yield chunk
 
 
+def chunk_sources(reader: Reader, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:
+    """Loaders of the tensor's chunks: parallel reads where the reader allows them, else
+    chunks read here in order and handed over as they are."""
+    loaders = reader.chunk_loaders(info)
+    if loaders is not None:
+        return loaders
+    return (functools.partial(_identity, chunk) for chunk in reader.chunks(info))
+
+
+def _identity(chunk: np.ndarray) -> np.ndarray:
+    return chunk
+
+
+def map_chunks(reader: Reader, info: TensorInfo, fn: Callable[[np.ndarray], R]) -> Iterator[R]:
+    """fn over the tensor's chunks in worker threads, results in order."""
+    return ordered_map(lambda load: fn(load()), chunk_sources(reader, info))
+
+
+def measure_all(reader: Reader, infos: Sequence[TensorInfo]) -> list[NormAccumulator]:
+    """Statistics of every tensor, chunks measured in worker threads across tensor bounds."""
+    stats = [NormAccumulator() for _ in infos]
+    stream = ((i, load) for i, info in enumerate(infos) for load in chunk_sources(reader, info))
+    for index, partial in ordered_map(lambda item: (item[0], accumulate([item[1]()])), stream):
+        stats[index].merge(partial)
+    return stats
+
+
 def measure_reader(reader: Reader, selection: Selection = Selection()) -> Measurement:
+    infos = [info for info in reader.infos if selection(info.name)]
     rows = [
-        TensorStats(info, accumulate(reader.chunks(info)), is_floating(info.dtype))
-        for info in reader.infos
-        if selection(info.name)
+        TensorStats(info, stats, is_floating(info.dtype))
+        for info, stats in zip(infos, measure_all(reader, infos), strict=True)
     ]
     return Measurement(reader.path, reader.format_name, dict(reader.metadata), rows)
 
@@ -142,19 +174,24 @@ def _chunk_norm_at(reader: Reader, infos: Sequence[TensorInfo]) -> Callable[[flo
     """A function giving the norm of `infos` scaled by s and rounded, for choose_scale."""
 
     def output_norm(scale: float) -> float:
-        return global_norm(
-            accumulate(clipping.scale_chunk(c, scale) for c in reader.chunks(info)).norm
-            for info in infos
-        )
+        def scaled_stats(chunk: np.ndarray) -> NormAccumulator:
+            return accumulate([clipping.scale_chunk(chunk, scale)])
+
+        total = NormAccumulator()
+        for info in infos:
+            for partial in map_chunks(reader, info, scaled_stats):
+                total.merge(partial)
+        return total.norm
 
     return output_norm
 
 
 def plan_clip(reader: Reader, spec: ClipSpec, selection: Selection) -> list[TensorPlan]:
     """Measure every tensor and decide what happens to it. Raises before any write."""
+    infos = list(reader.infos)
     plans = [
-        TensorPlan(info, accumulate(reader.chunks(info)), selection(info.name))
-        for info in reader.infos
+        TensorPlan(info, stats, selection(info.name))
+        for info, stats in zip(infos, measure_all(reader, infos), strict=True)
     ]
     for plan in plans:
         if not plan.selected:
@@ -225,10 +262,10 @@ def _output_chunks(reader: Reader, plan: TensorPlan, spec: ClipSpec) -> Iterable
     if plan.action == "scale":
         assert plan.scale is not None
         scale = plan.scale
-        return (clipping.scale_chunk(c, scale) for c in reader.chunks(info))
+        return map_chunks(reader, info, lambda c: clipping.scale_chunk(c, scale))
     if plan.action == "clamp":
         low, high = clipping.value_bounds(info.dtype, spec.low, spec.high)
-        return (clipping.clamp_chunk(c, low, high) for c in reader.chunks(info))
+        return map_chunks(reader, info, lambda c: clipping.clamp_chunk(c, low, high))
     if plan.action == "axes":
         array = reader.read(info)
         _, scales = clipping.axes_scales(array, plan.axes, spec.limit)
@@ -275,6 +312,7 @@ def clip(
     *,
     dry_run: bool = False,
     force: bool = False,
+    durable: bool = True,
 ) -> ClipResult:
     """Plan, then (unless dry_run) write the clipped copy atomically."""
     if not dry_run:
@@ -292,7 +330,7 @@ def clip(
         if dry_run:
             _write_all(reader, None, plans, spec)
             return ClipResult(src, out, spec, True, plans, used)
-        with atomic_output(out) as tmp:
+        with atomic_output(out, durable) as tmp:
             checkpoint = Checkpoint(list(reader.infos), dict(reader.metadata), reader)
             writer = writer_cls(tmp, checkpoint)
             try:

@@ -153,8 +153,11 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(out: Path) -> Iterator[Path]:
+def atomic_output(out: Path, durable: bool = True) -> Iterator[Path]:
     """Yield a temp path beside OUT; on success fsync it and rename it over OUT.
+
+    durable=False skips the fsyncs (the rename stays atomic, but a power cut soon after
+    may leave an empty OUT); it is for scratch outputs where speed matters more.
 
     On any exception (including Ctrl-C and SIGTERM) the temp file is deleted and OUT is
     left as it was. OSErrors become WriteError (exit 5).
@@ -172,11 +175,13 @@ def atomic_output(out: Path) -> Iterator[Path]:
     try:
         with _signals_raise():
             yield tmp
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
+            if durable:
+                with open(tmp, "rb+") as handle:
+                    os.fsync(handle.fileno())
             os.chmod(tmp, mode)
             os.replace(tmp, out)
-        _fsync_dir(directory)
+        if durable:
+            _fsync_dir(directory)
     except KeyboardInterrupt:
         _remove(tmp)
         raise Interrupted("interrupted; no output written") from None

@@ -73,8 +73,10 @@ class NormAccumulator:
         if chunk.size == 0:
             return
         self.numel += chunk.size
+        # Extremes on the narrow data when numpy can order it (half the bytes to scan).
+        ordered = chunk if chunk.dtype.kind in "fiub" else widen(chunk)
+        high, low = float(np.max(ordered)), float(np.min(ordered))
         wide = widen(chunk)
-        high, low = float(np.max(wide)), float(np.min(wide))
         if not (math.isfinite(high) and math.isfinite(low)):
             finite = np.isfinite(chunk)
             self.nonfinite += int(chunk.size - np.count_nonzero(finite))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -100,6 +100,11 @@ class Reader(ABC):
     @abstractmethod
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         """Consecutive 1-D C-order pieces of the tensor, each at most chunk_elems long."""
+
+    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]] | None:
+        """Thread-safe loaders of the same pieces as `chunks`, for readers with random access
+        (so that worker threads read in parallel); None when reading must be sequential."""
+        return None
 
     def read(self, info: TensorInfo) -> np.ndarray:
         """The whole tensor, shaped. Costs memory equal to the tensor."""

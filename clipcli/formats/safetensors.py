@@ -5,11 +5,12 @@ streaming writer (header first, then one tensor at a time), which covers bf16 an
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -188,10 +189,19 @@ class SafetensorsReader(Reader):
         return self._file.fileno()
 
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        for load in self._loaders(info, chunk_elems):
+            yield load()
+
+    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:
+        return self._loaders(info, None)
+
+    def _loaders(
+        self, info: TensorInfo, chunk_elems: int | None
+    ) -> Iterator[Callable[[], np.ndarray]]:
         begin, end = self.byte_range(info)
         step = (chunk_elems or default_chunk_elems(info.dtype)) * info.dtype.itemsize
         for start in range(begin, end, step):
-            yield self.read_bytes(info, start, min(start + step, end))
+            yield functools.partial(self.read_bytes, info, start, min(start + step, end))
 
     def read_bytes(self, info: TensorInfo, start: int, stop: int) -> np.ndarray:
         """Elements stored in the absolute byte range [start, stop), read with pread.
