@@ -11,7 +11,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -40,7 +40,7 @@ app = typer.Typer(
     "  clipcli clip --global 5.0 in.safetensors out.safetensors\n"
     "  clipcli clip --norm 1.0 --axes 0 in.h5 out.h5\n\n" + EXIT_CODES_HELP,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -60,6 +60,16 @@ def _selection(include: list[str] | None, exclude: list[str] | None) -> object:
     from clipcli.engine import Selection
 
     return Selection(tuple(include or ()), tuple(exclude or ()))
+
+
+def _progress(quiet: bool = False) -> Any:
+    """A terminal progress bar when stderr is a terminal, else the silent default."""
+    from clipcli.engine import SILENT
+    from clipcli.report import TerminalProgress
+
+    if quiet or not sys.stderr.isatty():
+        return SILENT
+    return TerminalProgress()
 
 
 def _print(report: object, fmt: OutputFormat) -> None:
@@ -107,16 +117,62 @@ def norms_command(
         float | None,
         typer.Option(help="Exit 1 if the global norm exceeds X (or is NaN/Inf).", metavar="X"),
     ] = None,
+    group_by: Annotated[
+        str | None,
+        typer.Option(
+            help="Aggregate tensors into groups by this regex's first capture group (or whole "
+            "match); 'layer' is a preset for HF/Keras layer names.",
+            metavar="REGEX",
+        ),
+    ] = None,
+    chart: Annotated[
+        bool, typer.Option(help="Draw horizontal bars of the norms instead of the table.")
+    ] = False,
+    limit: Annotated[
+        float | None,
+        typer.Option(
+            help="Mark this norm on --chart/--plot and colour what is over it.", metavar="C"
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write a norm profile (per group with --group-by) to FILE.png or FILE.svg; "
+            "needs the 'plot' extra (matplotlib).",
+            metavar="FILE",
+        ),
+    ] = None,
 ) -> None:
     """Per-tensor L2 norm, max |x| and non-finite count, and the global norm over
     floating-point tensors. Accumulated exactly in float64."""
     from clipcli.engine import Selection, measure
-    from clipcli.report import norms_report
+    from clipcli.report import groups_report, norms_report, render_chart
 
+    if group_by is not None:
+        from clipcli.clipping import compile_group_by
+
+        compile_group_by(group_by)
     selection = _selection(include, exclude)
     assert isinstance(selection, Selection)
-    measurement = measure(path, selection)
-    _print(norms_report(measurement, sort, top), fmt)
+    measurement = measure(path, selection, _progress())
+    if group_by is not None:
+        report = groups_report(measurement, group_by, sort)
+    else:
+        report = norms_report(measurement, sort, top)
+    # Charts show what the global norm is made of: groups, or the floating-point tensors.
+    records = report.records()
+    if group_by is None:
+        records = [r for r in records if r["in_global"]]
+    labels = [str(r[report.columns[0].key]) for r in records]
+    values = [float(r["norm"]) for r in records]  # type: ignore[arg-type]
+    if chart:
+        render_chart(report.title, labels, values, limit, sys.stdout)
+    else:
+        _print(report, fmt)
+    if plot is not None:
+        from clipcli.plot import plot_profile
+
+        plot_profile(plot, report.title, labels, values, limit)
     if fail_above is not None:
         g = measurement.global_norm
         if math.isnan(g) or g > fail_above:
@@ -188,6 +244,14 @@ def clip_command(
             help="With --global: use this global norm instead of computing it.", metavar="N"
         ),
     ] = None,
+    group_by: Annotated[
+        str | None,
+        typer.Option(
+            help="With --global: clip each group's global norm separately (per-layer "
+            "clipping); groups as in `norms --group-by`, 'layer' is a preset.",
+            metavar="REGEX",
+        ),
+    ] = None,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     skip_nonfinite: Annotated[
@@ -227,12 +291,51 @@ def clip_command(
         axes=_parse_axes(axes),
         use_norm=use_norm,
         skip_nonfinite=skip_nonfinite,
+        group_by=group_by,
     )
     selection = _selection(include, exclude)
     assert isinstance(selection, Selection)
-    result = clip(src, out, spec, selection, dry_run=dry_run, force=force, durable=fsync)
+    result = clip(
+        src,
+        out,
+        spec,
+        selection,
+        dry_run=dry_run,
+        force=force,
+        durable=fsync,
+        progress=_progress(quiet),
+    )
     if not quiet:
         _print(clip_report(result), fmt)
+
+
+@app.command(
+    "convert",
+    epilog="\b\nExamples:\n"
+    "  clipcli convert model.npz model.safetensors\n"
+    "  clipcli convert weights.h5 weights.safetensors --force",
+)
+def convert_command(
+    src: Annotated[
+        Path, typer.Argument(metavar="IN", help="Input checkpoint.", show_default=False)
+    ],
+    out: Annotated[
+        Path,
+        typer.Argument(
+            metavar="OUT", help="Output file; its extension picks the format.", show_default=False
+        ),
+    ],
+    force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
+) -> None:
+    """Copy IN to OUT's format losslessly: same names, order, dtypes, shapes and values;
+    metadata carried over where OUT's format can hold it. A dtype OUT cannot hold
+    (bfloat16/fp8 into npz or HDF5) is refused."""
+    from clipcli.engine import convert
+
+    infos = convert(src, out, force=force, progress=_progress(quiet))
+    if not quiet:
+        print(f"wrote {out}: {len(infos)} tensors, {sum(i.nbytes for i in infos)} bytes")
 
 
 def _fail(message: str, code: int) -> NoReturn:

@@ -11,6 +11,7 @@ clip_by_global_norm). Where we differ, on purpose:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -26,6 +27,35 @@ from clipcli.norms import slice_norms, smallest_subnormal, unit_roundoff
 _NORM_SLACK = 1e-12
 # A provably safe scale this close to TF's is used directly; lower precisions refine.
 _FIDELITY = 1e-6
+
+
+# `--group-by layer`: HF names (model.layers.3.mlp..., transformer.h.3..., blocks.3...),
+# Keras 3 (layers/dense_1/vars/0) and legacy Keras (model_weights/dense_1/dense_1/kernel:0).
+LAYER_PRESET = (
+    r"^model_weights/([^/]+)/"
+    r"|^layers/([^/]+)/"
+    r"|^(.*?\b(?:layers|layer|blocks|block|h)[._/]\d+)(?=[._/])"
+)
+OTHER_GROUP = "(other)"
+
+
+def compile_group_by(text: str) -> re.Pattern[str]:
+    """The --group-by regex ('layer' is the built-in preset); a bad regex is a usage error."""
+    try:
+        return re.compile(LAYER_PRESET if text == "layer" else text)
+    except re.error as exc:
+        raise UsageError(f"--group-by {text!r} is not a valid regex: {exc}") from None
+
+
+def group_key(name: str, pattern: re.Pattern[str]) -> str:
+    """The first capture group that matched, else the whole match; OTHER_GROUP if none."""
+    match = pattern.search(name)
+    if match is None:
+        return OTHER_GROUP
+    for captured in match.groups():
+        if captured is not None:
+            return captured
+    return match.group(0)
 
 
 class Mode(str, Enum):
@@ -46,6 +76,7 @@ class ClipSpec:
     axes: tuple[int, ...] | None = None
     use_norm: float | None = None
     skip_nonfinite: bool = False
+    group_by: str | None = None  # --global within each group of tensors
 
     def describe_limit(self) -> str:
         if self.mode is Mode.VALUE:
@@ -69,6 +100,7 @@ def build_spec(
     axes: Sequence[int] | None = None,
     use_norm: float | None = None,
     skip_nonfinite: bool = False,
+    group_by: str | None = None,
 ) -> ClipSpec:
     """Turn the CLI flags into a ClipSpec, refusing conflicts and bad values (exit 2)."""
     chosen = {
@@ -87,6 +119,12 @@ def build_spec(
         raise UsageError("--axes is valid only with --norm")
     if use_norm is not None and global_ is None:
         raise UsageError("--use-norm is valid only with --global")
+    if group_by is not None:
+        if global_ is None:
+            raise UsageError("--group-by is valid only with --global (per-group global norm)")
+        if use_norm is not None:
+            raise UsageError("--use-norm and --group-by cannot be combined")
+        compile_group_by(group_by)
     if value is not None:
         _check_positive("--value", value)
         low, high = -value, value
@@ -115,7 +153,13 @@ def build_spec(
     _check_positive("--global", global_)
     if use_norm is not None:
         _check_positive("--use-norm", use_norm)
-    return ClipSpec(Mode.GLOBAL, limit=global_, use_norm=use_norm, skip_nonfinite=skip_nonfinite)
+    return ClipSpec(
+        Mode.GLOBAL,
+        limit=global_,
+        use_norm=use_norm,
+        skip_nonfinite=skip_nonfinite,
+        group_by=group_by,
+    )
 
 
 def normalize_axes(axes: tuple[int, ...], shape: tuple[int, ...], name: str) -> tuple[int, ...]:

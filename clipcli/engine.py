@@ -7,8 +7,10 @@ before pass 2 writes the first byte.
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import functools
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +54,14 @@ class TensorStats:
 
 
 @dataclass(frozen=True)
+class GroupStats:
+    name: str
+    tensors: int
+    norm: float
+    share: float  # of the global norm squared
+
+
+@dataclass(frozen=True)
 class Measurement:
     path: Path
     format: str
@@ -62,12 +72,36 @@ class Measurement:
     def global_norm(self) -> float:
         return global_norm(t.norm for t in self.tensors if t.in_global)
 
+    def groups(self, group_by: str) -> list[GroupStats]:
+        """Floating-point tensors aggregated by --group-by, in order of first appearance."""
+        pattern = clipping.compile_group_by(group_by)
+        members: dict[str, list[float]] = {}
+        for t in self.tensors:
+            if t.in_global:
+                members.setdefault(clipping.group_key(t.info.name, pattern), []).append(t.norm)
+        total = self.global_norm
+        result = []
+        for name, norms in members.items():
+            norm = global_norm(norms)
+            share = (norm / total) ** 2 if total > 0 and math.isfinite(total) else math.nan
+            result.append(GroupStats(name, len(norms), norm, share))
+        return result
 
-def _tapped(chunks: Iterable[np.ndarray], acc: NormAccumulator) -> Iterator[np.ndarray]:
-    """Pass chunks through while measuring them (in threads, ahead of the consumer)."""
-    for chunk, partial in ordered_map(lambda c: (c, accumulate([c])), chunks):
-        acc.merge(partial)
-        yield chunk
+
+class Progress:
+    """Told how many bytes each pass will read and how many are done; silent by default."""
+
+    def start(self, label: str, total_bytes: int) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+SILENT = Progress()
 
 
 def chunk_sources(reader: Reader, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:
@@ -88,27 +122,45 @@ def map_chunks(reader: Reader, info: TensorInfo, fn: Callable[[np.ndarray], R]) 
     return ordered_map(lambda load: fn(load()), chunk_sources(reader, info))
 
 
-def measure_all(reader: Reader, infos: Sequence[TensorInfo]) -> list[NormAccumulator]:
+def _chunk_stats(chunk: np.ndarray) -> tuple[NormAccumulator, int]:
+    return accumulate([chunk]), chunk.nbytes
+
+
+def measure_all(
+    reader: Reader,
+    infos: Sequence[TensorInfo],
+    progress: Progress = SILENT,
+    label: str = "measuring",
+) -> list[NormAccumulator]:
     """Statistics of every tensor, chunks measured in worker threads across tensor bounds."""
     stats = [NormAccumulator() for _ in infos]
     stream = ((i, load) for i, info in enumerate(infos) for load in chunk_sources(reader, info))
-    for index, partial in ordered_map(lambda item: (item[0], accumulate([item[1]()])), stream):
+    progress.start(label, sum(info.nbytes for info in infos))
+    for index, (partial, nbytes) in ordered_map(
+        lambda item: (item[0], _chunk_stats(item[1]())), stream
+    ):
         stats[index].merge(partial)
+        progress.advance(nbytes)
+    progress.finish()
     return stats
 
 
-def measure_reader(reader: Reader, selection: Selection = Selection()) -> Measurement:
+def measure_reader(
+    reader: Reader, selection: Selection = Selection(), progress: Progress = SILENT
+) -> Measurement:
     infos = [info for info in reader.infos if selection(info.name)]
     rows = [
         TensorStats(info, stats, is_floating(info.dtype))
-        for info, stats in zip(infos, measure_all(reader, infos), strict=True)
+        for info, stats in zip(infos, measure_all(reader, infos, progress), strict=True)
     ]
     return Measurement(reader.path, reader.format_name, dict(reader.metadata), rows)
 
 
-def measure(path: Path, selection: Selection = Selection()) -> Measurement:
+def measure(
+    path: Path, selection: Selection = Selection(), progress: Progress = SILENT
+) -> Measurement:
     with open_reader(path) as reader:
-        return measure_reader(reader, selection)
+        return measure_reader(reader, selection, progress)
 
 
 def list_tensors(path: Path) -> tuple[str, dict[str, str], list[TensorInfo]]:
@@ -130,6 +182,7 @@ class TensorPlan:
     after: NormAccumulator = field(default_factory=NormAccumulator)
     changed: bool = False
     axes: tuple[int, ...] = ()
+    group: str | None = None
 
     @property
     def in_global(self) -> bool:
@@ -186,12 +239,14 @@ def _chunk_norm_at(reader: Reader, infos: Sequence[TensorInfo]) -> Callable[[flo
     return output_norm
 
 
-def plan_clip(reader: Reader, spec: ClipSpec, selection: Selection) -> list[TensorPlan]:
+def plan_clip(
+    reader: Reader, spec: ClipSpec, selection: Selection, progress: Progress = SILENT
+) -> list[TensorPlan]:
     """Measure every tensor and decide what happens to it. Raises before any write."""
     infos = list(reader.infos)
     plans = [
         TensorPlan(info, stats, selection(info.name))
-        for info, stats in zip(infos, measure_all(reader, infos), strict=True)
+        for info, stats in zip(infos, measure_all(reader, infos, progress), strict=True)
     ]
     for plan in plans:
         if not plan.selected:
@@ -217,13 +272,23 @@ def plan_clip(reader: Reader, spec: ClipSpec, selection: Selection) -> list[Tens
                 [info.dtype],
                 _chunk_norm_at(reader, [info]),
             )
+    elif spec.group_by is not None:
+        pattern = clipping.compile_group_by(spec.group_by)
+        groups: dict[str, list[TensorPlan]] = {}
+        for plan in targets:
+            groups.setdefault(clipping.group_key(plan.info.name, pattern), []).append(plan)
+        for group, members in groups.items():
+            _plan_global(reader, members, spec)
+            for plan in members:
+                plan.group = group
+                plan.note = f"group {group}"
     else:
         _plan_global(reader, targets, spec)
     for plan in targets:
         if plan.scale is not None:
             plan.action, plan.changed = "scale", True
-        elif not plan.note and spec.mode is not Mode.VALUE and plan.action != "axes":
-            plan.note = "within limit"
+        elif spec.mode is not Mode.VALUE and plan.action != "axes":
+            plan.note = "within limit" + (f", group {plan.group}" if plan.group else "")
     return plans
 
 
@@ -257,43 +322,84 @@ def _plan_global(reader: Reader, targets: Sequence[TensorPlan], spec: ClipSpec) 
         plan.scale = scale if plan.before.norm > 0 else None
 
 
-def _output_chunks(reader: Reader, plan: TensorPlan, spec: ClipSpec) -> Iterable[np.ndarray]:
-    info = plan.info
+def _transform(plan: TensorPlan, spec: ClipSpec) -> Callable[[np.ndarray], np.ndarray] | None:
+    """What the write pass applies to each chunk of this tensor; None copies it as it is."""
     if plan.action == "scale":
         assert plan.scale is not None
         scale = plan.scale
-        return map_chunks(reader, info, lambda c: clipping.scale_chunk(c, scale))
+        return lambda chunk: clipping.scale_chunk(chunk, scale)
     if plan.action == "clamp":
-        low, high = clipping.value_bounds(info.dtype, spec.low, spec.high)
-        return map_chunks(reader, info, lambda c: clipping.clamp_chunk(c, low, high))
-    if plan.action == "axes":
-        array = reader.read(info)
-        _, scales = clipping.axes_scales(array, plan.axes, spec.limit)
-        changed = scales != 1.0
-        plan.changed = bool(np.any(changed))
-        plan.note = f"{int(np.count_nonzero(changed))} of {scales.size} slices clipped"
-        if not plan.changed:
-            return [array.reshape(-1)]
-        return [clipping.scale_chunk(array, scales).reshape(-1)]
-    return reader.chunks(info)
+        low, high = clipping.value_bounds(plan.info.dtype, spec.low, spec.high)
+        return lambda chunk: clipping.clamp_chunk(chunk, low, high)
+    return None
+
+
+def _clip_slices(reader: Reader, plan: TensorPlan, spec: ClipSpec) -> list[np.ndarray]:
+    """--axes: the whole tensor in memory, each slice scaled on its own."""
+    array = reader.read(plan.info)
+    _, scales = clipping.axes_scales(array, plan.axes, spec.limit)
+    changed = scales != 1.0
+    plan.changed = bool(np.any(changed))
+    plan.note = f"{int(np.count_nonzero(changed))} of {scales.size} slices clipped"
+    if plan.changed:
+        array = clipping.scale_chunk(array, scales)
+        plan.after = accumulate([array.reshape(-1)])
+    return [array.reshape(-1)]
+
+
+def _measured(
+    chunks: Iterator[tuple[np.ndarray, NormAccumulator]], acc: NormAccumulator, progress: Progress
+) -> Iterator[np.ndarray]:
+    for chunk, partial in chunks:
+        acc.merge(partial)
+        progress.advance(chunk.nbytes)
+        yield chunk
+
+
+def _with_stats(
+    transform: Callable[[np.ndarray], np.ndarray], chunk: np.ndarray
+) -> tuple[np.ndarray, NormAccumulator]:
+    out = transform(chunk)
+    return out, accumulate([out])
 
 
 def _write_all(
-    reader: Reader, writer: Writer | None, plans: Sequence[TensorPlan], spec: ClipSpec
+    reader: Reader,
+    writer: Writer | None,
+    plans: Sequence[TensorPlan],
+    spec: ClipSpec | None,
+    progress: Progress = SILENT,
 ) -> None:
-    """Stream every tensor to the writer (or, with None, only measure the output)."""
+    """Stream every tensor to the writer (with None, only compute and measure the output)."""
+    progress.start("writing" if writer else "computing", sum(p.info.nbytes for p in plans))
     for plan in plans:
-        if plan.action == "keep" and (writer is None or writer.copy_unchanged(reader, plan.info)):
-            plan.after = plan.before
-            continue
-        chunks = _tapped(_output_chunks(reader, plan, spec), plan.after)
-        if writer is None:
-            for _ in chunks:
-                pass
+        info = plan.info
+        transform = _transform(plan, spec) if spec is not None else None
+        if spec is not None and plan.action == "axes":
+            sliced = _clip_slices(reader, plan, spec)
+            progress.advance(info.nbytes)
+            if writer is not None:
+                writer.write(info, sliced)
+        elif transform is not None:
+            pairs = map_chunks(reader, info, functools.partial(_with_stats, transform))
+            chunks = _measured(pairs, plan.after, progress)
+            if writer is not None:
+                writer.write(info, chunks)
+            else:
+                collections.deque(chunks, maxlen=0)
+        elif writer is None or writer.copy_unchanged(reader, info):
+            progress.advance(info.nbytes)
         else:
-            writer.write(plan.info, chunks)
+            writer.write(info, _counted(reader.chunks(info), progress))
         if not plan.changed:
             plan.after = plan.before
+    progress.finish()
+
+
+def _counted(chunks: Iterable[np.ndarray], progress: Progress) -> Iterator[np.ndarray]:
+    for chunk in chunks:
+        progress.advance(chunk.nbytes)
+        yield chunk
 
 
 def check_writable(infos: Sequence[TensorInfo], out: Path) -> type[Writer]:
@@ -313,30 +419,59 @@ def clip(
     dry_run: bool = False,
     force: bool = False,
     durable: bool = True,
+    progress: Progress = SILENT,
 ) -> ClipResult:
     """Plan, then (unless dry_run) write the clipped copy atomically."""
     if not dry_run:
         check_output_path(src, out, force)
     with open_reader(src) as reader:
         writer_cls = check_writable(reader.infos, out)
-        plans = plan_clip(reader, spec, selection)
+        plans = plan_clip(reader, spec, selection, progress)
         used = None
-        if spec.mode is Mode.GLOBAL:
+        if spec.mode is Mode.GLOBAL and spec.group_by is None:
             used = (
                 spec.use_norm
                 if spec.use_norm is not None
                 else global_norm(p.before.norm for p in plans if p.in_global)
             )
         if dry_run:
-            _write_all(reader, None, plans, spec)
-            return ClipResult(src, out, spec, True, plans, used)
-        with atomic_output(out, durable) as tmp:
-            checkpoint = Checkpoint(list(reader.infos), dict(reader.metadata), reader)
-            writer = writer_cls(tmp, checkpoint)
-            try:
-                _write_all(reader, writer, plans, spec)
-            except BaseException:
-                writer.abort()
-                raise
-            writer.close()
-    return ClipResult(src, out, spec, False, plans, used)
+            _write_all(reader, None, plans, spec, progress)
+        else:
+            _write_file(reader, writer_cls, out, plans, spec, durable, progress)
+    return ClipResult(src, out, spec, dry_run, plans, used)
+
+
+def _write_file(
+    reader: Reader,
+    writer_cls: type[Writer],
+    out: Path,
+    plans: Sequence[TensorPlan],
+    spec: ClipSpec | None,
+    durable: bool,
+    progress: Progress,
+) -> None:
+    with atomic_output(out, durable) as tmp:
+        writer = writer_cls(tmp, Checkpoint(list(reader.infos), dict(reader.metadata), reader))
+        try:
+            _write_all(reader, writer, plans, spec, progress)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+
+
+def convert(
+    src: Path,
+    out: Path,
+    *,
+    force: bool = False,
+    durable: bool = True,
+    progress: Progress = SILENT,
+) -> list[TensorInfo]:
+    """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
+    check_output_path(src, out, force)
+    with open_reader(src) as reader:
+        writer_cls = check_writable(reader.infos, out)
+        plans = [TensorPlan(info, NormAccumulator(), True) for info in reader.infos]
+        _write_file(reader, writer_cls, out, plans, None, durable, progress)
+        return list(reader.infos)

@@ -111,7 +111,7 @@ def check_output_path(src: Path, out: Path, force: bool) -> None:
             raise UsageError(f"{out}: already exists; pass --force to replace it")
     if out.is_symlink() and not force:
         raise UsageError(f"{out}: already exists (dangling symlink); pass --force to replace it")
-    if not out.parent.exists() if str(out.parent) else False:
+    if not out.parent.is_dir():
         raise WriteError(f"{out}: directory {out.parent} does not exist")
 
 

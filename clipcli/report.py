@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
 class OutputFormat(str, Enum):
     TABLE = "table"
     JSON = "json"
+    JSONL = "jsonl"
     CSV = "csv"
 
 
@@ -50,6 +51,7 @@ class Report:
     rows: tuple[tuple[Value, ...], ...]
     summary: tuple[tuple[str, Value], ...] = ()
     footer: tuple[str, ...] = ()
+    rows_key: str = "tensors"  # the JSON key holding the rows
 
     def records(self) -> list[dict[str, Value]]:
         return [dict(zip((c.key for c in self.columns), row, strict=True)) for row in self.rows]
@@ -77,10 +79,15 @@ def _cell(value: Value) -> str:
 def render(report: Report, fmt: OutputFormat, stream: TextIO, width: int | None = None) -> None:
     if fmt is OutputFormat.JSON:
         document: dict[str, Any] = {key: _json_number(value) for key, value in report.summary}
-        document["tensors"] = [
+        document[report.rows_key] = [
             {k: _json_number(v) for k, v in record.items()} for record in report.records()
         ]
         stream.write(json.dumps(document, allow_nan=False) + "\n")
+    elif fmt is OutputFormat.JSONL:
+        # One row per line, the same objects as the JSON rows, for line-by-line tools.
+        for record in report.records():
+            line = {k: _json_number(v) for k, v in record.items()}
+            stream.write(json.dumps(line, allow_nan=False) + "\n")
     elif fmt is OutputFormat.CSV:
         buffer = io.StringIO()
         out = csv.writer(buffer, lineterminator="\n")
@@ -247,3 +254,132 @@ def clip_report(result: ClipResult) -> Report:
     )
     title = f"clip {spec.mode.value} {spec.describe_limit()}: {result.src}"
     return Report(title, CLIP_COLUMNS, rows, summary, tuple(footer))
+
+
+GROUP_COLUMNS = (
+    Column("group", "group"),
+    Column("tensors", "tensors", numeric=True),
+    Column("norm", "norm", numeric=True),
+    Column("share", "share of global²", numeric=True),
+)
+
+
+def groups_report(m: Measurement, group_by: str, sort: SortKey = SortKey.FILE) -> Report:
+    groups = m.groups(group_by)
+    if sort is SortKey.NORM:
+        groups.sort(key=lambda g: -g.norm if not math.isnan(g.norm) else -math.inf)
+    elif sort is SortKey.NAME:
+        groups.sort(key=lambda g: g.name)
+    rows = tuple((g.name, g.tensors, g.norm, g.share) for g in groups)
+    g = m.global_norm
+    return Report(
+        f"{m.path} ({m.format}) grouped by {group_by}",
+        GROUP_COLUMNS,
+        rows,
+        (("path", str(m.path)), ("format", m.format), ("global_norm", g), ("group_by", group_by)),
+        (f"global L2 norm {g:.6g} over {len(groups)} groups",),
+        rows_key="groups",
+    )
+
+
+BAR_WIDTH = 40
+
+
+def render_chart(
+    title: str,
+    labels: Sequence[str],
+    norms: Sequence[float],
+    limit: float | None,
+    stream: TextIO,
+    width: int | None = None,
+) -> None:
+    """Horizontal bars of norms, scaled to the largest (or the limit, if larger); the limit
+    is drawn as a '│' mark and bars over it are red."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    finite = [n for n in norms if math.isfinite(n)]
+    top = max(finite + ([limit] if limit is not None else []), default=0.0)
+    mark = round(limit / top * BAR_WIDTH) if limit is not None and top > 0 else None
+    table = Table(title=title, title_justify="left", box=None, show_header=False)
+    table.add_column("name", overflow="fold")
+    table.add_column("bar", no_wrap=True)
+    table.add_column("norm", justify="right", no_wrap=True)
+    for label, norm in zip(labels, norms, strict=True):
+        over = limit is not None and not norm <= limit
+        length = (
+            BAR_WIDTH if not math.isfinite(norm) else round(norm / top * BAR_WIDTH) if top else 0
+        )
+        bar = Text("█" * length, style="red" if over else "green")
+        bar.append(" " * (BAR_WIDTH - length))
+        if mark is not None:
+            position = min(mark, BAR_WIDTH - 1)
+            bar = bar[:position] + Text("│", style="bold yellow") + bar[position + 1 :]
+        table.add_row(printable(label), bar, f"{norm:.6g}")
+    if width is None and not stream.isatty():
+        width = 4096
+    console = Console(file=stream, width=width, highlight=False)
+    console.print(table)
+    if limit is not None:
+        over_count = sum(1 for n in norms if not n <= limit)
+        console.print(f"limit {limit:g} (│): {over_count} of {len(norms)} over", markup=False)
+
+
+class TerminalProgress:
+    """A rich progress bar on stderr per pass (bytes, throughput, ETA), shown only once a
+    pass has run for `delay` seconds so quick jobs print nothing."""
+
+    def __init__(self, delay: float = 1.0) -> None:
+        self.delay = delay
+        self._bar: Any = None
+        self._task: Any = None
+        self._label = ""
+        self._total = 0
+        self._done = 0
+        self._started = 0.0
+
+    def start(self, label: str, total_bytes: int) -> None:
+        import time
+
+        self.finish()
+        self._label, self._total, self._done = label, total_bytes, 0
+        self._started = time.monotonic()
+
+    def advance(self, nbytes: int) -> None:
+        import time
+
+        self._done += nbytes
+        if self._bar is None:
+            if time.monotonic() - self._started < self.delay:
+                return
+            self._open()
+        self._bar.update(self._task, completed=self._done)
+
+    def _open(self) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._bar.start()
+        self._task = self._bar.add_task(self._label, total=self._total, completed=self._done)
+
+    def finish(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
