@@ -288,7 +288,8 @@ def plan_clip(
         if plan.scale is not None:
             plan.action, plan.changed = "scale", True
         elif spec.mode is not Mode.VALUE and plan.action != "axes":
-            plan.note = "within limit" + (f", group {plan.group}" if plan.group else "")
+            reason = "zero tensor" if plan.before.norm == 0 else "within limit"
+            plan.note = reason + (f", group {plan.group}" if plan.group else "")
     return plans
 
 
