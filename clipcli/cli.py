@@ -11,7 +11,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 
@@ -338,9 +338,9 @@ def convert_command(
         print(f"wrote {out}: {len(infos)} tensors, {sum(i.nbytes for i in infos)} bytes")
 
 
-def _fail(message: str, code: int) -> NoReturn:
+def _fail(message: str, code: int) -> int:
     print(f"clipcli: error: {printable(message)}", file=sys.stderr)
-    raise SystemExit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,13 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=args, prog_name="clipcli", standalone_mode=False)
     except ClipcliError as exc:
-        _fail(str(exc), exc.exit_code)
+        return _fail(str(exc), exc.exit_code)
     except typer.Exit as exc:
         return int(exc.exit_code)
     except typer.TyperException as exc:  # usage errors from option parsing
-        _fail(exc.format_message().replace("\n", " "), ExitCode.USAGE)
+        return _fail(exc.format_message().replace("\n", " "), ExitCode.USAGE)
     except (typer.Abort, KeyboardInterrupt):
-        _fail("interrupted", ExitCode.INTERRUPTED)
+        return _fail("interrupted", ExitCode.INTERRUPTED)
     except BrokenPipeError:
         # The reader of our stdout went away (e.g. `| head`); that is not an error.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - last line of defence: one line, exit 70
         if os.environ.get("CLIPCLI_DEBUG"):
             traceback.print_exc()
-        _fail(
+        return _fail(
             f"internal error: {type(exc).__name__}: {exc} (set CLIPCLI_DEBUG=1 for details)",
             ExitCode.INTERNAL,
         )

@@ -1,0 +1,209 @@
+"""The write path under faults: nothing partial is ever left behind, an existing OUT survives."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from clipcli.cli import main
+from clipcli.formats.safetensors import SafetensorsWriter
+
+
+def make_input(path: Path, elements: int = 4096, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    save_file(
+        {"a": rng.standard_normal(elements, dtype=np.float32) * 10, "b": np.arange(8.0)},
+        str(path),
+    )
+    return path
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("clipcli: error: ")
+    return lines[0]
+
+
+def test_disk_full_during_write_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    before = listing(tmp_path)
+
+    def full(self: SafetensorsWriter, info: object, chunks: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SafetensorsWriter, "write", full)
+    code = main(["clip", "--global", "1", str(src), str(tmp_path / "out.safetensors")])
+    assert code == 5
+    line = one_error_line(capsys.readouterr().err)
+    assert "disk full" in line and "out.safetensors" in line
+    assert listing(tmp_path) == before
+
+
+def test_disk_full_keeps_existing_out_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"precious")
+
+    def full(self: SafetensorsWriter, info: object, chunks: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SafetensorsWriter, "write", full)
+    assert main(["clip", "--global", "1", "--force", str(src), str(out)]) == 5
+    one_error_line(capsys.readouterr().err)
+    assert out.read_bytes() == b"precious"
+    assert listing(tmp_path) == ["in.safetensors", "out.safetensors"]
+
+
+def test_file_size_limit_gives_exit_5(tmp_path: Path) -> None:
+    """RLIMIT_FSIZE makes write() fail with EFBIG (Python ignores SIGXFSZ)."""
+    src = make_input(tmp_path / "in.safetensors", elements=1 << 18)
+    out = tmp_path / "out.safetensors"
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "clipcli", "clip", "--global", "1", str(src), str(out)],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size,
+        timeout=60,
+    )
+    assert proc.returncode == 5, proc.stderr
+    one_error_line(proc.stderr)
+    assert listing(tmp_path) == ["in.safetensors"]
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_mid_write_removes_temp_file(tmp_path: Path, sig: int, code: int) -> None:
+    src = tmp_path / "in.safetensors"
+    rng = np.random.default_rng(1)
+    # ~400 MB in 8 tensors, so the write pass lasts long enough to be interrupted.
+    save_file(
+        {f"t{i}": rng.standard_normal(12_500_000, dtype=np.float32) for i in range(8)},
+        str(src),
+    )
+    out = tmp_path / "out.safetensors"
+    env = dict(os.environ, CLIPCLI_THREADS="1")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clipcli",
+            "clip",
+            "--global",
+            "1",
+            "--no-fsync",
+            str(src),
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".clipcli-tmp") for p in tmp_path.iterdir()):
+        assert proc.poll() is None, "finished before the temp file was seen"
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    line = one_error_line(err)
+    assert "no output written" in line
+    assert listing(tmp_path) == ["in.safetensors"]
+
+
+def test_missing_output_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    assert main(["clip", "--global", "1", str(src), str(tmp_path / "nope" / "o.safetensors")]) == 5
+    assert "does not exist" in one_error_line(capsys.readouterr().err)
+
+
+def test_unwritable_output_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Root ignores directory permissions, so the refusal is injected where it would happen."""
+    src = make_input(tmp_path / "in.safetensors")
+    before = listing(tmp_path)
+
+    def denied(*args: object, **kwargs: object) -> tuple[int, str]:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr("tempfile.mkstemp", denied)
+    assert main(["clip", "--global", "1", str(src), str(tmp_path / "o.safetensors")]) == 5
+    assert "Permission denied" in one_error_line(capsys.readouterr().err)
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_out_linked_to_in_is_refused(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    original = src.read_bytes()
+    out = tmp_path / "out.safetensors"
+    if kind == "symlink":
+        out.symlink_to(src)
+    else:
+        os.link(src, out)
+    assert main(["clip", "--global", "1", "--force", str(src), str(out)]) == 2
+    assert "is the input" in one_error_line(capsys.readouterr().err)
+    assert src.read_bytes() == original
+
+
+def test_new_output_gets_umask_mode(tmp_path: Path) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    old = os.umask(0o027)
+    try:
+        assert main(["clip", "--global", "1", "-q", str(src), str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640
+
+
+def test_force_keeps_the_old_outputs_mode(tmp_path: Path) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"old")
+    out.chmod(0o604)
+    assert main(["clip", "--global", "1", "-q", "--force", str(src), str(out)]) == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o604
+    assert set(load_file(str(out))) == {"a", "b"}
+
+
+def test_output_and_directory_are_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    assert main(["clip", "--global", "1", "-q", str(src), str(tmp_path / "o.safetensors")]) == 0
+    assert any(name.endswith(".clipcli-tmp") for name in synced)  # the file, before the rename
+    assert str(tmp_path) in synced  # the directory, after it
