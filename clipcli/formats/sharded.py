@@ -1,0 +1,715 @@
+"""Sharded Hugging Face checkpoints: a model directory of safetensors shards plus an index.
+
+A model directory holds either
+
+- `model.safetensors.index.json` (`{"metadata": {"total_size": N, ...}, "weight_map":
+  {tensor: shard}}`) and the shards `model-00001-of-0000K.safetensors` it names, or
+- a single `model.safetensors` and no index,
+
+next to config.json, tokenizer files and the like, which `clip` copies unchanged.
+
+Choices made here (see FORMATS.md, "Sharded Hugging Face checkpoints"):
+
+- The index must be complete: every tensor in a shard's header must be in the weight map.
+  A tensor the index leaves out would be invisible to `transformers`, yet would still be
+  read, clipped and counted in the global norm; refusing keeps both views equal.
+- Each tensor lives in exactly one shard; a tensor stored in two shards is refused.
+- `total_size` is not checked when reading: it is advisory, and loaders do not check it
+  either. `validate_sharded` checks it, and the writer always writes it fresh.
+- Files are read only inside the model directory. A symlink may point elsewhere only in a
+  Hugging Face hub cache snapshot (`<repo>/snapshots/<rev>/`), whose files all link into
+  the repo's own `blobs/` store. Anything else could make `clip` copy a file such as
+  ~/.ssh/id_rsa into an output that the user then publishes.
+- Copied unchanged: the regular files at the top level. Not copied: subdirectories
+  (`original/`, `onnx/`, `.cache/`), other weight files (`pytorch_model*.bin`, `*.pth`,
+  `consolidated.safetensors`, ...) and other indexes. Those hold the weights again in
+  another form, unclipped; copying them would ship unclipped weights beside clipped ones.
+  `skipped_files()` lists them so that the CLI can say so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clipcli.errors import InputError, Interrupted, UsageError, WriteError
+from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
+from clipcli.formats.safetensors import MAX_HEADER_BYTES, SafetensorsReader, SafetensorsWriter
+
+FORMAT_NAME = "safetensors-sharded"
+INDEX_SUFFIX = ".safetensors.index.json"
+DEFAULT_INDEX_NAME = "model" + INDEX_SUFFIX
+SHARD_SUFFIX = ".safetensors"
+SINGLE_FILE_NAME = "model" + SHARD_SUFFIX
+MAX_INDEX_BYTES = MAX_HEADER_BYTES  # an index is smaller than the headers it summarises
+
+# Top-level files that hold the model's weights in another form (or index them).
+OTHER_WEIGHT_SUFFIXES = frozenset(
+    {
+        SHARD_SUFFIX,
+        ".bin",
+        ".pt",
+        ".pth",
+        ".ckpt",
+        ".h5",
+        ".hdf5",
+        ".msgpack",
+        ".npz",
+        ".onnx",
+        ".onnx_data",
+        ".gguf",
+    }
+)
+
+
+# ---------------------------------------------------------------- finding a model directory
+
+
+def resolve_sharded(path: Path) -> tuple[Path, Path | None] | None:
+    """(directory, index) for a sharded checkpoint, (directory, None) for a single-file
+    model directory, None when PATH is not a directory or an index (an ordinary file).
+
+    A directory is always a model directory or an error: there is nothing else to read.
+    """
+    if path.is_dir():
+        index = _find_index(path)
+        if index is not None:
+            return path, index
+        _single_model_file(path)  # raises unless there is exactly one
+        return path, None
+    if path.name.endswith(INDEX_SUFFIX) and path.is_file():
+        return path.parent, path
+    return None
+
+
+def _find_index(directory: Path) -> Path | None:
+    """model.safetensors.index.json, else the one *.safetensors.index.json present."""
+    default = directory / DEFAULT_INDEX_NAME
+    if default.is_file():
+        return default
+    found = sorted(p for p in directory.glob("*" + INDEX_SUFFIX) if p.is_file())
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise InputError(directory, f"several safetensors indexes ({names}); pass the one to use")
+    return found[0] if found else None
+
+
+def _single_model_file(directory: Path) -> Path:
+    """The directory's one *.safetensors file, for a model saved without shards."""
+    found = sorted(p for p in directory.glob("*" + SHARD_SUFFIX) if p.is_file())
+    if not found:
+        raise InputError(directory, "no safetensors index or model file in this directory")
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise InputError(
+            directory, f"{len(found)} safetensors files ({names}) but no index to join them"
+        )
+    return found[0]
+
+
+# ---------------------------------------------------------------- staying inside the directory
+
+
+def _allowed_roots(directory: Path) -> list[Path]:
+    """Where the directory's files may really live: the directory itself and, for a hub
+    cache snapshot (<repo>/snapshots/<revision>/), the repo's blobs/ store."""
+    real = directory.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots":
+        blobs = real.parent.parent / "blobs"
+        if blobs.is_dir():
+            roots.append(blobs.resolve())
+    return roots
+
+
+def _real_path_inside(entry: Path, roots: Iterable[Path]) -> Path:
+    """The file `entry` stands for, refusing dangling links and links out of `roots`."""
+    try:
+        real = entry.resolve(strict=True)
+    except FileNotFoundError:
+        problem = "is a dangling symlink" if entry.is_symlink() else "does not exist"
+        raise InputError(entry, problem) from None
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise InputError(entry, f"cannot resolve: {exc}") from None
+    if not any(real.is_relative_to(root) for root in roots):
+        raise InputError(entry, f"links to {real}, outside the model directory; refusing it")
+    return real
+
+
+def _check_shard_name(index_path: Path, tensor: str, shard: object) -> str:
+    """A shard must be a plain *.safetensors file name: no path may leave the directory."""
+    if not isinstance(shard, str):
+        raise InputError(index_path, f"shard {shard!r} is not a string", tensor)
+    plain = shard not in ("", ".", "..") and not any(c in shard for c in "/\\\0")
+    if not plain or not shard.endswith(SHARD_SUFFIX):
+        raise InputError(
+            index_path, f"shard {shard!r} is not a plain *{SHARD_SUFFIX} file name", tensor
+        )
+    return shard
+
+
+# ---------------------------------------------------------------- the index file
+
+
+def _load_index(index_path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """The index document and its weight map, with every structural check done."""
+    try:
+        size = index_path.stat().st_size
+        if size > MAX_INDEX_BYTES:
+            raise InputError(index_path, f"index is {size} bytes; the limit is {MAX_INDEX_BYTES}")
+        raw = index_path.read_bytes()
+    except OSError as exc:
+        raise InputError(index_path, f"cannot read: {exc.strerror}") from None
+    document, duplicates = _parse_json_object(index_path, raw)
+    weight_map = document.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise InputError(index_path, 'index has no "weight_map" object')
+    for key, owner in duplicates:
+        if owner is weight_map:
+            raise InputError(index_path, "listed twice in the index", key)
+        raise InputError(index_path, f"key {key!r} appears twice in the index")
+    if not weight_map:
+        raise InputError(index_path, "the index's weight_map lists no tensors")
+    metadata = document.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise InputError(index_path, 'index "metadata" is not an object')
+    checked = {tensor: _check_shard_name(index_path, tensor, s) for tensor, s in weight_map.items()}
+    return document, checked
+
+
+def _parse_json_object(
+    index_path: Path, raw: bytes
+) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
+    """The JSON object, and each duplicate key with the object it was repeated in.
+
+    json keeps the last of two equal keys silently; a tensor mapped to two shards must be
+    an error instead, so duplicates are collected and judged once we know which object
+    (the weight map or another one) holds them.
+    """
+    duplicates: list[tuple[str, dict[str, Any]]] = []
+
+    def collect(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                duplicates.append((key, result))
+            result[key] = value
+        return result
+
+    try:
+        document = json.loads(raw.decode("utf-8"), object_pairs_hook=collect)
+    except UnicodeDecodeError:
+        raise InputError(index_path, "index is not valid UTF-8") from None
+    except RecursionError:
+        raise InputError(index_path, "index JSON is nested too deeply") from None
+    except ValueError as exc:
+        raise InputError(index_path, f"index is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise InputError(index_path, "index is not a JSON object")
+    return document, duplicates
+
+
+def _flatten(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """String metadata as every format reports it: non-strings as their JSON text."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+
+
+# ---------------------------------------------------------------- reading
+
+
+class ShardedReader(Reader):
+    """All tensors of a model directory, as if it were one checkpoint.
+
+    `infos` lists the shards in file-name order and each shard's tensors in file order;
+    data is read through each shard's SafetensorsReader.
+    """
+
+    format_name = FORMAT_NAME
+
+    def __init__(self, directory: Path, index_path: Path | None = None) -> None:
+        super().__init__(directory)
+        self.directory = directory
+        self.index_path = index_path
+        self._roots = _allowed_roots(directory)
+        self._readers: dict[str, SafetensorsReader] = {}
+        self._index: dict[str, Any] | None = None
+        try:
+            self._open(index_path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, index_path: Path | None) -> None:
+        weight_map: dict[str, str] | None = None
+        if index_path is None:
+            names = [_single_model_file(self.directory).name]
+        else:
+            _real_path_inside(index_path, self._roots)
+            self._index, weight_map = _load_index(index_path)
+            names = sorted(set(weight_map.values()))
+        for name in names:
+            self._readers[name] = self._open_shard(name)
+        self._shard_of = self._tensor_owners(weight_map)
+        self._infos = [info for name in names for info in self._readers[name].infos]
+        self._other_files, self._skipped_files = self._scan_directory()
+
+    def _open_shard(self, name: str) -> SafetensorsReader:
+        path = self.directory / name
+        if not os.path.lexists(path):
+            listed_in = self.index_path.name if self.index_path else "the directory"
+            raise InputError(path, f"shard listed in {listed_in} does not exist")
+        _real_path_inside(path, self._roots)
+        try:
+            return SafetensorsReader(path)
+        except OSError as exc:
+            raise InputError(path, f"cannot read: {exc.strerror}") from None
+
+    def _tensor_owners(self, weight_map: Mapping[str, str] | None) -> dict[str, str]:
+        """tensor -> shard, from the headers, checked against the index both ways."""
+        owners: dict[str, str] = {}
+        for shard, reader in self._readers.items():
+            for info in reader.infos:
+                if info.name in owners:
+                    problem = f"stored in shard {owners[info.name]!r} and again in this shard"
+                    raise InputError(reader.path, problem, info.name)
+                owners[info.name] = shard
+        if weight_map is None:
+            return owners
+        for tensor, shard in weight_map.items():
+            stored_in = owners.get(tensor)
+            if stored_in != shard:
+                where = "" if stored_in is None else f" (it is in shard {stored_in!r})"
+                raise InputError(self.index_path, f"not found in shard {shard!r}{where}", tensor)
+        for tensor, shard in owners.items():
+            if tensor not in weight_map:
+                problem = "is in this shard but missing from the index (the index must be complete)"
+                raise InputError(self.directory / shard, problem, tensor)
+        return owners
+
+    def _scan_directory(self) -> tuple[list[Path], list[Path]]:
+        """(files to copy unchanged, entries left out), both sorted by name."""
+        ours = set(self._readers)
+        if self.index_path is not None:
+            ours.add(self.index_path.name)
+        try:
+            listing = sorted(self.directory.iterdir())
+        except OSError as exc:
+            raise InputError(self.directory, f"cannot list: {exc.strerror}") from None
+        copied: list[Path] = []
+        skipped: list[Path] = []
+        for entry in listing:
+            if entry.name in ours:
+                continue
+            if entry.is_dir():
+                skipped.append(entry)  # never read, so a link out of the directory is harmless
+            elif _holds_weights(entry.name):
+                skipped.append(entry)
+            else:
+                _real_path_inside(entry, self._roots)
+                if not entry.is_file():
+                    raise InputError(entry, "is not a regular file; refusing to copy it")
+                copied.append(entry)
+        return copied, skipped
+
+    # -- the Reader interface
+
+    @property
+    def infos(self) -> list[TensorInfo]:
+        return self._infos
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        """The index's "metadata" object (total_size, ...); a single file's __metadata__."""
+        if self._index is None:
+            return self._readers[self.shard_names[0]].metadata
+        return _flatten(self._index.get("metadata", {}))
+
+    def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        return self._reader_of(info).chunks(info, chunk_elems)
+
+    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:
+        return self._reader_of(info).chunk_loaders(info)
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        return self._reader_of(info).read(info)
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+
+    # -- the directory
+
+    @property
+    def shard_names(self) -> list[str]:
+        """Shard file names in the order `infos` visits them."""
+        return list(self._readers)
+
+    def shard_of(self, name: str) -> str:
+        return self._shard_of[name]
+
+    def shard_reader(self, shard: str) -> SafetensorsReader:
+        return self._readers[shard]
+
+    def common_shard_metadata(self) -> dict[str, str]:
+        """The __metadata__ entries that every shard shares (typically {"format": "pt"}),
+        for joining the shards into one file: `metadata` is the index's, and transformers
+        refuses a safetensors file whose __metadata__ lacks "format"."""
+        shared = dict(self._readers[self.shard_names[0]].metadata)
+        for reader in self._readers.values():
+            shared = {k: v for k, v in shared.items() if reader.metadata.get(k) == v}
+        return shared
+
+    def index_document(self) -> dict[str, Any] | None:
+        """A copy of the parsed index (None without one), for writing the new index."""
+        return copy.deepcopy(self._index)
+
+    def other_files(self) -> list[Path]:
+        """Top-level files that are neither weights nor the index: config, tokenizer, ..."""
+        return list(self._other_files)
+
+    def skipped_files(self) -> list[Path]:
+        """Entries that `clip` does not copy: subdirectories and weights in other forms."""
+        return list(self._skipped_files)
+
+    def _reader_of(self, info: TensorInfo) -> SafetensorsReader:
+        return self._readers[self._shard_of[info.name]]
+
+
+def _holds_weights(name: str) -> bool:
+    return name.endswith(".index.json") or Path(name).suffix.lower() in OTHER_WEIGHT_SUFFIXES
+
+
+# ---------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class _ShardPlan:
+    name: str
+    infos: list[TensorInfo]
+    metadata: Mapping[str, str]
+
+
+def _plan_shards(checkpoint: Checkpoint) -> list[_ShardPlan]:
+    """The source's shards (names, tensors, __metadata__), or one model.safetensors."""
+    source = checkpoint.source
+    if not isinstance(source, ShardedReader):
+        return [_ShardPlan(SINGLE_FILE_NAME, list(checkpoint.infos), checkpoint.metadata)]
+    grouped: dict[str, list[TensorInfo]] = {}
+    previous: str | None = None
+    for info in checkpoint.infos:
+        shard = source.shard_of(info.name)
+        # Shards are written one after another, so their tensors must arrive together.
+        if shard != previous and shard in grouped:
+            raise ValueError(f"tensor {info.name!r}: tensors of shard {shard!r} are not adjacent")
+        grouped.setdefault(shard, []).append(info)
+        previous = shard
+    return [
+        _ShardPlan(shard, infos, source.shard_reader(shard).metadata)
+        for shard, infos in grouped.items()
+    ]
+
+
+class ShardedWriter(Writer):
+    """Fills an existing empty directory: the source's shards, a fresh index, and the source
+    directory's other files; or one model.safetensors when the source is a single file.
+
+    Each shard is a SafetensorsWriter, opened when its first tensor arrives and closed when
+    the next shard starts, so one output file is open at a time.
+    """
+
+    format_name = FORMAT_NAME
+
+    def __init__(self, path: Path, checkpoint: Checkpoint) -> None:
+        super().__init__(path, checkpoint)
+        for info in checkpoint.infos:
+            if (reason := self.check_dtype(info)) is not None:
+                raise ValueError(reason)
+        if not path.is_dir():
+            raise ValueError(f"{path}: ShardedWriter needs an existing directory")
+        self._plans = _plan_shards(checkpoint)
+        self._shard_number = {
+            info.name: number for number, plan in enumerate(self._plans) for info in plan.infos
+        }
+        self._order = [info for plan in self._plans for info in plan.infos]
+        self._written = 0  # tensors done, in arrival order
+        self._open_number = -1  # the shard being written
+        self._current: SafetensorsWriter | None = None
+
+    @classmethod
+    def check_dtype(cls, info: TensorInfo) -> str | None:
+        return SafetensorsWriter.check_dtype(info)
+
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        self._shard_writer(info).write(info, chunks)
+        self._written += 1
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+        """Kernel copy from the source shard; False (the caller streams) for other formats."""
+        writer = self._shard_writer(info)
+        if isinstance(source, ShardedReader):
+            source = source.shard_reader(source.shard_of(info.name))
+        copied = writer.copy_unchanged(source, info)
+        if copied:
+            self._written += 1
+        return copied
+
+    def close(self) -> None:
+        if self._written != len(self._order):
+            raise ValueError(f"close() after {self._written} of {len(self._order)} tensors")
+        while self._open_number < len(self._plans) - 1:  # a checkpoint without tensors
+            self._start_shard(self._open_number + 1)
+        self._finish_shard()
+        source = self.checkpoint.source
+        if isinstance(source, ShardedReader):
+            if source.index_path is not None:
+                self._write_index(source, source.index_path.name)
+            for file in source.other_files():
+                shutil.copy2(file, self.path / file.name)  # follows links: real files out
+
+    def abort(self) -> None:
+        if self._current is not None:
+            self._current.abort()
+            self._current = None
+
+    def _shard_writer(self, info: TensorInfo) -> SafetensorsWriter:
+        """The writer of the shard that holds `info`, which must be the next tensor."""
+        expected = self._order[self._written] if self._written < len(self._order) else None
+        if expected is None or expected.name != info.name:
+            wanted = "none" if expected is None else repr(expected.name)
+            raise ValueError(f"tensor {info.name!r} arrived out of order; expected {wanted}")
+        number = self._shard_number[info.name]
+        if number != self._open_number:
+            self._start_shard(number)
+        assert self._current is not None
+        return self._current
+
+    def _start_shard(self, number: int) -> None:
+        self._finish_shard()
+        plan = self._plans[number]
+        shard_checkpoint = Checkpoint(plan.infos, plan.metadata, self.checkpoint.source)
+        self._current = SafetensorsWriter(self.path / plan.name, shard_checkpoint)
+        self._open_number = number
+
+    def _finish_shard(self) -> None:
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+
+    def _write_index(self, source: ShardedReader, index_name: str) -> None:
+        """The source index with a recomputed total_size and this weight map, written the
+        way transformers' save_pretrained does (indent 2, sorted keys)."""
+        document = source.index_document() or {}
+        metadata = dict(document.get("metadata", {}))
+        metadata["total_size"] = sum(info.nbytes for info in self._order)
+        document["metadata"] = metadata
+        document["weight_map"] = {
+            info.name: plan.name for plan in self._plans for info in plan.infos
+        }
+        text = json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        (self.path / index_name).write_text(text, encoding="utf-8")
+
+
+# ---------------------------------------------------------------- choosing and checking OUT
+
+
+def writes_directory(out: Path, source: Reader) -> bool:
+    """Whether `clip` writes OUT as a model directory: IN is one, and OUT is not named as a
+    checkpoint file (`clip model/ merged.safetensors` joins the shards into one file)."""
+    from clipcli.io import format_from_extension  # io imports this module; avoid a cycle
+
+    return isinstance(source, ShardedReader) and format_from_extension(out) is None
+
+
+def check_output_directory(src: Path, out: Path, force: bool) -> None:
+    """Refuse OUT when replacing it would lose something: OUT is IN or holds IN, OUT exists
+    without --force, or OUT is a non-empty directory that is not a model directory (so that
+    a slip like `clip --force model/ ~` cannot wipe a home directory)."""
+    if not out.parent.is_dir():
+        raise WriteError(f"{out}: directory {out.parent} does not exist")
+    if not os.path.lexists(out) or _is_empty_directory(out):
+        return
+    if not force:
+        raise UsageError(f"{out}: already exists; pass --force to replace it")
+    if out.is_symlink() or not out.is_dir():
+        return  # only the link or file itself is replaced
+    real_out, real_src = out.resolve(), src.resolve()
+    if real_src.is_relative_to(real_out):
+        raise UsageError(f"{out}: output is or contains the input; choose another OUT")
+    if not _looks_like_model_directory(out):
+        raise UsageError(
+            f"{out}: is a directory that holds no safetensors model; refusing to replace it"
+        )
+
+
+def _is_empty_directory(path: Path) -> bool:
+    if path.is_symlink() or not path.is_dir():
+        return False
+    with os.scandir(path) as entries:
+        return next(entries, None) is None
+
+
+def _looks_like_model_directory(path: Path) -> bool:
+    return any(path.glob("*" + SHARD_SUFFIX)) or any(path.glob("*" + INDEX_SUFFIX))
+
+
+# ---------------------------------------------------------------- atomic output directory
+
+
+@contextlib.contextmanager
+def atomic_directory(out: Path, force: bool, durable: bool = True) -> Iterator[Path]:
+    """Yield a new empty directory beside OUT; on success move it into place as OUT.
+
+    OUT appears complete or not at all. An existing OUT (with force) is renamed aside,
+    the new directory renamed into place, then the old one removed; between the two
+    renames OUT is briefly absent (POSIX has no portable atomic directory swap). An empty
+    OUT directory is replaced directly, as rename(2) allows.
+
+    On any exception (Ctrl-C and SIGTERM included) the new directory is removed and OUT is
+    left as it was. OSErrors become WriteError (exit 5). durable=False skips the fsyncs.
+    """
+    # io imports this module to open model directories; import it here to avoid a cycle.
+    from clipcli.io import _fsync_dir, _signals_raise
+
+    parent = out.parent
+    if os.path.lexists(out) and not force and not _is_empty_directory(out):
+        raise UsageError(f"{out}: already exists; pass --force to replace it")
+    mode = _new_directory_mode(out)
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.", suffix=".clipcli-tmp"))
+    except OSError as exc:
+        raise WriteError(f"{out}: cannot create a directory in {parent}: {exc.strerror}") from None
+    try:
+        with _signals_raise():
+            yield tmp
+            if durable:
+                _fsync_tree(tmp)
+            os.chmod(tmp, mode)
+            _move_into_place(tmp, out)
+        if durable:
+            _fsync_dir(parent)
+    except KeyboardInterrupt:
+        _remove(tmp)
+        raise Interrupted("interrupted; no output written") from None
+    except OSError as exc:
+        _remove(tmp)
+        reason = exc.strerror or str(exc)
+        raise WriteError(f"{out}: writing failed: {reason}; no output written") from None
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _new_directory_mode(out: Path) -> int:
+    """Keep a replaced directory's mode; a new one gets 0o777 & ~umask like mkdir(1).
+    (mkdtemp creates 0o700.)"""
+    if out.is_dir() and not out.is_symlink():
+        return stat.S_IMODE(out.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if not os.path.lexists(out) or _is_empty_directory(out):
+        os.rename(tmp, out)
+        return
+    aside = _placeholder_like(out)
+    os.rename(out, aside)  # replaces the placeholder, which has OUT's kind
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        os.rename(aside, out)  # put the old OUT back before reporting the failure
+        raise
+    _remove(aside)
+
+
+def _placeholder_like(out: Path) -> Path:
+    """A fresh name beside OUT that rename(OUT, name) may replace: an empty directory for a
+    directory, a file for anything else (a file or a symlink, which is moved, not followed)."""
+    prefix, suffix = f".{out.name}.", ".clipcli-old"
+    if out.is_dir() and not out.is_symlink():
+        return Path(tempfile.mkdtemp(suffix=suffix, prefix=prefix, dir=out.parent))
+    fd, name = tempfile.mkstemp(suffix=suffix, prefix=prefix, dir=out.parent)
+    os.close(fd)
+    return Path(name)
+
+
+def _fsync_tree(root: Path) -> None:
+    for directory, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(directory, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate_sharded(path: Path) -> None:
+    """Check a model directory (or index) end to end; raise InputError on the first problem.
+
+    Beyond what ShardedReader checks (shards exist, are plain names, each tensor in exactly
+    its shard, the index complete), every shard must open with the official
+    `safetensors.safe_open`, and the index's metadata.total_size must equal the sum of the
+    tensors' byte sizes.
+    """
+    resolved = resolve_sharded(path)
+    if resolved is None:
+        raise InputError(path, "not a model directory or a safetensors index")
+    reader = ShardedReader(*resolved)
+    try:
+        for shard in reader.shard_names:
+            _check_with_safe_open(reader, shard)
+        if reader.index_path is not None:
+            _check_total_size(reader, reader.index_path)
+    finally:
+        reader.close()
+
+
+def _check_with_safe_open(reader: ShardedReader, shard: str) -> None:
+    from safetensors import safe_open
+
+    path = reader.directory / shard
+    try:
+        with safe_open(str(path), framework="np") as handle:
+            keys = set(handle.keys())
+    except Exception as exc:  # SafetensorError has no importable base class
+        raise InputError(path, f"safetensors cannot open this shard: {exc}") from None
+    for info in reader.shard_reader(shard).infos:
+        if info.name not in keys:
+            raise InputError(path, "missing according to safetensors.safe_open", info.name)
+
+
+def _check_total_size(reader: ShardedReader, index_path: Path) -> None:
+    document = reader.index_document() or {}
+    total = document.get("metadata", {}).get("total_size")
+    actual = sum(info.nbytes for info in reader.infos)
+    if not isinstance(total, int) or isinstance(total, bool):
+        raise InputError(index_path, f"metadata.total_size is {total!r}, not an integer")
+    if total != actual:
+        raise InputError(
+            index_path, f"metadata.total_size is {total} but the tensors hold {actual} bytes"
+        )
