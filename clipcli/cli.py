@@ -46,6 +46,28 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+PathArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Checkpoint file, Hugging Face model directory, or *.safetensors.index.json.",
+        show_default=False,
+    ),
+]
+InArg = Annotated[
+    Path,
+    typer.Argument(
+        metavar="IN", help="Input checkpoint file or model directory.", show_default=False
+    ),
+]
+OutArg = Annotated[
+    Path,
+    typer.Argument(
+        metavar="OUT",
+        help="Output file (its extension picks the format), or a name with no extension "
+        "for a Hugging Face model directory.",
+        show_default=False,
+    ),
+]
 IncludeOpt = Annotated[
     list[str] | None,
     typer.Option("--include", "-i", help="Only tensors whose name matches this glob (repeatable)."),
@@ -81,7 +103,7 @@ def _print(report: object, fmt: OutputFormat) -> None:
 
 @app.command("ls", epilog="Example: clipcli ls model.safetensors --format json")
 def ls_command(
-    path: Annotated[Path, typer.Argument(help="Checkpoint file.", show_default=False)],
+    path: PathArg,
     fmt: Annotated[
         OutputFormat, typer.Option("--format", "-f", help="Report format.")
     ] = OutputFormat.TABLE,
@@ -103,7 +125,7 @@ def ls_command(
     "      clipcli clip --global 5 m.safetensors o.safetensors",
 )
 def norms_command(
-    path: Annotated[Path, typer.Argument(help="Checkpoint file.", show_default=False)],
+    path: PathArg,
     fmt: Annotated[
         OutputFormat, typer.Option("--format", "-f", help="Report format.")
     ] = OutputFormat.TABLE,
@@ -202,15 +224,8 @@ def _parse_axes(text: str | None) -> list[int] | None:
     "  clipcli clip --global 1 --dry-run --format json in.safetensors out.safetensors",
 )
 def clip_command(
-    src: Annotated[
-        Path, typer.Argument(metavar="IN", help="Input checkpoint.", show_default=False)
-    ],
-    out: Annotated[
-        Path,
-        typer.Argument(
-            metavar="OUT", help="Output file; its extension picks the format.", show_default=False
-        ),
-    ],
+    src: InArg,
+    out: OutArg,
     low: Annotated[
         float | None, typer.Option("--min", help="clip_by_value lower bound.", metavar="X")
     ] = None,
@@ -316,15 +331,8 @@ def clip_command(
     "  clipcli convert weights.h5 weights.safetensors --force",
 )
 def convert_command(
-    src: Annotated[
-        Path, typer.Argument(metavar="IN", help="Input checkpoint.", show_default=False)
-    ],
-    out: Annotated[
-        Path,
-        typer.Argument(
-            metavar="OUT", help="Output file; its extension picks the format.", show_default=False
-        ),
-    ],
+    src: InArg,
+    out: OutArg,
     force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
 ) -> None:

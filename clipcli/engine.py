@@ -403,12 +403,31 @@ def _counted(chunks: Iterable[np.ndarray], progress: Progress) -> Iterator[np.nd
         yield chunk
 
 
-def check_writable(infos: Sequence[TensorInfo], out: Path) -> type[Writer]:
-    cls = writer_class(out)
+def check_writable(infos: Sequence[TensorInfo], out: Path, to_directory: bool) -> type[Writer]:
+    if to_directory:
+        from clipcli.formats.sharded import ShardedWriter
+
+        cls: type[Writer] = ShardedWriter
+    else:
+        cls = writer_class(out)
     for info in infos:
         if (reason := cls.check_dtype(info)) is not None:
             raise UsageError(f"{out}: tensor {info.name!r}: {reason}")
     return cls
+
+
+def _writes_directory(src: Path, out: Path) -> bool:
+    """OUT has no file extension: write a model directory (IN's sharding if IN is one)."""
+    return out.suffix == "" or out.is_dir()
+
+
+def _check_output(src: Path, out: Path, force: bool, to_directory: bool) -> None:
+    if to_directory:
+        from clipcli.formats.sharded import check_output_directory
+
+        check_output_directory(src, out, force)
+    else:
+        check_output_path(src, out, force)
 
 
 def clip(
@@ -423,10 +442,11 @@ def clip(
     progress: Progress = SILENT,
 ) -> ClipResult:
     """Plan, then (unless dry_run) write the clipped copy atomically."""
+    to_directory = _writes_directory(src, out)
     if not dry_run:
-        check_output_path(src, out, force)
+        _check_output(src, out, force, to_directory)
     with open_reader(src) as reader:
-        writer_cls = check_writable(reader.infos, out)
+        writer_cls = check_writable(reader.infos, out, to_directory)
         plans = plan_clip(reader, spec, selection, progress)
         used = None
         if spec.mode is Mode.GLOBAL and spec.group_by is None:
@@ -438,7 +458,7 @@ def clip(
         if dry_run:
             _write_all(reader, None, plans, spec, progress)
         else:
-            _write_file(reader, writer_cls, out, plans, spec, durable, progress)
+            _write_file(reader, writer_cls, out, plans, spec, durable, force, progress)
     return ClipResult(src, out, spec, dry_run, plans, used)
 
 
@@ -449,10 +469,23 @@ def _write_file(
     plans: Sequence[TensorPlan],
     spec: ClipSpec | None,
     durable: bool,
+    force: bool,
     progress: Progress,
 ) -> None:
-    with atomic_output(out, durable) as tmp:
-        writer = writer_cls(tmp, Checkpoint(list(reader.infos), dict(reader.metadata), reader))
+    from clipcli.formats.sharded import ShardedReader, ShardedWriter, atomic_directory
+
+    if writer_cls is ShardedWriter:
+        target = atomic_directory(out, force, durable)
+        metadata = dict(reader.metadata)
+    else:
+        target = atomic_output(out, durable)
+        # Shards joined into one file keep the shards' own __metadata__, not the index's.
+        if isinstance(reader, ShardedReader):
+            metadata = reader.common_shard_metadata()
+        else:
+            metadata = dict(reader.metadata)
+    with target as tmp:
+        writer = writer_cls(tmp, Checkpoint(list(reader.infos), metadata, reader))
         try:
             _write_all(reader, writer, plans, spec, progress)
         except BaseException:
@@ -470,9 +503,10 @@ def convert(
     progress: Progress = SILENT,
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
-    check_output_path(src, out, force)
+    to_directory = _writes_directory(src, out)
+    _check_output(src, out, force, to_directory)
     with open_reader(src) as reader:
-        writer_cls = check_writable(reader.infos, out)
+        writer_cls = check_writable(reader.infos, out, to_directory)
         plans = [TensorPlan(info, NormAccumulator(), True) for info in reader.infos]
-        _write_file(reader, writer_cls, out, plans, None, durable, progress)
+        _write_file(reader, writer_cls, out, plans, None, durable, force, progress)
         return list(reader.infos)

@@ -53,7 +53,14 @@ def sniff_format(path: Path) -> str:
 
 
 def open_reader(path: Path) -> Reader:
-    """Open a checkpoint by its content; an extension that disagrees with it is an error."""
+    """Open a checkpoint by its content; an extension that disagrees with it is an error.
+
+    A directory (or a *.safetensors.index.json) is a Hugging Face model directory."""
+    from clipcli.formats.sharded import ShardedReader, resolve_sharded
+
+    resolved = resolve_sharded(path)
+    if resolved is not None:
+        return ShardedReader(*resolved)
     detected = sniff_format(path)
     claimed = format_from_extension(path)
     if claimed is not None and claimed != detected:
@@ -126,7 +133,7 @@ def _new_file_mode(existing: Path) -> int:
 
 
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
+def signals_raise() -> Iterator[None]:
     """Turn SIGTERM into an exception so that the temp file is removed, as for Ctrl-C."""
 
     def on_term(signum: int, frame: FrameType | None) -> None:
@@ -143,7 +150,7 @@ def _signals_raise() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -173,7 +180,7 @@ def atomic_output(out: Path, durable: bool = True) -> Iterator[Path]:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        with _signals_raise():
+        with signals_raise():
             yield tmp
             if durable:
                 with open(tmp, "rb+") as handle:
@@ -181,7 +188,7 @@ def atomic_output(out: Path, durable: bool = True) -> Iterator[Path]:
             os.chmod(tmp, mode)
             os.replace(tmp, out)
         if durable:
-            _fsync_dir(directory)
+            fsync_dir(directory)
     except KeyboardInterrupt:
         _remove(tmp)
         raise Interrupted("interrupted; no output written") from None

@@ -579,7 +579,7 @@ def atomic_directory(out: Path, force: bool, durable: bool = True) -> Iterator[P
     left as it was. OSErrors become WriteError (exit 5). durable=False skips the fsyncs.
     """
     # io imports this module to open model directories; import it here to avoid a cycle.
-    from clipcli.io import _fsync_dir, _signals_raise
+    from clipcli.io import fsync_dir, signals_raise
 
     parent = out.parent
     if os.path.lexists(out) and not force and not _is_empty_directory(out):
@@ -590,14 +590,14 @@ def atomic_directory(out: Path, force: bool, durable: bool = True) -> Iterator[P
     except OSError as exc:
         raise WriteError(f"{out}: cannot create a directory in {parent}: {exc.strerror}") from None
     try:
-        with _signals_raise():
+        with signals_raise():
             yield tmp
             if durable:
                 _fsync_tree(tmp)
             os.chmod(tmp, mode)
             _move_into_place(tmp, out)
         if durable:
-            _fsync_dir(parent)
+            fsync_dir(parent)
     except KeyboardInterrupt:
         _remove(tmp)
         raise Interrupted("interrupted; no output written") from None
