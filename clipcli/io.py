@@ -56,11 +56,12 @@ def open_reader(path: Path) -> Reader:
     """Open a checkpoint by its content; an extension that disagrees with it is an error.
 
     A directory (or a *.safetensors.index.json) is a Hugging Face model directory."""
-    from clipcli.formats.sharded import ShardedReader, resolve_sharded
+    if path.is_dir() or path.name.endswith(".index.json"):
+        from clipcli.formats.sharded import ShardedReader, resolve_sharded
 
-    resolved = resolve_sharded(path)
-    if resolved is not None:
-        return ShardedReader(*resolved)
+        resolved = resolve_sharded(path)
+        if resolved is not None:
+            return ShardedReader(*resolved)
     detected = sniff_format(path)
     claimed = format_from_extension(path)
     if claimed is not None and claimed != detected:

@@ -72,6 +72,17 @@ class NormAccumulator:
         """Accumulate one chunk of any numeric dtype."""
         if chunk.size == 0:
             return
+        if chunk.dtype.kind == "f" and 2 <= chunk.dtype.itemsize <= 4:
+            # Hot path (float16/float32): squares cannot overflow or underflow in float64.
+            high, low = float(chunk.max()), float(chunk.min())
+            if -math.inf < low and high < math.inf:  # also False for NaN
+                wide = chunk.astype(np.float64)
+                self.add_sumsq(float(wide @ wide), 0)
+                self.numel += chunk.size
+                self.max_value = max(self.max_value, high)
+                self.min_value = min(self.min_value, low)
+                self.max_abs = max(self.max_abs, high, -low)
+                return
         self.numel += chunk.size
         # Extremes on the narrow data when numpy can order it (half the bytes to scan).
         ordered = chunk if chunk.dtype.kind in "fiub" else widen(chunk)

@@ -20,7 +20,7 @@ import numpy as np
 
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
 # small enough that a float64 copy of it stays in L2/L3 cache.
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 1 << 21
 
 
 @dataclass(frozen=True)
