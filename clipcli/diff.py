@@ -437,7 +437,8 @@ def _compare(a: np.ndarray, b: np.ndarray, same_dtype: bool, as_complex: bool) -
         return _Partial(acc_a, copy.copy(acc_a), NormAccumulator(), dot, True, nbytes)
     acc_b = accumulate([b])
     wide_a, wide_b = _wide(a, as_complex), _wide(b, as_complex)
-    diff = wide_a - wide_b
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, 1e308 - -1e308
+        diff = wide_a - wide_b
     finite = not (acc_a.nonfinite or acc_b.nonfinite)
     if not finite:
         # Equal values (the same infinity, NaN on both sides) are unchanged: 0, not nan.
