@@ -346,6 +346,56 @@ def convert_command(
         print(f"wrote {out}: {len(infos)} tensors, {sum(i.nbytes for i in infos)} bytes")
 
 
+@app.command(
+    "diff",
+    epilog="\b\nExamples:\n"
+    "  clipcli diff model.safetensors clipped.safetensors\n"
+    "  clipcli diff old.npz new.safetensors --changed-only --format json\n"
+    "  clipcli diff base/ merged/ --fail-above 0.05   # exit 1 if any tensor moved > 5%",
+)
+def diff_command(
+    path_a: Annotated[Path, typer.Argument(metavar="A", help="Reference checkpoint.")],
+    path_b: Annotated[Path, typer.Argument(metavar="B", help="Checkpoint to compare with A.")],
+    fmt: Annotated[
+        OutputFormat, typer.Option("--format", "-f", help="Report format.")
+    ] = OutputFormat.TABLE,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    changed_only: Annotated[
+        bool, typer.Option(help="List only tensors that are not bit-identical.")
+    ] = False,
+    fail_above: Annotated[
+        float | None,
+        typer.Option(
+            help="Exit 1 if any tensor's relative change ‖A−B‖/‖A‖ exceeds X, or a tensor "
+            "is missing, extra, or changed dtype or shape.",
+            metavar="X",
+        ),
+    ] = None,
+) -> None:
+    """Compare two checkpoints (any formats) tensor by tensor: ‖A−B‖, ‖A−B‖/‖A‖,
+    max |A−B|, cosine similarity and ‖B‖/‖A‖ (the scale a norm clip applied), plus missing
+    or extra tensors, dtype/shape changes and metadata changes. Streams both files."""
+    from clipcli.diff import diff_checkpoints
+    from clipcli.engine import Selection
+    from clipcli.report import diff_report
+
+    selection = _selection(include, exclude)
+    assert isinstance(selection, Selection)
+    result = diff_checkpoints(path_a, path_b, selection, progress=_progress())
+    _print(diff_report(result, changed_only), fmt)
+    if fail_above is not None:
+        worst = result.max_rel_change
+        if result.n_structural or (worst is not None and not worst <= fail_above):
+            print(
+                f"clipcli: largest relative change {worst if worst is not None else 'n/a'} "
+                f"or {result.n_structural} structural differences exceed --fail-above "
+                f"{fail_above:g}",
+                file=sys.stderr,
+            )
+            raise typer.Exit(ExitCode.CONDITION)
+
+
 def _fail(message: str, code: int) -> int:
     print(f"clipcli: error: {printable(message)}", file=sys.stderr)
     return code

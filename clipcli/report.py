@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from clipcli.errors import printable
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
+    from clipcli.diff import DiffResult
     from clipcli.engine import ClipResult, Measurement, TensorStats
     from clipcli.formats.base import TensorInfo
 
@@ -49,7 +50,7 @@ class Report:
     title: str
     columns: tuple[Column, ...]
     rows: tuple[tuple[Value, ...], ...]
-    summary: tuple[tuple[str, Value], ...] = ()
+    summary: tuple[tuple[str, Any], ...] = ()  # JSON-only fields around the rows
     footer: tuple[str, ...] = ()
     rows_key: str = "tensors"  # the JSON key holding the rows
 
@@ -152,7 +153,7 @@ def ls_report(path: str, fmt: str, metadata: dict[str, str], infos: Sequence[Ten
         f"{path} ({fmt})",
         LS_COLUMNS,
         rows,
-        (("path", path), ("format", fmt), ("metadata", metadata), ("total_bytes", total)),  # type: ignore[arg-type]
+        (("path", path), ("format", fmt), ("metadata", metadata), ("total_bytes", total)),
         tuple(footer),
     )
 
@@ -383,3 +384,72 @@ class TerminalProgress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+DIFF_COLUMNS = (
+    Column("name", "tensor"),
+    Column("status", "status"),
+    Column("dtype_a", "dtype A"),
+    Column("dtype_b", "dtype B"),
+    Column("norm_a", "norm A", numeric=True),
+    Column("norm_b", "norm B", numeric=True),
+    Column("diff_norm", "‖A−B‖", numeric=True),
+    Column("rel_change", "‖A−B‖/‖A‖", numeric=True),
+    Column("max_abs_diff", "max|A−B|", numeric=True),
+    Column("cosine", "cosine", numeric=True),
+    Column("norm_ratio", "‖B‖/‖A‖", numeric=True),
+)
+
+
+def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
+    rows = tuple(
+        (
+            t.name,
+            t.status,
+            t.dtype_a,
+            t.dtype_b,
+            t.norm_a,
+            t.norm_b,
+            t.diff_norm,
+            t.rel_change,
+            t.max_abs_diff,
+            t.cosine,
+            t.norm_ratio,
+        )
+        for t in result.tensors
+        if not (changed_only and t.status == "same")
+    )
+    counts = {status: n for status, n in result.counts.items() if n}
+    footer = [
+        f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, "
+        f"‖A−B‖ {result.global_diff_norm:.6g} (relative {result.global_rel_change:.6g})",
+        ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensors",
+    ]
+    footer += [
+        f"metadata {printable(key)}: {printable(repr(a))} -> {printable(repr(b))}"
+        for key, a, b in result.metadata_changes
+    ]
+    summary: tuple[tuple[str, Any], ...] = (
+        ("path_a", str(result.path_a)),
+        ("path_b", str(result.path_b)),
+        ("format_a", result.format_a),
+        ("format_b", result.format_b),
+        ("global_norm_a", result.global_norm_a),
+        ("global_norm_b", result.global_norm_b),
+        ("global_diff_norm", result.global_diff_norm),
+        ("global_rel_change", result.global_rel_change),
+        ("max_rel_change", result.max_rel_change),
+        ("identical", result.identical),
+        ("counts", dict(result.counts)),
+        (
+            "metadata_changes",
+            [{"key": k, "a": a, "b": b} for k, a, b in result.metadata_changes],
+        ),
+    )
+    return Report(
+        f"diff {result.path_a} ({result.format_a}) -> {result.path_b} ({result.format_b})",
+        DIFF_COLUMNS,
+        rows,
+        summary,
+        tuple(footer),
+    )
