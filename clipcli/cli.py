@@ -6,12 +6,14 @@ commands so that `clipcli --help` starts fast.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -45,6 +47,27 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def _reports_errors(command: F) -> F:
+    """Every failure inside a command becomes one stderr line and its exit code, whether
+    the app runs through main() or through Typer directly (tests' CliRunner)."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except ClipcliError as exc:
+            raise typer.Exit(_fail(str(exc), exc.exit_code)) from None
+        except (typer.Exit, typer.Abort, KeyboardInterrupt, BrokenPipeError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - last line of defence: one line, exit 70
+            raise typer.Exit(_internal_error(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
 
 PathArg = Annotated[
     Path,
@@ -102,6 +125,7 @@ def _print(report: object, fmt: OutputFormat) -> None:
 
 
 @app.command("ls", epilog="Example: clipcli ls model.safetensors --format json")
+@_reports_errors
 def ls_command(
     path: PathArg,
     fmt: Annotated[
@@ -124,6 +148,7 @@ def ls_command(
     "  clipcli norms m.safetensors --fail-above 5 ||\n"
     "      clipcli clip --global 5 m.safetensors o.safetensors",
 )
+@_reports_errors
 def norms_command(
     path: PathArg,
     fmt: Annotated[
@@ -223,6 +248,7 @@ def _parse_axes(text: str | None) -> list[int] | None:
     "  clipcli clip --value 3 --include '*.weight' in.safetensors out.safetensors\n"
     "  clipcli clip --global 1 --dry-run --format json in.safetensors out.safetensors",
 )
+@_reports_errors
 def clip_command(
     src: InArg,
     out: OutArg,
@@ -330,6 +356,7 @@ def clip_command(
     "  clipcli convert model.npz model.safetensors\n"
     "  clipcli convert weights.h5 weights.safetensors --force",
 )
+@_reports_errors
 def convert_command(
     src: InArg,
     out: OutArg,
@@ -353,6 +380,7 @@ def convert_command(
     "  clipcli diff old.npz new.safetensors --changed-only --format json\n"
     "  clipcli diff base/ merged/ --fail-above 0.05   # exit 1 if any tensor moved > 5%",
 )
+@_reports_errors
 def diff_command(
     path_a: Annotated[Path, typer.Argument(metavar="A", help="Reference checkpoint.")],
     path_b: Annotated[Path, typer.Argument(metavar="B", help="Checkpoint to compare with A.")],
@@ -401,6 +429,13 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _internal_error(exc: BaseException) -> int:
+    if os.environ.get("CLIPCLI_DEBUG"):
+        traceback.print_exc()
+    message = f"internal error: {type(exc).__name__}: {exc} (set CLIPCLI_DEBUG=1 for details)"
+    return _fail(message, ExitCode.INTERNAL)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Every failure is one stderr line."""
     for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -424,10 +459,5 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return ExitCode.OK
     except Exception as exc:  # noqa: BLE001 - last line of defence: one line, exit 70
-        if os.environ.get("CLIPCLI_DEBUG"):
-            traceback.print_exc()
-        return _fail(
-            f"internal error: {type(exc).__name__}: {exc} (set CLIPCLI_DEBUG=1 for details)",
-            ExitCode.INTERNAL,
-        )
+        return _internal_error(exc)
     return int(result) if isinstance(result, int) else ExitCode.OK
