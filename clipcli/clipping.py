@@ -251,7 +251,9 @@ def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray) -> np.ndarray:
     factor = np.asarray(scale, dtype=np.float64).astype(
         work.char.lower() if work.kind == "c" else work
     )
-    scaled: np.ndarray = (chunk.astype(work) * factor).astype(chunk.dtype)
+    wide = chunk.astype(work)
+    wide *= factor
+    scaled: np.ndarray = wide.astype(chunk.dtype)
     return scaled
 
 

@@ -5,6 +5,7 @@ streaming writer (header first, then one tensor at a time), which covers bf16 an
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
@@ -254,7 +255,17 @@ class SafetensorsWriter(Writer):
             if (reason := self.check_dtype(info)) is not None:
                 raise ValueError(reason)
         self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed by close()/abort()
-        self._file.write(build_header(checkpoint.infos, checkpoint.metadata))
+        header = build_header(checkpoint.infos, checkpoint.metadata)
+        total = len(header) + sum(info.nbytes for info in checkpoint.infos)
+        # Reserving the whole file up front makes a full disk fail before any data is
+        # written, and spares the filesystem growing the file block by block.
+        try:
+            os.posix_fallocate(self._file.fileno(), 0, total)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise
+            # Filesystems without fallocate support (EOPNOTSUPP, EINVAL) just grow the file.
+        self._file.write(header)
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
@@ -266,7 +277,7 @@ class SafetensorsWriter(Writer):
         little = info.dtype.newbyteorder("<") if info.dtype.byteorder == ">" else info.dtype
         for chunk in chunks:
             data = chunk if chunk.dtype == little else chunk.astype(little)
-            self._file.write(np.ascontiguousarray(data).tobytes())
+            self._file.write(memoryview(np.ascontiguousarray(data).view(np.uint8)))
 
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
         """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
