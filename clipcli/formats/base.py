@@ -68,6 +68,12 @@ def is_floating(dtype: np.dtype[Any]) -> bool:
     return dtype.kind in "fc" or is_ml_float(dtype)
 
 
+def byte_view(array: np.ndarray, dtype: np.dtype[Any]) -> memoryview:
+    """The array's bytes as `dtype`, C-contiguous, without a copy where none is needed."""
+    data = array if array.dtype == dtype else array.astype(dtype)
+    return memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
+
+
 def default_chunk_elems(dtype: np.dtype[Any]) -> int:
     return max(1, CHUNK_BYTES // max(1, dtype.itemsize))
 

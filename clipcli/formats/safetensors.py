@@ -24,6 +24,7 @@ from clipcli.formats.base import (
     Reader,
     TensorInfo,
     Writer,
+    byte_view,
     default_chunk_elems,
 )
 
@@ -276,8 +277,7 @@ class SafetensorsWriter(Writer):
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         little = info.dtype.newbyteorder("<") if info.dtype.byteorder == ">" else info.dtype
         for chunk in chunks:
-            data = chunk if chunk.dtype == little else chunk.astype(little)
-            self._file.write(memoryview(np.ascontiguousarray(data).view(np.uint8)))
+            self._file.write(byte_view(chunk, little))
 
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
         """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""

@@ -1,0 +1,285 @@
+""".npz: a zip of .npy members, read member by member without np.load and never unpickled.
+
+Every member's .npy header is parsed and checked against the member's stored size before
+any data is read, so a header declaring 10**12 elements over 8 bytes of data is refused
+at once instead of allocating terabytes (np.load allocates the declared shape first).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import zipfile
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from clipcli.errors import InputError
+from clipcli.formats.base import (
+    Checkpoint,
+    Reader,
+    TensorInfo,
+    Writer,
+    byte_view,
+    default_chunk_elems,
+    is_numeric,
+)
+
+NPY_MAGIC = b"\x93NUMPY"
+MAX_HEADER_BYTES = 10_000  # numpy's own default cap for np.load
+# Streaming keeps decompression memory-safe, but a member that inflates by more than this
+# ratio to more than this size is almost surely a zip bomb (real tensors compress ~1.1:1,
+# all-zero ones ~1000:1 but are rarely that large).
+BOMB_RATIO = 200
+BOMB_MIN_BYTES = 64 << 20
+_READ_ERRORS = (OSError, EOFError, zipfile.BadZipFile, zlib.error, ValueError, RuntimeError)
+
+
+class _Member:
+    """Where one tensor's bytes sit inside the zip."""
+
+    def __init__(self, info: zipfile.ZipInfo, data_offset: int, fortran: bool) -> None:
+        self.zip_info = info
+        self.data_offset = data_offset  # bytes of .npy header before the data
+        self.fortran = fortran
+
+
+class NpzReader(Reader):
+    format_name = "npz"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        try:
+            self._zip = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            raise InputError(path, f"not a valid npz (zip) file: {exc}") from None
+        try:
+            self._infos, self._members = self._scan()
+        except BaseException:
+            self._zip.close()
+            raise
+
+    def _scan(self) -> tuple[list[TensorInfo], dict[str, _Member]]:
+        infos: list[TensorInfo] = []
+        members: dict[str, _Member] = {}
+        seen: set[str] = set()
+        for entry in self._zip.infolist():
+            name = entry.filename
+            if name in seen:
+                raise InputError(self.path, f"duplicate member {name!r}")
+            seen.add(name)
+            if name.endswith("/"):
+                raise InputError(self.path, f"member {name!r} is a directory")
+            if not name.endswith(".npy"):
+                raise InputError(self.path, f"member {name!r} is not a .npy array")
+            if name.startswith("/") or ".." in name.replace("\\", "/").split("/"):
+                raise InputError(self.path, f"member name {name!r} escapes the archive")
+            tensor = name[: -len(".npy")]
+            if tensor in seen:
+                raise InputError(self.path, f"both {tensor!r} and {name!r} are members")
+            self._check_bomb(entry, tensor)
+            info, member = self._parse_member(entry, tensor)
+            infos.append(info)
+            members[tensor] = member
+        return infos, members
+
+    def _check_bomb(self, entry: zipfile.ZipInfo, tensor: str) -> None:
+        if entry.compress_type == zipfile.ZIP_STORED or entry.file_size <= BOMB_MIN_BYTES:
+            return
+        ratio = entry.file_size / max(entry.compress_size, 1)
+        if ratio > BOMB_RATIO:
+            raise InputError(
+                self.path,
+                f"inflates {entry.compress_size} bytes to {entry.file_size} "
+                f"(ratio {ratio:.0f}:1); refusing what looks like a zip bomb",
+                tensor,
+            )
+
+    def _parse_member(self, entry: zipfile.ZipInfo, tensor: str) -> tuple[TensorInfo, _Member]:
+        try:
+            with self._zip.open(entry) as stream:
+                dtype, shape, fortran, header_len = _read_npy_header(stream)
+        except InputProblem as exc:
+            raise InputError(self.path, str(exc), tensor) from None
+        except _READ_ERRORS as exc:
+            raise InputError(self.path, f"cannot read member header: {exc}", tensor) from None
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if nbytes >= 2**62:
+            raise InputError(self.path, f"shape {list(shape)} overflows", tensor)
+        if entry.file_size != header_len + nbytes:
+            actual = entry.file_size - header_len
+            raise InputError(
+                self.path,
+                f"shape {list(shape)} of {dtype.name} needs {nbytes} data bytes "
+                f"but the member holds {actual}",
+                tensor,
+            )
+        info = TensorInfo(tensor, dtype, tuple(shape), nbytes)
+        return info, _Member(entry, header_len, fortran)
+
+    @property
+    def infos(self) -> list[TensorInfo]:
+        return self._infos
+
+    @property
+    def compressed(self) -> bool:
+        return any(m.zip_info.compress_type != zipfile.ZIP_STORED for m in self._members.values())
+
+    def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        member = self._members[info.name]
+        if member.fortran:
+            # Stored column-major: C order needs the whole tensor (memory = one tensor).
+            whole = self.read(info)
+            flat = whole.reshape(-1)
+            step = chunk_elems or default_chunk_elems(info.dtype)
+            for start in range(0, flat.size, step):
+                yield flat[start : start + step]
+            return
+        step = (chunk_elems or default_chunk_elems(info.dtype)) * info.dtype.itemsize
+        try:
+            with self._zip.open(member.zip_info) as stream:
+                _read_exactly(stream, member.data_offset)
+                remaining = info.nbytes
+                while remaining > 0:
+                    data = _read_exactly(stream, min(step, remaining))
+                    remaining -= len(data)
+                    yield np.frombuffer(data, dtype=info.dtype)
+                if stream.read(1):
+                    raise InputProblem("extra bytes after the array data")
+        except InputProblem as exc:
+            raise InputError(self.path, str(exc), info.name) from None
+        except _READ_ERRORS as exc:
+            raise InputError(self.path, f"cannot read data: {exc}", info.name) from None
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        member = self._members[info.name]
+        try:
+            with self._zip.open(member.zip_info) as stream:
+                _read_exactly(stream, member.data_offset)
+                data = _read_exactly(stream, info.nbytes)
+        except InputProblem as exc:
+            raise InputError(self.path, str(exc), info.name) from None
+        except _READ_ERRORS as exc:
+            raise InputError(self.path, f"cannot read data: {exc}", info.name) from None
+        flat = np.frombuffer(data, dtype=info.dtype)
+        if member.fortran:
+            return flat.reshape(info.shape[::-1]).T.copy()
+        return flat.reshape(info.shape)
+
+    def close(self) -> None:
+        self._zip.close()
+
+
+class InputProblem(ValueError):
+    """A malformed .npy member; the reader adds the file and tensor."""
+
+
+def _read_exactly(stream: IO[bytes], size: int) -> bytes:
+    data = stream.read(size)
+    if len(data) != size:
+        raise InputProblem(f"truncated member: expected {size} more bytes, got {len(data)}")
+    return data
+
+
+def _read_npy_header(stream: IO[bytes]) -> tuple[np.dtype[Any], tuple[int, ...], bool, int]:
+    """(dtype, shape, fortran_order, header length) of a .npy stream, parsed with a size cap
+    and `ast.literal_eval` (no code runs, no pickle)."""
+    prefix = stream.read(8)
+    if len(prefix) < 8 or not prefix.startswith(NPY_MAGIC):
+        raise InputProblem("member does not start with the .npy magic")
+    major = prefix[6]
+    if major == 1:
+        size_bytes = 2
+    elif major in (2, 3):
+        size_bytes = 4
+    else:
+        raise InputProblem(f"unsupported .npy format version {major}.{prefix[7]}")
+    header_len = int.from_bytes(_read_exactly(stream, size_bytes), "little")
+    if header_len > MAX_HEADER_BYTES:
+        raise InputProblem(f".npy header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} cap")
+    raw = _read_exactly(stream, header_len)
+    try:
+        text = raw.decode("utf-8" if major == 3 else "latin1")
+        header = ast.literal_eval(text)
+    except (UnicodeDecodeError, ValueError, SyntaxError, MemoryError, RecursionError):
+        raise InputProblem(".npy header is not a valid Python literal") from None
+    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+        raise InputProblem(".npy header must hold exactly descr, fortran_order and shape")
+    shape = header["shape"]
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise InputProblem(f".npy shape {shape!r} is not a tuple of non-negative integers")
+    if not isinstance(header["fortran_order"], bool):
+        raise InputProblem(".npy fortran_order is not a bool")
+    descr = header["descr"]
+    if not isinstance(descr, str):
+        # Lists describe structured dtypes: never tensors.
+        raise InputProblem(f"dtype {descr!r} is not numeric (structured)")
+    try:
+        dtype = np.dtype(descr)
+    except (TypeError, ValueError):
+        raise InputProblem(f"unknown dtype {descr!r}") from None
+    if dtype.hasobject:
+        raise InputProblem(f"dtype {descr!r} holds Python objects; refusing to unpickle")
+    if not is_numeric(dtype):
+        raise InputProblem(f"dtype {descr!r} is not numeric")
+    return dtype, shape, header["fortran_order"], 8 + size_bytes + header_len
+
+
+def _npy_header(info: TensorInfo) -> bytes:
+    header = {
+        "descr": np.lib.format.dtype_to_descr(info.dtype),
+        "fortran_order": False,
+        "shape": info.shape,
+    }
+    text = repr(header).encode("latin1")
+    # numpy pads header + newline so the data starts on a 64-byte boundary.
+    for version, size_bytes in ((1, 2), (2, 4)):
+        fixed = 8 + size_bytes
+        padded = text + b" " * (-(fixed + len(text) + 1) % 64) + b"\n"
+        if len(padded) < 2 ** (8 * size_bytes):
+            return (
+                NPY_MAGIC
+                + bytes([version, 0])
+                + len(padded).to_bytes(size_bytes, "little")
+                + padded
+            )
+    raise ValueError("npy header too large")
+
+
+class NpzWriter(Writer):
+    format_name = "npz"
+
+    def __init__(self, path: Path, checkpoint: Checkpoint) -> None:
+        super().__init__(path, checkpoint)
+        source = checkpoint.source
+        compress = isinstance(source, NpzReader) and source.compressed
+        self._zip = zipfile.ZipFile(
+            path, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED, allowZip64=True
+        )
+
+    @classmethod
+    def check_dtype(cls, info: TensorInfo) -> str | None:
+        if info.dtype.type.__module__.startswith("ml_dtypes"):
+            return f"npz cannot hold {info.dtype.name}; write .safetensors instead"
+        return None
+
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        with self._zip.open(f"{info.name}.npy", "w", force_zip64=True) as member:
+            member.write(_npy_header(info))
+            for chunk in chunks:
+                member.write(byte_view(chunk, info.dtype))
+
+    def close(self) -> None:
+        self._zip.close()
+
+    def abort(self) -> None:
+        try:
+            self._zip.close()
+        except (OSError, ValueError, zipfile.BadZipFile):
+            pass
