@@ -1,6 +1,6 @@
 """Regenerate the demo checkpoints in this folder (seeded, so the bytes are reproducible).
 
-    python sample_data/make_samples.py
+python sample_data/make_samples.py
 """
 
 from __future__ import annotations
@@ -74,8 +74,10 @@ def main() -> None:
     tensors = tiny_mlp(rng)
     meta = {"format": "pt", "source": "clipcli sample_data/make_samples.py"}
     write_safetensors(HERE / "tiny_mlp.safetensors", tensors, meta)
-    bf16 = {k: (v.astype(ml_dtypes.bfloat16) if v.dtype == np.float32 else v)
-            for k, v in tensors.items()}
+    bf16 = {
+        k: (v.astype(ml_dtypes.bfloat16) if v.dtype == np.float32 else v)
+        for k, v in tensors.items()
+    }
     write_safetensors(HERE / "tiny_mlp_bf16.safetensors", bf16, meta)
     np.savez_compressed(HERE / "tiny_mlp.npz", **tensors)
     write_keras_like_h5(HERE / "tiny_mlp_keras.h5", tensors)
