@@ -21,7 +21,7 @@ import numpy as np
 
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import finfo, is_floating
-from clipcli.norms import slice_norms, smallest_subnormal, unit_roundoff
+from clipcli.norms import slice_blocks, slice_norms, smallest_subnormal, unit_roundoff
 
 # Relative slack for errors of the float64 norm itself (~1e-13 for any size).
 _NORM_SLACK = 1e-12
@@ -314,27 +314,52 @@ def axes_scales(
     norms = slice_norms(array, axes)
     with np.errstate(divide="ignore", invalid="ignore"):
         over = (norms > limit) & np.isfinite(norms)
-        scales = np.where(over, limit / np.where(over, norms, 1.0), 1.0)
-    slice_numel = math.prod(array.shape[a] for a in axes)
-    guaranteed = np.array(
-        [
-            safe_scale(limit, float(n), slice_numel, [array.dtype]) if o else 1.0
-            for n, o in zip(norms.ravel(), over.ravel(), strict=True)
-        ]
-    ).reshape(norms.shape)
+        safe_norms = np.where(over, norms, 1.0)
+        scales = np.where(over, limit / safe_norms, 1.0)
+        # safe_scale is inversely proportional to the norm: one call gives every slice's.
+        slice_numel = math.prod(array.shape[a] for a in axes)
+        unit = safe_scale(limit, 1.0, slice_numel, [array.dtype])
+        guaranteed = np.where(over, unit / safe_norms, 1.0)
     if np.all(guaranteed >= scales * (1 - _FIDELITY)):
-        return norms, np.where(over, guaranteed, 1.0)
+        return norms, guaranteed
     for _ in range(3):
-        measured = slice_norms(scale_chunk(array, scales), axes)
+        measured = slice_norms_scaled(array, scales, axes)
         too_big = over & (measured > limit)
         if not np.any(too_big):
             return norms, scales
-        scales = np.where(
-            too_big,
-            np.maximum(
-                scales * limit / np.where(too_big, measured, 1.0) * (1 - _NORM_SLACK), guaranteed
-            ),
-            scales,
-        )
-    measured = slice_norms(scale_chunk(array, scales), axes)
+        shrunk = scales * limit / np.where(too_big, measured, 1.0) * (1 - _NORM_SLACK)
+        scales = np.where(too_big, np.maximum(shrunk, guaranteed), scales)
+    measured = slice_norms_scaled(array, scales, axes)
     return norms, np.where(over & (measured > limit), guaranteed, scales)
+
+
+def slice_norms_scaled(array: np.ndarray, scales: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """Slice norms of the rounded, scaled array, without materialising all of it."""
+    return _blockwise(array, scales, axes, lambda part, s: slice_norms(scale_chunk(part, s), axes))
+
+
+def scale_slices(array: np.ndarray, scales: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """array * scales (per slice), rounded to the dtype; one output copy, bounded temps."""
+    out = np.empty_like(array)
+    for block in slice_blocks(array.shape, axes):
+        out[block] = scale_chunk(array[block], scales[_scale_index(block, axes)])
+    return out
+
+
+def _scale_index(block: tuple[slice, ...], axes: tuple[int, ...]) -> tuple[slice, ...]:
+    """The same block in the keepdims scales array (size 1 along the reduced axes)."""
+    return tuple(slice(None) if i in axes else part for i, part in enumerate(block))
+
+
+def _blockwise(
+    array: np.ndarray,
+    scales: np.ndarray,
+    axes: tuple[int, ...],
+    fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+) -> np.ndarray:
+    blocks = slice_blocks(array.shape, axes)
+    parts = [fn(array[block], scales[_scale_index(block, axes)]) for block in blocks]
+    if len(parts) == 1:
+        return parts[0]
+    kept = next(i for i in range(array.ndim) if i not in axes)
+    return np.concatenate(parts, axis=kept)

@@ -23,7 +23,7 @@ from clipcli.clipping import ClipSpec, Mode
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, is_floating
 from clipcli.io import atomic_output, check_output_path, open_reader, writer_class
-from clipcli.norms import NormAccumulator, accumulate, global_norm
+from clipcli.norms import NormAccumulator, accumulate, accumulate_array, global_norm
 from clipcli.parallel import ordered_map
 
 R = TypeVar("R")
@@ -343,8 +343,8 @@ def _clip_slices(reader: Reader, plan: TensorPlan, spec: ClipSpec) -> list[np.nd
     plan.changed = bool(np.any(changed))
     plan.note = f"{int(np.count_nonzero(changed))} of {scales.size} slices clipped"
     if plan.changed:
-        array = clipping.scale_chunk(array, scales)
-        plan.after = accumulate([array.reshape(-1)])
+        array = clipping.scale_slices(array, scales, plan.axes)
+        plan.after = accumulate_array(array)
     return [array.reshape(-1)]
 
 

@@ -29,15 +29,19 @@ def _as_real(chunk: np.ndarray) -> np.ndarray:
     return chunk
 
 
+def _bf16_as_float32(chunk: np.ndarray) -> np.ndarray:
+    """bfloat16 is the top half of a float32, so widening is a 16-bit shift."""
+    bits: np.ndarray = chunk.view(np.uint16).astype(np.uint32) << 16
+    return bits.view(np.float32)
+
+
 def widen(chunk: np.ndarray) -> np.ndarray:
     """The chunk as float64 (real view for complex), values unchanged."""
     chunk = _as_real(chunk)
     if chunk.dtype == np.float64:
         return chunk
     if chunk.dtype.name == "bfloat16":
-        # bf16 is the top half of a float32: widen by a shift, 10x faster than ml_dtypes' cast.
-        bits = chunk.view(np.uint16).astype(np.uint32) << 16
-        return bits.view(np.float32).astype(np.float64)
+        return _bf16_as_float32(chunk).astype(np.float64)
     if chunk.dtype.kind == "V" or (chunk.dtype.itemsize == 1 and chunk.dtype.kind == "f"):
         return chunk.astype(np.float32).astype(np.float64)
     return chunk.astype(np.float64)
@@ -72,6 +76,8 @@ class NormAccumulator:
         """Accumulate one chunk of any numeric dtype."""
         if chunk.size == 0:
             return
+        if chunk.dtype.name == "bfloat16":
+            chunk = _bf16_as_float32(chunk)  # exact, and a shift is 10x faster than a cast
         if chunk.dtype.kind == "f" and 2 <= chunk.dtype.itemsize <= 4:
             # Hot path (float16/float32): squares cannot overflow or underflow in float64.
             high, low = float(chunk.max()), float(chunk.min())
@@ -151,9 +157,16 @@ def accumulate(chunks: Iterable[np.ndarray]) -> NormAccumulator:
     return acc
 
 
+def accumulate_array(array: np.ndarray) -> NormAccumulator:
+    """Statistics of an in-memory array, in pieces so the float64 copy stays small."""
+    flat = array.reshape(-1)
+    step = 1 << 18
+    return accumulate(flat[i : i + step] for i in range(0, flat.size, step))
+
+
 def l2_norm(array: np.ndarray) -> float:
     """Exact L2 norm of a whole array (finite values only)."""
-    return accumulate([array.reshape(-1)]).norm
+    return accumulate_array(array).norm
 
 
 def global_norm(norms: Iterable[float]) -> float:
@@ -166,11 +179,45 @@ def global_norm(norms: Iterable[float]) -> float:
     return acc.norm
 
 
+# Working memory for the float64 copies that slice norms need, per block of slices.
+SLICE_BLOCK_BYTES = 32 << 20
+
+
+def slice_blocks(shape: tuple[int, ...], axes: tuple[int, ...]) -> list[tuple[slice, ...]]:
+    """Index tuples that cut an array into blocks of whole slices (along the first axis that
+    is not reduced), each small enough that its float64 copy fits SLICE_BLOCK_BYTES."""
+    kept = [i for i in range(len(shape)) if i not in axes]
+    full = tuple(slice(None) for _ in shape)
+    if not kept or math.prod(shape) * 8 <= SLICE_BLOCK_BYTES:
+        return [full]
+    axis = kept[0]
+    per_index = max(1, math.prod(shape) // max(shape[axis], 1)) * 8
+    step = max(1, SLICE_BLOCK_BYTES // per_index)
+    return [
+        full[:axis] + (slice(start, start + step),) + full[axis + 1 :]
+        for start in range(0, shape[axis], step)
+    ]
+
+
 def slice_norms(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-    """Norms over `axes` (keepdims), exact in float64 with power-of-two rescaling."""
+    """Norms over `axes` (keepdims), exact in float64 with power-of-two rescaling, computed
+    block by block so the float64 working copy stays bounded."""
+    keep_shape = [1 if i in axes else n for i, n in enumerate(array.shape)]
+    if array.size == 0:
+        return np.zeros(keep_shape)
+    if len(axes) == array.ndim:
+        # One slice: the whole tensor, streamed.
+        return np.full(keep_shape, accumulate_array(array).finite_norm)
+    blocks = slice_blocks(array.shape, axes)
+    parts = [_block_slice_norms(array[block], axes) for block in blocks]
+    if len(parts) == 1:
+        return parts[0]
+    kept = next(i for i in range(array.ndim) if i not in axes)
+    return np.concatenate(parts, axis=kept)
+
+
+def _block_slice_norms(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
     wide = np.abs(array).astype(np.float64) if array.dtype.kind == "c" else widen(array)
-    if wide.size == 0:
-        return np.zeros([1 if i in axes else n for i, n in enumerate(array.shape)])
     peak = np.max(np.abs(wide), axis=axes, keepdims=True)
     safe_peak = np.where((peak > 0) & np.isfinite(peak), peak, 1.0)
     exps = np.frexp(safe_peak)[1]
