@@ -45,7 +45,8 @@ def sniff_format(path: Path) -> str:
         return "hdf5"
     if head.startswith(ZIP_MAGICS):
         return "npz"
-    if len(head) >= 9 and head[8:9] == b"{":
+    if (len(head) >= 9 and head[8:9] == b"{") or format_from_extension(path) == "safetensors":
+        # safetensors has no magic; its own parser says precisely what is wrong.
         return "safetensors"
     if len(head) < 8:
         raise InputError(path, f"file is too short ({len(head)} bytes) to be a checkpoint")

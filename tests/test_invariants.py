@@ -14,7 +14,8 @@ from hypothesis.extra import numpy as hnp
 from clipcli.cli import main
 from clipcli.io import open_reader
 
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Example counts come from the profile in conftest.py (ci: 40, long: 5000).
+SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXTENSIONS = (".safetensors", ".npz", ".h5")
 
 finite_tensors = st.dictionaries(
