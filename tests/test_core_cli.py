@@ -14,6 +14,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from handmade import write_safetensors
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -32,30 +33,7 @@ def write(
     path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None
 ) -> Path:
     if path.suffix == ".safetensors":
-        codes = {
-            "float16": "F16",
-            "bfloat16": "BF16",
-            "float32": "F32",
-            "float64": "F64",
-            "int64": "I64",
-            "int32": "I32",
-            "bool": "BOOL",
-        }
-        header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-        offset = 0
-        for name, array in tensors.items():
-            header[name] = {
-                "dtype": codes[array.dtype.name],
-                "shape": list(array.shape),
-                "data_offsets": [offset, offset + array.nbytes],
-            }
-            offset += array.nbytes
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        with open(path, "wb") as out:
-            out.write(struct.pack("<Q", len(text)) + text)
-            for array in tensors.values():
-                out.write(np.ascontiguousarray(array).tobytes())
+        write_safetensors(path, tensors, metadata)
     elif path.suffix == ".npz":
         np.savez(path, **tensors)
     else:

@@ -13,6 +13,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from handmade import write_safetensors
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -32,26 +33,6 @@ def run_json(*args: str) -> dict:  # type: ignore[type-arg]
     code, out, err = run(*args, "--format", "json")
     assert code == 0, err
     return json.loads(out)  # type: ignore[no-any-return]
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray], meta: dict[str, str]) -> None:
-    """By hand, because safetensors.numpy cannot write bfloat16."""
-    codes = {"bfloat16": "BF16", "float32": "F32", "int64": "I64"}
-    header: dict[str, object] = {"__metadata__": meta}
-    offset = 0
-    for name, array in tensors.items():
-        header[name] = {
-            "dtype": codes[array.dtype.name],
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        offset += array.nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(text)) + text)
-        for array in tensors.values():
-            out.write(np.ascontiguousarray(array).tobytes())
 
 
 def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
