@@ -8,7 +8,7 @@ import os
 import signal
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -162,14 +162,36 @@ def fsync_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
+def staged_output(
+    out: Path, tmp: Path, finish: Callable[[], None], discard: Callable[[], None]
+) -> Iterator[Path]:
+    """Run the body on `tmp`, then `finish()` it into place as OUT.
+
+    On any exception (Ctrl-C and SIGTERM included) `discard()` removes what was staged and
+    OUT is left as it was; OSErrors become WriteError (exit 5), interrupts Interrupted.
+    """
+    try:
+        with signals_raise():
+            yield tmp
+            finish()
+    except KeyboardInterrupt:
+        discard()
+        raise Interrupted("interrupted; no output written") from None
+    except OSError as exc:
+        discard()
+        reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+        raise WriteError(f"{out}: writing failed: {reason}; no output written") from None
+    except BaseException:
+        discard()
+        raise
+
+
+@contextlib.contextmanager
 def atomic_output(out: Path, durable: bool = True) -> Iterator[Path]:
     """Yield a temp path beside OUT; on success fsync it and rename it over OUT.
 
     durable=False skips the fsyncs (the rename stays atomic, but a power cut soon after
     may leave an empty OUT); it is for scratch outputs where speed matters more.
-
-    On any exception (including Ctrl-C and SIGTERM) the temp file is deleted and OUT is
-    left as it was. OSErrors become WriteError (exit 5).
     """
     directory = out.parent if str(out.parent) else Path(".")
     mode = _new_file_mode(out)
@@ -181,26 +203,18 @@ def atomic_output(out: Path, durable: bool = True) -> Iterator[Path]:
         raise WriteError(f"{out}: cannot create a file in {directory}: {exc.strerror}") from None
     os.close(fd)
     tmp = Path(tmp_name)
-    try:
-        with signals_raise():
-            yield tmp
-            if durable:
-                with open(tmp, "rb+") as handle:
-                    os.fsync(handle.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, out)
+
+    def finish() -> None:
+        if durable:
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, out)
         if durable:
             fsync_dir(directory)
-    except KeyboardInterrupt:
-        _remove(tmp)
-        raise Interrupted("interrupted; no output written") from None
-    except OSError as exc:
-        _remove(tmp)
-        reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-        raise WriteError(f"{out}: writing failed: {reason}; no output written") from None
-    except BaseException:
-        _remove(tmp)
-        raise
+
+    with staged_output(out, tmp, finish, lambda: _remove(tmp)) as path:
+        yield path
 
 
 def _remove(path: Path) -> None:

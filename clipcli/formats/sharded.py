@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.errors import InputError, Interrupted, UsageError, WriteError
+from clipcli.errors import InputError, UsageError, WriteError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.safetensors import MAX_HEADER_BYTES, SafetensorsReader, SafetensorsWriter
 
@@ -579,7 +579,7 @@ def atomic_directory(out: Path, force: bool, durable: bool = True) -> Iterator[P
     left as it was. OSErrors become WriteError (exit 5). durable=False skips the fsyncs.
     """
     # io imports this module to open model directories; import it here to avoid a cycle.
-    from clipcli.io import fsync_dir, signals_raise
+    from clipcli.io import fsync_dir, staged_output
 
     parent = out.parent
     if os.path.lexists(out) and not force and not _is_empty_directory(out):
@@ -589,25 +589,17 @@ def atomic_directory(out: Path, force: bool, durable: bool = True) -> Iterator[P
         tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.", suffix=".clipcli-tmp"))
     except OSError as exc:
         raise WriteError(f"{out}: cannot create a directory in {parent}: {exc.strerror}") from None
-    try:
-        with signals_raise():
-            yield tmp
-            if durable:
-                _fsync_tree(tmp)
-            os.chmod(tmp, mode)
-            _move_into_place(tmp, out)
+
+    def finish() -> None:
+        if durable:
+            _fsync_tree(tmp)
+        os.chmod(tmp, mode)
+        _move_into_place(tmp, out)
         if durable:
             fsync_dir(parent)
-    except KeyboardInterrupt:
-        _remove(tmp)
-        raise Interrupted("interrupted; no output written") from None
-    except OSError as exc:
-        _remove(tmp)
-        reason = exc.strerror or str(exc)
-        raise WriteError(f"{out}: writing failed: {reason}; no output written") from None
-    except BaseException:
-        _remove(tmp)
-        raise
+
+    with staged_output(out, tmp, finish, lambda: _remove(tmp)) as path:
+        yield path
 
 
 def _new_directory_mode(out: Path) -> int:
