@@ -334,8 +334,8 @@ def axes_scales(
 
 
 def slice_norms_scaled(array: np.ndarray, scales: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-    """Slice norms of the rounded, scaled array, without materialising all of it."""
-    return _blockwise(array, scales, axes, lambda part, s: slice_norms(scale_chunk(part, s), axes))
+    """Slice norms of the rounded, scaled array (one temporary copy of it)."""
+    return slice_norms(scale_slices(array, scales, axes), axes)
 
 
 def scale_slices(array: np.ndarray, scales: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
@@ -349,17 +349,3 @@ def scale_slices(array: np.ndarray, scales: np.ndarray, axes: tuple[int, ...]) -
 def _scale_index(block: tuple[slice, ...], axes: tuple[int, ...]) -> tuple[slice, ...]:
     """The same block in the keepdims scales array (size 1 along the reduced axes)."""
     return tuple(slice(None) if i in axes else part for i, part in enumerate(block))
-
-
-def _blockwise(
-    array: np.ndarray,
-    scales: np.ndarray,
-    axes: tuple[int, ...],
-    fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
-) -> np.ndarray:
-    blocks = slice_blocks(array.shape, axes)
-    parts = [fn(array[block], scales[_scale_index(block, axes)]) for block in blocks]
-    if len(parts) == 1:
-        return parts[0]
-    kept = next(i for i in range(array.ndim) if i not in axes)
-    return np.concatenate(parts, axis=kept)

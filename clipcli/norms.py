@@ -184,47 +184,73 @@ SLICE_BLOCK_BYTES = 32 << 20
 
 
 def slice_blocks(shape: tuple[int, ...], axes: tuple[int, ...]) -> list[tuple[slice, ...]]:
-    """Index tuples that cut an array into blocks of whole slices (along the first axis that
-    is not reduced), each small enough that its float64 copy fits SLICE_BLOCK_BYTES."""
-    kept = [i for i in range(len(shape)) if i not in axes]
+    """Index tuples cutting an array into contiguous blocks of rows (along axis 0), each
+    small enough that its float64 copy fits SLICE_BLOCK_BYTES."""
     full = tuple(slice(None) for _ in shape)
-    if not kept or math.prod(shape) * 8 <= SLICE_BLOCK_BYTES:
+    if not shape or math.prod(shape) * 8 <= SLICE_BLOCK_BYTES:
         return [full]
-    axis = kept[0]
-    per_index = max(1, math.prod(shape) // max(shape[axis], 1)) * 8
-    step = max(1, SLICE_BLOCK_BYTES // per_index)
-    return [
-        full[:axis] + (slice(start, start + step),) + full[axis + 1 :]
-        for start in range(0, shape[axis], step)
-    ]
+    per_row = max(1, math.prod(shape[1:])) * 8
+    step = max(1, SLICE_BLOCK_BYTES // per_row)
+    return [(slice(start, start + step),) + full[1:] for start in range(0, shape[0], step)]
 
 
 def slice_norms(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
     """Norms over `axes` (keepdims), exact in float64 with power-of-two rescaling, computed
-    block by block so the float64 working copy stays bounded."""
+    over blocks of rows so the float64 working copy stays bounded."""
     keep_shape = [1 if i in axes else n for i, n in enumerate(array.shape)]
     if array.size == 0:
         return np.zeros(keep_shape)
     if len(axes) == array.ndim:
-        # One slice: the whole tensor, streamed.
         return np.full(keep_shape, accumulate_array(array).finite_norm)
     blocks = slice_blocks(array.shape, axes)
-    parts = [_block_slice_norms(array[block], axes) for block in blocks]
-    if len(parts) == 1:
-        return parts[0]
-    kept = next(i for i in range(array.ndim) if i not in axes)
-    return np.concatenate(parts, axis=kept)
-
-
-def _block_slice_norms(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-    wide = np.abs(array).astype(np.float64) if array.dtype.kind == "c" else widen(array)
-    peak = np.max(np.abs(wide), axis=axes, keepdims=True)
-    safe_peak = np.where((peak > 0) & np.isfinite(peak), peak, 1.0)
-    exps = np.frexp(safe_peak)[1]
-    scaled = np.ldexp(wide, -exps)
-    norms: np.ndarray = np.sqrt(np.sum(scaled * scaled, axis=axes, keepdims=True))
-    result: np.ndarray = np.ldexp(norms, exps)
+    if 0 not in axes:  # each block holds whole slices
+        return np.concatenate([_scaled_sums(array[b], axes)[2] for b in blocks], axis=0)
+    # Slices run across blocks: find each slice's peak first, so that every block is
+    # scaled by the same power of two and the partial sums simply add.
+    peak = np.zeros(keep_shape)
+    for block in blocks:
+        peak = np.maximum(peak, _peaks(array[block], axes))
+    exps = _exponents(peak)
+    total = np.zeros(keep_shape)
+    for block in blocks:
+        total += _sum_squares(array[block], axes, exps)
+    result: np.ndarray = np.ldexp(np.sqrt(total), exps)
     return result
+
+
+def _wide_abs(array: np.ndarray) -> np.ndarray:
+    """|x| as float64 (the modulus for complex)."""
+    wide: np.ndarray = (
+        np.abs(array).astype(np.float64) if array.dtype.kind == "c" else np.abs(widen(array))
+    )
+    return wide
+
+
+def _peaks(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    peaks: np.ndarray = np.max(_wide_abs(array), axis=axes, keepdims=True)
+    return peaks
+
+
+def _exponents(peak: np.ndarray) -> np.ndarray:
+    safe = np.where((peak > 0) & np.isfinite(peak), peak, 1.0)
+    exps: np.ndarray = np.frexp(safe)[1]
+    return exps
+
+
+def _sum_squares(array: np.ndarray, axes: tuple[int, ...], exps: np.ndarray) -> np.ndarray:
+    scaled = np.ldexp(_wide_abs(array), -exps)
+    sums: np.ndarray = np.sum(scaled * scaled, axis=axes, keepdims=True)
+    return sums
+
+
+def _scaled_sums(
+    array: np.ndarray, axes: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(exponents, scaled sums of squares, norms) of the slices of one block."""
+    exps = _exponents(_peaks(array, axes))
+    sums = _sum_squares(array, axes, exps)
+    norms: np.ndarray = np.ldexp(np.sqrt(sums), exps)
+    return exps, sums, norms
 
 
 def unit_roundoff(dtype: np.dtype[Any]) -> float:
