@@ -436,11 +436,29 @@ def _internal_error(exc: BaseException) -> int:
     return _fail(message, ExitCode.INTERNAL)
 
 
+def _keep_chunk_buffers() -> None:
+    """Stop glibc from handing every multi-MiB chunk buffer back to the kernel.
+
+    By default each 2-8 MiB temporary is mmapped and unmapped again, so every chunk pays
+    for ~3000 fresh page faults: that made bf16 norms 4x slower in the main thread. Serving
+    them from the heap and trimming it only above 256 MiB keeps them warm. Linux/glibc only.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Every failure is one stderr line."""
     for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         # We thread over chunks ourselves; BLAS threads on top of that only spin and contend.
         os.environ.setdefault(variable, "1")
+    _keep_chunk_buffers()
     args = sys.argv[1:] if argv is None else list(argv)
     if not args:
         args = ["--help"]

@@ -31,7 +31,7 @@ def _as_real(chunk: np.ndarray) -> np.ndarray:
 
 def _bf16_as_float32(chunk: np.ndarray) -> np.ndarray:
     """bfloat16 is the top half of a float32, so widening is a 16-bit shift."""
-    bits: np.ndarray = chunk.view(np.uint16).astype(np.uint32) << 16
+    bits: np.ndarray = np.left_shift(chunk.view(np.uint16), 16, dtype=np.uint32)
     return bits.view(np.float32)
 
 
