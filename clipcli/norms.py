@@ -180,7 +180,7 @@ def global_norm(norms: Iterable[float]) -> float:
 
 
 # Working memory for the float64 copies that slice norms need, per block of slices.
-SLICE_BLOCK_BYTES = 32 << 20
+SLICE_BLOCK_BYTES = 8 << 20
 
 
 def slice_blocks(shape: tuple[int, ...], axes: tuple[int, ...]) -> list[tuple[slice, ...]]:
