@@ -5,16 +5,16 @@ python sample_data/make_samples.py
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import h5py
 import ml_dtypes
 import numpy as np
 
+from clipcli.formats.base import Checkpoint, TensorInfo
+from clipcli.formats.safetensors import SafetensorsWriter
+
 HERE = Path(__file__).resolve().parent
-CODES = {"float32": "F32", "bfloat16": "BF16", "int64": "I64", "float16": "F16"}
 
 
 def tiny_mlp(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -31,22 +31,12 @@ def tiny_mlp(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], meta: dict[str, str]) -> None:
-    """Hand-written so that bf16 works (safetensors.numpy cannot save ml_dtypes)."""
-    header: dict[str, object] = {"__metadata__": meta}
-    offset = 0
-    for name, array in tensors.items():
-        header[name] = {
-            "dtype": CODES[array.dtype.name],
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        offset += array.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(text)) + text)
-        for array in tensors.values():
-            out.write(np.ascontiguousarray(array).tobytes())
+    """With clipcli's own streaming writer, which (unlike safetensors.numpy) takes bf16."""
+    infos = [TensorInfo(name, a.dtype, a.shape, a.nbytes) for name, a in tensors.items()]
+    writer = SafetensorsWriter(path, Checkpoint(infos, meta))
+    for info, array in zip(infos, tensors.values(), strict=True):
+        writer.write(info, [array.reshape(-1)])
+    writer.close()
 
 
 def write_keras_like_h5(path: Path, tensors: dict[str, np.ndarray]) -> None:
