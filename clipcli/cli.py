@@ -61,7 +61,11 @@ def _reports_errors(command: F) -> F:
             command(*args, **kwargs)
         except ClipcliError as exc:
             raise typer.Exit(_fail(str(exc), exc.exit_code)) from None
-        except (typer.Exit, typer.Abort, KeyboardInterrupt, BrokenPipeError):
+        except KeyboardInterrupt:
+            # Outside a write (measuring, reporting) there is nothing to clean up; Typer
+            # would turn this into a silent exit 130, so say it.
+            raise typer.Exit(_fail("interrupted", ExitCode.INTERRUPTED)) from None
+        except (typer.Exit, typer.Abort, BrokenPipeError):
             raise
         except Exception as exc:  # noqa: BLE001 - last line of defence: one line, exit 70
             raise typer.Exit(_internal_error(exc)) from None

@@ -128,8 +128,9 @@ def test_signal_mid_write_removes_temp_file(tmp_path: Path, sig: int, code: int)
         assert time.monotonic() < deadline
         time.sleep(0.002)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == code, err
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, (err, out, listing(tmp_path))
+    assert err.strip(), ("no message", out, listing(tmp_path))
     line = one_error_line(err)
     assert "no output written" in line
     assert listing(tmp_path) == ["in.safetensors"]
