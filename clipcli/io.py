@@ -201,8 +201,12 @@ def atomic_output(out: Path, durable: bool = True) -> Iterator[Path]:
         )
     except OSError as exc:
         raise WriteError(f"{out}: cannot create a file in {directory}: {exc.strerror}") from None
-    os.close(fd)
     tmp = Path(tmp_name)
+    try:
+        os.close(fd)
+    except BaseException:  # e.g. Ctrl-C in this instant: the temp file must not survive
+        _remove(tmp)
+        raise
 
     def finish() -> None:
         if durable:
