@@ -1,4 +1,10 @@
-"""The script a user would write for clip_by_global_norm: load, norm, scale, save."""
+"""The script a user would write for clip_by_global_norm: load, norm, scale, save.
+
+    python benchmarks/naive_clip.py IN.safetensors OUT.safetensors LIMIT
+
+Global norm in float64; every tensor is scaled by LIMIT / max(norm, LIMIT) in float64 and
+cast back to its dtype (fp32/fp16 files: safetensors.numpy cannot hold bfloat16).
+"""
 
 import sys
 
