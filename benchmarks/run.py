@@ -214,12 +214,13 @@ def generate(files: Files) -> None:
 
 TIME = "/usr/bin/time" if os.access("/usr/bin/time", os.X_OK) else None
 # Fallback when GNU time is missing: one wrapper process per run, reporting its children's
-# peak RSS (KiB on Linux) and CPU seconds in the same "%M %U %S" format.
+# peak RSS (KiB on Linux), CPU seconds and blocks read from disk in the same "%M %U %S %I"
+# format.
 WRAPPER = (
     "import resource,subprocess,sys\n"
     "rc=subprocess.call(sys.argv[2:],stdout=subprocess.DEVNULL)\n"
     "u=resource.getrusage(resource.RUSAGE_CHILDREN)\n"
-    "open(sys.argv[1],'w').write(f'{u.ru_maxrss} {u.ru_utime} {u.ru_stime}\\n')\n"
+    "open(sys.argv[1],'w').write(f'{u.ru_maxrss} {u.ru_utime} {u.ru_stime} {u.ru_inblock}')\n"
     "sys.exit(rc)\n"
 )
 
@@ -237,16 +238,18 @@ class Cmd:
 @dataclass
 class Stat:
     cmd: Cmd
-    walls: list[float] = field(default_factory=list)
-    rss: list[float] = field(default_factory=list)  # MiB
-    cpu: list[float] = field(default_factory=list)  # user + sys seconds
-    foreign: list[float] = field(default_factory=list)  # other processes' load, in cores
+    group: str = ""  # set when a command is measured again inside a comparison group
+    samples: list[Sample] = field(default_factory=list)  # the timed runs
     retried: int = 0  # runs redone because other processes were busy
     error: str | None = None
 
     @property
+    def walls(self) -> list[float]:
+        return [x.wall for x in self.samples]
+
+    @property
     def ok(self) -> bool:
-        return self.error is None and bool(self.walls)
+        return self.error is None and bool(self.samples)
 
     @property
     def median(self) -> float:
@@ -254,7 +257,7 @@ class Stat:
 
     @property
     def peak(self) -> float:
-        return max(self.rss)
+        return max(x.rss for x in self.samples)
 
 
 class Failure(Exception):
@@ -276,14 +279,29 @@ def busy_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS
 
 
-def run_once(cmd: Cmd) -> tuple[float, float, float, float]:
-    """(wall s, peak RSS MiB, CPU s of the command, load of other processes in cores)."""
+COLD_MIB = 8.0  # a run that reads more than this from the disk did not find a warm cache
+
+
+@dataclass
+class Sample:
+    wall: float  # s
+    rss: float  # peak RSS, MiB
+    cpu: float  # user + sys of the command, s
+    foreign: float  # load of other processes during the run, in cores
+    disk: float  # MiB the command read from the block device (page-cache misses)
+
+    @property
+    def clean(self) -> bool:
+        return self.foreign <= NOISY and self.disk <= COLD_MIB
+
+
+def run_once(cmd: Cmd) -> Sample:
     if cmd.fresh is not None:
         cmd.fresh.unlink(missing_ok=True)
         os.sync()  # a quiet page cache: no writeback from earlier runs competes with this one
     with tempfile.NamedTemporaryFile("r", suffix=".rusage") as report:
         if TIME:
-            argv = [TIME, "-f", "%M %U %S", "-o", report.name, *cmd.argv]
+            argv = [TIME, "-f", "%M %U %S %I", "-o", report.name, *cmd.argv]
         else:
             argv = [PY, "-c", WRAPPER, report.name, *cmd.argv]
         busy = busy_seconds()
@@ -295,9 +313,12 @@ def run_once(cmd: Cmd) -> tuple[float, float, float, float]:
     if proc.returncode != 0:
         stderr = proc.stderr.decode(errors="replace").strip()
         raise Failure(f"exit {proc.returncode}: {stderr[-2000:]}")
-    rss_kib, user, system = usage[-3:]
+    rss_kib, user, system, blocks = usage[-4:]
     cpu = float(user) + float(system)
-    return wall, int(rss_kib) / 1024, cpu, max(0.0, busy - cpu) / wall
+    # /proc/stat counts in clock ticks (10 ms): allow two ticks of rounding, or every
+    # sub-0.1 s command would look loaded.
+    foreign = max(0.0, busy - cpu - 2 / CLOCK_TICKS) / wall
+    return Sample(wall, int(rss_kib) / 1024, cpu, foreign, int(blocks) * 512 / MIB)
 
 
 def quiet_load(window: float = 1.0) -> float:
@@ -328,12 +349,15 @@ class Bench:
             log(f"  (waited {waited:.0f} s for other processes to go quiet)")
         self.waited += waited
 
-    def measure(self, *cmds: Cmd) -> list[Stat]:
+    def measure(self, *cmds: Cmd, group: str = "") -> list[Stat]:
         """One warm-up each, then `runs` rounds in which the commands take turns
-        (interleaved), so slow drift in the machine affects clipcli and baselines alike."""
-        todo = [Stat(c) for c in cmds if c.key not in self.cache]
-        for stat in todo:
-            self.cache[stat.cmd.key] = stat
+        (interleaved), so slow drift in the machine affects clipcli and baselines alike.
+        A command measured before is reused, unless `group` is given: then every command
+        is measured afresh within the group (for comparisons whose ratio matters)."""
+        keys = [(group, *c.key) if group else c.key for c in cmds]
+        todo = [Stat(c, group) for c, k in zip(cmds, keys, strict=True) if k not in self.cache]
+        for stat, key in zip(todo, [k for k in keys if k not in self.cache], strict=True):
+            self.cache[key] = stat
         if todo:
             self.wait_quiet()
         for stat in todo:
@@ -345,27 +369,24 @@ class Bench:
         for stat in todo:
             shown = f"{stat.median:.3f} s, {stat.peak:.0f} MiB" if stat.ok else "FAILED"
             log(f"  {shown:>22}  {self.show(stat.cmd)}")
-        return [self.cache[c.key] for c in cmds]
+        return [self.cache[k] for k in keys]
 
     def _run(self, stat: Stat, record: bool) -> None:
-        """A timed run during which other processes kept > NOISY cores busy is redone (at
-        most `retries` times; then the last attempt is kept and shows in the `other load`
-        column)."""
+        """A timed run during which other processes kept > NOISY cores busy, or which read
+        > COLD_MIB from the disk (its input had been evicted from the page cache), is redone
+        (at most `retries` times; then the last attempt is kept and counted as unclean)."""
         for attempt in range(self.retries + 1):
             try:
-                wall, rss, cpu, foreign = run_once(stat.cmd)
+                sample = run_once(stat.cmd)
             except Failure as exc:
                 stat.error = str(exc)
                 return
-            if not record or foreign <= NOISY or attempt == self.retries:
+            if not record or sample.clean or attempt == self.retries:
                 break
             stat.retried += 1
             time.sleep(0.5)
         if record:
-            stat.walls.append(wall)
-            stat.rss.append(rss)
-            stat.cpu.append(cpu)
-            stat.foreign.append(foreign)
+            stat.samples.append(sample)
 
     def show(self, cmd: Cmd) -> str:
         return shlex.join(cmd.argv).replace(str(self.workdir), "$BENCH").replace(PY, "python")
@@ -542,7 +563,9 @@ def run_sections(bench: Bench, f: Files, sections: set[str], size_note: str) -> 
 
     if "formats" in sections:
         log("formats")
-        st, npz, h5 = bench.measure(norms(big), norms(f.npz.path), norms(f.h5.path))
+        st, npz, h5 = bench.measure(
+            norms(big), norms(f.npz.path), norms(f.h5.path), group="formats"
+        )
         for label, ck, stat in (("npz (uncompressed)", f.npz, npz), ("HDF5", f.h5, h5)):
             rows.append(
                 at_most(
@@ -875,12 +898,15 @@ def render(
     lines += [f"- {line}" for line in context]
     stats = [st for st in bench.cache.values() if st.ok]
     redone = sum(st.retried for st in stats)
-    kept = sum(x > NOISY for st in stats for x in st.foreign)
-    total = sum(len(st.walls) for st in stats)
+    loaded = sum(x.foreign > NOISY for st in stats for x in st.samples)
+    cold = sum(x.disk > COLD_MIB for st in stats for x in st.samples)
+    total = sum(len(st.samples) for st in stats)
     lines.append(
-        f"- other processes: waited {bench.waited:.0f} s in all for the machine to go quiet "
+        f"- unclean runs: waited {bench.waited:.0f} s in all for other processes to go quiet "
         f"before groups; {redone} timed runs were redone because other processes kept more "
-        f"than {NOISY} cores busy; {kept} of the {total} kept runs still had such load"
+        f"than {NOISY} cores busy or the command read more than {COLD_MIB:g} MiB from the disk "
+        f"(cold page cache); of the {total} kept runs, {loaded} still had such load and {cold} "
+        "such disk reads"
     )
     lines += [
         "",
@@ -911,27 +937,31 @@ def render(
         "",
         f"`$BENCH` = the temp dir holding the generated files; `python` = `{PY}`. "
         "`other load` = CPU time the rest of the machine used during a run (from /proc/stat, "
-        f"minus the command's own CPU) / its wall time; a timed run with more than {NOISY} "
-        f"cores of other load is redone, at most {bench.retries} times.",
+        "minus the command's own CPU) / its wall time; `disk reads` = what the command read "
+        "from the block device (`/usr/bin/time %I`), i.e. page-cache misses. A timed run with "
+        f"more than {NOISY} cores of other load or {COLD_MIB:g} MiB of disk reads is redone, at "
+        f"most {bench.retries} times; `unclean` counts the kept runs that still had either.",
         "",
     ]
     detail = []
     for s in bench.cache.values():
-        shown = f"`{bench.show(s.cmd)}`"
+        shown = f"`{bench.show(s.cmd)}`" + (f" [{s.group} group]" if s.group else "")
         if s.ok:
-            cpu = statistics.median(s.cpu)
-            noisy = sum(x > NOISY for x in s.foreign)
+            cpu = statistics.median(x.cpu for x in s.samples)
+            unclean = sum(not x.clean for x in s.samples)
+            foreign = max(x.foreign for x in s.samples)
+            disk = max(x.disk for x in s.samples)
             detail.append(
                 [shown, f"{s.median:.3f} s", f"{min(s.walls):.3f} s", f"{max(s.walls):.3f} s"]
-                + [f"{cpu:.2f} s", f"{s.peak:.0f} MiB", f"{max(s.foreign):.2f}"]
-                + [f"{s.retried} / {noisy}"]
+                + [f"{cpu:.2f} s", f"{s.peak:.0f} MiB", f"{foreign:.2f}", f"{disk:.0f} MiB"]
+                + [f"{s.retried} / {unclean}"]
             )
         else:
-            detail.append([shown, "FAILED", "-", "-", "-", "-", "-", "-"])
+            detail.append([shown, "FAILED"] + ["-"] * 7)
     lines.append(
         markdown(
             ["command", "median", "min", "max", "CPU user+sys", "peak RSS"]
-            + ["other load (max, cores)", "redone / kept under load"],
+            + ["other load (max, cores)", "disk reads (max)", "redone / unclean"],
             detail,
         )
     )
