@@ -321,6 +321,49 @@ def run_once(cmd: Cmd) -> Sample:
     return Sample(wall, int(rss_kib) / 1024, cpu, foreign, int(blocks) * 512 / MIB)
 
 
+class Pinned:
+    """Input files mmap'ed and mlock'ed into the page cache while a group runs, so that "warm
+    page cache" holds: some VMs evict idle page-cache pages within seconds (e.g. a DAMON
+    `pageout` scheme), and a timed run would then read its input from the disk. The pages
+    are mapped in this harness process only; the measured commands' RSS is unaffected."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import ctypes.util
+
+        self.ctypes = ctypes
+        self.libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self.libc.mmap.restype = ctypes.c_void_p
+        self.libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                   ctypes.c_int, ctypes.c_int, ctypes.c_long]  # fmt: skip
+        self.libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.maps: list[tuple[int, int]] = []
+        self.failed: str | None = None
+
+    def pin(self, paths: Sequence[Path]) -> None:
+        import mmap
+
+        for path in paths:
+            size = path.stat().st_size
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                addr = self.libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            finally:
+                os.close(fd)
+            if addr is None or addr == self.ctypes.c_void_p(-1).value:
+                self.failed = f"mmap {path.name}: {os.strerror(self.ctypes.get_errno())}"
+                continue
+            self.maps.append((addr, size))
+            if self.libc.mlock(addr, size) != 0:
+                self.failed = f"mlock {path.name}: {os.strerror(self.ctypes.get_errno())}"
+
+    def release(self) -> None:
+        for addr, size in self.maps:
+            self.libc.munmap(addr, size)
+        self.maps = []
+
+
 def quiet_load(window: float = 1.0) -> float:
     """Cores kept busy by other processes over `window` seconds (the harness is idle)."""
     before = busy_seconds()
@@ -329,7 +372,8 @@ def quiet_load(window: float = 1.0) -> float:
 
 
 class Bench:
-    def __init__(self, runs: int, workdir: Path, max_wait: float, retries: int) -> None:
+    def __init__(self, runs: int, workdir: Path, max_wait: float, retries: int, pin: bool) -> None:
+        self.pinned = Pinned() if pin else None
         self.runs = runs
         self.retries = retries
         self.workdir = workdir
@@ -360,12 +404,28 @@ class Bench:
             self.cache[key] = stat
         if todo:
             self.wait_quiet()
-        for stat in todo:
-            self._run(stat, record=False)
-        for _ in range(self.runs):
+        inputs = sorted(
+            {
+                Path(arg)
+                for stat in todo
+                for arg in stat.cmd.argv
+                if arg.startswith(str(self.workdir))
+                and Path(arg) != stat.cmd.fresh
+                and Path(arg).is_file()
+            }
+        )
+        if self.pinned is not None:
+            self.pinned.pin(inputs)
+        try:
             for stat in todo:
-                if stat.error is None:
-                    self._run(stat, record=True)
+                self._run(stat, record=False)
+            for _ in range(self.runs):
+                for stat in todo:
+                    if stat.error is None:
+                        self._run(stat, record=True)
+        finally:
+            if self.pinned is not None:
+                self.pinned.release()
         for stat in todo:
             shown = f"{stat.median:.3f} s, {stat.peak:.0f} MiB" if stat.ok else "FAILED"
             log(f"  {shown:>22}  {self.show(stat.cmd)}")
@@ -866,15 +926,25 @@ def loadavg(values: tuple[float, float, float]) -> str:
     return "/".join(f"{x:.2f}" for x in values)
 
 
-def method(runs: int) -> str:
+def method(runs: int, pinned: Pinned | None) -> str:
     rss = "/usr/bin/time -f %M" if TIME else "a RUSAGE_CHILDREN ru_maxrss wrapper"
+    if pinned is None:
+        pin = "Input files are not pinned (--no-pin)."
+    elif pinned.failed:
+        pin = f"Pinning the input files into the page cache FAILED ({pinned.failed})."
+    else:
+        pin = (
+            "Each group's input files are mmap'ed and mlock'ed by the harness while the group "
+            "runs, so the page cache stays warm (the harness maps them, so they are not in the "
+            "measured processes' RSS)."
+        )
     return (
         f"whole processes; per command one warm-up run (page cache warm), then the median wall "
         f"time of {runs} runs, the commands of a group taking turns (interleaved); peak RSS = the "
         f"largest `{rss}` over those runs (file-backed pages count). Commands that write OUT "
         "(clipcli clip, cp, the naive script) get OUT deleted and `os.sync()` before every run, "
         "untimed, so each run writes a fresh file into a quiet page cache. "
-        "`cp + sync` = `cp IN OUT && sync OUT`."
+        "`cp + sync` = `cp IN OUT && sync OUT`. " + pin
     )
 
 
@@ -998,6 +1068,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"run only these sections: {', '.join(SECTIONS)}",
     )
     parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="don't mlock each group's input files into the page cache while it runs",
+    )
+    parser.add_argument(
         "--max-wait",
         type=float,
         metavar="S",
@@ -1028,7 +1103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gen_seconds = time.perf_counter() - started
         results = checks(files, workdir, sections)
         max_wait = args.max_wait if args.max_wait is not None else (0 if args.quick else 180)
-        bench = Bench(runs, workdir, max_wait, 0 if args.quick else RETRIES)
+        bench = Bench(runs, workdir, max_wait, 0 if args.quick else RETRIES, not args.no_pin)
         nominal = human(files.fp32.n_tensors * files.fp32.largest_tensor_bytes)
         rows = run_sections(bench, files, sections, nominal)
         file_rows = [
@@ -1054,7 +1129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         *machine(),
         f"load average (1/5/15 min) before: {loadavg(load_before)}, after: {loadavg(load_after)}"
         " (other work on the machine skews timings; > 0.5 at the start deserves a re-run)",
-        f"method: {method(runs)}",
+        f"method: {method(runs, bench.pinned)}",
         f"sizes: {nominal} fp32 and bf16 files, the RSS-growth file "
         f"{human(files.fp32_small.n_tensors * files.fp32_small.largest_tensor_bytes)}, one "
         f"{human(files.single.largest_tensor_bytes)} tensor, a {human(files.tiny.size)} file; "
