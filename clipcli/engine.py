@@ -207,7 +207,7 @@ class ClipResult:
         return global_norm(p.after.norm for p in self.plans if p.in_global)
 
 
-def _refuse_nonfinite(plans: Sequence[TensorPlan], spec: ClipSpec) -> None:
+def _refuse_nonfinite(path: Path, plans: Sequence[TensorPlan], spec: ClipSpec) -> None:
     if spec.mode is Mode.VALUE:
         return
     bad = [p for p in plans if p.selected and is_floating(p.info.dtype) and p.before.nonfinite]
@@ -219,7 +219,8 @@ def _refuse_nonfinite(plans: Sequence[TensorPlan], spec: ClipSpec) -> None:
         return
     listed = ", ".join(f"{p.info.name!r} ({p.before.nonfinite} non-finite)" for p in bad)
     raise DataRefusedError(
-        f"NaN/Inf values where a norm is needed: {listed}; pass --skip-nonfinite to leave them"
+        f"{path}: NaN/Inf values where a norm is needed: {listed}; "
+        "pass --skip-nonfinite to leave them"
     )
 
 
@@ -254,13 +255,16 @@ def plan_clip(
         elif not is_floating(plan.info.dtype):
             plan.note = "not floating point"
     targets = [p for p in plans if p.selected and is_floating(p.info.dtype)]
-    _refuse_nonfinite(targets, spec)
+    _refuse_nonfinite(reader.path, targets, spec)
     targets = [p for p in targets if not p.note]
     if spec.mode is Mode.VALUE:
         _plan_value(targets, spec)
     elif spec.mode is Mode.NORM and spec.axes is not None:
         for plan in targets:
-            plan.axes = clipping.normalize_axes(spec.axes, plan.info.shape, plan.info.name)
+            try:
+                plan.axes = clipping.normalize_axes(spec.axes, plan.info.shape, plan.info.name)
+            except DataRefusedError as exc:
+                raise DataRefusedError(f"{reader.path}: {exc}") from None
             plan.action = "axes"
     elif spec.mode in (Mode.NORM, Mode.AVERAGE):
         for plan in targets:
@@ -411,7 +415,8 @@ def check_writable(infos: Sequence[TensorInfo], out: Path, to_directory: bool) -
     else:
         cls = writer_class(out)
     for info in infos:
-        if (reason := cls.check_dtype(info)) is not None:
+        reason = cls.check_name(info.name) or cls.check_dtype(info)
+        if reason is not None:
             raise UsageError(f"{out}: tensor {info.name!r}: {reason}")
     return cls
 

@@ -148,6 +148,13 @@ class Writer(ABC):
         """Why this format cannot hold the tensor's dtype, or None if it can."""
         return None
 
+    @classmethod
+    def check_name(cls, name: str) -> str | None:
+        """Why this format cannot store a tensor under this name, or None if it can."""
+        if not name or "\x00" in name:
+            return "an empty name or a NUL byte cannot be stored"
+        return None
+
     @abstractmethod
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         """Write the next tensor (in checkpoint order) from flat C-order chunks."""

@@ -553,6 +553,13 @@ class Hdf5Writer(Writer):
             raise
 
     @classmethod
+    def check_name(cls, name: str) -> str | None:
+        parts = name.split("/")
+        if name.startswith("/") or "" in parts or "." in parts:
+            return "an HDF5 dataset path needs non-empty components and no leading '/'"
+        return super().check_name(name)
+
+    @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
         dtype = info.dtype
         # ml_dtypes' floats: bfloat16 and float8_* report kind "V", float8_e5m2 reports "f".

@@ -305,6 +305,13 @@ class NpzWriter(Writer):
             return f"npz cannot hold {info.dtype.name}; write .safetensors instead"
         return None
 
+    @classmethod
+    def check_name(cls, name: str) -> str | None:
+        parts = name.replace("\\", "/").split("/")
+        if name.startswith("/") or ".." in parts or name.endswith("/"):
+            return "a zip member must not escape the archive (absolute path or '..')"
+        return super().check_name(name)
+
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         with self._zip.open(f"{info.name}.npy", "w", force_zip64=True) as member:
             member.write(_npy_header(info))

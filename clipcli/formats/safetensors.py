@@ -67,6 +67,20 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def _refuse_surrogates(reader: SafetensorsReader, header: dict[str, Any]) -> None:
+    """JSON escapes can spell lone UTF-16 surrogates, which are not Unicode text; the
+    official (Rust) reader refuses them, and they could not be written back as UTF-8."""
+    texts = list(header)
+    metadata = header.get("__metadata__")
+    if isinstance(metadata, dict):
+        texts += [*metadata, *(v for v in metadata.values() if isinstance(v, str))]
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise reader._fail(f"name or metadata {text!r} holds a lone UTF-16 surrogate") from None
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -111,6 +125,7 @@ class SafetensorsReader(Reader):
             raise self._fail(f"header is not valid JSON: {exc}") from None
         if not isinstance(header, dict):
             raise self._fail("header is not a JSON object")
+        _refuse_surrogates(self, header)
         metadata = self._parse_metadata(header.pop("__metadata__", None))
         if len(header) > MAX_TENSORS:
             raise self._fail(f"header lists {len(header)} tensors; the limit is {MAX_TENSORS}")
@@ -152,7 +167,7 @@ class SafetensorsReader(Reader):
         if not isinstance(code, str) or code not in DTYPES:
             raise self._fail(f"unknown dtype {code!r}", name)
         shape = entry.get("shape")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 2**64 for d in shape):
             raise self._fail(f"shape {shape!r} is not a list of non-negative integers", name)
         offsets = entry.get("data_offsets")
         if (
@@ -273,6 +288,12 @@ class SafetensorsWriter(Writer):
         if info.dtype.name not in CODES:
             return f"safetensors cannot hold {info.dtype.name}"
         return None
+
+    @classmethod
+    def check_name(cls, name: str) -> str | None:
+        if name == "__metadata__":
+            return "safetensors reserves the name __metadata__"
+        return super().check_name(name)
 
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         little = info.dtype.newbyteorder("<") if info.dtype.byteorder == ">" else info.dtype

@@ -450,6 +450,10 @@ class ShardedWriter(Writer):
     def check_dtype(cls, info: TensorInfo) -> str | None:
         return SafetensorsWriter.check_dtype(info)
 
+    @classmethod
+    def check_name(cls, name: str) -> str | None:
+        return SafetensorsWriter.check_name(name)
+
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         self._shard_writer(info).write(info, chunks)
         self._written += 1
