@@ -208,23 +208,24 @@ def safe_scale(limit: float, norm: float, numel: int, dtypes: Sequence[np.dtype[
 
 def choose_scale(
     limit: float,
-    norm: float,
+    ratio: float,
     numel: int,
     dtypes: Sequence[np.dtype[Any]],
     output_norm: Callable[[float], float],
     tries: int = 3,
 ) -> float | None:
-    """The scale to apply, or None to leave the data unchanged.
+    """The scale to apply, or None to leave the data unchanged. `ratio` is limit / norm
+    (NormAccumulator.limit_ratio), so norms beyond float64's range still clip.
 
     TF's factor is used when rounding provably cannot push the output over the limit (or
     nearly: float32 and float64). For float16/bf16/fp8 that guarantee would cost up to 12%
     of the norm, so we try TF's factor and shrink it only if the rounded output measures
     over the limit, falling back to the guaranteed factor after `tries` attempts.
     """
-    tf = tf_scale(norm, limit)
-    if tf is None:
+    if not ratio < 1.0 or math.isinf(limit):  # within the limit, a zero norm, or C = inf
         return None
-    guaranteed = safe_scale(limit, norm, numel, dtypes)
+    tf = ratio
+    guaranteed = safe_scale(limit, 1.0, numel, dtypes) * ratio / limit
     if guaranteed >= tf * (1 - _FIDELITY):
         return guaranteed
     scale = tf

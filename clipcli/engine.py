@@ -269,9 +269,10 @@ def plan_clip(
     elif spec.mode in (Mode.NORM, Mode.AVERAGE):
         for plan in targets:
             info = plan.info
+            limit = clipping.tensor_limit(spec, info.numel)
             plan.scale = clipping.choose_scale(
-                clipping.tensor_limit(spec, info.numel),
-                plan.before.norm,
+                limit,
+                plan.before.limit_ratio(limit),
                 info.numel,
                 [info.dtype],
                 _chunk_norm_at(reader, [info]),
@@ -315,9 +316,12 @@ def _plan_global(reader: Reader, targets: Sequence[TensorPlan], spec: ClipSpec) 
         scale = clipping.tf_scale(spec.use_norm, spec.limit)
     else:
         infos = [p.info for p in targets]
+        together = NormAccumulator()
+        for plan in targets:
+            together.merge(plan.before)
         scale = clipping.choose_scale(
             spec.limit,
-            global_norm(p.before.norm for p in targets),
+            together.limit_ratio(spec.limit),
             sum(i.numel for i in infos),
             [i.dtype for i in infos],
             _chunk_norm_at(reader, infos),

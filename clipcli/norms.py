@@ -149,6 +149,16 @@ class NormAccumulator:
             return math.inf
         return self.finite_norm
 
+    def limit_ratio(self, limit: float) -> float:
+        """limit / norm, exact even when the norm itself overflows float64 (1e308 values);
+        inf for a zero norm."""
+        if self.ssq == 0.0:
+            return math.inf
+        try:
+            return math.ldexp(limit / math.sqrt(self.ssq), -self.exp)
+        except OverflowError:
+            return math.inf
+
     @property
     def finite_norm(self) -> float:
         """The L2 norm of the finite values; inf if it does not fit in float64."""

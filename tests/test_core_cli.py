@@ -431,7 +431,8 @@ def test_clip_report_dry_run_and_quiet(tmp_path: Path) -> None:
     document = json.loads(stdout)
     assert document["mode"] == "global" and document["limit"] == 1.0 and document["dry_run"] is True
     assert document["global_norm_before"] == pytest.approx(math.sqrt(38), rel=1e-15)
-    assert document["global_norm_after"] == pytest.approx(1.0, rel=1e-12)
+    # The scale keeps a documented 1e-12 relative margin under C (plus float64 rounding).
+    assert document["global_norm_after"] == pytest.approx(1.0, rel=1.5e-12)
     row = document["tensors"][0]
     assert set(row) == {"name", "dtype", "norm_before", "norm_after", "scale", "changed", "note"}
     assert row["changed"] is True and row["scale"] == pytest.approx(1 / math.sqrt(38), rel=1e-12)
