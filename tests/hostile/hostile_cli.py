@@ -9,6 +9,7 @@ one), no traceback, no raw control characters, and the output directory exactly 
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import subprocess
@@ -18,6 +19,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 # Address-space cap for every clipcli run. 1 GiB is enough for healthy runs, numpy's and
 # the worker threads' mappings included (test_general_hostile checks this on a healthy
@@ -57,19 +60,23 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _run_one(args: Sequence[str], cwd: Path, timeout: float) -> Run:
-    start = time.monotonic()
-    proc = subprocess.Popen(
+def _start(args: Sequence[str], cwd: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
         [sys.executable, "-m", "clipcli", *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=cwd,
         env=_child_env(),
-        preexec_fn=_limit_memory,  # noqa: PLW1509 - no threads fork in between here
+        preexec_fn=_limit_memory,
     )
+
+
+def _finish(
+    proc: subprocess.Popen[bytes], args: Sequence[str], start: float, timeout: float
+) -> Run:
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=max(0.0, start + timeout - time.monotonic()))
         code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
         proc.kill()
@@ -86,9 +93,17 @@ def _run_one(args: Sequence[str], cwd: Path, timeout: float) -> Run:
 
 def run_clipcli(*commands: Sequence[str], cwd: Path, timeout: float = TIMEOUT) -> list[Run]:
     """Run each command as `python -m clipcli ...`, all at once (two cores: half the wall
-    time), each under the memory cap and the timeout."""
-    with ThreadPoolExecutor(max_workers=max(1, len(commands))) as pool:
-        futures = [pool.submit(_run_one, args, cwd, timeout) for args in commands]
+    time), each under the memory cap and the timeout.
+
+    The processes are started from this thread, one after the other (preexec_fn is not
+    safe to run while other threads fork); only the waiting happens in threads."""
+    start = time.monotonic()
+    procs = [_start(args, cwd) for args in commands]
+    with ThreadPoolExecutor(max_workers=len(procs)) as pool:
+        futures = [
+            pool.submit(_finish, proc, args, start, timeout)
+            for proc, args in zip(procs, commands, strict=True)
+        ]
         return [future.result() for future in futures]
 
 
@@ -152,3 +167,19 @@ def refuse_input(path: Path, code: int = 3, *mentions: str, timeout: float = TIM
         watch=path.parent,
         timeout=timeout,
     )
+
+
+def exact_norm(array: np.ndarray) -> float:
+    """sqrt(sum x^2) in float64 without overflow or underflow, within ~1 ulp: scale by a
+    power of two (exact), square in float64 (exact for float16/32 inputs), fsum, sqrt.
+    inf when the norm itself is past float64's range."""
+    values = np.asarray(array, dtype=np.float64).ravel()
+    peak = float(np.max(np.abs(values))) if values.size else 0.0
+    if peak == 0.0:
+        return 0.0
+    exponent = math.frexp(peak)[1]
+    scaled = [math.ldexp(float(v), -exponent) for v in values]
+    try:
+        return math.ldexp(math.sqrt(math.fsum(v * v for v in scaled)), exponent)
+    except OverflowError:
+        return math.inf

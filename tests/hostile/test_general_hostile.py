@@ -5,7 +5,6 @@ finite values. Runs as capped subprocesses unless said otherwise."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 import tempfile
@@ -16,7 +15,14 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
-from hostile_cli import MEMORY_CAP, assert_refused, check_error_line, refuse_input, run_clipcli
+from hostile_cli import (
+    MEMORY_CAP,
+    assert_refused,
+    check_error_line,
+    exact_norm,
+    refuse_input,
+    run_clipcli,
+)
 from safetensors import safe_open
 
 from clipcli.cli import main
@@ -265,20 +271,6 @@ def test_nonfinite_refusal_names_the_file(tmp_path: Path, suffix: str) -> None:
 
 
 # ------------------------------------------------------------------ extreme finite values
-
-
-def exact_norm(array: np.ndarray) -> float:
-    """sqrt(sum x^2) without overflow or underflow: scale by a power of two, then fsum."""
-    values = np.asarray(array, dtype=np.float64).ravel()
-    peak = float(np.max(np.abs(values))) if values.size else 0.0
-    if peak == 0.0:
-        return 0.0
-    exponent = math.frexp(peak)[1]
-    scaled = [math.ldexp(float(v), -exponent) for v in values]
-    try:
-        return math.ldexp(math.sqrt(math.fsum(v * v for v in scaled)), exponent)
-    except OverflowError:  # the norm itself is past float64's range
-        return math.inf
 
 
 FP16_MAX = float(np.finfo(np.float16).max)
