@@ -12,9 +12,9 @@ Decisions worth knowing:
 - An object reachable by two hard links is refused (it would be one tensor under two names,
   and a group linked into itself would make the walk endless).
 - Declared vs stored size: a dataset declaring more than MAX_DECLARED_BYTES (1 TiB) is
-  refused outright; one declaring more than SPARSE_CHECK_BYTES (1 GiB) is refused when that
-  is over MAX_EXPANSION (4096) times its allocated storage. Contiguous data must lie inside
-  the file.
+  refused outright; one declaring more than SPARSE_CHECK_BYTES (64 MiB) is refused when
+  that is over MAX_EXPANSION (200) times its allocated storage, the npz zip-bomb rule.
+  Contiguous data must lie inside the file. Groups may nest at most MAX_DEPTH (64) deep.
 """
 
 from __future__ import annotations
@@ -41,8 +41,12 @@ from clipcli.formats.base import (
 )
 
 MAX_DECLARED_BYTES = 1 << 40  # 1 TiB: no checkpoint tensor is this large
-SPARSE_CHECK_BYTES = 1 << 30  # below 1 GiB, expanding a sparse dataset is harmless
-MAX_EXPANSION = 4096  # gzip of zeros reaches ~1000:1; 4096 leaves room for honest files
+# The npz reader's zip-bomb rule, for the same reason: real tensors compress ~1.1:1, so a
+# dataset inflating more than 200-fold to more than 64 MiB is almost surely a bomb (gzip of
+# zeros reaches ~1000:1 and would take minutes to decode).
+SPARSE_CHECK_BYTES = 64 << 20
+MAX_EXPANSION = 200
+MAX_DEPTH = 64  # real checkpoints nest a handful of groups; thousands is an attack
 
 # One raw-data chunk cache per open dataset (we keep at most a couple open at a time).
 # Large enough to hold a row of HDF5 chunks while we stream C-order pieces through them,
@@ -283,6 +287,10 @@ class Hdf5Reader(Reader):
                 )
             first_path[key] = path
             if isinstance(obj, h5py.Group):
+                if len(stack) >= MAX_DEPTH:
+                    raise self._fail(
+                        f"groups nest deeper than {MAX_DEPTH} levels at {path[:80]!r}…"
+                    )
                 nodes.append(Hdf5Node(path, "group"))
                 stack.append((path, obj, self._member_names(obj, path)))
             elif isinstance(obj, h5py.Dataset):

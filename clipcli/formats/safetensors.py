@@ -113,6 +113,9 @@ class SafetensorsReader(Reader):
                 f"header length {header_len} runs past the end of the {file_size}-byte file"
             )
         raw = self._file.read(header_len)
+        if raw.count(b'"data_offsets"') > MAX_TENSORS:
+            # Checked on the bytes: parsing a million entries alone would take seconds.
+            raise self._fail(f"header lists more than {MAX_TENSORS} tensors")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
