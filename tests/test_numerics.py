@@ -1,0 +1,173 @@
+"""Exact norms (DESIGN.md §2): sums of squares accumulated in float64 with rescaling, so
+that no finite input overflows or underflows, with relative error <= 1e-7 for any size.
+
+Library level through `clipcli.norms` (l2_norm, accumulate over chunks, global_norm), then
+the same numbers through `clipcli norms` / `clipcli clip` on files of every format.
+TensorFlow squares float16 in float16: ||[300.0] * 300|| overflows to inf there; not here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from clipcli.norms import NormAccumulator, accumulate, global_norm, l2_norm
+
+SQRT2 = 1.4142135623730951
+FP16_300 = np.full(300, 300.0, dtype=np.float16)  # sqrt(300 * 300**2) = 300 * sqrt(300)
+FP16_300_NORM = 5196.152422706632
+
+
+def chunked(array: np.ndarray, size: int):
+    flat = array.reshape(-1)
+    return (flat[i : i + size] for i in range(0, flat.size, size))
+
+
+# ------------------------------------------------------------------ library: exact values
+
+
+def test_float16_squares_do_not_overflow():
+    assert l2_norm(FP16_300) == pytest.approx(FP16_300_NORM, rel=1e-12)
+    assert accumulate(chunked(FP16_300, 7)).norm == pytest.approx(FP16_300_NORM, rel=1e-12)
+    assert l2_norm(np.array([300.0], np.float16)) == 300.0
+    # the largest float16, 65504, squared is 4.3e9: far beyond float16, exact in float64
+    assert l2_norm(np.full(4, 65504.0, np.float16)) == 131008.0
+
+
+def test_float32_1e20():
+    x = np.array([1e20, 1e20], dtype=np.float32)
+    assert l2_norm(x) == pytest.approx(1.4142135623730951e20, rel=1e-7)
+
+
+@pytest.mark.parametrize("magnitude", [1e200, 1e-200, 1e300, 1e-300])
+def test_float64_extremes(magnitude):
+    x = np.array([magnitude, magnitude], dtype=np.float64)
+    assert l2_norm(x) == pytest.approx(SQRT2 * magnitude, rel=1e-14)
+    assert accumulate([x[:1], x[1:]]).norm == pytest.approx(SQRT2 * magnitude, rel=1e-14)
+
+
+def test_float64_subnormals():
+    tiny = np.full(4, 5e-324)  # the smallest subnormal; its square is 0 in float64
+    assert l2_norm(tiny) == 2 * 5e-324
+
+
+def test_mixed_magnitudes_in_one_tensor_and_across_chunks():
+    x = np.array([1e200, 1e-200, 3e200, 5.0, -1e-300])
+    assert l2_norm(x) == pytest.approx(math.sqrt(10) * 1e200, rel=1e-14)
+    acc = accumulate([np.array([1e-200]), np.array([3.0]), np.array([4.0]), np.array([1e-300])])
+    assert acc.norm == pytest.approx(5.0, rel=1e-15)
+    acc = accumulate([np.array([1e-200, 1e-200]), np.array([1e200])])
+    assert acc.norm == pytest.approx(1e200, rel=1e-15)
+
+
+def test_merging_partial_accumulators_matches_one_pass():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(10_000) * np.exp(rng.uniform(-300, 300, 10_000))
+    whole = accumulate([x])
+    merged = NormAccumulator()
+    for piece in chunked(x, 333):
+        merged.merge(accumulate([piece]))
+    assert merged.norm == pytest.approx(whole.norm, rel=1e-13)
+    assert merged.numel == x.size
+    assert merged.max_abs == float(np.max(np.abs(x)))
+
+
+def test_global_norm_neither_overflows_nor_underflows():
+    assert global_norm([3e200, 4e200]) == pytest.approx(5e200, rel=1e-15)
+    assert global_norm([3e-200, 4e-200]) == pytest.approx(5e-200, rel=1e-15)
+    assert global_norm([3.0, 0.0, 4.0]) == 5.0
+    assert global_norm([]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("array", "expected"),
+    [
+        (np.array([3.0, 4.0], dtype=ml_dtypes.bfloat16), 5.0),
+        (np.array([448.0, 448.0], dtype=ml_dtypes.float8_e4m3fn), 448.0 * SQRT2),
+        (np.array([57344.0, -57344.0], dtype=ml_dtypes.float8_e5m2), 57344.0 * SQRT2),
+        (np.array([3 + 4j, 0j], dtype=np.complex64), 5.0),  # |z|^2, as DESIGN.md says
+        (np.array([2**62, -(2**62)], dtype=np.int64), 2.0**62 * SQRT2),
+        (np.array([255, 255, 255, 255], dtype=np.uint8), 510.0),
+        (np.array([True, True, False, True]), math.sqrt(3)),
+        (np.array(-7.5, dtype=np.float32), 7.5),
+        (np.zeros((0, 3), dtype=np.float32), 0.0),
+    ],
+    ids=["bf16", "fp8-e4m3fn", "fp8-e5m2", "complex", "int64", "uint8", "bool", "scalar", "empty"],
+)
+def test_every_dtype(array, expected):
+    assert l2_norm(array) == pytest.approx(expected, rel=1e-15)
+
+
+def test_nonfinite_values_are_counted():
+    acc = accumulate([np.array([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32)])
+    assert acc.nonfinite == 3
+    assert math.isnan(acc.norm)
+    acc = accumulate([np.array([np.inf, 3.0, 4.0], np.float64)])
+    assert acc.nonfinite == 1 and acc.norm == math.inf
+
+
+def test_64m_float32_normals_within_1e_7():
+    """64 Mi float32 normals, fed chunk by chunk as a reader would: relative error <= 1e-7
+    against numpy's float64 norm (naive float32 accumulation drifts by ~1e-4 here)."""
+    x = np.random.default_rng(0).standard_normal(64 * 2**20, dtype=np.float32)
+    reference = float(np.linalg.norm(x.astype(np.float64)))
+    acc = accumulate(chunked(x, 1 << 21))
+    assert acc.numel == x.size
+    assert acc.norm == pytest.approx(reference, rel=1e-7)
+
+
+# ------------------------------------------------------------------ the same through the CLI
+
+
+EXTREMES = {
+    "fp16_300": (FP16_300, FP16_300_NORM, 1e-12),
+    "f32_1e20": (np.array([1e20, 1e20], np.float32), 1.4142135623730951e20, 1e-7),
+    "f64_1e200": (np.array([1e200, 1e200]), SQRT2 * 1e200, 1e-14),
+    "f64_1e-200": (np.array([1e-200, 1e-200]), SQRT2 * 1e-200, 1e-14),
+}
+
+
+def test_norms_cli_exact_on_every_format(fmt, ckpt, write_checkpoint, cli):
+    path = write_checkpoint(ckpt("extremes"), {k: v[0] for k, v in EXTREMES.items()})
+    result = cli("norms", path, "--format", "json")
+    assert result.code == 0, result.stderr
+    report = result.json()
+    rows = {row["name"]: row for row in report["tensors"]}
+    for name, (_, expected, rel) in EXTREMES.items():
+        assert rows[name]["norm"] == pytest.approx(expected, rel=rel), name
+    assert report["global_norm"] == pytest.approx(SQRT2 * 1e200, rel=1e-14)
+
+
+def test_clip_float16_where_tf_overflows(fmt, ckpt, write_checkpoint, read_checkpoint, cli, norm64):
+    # TF: 300**2 overflows float16, the norm is inf and the clipped tensor becomes zeros.
+    src = write_checkpoint(ckpt("in"), {"h": FP16_300})
+    result = cli("clip", "--norm", "100", src, ckpt("out"), "--quiet")
+    assert result.code == 0, result.stderr
+    out = read_checkpoint(ckpt("out"))["h"]
+    assert out.dtype == np.float16
+    expected = 100 / math.sqrt(300)  # 5.7735...
+    np.testing.assert_allclose(out.astype(np.float64), expected, rtol=2 * 2.0**-10)
+    assert 100 * (1 - 2.0**-9) <= norm64(out) <= 100
+
+
+@pytest.mark.parametrize(
+    ("x", "limit"),
+    [
+        (np.array([1e200, 1e200]), 1.0),
+        (np.array([1e200, 1e200]), 1e199),
+        (np.array([1e-200, 1e-200]), 1e-201),
+        (np.array([1e20, 1e20], np.float32), 1.0),
+    ],
+    ids=["1e200-to-1", "1e200-to-1e199", "1e-200-to-1e-201", "f32-1e20-to-1"],
+)
+def test_clip_extremes(fmt, ckpt, write_checkpoint, read_checkpoint, cli, norm64, x, limit):
+    src = write_checkpoint(ckpt("in"), {"x": x})
+    result = cli("clip", "--global", repr(limit), src, ckpt("out"), "--quiet")
+    assert result.code == 0, result.stderr
+    out = read_checkpoint(ckpt("out"))["x"]
+    assert out.dtype == x.dtype
+    np.testing.assert_allclose(out, np.full(2, limit / SQRT2), rtol=1e-6)
+    assert norm64(out) <= limit
