@@ -213,16 +213,30 @@ def slice_blocks(shape: tuple[int, ...], axes: tuple[int, ...]) -> list[tuple[sl
 
 
 def slice_norms(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-    """Norms over `axes` (keepdims), exact in float64 with power-of-two rescaling, computed
-    over blocks of rows so the float64 working copy stays bounded."""
+    """Norms over `axes` (keepdims), exact in float64; inf where a norm overflows."""
+    sums, exps = slice_sumsq(array, axes)
+    with np.errstate(over="ignore"):
+        norms: np.ndarray = np.ldexp(np.sqrt(sums), exps)
+    return norms
+
+
+def slice_sumsq(array: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(sums, exps) with keepdims: each slice's norm is sqrt(sums) * 2**exps, kept apart so
+    that norms beyond float64's range still give exact ratios. Computed over blocks of rows
+    so the float64 working copy stays bounded."""
     keep_shape = [1 if i in axes else n for i, n in enumerate(array.shape)]
     if array.size == 0:
-        return np.zeros(keep_shape)
+        return np.zeros(keep_shape), np.zeros(keep_shape, dtype=np.int64)
     if len(axes) == array.ndim:
-        return np.full(keep_shape, accumulate_array(array).finite_norm)
+        acc = accumulate_array(array)
+        return np.full(keep_shape, acc.ssq), np.full(keep_shape, acc.exp, dtype=np.int64)
     blocks = slice_blocks(array.shape, axes)
     if 0 not in axes:  # each block holds whole slices
-        return np.concatenate([_scaled_sums(array[b], axes)[2] for b in blocks], axis=0)
+        parts = [_scaled_sums(array[b], axes) for b in blocks]
+        return (
+            np.concatenate([p[1] for p in parts], axis=0),
+            np.concatenate([p[0] for p in parts], axis=0),
+        )
     # Slices run across blocks: find each slice's peak first, so that every block is
     # scaled by the same power of two and the partial sums simply add.
     peak = np.zeros(keep_shape)
@@ -232,8 +246,7 @@ def slice_norms(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
     total = np.zeros(keep_shape)
     for block in blocks:
         total += _sum_squares(array[block], axes, exps)
-    result: np.ndarray = np.ldexp(np.sqrt(total), exps)
-    return result
+    return total, exps
 
 
 def _wide_abs(array: np.ndarray) -> np.ndarray:
@@ -261,14 +274,10 @@ def _sum_squares(array: np.ndarray, axes: tuple[int, ...], exps: np.ndarray) -> 
     return sums
 
 
-def _scaled_sums(
-    array: np.ndarray, axes: tuple[int, ...]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(exponents, scaled sums of squares, norms) of the slices of one block."""
+def _scaled_sums(array: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(exponents, scaled sums of squares) of the slices of one block."""
     exps = _exponents(_peaks(array, axes))
-    sums = _sum_squares(array, axes, exps)
-    norms: np.ndarray = np.ldexp(np.sqrt(sums), exps)
-    return exps, sums, norms
+    return exps, _sum_squares(array, axes, exps)
 
 
 def unit_roundoff(dtype: np.dtype[Any]) -> float:
