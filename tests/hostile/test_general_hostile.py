@@ -320,7 +320,7 @@ def test_extreme_finite_values(tmp_path: Path, case: str, suffix: str) -> None:
     """Norms of huge and tiny values are exact (no overflow to inf, no underflow to 0), and
     `clip --global 1` brings them to norm <= 1 without NaN or Inf."""
     array, expected, _ = EXTREMES[case]
-    assert exact_norm(array) == pytest.approx(expected, rel=1e-15)
+    assert exact_norm(array) == pytest.approx(expected, rel=1e-15, abs=0)
     path = WRITERS[suffix](tmp_path / f"m{suffix}", {"x": array})
     out = tmp_path / f"out{suffix}"
     norms, clip = run_clipcli(
@@ -332,8 +332,8 @@ def test_extreme_finite_values(tmp_path: Path, case: str, suffix: str) -> None:
     report = json.loads(norms.stdout)
     (row,) = report["tensors"]
     assert row["nonfinite"] == 0
-    assert row["norm"] == pytest.approx(expected, rel=1e-12), row
-    assert report["global_norm"] == pytest.approx(expected, rel=1e-12), report
+    assert row["norm"] == pytest.approx(expected, rel=1e-12, abs=0), row
+    assert report["global_norm"] == pytest.approx(expected, rel=1e-12, abs=0), report
     assert clip.returncode == 0, clip.describe()
     clipped = read_back(out)["x"]
     assert clipped.dtype == array.dtype and clipped.shape == array.shape
@@ -366,6 +366,26 @@ def test_float64_max_values_are_refused_or_reported_exactly(tmp_path: Path) -> N
         assert np.all(np.isfinite(clipped))
     else:
         check_error_line(clip, 4, ["'x'"])
+
+
+@pytest.mark.parametrize(
+    ("values", "limit"),
+    [([1e300, 1e300], 1e-42), ([8.2e280], 2.85e-42), ([1e-300, 1e-300], 1e300)],
+)
+def test_extreme_limit_to_norm_ratios(tmp_path: Path, values: list[float], limit: float) -> None:
+    """`--norm C` with C/||t|| beyond float64's range (1e-342): the scale underflows if it
+    is computed as C/||t|| first, and the tensor is zeroed. t/||t||*C is representable, so
+    the output's norm must be C (up to rounding), not 0: clipcli does not zero tensors."""
+    array = np.array(values)
+    path = write_safetensors(tmp_path / "m.safetensors", {"x": array})
+    out = tmp_path / "out.safetensors"
+    (clip,) = run_clipcli(
+        ["clip", "--norm", repr(limit), "--quiet", str(path), str(out)], cwd=tmp_path
+    )
+    assert clip.returncode == 0, clip.describe()
+    clipped = read_back(out)["x"]
+    expected = min(limit, exact_norm(array))
+    assert exact_norm(clipped) == pytest.approx(expected, rel=1e-6, abs=0), clipped
 
 
 def read_back(path: Path) -> dict[str, np.ndarray]:

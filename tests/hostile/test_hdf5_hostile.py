@@ -321,6 +321,40 @@ def test_reference_attribute_cannot_be_copied(tmp_path: Path) -> None:
     assert_refused(["clip", "--global", "1", str(path), str(out)], 3, [str(path)], watch=tmp_path)
 
 
+def test_corrupt_global_heap_does_not_hang(tmp_path: Path) -> None:
+    """Found by the fuzzer: one byte changed in a 12 KB h5py file. The root attribute
+    "note" is a variable-length string, stored in a global heap collection (GCOL); with the
+    size of the collection's free-space object set to 0, libhdf5 loops forever when the
+    attribute is read (clipcli reads root string attributes as metadata, so `ls`, `norms`
+    and `clip` all hang). clipcli must refuse the file or skip the attribute, not spin."""
+    path = tmp_path / "heap.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["note"] = "seed"
+        f["a"] = np.arange(4.0)
+    data = bytearray(path.read_bytes())
+    heap = data.find(b"GCOL")
+    assert heap > 0 and data.find(b"GCOL", heap + 1) < 0
+    # GCOL, version, 3 reserved, collection size (8); then objects: index (2), refcount (2),
+    # reserved (4), size (8), data padded to 8 bytes. Object 1 holds b"seed"; index 0 is
+    # the free space that ends the collection.
+    first = heap + 16
+    assert data[first : first + 2] == b"\x01\x00" and data[first + 16 : first + 20] == b"seed"
+    free = first + 16 + 8
+    assert data[free : free + 2] == b"\x00\x00" and data[free + 8 : free + 16] != bytes(8)
+    data[free + 8 : free + 16] = bytes(8)
+    path.write_bytes(bytes(data))
+    out = tmp_path / "out.h5"
+    runs = run_clipcli(
+        ["ls", str(path)],
+        ["clip", "--global", "1", str(path), str(out)],
+        cwd=tmp_path,
+        timeout=SLOW_LIMIT,
+    )
+    for run in runs:
+        assert run.returncode is not None, f"hung (killed after {SLOW_LIMIT}s): {run.describe()}"
+        assert run.returncode in (0, 3), run.describe()
+
+
 def test_deeply_nested_groups_finish_in_time(tmp_path: Path) -> None:
     """2,500 nested groups (a 2.5 MB file): `norms` walks them in ~1 s; `clip` must copy
     them in reasonable time too, or refuse the nesting."""
