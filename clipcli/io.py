@@ -202,11 +202,6 @@ def atomic_output(out: Path, durable: bool = True) -> Iterator[Path]:
     except OSError as exc:
         raise WriteError(f"{out}: cannot create a file in {directory}: {exc.strerror}") from None
     tmp = Path(tmp_name)
-    try:
-        os.close(fd)
-    except BaseException:  # e.g. Ctrl-C in this instant: the temp file must not survive
-        _remove(tmp)
-        raise
 
     def finish() -> None:
         if durable:
@@ -217,8 +212,16 @@ def atomic_output(out: Path, durable: bool = True) -> Iterator[Path]:
         if durable:
             fsync_dir(directory)
 
-    with staged_output(out, tmp, finish, lambda: _remove(tmp)) as path:
-        yield path
+    try:
+        os.close(fd)
+        with staged_output(out, tmp, finish, lambda: _remove(tmp)) as path:
+            yield path
+    except KeyboardInterrupt:  # arrived between mkstemp and the staged write
+        _remove(tmp)
+        raise Interrupted("interrupted; no output written") from None
+    except BaseException:
+        _remove(tmp)
+        raise
 
 
 def _remove(path: Path) -> None:
