@@ -54,6 +54,25 @@ from safetensors.numpy import load_file, save_file
 
 from clipcli.cli import main
 
+
+def _preload_clipcli() -> None:
+    """Import every clipcli module now. The forked children inherit them, so a long run
+    tests one consistent snapshot of the package even while it is being edited (a module
+    imported lazily mid-run from newer sources fails with spurious ImportErrors)."""
+    import importlib
+    import pkgutil
+
+    import clipcli
+
+    for module in pkgutil.walk_packages(clipcli.__path__, "clipcli."):
+        if module.name.endswith("__main__"):
+            continue
+        with contextlib.suppress(ImportError):  # optional extras (matplotlib for plot)
+            importlib.import_module(module.name)
+
+
+_preload_clipcli()
+
 SUFFIXES = (".safetensors", ".npz", ".h5")
 
 # ================================================================== layer 1: valid files
@@ -237,15 +256,15 @@ def check_clip_invariants(case: ValidCase, out: dict[str, np.ndarray]) -> None:
 
 
 @given(case=valid_cases())
-def test_valid_checkpoints_keep_the_clip_invariants(
-    case: ValidCase, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_valid_checkpoints_keep_the_clip_invariants(case: ValidCase) -> None:
     with tempfile.TemporaryDirectory() as directory:
         src = Path(directory) / f"in{case.suffix}"
         out = Path(directory) / f"out{case.suffix}"
         write_official(case, src)
-        code = main(["clip", case.mode, repr(case.limit), "--quiet", str(src), str(out)])
-        err = capsys.readouterr().err
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(["clip", case.mode, repr(case.limit), "--quiet", str(src), str(out)])
+        err = stderr.getvalue()
         assert code == 0, err
         assert err == ""
         check_clip_invariants(case, read_official(out))
@@ -485,9 +504,11 @@ def mutated(draw: st.DrawFn, seeds: tuple[str, ...] = tuple(SEEDS)) -> tuple[str
 # ------------------------------------------------------------------ running in a child
 
 
-def _child_body(work: Callable[[], dict[str, Any]], result_path: Path) -> None:
+def _child_body(work: Callable[[], dict[str, Any]], result_path: Path, timeout: float) -> None:
     """Runs in the forked child: cap memory, run `work`, write its result, never return."""
     status = 0
+    # Die on our own if the parent is gone (interrupted) and we are stuck in a C loop.
+    signal.alarm(math.ceil(timeout) + 5)
     try:
         soft_limit = _current_address_space() + MEMORY_CAP
         resource.setrlimit(resource.RLIMIT_AS, (soft_limit, resource.RLIM_INFINITY))
@@ -520,7 +541,7 @@ def in_child(work: Callable[[], dict[str, Any]], timeout: float = TIMEOUT) -> di
             warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads (3.12+)
             pid = os.fork()
         if pid == 0:
-            _child_body(work, result_path)
+            _child_body(work, result_path, timeout)
         deadline = time.monotonic() + timeout
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
