@@ -366,20 +366,22 @@ def test_float64_max_values_are_refused_or_reported_exactly(tmp_path: Path) -> N
         check_error_line(clip, 4, ["'x'"])
 
 
+@pytest.mark.parametrize("mode", ["--norm", "--global"])
 @pytest.mark.parametrize(
     ("values", "limit"),
-    [([1e300, 1e300], 1e-42), ([8.2e280], 2.85e-42), ([1e-300, 1e-300], 1e300)],
+    [([1e300, 1e300], 1e-42), ([8.2e280], 2.85e-42), ([-1.56e247, -1.5], 3.39e-124)],
 )
-def test_extreme_limit_to_norm_ratios(tmp_path: Path, values: list[float], limit: float) -> None:
-    """`--norm C` with C/||t|| beyond float64's range (1e-342): the scale underflows if it
-    is computed as C/||t|| first, and the tensor is zeroed. t/||t||*C is representable, so
-    the output's norm must be C (up to rounding), not 0: clipcli does not zero tensors."""
+def test_extreme_limit_to_norm_ratios(
+    tmp_path: Path, mode: str, values: list[float], limit: float
+) -> None:
+    """A limit C with C/||t|| beyond float64's range (below ~1e-308, or 0 after rounding):
+    computing that scale first underflows and zeroes the tensor (or leaves it a few bits
+    of precision). t/||t||*C is representable, so the output's norm must be C up to
+    rounding, not 0: clipcli does not zero tensors. (Found by the fuzzer, layer 1.)"""
     array = np.array(values)
     path = write_safetensors(tmp_path / "m.safetensors", {"x": array})
     out = tmp_path / "out.safetensors"
-    (clip,) = run_clipcli(
-        ["clip", "--norm", repr(limit), "--quiet", str(path), str(out)], cwd=tmp_path
-    )
+    (clip,) = run_clipcli(["clip", mode, repr(limit), "--quiet", str(path), str(out)], cwd=tmp_path)
     assert clip.returncode == 0, clip.describe()
     clipped = read_back(out)["x"]
     expected = min(limit, exact_norm(array))
