@@ -259,14 +259,26 @@ def compute_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return np.dtype(np.float64)
 
 
-def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray) -> np.ndarray:
-    """chunk * scale, computed wide and rounded once to the chunk's own dtype."""
+# Below this, limit / norm is kept as a mantissa and a power of two (see TINY_RATIO users).
+TINY_RATIO = 2.0**-900
+
+
+def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0) -> np.ndarray:
+    """chunk * scale * 2**exponent, computed wide and rounded once to the chunk's dtype.
+    The exponent carries factors too small for a float64 (C / ||t|| below 1e-308)."""
     work = compute_dtype(chunk.dtype)
+    if exponent:
+        work = np.dtype(np.complex128 if work.kind == "c" else np.float64)
     factor = np.asarray(scale, dtype=np.float64).astype(
         work.char.lower() if work.kind == "c" else work
     )
     wide = chunk.astype(work)
     wide *= factor
+    if exponent:
+        if wide.dtype.kind == "c":
+            wide = np.ldexp(wide.real, exponent) + 1j * np.ldexp(wide.imag, exponent)
+        else:
+            np.ldexp(wide, exponent, out=wide)
     scaled: np.ndarray = wide.astype(chunk.dtype)
     return scaled
 

@@ -183,6 +183,7 @@ class TensorPlan:
     changed: bool = False
     axes: tuple[int, ...] = ()
     group: str | None = None
+    scale_exp: int = 0  # the scale is scale * 2**scale_exp (for ratios below 1e-300)
 
     @property
     def in_global(self) -> bool:
@@ -270,6 +271,8 @@ def plan_clip(
         for plan in targets:
             info = plan.info
             limit = clipping.tensor_limit(spec, info.numel)
+            if _set_tiny_scale([plan], plan.before, limit):
+                continue
             plan.scale = clipping.choose_scale(
                 limit,
                 plan.before.limit_ratio(limit),
@@ -298,6 +301,19 @@ def plan_clip(
     return plans
 
 
+def _set_tiny_scale(plans: Sequence[TensorPlan], stats: NormAccumulator, limit: float) -> bool:
+    """Where limit / norm is below float64's normal range (1e300 values, a 1e-42 limit),
+    scale by a mantissa and a power of two instead of a factor that would underflow and
+    zero the tensor. Returns whether it did."""
+    ratio = stats.limit_ratio(limit)
+    if stats.ssq == 0.0 or ratio >= clipping.TINY_RATIO:
+        return False
+    mantissa, exponent = stats.limit_ratio_parts(limit)
+    for plan in plans:
+        plan.scale, plan.scale_exp = mantissa * (1 - 2.0**-50), exponent
+    return True
+
+
 def _plan_value(targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
     for plan in targets:
         if plan.info.dtype.kind == "c":
@@ -319,6 +335,8 @@ def _plan_global(reader: Reader, targets: Sequence[TensorPlan], spec: ClipSpec) 
         together = NormAccumulator()
         for plan in targets:
             together.merge(plan.before)
+        if _set_tiny_scale([p for p in targets if p.before.norm > 0], together, spec.limit):
+            return
         scale = clipping.choose_scale(
             spec.limit,
             together.limit_ratio(spec.limit),
@@ -335,8 +353,8 @@ def _transform(plan: TensorPlan, spec: ClipSpec) -> Callable[[np.ndarray], np.nd
     """What the write pass applies to each chunk of this tensor; None copies it as it is."""
     if plan.action == "scale":
         assert plan.scale is not None
-        scale = plan.scale
-        return lambda chunk: clipping.scale_chunk(chunk, scale)
+        scale, exponent = plan.scale, plan.scale_exp
+        return lambda chunk: clipping.scale_chunk(chunk, scale, exponent)
     if plan.action == "clamp":
         low, high = clipping.value_bounds(plan.info.dtype, spec.low, spec.high)
         return lambda chunk: clipping.clamp_chunk(chunk, low, high)

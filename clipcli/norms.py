@@ -159,6 +159,10 @@ class NormAccumulator:
         except OverflowError:
             return math.inf
 
+    def limit_ratio_parts(self, limit: float) -> tuple[float, int]:
+        """limit / norm as (m, e) with value m * 2**e, for ratios below float64's range."""
+        return limit / math.sqrt(self.ssq), -self.exp
+
     @property
     def finite_norm(self) -> float:
         """The L2 norm of the finite values; inf if it does not fit in float64."""

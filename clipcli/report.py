@@ -225,7 +225,7 @@ def clip_report(result: ClipResult) -> Report:
             p.info.dtype_name,
             p.before.norm,
             p.after.norm,
-            p.scale,
+            None if p.scale is None else math.ldexp(p.scale, p.scale_exp),
             p.changed,
             p.note,
         )
