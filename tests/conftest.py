@@ -58,6 +58,7 @@ SAFETENSORS_CODES = {
     "bfloat16": "BF16",
     "float32": "F32",
     "float64": "F64",
+    "complex64": "C64",
     "float8_e4m3fn": "F8_E4M3",
     "float8_e5m2": "F8_E5M2",
 }

@@ -738,3 +738,153 @@ def test_main_entry_point_clips(fmt, ckpt, write_checkpoint, read_checkpoint, ru
         [[0.26967996, 0.5393599, 0.80903983, 1.0787199, 1.3483998]],
         rtol=TF_RTOL,
     )
+
+
+# ------------------------------------------------------------------ more dtypes and layouts
+
+
+def test_value_mode_keeps_nan_and_clamps_infinities(
+    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json
+):
+    # DESIGN.md: in value mode NaN stays NaN and +-Inf is clamped; nothing is refused.
+    x = np.array([np.nan, np.inf, -np.inf, 5.0, -5.0, 0.5], np.float32)
+    src = write_checkpoint(ckpt("in"), {"x": x})
+    clip_json(src, ckpt("out"), "--value", "2")
+    out = read_checkpoint(ckpt("out"))["x"]
+    assert np.isnan(out[0])
+    np.testing.assert_array_equal(out[1:], np.array([2, -2, 2, -2, 0.5], np.float32))
+
+
+@pytest.mark.parametrize(
+    ("bounds", "expected"),
+    [
+        (["--min", "0"], [0.0, 0.0, 0.0, 1.0, 2.0, 3.0]),
+        (["--max", "1"], [-2.0, -1.0, 0.0, 1.0, 1.0, 1.0]),
+        (["--min", "-1.5", "--max", "1.5"], [-1.5, -1.0, 0.0, 1.0, 1.5, 1.5]),
+    ],
+    ids=["min-only", "max-only", "both"],
+)
+def test_value_mode_one_sided_bounds(
+    fmt, bounds, expected, ckpt, write_checkpoint, read_checkpoint, clip_json
+):
+    x = np.array([-2.0, -1.0, 0.0, 1.0, 2.0, 3.0], np.float64)
+    src = write_checkpoint(ckpt("in"), {"x": x})
+    clip_json(src, ckpt("out"), *bounds)
+    np.testing.assert_array_equal(read_checkpoint(ckpt("out"))["x"], expected)
+
+
+def test_use_norm_not_above_the_limit_changes_nothing(
+    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
+):
+    # The tensors' real global norm is sqrt(95) > 9, but --use-norm says 8 <= 9: no change.
+    src = write_checkpoint(ckpt("in"), {"c1": C1, "c2": C2})
+    clip_json(src, ckpt("out"), "--global", "9", "--use-norm", "8")
+    out = read_checkpoint(ckpt("out"))
+    assert_bit_identical(out["c1"], C1, "c1")
+    assert_bit_identical(out["c2"], C2, "c2")
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.bfloat16],
+    ids=["fp8-e4m3fn", "fp8-e5m2", "bf16"],
+)
+def test_safetensors_8_and_16_bit_floats_are_clipped(
+    tmp_path, dtype, write_checkpoint, read_checkpoint, clip_json, norm64
+):
+    x = np.array([[3.0, -4.0], [12.0, 0.5]], dtype=dtype)
+    src = write_checkpoint(tmp_path / "in.safetensors", {"x": x})
+    for mode, limit in (("--norm", 2.0), ("--global", 2.0), ("--average", 0.5)):
+        out_path = tmp_path / f"out{mode}.safetensors"
+        clip_json(src, out_path, mode, repr(limit))
+        y = read_checkpoint(out_path)["x"]
+        assert y.dtype == x.dtype and y.shape == x.shape
+        bound = limit * (x.size if mode == "--average" else 1)
+        assert norm64(y) <= bound
+        assert norm64(y) >= bound * 0.75  # coarse dtypes: within a few of their eps
+    clip_json(src, tmp_path / "v.safetensors", "--value", "3.5")
+    y = read_checkpoint(tmp_path / "v.safetensors")["x"].astype(np.float64)
+    assert np.max(np.abs(y)) <= 3.5 and np.min(y) < -3
+
+
+def test_complex_tensors_use_the_modulus(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json):
+    # DESIGN.md: complex tensors are handled by the norm modes with |z|^2.
+    z = np.array([3 + 4j, 0 - 12j], dtype=np.complex64)  # ||z|| = 13
+    src = write_checkpoint(ckpt("in"), {"z": z})
+    report = clip_json(src, ckpt("out"), "--norm", "6.5")
+    assert report["tensors"][0]["norm_before"] == pytest.approx(13.0, rel=1e-12)
+    out = read_checkpoint(ckpt("out"))["z"]
+    assert out.dtype == np.complex64
+    np.testing.assert_allclose(out, z / 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("ext", [".npz", ".h5"])  # safetensors is little-endian by definition
+def test_big_endian_tensors(tmp_path, ext, write_checkpoint, read_checkpoint, clip_json):
+    # npz and HDF5 can store big-endian data; the values, not the bytes, are what count.
+    big = np.array([[3.0, 4.0], [0.0, 0.0]], dtype=">f4")
+    keep = np.array([1e-3, -2e-3], dtype=">f8")
+    src = write_checkpoint(tmp_path / f"in{ext}", {"big": big, "keep": keep})
+    report = clip_json(src, tmp_path / f"out{ext}", "--norm", "1")
+    rows = {r["name"]: r for r in report["tensors"]}
+    assert rows["big"]["norm_before"] == 5.0
+    out = read_checkpoint(tmp_path / f"out{ext}")
+    assert out["big"].dtype.name == "float32" and out["keep"].dtype.name == "float64"
+    np.testing.assert_allclose(out["big"], [[0.6, 0.8], [0.0, 0.0]], rtol=1e-6)
+    assert out["keep"].astype("<f8").tobytes() == keep.astype("<f8").tobytes()
+
+
+def test_npz_fortran_order(tmp_path, write_checkpoint, read_checkpoint, clip_json):
+    # np.savez keeps Fortran order in the .npy header; the data must be read in that order.
+    x = np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4))
+    assert x.flags.f_contiguous and not x.flags.c_contiguous
+    src = write_checkpoint(tmp_path / "in.npz", {"x": x})
+    clip_json(src, tmp_path / "out.npz", "--norm", "1", "--axes", "1")
+    out = read_checkpoint(tmp_path / "out.npz")["x"]
+    rows = np.arange(12, dtype=np.float64).reshape(3, 4)
+    expected = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_unicode_names(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, cli):
+    tensors = {
+        "ünïcødé.weight": np.array([3.0, 4.0], np.float32),
+        "模型/层.bias": np.array([0.1], np.float32),
+    }
+    src = write_checkpoint(ckpt("in"), tensors)
+    report = clip_json(src, ckpt("out"), "--norm", "1")
+    assert {r["name"] for r in report["tensors"]} == set(tensors)
+    out = read_checkpoint(ckpt("out"))
+    assert set(out) == set(tensors)
+    np.testing.assert_allclose(out["ünïcødé.weight"], [0.6, 0.8], rtol=1e-6)
+    table = cli("norms", ckpt("out"))
+    assert all(name in table.stdout for name in tensors)
+
+
+# ------------------------------------------------------------------ selection decides refusals
+
+
+def test_unselected_tensors_are_not_checked(
+    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
+):
+    """Refusals concern selected tensors only: an excluded NaN tensor does not stop --global,
+    and an excluded scalar does not stop --axes 0."""
+    nan = np.array([np.nan, 1.0], np.float32)
+    scalar = np.array(7.0, np.float64)
+    w = np.array([[3.0, 4.0], [6.0, 8.0]], np.float32)
+    src = write_checkpoint(ckpt("in"), {"nan": nan, "scalar": scalar, "w": w})
+    clip_json(src, ckpt("global"), "--global", "5", "--exclude", "nan")
+    out = read_checkpoint(ckpt("global"))
+    assert_bit_identical(out["nan"], nan, "nan")
+    clip_json(src, ckpt("axes"), "--norm", "5", "--axes", "0", "--include", "w")
+    out = read_checkpoint(ckpt("axes"))
+    assert_bit_identical(out["scalar"], scalar, "scalar")
+    expected = np.array([[3, 4], [6, 8]]) * (5 / np.hypot([3, 4], [6, 8]))
+    np.testing.assert_allclose(out["w"], expected, rtol=1e-6)
+
+
+def test_checkpoint_without_tensors(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, cli):
+    src = write_checkpoint(ckpt("empty"), {})
+    report = cli("norms", src, "--format", "json").json()
+    assert report["global_norm"] == 0.0 and report["tensors"] == []
+    clip_json(src, ckpt("out"), "--global", "1")
+    assert read_checkpoint(ckpt("out")) == {}

@@ -312,3 +312,11 @@ def test_header_claiming_more_data_than_the_file_holds(tmp_path, refused):
     bad = tmp_path / "liar.safetensors"
     bad.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
     refused(tmp_path, 3, ["clip", "--norm", "1", bad, tmp_path / "o.safetensors"], "liar")
+
+
+# ------------------------------------------------------------------ exit 5: writing failed
+
+
+def test_output_directory_missing(tmp_path, fmt, src, refused):
+    refused(tmp_path, 5, ["clip", "--norm", "1", src, tmp_path / "no" / "such" / f"o{EXT[fmt]}"])
+    assert not (tmp_path / "no").exists()

@@ -323,3 +323,26 @@ def test_no_arguments_shows_help(run_subprocess, run_main):
         assert "Usage:" in result.stdout
         for command in ("ls", "norms", "clip"):
             assert re.search(rf"^\s+{command}\s", result.stdout, re.MULTILINE), command
+
+
+def test_dtype_names_are_numpys(tmp_path, write_checkpoint, cli):
+    tensors = {
+        "bf16": np.ones(2, ml_dtypes.bfloat16),
+        "e4m3": np.ones(2, ml_dtypes.float8_e4m3fn),
+        "e5m2": np.ones(2, ml_dtypes.float8_e5m2),
+        "f16": np.ones(2, np.float16),
+        "u8": np.ones(2, np.uint8),
+    }
+    path = write_checkpoint(tmp_path / "dtypes.safetensors", tensors)
+    listed = {r["name"]: r["dtype"] for r in cli("ls", path, "-f", "json").json()["tensors"]}
+    measured = cli("norms", path, "-f", "json").json()["tensors"]
+    expected = {
+        "bf16": "bfloat16",
+        "e4m3": "float8_e4m3fn",
+        "e5m2": "float8_e5m2",
+        "f16": "float16",
+        "u8": "uint8",
+    }
+    assert listed == expected
+    assert {r["name"]: r["dtype"] for r in measured} == expected
+    assert {r["name"]: r["in_global"] for r in measured} == {n: n != "u8" for n in tensors}
