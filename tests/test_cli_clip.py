@@ -888,3 +888,45 @@ def test_checkpoint_without_tensors(fmt, ckpt, write_checkpoint, read_checkpoint
     assert report["global_norm"] == 0.0 and report["tensors"] == []
     clip_json(src, ckpt("out"), "--global", "1")
     assert read_checkpoint(ckpt("out")) == {}
+
+
+# ------------------------------------------------------------------ tensors spanning many chunks
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_multi_chunk_tensors_match_reference(
+    fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json, norm64
+):
+    """Tensors of several MiB are read and written in chunks (2 MiB each in clipcli); chunk
+    boundaries fall inside rows here. Every mode must still match the float64 reference."""
+    rng = np.random.default_rng(21)
+    big = rng.standard_normal((1031, 2053)).astype(dtype)  # ~4 or 8 MiB, odd sizes
+    small = rng.standard_normal((3, 5)).astype(dtype)
+    src = write_checkpoint(ckpt("in"), {"big": big, "small": small})
+    n_big, n_small = norm64(big), norm64(small)
+
+    clip_json(src, ckpt("norm"), "--norm", "100")
+    out = read_checkpoint(ckpt("norm"))
+    assert_close_to_reference("big", out["big"], wide(big) * 100 / n_big, big.dtype)
+
+    g = math.hypot(n_big, n_small)
+    clip_json(src, ckpt("global"), "--global", "10")
+    out = read_checkpoint(ckpt("global"))
+    assert_close_to_reference("big", out["big"], wide(big) * 10 / g, big.dtype)
+    assert_close_to_reference("small", out["small"], wide(small) * 10 / g, big.dtype)
+
+    for axis in (0, 1):
+        limit = float(np.median(np.sqrt(np.sum(wide(big) ** 2, axis=axis))))
+        clip_json(src, ckpt(f"axes{axis}"), "--norm", repr(limit), "--axes", str(axis))
+        out = read_checkpoint(ckpt(f"axes{axis}"))
+        ref = tf_axes_clip(big, limit, (axis,))
+        assert_close_to_reference(f"big axis {axis}", out["big"], ref, big.dtype)
+
+
+def test_multi_chunk_compressed_npz(tmp_path, write_checkpoint, read_checkpoint, clip_json, norm64):
+    rng = np.random.default_rng(22)
+    big = rng.standard_normal((777, 3001)).astype(np.float32)
+    src = write_checkpoint(tmp_path / "in.npz", {"big": big}, compressed=True)
+    clip_json(src, tmp_path / "out.npz", "--global", "7")
+    out = read_checkpoint(tmp_path / "out.npz")["big"]
+    assert_close_to_reference("big", out, wide(big) * 7 / norm64(big), big.dtype)
