@@ -261,12 +261,15 @@ def plan_clip(
     if spec.mode is Mode.VALUE:
         _plan_value(targets, spec)
     elif spec.mode is Mode.NORM and spec.axes is not None:
+        problems = []
         for plan in targets:
             try:
                 plan.axes = clipping.normalize_axes(spec.axes, plan.info.shape, plan.info.name)
             except DataRefusedError as exc:
-                raise DataRefusedError(f"{reader.path}: {exc}") from None
+                problems.append(str(exc))
             plan.action = "axes"
+        if problems:  # name every tensor the axes do not fit, not just the first
+            raise DataRefusedError(f"{reader.path}: " + "; ".join(problems))
     elif spec.mode in (Mode.NORM, Mode.AVERAGE):
         for plan in targets:
             info = plan.info

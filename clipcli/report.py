@@ -110,7 +110,27 @@ def _csv_value(value: Value) -> str:
     return str(value)
 
 
+PLAIN_TABLE_ROWS = 2000  # rich lays out big tables slowly (50,000 rows: seconds)
+
+
+def _render_plain(report: Report, stream: TextIO) -> None:
+    cells = [[c.title for c in report.columns]] + [[_cell(v) for v in row] for row in report.rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(report.columns))]
+    stream.write(report.title + "\n")
+    for row in cells:
+        parts = [
+            text.rjust(w) if column.numeric else text.ljust(w)
+            for text, w, column in zip(row, widths, report.columns, strict=True)
+        ]
+        stream.write("  ".join(parts).rstrip() + "\n")
+    for line in report.footer:
+        stream.write(line + "\n")
+
+
 def _render_table(report: Report, stream: TextIO, width: int | None) -> None:
+    if len(report.rows) > PLAIN_TABLE_ROWS:
+        _render_plain(report, stream)
+        return
     from rich.console import Console
     from rich.table import Table
 

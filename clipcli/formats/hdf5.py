@@ -226,6 +226,7 @@ class Hdf5Reader(Reader):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
+        _check_global_heaps(path)
         h5py = _h5py()
         # Lock where the filesystem can, but do not fail where it cannot (NFS, Lustre).
         locking = "best-effort" if h5py.version.hdf5_version_tuple >= (1, 12, 1) else None
@@ -781,3 +782,33 @@ class Hdf5Writer(Writer):
     def abort(self) -> None:
         with contextlib.suppress(Exception):
             self.file.close()
+
+
+def _check_global_heaps(path: Path) -> None:
+    """Refuse global heap collections (where variable-length strings live) whose objects do
+    not tile the collection: libhdf5 loops forever reading one whose free-space object has
+    size 0 (found by the fuzzer). Checked on the raw bytes, before h5py touches the file."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            return
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            start = data.find(b"GCOL")
+            while start >= 0:
+                if start + 16 <= size:
+                    (collection,) = struct.unpack_from("<Q", data, start + 8)
+                    end = start + collection
+                    position = start + 16
+                    while collection and position + 16 <= min(end, size):
+                        index, _, _, length = struct.unpack_from("<HHIQ", data, position)
+                        if index == 0:  # the free space: it must reach the collection's end
+                            if length == 0 and end - position > 16:
+                                raise InputError(
+                                    path, "corrupt HDF5 global heap (zero-size free space)"
+                                )
+                            break
+                        position += 16 + ((length + 7) // 8) * 8
+                start = data.find(b"GCOL", start + 4)
