@@ -98,9 +98,10 @@ def test_file_size_limit_gives_exit_5(tmp_path: Path) -> None:
 def test_signal_mid_write_removes_temp_file(tmp_path: Path, sig: int, code: int) -> None:
     src = tmp_path / "in.safetensors"
     rng = np.random.default_rng(1)
-    # ~400 MB in 8 tensors, so the write pass lasts long enough to be interrupted.
+    # ~800 MB in 16 tensors, so the write pass lasts long enough to be interrupted even on
+    # a fast moment of a loaded machine.
     save_file(
-        {f"t{i}": rng.standard_normal(12_500_000, dtype=np.float32) for i in range(8)},
+        {f"t{i}": rng.standard_normal(12_500_000, dtype=np.float32) for i in range(16)},
         str(src),
     )
     out = tmp_path / "out.safetensors"
