@@ -19,6 +19,8 @@ class ExitCode(IntEnum):
 
 def printable(text: str) -> str:
     """Escape control characters (newlines, ANSI escapes) so a hostile name stays on one line."""
+    if text.isprintable():
+        return text
     return "".join(
         ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
     )
