@@ -930,3 +930,17 @@ def test_multi_chunk_compressed_npz(tmp_path, write_checkpoint, read_checkpoint,
     clip_json(src, tmp_path / "out.npz", "--global", "7")
     out = read_checkpoint(tmp_path / "out.npz")["big"]
     assert_close_to_reference("big", out, wide(big) * 7 / norm64(big), big.dtype)
+
+
+def test_value_bounds_beyond_float16_range_leave_an_empty_float16_tensor_alone(
+    fmt, ckpt, write_checkpoint, read_checkpoint, run_main, assert_bit_identical
+):
+    # Found by test_properties.py: an empty float16 tensor has no value outside the range,
+    # so nothing needs clamping, even though no float16 lies in [65520, 196560].
+    tensors = {"a": np.array([], np.float16), "b": np.array(131040.0, np.float32)}
+    src = write_checkpoint(ckpt("in"), tensors)
+    result = run_main("clip", "--min", "65520", "--max", "196560", src, ckpt("out"), "-q")
+    assert (result.code, result.stderr) == (0, "")
+    out = read_checkpoint(ckpt("out"))
+    for name, x in tensors.items():
+        assert_bit_identical(out[name], x, name)

@@ -320,3 +320,18 @@ def test_header_claiming_more_data_than_the_file_holds(tmp_path, refused):
 def test_output_directory_missing(tmp_path, fmt, src, refused):
     refused(tmp_path, 5, ["clip", "--norm", "1", src, tmp_path / "no" / "such" / f"o{EXT[fmt]}"])
     assert not (tmp_path / "no").exists()
+
+
+def test_value_bounds_no_float16_can_hold_refused_in_one_line(
+    tmp_path, write_checkpoint, run_subprocess, listing
+):
+    # No float16 lies in [65520, 196560] (65504 is the largest): clamping is impossible.
+    # Exit 4, one line naming the tensor; no numpy RuntimeWarning lines on stderr.
+    src = write_checkpoint(tmp_path / "in.npz", {"half": np.array([1.0, 2.0], np.float16)})
+    before = listing(tmp_path)
+    result = run_subprocess("clip", "--min", "65520", "--max", "196560", src, tmp_path / "o.npz")
+    assert result.code == 4, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("clipcli: error: ") and "half" in lines[0], lines
+    assert listing(tmp_path) == before
