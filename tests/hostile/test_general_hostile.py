@@ -388,6 +388,27 @@ def test_extreme_limit_to_norm_ratios(
     assert exact_norm(clipped) == pytest.approx(expected, rel=1e-6, abs=0), clipped
 
 
+@pytest.mark.parametrize("mode", ["--norm", "--global"])
+@pytest.mark.parametrize("values", [[2.0**969], [2.0**1000, 1.0], [1e308, -1e308]])
+def test_scaling_huge_values_never_overflows(
+    tmp_path: Path, mode: str, values: list[float]
+) -> None:
+    """Found by the fuzzer (layer 1): float64 2**969 clipped to 1.8e16 came out as inf, with
+    a RuntimeWarning on stderr and exit 0 (scale_chunk multiplied by the scale's mantissa
+    before applying its power of two). The output must be finite, its norm the limit, and
+    stderr empty."""
+    array = np.array(values)
+    limit = 1.801440065696563e16
+    path = write_safetensors(tmp_path / "m.safetensors", {"x": array})
+    out = tmp_path / "out.safetensors"
+    (clip,) = run_clipcli(["clip", mode, repr(limit), "--quiet", str(path), str(out)], cwd=tmp_path)
+    assert clip.returncode == 0, clip.describe()
+    assert clip.stderr == "", clip.describe()
+    clipped = read_back(out)["x"]
+    assert np.all(np.isfinite(clipped)), clipped
+    assert exact_norm(clipped) == pytest.approx(limit, rel=1e-6, abs=0), clipped
+
+
 def read_back(path: Path) -> dict[str, np.ndarray]:
     if path.suffix == ".safetensors":
         return read_safetensors_raw(path)
