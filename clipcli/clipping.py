@@ -269,6 +269,10 @@ def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0)
     work = compute_dtype(chunk.dtype)
     if exponent:
         work = np.dtype(np.complex128 if work.kind == "c" else np.float64)
+        # Fold the mantissa's own power of two into the exponent: a mantissa like 1e16
+        # would overflow a float64 element near 1e300 before the exponent brings it down.
+        scale, shift = math.frexp(float(scale))
+        exponent += shift
     factor = np.asarray(scale, dtype=np.float64).astype(
         work.char.lower() if work.kind == "c" else work
     )
@@ -298,9 +302,11 @@ def _representable(dtype: np.dtype[Any], value: float, toward: int) -> np.ndarra
     """The dtype value (0-d) nearest `value` that is >= it (toward=1) or <= it (toward=-1)."""
     info_max = float(finfo(dtype).max)
     if math.isinf(value) or abs(value) > info_max:
+        # Beyond the dtype's range: the nearest value on the allowed side is either its
+        # largest finite value or an infinity (built directly: a cast would warn of overflow).
         if (value > 0) == (toward < 0) and math.isfinite(value):
             return np.asarray(math.copysign(info_max, value)).astype(dtype)
-        return np.asarray(value).astype(dtype)
+        return np.asarray(math.copysign(math.inf, value)).astype(dtype)
     candidate = np.asarray(value).astype(dtype)
     if (float(candidate) - value) * toward >= 0:
         return candidate

@@ -259,7 +259,7 @@ def plan_clip(
     _refuse_nonfinite(reader.path, targets, spec)
     targets = [p for p in targets if not p.note]
     if spec.mode is Mode.VALUE:
-        _plan_value(targets, spec)
+        _plan_value(reader.path, targets, spec)
     elif spec.mode is Mode.NORM and spec.axes is not None:
         problems = []
         for plan in targets:
@@ -317,17 +317,27 @@ def _set_tiny_scale(plans: Sequence[TensorPlan], stats: NormAccumulator, limit: 
     return True
 
 
-def _plan_value(targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
+def _plan_value(path: object, targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
+    problems = []
     for plan in targets:
         if plan.info.dtype.kind == "c":
             plan.note = "complex: no order to clamp by"
             continue
-        low, high = clipping.value_bounds(plan.info.dtype, spec.low, spec.high)
         stats = plan.before
-        if stats.numel and (stats.min_value < float(low) or stats.max_value > float(high)):
+        if not stats.numel:  # nothing to clamp, even where the dtype holds no value in range
+            plan.note = "within range"
+            continue
+        try:
+            low, high = clipping.value_bounds(plan.info.dtype, spec.low, spec.high)
+        except DataRefusedError as exc:
+            problems.append(f"tensor {plan.info.name!r}: {exc}")
+            continue
+        if stats.min_value < float(low) or stats.max_value > float(high):
             plan.action, plan.changed = "clamp", True
         else:
             plan.note = "within range"
+    if problems:  # name every tensor that cannot be clamped, not just the first
+        raise DataRefusedError(f"{path}: " + "; ".join(problems))
 
 
 def _plan_global(reader: Reader, targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
