@@ -52,6 +52,7 @@ MAX_DEPTH = 64  # real checkpoints nest a handful of groups; thousands is an att
 # Large enough to hold a row of HDF5 chunks while we stream C-order pieces through them,
 # so each compressed chunk is decoded (or encoded) once rather than once per piece.
 CHUNK_CACHE_BYTES = 64 << 20
+HEAP_SCAN_WINDOW = 64 << 20  # global-heap search: bytes mapped at a time
 CHUNK_CACHE_SLOTS = 12_401  # a prime, as HDF5 recommends, ~100x the chunks that fit
 CHUNK_CACHE_W0 = 1.0  # evict fully read/written chunks first: we never revisit them
 
@@ -226,7 +227,6 @@ class Hdf5Reader(Reader):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
-        _check_global_heaps(path)
         h5py = _h5py()
         # Lock where the filesystem can, but do not fail where it cannot (NFS, Lustre).
         locking = "best-effort" if h5py.version.hdf5_version_tuple >= (1, 12, 1) else None
@@ -241,8 +241,11 @@ class Hdf5Reader(Reader):
             )
         try:
             self._file_size = os.fstat(self.file.id.get_vfd_handle()).st_size
+            self._data_ranges: list[tuple[int, int]] = []
             with _input_errors(path, "cannot read the file's structure"):
                 self.nodes, self._infos = self._walk()
+            # Walking reads no attribute values, so no global heap has been touched yet.
+            _check_global_heaps(path, self._file_size, self._data_ranges)
             self._metadata = self._read_metadata()
         except BaseException:
             self.file.close()
@@ -397,6 +400,8 @@ class Hdf5Reader(Reader):
                     f"{self._file_size}-byte file",
                     info.name,
                 )
+            if offset is not None:
+                self._data_ranges.append((offset, offset + stored))
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -784,31 +789,60 @@ class Hdf5Writer(Writer):
             self.file.close()
 
 
-def _check_global_heaps(path: Path) -> None:
+def _check_global_heaps(path: Path, size: int, data_ranges: Sequence[tuple[int, int]]) -> None:
     """Refuse global heap collections (where variable-length strings live) whose objects do
     not tile the collection: libhdf5 loops forever reading one whose free-space object has
-    size 0 (found by the fuzzer). Checked on the raw bytes, before h5py touches the file."""
+    size 0 (found by the fuzzer). Checked on the raw bytes before any attribute is read.
+
+    Only the bytes outside the datasets' contiguous storage are searched: tensor data is
+    most of a checkpoint, and may contain b"GCOL" by chance. Each searched window is
+    released after the search, so memory stays bounded whatever is left to scan.
+    """
     import mmap
+
+    if size == 0:
+        return
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        for begin, end in _gaps(size, data_ranges):
+            for window in range(begin, end, HEAP_SCAN_WINDOW):
+                stop = min(window + HEAP_SCAN_WINDOW, end)
+                # A match starting before `stop` may end up to 3 bytes past it.
+                start = data.find(b"GCOL", window, min(stop + 3, size))
+                while start >= 0:
+                    if _corrupt_collection(data, start, size):
+                        raise InputError(path, "corrupt HDF5 global heap (zero-size free space)")
+                    start = data.find(b"GCOL", start + 4, min(stop + 3, size))
+                if hasattr(mmap, "MADV_DONTNEED"):
+                    aligned = window - window % mmap.PAGESIZE
+                    data.madvise(mmap.MADV_DONTNEED, aligned, stop - aligned)
+
+
+def _gaps(size: int, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """The parts of [0, size) that no range covers."""
+    position = 0
+    for begin, end in sorted(ranges):
+        if begin > position:
+            yield position, min(begin, size)
+        position = max(position, end)
+    if position < size:
+        yield position, size
+
+
+def _corrupt_collection(data: Any, start: int, size: int) -> bool:
+    """Whether the collection at `start` has a zero-size free-space object short of its end.
+    Objects are indexed by 16 bits, so no real collection holds more than 65,535."""
     import struct
 
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size == 0:
-            return
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            start = data.find(b"GCOL")
-            while start >= 0:
-                if start + 16 <= size:
-                    (collection,) = struct.unpack_from("<Q", data, start + 8)
-                    end = start + collection
-                    position = start + 16
-                    while collection and position + 16 <= min(end, size):
-                        index, _, _, length = struct.unpack_from("<HHIQ", data, position)
-                        if index == 0:  # the free space: it must reach the collection's end
-                            if length == 0 and end - position > 16:
-                                raise InputError(
-                                    path, "corrupt HDF5 global heap (zero-size free space)"
-                                )
-                            break
-                        position += 16 + ((length + 7) // 8) * 8
-                start = data.find(b"GCOL", start + 4)
+    if start + 16 > size:
+        return False
+    (collection,) = struct.unpack_from("<Q", data, start + 8)
+    end = min(start + collection, size)
+    position = start + 16
+    for _ in range(1 << 16):
+        if not collection or position + 16 > end:
+            return False
+        index, _, _, length = struct.unpack_from("<HHIQ", data, position)
+        if index == 0:  # the free space: it must reach the collection's end
+            return bool(length == 0 and start + collection - position > 16)
+        position += 16 + ((length + 7) // 8) * 8
+    return True

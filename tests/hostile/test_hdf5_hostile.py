@@ -6,6 +6,8 @@ Built with h5py (and its low-level API where the high-level one refuses to write
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import zlib
 from collections.abc import Callable
@@ -353,6 +355,30 @@ def test_corrupt_global_heap_does_not_hang(tmp_path: Path) -> None:
     for run in runs:
         assert run.returncode is not None, f"hung (killed after {SLOW_LIMIT}s): {run.describe()}"
         assert run.returncode in (0, 3), run.describe()
+
+
+def test_tensor_bytes_that_look_like_a_corrupt_global_heap_are_data(tmp_path: Path) -> None:
+    """The global-heap check reads only the bytes outside datasets' storage: a tensor whose
+    raw bytes happen to spell a collection with a zero-size free space is data, not a heap."""
+    fake = b"GCOL\x01\x00\x00\x00" + (4096).to_bytes(8, "little") + bytes(16)
+    values = np.frombuffer(fake + bytes(-len(fake) % 8), dtype="<f8")
+    path = tmp_path / "lookalike.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["note"] = "a variable-length string, so the file has a real heap"
+        f["w"] = values
+    assert path.read_bytes().count(b"GCOL") == 2
+    out = tmp_path / "out.h5"
+    norms, clip = run_clipcli(
+        ["norms", "--format", "json", str(path)],
+        ["clip", "--value", "1", "--quiet", str(path), str(out)],
+        cwd=tmp_path,
+    )
+    assert (norms.returncode, norms.stderr) == (0, ""), norms.describe()
+    # Subnormal values: np.linalg.norm underflows to 0 here, math.hypot scales first.
+    assert json.loads(norms.stdout)["tensors"][0]["norm"] == math.hypot(*values)
+    assert (clip.returncode, clip.stderr) == (0, ""), clip.describe()
+    with h5py.File(out) as f:
+        assert f.attrs["note"] == "a variable-length string, so the file has a real heap"
 
 
 def test_deeply_nested_groups_finish_in_time(tmp_path: Path) -> None:
