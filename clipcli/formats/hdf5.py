@@ -52,7 +52,7 @@ MAX_DEPTH = 64  # real checkpoints nest a handful of groups; thousands is an att
 # Large enough to hold a row of HDF5 chunks while we stream C-order pieces through them,
 # so each compressed chunk is decoded (or encoded) once rather than once per piece.
 CHUNK_CACHE_BYTES = 64 << 20
-HEAP_SCAN_WINDOW = 64 << 20  # global-heap search: bytes mapped at a time
+HEAP_SCAN_WINDOW = 16 << 20  # global-heap search: bytes read at a time
 CHUNK_CACHE_SLOTS = 12_401  # a prime, as HDF5 recommends, ~100x the chunks that fit
 CHUNK_CACHE_W0 = 1.0  # evict fully read/written chunks first: we never revisit them
 
@@ -402,6 +402,14 @@ class Hdf5Reader(Reader):
                 )
             if offset is not None:
                 self._data_ranges.append((offset, offset + stored))
+        elif create_plist.get_layout() == _h5py().h5d.CHUNKED and hasattr(
+            dataset.id, "chunk_iter"
+        ):  # HDF5 >= 1.14: one pass over the chunk index; older ones scan the chunks too
+            dataset.id.chunk_iter(
+                lambda chunk: self._data_ranges.append(
+                    (chunk.byte_offset, chunk.byte_offset + chunk.size)
+                )
+            )
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -795,26 +803,21 @@ def _check_global_heaps(path: Path, size: int, data_ranges: Sequence[tuple[int, 
     size 0 (found by the fuzzer). Checked on the raw bytes before any attribute is read.
 
     Only the bytes outside the datasets' contiguous storage are searched: tensor data is
-    most of a checkpoint, and may contain b"GCOL" by chance. Each searched window is
-    released after the search, so memory stays bounded whatever is left to scan.
+    most of a checkpoint, and may contain b"GCOL" by chance. The rest is read a window at a
+    time, so memory stays bounded whatever is left to scan.
     """
-    import mmap
-
-    if size == 0:
-        return
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+    with open(path, "rb") as handle:
+        fd = handle.fileno()
         for begin, end in _gaps(size, data_ranges):
             for window in range(begin, end, HEAP_SCAN_WINDOW):
                 stop = min(window + HEAP_SCAN_WINDOW, end)
                 # A match starting before `stop` may end up to 3 bytes past it.
-                start = data.find(b"GCOL", window, min(stop + 3, size))
+                text = os.pread(fd, min(stop + 3, size) - window, window)
+                start = text.find(b"GCOL")
                 while start >= 0:
-                    if _corrupt_collection(data, start, size):
+                    if _corrupt_collection(fd, window + start, size):
                         raise InputError(path, "corrupt HDF5 global heap (zero-size free space)")
-                    start = data.find(b"GCOL", start + 4, min(stop + 3, size))
-                if hasattr(mmap, "MADV_DONTNEED"):
-                    aligned = window - window % mmap.PAGESIZE
-                    data.madvise(mmap.MADV_DONTNEED, aligned, stop - aligned)
+                    start = text.find(b"GCOL", start + 4)
 
 
 def _gaps(size: int, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
@@ -828,20 +831,20 @@ def _gaps(size: int, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, i
         yield position, size
 
 
-def _corrupt_collection(data: Any, start: int, size: int) -> bool:
+def _corrupt_collection(fd: int, start: int, size: int) -> bool:
     """Whether the collection at `start` has a zero-size free-space object short of its end.
     Objects are indexed by 16 bits, so no real collection holds more than 65,535."""
     import struct
 
     if start + 16 > size:
         return False
-    (collection,) = struct.unpack_from("<Q", data, start + 8)
+    (collection,) = struct.unpack("<Q", os.pread(fd, 8, start + 8))
     end = min(start + collection, size)
     position = start + 16
     for _ in range(1 << 16):
         if not collection or position + 16 > end:
             return False
-        index, _, _, length = struct.unpack_from("<HHIQ", data, position)
+        index, _, _, length = struct.unpack("<HHIQ", os.pread(fd, 16, position))
         if index == 0:  # the free space: it must reach the collection's end
             return bool(length == 0 and start + collection - position > 16)
         position += 16 + ((length + 7) // 8) * 8
