@@ -445,7 +445,10 @@ def _keep_chunk_buffers() -> None:
 
     By default each 2-8 MiB temporary is mmapped and unmapped again, so every chunk pays
     for ~3000 fresh page faults: that made bf16 norms 4x slower in the main thread. Serving
-    them from the heap and trimming it only above 256 MiB keeps them warm. Linux/glibc only.
+    them from the heap and trimming it only above 256 MiB keeps them warm. One arena for
+    all threads: a buffer freed by one worker is reused by the other, instead of each
+    thread's arena keeping its own high-water mark (clip peak RSS on 0.5 -> 2 GiB files
+    went 65 -> 71 MiB with per-thread arenas, 59 -> 61 MiB with one). Linux/glibc only.
     """
     try:
         import ctypes
@@ -453,6 +456,7 @@ def _keep_chunk_buffers() -> None:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-8, 1)  # M_ARENA_MAX
     except (OSError, AttributeError):
         pass
 
