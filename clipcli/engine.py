@@ -525,7 +525,7 @@ def _write_file(
         else:
             metadata = dict(reader.metadata)
     with target as tmp:
-        writer = writer_cls(tmp, Checkpoint(list(reader.infos), metadata, reader))
+        writer = writer_cls(tmp, Checkpoint(list(reader.infos), metadata, reader), durable)
         try:
             _write_all(reader, writer, plans, spec, progress)
         except BaseException:

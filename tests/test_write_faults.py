@@ -209,3 +209,37 @@ def test_output_and_directory_are_fsynced(tmp_path: Path, monkeypatch: pytest.Mo
     assert main(["clip", "--global", "1", "-q", str(src), str(tmp_path / "o.safetensors")]) == 0
     assert any(name.endswith(".clipcli-tmp") for name in synced)  # the file, before the rename
     assert str(tmp_path) in synced  # the directory, after it
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_early_writeback_leaves_the_output_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
+    """Durable writes ask the kernel to start writeback every WRITEBACK_STEP bytes; with a
+    step of 1 byte every chunk triggers it. The bytes written must not change."""
+    import clipcli.formats.base as base
+
+    calls: list[tuple[int, int]] = []
+    original = base.WritebackStarter.advance
+
+    def spy(self: base.WritebackStarter, written_to: int) -> None:
+        calls.append((self._started, written_to))
+        original(self, written_to)
+
+    monkeypatch.setattr(base, "WRITEBACK_STEP", 1)
+    monkeypatch.setattr(base.WritebackStarter, "advance", spy)
+    src = make_input(tmp_path / "in.safetensors", elements=1 << 20)
+    for limit, out in (("1e30", "same.safetensors"), ("1.0", "clipped.safetensors")):
+        flags = [] if durable else ["--no-fsync"]
+        code = main(["clip", "--global", limit, "-q", *flags, str(src), str(tmp_path / out)])
+        assert code == 0
+    assert (tmp_path / "same.safetensors").read_bytes() == src.read_bytes()
+    clipped = load_file(str(tmp_path / "clipped.safetensors"))
+    assert (
+        float(np.linalg.norm(np.concatenate([clipped["a"], clipped["b"]]).astype(np.float64)))
+        <= 1.0
+    )
+    if durable:
+        assert len(calls) >= 4 and calls[-1][1] == os.path.getsize(tmp_path / "clipped.safetensors")
+    else:
+        assert calls == []

@@ -556,8 +556,8 @@ class Hdf5Writer(Writer):
 
     format_name = "hdf5"
 
-    def __init__(self, path: Path, checkpoint: Checkpoint) -> None:
-        super().__init__(path, checkpoint)
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+        super().__init__(path, checkpoint, durable)
         for info in checkpoint.infos:
             if (reason := self.check_dtype(info)) is not None:
                 raise ValueError(reason)

@@ -291,8 +291,8 @@ def _npy_header(info: TensorInfo) -> bytes:
 class NpzWriter(Writer):
     format_name = "npz"
 
-    def __init__(self, path: Path, checkpoint: Checkpoint) -> None:
-        super().__init__(path, checkpoint)
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+        super().__init__(path, checkpoint, durable)
         source = checkpoint.source
         compress = isinstance(source, NpzReader) and source.compressed
         self._zip = zipfile.ZipFile(

@@ -23,6 +23,7 @@ from clipcli.formats.base import (
     Checkpoint,
     Reader,
     TensorInfo,
+    WritebackStarter,
     Writer,
     byte_view,
     default_chunk_elems,
@@ -268,8 +269,8 @@ def build_header(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> by
 class SafetensorsWriter(Writer):
     format_name = "safetensors"
 
-    def __init__(self, path: Path, checkpoint: Checkpoint) -> None:
-        super().__init__(path, checkpoint)
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+        super().__init__(path, checkpoint, durable)
         for info in checkpoint.infos:
             if (reason := self.check_dtype(info)) is not None:
                 raise ValueError(reason)
@@ -285,6 +286,12 @@ class SafetensorsWriter(Writer):
                 raise
             # Filesystems without fallocate support (EOPNOTSUPP, EINVAL) just grow the file.
         self._file.write(header)
+        self._writeback = WritebackStarter(self._file.fileno()) if durable else None
+
+    def _written(self) -> None:
+        if self._writeback is not None:
+            self._file.flush()
+            self._writeback.advance(self._file.tell())
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
@@ -302,6 +309,7 @@ class SafetensorsWriter(Writer):
         little = info.dtype.newbyteorder("<") if info.dtype.byteorder == ">" else info.dtype
         for chunk in chunks:
             self._file.write(byte_view(chunk, little))
+            self._written()
 
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
         """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
@@ -318,6 +326,7 @@ class SafetensorsWriter(Writer):
             begin += sent
             position += sent
         self._file.seek(position)
+        self._written()
         return True
 
     def close(self) -> None:

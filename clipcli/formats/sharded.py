@@ -430,8 +430,8 @@ class ShardedWriter(Writer):
 
     format_name = FORMAT_NAME
 
-    def __init__(self, path: Path, checkpoint: Checkpoint) -> None:
-        super().__init__(path, checkpoint)
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+        super().__init__(path, checkpoint, durable)
         for info in checkpoint.infos:
             if (reason := self.check_dtype(info)) is not None:
                 raise ValueError(reason)
@@ -502,7 +502,7 @@ class ShardedWriter(Writer):
         self._finish_shard()
         plan = self._plans[number]
         shard_checkpoint = Checkpoint(plan.infos, plan.metadata, self.checkpoint.source)
-        self._current = SafetensorsWriter(self.path / plan.name, shard_checkpoint)
+        self._current = SafetensorsWriter(self.path / plan.name, shard_checkpoint, self.durable)
         self._open_number = number
 
     def _finish_shard(self) -> None:
