@@ -66,6 +66,19 @@ def group_key(name: str, pattern: re.Pattern[str]) -> str:
     return match.group(0)
 
 
+def natural_key(name: str) -> tuple[str | int, ...]:
+    """Sort key that compares digit runs as numbers: layers.2 before layers.10."""
+    return tuple(int(part) if part.isdigit() else part for part in _DIGITS.split(name))
+
+
+def group_order(name: str) -> tuple[bool, tuple[str | int, ...]]:
+    """Groups in natural name order, with the tensors that matched no group last."""
+    return name == OTHER_GROUP, natural_key(name)
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
 class Mode(str, Enum):
     VALUE = "value"
     NORM = "norm"

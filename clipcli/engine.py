@@ -73,7 +73,8 @@ class Measurement:
         return global_norm(t.norm for t in self.tensors if t.in_global)
 
     def groups(self, group_by: str) -> list[GroupStats]:
-        """Floating-point tensors aggregated by --group-by, in order of first appearance."""
+        """Floating-point tensors aggregated by --group-by, in natural name order (layer 2
+        before layer 10; file order is no guide: safetensors and h5py sort names as text)."""
         pattern = clipping.compile_group_by(group_by)
         members: dict[str, list[float]] = {}
         for t in self.tensors:
@@ -81,7 +82,7 @@ class Measurement:
                 members.setdefault(clipping.group_key(t.info.name, pattern), []).append(t.norm)
         total = self.global_norm
         result = []
-        for name, norms in members.items():
+        for name, norms in sorted(members.items(), key=lambda item: clipping.group_order(item[0])):
             norm = global_norm(norms)
             share = (norm / total) ** 2 if total > 0 and math.isfinite(total) else math.nan
             result.append(GroupStats(name, len(norms), norm, share))

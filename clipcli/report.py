@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TextIO
 
+from clipcli.clipping import natural_key
 from clipcli.errors import printable
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
@@ -190,7 +191,7 @@ NORM_COLUMNS = (
 )
 
 _SORTS: dict[SortKey, Callable[[TensorStats], Any]] = {  # noqa: F821
-    SortKey.NAME: lambda t: t.info.name,
+    SortKey.NAME: lambda t: natural_key(t.info.name),
     SortKey.NORM: lambda t: -t.norm if not math.isnan(t.norm) else -math.inf,
     SortKey.SIZE: lambda t: -t.info.nbytes,
 }
@@ -289,8 +290,6 @@ def groups_report(m: Measurement, group_by: str, sort: SortKey = SortKey.FILE) -
     groups = m.groups(group_by)
     if sort is SortKey.NORM:
         groups.sort(key=lambda g: -g.norm if not math.isnan(g.norm) else -math.inf)
-    elif sort is SortKey.NAME:
-        groups.sort(key=lambda g: g.name)
     rows = tuple((g.name, g.tensors, g.norm, g.share) for g in groups)
     g = m.global_norm
     return Report(

@@ -138,9 +138,9 @@ def test_per_layer_clipping_with_group_by(tmp_path: Path) -> None:
     model = make_hf_dir(tmp_path / "model", hf_tensors())
     groups = run_json("norms", str(model), "--group-by", "layer")["groups"]
     names = [g["group"] for g in groups]
-    assert names == ["(other)"] + [f"model.layers.{i}" for i in range(7)]
+    assert names == [f"model.layers.{i}" for i in range(7)] + ["(other)"]
     assert sum(g["share"] for g in groups) == pytest.approx(1.0, rel=1e-12)
-    assert all(g["tensors"] == 4 for g in groups[1:])
+    assert all(g["tensors"] == 4 for g in groups[:-1])
     out = tmp_path / "clipped"
     assert main(["clip", "--global", "30", "--group-by", "layer", "-q", str(model), str(out)]) == 0
     after = {
@@ -166,7 +166,7 @@ def test_group_by_needs_global(tmp_path: Path) -> None:
 def test_group_by_custom_regex_and_bad_regex(tmp_path: Path) -> None:
     model = make_hf_dir(tmp_path / "model", hf_tensors())
     groups = run_json("norms", str(model), "--group-by", r"(self_attn|mlp)")["groups"]
-    assert [g["group"] for g in groups] == ["(other)", "self_attn", "mlp"]
+    assert [g["group"] for g in groups] == ["mlp", "self_attn", "(other)"]
     code, _, err = run("norms", str(model), "--group-by", "(unclosed")
     assert code == 2 and "not a valid regex" in err
 
@@ -384,3 +384,21 @@ def test_subprocess_recipe_check_then_clip(tmp_path: Path) -> None:
     subprocess.run([*cli, "clip", "--global", "5", "-q", src, str(out)], check=True)
     again = subprocess.run([*cli, "norms", "--fail-above", "5", str(out)], capture_output=True)
     assert again.returncode == 0
+
+
+def test_groups_and_name_sort_follow_layer_numbers_not_text_order(tmp_path: Path) -> None:
+    """safetensors stores names sorted as text (layers.10 before layers.2); a per-layer
+    profile must still read 0, 1, 2, ..., 11, with the unmatched tensors last."""
+    tensors = {
+        f"model.layers.{i}.mlp.weight": np.full(4, float(i + 1), np.float32) for i in range(12)
+    }
+    tensors["lm_head.weight"] = np.ones(4, np.float32)
+    in_text_order = {name: tensors[name] for name in sorted(tensors)}  # as HF writers store them
+    path = write_safetensors(tmp_path / "m.safetensors", in_text_order)
+    groups = run_json("norms", str(path), "--group-by", "layer")["groups"]
+    assert [g["group"] for g in groups] == [f"model.layers.{i}" for i in range(12)] + ["(other)"]
+    assert [g["norm"] for g in groups[:-1]] == [2.0 * (i + 1) for i in range(12)]
+    rows = run_json("norms", str(path), "--sort", "name")["tensors"]
+    assert [r["name"] for r in rows] == ["lm_head.weight"] + [
+        f"model.layers.{i}.mlp.weight" for i in range(12)
+    ]
