@@ -198,8 +198,12 @@ class WritebackStarter:
         except (OSError, AttributeError):
             pass
 
+    def due(self, written_to: int) -> bool:
+        return self._call is not None and written_to - self._started >= WRITEBACK_STEP
+
     def advance(self, written_to: int) -> None:
-        if self._call is None or written_to - self._started < WRITEBACK_STEP:
+        """Start writeback of everything written since the last call, once a step is due."""
+        if self._call is None or not self.due(written_to):
             return
         self._call(self._fd, self._started, written_to - self._started, 2)  # ..._WRITE
         self._started = written_to

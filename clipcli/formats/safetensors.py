@@ -289,9 +289,10 @@ class SafetensorsWriter(Writer):
         self._writeback = WritebackStarter(self._file.fileno()) if durable else None
 
     def _written(self) -> None:
-        if self._writeback is not None:
+        position = self._file.tell()  # counts buffered bytes: flush only when writeback is due
+        if self._writeback is not None and self._writeback.due(position):
             self._file.flush()
-            self._writeback.advance(self._file.tell())
+            self._writeback.advance(position)
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
