@@ -132,18 +132,31 @@ def measure_all(
     infos: Sequence[TensorInfo],
     progress: Progress = SILENT,
     label: str = "measuring",
+    on_measured: Callable[[int, NormAccumulator], None] | None = None,
 ) -> list[NormAccumulator]:
-    """Statistics of every tensor, chunks measured in worker threads across tensor bounds."""
+    """Statistics of every tensor, chunks measured in worker threads across tensor bounds.
+    on_measured(index, stats) is called for each tensor, in order, as soon as it is done."""
     stats = [NormAccumulator() for _ in infos]
     stream = ((i, load) for i, info in enumerate(infos) for load in chunk_sources(reader, info))
     progress.start(label, sum(info.nbytes for info in infos))
+    notify = on_measured or _ignore
+    done = 0  # tensors before this index are complete (empty ones have no chunks at all)
     for index, (partial, nbytes) in ordered_map(
         lambda item: (item[0], _chunk_stats(item[1]())), stream
     ):
+        for finished in range(done, index):
+            notify(finished, stats[finished])
+        done = index
         stats[index].merge(partial)
         progress.advance(nbytes)
+    for finished in range(done, len(infos)):
+        notify(finished, stats[finished])
     progress.finish()
     return stats
+
+
+def _ignore(index: int, stats: NormAccumulator) -> None:
+    pass
 
 
 def measure_reader(
@@ -243,13 +256,23 @@ def _chunk_norm_at(reader: Reader, infos: Sequence[TensorInfo]) -> Callable[[flo
 
 
 def plan_clip(
-    reader: Reader, spec: ClipSpec, selection: Selection, progress: Progress = SILENT
+    reader: Reader,
+    spec: ClipSpec,
+    selection: Selection,
+    progress: Progress = SILENT,
+    copy_ahead: Callable[[TensorInfo], None] | None = None,
 ) -> list[TensorPlan]:
-    """Measure every tensor and decide what happens to it. Raises before any write."""
+    """Measure every tensor and decide what happens to it. Raises before OUT is touched.
+
+    copy_ahead, if given, is told of each tensor that is already known (or, in global
+    mode, likely) to stay unchanged, while the others are still being measured."""
     infos = list(reader.infos)
+    hook = _unchanged_hook(infos, spec, selection, copy_ahead) if copy_ahead else None
     plans = [
         TensorPlan(info, stats, selection(info.name))
-        for info, stats in zip(infos, measure_all(reader, infos, progress), strict=True)
+        for info, stats in zip(
+            infos, measure_all(reader, infos, progress, on_measured=hook), strict=True
+        )
     ]
     for plan in plans:
         if not plan.selected:
@@ -316,6 +339,48 @@ def _set_tiny_scale(plans: Sequence[TensorPlan], stats: NormAccumulator, limit: 
     for plan in plans:
         plan.scale, plan.scale_exp = mantissa * (1 - 2.0**-50), exponent
     return True
+
+
+def _unchanged_hook(
+    infos: Sequence[TensorInfo],
+    spec: ClipSpec,
+    selection: Selection,
+    copy_ahead: Callable[[TensorInfo], None],
+) -> Callable[[int, NormAccumulator], None]:
+    """Calls copy_ahead for each measured tensor that the plan will most likely leave alone.
+
+    Per-tensor modes know this for sure from the tensor alone. In global mode the norm so far
+    only grows, so tensors are passed on while it is within the limit and never after: when
+    the whole checkpoint is within the limit (nothing changes) every tensor is copied during
+    the measuring pass, and when it is not, only the prefix measured before the limit was
+    crossed gets copied in vain. The plan, not this guess, decides what is written."""
+    so_far = NormAccumulator()
+
+    def unchanged(info: TensorInfo, stats: NormAccumulator) -> bool:
+        if not selection(info.name) or not is_floating(info.dtype):
+            return True
+        if stats.nonfinite or spec.axes is not None or spec.group_by is not None:
+            return False
+        if spec.mode is Mode.GLOBAL:
+            if spec.use_norm is not None:
+                return clipping.tf_scale(spec.use_norm, spec.limit) is None
+            so_far.merge(stats)
+            return so_far.limit_ratio(spec.limit) >= 1.0
+        if spec.mode is Mode.VALUE:
+            if info.dtype.kind == "c" or not stats.numel:
+                return True
+            try:
+                low, high = clipping.value_bounds(info.dtype, spec.low, spec.high)
+            except DataRefusedError:
+                return False
+            return float(low) <= stats.min_value and stats.max_value <= float(high)
+        return stats.limit_ratio(clipping.tensor_limit(spec, info.numel)) >= 1.0
+
+    def on_measured(index: int, stats: NormAccumulator) -> None:
+        if unchanged(infos[index], stats):
+            copy_ahead(infos[index])
+
+    return on_measured
 
 
 def _plan_value(path: object, targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
@@ -488,7 +553,22 @@ def clip(
         _check_output(src, out, force, to_directory)
     with open_reader(src) as reader:
         writer_cls = check_writable(reader.infos, out, to_directory)
-        plans = plan_clip(reader, spec, selection, progress)
+        if dry_run:
+            plans = plan_clip(reader, spec, selection, progress)
+            _write_all(reader, None, plans, spec, progress)
+        else:
+            plans = _write_file(
+                reader,
+                writer_cls,
+                out,
+                lambda writer: plan_clip(
+                    reader, spec, selection, progress, functools.partial(writer.copy_ahead, reader)
+                ),
+                spec,
+                durable,
+                force,
+                progress,
+            )
         used = None
         if spec.mode is Mode.GLOBAL and spec.group_by is None:
             used = (
@@ -496,10 +576,6 @@ def clip(
                 if spec.use_norm is not None
                 else global_norm(p.before.norm for p in plans if p.in_global)
             )
-        if dry_run:
-            _write_all(reader, None, plans, spec, progress)
-        else:
-            _write_file(reader, writer_cls, out, plans, spec, durable, force, progress)
     return ClipResult(src, out, spec, dry_run, plans, used)
 
 
@@ -507,12 +583,14 @@ def _write_file(
     reader: Reader,
     writer_cls: type[Writer],
     out: Path,
-    plans: Sequence[TensorPlan],
+    make_plans: Callable[[Writer], list[TensorPlan]],
     spec: ClipSpec | None,
     durable: bool,
     force: bool,
     progress: Progress,
-) -> None:
+) -> list[TensorPlan]:
+    """Write OUT atomically. The plans are made once the writer exists, so that it can
+    start copying unchanged tensors early; a refusal while planning leaves nothing behind."""
     from clipcli.formats.sharded import ShardedReader, ShardedWriter, atomic_directory
 
     if writer_cls is ShardedWriter:
@@ -528,11 +606,13 @@ def _write_file(
     with target as tmp:
         writer = writer_cls(tmp, Checkpoint(list(reader.infos), metadata, reader), durable)
         try:
+            plans = make_plans(writer)
             _write_all(reader, writer, plans, spec, progress)
         except BaseException:
             writer.abort()
             raise
         writer.close()
+    return plans
 
 
 def convert(
@@ -549,5 +629,5 @@ def convert(
     with open_reader(src) as reader:
         writer_cls = check_writable(reader.infos, out, to_directory)
         plans = [TensorPlan(info, NormAccumulator(), True) for info in reader.infos]
-        _write_file(reader, writer_cls, out, plans, None, durable, force, progress)
+        _write_file(reader, writer_cls, out, lambda _: plans, None, durable, force, progress)
         return list(reader.infos)

@@ -166,6 +166,11 @@ class Writer(ABC):
         than chunk by chunk (e.g. a kernel copy); False means the caller streams it."""
         return False
 
+    def copy_ahead(self, source: Reader, info: TensorInfo) -> None:  # noqa: B027 - optional
+        """A hint, given while tensors are still being measured, that `info` will probably
+        be unchanged: a writer that knows where it goes may start copying it now, in the
+        background. write() or copy_unchanged() for it must still follow, in order."""
+
     @abstractmethod
     def close(self) -> None:
         """Finish the file. Called only when every tensor was written."""

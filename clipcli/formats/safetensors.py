@@ -11,7 +11,9 @@ import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -30,6 +32,7 @@ from clipcli.formats.base import (
 )
 
 MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
+COPY_PIECE = 64 << 20  # bytes per copy_file_range call in background copies
 MAX_TENSORS = 200_000  # real checkpoints hold at most tens of thousands
 _U64 = struct.Struct("<Q")
 
@@ -287,6 +290,50 @@ class SafetensorsWriter(Writer):
             # Filesystems without fallocate support (EOPNOTSUPP, EINVAL) just grow the file.
         self._file.write(header)
         self._writeback = WritebackStarter(self._file.fileno()) if durable else None
+        self._offsets: dict[str, int] = {}
+        position = len(header)
+        for info in checkpoint.infos:
+            self._offsets[info.name] = position
+            position += info.nbytes
+        self._ahead: dict[str, Future[None]] = {}
+        self._copier: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()
+
+    def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
+        """Kernel-copy the tensor to its final offset on a background thread, so that when
+        nothing changes the copy overlaps the measuring pass instead of following it."""
+        if not isinstance(source, SafetensorsReader) or not info.nbytes:
+            return
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clipcli-copy")
+        begin, end = source.byte_range(info)
+        self._ahead[info.name] = self._copier.submit(
+            self._copy_range, source.fileno(), begin, end, self._offsets[info.name]
+        )
+
+    def _copy_range(self, source_fd: int, begin: int, end: int, position: int) -> None:
+        out_fd = self._file.fileno()
+        while begin < end and not self._stop.is_set():
+            piece = min(end - begin, COPY_PIECE)  # small enough to stop soon on abort
+            sent = os.copy_file_range(source_fd, out_fd, piece, begin, position)
+            if sent == 0:
+                raise OSError("copy_file_range copied nothing")
+            begin += sent
+            position += sent
+
+    def _settle(self, info: TensorInfo) -> bool:
+        """Wait for a background copy of this tensor, if one was started; True if it was."""
+        future = self._ahead.pop(info.name, None)
+        if future is None:
+            return False
+        future.result()
+        return True
+
+    def _stop_copier(self) -> None:
+        if self._copier is not None:
+            self._stop.set()
+            self._copier.shutdown(wait=True, cancel_futures=True)
+            self._copier = None
 
     def _written(self) -> None:
         position = self._file.tell()  # counts buffered bytes: flush only when writeback is due
@@ -307,6 +354,7 @@ class SafetensorsWriter(Writer):
         return super().check_name(name)
 
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        self._settle(info)  # a copy made ahead must not land on top of what we write now
         little = info.dtype.newbyteorder("<") if info.dtype.byteorder == ">" else info.dtype
         for chunk in chunks:
             self._file.write(byte_view(chunk, little))
@@ -314,6 +362,10 @@ class SafetensorsWriter(Writer):
 
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
         """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
+        if self._settle(info):
+            self._file.seek(self._offsets[info.name] + info.nbytes)
+            self._written()
+            return True
         if not isinstance(source, SafetensorsReader):
             return False
         self._file.flush()
@@ -331,7 +383,9 @@ class SafetensorsWriter(Writer):
         return True
 
     def close(self) -> None:
+        self._stop_copier()
         self._file.close()
 
     def abort(self) -> None:
+        self._stop_copier()
         self._file.close()
