@@ -210,5 +210,10 @@ class WritebackStarter:
         """Start writeback of everything written since the last call, once a step is due."""
         if self._call is None or not self.due(written_to):
             return
-        self._call(self._fd, self._started, written_to - self._started, 2)  # ..._WRITE
+        self.start(self._started, written_to - self._started)
         self._started = written_to
+
+    def start(self, offset: int, length: int) -> None:
+        """Start writeback of one range now (e.g. one written out of order)."""
+        if self._call is not None and length > 0:
+            self._call(self._fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE

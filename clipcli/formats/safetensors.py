@@ -318,6 +318,8 @@ class SafetensorsWriter(Writer):
             sent = os.copy_file_range(source_fd, out_fd, piece, begin, position)
             if sent == 0:
                 raise OSError("copy_file_range copied nothing")
+            if self._writeback is not None:
+                self._writeback.start(position, sent)
             begin += sent
             position += sent
 
