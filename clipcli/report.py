@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TextIO
 
-from clipcli.clipping import natural_key
 from clipcli.errors import printable
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
@@ -190,8 +189,16 @@ NORM_COLUMNS = (
     Column("in_global", "global"),
 )
 
+
+def _natural_key(name: str) -> tuple[str | int, ...]:
+    # Imported here: clipping imports numpy, which `clipcli --help` must not pay for.
+    from clipcli.clipping import natural_key
+
+    return natural_key(name)
+
+
 _SORTS: dict[SortKey, Callable[[TensorStats], Any]] = {  # noqa: F821
-    SortKey.NAME: lambda t: natural_key(t.info.name),
+    SortKey.NAME: lambda t: _natural_key(t.info.name),
     SortKey.NORM: lambda t: -t.norm if not math.isnan(t.norm) else -math.inf,
     SortKey.SIZE: lambda t: -t.info.nbytes,
 }
