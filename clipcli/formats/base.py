@@ -208,7 +208,7 @@ class WritebackStarter:
 
     def advance(self, written_to: int) -> None:
         """Start writeback of everything written since the last call, once a step is due."""
-        if self._call is None or not self.due(written_to):
+        if not self.due(written_to):
             return
         self.start(self._started, written_to - self._started)
         self._started = written_to

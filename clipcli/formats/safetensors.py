@@ -318,7 +318,7 @@ class SafetensorsWriter(Writer):
             sent = os.copy_file_range(source_fd, out_fd, piece, begin, position)
             if sent == 0:
                 raise OSError("copy_file_range copied nothing")
-            if self._writeback is not None:
+            if self._writeback is not None:  # out of order when copying ahead
                 self._writeback.start(position, sent)
             begin += sent
             position += sent
@@ -364,23 +364,13 @@ class SafetensorsWriter(Writer):
 
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
         """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
-        if self._settle(info):
-            self._file.seek(self._offsets[info.name] + info.nbytes)
-            self._written()
-            return True
-        if not isinstance(source, SafetensorsReader):
-            return False
-        self._file.flush()
-        begin, end = source.byte_range(info)
-        out_fd = self._file.fileno()
-        position = self._file.tell()
-        while begin < end:
-            sent = os.copy_file_range(source.fileno(), out_fd, end - begin, begin, position)
-            if sent == 0:
-                raise OSError("copy_file_range copied nothing")
-            begin += sent
-            position += sent
-        self._file.seek(position)
+        if not self._settle(info):
+            if not isinstance(source, SafetensorsReader):
+                return False
+            self._file.flush()
+            begin, end = source.byte_range(info)
+            self._copy_range(source.fileno(), begin, end, self._offsets[info.name])
+        self._file.seek(self._offsets[info.name] + info.nbytes)
         self._written()
         return True
 
