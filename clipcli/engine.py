@@ -367,13 +367,10 @@ def _unchanged_hook(
             so_far.merge(stats)
             return so_far.limit_ratio(spec.limit) >= 1.0
         if spec.mode is Mode.VALUE:
-            if info.dtype.kind == "c" or not stats.numel:
-                return True
             try:
-                low, high = clipping.value_bounds(info.dtype, spec.low, spec.high)
+                return info.dtype.kind == "c" or not _needs_clamp(info, stats, spec)
             except DataRefusedError:
                 return False
-            return float(low) <= stats.min_value and stats.max_value <= float(high)
         return stats.limit_ratio(clipping.tensor_limit(spec, info.numel)) >= 1.0
 
     def on_measured(index: int, stats: NormAccumulator) -> None:
@@ -389,21 +386,26 @@ def _plan_value(path: object, targets: Sequence[TensorPlan], spec: ClipSpec) -> 
         if plan.info.dtype.kind == "c":
             plan.note = "complex: no order to clamp by"
             continue
-        stats = plan.before
-        if not stats.numel:  # nothing to clamp, even where the dtype holds no value in range
-            plan.note = "within range"
-            continue
         try:
-            low, high = clipping.value_bounds(plan.info.dtype, spec.low, spec.high)
+            clamp = _needs_clamp(plan.info, plan.before, spec)
         except DataRefusedError as exc:
             problems.append(f"tensor {plan.info.name!r}: {exc}")
             continue
-        if stats.min_value < float(low) or stats.max_value > float(high):
+        if clamp:
             plan.action, plan.changed = "clamp", True
         else:
             plan.note = "within range"
     if problems:  # name every tensor that cannot be clamped, not just the first
         raise DataRefusedError(f"{path}: " + "; ".join(problems))
+
+
+def _needs_clamp(info: TensorInfo, stats: NormAccumulator, spec: ClipSpec) -> bool:
+    """Whether value mode changes this real tensor. DataRefusedError if it has values and
+    its dtype holds none in [min, max]; an empty tensor has nothing to clamp either way."""
+    if not stats.numel:
+        return False
+    low, high = clipping.value_bounds(info.dtype, spec.low, spec.high)
+    return stats.min_value < float(low) or stats.max_value > float(high)
 
 
 def _plan_global(reader: Reader, targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
