@@ -161,7 +161,11 @@ def norms_command(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     sort: Annotated[
-        SortKey, typer.Option(help="Row order: file order, name, norm (largest first), size.")
+        SortKey,
+        typer.Option(
+            help="Row order: file order, name (layers.2 before layers.10), norm (largest "
+            "first), size. Groups come in name order unless sorted by norm."
+        ),
     ] = SortKey.FILE,
     top: Annotated[int | None, typer.Option(help="Show only the first N rows.", min=1)] = None,
     fail_above: Annotated[
