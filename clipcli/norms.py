@@ -31,10 +31,27 @@ def _as_real(chunk: np.ndarray) -> np.ndarray:
     return chunk
 
 
-def _bf16_as_float32(chunk: np.ndarray) -> np.ndarray:
-    """bfloat16 is the top half of a float32, so widening is a 16-bit shift."""
-    bits: np.ndarray = np.left_shift(chunk.view(np.uint16), 16, dtype=np.uint32)
-    return bits.view(np.float32)
+# float16 bits shifted into a float32 read as value * 2**-112 (normal and subnormal alike).
+_F16_EXPONENT_GAP = np.float32(2.0**112)
+# ... and float16 inf/NaN (exponent 31) read as finite values at least this large.
+F16_TRICK_NONFINITE = 65536.0
+
+
+def float16_bits_as_float32(chunk: np.ndarray) -> np.ndarray:
+    """float16 to float32 by moving bits: exact for every finite value, and 5x faster than
+    numpy's cast (which has no SIMD loop: 1.1 ns/element here, against 0.2). inf and NaN
+    come out as finite values of magnitude >= F16_TRICK_NONFINITE: callers check for those."""
+    # Sign-extending int16 -> int32 and shifting by 13 puts the sign in bit 31 and the
+    # exponent and mantissa in bits 13-27; the mask clears the sign's copies in bits 28-30.
+    bits: np.ndarray = np.left_shift(chunk.view(np.int16), 13, dtype=np.int32)
+    bits &= np.int32(-0x70000001)  # 0x8FFFFFFF
+    wide: np.ndarray = bits.view(np.float32)
+    wide *= _F16_EXPONENT_GAP  # a power of two: exact
+    return wide
+
+
+def _is_bfloat16(dtype: np.dtype[Any]) -> bool:
+    return dtype.type.__name__ == "bfloat16"  # dtype.name is computed in Python: 10x slower
 
 
 def widen(chunk: np.ndarray) -> np.ndarray:
@@ -42,11 +59,11 @@ def widen(chunk: np.ndarray) -> np.ndarray:
     chunk = _as_real(chunk)
     if chunk.dtype == np.float64:
         return chunk
-    if chunk.dtype.name == "bfloat16":
-        return _bf16_as_float32(chunk).astype(np.float64)
-    if chunk.dtype.kind == "V" or (chunk.dtype.itemsize == 1 and chunk.dtype.kind == "f"):
-        return chunk.astype(np.float32).astype(np.float64)
-    return chunk.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # a signalling NaN stays NaN: nothing to warn of
+        if chunk.dtype.kind == "V" or (chunk.dtype.itemsize == 1 and chunk.dtype.kind == "f"):
+            # ml_dtypes' floats (bf16, fp8) cast fast to float32 and exactly to float64.
+            return chunk.astype(np.float32).astype(np.float64)
+        return chunk.astype(np.float64)
 
 
 @dataclass
@@ -84,12 +101,18 @@ class NormAccumulator:
             return
         if chunk.size == 0:
             return
-        if chunk.dtype.name == "bfloat16":
-            chunk = _bf16_as_float32(chunk)  # exact, and a shift is 10x faster than a cast
-        if chunk.dtype.kind == "f" and 2 <= chunk.dtype.itemsize <= 4:
-            # Hot path (float16/float32): squares cannot overflow or underflow in float64.
+        # Hot path (16- and 32-bit floats): every value is exact in float32, and squares
+        # cannot overflow or underflow in float64. numpy's float16 max/min/cast run at
+        # 1-5 ns/element, so float16 goes through float32 too.
+        bound = math.inf
+        if _is_bfloat16(chunk.dtype):
+            chunk = chunk.astype(np.float32)  # exact, NaN and inf included
+        narrow = chunk
+        if chunk.dtype == np.float16:
+            chunk, bound = float16_bits_as_float32(chunk), F16_TRICK_NONFINITE
+        if chunk.dtype.kind == "f" and chunk.dtype.itemsize == 4:
             high, low = float(chunk.max()), float(chunk.min())
-            if -math.inf < low and high < math.inf:  # also False for NaN
+            if -bound < low and high < bound:  # also False for NaN
                 wide = chunk.astype(np.float64)
                 self.add_sumsq(float(wide @ wide), 0)
                 self.numel += chunk.size
@@ -97,11 +120,13 @@ class NormAccumulator:
                 self.min_value = min(self.min_value, low)
                 self.max_abs = max(self.max_abs, high, -low)
                 return
+        chunk = narrow  # float16 with inf/NaN: the bit trick's stand-ins are not the values
         self.numel += chunk.size
-        # Extremes on the narrow data when numpy can order it (half the bytes to scan).
-        ordered = chunk if chunk.dtype.kind in "fiub" else widen(chunk)
-        high, low = float(np.max(ordered)), float(np.min(ordered))
         wide = widen(chunk)
+        # Extremes on the narrow data where numpy orders it fast (fewer bytes to scan).
+        kind, itemsize = chunk.dtype.kind, chunk.dtype.itemsize
+        ordered = chunk if kind in "iub" or (kind == "f" and itemsize >= 4) else wide
+        high, low = float(np.max(ordered)), float(np.min(ordered))
         if not (math.isfinite(high) and math.isfinite(low)):
             finite = np.isfinite(chunk)
             self.nonfinite += int(chunk.size - np.count_nonzero(finite))

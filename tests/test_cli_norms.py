@@ -106,6 +106,22 @@ def test_norms_reports_nonfinite_values(fmt, ckpt, write_checkpoint, norms_json)
     assert report["global_norm"] is None
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_signalling_nans_are_counted_without_a_warning(
+    tmp_path, write_checkpoint, run_subprocess, dtype
+):
+    """A signalling NaN (quiet bit clear) made numpy warn "invalid value encountered in
+    cast" on stderr when it was widened; a NaN is data to count, not a warning."""
+    bits = {"float16": [0x7C01, 0x3C00, 0xFC00], "float32": [0x7F800001, 0x3F800000, 0xFF800000]}
+    unsigned = np.uint16 if dtype == "float16" else np.uint32
+    x = np.array(bits[dtype], dtype=unsigned).view(dtype)  # sNaN, 1.0, -inf
+    path = write_checkpoint(tmp_path / "s.safetensors", {"x": x})
+    result = run_subprocess("norms", "--format", "json", path)
+    assert (result.code, result.stderr) == (0, "")
+    row = result.json()["tensors"][0]
+    assert (row["nonfinite"], row["norm"]) == (2, None)
+
+
 # ------------------------------------------------------------------ table and CSV
 
 

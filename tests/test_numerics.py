@@ -109,6 +109,33 @@ def test_nonfinite_values_are_counted():
     assert acc.nonfinite == 1 and acc.norm == math.inf
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
+def test_every_16_bit_pattern_measures_as_float64_does(dtype):
+    """All 65,536 values (subnormals, ±0, ±inf and NaNs included), one value per chunk and
+    all together: the fast 16-bit paths (bit tricks, ml_dtypes casts) agree exactly with
+    float64 arithmetic on the same values."""
+    values = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(dtype)
+    with np.errstate(invalid="ignore"):  # casting a signalling NaN
+        wide = values.astype(np.float32).astype(np.float64)  # exact; NaN stays NaN
+    finite = wide[np.isfinite(wide)]
+    together = accumulate([values])
+    one_by_one = accumulate(values[i : i + 1] for i in range(values.size))
+    for acc in (together, one_by_one):
+        assert acc.numel == 2**16
+        assert acc.nonfinite == np.count_nonzero(~np.isfinite(wide))
+        assert acc.nan_count == np.count_nonzero(np.isnan(wide))
+        assert acc.max_abs == np.max(np.abs(finite))
+        assert (acc.min_value, acc.max_value) == (-math.inf, math.inf)
+        assert acc.finite_norm == pytest.approx(math.sqrt(math.fsum(finite**2)), rel=1e-12)
+    # finite values only, chunk by chunk: every extreme and the norm exact
+    for chunk in chunked(values[np.isfinite(wide)], 4096):
+        expected = chunk.astype(np.float64)
+        acc = accumulate([chunk])
+        assert (acc.min_value, acc.max_value) == (expected.min(), expected.max())
+        assert acc.norm == pytest.approx(math.sqrt(math.fsum(expected**2)), rel=1e-12)
+        assert acc.nonfinite == 0
+
+
 def test_64m_float32_normals_within_1e_7():
     """64 Mi float32 normals, fed chunk by chunk as a reader would: relative error <= 1e-7
     against numpy's float64 norm (naive float32 accumulation drifts by ~1e-4 here)."""
