@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from clipcli import float16
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import finfo, is_floating
 from clipcli.norms import (
@@ -289,13 +290,19 @@ def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0)
     factor = np.asarray(scale, dtype=np.float64).astype(
         work.char.lower() if work.kind == "c" else work
     )
-    wide = chunk.astype(work)
+    wide = None
+    if work == np.float32 and chunk.dtype == np.float16:
+        wide = float16.finite_as_float32(chunk)
+    if wide is None:
+        wide = chunk.astype(work)
     wide *= factor
     if exponent:
         if wide.dtype.kind == "c":
             wide = np.ldexp(wide.real, exponent) + 1j * np.ldexp(wide.imag, exponent)
         else:
             np.ldexp(wide, exponent, out=wide)
+    if chunk.dtype == np.float16 and wide.dtype == np.float32:
+        return float16.from_float32(wide)  # numpy's cast: 70 ns per subnormal result
     scaled: np.ndarray = wide.astype(chunk.dtype)
     return scaled
 
@@ -344,6 +351,8 @@ def _next_toward(value: np.ndarray, direction: int) -> np.ndarray:
 
 def clamp_chunk(chunk: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Elementwise clamp in the tensor's own dtype; NaN stays NaN, infinities are clamped."""
+    if chunk.dtype == np.float16:
+        return float16.clamp(chunk, lo, hi)
     clamped: np.ndarray = np.clip(chunk, lo, hi)
     return clamped
 

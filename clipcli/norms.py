@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from clipcli import float16
 from clipcli.formats.base import finfo, is_floating
 
 # Elements per piece inside NormAccumulator.add: 2 MiB of float64.
@@ -29,25 +30,6 @@ def _as_real(chunk: np.ndarray) -> np.ndarray:
     if chunk.dtype.kind == "c":
         return chunk.view(chunk.real.dtype)
     return chunk
-
-
-# float16 bits shifted into a float32 read as value * 2**-112 (normal and subnormal alike).
-_F16_EXPONENT_GAP = np.float32(2.0**112)
-# ... and float16 inf/NaN (exponent 31) read as finite values at least this large.
-F16_TRICK_NONFINITE = 65536.0
-
-
-def float16_bits_as_float32(chunk: np.ndarray) -> np.ndarray:
-    """float16 to float32 by moving bits: exact for every finite value, and 5x faster than
-    numpy's cast (which has no SIMD loop: 1.1 ns/element here, against 0.2). inf and NaN
-    come out as finite values of magnitude >= F16_TRICK_NONFINITE: callers check for those."""
-    # Sign-extending int16 -> int32 and shifting by 13 puts the sign in bit 31 and the
-    # exponent and mantissa in bits 13-27; the mask clears the sign's copies in bits 28-30.
-    bits: np.ndarray = np.left_shift(chunk.view(np.int16), 13, dtype=np.int32)
-    bits &= np.int32(-0x70000001)  # 0x8FFFFFFF
-    wide: np.ndarray = bits.view(np.float32)
-    wide *= _F16_EXPONENT_GAP  # a power of two: exact
-    return wide
 
 
 def _is_bfloat16(dtype: np.dtype[Any]) -> bool:
@@ -109,7 +91,7 @@ class NormAccumulator:
             chunk = chunk.astype(np.float32)  # exact, NaN and inf included
         narrow = chunk
         if chunk.dtype == np.float16:
-            chunk, bound = float16_bits_as_float32(chunk), F16_TRICK_NONFINITE
+            chunk, bound = float16.bits_as_float32(chunk), float16.TRICK_NONFINITE
         if chunk.dtype.kind == "f" and chunk.dtype.itemsize == 4:
             high, low = float(chunk.max()), float(chunk.min())
             if -bound < low and high < bound:  # also False for NaN

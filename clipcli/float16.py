@@ -1,0 +1,100 @@
+"""float16 conversions and clamping on the integer bits, bit for bit what numpy gives.
+
+numpy has no SIMD loops for float16: its max/min/compare run at about 5 ns/element here,
+its casts at 1-2 ns, and a cast to float16 whose result is an inexact subnormal at about
+70 ns (each one raises the underflow flag with a float operation on a subnormal, which x86
+runs in microcode). Clipping a float16 checkpoint by a small global limit makes most values
+subnormal, so that cast alone took 20 s for 512 MiB. The integer versions below cost
+0.2-2.5 ns/element whatever the values, and the tests check them against numpy on every
+float16 value (and, for float32 -> float16, on patterns covering every exponent).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# float16 bits shifted into a float32 read as value * 2**-112 (normal and subnormal alike).
+_EXPONENT_GAP = np.float32(2.0**112)
+# ... and float16 inf/NaN (exponent 31) read as finite values at least this large.
+TRICK_NONFINITE = 65536.0
+
+
+def bits_as_float32(chunk: np.ndarray) -> np.ndarray:
+    """float16 to float32 by moving bits: exact for every finite value, 5x faster than numpy's
+    cast. inf and NaN come out as finite values of magnitude >= TRICK_NONFINITE: callers check."""
+    # Sign-extending int16 -> int32 and shifting by 13 puts the sign in bit 31 and the
+    # exponent and mantissa in bits 13-27; the mask clears the sign's copies in bits 28-30.
+    bits: np.ndarray = np.left_shift(chunk.view(np.int16), 13, dtype=np.int32)
+    bits &= np.int32(-0x70000001)  # 0x8FFFFFFF
+    wide: np.ndarray = bits.view(np.float32)
+    wide *= _EXPONENT_GAP  # a power of two: exact
+    return wide
+
+
+def finite_as_float32(chunk: np.ndarray) -> np.ndarray | None:
+    """float16 widened by moving bits; None if the chunk holds inf or NaN, which the bit
+    trick does not carry (the caller then uses numpy's cast)."""
+    wide = bits_as_float32(chunk)
+    if wide.size and max(float(wide.max()), -float(wide.min())) >= TRICK_NONFINITE:
+        return None
+    return wide
+
+
+_U32 = np.uint32
+_HALF_INF_AT = _U32((127 + 16) << 23)  # |x| >= 65536.0: inf, or NaN
+_F32_INF = _U32(255 << 23)
+_SUBNORMAL_BELOW = _U32(113 << 23)  # |x| < 2**-14: the float16 is subnormal or zero
+_MAGIC_BITS = _U32(((127 - 15) + (23 - 10) + 1) << 23)  # 0.5: its ulp is float16's 2**-24
+_MAGIC = _MAGIC_BITS.view(np.float32)
+_REBIAS = _U32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF)  # exponent 127 -> 15, round bias
+
+
+def from_float32(wide: np.ndarray) -> np.ndarray:
+    """float32 rounded to float16 (nearest, ties to even), bit for bit numpy's cast including
+    inf, NaN payloads and overflow to inf, at a steady 2.5 ns/element. After F. Giesen's
+    float_to_half_fast3_rtne (public domain)."""
+    bits = wide.view(_U32)
+    sign = bits & _U32(0x80000000)
+    magnitude = bits ^ sign
+    # Normal results: rebias the exponent and round to nearest even on the integer bits.
+    normal = magnitude + _REBIAS
+    normal += (magnitude >> 13) & _U32(1)
+    normal >>= 13
+    # Subnormal results: adding 0.5 in float32 rounds the value to float16's subnormal
+    # step (2**-24) by the FPU's own round-to-nearest-even; the low bits are the float16.
+    with np.errstate(invalid="ignore"):  # a signalling NaN (its lane is replaced below)
+        subnormal = (magnitude.view(np.float32) + _MAGIC).view(_U32)
+    subnormal -= _MAGIC_BITS
+    small = -(magnitude < _SUBNORMAL_BELOW).view(np.uint8).astype(_U32)  # all ones if small
+    half = normal ^ ((normal ^ subnormal) & small)  # a blend without np.where's branches
+    special = magnitude >= _HALF_INF_AT
+    if special.any():  # rare: inf, NaN, overflow
+        payload = np.maximum((magnitude & _U32(0x7FFFFF)) >> 13, _U32(1))  # NaN stays NaN
+        extreme = np.where(magnitude > _F32_INF, _U32(0x7C00) + payload, _U32(0x7C00))
+        half = np.where(special, extreme, half)
+    half |= sign >> 16
+    narrow: np.ndarray = half.astype(np.uint16).view(np.float16)
+    return narrow
+
+
+def _order_keys(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(|bits|, keys): int16 keys ordered as the float16 values are, -0 and +0 both 0."""
+    sign = bits >> 15  # 0 or -1
+    magnitude = bits & np.int16(0x7FFF)
+    return magnitude, (magnitude ^ sign) - sign  # sign-magnitude to two's complement
+
+
+def clamp(chunk: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """np.clip(chunk, lo, hi) for float16, bit for bit: NaN keeps its bits, -0 stays -0."""
+    bits = chunk.view(np.int16)
+    magnitude, keys = _order_keys(bits)
+    bounds = np.array([lo, hi], dtype=np.float16).view(np.int16)
+    _, bound_keys = _order_keys(bounds)
+    number = magnitude <= np.int16(0x7C00)  # not NaN
+    out = bits.copy()
+    for outside, value in ((keys < bound_keys[0], bounds[0]), (keys > bound_keys[1], bounds[1])):
+        outside &= number
+        select = -outside.view(np.int8).astype(np.int16)  # all ones where outside
+        out ^= (out ^ value) & select
+    clamped: np.ndarray = out.view(np.float16)
+    return clamped
