@@ -73,19 +73,22 @@ class Checkpoint:
         return self.nbytes
 
     @property
+    def itemsize(self) -> int:
+        return 2 if self.dtype in ("BF16", "F16") else 4
+
+    @property
     def largest_tensor_bytes(self) -> int:
-        itemsize = 2 if self.dtype == "BF16" else 4
-        return int(np.prod(self.shape)) * itemsize
+        return int(np.prod(self.shape)) * self.itemsize
 
 
 def write_safetensors(ck: Checkpoint, seed: int) -> None:
     """Hand-written safetensors (8-byte LE header length, compact JSON padded with spaces to
     8 bytes, raw little-endian data), streamed chunk by chunk so memory stays bounded.
-    BF16 = the top 16 bits of the float32 sample."""
+    BF16 = the top 16 bits of the float32 sample; F16 = the sample rounded to float16."""
     if ck.path.exists():
         return
     assert sys.byteorder == "little"
-    itemsize = 2 if ck.dtype == "BF16" else 4
+    itemsize = ck.itemsize
     numel = int(np.prod(ck.shape))
     header: dict[str, object] = {"__metadata__": {"format": "pt", "generator": "clipcli bench"}}
     offset = 0
@@ -109,6 +112,8 @@ def write_safetensors(ck: Checkpoint, seed: int) -> None:
                 values = rng.standard_normal(n, dtype=np.float32)
                 if ck.dtype == "BF16":
                     values = (values.view(np.uint32) >> 16).astype(np.uint16)
+                elif ck.dtype == "F16":
+                    values = values.astype(np.float16)
                 out.write(memoryview(values))
                 left -= n
     os.replace(partial, ck.path)
@@ -163,6 +168,7 @@ def write_h5(src: Path, ck: Checkpoint) -> None:
 class Files:
     fp32: Checkpoint  # the 2 GiB fp32 file
     bf16: Checkpoint  # 2 GiB bf16 (same bytes, twice the elements)
+    fp16: Checkpoint  # 2 GiB fp16 (same bytes, twice the elements)
     fp32_small: Checkpoint  # 0.5 GiB fp32: the RSS-growth check
     single: Checkpoint  # one 1 GiB fp32 tensor
     tiny: Checkpoint  # 1 MiB: start-up time
@@ -170,7 +176,10 @@ class Files:
     h5: Checkpoint  # same data as fp32, HDF5
 
     def all(self) -> list[Checkpoint]:
-        return [self.fp32, self.bf16, self.fp32_small, self.single, self.tiny, self.npz, self.h5]
+        return [
+            *(self.fp32, self.bf16, self.fp16, self.fp32_small, self.single, self.tiny),
+            *(self.npz, self.h5),
+        ]
 
 
 def plan(directory: Path, quick: bool) -> Files:
@@ -178,7 +187,7 @@ def plan(directory: Path, quick: bool) -> Files:
     cols = 1024
 
     def st(tag: str, total: int, n: int, dtype: str) -> Checkpoint:
-        itemsize = 2 if dtype == "BF16" else 4
+        itemsize = 2 if dtype in ("BF16", "F16") else 4
         rows = total // n // itemsize // cols
         path = directory / f"{tag}-{dtype.lower()}-{n}x{rows}x{cols}.safetensors"
         return Checkpoint(path, "safetensors", dtype, n, (rows, cols))
@@ -191,6 +200,7 @@ def plan(directory: Path, quick: bool) -> Files:
     return Files(
         fp32=fp32,
         bf16=st("big", big, 128, "BF16"),
+        fp16=st("big", big, 128, "F16"),
         fp32_small=st("small", small, 64, "F32"),
         single=st("single", single, 1, "F32"),
         tiny=st("tiny", MIB, 8, "F32"),
@@ -200,7 +210,9 @@ def plan(directory: Path, quick: bool) -> Files:
 
 
 def generate(files: Files) -> None:
-    for seed, ck in enumerate([files.fp32, files.bf16, files.fp32_small, files.single, files.tiny]):
+    # fp16 comes last so that the other files keep the seeds they had before it was added.
+    safetensors = [files.fp32, files.bf16, files.fp32_small, files.single, files.tiny, files.fp16]
+    for seed, ck in enumerate(safetensors):
         started = time.perf_counter()
         write_safetensors(ck, seed + 1)
         log(f"  {ck.path.name}: {human(ck.size)} in {time.perf_counter() - started:.1f} s")
@@ -592,13 +604,15 @@ def run_sections(bench: Bench, f: Files, sections: set[str], size_note: str) -> 
 
     if "norms" in sections:
         log("norms")
-        ours, flo, naive, bf, bflo, bnaive = bench.measure(
+        ours, flo, naive, bf, bflo, bnaive, half, hflo = bench.measure(
             norms(big),
             floor(big),
             Cmd([PY, str(HERE / "naive_norms.py"), str(big)]),
             norms(f.bf16.path),
             floor(f.bf16.path),
             Cmd([PY, str(HERE / "naive_norms.py"), str(f.bf16.path)]),
+            norms(f.fp16.path),
+            floor(f.fp16.path),
         )
         rows += [
             at_most(f"norms, {B} fp32", ours, "floor", flo, 1.25, "≤ 1.25 × floor"),
@@ -620,6 +634,26 @@ def run_sections(bench: Bench, f: Files, sections: set[str], size_note: str) -> 
             ),
         ]
         rows[-1].verdict = "-"
+        rows += [
+            at_most(
+                f"norms, {B} fp16",
+                half,
+                "fp32 floor (same bytes)",
+                flo,
+                2.0,
+                "(info) ≤ 2 × fp32 floor, as bf16",
+                info=True,
+            ),
+            at_most(
+                f"norms, {B} fp16",
+                half,
+                "fp16 floor",
+                hflo,
+                2.0,
+                "(info) vs floor on fp16",
+                info=True,
+            ),
+        ]
 
     if "formats" in sections:
         log("formats")
@@ -652,7 +686,7 @@ def run_sections(bench: Bench, f: Files, sections: set[str], size_note: str) -> 
             out,
         )
         naive = Cmd([PY, str(HERE / "naive_clip.py"), str(big), str(out), "1.0"], out)
-        cp_s, cps_s, g, g_nf, naive_s, same, same_nf = bench.measure(
+        cp_s, cps_s, g, g_nf, naive_s, same, same_nf, g16 = bench.measure(
             cp,
             cp_sync,
             clip(["--global", "1.0"], big, out),
@@ -660,6 +694,7 @@ def run_sections(bench: Bench, f: Files, sections: set[str], size_note: str) -> 
             naive,
             clip(["--global", "1e30"], big, out),
             clip(["--global", "1e30"], big, out, "--no-fsync"),
+            clip(["--global", "1.0"], f.fp16.path, out),
         )
         rows += [
             at_most(f"clip --global 1.0, {B} fp32", g, "cp", cp_s, 1.5, "≤ 1.5 × cp"),
@@ -708,6 +743,15 @@ def run_sections(bench: Bench, f: Files, sections: set[str], size_note: str) -> 
                 cp_s,
                 1.2,
                 "(info) ≤ 1.2 × cp: neither syncs",
+                info=True,
+            ),
+            at_most(
+                f"clip --global 1.0, {B} fp16 (most outputs subnormal)",
+                g16,
+                "cp (same bytes)",
+                cp_s,
+                1.5,
+                "(info) as fp32 vs cp",
                 info=True,
             ),
         ]
@@ -837,6 +881,8 @@ def checks(f: Files, workdir: Path, sections: set[str]) -> list[tuple[str, bool,
             "naive bf16 = bf16 floor",
             lambda: close(float(run_text([*naive, str(f.bf16.path)])), bref, 1e-9),
         )
+        href = floor_global(f.fp16.path)
+        check("norms fp16 = fp16 floor", lambda: close(clipcli_global(f.fp16.path), href, 1e-9))
     if "formats" in sections:
         check("norms npz = safetensors", lambda: close(clipcli_global(f.npz.path), ref, 1e-9))
         check("norms HDF5 = safetensors", lambda: close(clipcli_global(f.h5.path), ref, 1e-9))
@@ -864,6 +910,14 @@ def checks(f: Files, workdir: Path, sections: set[str]) -> list[tuple[str, bool,
             return ok, f"{detail}; output file byte-identical to input: {'yes' if same else 'no'}"
 
         check("clip --global 1e30: data unchanged", unchanged)
+
+        def clipped_fp16() -> tuple[bool, str]:
+            out.unlink(missing_ok=True)
+            run_text(clip(["--global", "1.0"], f.fp16.path, out).argv)
+            norm = floor_global(out)  # rounding to float16 may only shrink it, by < 1e-3
+            return 0.999 <= norm <= 1.0, f"{norm!r} in [0.999, 1]"
+
+        check("clip --global 1.0 fp16: output norm at most 1", clipped_fp16)
     out.unlink(missing_ok=True)
     return results
 
@@ -892,6 +946,25 @@ def git(*args: str) -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "?"
+
+
+def compile_bytecode() -> str:
+    """Compile clipcli's modules to bytecode first, as `pip install` does. An editable
+    install under PYTHONDONTWRITEBYTECODE=1 (set on this sandbox) recompiles a dozen modules
+    from source on every run instead: about 16 ms per command that an installed copy never
+    pays. Returns the line for the report."""
+    code = (
+        "import clipcli, compileall, os, sys; "
+        "sys.exit(not compileall.compile_dir(os.path.dirname(clipcli.__file__), quiet=1))"
+    )
+    ok = subprocess.run([PY, "-c", code], capture_output=True).returncode == 0
+    env = (
+        " (PYTHONDONTWRITEBYTECODE is set here)"
+        if os.environ.get("PYTHONDONTWRITEBYTECODE")
+        else ""
+    )
+    state = "compiled to bytecode before timing, as pip install does" if ok else "compile FAILED"
+    return f"clipcli's modules: {state}{env}"
 
 
 def machine() -> list[str]:
@@ -1098,6 +1171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()
     try:
         files = plan(workdir, args.quick)
+        bytecode = compile_bytecode()
+        log(bytecode)
         log(f"generating under {workdir}")
         generate(files)
         gen_seconds = time.perf_counter() - started
@@ -1127,10 +1202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"command: `{command}` (total {time.perf_counter() - started:.0f} s, of which "
         f"generating the files {gen_seconds:.0f} s)",
         *machine(),
+        bytecode,
         f"load average (1/5/15 min) before: {loadavg(load_before)}, after: {loadavg(load_after)}"
         " (other work on the machine skews timings; > 0.5 at the start deserves a re-run)",
         f"method: {method(runs, bench.pinned)}",
-        f"sizes: {nominal} fp32 and bf16 files, the RSS-growth file "
+        f"sizes: {nominal} fp32, bf16 and fp16 files, the RSS-growth file "
         f"{human(files.fp32_small.n_tensors * files.fp32_small.largest_tensor_bytes)}, one "
         f"{human(files.single.largest_tensor_bytes)} tensor, a {human(files.tiny.size)} file; "
         "npz and HDF5 hold the same data and byte count as the big fp32 safetensors file (npz: "
