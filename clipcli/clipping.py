@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli import float16
+from clipcli import float8, float16
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import finfo, is_floating
 from clipcli.norms import (
@@ -280,6 +280,12 @@ TINY_RATIO = 2.0**-900
 def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0) -> np.ndarray:
     """chunk * scale * 2**exponent, computed wide and rounded once to the chunk's dtype.
     The exponent carries factors too small for a float64 (C / ||t|| below 1e-308)."""
+    if float8.is_float8(chunk.dtype) and np.ndim(scale) == 0:
+        return float8.by_table(chunk, lambda values: _scale(values, scale, exponent))
+    return _scale(chunk, scale, exponent)
+
+
+def _scale(chunk: np.ndarray, scale: float | np.ndarray, exponent: int) -> np.ndarray:
     work = compute_dtype(chunk.dtype)
     if exponent:
         work = np.dtype(np.complex128 if work.kind == "c" else np.float64)
@@ -353,6 +359,8 @@ def clamp_chunk(chunk: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray
     """Elementwise clamp in the tensor's own dtype; NaN stays NaN, infinities are clamped."""
     if chunk.dtype == np.float16:
         return float16.clamp(chunk, lo, hi)
+    if float8.is_float8(chunk.dtype):
+        return float8.by_table(chunk, lambda values: np.clip(values, lo, hi))
     clamped: np.ndarray = np.clip(chunk, lo, hi)
     return clamped
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli import float16
+from clipcli import float8, float16
 from clipcli.formats.base import finfo, is_floating
 
 # Elements per piece inside NormAccumulator.add: 2 MiB of float64.
@@ -41,9 +41,11 @@ def widen(chunk: np.ndarray) -> np.ndarray:
     chunk = _as_real(chunk)
     if chunk.dtype == np.float64:
         return chunk
+    if float8.is_float8(chunk.dtype):
+        return float8.as_float32(chunk).astype(np.float64)
     with np.errstate(invalid="ignore"):  # a signalling NaN stays NaN: nothing to warn of
-        if chunk.dtype.kind == "V" or (chunk.dtype.itemsize == 1 and chunk.dtype.kind == "f"):
-            # ml_dtypes' floats (bf16, fp8) cast fast to float32 and exactly to float64.
+        if chunk.dtype.kind == "V":
+            # ml_dtypes' bfloat16 casts fast to float32; straight to float64 a NaN warns.
             return chunk.astype(np.float32).astype(np.float64)
         return chunk.astype(np.float64)
 
@@ -89,6 +91,8 @@ class NormAccumulator:
         bound = math.inf
         if _is_bfloat16(chunk.dtype):
             chunk = chunk.astype(np.float32)  # exact, NaN and inf included
+        elif float8.is_float8(chunk.dtype):
+            chunk = float8.as_float32(chunk)  # exact; ml_dtypes' cast is 9x slower
         narrow = chunk
         if chunk.dtype == np.float16:
             chunk, bound = float16.bits_as_float32(chunk), float16.TRICK_NONFINITE

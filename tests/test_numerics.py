@@ -137,6 +137,52 @@ def test_every_16_bit_pattern_measures_as_float64_does(dtype):
         assert acc.nonfinite == 0
 
 
+FLOAT8 = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
+
+
+def all_float8(name: str) -> np.ndarray:
+    return np.arange(256, dtype=np.uint8).view(getattr(ml_dtypes, name))
+
+
+@pytest.mark.parametrize("name", FLOAT8)
+def test_every_8_bit_float_measures_as_float64_does(name):
+    """All 256 values (NaN included), widened through clipcli's lookup table."""
+    values = all_float8(name)
+    with np.errstate(invalid="ignore"):
+        wide = values.astype(np.float32).astype(np.float64)
+    finite = wide[np.isfinite(wide)]
+    for acc in (accumulate([values]), accumulate(values[i : i + 1] for i in range(256))):
+        assert acc.numel == 256
+        assert acc.nan_count == np.count_nonzero(np.isnan(wide))
+        assert acc.nonfinite == np.count_nonzero(~np.isfinite(wide))
+        assert acc.max_abs == np.max(np.abs(finite))
+        assert acc.finite_norm == pytest.approx(math.sqrt(math.fsum(finite**2)), rel=1e-15)
+
+
+@pytest.mark.parametrize("name", FLOAT8)
+def test_8_bit_float_clamp_and_scale_by_table_match_direct_arithmetic(name):
+    """Clamping and scaling look 8-bit floats up in a 256-entry table computed by the same
+    arithmetic: on a shuffled 2-D chunk the result must be bit-identical to computing each
+    element directly (ml_dtypes, one element at a time)."""
+    dtype = np.dtype(getattr(ml_dtypes, name))
+    rng = np.random.default_rng(0)
+    chunk = rng.integers(0, 256, size=(37, 29), dtype=np.uint8).view(dtype)
+    signed = name != "float8_e8m0fnu"
+    for low, high in [(-0.5, 0.5), (-1e9, 1e9), (0.25, 2.0)] if signed else [(0.25, 4.0)]:
+        lo, hi = clipping.value_bounds(dtype, low, high)
+        with np.errstate(invalid="ignore"):
+            expected = np.clip(chunk, lo, hi).astype(dtype)
+        got = clipping.clamp_chunk(chunk, lo, hi)
+        assert got.dtype == dtype and got.shape == chunk.shape
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+    for scale, exponent in [(0.3, 0), (0.999, 0), (0.75, -3), (0.5, -1000)]:
+        with np.errstate(invalid="ignore"):
+            expected = clipping._scale(chunk, scale, exponent)
+        got = clipping.scale_chunk(chunk, scale, exponent)
+        assert got.dtype == dtype and got.shape == chunk.shape
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
 def test_64m_float32_normals_within_1e_7():
     """64 Mi float32 normals, fed chunk by chunk as a reader would: relative error <= 1e-7
     against numpy's float64 norm (naive float32 accumulation drifts by ~1e-4 here)."""

@@ -1,8 +1,9 @@
-"""numpy's float16 operations against clipcli.float16's integer versions: speed, and (with
---exhaustive) agreement on all 2**32 float32 values rounded to float16.
+"""numpy's float16 and ml_dtypes' fp8 operations against clipcli.float16's integer versions
+and clipcli.float8's lookup tables: speed, and (with --exhaustive) agreement on all 2**32
+float32 values rounded to float16.
 
-    python benchmarks/float16_ops.py                 # ms per million elements, one thread
-    python benchmarks/float16_ops.py --exhaustive    # + every float32 -> float16, ~6 min
+    python benchmarks/small_float_ops.py                 # ms per million elements, 1 thread
+    python benchmarks/small_float_ops.py --exhaustive    # + every float32 -> float16, ~6 min
 
 The timed data: 2**20 standard normals as float16; "subnormal results" scales them by 6e-5
 first, as `clip --global` does on a big fp16 checkpoint, so most results are float16
@@ -15,9 +16,11 @@ import sys
 import time
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
-from clipcli import float16
+from clipcli import clipping, float8, float16
+from clipcli.norms import accumulate
 
 N = 1 << 20
 
@@ -47,7 +50,31 @@ def timings() -> None:
             lambda: float16.from_float32(tiny),
         ),
     ]
-    print("| operation, ms per million elements | numpy | clipcli.float16 |")
+    eight = (np.random.default_rng(0).standard_normal(N) * 10).astype(ml_dtypes.float8_e4m3fn)
+    lo8, hi8 = clipping.value_bounds(eight.dtype, -0.5, 0.5)
+    rows += [
+        (
+            "fp8 e4m3fn: cast to float32",
+            lambda: eight.astype(np.float32),
+            lambda: float8.as_float32(eight),
+        ),
+        (
+            "fp8 e4m3fn: clip",
+            lambda: np.clip(eight, lo8, hi8),
+            lambda: clipping.clamp_chunk(eight, lo8, hi8),
+        ),
+        (
+            "fp8 e4m3fn: scale by 0.3 and round",
+            lambda: clipping._scale(eight, 0.3, 0),
+            lambda: clipping.scale_chunk(eight, 0.3),
+        ),
+        (
+            "fp8 e4m3fn: norm statistics",
+            lambda: accumulate([eight.astype(np.float32)]),
+            lambda: accumulate([eight]),
+        ),
+    ]
+    print("| operation, ms per million elements | numpy / ml_dtypes | clipcli |")
     print("|---|---|---|")
     with np.errstate(under="ignore"):
         for label, theirs, ours in rows:
