@@ -1,5 +1,5 @@
 """numpy's float16 and ml_dtypes' fp8 operations against clipcli.float16's integer versions
-and clipcli.float8's lookup tables: speed, and (with --exhaustive) agreement on all 2**32
+and clipcli.lookup's tables: speed, and (with --exhaustive) agreement on all 2**32
 float32 values rounded to float16.
 
     python benchmarks/small_float_ops.py                 # ms per million elements, 1 thread
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from clipcli import clipping, float8, float16
+from clipcli import clipping, float16, lookup
 from clipcli.norms import accumulate
 
 N = 1 << 20
@@ -56,7 +56,7 @@ def timings() -> None:
         (
             "fp8 e4m3fn: cast to float32",
             lambda: eight.astype(np.float32),
-            lambda: float8.as_float32(eight),
+            lambda: lookup.as_float32(eight),
         ),
         (
             "fp8 e4m3fn: clip",

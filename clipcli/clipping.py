@@ -10,6 +10,7 @@ clip_by_global_norm). Where we differ, on purpose:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli import float8, float16
+from clipcli import float16, lookup
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import finfo, is_floating
 from clipcli.norms import (
@@ -280,9 +281,18 @@ TINY_RATIO = 2.0**-900
 def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0) -> np.ndarray:
     """chunk * scale * 2**exponent, computed wide and rounded once to the chunk's dtype.
     The exponent carries factors too small for a float64 (C / ||t|| below 1e-308)."""
-    if float8.is_float8(chunk.dtype) and np.ndim(scale) == 0:
-        return float8.by_table(chunk, lambda values: _scale(values, scale, exponent))
+    if np.ndim(scale) == 0 and (chunk.dtype == np.float16 or lookup.is_float8(chunk.dtype)):
+        return lookup.look_up(chunk, _scale_table(chunk.dtype, float(scale), exponent))
     return _scale(chunk, scale, exponent)
+
+
+@functools.lru_cache(maxsize=16)
+def _scale_table(dtype: np.dtype[Any], scale: float, exponent: int) -> np.ndarray:
+    """Every value of an 8- or 16-bit float scaled as _scale does, as bits. One table per
+    scale serves every chunk: a global clip has one scale for the whole checkpoint."""
+    table = lookup.table_of(dtype, lambda values: _scale(values, scale, exponent))
+    table.flags.writeable = False
+    return table
 
 
 def _scale(chunk: np.ndarray, scale: float | np.ndarray, exponent: int) -> np.ndarray:
@@ -359,8 +369,8 @@ def clamp_chunk(chunk: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray
     """Elementwise clamp in the tensor's own dtype; NaN stays NaN, infinities are clamped."""
     if chunk.dtype == np.float16:
         return float16.clamp(chunk, lo, hi)
-    if float8.is_float8(chunk.dtype):
-        return float8.by_table(chunk, lambda values: np.clip(values, lo, hi))
+    if lookup.is_float8(chunk.dtype):
+        return lookup.by_table(chunk, lambda values: np.clip(values, lo, hi))
     clamped: np.ndarray = np.clip(chunk, lo, hi)
     return clamped
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli import float8, float16
+from clipcli import float16, lookup
 from clipcli.formats.base import finfo, is_floating
 
 # Elements per piece inside NormAccumulator.add: 2 MiB of float64.
@@ -41,8 +41,8 @@ def widen(chunk: np.ndarray) -> np.ndarray:
     chunk = _as_real(chunk)
     if chunk.dtype == np.float64:
         return chunk
-    if float8.is_float8(chunk.dtype):
-        return float8.as_float32(chunk).astype(np.float64)
+    if lookup.is_float8(chunk.dtype):
+        return lookup.as_float32(chunk).astype(np.float64)
     with np.errstate(invalid="ignore"):  # a signalling NaN stays NaN: nothing to warn of
         if chunk.dtype.kind == "V":
             # ml_dtypes' bfloat16 casts fast to float32; straight to float64 a NaN warns.
@@ -91,8 +91,8 @@ class NormAccumulator:
         bound = math.inf
         if _is_bfloat16(chunk.dtype):
             chunk = chunk.astype(np.float32)  # exact, NaN and inf included
-        elif float8.is_float8(chunk.dtype):
-            chunk = float8.as_float32(chunk)  # exact; ml_dtypes' cast is 9x slower
+        elif lookup.is_float8(chunk.dtype):
+            chunk = lookup.as_float32(chunk)  # exact; ml_dtypes' cast is 9x slower
         narrow = chunk
         if chunk.dtype == np.float16:
             chunk, bound = float16.bits_as_float32(chunk), float16.TRICK_NONFINITE
