@@ -367,12 +367,21 @@ def _next_toward(value: np.ndarray, direction: int) -> np.ndarray:
 
 def clamp_chunk(chunk: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Elementwise clamp in the tensor's own dtype; NaN stays NaN, infinities are clamped."""
-    if chunk.dtype == np.float16:
-        return float16.clamp(chunk, lo, hi)
-    if lookup.is_float8(chunk.dtype):
-        return lookup.by_table(chunk, lambda values: np.clip(values, lo, hi))
+    if chunk.dtype == np.float16 or lookup.is_float8(chunk.dtype):
+        bounds = (np.asarray(bound, dtype=chunk.dtype).tobytes() for bound in (lo, hi))
+        return lookup.look_up(chunk, _clamp_table(chunk.dtype, *bounds))
     clamped: np.ndarray = np.clip(chunk, lo, hi)
     return clamped
+
+
+@functools.lru_cache(maxsize=16)
+def _clamp_table(dtype: np.dtype[Any], lo_bits: bytes, hi_bits: bytes) -> np.ndarray:
+    """Every value of an 8- or 16-bit float clamped by np.clip, as bits. Keyed by the bounds'
+    bits, since -0.0 == 0.0 yet np.clip returns the bound itself; one table serves the run."""
+    lo, hi = (np.frombuffer(bits, dtype=dtype)[0] for bits in (lo_bits, hi_bits))
+    table = lookup.table_of(dtype, lambda values: np.clip(values, lo, hi))
+    table.flags.writeable = False
+    return table
 
 
 def axes_scales(

@@ -1,4 +1,4 @@
-"""float16 conversions and clamping on the integer bits, bit for bit what numpy gives.
+"""float16 conversions on the integer bits, bit for bit what numpy gives.
 
 numpy has no SIMD loops for float16: its max/min/compare run at about 5 ns/element here,
 its casts at 1-2 ns, and a cast to float16 whose result is an inexact subnormal at about
@@ -100,26 +100,3 @@ def _round_block(
     np.right_shift(bits, 16, out=magnitude)
     magnitude &= _U32(0x8000)
     half |= magnitude  # the sign
-
-
-def _order_keys(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(|bits|, keys): int16 keys ordered as the float16 values are, -0 and +0 both 0."""
-    sign = bits >> 15  # 0 or -1
-    magnitude = bits & np.int16(0x7FFF)
-    return magnitude, (magnitude ^ sign) - sign  # sign-magnitude to two's complement
-
-
-def clamp(chunk: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """np.clip(chunk, lo, hi) for float16, bit for bit: NaN keeps its bits, -0 stays -0."""
-    bits = chunk.view(np.int16)
-    magnitude, keys = _order_keys(bits)
-    bounds = np.array([lo, hi], dtype=np.float16).view(np.int16)
-    _, bound_keys = _order_keys(bounds)
-    number = magnitude <= np.int16(0x7C00)  # not NaN
-    out = bits.copy()
-    for outside, value in ((keys < bound_keys[0], bounds[0]), (keys > bound_keys[1], bounds[1])):
-        outside &= number
-        select = -outside.view(np.int8).astype(np.int16)  # all ones where outside
-        out ^= (out ^ value) & select
-    clamped: np.ndarray = out.view(np.float16)
-    return clamped

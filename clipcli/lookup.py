@@ -6,7 +6,8 @@ float has only 256 values (a float16 65,536), and everything clipcli does to one
 elementwise (widening, clamping, scaling then rounding), so an operation is computed once
 on all the values, with the very same functions, and looked up per element with np.take
 (0.7 ns for a 256-entry table, 1 ns for a 128 KiB float16 one). The result is identical
-by construction.
+by construction. numpy's float16 is no better off: np.clip on it compares in software at
+11 ns/element.
 """
 
 from __future__ import annotations

@@ -758,8 +758,8 @@ def test_value_mode_keeps_nan_and_clamps_infinities(
 def test_value_mode_on_every_float16_matches_np_clip_bit_for_bit(
     fmt, ckpt, write_checkpoint, read_checkpoint, clip_json
 ):
-    # float16 is clamped on its bits (numpy's float16 compare is 15x slower): all 65,536
-    # values, NaN payloads and signed zeros included, come out as np.clip gives them.
+    # float16 is clamped through a lookup table (numpy's float16 compare is 15x slower):
+    # all 65,536 values, NaN payloads and signed zeros included, come out as np.clip has it.
     x = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(256, 256)
     src = write_checkpoint(ckpt("in"), {"x": x})
     high = 2.0**-17  # a float16 subnormal, so np.clip gets the very bound clipcli uses
