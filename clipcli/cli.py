@@ -87,11 +87,11 @@ InArg = Annotated[
     ),
 ]
 OutArg = Annotated[
-    Path,
+    str,  # not Path: a trailing "/" (write a model directory) must survive
     typer.Argument(
         metavar="OUT",
-        help="Output file (its extension picks the format), or a name with no extension "
-        "for a Hugging Face model directory.",
+        help="Output file (its extension picks the format), or a model directory: a "
+        "name ending in /, or with no extension when IN is a model directory.",
         show_default=False,
     ),
 ]

@@ -18,12 +18,15 @@ from typing import TypeVar
 
 import numpy as np
 
-from clipcli import clipping
+from clipcli import clipping, interrupts
 from clipcli.clipping import ClipSpec, Mode
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, is_floating
-from clipcli.io import atomic_output, check_output_path, open_reader, writer_class
+from clipcli.formats.sharded import ShardedReader, ShardedWriter, output_names
+from clipcli.identity import InputGuard
+from clipcli.io import open_reader, writer_class
 from clipcli.norms import NormAccumulator, accumulate, accumulate_array, global_norm
+from clipcli.output import InputFootprint, Target, choose_target
 from clipcli.parallel import ordered_map
 
 R = TypeVar("R")
@@ -147,6 +150,7 @@ def measure_all(
         for finished in range(done, index):
             notify(finished, stats[finished])
         done = index
+        interrupts.check()
         stats[index].merge(partial)
         progress.advance(nbytes)
     for finished in range(done, len(infos)):
@@ -459,6 +463,7 @@ def _measured(
     chunks: Iterator[tuple[np.ndarray, NormAccumulator]], acc: NormAccumulator, progress: Progress
 ) -> Iterator[np.ndarray]:
     for chunk, partial in chunks:
+        interrupts.check()
         acc.merge(partial)
         progress.advance(chunk.nbytes)
         yield chunk
@@ -481,6 +486,7 @@ def _write_all(
     """Stream every tensor to the writer (with None, only compute and measure the output)."""
     progress.start("writing" if writer else "computing", sum(p.info.nbytes for p in plans))
     for plan in plans:
+        interrupts.check()
         info = plan.info
         transform = _transform(plan, spec) if spec is not None else None
         if spec is not None and plan.action == "axes":
@@ -506,41 +512,46 @@ def _write_all(
 
 def _counted(chunks: Iterable[np.ndarray], progress: Progress) -> Iterator[np.ndarray]:
     for chunk in chunks:
+        interrupts.check()
         progress.advance(chunk.nbytes)
         yield chunk
 
 
-def check_writable(infos: Sequence[TensorInfo], out: Path, to_directory: bool) -> type[Writer]:
-    if to_directory:
-        from clipcli.formats.sharded import ShardedWriter
-
-        cls: type[Writer] = ShardedWriter
-    else:
-        cls = writer_class(out)
+def check_writable(infos: Sequence[TensorInfo], target: Target) -> type[Writer]:
+    """The writer for OUT, once every tensor's name and dtype is known to fit its format."""
+    cls: type[Writer] = ShardedWriter if target.is_directory else writer_class(target.out)
     for info in infos:
         reason = cls.check_name(info.name) or cls.check_dtype(info)
         if reason is not None:
-            raise UsageError(f"{out}: tensor {info.name!r}: {reason}")
+            raise UsageError(f"{target.out}: tensor {info.name!r}: {reason}")
     return cls
 
 
-def _writes_directory(src: Path, out: Path) -> bool:
-    """OUT has no file extension: write a model directory (IN's sharding if IN is one)."""
-    return out.suffix == "" or out.is_dir()
+SIDE_FILE_LIMIT = 1 << 30  # bytes: configs and tokenizers are far smaller
 
 
-def _check_output(src: Path, out: Path, force: bool, to_directory: bool) -> None:
-    if to_directory:
-        from clipcli.formats.sharded import check_output_directory
+def _check_side_files(reader: Reader, allow_large: bool) -> None:
+    """A model directory's other files are copied; one of absurd size is refused unless
+    allowed, since a sparse 1 TB file would otherwise fill the disk."""
+    if allow_large:
+        return
+    for path in reader.side_files():
+        size = path.stat().st_size
+        if size > SIDE_FILE_LIMIT:
+            raise UsageError(
+                f"{path}: side file of {size} bytes is over the {SIDE_FILE_LIMIT >> 30} GiB "
+                "limit for files copied beside the weights; pass --allow-large-side-files"
+            )
 
-        check_output_directory(src, out, force)
-    else:
-        check_output_path(src, out, force)
+
+def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
+    is_directory = src.is_dir() or src.name.endswith(".index.json")
+    return choose_target(out, input_is_directory=is_directory, force=force, durable=durable)
 
 
 def clip(
     src: Path,
-    out: Path,
+    out: str | Path,
     spec: ClipSpec,
     selection: Selection = Selection(),
     *,
@@ -548,13 +559,12 @@ def clip(
     force: bool = False,
     durable: bool = True,
     progress: Progress = SILENT,
+    allow_large_side_files: bool = False,
 ) -> ClipResult:
     """Plan, then (unless dry_run) write the clipped copy atomically."""
-    to_directory = _writes_directory(src, out)
-    if not dry_run:
-        _check_output(src, out, force, to_directory)
+    target = _target(src, out, force, durable)
     with open_reader(src) as reader:
-        writer_cls = check_writable(reader.infos, out, to_directory)
+        writer_cls = check_writable(reader.infos, target)
         if dry_run:
             plans = plan_clip(reader, spec, selection, progress)
             _write_all(reader, None, plans, spec, progress)
@@ -562,13 +572,12 @@ def clip(
             plans = _write_file(
                 reader,
                 writer_cls,
-                out,
-                lambda writer: plan_clip(
-                    reader, spec, selection, progress, functools.partial(writer.copy_ahead, reader)
+                target,
+                lambda writer, guard: _plan_then_check(
+                    reader, spec, selection, progress, writer, guard
                 ),
                 spec,
-                durable,
-                force,
+                allow_large_side_files,
                 progress,
             )
         used = None
@@ -578,58 +587,82 @@ def clip(
                 if spec.use_norm is not None
                 else global_norm(p.before.norm for p in plans if p.in_global)
             )
-    return ClipResult(src, out, spec, dry_run, plans, used)
+    return ClipResult(src, target.out, spec, dry_run, plans, used)
+
+
+def _plan_then_check(
+    reader: Reader,
+    spec: ClipSpec,
+    selection: Selection,
+    progress: Progress,
+    writer: Writer,
+    guard: InputGuard,
+) -> list[TensorPlan]:
+    plans = plan_clip(
+        reader, spec, selection, progress, functools.partial(writer.copy_ahead, reader)
+    )
+    guard.check("between the measuring and the writing pass")
+    return plans
 
 
 def _write_file(
     reader: Reader,
     writer_cls: type[Writer],
-    out: Path,
-    make_plans: Callable[[Writer], list[TensorPlan]],
+    target: Target,
+    make_plans: Callable[[Writer, InputGuard], list[TensorPlan]],
     spec: ClipSpec | None,
-    durable: bool,
-    force: bool,
+    allow_large_side_files: bool,
     progress: Progress,
 ) -> list[TensorPlan]:
-    """Write OUT atomically. The plans are made once the writer exists, so that it can
-    start copying unchanged tensors early; a refusal while planning leaves nothing behind."""
-    from clipcli.formats.sharded import ShardedReader, ShardedWriter, atomic_directory
-
-    if writer_cls is ShardedWriter:
-        target = atomic_directory(out, force, durable)
-        metadata = dict(reader.metadata)
+    """Write OUT through its target. The plans are made once the writer exists, so that it
+    can start copying unchanged tensors early; a refusal while planning leaves nothing.
+    The input must not change from opening to the commit (clipcli.identity)."""
+    guard = InputGuard(reader.source_files())
+    target.check(InputFootprint(reader.path, reader.source_files()), output_names(reader))
+    if target.is_directory:
+        _check_side_files(reader, allow_large_side_files)
+    # Shards joined into one file keep the shards' own __metadata__, not the index's.
+    if isinstance(reader, ShardedReader) and not target.is_directory:
+        metadata = reader.common_shard_metadata()
     else:
-        target = atomic_output(out, durable)
-        # Shards joined into one file keep the shards' own __metadata__, not the index's.
-        if isinstance(reader, ShardedReader):
-            metadata = reader.common_shard_metadata()
-        else:
-            metadata = dict(reader.metadata)
-    with target as tmp:
-        writer = writer_cls(tmp, Checkpoint(list(reader.infos), metadata, reader), durable)
+        metadata = dict(reader.metadata)
+    with target.stage() as staged:
+        writer = writer_cls(
+            staged, Checkpoint(list(reader.infos), metadata, reader), target.durable
+        )
         try:
-            plans = make_plans(writer)
+            plans = make_plans(writer, guard)
             _write_all(reader, writer, plans, spec, progress)
+            interrupts.check()
+            writer.close()
         except BaseException:
             writer.abort()
             raise
-        writer.close()
+        guard.check("while it was being read")
     return plans
 
 
 def convert(
     src: Path,
-    out: Path,
+    out: str | Path,
     *,
     force: bool = False,
     durable: bool = True,
     progress: Progress = SILENT,
+    allow_large_side_files: bool = False,
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
-    to_directory = _writes_directory(src, out)
-    _check_output(src, out, force, to_directory)
+    target = _target(src, out, force, durable)
     with open_reader(src) as reader:
-        writer_cls = check_writable(reader.infos, out, to_directory)
+        writer_cls = check_writable(reader.infos, target)
         plans = [TensorPlan(info, NormAccumulator(), True) for info in reader.infos]
-        _write_file(reader, writer_cls, out, lambda _: plans, None, durable, force, progress)
+        _write_file(
+            reader,
+            writer_cls,
+            target,
+            lambda _writer, _guard: plans,
+            None,
+            allow_large_side_files,
+            progress,
+        )
         return list(reader.infos)

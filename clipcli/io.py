@@ -1,18 +1,11 @@
-"""Format detection, reader/writer lookup, and atomic output files."""
+"""Format detection and reader/writer lookup (OUT itself is clipcli.output's job)."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
-import signal
 import stat
-import tempfile
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import FrameType
 
-from clipcli.errors import ExitCode, InputError, Interrupted, UsageError, WriteError
+from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import Reader, Writer
 
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
@@ -100,130 +93,3 @@ def writer_class(out: Path) -> type[Writer]:
 
         return Hdf5Writer
     raise UsageError(f"{out}: unknown output extension; use .npz, .safetensors, .h5 or .hdf5")
-
-
-def check_output_path(src: Path, out: Path, force: bool) -> None:
-    """Refuse OUT == IN (by path, symlink or hard link) and an existing OUT without --force."""
-    if out.is_dir():
-        raise UsageError(f"{out}: is a directory")
-    try:
-        out_stat = out.stat()
-    except FileNotFoundError:
-        out_stat = None
-    except OSError as exc:
-        raise UsageError(f"{out}: cannot check output path: {exc.strerror}") from None
-    if out_stat is not None:
-        src_stat = src.stat()
-        if (out_stat.st_dev, out_stat.st_ino) == (src_stat.st_dev, src_stat.st_ino):
-            raise UsageError(f"{out}: output is the input file; choose another OUT")
-        if not force:
-            raise UsageError(f"{out}: already exists; pass --force to replace it")
-    if out.is_symlink() and not force:
-        raise UsageError(f"{out}: already exists (dangling symlink); pass --force to replace it")
-    if not out.parent.is_dir():
-        raise WriteError(f"{out}: directory {out.parent} does not exist")
-
-
-def _new_file_mode(existing: Path) -> int:
-    """Keep an existing OUT's mode; a new file gets 0o666 & ~umask like any shell redirect."""
-    try:
-        return stat.S_IMODE(existing.stat().st_mode)
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
-@contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
-    """Turn SIGTERM into an exception so that the temp file is removed, as for Ctrl-C."""
-
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        raise Interrupted("terminated by SIGTERM; no output written", ExitCode.TERMINATED)
-
-    try:
-        previous = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def staged_output(
-    out: Path, tmp: Path, finish: Callable[[], None], discard: Callable[[], None]
-) -> Iterator[Path]:
-    """Run the body on `tmp`, then `finish()` it into place as OUT.
-
-    On any exception (Ctrl-C and SIGTERM included) `discard()` removes what was staged and
-    OUT is left as it was; OSErrors become WriteError (exit 5), interrupts Interrupted.
-    """
-    try:
-        with signals_raise():
-            yield tmp
-            finish()
-    except KeyboardInterrupt:
-        discard()
-        raise Interrupted("interrupted; no output written") from None
-    except OSError as exc:
-        discard()
-        reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-        raise WriteError(f"{out}: writing failed: {reason}; no output written") from None
-    except BaseException:
-        discard()
-        raise
-
-
-@contextlib.contextmanager
-def atomic_output(out: Path, durable: bool = True) -> Iterator[Path]:
-    """Yield a temp path beside OUT; on success fsync it and rename it over OUT.
-
-    durable=False skips the fsyncs (the rename stays atomic, but a power cut soon after
-    may leave an empty OUT); it is for scratch outputs where speed matters more.
-    """
-    directory = out.parent if str(out.parent) else Path(".")
-    mode = _new_file_mode(out)
-    try:
-        fd, tmp_name = tempfile.mkstemp(
-            prefix=f".{out.name}.", suffix=".clipcli-tmp", dir=directory
-        )
-    except OSError as exc:
-        raise WriteError(f"{out}: cannot create a file in {directory}: {exc.strerror}") from None
-    tmp = Path(tmp_name)
-
-    def finish() -> None:
-        if durable:
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, out)
-        if durable:
-            fsync_dir(directory)
-
-    try:
-        os.close(fd)
-        with staged_output(out, tmp, finish, lambda: _remove(tmp)) as path:
-            yield path
-    except KeyboardInterrupt:  # arrived between mkstemp and the staged write
-        _remove(tmp)
-        raise Interrupted("interrupted; no output written") from None
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()

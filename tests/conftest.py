@@ -367,3 +367,32 @@ def run_subprocess() -> Callable[..., Run]:
 def ckpt(tmp_path: Path, fmt: str) -> Callable[[str], Path]:
     """`ckpt("in")` -> tmp_path / "in.<ext>" for the current `fmt`."""
     return lambda stem: tmp_path / (stem + EXTENSIONS[fmt])
+
+
+# ------------------------------------------------------------------ real file-system faults
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Any:
+    """`mount_tmpfs("name", size="1m", options="ro")`: a real tmpfs mounted under tmp_path,
+    for full disks, read-only directories and second file systems. Unmounted afterwards.
+    Skips, saying why, where mounting is impossible (not root, no mount namespace)."""
+    mounted: list[Path] = []
+
+    def mount(name: str = "tmpfs", size: str = "64m", options: str = "") -> Path:
+        target = tmp_path / name
+        target.mkdir()
+        opts = f"size={size}" + (f",{options}" if options else "")
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(target)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or 'mount failed'}")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in reversed(mounted):
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)

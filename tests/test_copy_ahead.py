@@ -16,6 +16,7 @@ from handmade import write_safetensors
 from safetensors.numpy import load_file
 
 import clipcli.formats.safetensors as st_format
+from clipcli import filecopy
 from clipcli.cli import main
 
 
@@ -31,7 +32,7 @@ def copied_ahead(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         original(self, source, info)  # type: ignore[arg-type]
 
     monkeypatch.setattr(st_format.SafetensorsWriter, "copy_ahead", spy)
-    monkeypatch.setattr(st_format, "COPY_PIECE", 4096)
+    monkeypatch.setattr(filecopy, "PIECE", 4096)
     return names
 
 

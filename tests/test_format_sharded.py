@@ -24,12 +24,11 @@ from clipcli.formats.sharded import (
     DEFAULT_INDEX_NAME,
     ShardedReader,
     ShardedWriter,
-    atomic_directory,
-    check_output_directory,
+    output_names,
     resolve_sharded,
     validate_sharded,
-    writes_directory,
 )
+from clipcli.output import DirectoryTarget, InputFootprint, choose_target
 
 HIDDEN, INTERMEDIATE, VOCAB = 8, 16, 32
 SHARDS = [f"model-{n:05d}-of-00003.safetensors" for n in (1, 2, 3)]
@@ -194,6 +193,18 @@ def clip_into(
     with atomic_directory(out, force=False, durable=False) as tmp:
         checkpoint = Checkpoint(list(reader.infos), dict(reader.metadata), reader)
         drive(reader, ShardedWriter(tmp, checkpoint), copy, transform)
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    out: Path, force: bool, durable: bool = True, expected: frozenset[str] = frozenset()
+) -> Iterator[Path]:
+    """A directory target checked (against an input elsewhere) and staged, as engine.clip
+    does: the body fills the staged directory, which then becomes OUT."""
+    target = DirectoryTarget(out, force=force, durable=durable)
+    target.check(InputFootprint(out.parent / "elsewhere", []), expected)
+    with target.stage() as tmp:
+        yield tmp
 
 
 def same_files(left: Path, right: Path, names: list[str]) -> bool:
@@ -710,7 +721,10 @@ def test_atomic_directory_removed_on_error_and_out_untouched(
 ) -> None:
     out = make_model_dir(tmp_path / "out", seed=9).path
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(RuntimeError, match="boom"), atomic_directory(out, force=True) as tmp:
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        atomic_directory(out, force=True, expected=frozenset(before)) as tmp,
+    ):
         (tmp / "partial.safetensors").write_bytes(b"half")
         raise RuntimeError("boom")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -732,7 +746,7 @@ def test_atomic_directory_oserror_becomes_write_error(tmp_path: Path) -> None:
 
 
 def test_atomic_directory_missing_parent_is_write_error(tmp_path: Path) -> None:
-    with pytest.raises(WriteError, match="cannot create a directory"):
+    with pytest.raises(WriteError, match="does not exist"):
         with atomic_directory(tmp_path / "no" / "out", force=False):
             pass
 
@@ -756,14 +770,26 @@ def test_atomic_directory_force_replaces_existing(
     model: ModelDir, reader: ShardedReader, tmp_path: Path
 ) -> None:
     out = make_model_dir(tmp_path / "out", seed=9).path
-    (out / "stale.txt").write_text("old")
     os.chmod(out, 0o750)
-    with atomic_directory(out, force=True) as tmp:
+    with atomic_directory(out, force=True, expected=output_names(reader)) as tmp:
         drive(reader, ShardedWriter(tmp, Checkpoint(list(reader.infos), {}, reader)))
-    assert "stale.txt" not in entries(out)
     assert same_files(model.path, out, SHARDS)
     assert stat.S_IMODE(out.stat().st_mode) == 0o750
     assert entries(tmp_path) == ["model", "out"]  # the old directory is gone
+
+
+def test_atomic_directory_force_refuses_a_directory_with_other_files(
+    reader: ShardedReader, tmp_path: Path
+) -> None:
+    """--force replaces only what clipcli itself would write: one stray file stops it."""
+    out = make_model_dir(tmp_path / "out", seed=9).path
+    (out / "stale.txt").write_text("old")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(UsageError, match="'stale.txt'"):
+        with atomic_directory(out, force=True, expected=output_names(reader)):
+            pass
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert entries(tmp_path) == ["model", "out"]
 
 
 def test_atomic_directory_force_replaces_a_file_or_symlink(tmp_path: Path) -> None:
@@ -801,31 +827,51 @@ def test_atomic_directory_without_force_refuses_existing(tmp_path: Path) -> None
 # ---------------------------------------------------------------- choosing and checking OUT
 
 
-def test_writes_directory_only_for_model_directory_input(
-    reader: ShardedReader, model: ModelDir, tmp_path: Path
-) -> None:
-    assert writes_directory(tmp_path / "clipped", reader)
-    assert not writes_directory(tmp_path / "merged.safetensors", reader)
-    with SafetensorsReader(model.path / SHARDS[0]) as plain:
-        assert not writes_directory(tmp_path / "clipped", plain)
+def test_choose_target_directory_only_when_asked(tmp_path: Path) -> None:
+    """A model directory IN with an extensionless OUT writes a directory; a single file IN
+    gets one only for a trailing slash or an existing empty directory."""
 
+    def kind(out: str, input_is_directory: bool) -> str:
+        return choose_target(
+            out, input_is_directory=input_is_directory, force=False, durable=False
+        ).kind
 
-def test_check_output_directory(model: ModelDir, tmp_path: Path) -> None:
-    check_output_directory(model.path, tmp_path / "new", force=False)
+    assert kind(str(tmp_path / "clipped"), True) == "directory"
+    assert kind(str(tmp_path / "merged.safetensors"), True) == "file"
+    assert kind(f"{tmp_path / 'clipped'}/", False) == "directory"
     (tmp_path / "empty").mkdir()
-    check_output_directory(model.path, tmp_path / "empty", force=False)
+    assert kind(str(tmp_path / "empty"), False) == "directory"
+    with pytest.raises(UsageError, match="unknown output extension"):
+        kind(str(tmp_path / "clipped"), False)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("x")
+    with pytest.raises(UsageError, match="name the file to write inside it"):
+        kind(str(tmp_path / "full"), False)
+    with pytest.raises(UsageError, match="standard output"):
+        kind("-", False)
+
+
+def test_directory_target_checks(model: ModelDir, reader: ShardedReader, tmp_path: Path) -> None:
+    footprint = InputFootprint(model.path, reader.source_files())
+    expected = output_names(reader)
+
+    def check(out: Path, force: bool) -> None:
+        DirectoryTarget(out, force=force, durable=False).check(footprint, expected)
+
+    check(tmp_path / "new", force=False)
+    (tmp_path / "empty").mkdir()
+    check(tmp_path / "empty", force=False)
     other = make_model_dir(tmp_path / "other", seed=3).path
     with pytest.raises(UsageError, match="already exists"):
-        check_output_directory(model.path, other, force=False)
-    check_output_directory(model.path, other, force=True)
-    with pytest.raises(UsageError, match="output is or contains the input"):
-        check_output_directory(model.path, model.path, force=True)
-    with pytest.raises(UsageError, match="output is or contains the input"):
-        check_output_directory(model.path, tmp_path, force=True)
+        check(other, force=False)
+    check(other, force=True)
+    for inside in (model.path, tmp_path, model.path / "sub", model.path / SHARDS[0]):
+        with pytest.raises(UsageError, match="output (is|contains) .*input"):
+            check(inside, force=True)
     home = tmp_path / "home"
     home.mkdir()
     (home / "notes.txt").write_text("precious")
-    with pytest.raises(UsageError, match="holds no safetensors model"):
-        check_output_directory(model.path, home, force=True)
+    with pytest.raises(UsageError, match="'notes.txt'"):
+        check(home, force=True)
     with pytest.raises(WriteError, match="does not exist"):
-        check_output_directory(model.path, tmp_path / "no" / "out", force=False)
+        check(tmp_path / "no" / "out", force=False)

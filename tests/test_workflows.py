@@ -317,7 +317,7 @@ def test_convert_sharded_to_single_file_and_back(tmp_path: Path) -> None:
         assert sorted(handle.keys()) == sorted(tensors)
         assert handle.metadata() == {"format": "pt"}
     again = tmp_path / "again"
-    assert main(["convert", "-q", str(single), str(again)]) == 0
+    assert main(["convert", "-q", str(single), f"{again}/"]) == 0
     assert [p.name for p in again.iterdir()] == ["model.safetensors"]
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -144,19 +145,14 @@ def test_missing_output_directory(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_unwritable_output_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, mount_tmpfs: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Root ignores directory permissions, so the refusal is injected where it would happen."""
+    """A real read-only file system (root ignores permission bits, not a ro mount)."""
     src = make_input(tmp_path / "in.safetensors")
-    before = listing(tmp_path)
-
-    def denied(*args: object, **kwargs: object) -> tuple[int, str]:
-        raise PermissionError(errno.EACCES, "Permission denied")
-
-    monkeypatch.setattr("tempfile.mkstemp", denied)
-    assert main(["clip", "--global", "1", str(src), str(tmp_path / "o.safetensors")]) == 5
-    assert "Permission denied" in one_error_line(capsys.readouterr().err)
-    assert listing(tmp_path) == before
+    readonly = mount_tmpfs("ro", size="1m", options="ro")
+    assert main(["clip", "--global", "1", str(src), str(readonly / "o.safetensors")]) == 5
+    assert "Read-only file system" in one_error_line(capsys.readouterr().err)
+    assert listing(readonly) == []
 
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink"])
@@ -175,15 +171,23 @@ def test_out_linked_to_in_is_refused(
     assert src.read_bytes() == original
 
 
-def test_new_output_gets_umask_mode(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("in_mode", "umask", "expected"),
+    [(0o644, 0o027, 0o640), (0o600, 0o022, 0o600), (0o666, 0o002, 0o664), (0o755, 0o022, 0o644)],
+)
+def test_new_output_gets_the_inputs_mode_masked_by_the_umask(
+    tmp_path: Path, in_mode: int, umask: int, expected: int
+) -> None:
+    """cp's rule: a private checkpoint (0600) must not become a world-readable copy."""
     src = make_input(tmp_path / "in.safetensors")
-    out = tmp_path / "out.safetensors"
-    old = os.umask(0o027)
+    src.chmod(in_mode)
+    old = os.umask(umask)
     try:
-        assert main(["clip", "--global", "1", "-q", str(src), str(out)]) == 0
+        for out in ("out.safetensors", "out.npz", "out.h5"):
+            assert main(["clip", "--global", "1", "-q", str(src), str(tmp_path / out)]) == 0
+            assert stat.S_IMODE((tmp_path / out).stat().st_mode) == expected, out
     finally:
         os.umask(old)
-    assert stat.S_IMODE(out.stat().st_mode) == 0o640
 
 
 def test_force_keeps_the_old_outputs_mode(tmp_path: Path) -> None:

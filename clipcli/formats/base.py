@@ -121,6 +121,14 @@ class Reader(ABC):
             pos += piece.size
         return out.reshape(info.shape)
 
+    def source_files(self) -> list[Path]:
+        """Every file this reader takes data from (checked for changes during a clip)."""
+        return [self.path]
+
+    def side_files(self) -> list[Path]:
+        """Files that are not tensors but belong with them in an output directory."""
+        return []
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 

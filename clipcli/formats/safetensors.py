@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from clipcli.errors import InputError
+from clipcli.filecopy import copy_range
 from clipcli.formats.base import (
     Checkpoint,
     Reader,
@@ -32,7 +33,6 @@ from clipcli.formats.base import (
 )
 
 MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
-COPY_PIECE = 64 << 20  # bytes per copy_file_range call in background copies
 MAX_TENSORS = 200_000  # real checkpoints hold at most tens of thousands
 _U64 = struct.Struct("<Q")
 
@@ -312,16 +312,17 @@ class SafetensorsWriter(Writer):
         )
 
     def _copy_range(self, source_fd: int, begin: int, end: int, position: int) -> None:
-        out_fd = self._file.fileno()
-        while begin < end and not self._stop.is_set():
-            piece = min(end - begin, COPY_PIECE)  # small enough to stop soon on abort
-            sent = os.copy_file_range(source_fd, out_fd, piece, begin, position)
-            if sent == 0:
-                raise OSError("copy_file_range copied nothing")
-            if self._writeback is not None:  # out of order when copying ahead
-                self._writeback.start(position, sent)
-            begin += sent
-            position += sent
+        writeback = self._writeback  # started out of order when copying ahead
+        copy_range(
+            source_fd,
+            self._file.fileno(),
+            begin,
+            end,
+            position,
+            source_name=self.checkpoint.source.path if self.checkpoint.source else "input",
+            on_piece=writeback.start if writeback is not None else None,
+            stop=self._stop.is_set,
+        )
 
     def _settle(self, info: TensorInfo) -> bool:
         """Wait for a background copy of this tensor, if one was started; True if it was."""

@@ -29,13 +29,9 @@ Choices made here (see FORMATS.md, "Sharded Hugging Face checkpoints"):
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
-import shutil
-import stat
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.errors import InputError, UsageError, WriteError
+from clipcli.errors import InputError
+from clipcli.filecopy import copy_side_file
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.safetensors import MAX_HEADER_BYTES, SafetensorsReader, SafetensorsWriter
 
@@ -382,6 +379,13 @@ class ShardedReader(Reader):
         """Entries that `clip` does not copy: subdirectories and weights in other forms."""
         return list(self._skipped_files)
 
+    def source_files(self) -> list[Path]:
+        index = [] if self.index_path is None else [self.index_path]
+        return [*index, *(self.directory / name for name in self.shard_names), *self.side_files()]
+
+    def side_files(self) -> list[Path]:
+        return self.other_files()
+
     def _reader_of(self, info: TensorInfo) -> SafetensorsReader:
         return self._readers[self._shard_of[info.name]]
 
@@ -418,6 +422,17 @@ def _plan_shards(checkpoint: Checkpoint) -> list[_ShardPlan]:
         _ShardPlan(shard, infos, source.shard_reader(shard).metadata)
         for shard, infos in grouped.items()
     ]
+
+
+def output_names(source: Reader | None) -> frozenset[str]:
+    """Every name the writer puts into an output directory for this source."""
+    checkpoint = Checkpoint(list(source.infos) if source else [], {}, source)
+    names = {plan.name for plan in _plan_shards(checkpoint)}
+    if isinstance(source, ShardedReader) and source.index_path is not None:
+        names.add(source.index_path.name)
+    if source is not None:
+        names.update(path.name for path in source.side_files())
+    return frozenset(names)
 
 
 class ShardedWriter(Writer):
@@ -478,8 +493,8 @@ class ShardedWriter(Writer):
         if isinstance(source, ShardedReader):
             if source.index_path is not None:
                 self._write_index(source, source.index_path.name)
-            for file in source.other_files():
-                shutil.copy2(file, self.path / file.name)  # follows links: real files out
+            for file in source.side_files():
+                copy_side_file(file, self.path / file.name)  # follows links: real files out
 
     def abort(self) -> None:
         if self._current is not None:
@@ -522,143 +537,6 @@ class ShardedWriter(Writer):
         }
         text = json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
         (self.path / index_name).write_text(text, encoding="utf-8")
-
-
-# ---------------------------------------------------------------- choosing and checking OUT
-
-
-def writes_directory(out: Path, source: Reader) -> bool:
-    """Whether `clip` writes OUT as a model directory: IN is one, and OUT is not named as a
-    checkpoint file (`clip model/ merged.safetensors` joins the shards into one file)."""
-    from clipcli.io import format_from_extension  # io imports this module; avoid a cycle
-
-    return isinstance(source, ShardedReader) and format_from_extension(out) is None
-
-
-def check_output_directory(src: Path, out: Path, force: bool) -> None:
-    """Refuse OUT when replacing it would lose something: OUT is IN or holds IN, OUT exists
-    without --force, or OUT is a non-empty directory that is not a model directory (so that
-    a slip like `clip --force model/ ~` cannot wipe a home directory)."""
-    if not out.parent.is_dir():
-        raise WriteError(f"{out}: directory {out.parent} does not exist")
-    if not os.path.lexists(out) or _is_empty_directory(out):
-        return
-    if not force:
-        raise UsageError(f"{out}: already exists; pass --force to replace it")
-    if out.is_symlink() or not out.is_dir():
-        return  # only the link or file itself is replaced
-    real_out, real_src = out.resolve(), src.resolve()
-    if real_src.is_relative_to(real_out):
-        raise UsageError(f"{out}: output is or contains the input; choose another OUT")
-    if not _looks_like_model_directory(out):
-        raise UsageError(
-            f"{out}: is a directory that holds no safetensors model; refusing to replace it"
-        )
-
-
-def _is_empty_directory(path: Path) -> bool:
-    if path.is_symlink() or not path.is_dir():
-        return False
-    with os.scandir(path) as entries:
-        return next(entries, None) is None
-
-
-def _looks_like_model_directory(path: Path) -> bool:
-    return any(path.glob("*" + SHARD_SUFFIX)) or any(path.glob("*" + INDEX_SUFFIX))
-
-
-# ---------------------------------------------------------------- atomic output directory
-
-
-@contextlib.contextmanager
-def atomic_directory(out: Path, force: bool, durable: bool = True) -> Iterator[Path]:
-    """Yield a new empty directory beside OUT; on success move it into place as OUT.
-
-    OUT appears complete or not at all. An existing OUT (with force) is renamed aside,
-    the new directory renamed into place, then the old one removed; between the two
-    renames OUT is briefly absent (POSIX has no portable atomic directory swap). An empty
-    OUT directory is replaced directly, as rename(2) allows.
-
-    On any exception (Ctrl-C and SIGTERM included) the new directory is removed and OUT is
-    left as it was. OSErrors become WriteError (exit 5). durable=False skips the fsyncs.
-    """
-    # io imports this module to open model directories; import it here to avoid a cycle.
-    from clipcli.io import fsync_dir, staged_output
-
-    parent = out.parent
-    if os.path.lexists(out) and not force and not _is_empty_directory(out):
-        raise UsageError(f"{out}: already exists; pass --force to replace it")
-    mode = _new_directory_mode(out)
-    try:
-        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.", suffix=".clipcli-tmp"))
-    except OSError as exc:
-        raise WriteError(f"{out}: cannot create a directory in {parent}: {exc.strerror}") from None
-
-    def finish() -> None:
-        if durable:
-            _fsync_tree(tmp)
-        os.chmod(tmp, mode)
-        _move_into_place(tmp, out)
-        if durable:
-            fsync_dir(parent)
-
-    with staged_output(out, tmp, finish, lambda: _remove(tmp)) as path:
-        yield path
-
-
-def _new_directory_mode(out: Path) -> int:
-    """Keep a replaced directory's mode; a new one gets 0o777 & ~umask like mkdir(1).
-    (mkdtemp creates 0o700.)"""
-    if out.is_dir() and not out.is_symlink():
-        return stat.S_IMODE(out.stat().st_mode)
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o777 & ~umask
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    if not os.path.lexists(out) or _is_empty_directory(out):
-        os.rename(tmp, out)
-        return
-    aside = _placeholder_like(out)
-    os.rename(out, aside)  # replaces the placeholder, which has OUT's kind
-    try:
-        os.rename(tmp, out)
-    except OSError:
-        os.rename(aside, out)  # put the old OUT back before reporting the failure
-        raise
-    _remove(aside)
-
-
-def _placeholder_like(out: Path) -> Path:
-    """A fresh name beside OUT that rename(OUT, name) may replace: an empty directory for a
-    directory, a file for anything else (a file or a symlink, which is moved, not followed)."""
-    prefix, suffix = f".{out.name}.", ".clipcli-old"
-    if out.is_dir() and not out.is_symlink():
-        return Path(tempfile.mkdtemp(suffix=suffix, prefix=prefix, dir=out.parent))
-    fd, name = tempfile.mkstemp(suffix=suffix, prefix=prefix, dir=out.parent)
-    os.close(fd)
-    return Path(name)
-
-
-def _fsync_tree(root: Path) -> None:
-    for directory, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(directory, name), "rb") as handle:
-                os.fsync(handle.fileno())
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            path.unlink()
 
 
 # ---------------------------------------------------------------- validation

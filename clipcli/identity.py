@@ -1,0 +1,59 @@
+"""The data written must be the data measured: each input file's identity, checked.
+
+`clip` reads its input twice (measure, then write). A file truncated or rewritten in
+between, or while either pass runs, would give an output that matches neither version:
+HDF5 even reads zeros past a truncated end. So the identity of every file read (device,
+inode, size, modification and change times) is taken when the input is opened and
+compared after each pass and just before the commit; any difference is exit 3 and no
+output. ctime cannot be set back by a user, so an in-place rewrite that restores the
+mtime is caught too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from clipcli.errors import InputError
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileIdentity | None:
+        try:
+            info = os.stat(path)
+        except OSError:
+            return None
+        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+class InputGuard:
+    """Snapshots the files an input is read from; `check()` raises if any changed."""
+
+    def __init__(self, paths: Iterable[Path]) -> None:
+        self._snapshot = {path: FileIdentity.of(path) for path in paths}
+
+    def check(self, when: str) -> None:
+        for path, before in self._snapshot.items():
+            now = FileIdentity.of(path)
+            if now != before:
+                raise InputError(path, f"{_what_changed(before, now)} {when}; no output written")
+
+
+def _what_changed(before: FileIdentity | None, now: FileIdentity | None) -> str:
+    if now is None:
+        return "disappeared"
+    if before is None or (before.device, before.inode) != (now.device, now.inode):
+        return "was replaced"
+    if before.size != now.size:
+        return f"changed size ({before.size} -> {now.size} bytes)"
+    return "was modified"
