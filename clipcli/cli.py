@@ -104,6 +104,14 @@ ExcludeOpt = Annotated[
     typer.Option("--exclude", "-x", help="Skip tensors matching this glob (repeatable; wins)."),
 ]
 
+AllowLargeSideFilesOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-large-side-files",
+        help="Copy a model directory's other files even over 1 GiB each (holes stay holes).",
+    ),
+]
+
 
 def _selection(include: list[str] | None, exclude: list[str] | None) -> object:
     from clipcli.engine import Selection
@@ -322,6 +330,7 @@ def clip_command(
     fmt: Annotated[
         OutputFormat, typer.Option("--format", "-f", help="Report format.")
     ] = OutputFormat.TABLE,
+    allow_large_side_files: AllowLargeSideFilesOpt = False,
 ) -> None:
     """Write a clipped copy of IN to OUT. Choose exactly one mode: --min/--max/--value,
     --norm [--axes], --average or --global [--use-norm]. Tensors within the limit, not
@@ -353,6 +362,7 @@ def clip_command(
         force=force,
         durable=fsync,
         progress=_progress(quiet),
+        allow_large_side_files=allow_large_side_files,
     )
     if not quiet:
         _print(clip_report(result), fmt)
@@ -370,13 +380,20 @@ def convert_command(
     out: OutArg,
     force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
+    allow_large_side_files: AllowLargeSideFilesOpt = False,
 ) -> None:
     """Copy IN to OUT's format losslessly: same names, order, dtypes, shapes and values;
     metadata carried over where OUT's format can hold it. A dtype OUT cannot hold
     (bfloat16/fp8 into npz or HDF5) is refused."""
     from clipcli.engine import convert
 
-    infos = convert(src, out, force=force, progress=_progress(quiet))
+    infos = convert(
+        src,
+        out,
+        force=force,
+        progress=_progress(quiet),
+        allow_large_side_files=allow_large_side_files,
+    )
     if not quiet:
         print(f"wrote {out}: {len(infos)} tensors, {sum(i.nbytes for i in infos)} bytes")
 

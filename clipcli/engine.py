@@ -561,9 +561,10 @@ def clip(
     progress: Progress = SILENT,
     allow_large_side_files: bool = False,
 ) -> ClipResult:
-    """Plan, then (unless dry_run) write the clipped copy atomically."""
+    """Plan, then (unless dry_run) write the clipped copy atomically. Signals are deferred
+    for the whole run: acted on between chunks before the commit, moot after it."""
     target = _target(src, out, force, durable)
-    with open_reader(src) as reader:
+    with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader.infos, target)
         if dry_run:
             plans = plan_clip(reader, spec, selection, progress)
@@ -653,7 +654,7 @@ def convert(
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
     target = _target(src, out, force, durable)
-    with open_reader(src) as reader:
+    with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader.infos, target)
         plans = [TensorPlan(info, NormAccumulator(), True) for info in reader.infos]
         _write_file(

@@ -21,6 +21,7 @@ from clipcli.errors import ExitCode, Interrupted
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _pending: list[int] = []  # signals received while deferred, oldest first
+_deferring: list[bool] = []  # non-empty while a deferred() block runs
 
 
 def _record(signum: int, frame: FrameType | None) -> None:
@@ -50,13 +51,15 @@ def deferred() -> Iterator[None]:
     """Record SIGINT/SIGTERM/SIGHUP instead of acting on them, until the block ends.
 
     Outside the main thread signals cannot be caught; the block then runs unprotected."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or _deferring:
+        yield  # not catchable here, or an outer block already defers (and clears at its end)
         return
     previous = {sig: signal.signal(sig, _record) for sig in HANDLED}
+    _deferring.append(True)
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _deferring.clear()
         _pending.clear()

@@ -743,7 +743,32 @@ class Hdf5Writer(Writer):
 
     # -- data -----------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _failing_quietly(self) -> Iterator[None]:
+        """After the first failure (a full disk), point the library's file descriptor at
+        /dev/null: otherwise every later flush, in h5py's object destructors and at
+        close, fails again, prints a traceback it cannot raise, and the library ends in
+        "Slist already enabled?" and a segfault at exit. The file is discarded anyway."""
+        try:
+            yield
+        except BaseException:
+            self._silence()
+            raise
+
+    def _silence(self) -> None:
+        with contextlib.suppress(Exception):
+            fd = self.file.id.get_vfd_handle()
+            sink = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(sink, fd)
+            finally:
+                os.close(sink)
+
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        with self._failing_quietly():
+            self._write(info, chunks)
+
+    def _write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         dataset = self.file["/" + info.name]
         if dataset.shape != info.shape:
             raise ValueError(f"tensor {info.name!r} has shape {info.shape}, not {dataset.shape}")
@@ -762,6 +787,7 @@ class Hdf5Writer(Writer):
             position = end
         if position != info.numel:
             raise ValueError(f"tensor {info.name!r} got {position} of {info.numel} elements")
+        dataset.id.flush()  # a full disk shows here, not later in a destructor
         self._written.add(info.name)
 
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
@@ -776,10 +802,12 @@ class Hdf5Writer(Writer):
         copy = self.file["/" + info.name]
         with _input_errors(source.path, "cannot list stored chunks", info.name):
             offsets = _stored_chunk_offsets(original.id)
-        for offset in offsets:
-            with _input_errors(source.path, f"cannot read stored chunk {offset}", info.name):
-                filter_mask, raw = original.id.read_direct_chunk(offset)
-            copy.id.write_direct_chunk(offset, raw, filter_mask)
+        with self._failing_quietly():
+            for offset in offsets:
+                with _input_errors(source.path, f"cannot read stored chunk {offset}", info.name):
+                    filter_mask, raw = original.id.read_direct_chunk(offset)
+                copy.id.write_direct_chunk(offset, raw, filter_mask)
+            copy.id.flush()
         self._written.add(info.name)
         return True
 
@@ -788,11 +816,13 @@ class Hdf5Writer(Writer):
             missing = [i.name for i in self.checkpoint.infos if i.name not in self._written]
             if missing:
                 raise RuntimeError(f"closing with {len(missing)} tensors unwritten: {missing[:3]}")
-            self.file.flush()
+            with self._failing_quietly():
+                self.file.flush()
         finally:
             self.file.close()
 
     def abort(self) -> None:
+        self._silence()
         with contextlib.suppress(Exception):
             self.file.close()
 

@@ -1,0 +1,736 @@
+"""The promises about OUT, under real faults: a second file system, races, changed inputs,
+signals at the commit, dead runs' temps, and --force never reaching past what clipcli wrote.
+
+Inputs are built by hand or with the official libraries and outputs read back with them.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+from handmade import write_safetensors
+from safetensors.numpy import load_file
+
+from clipcli import filecopy, output
+from clipcli.cli import main
+from clipcli.formats.safetensors import SafetensorsWriter
+
+FORMATS = (".safetensors", ".npz", ".h5")
+
+
+def tensors(seed: int = 0, n: int = 4096) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "a": (rng.standard_normal(n) * 10).astype(np.float32),
+        "b": np.arange(8.0),
+        "step": np.array(7, dtype=np.int64),
+    }
+
+
+def make_input(path: Path, seed: int = 0, n: int = 4096) -> Path:
+    data = tensors(seed, n)
+    if path.suffix == ".safetensors":
+        write_safetensors(path, data)
+    elif path.suffix == ".npz":
+        np.savez(path, **data)
+    else:
+        with h5py.File(path, "w") as handle:
+            for name, array in data.items():
+                handle.create_dataset(name, data=array)
+    return path
+
+
+def read_back(path: Path) -> dict[str, np.ndarray]:
+    """With the official library of each format."""
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as archive:
+            return {k: archive[k] for k in archive.files}
+    with h5py.File(path, "r") as handle:
+        return {k: handle[k][()] for k in handle}
+
+
+def make_model(directory: Path, seed: int = 0) -> Path:
+    """A two-shard Hugging Face model directory with config and tokenizer files."""
+    directory.mkdir()
+    rng = np.random.default_rng(seed)
+    weight_map = {}
+    for number in (1, 2):
+        shard = f"model-{number:05d}-of-00002.safetensors"
+        names = [f"layers.{number}.w", f"layers.{number}.b"]
+        data = {n: rng.standard_normal(64).astype(np.float32) for n in names}
+        write_safetensors(directory / shard, data, {"format": "pt"})
+        weight_map |= dict.fromkeys(names, shard)
+    index = {"metadata": {"total_size": 4 * 64 * 4}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / "config.json").write_text('{"model_type": "llama"}')
+    (directory / "tokenizer.json").write_text('{"version": "1.0"}')
+    return directory
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("clipcli: error: ")
+    return lines[0]
+
+
+# ---------------------------------------------------------------- a second file system
+
+
+@pytest.mark.parametrize("out_ext", FORMATS)
+@pytest.mark.parametrize("limit", ["1e30", "1"])  # nothing changes (kernel copies) / all
+def test_output_on_another_file_system(
+    tmp_path: Path, mount_tmpfs: Any, out_ext: str, limit: str
+) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    other = mount_tmpfs("other")
+    out = other / f"out{out_ext}"
+    assert main(["clip", "--global", limit, "-q", str(src), str(out)]) == 0
+    written, original = read_back(out), read_back(src)
+    assert sorted(written) == sorted(original)
+    if limit == "1e30":
+        for name in original:
+            assert written[name].tobytes() == original[name].tobytes()
+        if out_ext == ".safetensors":
+            assert out.read_bytes() == src.read_bytes()
+    assert listing(other) == [out.name]
+
+
+def test_model_directory_onto_another_file_system(tmp_path: Path, mount_tmpfs: Any) -> None:
+    model = make_model(tmp_path / "model")
+    out = mount_tmpfs("other") / "clipped"
+    assert main(["clip", "--global", "1e30", "-q", str(model), str(out)]) == 0
+    written, original = snapshot(out), snapshot(model)
+    index = "model.safetensors.index.json"  # rewritten, as save_pretrained lays it out
+    assert json.loads(written.pop(index)) == json.loads(original.pop(index))
+    assert written == original
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, "short", "nothing"],
+)
+def test_every_kernel_copy_failure_falls_back_to_a_plain_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: int | str
+) -> None:
+    src = make_input(tmp_path / "in.safetensors", n=300_000)
+    calls = []
+    real = filecopy.kernel_copy
+
+    def failing(src_fd: int, out_fd: int, count: int, offset: int, position: int) -> int:
+        calls.append(count)
+        if failure == "short":  # copies a little each time: the rest must still arrive
+            return real(src_fd, out_fd, min(count, 1000), offset, position)
+        if failure == "nothing":
+            return 0
+        assert isinstance(failure, int)
+        raise OSError(failure, os.strerror(failure))
+
+    monkeypatch.setattr(filecopy, "kernel_copy", failing)
+    out = tmp_path / "out.safetensors"
+    assert main(["clip", "--global", "1e30", "-q", str(src), str(out)]) == 0
+    assert calls, "the kernel copy was not even tried"
+    assert out.read_bytes() == src.read_bytes()
+
+
+def test_unchanged_tensors_are_kernel_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path is the one taken (same bytes either way, so only a spy can tell)."""
+    src = make_input(tmp_path / "in.safetensors")
+    copied: list[int] = []
+    real = filecopy.kernel_copy
+
+    def spy(src_fd: int, out_fd: int, count: int, offset: int, position: int) -> int:
+        copied.append(count)
+        return real(src_fd, out_fd, count, offset, position)
+
+    monkeypatch.setattr(filecopy, "kernel_copy", spy)
+    out = tmp_path / "out.safetensors"
+    assert main(["clip", "--global", "1e30", "-q", str(src), str(out)]) == 0
+    assert sum(copied) == sum(a.nbytes for a in tensors().values())
+
+
+def test_full_disk_while_writing_compressed_hdf5(tmp_path: Path, mount_tmpfs: Any) -> None:
+    """A real ENOSPC inside the HDF5 library: exit 5, one line, nothing left, no crash."""
+    src = tmp_path / "in.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(src, "w") as handle:
+        for i in range(4):
+            handle.create_dataset(
+                f"t{i}",
+                data=rng.standard_normal((512, 512)).astype(np.float32),
+                chunks=(64, 64),
+                compression="gzip",
+            )
+    small = mount_tmpfs("small", size="1m")
+    proc = subprocess.run(
+        [sys.executable, "-m", "clipcli", "clip", "--global", "1", str(src), str(small / "o.h5")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 5, proc.stderr
+    assert "disk full" in one_error_line(proc.stderr)
+    assert listing(small) == []
+
+
+@pytest.mark.parametrize("out_name", ["o.safetensors", "o.npz", "clipped/"])
+def test_full_disk_for_every_output_kind(tmp_path: Path, mount_tmpfs: Any, out_name: str) -> None:
+    model = make_model(tmp_path / "model")
+    big = model / "model-00002-of-00002.safetensors"
+    rng = np.random.default_rng(1)
+    names = ["layers.2.w", "layers.2.b"]
+    write_safetensors(
+        big, {n: rng.standard_normal(200_000).astype(np.float32) for n in names}, {"format": "pt"}
+    )
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    index["metadata"]["total_size"] = 2 * 64 * 4 + 2 * 200_000 * 4
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    small = mount_tmpfs("small", size="1m")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "clipcli",
+            "clip",
+            "--global",
+            "1",
+            str(model),
+            f"{small}/{out_name}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 5, proc.stderr
+    assert "disk full" in one_error_line(proc.stderr)
+    assert listing(small) == []
+
+
+# ---------------------------------------------------------------- never over or into IN
+
+
+def test_force_never_writes_over_a_shard_or_into_the_input_directory(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "model")
+    before = snapshot(model)
+    shard = model / "model-00001-of-00002.safetensors"
+    for out, force in [
+        (shard, True),
+        (model / "clipped.safetensors", False),
+        (model / "clipped.safetensors", True),
+        (model / "sub" / "x.safetensors", True),
+        (model, True),
+        (tmp_path, True),  # contains IN
+    ]:
+        argv = ["clip", "--global", "1", str(model), str(out)] + (["--force"] if force else [])
+        assert main(argv) == 2, out
+    assert snapshot(model) == before
+    assert listing(tmp_path) == ["model"]
+
+
+def test_one_file_model_directorys_own_file_is_not_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    write_safetensors(model / "model.safetensors", tensors())
+    before = snapshot(model)
+    argv = ["clip", "--global", "1", "--force", str(model), str(model / "model.safetensors")]
+    assert main(argv) == 2
+    assert "is the input" in one_error_line(capsys.readouterr().err)
+    assert snapshot(model) == before
+
+
+def test_output_through_a_symlinked_directory_into_the_input(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "model")
+    (tmp_path / "alias").symlink_to(model)
+    before = snapshot(model)
+    argv = ["clip", "--global", "1", "--force", str(model), str(tmp_path / "alias" / "o.npz")]
+    assert main(argv) == 2
+    assert snapshot(model) == before
+
+
+def test_single_file_into_a_directory_that_contains_it(tmp_path: Path) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    assert main(["clip", "--global", "1", "--force", str(src), f"{tmp_path}/"]) == 2
+    assert listing(tmp_path) == ["in.safetensors"]
+
+
+# ---------------------------------------------------------------- --force and what is in the way
+
+
+def test_force_on_a_directory_of_other_things_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_input(tmp_path / "m.safetensors")
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "run1").mkdir(parents=True)
+    make_input(checkpoints / "old.safetensors")
+    (checkpoints / "train.log").write_text("loss 1.0\n")
+    before = snapshot(checkpoints)
+    for out in (str(checkpoints), f"{checkpoints}/"):
+        assert main(["clip", "--global", "5", str(src), out, "--force"]) == 2
+        assert str(checkpoints) in one_error_line(capsys.readouterr().err)
+    assert snapshot(checkpoints) == before
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["old.safetensors", "run1", "train.log"]
+
+
+def test_force_replaces_a_previous_output_directory(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "model")
+    out = tmp_path / "clipped"
+    assert main(["clip", "--global", "1e30", "-q", str(model), str(out)]) == 0
+    assert main(["clip", "--global", "1", "-q", str(model), str(out)]) == 2
+    assert main(["clip", "--global", "1", "-q", "--force", str(model), str(out)]) == 0
+    assert listing(tmp_path) == ["clipped", "model"]
+    (out / "notes.txt").write_text("mine")
+    assert main(["clip", "--global", "1", "-q", "--force", str(model), str(out)]) == 2
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_single_file_to_an_existing_directory_says_how(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_input(tmp_path / "m.safetensors")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "x").write_text("x")
+    assert main(["clip", "--global", "1", str(src), str(target)]) == 2
+    assert "name the file to write inside it" in one_error_line(capsys.readouterr().err)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["clip", "--global", "1", "-q", str(src), str(empty)]) == 0
+    assert listing(empty) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("out_text", ["-", "clipped"])
+def test_surprising_out_names_are_refused(
+    tmp_path: Path,
+    out_text: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src = make_input(tmp_path / "m.safetensors")
+    monkeypatch.chdir(tmp_path)
+    assert main(["clip", "--global", "1", str(src), out_text]) == 2
+    one_error_line(capsys.readouterr().err)
+    assert listing(tmp_path) == ["m.safetensors"]
+
+
+# ---------------------------------------------------------------- races for OUT
+
+
+def _appear_before_commit(monkeypatch: pytest.MonkeyPatch, make: Callable[[], None]) -> None:
+    real = output.Target._commit
+
+    def commit(self: output.Target, staged: Path) -> None:
+        make()
+        real(self, staged)
+
+    monkeypatch.setattr(output.Target, "_commit", commit)
+
+
+@pytest.mark.parametrize("appears", ["file", "directory", "empty directory"])
+@pytest.mark.parametrize("out_name", ["o.safetensors", "o.h5", "clipped/"])
+def test_what_appears_at_out_during_the_run_is_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, appears: str, out_name: str
+) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    out = tmp_path / out_name.rstrip("/")
+
+    def make() -> None:
+        if appears == "file":
+            out.write_text("someone else's")
+        else:
+            out.mkdir()
+            if appears == "directory":
+                (out / "theirs.txt").write_text("someone else's")
+
+    _appear_before_commit(monkeypatch, make)
+    assert main(["clip", "--global", "1", "-q", str(src), f"{tmp_path}/{out_name}"]) == 2
+    if appears == "file":
+        assert out.read_text() == "someone else's"
+    elif appears == "directory":
+        assert listing(out) == ["theirs.txt"]
+    assert listing(tmp_path) == sorted(["in.safetensors", out.name])
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_no_clobber_fallbacks_without_renameat2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: bool
+) -> None:
+    if fallback:
+        monkeypatch.setattr(output, "renameat2", None)
+    src = make_input(tmp_path / "in.safetensors")
+    model = make_model(tmp_path / "model")
+    for out in ("o.safetensors", "dir/"):
+        assert main(["clip", "--global", "1", "-q", str(model), str(tmp_path / out)]) == 0
+    assert main(["clip", "--global", "1", "-q", str(src), str(tmp_path / "o.safetensors")]) == 2
+    # --force swaps the directory (exchange, or two renames when that is missing)
+    assert main(["clip", "--global", "2", "-q", "--force", str(model), str(tmp_path / "dir")]) == 0
+    assert listing(tmp_path / "dir") == listing(model)
+    assert listing(tmp_path) == ["dir", "in.safetensors", "model", "o.safetensors"]
+
+
+def test_two_concurrent_runs_to_one_out(tmp_path: Path) -> None:
+    src = make_input(tmp_path / "in.safetensors", n=2_000_000)
+    out = tmp_path / "out.safetensors"
+    argv = [sys.executable, "-m", "clipcli", "clip", "--global", "1", "-q", str(src), str(out)]
+    procs = [subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert sorted(p.returncode for p in procs) == [0, 2], errors
+    assert sorted(load_file(str(out))) == ["a", "b", "step"]
+    assert listing(tmp_path) == ["in.safetensors", "out.safetensors"]
+
+
+# ---------------------------------------------------------------- the input changes
+
+
+@pytest.mark.parametrize("ext", FORMATS)
+@pytest.mark.parametrize("change", ["truncate", "rewrite"])
+@pytest.mark.parametrize("when", ["between passes", "while writing"])
+def test_input_changed_during_the_run_is_exit_3(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    ext: str,
+    change: str,
+    when: str,
+) -> None:
+    src = make_input(tmp_path / f"in{ext}")
+    larger = make_input(tmp_path / f"other{ext}", seed=5)
+    replacement = larger.read_bytes()
+    larger.unlink()
+
+    def alter() -> None:
+        if change == "truncate":
+            os.truncate(src, src.stat().st_size // 2)
+        else:  # same inode, rewritten in place
+            with open(src, "r+b") as handle:
+                handle.write(replacement)
+
+    import clipcli.engine as engine
+
+    hook = "_write_all" if when == "while writing" else "plan_clip"
+    real = getattr(engine, hook)
+    done: list[bool] = []
+
+    def altered(*args: Any, **kwargs: Any) -> Any:
+        if when == "between passes":
+            result = real(*args, **kwargs)
+            alter()
+            return result
+        if not done:
+            done.append(True)
+            alter()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, hook, altered)
+    code = main(["clip", "--global", "10", "-q", str(src), str(tmp_path / f"out{ext}")])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    one_error_line(err)
+    assert listing(tmp_path) == [src.name]
+
+
+def test_input_truncated_by_another_process_mid_clip(tmp_path: Path) -> None:
+    """A real second process truncates the HDF5 input while clip writes its output."""
+    src = tmp_path / "in.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(src, "w") as handle:
+        for i in range(12):
+            handle.create_dataset(
+                f"t{i:02d}", data=rng.standard_normal(4_000_000).astype(np.float32)
+            )
+    out = tmp_path / "out.h5"
+    env = dict(os.environ, CLIPCLI_THREADS="1")
+    argv = [
+        sys.executable,
+        "-m",
+        "clipcli",
+        "clip",
+        "--global",
+        "1",
+        "--no-fsync",
+        str(src),
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".clipcli-tmp") for p in tmp_path.iterdir()):
+        assert proc.poll() is None, "finished before the temp file was seen"
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    subprocess.run(["truncate", "-s", str(src.stat().st_size // 3), str(src)], check=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert "no output written" in one_error_line(err)
+    assert listing(tmp_path) == ["in.h5"]
+
+
+# ---------------------------------------------------------------- signals at the commit
+
+
+def _signal_self_inside(
+    monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, sig: int, times: int = 1
+) -> list[int]:
+    real = getattr(owner, name)
+    sent: list[int] = []
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if len(sent) < times:
+            sent.append(sig)
+            os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+    return sent
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_the_fsync_before_the_commit_leaves_the_old_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: int, code: int
+) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"old")
+    sent = _signal_self_inside(monkeypatch, output.Target, "_sync", sig)
+    assert main(["clip", "--global", "1", "-q", "--force", str(src), str(out)]) == code
+    assert sent and out.read_bytes() == b"old"
+    assert listing(tmp_path) == ["in.safetensors", "out.safetensors"]
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_signal_during_the_directory_swap_completes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: bool
+) -> None:
+    """After the commit point a signal changes nothing: OUT is whole and the run succeeds.
+    With RENAME_EXCHANGE missing, the signal lands between the two renames."""
+    model = make_model(tmp_path / "model")
+    out = tmp_path / "clipped"
+    assert main(["clip", "--global", "1e30", "-q", str(model), str(out)]) == 0
+    if fallback:
+        monkeypatch.setattr(output, "renameat2", None)
+        sent = _signal_self_inside(monkeypatch, os, "rename", signal.SIGTERM)
+    else:
+        sent = _signal_self_inside(monkeypatch, output, "exchange", signal.SIGTERM)
+    assert main(["clip", "--global", "1", "-q", "--force", str(model), str(out)]) == 0
+    assert sent
+    assert listing(out) == listing(model)
+    norm = np.sqrt(sum(float(np.sum(t.astype(np.float64) ** 2)) for t in _read_dir(out)))
+    assert norm <= 1.0
+    assert listing(tmp_path) == ["clipped", "model"]
+
+
+def _read_dir(directory: Path) -> list[np.ndarray]:
+    return [a for p in sorted(directory.glob("*.safetensors")) for a in load_file(str(p)).values()]
+
+
+def test_second_interrupt_during_cleanup_does_not_stop_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_model(tmp_path / "model")
+    _signal_self_inside(monkeypatch, output.DirectoryTarget, "_sync", signal.SIGINT)
+    _signal_self_inside(monkeypatch, output, "remove_tree", signal.SIGINT, times=3)
+    assert main(["clip", "--global", "1", "-q", str(model), str(tmp_path / "clipped")]) == 130
+    assert listing(tmp_path) == ["model"]
+
+
+@pytest.mark.parametrize("out_name", ["out.safetensors", "out.npz", "out.h5", "clipped/"])
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_real_signals_at_many_moments(tmp_path: Path, out_name: str, sig: int, code: int) -> None:
+    """A real signal at spread-out moments after the output was begun (measuring, writing,
+    syncing, renaming): either the run got past its commit point (exit 0, OUT whole) or it
+    exits 130/143 with one line, OUT absent and nothing left. Never a traceback, never a
+    stray or partial file."""
+    src = tmp_path / "in.safetensors"
+    rng = np.random.default_rng(2)
+    write_safetensors(
+        src, {f"t{i}": rng.standard_normal(2_000_000).astype(np.float32) for i in range(12)}
+    )
+    env = dict(os.environ, CLIPCLI_THREADS="1")
+    argv = [sys.executable, "-m", "clipcli", "clip", "--global", "1", "-q", str(src)]
+    outcomes = set()
+    path = tmp_path / out_name.rstrip("/")
+    for delay in (0.0, 0.1, 0.25, 0.5, 0.8):
+        proc = subprocess.Popen(
+            [*argv, f"{tmp_path}/{out_name}"], stderr=subprocess.PIPE, text=True, env=env
+        )
+        deadline = time.monotonic() + 60
+        while not any(p.name.endswith(".clipcli-tmp") for p in tmp_path.iterdir()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        time.sleep(delay)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+        if proc.returncode in (0, -sig):  # -sig: after clip returned, on the way out
+            assert not err.strip(), err
+            if proc.returncode == 0 or path.exists():
+                assert len(read_back(path) if path.is_file() else _read_dir(path)) == 12
+            output.remove_tree(path)
+        else:
+            assert proc.returncode == code, err
+            assert "no output written" in one_error_line(err)
+        assert "Traceback" not in err
+        outcomes.add(proc.returncode)
+        assert listing(tmp_path) == ["in.safetensors"], (delay, err)
+    assert code in outcomes  # at least one signal landed inside a run
+
+
+# ---------------------------------------------------------------- dead runs' temps
+
+
+def test_sigkill_leaves_a_named_temp_that_the_next_run_removes(tmp_path: Path) -> None:
+    src = tmp_path / "in.safetensors"
+    rng = np.random.default_rng(3)
+    write_safetensors(
+        src, {f"t{i}": rng.standard_normal(2_000_000).astype(np.float32) for i in range(8)}
+    )
+    out = tmp_path / "out.safetensors"
+    env = dict(os.environ, CLIPCLI_THREADS="1")
+    argv = [
+        sys.executable,
+        "-m",
+        "clipcli",
+        "clip",
+        "--global",
+        "1",
+        "--no-fsync",
+        str(src),
+        str(out),
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 60
+    while not (temps := [p for p in tmp_path.iterdir() if p.name.endswith(".clipcli-tmp")]):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.002)
+    proc.kill()
+    proc.wait()
+    assert temps[0].name.startswith(f".out.safetensors.{proc.pid}-")
+    assert temps[0].exists()
+    assert main(["clip", "--global", "1", "-q", "--no-fsync", str(src), str(out)]) == 0
+    assert listing(tmp_path) == ["in.safetensors", "out.safetensors"]
+
+
+def test_temps_of_live_processes_and_other_names_are_left_alone(tmp_path: Path) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    live = tmp_path / f".out.safetensors.{os.getppid()}-0123abcd.clipcli-tmp"
+    other = tmp_path / ".other.safetensors.999999999-0123abcd.clipcli-tmp"
+    lookalike = tmp_path / ".out.safetensors.notapid.clipcli-tmp"
+    for path in (live, other, lookalike):
+        path.write_text("x")
+    assert main(["clip", "--global", "1", "-q", str(src), str(tmp_path / "out.safetensors")]) == 0
+    assert all(p.exists() for p in (live, other, lookalike))
+
+
+def test_a_stranded_aside_copy_is_put_back(tmp_path: Path) -> None:
+    """A run killed between the two renames of the fallback swap left OUT absent and its
+    old copy aside: the next run to OUT restores it before doing anything else."""
+    model = make_model(tmp_path / "model")
+    aside = tmp_path / ".clipped.999999999-0123abcd.clipcli-old"
+    assert main(["clip", "--global", "1e30", "-q", str(model), str(aside)]) == 0
+    before = snapshot(aside)
+    out = tmp_path / "clipped"
+    assert main(["clip", "--global", "1", "-q", str(model), str(out)]) == 2  # it is back
+    assert snapshot(out) == before
+    assert listing(tmp_path) == ["clipped", "model"]
+
+
+# ---------------------------------------------------------------- side files
+
+
+def test_a_huge_sparse_side_file_is_refused_unless_allowed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = make_model(tmp_path / "model")
+    sparse = model / "vocab.bin.txt"
+    with open(sparse, "wb") as handle:
+        handle.write(b"head")
+        handle.seek(1 << 40)  # 1 TiB apparent, a few KiB on disk
+        handle.write(b"tail")
+    out = tmp_path / "clipped"
+    assert main(["clip", "--global", "1", "-q", str(model), str(out)]) == 2
+    assert "vocab.bin.txt" in one_error_line(capsys.readouterr().err)
+    assert listing(tmp_path) == ["model"]
+    argv = ["clip", "--global", "1", "-q", "--allow-large-side-files", str(model), str(out)]
+    assert main(argv) == 0
+    copied = out / "vocab.bin.txt"
+    assert copied.stat().st_size == sparse.stat().st_size
+    assert copied.stat().st_blocks * 512 < 1 << 20  # holes stayed holes
+    with open(copied, "rb") as handle:
+        assert handle.read(4) == b"head"
+        handle.seek(1 << 40)
+        assert handle.read() == b"tail"
+
+
+@pytest.mark.parametrize(("extra", "code"), [(0, 0), (1, 2)])
+def test_side_file_limit_is_inclusive(tmp_path: Path, extra: int, code: int) -> None:
+    import clipcli.engine as engine
+
+    model = make_model(tmp_path / "model")
+    with open(model / "big.txt", "wb") as handle:
+        handle.truncate(engine.SIDE_FILE_LIMIT + extra)
+    assert main(["clip", "--global", "1", "-q", str(model), str(tmp_path / "out")]) == code
+
+
+def test_every_file_of_a_directory_output_is_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_model(tmp_path / "model")
+    synced: set[tuple[int, int]] = set()
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        info = os.fstat(fd)
+        synced.add((info.st_dev, info.st_ino))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    out = tmp_path / "clipped"
+    assert main(["clip", "--global", "1", "-q", str(model), str(out)]) == 0
+    for path in [out, *out.iterdir()]:
+        info = path.stat()
+        assert (info.st_dev, info.st_ino) in synced, path
+    parent = tmp_path.stat()
+    assert (parent.st_dev, parent.st_ino) in synced
+
+
+def test_writer_failure_midway_leaves_nothing_for_every_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_model(tmp_path / "model")
+
+    def full(self: SafetensorsWriter, info: object, chunks: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SafetensorsWriter, "write", full)
+    for out in ("o.safetensors", "clipped/"):
+        assert main(["clip", "--global", "1", "-q", str(model), str(tmp_path / out)]) == 5
+    assert listing(tmp_path) == ["model"]
