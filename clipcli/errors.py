@@ -13,8 +13,9 @@ class ExitCode(IntEnum):
     REFUSED_DATA = 4
     WRITE_FAILED = 5
     INTERNAL = 70
-    INTERRUPTED = 130
-    TERMINATED = 143
+    HANGUP = 129  # SIGHUP
+    INTERRUPTED = 130  # SIGINT
+    TERMINATED = 143  # SIGTERM
 
 
 def printable(text: str) -> str:
