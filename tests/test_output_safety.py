@@ -734,3 +734,15 @@ def test_writer_failure_midway_leaves_nothing_for_every_target(
     for out in ("o.safetensors", "clipped/"):
         assert main(["clip", "--global", "1", "-q", str(model), str(tmp_path / out)]) == 5
     assert listing(tmp_path) == ["model"]
+
+
+def test_a_missing_input_is_exit_3_even_when_out_exists(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    existing = make_input(tmp_path / "existing.safetensors")
+    before = existing.read_bytes()
+    missing = tmp_path / "missing.safetensors"
+    for force in ([], ["--force"]):
+        assert main(["clip", "--global", "1", *force, str(missing), str(existing)]) == 3
+        assert "missing.safetensors" in one_error_line(capsys.readouterr().err)
+    assert existing.read_bytes() == before
