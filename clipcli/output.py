@@ -261,8 +261,8 @@ class Target:
             raise Refused(f"{out}: already exists; pass --force to replace it")
         if existing_dir:
             self._check_replaceable_directory(frozenset(expected_names))
-        elif not self.is_directory and out.exists():
-            self._mode = stat.S_IMODE(os.stat(out).st_mode)  # cp keeps a replaced file's mode
+        elif not self.is_directory and stat.S_ISREG(info.st_mode):
+            self._mode = stat.S_IMODE(info.st_mode)  # cp keeps a replaced file's mode
 
     def _check_replaceable_directory(self, expected: frozenset[str]) -> None:
         raise Refused(
