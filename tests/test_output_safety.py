@@ -20,6 +20,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from expect import listing, one_error_line
 from handmade import write_safetensors
 from safetensors.numpy import load_file
 
@@ -87,15 +88,21 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     }
 
 
-def listing(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("clipcli: error: ")
-    return lines[0]
+def start_clip(
+    src: Path, out: str, *flags: str, stderr: Any = subprocess.PIPE
+) -> subprocess.Popen[str]:
+    """`clipcli clip --global 1 SRC OUT` in a child process (one thread, so that it lasts),
+    returned once its temp entry beside OUT exists (or it has already ended)."""
+    argv = [sys.executable, "-m", "clipcli", "clip", "--global", "1", *flags, str(src), out]
+    env = dict(os.environ, CLIPCLI_THREADS="1")
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=env)
+    parent = Path(out.rstrip("/")).parent
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".clipcli-tmp") for p in parent.iterdir()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.001)
+    return proc
 
 
 # ---------------------------------------------------------------- a second file system
@@ -466,27 +473,8 @@ def test_input_truncated_by_another_process_mid_clip(tmp_path: Path) -> None:
             handle.create_dataset(
                 f"t{i:02d}", data=rng.standard_normal(4_000_000).astype(np.float32)
             )
-    out = tmp_path / "out.h5"
-    env = dict(os.environ, CLIPCLI_THREADS="1")
-    argv = [
-        sys.executable,
-        "-m",
-        "clipcli",
-        "clip",
-        "--global",
-        "1",
-        "--no-fsync",
-        str(src),
-        str(out),
-    ]
-    proc = subprocess.Popen(
-        argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-    )
-    deadline = time.monotonic() + 60
-    while not any(p.name.endswith(".clipcli-tmp") for p in tmp_path.iterdir()):
-        assert proc.poll() is None, "finished before the temp file was seen"
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
+    proc = start_clip(src, str(tmp_path / "out.h5"), "--no-fsync")
+    assert proc.poll() is None, "finished before the temp file was seen"
     subprocess.run(["truncate", "-s", str(src.stat().st_size // 3), str(src)], check=True)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
@@ -574,19 +562,10 @@ def test_real_signals_at_many_moments(tmp_path: Path, out_name: str, sig: int, c
     write_safetensors(
         src, {f"t{i}": rng.standard_normal(2_000_000).astype(np.float32) for i in range(12)}
     )
-    env = dict(os.environ, CLIPCLI_THREADS="1")
-    argv = [sys.executable, "-m", "clipcli", "clip", "--global", "1", "-q", str(src)]
     outcomes = set()
     path = tmp_path / out_name.rstrip("/")
     for delay in (0.0, 0.1, 0.25, 0.5, 0.8):
-        proc = subprocess.Popen(
-            [*argv, f"{tmp_path}/{out_name}"], stderr=subprocess.PIPE, text=True, env=env
-        )
-        deadline = time.monotonic() + 60
-        while not any(p.name.endswith(".clipcli-tmp") for p in tmp_path.iterdir()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.001)
+        proc = start_clip(src, f"{tmp_path}/{out_name}", "-q")
         time.sleep(delay)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
@@ -614,23 +593,9 @@ def test_sigkill_leaves_a_named_temp_that_the_next_run_removes(tmp_path: Path) -
         src, {f"t{i}": rng.standard_normal(2_000_000).astype(np.float32) for i in range(8)}
     )
     out = tmp_path / "out.safetensors"
-    env = dict(os.environ, CLIPCLI_THREADS="1")
-    argv = [
-        sys.executable,
-        "-m",
-        "clipcli",
-        "clip",
-        "--global",
-        "1",
-        "--no-fsync",
-        str(src),
-        str(out),
-    ]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 60
-    while not (temps := [p for p in tmp_path.iterdir() if p.name.endswith(".clipcli-tmp")]):
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.002)
+    proc = start_clip(src, str(out), "--no-fsync", stderr=subprocess.DEVNULL)
+    temps = [p for p in tmp_path.iterdir() if p.name.endswith(".clipcli-tmp")]
+    assert proc.poll() is None and temps, "finished before the temp file was seen"
     proc.kill()
     proc.wait()
     assert temps[0].name.startswith(f".out.safetensors.{proc.pid}-")

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from expect import listing, one_error_line
 from safetensors.numpy import load_file, save_file
 
 from clipcli.cli import main
@@ -28,17 +29,6 @@ def make_input(path: Path, elements: int = 4096, seed: int = 0) -> Path:
         str(path),
     )
     return path
-
-
-def listing(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("clipcli: error: ")
-    return lines[0]
 
 
 def test_disk_full_during_write_leaves_nothing(
