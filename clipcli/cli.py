@@ -104,6 +104,16 @@ ExcludeOpt = Annotated[
     typer.Option("--exclude", "-x", help="Skip tensors matching this glob (repeatable; wins)."),
 ]
 
+AllTensorsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--all-tensors",
+        help="Also act on training state: optimizer slots and counters (optimizer_weights/, "
+        "optimizer/, optimizer., optim_state) and BatchNorm running statistics. By default "
+        "they are listed apart, left out of the global norm and copied bit for bit.",
+    ),
+]
+
 AllowLargeSideFilesOpt = Annotated[
     bool,
     typer.Option(
@@ -113,10 +123,17 @@ AllowLargeSideFilesOpt = Annotated[
 ]
 
 
-def _selection(include: list[str] | None, exclude: list[str] | None) -> object:
+def _selection(
+    include: list[str] | None, exclude: list[str] | None, all_tensors: bool = False
+) -> object:
     from clipcli.engine import Selection
 
-    return Selection(tuple(include or ()), tuple(exclude or ()))
+    return Selection(tuple(include or ()), tuple(exclude or ()), all_tensors)
+
+
+def _notify(level: str, text: str) -> None:
+    """A warning or note from the library: one line on stderr, stdout stays the report."""
+    print(f"clipcli: {level}: {printable(text)}", file=sys.stderr)
 
 
 def _progress(quiet: bool = False) -> Any:
@@ -205,6 +222,7 @@ def norms_command(
             metavar="FILE",
         ),
     ] = None,
+    all_tensors: AllTensorsOpt = False,
 ) -> None:
     """Per-tensor L2 norm, max |x| and non-finite count, and the global norm over
     floating-point tensors. Accumulated exactly in float64."""
@@ -215,9 +233,9 @@ def norms_command(
         from clipcli.clipping import compile_group_by
 
         compile_group_by(group_by)
-    selection = _selection(include, exclude)
+    selection = _selection(include, exclude, all_tensors)
     assert isinstance(selection, Selection)
-    measurement = measure(path, selection, _progress())
+    measurement = measure(path, selection, _progress(), _notify, group_by)
     if group_by is not None:
         report = groups_report(measurement, group_by, sort)
     else:
@@ -285,6 +303,14 @@ def clip_command(
         str | None,
         typer.Option(help="With --norm: axes to take the norm over, e.g. 0 or 0,-1.", metavar="A"),
     ] = None,
+    skip_low_rank: Annotated[
+        bool,
+        typer.Option(
+            "--skip-low-rank",
+            help="With --axes: leave tensors with too few dimensions for the axes (biases, "
+            "norms) unchanged and report them as skipped, instead of refusing (exit 4).",
+        ),
+    ] = False,
     average: Annotated[
         float | None,
         typer.Option("--average", help="clip_by_average_norm: ||t|| / numel(t) <= C.", metavar="C"),
@@ -331,6 +357,7 @@ def clip_command(
         OutputFormat, typer.Option("--format", "-f", help="Report format.")
     ] = OutputFormat.TABLE,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
+    all_tensors: AllTensorsOpt = False,
 ) -> None:
     """Write a clipped copy of IN to OUT. Choose exactly one mode: --min/--max/--value,
     --norm [--axes], --average or --global [--use-norm]. Tensors within the limit, not
@@ -350,8 +377,9 @@ def clip_command(
         use_norm=use_norm,
         skip_nonfinite=skip_nonfinite,
         group_by=group_by,
+        skip_low_rank=skip_low_rank,
     )
-    selection = _selection(include, exclude)
+    selection = _selection(include, exclude, all_tensors)
     assert isinstance(selection, Selection)
     result = clip(
         src,
@@ -363,6 +391,7 @@ def clip_command(
         durable=fsync,
         progress=_progress(quiet),
         allow_large_side_files=allow_large_side_files,
+        notify=_notify,
     )
     if not quiet:
         _print(clip_report(result), fmt)
@@ -435,7 +464,7 @@ def diff_command(
 
     selection = _selection(include, exclude)
     assert isinstance(selection, Selection)
-    result = diff_checkpoints(path_a, path_b, selection, progress=_progress())
+    result = diff_checkpoints(path_a, path_b, selection, progress=_progress(), notify=_notify)
     _print(diff_report(result, changed_only), fmt)
     if fail_above is not None:
         worst = result.max_rel_change
