@@ -26,7 +26,8 @@ Exit codes:
   1    --fail-above: the global norm exceeds the threshold
   2    usage error or refused request (bad option, OUT exists, OUT is IN)
   3    input unreadable, malformed or unsafe
-  4    data refused (NaN/Inf where a norm is needed, axis out of range)
+  4    data refused (NaN/Inf where a norm is needed, axis out of range,
+       quantized weights a clip would touch)
   5    writing failed; nothing was left behind
   70   internal error (set CLIPCLI_DEBUG=1 for the traceback)
   130  interrupted (143 for SIGTERM); nothing was left behind"""
@@ -97,7 +98,12 @@ OutArg = Annotated[
 ]
 IncludeOpt = Annotated[
     list[str] | None,
-    typer.Option("--include", "-i", help="Only tensors whose name matches this glob (repeatable)."),
+    typer.Option(
+        "--include",
+        "-i",
+        help="Only tensors whose whole name matches this glob (repeatable; '*attn*' for a "
+        "substring). A selection of nothing is refused (exit 2).",
+    ),
 ]
 ExcludeOpt = Annotated[
     list[str] | None,
@@ -225,7 +231,8 @@ def norms_command(
     all_tensors: AllTensorsOpt = False,
 ) -> None:
     """Per-tensor L2 norm, max |x| and non-finite count, and the global norm over
-    floating-point tensors. Accumulated exactly in float64."""
+    floating-point model weights (optimizer state and BatchNorm statistics are listed
+    apart unless --all-tensors). Accumulated exactly in float64."""
     from clipcli.engine import Selection, measure
     from clipcli.report import groups_report, norms_report, render_chart
 
@@ -278,6 +285,8 @@ def _parse_axes(text: str | None) -> list[int] | None:
     epilog="\b\nExamples:\n"
     "  clipcli clip --global 5.0 in.safetensors out.safetensors\n"
     "  clipcli clip --norm 1.0 --axes 0 in.h5 out.h5        # per-column max-norm\n"
+    "  clipcli clip --norm 1 --axes 1 --include '*self_attn*' --skip-low-rank \\\n"
+    "      in.safetensors out.safetensors                   # rows; biases left as they are\n"
     "  clipcli clip --average 0.01 in.npz out.npz\n"
     "  clipcli clip --value 3 --include '*.weight' in.safetensors out.safetensors\n"
     "  clipcli clip --global 1 --dry-run --format json in.safetensors out.safetensors",
@@ -361,7 +370,8 @@ def clip_command(
 ) -> None:
     """Write a clipped copy of IN to OUT. Choose exactly one mode: --min/--max/--value,
     --norm [--axes], --average or --global [--use-norm]. Tensors within the limit, not
-    selected, or not floating point are copied bit-identical."""
+    selected, not floating point, or training state (optimizer slots, BatchNorm
+    statistics; unless --all-tensors) are copied bit-identical."""
     from clipcli.clipping import build_spec
     from clipcli.engine import Selection, clip
     from clipcli.report import clip_report

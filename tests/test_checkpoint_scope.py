@@ -578,3 +578,14 @@ def test_skip_low_rank_needs_axes(tmp_path: Path, run_main: Any) -> None:
 )
 def test_first_few_at_the_limit(count: int, text: str) -> None:
     assert scope.first_few([f"a{i}" for i in range(count)]) == text
+
+
+@pytest.mark.parametrize(
+    "command,options",
+    [("norms", ["--all-tensors"]), ("clip", ["--all-tensors", "--skip-low-rank"])],
+)
+def test_help_documents_the_new_options(run_main: Any, command: str, options: list[str]) -> None:
+    result = run_main(command, "--help")
+    assert result.code == 0
+    for option in options:
+        assert option in result.stdout
