@@ -239,9 +239,12 @@ def check_scope(
     keep = selection if selection is not None else _everything
     names = list(dict.fromkeys([i.name for i in a.infos] + [i.name for i in b.infos]))
     check_patterns(names, include, exclude, [n for n in names if keep(n)], notify)
+    said: list[tuple[str, str]] = []  # A and B alike (e.g. a file and its copy): once
     for reader in (a, b):
         directory = reader.directory if isinstance(reader, ShardedReader) else None
-        warn_quantized(reader.infos, directory, notify)
+        warn_quantized(reader.infos, directory, lambda *message: said.append(message))
+    for level, text in dict.fromkeys(said):
+        notify(level, text)
 
 
 def _everything(name: str) -> bool:

@@ -440,7 +440,7 @@ def test_quantized_weights_warn_on_norms_and_refuse_clip(
     (warning,) = stderr_lines(norms.stderr, "warning")
     assert "1 quantized weights" in warning and scheme in warning
     diff = run_main("diff", path, path)
-    assert diff.code == 0 and stderr_lines(diff.stderr, "warning")
+    assert diff.code == 0 and stderr_lines(diff.stderr, "warning") == [warning]
     for mode in (["--global", "1"], ["--norm", "1"], ["--average", "1"], ["--value", "1"]):
         out = tmp_path / "out.safetensors"
         clip = run_main("clip", *mode, path, out)
