@@ -200,6 +200,22 @@ def test_diff_compares_training_state(tmp_path: Path, run_main: Any) -> None:
     assert rows["model_weights/dense_1/dense_1/kernel:0"]["status"] == "changed"
 
 
+def test_nonfinite_training_state_does_not_block_a_clip(tmp_path: Path, run_main: Any) -> None:
+    """Adam moments holding NaN are not weights: no refusal, and copied as they are."""
+    path, out = tmp_path / "m.safetensors", tmp_path / "o.safetensors"
+    moments = np.array([np.nan, 1.0, np.inf], np.float32)
+    write_safetensors(
+        path, {"w": np.full(4, 2.0, np.float32), "optimizer.state.0.exp_avg": moments}
+    )
+    result = run_main("clip", "--global", "1", "-q", path, out)
+    assert result.code == 0, result.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(out), "np") as f:
+        assert f.get_tensor("optimizer.state.0.exp_avg").tobytes() == moments.tobytes()
+    assert run_main("clip", "--global", "1", "--all-tensors", path, tmp_path / "x.npz").code == 4
+
+
 # ------------------------------------------------------------------ item 3: empty selection
 
 
@@ -302,6 +318,7 @@ LAYER_CASES = {
             "bert.encoder.layer.2.attention.self.query.weight",
             "blocks.4.attn.qkv.weight",
             "layers.10.feed_forward.w1.weight",
+            "h.7.mlp.c_fc.weight",
             "model.embed_tokens.weight",
         ],
         [
@@ -310,6 +327,7 @@ LAYER_CASES = {
             "bert.encoder.layer.2",
             "blocks.4",
             "layers.10",
+            "h.7",
             "(other)",
         ],
     ),
@@ -391,6 +409,25 @@ def test_two_groups_are_not_warned(tmp_path: Path, run_main: Any) -> None:
     path = write_safetensors(tmp_path / "m.safetensors", hf_names("model.layers.", 2))
     result = run_main("norms", path, "--group-by", "layer")
     assert result.code == 0 and not stderr_lines(result.stderr, "warning")
+
+
+def test_group_by_layer_on_sentence_transformers_directory(tmp_path: Path, run_main: Any) -> None:
+    model = tmp_path / "st"
+    (model / "1_Pooling").mkdir(parents=True)
+    (model / "modules.json").write_text(json.dumps([{"path": "1_Pooling"}]))
+    (model / "1_Pooling" / "config.json").write_text("{}")
+    (model / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    tensors = {"embeddings.word_embeddings.weight": np.ones((3, 2), np.float32)}
+    for i in range(2):
+        tensors[f"encoder.layer.{i}.attention.self.query.weight"] = np.full((2, 2), i + 1.0)
+        tensors[f"encoder.layer.{i}.attention.self.query.bias"] = np.ones(2, np.float32)
+    tensors = {n: a.astype(np.float32) for n, a in tensors.items()}
+    write_safetensors(model / "model.safetensors", tensors)
+    result = run_main("norms", model, "--group-by", "layer", "--format", "json")
+    assert result.code == 0, result.stderr
+    groups = {g["group"]: g["tensors"] for g in json.loads(result.stdout)["groups"]}
+    assert groups == {"encoder.layer.0": 2, "encoder.layer.1": 2, "(other)": 1}
+    assert not result.stderr
 
 
 # ------------------------------------------------------------------ item 8: quantized
