@@ -26,7 +26,8 @@ Exit codes:
   1    --fail-above: the global norm exceeds the threshold
   2    usage error or refused request (bad option, OUT exists, OUT is IN)
   3    input unreadable, malformed or unsafe
-  4    data refused (NaN/Inf where a norm is needed, axis out of range)
+  4    data refused (NaN/Inf where a norm is needed, axis out of range,
+       quantized weights a clip would touch)
   5    writing failed; nothing was left behind
   70   internal error (set CLIPCLI_DEBUG=1 for the traceback)
   130  interrupted (143 for SIGTERM); nothing was left behind"""
@@ -97,11 +98,26 @@ OutArg = Annotated[
 ]
 IncludeOpt = Annotated[
     list[str] | None,
-    typer.Option("--include", "-i", help="Only tensors whose name matches this glob (repeatable)."),
+    typer.Option(
+        "--include",
+        "-i",
+        help="Only tensors whose whole name matches this glob (repeatable; '*attn*' for a "
+        "substring). A selection of nothing is refused (exit 2).",
+    ),
 ]
 ExcludeOpt = Annotated[
     list[str] | None,
     typer.Option("--exclude", "-x", help="Skip tensors matching this glob (repeatable; wins)."),
+]
+
+AllTensorsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--all-tensors",
+        help="Also act on training state: optimizer slots and counters (optimizer_weights/, "
+        "optimizer/, optimizer., optim_state) and BatchNorm running statistics. By default "
+        "they are listed apart, left out of the global norm and copied bit for bit.",
+    ),
 ]
 
 AllowLargeSideFilesOpt = Annotated[
@@ -113,10 +129,17 @@ AllowLargeSideFilesOpt = Annotated[
 ]
 
 
-def _selection(include: list[str] | None, exclude: list[str] | None) -> object:
+def _selection(
+    include: list[str] | None, exclude: list[str] | None, all_tensors: bool = False
+) -> object:
     from clipcli.engine import Selection
 
-    return Selection(tuple(include or ()), tuple(exclude or ()))
+    return Selection(tuple(include or ()), tuple(exclude or ()), all_tensors)
+
+
+def _notify(level: str, text: str) -> None:
+    """A warning or note from the library: one line on stderr, stdout stays the report."""
+    print(f"clipcli: {level}: {printable(text)}", file=sys.stderr)
 
 
 def _progress(quiet: bool = False) -> Any:
@@ -205,9 +228,11 @@ def norms_command(
             metavar="FILE",
         ),
     ] = None,
+    all_tensors: AllTensorsOpt = False,
 ) -> None:
     """Per-tensor L2 norm, max |x| and non-finite count, and the global norm over
-    floating-point tensors. Accumulated exactly in float64."""
+    floating-point model weights (optimizer state and BatchNorm statistics are listed
+    apart unless --all-tensors). Accumulated exactly in float64."""
     from clipcli.engine import Selection, measure
     from clipcli.report import groups_report, norms_report, render_chart
 
@@ -215,9 +240,9 @@ def norms_command(
         from clipcli.clipping import compile_group_by
 
         compile_group_by(group_by)
-    selection = _selection(include, exclude)
+    selection = _selection(include, exclude, all_tensors)
     assert isinstance(selection, Selection)
-    measurement = measure(path, selection, _progress())
+    measurement = measure(path, selection, _progress(), _notify, group_by)
     if group_by is not None:
         report = groups_report(measurement, group_by, sort)
     else:
@@ -260,6 +285,8 @@ def _parse_axes(text: str | None) -> list[int] | None:
     epilog="\b\nExamples:\n"
     "  clipcli clip --global 5.0 in.safetensors out.safetensors\n"
     "  clipcli clip --norm 1.0 --axes 0 in.h5 out.h5        # per-column max-norm\n"
+    "  clipcli clip --norm 1 --axes 1 --include '*self_attn*' --skip-low-rank \\\n"
+    "      in.safetensors out.safetensors                   # rows; biases left as they are\n"
     "  clipcli clip --average 0.01 in.npz out.npz\n"
     "  clipcli clip --value 3 --include '*.weight' in.safetensors out.safetensors\n"
     "  clipcli clip --global 1 --dry-run --format json in.safetensors out.safetensors",
@@ -285,6 +312,14 @@ def clip_command(
         str | None,
         typer.Option(help="With --norm: axes to take the norm over, e.g. 0 or 0,-1.", metavar="A"),
     ] = None,
+    skip_low_rank: Annotated[
+        bool,
+        typer.Option(
+            "--skip-low-rank",
+            help="With --axes: leave tensors with too few dimensions for the axes (biases, "
+            "norms) unchanged and report them as skipped, instead of refusing (exit 4).",
+        ),
+    ] = False,
     average: Annotated[
         float | None,
         typer.Option("--average", help="clip_by_average_norm: ||t|| / numel(t) <= C.", metavar="C"),
@@ -331,10 +366,12 @@ def clip_command(
         OutputFormat, typer.Option("--format", "-f", help="Report format.")
     ] = OutputFormat.TABLE,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
+    all_tensors: AllTensorsOpt = False,
 ) -> None:
     """Write a clipped copy of IN to OUT. Choose exactly one mode: --min/--max/--value,
     --norm [--axes], --average or --global [--use-norm]. Tensors within the limit, not
-    selected, or not floating point are copied bit-identical."""
+    selected, not floating point, or training state (optimizer slots, BatchNorm
+    statistics; unless --all-tensors) are copied bit-identical."""
     from clipcli.clipping import build_spec
     from clipcli.engine import Selection, clip
     from clipcli.report import clip_report
@@ -350,8 +387,9 @@ def clip_command(
         use_norm=use_norm,
         skip_nonfinite=skip_nonfinite,
         group_by=group_by,
+        skip_low_rank=skip_low_rank,
     )
-    selection = _selection(include, exclude)
+    selection = _selection(include, exclude, all_tensors)
     assert isinstance(selection, Selection)
     result = clip(
         src,
@@ -363,6 +401,7 @@ def clip_command(
         durable=fsync,
         progress=_progress(quiet),
         allow_large_side_files=allow_large_side_files,
+        notify=_notify,
     )
     if not quiet:
         _print(clip_report(result), fmt)
@@ -435,7 +474,7 @@ def diff_command(
 
     selection = _selection(include, exclude)
     assert isinstance(selection, Selection)
-    result = diff_checkpoints(path_a, path_b, selection, progress=_progress())
+    result = diff_checkpoints(path_a, path_b, selection, progress=_progress(), notify=_notify)
     _print(diff_report(result, changed_only), fmt)
     if fail_above is not None:
         worst = result.max_rel_change

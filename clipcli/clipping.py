@@ -39,11 +39,17 @@ _FIDELITY = 1e-6
 _REFINE_STEP = 2.0**-53
 
 
-# `--group-by layer`: HF names (model.layers.3.mlp..., transformer.h.3..., blocks.3...),
-# Keras 3 (layers/dense_1/vars/0) and legacy Keras (model_weights/dense_1/dense_1/kernel:0).
+# `--group-by layer`: one alternative per layout (FORMATS.md, "Layouts met in real
+# checkpoints"); the first that matches names the group. Anchored ones come first.
 LAYER_PRESET = (
+    # legacy Keras full model: model_weights/dense_1/dense_1/kernel:0 -> dense_1
     r"^model_weights/([^/]+)/"
-    r"|^layers/([^/]+)/"
+    # Keras 3, flat and nested: layers/dense/vars/0 -> dense,
+    # block1/layers/conv2d/vars/0 -> block1/layers/conv2d
+    r"|^(?:layers/)?((?:[^/]+/)*?[^/]+)/vars/\d+$"
+    # Keras 2 save_weights: dense_1/dense_1/kernel:0 at the root -> dense_1
+    r"|^([^/]+)/.+:\d+$"
+    # HF/PyTorch: model.layers.3.mlp..., transformer.h.3..., encoder.layer.3..., blocks.3...
     r"|^(.*?\b(?:layers|layer|blocks|block|h)[._/]\d+)(?=[._/])"
 )
 OTHER_GROUP = "(other)"
@@ -100,6 +106,7 @@ class ClipSpec:
     use_norm: float | None = None
     skip_nonfinite: bool = False
     group_by: str | None = None  # --global within each group of tensors
+    skip_low_rank: bool = False  # --axes: leave tensors of too low a rank unchanged
 
     def describe_limit(self) -> str:
         if self.mode is Mode.VALUE:
@@ -124,6 +131,7 @@ def build_spec(
     use_norm: float | None = None,
     skip_nonfinite: bool = False,
     group_by: str | None = None,
+    skip_low_rank: bool = False,
 ) -> ClipSpec:
     """Turn the CLI flags into a ClipSpec, refusing conflicts and bad values (exit 2)."""
     chosen = {
@@ -140,6 +148,8 @@ def build_spec(
         raise UsageError(f"choose one mode, got {' and '.join(modes)}")
     if axes is not None and norm is None:
         raise UsageError("--axes is valid only with --norm")
+    if skip_low_rank and axes is None:
+        raise UsageError("--skip-low-rank is valid only with --norm --axes")
     if use_norm is not None and global_ is None:
         raise UsageError("--use-norm is valid only with --global")
     if group_by is not None:
@@ -168,7 +178,13 @@ def build_spec(
             if len(set(axes)) != len(axes):
                 raise UsageError(f"--axes has a duplicate axis: {','.join(map(str, axes))}")
             checked_axes = tuple(axes)
-        return ClipSpec(Mode.NORM, limit=norm, axes=checked_axes, skip_nonfinite=skip_nonfinite)
+        return ClipSpec(
+            Mode.NORM,
+            limit=norm,
+            axes=checked_axes,
+            skip_nonfinite=skip_nonfinite,
+            skip_low_rank=skip_low_rank,
+        )
     if average is not None:
         _check_positive("--average", average)
         return ClipSpec(Mode.AVERAGE, limit=average, skip_nonfinite=skip_nonfinite)

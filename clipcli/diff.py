@@ -44,9 +44,11 @@ import numpy as np
 from clipcli.engine import SILENT, Progress
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import Reader, TensorInfo, default_chunk_elems, is_floating
+from clipcli.formats.sharded import ShardedReader
 from clipcli.io import open_reader
 from clipcli.norms import NormAccumulator, accumulate, global_norm, widen
 from clipcli.parallel import ordered_map
+from clipcli.scope import Notify, check_patterns, ignore, warn_quantized
 
 Status = Literal["same", "changed", "dtype changed", "shape changed", "only in A", "only in B"]
 
@@ -174,9 +176,11 @@ def diff_checkpoints(
     chunk_elems: int | None = None,
     progress: Progress = SILENT,
     workers: int | None = None,
+    notify: Notify = ignore,
 ) -> DiffResult:
     """Compare the checkpoints at path_a (the reference) and path_b, of any formats."""
     with open_reader(path_a) as reader_a, open_reader(path_b) as reader_b:
+        check_scope(reader_a, reader_b, selection, notify)
         return diff_readers(
             reader_a,
             reader_b,
@@ -224,6 +228,23 @@ def diff_readers(
 
     tensors = [_finish(job, run) for job, run in zip(jobs, running, strict=True)]
     return _result(a, b, jobs, tensors)
+
+
+def check_scope(
+    a: Reader, b: Reader, selection: Callable[[str], bool] | None, notify: Notify
+) -> None:
+    """Before reading data: refuse an empty selection over both files' names (exit 2), warn
+    about patterns matching nothing and about quantized weights (compared as codes)."""
+    include, exclude = getattr(selection, "include", ()), getattr(selection, "exclude", ())
+    keep = selection if selection is not None else _everything
+    names = list(dict.fromkeys([i.name for i in a.infos] + [i.name for i in b.infos]))
+    check_patterns(names, include, exclude, [n for n in names if keep(n)], notify)
+    said: list[tuple[str, str]] = []  # A and B alike (e.g. a file and its copy): once
+    for reader in (a, b):
+        directory = reader.directory if isinstance(reader, ShardedReader) else None
+        warn_quantized(reader.infos, directory, lambda *message: said.append(message))
+    for level, text in dict.fromkeys(said):
+        notify(level, text)
 
 
 def _everything(name: str) -> bool:

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from clipcli import clipping, interrupts
+from clipcli import clipping, interrupts, roles, scope
 from clipcli.clipping import ClipSpec, Mode
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, is_floating
@@ -38,11 +38,36 @@ class Selection:
 
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    all_tensors: bool = False  # --all-tensors: training state counts too (clipcli.roles)
 
     def __call__(self, name: str) -> bool:
         if self.include and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
             return False
         return not any(fnmatch.fnmatchcase(name, g) for g in self.exclude)
+
+    def left_out(self, name: str) -> roles.Role | None:
+        """The role that keeps a tensor out of norms and clipping, None if it counts."""
+        if self.all_tensors:
+            return None
+        role = roles.classify(name)
+        return None if role is roles.Role.WEIGHT else role
+
+    def check(self, infos: Sequence[TensorInfo], notify: scope.Notify) -> list[TensorInfo]:
+        """The selected tensors; an empty selection is refused (exit 2) before any data is
+        read, and patterns that match nothing are warned about."""
+        selected = [info for info in infos if self(info.name)]
+        names = [info.name for info in infos]
+        scope.check_patterns(names, self.include, self.exclude, [i.name for i in selected], notify)
+        return selected
+
+    def check_weights(self, selected: Sequence[TensorInfo], notify: scope.Notify) -> None:
+        """Training state is left out (one note line); a selection of nothing else is
+        refused (exit 2)."""
+        kept_out = scope.left_out(selected, self.all_tensors)
+        scope.check_roles(selected, kept_out)
+        note = scope.left_out_note(kept_out)
+        if note is not None:
+            notify("note", note)
 
 
 @dataclass(frozen=True)
@@ -50,6 +75,7 @@ class TensorStats:
     info: TensorInfo
     stats: NormAccumulator
     in_global: bool
+    role: roles.Role = roles.Role.WEIGHT
 
     @property
     def norm(self) -> float:
@@ -164,21 +190,40 @@ def _ignore(index: int, stats: NormAccumulator) -> None:
 
 
 def measure_reader(
-    reader: Reader, selection: Selection = Selection(), progress: Progress = SILENT
+    reader: Reader,
+    selection: Selection = Selection(),
+    progress: Progress = SILENT,
+    notify: scope.Notify = scope.ignore,
+    group_by: str | None = None,
 ) -> Measurement:
-    infos = [info for info in reader.infos if selection(info.name)]
-    rows = [
-        TensorStats(info, stats, is_floating(info.dtype))
-        for info, stats in zip(infos, measure_all(reader, infos, progress), strict=True)
-    ]
+    infos = selection.check(reader.infos, notify)
+    selection.check_weights(infos, notify)
+    scope.warn_quantized(reader.infos, model_directory(reader), notify)
+    if group_by is not None:
+        counted = [i.name for i in scope.floating(infos) if selection.left_out(i.name) is None]
+        scope.check_groups(counted, group_by, notify)
+    rows = []
+    for info, stats in zip(infos, measure_all(reader, infos, progress), strict=True):
+        role = selection.left_out(info.name)
+        counts = is_floating(info.dtype) and role is None
+        rows.append(TensorStats(info, stats, counts, role or roles.Role.WEIGHT))
     return Measurement(reader.path, reader.format_name, dict(reader.metadata), rows)
 
 
 def measure(
-    path: Path, selection: Selection = Selection(), progress: Progress = SILENT
+    path: Path,
+    selection: Selection = Selection(),
+    progress: Progress = SILENT,
+    notify: scope.Notify = scope.ignore,
+    group_by: str | None = None,
 ) -> Measurement:
     with open_reader(path) as reader:
-        return measure_reader(reader, selection, progress)
+        return measure_reader(reader, selection, progress, notify, group_by)
+
+
+def model_directory(reader: Reader) -> Path | None:
+    """The Hugging Face model directory being read, where a config.json may live."""
+    return reader.directory if isinstance(reader, ShardedReader) else None
 
 
 def list_tensors(path: Path) -> tuple[str, dict[str, str], list[TensorInfo]]:
@@ -202,10 +247,16 @@ class TensorPlan:
     axes: tuple[int, ...] = ()
     group: str | None = None
     scale_exp: int = 0  # the scale is scale * 2**scale_exp (for ratios below 1e-300)
+    role: roles.Role = roles.Role.WEIGHT  # training state is copied unchanged by default
 
     @property
     def in_global(self) -> bool:
-        return self.selected and is_floating(self.info.dtype) and self.note != "non-finite, skipped"
+        return (
+            self.selected
+            and self.role is roles.Role.WEIGHT
+            and is_floating(self.info.dtype)
+            and self.note != "non-finite, skipped"
+        )
 
 
 @dataclass(frozen=True)
@@ -279,11 +330,15 @@ def plan_clip(
         )
     ]
     for plan in plans:
+        role = selection.left_out(plan.info.name) if plan.selected else None
         if not plan.selected:
             plan.note = "not selected"
+        elif role is not None:
+            plan.role = role
+            plan.note = f"{role.description}, left unchanged"
         elif not is_floating(plan.info.dtype):
             plan.note = "not floating point"
-    targets = [p for p in plans if p.selected and is_floating(p.info.dtype)]
+    targets = [p for p in plans if p.in_global]
     _refuse_nonfinite(reader.path, targets, spec)
     targets = [p for p in targets if not p.note]
     if spec.mode is Mode.VALUE:
@@ -291,6 +346,10 @@ def plan_clip(
     elif spec.mode is Mode.NORM and spec.axes is not None:
         problems = []
         for plan in targets:
+            if spec.skip_low_rank and not scope.axes_fit(spec.axes, plan.info.shape):
+                plan.note = "skipped: too few dimensions for --axes"
+                plan.action = "skip"
+                continue
             try:
                 plan.axes = clipping.normalize_axes(spec.axes, plan.info.shape, plan.info.name)
             except DataRefusedError as exc:
@@ -326,7 +385,7 @@ def plan_clip(
     for plan in targets:
         if plan.scale is not None:
             plan.action, plan.changed = "scale", True
-        elif spec.mode is not Mode.VALUE and plan.action != "axes":
+        elif spec.mode is not Mode.VALUE and plan.action not in ("axes", "skip"):
             reason = "zero tensor" if plan.before.norm == 0 else "within limit"
             plan.note = reason + (f", group {plan.group}" if plan.group else "")
     return plans
@@ -362,6 +421,8 @@ def _unchanged_hook(
 
     def unchanged(info: TensorInfo, stats: NormAccumulator) -> bool:
         if not selection(info.name) or not is_floating(info.dtype):
+            return True
+        if selection.left_out(info.name) is not None:
             return True
         if stats.nonfinite or spec.axes is not None or spec.group_by is not None:
             return False
@@ -560,12 +621,14 @@ def clip(
     durable: bool = True,
     progress: Progress = SILENT,
     allow_large_side_files: bool = False,
+    notify: scope.Notify = scope.ignore,
 ) -> ClipResult:
     """Plan, then (unless dry_run) write the clipped copy atomically. Signals are deferred
     for the whole run: acted on between chunks before the commit, moot after it."""
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader.infos, target)
+        check_clip_scope(reader, spec, selection, notify)
         if dry_run:
             plans = plan_clip(reader, spec, selection, progress)
             _write_all(reader, None, plans, spec, progress)
@@ -589,6 +652,22 @@ def clip(
                 else global_norm(p.before.norm for p in plans if p.in_global)
             )
     return ClipResult(src, target.out, spec, dry_run, plans, used)
+
+
+def check_clip_scope(
+    reader: Reader, spec: ClipSpec, selection: Selection, notify: scope.Notify
+) -> None:
+    """Everything about what the clip acts on that names alone decide, refused before any
+    data is read: the selection, training state, quantized weights, --axes, --group-by."""
+    selected = selection.check(reader.infos, notify)
+    selection.check_weights(selected, notify)
+    targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
+    acted_on = [i for i in selected if selection.left_out(i.name) is None]
+    scope.refuse_quantized(reader.infos, acted_on, model_directory(reader))
+    if spec.mode is Mode.NORM and spec.axes is not None:
+        scope.check_axes(targets, spec.axes, spec.skip_low_rank, notify)
+    if spec.group_by is not None:
+        scope.check_groups([i.name for i in targets], spec.group_by, notify)
 
 
 def _plan_then_check(

@@ -187,6 +187,7 @@ NORM_COLUMNS = (
     Column("max_abs", "max|x|", numeric=True),
     Column("nonfinite", "nonfinite", numeric=True),
     Column("in_global", "global"),
+    Column("role", "role"),  # weight, optimizer or buffer (clipcli.roles)
 )
 
 
@@ -220,6 +221,7 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.FILE, top: int | None =
             t.stats.max_abs,
             t.stats.nonfinite,
             t.in_global,
+            t.role.value,
         )
         for t in tensors
     )

@@ -17,6 +17,8 @@ SAFETENSORS_CODES = {
     "int64": "I64",
     "int32": "I32",
     "bool": "BOOL",
+    "uint8": "U8",
+    "float8_e4m3fn": "F8_E4M3",
 }
 
 

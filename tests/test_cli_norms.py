@@ -15,8 +15,8 @@ import pytest
 
 FORMAT_NAMES = {"safetensors": "safetensors", "npz": "npz", "h5": "hdf5"}
 NORM_KEYS = {"path", "format", "global_norm", "tensors"}
-ROW_KEYS = {"name", "dtype", "shape", "numel", "norm", "max_abs", "nonfinite", "in_global"}
-CSV_HEADER = "name,dtype,shape,numel,norm,max_abs,nonfinite,in_global"
+ROW_KEYS = {"name", "dtype", "shape", "numel", "norm", "max_abs", "nonfinite", "in_global", "role"}
+CSV_HEADER = "name,dtype,shape,numel,norm,max_abs,nonfinite,in_global,role"
 
 
 def model() -> dict[str, np.ndarray]:

@@ -406,12 +406,13 @@ def test_norms_json_schema_and_options(tmp_path: Path) -> None:
         "max_abs": 2.0,
         "nonfinite": 0,
         "in_global": True,
+        "role": "weight",
     }
     assert document["tensors"][2]["in_global"] is False
     code, out, _ = cli("norms", str(src), "--sort", "norm", "--top", "1", "--format", "csv")
     assert out.splitlines() == [
-        "name,dtype,shape,numel,norm,max_abs,nonfinite,in_global",
-        "embed,float32,4x4,16,8.0,2.0,0,true",
+        "name,dtype,shape,numel,norm,max_abs,nonfinite,in_global,role",
+        "embed,float32,4x4,16,8.0,2.0,0,true,weight",
     ]
     code, out, _ = cli("norms", str(src), "--include", "h*", "--format", "json")
     assert [t["name"] for t in json.loads(out)["tensors"]] == ["head"]

@@ -371,6 +371,7 @@ def test_jsonl_streams_one_row_per_line() -> None:
         "max_abs",
         "nonfinite",
         "in_global",
+        "role",
     }
 
 

@@ -1,0 +1,70 @@
+"""Pure: what a tensor is for, from its name alone. Model weights versus training state.
+
+TensorFlow's clip_by_global_norm is applied to the gradients of trainable weights, never to
+an optimizer's slots or to statistics a layer keeps for itself. A checkpoint often carries
+both: Keras' legacy full model holds `optimizer_weights/.../iterations:0`, a float32 step
+counter that can dominate the global norm. So by default norms, the global norm and every
+clip mode act on model weights only; the rest is listed apart and copied bit for bit.
+
+The rules (documented in the README, "Model weights and training state"):
+- optimizer state: the first name component (split at '/' or '.') is one of
+  OPTIMIZER_ROOTS (Keras `optimizer_weights/`, TF/Keras 3 `optimizer/`, PyTorch-style
+  `optimizer.` / `optim_state` / `optimizer_state` dictionaries saved beside the model);
+- non-trainable buffer: the last name component, without a Keras `:0` suffix, is one of
+  BUFFER_NAMES (BatchNorm's running statistics in Keras and PyTorch).
+Keras 3 `.weights.h5` files number their variables (`vars/0`, `vars/1`) instead of naming
+them, so their BatchNorm statistics cannot be told from weights by name.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+OPTIMIZER_ROOTS = frozenset(
+    {
+        "optimizer_weights",
+        "optimizer",
+        "optim_state",
+        "optim_state_dict",
+        "optimizer_state",
+        "optimizer_state_dict",
+    }
+)
+BUFFER_NAMES = frozenset(
+    {"moving_mean", "moving_variance", "running_mean", "running_var", "num_batches_tracked"}
+)
+
+_SEPARATORS = re.compile(r"[/.]")
+_KERAS_SUFFIX = re.compile(r":\d+$")
+
+
+class Role(str, Enum):
+    """What a tensor is for; only WEIGHT is measured and clipped by default."""
+
+    WEIGHT = "weight"
+    OPTIMIZER = "optimizer"
+    BUFFER = "buffer"
+
+    @property
+    def description(self) -> str:
+        return _DESCRIPTIONS[self]
+
+
+_DESCRIPTIONS = {
+    Role.WEIGHT: "model weight",
+    Role.OPTIMIZER: "optimizer state",
+    Role.BUFFER: "non-trainable buffer",
+}
+
+
+def classify(name: str) -> Role:
+    """The role of the tensor called `name` (HDF5 path or dotted safetensors/npz name)."""
+    parts = [part for part in _SEPARATORS.split(name) if part]
+    if not parts:
+        return Role.WEIGHT
+    if parts[0] in OPTIMIZER_ROOTS:
+        return Role.OPTIMIZER
+    if _KERAS_SUFFIX.sub("", parts[-1]) in BUFFER_NAMES:
+        return Role.BUFFER
+    return Role.WEIGHT

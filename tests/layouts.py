@@ -1,0 +1,137 @@
+"""Fixtures reproducing real checkpoint layouts (FORMATS.md, "Layouts met in real
+checkpoints"), written with h5py and by hand, independent of clipcli's writers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from handmade import write_safetensors
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def legacy_keras_full_model(path: Path) -> dict[str, np.ndarray]:
+    """Keras 2 `model.save('m.h5')`: model_weights/ with layer_names and weight_names,
+    optimizer_weights/ with Adam's moments and a float32 step counter, root attributes
+    model_config/training_config. Returns every dataset by name."""
+    import h5py
+
+    rng = _rng(1)
+    weights = {
+        "model_weights/dense_1/dense_1/kernel:0": rng.normal(size=(8, 16)).astype(np.float32),
+        "model_weights/dense_1/dense_1/bias:0": rng.normal(size=16).astype(np.float32),
+        "model_weights/batch_normalization_1/batch_normalization_1/gamma:0": np.ones(
+            16, np.float32
+        ),
+        "model_weights/batch_normalization_1/batch_normalization_1/beta:0": np.zeros(
+            16, np.float32
+        ),
+        "model_weights/batch_normalization_1/batch_normalization_1/moving_mean:0": (
+            rng.normal(size=16).astype(np.float32) * 50
+        ),
+        "model_weights/batch_normalization_1/batch_normalization_1/moving_variance:0": (
+            rng.uniform(1, 90, size=16).astype(np.float32)
+        ),
+        "model_weights/dense_2/dense_2/kernel:0": rng.normal(size=(16, 4)).astype(np.float32),
+        "model_weights/dense_2/dense_2/bias:0": rng.normal(size=4).astype(np.float32),
+    }
+    optimizer = {
+        "optimizer_weights/Adam/iterations:0": np.array(92494.0, np.float32),
+        "optimizer_weights/training/Adam/dense_1/kernel/m:0": rng.normal(size=(8, 16)).astype(
+            np.float32
+        ),
+        "optimizer_weights/training/Adam/dense_1/kernel/v:0": rng.uniform(size=(8, 16)).astype(
+            np.float32
+        ),
+    }
+    with h5py.File(path, "w") as f:
+        f.attrs["keras_version"] = b"2.0.8"
+        f.attrs["backend"] = b"tensorflow"
+        f.attrs["model_config"] = json.dumps({"class_name": "Sequential", "config": []}).encode()
+        f.attrs["training_config"] = json.dumps({"optimizer_config": {"class_name": "Adam"}})
+        mw = f.create_group("model_weights")
+        layers = ["dense_1", "batch_normalization_1", "dense_2"]
+        mw.attrs["layer_names"] = np.array([n.encode() for n in layers], dtype="S21")
+        for name, array in weights.items():
+            f.create_dataset(name, data=array)
+        for layer in layers:
+            names = [n.split("/", 2)[2] for n in weights if n.split("/")[1] == layer]
+            mw[layer].attrs["weight_names"] = np.array([n.encode() for n in names])
+        ow = f.create_group("optimizer_weights")
+        ow.attrs["weight_names"] = np.array([n.split("/", 1)[1].encode() for n in optimizer])
+        for name, array in optimizer.items():
+            f.create_dataset(name, data=array)
+    return {**weights, **optimizer}
+
+
+def keras2_save_weights(path: Path) -> dict[str, np.ndarray]:
+    """Keras 2 `save_weights('w.h5')`: the layer groups at the root, layer_names a root
+    attribute."""
+    import h5py
+
+    rng = _rng(2)
+    tensors = {
+        "dense_1/dense_1/kernel:0": rng.normal(size=(6, 8)).astype(np.float32) * 3,
+        "dense_1/dense_1/bias:0": rng.normal(size=8).astype(np.float32),
+        "dense_2/dense_2/kernel:0": rng.normal(size=(8, 2)).astype(np.float32),
+        "dense_2/dense_2/bias:0": rng.normal(size=2).astype(np.float32),
+    }
+    with h5py.File(path, "w") as f:
+        f.attrs["layer_names"] = np.array([b"dense_1", b"dense_2"], dtype="S7")
+        f.attrs["backend"] = b"tensorflow"
+        for name, array in tensors.items():
+            f.create_dataset(name, data=array)
+    return tensors
+
+
+def keras3_nested_weights(path: Path) -> dict[str, np.ndarray]:
+    """Keras 3 `.weights.h5`: numbered variables, flat (layers/dense/vars/0) and nested
+    (block1/layers/conv2d/vars/0), and the optimizer's variables under optimizer/vars/."""
+    import h5py
+
+    rng = _rng(3)
+    tensors = {
+        "block1/layers/conv2d/vars/0": rng.normal(size=(3, 3, 1, 4)).astype(np.float32),
+        "block1/layers/conv2d/vars/1": rng.normal(size=4).astype(np.float32),
+        "layers/dense/vars/0": rng.normal(size=(4, 3)).astype(np.float32) * 2,
+        "layers/dense/vars/1": rng.normal(size=3).astype(np.float32),
+        "optimizer/vars/0": np.array(1000.0, np.float32),
+        "optimizer/vars/1": rng.normal(size=(4, 3)).astype(np.float32),
+    }
+    with h5py.File(path, "w") as f:
+        for name, array in tensors.items():
+            f.create_dataset(name, data=array)
+        f["layers"].attrs["class_name"] = "Functional"
+        f["block1"].attrs["class_name"] = "Sequential"
+    return tensors
+
+
+def hf_names(prefix: str, layers: int = 3) -> dict[str, np.ndarray]:
+    """A Hugging Face/PyTorch-style state dict whose layers are `{prefix}N`."""
+    rng = _rng(4)
+    tensors = {"embed.weight": rng.normal(size=(5, 4)).astype(np.float32)}
+    for i in range(layers):
+        tensors[f"{prefix}{i}.attn.weight"] = rng.normal(size=(4, 4)).astype(np.float32)
+        tensors[f"{prefix}{i}.attn.bias"] = rng.normal(size=4).astype(np.float32)
+    return tensors
+
+
+def block_fp8_shard(path: Path) -> dict[str, np.ndarray]:
+    """A DeepSeek-V3-style block-scaled fp8 shard: X.weight F8_E4M3 [out, in] with
+    X.weight_scale_inv F32 [ceil(out/128), ceil(in/128)], beside bf16-free plain weights."""
+    import ml_dtypes
+
+    rng = _rng(5)
+    codes = rng.uniform(-448, 448, size=(130, 64)).astype(ml_dtypes.float8_e4m3fn)
+    tensors = {
+        "model.layers.0.mlp.down_proj.weight": codes,
+        "model.layers.0.mlp.down_proj.weight_scale_inv": np.array([[0.01], [0.02]], np.float32),
+        "model.layers.0.input_layernorm.weight": np.ones(64, np.float32),
+        "model.norm.weight": np.ones(64, np.float32),
+    }
+    write_safetensors(path, tensors)
+    return tensors
