@@ -510,18 +510,35 @@ def _counted(chunks: Iterable[np.ndarray], progress: Progress) -> Iterator[np.nd
         yield chunk
 
 
-def check_writable(infos: Sequence[TensorInfo], out: Path, to_directory: bool) -> type[Writer]:
+def check_writable(reader: Reader, out: Path, to_directory: bool) -> type[Writer]:
+    """The writer for OUT, once every limit of its format that is known before writing
+    holds (names, dtypes, names together, metadata): a refusal is exit 2 naming the tensor
+    or key, before anything is created."""
     if to_directory:
         from clipcli.formats.sharded import ShardedWriter
 
         cls: type[Writer] = ShardedWriter
     else:
         cls = writer_class(out)
-    for info in infos:
+    for info in reader.infos:
         reason = cls.check_name(info.name) or cls.check_dtype(info)
         if reason is not None:
             raise UsageError(f"{out}: tensor {info.name!r}: {reason}")
+    reason = cls.check_names([info.name for info in reader.infos]) or cls.check_metadata(
+        _output_metadata(reader, to_directory), reader
+    )
+    if reason is not None:
+        raise UsageError(f"{out}: {reason}")
     return cls
+
+
+def _output_metadata(reader: Reader, to_directory: bool) -> dict[str, str]:
+    from clipcli.formats.sharded import ShardedReader
+
+    # Shards joined into one file keep the shards' own __metadata__, not the index's.
+    if not to_directory and isinstance(reader, ShardedReader):
+        return reader.common_shard_metadata()
+    return dict(reader.metadata)
 
 
 def _writes_directory(src: Path, out: Path) -> bool:
@@ -554,7 +571,7 @@ def clip(
     if not dry_run:
         _check_output(src, out, force, to_directory)
     with open_reader(src) as reader:
-        writer_cls = check_writable(reader.infos, out, to_directory)
+        writer_cls = check_writable(reader, out, to_directory)
         if dry_run:
             plans = plan_clip(reader, spec, selection, progress)
             _write_all(reader, None, plans, spec, progress)
@@ -593,18 +610,13 @@ def _write_file(
 ) -> list[TensorPlan]:
     """Write OUT atomically. The plans are made once the writer exists, so that it can
     start copying unchanged tensors early; a refusal while planning leaves nothing behind."""
-    from clipcli.formats.sharded import ShardedReader, ShardedWriter, atomic_directory
+    from clipcli.formats.sharded import ShardedWriter, atomic_directory
 
+    metadata = _output_metadata(reader, writer_cls is ShardedWriter)
     if writer_cls is ShardedWriter:
         target = atomic_directory(out, force, durable)
-        metadata = dict(reader.metadata)
     else:
         target = atomic_output(out, durable)
-        # Shards joined into one file keep the shards' own __metadata__, not the index's.
-        if isinstance(reader, ShardedReader):
-            metadata = reader.common_shard_metadata()
-        else:
-            metadata = dict(reader.metadata)
     with target as tmp:
         writer = writer_cls(tmp, Checkpoint(list(reader.infos), metadata, reader), durable)
         try:
@@ -629,7 +641,7 @@ def convert(
     to_directory = _writes_directory(src, out)
     _check_output(src, out, force, to_directory)
     with open_reader(src) as reader:
-        writer_cls = check_writable(reader.infos, out, to_directory)
+        writer_cls = check_writable(reader, out, to_directory)
         plans = [TensorPlan(info, NormAccumulator(), True) for info in reader.infos]
         _write_file(reader, writer_cls, out, lambda _: plans, None, durable, force, progress)
         return list(reader.infos)
