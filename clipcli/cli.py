@@ -128,6 +128,17 @@ def _progress(quiet: bool = False) -> Any:
     return TerminalProgress()
 
 
+def _emit(write: Callable[[], None]) -> None:
+    """Write the report; if the reader closes the pipe, stop writing but finish the command:
+    a --fail-above verdict still decides the exit code (`norms --fail-above 5 m | head -1`
+    in a pipefail script must still say 1 when the norm is over)."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _reader_went_away()
+
+
 def _print(report: object, fmt: OutputFormat) -> None:
     from clipcli.report import Report, render
 
@@ -228,9 +239,9 @@ def norms_command(
     labels = [str(r[report.columns[0].key]) for r in records]
     values = [float(r["norm"]) for r in records]  # type: ignore[arg-type]
     if chart:
-        render_chart(report.title, labels, values, limit, sys.stdout)
+        _emit(lambda: render_chart(report.title, labels, values, limit, sys.stdout))
     else:
-        _print(report, fmt)
+        _emit(lambda: _print(report, fmt))
     if plot is not None:
         from clipcli.plot import plot_profile
 
@@ -427,7 +438,7 @@ def diff_command(
     selection = _selection(include, exclude)
     assert isinstance(selection, Selection)
     result = diff_checkpoints(path_a, path_b, selection, progress=_progress())
-    _print(diff_report(result, changed_only), fmt)
+    _emit(lambda: _print(diff_report(result, changed_only), fmt))
     if fail_above is not None:
         worst = result.max_rel_change
         if result.n_structural or (worst is not None and not worst <= fail_above):
@@ -440,7 +451,12 @@ def diff_command(
             raise typer.Exit(ExitCode.CONDITION)
 
 
+_failure_reported = False  # main() must not print a second line for the same failure
+
+
 def _fail(message: str, code: int) -> int:
+    global _failure_reported
+    _failure_reported = True
     try:
         print(f"clipcli: error: {printable(message)}", file=sys.stderr, flush=True)
     except OSError:  # stderr is gone too; the exit code still tells
@@ -498,6 +514,8 @@ def _keep_chunk_buffers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Every failure is one stderr line."""
+    global _failure_reported
+    _failure_reported = False
     try:
         _restore_signal_defaults()
         for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -530,4 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         return _reader_went_away()
     except Exception as exc:  # noqa: BLE001 - last line of defence: one line, exit 70
         return _internal_error(exc)
+    if result == ExitCode.INTERRUPTED and not _failure_reported:
+        # Click turns a Ctrl-C outside our commands (while parsing) into a silent 130.
+        return _fail("interrupted", ExitCode.INTERRUPTED)
     return int(result) if isinstance(result, int) else ExitCode.OK

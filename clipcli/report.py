@@ -111,10 +111,11 @@ CSV_FORMULA_STARTS = frozenset("=+-@\t\r\uff1d\uff0b\uff0d\uff20")
 def csv_text(text: str) -> str:
     """A text cell for CSV: control and format characters escaped (printable), and a cell
     that a spreadsheet would run as a formula prefixed with a quote."""
-    text = printable(text)
+    # The raw first character decides: a leading tab or CR is escaped to '\t'/'\r' text
+    # anyway, but the quote then also tells a reader that the cell was altered.
     if text and text[0] in CSV_FORMULA_STARTS:
-        return "'" + text
-    return text
+        return "'" + printable(text)
+    return printable(text)
 
 
 def _csv_value(value: Value) -> str:
@@ -187,7 +188,7 @@ def _render_table(report: Report, stream: TextIO, width: int | None) -> None:
         return
     from rich.table import Table
 
-    table = Table(title=text_cell(report.title), title_justify="left")
+    table = Table()
     for column in report.columns:
         table.add_column(
             column.title,
@@ -197,6 +198,9 @@ def _render_table(report: Report, stream: TextIO, width: int | None) -> None:
         )
     for row in report.rows:
         table.add_row(*(text_cell(_cell(v)) for v in row))
+    # The title is a plain line, not the table's title: rich would wrap a long path to
+    # the table's width, and a path is something people grep for.
+    stream.write(printable(report.title) + "\n")
     console = _stdout_console(stream, width)
     console.print(table)
     console.file.flush()  # what rich wrote goes out before the footer, which bypasses it
@@ -385,7 +389,7 @@ def render_chart(
     finite = [n for n in norms if math.isfinite(n)]
     top = max(finite + ([limit] if limit is not None else []), default=0.0)
     mark = round(limit / top * BAR_WIDTH) if limit is not None and top > 0 else None
-    table = Table(title=text_cell(title), title_justify="left", box=None, show_header=False)
+    table = Table(box=None, show_header=False)
     table.add_column("name", overflow="fold")
     table.add_column("bar", no_wrap=True)
     table.add_column("norm", justify="right", no_wrap=True)
@@ -400,6 +404,7 @@ def render_chart(
             position = min(mark, BAR_WIDTH - 1)
             bar = bar[:position] + Text("│", style="bold yellow") + bar[position + 1 :]
         table.add_row(text_cell(label), bar, f"{norm:.6g}")
+    stream.write(printable(title) + "\n")  # a plain line, as for tables: never wrapped
     console = _stdout_console(stream, width)
     console.print(table)
     if limit is not None:
