@@ -638,3 +638,17 @@ def test_closed_pipe_keeps_the_fail_above_verdict(big):
     assert stderr.startswith("clipcli: global norm") and stderr.count("\n") == 1
     code, stderr = _pipeline(["norms", str(big), "--fail-above", "1e9"], "head -1")
     assert (code, stderr) == (0, "")
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_plot_labels_are_not_mathtext(tmp_path, write_checkpoint, run_main, suffix):
+    """'$...$' in a name was parsed as mathtext: savefig raised, exit 70."""
+    pytest.importorskip("matplotlib")
+    names = ["$\\frac{a}{$", "a$b", "^{", "[/x]\x1b[2J", "\u202e"]
+    src = write_checkpoint(tmp_path / "m.safetensors", {n: np.ones(2) for n in names})
+    out = tmp_path / f"p{suffix}"
+    result = run_main("norms", src, "--plot", out, "--group-by", "(?s)(.*)")
+    assert (result.code, result.stderr) == (0, "")
+    assert out.stat().st_size > 0
+    if suffix == ".svg":
+        assert "\x1b" not in out.read_text()
