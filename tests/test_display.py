@@ -672,3 +672,35 @@ def test_plot_labels_are_not_mathtext(tmp_path, write_checkpoint, run_main, suff
     assert out.stat().st_size > 0
     if suffix == ".svg":
         assert "\x1b" not in out.read_text()
+
+
+def test_big_chart_is_plain_text_with_the_same_bars(tmp_path, write_checkpoint, run_main):
+    """Above PLAIN_TABLE_ROWS bars the chart is written as plain text (rich took ~7 s for
+    20,000): every bar still there, scaled to the largest norm, the limit mark in place,
+    names escaped."""
+    from clipcli.report import BAR_WIDTH, PLAIN_TABLE_ROWS
+
+    n = PLAIN_TABLE_ROWS + 1
+    tensors = {f"t{i:05d}": np.full(1, float(i)) for i in range(n)}
+    tensors["z[/x]\x1b"] = np.full(1, float(n))  # sorts last, as safetensors stores names
+    src = write_checkpoint(tmp_path / "m.safetensors", tensors)
+    result = run_main("norms", src, "--chart", "--limit", str(n / 2))
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    bars = [line for line in lines[1:] if line.startswith(" ")]
+    assert len(bars) == n + 1
+    mark = round((n / 2) / n * BAR_WIDTH)
+    name_width = len("z[/x]\\x1b")  # the longest name, escaped
+    for i, line in enumerate(bars[:-1]):
+        name = line[1 : 1 + name_width].strip()
+        bar = line[3 + name_width : 3 + name_width + BAR_WIDTH]
+        norm = line.split()[-1]
+        assert name == f"t{i:05d}"
+        assert float(norm) == pytest.approx(i, rel=1e-5)
+        assert bar[mark] == "│"
+        assert bar.replace("│", "█" if round(i / n * BAR_WIDTH) > mark else " ").count(
+            "█"
+        ) == round(i / n * BAR_WIDTH)
+    assert bars[-1].startswith(" z[/x]\\x1b ")
+    over = sum(1 for v in range(n + 1) if v > n / 2)
+    assert lines[-1] == f"limit {n / 2:g} (│): {over} of {n + 1} over"
