@@ -19,10 +19,11 @@ import os
 import sys
 
 INTERRUPTED_LINE = b"clipcli: error: interrupted\n"
+TERMINATED_LINE = b"clipcli: error: terminated by SIGTERM\n"
 
 
 def _exit_during_start_up(signum: int, frame: object) -> None:
-    os.write(2, INTERRUPTED_LINE)
+    os.write(2, TERMINATED_LINE if signum == _signal.SIGTERM else INTERRUPTED_LINE)
     os._exit(128 + signum)
 
 

@@ -467,6 +467,27 @@ def test_sigint_during_start_up_is_one_line_and_130(tmp_path, write_checkpoint, 
     assert codes.count(130) >= len(codes) // 2, codes  # most land in clipcli's start-up
 
 
+def test_sigterm_during_start_up_is_one_line_and_143(tmp_path, write_checkpoint):
+    src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
+    codes = []
+    for delay_ms in (40, 60, 80, 100):
+        child = subprocess.Popen(
+            [sys.executable, "-m", "clipcli", "norms", str(src)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(delay_ms / 1000)
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=60)
+        codes.append(child.returncode)
+        if child.returncode == 143:
+            assert err == "clipcli: error: terminated by SIGTERM\n"
+        else:  # before the guard: the interpreter's default, dying of the signal silently
+            assert (child.returncode, out, err) == (-signal.SIGTERM, "", ""), err
+    assert 143 in codes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["module", "script"])
 def test_sigint_during_start_up_every_millisecond(tmp_path, write_checkpoint, how):
