@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -60,13 +62,18 @@ def _reports_errors(command: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
             command(*args, **kwargs)
+            sys.stdout.flush()  # a closed pipe must show here, not at interpreter exit
+        except BrokenPipeError:
+            # The reader of our stdout went away (`| head -1`): not an error, as for any
+            # Unix tool. Caught here because Click would turn it into exit 1.
+            raise typer.Exit(_reader_went_away()) from None
         except ClipcliError as exc:
             raise typer.Exit(_fail(str(exc), exc.exit_code)) from None
         except KeyboardInterrupt:
             # Outside a write (measuring, reporting) there is nothing to clean up; Typer
             # would turn this into a silent exit 130, so say it.
             raise typer.Exit(_fail("interrupted", ExitCode.INTERRUPTED)) from None
-        except (typer.Exit, typer.Abort, BrokenPipeError):
+        except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:  # noqa: BLE001 - last line of defence: one line, exit 70
             raise typer.Exit(_internal_error(exc)) from None
@@ -150,6 +157,17 @@ def _progress(quiet: bool = False) -> Any:
     if quiet or not sys.stderr.isatty():
         return SILENT
     return TerminalProgress()
+
+
+def _emit(write: Callable[[], None]) -> None:
+    """Write the report; if the reader closes the pipe, stop writing but finish the command:
+    a --fail-above verdict still decides the exit code (`norms --fail-above 5 m | head -1`
+    in a pipefail script must still say 1 when the norm is over)."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _reader_went_away()
 
 
 def _print(report: object, fmt: OutputFormat) -> None:
@@ -254,9 +272,9 @@ def norms_command(
     labels = [str(r[report.columns[0].key]) for r in records]
     values = [float(r["norm"]) for r in records]  # type: ignore[arg-type]
     if chart:
-        render_chart(report.title, labels, values, limit, sys.stdout)
+        _emit(lambda: render_chart(report.title, labels, values, limit, sys.stdout))
     else:
-        _print(report, fmt)
+        _emit(lambda: _print(report, fmt))
     if plot is not None:
         from clipcli.plot import plot_profile
 
@@ -434,7 +452,8 @@ def convert_command(
         allow_large_side_files=allow_large_side_files,
     )
     if not quiet:
-        print(f"wrote {out}: {len(infos)} tensors, {sum(i.nbytes for i in infos)} bytes")
+        total = sum(i.nbytes for i in infos)
+        print(f"wrote {printable(str(out))}: {len(infos)} tensors, {total} bytes")
 
 
 @app.command(
@@ -475,7 +494,7 @@ def diff_command(
     selection = _selection(include, exclude)
     assert isinstance(selection, Selection)
     result = diff_checkpoints(path_a, path_b, selection, progress=_progress(), notify=_notify)
-    _print(diff_report(result, changed_only), fmt)
+    _emit(lambda: _print(diff_report(result, changed_only), fmt))
     if fail_above is not None:
         worst = result.max_rel_change
         if result.n_structural or (worst is not None and not worst <= fail_above):
@@ -488,9 +507,37 @@ def diff_command(
             raise typer.Exit(ExitCode.CONDITION)
 
 
+_failure_reported = False  # main() must not print a second line for the same failure
+
+
 def _fail(message: str, code: int) -> int:
-    print(f"clipcli: error: {printable(message)}", file=sys.stderr)
+    global _failure_reported
+    _failure_reported = True
+    try:
+        print(f"clipcli: error: {printable(message)}", file=sys.stderr, flush=True)
+    except OSError:  # stderr is gone too; the exit code still tells
+        pass
     return code
+
+
+def _reader_went_away() -> int:
+    """stdout's reader closed the pipe: exit 0, quietly. stdout is pointed at /dev/null so
+    that the interpreter's final flush of what is still buffered cannot fail and print."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (tests capture it): nothing to flush
+        pass
+    return ExitCode.OK
+
+
+def _restore_signal_defaults() -> None:
+    """Undo the start-up guard of `python -m clipcli` (__main__.py): from here on Ctrl-C is
+    a KeyboardInterrupt that the boundaries below turn into one line and exit 130."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _internal_error(exc: BaseException) -> int:
@@ -523,27 +570,41 @@ def _keep_chunk_buffers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Every failure is one stderr line."""
-    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        # We thread over chunks ourselves; BLAS threads on top of that only spin and contend.
-        os.environ.setdefault(variable, "1")
-    _keep_chunk_buffers()
-    args = sys.argv[1:] if argv is None else list(argv)
-    if not args:
-        args = ["--help"]
+    global _failure_reported
+    _failure_reported = False
     try:
+        _restore_signal_defaults()
+        for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            # We thread over chunks ourselves; BLAS threads on top only spin and contend.
+            os.environ.setdefault(variable, "1")
+        _keep_chunk_buffers()
+        args = sys.argv[1:] if argv is None else list(argv)
+        if not args:
+            args = ["--help"]
         result = app(args=args, prog_name="clipcli", standalone_mode=False)
+        sys.stdout.flush()
     except ClipcliError as exc:
         return _fail(str(exc), exc.exit_code)
     except typer.Exit as exc:
+        if isinstance(exc.__cause__, KeyboardInterrupt):  # Click's silent exit 130
+            return _fail("interrupted", ExitCode.INTERRUPTED)
         return int(exc.exit_code)
+    except SystemExit:
+        # Click's answer to a closed pipe while it prints (`clipcli --help | head -1`) is
+        # exit 1, after wrapping stdout in PacifyFlushWrapper; that is not a failure.
+        # (typer vendors click, so the class is recognised by name.)
+        if type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            return _reader_went_away()
+        raise
     except typer.TyperException as exc:  # usage errors from option parsing
         return _fail(exc.format_message().replace("\n", " "), ExitCode.USAGE)
     except (typer.Abort, KeyboardInterrupt):
         return _fail("interrupted", ExitCode.INTERRUPTED)
     except BrokenPipeError:
-        # The reader of our stdout went away (e.g. `| head`); that is not an error.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return ExitCode.OK
+        return _reader_went_away()
     except Exception as exc:  # noqa: BLE001 - last line of defence: one line, exit 70
         return _internal_error(exc)
+    if result == ExitCode.INTERRUPTED and not _failure_reported:
+        # Click turns a Ctrl-C outside our commands (while parsing) into a silent 130.
+        return _fail("interrupted", ExitCode.INTERRUPTED)
     return int(result) if isinstance(result, int) else ExitCode.OK

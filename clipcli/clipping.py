@@ -74,17 +74,34 @@ def group_key(name: str, pattern: re.Pattern[str]) -> str:
     return match.group(0)
 
 
-def natural_key(name: str) -> tuple[str | int, ...]:
-    """Sort key that compares digit runs as numbers: layers.2 before layers.10."""
-    return tuple(int(part) if part.isdigit() else part for part in _DIGITS.split(name))
+NaturalKey = tuple[str | tuple[int, str, int], ...]
 
 
-def group_order(name: str) -> tuple[bool, tuple[str | int, ...]]:
+def natural_key(name: str) -> NaturalKey:
+    """Sort key that compares digit runs as numbers: layers.2 before layers.10.
+
+    A run is compared by (digit count without leading zeros, those digits, full length),
+    which orders numbers of any length without int(): Python refuses to convert more than
+    4300 digits, and a tensor name is data that may hold a 5,000-digit layer number. Only
+    ASCII digits form runs; '²' or '٣' stay text. split() with one group alternates text
+    (even positions) and runs (odd positions), so equal positions always hold equal types.
+    """
+    key: list[str | tuple[int, str, int]] = []
+    for position, part in enumerate(_DIGITS.split(name)):
+        if position % 2:
+            digits = part.lstrip("0")
+            key.append((len(digits), digits, len(part)))
+        else:
+            key.append(part)
+    return tuple(key)
+
+
+def group_order(name: str) -> tuple[bool, NaturalKey]:
     """Groups in natural name order, with the tensors that matched no group last."""
     return name == OTHER_GROUP, natural_key(name)
 
 
-_DIGITS = re.compile(r"(\d+)")
+_DIGITS = re.compile(r"([0-9]+)")
 
 
 class Mode(str, Enum):

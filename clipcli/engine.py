@@ -578,14 +578,28 @@ def _counted(chunks: Iterable[np.ndarray], progress: Progress) -> Iterator[np.nd
         yield chunk
 
 
-def check_writable(infos: Sequence[TensorInfo], target: Target) -> type[Writer]:
-    """The writer for OUT, once every tensor's name and dtype is known to fit its format."""
+def check_writable(reader: Reader, target: Target) -> type[Writer]:
+    """The writer for OUT, once every limit of its format that is known before writing
+    holds (names, dtypes, names together, metadata): a refusal is exit 2 naming the tensor
+    or key, before anything is created."""
     cls: type[Writer] = ShardedWriter if target.is_directory else writer_class(target.out)
-    for info in infos:
+    for info in reader.infos:
         reason = cls.check_name(info.name) or cls.check_dtype(info)
         if reason is not None:
             raise UsageError(f"{target.out}: tensor {info.name!r}: {reason}")
+    reason = cls.check_names([info.name for info in reader.infos]) or cls.check_metadata(
+        _output_metadata(reader, target.is_directory), reader
+    )
+    if reason is not None:
+        raise UsageError(f"{target.out}: {reason}")
     return cls
+
+
+def _output_metadata(reader: Reader, to_directory: bool) -> dict[str, str]:
+    # Shards joined into one file keep the shards' own __metadata__, not the index's.
+    if not to_directory and isinstance(reader, ShardedReader):
+        return reader.common_shard_metadata()
+    return dict(reader.metadata)
 
 
 SIDE_FILE_LIMIT = 1 << 30  # bytes: configs and tokenizers are far smaller
@@ -627,7 +641,7 @@ def clip(
     for the whole run: acted on between chunks before the commit, moot after it."""
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
-        writer_cls = check_writable(reader.infos, target)
+        writer_cls = check_writable(reader, target)
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
             plans = plan_clip(reader, spec, selection, progress)
@@ -701,11 +715,7 @@ def _write_file(
     target.check(InputFootprint(reader.path, reader.source_files()), output_names(reader))
     if target.is_directory:
         _check_side_files(reader, allow_large_side_files)
-    # Shards joined into one file keep the shards' own __metadata__, not the index's.
-    if isinstance(reader, ShardedReader) and not target.is_directory:
-        metadata = reader.common_shard_metadata()
-    else:
-        metadata = dict(reader.metadata)
+    metadata = _output_metadata(reader, target.is_directory)
     with target.stage() as staged:
         writer = writer_cls(
             staged, Checkpoint(list(reader.infos), metadata, reader), target.durable
@@ -734,7 +744,7 @@ def convert(
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
-        writer_cls = check_writable(reader.infos, target)
+        writer_cls = check_writable(reader, target)
         plans = [TensorPlan(info, NormAccumulator(), True) for info in reader.infos]
         _write_file(
             reader,

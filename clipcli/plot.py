@@ -6,10 +6,11 @@ matplotlib is an optional extra (`pip install 'clipcli[plot]'`), imported only h
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from clipcli.errors import UsageError
+from clipcli.errors import UsageError, printable
 
 PLOT_SUFFIXES = (".png", ".svg")
 
@@ -29,6 +30,10 @@ def plot_profile(
             "--plot needs matplotlib, which is not installed; "
             "install it with: pip install 'clipcli[plot]'"
         ) from None
+    # Names are data: escaped for the terminal, and '$' escaped so that matplotlib does not
+    # read "$...$" as mathtext (a name like '$\\frac{a}{$' made savefig raise).
+    labels = [_plain_text(label) for label in labels]
+    title = _plain_text(title)
     positions = range(len(labels))
     values = [n if math.isfinite(n) else math.nan for n in norms]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(labels) + 2), 4.5), layout="constrained")
@@ -48,8 +53,16 @@ def plot_profile(
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     try:
-        fig.savefig(out, format=out.suffix.lower().lstrip("."))
+        with warnings.catch_warnings():
+            # A name in a script the font lacks draws as boxes; that is not worth a warning
+            # on stderr, which holds errors only.
+            warnings.filterwarnings("ignore", message="Glyph .* missing from", category=UserWarning)
+            fig.savefig(out, format=out.suffix.lower().lstrip("."))
     except OSError as exc:
         raise UsageError(f"--plot {out}: cannot write: {exc.strerror}") from None
     finally:
         plt.close(fig)
+
+
+def _plain_text(text: str) -> str:
+    return printable(text).replace("$", r"\$")

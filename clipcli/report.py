@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from clipcli.errors import printable
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
+    from clipcli.clipping import NaturalKey
     from clipcli.diff import DiffResult
     from clipcli.engine import ClipResult, Measurement, TensorStats
     from clipcli.formats.base import TensorInfo
@@ -100,41 +101,94 @@ def render(report: Report, fmt: OutputFormat, stream: TextIO, width: int | None 
         _render_table(report, stream, width)
 
 
+# OWASP "CSV injection": a spreadsheet runs a text cell starting with one of these as a
+# formula (=HYPERLINK(...), +cmd|..., -2+3, @SUM(...)); tab and CR are on the list because
+# some importers strip them first. Full-width forms are included because some spreadsheets
+# fold them to ASCII. Such a cell gets a leading "'", which spreadsheets show as text.
+CSV_FORMULA_STARTS = frozenset("=+-@\t\r\uff1d\uff0b\uff0d\uff20")
+
+
+def csv_text(text: str) -> str:
+    """A text cell for CSV: control and format characters escaped (printable), and a cell
+    that a spreadsheet would run as a formula prefixed with a quote."""
+    # The raw first character decides: a leading tab or CR is escaped to '\t'/'\r' text
+    # anyway, but the quote then also tells a reader that the cell was altered.
+    if text and text[0] in CSV_FORMULA_STARTS:
+        return "'" + printable(text)
+    return printable(text)
+
+
 def _csv_value(value: Value) -> str:
+    # Only str cells are text: numbers (a norm of -1.5 included) stay numbers.
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, list):
         return "x".join(map(str, value))
     if isinstance(value, float):
         return repr(value)
-    return str(value)
+    if isinstance(value, int):
+        return str(value)
+    return csv_text(str(value))
 
 
 PLAIN_TABLE_ROWS = 2000  # rich lays out big tables slowly (50,000 rows: seconds)
+METADATA_VALUE_CHARS = 200  # a longer metadata value is shortened in the table (JSON has it all)
 
 
-def _render_plain(report: Report, stream: TextIO) -> None:
+def _stdout_console(stream: TextIO, width: int | None) -> Any:
+    """A rich Console on `stream` that lets a closed pipe surface as BrokenPipeError.
+
+    rich's own handler points stdout at /dev/null and raises SystemExit(1), which is the
+    --fail-above exit code; cli.py turns BrokenPipeError into a quiet exit 0 instead, as
+    `head` expects of any Unix tool."""
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    if width is None and not stream.isatty():
+        # Piped or redirected: never wrap or cut names to fit an imaginary 80-column screen.
+        width = 4096
+    return PipeConsole(file=stream, width=width, highlight=False)
+
+
+def text_cell(text: str) -> Any:
+    """Data for a rich table: a Text object (never parsed as markup, so a name like
+    '[/x]' or '[link=...]' is shown as is) with control and format characters escaped."""
+    from rich.text import Text
+
+    return Text(printable(text))
+
+
+def _plain_lines(report: Report) -> list[str]:
     cells = [[c.title for c in report.columns]] + [[_cell(v) for v in row] for row in report.rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(report.columns))]
-    stream.write(report.title + "\n")
+    lines = [printable(report.title)]
     for row in cells:
         parts = [
             text.rjust(w) if column.numeric else text.ljust(w)
             for text, w, column in zip(row, widths, report.columns, strict=True)
         ]
-        stream.write("  ".join(parts).rstrip() + "\n")
-    for line in report.footer:
-        stream.write(line + "\n")
+        lines.append("  ".join(parts).rstrip())
+    return lines
+
+
+def _write_footer(report: Report, stream: TextIO) -> None:
+    # Built once and written once: a million metadata lines through console.print took
+    # minutes. Footer lines are plain text (escaped), never markup.
+    if report.footer:
+        stream.write("".join(printable(line) + "\n" for line in report.footer))
 
 
 def _render_table(report: Report, stream: TextIO, width: int | None) -> None:
     if len(report.rows) > PLAIN_TABLE_ROWS:
-        _render_plain(report, stream)
+        stream.write("".join(line + "\n" for line in _plain_lines(report)))
+        _write_footer(report, stream)
         return
-    from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=report.title, title_justify="left")
+    table = Table()
     for column in report.columns:
         table.add_column(
             column.title,
@@ -143,14 +197,21 @@ def _render_table(report: Report, stream: TextIO, width: int | None) -> None:
             overflow="fold",
         )
     for row in report.rows:
-        table.add_row(*(_cell(v) for v in row))
-    if width is None and not stream.isatty():
-        # Piped or redirected: never wrap or cut names to fit an imaginary 80-column screen.
-        width = 4096
-    console = Console(file=stream, width=width, highlight=False)
+        table.add_row(*(text_cell(_cell(v)) for v in row))
+    # The title is a plain line, not the table's title: rich would wrap a long path to
+    # the table's width, and a path is something people grep for.
+    stream.write(printable(report.title) + "\n")
+    console = _stdout_console(stream, width)
     console.print(table)
-    for line in report.footer:
-        console.print(line, markup=False)
+    console.file.flush()  # what rich wrote goes out before the footer, which bypasses it
+    _write_footer(report, stream)
+
+
+def shorten(text: str, limit: int = METADATA_VALUE_CHARS) -> str:
+    """The first `limit` characters and how many there were, for a value too long to show."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters; --format json shows all)"
 
 
 # ------------------------------------------------------------------ builders
@@ -168,7 +229,7 @@ def ls_report(path: str, fmt: str, metadata: dict[str, str], infos: Sequence[Ten
     rows = tuple((i.name, i.dtype_name, list(i.shape), i.numel, i.nbytes) for i in infos)
     total = sum(i.nbytes for i in infos)
     footer = [f"{len(infos)} tensors, {total} bytes"]
-    footer += [f"metadata {printable(k)} = {printable(v)}" for k, v in metadata.items()]
+    footer += [f"metadata {shorten(k)} = {shorten(v)}" for k, v in metadata.items()]
     return Report(
         f"{path} ({fmt})",
         LS_COLUMNS,
@@ -191,7 +252,7 @@ NORM_COLUMNS = (
 )
 
 
-def _natural_key(name: str) -> tuple[str | int, ...]:
+def _natural_key(name: str) -> NaturalKey:
     # Imported here: clipping imports numpy, which `clipcli --help` must not pay for.
     from clipcli.clipping import natural_key
 
@@ -324,35 +385,63 @@ def render_chart(
 ) -> None:
     """Horizontal bars of norms, scaled to the largest (or the limit, if larger); the limit
     is drawn as a '│' mark and bars over it are red."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
     finite = [n for n in norms if math.isfinite(n)]
     top = max(finite + ([limit] if limit is not None else []), default=0.0)
     mark = round(limit / top * BAR_WIDTH) if limit is not None and top > 0 else None
-    table = Table(title=title, title_justify="left", box=None, show_header=False)
-    table.add_column("name", overflow="fold")
-    table.add_column("bar", no_wrap=True)
-    table.add_column("norm", justify="right", no_wrap=True)
+    position = None if mark is None else min(mark, BAR_WIDTH - 1)
+    rows = []
     for label, norm in zip(labels, norms, strict=True):
-        over = limit is not None and not norm <= limit
         length = (
             BAR_WIDTH if not math.isfinite(norm) else round(norm / top * BAR_WIDTH) if top else 0
         )
-        bar = Text("█" * length, style="red" if over else "green")
-        bar.append(" " * (BAR_WIDTH - length))
-        if mark is not None:
-            position = min(mark, BAR_WIDTH - 1)
-            bar = bar[:position] + Text("│", style="bold yellow") + bar[position + 1 :]
-        table.add_row(printable(label), bar, f"{norm:.6g}")
-    if width is None and not stream.isatty():
-        width = 4096
-    console = Console(file=stream, width=width, highlight=False)
-    console.print(table)
+        over = limit is not None and not norm <= limit
+        rows.append((printable(label), length, over, f"{norm:.6g}"))
+    stream.write(printable(title) + "\n")  # a plain line, as for tables: never wrapped
+    if len(rows) > PLAIN_TABLE_ROWS:
+        _plain_chart(rows, position, stream)  # rich lays out 20,000 bars in ~7 s
+    else:
+        _rich_chart(rows, position, stream, width)
     if limit is not None:
         over_count = sum(1 for n in norms if not n <= limit)
-        console.print(f"limit {limit:g} (│): {over_count} of {len(norms)} over", markup=False)
+        stream.write(f"limit {limit:g} (│): {over_count} of {len(norms)} over\n")
+
+
+ChartRow = tuple[str, int, bool, str]  # label (escaped), bar length, over the limit, norm
+
+
+def _rich_chart(
+    rows: list[ChartRow], position: int | None, stream: TextIO, width: int | None
+) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, show_header=False)
+    table.add_column("name", overflow="fold")
+    table.add_column("bar", no_wrap=True)
+    table.add_column("norm", justify="right", no_wrap=True)
+    for label, length, over, norm in rows:
+        bar = Text("█" * length, style="red" if over else "green")
+        bar.append(" " * (BAR_WIDTH - length))
+        if position is not None:
+            bar = bar[:position] + Text("│", style="bold yellow") + bar[position + 1 :]
+        table.add_row(Text(label), bar, norm)
+    console = _stdout_console(stream, width)
+    console.print(table)
+    console.file.flush()  # before the limit line, which bypasses rich
+
+
+def _plain_chart(rows: list[ChartRow], position: int | None, stream: TextIO) -> None:
+    """The same bars as plain text, built once (no colours: over-limit bars are still the
+    ones that cross the mark)."""
+    name_width = max(len(label) for label, _, _, _ in rows)
+    norm_width = max(len(norm) for _, _, _, norm in rows)
+    lines = []
+    for label, length, _, norm in rows:
+        bar = "█" * length + " " * (BAR_WIDTH - length)
+        if position is not None:
+            bar = bar[:position] + "│" + bar[position + 1 :]
+        lines.append(f" {label.ljust(name_width)}  {bar}  {norm.rjust(norm_width)} \n")
+    stream.write("".join(lines))
 
 
 class TerminalProgress:
@@ -372,7 +461,7 @@ class TerminalProgress:
         import time
 
         self.finish()
-        self._label, self._total, self._done = label, total_bytes, 0
+        self._label, self._total, self._done = printable(label), total_bytes, 0
         self._started = time.monotonic()
 
     def advance(self, nbytes: int) -> None:
@@ -397,7 +486,7 @@ class TerminalProgress:
         )
 
         self._bar = Progress(
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),  # labels hold file names
             BarColumn(),
             DownloadColumn(binary_units=True),
             TransferSpeedColumn(),
@@ -454,7 +543,7 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensors",
     ]
     footer += [
-        f"metadata {printable(key)}: {printable(repr(a))} -> {printable(repr(b))}"
+        f"metadata {shorten(key)}: {shorten(repr(a))} -> {shorten(repr(b))}"
         for key, a, b in result.metadata_changes
     ]
     summary: tuple[tuple[str, Any], ...] = (

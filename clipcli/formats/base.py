@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -163,6 +163,18 @@ class Writer(ABC):
         """Why this format cannot store a tensor under this name, or None if it can."""
         if not name or "\x00" in name:
             return "an empty name or a NUL byte cannot be stored"
+        if not utf8_encodable(name):
+            return "a name with a lone surrogate (not valid UTF-8) cannot be stored"
+        return None
+
+    @classmethod
+    def check_names(cls, names: Sequence[str]) -> str | None:
+        """Why this format cannot store these names together (a clash), or None if it can."""
+        return None
+
+    @classmethod
+    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
+        """Why this format cannot store this metadata (copied from `source`), or None."""
         return None
 
     @abstractmethod
@@ -225,3 +237,11 @@ class WritebackStarter:
         """Start writeback of one range now (e.g. one written out of order)."""
         if self._call is not None and length > 0:
             self._call(self._fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE
+
+
+def utf8_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -38,6 +38,7 @@ from clipcli.formats.base import (
     Writer,
     default_chunk_elems,
     is_numeric,
+    utf8_encodable,
 )
 
 MAX_DECLARED_BYTES = 1 << 40  # 1 TiB: no checkpoint tensor is this large
@@ -515,6 +516,10 @@ def _split(path: str) -> tuple[str, str]:
     return parent or "/", name
 
 
+HDF5_MAX_ATTRIBUTES = 65535  # attributes per object when creation order is tracked
+HDF5_MAX_ATTRIBUTE_NAME_BYTES = 65534  # plus the terminating NUL: a 16-bit length
+
+
 def _dataset_path_problem(name: str) -> str | None:
     """Why a tensor name cannot be used as an HDF5 dataset path, or None."""
     if name.startswith("/"):
@@ -578,8 +583,47 @@ class Hdf5Writer(Writer):
     def check_name(cls, name: str) -> str | None:
         parts = name.split("/")
         if name.startswith("/") or "" in parts or "." in parts:
-            return "an HDF5 dataset path needs non-empty components and no leading '/'"
+            return "an HDF5 dataset path needs non-empty components, no '.' and no leading '/'"
         return super().check_name(name)
+
+    @classmethod
+    def check_names(cls, names: Sequence[str]) -> str | None:
+        # A path is a dataset or a group, not both: `a` and `a/b` cannot both be tensors.
+        datasets = set(names)
+        for name in names:
+            parts = name.split("/")
+            for end in range(1, len(parts)):
+                prefix = "/".join(parts[:end])
+                if prefix in datasets:
+                    return (
+                        f"tensor {name!r} needs {prefix!r} to be an HDF5 group, but {prefix!r} "
+                        "is a tensor too"
+                    )
+        return None
+
+    @classmethod
+    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
+        if isinstance(source, Hdf5Reader):
+            return None  # copied attribute by attribute, with the source's own settings
+        # Root attributes, created in tracked order (measured with h5py 3 / HDF5 1.14:
+        # the 65,536th fails with "attribute creation index can't be incremented", a
+        # 65,535-byte name with "decoded name length is invalid").
+        for index, (key, value) in enumerate(metadata.items()):
+            if index >= HDF5_MAX_ATTRIBUTES:
+                return (
+                    f"metadata key {key!r}: HDF5 holds at most {HDF5_MAX_ATTRIBUTES} metadata "
+                    f"keys (root attributes), and this checkpoint has {len(metadata)}"
+                )
+            if not key or "\x00" in key or not utf8_encodable(key):
+                return f"metadata key {key!r}: an HDF5 attribute name must be non-empty UTF-8"
+            if len(key.encode()) > HDF5_MAX_ATTRIBUTE_NAME_BYTES:
+                return (
+                    f"metadata key {key[:40]!r}...: an HDF5 attribute name holds at most "
+                    f"{HDF5_MAX_ATTRIBUTE_NAME_BYTES} bytes of UTF-8"
+                )
+            if "\x00" in value or not utf8_encodable(value):
+                return f"metadata key {key!r}: HDF5 strings hold no NUL byte and only UTF-8"
+        return None
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:

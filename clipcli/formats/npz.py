@@ -288,6 +288,10 @@ def _npy_header(info: TensorInfo) -> bytes:
     raise ValueError("npy header too large")
 
 
+# The zip headers give a member name a 16-bit length; np.savez adds '.npy' to the key.
+ZIP_NAME_BYTES = 0xFFFF
+
+
 class NpzWriter(Writer):
     format_name = "npz"
 
@@ -310,7 +314,13 @@ class NpzWriter(Writer):
         parts = name.replace("\\", "/").split("/")
         if name.startswith("/") or ".." in parts or name.endswith("/"):
             return "a zip member must not escape the archive (absolute path or '..')"
-        return super().check_name(name)
+        problem = super().check_name(name)
+        if problem is None and len(f"{name}.npy".encode()) > ZIP_NAME_BYTES:
+            return (
+                f"a zip member name holds at most {ZIP_NAME_BYTES} bytes, and this one "
+                f"(with '.npy', as UTF-8) has {len(f'{name}.npy'.encode())}"
+            )
+        return problem
 
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         with self._zip.open(f"{info.name}.npy", "w", force_zip64=True) as member:
