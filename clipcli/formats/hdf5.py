@@ -39,6 +39,7 @@ from clipcli.formats.base import (
     default_chunk_elems,
     is_numeric,
 )
+from clipcli.inputs import fd_path, open_input_fd
 
 MAX_DECLARED_BYTES = 1 << 40  # 1 TiB: no checkpoint tensor is this large
 # The npz reader's zip-bomb rule, for the same reason: real tensors compress ~1.1:1, so a
@@ -228,29 +229,40 @@ class Hdf5Reader(Reader):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         h5py = _h5py()
+        # Our own descriptor, opened without blocking and checked to be a regular file;
+        # the library then opens that very file through /proc/self/fd, so a name swapped
+        # for a FIFO or another file after the check is never what HDF5 reads.
+        self._fd = open_input_fd(path)
+        try:
+            self._open_file(h5py, fd_path(self._fd) or os.fspath(path))
+        except BaseException:
+            os.close(self._fd)
+            raise
+        try:
+            self._file_size = os.fstat(self._fd).st_size
+            self._data_ranges: list[tuple[int, int]] = []
+            with _input_errors(path, "cannot read the file's structure"):
+                self.nodes, self._infos = self._walk()
+            # Walking reads no attribute values, so no global heap has been touched yet.
+            _check_global_heaps(path, self._fd, self._file_size, self._data_ranges)
+            self._metadata = self._read_metadata()
+        except BaseException:
+            self.close()
+            raise
+        self._by_name = {info.name: info for info in self._infos}
+
+    def _open_file(self, h5py: Any, name: str) -> None:
         # Lock where the filesystem can, but do not fail where it cannot (NFS, Lustre).
         locking = "best-effort" if h5py.version.hdf5_version_tuple >= (1, 12, 1) else None
-        with _input_errors(path, "cannot open as HDF5"):
+        with _input_errors(self.path, "cannot open as HDF5"):
             self.file: Any = h5py.File(
-                os.fspath(path),
+                name,
                 "r",
                 locking=locking,
                 rdcc_nbytes=CHUNK_CACHE_BYTES,
                 rdcc_nslots=CHUNK_CACHE_SLOTS,
                 rdcc_w0=CHUNK_CACHE_W0,
             )
-        try:
-            self._file_size = os.fstat(self.file.id.get_vfd_handle()).st_size
-            self._data_ranges: list[tuple[int, int]] = []
-            with _input_errors(path, "cannot read the file's structure"):
-                self.nodes, self._infos = self._walk()
-            # Walking reads no attribute values, so no global heap has been touched yet.
-            _check_global_heaps(path, self._file_size, self._data_ranges)
-            self._metadata = self._read_metadata()
-        except BaseException:
-            self.file.close()
-            raise
-        self._by_name = {info.name: info for info in self._infos}
 
     @property
     def infos(self) -> list[TensorInfo]:
@@ -483,7 +495,12 @@ class Hdf5Reader(Reader):
         return out
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 # ---------------------------------------------------------------------------------------
@@ -797,27 +814,48 @@ class Hdf5Writer(Writer):
             self.file.close()
 
 
-def _check_global_heaps(path: Path, size: int, data_ranges: Sequence[tuple[int, int]]) -> None:
+def _check_global_heaps(
+    path: Path, fd: int, size: int, data_ranges: Sequence[tuple[int, int]]
+) -> None:
     """Refuse global heap collections (where variable-length strings live) whose objects do
     not tile the collection: libhdf5 loops forever reading one whose free-space object has
     size 0 (found by the fuzzer). Checked on the raw bytes before any attribute is read.
 
-    Only the bytes outside the datasets' contiguous storage are searched: tensor data is
-    most of a checkpoint, and may contain b"GCOL" by chance. The rest is read a window at a
-    time, so memory stays bounded whatever is left to scan.
+    Only the bytes outside the datasets' storage are searched: tensor data is most of a
+    checkpoint, and may contain b"GCOL" by chance. The rest is read a window at a time, so
+    memory stays bounded whatever is left to scan.
+
+    Time is linear in the file size: real collections never overlap and every object header
+    is 16 bytes, so walking every real collection visits at most size / 16 objects. A file
+    whose b"GCOL" candidates (in attribute bytes, say) claim overlapping collections would
+    make the walks quadratic; once the walks together exceed twice that bound, the file is
+    refused instead.
     """
-    with open(path, "rb") as handle:
-        fd = handle.fileno()
-        for begin, end in _gaps(size, data_ranges):
-            for window in range(begin, end, HEAP_SCAN_WINDOW):
-                stop = min(window + HEAP_SCAN_WINDOW, end)
-                # A match starting before `stop` may end up to 3 bytes past it.
-                text = os.pread(fd, min(stop + 3, size) - window, window)
-                start = text.find(b"GCOL")
-                while start >= 0:
-                    if _corrupt_collection(fd, window + start, size):
-                        raise InputError(path, "corrupt HDF5 global heap (zero-size free space)")
-                    start = text.find(b"GCOL", start + 4)
+    budget = _HeapWalkBudget(2 * (size // 16) + (1 << 17))
+    for begin, end in _gaps(size, data_ranges):
+        for window in range(begin, end, HEAP_SCAN_WINDOW):
+            stop = min(window + HEAP_SCAN_WINDOW, end)
+            # A match starting before `stop` may end up to 3 bytes past it.
+            text = os.pread(fd, min(stop + 3, size) - window, window)
+            start = text.find(b"GCOL")
+            while 0 <= start < stop - window:
+                if _corrupt_collection(fd, window + start, size, budget):
+                    raise InputError(path, "corrupt HDF5 global heap (zero-size free space)")
+                if budget.remaining < 0:
+                    raise InputError(
+                        path,
+                        "global heap signatures claim overlapping collections "
+                        f"(more than {budget.total} heap objects to check); refusing it",
+                    )
+                start = text.find(b"GCOL", start + 4)
+
+
+class _HeapWalkBudget:
+    """Heap object headers that the scan may still look at, over all collections."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.remaining = total
 
 
 def _gaps(size: int, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
@@ -831,9 +869,11 @@ def _gaps(size: int, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, i
         yield position, size
 
 
-def _corrupt_collection(fd: int, start: int, size: int) -> bool:
+def _corrupt_collection(fd: int, start: int, size: int, budget: _HeapWalkBudget) -> bool:
     """Whether the collection at `start` has a zero-size free-space object short of its end.
-    Objects are indexed by 16 bits, so no real collection holds more than 65,535."""
+    Objects are indexed by 16 bits, so no real collection holds more than 65,535.
+    Each object header looked at costs one unit of `budget`; the walk stops when it is spent
+    (the caller then refuses the file)."""
     import struct
 
     if start + 16 > size:
@@ -841,10 +881,17 @@ def _corrupt_collection(fd: int, start: int, size: int) -> bool:
     (collection,) = struct.unpack("<Q", os.pread(fd, 8, start + 8))
     end = min(start + collection, size)
     position = start + 16
+    block_start, block = 0, b""
     for _ in range(1 << 16):
         if not collection or position + 16 > end:
             return False
-        index, _, _, length = struct.unpack("<HHIQ", os.pread(fd, 16, position))
+        budget.remaining -= 1
+        if budget.remaining < 0:
+            return False
+        if not block_start <= position <= block_start + len(block) - 16:
+            # Read ahead: most objects are small, so one pread serves many headers.
+            block_start, block = position, os.pread(fd, min(1 << 16, end - position), position)
+        index, _, _, length = struct.unpack_from("<HHIQ", block, position - block_start)
         if index == 0:  # the free space: it must reach the collection's end
             return bool(length == 0 and start + collection - position > 16)
         position += 16 + ((length + 7) // 8) * 8

@@ -29,6 +29,7 @@ from clipcli.formats.base import (
     default_chunk_elems,
     is_numeric,
 )
+from clipcli.inputs import open_input
 
 NPY_MAGIC = b"\x93NUMPY"
 MAX_HEADER_BYTES = 10_000  # numpy's own default cap for np.load
@@ -54,12 +55,11 @@ class NpzReader(Reader):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
+        self._handle = open_input(path)  # closed by close()
         try:
-            self._handle = open(path, "rb")  # noqa: SIM115 - closed by close()
             self._zip = zipfile.ZipFile(self._handle)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-            if hasattr(self, "_handle"):
-                self._handle.close()
+            self._handle.close()
             raise InputError(path, f"not a valid npz (zip) file: {exc}") from None
         try:
             self._infos, self._members = self._scan()
