@@ -33,12 +33,22 @@ from clipcli.inputs import open_input
 
 NPY_MAGIC = b"\x93NUMPY"
 MAX_HEADER_BYTES = 10_000  # numpy's own default cap for np.load
-# Streaming keeps decompression memory-safe, but a member that inflates by more than this
-# ratio to more than this size is almost surely a zip bomb (real tensors compress ~1.1:1,
-# all-zero ones ~1000:1 but are rarely that large).
+# Expansion budget, on the whole file: the members may together inflate to at most
+# BOMB_RATIO times the file's size, plus BOMB_MIN_BYTES (so a small file of all-zero
+# tensors still reads). Real tensors compress ~1.1:1, all-zero ones ~1000:1 but are rarely
+# large; inflating 200 bytes per byte read costs ~1 s per MB of file at zlib's speed.
 BOMB_RATIO = 200
 BOMB_MIN_BYTES = 64 << 20
+# numpy writes members stored or deflated; the others (bzip2 ~20 MB/s, lzma) are refused.
+COMPRESSION_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_DATA_DESCRIPTOR_FLAG = 0x08
 _READ_ERRORS = (OSError, EOFError, zipfile.BadZipFile, zlib.error, ValueError, RuntimeError)
+
+
+def expansion_budget(file_size: int) -> int:
+    """The most bytes all members of a file of this size may inflate to, together."""
+    return BOMB_RATIO * file_size + BOMB_MIN_BYTES
 
 
 class _Member:
@@ -71,6 +81,7 @@ class NpzReader(Reader):
         infos: list[TensorInfo] = []
         members: dict[str, _Member] = {}
         seen: set[str] = set()
+        self._check_layout(self._zip.infolist())
         for entry in self._zip.infolist():
             name = entry.filename
             if name in seen:
@@ -85,23 +96,103 @@ class NpzReader(Reader):
             tensor = name[: -len(".npy")]
             if tensor in seen:
                 raise InputError(self.path, f"both {tensor!r} and {name!r} are members")
-            self._check_bomb(entry, tensor)
             info, member = self._parse_member(entry, tensor)
             infos.append(info)
             members[tensor] = member
         return infos, members
 
-    def _check_bomb(self, entry: zipfile.ZipInfo, tensor: str) -> None:
-        if entry.compress_type == zipfile.ZIP_STORED or entry.file_size <= BOMB_MIN_BYTES:
-            return
-        ratio = entry.file_size / max(entry.compress_size, 1)
-        if ratio > BOMB_RATIO:
+    def _check_layout(self, entries: list[zipfile.ZipInfo]) -> None:
+        """Each member's bytes are its own and inside the file, and together they inflate
+        to at most expansion_budget(file size).
+
+        The central directory is what zipfile trusts; a hostile zip can make it claim more
+        than the file holds: members whose data overlap or share bytes (one compressed
+        block read as a thousand members), a local header that disagrees with its central
+        entry (another name, method or size), a stored member whose two sizes differ, data
+        running into the central directory or past the end. Each member's span (local
+        header, name, extra field, data, data descriptor) is computed from its local
+        header and the spans must be disjoint and lie before the central directory.
+        """
+        fd = self._handle.fileno()
+        file_size = os.fstat(fd).st_size
+        directory_start = getattr(self._zip, "start_dir", file_size)
+        spans: list[tuple[int, int, str]] = []
+        total = 0
+        for entry in entries:
+            name = entry.filename
+            tensor = name[: -len(".npy")] if name.endswith(".npy") else name
+            if entry.compress_type not in COMPRESSION_METHODS:
+                raise InputError(
+                    self.path,
+                    f"compression method {entry.compress_type} is not one numpy writes "
+                    "(stored or deflate)",
+                    tensor,
+                )
+            if entry.compress_type == zipfile.ZIP_STORED and entry.compress_size != entry.file_size:
+                raise InputError(
+                    self.path,
+                    f"stored member claims {entry.file_size} bytes but holds {entry.compress_size}",
+                    tensor,
+                )
+            begin, end = self._member_span(fd, entry, tensor)
+            if end > min(directory_start, file_size):
+                raise InputError(
+                    self.path,
+                    "member data runs into the central directory or past the end",
+                    tensor,
+                )
+            spans.append((begin, end, tensor))
+            total += entry.file_size
+        spans.sort()
+        for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
+            if begin < end:
+                raise InputError(
+                    self.path,
+                    f"members {first!r} and {second!r} overlap (share bytes); refusing a "
+                    "zip that claims more data than it holds",
+                )
+        budget = expansion_budget(file_size)
+        if total > budget:
             raise InputError(
                 self.path,
-                f"inflates {entry.compress_size} bytes to {entry.file_size} "
-                f"(ratio {ratio:.0f}:1); refusing what looks like a zip bomb",
+                f"members inflate to {total} bytes in all, more than {BOMB_RATIO} times the "
+                f"{file_size}-byte file plus {BOMB_MIN_BYTES >> 20} MiB ({budget}); "
+                "refusing what looks like a zip bomb",
+            )
+
+    def _member_span(self, fd: int, entry: zipfile.ZipInfo, tensor: str) -> tuple[int, int]:
+        """[begin, end) of the member's local header, data and data descriptor."""
+        local = os.pread(fd, _LOCAL_HEADER.size, entry.header_offset)
+        if len(local) != _LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
+            raise InputError(self.path, "bad zip local header", tensor)
+        (_, _, flags, method, _, _, _, compressed, size, name_len, extra_len) = (
+            _LOCAL_HEADER.unpack(local)
+        )
+        raw_name = os.pread(fd, name_len, entry.header_offset + _LOCAL_HEADER.size)
+        central_name = entry.orig_filename
+        encoding = "utf-8" if entry.flag_bits & 0x800 else "cp437"
+        if raw_name.decode(encoding, "replace") != central_name or method != entry.compress_type:
+            raise InputError(
+                self.path,
+                "local header disagrees with the central directory (name or method)",
                 tensor,
             )
+        if not flags & _DATA_DESCRIPTOR_FLAG and 0xFFFFFFFF not in (compressed, size):
+            if (compressed, size) != (entry.compress_size, entry.file_size):
+                raise InputError(
+                    self.path,
+                    "local header disagrees with the central directory (sizes)",
+                    tensor,
+                )
+        data_start = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        end = data_start + entry.compress_size
+        if flags & _DATA_DESCRIPTOR_FLAG:
+            # An optional signature, the CRC and two sizes of 4 bytes each, or 8 in ZIP64.
+            extra = os.pread(fd, extra_len, data_start - extra_len)
+            end += (4 if os.pread(fd, 4, end) == b"PK\x07\x08" else 0) + (
+                20 if _has_zip64_field(extra) else 12
+            )
+        return entry.header_offset, end
 
     def _parse_member(self, entry: zipfile.ZipInfo, tensor: str) -> tuple[TensorInfo, _Member]:
         try:
@@ -208,6 +299,16 @@ class NpzReader(Reader):
     def close(self) -> None:
         self._zip.close()
         self._handle.close()
+
+
+def _has_zip64_field(extra: bytes) -> bool:
+    position = 0
+    while position + 4 <= len(extra):
+        field_id, length = struct.unpack_from("<HH", extra, position)
+        if field_id == 0x0001:
+            return True
+        position += 4 + length
+    return False
 
 
 class InputProblem(ValueError):

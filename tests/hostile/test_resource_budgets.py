@@ -1,0 +1,289 @@
+"""Issue 9 items 13-17: small files built to cost minutes, gigabytes or terabytes. Each case
+runs the real CLI in a subprocess and asserts explicit budgets, stated in README's
+"Untrusted input": wall time, peak RSS of the child, and bytes written. These are bombs:
+handled badly they cost minutes or gigabytes, so generous bounds are meaningful."""
+
+from __future__ import annotations
+
+import resource
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clipcli.errors import InputError
+from clipcli.formats import npz as npz_module
+
+WALL_BUDGET = 10.0  # seconds
+RSS_BUDGET = 300 << 20  # bytes of peak resident memory
+WRITE_BUDGET = 64 << 20  # bytes written to OUT's directory
+
+
+@dataclass
+class Measured:
+    returncode: int | None
+    stderr: str
+    seconds: float
+    peak_rss: int  # bytes
+    written: int  # bytes in the output directory afterwards
+
+
+def _tree_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def measured_run(args: list[str], out_dir: Path, timeout: float = 60.0) -> Measured:
+    """One child at a time, so RUSAGE_CHILDREN's maxrss is this child's (the max over all
+    children so far: the test's own earlier children are small)."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "clipcli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+        code: int | None = proc.returncode
+        stderr = proc.stderr
+    except subprocess.TimeoutExpired:
+        code, stderr = None, "timeout"
+    seconds = time.monotonic() - start
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return Measured(code, stderr, seconds, peak, _tree_bytes(out_dir))
+
+
+def assert_within_budgets(run: Measured, codes: tuple[int, ...] = (3,)) -> None:
+    assert run.returncode in codes, run
+    assert run.seconds < WALL_BUDGET, run
+    assert run.peak_rss < RSS_BUDGET, run
+    assert run.written < WRITE_BUDGET, run
+    if run.returncode != 0:
+        assert run.stderr.startswith("clipcli: error: ") and run.stderr.count("\n") == 1, run
+
+
+# ------------------------------------------------------------------ zip building by hand
+
+
+def npy_bytes_header(dtype: str, shape: tuple[int, ...]) -> bytes:
+    text = repr({"descr": dtype, "fortran_order": False, "shape": shape}).encode()
+    text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text
+
+
+@dataclass
+class Member:
+    name: str
+    offset: int  # of the local header
+    extra_len: int
+    method: int
+    compressed: int
+    size: int
+    crc: int
+
+
+def build_zip(path: Path, blob: bytes, members: list[Member]) -> None:
+    """`blob` is the whole body (local headers + data, laid out by the caller), followed by
+    a central directory listing `members`."""
+    central = b""
+    for m in members:
+        name = m.name.encode()
+        central += (
+            struct.pack(
+                "<4s6H3I5H2I",
+                b"PK\x01\x02",
+                20,
+                20,
+                0,
+                m.method,
+                0,
+                0,
+                m.crc,
+                m.compressed,
+                m.size,
+                len(name),
+                0,
+                0,
+                0,
+                0,
+                0,
+                m.offset,
+            )
+            + name
+        )
+    end = struct.pack(
+        "<4s4H2IH", b"PK\x05\x06", 0, 0, len(members), len(members), len(central), len(blob), 0
+    )
+    path.write_bytes(blob + central + end)
+
+
+def local_header(m: Member) -> bytes:
+    name = m.name.encode()
+    return (
+        struct.pack(
+            "<4s5H3I2H",
+            b"PK\x03\x04",
+            20,
+            0,
+            m.method,
+            0,
+            0,
+            m.crc,
+            m.compressed,
+            m.size,
+            len(name),
+            m.extra_len,
+        )
+        + name
+    )
+
+
+def deflate(data: bytes) -> bytes:
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
+    return compressor.compress(data) + compressor.flush()
+
+
+def zero_member_payload(size: int) -> tuple[bytes, int, int]:
+    """(raw deflate stream, crc, size) of a float32 .npy member of exactly `size` bytes."""
+    header = npy_bytes_header("<f4", ((size - 128) // 4,))
+    assert len(header) == 128
+    body = header + bytes(size - 128)
+    return deflate(body), zlib.crc32(body), len(body)
+
+
+def overlapping_zip(path: Path, members: int, size: int) -> None:
+    """Fifield's overlapping-files construction: every local header's extra field is sized
+    so that all members' data start at the same offset and share one deflate stream."""
+    payload, crc, full = zero_member_payload(size)
+    names = [f"t{i:05d}.npy" for i in range(members)]
+    header_len = 30 + len(names[0])
+    data_start = header_len * members
+    entries = []
+    blob = b""
+    for i, name in enumerate(names):
+        offset = header_len * i
+        m = Member(name, offset, data_start - offset - header_len, 8, len(payload), full, crc)
+        entries.append(m)
+        blob += local_header(m)
+    build_zip(path, blob + payload, entries)
+
+
+def many_members_zip(path: Path, members: int, size: int) -> None:
+    """Disjoint members, each inflating exactly `size` bytes: under any per-member cap."""
+    payload, crc, full = zero_member_payload(size)
+    blob, entries = b"", []
+    for i in range(members):
+        m = Member(f"t{i:05d}.npy", len(blob), 0, 8, len(payload), full, crc)
+        entries.append(m)
+        blob += local_header(m) + payload
+    build_zip(path, blob, entries)
+
+
+def stored_overlapping_zip(path: Path, members: int, elements: int) -> None:
+    """Stored (uncompressed) members all pointing at one data block through their extra
+    fields: no compression ratio to trip on, yet the file reads as members x its size."""
+    body = npy_bytes_header("<f4", (elements,)) + np.ones(elements, np.float32).tobytes()
+    crc = zlib.crc32(body)
+    names = [f"t{i:05d}.npy" for i in range(members)]
+    header_len = 30 + len(names[0])
+    data_start = header_len * members
+    blob, entries = b"", []
+    for i, name in enumerate(names):
+        offset = header_len * i
+        m = Member(name, offset, data_start - offset - header_len, 0, len(body), len(body), crc)
+        entries.append(m)
+        blob += local_header(m)
+    build_zip(path, blob + body, entries)
+
+
+def test_zip_builder_makes_a_valid_npz(tmp_path: Path) -> None:
+    """The builder itself, checked with numpy: two disjoint members load."""
+    path = tmp_path / "ok.npz"
+    many_members_zip(path, 2, 4096)
+    with np.load(path) as loaded:
+        assert sorted(loaded.files) == ["t00000", "t00001"]
+        assert loaded["t00001"].shape == ((4096 - 128) // 4,)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda p: overlapping_zip(p, 300, 60 << 20), id="deflate-overlap-18GB"),
+        pytest.param(lambda p: stored_overlapping_zip(p, 1500, 1 << 20), id="stored-overlap-6GB"),
+        pytest.param(lambda p: many_members_zip(p, 200, 64 << 20), id="200x64MiB-members"),
+    ],
+)
+def test_npz_bombs_are_refused_within_budgets(tmp_path: Path, build) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "bomb.npz"
+    build(src)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    for args in (["ls", str(src)], ["clip", "--global", "1", str(src), str(out_dir / "o.npz")]):
+        run = measured_run(args, out_dir)
+        assert_within_budgets(run)
+        assert str(src) in run.stderr
+
+
+def test_overlapping_members_are_refused_by_name(tmp_path: Path) -> None:
+    src = tmp_path / "overlap.npz"
+    stored_overlapping_zip(src, 3, 16)
+    with pytest.raises(InputError, match="overlap"):
+        npz_module.NpzReader(src)
+
+
+def _one_member(tmp_path: Path, size: int) -> tuple[Path, int, int]:
+    src = tmp_path / "one.npz"
+    many_members_zip(src, 1, size)
+    return src, src.stat().st_size, size
+
+
+def test_expansion_budget_exactly_at_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Members inflating to exactly the budget are read; one byte more is refused."""
+    src, file_size, inflated = _one_member(tmp_path, 1 << 20)
+    monkeypatch.setattr(npz_module, "BOMB_MIN_BYTES", inflated - npz_module.BOMB_RATIO * file_size)
+    assert npz_module.expansion_budget(file_size) == inflated
+    with npz_module.NpzReader(src) as reader:
+        assert reader.infos[0].nbytes == inflated - 128
+    monkeypatch.setattr(
+        npz_module, "BOMB_MIN_BYTES", inflated - npz_module.BOMB_RATIO * file_size - 1
+    )
+    with pytest.raises(InputError, match="zip bomb"):
+        npz_module.NpzReader(src)
+
+
+def test_stored_member_with_two_sizes_is_refused(tmp_path: Path) -> None:
+    body = npy_bytes_header("<f4", (4,)) + bytes(16)
+    m = Member("t.npy", 0, 0, 0, len(body), len(body) + 1_000_000, zlib.crc32(body))
+    src = tmp_path / "stored.npz"
+    build_zip(src, local_header(m) + body, [m])
+    with pytest.raises(InputError):
+        npz_module.NpzReader(src)
+
+
+def test_bzip2_members_are_refused(tmp_path: Path) -> None:
+    import zipfile
+
+    src = tmp_path / "bz.npz"
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_BZIP2) as archive:
+        archive.writestr("t.npy", npy_bytes_header("<f4", (4,)) + bytes(16))
+    with pytest.raises(InputError, match="compression method"):
+        npz_module.NpzReader(src)
+
+
+def test_healthy_npz_variants_still_read(tmp_path: Path) -> None:
+    """numpy's own writers: savez (stored), savez_compressed (deflate), ZIP64, empty."""
+    rng = np.random.default_rng(1)
+    arrays = {"a": rng.standard_normal((3, 5)), "b": np.zeros(0, np.float32)}
+    for save in (np.savez, np.savez_compressed):
+        path = tmp_path / f"{save.__name__}.npz"
+        save(path, **arrays)
+        with npz_module.NpzReader(path) as reader:
+            np.testing.assert_array_equal(reader.read(reader.infos[0]), arrays["a"])
