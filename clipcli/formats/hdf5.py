@@ -48,6 +48,15 @@ MAX_DECLARED_BYTES = 1 << 40  # 1 TiB: no checkpoint tensor is this large
 SPARSE_CHECK_BYTES = 64 << 20
 MAX_EXPANSION = 200
 MAX_DEPTH = 64  # real checkpoints nest a handful of groups; thousands is an attack
+# Variable-length attribute data (strings) read in all: Keras' names take kilobytes.
+MAX_ATTRIBUTE_BYTES = 64 << 20
+
+
+def expansion_budget(file_size: int) -> int:
+    """The most bytes all datasets of a file of this size may declare together: the npz
+    rule (200 times the file, plus 64 MiB so that small all-zero files still read)."""
+    return MAX_EXPANSION * file_size + SPARSE_CHECK_BYTES
+
 
 # One raw-data chunk cache per open dataset (we keep at most a couple open at a time).
 # Large enough to hold a row of HDF5 chunks while we stream C-order pieces through them,
@@ -241,10 +250,14 @@ class Hdf5Reader(Reader):
         try:
             self._file_size = os.fstat(self._fd).st_size
             self._data_ranges: list[tuple[int, int]] = []
+            self._unallocated: set[str] = set()  # datasets with no storage: all fill value
             with _input_errors(path, "cannot read the file's structure"):
                 self.nodes, self._infos = self._walk()
             # Walking reads no attribute values, so no global heap has been touched yet.
-            _check_global_heaps(path, self._fd, self._file_size, self._data_ranges)
+            self._check_expansion()
+            largest_object = _check_global_heaps(path, self._fd, self._file_size, self._data_ranges)
+            with _input_errors(path, "cannot inspect attributes"):
+                self._check_attribute_budget(largest_object)
             self._metadata = self._read_metadata()
         except BaseException:
             self.close()
@@ -398,6 +411,8 @@ class Hdf5Reader(Reader):
                 info.name,
             )
         stored = int(dataset.id.get_storage_size())
+        if stored == 0 and declared:
+            self._unallocated.add(info.name)
         if declared > SPARSE_CHECK_BYTES and declared > MAX_EXPANSION * stored:
             raise self._fail(
                 f"declares {declared} bytes but stores only {stored}; refusing to expand "
@@ -422,6 +437,44 @@ class Hdf5Reader(Reader):
                     (chunk.byte_offset, chunk.byte_offset + chunk.size)
                 )
             )
+
+    def _check_expansion(self) -> None:
+        """The whole file's budget: every dataset, allocated or not, is produced in full by
+        the library when read (an unallocated one as fill value), so the declared bytes of
+        all datasets together may be at most expansion_budget(file size). Per-dataset rules
+        alone let 10,000 datasets of 64 MiB each through from a 3 MB file."""
+        total = sum(info.nbytes for info in self._infos)
+        budget = expansion_budget(self._file_size)
+        if total > budget:
+            raise self._fail(
+                f"datasets declare {total} bytes in all, more than {MAX_EXPANSION} times the "
+                f"{self._file_size}-byte file plus {SPARSE_CHECK_BYTES >> 20} MiB ({budget}); "
+                "refusing to expand it"
+            )
+
+    def _check_attribute_budget(self, largest_heap_object: int) -> None:
+        """Variable-length attribute values live in global heap objects, and any number of
+        elements may point at the same object: 1,500 strings naming one 1 MiB object read
+        as 1.5 GB. Reading an attribute reads all its elements at once, so the bound is
+        taken before any is read: elements x the largest heap object in the file."""
+        elements = 0
+        for node in self.nodes:
+            obj = self.file[node.path]
+            for name in obj.attrs:
+                attr = obj.attrs.get_id(name)
+                if _holds_vlen(attr.get_type()):
+                    elements += max(1, int(attr.get_space().get_simple_extent_npoints()))
+        worst = elements * largest_heap_object
+        if worst > MAX_ATTRIBUTE_BYTES:
+            raise self._fail(
+                f"{elements} variable-length attribute values may each read a heap object of "
+                f"{largest_heap_object} bytes ({worst} in all, over the "
+                f"{MAX_ATTRIBUTE_BYTES >> 20} MiB limit for attributes); refusing it"
+            )
+
+    def is_unallocated(self, name: str) -> bool:
+        """True when the dataset has no storage at all: every element is its fill value."""
+        return name in self._unallocated
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -505,6 +558,19 @@ class Hdf5Reader(Reader):
 
 # ---------------------------------------------------------------------------------------
 # Writer
+
+
+def _holds_vlen(type_id: Any) -> bool:
+    """True if an HDF5 type holds variable-length data (strings or sequences) anywhere."""
+    h5t = _h5py().h5t
+    kind = type_id.get_class()
+    if kind == h5t.VLEN or (kind == h5t.STRING and type_id.is_variable_str()):
+        return True
+    if kind == h5t.COMPOUND:
+        return any(_holds_vlen(type_id.get_member_type(i)) for i in range(type_id.get_nmembers()))
+    if kind == h5t.ARRAY:
+        return _holds_vlen(type_id.get_super())
+    return False
 
 
 def _holds_references(type_id: Any) -> bool:
@@ -787,6 +853,11 @@ class Hdf5Writer(Writer):
         the raw chunks are valid there. Other layouts go through write()."""
         if self._source is None or source is not self._source:
             return False
+        if self._source.is_unallocated(info.name):
+            # All fill value: the copy, created with the source's fill value and allocation
+            # time, reads the same with nothing written, and stays as small as the source.
+            self._written.add(info.name)
+            return True
         original = self._source.dataset(info.name)
         if original.chunks is None:
             return False
@@ -816,7 +887,7 @@ class Hdf5Writer(Writer):
 
 def _check_global_heaps(
     path: Path, fd: int, size: int, data_ranges: Sequence[tuple[int, int]]
-) -> None:
+) -> int:
     """Refuse global heap collections (where variable-length strings live) whose objects do
     not tile the collection: libhdf5 loops forever reading one whose free-space object has
     size 0 (found by the fuzzer). Checked on the raw bytes before any attribute is read.
@@ -830,6 +901,8 @@ def _check_global_heaps(
     whose b"GCOL" candidates (in attribute bytes, say) claim overlapping collections would
     make the walks quadratic; once the walks together exceed twice that bound, the file is
     refused instead.
+
+    Returns the size of the largest heap object found (for the attribute budget).
     """
     budget = _HeapWalkBudget(2 * (size // 16) + (1 << 17))
     for begin, end in _gaps(size, data_ranges):
@@ -848,14 +921,17 @@ def _check_global_heaps(
                         f"(more than {budget.total} heap objects to check); refusing it",
                     )
                 start = text.find(b"GCOL", start + 4)
+    return budget.largest_object
 
 
 class _HeapWalkBudget:
-    """Heap object headers that the scan may still look at, over all collections."""
+    """Heap object headers that the scan may still look at, over all collections, and the
+    largest object seen whose data lies inside its collection."""
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.remaining = total
+        self.largest_object = 0
 
 
 def _gaps(size: int, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
@@ -894,5 +970,7 @@ def _corrupt_collection(fd: int, start: int, size: int, budget: _HeapWalkBudget)
         index, _, _, length = struct.unpack_from("<HHIQ", block, position - block_start)
         if index == 0:  # the free space: it must reach the collection's end
             return bool(length == 0 and start + collection - position > 16)
+        if position + 16 + length <= end:
+            budget.largest_object = max(budget.largest_object, length)
         position += 16 + ((length + 7) // 8) * 8
     return True

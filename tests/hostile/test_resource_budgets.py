@@ -287,3 +287,122 @@ def test_healthy_npz_variants_still_read(tmp_path: Path) -> None:
         save(path, **arrays)
         with npz_module.NpzReader(path) as reader:
             np.testing.assert_array_equal(reader.read(reader.infos[0]), arrays["a"])
+
+
+# ------------------------------------------------------------------ HDF5
+
+
+def vlen_shared_heap_object(path: Path, elements: int = 1500) -> None:
+    """`elements` variable-length strings all pointing at one 1 MiB global heap object:
+    a 1.1 MB file that reads as 1.5 GB of attribute data (patched by hand after h5py)."""
+    import re
+
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f["w"] = np.ones(4, np.float32)
+        text = h5py.string_dtype()
+        f.attrs.create("names", np.array(["a"] * elements, dtype=object), dtype=text)
+        f.attrs.create("big", "B" * (1 << 20), dtype=text)
+    data = bytearray(path.read_bytes())
+
+    def in_a_heap(match: re.Match[bytes]) -> bool:
+        address = struct.unpack("<Q", match.group(1))[0]
+        return data[address : address + 4] == b"GCOL"
+
+    big = [m for m in re.finditer(rb"\x00\x00\x10\x00(.{8})(.{4})", data, re.S) if in_a_heap(m)]
+    small = [m for m in re.finditer(rb"\x01\x00\x00\x00(.{8})(.{4})", data, re.S) if in_a_heap(m)]
+    assert len(big) == 1 and len(small) == elements
+    for m in small:
+        data[m.start() : m.start() + 16] = big[0].group(0)
+    path.write_bytes(bytes(data))
+    with h5py.File(path) as f:  # the library really reads 1 MiB per element
+        assert f.attrs.get_id("names").shape == (elements,)
+
+
+def unallocated_datasets(path: Path, count: int, nbytes: int) -> None:
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        for i in range(count):
+            f.create_dataset(f"d{i:05d}", shape=(nbytes // 4,), dtype="<f4", fillvalue=1.0)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(vlen_shared_heap_object, id="1500-vlen-strings-one-1MiB-object"),
+        pytest.param(
+            lambda p: unallocated_datasets(p, 2000, 64 << 20), id="2000x64MiB-unallocated"
+        ),
+    ],
+)
+def test_hdf5_bombs_are_refused_within_budgets(tmp_path: Path, build) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "bomb.h5"
+    build(src)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    for args in (["ls", str(src)], ["clip", "--global", "1", str(src), str(out_dir / "o.h5")]):
+        run = measured_run(args, out_dir)
+        assert_within_budgets(run)
+        assert str(src) in run.stderr
+
+
+def test_unchanged_unallocated_dataset_stays_unallocated(tmp_path: Path) -> None:
+    import h5py
+
+    src = tmp_path / "sparse.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("empty", shape=(1000, 1000), dtype="<f4", fillvalue=0.5)
+        f.create_dataset("chunked", shape=(1000, 1000), dtype="<f4", chunks=(100, 100))
+        f["dense"] = np.arange(6, dtype=np.float64)
+    out = tmp_path / "out.h5"
+    run = measured_run(["clip", "--global", "1e9", str(src), str(out)], tmp_path)
+    assert run.returncode == 0, run
+    with h5py.File(out) as f:
+        assert f["empty"].id.get_storage_size() == 0
+        assert f["chunked"].id.get_storage_size() == 0
+        assert f["empty"].fillvalue == 0.5
+        assert float(f["empty"][999, 999]) == 0.5
+        np.testing.assert_array_equal(f["dense"][...], np.arange(6))
+
+
+def test_hdf5_expansion_budget_exactly_at_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Datasets declaring exactly the budget in all are read; one byte less budget refuses."""
+    import h5py
+
+    from clipcli.formats import hdf5 as hdf5_module
+
+    src = tmp_path / "two.h5"
+    with h5py.File(src, "w") as f:
+        f["a"] = np.ones(1000, np.float32)
+        f["b"] = np.ones(1000, np.float32)
+    monkeypatch.setattr(hdf5_module, "MAX_EXPANSION", 0)
+    monkeypatch.setattr(hdf5_module, "SPARSE_CHECK_BYTES", 8000)
+    with hdf5_module.Hdf5Reader(src) as reader:
+        assert sum(info.nbytes for info in reader.infos) == 8000
+    monkeypatch.setattr(hdf5_module, "SPARSE_CHECK_BYTES", 7999)
+    with pytest.raises(InputError, match="in all"):
+        hdf5_module.Hdf5Reader(src)
+
+
+def test_hdf5_attribute_budget_exactly_at_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import h5py
+
+    from clipcli.formats import hdf5 as hdf5_module
+
+    src = tmp_path / "names.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(2, np.float32)
+        f.attrs.create("names", np.array(["x" * 100] * 10, dtype=object), dtype=h5py.string_dtype())
+    largest = 100  # each string is its own 100-byte heap object
+    monkeypatch.setattr(hdf5_module, "MAX_ATTRIBUTE_BYTES", 10 * largest)
+    with hdf5_module.Hdf5Reader(src) as reader:
+        assert reader.infos[0].name == "w"
+    monkeypatch.setattr(hdf5_module, "MAX_ATTRIBUTE_BYTES", 10 * largest - 1)
+    with pytest.raises(InputError, match="variable-length attribute"):
+        hdf5_module.Hdf5Reader(src)
