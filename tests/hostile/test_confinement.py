@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import stat
 import subprocess
 import sys
@@ -73,20 +74,41 @@ def test_healthy_hf_cache_snapshot_is_read_and_copied(tmp_path: Path) -> None:
         assert float(np.linalg.norm(handle.get_tensor("w"))) <= 1.0
 
 
-def _attack_blobs_to_root(snapshot: Path, blobs: Path, secret: Path) -> Path:
-    """blobs -> / and config.json -> ../../blobs/<path of the secret>: the reported escape."""
-    real_blobs = blobs.rename(blobs.parent / "real_blobs")
-    blobs.symlink_to("/")
+def _blobs_to_root(snapshot: Path, blobs: Path) -> None:
+    """The reported layout: x/blobs is a symlink to `/`, the snapshot's files are real."""
     for entry in snapshot.iterdir():
-        target = os.readlink(entry)
+        content = entry.read_bytes()
         entry.unlink()
-        entry.symlink_to(target.replace("blobs", "real_blobs"))
+        entry.write_bytes(content)
+    shutil.rmtree(blobs)
+    blobs.symlink_to("/")
+
+
+def _attack_blobs_to_root(snapshot: Path, blobs: Path, secret: Path) -> Path:
+    """blobs -> / and config.json -> ../../blobs/<the secret's path>: the reported escape."""
+    _blobs_to_root(snapshot, blobs)
     config = snapshot / "config.json"
     config.unlink()
     config.symlink_to(Path("../../blobs") / str(secret).lstrip("/"))
     assert config.read_text() == SECRET  # the link really reaches the secret
-    del real_blobs
-    return snapshot  # the first file read is refused: any of them may be named
+    return config
+
+
+def _attack_blobs_to_root_absolute_link(snapshot: Path, blobs: Path, secret: Path) -> Path:
+    """blobs -> / makes `/` an allowed root, so any absolute link would pass."""
+    _blobs_to_root(snapshot, blobs)
+    config = snapshot / "config.json"
+    config.unlink()
+    config.symlink_to(secret)
+    return config
+
+
+def _attack_blobs_to_root_proc_environ(snapshot: Path, blobs: Path, secret: Path) -> Path:
+    _blobs_to_root(snapshot, blobs)
+    config = snapshot / "config.json"
+    config.unlink()
+    config.symlink_to("/proc/self/environ")
+    return config
 
 
 def _attack_config_to_secret(snapshot: Path, blobs: Path, secret: Path) -> Path:
@@ -140,24 +162,23 @@ def _attack_shard_to_proc(snapshot: Path, blobs: Path, secret: Path) -> Path:
     return model
 
 
-def _attack_snapshots_dir_in_home(snapshot: Path, blobs: Path, secret: Path) -> Path:
-    """A snapshot directory whose blobs/ is a link to the directory holding the secret."""
-    real_blobs = blobs.rename(blobs.parent / "real_blobs")
+def _attack_blobs_to_secret_directory(snapshot: Path, blobs: Path, secret: Path) -> Path:
+    """blobs/ is a link to the directory that holds the secret."""
+    _blobs_to_root(snapshot, blobs)
+    blobs.unlink()
     blobs.symlink_to(secret.parent)
-    for entry in snapshot.iterdir():
-        target = os.readlink(entry)
-        entry.unlink()
-        entry.symlink_to(target.replace("blobs", "real_blobs"))
     config = snapshot / "config.json"
     config.unlink()
     config.symlink_to(Path("../../blobs") / secret.name)
     assert config.read_text() == SECRET
-    del real_blobs
-    return snapshot
+    return config
 
 
 ATTACKS = [
     _attack_blobs_to_root,
+    _attack_blobs_to_root_absolute_link,
+    _attack_blobs_to_root_proc_environ,
+    _attack_blobs_to_secret_directory,
     _attack_config_to_secret,
     _attack_config_to_etc_passwd,
     _attack_config_to_proc_environ,
@@ -165,7 +186,6 @@ ATTACKS = [
     _attack_fifo_side_file,
     _attack_device_side_file,
     _attack_shard_to_proc,
-    _attack_snapshots_dir_in_home,
 ]
 
 
