@@ -8,9 +8,11 @@ at once instead of allocating terabytes (np.load allocates the declared shape fi
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import os
 import struct
+import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterable, Iterator
@@ -21,6 +23,7 @@ import numpy as np
 
 from clipcli.errors import InputError
 from clipcli.formats.base import (
+    CHUNK_BYTES,
     Checkpoint,
     Reader,
     TensorInfo,
@@ -39,6 +42,10 @@ MAX_HEADER_BYTES = 10_000  # numpy's own default cap for np.load
 # large; inflating 200 bytes per byte read costs ~1 s per MB of file at zlib's speed.
 BOMB_RATIO = 200
 BOMB_MIN_BYTES = 64 << 20
+# Column-major (Fortran-order) members: read whole below this size, else transposed
+# through temporary files a tile of FORTRAN_TILE_BYTES at a time.
+FORTRAN_IN_MEMORY_BYTES = 32 << 20
+FORTRAN_TILE_BYTES = 4 << 20
 # numpy writes members stored or deflated; the others (bzip2 ~20 MB/s, lzma) are refused.
 COMPRESSION_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
@@ -228,12 +235,7 @@ class NpzReader(Reader):
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         member = self._members[info.name]
         if member.fortran:
-            # Stored column-major: C order needs the whole tensor (memory = one tensor).
-            whole = self.read(info)
-            flat = whole.reshape(-1)
-            step = chunk_elems or default_chunk_elems(info.dtype)
-            for start in range(0, flat.size, step):
-                yield flat[start : start + step]
+            yield from self._fortran_chunks(info, member, chunk_elems)
             return
         step = (chunk_elems or default_chunk_elems(info.dtype)) * info.dtype.itemsize
         if member.zip_info.compress_type == zipfile.ZIP_STORED:
@@ -281,8 +283,79 @@ class NpzReader(Reader):
                 raise InputError(self.path, "CRC mismatch: the member data is corrupt", info.name)
             yield raw.view(info.dtype)
 
-    def read(self, info: TensorInfo) -> np.ndarray:
-        member = self._members[info.name]
+    def _fortran_chunks(
+        self, info: TensorInfo, member: _Member, chunk_elems: int | None
+    ) -> Iterator[np.ndarray]:
+        """C-order chunks of a member stored column-major (np.save of a transposed array).
+
+        Any C-order chunk draws on elements spread over the whole stored data, so the data
+        must be at hand at random. Small members are read into memory (2 copies at most,
+        FORTRAN_IN_MEMORY_BYTES each); larger ones are transposed on disk, from the npz
+        itself when stored, else from a temporary file they are inflated into, so the
+        resident set stays bounded whatever the member's size (a 14 MB npz inflating one
+        1.3 GB Fortran member peaked at 2.6 GB before). A memory map would not do: the
+        kernel maps 64 KiB around every page fault, so strided reads map the whole file."""
+        step = chunk_elems or default_chunk_elems(info.dtype)
+        if info.nbytes <= FORTRAN_IN_MEMORY_BYTES:
+            flat = self._read_member_data(info, member)
+            whole = flat.reshape(info.shape[::-1]).T.reshape(-1)  # one C-order copy
+            del flat
+            for start in range(0, whole.size, step):
+                yield whole[start : start + step]
+            return
+        with contextlib.ExitStack() as stack:
+            try:
+                if member.zip_info.compress_type == zipfile.ZIP_STORED:
+                    fd, offset = self._handle.fileno(), self._stored_data_start(info, member)
+                else:
+                    spill = stack.enter_context(tempfile.TemporaryFile(prefix="clipcli-fortran-"))
+                    self._inflate_into(info, member, spill)
+                    fd, offset = spill.fileno(), 0
+                yield from _transposed_chunks(fd, offset, info, step)
+            except InputProblem as exc:
+                raise InputError(self.path, str(exc), info.name) from None
+            except OSError as exc:
+                problem = f"cannot reorder column-major data in {tempfile.gettempdir()}"
+                raise InputError(self.path, f"{problem}: {exc.strerror}", info.name) from None
+
+    def _stored_data_start(self, info: TensorInfo, member: _Member) -> int:
+        entry = member.zip_info
+        local = os.pread(self._handle.fileno(), 30, entry.header_offset)
+        if len(local) != 30 or local[:4] != b"PK\x03\x04":
+            raise InputError(self.path, "bad zip local header", info.name)
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        start = int(entry.header_offset) + 30 + name_len + extra_len
+        # zipfile checks the CRC as it streams; reading through a mapping, we check it here.
+        crc = 0
+        for piece in range(start, start + int(entry.compress_size), CHUNK_BYTES):
+            length = min(CHUNK_BYTES, start + int(entry.compress_size) - piece)
+            data = os.pread(self._handle.fileno(), length, piece)
+            if len(data) != length:
+                raise InputError(self.path, "truncated member data", info.name)
+            crc = zlib.crc32(data, crc)
+        if crc != entry.CRC:
+            raise InputError(self.path, "CRC mismatch: the member data is corrupt", info.name)
+        return int(start + member.data_offset)
+
+    def _inflate_into(self, info: TensorInfo, member: _Member, spill: IO[bytes]) -> None:
+        """The member's array bytes, decompressed a piece at a time into `spill`."""
+        try:
+            with self._zip.open(member.zip_info) as stream:
+                _read_exactly(stream, member.data_offset)
+                remaining = info.nbytes
+                while remaining > 0:
+                    data = _read_exactly(stream, min(CHUNK_BYTES, remaining))
+                    spill.write(data)
+                    remaining -= len(data)
+                if stream.read(1):
+                    raise InputProblem("extra bytes after the array data")
+            spill.flush()
+        except InputProblem as exc:
+            raise InputError(self.path, str(exc), info.name) from None
+        except _READ_ERRORS as exc:
+            raise InputError(self.path, f"cannot read data: {exc}", info.name) from None
+
+    def _read_member_data(self, info: TensorInfo, member: _Member) -> np.ndarray:
         try:
             with self._zip.open(member.zip_info) as stream:
                 _read_exactly(stream, member.data_offset)
@@ -291,14 +364,104 @@ class NpzReader(Reader):
             raise InputError(self.path, str(exc), info.name) from None
         except _READ_ERRORS as exc:
             raise InputError(self.path, f"cannot read data: {exc}", info.name) from None
-        flat = np.frombuffer(data, dtype=info.dtype)
-        if member.fortran:
-            return flat.reshape(info.shape[::-1]).T.copy()
-        return flat.reshape(info.shape)
+        return np.frombuffer(data, dtype=info.dtype)
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        member = self._members[info.name]
+        if member.fortran:  # the whole tensor in C order, built from bounded chunks
+            return super().read(info)
+        return self._read_member_data(info, member).reshape(info.shape)
 
     def close(self) -> None:
         self._zip.close()
         self._handle.close()
+
+
+def _transposed_chunks(fd: int, offset: int, info: TensorInfo, step: int) -> Iterator[np.ndarray]:
+    """C-order chunks of the tensor whose column-major data is at `offset` in `fd`.
+
+    Column-major data of shape (s0, ..., sn) is the C-order data of (sn, ..., s0). Viewed
+    as a matrix (sn*...*s1, s0), one transpose gives (s0, sn*...*s1): for each i0, the
+    column-major data of the sub-tensor [i0, ...]. So rank - 1 batched transposes, each a
+    pass through a temporary file in tiles of FORTRAN_TILE_BYTES, give C order; then the
+    result is read sequentially. Memory: two tiles and one chunk; disk: twice the tensor."""
+    shape, itemsize = info.shape, info.dtype.itemsize
+    with contextlib.ExitStack() as stack:
+        source, source_offset = fd, offset
+        for level in range(max(0, len(shape) - 1)):
+            target = stack.enter_context(tempfile.TemporaryFile(prefix="clipcli-fortran-"))
+            batch = math.prod(shape[:level])
+            cols = shape[level]
+            rows = math.prod(shape[level + 1 :])
+            _transpose_batches(source, source_offset, target.fileno(), batch, rows, cols, itemsize)
+            source, source_offset = target.fileno(), 0
+        for start in range(0, info.numel, step):
+            count = min(step, info.numel - start)
+            data = _pread_exactly(source, count * itemsize, source_offset + start * itemsize)
+            yield np.frombuffer(data, dtype=info.dtype)
+
+
+def _transpose_batches(
+    source: int, offset: int, target: int, batch: int, rows: int, cols: int, itemsize: int
+) -> None:
+    """For each of `batch` consecutive (rows, cols) C-order matrices at `offset` in
+    `source`, write its (cols, rows) transpose at the same place in `target`, a tile at a
+    time: a tile's rows are read (one pread when they are whole rows, so contiguous) and
+    its columns written (one pwrite when whole)."""
+    if not rows or not cols:
+        return
+    tile = max(1, FORTRAN_TILE_BYTES // itemsize)
+    side = max(1, math.isqrt(tile))
+    tile_cols = cols if cols * min(rows, side) <= tile else min(cols, side)
+    tile_rows = min(rows, max(1, tile // tile_cols))
+    matrix = rows * cols * itemsize
+    if rows * cols <= tile:  # small matrices: many in one read, transpose and write
+        group = max(1, tile // (rows * cols))
+        for first in range(0, batch, group):
+            count = min(group, batch - first)
+            raw = _pread_exactly(source, count * matrix, offset + first * matrix)
+            several = np.frombuffer(raw, np.uint8).reshape(count, rows, cols, itemsize)
+            os.pwrite(target, several.transpose(0, 2, 1, 3).tobytes(), first * matrix)
+        return
+    for index in range(batch):
+        base = index * matrix
+        for row0 in range(0, rows, tile_rows):
+            row1 = min(rows, row0 + tile_rows)
+            for col0 in range(0, cols, tile_cols):
+                col1 = min(cols, col0 + tile_cols)
+                width = (col1 - col0) * itemsize
+                if col0 == 0 and col1 == cols:
+                    raw = _pread_exactly(
+                        source, (row1 - row0) * width, offset + base + row0 * cols * itemsize
+                    )
+                else:
+                    raw = b"".join(
+                        _pread_exactly(
+                            source, width, offset + base + (row * cols + col0) * itemsize
+                        )
+                        for row in range(row0, row1)
+                    )
+                block = np.frombuffer(raw, np.uint8).reshape(row1 - row0, col1 - col0, itemsize)
+                flipped = np.ascontiguousarray(block.transpose(1, 0, 2))
+                if row0 == 0 and row1 == rows:
+                    os.pwrite(target, flipped.tobytes(), base + col0 * rows * itemsize)
+                else:
+                    for col in range(col0, col1):
+                        os.pwrite(
+                            target,
+                            flipped[col - col0].tobytes(),
+                            base + (col * rows + row0) * itemsize,
+                        )
+
+
+def _pread_exactly(fd: int, size: int, position: int) -> bytes:
+    data = os.pread(fd, size, position)
+    while len(data) < size:
+        more = os.pread(fd, size - len(data), position + len(data))
+        if not more:
+            raise InputProblem("the data ended early")
+        data += more
+    return data
 
 
 def _has_zip64_field(extra: bytes) -> bool:

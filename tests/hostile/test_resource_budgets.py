@@ -406,3 +406,95 @@ def test_hdf5_attribute_budget_exactly_at_the_limit(
     monkeypatch.setattr(hdf5_module, "MAX_ATTRIBUTE_BYTES", 10 * largest - 1)
     with pytest.raises(InputError, match="variable-length attribute"):
         hdf5_module.Hdf5Reader(src)
+
+
+# ------------------------------------------------------------------ Fortran-order npz
+
+
+def fortran_npz(path: Path, shape: tuple[int, ...], compress: bool) -> np.ndarray:
+    """np.savez of a transposed array writes it column-major (fortran_order: True)."""
+    rng = np.random.default_rng(5)
+    c_order = rng.standard_normal(shape[::-1]).astype(np.float32)
+    tensor = c_order.T
+    assert tensor.flags.f_contiguous and (tensor.ndim < 2 or not tensor.flags.c_contiguous)
+    (np.savez_compressed if compress else np.savez)(path, w=tensor)
+    return tensor
+
+
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 4, 5), (1,), ()])
+@pytest.mark.parametrize("in_memory_limit", [0, 1 << 30])
+def test_fortran_members_read_in_c_order(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    compress: bool,
+    shape: tuple[int, ...],
+    in_memory_limit: int,
+) -> None:
+    """Both paths (in memory; memory-mapped, from the npz or an inflated temp file) give
+    numpy's own values, in any chunk size."""
+    monkeypatch.setattr(npz_module, "FORTRAN_IN_MEMORY_BYTES", in_memory_limit)
+    path = tmp_path / "f.npz"
+    tensor = fortran_npz(path, shape, compress)
+    with np.load(path) as loaded:
+        reference = loaded["w"]
+    np.testing.assert_array_equal(reference, tensor)
+    with npz_module.NpzReader(path) as reader:
+        (info,) = reader.infos
+        for chunk_elems in (1, 7, 1 << 20):
+            flat = np.concatenate([c.copy() for c in reader.chunks(info, chunk_elems)] or [[]])
+            np.testing.assert_array_equal(flat.astype(np.float32), reference.reshape(-1))
+        np.testing.assert_array_equal(reader.read(info), reference)
+
+
+def test_corrupt_stored_fortran_member_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(npz_module, "FORTRAN_IN_MEMORY_BYTES", 0)
+    path = tmp_path / "f.npz"
+    fortran_npz(path, (64, 64), compress=False)
+    data = bytearray(path.read_bytes())
+    data[2000] ^= 0xFF  # inside the array data
+    path.write_bytes(bytes(data))
+    with npz_module.NpzReader(path) as reader, pytest.raises(InputError, match="CRC"):
+        list(reader.chunks(reader.infos[0]))
+
+
+@pytest.mark.slow
+def test_large_fortran_member_within_memory_budget(tmp_path: Path) -> None:
+    """An npz inflating one 600 MB column-major member (under the expansion budget): read
+    whole, it peaked at twice its size before."""
+    src = tmp_path / "fortran.npz"
+    rows, cols = 10_000, 15_000  # 600 MB of float32
+    import zipfile
+
+    header = npy_bytes_header("<f4", (rows, cols)).replace(b"False", b"True ")
+    rng = np.random.default_rng(3)
+    blocks = [rng.integers(0, 2, cols).astype(np.float32).tobytes() for _ in range(64)]
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        with archive.open("w.npy", "w", force_zip64=True) as member:
+            member.write(header)
+            for row in range(rows):
+                member.write(blocks[row % 64])
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    run = measured_run(["norms", "--format", "json", str(src)], out_dir, timeout=300)
+    assert run.returncode == 0, run
+    assert run.peak_rss < RSS_BUDGET, run
+
+
+@pytest.mark.parametrize("shape", [(70, 3), (3, 70), (5, 6, 7, 8), (1000, 2, 2), (2, 1, 900)])
+@pytest.mark.parametrize("tile_bytes", [4, 64, 4096, 1 << 20])
+def test_fortran_transpose_tiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], tile_bytes: int
+) -> None:
+    """Every tiling of the on-disk transpose (whole rows, partial tiles, batches of small
+    matrices) gives numpy's C order."""
+    monkeypatch.setattr(npz_module, "FORTRAN_IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(npz_module, "FORTRAN_TILE_BYTES", tile_bytes)
+    path = tmp_path / "f.npz"
+    tensor = fortran_npz(path, shape, compress=True)
+    with npz_module.NpzReader(path) as reader:
+        (info,) = reader.infos
+        flat = np.concatenate([c.copy() for c in reader.chunks(info, 100)])
+    np.testing.assert_array_equal(flat, np.ascontiguousarray(tensor).reshape(-1))
