@@ -18,8 +18,12 @@ Choices made here (see FORMATS.md, "Sharded Hugging Face checkpoints"):
   either. `validate_sharded` checks it, and the writer always writes it fresh.
 - Files are read only inside the model directory. A symlink may point elsewhere only in a
   Hugging Face hub cache snapshot (`<repo>/snapshots/<rev>/`), whose files all link into
-  the repo's own `blobs/` store. Anything else could make `clip` copy a file such as
-  ~/.ssh/id_rsa into an output that the user then publishes.
+  the repo's own `blobs/` store, and only when that `blobs/` is a real directory (a
+  `blobs -> /` link would allow every file). Anything else could make `clip` copy a file
+  such as ~/.ssh/id_rsa into an output that the user then publishes. Kernel and device
+  files (/proc, /sys, /dev) and non-regular side files are refused.
+- Shards are parsed once at start, then their descriptors are closed and reopened on
+  demand, at most MAX_OPEN_SHARDS at a time.
 - Copied unchanged: the regular files at the top level. Not copied: subdirectories
   (`original/`, `onnx/`, `.cache/`), other weight files (`pytorch_model*.bin`, `*.pth`,
   `consolidated.safetensors`, ...) and other indexes. Those hold the weights again in
