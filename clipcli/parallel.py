@@ -31,18 +31,21 @@ def worker_count() -> int:
 
 
 _NOTHING: Any = object()
-_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
     """One executor per worker count for the whole process: a checkpoint of 200,000 tiny
-    tensors is 200,000 calls, and starting a pool per call cost ~0.4 ms each (77-140 s)."""
+    tensors is 200,000 calls, and starting a pool per call cost ~0.4 ms each (77-140 s).
+    Keyed by process id too: a forked child inherits the dict but not the threads, and
+    work submitted to the parent's pool would never run."""
+    key = (os.getpid(), workers)
     with _POOLS_LOCK:
-        pool = _POOLS.get(workers)
+        pool = _POOLS.get(key)
         if pool is None:
             pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="clipcli")
-            _POOLS[workers] = pool
+            _POOLS[key] = pool
         return pool
 
 

@@ -4,6 +4,7 @@ process (issue 9 item 17: a pool per call cost 77-140 s on 200,000 one-element t
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 
@@ -44,3 +45,30 @@ def test_stopping_early_cancels_the_rest() -> None:
     next(results)
     results.close()  # the caller stops: at most the lookahead was started
     assert len(started) <= 2 * 2 + 1
+
+
+def test_a_forked_child_gets_its_own_threads() -> None:
+    """The child of a fork has none of the parent's threads: it must not wait on them."""
+    import os
+
+    list(ordered_map(lambda x: x, range(10), workers=2))  # the parent's pool exists
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads (3.12+)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        ok = False
+        try:
+            ok = list(ordered_map(lambda x: x + 1, range(10), workers=2)) == list(range(1, 11))
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = 100
+    while deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+            return
+        deadline -= 1
+        threading.Event().wait(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child hung on the parent's thread pool")

@@ -266,3 +266,33 @@ def test_two_thousand_shards_under_a_low_descriptor_limit(tmp_path: Path) -> Non
     with safe_open(str(out / shards[-1]), framework="np") as handle:
         assert handle.get_tensor(f"t{SHARDS - 1}")[0] == float((SHARDS - 1) % 7)
     assert stat.S_ISREG((out / "model.safetensors.index.json").stat().st_mode)
+
+
+def test_shards_beyond_the_open_limit_are_reopened_and_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one descriptor allowed, every shard is closed and reopened as it is read; a shard
+    replaced by another file in between is refused, not read."""
+    from clipcli.errors import InputError
+    from clipcli.formats import sharded
+
+    monkeypatch.setattr(sharded, "MAX_OPEN_SHARDS", 1)
+    model = tmp_path / "model"
+    model.mkdir()
+    weight_map = {}
+    for number in range(3):
+        name = f"model-{number + 1:05d}-of-00003.safetensors"
+        save_file({f"t{number}": np.full(3, number + 1.0, np.float32)}, str(model / name))
+        weight_map[f"t{number}"] = name
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with sharded.ShardedReader(model, model / "model.safetensors.index.json") as reader:
+        for info in reader.infos:  # every shard reopened in turn
+            assert float(reader.read(info)[0]) == float(info.name[1:]) + 1
+            open_now = [reader.shard_reader(s).is_open for s in reader.shard_names]
+            assert sum(open_now) <= 1
+        first = reader.infos[0]
+        path = model / reader.shard_of(first.name)
+        path.unlink()
+        save_file({first.name: np.full(3, 99.0, np.float32)}, str(path))  # a new inode
+        with pytest.raises(InputError, match="changed"):
+            reader.read(first)
