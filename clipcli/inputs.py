@@ -8,7 +8,8 @@ swapped for a FIFO between a check and the open cannot make clipcli block:
   a writer (for regular files the flag changes nothing; it is cleared after the check).
 - fstat on the descriptor must say S_ISREG; anything else is closed and refused.
 - /proc, /sys and /dev hold "regular" files whose content is the kernel's (environment
-  variables, memory maps), never a checkpoint: refused by their resolved path.
+  variables, memory maps), never a checkpoint: refused by their resolved path (except
+  inside /dev/shm, an ordinary tmpfs).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from clipcli.errors import InputError
 
 # Pseudo-filesystems: reading these never yields a checkpoint and may yield secrets.
 PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
+# ...except /dev/shm, an ordinary tmpfs where people do keep checkpoints for speed (its
+# FIFOs and sockets are still refused by the S_ISREG check on the descriptor).
+ORDINARY_UNDER_DEV = Path("/dev/shm")
 _FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
 _FLAGS |= getattr(os, "O_CLOEXEC", 0)
 
@@ -32,6 +36,8 @@ def is_pseudo_path(path: Path) -> bool:
     try:
         real = path.resolve()
     except (OSError, RuntimeError):
+        return False
+    if real.is_relative_to(ORDINARY_UNDER_DEV) and real != ORDINARY_UNDER_DEV:
         return False
     return any(real == root or real.is_relative_to(root) for root in PSEUDO_ROOTS)
 

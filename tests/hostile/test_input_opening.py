@@ -103,3 +103,24 @@ def test_heap_signature_lattice_costs_linear_time(tmp_path: Path, size: int) -> 
     seconds = time.monotonic() - start
     assert run.returncode in (0, 3), run.describe()
     assert seconds < SLOW_LIMIT, run.describe()
+
+
+@pytest.mark.parametrize("path", ["/proc/self/environ", "/proc/self/maps", "/sys/kernel/notes"])
+def test_kernel_files_are_never_read(tmp_path: Path, path: str) -> None:
+    link = tmp_path / "model.safetensors"
+    link.symlink_to(path)
+    assert_refused(["norms", str(link)], 3, ["kernel or device file"], watch=tmp_path)
+
+
+def test_a_checkpoint_in_dev_shm_is_read(tmp_path: Path) -> None:
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        pytest.skip("no writable /dev/shm on this machine")
+    path = shm / f"clipcli-test-{os.getpid()}.safetensors"
+    save_file({"w": np.array([3.0, 4.0], np.float32)}, str(path))
+    try:
+        (run,) = run_clipcli(["norms", "--format", "json", str(path)], cwd=tmp_path)
+    finally:
+        path.unlink()
+    assert run.returncode == 0, run.describe()
+    assert json.loads(run.stdout)["global_norm"] == 5.0
