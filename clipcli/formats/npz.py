@@ -141,7 +141,18 @@ class NpzReader(Reader):
                     f"stored member claims {entry.file_size} bytes but holds {entry.compress_size}",
                     tensor,
                 )
-            begin, end = self._member_span(fd, entry, tensor)
+            if not 0 <= entry.header_offset < file_size:
+                raise InputError(
+                    self.path,
+                    f"local header offset {entry.header_offset} is outside the file",
+                    tensor,
+                )
+            try:
+                begin, end = self._member_span(fd, entry, tensor, file_size)
+            except (OSError, OverflowError, ValueError) as exc:
+                raise InputError(
+                    self.path, f"cannot read the local header: {exc}", tensor
+                ) from None
             if end > min(directory_start, file_size):
                 raise InputError(
                     self.path,
@@ -167,7 +178,9 @@ class NpzReader(Reader):
                 "refusing what looks like a zip bomb",
             )
 
-    def _member_span(self, fd: int, entry: zipfile.ZipInfo, tensor: str) -> tuple[int, int]:
+    def _member_span(
+        self, fd: int, entry: zipfile.ZipInfo, tensor: str, file_size: int
+    ) -> tuple[int, int]:
         """[begin, end) of the member's local header, data and data descriptor."""
         local = os.pread(fd, _LOCAL_HEADER.size, entry.header_offset)
         if len(local) != _LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
@@ -193,6 +206,8 @@ class NpzReader(Reader):
                 )
         data_start = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
         end = data_start + entry.compress_size
+        if end > file_size:
+            raise InputError(self.path, "member data runs past the end of the file", tensor)
         if flags & _DATA_DESCRIPTOR_FLAG:
             # An optional signature, the CRC and two sizes of 4 bytes each, or 8 in ZIP64.
             extra = os.pread(fd, extra_len, data_start - extra_len)
