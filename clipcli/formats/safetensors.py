@@ -105,6 +105,7 @@ class SafetensorsReader(Reader):
         self._lock = threading.Lock()
         self._users = 0  # reads in progress on the descriptor
         self._close_when_idle = False
+        self._closed = False  # close() is final; release() is not
         self._file: BinaryIO | None = open_input(path)  # closed by close() or release()
         try:
             self._identity = _identity(os.fstat(self._file.fileno()))
@@ -120,6 +121,8 @@ class SafetensorsReader(Reader):
     def _ensure_open(self) -> BinaryIO:
         """The open file, reopened (and checked to be the same file) after release()."""
         if self._file is None:
+            if self._closed:
+                raise ValueError(f"{self.path}: reader is closed")
             handle = open_input(self.path)
             if _identity(os.fstat(handle.fileno())) != self._identity:
                 handle.close()
@@ -310,6 +313,7 @@ class SafetensorsReader(Reader):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._file is not None:
                 self._file.close()
                 self._file = None
