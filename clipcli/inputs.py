@@ -80,9 +80,14 @@ def open_input(path: Path) -> BinaryIO:
         raise
 
 
-def read_input(path: Path, limit: int) -> bytes:
-    """The whole regular file, refusing one larger than `limit` bytes before reading it."""
+def read_input(path: Path, limit: int, expected: Path | None = None) -> bytes:
+    """The whole regular file, refusing one larger than `limit` bytes before reading it,
+    and (with `expected`, a resolved path checked beforehand) one that is not that file."""
     with open_input(path) as handle:
+        if expected is not None and not os.path.samestat(
+            os.stat(expected), os.fstat(handle.fileno())
+        ):
+            raise InputError(path, "changed while it was being opened; refusing it")
         size = os.fstat(handle.fileno()).st_size
         if size > limit:
             raise InputError(path, f"is {size} bytes; the limit is {limit}")

@@ -193,9 +193,11 @@ def _check_shard_name(index_path: Path, tensor: str, shard: object) -> str:
 # ---------------------------------------------------------------- the index file
 
 
-def _load_index(index_path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+def _load_index(
+    index_path: Path, real: Path | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The index document and its weight map, with every structural check done."""
-    raw = read_input(index_path, MAX_INDEX_BYTES)
+    raw = read_input(index_path, MAX_INDEX_BYTES, real)
     document, duplicates = _parse_json_object(index_path, raw)
     weight_map = document.get("weight_map")
     if not isinstance(weight_map, dict):
@@ -282,8 +284,8 @@ class ShardedReader(Reader):
         if index_path is None:
             names = [_single_model_file(self.directory).name]
         else:
-            _real_path_inside(index_path, self._roots)
-            self._index, weight_map = _load_index(index_path)
+            real = _real_path_inside(index_path, self._roots)
+            self._index, weight_map = _load_index(index_path, real)
             names = sorted(set(weight_map.values()))
         for name in names:
             self._readers[name] = self._open_shard(name)
