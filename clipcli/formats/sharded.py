@@ -272,6 +272,7 @@ class ShardedReader(Reader):
         # Shards whose descriptor is open, least recently used first (at most MAX_OPEN_SHARDS).
         self._open_lru: OrderedDict[str, None] = OrderedDict()
         self._index: dict[str, Any] | None = None
+        self._flat_metadata: dict[str, str] | None = None
         try:
             self._roots = _allowed_roots(directory)
             self._open(index_path)
@@ -386,7 +387,9 @@ class ShardedReader(Reader):
         """The index's "metadata" object (total_size, ...); a single file's __metadata__."""
         if self._index is None:
             return self._readers[self.shard_names[0]].metadata
-        return _flatten(self._index.get("metadata", {}))
+        if self._flat_metadata is None:  # flattened once: an index may hold a million keys
+            self._flat_metadata = _flatten(self._index.get("metadata", {}))
+        return self._flat_metadata
 
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         return self._reader_of(info).chunks(info, chunk_elems)

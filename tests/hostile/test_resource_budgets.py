@@ -498,3 +498,64 @@ def test_fortran_transpose_tiles(
         (info,) = reader.infos
         flat = np.concatenate([c.copy() for c in reader.chunks(info, 100)])
     np.testing.assert_array_equal(flat, np.ascontiguousarray(tensor).reshape(-1))
+
+
+class _Unseekable:
+    """A write-only stream: zipfile then writes data descriptors after each member."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, chunk: bytes) -> int:
+        self.data += chunk
+        return len(chunk)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("method", ["stored", "deflate"])
+@pytest.mark.parametrize("zip64", [False, True])
+def test_members_with_data_descriptors_are_adjacent_not_overlapping(
+    tmp_path: Path, method: str, zip64: bool
+) -> None:
+    """Data descriptors (streamed zips) and ZIP64 descriptors: each member's span ends
+    exactly where the next begins, which must be accepted."""
+    import zipfile
+
+    stream = _Unseekable()
+    compression = zipfile.ZIP_STORED if method == "stored" else zipfile.ZIP_DEFLATED
+    arrays = {f"t{i}": np.arange(i + 3, dtype=np.float32) for i in range(4)}
+    with zipfile.ZipFile(stream, "w", compression) as archive:  # type: ignore[arg-type]
+        for name, array in arrays.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=zip64) as member:
+                member.write(npy_bytes_header("<f4", array.shape) + array.tobytes())
+    path = tmp_path / "streamed.npz"
+    path.write_bytes(bytes(stream.data))
+    with zipfile.ZipFile(path) as archive:
+        assert all(info.flag_bits & 0x08 for info in archive.infolist())
+    with npz_module.NpzReader(path) as reader:
+        for info in reader.infos:
+            np.testing.assert_array_equal(reader.read(info), arrays[info.name])
+
+
+def test_local_header_naming_another_member_is_refused(tmp_path: Path) -> None:
+    body = npy_bytes_header("<f4", (4,)) + bytes(16)
+    local = Member("a.npy", 0, 0, 0, len(body), len(body), zlib.crc32(body))
+    central = Member("b.npy", 0, 0, 0, len(body), len(body), zlib.crc32(body))
+    src = tmp_path / "names.npz"
+    build_zip(src, local_header(local) + body, [central])
+    with pytest.raises(InputError, match="disagrees"):
+        npz_module.NpzReader(src)
+
+
+def test_local_header_sizes_disagreeing_with_the_central_directory_are_refused(
+    tmp_path: Path,
+) -> None:
+    body = npy_bytes_header("<f4", (4,)) + bytes(16)
+    local = Member("a.npy", 0, 0, 0, len(body) - 8, len(body) - 8, zlib.crc32(body))
+    central = Member("a.npy", 0, 0, 0, len(body), len(body), zlib.crc32(body))
+    src = tmp_path / "sizes.npz"
+    build_zip(src, local_header(local) + body, [central])
+    with pytest.raises(InputError, match="disagrees"):
+        npz_module.NpzReader(src)
