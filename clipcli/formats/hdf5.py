@@ -48,6 +48,8 @@ MAX_DECLARED_BYTES = 1 << 40  # 1 TiB: no checkpoint tensor is this large
 SPARSE_CHECK_BYTES = 64 << 20
 MAX_EXPANSION = 200
 MAX_DEPTH = 64  # real checkpoints nest a handful of groups; thousands is an attack
+# HDF5 decodes a whole chunk to read any part of it (h5py's automatic chunks are <= 1 MiB).
+MAX_CHUNK_BYTES = 256 << 20
 # Variable-length attribute data (strings) read in all: Keras' names take kilobytes.
 MAX_ATTRIBUTE_BYTES = 64 << 20
 
@@ -429,7 +431,17 @@ class Hdf5Reader(Reader):
                 )
             if offset is not None:
                 self._data_ranges.append((offset, offset + stored))
-        elif create_plist.get_layout() == _h5py().h5d.CHUNKED and hasattr(
+        if create_plist.get_layout() == _h5py().h5d.CHUNKED:
+            # The library decodes a whole chunk to read any element of it: memory per read
+            # is one chunk, whatever our 2 MiB pieces ask for.
+            chunk_bytes = math.prod(create_plist.get_chunk()) * info.dtype.itemsize
+            if chunk_bytes > MAX_CHUNK_BYTES:
+                raise self._fail(
+                    f"HDF5 chunks of {chunk_bytes} bytes exceed the {MAX_CHUNK_BYTES >> 20} MiB "
+                    "limit (each read decodes a whole chunk in memory)",
+                    info.name,
+                )
+        if create_plist.get_layout() == _h5py().h5d.CHUNKED and hasattr(
             dataset.id, "chunk_iter"
         ):  # HDF5 >= 1.14: one pass over the chunk index; older ones scan the chunks too
             dataset.id.chunk_iter(

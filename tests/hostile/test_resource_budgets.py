@@ -559,3 +559,23 @@ def test_local_header_sizes_disagreeing_with_the_central_directory_are_refused(
     build_zip(src, local_header(local) + body, [central])
     with pytest.raises(InputError, match="disagrees"):
         npz_module.NpzReader(src)
+
+
+def test_hdf5_chunk_size_exactly_at_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library decodes whole chunks: a chunk of exactly MAX_CHUNK_BYTES is read, one
+    byte over is refused (the default limit is 256 MiB)."""
+    import h5py
+
+    from clipcli.formats import hdf5 as hdf5_module
+
+    src = tmp_path / "chunks.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("w", data=np.ones((40, 30), np.float32), chunks=(10, 30))
+    monkeypatch.setattr(hdf5_module, "MAX_CHUNK_BYTES", 10 * 30 * 4)
+    with hdf5_module.Hdf5Reader(src) as reader:
+        assert reader.read(reader.infos[0]).sum() == 1200
+    monkeypatch.setattr(hdf5_module, "MAX_CHUNK_BYTES", 10 * 30 * 4 - 1)
+    with pytest.raises(InputError, match="chunks of 1200 bytes"):
+        hdf5_module.Hdf5Reader(src)
