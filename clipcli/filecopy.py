@@ -12,6 +12,7 @@ import errno
 import os
 import stat
 from collections.abc import Callable
+from pathlib import Path
 
 from clipcli import interrupts
 from clipcli.errors import InputError
@@ -84,37 +85,19 @@ def _pwrite_all(fd: int, data: bytes, position: int) -> int:
     return done
 
 
-def open_regular(path: os.PathLike[str] | str) -> int:
-    """Open an input for reading without blocking on a FIFO or device; refuse anything but a
-    regular file (checked on the opened descriptor, so a swap after the check cannot win)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InputError(path, "is not a regular file; refusing to read it")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def copy_file_sparse(source: os.PathLike[str] | str, out_fd: int) -> None:
+def copy_file_sparse(source_fd: int, out_fd: int, source_name: object) -> None:
     """Copy a whole regular file into the empty out_fd, keeping holes as holes.
 
     Only the data regions (SEEK_DATA/SEEK_HOLE) are copied; the file is then extended to
     the source's size, so a 1 TB sparse file costs its data, not a terabyte."""
-    fd = open_regular(source)
-    try:
-        size = os.fstat(fd).st_size
-        for begin, end in _data_regions(fd, size):
-            interrupts.check()
-            copy_range(fd, out_fd, begin, end, begin, source_name=source, stop=_signalled)
-            interrupts.check()
-        if os.fstat(fd).st_size != size:
-            raise InputError(source, "changed size while being copied")
-        os.ftruncate(out_fd, size)
-    finally:
-        os.close(fd)
+    size = os.fstat(source_fd).st_size
+    for begin, end in _data_regions(source_fd, size):
+        interrupts.check()
+        copy_range(source_fd, out_fd, begin, end, begin, source_name=source_name, stop=_signalled)
+        interrupts.check()
+    if os.fstat(source_fd).st_size != size:
+        raise InputError(source_name, "changed size while being copied")
+    os.ftruncate(out_fd, size)
 
 
 def _signalled() -> bool:
@@ -145,12 +128,12 @@ def _data_regions(fd: int, size: int) -> list[tuple[int, int]]:
     return regions
 
 
-def copy_side_file(source: os.PathLike[str] | str, destination: os.PathLike[str] | str) -> None:
-    """A new file at destination with source's bytes (holes kept), mode and times."""
+def copy_side_file(source_fd: int, source_name: object, destination: Path) -> None:
+    """A new file at destination with the source's bytes (holes kept), mode and times."""
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        copy_file_sparse(source, fd)
-        info = os.stat(source)
+        copy_file_sparse(source_fd, fd, source_name)
+        info = os.fstat(source_fd)
         os.fchmod(fd, stat.S_IMODE(info.st_mode))
         os.utime(fd, ns=(info.st_atime_ns, info.st_mtime_ns))
     finally:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import stat
+import os
 from pathlib import Path
+from typing import BinaryIO
 
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import Reader, Writer
+from clipcli.inputs import open_input
 
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
@@ -18,32 +20,40 @@ def format_from_extension(path: Path) -> str | None:
 
 
 def sniff_format(path: Path) -> str:
-    """The format named by the file's first bytes; refuses anything that is not a regular file."""
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        raise InputError(path, "no such file") from None
-    except OSError as exc:
-        raise InputError(path, f"cannot read: {exc.strerror}") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise InputError(path, "is a directory, expected a checkpoint file")
-    if not stat.S_ISREG(info.st_mode):
-        raise InputError(path, "is not a regular file")
-    try:
-        with open(path, "rb") as handle:
+    """The format named by the file's first bytes; refuses anything that is not a regular file
+    (checked on the opened descriptor, opened without blocking: a FIFO never hangs us)."""
+    with open_input(path) as handle:
+        try:
             head = handle.read(16)
-    except OSError as exc:
-        raise InputError(path, f"cannot read: {exc.strerror}") from None
-    if head.startswith(HDF5_MAGIC):
-        return "hdf5"
-    if head.startswith(ZIP_MAGICS):
-        return "npz"
-    if (len(head) >= 9 and head[8:9] == b"{") or format_from_extension(path) == "safetensors":
+            if head.startswith(HDF5_MAGIC):
+                return "hdf5"
+            if head.startswith(ZIP_MAGICS):
+                return "npz"
+            if len(head) >= 9 and head[8:9] == b"{":
+                return "safetensors"
+            # HDF5 allows a user block of 512, 1024, 2048, ... bytes before the superblock.
+            if _hdf5_after_user_block(handle):
+                return "hdf5"
+        except OSError as exc:
+            raise InputError(path, f"cannot read: {exc.strerror}") from None
+    if format_from_extension(path) == "safetensors":
         # safetensors has no magic; its own parser says precisely what is wrong.
         return "safetensors"
     if len(head) < 8:
         raise InputError(path, f"file is too short ({len(head)} bytes) to be a checkpoint")
     raise InputError(path, "not an npz, safetensors or HDF5 file (unknown leading bytes)")
+
+
+def _hdf5_after_user_block(handle: BinaryIO) -> bool:
+    """Whether the HDF5 signature sits at 512, 1024, 2048, ... bytes, where the library looks
+    for it after a user block (the file's own size bounds the search)."""
+    size = os.fstat(handle.fileno()).st_size
+    offset = 512
+    while offset + len(HDF5_MAGIC) <= size:
+        if os.pread(handle.fileno(), len(HDF5_MAGIC), offset) == HDF5_MAGIC:
+            return True
+        offset *= 2
+    return False
 
 
 def open_reader(path: Path) -> Reader:

@@ -40,6 +40,7 @@ from clipcli.formats.base import (
     is_numeric,
     utf8_encodable,
 )
+from clipcli.inputs import fd_path, open_input_fd
 
 MAX_DECLARED_BYTES = 1 << 40  # 1 TiB: no checkpoint tensor is this large
 # The npz reader's zip-bomb rule, for the same reason: real tensors compress ~1.1:1, so a
@@ -48,6 +49,17 @@ MAX_DECLARED_BYTES = 1 << 40  # 1 TiB: no checkpoint tensor is this large
 SPARSE_CHECK_BYTES = 64 << 20
 MAX_EXPANSION = 200
 MAX_DEPTH = 64  # real checkpoints nest a handful of groups; thousands is an attack
+# HDF5 decodes a whole chunk to read any part of it (h5py's automatic chunks are <= 1 MiB).
+MAX_CHUNK_BYTES = 256 << 20
+# Variable-length attribute data (strings) read in all: Keras' names take kilobytes.
+MAX_ATTRIBUTE_BYTES = 64 << 20
+
+
+def expansion_budget(file_size: int) -> int:
+    """The most bytes all datasets of a file of this size may declare together: the npz
+    rule (200 times the file, plus 64 MiB so that small all-zero files still read)."""
+    return MAX_EXPANSION * file_size + SPARSE_CHECK_BYTES
+
 
 # One raw-data chunk cache per open dataset (we keep at most a couple open at a time).
 # Large enough to hold a row of HDF5 chunks while we stream C-order pieces through them,
@@ -229,29 +241,44 @@ class Hdf5Reader(Reader):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         h5py = _h5py()
+        # Our own descriptor, opened without blocking and checked to be a regular file;
+        # the library then opens that very file through /proc/self/fd, so a name swapped
+        # for a FIFO or another file after the check is never what HDF5 reads.
+        self._fd = open_input_fd(path)
+        try:
+            self._open_file(h5py, fd_path(self._fd) or os.fspath(path))
+        except BaseException:
+            os.close(self._fd)
+            raise
+        try:
+            self._file_size = os.fstat(self._fd).st_size
+            self._data_ranges: list[tuple[int, int]] = []
+            self._unallocated: set[str] = set()  # datasets with no storage: all fill value
+            with _input_errors(path, "cannot read the file's structure"):
+                self.nodes, self._infos = self._walk()
+            # Walking reads no attribute values, so no global heap has been touched yet.
+            self._check_expansion()
+            largest_object = _check_global_heaps(path, self._fd, self._file_size, self._data_ranges)
+            with _input_errors(path, "cannot inspect attributes"):
+                self._check_attribute_budget(largest_object)
+            self._metadata = self._read_metadata()
+        except BaseException:
+            self.close()
+            raise
+        self._by_name = {info.name: info for info in self._infos}
+
+    def _open_file(self, h5py: Any, name: str) -> None:
         # Lock where the filesystem can, but do not fail where it cannot (NFS, Lustre).
         locking = "best-effort" if h5py.version.hdf5_version_tuple >= (1, 12, 1) else None
-        with _input_errors(path, "cannot open as HDF5"):
+        with _input_errors(self.path, "cannot open as HDF5"):
             self.file: Any = h5py.File(
-                os.fspath(path),
+                name,
                 "r",
                 locking=locking,
                 rdcc_nbytes=CHUNK_CACHE_BYTES,
                 rdcc_nslots=CHUNK_CACHE_SLOTS,
                 rdcc_w0=CHUNK_CACHE_W0,
             )
-        try:
-            self._file_size = os.fstat(self.file.id.get_vfd_handle()).st_size
-            self._data_ranges: list[tuple[int, int]] = []
-            with _input_errors(path, "cannot read the file's structure"):
-                self.nodes, self._infos = self._walk()
-            # Walking reads no attribute values, so no global heap has been touched yet.
-            _check_global_heaps(path, self._file_size, self._data_ranges)
-            self._metadata = self._read_metadata()
-        except BaseException:
-            self.file.close()
-            raise
-        self._by_name = {info.name: info for info in self._infos}
 
     @property
     def infos(self) -> list[TensorInfo]:
@@ -387,6 +414,8 @@ class Hdf5Reader(Reader):
                 info.name,
             )
         stored = int(dataset.id.get_storage_size())
+        if stored == 0 and declared:
+            self._unallocated.add(info.name)
         if declared > SPARSE_CHECK_BYTES and declared > MAX_EXPANSION * stored:
             raise self._fail(
                 f"declares {declared} bytes but stores only {stored}; refusing to expand "
@@ -403,7 +432,17 @@ class Hdf5Reader(Reader):
                 )
             if offset is not None:
                 self._data_ranges.append((offset, offset + stored))
-        elif create_plist.get_layout() == _h5py().h5d.CHUNKED and hasattr(
+        if create_plist.get_layout() == _h5py().h5d.CHUNKED:
+            # The library decodes a whole chunk to read any element of it: memory per read
+            # is one chunk, whatever our 2 MiB pieces ask for.
+            chunk_bytes = math.prod(create_plist.get_chunk()) * info.dtype.itemsize
+            if chunk_bytes > MAX_CHUNK_BYTES:
+                raise self._fail(
+                    f"HDF5 chunks of {chunk_bytes} bytes exceed the {MAX_CHUNK_BYTES >> 20} MiB "
+                    "limit (each read decodes a whole chunk in memory)",
+                    info.name,
+                )
+        if create_plist.get_layout() == _h5py().h5d.CHUNKED and hasattr(
             dataset.id, "chunk_iter"
         ):  # HDF5 >= 1.14: one pass over the chunk index; older ones scan the chunks too
             dataset.id.chunk_iter(
@@ -411,6 +450,44 @@ class Hdf5Reader(Reader):
                     (chunk.byte_offset, chunk.byte_offset + chunk.size)
                 )
             )
+
+    def _check_expansion(self) -> None:
+        """The whole file's budget: every dataset, allocated or not, is produced in full by
+        the library when read (an unallocated one as fill value), so the declared bytes of
+        all datasets together may be at most expansion_budget(file size). Per-dataset rules
+        alone let 10,000 datasets of 64 MiB each through from a 3 MB file."""
+        total = sum(info.nbytes for info in self._infos)
+        budget = expansion_budget(self._file_size)
+        if total > budget:
+            raise self._fail(
+                f"datasets declare {total} bytes in all, more than {MAX_EXPANSION} times the "
+                f"{self._file_size}-byte file plus {SPARSE_CHECK_BYTES >> 20} MiB ({budget}); "
+                "refusing to expand it"
+            )
+
+    def _check_attribute_budget(self, largest_heap_object: int) -> None:
+        """Variable-length attribute values live in global heap objects, and any number of
+        elements may point at the same object: 1,500 strings naming one 1 MiB object read
+        as 1.5 GB. Reading an attribute reads all its elements at once, so the bound is
+        taken before any is read: elements x the largest heap object in the file."""
+        elements = 0
+        for node in self.nodes:
+            obj = self.file[node.path]
+            for name in obj.attrs:
+                attr = obj.attrs.get_id(name)
+                if _holds_vlen(attr.get_type()):
+                    elements += max(1, int(attr.get_space().get_simple_extent_npoints()))
+        worst = elements * largest_heap_object
+        if worst > MAX_ATTRIBUTE_BYTES:
+            raise self._fail(
+                f"{elements} variable-length attribute values may each read a heap object of "
+                f"{largest_heap_object} bytes ({worst} in all, over the "
+                f"{MAX_ATTRIBUTE_BYTES >> 20} MiB limit for attributes); refusing it"
+            )
+
+    def is_unallocated(self, name: str) -> bool:
+        """True when the dataset has no storage at all: every element is its fill value."""
+        return name in self._unallocated
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -484,11 +561,29 @@ class Hdf5Reader(Reader):
         return out
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 # ---------------------------------------------------------------------------------------
 # Writer
+
+
+def _holds_vlen(type_id: Any) -> bool:
+    """True if an HDF5 type holds variable-length data (strings or sequences) anywhere."""
+    h5t = _h5py().h5t
+    kind = type_id.get_class()
+    if kind == h5t.VLEN or (kind == h5t.STRING and type_id.is_variable_str()):
+        return True
+    if kind == h5t.COMPOUND:
+        return any(_holds_vlen(type_id.get_member_type(i)) for i in range(type_id.get_nmembers()))
+    if kind == h5t.ARRAY:
+        return _holds_vlen(type_id.get_super())
+    return False
 
 
 def _holds_references(type_id: Any) -> bool:
@@ -840,6 +935,11 @@ class Hdf5Writer(Writer):
         the raw chunks are valid there. Other layouts go through write()."""
         if self._source is None or source is not self._source:
             return False
+        if self._source.is_unallocated(info.name):
+            # All fill value: the copy, created with the source's fill value and allocation
+            # time, reads the same with nothing written, and stays as small as the source.
+            self._written.add(info.name)
+            return True
         original = self._source.dataset(info.name)
         if original.chunks is None:
             return False
@@ -871,27 +971,53 @@ class Hdf5Writer(Writer):
             self.file.close()
 
 
-def _check_global_heaps(path: Path, size: int, data_ranges: Sequence[tuple[int, int]]) -> None:
+def _check_global_heaps(
+    path: Path, fd: int, size: int, data_ranges: Sequence[tuple[int, int]]
+) -> int:
     """Refuse global heap collections (where variable-length strings live) whose objects do
     not tile the collection: libhdf5 loops forever reading one whose free-space object has
     size 0 (found by the fuzzer). Checked on the raw bytes before any attribute is read.
 
-    Only the bytes outside the datasets' contiguous storage are searched: tensor data is
-    most of a checkpoint, and may contain b"GCOL" by chance. The rest is read a window at a
-    time, so memory stays bounded whatever is left to scan.
+    Only the bytes outside the datasets' storage are searched: tensor data is most of a
+    checkpoint, and may contain b"GCOL" by chance. The rest is read a window at a time, so
+    memory stays bounded whatever is left to scan.
+
+    Time is linear in the file size: real collections never overlap and every object header
+    is 16 bytes, so walking every real collection visits at most size / 16 objects. A file
+    whose b"GCOL" candidates (in attribute bytes, say) claim overlapping collections would
+    make the walks quadratic; once the walks together exceed twice that bound, the file is
+    refused instead.
+
+    Returns the size of the largest heap object found (for the attribute budget).
     """
-    with open(path, "rb") as handle:
-        fd = handle.fileno()
-        for begin, end in _gaps(size, data_ranges):
-            for window in range(begin, end, HEAP_SCAN_WINDOW):
-                stop = min(window + HEAP_SCAN_WINDOW, end)
-                # A match starting before `stop` may end up to 3 bytes past it.
-                text = os.pread(fd, min(stop + 3, size) - window, window)
-                start = text.find(b"GCOL")
-                while start >= 0:
-                    if _corrupt_collection(fd, window + start, size):
-                        raise InputError(path, "corrupt HDF5 global heap (zero-size free space)")
-                    start = text.find(b"GCOL", start + 4)
+    budget = _HeapWalkBudget(2 * (size // 16) + (1 << 17))
+    for begin, end in _gaps(size, data_ranges):
+        for window in range(begin, end, HEAP_SCAN_WINDOW):
+            stop = min(window + HEAP_SCAN_WINDOW, end)
+            # A match starting before `stop` may end up to 3 bytes past it.
+            text = os.pread(fd, min(stop + 3, size) - window, window)
+            start = text.find(b"GCOL")
+            while 0 <= start < stop - window:
+                if _corrupt_collection(fd, window + start, size, budget):
+                    raise InputError(path, "corrupt HDF5 global heap (zero-size free space)")
+                if budget.remaining < 0:
+                    raise InputError(
+                        path,
+                        "global heap signatures claim overlapping collections "
+                        f"(more than {budget.total} heap objects to check); refusing it",
+                    )
+                start = text.find(b"GCOL", start + 4)
+    return budget.largest_object
+
+
+class _HeapWalkBudget:
+    """Heap object headers that the scan may still look at, over all collections, and the
+    largest object seen whose data lies inside its collection."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.remaining = total
+        self.largest_object = 0
 
 
 def _gaps(size: int, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
@@ -905,9 +1031,11 @@ def _gaps(size: int, ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, i
         yield position, size
 
 
-def _corrupt_collection(fd: int, start: int, size: int) -> bool:
+def _corrupt_collection(fd: int, start: int, size: int, budget: _HeapWalkBudget) -> bool:
     """Whether the collection at `start` has a zero-size free-space object short of its end.
-    Objects are indexed by 16 bits, so no real collection holds more than 65,535."""
+    Objects are indexed by 16 bits, so no real collection holds more than 65,535.
+    Each object header looked at costs one unit of `budget`; the walk stops when it is spent
+    (the caller then refuses the file)."""
     import struct
 
     if start + 16 > size:
@@ -915,11 +1043,20 @@ def _corrupt_collection(fd: int, start: int, size: int) -> bool:
     (collection,) = struct.unpack("<Q", os.pread(fd, 8, start + 8))
     end = min(start + collection, size)
     position = start + 16
+    block_start, block = 0, b""
     for _ in range(1 << 16):
         if not collection or position + 16 > end:
             return False
-        index, _, _, length = struct.unpack("<HHIQ", os.pread(fd, 16, position))
+        budget.remaining -= 1
+        if budget.remaining < 0:
+            return False
+        if not block_start <= position <= block_start + len(block) - 16:
+            # Read ahead: most objects are small, so one pread serves many headers.
+            block_start, block = position, os.pread(fd, min(1 << 16, end - position), position)
+        index, _, _, length = struct.unpack_from("<HHIQ", block, position - block_start)
         if index == 0:  # the free space: it must reach the collection's end
             return bool(length == 0 and start + collection - position > 16)
+        if position + 16 + length <= end:
+            budget.largest_object = max(budget.largest_object, length)
         position += 16 + ((length + 7) // 8) * 8
     return True

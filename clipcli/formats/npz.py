@@ -8,9 +8,11 @@ at once instead of allocating terabytes (np.load allocates the declared shape fi
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import os
 import struct
+import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterable, Iterator
@@ -21,6 +23,7 @@ import numpy as np
 
 from clipcli.errors import InputError
 from clipcli.formats.base import (
+    CHUNK_BYTES,
     Checkpoint,
     Reader,
     TensorInfo,
@@ -29,15 +32,30 @@ from clipcli.formats.base import (
     default_chunk_elems,
     is_numeric,
 )
+from clipcli.inputs import open_input
 
 NPY_MAGIC = b"\x93NUMPY"
 MAX_HEADER_BYTES = 10_000  # numpy's own default cap for np.load
-# Streaming keeps decompression memory-safe, but a member that inflates by more than this
-# ratio to more than this size is almost surely a zip bomb (real tensors compress ~1.1:1,
-# all-zero ones ~1000:1 but are rarely that large).
+# Expansion budget, on the whole file: the members may together inflate to at most
+# BOMB_RATIO times the file's size, plus BOMB_MIN_BYTES (so a small file of all-zero
+# tensors still reads). Real tensors compress ~1.1:1, all-zero ones ~1000:1 but are rarely
+# large; inflating 200 bytes per byte read costs ~1 s per MB of file at zlib's speed.
 BOMB_RATIO = 200
 BOMB_MIN_BYTES = 64 << 20
+# Column-major (Fortran-order) members: read whole below this size, else transposed
+# through temporary files a tile of FORTRAN_TILE_BYTES at a time.
+FORTRAN_IN_MEMORY_BYTES = 32 << 20
+FORTRAN_TILE_BYTES = 4 << 20
+# numpy writes members stored or deflated; the others (bzip2 ~20 MB/s, lzma) are refused.
+COMPRESSION_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_DATA_DESCRIPTOR_FLAG = 0x08
 _READ_ERRORS = (OSError, EOFError, zipfile.BadZipFile, zlib.error, ValueError, RuntimeError)
+
+
+def expansion_budget(file_size: int) -> int:
+    """The most bytes all members of a file of this size may inflate to, together."""
+    return BOMB_RATIO * file_size + BOMB_MIN_BYTES
 
 
 class _Member:
@@ -54,12 +72,11 @@ class NpzReader(Reader):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
+        self._handle = open_input(path)  # closed by close()
         try:
-            self._handle = open(path, "rb")  # noqa: SIM115 - closed by close()
             self._zip = zipfile.ZipFile(self._handle)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-            if hasattr(self, "_handle"):
-                self._handle.close()
+            self._handle.close()
             raise InputError(path, f"not a valid npz (zip) file: {exc}") from None
         try:
             self._infos, self._members = self._scan()
@@ -71,6 +88,7 @@ class NpzReader(Reader):
         infos: list[TensorInfo] = []
         members: dict[str, _Member] = {}
         seen: set[str] = set()
+        self._check_layout(self._zip.infolist())
         for entry in self._zip.infolist():
             name = entry.filename
             if name in seen:
@@ -85,23 +103,118 @@ class NpzReader(Reader):
             tensor = name[: -len(".npy")]
             if tensor in seen:
                 raise InputError(self.path, f"both {tensor!r} and {name!r} are members")
-            self._check_bomb(entry, tensor)
             info, member = self._parse_member(entry, tensor)
             infos.append(info)
             members[tensor] = member
         return infos, members
 
-    def _check_bomb(self, entry: zipfile.ZipInfo, tensor: str) -> None:
-        if entry.compress_type == zipfile.ZIP_STORED or entry.file_size <= BOMB_MIN_BYTES:
-            return
-        ratio = entry.file_size / max(entry.compress_size, 1)
-        if ratio > BOMB_RATIO:
+    def _check_layout(self, entries: list[zipfile.ZipInfo]) -> None:
+        """Each member's bytes are its own and inside the file, and together they inflate
+        to at most expansion_budget(file size).
+
+        The central directory is what zipfile trusts; a hostile zip can make it claim more
+        than the file holds: members whose data overlap or share bytes (one compressed
+        block read as a thousand members), a local header that disagrees with its central
+        entry (another name, method or size), a stored member whose two sizes differ, data
+        running into the central directory or past the end. Each member's span (local
+        header, name, extra field, data, data descriptor) is computed from its local
+        header and the spans must be disjoint and lie before the central directory.
+        """
+        fd = self._handle.fileno()
+        file_size = os.fstat(fd).st_size
+        directory_start = getattr(self._zip, "start_dir", file_size)
+        spans: list[tuple[int, int, str]] = []
+        total = 0
+        for entry in entries:
+            name = entry.filename
+            tensor = name[: -len(".npy")] if name.endswith(".npy") else name
+            if entry.compress_type not in COMPRESSION_METHODS:
+                raise InputError(
+                    self.path,
+                    f"compression method {entry.compress_type} is not one numpy writes "
+                    "(stored or deflate)",
+                    tensor,
+                )
+            if entry.compress_type == zipfile.ZIP_STORED and entry.compress_size != entry.file_size:
+                raise InputError(
+                    self.path,
+                    f"stored member claims {entry.file_size} bytes but holds {entry.compress_size}",
+                    tensor,
+                )
+            if not 0 <= entry.header_offset < file_size:
+                raise InputError(
+                    self.path,
+                    f"local header offset {entry.header_offset} is outside the file",
+                    tensor,
+                )
+            try:
+                begin, end = self._member_span(fd, entry, tensor, file_size)
+            except (OSError, OverflowError, ValueError) as exc:
+                raise InputError(
+                    self.path, f"cannot read the local header: {exc}", tensor
+                ) from None
+            if end > min(directory_start, file_size):
+                raise InputError(
+                    self.path,
+                    "member data runs into the central directory or past the end",
+                    tensor,
+                )
+            spans.append((begin, end, tensor))
+            total += entry.file_size
+        spans.sort()
+        for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
+            if begin < end:
+                raise InputError(
+                    self.path,
+                    f"members {first!r} and {second!r} overlap (share bytes); refusing a "
+                    "zip that claims more data than it holds",
+                )
+        budget = expansion_budget(file_size)
+        if total > budget:
             raise InputError(
                 self.path,
-                f"inflates {entry.compress_size} bytes to {entry.file_size} "
-                f"(ratio {ratio:.0f}:1); refusing what looks like a zip bomb",
+                f"members inflate to {total} bytes in all, more than {BOMB_RATIO} times the "
+                f"{file_size}-byte file plus {BOMB_MIN_BYTES >> 20} MiB ({budget}); "
+                "refusing what looks like a zip bomb",
+            )
+
+    def _member_span(
+        self, fd: int, entry: zipfile.ZipInfo, tensor: str, file_size: int
+    ) -> tuple[int, int]:
+        """[begin, end) of the member's local header, data and data descriptor."""
+        local = os.pread(fd, _LOCAL_HEADER.size, entry.header_offset)
+        if len(local) != _LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
+            raise InputError(self.path, "bad zip local header", tensor)
+        (_, _, flags, method, _, _, _, compressed, size, name_len, extra_len) = (
+            _LOCAL_HEADER.unpack(local)
+        )
+        raw_name = os.pread(fd, name_len, entry.header_offset + _LOCAL_HEADER.size)
+        central_name = entry.orig_filename
+        encoding = "utf-8" if entry.flag_bits & 0x800 else "cp437"
+        if raw_name.decode(encoding, "replace") != central_name or method != entry.compress_type:
+            raise InputError(
+                self.path,
+                "local header disagrees with the central directory (name or method)",
                 tensor,
             )
+        if not flags & _DATA_DESCRIPTOR_FLAG and 0xFFFFFFFF not in (compressed, size):
+            if (compressed, size) != (entry.compress_size, entry.file_size):
+                raise InputError(
+                    self.path,
+                    "local header disagrees with the central directory (sizes)",
+                    tensor,
+                )
+        data_start = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        end = data_start + entry.compress_size
+        if end > file_size:
+            raise InputError(self.path, "member data runs past the end of the file", tensor)
+        if flags & _DATA_DESCRIPTOR_FLAG:
+            # An optional signature, the CRC and two sizes of 4 bytes each, or 8 in ZIP64.
+            extra = os.pread(fd, extra_len, data_start - extra_len)
+            end += (4 if os.pread(fd, 4, end) == b"PK\x07\x08" else 0) + (
+                20 if _has_zip64_field(extra) else 12
+            )
+        return entry.header_offset, end
 
     def _parse_member(self, entry: zipfile.ZipInfo, tensor: str) -> tuple[TensorInfo, _Member]:
         try:
@@ -137,12 +250,7 @@ class NpzReader(Reader):
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         member = self._members[info.name]
         if member.fortran:
-            # Stored column-major: C order needs the whole tensor (memory = one tensor).
-            whole = self.read(info)
-            flat = whole.reshape(-1)
-            step = chunk_elems or default_chunk_elems(info.dtype)
-            for start in range(0, flat.size, step):
-                yield flat[start : start + step]
+            yield from self._fortran_chunks(info, member, chunk_elems)
             return
         step = (chunk_elems or default_chunk_elems(info.dtype)) * info.dtype.itemsize
         if member.zip_info.compress_type == zipfile.ZIP_STORED:
@@ -190,8 +298,79 @@ class NpzReader(Reader):
                 raise InputError(self.path, "CRC mismatch: the member data is corrupt", info.name)
             yield raw.view(info.dtype)
 
-    def read(self, info: TensorInfo) -> np.ndarray:
-        member = self._members[info.name]
+    def _fortran_chunks(
+        self, info: TensorInfo, member: _Member, chunk_elems: int | None
+    ) -> Iterator[np.ndarray]:
+        """C-order chunks of a member stored column-major (np.save of a transposed array).
+
+        Any C-order chunk draws on elements spread over the whole stored data, so the data
+        must be at hand at random. Small members are read into memory (2 copies at most,
+        FORTRAN_IN_MEMORY_BYTES each); larger ones are transposed on disk, from the npz
+        itself when stored, else from a temporary file they are inflated into, so the
+        resident set stays bounded whatever the member's size (a 14 MB npz inflating one
+        1.3 GB Fortran member peaked at 2.6 GB before). A memory map would not do: the
+        kernel maps 64 KiB around every page fault, so strided reads map the whole file."""
+        step = chunk_elems or default_chunk_elems(info.dtype)
+        if info.nbytes <= FORTRAN_IN_MEMORY_BYTES:
+            flat = self._read_member_data(info, member)
+            whole = flat.reshape(info.shape[::-1]).T.reshape(-1)  # one C-order copy
+            del flat
+            for start in range(0, whole.size, step):
+                yield whole[start : start + step]
+            return
+        with contextlib.ExitStack() as stack:
+            try:
+                if member.zip_info.compress_type == zipfile.ZIP_STORED:
+                    fd, offset = self._handle.fileno(), self._stored_data_start(info, member)
+                else:
+                    spill = stack.enter_context(tempfile.TemporaryFile(prefix="clipcli-fortran-"))
+                    self._inflate_into(info, member, spill)
+                    fd, offset = spill.fileno(), 0
+                yield from _transposed_chunks(fd, offset, info, step)
+            except InputProblem as exc:
+                raise InputError(self.path, str(exc), info.name) from None
+            except OSError as exc:
+                problem = f"cannot reorder column-major data in {tempfile.gettempdir()}"
+                raise InputError(self.path, f"{problem}: {exc.strerror}", info.name) from None
+
+    def _stored_data_start(self, info: TensorInfo, member: _Member) -> int:
+        entry = member.zip_info
+        local = os.pread(self._handle.fileno(), 30, entry.header_offset)
+        if len(local) != 30 or local[:4] != b"PK\x03\x04":
+            raise InputError(self.path, "bad zip local header", info.name)
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        start = int(entry.header_offset) + 30 + name_len + extra_len
+        # zipfile checks the CRC as it streams; reading through a mapping, we check it here.
+        crc = 0
+        for piece in range(start, start + int(entry.compress_size), CHUNK_BYTES):
+            length = min(CHUNK_BYTES, start + int(entry.compress_size) - piece)
+            data = os.pread(self._handle.fileno(), length, piece)
+            if len(data) != length:
+                raise InputError(self.path, "truncated member data", info.name)
+            crc = zlib.crc32(data, crc)
+        if crc != entry.CRC:
+            raise InputError(self.path, "CRC mismatch: the member data is corrupt", info.name)
+        return int(start + member.data_offset)
+
+    def _inflate_into(self, info: TensorInfo, member: _Member, spill: IO[bytes]) -> None:
+        """The member's array bytes, decompressed a piece at a time into `spill`."""
+        try:
+            with self._zip.open(member.zip_info) as stream:
+                _read_exactly(stream, member.data_offset)
+                remaining = info.nbytes
+                while remaining > 0:
+                    data = _read_exactly(stream, min(CHUNK_BYTES, remaining))
+                    spill.write(data)
+                    remaining -= len(data)
+                if stream.read(1):
+                    raise InputProblem("extra bytes after the array data")
+            spill.flush()
+        except InputProblem as exc:
+            raise InputError(self.path, str(exc), info.name) from None
+        except _READ_ERRORS as exc:
+            raise InputError(self.path, f"cannot read data: {exc}", info.name) from None
+
+    def _read_member_data(self, info: TensorInfo, member: _Member) -> np.ndarray:
         try:
             with self._zip.open(member.zip_info) as stream:
                 _read_exactly(stream, member.data_offset)
@@ -200,14 +379,114 @@ class NpzReader(Reader):
             raise InputError(self.path, str(exc), info.name) from None
         except _READ_ERRORS as exc:
             raise InputError(self.path, f"cannot read data: {exc}", info.name) from None
-        flat = np.frombuffer(data, dtype=info.dtype)
-        if member.fortran:
-            return flat.reshape(info.shape[::-1]).T.copy()
-        return flat.reshape(info.shape)
+        return np.frombuffer(data, dtype=info.dtype)
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        member = self._members[info.name]
+        if member.fortran:  # the whole tensor in C order, built from bounded chunks
+            return super().read(info)
+        return self._read_member_data(info, member).reshape(info.shape)
 
     def close(self) -> None:
         self._zip.close()
         self._handle.close()
+
+
+def _transposed_chunks(fd: int, offset: int, info: TensorInfo, step: int) -> Iterator[np.ndarray]:
+    """C-order chunks of the tensor whose column-major data is at `offset` in `fd`.
+
+    Column-major data of shape (s0, ..., sn) is the C-order data of (sn, ..., s0). Viewed
+    as a matrix (sn*...*s1, s0), one transpose gives (s0, sn*...*s1): for each i0, the
+    column-major data of the sub-tensor [i0, ...]. So rank - 1 batched transposes, each a
+    pass through a temporary file in tiles of FORTRAN_TILE_BYTES, give C order; then the
+    result is read sequentially. Memory: two tiles and one chunk; disk: twice the tensor."""
+    shape, itemsize = info.shape, info.dtype.itemsize
+    with contextlib.ExitStack() as stack:
+        source, source_offset = fd, offset
+        for level in range(max(0, len(shape) - 1)):
+            target = stack.enter_context(tempfile.TemporaryFile(prefix="clipcli-fortran-"))
+            batch = math.prod(shape[:level])
+            cols = shape[level]
+            rows = math.prod(shape[level + 1 :])
+            _transpose_batches(source, source_offset, target.fileno(), batch, rows, cols, itemsize)
+            source, source_offset = target.fileno(), 0
+        for start in range(0, info.numel, step):
+            count = min(step, info.numel - start)
+            data = _pread_exactly(source, count * itemsize, source_offset + start * itemsize)
+            yield np.frombuffer(data, dtype=info.dtype)
+
+
+def _transpose_batches(
+    source: int, offset: int, target: int, batch: int, rows: int, cols: int, itemsize: int
+) -> None:
+    """For each of `batch` consecutive (rows, cols) C-order matrices at `offset` in
+    `source`, write its (cols, rows) transpose at the same place in `target`, a tile at a
+    time: a tile's rows are read (one pread when they are whole rows, so contiguous) and
+    its columns written (one pwrite when whole)."""
+    if not rows or not cols:
+        return
+    tile = max(1, FORTRAN_TILE_BYTES // itemsize)
+    side = max(1, math.isqrt(tile))
+    tile_cols = cols if cols * min(rows, side) <= tile else min(cols, side)
+    tile_rows = min(rows, max(1, tile // tile_cols))
+    matrix = rows * cols * itemsize
+    if rows * cols <= tile:  # small matrices: many in one read, transpose and write
+        group = max(1, tile // (rows * cols))
+        for first in range(0, batch, group):
+            count = min(group, batch - first)
+            raw = _pread_exactly(source, count * matrix, offset + first * matrix)
+            several = np.frombuffer(raw, np.uint8).reshape(count, rows, cols, itemsize)
+            os.pwrite(target, several.transpose(0, 2, 1, 3).tobytes(), first * matrix)
+        return
+    for index in range(batch):
+        base = index * matrix
+        for row0 in range(0, rows, tile_rows):
+            row1 = min(rows, row0 + tile_rows)
+            for col0 in range(0, cols, tile_cols):
+                col1 = min(cols, col0 + tile_cols)
+                width = (col1 - col0) * itemsize
+                if col0 == 0 and col1 == cols:
+                    raw = _pread_exactly(
+                        source, (row1 - row0) * width, offset + base + row0 * cols * itemsize
+                    )
+                else:
+                    raw = b"".join(
+                        _pread_exactly(
+                            source, width, offset + base + (row * cols + col0) * itemsize
+                        )
+                        for row in range(row0, row1)
+                    )
+                block = np.frombuffer(raw, np.uint8).reshape(row1 - row0, col1 - col0, itemsize)
+                flipped = np.ascontiguousarray(block.transpose(1, 0, 2))
+                if row0 == 0 and row1 == rows:
+                    os.pwrite(target, flipped.tobytes(), base + col0 * rows * itemsize)
+                else:
+                    for col in range(col0, col1):
+                        os.pwrite(
+                            target,
+                            flipped[col - col0].tobytes(),
+                            base + (col * rows + row0) * itemsize,
+                        )
+
+
+def _pread_exactly(fd: int, size: int, position: int) -> bytes:
+    data = os.pread(fd, size, position)
+    while len(data) < size:
+        more = os.pread(fd, size - len(data), position + len(data))
+        if not more:
+            raise InputProblem("the data ended early")
+        data += more
+    return data
+
+
+def _has_zip64_field(extra: bytes) -> bool:
+    position = 0
+    while position + 4 <= len(extra):
+        field_id, length = struct.unpack_from("<HH", extra, position)
+        if field_id == 0x0001:
+            return True
+        position += 4 + length
+    return False
 
 
 class InputProblem(ValueError):

@@ -31,6 +31,7 @@ from clipcli.formats.base import (
     byte_view,
     default_chunk_elems,
 )
+from clipcli.inputs import open_input
 
 MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
 MAX_TENSORS = 200_000  # real checkpoints hold at most tens of thousands
@@ -90,23 +91,80 @@ def _is_int(value: object) -> bool:
 
 
 class SafetensorsReader(Reader):
+    """Parses and validates the header in the constructor, then reads with pread.
+
+    The file may be released (its descriptor closed) and is reopened on the next read, so a
+    model directory of thousands of shards needs only a bounded number of descriptors. A
+    reopened file must be the one parsed: same device, inode, size and mtime.
+    """
+
     format_name = "safetensors"
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
-        self._file: BinaryIO = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self._lock = threading.Lock()
+        self._users = 0  # reads in progress on the descriptor
+        self._close_when_idle = False
+        self._closed = False  # close() is final; release() is not
+        self._file: BinaryIO | None = open_input(path)  # closed by close() or release()
         try:
-            self._infos, self._offsets, self._metadata = self._parse()
+            self._identity = _identity(os.fstat(self._file.fileno()))
+            self._infos, self._offsets, self._metadata = self._parse(self._file)
         except BaseException:
             self._file.close()
             raise
 
+    @property
+    def is_open(self) -> bool:
+        return self._file is not None
+
+    def _ensure_open(self) -> BinaryIO:
+        """The open file, reopened (and checked to be the same file) after release()."""
+        if self._file is None:
+            if self._closed:
+                raise ValueError(f"{self.path}: reader is closed")
+            handle = open_input(self.path)
+            if _identity(os.fstat(handle.fileno())) != self._identity:
+                handle.close()
+                raise self._fail("file changed since its header was read")
+            self._file = handle
+        return self._file
+
+    def release(self) -> None:
+        """Close the descriptor now, or once the reads in progress are done."""
+        with self._lock:
+            if self._users:
+                self._close_when_idle = True
+            elif self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def _acquire(self) -> int:
+        with self._lock:
+            self._close_when_idle = False
+            self._users += 1
+            try:
+                return self._ensure_open().fileno()
+            except BaseException:
+                self._users -= 1
+                raise
+
+    def _done(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if not self._users and self._close_when_idle and self._file is not None:
+                self._file.close()
+                self._file = None
+                self._close_when_idle = False
+
     def _fail(self, problem: str, tensor: str | None = None) -> InputError:
         return InputError(self.path, problem, tensor)
 
-    def _parse(self) -> tuple[list[TensorInfo], dict[str, tuple[int, int]], dict[str, str]]:
-        file_size = os.fstat(self._file.fileno()).st_size
-        prefix = self._file.read(8)
+    def _parse(
+        self, handle: BinaryIO
+    ) -> tuple[list[TensorInfo], dict[str, tuple[int, int]], dict[str, str]]:
+        file_size = os.fstat(handle.fileno()).st_size
+        prefix = handle.read(8)
         if len(prefix) < 8:
             raise self._fail(f"file is {len(prefix)} bytes; a safetensors file has at least 8")
         (header_len,) = _U64.unpack(prefix)
@@ -116,7 +174,7 @@ class SafetensorsReader(Reader):
             raise self._fail(
                 f"header length {header_len} runs past the end of the {file_size}-byte file"
             )
-        raw = self._file.read(header_len)
+        raw = handle.read(header_len)
         if raw.count(b'"data_offsets"') > MAX_TENSORS:
             # Checked on the bytes: parsing a million entries alone would take seconds.
             raise self._fail(f"header lists more than {MAX_TENSORS} tensors")
@@ -210,7 +268,9 @@ class SafetensorsReader(Reader):
         return self._offsets[info.name]
 
     def fileno(self) -> int:
-        return self._file.fileno()
+        """The open descriptor (reopened if released); valid until the next release()."""
+        with self._lock:
+            return self._ensure_open().fileno()
 
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         for load in self._loaders(info, chunk_elems):
@@ -236,11 +296,15 @@ class SafetensorsReader(Reader):
         raw = np.empty(stop - start, dtype=np.uint8)
         view = memoryview(raw)  # type: ignore[arg-type]
         done = 0
-        while done < len(view):
-            got = os.preadv(self._file.fileno(), [view[done:]], start + done)
-            if got == 0:
-                raise self._fail("file shrank while reading", info.name)
-            done += got
+        fd = self._acquire()
+        try:
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], start + done)
+                if got == 0:
+                    raise self._fail("file shrank while reading", info.name)
+                done += got
+        finally:
+            self._done()
         return raw.view(info.dtype)
 
     def read(self, info: TensorInfo) -> np.ndarray:
@@ -248,7 +312,15 @@ class SafetensorsReader(Reader):
         return self.read_bytes(info, begin, end).reshape(info.shape)
 
     def close(self) -> None:
-        self._file.close()
+        with self._lock:
+            self._closed = True
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
 
 def build_header(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> bytes:

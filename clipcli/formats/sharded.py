@@ -18,8 +18,12 @@ Choices made here (see FORMATS.md, "Sharded Hugging Face checkpoints"):
   either. `validate_sharded` checks it, and the writer always writes it fresh.
 - Files are read only inside the model directory. A symlink may point elsewhere only in a
   Hugging Face hub cache snapshot (`<repo>/snapshots/<rev>/`), whose files all link into
-  the repo's own `blobs/` store. Anything else could make `clip` copy a file such as
-  ~/.ssh/id_rsa into an output that the user then publishes.
+  the repo's own `blobs/` store, and only when that `blobs/` is a real directory (a
+  `blobs -> /` link would allow every file). Anything else could make `clip` copy a file
+  such as ~/.ssh/id_rsa into an output that the user then publishes. Kernel and device
+  files (/proc, /sys, /dev) and non-regular side files are refused.
+- Shards are parsed once at start, then their descriptors are closed and reopened on
+  demand, at most MAX_OPEN_SHARDS at a time.
 - Copied unchanged: the regular files at the top level. Not copied: subdirectories
   (`original/`, `onnx/`, `.cache/`), other weight files (`pytorch_model*.bin`, `*.pth`,
   `consolidated.safetensors`, ...) and other indexes. Those hold the weights again in
@@ -32,10 +36,12 @@ from __future__ import annotations
 import copy
 import json
 import os
+import stat
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -43,6 +49,7 @@ from clipcli.errors import InputError
 from clipcli.filecopy import copy_side_file
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.safetensors import MAX_HEADER_BYTES, SafetensorsReader, SafetensorsWriter
+from clipcli.inputs import is_pseudo_path, open_input, read_input
 
 FORMAT_NAME = "safetensors-sharded"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -50,6 +57,9 @@ DEFAULT_INDEX_NAME = "model" + INDEX_SUFFIX
 SHARD_SUFFIX = ".safetensors"
 SINGLE_FILE_NAME = "model" + SHARD_SUFFIX
 MAX_INDEX_BYTES = MAX_HEADER_BYTES  # an index is smaller than the headers it summarises
+# Shard descriptors kept open at once; the others are reopened on demand (and checked to be
+# the same file). Far below the usual `ulimit -n` of 1024, which 2,000 shards would exceed.
+MAX_OPEN_SHARDS = 64
 
 # Top-level files that hold the model's weights in another form (or index them).
 OTHER_WEIGHT_SUFFIXES = frozenset(
@@ -85,17 +95,23 @@ def resolve_sharded(path: Path) -> tuple[Path, Path | None] | None:
             return path, index
         _single_model_file(path)  # raises unless there is exactly one
         return path, None
-    if path.name.endswith(INDEX_SUFFIX) and path.is_file():
-        return path.parent, path
+    if path.name.endswith(INDEX_SUFFIX) and os.path.lexists(path):
+        return path.parent, path  # a FIFO or device here is refused when it is opened
     return None
+
+
+def _not_a_directory(path: Path) -> bool:
+    """Files, FIFOs, devices, dangling links: entries that are refused by name when they
+    are not regular files (is_file() would pass over them in silence)."""
+    return os.path.lexists(path) and not path.is_dir()
 
 
 def _find_index(directory: Path) -> Path | None:
     """model.safetensors.index.json, else the one *.safetensors.index.json present."""
     default = directory / DEFAULT_INDEX_NAME
-    if default.is_file():
+    if os.path.lexists(default):
         return default
-    found = sorted(p for p in directory.glob("*" + INDEX_SUFFIX) if p.is_file())
+    found = sorted(p for p in directory.glob("*" + INDEX_SUFFIX) if _not_a_directory(p))
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
         raise InputError(directory, f"several safetensors indexes ({names}); pass the one to use")
@@ -104,7 +120,7 @@ def _find_index(directory: Path) -> Path | None:
 
 def _single_model_file(directory: Path) -> Path:
     """The directory's one *.safetensors file, for a model saved without shards."""
-    found = sorted(p for p in directory.glob("*" + SHARD_SUFFIX) if p.is_file())
+    found = sorted(p for p in directory.glob("*" + SHARD_SUFFIX) if _not_a_directory(p))
     if not found:
         raise InputError(directory, "no safetensors index or model file in this directory")
     if len(found) > 1:
@@ -119,19 +135,33 @@ def _single_model_file(directory: Path) -> Path:
 
 
 def _allowed_roots(directory: Path) -> list[Path]:
-    """Where the directory's files may really live: the directory itself and, for a hub
-    cache snapshot (<repo>/snapshots/<revision>/), the repo's blobs/ store."""
+    """Where the directory's files may really live.
+
+    - The model directory itself, as the user named it (symlinks in the name the user
+      typed are the user's choice), resolved. Never `/`: that would allow every file.
+    - For a Hugging Face hub cache snapshot (<entry>/snapshots/<revision>/, where <entry>
+      is models--org--name), the entry's own blobs/ store, and only when blobs/ is a real
+      directory: a blobs/ symlink (to `/`, to a home directory) is a link the user did not
+      name, and following it would let the snapshot's files point anywhere.
+    Nothing above the cache entry is ever a root.
+    """
     real = directory.resolve()
+    if real == Path(real.anchor):
+        raise InputError(directory, "the filesystem root is not a model directory")
+    if is_pseudo_path(real):
+        raise InputError(directory, "is a kernel or device directory (/proc, /sys, /dev)")
     roots = [real]
-    if real.parent.name == "snapshots":
-        blobs = real.parent.parent / "blobs"
-        if blobs.is_dir():
-            roots.append(blobs.resolve())
+    if real.parent.name == "snapshots" and real.parent.parent != real.parent:
+        entry = real.parent.parent
+        blobs = entry / "blobs"
+        if not blobs.is_symlink() and blobs.is_dir() and entry != Path(entry.anchor):
+            roots.append(blobs)
     return roots
 
 
 def _real_path_inside(entry: Path, roots: Iterable[Path]) -> Path:
-    """The file `entry` stands for, refusing dangling links and links out of `roots`."""
+    """The file `entry` stands for, refusing dangling links, links out of `roots` and
+    kernel or device files."""
     try:
         real = entry.resolve(strict=True)
     except FileNotFoundError:
@@ -139,6 +169,8 @@ def _real_path_inside(entry: Path, roots: Iterable[Path]) -> Path:
         raise InputError(entry, problem) from None
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
         raise InputError(entry, f"cannot resolve: {exc}") from None
+    if is_pseudo_path(real):
+        raise InputError(entry, f"links to {real}, a kernel or device file; refusing it")
     if not any(real.is_relative_to(root) for root in roots):
         raise InputError(entry, f"links to {real}, outside the model directory; refusing it")
     return real
@@ -159,15 +191,11 @@ def _check_shard_name(index_path: Path, tensor: str, shard: object) -> str:
 # ---------------------------------------------------------------- the index file
 
 
-def _load_index(index_path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+def _load_index(
+    index_path: Path, real: Path | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The index document and its weight map, with every structural check done."""
-    try:
-        size = index_path.stat().st_size
-        if size > MAX_INDEX_BYTES:
-            raise InputError(index_path, f"index is {size} bytes; the limit is {MAX_INDEX_BYTES}")
-        raw = index_path.read_bytes()
-    except OSError as exc:
-        raise InputError(index_path, f"cannot read: {exc.strerror}") from None
+    raw = read_input(index_path, MAX_INDEX_BYTES, real)
     document, duplicates = _parse_json_object(index_path, raw)
     weight_map = document.get("weight_map")
     if not isinstance(weight_map, dict):
@@ -238,10 +266,13 @@ class ShardedReader(Reader):
         super().__init__(directory)
         self.directory = directory
         self.index_path = index_path
-        self._roots = _allowed_roots(directory)
         self._readers: dict[str, SafetensorsReader] = {}
+        # Shards whose descriptor is open, least recently used first (at most MAX_OPEN_SHARDS).
+        self._open_lru: OrderedDict[str, None] = OrderedDict()
         self._index: dict[str, Any] | None = None
+        self._flat_metadata: dict[str, str] | None = None
         try:
+            self._roots = _allowed_roots(directory)
             self._open(index_path)
         except BaseException:
             self.close()
@@ -252,11 +283,12 @@ class ShardedReader(Reader):
         if index_path is None:
             names = [_single_model_file(self.directory).name]
         else:
-            _real_path_inside(index_path, self._roots)
-            self._index, weight_map = _load_index(index_path)
+            real = _real_path_inside(index_path, self._roots)
+            self._index, weight_map = _load_index(index_path, real)
             names = sorted(set(weight_map.values()))
         for name in names:
             self._readers[name] = self._open_shard(name)
+            self._used(name)
         self._shard_of = self._tensor_owners(weight_map)
         self._infos = [info for name in names for info in self._readers[name].infos]
         self._other_files, self._skipped_files = self._scan_directory()
@@ -266,11 +298,17 @@ class ShardedReader(Reader):
         if not os.path.lexists(path):
             listed_in = self.index_path.name if self.index_path else "the directory"
             raise InputError(path, f"shard listed in {listed_in} does not exist")
-        _real_path_inside(path, self._roots)
+        real = _real_path_inside(path, self._roots)
         try:
-            return SafetensorsReader(path)
+            reader = SafetensorsReader(path)
+            # The file opened must be the one checked: a link swapped in between is refused.
+            same = os.path.samestat(os.stat(real), os.fstat(reader.fileno()))
         except OSError as exc:
             raise InputError(path, f"cannot read: {exc.strerror}") from None
+        if not same:
+            reader.close()
+            raise InputError(path, "changed while it was being opened; refusing it")
+        return reader
 
     def _tensor_owners(self, weight_map: Mapping[str, str] | None) -> dict[str, str]:
         """tensor -> shard, from the headers, checked against the index both ways."""
@@ -313,11 +351,28 @@ class ShardedReader(Reader):
             elif _holds_weights(entry.name):
                 skipped.append(entry)
             else:
-                _real_path_inside(entry, self._roots)
-                if not entry.is_file():
-                    raise InputError(entry, "is not a regular file; refusing to copy it")
+                self._check_side_file(entry)
                 copied.append(entry)
         return copied, skipped
+
+    def _check_side_file(self, entry: Path) -> Path:
+        """A file to copy must be a regular file inside the allowed roots: a FIFO, device,
+        socket or link to one is refused (exit 3), naming it, rather than left out in
+        silence, since the copy would then lack a file the user expects in it."""
+        real = _real_path_inside(entry, self._roots)
+        mode = real.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise InputError(entry, "is not a regular file (FIFO, device or socket); not copied")
+        return real
+
+    def open_other_file(self, entry: Path) -> BinaryIO:
+        """Open a file listed by other_files() for copying: its confinement is checked again
+        and it is opened non-blocking and checked to be a regular file on the descriptor,
+        so a name swapped for a FIFO or a link out since the listing is refused (exit 3)."""
+        if entry not in self._other_files:
+            raise ValueError(f"{entry} is not one of the files to copy")
+        self._check_side_file(entry)
+        return open_input(entry)
 
     # -- the Reader interface
 
@@ -330,7 +385,9 @@ class ShardedReader(Reader):
         """The index's "metadata" object (total_size, ...); a single file's __metadata__."""
         if self._index is None:
             return self._readers[self.shard_names[0]].metadata
-        return _flatten(self._index.get("metadata", {}))
+        if self._flat_metadata is None:  # flattened once: an index may hold a million keys
+            self._flat_metadata = _flatten(self._index.get("metadata", {}))
+        return self._flat_metadata
 
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         return self._reader_of(info).chunks(info, chunk_elems)
@@ -344,6 +401,15 @@ class ShardedReader(Reader):
     def close(self) -> None:
         for reader in self._readers.values():
             reader.close()
+        self._open_lru.clear()
+
+    def _used(self, shard: str) -> None:
+        """Mark a shard as just used; release the least recently used one past the cap."""
+        self._open_lru[shard] = None
+        self._open_lru.move_to_end(shard)
+        while len(self._open_lru) > MAX_OPEN_SHARDS:
+            oldest, _ = self._open_lru.popitem(last=False)
+            self._readers[oldest].release()
 
     # -- the directory
 
@@ -356,6 +422,7 @@ class ShardedReader(Reader):
         return self._shard_of[name]
 
     def shard_reader(self, shard: str) -> SafetensorsReader:
+        self._used(shard)
         return self._readers[shard]
 
     def common_shard_metadata(self) -> dict[str, str]:
@@ -387,7 +454,7 @@ class ShardedReader(Reader):
         return self.other_files()
 
     def _reader_of(self, info: TensorInfo) -> SafetensorsReader:
-        return self._readers[self._shard_of[info.name]]
+        return self.shard_reader(self._shard_of[info.name])
 
 
 def _holds_weights(name: str) -> bool:
@@ -493,8 +560,9 @@ class ShardedWriter(Writer):
         if isinstance(source, ShardedReader):
             if source.index_path is not None:
                 self._write_index(source, source.index_path.name)
-            for file in source.side_files():
-                copy_side_file(file, self.path / file.name)  # follows links: real files out
+            for file in source.side_files():  # links followed (inside the roots): real files out
+                with source.open_other_file(file) as handle:
+                    copy_side_file(handle.fileno(), file, self.path / file.name)
 
     def abort(self) -> None:
         if self._current is not None:

@@ -1,0 +1,121 @@
+"""Opening input files safely: never a FIFO, a device, a socket or a kernel pseudo-file.
+
+Every file clipcli reads (a checkpoint, a shard, an index, a side file listed for copying)
+is opened here. The checks are made on the opened descriptor, not on the name, so a name
+swapped for a FIFO between a check and the open cannot make clipcli block:
+
+- O_NONBLOCK: opening a FIFO that nobody writes to returns at once instead of waiting for
+  a writer (for regular files the flag changes nothing; it is cleared after the check).
+- fstat on the descriptor must say S_ISREG; anything else is closed and refused.
+- /proc, /sys and /dev hold "regular" files whose content is the kernel's (environment
+  variables, memory maps), never a checkpoint: refused by their resolved path (except
+  inside /dev/shm, an ordinary tmpfs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+from clipcli.errors import InputError
+
+# Pseudo-filesystems: reading these never yields a checkpoint and may yield secrets.
+PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
+# ...except /dev/shm, an ordinary tmpfs where people do keep checkpoints for speed (its
+# FIFOs and sockets are still refused by the S_ISREG check on the descriptor).
+ORDINARY_UNDER_DEV = Path("/dev/shm")
+_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+_FLAGS |= getattr(os, "O_CLOEXEC", 0)
+
+
+def is_pseudo_path(path: Path) -> bool:
+    """True when the resolved path lies in /proc, /sys or /dev."""
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError):
+        return False
+    if real.is_relative_to(ORDINARY_UNDER_DEV) and real != ORDINARY_UNDER_DEV:
+        return False
+    return any(real == root or real.is_relative_to(root) for root in PSEUDO_ROOTS)
+
+
+def open_input_fd(path: Path) -> int:
+    """A read-only descriptor of the regular file `path`; InputError (exit 3) otherwise."""
+    if is_pseudo_path(path):
+        raise InputError(path, "is a kernel or device file (/proc, /sys, /dev); not read")
+    try:
+        fd = os.open(path, _FLAGS)
+    except FileNotFoundError:
+        problem = "is a dangling symlink" if os.path.islink(path) else "no such file"
+        raise InputError(path, problem) from None
+    except IsADirectoryError:
+        raise InputError(path, "is a directory, expected a checkpoint file") from None
+    except OSError as exc:
+        raise InputError(path, f"cannot read: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise InputError(path, "is a directory, expected a checkpoint file")
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(path, f"is not a regular file ({_kind(info.st_mode)})")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_input(path: Path) -> BinaryIO:
+    """open_input_fd as a buffered binary file object."""
+    fd = open_input_fd(path)
+    try:
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
+def read_input(path: Path, limit: int, expected: Path | None = None) -> bytes:
+    """The whole regular file, refusing one larger than `limit` bytes before reading it,
+    and (with `expected`, a resolved path checked beforehand) one that is not that file."""
+    with open_input(path) as handle:
+        if expected is not None and not os.path.samestat(
+            os.stat(expected), os.fstat(handle.fileno())
+        ):
+            raise InputError(path, "changed while it was being opened; refusing it")
+        size = os.fstat(handle.fileno()).st_size
+        if size > limit:
+            raise InputError(path, f"is {size} bytes; the limit is {limit}")
+        try:
+            return handle.read(limit + 1)[:limit]
+        except OSError as exc:
+            raise InputError(path, f"cannot read: {exc.strerror}") from None
+
+
+def fd_path(fd: int) -> str | None:
+    """A name that reopens exactly this descriptor's file (Linux /proc/self/fd), for a
+    library that insists on opening by name; None where there is no such name."""
+    name = f"/proc/self/fd/{fd}"
+    try:
+        if os.path.samestat(os.stat(name), os.fstat(fd)):
+            return name
+    except OSError:
+        pass
+    return None
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a file"
