@@ -450,6 +450,7 @@ def convert_command(
         force=force,
         progress=_progress(quiet),
         allow_large_side_files=allow_large_side_files,
+        notify=_notify,
     )
     if not quiet:
         total = sum(i.nbytes for i in infos)

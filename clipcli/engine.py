@@ -657,6 +657,7 @@ def clip(
                 spec,
                 allow_large_side_files,
                 progress,
+                notify,
             )
         used = None
         if spec.mode is Mode.GLOBAL and spec.group_by is None:
@@ -707,6 +708,7 @@ def _write_file(
     spec: ClipSpec | None,
     allow_large_side_files: bool,
     progress: Progress,
+    notify: scope.Notify,
 ) -> list[TensorPlan]:
     """Write OUT through its target. The plans are made once the writer exists, so that it
     can start copying unchanged tensors early; a refusal while planning leaves nothing.
@@ -715,6 +717,10 @@ def _write_file(
     target.check(InputFootprint(reader.path, reader.source_files()), output_names(reader))
     if target.is_directory:
         _check_side_files(reader, allow_large_side_files)
+        if isinstance(reader, ShardedReader):
+            for entry in reader.skipped_files():
+                where = entry.relative_to(reader.directory).as_posix()
+                notify("note", f"left out {where}: {reader.left_out_reason(entry)}")
     metadata = _output_metadata(reader, target.is_directory)
     with target.stage() as staged:
         writer = writer_cls(
@@ -740,6 +746,7 @@ def convert(
     durable: bool = True,
     progress: Progress = SILENT,
     allow_large_side_files: bool = False,
+    notify: scope.Notify = scope.ignore,
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
     target = _target(src, out, force, durable)
@@ -754,5 +761,6 @@ def convert(
             None,
             allow_large_side_files,
             progress,
+            notify,
         )
         return list(reader.infos)

@@ -437,13 +437,21 @@ def _is_empty_directory(path: Path) -> bool:
 
 
 def _unexpected_entries(directory: Path, expected: frozenset[str]) -> list[str]:
-    """Entries that clipcli would not write into a model directory: anything not named in
-    `expected`, and anything that is not a regular file."""
+    """Entries (relative paths, at any depth) that clipcli would not write into this model
+    directory: anything not in `expected`, and symlinks, FIFOs and the like."""
     strangers = []
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            if entry.name not in expected or not entry.is_file(follow_symlinks=False):
-                strangers.append(entry.name)
+    pending = [""]
+    while pending:
+        relative = pending.pop()
+        with os.scandir(directory / relative) as entries:
+            for entry in entries:
+                name = f"{relative}/{entry.name}" if relative else entry.name
+                if name not in expected:
+                    strangers.append(name)
+                elif entry.is_dir(follow_symlinks=False):
+                    pending.append(name)
+                elif not entry.is_file(follow_symlinks=False):
+                    strangers.append(name)
     return sorted(strangers)
 
 

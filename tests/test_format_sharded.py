@@ -331,10 +331,13 @@ def test_reader_other_files_and_skipped_entries(model: ModelDir) -> None:
             "generation_config.json",
             "tokenizer.json",
         ]
-        assert [p.name for p in opened.skipped_files()] == [
-            "original",
+        # Folders are walked (sentence-transformers keeps modules there); weight files in
+        # other formats are left out wherever they are.
+        assert [p.name for p in opened.side_folders()] == ["original"]
+        assert [p.relative_to(model.path).as_posix() for p in opened.skipped_files()] == [
             "pytorch_model.bin",
             "pytorch_model.bin.index.json",
+            "original/consolidated.00.pth",
         ]
 
 
@@ -588,15 +591,19 @@ def test_index_keeps_other_keys_and_recomputes_total_size(model: ModelDir, tmp_p
     assert index["weight_map"] == model.load_index()["weight_map"]
 
 
-def test_round_trip_skips_subdirectories_and_other_weights(
+def test_round_trip_keeps_subdirectories_and_skips_other_weights(
     model: ModelDir, reader: ShardedReader, tmp_path: Path
 ) -> None:
+    """Subfolders are part of the model (issue 11: 1_Pooling/ was lost); weights in other
+    formats are not clipped, so they are not copied, wherever they are."""
     (model.path / "original").mkdir()
+    (model.path / "original" / "params.json").write_text("{}")
+    (model.path / "original" / "consolidated.00.pth").write_bytes(b"unclipped")
     (model.path / "pytorch_model.bin").write_bytes(b"unclipped")
     with opened_model(model.path) as opened:
         clip_into(opened, tmp_path / "out")
-    assert "original" not in entries(tmp_path / "out")
     assert "pytorch_model.bin" not in entries(tmp_path / "out")
+    assert entries(tmp_path / "out" / "original") == ["params.json"]
 
 
 def test_copied_symlink_becomes_a_regular_file(model: ModelDir, tmp_path: Path) -> None:

@@ -711,3 +711,85 @@ def test_a_missing_input_is_exit_3_even_when_out_exists(
         assert main(["clip", "--global", "1", *force, str(missing), str(existing)]) == 3
         assert "missing.safetensors" in one_error_line(capsys.readouterr().err)
     assert existing.read_bytes() == before
+
+
+# ---------------------------------------------------------------- the rest of a model directory
+
+
+def make_sentence_transformer(directory: Path) -> Path:
+    """The layout of a sentence-transformers model: modules.json points at 1_Pooling/ and
+    2_Normalize/ (empty), beside the same weights in other formats."""
+    make_model(directory)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
+    ]
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    (directory / "2_Normalize").mkdir()
+    (directory / "sentence_bert_config.json").write_text('{"max_seq_length": 256}')
+    for weights in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack", "model.gguf"):
+        (directory / weights).write_bytes(b"unclipped weights")
+    (directory / "onnx").mkdir()
+    (directory / "onnx" / "model.onnx").write_bytes(b"unclipped weights")
+    (directory / ".git" / "lfs").mkdir(parents=True)
+    (directory / ".git" / "lfs" / "object").write_bytes(b"unclipped weights")
+    return directory
+
+
+def test_model_directory_keeps_every_other_file_and_names_what_it_leaves_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = make_sentence_transformer(tmp_path / "model")
+    out = tmp_path / "clipped"
+    assert main(["clip", "--global", "1", "-q", str(model), str(out)]) == 0
+    kept = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert kept == [
+        "1_Pooling",
+        "1_Pooling/config.json",
+        "2_Normalize",
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "modules.json",
+        "sentence_bert_config.json",
+        "tokenizer.json",
+    ]
+    for name in ("1_Pooling/config.json", "modules.json", "sentence_bert_config.json"):
+        assert (out / name).read_bytes() == (model / name).read_bytes()
+    notes = capsys.readouterr().err.strip().splitlines()
+    left_out = sorted(line.split("left out ")[1].split(":")[0] for line in notes)
+    assert left_out == [
+        ".git",
+        "flax_model.msgpack",
+        "model.gguf",
+        "onnx",
+        "pytorch_model.bin",
+        "tf_model.h5",
+    ]
+    assert all(line.startswith("clipcli: note: left out ") for line in notes)
+
+
+def test_force_replaces_an_output_with_subfolders_but_not_a_strangers_file(
+    tmp_path: Path,
+) -> None:
+    model = make_sentence_transformer(tmp_path / "model")
+    out = tmp_path / "clipped"
+    assert main(["clip", "--global", "1e30", "-q", str(model), str(out)]) == 0
+    assert main(["clip", "--global", "1", "-q", "--force", str(model), str(out)]) == 0
+    (out / "1_Pooling" / "mine.txt").write_text("mine")
+    assert main(["clip", "--global", "1", "-q", "--force", str(model), str(out)]) == 2
+    assert (out / "1_Pooling" / "mine.txt").read_text() == "mine"

@@ -79,6 +79,12 @@ OTHER_WEIGHT_SUFFIXES = frozenset(
     }
 )
 
+# Folders that hold the weights again in another form, or version-control objects (a
+# git-lfs clone keeps every weight file again under .git/lfs): never copied.
+LEFT_OUT_FOLDERS = frozenset({"onnx", "openvino", ".git"})
+MAX_SIDE_ENTRIES = 100_000  # files and folders beside the weights; real models hold dozens
+MAX_SIDE_DEPTH = 16
+
 
 # ---------------------------------------------------------------- finding a model directory
 
@@ -291,7 +297,7 @@ class ShardedReader(Reader):
             self._used(name)
         self._shard_of = self._tensor_owners(weight_map)
         self._infos = [info for name in names for info in self._readers[name].infos]
-        self._other_files, self._skipped_files = self._scan_directory()
+        self._other_files, self._side_folders, self._skipped_files = self._scan_directory()
 
     def _open_shard(self, name: str) -> SafetensorsReader:
         path = self.directory / name
@@ -332,28 +338,50 @@ class ShardedReader(Reader):
                 raise InputError(self.directory / shard, problem, tensor)
         return owners
 
-    def _scan_directory(self) -> tuple[list[Path], list[Path]]:
-        """(files to copy unchanged, entries left out), both sorted by name."""
+    def _scan_directory(self) -> tuple[list[Path], list[Path], list[Path]]:
+        """(files to copy unchanged, directories to recreate, entries left out), in walk
+        order. Subdirectories are part of the model (sentence-transformers' 1_Pooling/ and
+        2_Normalize/, which modules.json points at), so they are walked; weight files in
+        other forms anywhere, weight folders (onnx/, openvino/) and .git/ are left out, as
+        are symlinked directories (not followed). Bounded in entries and depth."""
         ours = set(self._readers)
         if self.index_path is not None:
             ours.add(self.index_path.name)
-        try:
-            listing = sorted(self.directory.iterdir())
-        except OSError as exc:
-            raise InputError(self.directory, f"cannot list: {exc.strerror}") from None
         copied: list[Path] = []
+        folders: list[Path] = []
         skipped: list[Path] = []
-        for entry in listing:
-            if entry.name in ours:
-                continue
-            if entry.is_dir():
-                skipped.append(entry)  # never read, so a link out of the directory is harmless
-            elif _holds_weights(entry.name):
-                skipped.append(entry)
-            else:
-                self._check_side_file(entry)
-                copied.append(entry)
-        return copied, skipped
+        pending = [(self.directory, 0)]
+        seen = 0
+        while pending:
+            folder, depth = pending.pop(0)
+            try:
+                listing = sorted(folder.iterdir())
+            except OSError as exc:
+                raise InputError(folder, f"cannot list: {exc.strerror}") from None
+            seen += len(listing)
+            if seen > MAX_SIDE_ENTRIES:
+                raise InputError(
+                    self.directory, f"holds more than {MAX_SIDE_ENTRIES} files and folders"
+                )
+            for entry in listing:
+                if folder == self.directory and entry.name in ours:
+                    continue
+                if entry.is_dir():
+                    if (
+                        entry.is_symlink()
+                        or entry.name in LEFT_OUT_FOLDERS
+                        or depth + 1 > MAX_SIDE_DEPTH
+                    ):
+                        skipped.append(entry)
+                    else:
+                        folders.append(entry)
+                        pending.append((entry, depth + 1))
+                elif _holds_weights(entry.name):
+                    skipped.append(entry)
+                else:
+                    self._check_side_file(entry)
+                    copied.append(entry)
+        return copied, folders, skipped
 
     def _check_side_file(self, entry: Path) -> Path:
         """A file to copy must be a regular file inside the allowed roots: a FIFO, device,
@@ -439,12 +467,30 @@ class ShardedReader(Reader):
         return copy.deepcopy(self._index)
 
     def other_files(self) -> list[Path]:
-        """Top-level files that are neither weights nor the index: config, tokenizer, ..."""
+        """Files that are neither these weights nor the index, at any depth: config,
+        tokenizer, 1_Pooling/config.json, ..."""
         return list(self._other_files)
 
+    def side_folders(self) -> list[Path]:
+        """Subdirectories to recreate (parents before children), empty ones included."""
+        return list(self._side_folders)
+
     def skipped_files(self) -> list[Path]:
-        """Entries that `clip` does not copy: subdirectories and weights in other forms."""
+        """Entries that `clip` does not copy: weights in other forms, weight folders, .git/
+        and symlinked directories."""
         return list(self._skipped_files)
+
+    def left_out_reason(self, entry: Path) -> str:
+        """Why an entry of skipped_files() is not copied, for the note clipcli prints."""
+        if entry.is_dir():
+            if entry.is_symlink():
+                return "a symlinked folder, not followed"
+            if entry.name == ".git":
+                return "version-control data (git-lfs keeps the weights again there)"
+            if entry.name in LEFT_OUT_FOLDERS:
+                return "weights in another format, which clipcli does not clip"
+            return f"nested deeper than {MAX_SIDE_DEPTH} folders"
+        return "weights in another format, which clipcli does not clip"
 
     def source_files(self) -> list[Path]:
         index = [] if self.index_path is None else [self.index_path]
@@ -492,13 +538,15 @@ def _plan_shards(checkpoint: Checkpoint) -> list[_ShardPlan]:
 
 
 def output_names(source: Reader | None) -> frozenset[str]:
-    """Every name the writer puts into an output directory for this source."""
+    """Every path (relative, '/'-separated) the writer puts into an output directory for
+    this source: shards, index, side files and the folders that hold them."""
     checkpoint = Checkpoint(list(source.infos) if source else [], {}, source)
     names = {plan.name for plan in _plan_shards(checkpoint)}
-    if isinstance(source, ShardedReader) and source.index_path is not None:
-        names.add(source.index_path.name)
-    if source is not None:
-        names.update(path.name for path in source.side_files())
+    if isinstance(source, ShardedReader):
+        if source.index_path is not None:
+            names.add(source.index_path.name)
+        for path in [*source.side_folders(), *source.side_files()]:
+            names.add(path.relative_to(source.directory).as_posix())
     return frozenset(names)
 
 
@@ -560,9 +608,12 @@ class ShardedWriter(Writer):
         if isinstance(source, ShardedReader):
             if source.index_path is not None:
                 self._write_index(source, source.index_path.name)
+            for folder in source.side_folders():
+                (self.path / folder.relative_to(source.directory)).mkdir(mode=0o755)
             for file in source.side_files():  # links followed (inside the roots): real files out
                 with source.open_other_file(file) as handle:
-                    copy_side_file(handle.fileno(), file, self.path / file.name)
+                    destination = self.path / file.relative_to(source.directory)
+                    copy_side_file(handle.fileno(), file, destination)
 
     def abort(self) -> None:
         if self._current is not None:
