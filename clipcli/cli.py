@@ -390,6 +390,7 @@ def clip_command(
     --norm [--axes], --average or --global [--use-norm]. Tensors within the limit, not
     selected, not floating point, or training state (optimizer slots, BatchNorm
     statistics; unless --all-tensors) are copied bit-identical."""
+    from clipcli import interrupts
     from clipcli.clipping import build_spec
     from clipcli.engine import Selection, clip
     from clipcli.report import clip_report
@@ -409,20 +410,23 @@ def clip_command(
     )
     selection = _selection(include, exclude, all_tensors)
     assert isinstance(selection, Selection)
-    result = clip(
-        src,
-        out,
-        spec,
-        selection,
-        dry_run=dry_run,
-        force=force,
-        durable=fsync,
-        progress=_progress(quiet),
-        allow_large_side_files=allow_large_side_files,
-        notify=_notify,
-    )
-    if not quiet:
-        _print(clip_report(result), fmt)
+    # Signals are recorded from here to the end: acted on between chunks until OUT is
+    # committed, moot after that (OUT is whole, so the run reports success).
+    with interrupts.deferred():
+        result = clip(
+            src,
+            out,
+            spec,
+            selection,
+            dry_run=dry_run,
+            force=force,
+            durable=fsync,
+            progress=_progress(quiet),
+            allow_large_side_files=allow_large_side_files,
+            notify=_notify,
+        )
+        if not quiet:
+            _print(clip_report(result), fmt)
 
 
 @app.command(
@@ -442,19 +446,21 @@ def convert_command(
     """Copy IN to OUT's format losslessly: same names, order, dtypes, shapes and values;
     metadata carried over where OUT's format can hold it. A dtype OUT cannot hold
     (bfloat16/fp8 into npz or HDF5) is refused."""
+    from clipcli import interrupts
     from clipcli.engine import convert
 
-    infos = convert(
-        src,
-        out,
-        force=force,
-        progress=_progress(quiet),
-        allow_large_side_files=allow_large_side_files,
-        notify=_notify,
-    )
-    if not quiet:
-        total = sum(i.nbytes for i in infos)
-        print(f"wrote {printable(str(out))}: {len(infos)} tensors, {total} bytes")
+    with interrupts.deferred():  # as for clip
+        infos = convert(
+            src,
+            out,
+            force=force,
+            progress=_progress(quiet),
+            allow_large_side_files=allow_large_side_files,
+            notify=_notify,
+        )
+        if not quiet:
+            total = sum(i.nbytes for i in infos)
+            print(f"wrote {printable(str(out))}: {len(infos)} tensors, {total} bytes")
 
 
 @app.command(

@@ -735,6 +735,8 @@ def _write_file(
             writer.abort()
             raise
         guard.check("while it was being read")
+    for note in target.notes:
+        notify("note", note)
     return plans
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
+import hashlib
 import os
 import re
 import secrets
@@ -42,10 +44,9 @@ from clipcli.io import format_from_extension
 
 TEMP_SUFFIX = ".clipcli-tmp"
 ASIDE_SUFFIX = ".clipcli-old"
-_NAME_ROOM = 100  # characters of OUT's name kept in a temp name (NAME_MAX is 255 bytes)
-_TEMP_NAME = re.compile(
-    r"^\.(?P<stem>.*)\.(?P<pid>\d+)-[0-9a-f]{8}(?P<kind>\.clipcli-(?:tmp|old))$"
-)
+KEPT_SUFFIX = ".clipcli-kept"
+_NAME_ROOM = 160  # bytes of OUT's name kept in a temp name (NAME_MAX is 255 bytes)
+_TEMP_TAIL = re.compile(r"^(?P<pid>\d+)-[0-9a-f]{8}(?P<kind>\.clipcli-(?:tmp|old))$")
 
 AT_FDCWD = -100
 RENAME_NOREPLACE = 1
@@ -182,21 +183,27 @@ def _real_parent(path: Path) -> Path:
 
 class InputFootprint:
     """What OUT must stay clear of: the input's root (a file, or the model directory) and
-    every file read from it (by real path and by device and inode, for hard links)."""
+    every file read from it. Compared by real path and by device and inode, so that hard
+    links and bind mounts (another path to the same directory) are caught too."""
 
     def __init__(self, root: Path, files: Iterable[Path]) -> None:
+        files = list(files)
         self.root = _real(root)
         self.root_is_directory = self.root.is_dir()
         self.files = [_real(f) for f in files]
-        self.inodes: set[tuple[int, int]] = set()
-        for path in [self.root, *self.files]:
-            with contextlib.suppress(OSError):
-                info = os.stat(path)
-                self.inodes.add((info.st_dev, info.st_ino))
+        self.inodes = {identity for p in [self.root, *self.files] if (identity := _inode(p))}
+        self.root_inode = _inode(self.root)
+        self.file_ancestors = [set(_ancestor_inodes(f)) for f in [self.root, *self.files]]
         try:
             self.root_mode = stat.S_IMODE(os.stat(self.root).st_mode)
         except OSError:
             self.root_mode = 0o666
+        # Permission bits of each input file by its path inside the model directory.
+        self.modes: dict[str, int] = {}
+        for path in files:
+            with contextlib.suppress(OSError, ValueError):
+                relative = Path(path).relative_to(root).as_posix()
+                self.modes[relative] = stat.S_IMODE(os.stat(path).st_mode)
 
     def overlap(self, out: Path) -> str | None:
         """Why writing OUT would touch the input, or None."""
@@ -209,13 +216,36 @@ class InputFootprint:
                 _is_inside(f, candidate) for f in self.files
             ):
                 return "contains the input"
-        try:
-            info = os.stat(out)
-        except OSError:
-            return None
-        if (info.st_dev, info.st_ino) in self.inodes:
+        out_inode = _inode(out)
+        if out_inode is not None and out_inode in self.inodes:
             return "is the input (a link to it)"
+        above = set(_ancestor_inodes(out.parent if str(out.parent) else Path(".")))
+        if self.root_is_directory and self.root_inode in above:
+            return "is inside the input directory (through another path to it)"
+        if out_inode is not None and any(out_inode in up for up in self.file_ancestors):
+            return "contains the input (through another path to it)"
         return None
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _ancestor_inodes(path: Path) -> Iterator[tuple[int, int]]:
+    """(device, inode) of path and of every directory above it, as the kernel sees them
+    (a bind mount shows the mounted directory's own identity)."""
+    current = Path(os.path.abspath(path))
+    while True:
+        identity = _inode(current)
+        if identity is not None:
+            yield identity
+        if current.parent == current:
+            return
+        current = current.parent
 
 
 # ---------------------------------------------------------------- targets
@@ -234,6 +264,9 @@ class Target:
         self.parent = out.parent if str(out.parent) else Path(".")
         self._replace_empty_directory = False
         self._mode = 0o644
+        self._file_modes: dict[str, int] = {}
+        self._default_file_mode = 0o666
+        self.notes: list[str] = []  # said after a successful commit
 
     # -- checks, before any data is read
 
@@ -271,42 +304,56 @@ class Target:
         )
 
     def _new_mode(self, footprint: InputFootprint) -> int:
-        """cp's rule: a new OUT gets IN's permission bits, masked by the umask."""
-        return footprint.root_mode & 0o666 & ~_umask()
+        """cp's rule: a new OUT gets IN's permission bits, masked by the umask (for a model
+        directory IN joined into one file: its first file's)."""
+        mode = footprint.root_mode
+        if footprint.root_is_directory:
+            mode = next(iter(footprint.modes.values()), 0o666)
+        return mode & ~_umask()
 
     # -- staging and the commit
 
     def temp_path(self, suffix: str = TEMP_SUFFIX) -> Path:
-        stem = self.out.name[:_NAME_ROOM]
-        return self.parent / f".{stem}.{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+        token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        return self.parent / f"{temp_prefix(self.out)}{token}{suffix}"
 
     @contextlib.contextmanager
     def stage(self) -> Iterator[Path]:
         """Yield a new temp entry beside OUT; when the block ends normally, commit it as OUT.
 
-        Signals are deferred for the whole block. Any failure removes the temp entry and
-        leaves OUT as it was: OSError becomes WriteError (exit 5), a signal Interrupted."""
+        Every run works in a private directory beside OUT (`.<OUT>.<pid>-<hex>.clipcli-tmp`)
+        on which it holds an flock while it lives: a later run removes such a directory
+        only when it can take that lock, i.e. when its owner is gone (PID namespaces and
+        reused PIDs cannot fool it). A file OUT is built inside it; a directory OUT is that
+        directory. Signals are deferred for the whole block. Any failure removes the work
+        directory and leaves OUT as it was: OSError becomes WriteError (exit 5), a signal
+        Interrupted."""
         with interrupts.deferred():
             remove_stale_temps(self.out)
-            staged = self._create()
+            workdir = self.temp_path()
             try:
+                os.mkdir(workdir, 0o700)
+            except OSError as exc:
+                raise WriteError(
+                    f"{self.out}: cannot create a directory in {self.parent}: {exc.strerror}"
+                ) from None
+            lock = _hold_lock(workdir)
+            try:
+                staged = self._staged_in(workdir)
                 yield staged
                 interrupts.check()
                 self._commit(staged)
+                if workdir != staged:
+                    os.rmdir(workdir)
             except BaseException as exc:
-                remove_tree(staged)
+                remove_tree(workdir)
                 raise _translated(exc, self.out) from None
+            finally:
+                os.close(lock)
 
-    def _create(self) -> Path:
-        path = self.temp_path()
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise WriteError(
-                f"{self.out}: cannot create a file in {self.parent}: {exc.strerror}"
-            ) from None
-        os.close(fd)
-        return path
+    def _staged_in(self, workdir: Path) -> Path:
+        """The path the writer fills: a file inside the work directory."""
+        return workdir / self.out.name
 
     def _commit(self, staged: Path) -> None:
         if self.durable:
@@ -351,8 +398,11 @@ class DirectoryTarget(Target):
     kind = "directory"
 
     def _new_mode(self, footprint: InputFootprint) -> int:
-        mode = footprint.root_mode if footprint.root_is_directory else 0o777
-        return mode & 0o777 & ~_umask()
+        if footprint.root_is_directory:
+            self._file_modes = dict(footprint.modes)
+            return footprint.root_mode & ~_umask()
+        self._default_file_mode = footprint.root_mode  # the one file of a one-file model
+        return 0o777 & ~_umask()
 
     def _check_replaceable_directory(self, expected: frozenset[str]) -> None:
         strangers = _unexpected_entries(self.out, expected)
@@ -369,18 +419,22 @@ class DirectoryTarget(Target):
 
     _expected: frozenset[str] = frozenset()
 
-    def _create(self) -> Path:
-        path = self.temp_path()
-        try:
-            os.mkdir(path, 0o700)
-        except OSError as exc:
-            raise WriteError(
-                f"{self.out}: cannot create a directory in {self.parent}: {exc.strerror}"
-            ) from None
-        return path
+    def _staged_in(self, workdir: Path) -> Path:
+        return workdir  # the work directory becomes OUT
 
     def _sync(self, staged: Path) -> None:
         fsync_tree(staged)
+
+    def _commit(self, staged: Path) -> None:
+        # cp -r: each file keeps its source's permission bits (masked by the umask), so a
+        # private shard does not become a world-readable one inside the new directory.
+        mask = _umask()
+        for folder, _, files in os.walk(staged):
+            for name in files:
+                path = Path(folder, name)
+                relative = path.relative_to(staged).as_posix()
+                os.chmod(path, self._file_modes.get(relative, self._default_file_mode) & ~mask)
+        super()._commit(staged)
 
     def _place(self, staged: Path) -> None:
         out = self.out
@@ -413,7 +467,7 @@ class DirectoryTarget(Target):
                 raise Refused(
                     f"{out}: changed while clipcli was writing; left alone, no output written"
                 )
-            remove_tree(old)
+            self._remove_replaced(old)
             return
         aside = self.temp_path(ASIDE_SUFFIX)
         os.rename(out, aside)  # signals are deferred, so nothing stops between the two
@@ -422,7 +476,32 @@ class DirectoryTarget(Target):
         except OSError:
             os.rename(aside, out)
             raise
-        remove_tree(aside)
+        self._remove_replaced(aside)
+
+    def _remove_replaced(self, old: Path) -> None:
+        """Delete the replaced OUT by the names clipcli would have written, deepest first,
+        never a name it does not know: a file someone put there after the last check
+        survives, and the old directory is then kept (named *.clipcli-kept) and reported."""
+        if not _is_real_directory(old):
+            remove_tree(old)
+            return
+        for name in sorted(self._expected, key=lambda n: n.count("/"), reverse=True):
+            path = old / name
+            with contextlib.suppress(OSError):
+                if _is_real_directory(path):
+                    os.rmdir(path)
+                elif path.is_file() and not path.is_symlink():
+                    path.unlink()
+        try:
+            os.rmdir(old)
+        except OSError:
+            kept = self.temp_path(KEPT_SUFFIX)
+            with contextlib.suppress(OSError):
+                os.rename(old, kept)
+                old = kept
+            self.notes.append(
+                f"the replaced {self.out} held files clipcli did not write; kept at {old}"
+            )
 
 
 def _is_real_directory(path: Path) -> bool:
@@ -469,22 +548,63 @@ def _translated(exc: BaseException, out: Path) -> BaseException:
 # ---------------------------------------------------------------- stale temps of dead runs
 
 
-def remove_stale_temps(out: Path) -> None:
-    """Remove temp entries for OUT left by clipcli processes that no longer run (SIGKILL,
-    power loss), and put back an aside copy of OUT that a dead run stranded."""
-    parent = out.parent if str(out.parent) else Path(".")
-    stem = out.name[:_NAME_ROOM]
+def temp_prefix(out: Path) -> str:
+    """`.<OUT name>.`, with a long name cut (by bytes) and a hash of the whole name added,
+    so that temp names fit NAME_MAX and two long OUT names never share a prefix."""
+    encoded = os.fsencode(out.name)
+    if len(encoded) <= _NAME_ROOM:
+        return f".{out.name}."
+    digest = hashlib.sha256(encoded).hexdigest()[:12]
+    cut = encoded[:_NAME_ROOM].decode("utf-8", "ignore")  # never half a character
+    return f".{cut}~{digest}."
+
+
+def _hold_lock(directory: Path) -> int:
+    """An open descriptor of `directory` holding an exclusive flock (where supported)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _abandoned(path: Path, pid: int) -> bool:
+    """Whether no live clipcli run owns this temp entry: its lock can be taken (the owner
+    is gone), or, where there is no lock to ask (an aside file, no flock), no process
+    with its pid runs."""
     try:
-        entries = [e for e in os.scandir(parent) if e.name.startswith(f".{stem}.")]
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return not _alive(pid)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return not _alive(pid)
+    finally:
+        os.close(fd)
+    return True
+
+
+def remove_stale_temps(out: Path) -> None:
+    """Remove temp entries for OUT left by clipcli runs that no longer run (SIGKILL, power
+    loss), and put back an aside copy of OUT that a dead run stranded. Only entries named
+    exactly for this OUT, owned by this user, and abandoned by their run."""
+    parent = out.parent if str(out.parent) else Path(".")
+    prefix = temp_prefix(out)
+    try:
+        entries = [e for e in os.scandir(parent) if e.name.startswith(prefix)]
     except OSError:
         return
     for entry in entries:
-        match = _TEMP_NAME.match(entry.name)
-        if match is None or match["stem"] != stem or _alive(int(match["pid"])):
+        match = _TEMP_TAIL.match(entry.name[len(prefix) :])
+        if match is None:
             continue
         path = Path(parent, entry.name)
         with contextlib.suppress(OSError):
             if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            if not _abandoned(path, int(match["pid"])):
                 continue
             if match["kind"] == ASIDE_SUFFIX and not os.path.lexists(out):
                 os.rename(path, out)

@@ -793,3 +793,187 @@ def test_force_replaces_an_output_with_subfolders_but_not_a_strangers_file(
     (out / "1_Pooling" / "mine.txt").write_text("mine")
     assert main(["clip", "--global", "1", "-q", "--force", str(model), str(out)]) == 2
     assert (out / "1_Pooling" / "mine.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- found by the attack
+
+
+def _bind_mount(source: Path, target: Path) -> None:
+    target.mkdir()
+    done = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {done.stderr.decode().strip()}")
+
+
+def _unmount(target: Path) -> None:
+    subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def test_out_inside_the_input_through_a_bind_mount(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "model")
+    before = snapshot(model)
+    alias = tmp_path / "alias"
+    _bind_mount(model, alias)
+    try:
+        for force in ([], ["--force"]):
+            out = alias / "clipped.safetensors"
+            assert main(["clip", "--global", "1", *force, str(model), str(out)]) == 2
+    finally:
+        _unmount(alias)
+    assert snapshot(model) == before
+
+
+def test_out_containing_the_input_through_a_bind_mount(tmp_path: Path) -> None:
+    """--force on OUT = another path to the directory that holds IN: the swap would have
+    deleted the input (it held only a name clipcli writes)."""
+    (tmp_path / "x").mkdir()
+    src = make_input(tmp_path / "x" / "model.safetensors")
+    before = src.read_bytes()
+    alias = tmp_path / "alias"
+    _bind_mount(tmp_path, alias)
+    try:
+        argv = ["clip", "--global", "5", "--force", str(src), f"{alias}/x/"]
+        assert main(argv) == 2
+    finally:
+        _unmount(alias)
+    assert src.read_bytes() == before
+
+
+def test_long_out_names_that_share_a_prefix_do_not_share_temps(tmp_path: Path) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    stem = "x" * 200
+    a, b = tmp_path / f"{stem}A.safetensors", tmp_path / f"{stem}B.safetensors"
+    aside_a = tmp_path / f"{output.temp_prefix(a)}999999999-deadbeef.clipcli-old"
+    aside_a.write_text("precious old A")
+    assert output.temp_prefix(a) != output.temp_prefix(b)
+    assert main(["clip", "--global", "1", "-q", "--force", str(src), str(b)]) == 0
+    assert aside_a.read_text() == "precious old A"
+    assert not a.exists()
+
+
+@pytest.mark.parametrize("name", ["😀" * 60 + ".npz", "y" * 250 + ".npz"])
+def test_out_names_up_to_name_max_bytes(tmp_path: Path, name: str) -> None:
+    src = make_input(tmp_path / "in.safetensors")
+    assert len(os.fsencode(name)) <= 255
+    assert main(["clip", "--global", "1", "-q", str(src), str(tmp_path / name)]) == 0
+    assert listing(tmp_path) == sorted(["in.safetensors", name])
+
+
+def test_full_disk_at_every_moment_of_a_compressed_hdf5_write(
+    tmp_path: Path, mount_tmpfs: Any
+) -> None:
+    """The disk fills at a different moment for each size: while writing chunks, at the
+    final flush, at close. Every one is exit 5 with one line, never 70 or a crash."""
+    src = tmp_path / "in.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(src, "w") as handle:
+        for i in range(8):
+            handle.create_dataset(
+                f"t{i}",
+                data=rng.standard_normal(100_000).astype(np.float32),
+                chunks=(10_000,),
+                compression="gzip",
+            )
+    codes = set()
+    for kib in (64, 512, 1024, 1536, 2048, 2600, 2870, 2910):
+        disk = mount_tmpfs(f"d{kib}", size=f"{kib}k")
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "clipcli",
+                "clip",
+                "--global",
+                "5",
+                str(src),
+                str(disk / "o.h5"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        codes.add(proc.returncode)
+        if proc.returncode != 0:
+            assert proc.returncode == 5, (kib, proc.stderr)
+            assert "disk full" in one_error_line(proc.stderr)
+            assert listing(disk) == []
+    assert 5 in codes
+
+
+def test_modes_inside_a_directory_output_follow_the_input(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "model")
+    for path in model.iterdir():
+        path.chmod(0o600)
+    (model / "config.json").chmod(0o640)
+    src = make_input(tmp_path / "private.safetensors")
+    src.chmod(0o600)
+    old = os.umask(0o022)
+    try:
+        assert main(["clip", "--global", "1", "-q", str(model), str(tmp_path / "o1")]) == 0
+        assert main(["convert", "-q", str(src), f"{tmp_path}/o2/"]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat_mode(p) for p in (tmp_path / "o1").iterdir()}
+    assert modes.pop("config.json") == 0o640
+    assert set(modes.values()) == {0o600}, modes
+    assert stat_mode(tmp_path / "o2" / "model.safetensors") == 0o600
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o7777
+
+
+def test_a_file_put_into_the_replaced_directory_at_the_last_moment_survives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = make_model(tmp_path / "model")
+    out = tmp_path / "clipped"
+    assert main(["clip", "--global", "1e30", "-q", str(model), str(out)]) == 0
+    real = output.DirectoryTarget._remove_replaced
+
+    def stranger_arrives(self: output.DirectoryTarget, old: Path) -> None:
+        (old / "theirs.txt").write_text("not clipcli's")
+        real(self, old)
+
+    monkeypatch.setattr(output.DirectoryTarget, "_remove_replaced", stranger_arrives)
+    assert main(["clip", "--global", "1", "-q", "--force", str(model), str(out)]) == 0
+    kept = [p for p in tmp_path.iterdir() if p.name.endswith(".clipcli-kept")]
+    assert len(kept) == 1 and (kept[0] / "theirs.txt").read_text() == "not clipcli's"
+    assert "kept at" in capsys.readouterr().err
+    # and a later run never removes a kept copy
+    assert main(["clip", "--global", "2", "-q", "--force", str(model), str(out)]) == 0
+    assert (kept[0] / "theirs.txt").exists()
+
+
+def test_a_live_runs_temp_is_never_removed_whatever_its_pid(tmp_path: Path) -> None:
+    """The pid in a temp name means nothing in another PID namespace: liveness is the
+    run's flock on its work directory."""
+    import fcntl
+
+    src = make_input(tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    live = tmp_path / f"{output.temp_prefix(out)}999999999-0123abcd.clipcli-tmp"
+    live.mkdir()
+    (live / "out.safetensors").write_bytes(b"partial")
+    fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert main(["clip", "--global", "1", "-q", str(src), str(out)]) == 0
+        assert (live / "out.safetensors").exists()
+    finally:
+        os.close(fd)  # the owner is gone now
+    assert main(["clip", "--global", "1", "-q", "--force", str(src), str(out)]) == 0
+    assert not live.exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_after_the_commit_point_is_success(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: int
+) -> None:
+    import clipcli.cli as cli
+
+    src = make_input(tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    _signal_self_inside(monkeypatch, cli, "_print", sig)
+    assert main(["clip", "--global", "1", str(src), str(out)]) == 0
+    assert sorted(load_file(str(out))) == ["a", "b", "step"]

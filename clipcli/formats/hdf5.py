@@ -23,6 +23,7 @@ import contextlib
 import functools
 import math
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -890,9 +891,9 @@ class Hdf5Writer(Writer):
         "Slist already enabled?" and a segfault at exit. The file is discarded anyway."""
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             self._silence()
-            raise
+            raise _with_errno(exc) from None
 
     def _silence(self) -> None:
         with contextlib.suppress(Exception):
@@ -969,6 +970,19 @@ class Hdf5Writer(Writer):
         self._silence()
         with contextlib.suppress(Exception):
             self.file.close()
+
+
+def _with_errno(exc: BaseException) -> BaseException:
+    """The library reports a failed write (a full disk) as a RuntimeError or a bare OSError
+    whose text carries the C errno ("errno = 28"); give it back its errno, so that it is
+    reported as what it is (exit 5, "disk full") and not as a bug."""
+    if not isinstance(exc, (RuntimeError, OSError)) or getattr(exc, "errno", None):
+        return exc
+    found = re.search(r"errno = (\d+)", str(exc))
+    if found is None:
+        return exc
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def _check_global_heaps(
