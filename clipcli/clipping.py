@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -221,6 +222,8 @@ def tf_scale(norm: float, limit: float) -> float | None:
 # members from their measured norm and a rigorous rounding bound.
 
 _U64 = 2.0**-53  # float64 unit roundoff
+# Relative distance from C within which a measured norm might be on either side of it.
+_AMBIGUOUS = 1e-9
 
 
 def real_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
@@ -263,32 +266,60 @@ Margin = Callable[[np.ndarray], np.ndarray]
 
 
 def search_factors(
-    margin: Margin, low: np.ndarray, high: np.ndarray, bits: int, max_evals: int = 400
+    margin: Margin,
+    lows: Sequence[np.ndarray],
+    highs: Sequence[np.ndarray],
+    bits: int,
+    max_evals: int = 400,
+    next_change: Margin | None = None,
 ) -> np.ndarray:
     """For each of several independent problems, the largest factor s with `bits`
     significant bits and margin(s) >= 0, all searched at once (margin takes and returns
     one value per problem). Factor 0 always fits (a zero output); factor 1 never does (the
-    caller only asks for data over its limit). `low` and `high` are guesses: a low that does
-    not fit is replaced by 0, a high that fits by 1. Bisection alternates with interpolation
-    in s^2 (the output's squared norm is nearly proportional to it), so a search over 2^30
-    candidates typically takes 6-12 evaluations; the answer is exact either way."""
+    caller only asks for data over its limit). `lows` and `highs` are guesses, nearest
+    first, checked in turn: a problem whose low guesses all fail starts from 0, one whose
+    high guesses all fit from 1. Bisection alternates with interpolation in s^2 (the
+    output's squared norm is nearly proportional to it), and, given `next_change(s)` (a
+    lower bound of the next factor above s at which the rounded output changes at all),
+    with jumps just past that change; the answer is exact either way."""
     one = _key_of(np.ones(1), bits)[0]
-    lo = np.minimum(_key_of(np.maximum(low, 0.0), bits), one - 1)
-    hi = np.minimum(np.maximum(_key_of(high, bits) + 1, lo + 1), one)
-    m_lo = margin(_factor_of(lo, bits))
-    bad = ~(m_lo >= 0)
-    lo, m_lo = np.where(bad, 0, lo), np.where(bad, 1.0, m_lo)
-    m_hi = np.where(hi == one, -1.0, margin(_factor_of(hi, bits)))
-    fits = (m_hi >= 0) & (hi < one)
-    lo, m_lo = np.where(fits, hi, lo), np.where(fits, m_hi, m_lo)
-    hi, m_hi = np.where(fits, one, hi), np.where(fits, -1.0, m_hi)
+    lo = np.zeros(len(lows[0]), np.int64)
+    m_lo = np.ones(len(lows[0]))
+    found = np.zeros(len(lows[0]), bool)
+    for guess in lows:
+        keys = np.minimum(_key_of(np.maximum(guess, 0.0), bits), one - 1)
+        m = margin(_factor_of(np.where(found, lo, keys), bits))
+        ok = ~found & (m >= 0)
+        lo, m_lo, found = np.where(ok, keys, lo), np.where(ok, m, m_lo), found | ok
+        if found.all():
+            break
+    hi = np.full(lo.shape, one)
+    m_hi = -np.ones(lo.shape)
+    found = np.zeros(lo.shape, bool)
+    for guess in highs:
+        keys = np.minimum(np.maximum(_key_of(np.minimum(guess, 1.0), bits) + 1, lo + 1), one)
+        todo = ~found & (keys < one)
+        if not todo.any():
+            break
+        m = margin(_factor_of(np.where(todo, keys, lo), bits))
+        over = todo & ~(m >= 0)
+        fits = todo & (m >= 0)
+        hi, m_hi, found = np.where(over, keys, hi), np.where(over, m, m_hi), found | over
+        lo, m_lo = np.where(fits, keys, lo), np.where(fits, m, m_lo)
     for step in range(max_evals):
         gap = hi - lo
         active = gap > 1
         if not np.any(active):
             break
         middle = lo + gap // 2
-        if step % 2 == 0:
+        if next_change is not None and step % 3 == 1:
+            # Jump to just past the next change of the output above lo: if that fits, a
+            # whole run of equal outputs is skipped; if not, the answer is within a few keys.
+            with np.errstate(all="ignore"):
+                changes = next_change(_factor_of(lo, bits)) * (1 + 16 * _U64)
+            changes = np.where(np.isfinite(changes), changes, _factor_of(middle, bits))
+            middle = np.clip(_key_of(changes, bits) + 1, lo + 1, hi - 1)
+        elif step % (3 if next_change is not None else 2) == 0:
             # Interpolate margin (linear in s^2) between the ends for the crossing.
             s_lo, s_hi = _factor_of(lo, bits), _factor_of(hi, bits)
             with np.errstate(all="ignore"):
@@ -391,6 +422,28 @@ def histogram_margin(
     return margin
 
 
+def histogram_next_change(histograms: Sequence[Histogram]) -> Margin:
+    """A lower bound of the smallest factor above s at which any histogram value's rounded
+    product changes: the product reaching the midpoint to the next larger magnitude."""
+
+    def next_change(scales: np.ndarray) -> np.ndarray:
+        s = float(scales[0])
+        first = math.inf
+        for hist in histograms:
+            magnitudes = np.abs(hist.values)
+            rounded = narrow_round(magnitudes * s, hist.dtype)
+            uint = f"u{hist.dtype.itemsize}"
+            up = (rounded.view(uint) + np.asarray(1, uint)).view(hist.dtype)
+            with np.errstate(all="ignore"):
+                here, there = rounded.astype(np.float64), up.astype(np.float64)
+                there = np.where(np.isfinite(there) & (there > here), there, np.inf)
+                crossing = (here + there) / 2 / magnitudes
+            first = min(first, float(np.min(crossing)) * (1 - 4 * _U64))
+        return np.asarray([first])
+
+    return next_change
+
+
 def choose_factor(
     limit: float,
     ratio: float,
@@ -405,9 +458,18 @@ def choose_factor(
         return None
     bits = exact_product_bits(dtypes)
     margin = histogram_margin(limit, histograms, wide)
-    low = np.asarray([ratio * (1 - 2 * _worst_unit(dtypes))])
-    high = np.asarray([min(ratio * (1 + 4 * _worst_unit(dtypes)), 1.0)])
-    return float(search_factors(margin, low, high, bits)[0])
+    lows, highs = _guesses(np.asarray([ratio]), _worst_unit(dtypes))
+    changes = histogram_next_change(histograms) if wide is None and histograms else None
+    return float(search_factors(margin, lows, highs, bits, next_change=changes)[0])
+
+
+def _guesses(ratios: np.ndarray, unit: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Brackets around TF's factor: rounding errors of many elements mostly cancel, so the
+    answer is usually within 2**-24 of it; one rounding of every element moves the output
+    by at most u (subnormal results aside: then 0 and 1 are the last resort)."""
+    lows = [ratios * (1 - 2.0**-24), ratios * (1 - 2 * unit)]
+    highs = [ratios * (1 + 2.0**-24), ratios * (1 + 4 * unit)]
+    return lows, highs
 
 
 def _worst_unit(dtypes: Sequence[np.dtype[Any]]) -> float:
@@ -583,10 +645,18 @@ def axes_scales(
         ratios = np.where(
             sums > 0, np.ldexp(limit / np.sqrt(np.where(sums > 0, sums, 1.0)), -exps), np.inf
         )
-    over = (ratios < 1.0) & np.isfinite(sums)
+    over = (ratios < 1.0 + _AMBIGUOUS) & np.isfinite(sums)
     scales = np.ones(ratios.shape)
     if not np.any(over) or math.isinf(limit):
         return norms, scales
+    near = over & (np.abs(ratios - 1.0) <= _AMBIGUOUS)
+    if np.any(near):
+        # Within the sums' own rounding error of C: decide exactly (a norm equal to C stays).
+        within = _rows_within_exactly(_rows(array, axes, near), limit)
+        over[near] = ~within
+        ratios = np.where(near, np.minimum(ratios, 1 - _U64), ratios)
+        if not np.any(over):
+            return norms, scales
     bits = exact_product_bits([array.dtype])
     slice_numel = math.prod(array.shape[a] for a in axes)
     unit = _worst_unit([array.dtype])
@@ -605,9 +675,8 @@ def axes_scales(
             result: np.ndarray = 1.0 - 2 * _U64 - w * w * (1 + 4 * _U64)
             return result
 
-    low = ratios[over] * (1 - 2 * unit)
-    high = np.minimum(ratios[over] * (1 + 4 * unit), 1.0)
-    scales[over] = search_factors(margin, low, high, bits)
+    lows, highs = _guesses(ratios[over], unit)
+    scales[over] = search_factors(margin, lows, highs, bits)
     return norms, scales
 
 
@@ -615,10 +684,7 @@ def _slice_values_margin(
     array: np.ndarray, axes: tuple[int, ...], over: np.ndarray, limit: float
 ) -> Margin:
     """margin(factors) for the slices marked `over`, from their values (8/16-bit floats)."""
-    rest = [i for i in range(array.ndim) if i not in axes]
-    moved = np.moveaxis(array, list(axes), list(range(array.ndim - len(axes), array.ndim)))
-    rows = moved.reshape(math.prod(array.shape[i] for i in rest), -1)
-    picked = rows[over.reshape(-1)]
+    picked = _picked_slices(array, axes, over)
     values = widen_exact(picked)
     if values.dtype.kind == "c":
         values = values.view(np.float64)
@@ -639,6 +705,33 @@ def _slice_values_margin(
         return result
 
     return margin
+
+
+def _picked_slices(array: np.ndarray, axes: tuple[int, ...], which: np.ndarray) -> np.ndarray:
+    """The slices marked in `which` (keepdims shape) as rows of a 2-D array."""
+    rest = [i for i in range(array.ndim) if i not in axes]
+    moved = np.moveaxis(array, list(axes), list(range(array.ndim - len(axes), array.ndim)))
+    rows = moved.reshape(math.prod(array.shape[i] for i in rest), -1)
+    picked: np.ndarray = rows[which.reshape(-1)]
+    return picked
+
+
+def _rows(array: np.ndarray, axes: tuple[int, ...], which: np.ndarray) -> np.ndarray:
+    """The marked slices as float64 rows (complex: re and im side by side), exact."""
+    values = widen_exact(_picked_slices(array, axes, which))
+    if values.dtype.kind == "c":
+        values = values.view(np.float64)
+    return values
+
+
+def _rows_within_exactly(rows: np.ndarray, limit: float) -> np.ndarray:
+    """Whether each float64 row's exact sum of squares is <= limit**2 (as fractions: slow,
+    used only for slices whose measured norm is within rounding error of the limit)."""
+    bound = Fraction(limit) ** 2
+    return np.array(
+        [sum((Fraction(v) ** 2 for v in row.tolist() if v), Fraction(0)) <= bound for row in rows],
+        dtype=bool,
+    )
 
 
 def _two_square(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -669,7 +762,8 @@ def _certain_rows_margin(rows: np.ndarray, limit: float) -> np.ndarray:
         errors.append((a - (level - b_part)) + (b - b_part))
     rest = np.concatenate(errors, axis=1)
     main, corr = level[:, 0], rest.sum(axis=1)
-    bound = (rest.shape[1] + 4) * _U64 * np.abs(rest).sum(axis=1) * 2 + 4 * x.shape[1] * 2.0**-1074
+    underflows = np.count_nonzero(np.abs(x) < 2.0**-400, axis=1)  # squares may underflow
+    bound = (rest.shape[1] + 4) * _U64 * np.abs(rest).sum(axis=1) * 2 + 4 * underflows * 2.0**-1074
     with np.errstate(over="ignore", invalid="ignore"):
         c = np.ldexp(np.full(rows.shape[0], limit), -exps)
         c_high, c_low = _two_square(c)

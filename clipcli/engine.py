@@ -13,6 +13,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import TypeVar
 
@@ -334,9 +335,17 @@ def _set_factor(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> No
     for plan in plans:
         together.merge(plan.before)
     ratio = together.limit_ratio(limit)
-    if together.ssq == 0.0 or not ratio < 1.0 or math.isinf(limit):
+    if together.ssq == 0.0 or math.isinf(limit) or ratio > 1 + _AMBIGUOUS:
         return
     live = [p for p in plans if p.before.ssq > 0]
+    if abs(ratio - 1) <= _AMBIGUOUS:
+        # The measured norm is within its own rounding error of C: decide exactly, so that
+        # a norm equal to C is left alone and one a hair above it is clipped.
+        if _within_exactly(reader, live, limit):
+            return
+        ratio = min(ratio, 1 - 2.0**-53)
+    elif not ratio < 1.0:
+        return
     dtypes = [p.info.dtype for p in live]
     exponent = 0
     if ratio < clipping.TINY_RATIO or all(clipping.mantissa_digits(d) == 53 for d in dtypes):
@@ -349,6 +358,25 @@ def _set_factor(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> No
         scale = chosen
     for plan in live:
         plan.scale, plan.scale_exp = scale, exponent
+
+
+_AMBIGUOUS = clipping._AMBIGUOUS
+
+
+def _within_exactly(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> bool:
+    """Whether the norm of `plans` together is <= limit: exact over histograms (as
+    fractions), with a certain bound over the rest (one more pass over those tensors)."""
+    total = Fraction(0)
+    for plan in plans:
+        if plan.before.histogram is not None:
+            bits, counts = plan.before.histogram
+            values = lookup.float64_values(plan.info.dtype)[bits]
+            for value, count in zip(values.tolist(), counts.tolist(), strict=True):
+                total += Fraction(value) ** 2 * count
+    wide = [p.info for p in plans if p.before.histogram is None]
+    check = _output_sumsq(reader, wide, 1.0, 0)
+    check.total += total
+    return check.at_most(limit)
 
 
 def _histograms(plans: Sequence[TensorPlan]) -> list[clipping.Histogram]:

@@ -365,6 +365,11 @@ def smallest_subnormal(dtype: np.dtype[Any]) -> float:
     return float(finfo(dtype).smallest_subnormal)
 
 
+# Up to this many error terms, CertainSumsq adds them as fractions: exact, so that a small
+# tensor whose norm is exactly C is recognised as such.
+_EXACT_REST = 4096
+
+
 class CertainSumsq:
     """A sum of squares with a rigorous error bound, for the final "<= C" check of float64
     output (a plain float64 dot product errs by ~1e-14 there, about 150 float64 roundings
@@ -400,9 +405,16 @@ class CertainSumsq:
             errors.append((a - (level - b_part)) + (b - b_part))
         rest = np.concatenate(errors)
         terms = rest.size + 4
-        error = terms * 2.0**-53 * float(np.sum(np.abs(rest))) * 2 + 4 * x.size * 2.0**-1074
+        # Squares of elements below 2**-400 (relative to the peak) may underflow.
+        underflows = int(np.count_nonzero(x < 2.0**-400))
+        error = terms * 2.0**-53 * float(np.sum(np.abs(rest))) * 2 + 4 * underflows * 2.0**-1074
         weight = Fraction(4) ** exp
-        self.total += (Fraction(float(level[0])) + Fraction(float(np.sum(rest)))) * weight
+        if rest.size <= _EXACT_REST:  # small: add the exact errors exactly (a norm == C)
+            exact = sum((Fraction(v) for v in rest[rest != 0].tolist()), Fraction(0))
+            error = 4 * underflows * 2.0**-1074
+        else:
+            exact = Fraction(float(np.sum(rest)))
+        self.total += (Fraction(float(level[0])) + exact) * weight
         self.bound += Fraction(error) * weight
 
     def merge(self, other: CertainSumsq) -> None:
