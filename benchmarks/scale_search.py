@@ -53,9 +53,10 @@ def main() -> None:
                 argv = [sys.executable, "-m", "clipcli", "clip", *mode, str(path), str(out)]
                 argv += ["--force", "--no-fsync", "-q"]
                 walls = [timed(argv, root) for _ in range(args.runs)]
+                runs = ", ".join(f"{w:.2f}" for w in walls)
                 print(
                     f"{dtype} {args.size_mib} MiB clip {' '.join(mode)} [{label}]: "
-                    f"median {statistics.median(walls):.2f} s  (runs {', '.join(f'{w:.2f}' for w in walls)})",
+                    f"median {statistics.median(walls):.2f} s  (runs {runs})",
                     flush=True,
                 )
         out.unlink(missing_ok=True)

@@ -356,7 +356,7 @@ NORM_DTYPES = list(STORABLE)
 # factor's: 8/16-bit and float32 reach it to one rounding (2u of the norm covers the
 # rounding of one factor); float64 starts at TF's factor, checks it with a certain sum,
 # and shrinks once by the measured overshoot, which costs a few float64 ulps.
-ROUNDINGS = {name: 2 for name in STORABLE} | {"float64": 8, "complex128": 8}
+ROUNDINGS = dict.fromkeys(STORABLE, 2) | {"float64": 8, "complex128": 8}
 
 
 @pytest.mark.parametrize("name", NORM_DTYPES)
