@@ -110,7 +110,9 @@ def read_any(path: Path) -> dict[str, np.ndarray]:
         from safetensors import safe_open
 
         out = read_safetensors(path)
-        if all(a.dtype.kind in "fc" for a in out.values()):
+        if all(
+            a.dtype.name in ("float16", "float32", "float64", "complex64") for a in out.values()
+        ):
             with safe_open(str(path), framework="np") as handle:  # the official reader agrees
                 for name in out:
                     assert np.asarray(handle.get_tensor(name)).tobytes() == out[name].tobytes()
@@ -284,6 +286,8 @@ def sample(dtype: np.dtype, shape: tuple[int, ...], seed: int) -> np.ndarray:
         values *= 2.0 ** rng.integers(-12, 4, n)
     if dtype.kind == "c":
         values = values + 1j * rng.standard_normal(n)
+    top = float(ml_dtypes.finfo(dtype).max) / 2 if dtype.itemsize <= 2 else math.inf
+    values = np.clip(values.real, -top, top) + (1j * values.imag if dtype.kind == "c" else 0)
     with np.errstate(over="ignore"):
         if dtype.itemsize <= 2:
             out = values.astype(np.float32).astype(dtype)
@@ -393,3 +397,184 @@ def test_worst_output_over_limit_report():
     """Prints the worst output/C seen per dtype and mode (run with -s)."""
     for (name, mode), ratio in sorted(WORST.items()):
         print(f"worst output/C {name:20s} {mode:8s} {ratio:.7f}")
+
+
+# ------------------------------------------------------------------ --axes, per slice
+
+
+def slices_of(array: np.ndarray, axes: tuple[int, ...]) -> list[np.ndarray]:
+    rest = [i for i in range(array.ndim) if i not in axes]
+    moved = np.moveaxis(array, rest, list(range(len(rest))))
+    return list(moved.reshape(math.prod(array.shape[i] for i in rest), -1))
+
+
+AXES_CASES = [
+    ((6, 5), (1,)),
+    ((6, 5), (0,)),
+    ((3, 4, 5), (0, 2)),
+    ((2, 3, 2, 4), (-1,)),
+    ((4, 1), (0,)),
+]
+
+
+@pytest.mark.parametrize("name", [*STORABLE, "complex128"])
+def test_axes_against_reference(cli, tmp_path, name):
+    """Each slice over C gets the best uniform factor of its own (to one rounding), each
+    slice within C stays bit-identical, and clipping again changes nothing."""
+    dtype = dtype_of(name)
+    suffix = ".npz" if name == "complex128" else ".safetensors"
+    for seed, (shape, axes) in enumerate(AXES_CASES):
+        x = sample(dtype, shape, 40 + seed)
+        norms = sorted(exact_norm(s) for s in slices_of(x, tuple(a % x.ndim for a in axes)))
+        limit = norms[len(norms) // 2]  # the median slice: exactly at the limit, stays
+        src = write_any(tmp_path / f"in{suffix}", {"t": x})
+        out_path = tmp_path / f"out{suffix}"
+        report = run_clip(
+            cli, src, out_path, "--norm", repr(limit), "--axes", ",".join(map(str, axes))
+        )
+        out = read_any(out_path)["t"]
+        resolved = tuple(a % x.ndim for a in axes)
+        for before, after in zip(slices_of(x, resolved), slices_of(out, resolved), strict=True):
+            if exact_sumsq(before) <= Fraction(limit) ** 2:
+                assert after.tobytes() == before.tobytes(), "an under-limit slice changed"
+                continue
+            assert exact_sumsq(after) <= Fraction(limit) ** 2
+            best = best_uniform_norm(before, limit)
+            got = exact_norm(after)
+            assert got >= best - best * ROUNDINGS.get(name, 2) * unit(dtype) - tiny(dtype)
+            record(dtype, "axes", got / limit)
+        assert report["tensors"][0]["changed"] is (out.tobytes() != x.tobytes())
+        again = tmp_path / f"again{suffix}"
+        run_clip(cli, out_path, again, "--norm", repr(limit), "--axes", ",".join(map(str, axes)))
+        assert read_any(again)["t"].tobytes() == out.tobytes()
+
+
+@pytest.mark.parametrize("name", LIBRARY_ONLY)
+def test_unstorable_fp8_through_the_library(name):
+    """fp8 variants no format stores: the same scale search through axes_scales (all axes),
+    then scale_slices; checked as above against the reference."""
+    from clipcli import clipping
+
+    dtype = dtype_of(name)
+    for seed, shape in enumerate([(7,), (3, 5), (2, 3, 4), (64,)]):
+        x = sample(dtype, shape, 60 + seed)
+        axes = tuple(range(x.ndim))
+        norm = exact_norm(x)
+        for factor in (0.3, 0.97, 1.0):
+            limit = float(norm * factor)
+            _, scales = clipping.axes_scales(x, axes, limit)
+            out = clipping.scale_slices(x, scales, axes) if np.any(scales != 1) else x
+            if exact_sumsq(x) <= Fraction(limit) ** 2:
+                assert out.tobytes() == x.tobytes()
+                continue
+            assert exact_sumsq(out) <= Fraction(limit) ** 2
+            assert out.tobytes() == ref_scaled(x, float(scales.reshape(-1)[0])).tobytes()
+            best = best_uniform_norm(x, limit)
+            got = exact_norm(out)
+            assert got >= best - best * 2 * unit(dtype) - tiny(dtype)
+            record(dtype, "library", got / limit)
+
+
+# ------------------------------------------------------------------ value mode
+
+
+def has_infinity(dtype: np.dtype) -> bool:
+    with np.errstate(all="ignore"):
+        return bool(np.isinf(np.asarray(np.inf).astype(dtype).astype(np.float64)))
+
+
+def ref_bound(dtype: np.dtype, value: float, toward: int) -> float | None:
+    """The dtype value nearest `value` on the allowed side (>= for the low bound, toward=1),
+    None if none is finite; a missing bound is the dtype's infinity or its finite extreme."""
+    if dtype.itemsize <= 2:
+        finite = table(dtype).values
+        if math.isinf(value) and (value > 0) != (toward > 0):
+            return value if has_infinity(dtype) else float(finite[0] if toward > 0 else finite[-1])
+        pick = finite[finite >= value] if toward > 0 else finite[finite <= value]
+        if pick.size == 0:
+            return None
+        found = float(pick[0] if toward > 0 else pick[-1])
+        return math.copysign(0.0, value) if found == 0 else found  # a zero bound as given
+    if math.isinf(value) and (value > 0) != (toward > 0):
+        return value
+    info = ml_dtypes.finfo(dtype)
+    if (toward > 0 and value > float(info.max)) or (toward < 0 and value < float(info.min)):
+        return None
+    with np.errstate(over="ignore"):
+        near = np.asarray(value).astype(dtype)
+    while (float(near) - value) * toward < 0 or math.isinf(float(near)):
+        near = np.nextafter(near, np.asarray(toward * np.inf, dtype))
+    return float(near)
+
+
+def ref_clamp(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        wide = (
+            x.astype(np.float32).astype(np.float64)
+            if x.dtype.itemsize <= 2
+            else x.astype(np.float64)
+        )
+    out = x.copy()
+    out[wide < lo] = np.asarray(lo).astype(x.dtype)
+    out[wide > hi] = np.asarray(hi).astype(x.dtype)
+    return out
+
+
+def value_data(dtype: np.dtype, seed: int) -> np.ndarray:
+    if dtype.itemsize <= 2:  # every bit pattern: NaN payloads, -0.0, infinities, subnormals
+        return (
+            np.arange(256**dtype.itemsize, dtype=np.uint32).astype(f"u{dtype.itemsize}").view(dtype)
+        )
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(
+        0, 2 ** (8 * dtype.itemsize), 4000, dtype=np.uint64 if dtype.itemsize == 8 else np.uint32
+    )
+    x = bits.astype(f"u{dtype.itemsize}").view(dtype)
+    special = np.array([0.0, -0.0, 1.5, -1.5, 9.0, -9.0, 0.5, np.inf, -np.inf, np.nan], dtype)
+    return np.concatenate([x, special, (rng.standard_normal(200) * 5).astype(dtype)])
+
+
+VALUE_BOUNDS = [
+    (None, 9.0),
+    (-9.0, None),
+    (-0.5, 0.5),
+    (0.0, None),
+    (None, -0.0),
+    (0.75, 1.5),
+    (1e-30, 1e30),
+    (-1.5, 1.5),
+]
+
+
+@pytest.mark.parametrize("name", [*STORABLE])
+def test_value_mode_against_independent_clamp(cli, tmp_path, name):
+    dtype = dtype_of(name)
+    if dtype.kind == "c":
+        pytest.skip("complex has no order: value mode leaves it")
+    x = value_data(dtype, 3)
+    src = write_safetensors(tmp_path / "in.safetensors", {"t": x})
+    for low, high in VALUE_BOUNDS:
+        args = (["--min", repr(low)] if low is not None else []) + (
+            ["--max", repr(high)] if high is not None else []
+        )
+        lo = ref_bound(dtype, -math.inf if low is None else low, 1)
+        hi = ref_bound(dtype, math.inf if high is None else high, -1)
+        result = cli(
+            "clip",
+            *args,
+            str(src),
+            str(tmp_path / "out.safetensors"),
+            "--format",
+            "json",
+            "--force",
+        )
+        if lo is None or hi is None or lo > hi or lo == math.inf or hi == -math.inf:
+            assert result.code == 4, (name, low, high, result.stderr)
+            continue
+        assert result.code == 0, (name, low, high, result.stderr)
+        out = read_safetensors(tmp_path / "out.safetensors")["t"]
+        expected = ref_clamp(x, lo, hi)
+        assert out.tobytes() == expected.tobytes(), (name, low, high)
+        assert json.loads(result.stdout)["tensors"][0]["changed"] is (
+            expected.tobytes() != x.tobytes()
+        )
