@@ -521,6 +521,11 @@ def _needs_clamp(info: TensorInfo, stats: NormAccumulator, spec: ClipSpec) -> bo
 def _plan_global(reader: Reader, targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
     if spec.use_norm is not None:
         scale = clipping.tf_scale(spec.use_norm, spec.limit)
+        if scale is not None:
+            # TF's factor to as many bits as keep every product exact, so that each value
+            # is rounded once (below 2**-29 relative for float32, 2**-42 for float16).
+            bits = clipping.exact_product_bits([p.info.dtype for p in targets])
+            scale = clipping.truncate_factor(scale, bits)
         for plan in targets:
             # A zero tensor stays bit-identical whatever the scale.
             plan.scale = scale if plan.before.norm > 0 else None

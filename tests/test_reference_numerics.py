@@ -578,3 +578,108 @@ def test_value_mode_against_independent_clamp(cli, tmp_path, name):
         assert json.loads(result.stdout)["tensors"][0]["changed"] is (
             expected.tobytes() != x.tobytes()
         )
+
+
+# ------------------------------------------------------------------ the issue's own cases
+
+
+def clip_one(cli, tmp_path: Path, x: np.ndarray, *args: str, suffix: str = ".safetensors"):
+    src = write_any(tmp_path / f"issue-in{suffix}", {"t": x})
+    out = tmp_path / f"issue-out{suffix}"
+    result = cli("clip", *args, str(src), str(out), "--format", "json", "--force")
+    return result, (read_any(out)["t"] if result.code == 0 else None)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz"])
+@pytest.mark.parametrize("bound", [["--max", "9"], ["--min", "-9"]])
+def test_issue_1_one_sided_bounds_on_fp8_without_infinity(cli, tmp_path, name, bound):
+    dtype = dtype_of(name)
+    x = np.array([0, 1, 20, -30], np.float32).astype(dtype)
+    result, out = clip_one(cli, tmp_path, x, *bound)
+    assert result.code == 0, result.stderr
+    wide, given = out.astype(np.float32), x.astype(np.float32)
+    assert not np.isnan(wide).any()
+    moved = 2 if bound[0] == "--max" else 3
+    keep = [i for i in range(4) if i != moved]
+    assert wide[keep].tolist() == given[keep].tolist()
+    assert 8 <= abs(wide[moved]) <= 9
+
+
+def test_issue_1_e8m0_clamps(cli, tmp_path):
+    x = np.array([1, 2, 4, 0.5], np.float32).astype(ml_dtypes.float8_e8m0fnu)
+    _, out = clip_one(cli, tmp_path, x, "--max", "1.5")
+    assert out.astype(np.float32).tolist() == [1, 1, 1, 0.5]
+    _, out = clip_one(cli, tmp_path, x, "--min", "0.75", "--max", "1.5")
+    assert out.astype(np.float32).tolist() == [1, 1, 1, 1]
+
+
+def test_issue_2_norm_modes_reach_the_best_uniform_factor(cli, tmp_path):
+    values = np.random.default_rng(0).standard_normal(10000)
+    x8 = values.astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    _, out = clip_one(cli, tmp_path, x8, "--norm", "1")
+    assert 0.99 <= exact_norm(out) <= 1.0  # was 0.852
+    x16 = values.astype(np.float16)
+    _, out = clip_one(cli, tmp_path, x16, "--norm", "2e-5")
+    assert 0.9999 * 2e-5 <= exact_norm(out) <= 2e-5  # was 0.856 C
+    extra = np.random.default_rng(1).standard_normal(100).astype(np.float32)
+    mixed = {"w": values.astype(np.float32), "b": extra.astype(ml_dtypes.float8_e4m3fn)}
+    src = write_safetensors(tmp_path / "mixed.safetensors", mixed)
+    result = cli("clip", "--global", "0.1", str(src), str(tmp_path / "m.safetensors"), "-q")
+    assert result.code == 0, result.stderr
+    out = read_safetensors(tmp_path / "m.safetensors")
+    total = math.sqrt(float(exact_sumsq(out["w"]) + exact_sumsq(out["b"])))
+    assert 0.1 * 0.999 <= total <= 0.1  # was 0.017 C
+
+
+def test_issue_3_complex64_axes_in_float64(cli, tmp_path):
+    x = np.array([[3e38 + 3e38j, 1e38 - 2e38j], [1 + 1j, 2 + 2j]], np.complex64)
+    result, out = clip_one(cli, tmp_path, x, "--norm", "1", "--axes", "1")
+    assert result.code == 0, result.stderr
+    for row in out:
+        assert exact_sumsq(row) <= 1  # the overflowing slice is clipped too
+    again, out2 = clip_one(cli, tmp_path, out, "--norm", "1", "--axes", "1")
+    assert out2.tobytes() == out.tobytes()
+
+
+def test_issue_4_float64_output_not_above_c(cli, tmp_path):
+    x = np.full((4, 58, 565), 18.954296754636935)
+    result, out = clip_one(cli, tmp_path, x, "--norm", "0.284794")
+    assert result.code == 0, result.stderr
+    assert exact_sumsq(out) <= Fraction(0.284794) ** 2
+
+
+def test_issue_5_float16_min_beyond_range_is_refused(cli, tmp_path):
+    result, _ = clip_one(cli, tmp_path, np.ones(4, np.float16), "--min", "65520")
+    assert result.code == 4
+    assert result.stderr.startswith("clipcli: error: ") and len(result.stderr.splitlines()) == 1
+
+
+def test_issue_6_float16_scaling_rounds_once(cli, tmp_path):
+    # mostly subnormal results: where a float32 product rounded again went wrong
+    x = (np.random.default_rng(2).standard_normal(281000) * 1e-3).astype(np.float16)
+    result, out = clip_one(cli, tmp_path, x, "--global", "1", "--use-norm", "100")
+    assert result.code == 0, result.stderr
+    scale = json.loads(result.stdout)["tensors"][0]["scale"]
+    assert out.tobytes() == ref_scaled(x, scale).tobytes()
+
+
+def test_issue_7_subnormal_limit(cli, tmp_path):
+    x = np.array([1.7e308, 1.7e308])
+    result, out = clip_one(cli, tmp_path, x, "--norm", "5e-324")
+    assert result.code == 0, result.stderr
+    assert exact_sumsq(out) <= Fraction(5e-324) ** 2
+
+
+def test_issue_8_nan_bits_kept_and_complex_max_abs(cli, tmp_path):
+    bf = np.array([0x7FC1, 0x7F81, 0x3F80, 0x4000], np.uint16).view(ml_dtypes.bfloat16)
+    _, out = clip_one(cli, tmp_path, bf, "--max", "1.5")
+    assert out.view(np.uint16).tolist() == [0x7FC1, 0x7F81, 0x3F80, 0x3FC0]
+    e5 = np.array([0xFF, 0x7F, 0x3C, 0x44], np.uint8).view(ml_dtypes.float8_e5m2)
+    _, out = clip_one(cli, tmp_path, e5, "--max", "1.5")
+    assert out.view(np.uint8).tolist()[:3] == [0xFF, 0x7F, 0x3C]
+    src = tmp_path / "c.npz"
+    np.savez(src, t=np.array([1.4e-45 - 1.4e-45j], np.complex64))
+    result = cli("norms", str(src), "--format", "json")
+    assert json.loads(result.stdout)["tensors"][0]["max_abs"] == pytest.approx(
+        math.hypot(1.4e-45, 1.4e-45), rel=1e-6
+    )
