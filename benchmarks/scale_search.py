@@ -6,13 +6,14 @@ histogram scale search (issue 10):
     python benchmarks/scale_search.py --size-mib 1024 --other /tmp/old
 
 Files come from run.py's generator (seeded standard normals, 128 tensors of [rows, 1024]);
-each command runs --runs times with --no-fsync and the median wall time is printed.
+each command runs --runs times with --no-fsync; median and least wall and CPU time are printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -25,11 +26,17 @@ sys.path.insert(0, str(HERE))
 from run import MIB, Checkpoint, write_safetensors  # noqa: E402
 
 
-def timed(argv: list[str], src_root: Path) -> float:
+def timed(argv: list[str], src_root: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child: user + system). On a shared machine the CPU
+    time is the steadier figure; the wall time is what a user waits."""
     env = dict(os.environ, PYTHONPATH=str(src_root))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
 
 
 def main() -> None:
@@ -52,11 +59,13 @@ def main() -> None:
             for label, root in trees.items():
                 argv = [sys.executable, "-m", "clipcli", "clip", *mode, str(path), str(out)]
                 argv += ["--force", "--no-fsync", "-q"]
-                walls = [timed(argv, root) for _ in range(args.runs)]
-                runs = ", ".join(f"{w:.2f}" for w in walls)
+                samples = [timed(argv, root) for _ in range(args.runs)]
+                walls = [w for w, _ in samples]
+                cpus = [c for _, c in samples]
                 print(
                     f"{dtype} {args.size_mib} MiB clip {' '.join(mode)} [{label}]: "
-                    f"median {statistics.median(walls):.2f} s  (runs {runs})",
+                    f"wall median {statistics.median(walls):.2f} s (min {min(walls):.2f}), "
+                    f"CPU median {statistics.median(cpus):.2f} s (min {min(cpus):.2f})",
                     flush=True,
                 )
         out.unlink(missing_ok=True)

@@ -223,7 +223,7 @@ def tf_scale(norm: float, limit: float) -> float | None:
 
 _U64 = 2.0**-53  # float64 unit roundoff
 # Relative distance from C within which a measured norm might be on either side of it.
-_AMBIGUOUS = 1e-9
+AMBIGUOUS = 1e-9
 
 
 def real_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
@@ -645,11 +645,11 @@ def axes_scales(
         ratios = np.where(
             sums > 0, np.ldexp(limit / np.sqrt(np.where(sums > 0, sums, 1.0)), -exps), np.inf
         )
-    over = (ratios < 1.0 + _AMBIGUOUS) & np.isfinite(sums)
+    over = (ratios < 1.0 + AMBIGUOUS) & np.isfinite(sums)
     scales = np.ones(ratios.shape)
     if not np.any(over) or math.isinf(limit):
         return norms, scales
-    near = over & (np.abs(ratios - 1.0) <= _AMBIGUOUS)
+    near = over & (np.abs(ratios - 1.0) <= AMBIGUOUS)
     if np.any(near):
         # Within the sums' own rounding error of C: decide exactly (a norm equal to C stays).
         within = _rows_within_exactly(_rows(array, axes, near), limit)

@@ -335,10 +335,10 @@ def _set_factor(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> No
     for plan in plans:
         together.merge(plan.before)
     ratio = together.limit_ratio(limit)
-    if together.ssq == 0.0 or math.isinf(limit) or ratio > 1 + _AMBIGUOUS:
+    if together.ssq == 0.0 or math.isinf(limit) or ratio > 1 + clipping.AMBIGUOUS:
         return
     live = [p for p in plans if p.before.ssq > 0]
-    if abs(ratio - 1) <= _AMBIGUOUS:
+    if abs(ratio - 1) <= clipping.AMBIGUOUS:
         # The measured norm is within its own rounding error of C: decide exactly, so that
         # a norm equal to C is left alone and one a hair above it is clipped.
         if _within_exactly(reader, live, limit):
@@ -358,9 +358,6 @@ def _set_factor(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> No
         scale = chosen
     for plan in live:
         plan.scale, plan.scale_exp = scale, exponent
-
-
-_AMBIGUOUS = clipping._AMBIGUOUS
 
 
 def _within_exactly(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> bool:

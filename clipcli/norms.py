@@ -188,7 +188,9 @@ class NormAccumulator:
             self.max_abs = max(self.max_abs, float(magnitudes.max()))
             # v**2 is exact in float64 for 16-bit v, and so is count * v**2 below 2**53.
             self.add_sumsq(float(kept.astype(np.float64) @ (magnitudes * magnitudes)), 0)
-        self.histogram = (bits, kept)
+        # Kept until planning is done, so stored small: 6 bytes per distinct value.
+        count_type = np.uint32 if self.numel < 2**32 else np.int64
+        self.histogram = (bits.astype(f"u{self.hist_dtype.itemsize}"), kept.astype(count_type))
 
     def merge(self, other: NormAccumulator) -> None:
         if other.counts is not None:
