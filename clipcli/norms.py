@@ -187,7 +187,8 @@ class NormAccumulator:
         if bits.size:
             self.max_abs = max(self.max_abs, float(magnitudes.max()))
             # v**2 is exact in float64 for 16-bit v, and so is count * v**2 below 2**53.
-            self.add_sumsq(float(kept.astype(np.float64) @ (magnitudes * magnitudes)), 0)
+            # np.sum, not a BLAS dot (which spins up threads: ms for a histogram).
+            self.add_sumsq(float(np.sum(kept * (magnitudes * magnitudes))), 0)
         # Kept until planning is done, so stored small: 6 bytes per distinct value.
         count_type = np.uint32 if self.numel < 2**32 else np.int64
         self.histogram = (bits.astype(f"u{self.hist_dtype.itemsize}"), kept.astype(count_type))
