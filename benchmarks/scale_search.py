@@ -45,12 +45,13 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/clipcli-scale-bench"))
     parser.add_argument("--other", type=Path, help="another clipcli source tree to compare")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dtypes", nargs="+", default=["BF16", "F16"], choices=["BF16", "F16"])
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     trees = {"this": HERE.parent}
     if args.other:
         trees["other"] = args.other
-    for dtype in ("BF16", "F16"):
+    for dtype in args.dtypes:
         rows = args.size_mib * MIB // 128 // 2 // 1024
         path = args.dir / f"{dtype.lower()}-{args.size_mib}mib.safetensors"
         write_safetensors(Checkpoint(path, "safetensors", dtype, 128, (rows, 1024)), seed=1)

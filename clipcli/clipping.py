@@ -477,9 +477,9 @@ def choose_factor(
 
 def _guesses(ratios: np.ndarray, unit: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Brackets around TF's factor: rounding errors of many elements mostly cancel, so the
-    answer is usually within 2**-24 of it; one rounding of every element moves the output
+    answer is usually within 2**-24 or 2**-20 of it; one rounding of every element moves the output
     by at most u (subnormal results aside: then 0 and 1 are the last resort)."""
-    lows = [ratios * (1 - 2.0**-24), ratios * (1 - 2 * unit)]
+    lows = [ratios * (1 - 2.0**-24), ratios * (1 - 2.0**-20), ratios * (1 - 2 * unit)]
     highs = [ratios * (1 + 2.0**-24), ratios * (1 + 4 * unit)]
     return lows, highs
 
