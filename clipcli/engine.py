@@ -13,19 +13,26 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
-from clipcli import clipping, interrupts, roles, scope
+from clipcli import clipping, interrupts, lookup, roles, scope
 from clipcli.clipping import ClipSpec, Mode
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, is_floating
 from clipcli.formats.sharded import ShardedReader, ShardedWriter, output_names
 from clipcli.identity import InputGuard
 from clipcli.io import open_reader, writer_class
-from clipcli.norms import NormAccumulator, accumulate, accumulate_array, global_norm
+from clipcli.norms import (
+    CertainSumsq,
+    NormAccumulator,
+    accumulate,
+    accumulate_array,
+    global_norm,
+)
 from clipcli.output import InputFootprint, Target, choose_target
 from clipcli.parallel import ordered_map
 
@@ -152,8 +159,10 @@ def map_chunks(reader: Reader, info: TensorInfo, fn: Callable[[np.ndarray], R]) 
     return ordered_map(lambda load: fn(load()), chunk_sources(reader, info))
 
 
-def _chunk_stats(chunk: np.ndarray) -> tuple[NormAccumulator, int]:
-    return accumulate([chunk]), chunk.nbytes
+def _chunk_stats(chunk: np.ndarray, histograms: bool = False) -> tuple[NormAccumulator, int]:
+    stats = NormAccumulator(keep_histogram=histograms)
+    stats.add(chunk)
+    return stats, chunk.nbytes
 
 
 def measure_all(
@@ -162,16 +171,24 @@ def measure_all(
     progress: Progress = SILENT,
     label: str = "measuring",
     on_measured: Callable[[int, NormAccumulator], None] | None = None,
+    histograms: bool = False,
 ) -> list[NormAccumulator]:
     """Statistics of every tensor, chunks measured in worker threads across tensor bounds.
-    on_measured(index, stats) is called for each tensor, in order, as soon as it is done."""
+    on_measured(index, stats) is called for each tensor, in order, as soon as it is done.
+    With `histograms`, 8- and 16-bit float tensors also count their bit patterns (for
+    the scale search: NormAccumulator.histogram)."""
     stats = [NormAccumulator() for _ in infos]
     stream = ((i, load) for i, info in enumerate(infos) for load in chunk_sources(reader, info))
     progress.start(label, sum(info.nbytes for info in infos))
-    notify = on_measured or _ignore
+    given = on_measured or _ignore
+
+    def notify(index: int, finished: NormAccumulator) -> None:
+        finished.finish()
+        given(index, finished)
+
     done = 0  # tensors before this index are complete (empty ones have no chunks at all)
     for index, (partial, nbytes) in ordered_map(
-        lambda item: (item[0], _chunk_stats(item[1]())), stream
+        lambda item: (item[0], _chunk_stats(item[1](), histograms)), stream
     ):
         for finished in range(done, index):
             notify(finished, stats[finished])
@@ -294,22 +311,6 @@ def _refuse_nonfinite(path: Path, plans: Sequence[TensorPlan], spec: ClipSpec) -
     )
 
 
-def _chunk_norm_at(reader: Reader, infos: Sequence[TensorInfo]) -> Callable[[float], float]:
-    """A function giving the norm of `infos` scaled by s and rounded, for choose_scale."""
-
-    def output_norm(scale: float) -> float:
-        def scaled_stats(chunk: np.ndarray) -> NormAccumulator:
-            return accumulate([clipping.scale_chunk(chunk, scale)])
-
-        total = NormAccumulator()
-        for info in infos:
-            for partial in map_chunks(reader, info, scaled_stats):
-                total.merge(partial)
-        return total.norm
-
-    return output_norm
-
-
 def plan_clip(
     reader: Reader,
     spec: ClipSpec,
@@ -326,7 +327,15 @@ def plan_clip(
     plans = [
         TensorPlan(info, stats, selection(info.name))
         for info, stats in zip(
-            infos, measure_all(reader, infos, progress, on_measured=hook), strict=True
+            infos,
+            measure_all(
+                reader,
+                infos,
+                progress,
+                on_measured=hook,
+                histograms=spec.mode is not Mode.VALUE and spec.axes is None,
+            ),
+            strict=True,
         )
     ]
     for plan in plans:
@@ -359,17 +368,8 @@ def plan_clip(
             raise DataRefusedError(f"{reader.path}: " + "; ".join(problems))
     elif spec.mode in (Mode.NORM, Mode.AVERAGE):
         for plan in targets:
-            info = plan.info
-            limit = clipping.tensor_limit(spec, info.numel)
-            if _set_tiny_scale([plan], plan.before, limit):
-                continue
-            plan.scale = clipping.choose_scale(
-                limit,
-                plan.before.limit_ratio(limit),
-                info.numel,
-                [info.dtype],
-                _chunk_norm_at(reader, [info]),
-            )
+            limit = clipping.tensor_limit(spec, plan.info.numel)
+            _set_factor(reader, [plan], limit)
     elif spec.group_by is not None:
         pattern = clipping.compile_group_by(spec.group_by)
         groups: dict[str, list[TensorPlan]] = {}
@@ -391,17 +391,124 @@ def plan_clip(
     return plans
 
 
-def _set_tiny_scale(plans: Sequence[TensorPlan], stats: NormAccumulator, limit: float) -> bool:
-    """Where limit / norm is below float64's normal range (1e300 values, a 1e-42 limit),
-    scale by a mantissa and a power of two instead of a factor that would underflow and
-    zero the tensor. Returns whether it did."""
-    ratio = stats.limit_ratio(limit)
-    if stats.ssq == 0.0 or ratio >= clipping.TINY_RATIO:
-        return False
-    mantissa, exponent = stats.limit_ratio_parts(limit)
+def _set_factor(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> None:
+    """One factor for `plans` (a tensor, a group or the checkpoint): the largest uniform one
+    whose rounded output has norm <= limit. Zero tensors keep no scale (bit-identical)."""
+    together = NormAccumulator()
     for plan in plans:
-        plan.scale, plan.scale_exp = mantissa * (1 - 2.0**-50), exponent
-    return True
+        together.merge(plan.before)
+    ratio = together.limit_ratio(limit)
+    if together.ssq == 0.0 or math.isinf(limit) or ratio > 1 + clipping.AMBIGUOUS:
+        return
+    live = [p for p in plans if p.before.ssq > 0]
+    if abs(ratio - 1) <= clipping.AMBIGUOUS:
+        # The measured norm is within its own rounding error of C: decide exactly, so that
+        # a norm equal to C is left alone and one a hair above it is clipped.
+        if _within_exactly(reader, live, limit):
+            return
+        ratio = min(ratio, 1 - 2.0**-53)
+    elif not ratio < 1.0:
+        return
+    dtypes = [p.info.dtype for p in live]
+    exponent = 0
+    if ratio < clipping.TINY_RATIO or all(clipping.mantissa_digits(d) == 53 for d in dtypes):
+        scale, exponent = _verified_factor(reader, live, together, limit)
+    else:
+        chosen = clipping.choose_factor(
+            limit, ratio, _histograms(live), _wide_bound(live, limit), dtypes
+        )
+        assert chosen is not None
+        scale = chosen
+    for plan in live:
+        plan.scale, plan.scale_exp = scale, exponent
+
+
+def _within_exactly(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> bool:
+    """Whether the norm of `plans` together is <= limit: exact over histograms (as
+    fractions), with a certain bound over the rest (one more pass over those tensors)."""
+    total = Fraction(0)
+    for plan in plans:
+        if plan.before.histogram is not None:
+            bits, counts = plan.before.histogram
+            values = lookup.float64_values(plan.info.dtype)[bits]
+            for value, count in zip(values.tolist(), counts.tolist(), strict=True):
+                total += Fraction(value) ** 2 * count
+    wide = [p.info for p in plans if p.before.histogram is None]
+    check = _output_sumsq(reader, wide, 1.0, 0)
+    check.total += total
+    return check.at_most(limit)
+
+
+def _histograms(plans: Sequence[TensorPlan]) -> list[clipping.Histogram]:
+    """The 8- and 16-bit members' bit-pattern counts, one histogram per dtype."""
+    by_dtype: dict[np.dtype, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for plan in plans:
+        if plan.before.histogram is not None:
+            by_dtype.setdefault(plan.info.dtype, []).append(plan.before.histogram)
+    result = []
+    for dtype, parts in by_dtype.items():
+        bits = np.concatenate([p[0] for p in parts])
+        counts = np.concatenate([p[1] for p in parts]).astype(np.float64)
+        total = np.bincount(bits, weights=counts, minlength=256**dtype.itemsize)
+        present = np.flatnonzero(total)
+        values = lookup.float64_values(dtype)[present]
+        result.append(clipping.Histogram(dtype, values, total[present]))
+    return result
+
+
+def _wide_bound(plans: Sequence[TensorPlan], limit: float) -> clipping.WideBound | None:
+    """The rounding bound for the float32/float64/complex members (no histogram)."""
+    wide = [p for p in plans if p.before.histogram is None]
+    if not wide:
+        return None
+    stats = NormAccumulator()
+    for plan in wide:
+        stats.merge(plan.before)
+    return clipping.WideBound.of(
+        stats.limit_ratio(limit), [p.info.dtype for p in wide], sum(p.info.numel for p in wide)
+    )
+
+
+def _verified_factor(
+    reader: Reader, plans: Sequence[TensorPlan], together: NormAccumulator, limit: float
+) -> tuple[float, int]:
+    """float64 (and factors below 2**-900): TF's factor, checked by a pass over the rounded
+    output with a certain bound on its norm (CertainSumsq), shrunk by the measured overshoot
+    once if needed, else the factor the rounding bound guarantees. As (mantissa, exponent)."""
+    ratio = together.limit_ratio(limit)
+    if ratio >= clipping.TINY_RATIO:
+        mantissa, exponent = ratio, 0
+    else:
+        mantissa, exponent = together.limit_ratio_parts(limit)
+    first = mantissa
+    for _ in range(2):
+        check = _output_sumsq(reader, [p.info for p in plans], mantissa, exponent)
+        if check.at_most(limit):
+            return mantissa, exponent
+        over = check.over(limit)
+        if not math.isfinite(over) or over <= 0:
+            break
+        mantissa = mantissa / over * (1 - 2.0**-51)
+    dtypes = [p.info.dtype for p in plans]
+    bound = clipping.WideBound.of(1.0, dtypes, together.numel)
+    headroom = 1 - math.sqrt(bound.numel) * bound.step / 2 / limit
+    safe = first * bound.ratio * max(headroom, 0.0) / (1 + bound.unit) * (1 - 2.0**-50)
+    return safe, exponent
+
+
+def _output_sumsq(
+    reader: Reader, infos: Sequence[TensorInfo], scale: float, exponent: int
+) -> CertainSumsq:
+    def scaled(chunk: np.ndarray) -> CertainSumsq:
+        check = CertainSumsq()
+        check.add(clipping.scale_chunk(chunk, scale, exponent))
+        return check
+
+    total = CertainSumsq()
+    for info in infos:
+        for partial in map_chunks(reader, info, scaled):
+            total.merge(partial)
+    return total
 
 
 def _unchanged_hook(
@@ -476,23 +583,16 @@ def _needs_clamp(info: TensorInfo, stats: NormAccumulator, spec: ClipSpec) -> bo
 def _plan_global(reader: Reader, targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
     if spec.use_norm is not None:
         scale = clipping.tf_scale(spec.use_norm, spec.limit)
-    else:
-        infos = [p.info for p in targets]
-        together = NormAccumulator()
+        if scale is not None:
+            # TF's factor to as many bits as keep every product exact, so that each value
+            # is rounded once (below 2**-29 relative for float32, 2**-42 for float16).
+            bits = clipping.exact_product_bits([p.info.dtype for p in targets])
+            scale = clipping.truncate_factor(scale, bits)
         for plan in targets:
-            together.merge(plan.before)
-        if _set_tiny_scale([p for p in targets if p.before.norm > 0], together, spec.limit):
-            return
-        scale = clipping.choose_scale(
-            spec.limit,
-            together.limit_ratio(spec.limit),
-            sum(i.numel for i in infos),
-            [i.dtype for i in infos],
-            _chunk_norm_at(reader, infos),
-        )
-    for plan in targets:
-        # A zero tensor stays bit-identical whatever the scale.
-        plan.scale = scale if plan.before.norm > 0 else None
+            # A zero tensor stays bit-identical whatever the scale.
+            plan.scale = scale if plan.before.norm > 0 else None
+    else:
+        _set_factor(reader, targets, spec.limit)
 
 
 def _transform(plan: TensorPlan, spec: ClipSpec) -> Callable[[np.ndarray], np.ndarray] | None:

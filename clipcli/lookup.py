@@ -45,6 +45,15 @@ def _float32_values(dtype: np.dtype[Any]) -> np.ndarray:
     return table
 
 
+@functools.cache
+def float64_values(dtype: np.dtype[Any]) -> np.ndarray:
+    """Every value of a 1- or 2-byte float as float64, indexed by its bits (exact)."""
+    with np.errstate(invalid="ignore"):  # NaN entries
+        table = _all_values(dtype).astype(np.float32).astype(np.float64)
+    table.flags.writeable = False
+    return table
+
+
 def as_float32(chunk: np.ndarray) -> np.ndarray:
     """An 8-bit float chunk widened to float32: exact for every value, NaN included."""
     wide: np.ndarray = np.take(_float32_values(chunk.dtype), chunk.view(np.uint8))

@@ -170,8 +170,7 @@ def test_8_bit_float_clamp_and_scale_by_table_match_direct_arithmetic(name):
     signed = name != "float8_e8m0fnu"
     for low, high in [(-0.5, 0.5), (-1e9, 1e9), (0.25, 2.0)] if signed else [(0.25, 4.0)]:
         lo, hi = clipping.value_bounds(dtype, low, high)
-        with np.errstate(invalid="ignore"):
-            expected = np.clip(chunk, lo, hi).astype(dtype)
+        expected = clamp_keeping_bits(chunk, lo, hi)
         got = clipping.clamp_chunk(chunk, lo, hi)
         assert got.dtype == dtype and got.shape == chunk.shape
         np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
@@ -210,25 +209,41 @@ FLOAT16_BOUNDS = [
 ]
 
 
+def clamp_keeping_bits(chunk: np.ndarray, lo, hi) -> np.ndarray:
+    """The clamp clipcli promises (issue 10): only elements strictly below lo or above hi
+    are replaced, by the bound; everything else (NaN payloads, -0.0 on a bound of 0) keeps
+    its bits. np.clip rewrites NaN payloads of fp8/bf16 and picks either zero."""
+    with np.errstate(invalid="ignore"):
+        wide = chunk.astype(np.float32).astype(np.float64)
+    out = chunk.copy()
+    out[wide < float(lo)] = lo
+    out[wide > float(hi)] = hi
+    return out
+
+
 @pytest.mark.parametrize(("low", "high"), FLOAT16_BOUNDS)
-def test_float16_clamp_is_np_clip_bit_for_bit(low, high):
+def test_float16_clamp_keeps_bits_within_bounds(low, high):
     """float16 is clamped through a lookup table (numpy compares float16 in software, 15x
     slower): every one of the 65,536 values, NaN payloads and the sign of zero included,
-    comes out exactly as np.clip gives it."""
+    comes out exactly as the independent clamp gives it (was np.clip, which replaces
+    -0.0 by a +0.0 bound: issue 10 says a value within the bounds keeps its bits)."""
     lo, hi = np.float16(low), np.float16(high)
-    with np.errstate(invalid="ignore"):  # np.clip on signalling NaNs
-        expected = np.clip(ALL_FLOAT16, lo, hi)
+    expected = clamp_keeping_bits(ALL_FLOAT16, lo, hi)
     got = clipping.clamp_chunk(ALL_FLOAT16, lo, hi)
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
 
 
-@pytest.mark.parametrize("scale", [0.3, 1e-3, 0.999, 2.0**-20, 1 - 2.0**-30])
-def test_float16_scaling_is_float32_arithmetic_rounded_once(scale):
-    """float16 is widened by moving bits; the result must be float32 arithmetic (scale
-    rounded to float32) rounded once to float16, for every finite value."""
+@pytest.mark.parametrize("scale", [0.3, 1e-3, 0.999, 2.0**-20, 1 - 2.0**-30, 0.01])
+def test_float16_scaling_is_rounded_once(scale):
+    """float16 is widened by moving bits; the result must be the exact product rounded once
+    to float16, for every finite value (issue 10: it was a float32 product rounded again).
+    numpy rounds float64 to float16 directly, and the product of a float16 and a factor
+    of <= 42 significant bits is exact in float64."""
+    scale = clipping.truncate_factor(scale, 42)
     finite = ALL_FLOAT16[np.isfinite(ALL_FLOAT16)]
-    expected = (finite.astype(np.float32) * np.float32(scale)).astype(np.float16)
+    with np.errstate(under="ignore"):
+        expected = (finite.astype(np.float64) * scale).astype(np.float16)
     got = clipping.scale_chunk(finite, scale)
     np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
 
