@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
@@ -28,7 +29,9 @@ def sniff_format(path: Path) -> str:
             if head.startswith(HDF5_MAGIC):
                 return "hdf5"
             if head.startswith(ZIP_MAGICS):
+                _refuse_foreign_zip(path, handle)
                 return "npz"
+            _refuse_foreign_magic(path, head)
             if len(head) >= 9 and head[8:9] == b"{":
                 return "safetensors"
             # HDF5 allows a user block of 512, 1024, 2048, ... bytes before the superblock.
@@ -42,6 +45,52 @@ def sniff_format(path: Path) -> str:
     if len(head) < 8:
         raise InputError(path, f"file is too short ({len(head)} bytes) to be a checkpoint")
     raise InputError(path, "not an npz, safetensors or HDF5 file (unknown leading bytes)")
+
+
+PICKLE_PROTOCOLS = tuple(bytes([0x80, n]) for n in range(2, 6))
+CONVERT_HINT = (
+    "convert it to safetensors first (for a transformers model: "
+    "save_pretrained(..., safe_serialization=True))"
+)
+
+
+def _refuse_foreign_magic(path: Path, head: bytes) -> None:
+    """Checkpoints of other tools, named for what they are, instead of 'unknown bytes'."""
+    if head.startswith(b"GGUF"):
+        raise InputError(
+            path,
+            "is a GGUF file (llama.cpp), which clipcli does not read; "
+            "clip the safetensors weights it was made from instead",
+        )
+    if head.startswith(PICKLE_PROTOCOLS):
+        raise InputError(
+            path,
+            "is a pickled PyTorch checkpoint, which clipcli never loads "
+            f"(unpickling runs code); {CONVERT_HINT}",
+        )
+
+
+def _refuse_foreign_zip(path: Path, handle: BinaryIO) -> None:
+    """A zip that is not an npz: a PyTorch >= 1.6 checkpoint (<top>/data.pkl) or a Keras 3
+    .keras archive (config.json, metadata.json, model.weights.h5). Only the central
+    directory is read; a zip it cannot parse is left to the npz reader to refuse."""
+    try:
+        with zipfile.ZipFile(handle) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return
+    if any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
+        raise InputError(
+            path,
+            "is a PyTorch checkpoint (a pickle inside a zip), which "
+            f"clipcli never loads (unpickling runs code); {CONVERT_HINT}",
+        )
+    if "model.weights.h5" in names and "config.json" in names:
+        raise InputError(
+            path,
+            "is a Keras .keras archive; clipcli reads the weights file "
+            "inside it: unzip it and pass model.weights.h5",
+        )
 
 
 def _hdf5_after_user_block(handle: BinaryIO) -> bool:

@@ -1,0 +1,75 @@
+"""Files that look like checkpoints but belong to other tools get a message that says what
+they are and what to do (exit 3), not "member 'archive/data.pkl' is not a .npy array"."""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+
+import pytest
+from expect import one_error_line
+
+from clipcli.cli import main
+
+
+def pytorch_zip(path: Path) -> Path:
+    """The layout torch.save has written since 1.6: one top folder, data.pkl, storages."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps({"w": "storage 0"}, protocol=2))
+        archive.writestr("archive/data/0", b"\x00" * 16)
+        archive.writestr("archive/version", "3\n")
+    return path
+
+
+def keras_archive(path: Path) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("metadata.json", '{"keras_version": "3.6.0"}')
+        archive.writestr("config.json", '{"class_name": "Sequential"}')
+        archive.writestr("model.weights.h5", b"\x89HDF\r\n\x1a\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "name", "says"),
+    [
+        (pytorch_zip, "pytorch_model.bin", "PyTorch checkpoint (a pickle inside a zip)"),
+        (pytorch_zip, "model.pt", "PyTorch checkpoint (a pickle inside a zip)"),
+        (keras_archive, "model.keras", "Keras .keras archive"),
+        (
+            lambda p: p.write_bytes(pickle.dumps({"w": 1}, protocol=4)) and p,
+            "old.pth",
+            "pickled PyTorch checkpoint",
+        ),
+        (
+            lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 32) and p,
+            "m.gguf",
+            "GGUF file",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["ls", "norms", "clip"])
+def test_other_tools_files_are_named_for_what_they_are(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    make: object,
+    name: str,
+    says: str,
+    command: str,
+) -> None:
+    path = tmp_path / name
+    make(path)  # type: ignore[operator]
+    argv = [command, str(path)]
+    if command == "clip":
+        argv = ["clip", "--global", "1", str(path), str(tmp_path / "out.safetensors")]
+    assert main(argv) == 3
+    line = one_error_line(capsys.readouterr().err)
+    assert says in line and name in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_an_npz_is_still_an_npz(tmp_path: Path) -> None:
+    import numpy as np
+
+    np.savez(tmp_path / "a.npz", data=np.ones(3, np.float32), config=np.zeros(2))
+    assert main(["norms", "--format", "json", str(tmp_path / "a.npz")]) == 0
