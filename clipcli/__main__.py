@@ -31,6 +31,11 @@ def run() -> None:
     """Run the CLI as a program and exit with its code (never returns)."""
     for signum in (_signal.SIGINT, _signal.SIGTERM):
         _signal.signal(signum, _exit_during_start_up)
+    if sys.argv[1:] == ["--version"]:  # for shell loops: no CLI import at all
+        from clipcli import __version__
+
+        os.write(1, f"clipcli {__version__}\n".encode())
+        raise SystemExit(0)
 
     from clipcli.cli import main
 

@@ -19,6 +19,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from clipcli import __version__
 from clipcli.errors import ClipcliError, ExitCode, UsageError, printable
 from clipcli.report import OutputFormat, SortKey
 
@@ -575,6 +576,17 @@ def _keep_chunk_buffers() -> None:
         pass
 
 
+def _usage_message(exc: typer.TyperException, args: list[str]) -> str:
+    """Click's usage error on one line, with the hint a newcomer needs."""
+    message = exc.format_message().replace("\n", " ").rstrip(".")
+    if "Got unexpected extra argument" in message and "--axes" in args:
+        message += "; --axes takes one comma-separated list, e.g. --axes 0,1"
+    elif "Missing argument" in message or "No such command" in message:
+        command = next((a for a in args if not a.startswith("-")), "")
+        message += f"; see 'clipcli {command} --help'".replace("  ", " ")
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Every failure is one stderr line."""
     global _failure_reported
@@ -588,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         args = sys.argv[1:] if argv is None else list(argv)
         if not args:
             args = ["--help"]
+        if args == ["--version"]:
+            print(f"clipcli {__version__}")
+            return ExitCode.OK
         result = app(args=args, prog_name="clipcli", standalone_mode=False)
         sys.stdout.flush()
     except ClipcliError as exc:
@@ -604,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
             return _reader_went_away()
         raise
     except typer.TyperException as exc:  # usage errors from option parsing
-        return _fail(exc.format_message().replace("\n", " "), ExitCode.USAGE)
+        return _fail(_usage_message(exc, args), ExitCode.USAGE)
     except (typer.Abort, KeyboardInterrupt):
         return _fail("interrupted", ExitCode.INTERRUPTED)
     except BrokenPipeError:

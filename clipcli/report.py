@@ -288,7 +288,7 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.FILE, top: int | None =
     )
     g = m.global_norm
     counted = sum(t.in_global for t in m.tensors)
-    footer = (f"global L2 norm {g:.6g} over {counted} floating-point tensors",)
+    footer = (f"global L2 norm {g:.6g} over {_count(counted, 'floating-point tensor')}",)
     return Report(
         f"{m.path} ({m.format})",
         NORM_COLUMNS,
@@ -367,7 +367,7 @@ def groups_report(m: Measurement, group_by: str, sort: SortKey = SortKey.FILE) -
         GROUP_COLUMNS,
         rows,
         (("path", str(m.path)), ("format", m.format), ("global_norm", g), ("group_by", group_by)),
-        (f"global L2 norm {g:.6g} over {len(groups)} groups",),
+        (f"global L2 norm {g:.6g} over {_count(len(groups), 'group')}",),
         rows_key="groups",
     )
 
@@ -537,9 +537,14 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         if not (changed_only and t.status == "same")
     )
     counts = {status: n for status, n in result.counts.items() if n}
+    shared = any(t.compared for t in result.tensors)
+    difference = (
+        f"‖A−B‖ {result.global_diff_norm:.6g} (relative {result.global_rel_change:.6g})"
+        if shared
+        else "A and B share no tensor to compare"
+    )
     footer = [
-        f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, "
-        f"‖A−B‖ {result.global_diff_norm:.6g} (relative {result.global_rel_change:.6g})",
+        f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, {difference}",
         ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensors",
     ]
     footer += [
@@ -570,3 +575,8 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         summary,
         tuple(footer),
     )
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 group', '2 groups'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
