@@ -1,6 +1,6 @@
 """`norms --plot`: a per-group (or per-tensor) norm profile as PNG or SVG, via matplotlib.
 
-matplotlib is an optional extra (`pip install 'clipcli[plot]'`), imported only here.
+matplotlib is an optional extra (`pip install -e '.[plot]'` in the checkout), imported only here.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def plot_profile(
     except ImportError:
         raise UsageError(
             "--plot needs matplotlib, which is not installed; "
-            "install it with: pip install 'clipcli[plot]'"
+            "install it from the clipcli checkout with: pip install -e '.[plot]'"
         ) from None
     # Names are data: escaped for the terminal, and '$' escaped so that matplotlib does not
     # read "$...$" as mathtext (a name like '$\\frac{a}{$' made savefig raise).

@@ -369,7 +369,7 @@ def test_plot_without_matplotlib_says_how_to_install(
     code = main(["norms", "sample_data/tiny_mlp.safetensors", "--plot", str(tmp_path / "p.png")])
     assert code == 2
     err = capsys.readouterr().err
-    assert "pip install 'clipcli[plot]'" in err and err.count("\n") == 1
+    assert "pip install -e '.[plot]'" in err and err.count("\n") == 1
 
 
 def test_jsonl_streams_one_row_per_line() -> None:
