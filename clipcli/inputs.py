@@ -109,6 +109,17 @@ def fd_path(fd: int) -> str | None:
     return None
 
 
+def opened_path(fd: int) -> Path | None:
+    """The path of the file behind a descriptor, as the kernel knows it (Linux), or None."""
+    try:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    if not name.startswith("/") or name.endswith(" (deleted)"):
+        return None
+    return Path(name)
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISFIFO(mode):
         return "a FIFO"

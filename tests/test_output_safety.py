@@ -977,3 +977,37 @@ def test_a_signal_after_the_commit_point_is_success(
     _signal_self_inside(monkeypatch, cli, "_print", sig)
     assert main(["clip", "--global", "1", str(src), str(out)]) == 0
     assert sorted(load_file(str(out))) == ["a", "b", "step"]
+
+
+def test_a_folder_swapped_between_the_check_and_the_open_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The side file is checked by name, then opened: a folder on its way swapped for a
+    link out in between must not get an outside file copied into OUT (found by a racing
+    attacker; made deterministic here by swapping inside the open)."""
+    import clipcli.formats.sharded as sharded
+
+    model = make_model(tmp_path / "model")
+    (model / "sub").mkdir()
+    (model / "sub" / "passwd").write_text("harmless")
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir()
+    (secrets_dir / "passwd").write_text("TOPSECRET")
+    real_open = sharded.open_input
+
+    def swapping_open(path: Path) -> Any:
+        if path.name != "passwd":
+            return real_open(path)
+        (model / "sub").rename(tmp_path / "sub-aside")  # swap the folder for a link out,
+        (model / "sub").symlink_to(secrets_dir)
+        try:
+            return real_open(path)
+        finally:  # and back, so that the input's identity looks unchanged afterwards
+            (model / "sub").unlink()
+            (tmp_path / "sub-aside").rename(model / "sub")
+
+    monkeypatch.setattr(sharded, "open_input", swapping_open)
+    out = tmp_path / "out"
+    assert main(["clip", "--global", "5", "-q", str(model), str(out)]) == 3
+    assert not out.exists()
+    assert listing(tmp_path) == ["model", "secrets"]  # no temp, no OUT

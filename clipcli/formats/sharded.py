@@ -49,7 +49,7 @@ from clipcli.errors import InputError
 from clipcli.filecopy import copy_side_file
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.safetensors import MAX_HEADER_BYTES, SafetensorsReader, SafetensorsWriter
-from clipcli.inputs import is_pseudo_path, open_input, read_input
+from clipcli.inputs import is_pseudo_path, open_input, opened_path, read_input
 
 FORMAT_NAME = "safetensors-sharded"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -163,6 +163,21 @@ def _allowed_roots(directory: Path) -> list[Path]:
         if not blobs.is_symlink() and blobs.is_dir() and entry != Path(entry.anchor):
             roots.append(blobs)
     return roots
+
+
+def _opened_inside(fd: int, entry: Path, roots: Iterable[Path]) -> None:
+    """Refuse an opened file that does not lie inside `roots`, judged by the path the
+    kernel gives for the descriptor itself (/proc/self/fd): checking a name and then
+    opening it leaves a moment in which a link or a folder on the way can be swapped."""
+    real = opened_path(fd)
+    if real is None:
+        return  # no /proc: the name-based check made before the open is what there is
+    if is_pseudo_path(real) or not any(real.is_relative_to(root) for root in roots):
+        raise InputError(
+            entry,
+            f"turned out to be {real}, outside the model directory "
+            "(swapped while being opened); refusing it",
+        )
 
 
 def _real_path_inside(entry: Path, roots: Iterable[Path]) -> Path:
@@ -304,16 +319,18 @@ class ShardedReader(Reader):
         if not os.path.lexists(path):
             listed_in = self.index_path.name if self.index_path else "the directory"
             raise InputError(path, f"shard listed in {listed_in} does not exist")
-        real = _real_path_inside(path, self._roots)
+        _real_path_inside(path, self._roots)
         try:
             reader = SafetensorsReader(path)
-            # The file opened must be the one checked: a link swapped in between is refused.
-            same = os.path.samestat(os.stat(real), os.fstat(reader.fileno()))
         except OSError as exc:
             raise InputError(path, f"cannot read: {exc.strerror}") from None
-        if not same:
+        try:
+            # The file opened must lie inside the roots: a link or folder swapped between
+            # the check and the open is caught on the descriptor itself.
+            _opened_inside(reader.fileno(), path, self._roots)
+        except BaseException:
             reader.close()
-            raise InputError(path, "changed while it was being opened; refusing it")
+            raise
         return reader
 
     def _tensor_owners(self, weight_map: Mapping[str, str] | None) -> dict[str, str]:
@@ -400,7 +417,13 @@ class ShardedReader(Reader):
         if entry not in self._other_files:
             raise ValueError(f"{entry} is not one of the files to copy")
         self._check_side_file(entry)
-        return open_input(entry)
+        handle = open_input(entry)
+        try:
+            _opened_inside(handle.fileno(), entry, self._roots)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     # -- the Reader interface
 
