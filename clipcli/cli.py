@@ -20,7 +20,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from clipcli import __version__
-from clipcli.errors import ClipcliError, ExitCode, UsageError, printable
+from clipcli.errors import ClipcliError, ExitCode, UsageError, WriteError, printable
 from clipcli.report import OutputFormat, SortKey
 
 EXIT_CODES_HELP = """\b
@@ -160,15 +160,23 @@ def _progress(quiet: bool = False) -> Any:
     return TerminalProgress()
 
 
+_stdout_closed = False  # set by main()
+
+
 def _emit(write: Callable[[], None]) -> None:
     """Write the report; if the reader closes the pipe, stop writing but finish the command:
     a --fail-above verdict still decides the exit code (`norms --fail-above 5 m | head -1`
     in a pipefail script must still say 1 when the norm is over)."""
+    if _stdout_closed:  # started with stdout closed (`>&-`)
+        raise WriteError("standard output is closed; the report cannot be written")
     try:
         write()
         sys.stdout.flush()
     except BrokenPipeError:
         _reader_went_away()
+    except OSError as exc:  # /dev/full, a failing disk under a redirect
+        reason = exc.strerror or str(exc)
+        raise WriteError(f"standard output: cannot write the report: {reason}") from None
 
 
 def _print(report: object, fmt: OutputFormat) -> None:
@@ -191,7 +199,7 @@ def ls_command(
     from clipcli.report import ls_report
 
     file_format, metadata, infos = list_tensors(path)
-    _print(ls_report(str(path), file_format, metadata, infos), fmt)
+    _emit(lambda: _print(ls_report(str(path), file_format, metadata, infos), fmt))
 
 
 @app.command(
@@ -427,7 +435,7 @@ def clip_command(
             notify=_notify,
         )
         if not quiet:
-            _print(clip_report(result), fmt)
+            _emit(lambda: _print(clip_report(result), fmt))
 
 
 @app.command(
@@ -461,7 +469,8 @@ def convert_command(
         )
         if not quiet:
             total = sum(i.nbytes for i in infos)
-            print(f"wrote {printable(str(out))}: {len(infos)} tensors, {total} bytes")
+            line = f"wrote {printable(str(out))}: {len(infos)} tensors, {total} bytes"
+            _emit(lambda: print(line))
 
 
 @app.command(
@@ -591,6 +600,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Every failure is one stderr line."""
     global _failure_reported
     _failure_reported = False
+    global _stdout_closed
+    # Started with a stream closed (`>&-`, `2>&-`): Python has None there. Writes go to
+    # /dev/null instead; a report that has nowhere to go is then exit 5, one line (lost
+    # too, with stderr closed: the exit code still tells).
+    _stdout_closed = sys.stdout is None
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
     try:
         _restore_signal_defaults()
         for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):

@@ -77,8 +77,8 @@ def _refuse_foreign_zip(path: Path, handle: BinaryIO) -> None:
     try:
         with zipfile.ZipFile(handle) as archive:
             names = archive.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        return
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError):
+        return  # RuntimeError: NotImplementedError for an unknown zip version
     if any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
         raise InputError(
             path,

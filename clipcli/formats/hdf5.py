@@ -395,10 +395,35 @@ class Hdf5Reader(Reader):
             dtype: np.dtype[Any] = dataset.dtype
         except TypeError as exc:  # e.g. HDF5 types with no NumPy counterpart
             raise self._fail(f"has an HDF5 type h5py cannot represent ({exc})", name) from None
+        if dtype.kind in "fc":
+            self._check_float_layout(dataset.id.get_type(), dtype, name)
         problem = _unsupported_dtype(dtype)
         if problem is not None:
             raise self._fail(f"has {problem}; only numeric tensors are supported", name)
         return dtype
+
+    def _check_float_layout(self, type_id: Any, dtype: np.dtype[Any], name: str) -> None:
+        """An HDF5 float type describes its bits (offset, precision, sign, exponent and
+        mantissa fields); h5py maps it to a NumPy dtype by size alone. Fields that are not
+        the standard IEEE layout of that size (a fuzzed file: bit offset 0xEA00 in a 32-bit
+        float) make the library's conversion read and write out of bounds. Refuse them."""
+        h5t = _h5py().h5t
+        if isinstance(type_id, h5t.TypeCompoundID):  # complex: check each member
+            for index in range(type_id.get_nmembers()):
+                member = type_id.get_member_type(index)
+                self._check_float_layout(member, np.dtype(f"f{member.get_size()}"), name)
+            return
+        if not isinstance(type_id, h5t.TypeFloatID):
+            return
+        standard = h5t.py_create(np.dtype(f"<f{type_id.get_size()}"))
+        layout = (type_id.get_offset(), type_id.get_precision(), type_id.get_fields())
+        expected = (standard.get_offset(), standard.get_precision(), standard.get_fields())
+        if layout != expected:
+            raise self._fail(
+                f"has a {dtype.itemsize}-byte float type with a non-standard bit layout "
+                f"(offset, precision, fields {layout}); malformed or not IEEE",
+                name,
+            )
 
     def _check_filters(self, create_plist: Any, name: str) -> None:
         h5z = _h5py().h5z
@@ -446,11 +471,26 @@ class Hdf5Reader(Reader):
         if create_plist.get_layout() == _h5py().h5d.CHUNKED and hasattr(
             dataset.id, "chunk_iter"
         ):  # HDF5 >= 1.14: one pass over the chunk index; older ones scan the chunks too
-            dataset.id.chunk_iter(
-                lambda chunk: self._data_ranges.append(
-                    (chunk.byte_offset, chunk.byte_offset + chunk.size)
+            chunks: list[tuple[int, int]] = []
+            dataset.id.chunk_iter(lambda chunk: chunks.append((chunk.byte_offset, chunk.size)))
+            for offset, size in chunks:
+                # A stored chunk of 0 bytes, or one past the end, makes the library's
+                # filters read nothing or garbage: fletcher32 on an empty chunk segfaults.
+                if size <= 0 or offset + size > self._file_size:
+                    raise self._fail(
+                        f"a stored chunk at byte {offset} of {size} bytes is empty or runs "
+                        f"past the end of the {self._file_size}-byte file",
+                        info.name,
+                    )
+                self._data_ranges.append((offset, offset + size))
+        if create_plist.get_layout() == _h5py().h5d.CONTIGUOUS:
+            maxshape = dataset.maxshape
+            if maxshape is not None and tuple(maxshape) != info.shape:
+                raise self._fail(
+                    f"is contiguous but declares a maximum shape {tuple(maxshape)} other than "
+                    f"its shape {info.shape}, which HDF5 does not allow (malformed)",
+                    info.name,
                 )
-            )
 
     def _check_expansion(self) -> None:
         """The whole file's budget: every dataset, allocated or not, is produced in full by

@@ -50,7 +50,14 @@ FORTRAN_TILE_BYTES = 4 << 20
 COMPRESSION_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _DATA_DESCRIPTOR_FLAG = 0x08
-_READ_ERRORS = (OSError, EOFError, zipfile.BadZipFile, zlib.error, ValueError, RuntimeError)
+_READ_ERRORS = (
+    OSError,
+    EOFError,
+    zipfile.BadZipFile,
+    zlib.error,
+    ValueError,
+    RuntimeError,  # NotImplementedError among them: zipfile's 'zip file version 25.5'
+)
 
 
 def expansion_budget(file_size: int) -> int:
@@ -75,7 +82,7 @@ class NpzReader(Reader):
         self._handle = open_input(path)  # closed by close()
         try:
             self._zip = zipfile.ZipFile(self._handle)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
             self._handle.close()
             raise InputError(path, f"not a valid npz (zip) file: {exc}") from None
         try:
@@ -185,7 +192,7 @@ class NpzReader(Reader):
         local = os.pread(fd, _LOCAL_HEADER.size, entry.header_offset)
         if len(local) != _LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
             raise InputError(self.path, "bad zip local header", tensor)
-        (_, _, flags, method, _, _, _, compressed, size, name_len, extra_len) = (
+        (_, _, flags, method, _, _, crc, compressed, size, name_len, extra_len) = (
             _LOCAL_HEADER.unpack(local)
         )
         raw_name = os.pread(fd, name_len, entry.header_offset + _LOCAL_HEADER.size)
@@ -197,14 +204,17 @@ class NpzReader(Reader):
                 "local header disagrees with the central directory (name or method)",
                 tensor,
             )
-        if not flags & _DATA_DESCRIPTOR_FLAG and 0xFFFFFFFF not in (compressed, size):
-            if (compressed, size) != (entry.compress_size, entry.file_size):
+        data_start = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if not flags & _DATA_DESCRIPTOR_FLAG:
+            if 0xFFFFFFFF in (compressed, size):  # ZIP64: the sizes are in the extra field
+                extra = os.pread(fd, extra_len, data_start - extra_len)
+                size, compressed = _zip64_sizes(extra, size, compressed)
+            if (compressed, size, crc) != (entry.compress_size, entry.file_size, entry.CRC):
                 raise InputError(
                     self.path,
-                    "local header disagrees with the central directory (sizes)",
+                    "local header disagrees with the central directory (sizes or CRC)",
                     tensor,
                 )
-        data_start = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
         end = data_start + entry.compress_size
         if end > file_size:
             raise InputError(self.path, "member data runs past the end of the file", tensor)
@@ -477,6 +487,25 @@ def _pread_exactly(fd: int, size: int, position: int) -> bytes:
             raise InputProblem("the data ended early")
         data += more
     return data
+
+
+def _zip64_sizes(extra: bytes, size: int, compressed: int) -> tuple[int, int]:
+    """(uncompressed, compressed) from a local header's ZIP64 extra field, which holds
+    the 8-byte values of exactly those of the two that are 0xFFFFFFFF, in that order."""
+    position = 0
+    while position + 4 <= len(extra):
+        field_id, length = struct.unpack_from("<HH", extra, position)
+        if field_id == 0x0001:
+            values = extra[position + 4 : position + 4 + length]
+            offset = 0
+            if size == 0xFFFFFFFF and offset + 8 <= len(values):
+                (size,) = struct.unpack_from("<Q", values, offset)
+                offset += 8
+            if compressed == 0xFFFFFFFF and offset + 8 <= len(values):
+                (compressed,) = struct.unpack_from("<Q", values, offset)
+            return size, compressed
+        position += 4 + length
+    return size, compressed
 
 
 def _has_zip64_field(extra: bytes) -> bool:

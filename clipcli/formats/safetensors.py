@@ -227,7 +227,7 @@ class SafetensorsReader(Reader):
         if not isinstance(entry, dict):
             raise self._fail("header entry is not an object", name)
         code = entry.get("dtype")
-        if code in _PACKED:
+        if isinstance(code, str) and code in _PACKED:
             raise self._fail(f"dtype {code} (packed sub-byte floats) is not supported", name)
         if not isinstance(code, str) or code not in DTYPES:
             raise self._fail(f"unknown dtype {code!r}", name)
