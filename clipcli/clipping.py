@@ -206,6 +206,8 @@ def build_spec(
     _check_positive("--global", global_)
     if use_norm is not None:
         _check_positive("--use-norm", use_norm)
+        if math.isinf(use_norm):  # TF's factor C / inf is 0: every tensor zeroed
+            raise UsageError("--use-norm must be finite; --use-norm inf would zero every tensor")
     return ClipSpec(
         Mode.GLOBAL,
         limit=global_,
@@ -257,6 +259,19 @@ def tf_scale(norm: float, limit: float) -> float | None:
 _U64 = 2.0**-53  # float64 unit roundoff
 # Relative distance from C within which a measured norm might be on either side of it.
 AMBIGUOUS = 1e-9
+
+
+@functools.cache
+def smallest_without_zero(dtype: np.dtype[Any]) -> float | None:
+    """The smallest positive value of a float dtype that cannot hold zero (e8m0fnu), or
+    None for every dtype that can."""
+    if dtype.kind == "c":
+        return None
+    with np.errstate(invalid="ignore"):
+        zero = np.zeros(1, np.float32).astype(dtype).astype(np.float64)[0]
+    if zero == 0:
+        return None
+    return float(lookup.float64_values(dtype)[lookup.float64_values(dtype) > 0].min())
 
 
 def real_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
@@ -398,6 +413,11 @@ def narrow_round(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     bits |= (back != wide) & finite  # inexact: make it odd (sticky bit)
     if dtype == np.float16:
         return float16.from_float32(single)
+    smallest = smallest_without_zero(dtype)
+    if smallest is not None:
+        # No zero to round to (e8m0fnu): a positive value that float32 flushed to 0 would
+        # become NaN; it rounds to the dtype's smallest value, as any other tiny one does.
+        single[(single == 0) & (wide > 0)] = smallest
     with np.errstate(over="ignore", invalid="ignore"):
         result: np.ndarray = single.astype(dtype)
     return result
@@ -553,12 +573,15 @@ def _scale(chunk: np.ndarray, scale: float | np.ndarray, exponent: int) -> np.nd
         exponent += shift
     factor = np.asarray(scale, dtype=np.float64)
     wide = widen_exact(chunk)
+    if wide.dtype.kind == "c":
+        # Part by part: z * (s + 0j) computes re*0 + im*s, which turns -0.0 into +0.0.
+        out = np.empty(np.broadcast_shapes(wide.shape, factor.shape), np.complex128)
+        out.real = np.ldexp(wide.real * factor, exponent)
+        out.imag = np.ldexp(wide.imag * factor, exponent)
+        return narrow_round(out, chunk.dtype)
     wide = wide * factor
     if exponent:
-        if wide.dtype.kind == "c":
-            wide = np.ldexp(wide.real, exponent) + 1j * np.ldexp(wide.imag, exponent)
-        else:
-            wide = np.ldexp(wide, exponent)
+        wide = np.ldexp(wide, exponent)
     return narrow_round(wide, chunk.dtype)
 
 

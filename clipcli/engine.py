@@ -401,6 +401,7 @@ def _set_factor(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> No
     if together.ssq == 0.0 or math.isinf(limit) or ratio > 1 + clipping.AMBIGUOUS:
         return
     live = [p for p in plans if p.before.ssq > 0]
+    _refuse_unreachable(live, limit)
     if abs(ratio - 1) <= clipping.AMBIGUOUS:
         # The measured norm is within its own rounding error of C: decide exactly, so that
         # a norm equal to C is left alone and one a hair above it is clipped.
@@ -419,8 +420,34 @@ def _set_factor(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> No
         )
         assert chosen is not None
         scale = chosen
+    if scale == 0 and any(clipping.smallest_without_zero(p.info.dtype) for p in live):
+        _refuse_unreachable(live, 0.0)  # never round a zero-less dtype by 0 (NaN)
     for plan in live:
         plan.scale, plan.scale_exp = scale, exponent
+
+
+def _refuse_unreachable(plans: Sequence[TensorPlan], limit: float) -> None:
+    """A dtype with no zero (float8_e8m0fnu: powers of two only) cannot scale below its
+    smallest value: when even that gives a norm over the limit, no factor works, and the
+    rounding would write NaN. Refused (exit 4), as for value bounds no value can meet."""
+    floor = Fraction(0)
+    zeroless = []
+    for plan in plans:
+        smallest = clipping.smallest_without_zero(plan.info.dtype)
+        if smallest is not None:
+            floor += Fraction(smallest) ** 2 * plan.info.numel
+            zeroless.append(plan.info.name)
+    # At the floor itself the search has no room (every factor below the first change
+    # gives the floor): refuse there too, with a hair of margin, rather than write NaN.
+    if zeroless and floor * (1 + Fraction(1, 2**20)) >= Fraction(limit) ** 2:
+        names = ", ".join(repr(name) for name in zeroless[:3])
+        more = f" and {len(zeroless) - 3} more" if len(zeroless) > 3 else ""
+        smallest = clipping.smallest_without_zero(plans[0].info.dtype) or 0
+        raise DataRefusedError(
+            f"{names}{more}: a dtype without zero (every value at least its smallest, "
+            f"{smallest:g}) cannot be scaled to a norm of {limit:g}: the least it can reach "
+            f"is {math.sqrt(floor):g}; choose a larger limit or exclude these tensors"
+        )
 
 
 def _within_exactly(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> bool:

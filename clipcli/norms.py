@@ -57,7 +57,8 @@ class NormAccumulator:
 
     ssq: float = 0.0
     exp: int = 0
-    max_abs: float = 0.0
+    max_abs: float = 0.0  # over the finite values (what sums are scaled by)
+    inf_count: int = 0
     nonfinite: int = 0
     nan_count: int = 0
     numel: int = 0
@@ -134,6 +135,7 @@ class NormAccumulator:
             finite = np.isfinite(chunk)
             self.nonfinite += int(chunk.size - np.count_nonzero(finite))
             self.nan_count += int(np.count_nonzero(np.isnan(chunk)))
+            self.inf_count += int(np.count_nonzero(np.isinf(chunk)))
             if chunk.dtype.kind != "c":
                 has_values = not np.all(np.isnan(wide))
                 if has_values:
@@ -176,6 +178,7 @@ class NormAccumulator:
         finite = np.isfinite(values)
         self.nan_count += int(counts[nan].sum())
         self.nonfinite += int(counts[~finite].sum())
+        self.inf_count += int(counts[np.isinf(values)].sum())
         ordered = values[present & ~nan]
         if ordered.size:
             self.max_value = max(self.max_value, float(ordered.max()))
@@ -193,6 +196,11 @@ class NormAccumulator:
         count_type = np.uint32 if self.numel < 2**32 else np.int64
         self.histogram = (bits.astype(f"u{self.hist_dtype.itemsize}"), kept.astype(count_type))
 
+    @property
+    def largest_magnitude(self) -> float:
+        """max|x| as reported: inf when an infinity is present (NaN does not count)."""
+        return math.inf if self.inf_count else self.max_abs
+
     def merge(self, other: NormAccumulator) -> None:
         if other.counts is not None:
             self.keep_histogram, self.hist_dtype = True, other.hist_dtype
@@ -201,6 +209,7 @@ class NormAccumulator:
         self.max_abs = max(self.max_abs, other.max_abs)
         self.nonfinite += other.nonfinite
         self.nan_count += other.nan_count
+        self.inf_count += other.inf_count
         self.numel += other.numel
         self.min_value = min(self.min_value, other.min_value)
         self.max_value = max(self.max_value, other.max_value)

@@ -279,7 +279,7 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.FILE, top: int | None =
             list(t.info.shape),
             t.info.numel,
             t.norm,
-            t.stats.max_abs,
+            t.stats.largest_magnitude,
             t.stats.nonfinite,
             t.in_global,
             t.role.value,

@@ -19,6 +19,9 @@ SAFETENSORS_CODES = {
     "bool": "BOOL",
     "uint8": "U8",
     "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
+    "complex64": "C64",
 }
 
 
