@@ -5,7 +5,6 @@ handled badly they cost minutes or gigabytes, so generous bounds are meaningful.
 
 from __future__ import annotations
 
-import resource
 import struct
 import subprocess
 import sys
@@ -38,13 +37,25 @@ def _tree_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
+# Runs the command as its only child and writes that child's peak RSS (KiB) to argv[1]:
+# RUSAGE_CHILDREN of the test process itself is the maximum over every child it ever
+# waited for (the whole suite's, in one pytest run), not this command's.
+_PEAK_PROBE = (
+    "import resource, subprocess, sys\n"
+    "done = subprocess.run(sys.argv[2:], stdin=subprocess.DEVNULL)\n"
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))\n"
+    "sys.exit(done.returncode)\n"
+)
+
+
 def measured_run(args: list[str], out_dir: Path, timeout: float = 60.0) -> Measured:
-    """One child at a time, so RUSAGE_CHILDREN's maxrss is this child's (the max over all
-    children so far: the test's own earlier children are small)."""
+    """Wall time, exit, stderr, peak RSS of clipcli alone, and bytes left in out_dir."""
+    peak_file = out_dir.parent / f".peak-{time.monotonic_ns()}"
     start = time.monotonic()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "clipcli", *args],
+            [sys.executable, "-c", _PEAK_PROBE, str(peak_file), sys.executable, "-m", "clipcli"]
+            + args,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -55,7 +66,11 @@ def measured_run(args: list[str], out_dir: Path, timeout: float = 60.0) -> Measu
     except subprocess.TimeoutExpired:
         code, stderr = None, "timeout"
     seconds = time.monotonic() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if code is None:  # timed out: the probe was killed before it could write
+        peak = 0
+    else:
+        peak = int(peak_file.read_text()) * 1024
+        peak_file.unlink()
     return Measured(code, stderr, seconds, peak, _tree_bytes(out_dir))
 
 
