@@ -30,9 +30,12 @@ class FileIdentity:
     @classmethod
     def of(cls, path: Path) -> FileIdentity | None:
         try:
-            info = os.stat(path)
+            return cls.of_stat(os.stat(path))
         except OSError:
             return None
+
+    @classmethod
+    def of_stat(cls, info: os.stat_result) -> FileIdentity:
         return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 

@@ -35,7 +35,7 @@ import secrets
 import shutil
 import signal
 import stat
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from clipcli import interrupts
@@ -652,7 +652,3 @@ def choose_target(
         f"{out}: unknown output extension; use .npz, .safetensors, .h5 or .hdf5, "
         "or end OUT with / to write a model directory"
     )
-
-
-def names_of(paths: Sequence[Path]) -> frozenset[str]:
-    return frozenset(p.name for p in paths)

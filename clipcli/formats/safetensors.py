@@ -31,6 +31,7 @@ from clipcli.formats.base import (
     byte_view,
     default_chunk_elems,
 )
+from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
 
 MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
@@ -108,7 +109,7 @@ class SafetensorsReader(Reader):
         self._closed = False  # close() is final; release() is not
         self._file: BinaryIO | None = open_input(path)  # closed by close() or release()
         try:
-            self._identity = _identity(os.fstat(self._file.fileno()))
+            self._identity = FileIdentity.of_stat(os.fstat(self._file.fileno()))
             self._infos, self._offsets, self._metadata = self._parse(self._file)
         except BaseException:
             self._file.close()
@@ -124,7 +125,7 @@ class SafetensorsReader(Reader):
             if self._closed:
                 raise ValueError(f"{self.path}: reader is closed")
             handle = open_input(self.path)
-            if _identity(os.fstat(handle.fileno())) != self._identity:
+            if FileIdentity.of_stat(os.fstat(handle.fileno())) != self._identity:
                 handle.close()
                 raise self._fail("file changed since its header was read")
             self._file = handle
@@ -317,10 +318,6 @@ class SafetensorsReader(Reader):
             if self._file is not None:
                 self._file.close()
                 self._file = None
-
-
-def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
 
 def build_header(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> bytes:
