@@ -152,7 +152,7 @@ def _notify(level: str, text: str) -> None:
 
 def _progress(quiet: bool = False) -> Any:
     """A terminal progress bar when stderr is a terminal, else the silent default."""
-    from clipcli.engine import SILENT
+    from clipcli.progress import SILENT
     from clipcli.report import TerminalProgress
 
     if quiet or not sys.stderr.isatty():

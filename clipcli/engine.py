@@ -35,6 +35,7 @@ from clipcli.norms import (
 )
 from clipcli.output import InputFootprint, Target, choose_target
 from clipcli.parallel import ordered_map
+from clipcli.progress import SILENT, Progress
 
 R = TypeVar("R")
 
@@ -123,22 +124,6 @@ class Measurement:
             share = (norm / total) ** 2 if total > 0 and math.isfinite(total) else math.nan
             result.append(GroupStats(name, len(norms), norm, share))
         return result
-
-
-class Progress:
-    """Told how many bytes each pass will read and how many are done; silent by default."""
-
-    def start(self, label: str, total_bytes: int) -> None:
-        pass
-
-    def advance(self, nbytes: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-SILENT = Progress()
 
 
 def chunk_sources(reader: Reader, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from clipcli import cli
-from clipcli.engine import SILENT
+from clipcli.progress import SILENT
 from clipcli.report import TerminalProgress
 
 
