@@ -19,8 +19,9 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from clipcli import clipping, float16, lookup
-from clipcli.norms import accumulate
+from clipcli.numerics import float16, lookup
+from clipcli.numerics import scaling as clipping
+from clipcli.numerics.norms import accumulate
 
 N = 1 << 20
 

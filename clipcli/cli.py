@@ -264,7 +264,7 @@ def norms_command(
     from clipcli.report import groups_report, norms_report, render_chart
 
     if group_by is not None:
-        from clipcli.clipping import compile_group_by
+        from clipcli.plan import compile_group_by
 
         compile_group_by(group_by)
     selection = _selection(include, exclude, all_tensors)
@@ -400,8 +400,8 @@ def clip_command(
     selected, not floating point, or training state (optimizer slots, BatchNorm
     statistics; unless --all-tensors) are copied bit-identical."""
     from clipcli import interrupts
-    from clipcli.clipping import build_spec
     from clipcli.engine import Selection, clip
+    from clipcli.plan import build_spec
     from clipcli.report import clip_report
 
     spec = build_spec(

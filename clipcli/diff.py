@@ -41,11 +41,12 @@ from typing import Any, Literal
 
 import numpy as np
 
+from clipcli.dtypes import is_floating
 from clipcli.errors import InputError, UsageError
-from clipcli.formats.base import Reader, TensorInfo, default_chunk_elems, is_floating
+from clipcli.formats.base import Reader, TensorInfo, default_chunk_elems
 from clipcli.formats.sharded import ShardedReader
 from clipcli.io import open_reader
-from clipcli.norms import NormAccumulator, accumulate, global_norm, widen
+from clipcli.numerics.norms import NormAccumulator, accumulate, global_norm, widen
 from clipcli.parallel import ordered_map
 from clipcli.progress import SILENT, Progress
 from clipcli.scope import Notify, check_patterns, ignore, warn_quantized

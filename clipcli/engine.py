@@ -19,14 +19,16 @@ from typing import TypeVar
 
 import numpy as np
 
-from clipcli import clipping, interrupts, lookup, roles, scope
-from clipcli.clipping import ClipSpec, Mode
+from clipcli import interrupts, roles, scope
+from clipcli.dtypes import is_floating
 from clipcli.errors import DataRefusedError, UsageError
-from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, is_floating
+from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.sharded import ShardedReader, ShardedWriter, output_names
 from clipcli.identity import InputGuard
 from clipcli.io import open_reader, writer_class
-from clipcli.norms import (
+from clipcli.numerics import lookup
+from clipcli.numerics import scaling as clipping
+from clipcli.numerics.norms import (
     CertainSumsq,
     NormAccumulator,
     accumulate,
@@ -35,6 +37,15 @@ from clipcli.norms import (
 )
 from clipcli.output import InputFootprint, Target, choose_target
 from clipcli.parallel import ordered_map
+from clipcli.plan import (
+    ClipSpec,
+    Mode,
+    compile_group_by,
+    group_key,
+    group_order,
+    normalize_axes,
+    tensor_limit,
+)
 from clipcli.progress import SILENT, Progress
 
 R = TypeVar("R")
@@ -112,14 +123,14 @@ class Measurement:
     def groups(self, group_by: str) -> list[GroupStats]:
         """Floating-point tensors aggregated by --group-by, in natural name order (layer 2
         before layer 10; file order is no guide: safetensors and h5py sort names as text)."""
-        pattern = clipping.compile_group_by(group_by)
+        pattern = compile_group_by(group_by)
         members: dict[str, list[float]] = {}
         for t in self.tensors:
             if t.in_global:
-                members.setdefault(clipping.group_key(t.info.name, pattern), []).append(t.norm)
+                members.setdefault(group_key(t.info.name, pattern), []).append(t.norm)
         total = self.global_norm
         result = []
-        for name, norms in sorted(members.items(), key=lambda item: clipping.group_order(item[0])):
+        for name, norms in sorted(members.items(), key=lambda item: group_order(item[0])):
             norm = global_norm(norms)
             share = (norm / total) ** 2 if total > 0 and math.isfinite(total) else math.nan
             result.append(GroupStats(name, len(norms), norm, share))
@@ -345,7 +356,7 @@ def plan_clip(
                 plan.action = "skip"
                 continue
             try:
-                plan.axes = clipping.normalize_axes(spec.axes, plan.info.shape, plan.info.name)
+                plan.axes = normalize_axes(spec.axes, plan.info.shape, plan.info.name)
             except DataRefusedError as exc:
                 problems.append(str(exc))
             plan.action = "axes"
@@ -353,13 +364,13 @@ def plan_clip(
             raise DataRefusedError(f"{reader.path}: " + "; ".join(problems))
     elif spec.mode in (Mode.NORM, Mode.AVERAGE):
         for plan in targets:
-            limit = clipping.tensor_limit(spec, plan.info.numel)
+            limit = tensor_limit(spec, plan.info.numel)
             _set_factor(reader, [plan], limit)
     elif spec.group_by is not None:
-        pattern = clipping.compile_group_by(spec.group_by)
+        pattern = compile_group_by(spec.group_by)
         groups: dict[str, list[TensorPlan]] = {}
         for plan in targets:
-            groups.setdefault(clipping.group_key(plan.info.name, pattern), []).append(plan)
+            groups.setdefault(group_key(plan.info.name, pattern), []).append(plan)
         for group, members in groups.items():
             _plan_global(reader, members, spec)
             for plan in members:
@@ -555,7 +566,7 @@ def _unchanged_hook(
                 return info.dtype.kind == "c" or not _needs_clamp(info, stats, spec)
             except DataRefusedError:
                 return False
-        return stats.limit_ratio(clipping.tensor_limit(spec, info.numel)) >= 1.0
+        return stats.limit_ratio(tensor_limit(spec, info.numel)) >= 1.0
 
     def on_measured(index: int, stats: NormAccumulator) -> None:
         if unchanged(infos[index], stats):

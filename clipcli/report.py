@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 from clipcli.errors import printable
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
-    from clipcli.clipping import NaturalKey
     from clipcli.diff import DiffResult
     from clipcli.engine import ClipResult, Measurement, TensorStats
     from clipcli.formats.base import TensorInfo
+    from clipcli.plan import NaturalKey
 
 
 class OutputFormat(str, Enum):
@@ -254,7 +254,7 @@ NORM_COLUMNS = (
 
 def _natural_key(name: str) -> NaturalKey:
     # Imported here: clipping imports numpy, which `clipcli --help` must not pay for.
-    from clipcli.clipping import natural_key
+    from clipcli.plan import natural_key
 
     return natural_key(name)
 

@@ -19,8 +19,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from clipcli import quantized, roles
+from clipcli.dtypes import is_floating
 from clipcli.errors import DataRefusedError, UsageError
-from clipcli.formats.base import TensorInfo, is_floating
+from clipcli.formats.base import TensorInfo
+from clipcli.plan import compile_group_by, group_key
 
 Notify = Callable[[str, str], None]  # (level, text); level is "warning" or "note"
 
@@ -199,10 +201,9 @@ def check_axes(
 
 def check_groups(names: Sequence[str], group_by: str, notify: Notify) -> None:
     """Warn when --group-by puts every tensor into one group: it then changes nothing."""
-    from clipcli import clipping  # numpy-heavy; only needed with --group-by
 
-    pattern = clipping.compile_group_by(group_by)
-    keys = {clipping.group_key(n, pattern) for n in names}
+    pattern = compile_group_by(group_by)
+    keys = {group_key(n, pattern) for n in names}
     if len(names) > 1 and len(keys) == 1:
         notify(
             "warning",

@@ -24,6 +24,7 @@ from layouts import (
 
 from clipcli import quantized, roles, scope
 from clipcli.formats.base import TensorInfo
+from clipcli.plan import compile_group_by, group_key
 
 
 def exact_norm(arrays: list[np.ndarray]) -> float:
@@ -336,11 +337,10 @@ LAYER_CASES = {
 
 @pytest.mark.parametrize("case", list(LAYER_CASES))
 def test_layer_preset_names_groups(case: str) -> None:
-    from clipcli import clipping
 
     names, groups = LAYER_CASES[case]
-    pattern = clipping.compile_group_by("layer")
-    assert [clipping.group_key(n, pattern) for n in names] == groups
+    pattern = compile_group_by("layer")
+    assert [group_key(n, pattern) for n in names] == groups
 
 
 @pytest.mark.parametrize(

@@ -306,7 +306,7 @@ def test_norms_are_exact(tmp_path: Path, array: np.ndarray, expected: float, rel
 
 
 def test_64m_float32_normals_match_float64_reference() -> None:
-    from clipcli.norms import accumulate
+    from clipcli.numerics.norms import accumulate
 
     x = np.random.default_rng(0).standard_normal(64 * 2**20, dtype=np.float32)
     reference_norm = float(np.linalg.norm(x.astype(np.float64)))

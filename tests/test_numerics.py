@@ -14,8 +14,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from clipcli import clipping, float16
-from clipcli.norms import NormAccumulator, accumulate, global_norm, l2_norm
+from clipcli.numerics import float16
+from clipcli.numerics import scaling as clipping
+from clipcli.numerics.norms import NormAccumulator, accumulate, global_norm, l2_norm
 
 SQRT2 = 1.4142135623730951
 FP16_300 = np.full(300, 300.0, dtype=np.float16)  # sqrt(300 * 300**2) = 300 * sqrt(300)

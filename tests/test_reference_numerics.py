@@ -18,7 +18,7 @@ for byte; every output element is round(x * s) for the reported scale s (rounded
 value mode bit-exact against the independent clamp, NaN bits kept.
 
 dtypes that no checkpoint format stores (float8_e4m3, float8_e3m4, float8_e4m3b11fnuz)
-are checked through clipcli.clipping.axes_scales with all axes (the same scale search).
+are checked through clipcli.numerics.scaling.axes_scales with all axes (the same scale search).
 WORST records output/C per dtype and mode; run the module with -s to print it. The larger
 sweep is marked slow and runs with CLIPCLI_SLOW=1.
 """

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from clipcli.dtypes import is_numeric
 from clipcli.errors import InputError, WriteError
 from clipcli.formats.base import (
     Checkpoint,
@@ -38,7 +39,6 @@ from clipcli.formats.base import (
     TensorInfo,
     Writer,
     default_chunk_elems,
-    is_numeric,
     utf8_encodable,
 )
 from clipcli.inputs import fd_path, open_input_fd

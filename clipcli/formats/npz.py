@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from clipcli.dtypes import is_numeric
 from clipcli.errors import InputError
 from clipcli.formats.base import (
     CHUNK_BYTES,
@@ -30,7 +31,6 @@ from clipcli.formats.base import (
     Writer,
     byte_view,
     default_chunk_elems,
-    is_numeric,
 )
 from clipcli.inputs import open_input
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from clipcli import float16, lookup
-from clipcli.formats.base import finfo, is_floating
+from clipcli.dtypes import finfo, is_floating
+from clipcli.numerics import float16, lookup
 
 # Elements per piece inside NormAccumulator.add: 2 MiB of float64.
 CACHE_BLOCK = 1 << 18

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
-from clipcli import float16, lookup
-from clipcli.errors import DataRefusedError, UsageError
-from clipcli.formats.base import finfo
-from clipcli.norms import (
+from clipcli.dtypes import finfo
+from clipcli.errors import DataRefusedError
+from clipcli.numerics import float16, lookup
+from clipcli.numerics.norms import (
     slice_blocks,
     slice_sumsq,
     smallest_subnormal,
@@ -34,209 +32,6 @@ from clipcli.norms import (
 # Elements per float64 dot product in NormAccumulator (norms.CACHE_BLOCK): each block's
 # sum of squares is off by at most 2**18 roundings, the merged blocks by one more each.
 _DOT_TERMS = 1 << 18
-
-
-# `--group-by layer`: one alternative per layout (FORMATS.md, "Layouts met in real
-# checkpoints"); the first that matches names the group. Anchored ones come first.
-LAYER_PRESET = (
-    # legacy Keras full model: model_weights/dense_1/dense_1/kernel:0 -> dense_1
-    r"^model_weights/([^/]+)/"
-    # Keras 3, flat and nested: layers/dense/vars/0 -> dense,
-    # block1/layers/conv2d/vars/0 -> block1/layers/conv2d
-    r"|^(?:layers/)?((?:[^/]+/)*?[^/]+)/vars/\d+$"
-    # Keras 2 save_weights: dense_1/dense_1/kernel:0 at the root -> dense_1
-    r"|^([^/]+)/.+:\d+$"
-    # HF/PyTorch: model.layers.3.mlp..., transformer.h.3..., encoder.layer.3..., blocks.3...
-    r"|^(.*?\b(?:layers|layer|blocks|block|h)[._/]\d+)(?=[._/])"
-)
-OTHER_GROUP = "(other)"
-
-
-def compile_group_by(text: str) -> re.Pattern[str]:
-    """The --group-by regex ('layer' is the built-in preset); a bad regex is a usage error."""
-    try:
-        return re.compile(LAYER_PRESET if text == "layer" else text)
-    except re.error as exc:
-        raise UsageError(f"--group-by {text!r} is not a valid regex: {exc}") from None
-
-
-def group_key(name: str, pattern: re.Pattern[str]) -> str:
-    """The first capture group that matched, else the whole match; OTHER_GROUP if none."""
-    match = pattern.search(name)
-    if match is None:
-        return OTHER_GROUP
-    for captured in match.groups():
-        if captured is not None:
-            return captured
-    return match.group(0)
-
-
-NaturalKey = tuple[str | tuple[int, str, int], ...]
-
-
-def natural_key(name: str) -> NaturalKey:
-    """Sort key that compares digit runs as numbers: layers.2 before layers.10.
-
-    A run is compared by (digit count without leading zeros, those digits, full length),
-    which orders numbers of any length without int(): Python refuses to convert more than
-    4300 digits, and a tensor name is data that may hold a 5,000-digit layer number. Only
-    ASCII digits form runs; '²' or '٣' stay text. split() with one group alternates text
-    (even positions) and runs (odd positions), so equal positions always hold equal types.
-    """
-    key: list[str | tuple[int, str, int]] = []
-    for position, part in enumerate(_DIGITS.split(name)):
-        if position % 2:
-            digits = part.lstrip("0")
-            key.append((len(digits), digits, len(part)))
-        else:
-            key.append(part)
-    return tuple(key)
-
-
-def group_order(name: str) -> tuple[bool, NaturalKey]:
-    """Groups in natural name order, with the tensors that matched no group last."""
-    return name == OTHER_GROUP, natural_key(name)
-
-
-_DIGITS = re.compile(r"([0-9]+)")
-
-
-class Mode(str, Enum):
-    VALUE = "value"
-    NORM = "norm"
-    AVERAGE = "average"
-    GLOBAL = "global"
-
-
-@dataclass(frozen=True)
-class ClipSpec:
-    """A validated clipping request."""
-
-    mode: Mode
-    limit: float = math.inf  # C for the norm modes
-    low: float = -math.inf  # value mode bounds
-    high: float = math.inf
-    axes: tuple[int, ...] | None = None
-    use_norm: float | None = None
-    skip_nonfinite: bool = False
-    group_by: str | None = None  # --global within each group of tensors
-    skip_low_rank: bool = False  # --axes: leave tensors of too low a rank unchanged
-
-    def describe_limit(self) -> str:
-        if self.mode is Mode.VALUE:
-            return f"[{self.low:g}, {self.high:g}]"
-        return f"{self.limit:g}"
-
-
-def _check_positive(flag: str, value: float) -> None:
-    if math.isnan(value) or value <= 0:
-        raise UsageError(f"{flag} must be a positive number, got {value:g}")
-
-
-def build_spec(
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    value: float | None = None,
-    norm: float | None = None,
-    average: float | None = None,
-    global_: float | None = None,
-    axes: Sequence[int] | None = None,
-    use_norm: float | None = None,
-    skip_nonfinite: bool = False,
-    group_by: str | None = None,
-    skip_low_rank: bool = False,
-) -> ClipSpec:
-    """Turn the CLI flags into a ClipSpec, refusing conflicts and bad values (exit 2)."""
-    chosen = {
-        "--min/--max": low is not None or high is not None,
-        "--value": value is not None,
-        "--norm": norm is not None,
-        "--average": average is not None,
-        "--global": global_ is not None,
-    }
-    modes = [flag for flag, given in chosen.items() if given]
-    if not modes:
-        raise UsageError("choose a mode: --min/--max, --value, --norm, --average or --global")
-    if len(modes) > 1:
-        raise UsageError(f"choose one mode, got {' and '.join(modes)}")
-    if axes is not None and norm is None:
-        raise UsageError("--axes is valid only with --norm")
-    if skip_low_rank and axes is None:
-        raise UsageError("--skip-low-rank is valid only with --norm --axes")
-    if use_norm is not None and global_ is None:
-        raise UsageError("--use-norm is valid only with --global")
-    if group_by is not None:
-        if global_ is None:
-            raise UsageError("--group-by is valid only with --global (per-group global norm)")
-        if use_norm is not None:
-            raise UsageError("--use-norm and --group-by cannot be combined")
-        compile_group_by(group_by)
-    if value is not None:
-        _check_positive("--value", value)
-        low, high = -value, value
-    if low is not None or high is not None:
-        lo = -math.inf if low is None else low
-        hi = math.inf if high is None else high
-        if math.isnan(lo) or math.isnan(hi):
-            raise UsageError("--min and --max must be numbers, got nan")
-        if lo > hi:
-            raise UsageError(f"--min {lo:g} is greater than --max {hi:g}")
-        return ClipSpec(Mode.VALUE, low=lo, high=hi, skip_nonfinite=skip_nonfinite)
-    if norm is not None:
-        _check_positive("--norm", norm)
-        checked_axes = None
-        if axes is not None:
-            if not axes:
-                raise UsageError("--axes needs at least one axis")
-            if len(set(axes)) != len(axes):
-                raise UsageError(f"--axes has a duplicate axis: {','.join(map(str, axes))}")
-            checked_axes = tuple(axes)
-        return ClipSpec(
-            Mode.NORM,
-            limit=norm,
-            axes=checked_axes,
-            skip_nonfinite=skip_nonfinite,
-            skip_low_rank=skip_low_rank,
-        )
-    if average is not None:
-        _check_positive("--average", average)
-        return ClipSpec(Mode.AVERAGE, limit=average, skip_nonfinite=skip_nonfinite)
-    assert global_ is not None
-    _check_positive("--global", global_)
-    if use_norm is not None:
-        _check_positive("--use-norm", use_norm)
-        if math.isinf(use_norm):  # TF's factor C / inf is 0: every tensor zeroed
-            raise UsageError("--use-norm must be finite; --use-norm inf would zero every tensor")
-    return ClipSpec(
-        Mode.GLOBAL,
-        limit=global_,
-        use_norm=use_norm,
-        skip_nonfinite=skip_nonfinite,
-        group_by=group_by,
-    )
-
-
-def normalize_axes(axes: tuple[int, ...], shape: tuple[int, ...], name: str) -> tuple[int, ...]:
-    """Resolve negative axes against one tensor's rank; out of range is refused data (exit 4)."""
-    rank = len(shape)
-    resolved = []
-    for axis in axes:
-        if not -rank <= axis < rank:
-            raise DataRefusedError(
-                f"tensor {name!r} with shape {list(shape)} has no axis {axis} (rank {rank})"
-            )
-        resolved.append(axis % rank)
-    if len(set(resolved)) != len(resolved):
-        raise DataRefusedError(f"tensor {name!r}: --axes {axes} name the same axis twice")
-    return tuple(resolved)
-
-
-def tensor_limit(spec: ClipSpec, numel: int) -> float:
-    """The norm a single tensor may have: C, or C * numel for TF's average norm."""
-    if spec.mode is Mode.AVERAGE:
-        return spec.limit * numel
-    return spec.limit
 
 
 def tf_scale(norm: float, limit: float) -> float | None:

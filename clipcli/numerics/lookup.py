@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.formats.base import is_ml_float
+from clipcli.dtypes import is_ml_float
 
 _INDEX: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16)}
 
