@@ -77,8 +77,7 @@ def _preload(args: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    import clipcli.diff
-    import clipcli.engine
+    import clipcli.api
     import clipcli.formats.hdf5
     import clipcli.formats.npz
     import clipcli.formats.safetensors
