@@ -9,6 +9,10 @@ TensorFlow squares float16 in float16: ||[300.0] * 300|| overflows to inf there;
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -333,3 +337,37 @@ def test_clip_extremes(fmt, ckpt, write_checkpoint, read_checkpoint, cli, norm64
     assert out.dtype == x.dtype
     np.testing.assert_allclose(out, np.full(2, limit / SQRT2), rtol=1e-6)
     assert norm64(out) <= limit
+
+
+# ------------------------------------------------------------------ the process around them
+
+_COUNT_THREADS = """
+import os, runpy, sys
+sys.argv = ["clipcli", "ls", sys.argv[1]]
+try:
+    runpy.run_module("clipcli", run_name="__main__")
+except SystemExit:
+    pass
+print(len(os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_the_entry_point_keeps_blas_to_one_thread(tmp_path: Path) -> None:
+    """clipcli threads over chunks itself; BLAS threads on top only spin and contend (the
+    float64 dot products of the norms ran 5x slower on a busy 2-core machine). BLAS reads
+    its thread count once, when numpy loads, and the entry point imports numpy early, so
+    the setting must come before that. OpenBLAS starts its threads at load: after a run
+    with CLIPCLI_THREADS=1 the process holds its main thread alone."""
+    path = tmp_path / "m.npz"
+    np.savez(path, w=np.ones(3, np.float32))
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    env["CLIPCLI_THREADS"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _COUNT_THREADS, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip().splitlines()[-1] == "1"
