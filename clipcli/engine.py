@@ -13,7 +13,6 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,8 +25,7 @@ from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.sharded import ShardedReader, ShardedWriter, output_names
 from clipcli.identity import InputGuard
 from clipcli.io import open_reader, writer_class
-from clipcli.numerics import lookup
-from clipcli.numerics import scaling as clipping
+from clipcli.numerics import rounding, scaling, slices
 from clipcli.numerics.norms import (
     CertainSumsq,
     NormAccumulator,
@@ -390,141 +388,24 @@ def plan_clip(
 def _set_factor(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> None:
     """One factor for `plans` (a tensor, a group or the checkpoint): the largest uniform one
     whose rounded output has norm <= limit. Zero tensors keep no scale (bit-identical)."""
-    together = NormAccumulator()
-    for plan in plans:
-        together.merge(plan.before)
-    ratio = together.limit_ratio(limit)
-    if together.ssq == 0.0 or math.isinf(limit) or ratio > 1 + clipping.AMBIGUOUS:
-        return
-    live = [p for p in plans if p.before.ssq > 0]
-    _refuse_unreachable(live, limit)
-    if abs(ratio - 1) <= clipping.AMBIGUOUS:
-        # The measured norm is within its own rounding error of C: decide exactly, so that
-        # a norm equal to C is left alone and one a hair above it is clipped.
-        if _within_exactly(reader, live, limit):
-            return
-        ratio = min(ratio, 1 - 2.0**-53)
-    elif not ratio < 1.0:
-        return
-    dtypes = [p.info.dtype for p in live]
-    exponent = 0
-    if ratio < clipping.TINY_RATIO or all(clipping.mantissa_digits(d) == 53 for d in dtypes):
-        scale, exponent = _verified_factor(reader, live, together, limit)
-    else:
-        chosen = clipping.choose_factor(
-            limit, ratio, _histograms(live), _wide_bound(live, limit), dtypes
-        )
-        assert chosen is not None
-        scale = chosen
-    if scale == 0 and any(clipping.smallest_without_zero(p.info.dtype) for p in live):
-        _refuse_unreachable(live, 0.0)  # never round a zero-less dtype by 0 (NaN)
-    for plan in live:
-        plan.scale, plan.scale_exp = scale, exponent
-
-
-def _refuse_unreachable(plans: Sequence[TensorPlan], limit: float) -> None:
-    """A dtype with no zero (float8_e8m0fnu: powers of two only) cannot scale below its
-    smallest value: when even that gives a norm over the limit, no factor works, and the
-    rounding would write NaN. Refused (exit 4), as for value bounds no value can meet."""
-    floor = Fraction(0)
-    zeroless = []
-    for plan in plans:
-        smallest = clipping.smallest_without_zero(plan.info.dtype)
-        if smallest is not None:
-            floor += Fraction(smallest) ** 2 * plan.info.numel
-            zeroless.append(plan.info.name)
-    # At the floor itself the search has no room (every factor below the first change
-    # gives the floor): refuse there too, with a hair of margin, rather than write NaN.
-    if zeroless and floor * (1 + Fraction(1, 2**20)) >= Fraction(limit) ** 2:
-        names = ", ".join(repr(name) for name in zeroless[:3])
-        more = f" and {len(zeroless) - 3} more" if len(zeroless) > 3 else ""
-        smallest = clipping.smallest_without_zero(plans[0].info.dtype) or 0
-        raise DataRefusedError(
-            f"{names}{more}: a dtype without zero (every value at least its smallest, "
-            f"{smallest:g}) cannot be scaled to a norm of {limit:g}: the least it can reach "
-            f"is {math.sqrt(floor):g}; choose a larger limit or exclude these tensors"
-        )
-
-
-def _within_exactly(reader: Reader, plans: Sequence[TensorPlan], limit: float) -> bool:
-    """Whether the norm of `plans` together is <= limit: exact over histograms (as
-    fractions), with a certain bound over the rest (one more pass over those tensors)."""
-    total = Fraction(0)
-    for plan in plans:
-        if plan.before.histogram is not None:
-            bits, counts = plan.before.histogram
-            values = lookup.float64_values(plan.info.dtype)[bits]
-            for value, count in zip(values.tolist(), counts.tolist(), strict=True):
-                total += Fraction(value) ** 2 * count
-    wide = [p.info for p in plans if p.before.histogram is None]
-    check = _output_sumsq(reader, wide, 1.0, 0)
-    check.total += total
-    return check.at_most(limit)
-
-
-def _histograms(plans: Sequence[TensorPlan]) -> list[clipping.Histogram]:
-    """The 8- and 16-bit members' bit-pattern counts, one histogram per dtype."""
-    by_dtype: dict[np.dtype, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for plan in plans:
-        if plan.before.histogram is not None:
-            by_dtype.setdefault(plan.info.dtype, []).append(plan.before.histogram)
-    result = []
-    for dtype, parts in by_dtype.items():
-        bits = np.concatenate([p[0] for p in parts])
-        counts = np.concatenate([p[1] for p in parts]).astype(np.float64)
-        total = np.bincount(bits, weights=counts, minlength=256**dtype.itemsize)
-        present = np.flatnonzero(total)
-        values = lookup.float64_values(dtype)[present]
-        result.append(clipping.Histogram(dtype, values, total[present]))
-    return result
-
-
-def _wide_bound(plans: Sequence[TensorPlan], limit: float) -> clipping.WideBound | None:
-    """The rounding bound for the float32/float64/complex members (no histogram)."""
-    wide = [p for p in plans if p.before.histogram is None]
-    if not wide:
-        return None
-    stats = NormAccumulator()
-    for plan in wide:
-        stats.merge(plan.before)
-    return clipping.WideBound.of(
-        stats.limit_ratio(limit), [p.info.dtype for p in wide], sum(p.info.numel for p in wide)
+    members = [scaling.Member(p.info.name, p.info.dtype, p.info.numel, p.before) for p in plans]
+    infos = [p.info for p in plans]
+    factor = scaling.group_factor(
+        members, limit, lambda which, f: _output_sumsq(reader, [infos[i] for i in which], f)
     )
-
-
-def _verified_factor(
-    reader: Reader, plans: Sequence[TensorPlan], together: NormAccumulator, limit: float
-) -> tuple[float, int]:
-    """float64 (and factors below 2**-900): TF's factor, checked by a pass over the rounded
-    output with a certain bound on its norm (CertainSumsq), shrunk by the measured overshoot
-    once if needed, else the factor the rounding bound guarantees. As (mantissa, exponent)."""
-    ratio = together.limit_ratio(limit)
-    if ratio >= clipping.TINY_RATIO:
-        mantissa, exponent = ratio, 0
-    else:
-        mantissa, exponent = together.limit_ratio_parts(limit)
-    first = mantissa
-    for _ in range(2):
-        check = _output_sumsq(reader, [p.info for p in plans], mantissa, exponent)
-        if check.at_most(limit):
-            return mantissa, exponent
-        over = check.over(limit)
-        if not math.isfinite(over) or over <= 0:
-            break
-        mantissa = mantissa / over * (1 - 2.0**-51)
-    dtypes = [p.info.dtype for p in plans]
-    bound = clipping.WideBound.of(1.0, dtypes, together.numel)
-    headroom = 1 - math.sqrt(bound.numel) * bound.step / 2 / limit
-    safe = first * bound.ratio * max(headroom, 0.0) / (1 + bound.unit) * (1 - 2.0**-50)
-    return safe, exponent
+    if factor is None:
+        return
+    for plan in plans:
+        if plan.before.ssq > 0:
+            plan.scale, plan.scale_exp = factor.mantissa, factor.exponent
 
 
 def _output_sumsq(
-    reader: Reader, infos: Sequence[TensorInfo], scale: float, exponent: int
+    reader: Reader, infos: Sequence[TensorInfo], factor: scaling.Factor
 ) -> CertainSumsq:
     def scaled(chunk: np.ndarray) -> CertainSumsq:
         check = CertainSumsq()
-        check.add(clipping.scale_chunk(chunk, scale, exponent))
+        check.add(rounding.scale_chunk(chunk, factor.mantissa, factor.exponent))
         return check
 
     total = CertainSumsq()
@@ -558,7 +439,7 @@ def _unchanged_hook(
             return False
         if spec.mode is Mode.GLOBAL:
             if spec.use_norm is not None:
-                return clipping.tf_scale(spec.use_norm, spec.limit) is None
+                return scaling.tf_scale(spec.use_norm, spec.limit) is None
             so_far.merge(stats)
             return so_far.limit_ratio(spec.limit) >= 1.0
         if spec.mode is Mode.VALUE:
@@ -599,18 +480,14 @@ def _needs_clamp(info: TensorInfo, stats: NormAccumulator, spec: ClipSpec) -> bo
     its dtype holds none in [min, max]; an empty tensor has nothing to clamp either way."""
     if not stats.numel:
         return False
-    low, high = clipping.value_bounds(info.dtype, spec.low, spec.high)
+    low, high = rounding.value_bounds(info.dtype, spec.low, spec.high)
     return stats.min_value < float(low) or stats.max_value > float(high)
 
 
 def _plan_global(reader: Reader, targets: Sequence[TensorPlan], spec: ClipSpec) -> None:
     if spec.use_norm is not None:
-        scale = clipping.tf_scale(spec.use_norm, spec.limit)
-        if scale is not None:
-            # TF's factor to as many bits as keep every product exact, so that each value
-            # is rounded once (below 2**-29 relative for float32, 2**-42 for float16).
-            bits = clipping.exact_product_bits([p.info.dtype for p in targets])
-            scale = clipping.truncate_factor(scale, bits)
+        dtypes = [p.info.dtype for p in targets]
+        scale = scaling.given_norm_factor(spec.use_norm, spec.limit, dtypes)
         for plan in targets:
             # A zero tensor stays bit-identical whatever the scale.
             plan.scale = scale if plan.before.norm > 0 else None
@@ -623,22 +500,22 @@ def _transform(plan: TensorPlan, spec: ClipSpec) -> Callable[[np.ndarray], np.nd
     if plan.action == "scale":
         assert plan.scale is not None
         scale, exponent = plan.scale, plan.scale_exp
-        return lambda chunk: clipping.scale_chunk(chunk, scale, exponent)
+        return lambda chunk: rounding.scale_chunk(chunk, scale, exponent)
     if plan.action == "clamp":
-        low, high = clipping.value_bounds(plan.info.dtype, spec.low, spec.high)
-        return lambda chunk: clipping.clamp_chunk(chunk, low, high)
+        low, high = rounding.value_bounds(plan.info.dtype, spec.low, spec.high)
+        return lambda chunk: rounding.clamp_chunk(chunk, low, high)
     return None
 
 
 def _clip_slices(reader: Reader, plan: TensorPlan, spec: ClipSpec) -> list[np.ndarray]:
     """--axes: the whole tensor in memory, each slice scaled on its own."""
     array = reader.read(plan.info)
-    _, scales = clipping.axes_scales(array, plan.axes, spec.limit)
+    _, scales = slices.axes_scales(array, plan.axes, spec.limit)
     changed = scales != 1.0
     plan.changed = bool(np.any(changed))
     plan.note = f"{int(np.count_nonzero(changed))} of {scales.size} slices clipped"
     if plan.changed:
-        array = clipping.scale_slices(array, scales, plan.axes)
+        array = slices.scale_slices(array, scales, plan.axes)
         plan.after = accumulate_array(array)
     return [array.reshape(-1)]
 

@@ -465,7 +465,7 @@ def test_axes_against_reference(cli, tmp_path, name):
 def test_unstorable_fp8_through_the_library(name):
     """fp8 variants no format stores: the same scale search through axes_scales (all axes),
     then scale_slices; checked as above against the reference."""
-    from clipcli import clipping
+    from clipcli.numerics import slices
 
     dtype = dtype_of(name)
     for seed, shape in enumerate([(7,), (3, 5), (2, 3, 4), (64,)]):
@@ -474,8 +474,8 @@ def test_unstorable_fp8_through_the_library(name):
         norm = exact_norm(x)
         for factor in (0.3, 0.97, 1.0):
             limit = float(norm * factor)
-            _, scales = clipping.axes_scales(x, axes, limit)
-            out = clipping.scale_slices(x, scales, axes) if np.any(scales != 1) else x
+            _, scales = slices.axes_scales(x, axes, limit)
+            out = slices.scale_slices(x, scales, axes) if np.any(scales != 1) else x
             if exact_sumsq(x) <= Fraction(limit) ** 2:
                 assert out.tobytes() == x.tobytes()
                 continue
