@@ -51,39 +51,17 @@ from clipcli.diff import (
 )
 from clipcli.dtypes import is_floating
 from clipcli.formats.base import Reader
-from clipcli.numerics.norms import NormAccumulator, accumulate, global_norm, widen
-
-# A piece whose largest |value| lies in this range needs no rescaling for the dot product:
-# products stay within 2**±800 and a sum of them cannot overflow.
-_DOT_SAFE_HI = 2.0**400
-_DOT_SAFE_LO = 2.0**-400
-
+from clipcli.numerics.norms import (
+    NormAccumulator,
+    ScaledSum,
+    accumulate,
+    global_norm,
+    scaled_dot,
+)
+from clipcli.numerics.widening import widen_real
 
 # ---------------------------------------------------------------------------------------
 # per-piece reduction (runs in worker threads) and per-tensor merge
-
-
-@dataclass
-class _ScaledSum:
-    """A signed sum carried as mant * 2**exp, mant normalised to [0.5, 1)."""
-
-    mant: float = 0.0
-    exp: int = 0
-
-    def add(self, mant: float, exp: int) -> None:
-        if mant == 0.0:
-            return
-        if self.mant == 0.0:
-            total, at = mant, exp
-        elif exp > self.exp:
-            total, at = mant + math.ldexp(self.mant, self.exp - exp), exp
-        else:
-            total, at = self.mant + math.ldexp(mant, exp - self.exp), self.exp
-        if math.isfinite(total) and total != 0.0:
-            frac, shift = math.frexp(total)
-            self.mant, self.exp = frac, at + shift
-        else:
-            self.mant, self.exp = total, at
 
 
 @dataclass
@@ -101,7 +79,7 @@ class Running:
     acc_a: NormAccumulator = field(default_factory=NormAccumulator)
     acc_b: NormAccumulator = field(default_factory=NormAccumulator)
     acc_d: NormAccumulator = field(default_factory=NormAccumulator)
-    dot: _ScaledSum = field(default_factory=_ScaledSum)
+    dot: ScaledSum = field(default_factory=ScaledSum)
     identical: bool = True
 
     def merge(self, part: Partial) -> None:
@@ -143,7 +121,7 @@ def _compare(a: np.ndarray, b: np.ndarray, same_dtype: bool, as_complex: bool) -
         unchanged = (wide_a == wide_b) | (np.isnan(wide_a) & np.isnan(wide_b))
         diff[unchanged] = 0.0
     acc_d = accumulate([diff.view(np.complex128) if as_complex else diff])
-    dot = _scaled_dot(wide_a, wide_b, acc_a.max_abs, acc_b.max_abs) if finite else (0.0, 0)
+    dot = scaled_dot(wide_a, wide_b, acc_a.max_abs, acc_b.max_abs) if finite else (0.0, 0)
     return Partial(acc_a, acc_b, acc_d, dot, False, nbytes)
 
 
@@ -163,21 +141,10 @@ def _wide(chunk: np.ndarray, as_complex: bool) -> np.ndarray:
     """float64 values (complex: the real view of complex128), a fresh or read-only array."""
     if as_complex:
         if chunk.dtype.kind != "c":
-            chunk = widen(chunk)
+            chunk = widen_real(chunk)
         wide = np.ascontiguousarray(chunk, dtype=np.complex128)
         return wide.view(np.float64)
-    return np.ascontiguousarray(widen(chunk))
-
-
-def _scaled_dot(a: np.ndarray, b: np.ndarray, max_a: float, max_b: float) -> tuple[float, int]:
-    """a·b as (mant, exp) meaning mant * 2**exp; rescaled when values are extreme."""
-    if max_a == 0.0 or max_b == 0.0:
-        return 0.0, 0
-    exp_a = 0 if _DOT_SAFE_LO <= max_a <= _DOT_SAFE_HI else math.frexp(max_a)[1]
-    exp_b = 0 if _DOT_SAFE_LO <= max_b <= _DOT_SAFE_HI else math.frexp(max_b)[1]
-    scaled_a = np.ldexp(a, -exp_a) if exp_a else a
-    scaled_b = np.ldexp(b, -exp_b) if exp_b else b
-    return float(np.dot(scaled_a, scaled_b)), exp_a + exp_b
+    return np.ascontiguousarray(widen_real(chunk))
 
 
 # ---------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from clipcli.diff import DiffResult, PieceWork, pair_tensors, piece_work
 from clipcli.errors import UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.measurement import Measurement, TensorStats
-from clipcli.numerics import scaling
+from clipcli.numerics import rounding, slices
 from clipcli.numerics.norms import CertainSumsq, NormAccumulator, accumulate, accumulate_array
 from clipcli.parallel import ordered_map
 from clipcli.plan import Action, ClipSpec, EarlyVerdict, Outcome, Plan, TensorPlan
@@ -154,7 +154,7 @@ def output_check(reader: Reader) -> Callable[[Sequence[TensorInfo], float, int],
     def check(infos: Sequence[TensorInfo], mantissa: float, exponent: int) -> CertainSumsq:
         def scaled(chunk: np.ndarray) -> CertainSumsq:
             partial = CertainSumsq()
-            partial.add(scaling.scale_chunk(chunk, mantissa, exponent))
+            partial.add(rounding.scale_chunk(chunk, mantissa, exponent))
             return partial
 
         total = CertainSumsq()
@@ -258,11 +258,11 @@ def _transform(
     if tensor.action is Action.SCALE:
         assert tensor.factor is not None
         factor, exponent = tensor.factor, tensor.exponent
-        return lambda chunk: scaling.scale_chunk(chunk, factor, exponent)
+        return lambda chunk: rounding.scale_chunk(chunk, factor, exponent)
     if tensor.action is Action.CLAMP:
         assert spec is not None
-        low, high = scaling.value_bounds(tensor.info.dtype, spec.low, spec.high)
-        return lambda chunk: scaling.clamp_chunk(chunk, low, high)
+        low, high = rounding.value_bounds(tensor.info.dtype, spec.low, spec.high)
+        return lambda chunk: rounding.clamp_chunk(chunk, low, high)
     return None
 
 
@@ -272,11 +272,11 @@ def _clip_slices(
     """--axes: the whole tensor in memory, each slice scaled on its own."""
     assert spec is not None
     array = reader.read(tensor.info)
-    _, scales = scaling.axes_scales(array, tensor.axes, spec.limit)
+    _, scales = slices.axes_scales(array, tensor.axes, spec.limit)
     clipped = int(np.count_nonzero(scales != 1.0))
     if not clipped:
         return array, Outcome(tensor.before, False, 0, int(scales.size))
-    array = scaling.scale_slices(array, scales, tensor.axes)
+    array = slices.scale_slices(array, scales, tensor.axes)
     return array, Outcome(accumulate_array(array), True, clipped, int(scales.size))
 
 

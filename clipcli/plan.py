@@ -21,7 +21,7 @@ from clipcli.factor import Factor, OutputCheck, search_factor, tf_factor
 from clipcli.formats.base import TensorInfo
 from clipcli.groups import compile_group_by, group_key
 from clipcli.measurement import Measurement, TensorStats
-from clipcli.numerics import scaling
+from clipcli.numerics import rounding, scaling
 from clipcli.numerics.norms import NormAccumulator, global_norm
 
 
@@ -275,7 +275,7 @@ def value_decision(spec: ClipSpec, t: TensorStats) -> tuple[Action, Reason]:
     if t.info.dtype.kind == "c":
         return Action.KEEP, Reason.COMPLEX_UNORDERED
     if t.stats.numel:
-        low, high = scaling.value_bounds(t.info.dtype, spec.low, spec.high)
+        low, high = rounding.value_bounds(t.info.dtype, spec.low, spec.high)
         if t.stats.min_value < float(low) or t.stats.max_value > float(high):
             return Action.CLAMP, Reason.OVER_RANGE
     return Action.KEEP, Reason.WITHIN_RANGE

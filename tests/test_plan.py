@@ -22,7 +22,7 @@ from clipcli.factor import OutputCheck
 from clipcli.formats.base import Reader, TensorInfo
 from clipcli.measurement import Measurement
 from clipcli.numerics.norms import CertainSumsq, NormAccumulator
-from clipcli.numerics.scaling import scale_chunk
+from clipcli.numerics.rounding import scale_chunk
 from clipcli.pipeline import DiscardingWriter, execute
 from clipcli.plan import (
     Action,
