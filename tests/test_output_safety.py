@@ -987,7 +987,7 @@ def test_a_folder_swapped_between_the_check_and_the_open_is_caught(
     """The side file is checked by name, then opened: a folder on its way swapped for a
     link out in between must not get an outside file copied into OUT (found by a racing
     attacker; made deterministic here by swapping inside the open)."""
-    import clipcli.formats.sharded as sharded
+    import clipcli.formats.sharded.reader as sharded
 
     model = make_model(tmp_path / "model")
     (model / "sub").mkdir()
