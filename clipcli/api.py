@@ -15,15 +15,17 @@ from pathlib import Path
 from clipcli import interrupts, pipeline, scope
 from clipcli.diff import DiffResult
 from clipcli.errors import UsageError
+from clipcli.footprint import InputFootprint
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.identity import InputGuard
 from clipcli.io import open_reader, writer_class
 from clipcli.measurement import Measurement
 from clipcli.numerics.norms import NormAccumulator, global_norm
-from clipcli.output import InputFootprint, Target, choose_target
-from clipcli.plan import ClipSpec, Mode, Outcome, Plan, Reason, TensorPlan, copy_plan, plan
+from clipcli.output import Target, choose_target
+from clipcli.plan import Outcome, Plan, Reason, TensorPlan, copy_plan, plan
 from clipcli.progress import SILENT, Progress
 from clipcli.selection import EVERY_TENSOR, Selection
+from clipcli.spec import ClipSpec, Mode
 
 
 def list_tensors(path: Path) -> tuple[str, dict[str, str], list[TensorInfo]]:

@@ -26,8 +26,9 @@ from clipcli.measurement import Measurement, TensorStats
 from clipcli.numerics import scaling
 from clipcli.numerics.norms import CertainSumsq, NormAccumulator, accumulate, accumulate_array
 from clipcli.parallel import ordered_map
-from clipcli.plan import Action, ClipSpec, EarlyVerdict, Outcome, Plan, TensorPlan
+from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
 from clipcli.progress import SILENT, Progress
+from clipcli.spec import ClipSpec
 
 R = TypeVar("R")
 W = TypeVar("W")
