@@ -21,9 +21,6 @@ DEFAULT_INDEX_NAME = "model" + INDEX_SUFFIX
 SHARD_SUFFIX = ".safetensors"
 SINGLE_FILE_NAME = "model" + SHARD_SUFFIX
 MAX_INDEX_BYTES = MAX_HEADER_BYTES  # an index is smaller than the headers it summarises
-# Shard descriptors kept open at once; the others are reopened on demand (and checked to be
-# the same file). Far below the usual `ulimit -n` of 1024, which 2,000 shards would exceed.
-MAX_OPEN_SHARDS = 64
 
 # Top-level files that hold the model's weights in another form (or index them).
 OTHER_WEIGHT_SUFFIXES = frozenset(

@@ -19,7 +19,6 @@ from clipcli.formats.safetensors import SafetensorsReader
 from clipcli.formats.sharded.layout import (
     FORMAT_NAME,
     LEFT_OUT_FOLDERS,
-    MAX_OPEN_SHARDS,
     MAX_SIDE_DEPTH,
     MAX_SIDE_ENTRIES,
     allowed_roots,
@@ -32,6 +31,10 @@ from clipcli.formats.sharded.layout import (
     single_model_file,
 )
 from clipcli.inputs import open_input
+
+# Shard descriptors kept open at once; the others are reopened on demand (and checked to be
+# the same file). Far below the usual `ulimit -n` of 1024, which 2,000 shards would exceed.
+MAX_OPEN_SHARDS = 64
 
 
 class ShardedReader(Reader):
