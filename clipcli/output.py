@@ -111,7 +111,7 @@ class Target:
         elif not self.is_directory and stat.S_ISREG(info.st_mode):
             self._mode = stat.S_IMODE(info.st_mode)  # cp keeps a replaced file's mode
 
-    def _check_replaceable_directory(self, expected: frozenset[str]) -> None:
+    def _check_replaceable_directory(self, expected: frozenset[str]) -> None:  # noqa: ARG002
         raise Refused(
             f"{self.out}: is a directory; --force replaces a file, not a directory "
             f"(name the file to write, e.g. {self.out / 'model.safetensors'})"
