@@ -402,9 +402,9 @@ def clip_command(
     statistics; unless --all-tensors) are copied bit-identical."""
     from clipcli import interrupts
     from clipcli.api import clip
-    from clipcli.plan import build_spec
     from clipcli.report import clip_report
     from clipcli.selection import Selection
+    from clipcli.spec import build_spec
 
     spec = build_spec(
         low=low,

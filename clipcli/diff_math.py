@@ -179,11 +179,10 @@ def finish(job: Pair, run: Running) -> TensorDiff:
             norm_ratio=None,
             **common,
         )
-    assert info_a is not None and norm_a is not None and norm_b is not None
-    if not job.same_dtype:
-        status = DTYPE_CHANGED
-    else:
-        status = SAME if run.identical else CHANGED
+    assert info_a is not None
+    assert norm_a is not None
+    assert norm_b is not None
+    status = DTYPE_CHANGED if not job.same_dtype else SAME if run.identical else CHANGED
     diff_norm = run.acc_d.norm
     return TensorDiff(
         status=status,

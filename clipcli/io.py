@@ -137,7 +137,12 @@ def reader_class(fmt: str) -> type[Reader]:
     return Hdf5Reader
 
 
-def writer_class(out: Path) -> type[Writer]:
+def writer_class(out: Path, is_directory: bool = False) -> type[Writer]:
+    """The writer for OUT: a model directory, else by OUT's extension."""
+    if is_directory:
+        from clipcli.formats.sharded import ShardedWriter
+
+        return ShardedWriter
     fmt = format_from_extension(out)
     if fmt == "safetensors":
         from clipcli.formats.safetensors import SafetensorsWriter

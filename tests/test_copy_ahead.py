@@ -44,7 +44,7 @@ def test_nothing_changes_copies_every_tensor_ahead_and_the_file_is_identical(
     tmp_path: Path, copied_ahead: list[str]
 ) -> None:
     rng = np.random.default_rng(0)
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "a": rng.standard_normal(50_000).astype(np.float32),
         "b": rng.standard_normal((300, 70)).astype(np.float64),
         "empty": np.zeros(0, np.float32),

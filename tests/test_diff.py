@@ -113,7 +113,7 @@ def reference(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     }
 
 
-MIXED = {
+MIXED: dict[str, np.ndarray] = {
     "embed.weight": RNG.standard_normal((17, 9)).astype(np.float32),
     "layer.0.w": RNG.standard_normal((8, 8)),
     "layer.0.bf16": RNG.standard_normal(40).astype(ml_dtypes.bfloat16),
@@ -237,7 +237,7 @@ def test_npz_against_safetensors_same_data(tmp_path: Path) -> None:
         "b": RNG.standard_normal(9).astype(np.float32),
     }
     npz = tmp_path / "a.npz"
-    np.savez(npz, **tensors)
+    np.savez(npz, a=tensors["a"], b=tensors["b"])
     st_path = write_st(tmp_path / "b.safetensors", tensors)
     result = diff(npz, st_path, chunk_elems=5)
     assert result.format_a == "npz" and result.format_b == "safetensors"
@@ -396,8 +396,11 @@ def assert_same_figures(x: TensorDiff, y: TensorDiff, rel: float = 1e-13) -> Non
 
 
 def test_small_chunks_give_the_same_figures_as_one_chunk(tmp_path: Path) -> None:
-    a_data = {"w": RNG.standard_normal((13, 11)), "h": RNG.standard_normal(50).astype(np.float16)}
-    b_data = {
+    a_data: dict[str, np.ndarray] = {
+        "w": RNG.standard_normal((13, 11)),
+        "h": RNG.standard_normal(50).astype(np.float16),
+    }
+    b_data: dict[str, np.ndarray] = {
         "w": a_data["w"] + 0.01 * RNG.standard_normal((13, 11)),
         "h": RNG.standard_normal(50).astype(np.float32),
     }

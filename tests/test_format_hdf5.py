@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from clipcli.errors import InputError, WriteError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo
 from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer, flat_range_blocks
+from clipcli.pipeline import write_tensors
 
 RNG = np.random.default_rng(1234)
 
@@ -140,17 +141,12 @@ def assert_same_file(expected: Path, actual: Path) -> None:
 def copy_checkpoint(
     src: Path, out: Path, chunk_elems: int | None = None, raw: bool = False
 ) -> None:
-    """What the engine does: stream every tensor (or copy it raw) into the writer."""
+    """Through clipcli's one write loop: every tensor streamed (or, raw, copied as it is)."""
     with Hdf5Reader(src) as reader:
         writer = Hdf5Writer(out, Checkpoint(list(reader.infos), dict(reader.metadata), reader))
-        try:
-            for info in reader.infos:
-                if not (raw and writer.copy_unchanged(reader, info)):
-                    writer.write(info, reader.chunks(info, chunk_elems))
-        except BaseException:
-            writer.abort()
-            raise
-        writer.close()
+        write_tensors(
+            reader, writer, lambda info: None if raw else reader.chunks(info, chunk_elems)
+        )
 
 
 # ---------------------------------------------------------------------------------------

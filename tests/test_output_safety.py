@@ -24,7 +24,7 @@ from expect import listing, one_error_line
 from handmade import write_safetensors
 from safetensors.numpy import load_file
 
-from clipcli import filecopy, output
+from clipcli import filecopy, fsops, output
 from clipcli.cli import main
 from clipcli.formats.safetensors import SafetensorsWriter
 
@@ -391,7 +391,7 @@ def test_no_clobber_fallbacks_without_renameat2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: bool
 ) -> None:
     if fallback:
-        monkeypatch.setattr(output, "renameat2", None)
+        monkeypatch.setattr(fsops, "renameat2", None)
     src = make_input(tmp_path / "in.safetensors")
     model = make_model(tmp_path / "model")
     for out in ("o.safetensors", "dir/"):
@@ -526,7 +526,7 @@ def test_signal_during_the_directory_swap_completes_it(
     out = tmp_path / "clipped"
     assert main(["clip", "--global", "1e30", "-q", str(model), str(out)]) == 0
     if fallback:
-        monkeypatch.setattr(output, "renameat2", None)
+        monkeypatch.setattr(fsops, "renameat2", None)
         sent = _signal_self_inside(monkeypatch, os, "rename", signal.SIGTERM)
     else:
         sent = _signal_self_inside(monkeypatch, output, "exchange", signal.SIGTERM)
@@ -987,7 +987,7 @@ def test_a_folder_swapped_between_the_check_and_the_open_is_caught(
     """The side file is checked by name, then opened: a folder on its way swapped for a
     link out in between must not get an outside file copied into OUT (found by a racing
     attacker; made deterministic here by swapping inside the open)."""
-    import clipcli.formats.sharded as sharded
+    import clipcli.formats.sharded.reader as sharded
 
     model = make_model(tmp_path / "model")
     (model / "sub").mkdir()

@@ -605,8 +605,7 @@ class NpzWriter(Writer):
 
     def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
         super().__init__(path, checkpoint, durable)
-        source = checkpoint.source
-        compress = isinstance(source, NpzReader) and source.compressed
+        compress = checkpoint.compressed
         self._zip = zipfile.ZipFile(
             path, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED, allowZip64=True
         )

@@ -25,6 +25,7 @@ from clipcli.filecopy import copy_range
 from clipcli.formats.base import (
     Checkpoint,
     Reader,
+    StoredBytes,
     TensorInfo,
     WritebackStarter,
     Writer,
@@ -268,6 +269,10 @@ class SafetensorsReader(Reader):
         """Absolute [begin, end) of the tensor's bytes in the file."""
         return self._offsets[info.name]
 
+    def stored_bytes(self, info: TensorInfo) -> StoredBytes:
+        begin, end = self.byte_range(info)
+        return StoredBytes(self.path, self.fileno, begin, end)
+
     def fileno(self) -> int:
         """The open descriptor (reopened if released); valid until the next release()."""
         with self._lock:
@@ -371,13 +376,13 @@ class SafetensorsWriter(Writer):
     def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
         """Kernel-copy the tensor to its final offset on a background thread, so that when
         nothing changes the copy overlaps the measuring pass instead of following it."""
-        if not isinstance(source, SafetensorsReader) or not info.nbytes:
+        stored = source.stored_bytes(info)
+        if stored is None or not info.nbytes:
             return
         if self._copier is None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clipcli-copy")
-        begin, end = source.byte_range(info)
         self._ahead[info.name] = self._copier.submit(
-            self._copy_range, source.fileno(), begin, end, self._offsets[info.name]
+            self._copy_range, stored.fileno(), stored.begin, stored.end, self._offsets[info.name]
         )
 
     def _copy_range(self, source_fd: int, begin: int, end: int, position: int) -> None:
@@ -435,11 +440,11 @@ class SafetensorsWriter(Writer):
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
         """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
         if not self._settle(info):
-            if not isinstance(source, SafetensorsReader):
+            stored = source.stored_bytes(info)
+            if stored is None:
                 return False
             self._file.flush()
-            begin, end = source.byte_range(info)
-            self._copy_range(source.fileno(), begin, end, self._offsets[info.name])
+            self._copy_range(stored.fileno(), stored.begin, stored.end, self._offsets[info.name])
         self._file.seek(self._offsets[info.name] + info.nbytes)
         self._written()
         return True
