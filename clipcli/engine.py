@@ -26,8 +26,8 @@ from clipcli.formats.sharded import ShardedReader, ShardedWriter, output_names
 from clipcli.identity import InputGuard
 from clipcli.io import open_reader, writer_class
 from clipcli.numerics import rounding, scaling, slices
+from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.norms import (
-    CertainSumsq,
     NormAccumulator,
     accumulate,
     accumulate_array,
