@@ -12,6 +12,7 @@ by construction. numpy's float16 is no better off: np.clip on it compares in sof
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -48,3 +49,13 @@ def by_table(chunk: np.ndarray, elementwise: Callable[[np.ndarray], np.ndarray])
     """elementwise(chunk) in the chunk's dtype, computed on all values and looked up.
     `elementwise` must treat each element on its own (scaling, clamping)."""
     return look_up(chunk, table_of(chunk.dtype, elementwise))
+
+
+# ---------------------------------------------------------------- merge shim (temporary)
+# is_float8 and the value tables moved to clipcli.dtypes this round; resolved lazily for
+# code written against the old layout on other branches. The lead deletes this after the
+# merge.
+def __getattr__(name: str) -> Any:
+    if name in ("is_float8", "float64_values"):
+        return getattr(importlib.import_module("clipcli.dtypes"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,6 +9,7 @@ rescale_exponent), and sums are carried as mantissa * 2**exponent (ScaledSum).
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -352,3 +353,26 @@ def global_norm(norms: Iterable[float]) -> float:
             exp = math.frexp(value)[1]
             acc.add_sumsq(math.ldexp(value, -exp) ** 2, exp)
     return acc.norm
+
+
+# ---------------------------------------------------------------- merge shim (temporary)
+# Moved this round: widen (real view) to widening.widen_real, CertainSumsq to certain,
+# unit_roundoff and smallest_subnormal to clipcli.dtypes, slice norms to slices. Resolved
+# lazily for code written against the old layout on other branches; the lead deletes
+# this after the merge.
+_MOVED = {
+    "widen": ("clipcli.numerics.widening", "widen_real"),
+    "CertainSumsq": ("clipcli.numerics.certain", "CertainSumsq"),
+    "unit_roundoff": ("clipcli.dtypes", "unit_roundoff"),
+    "smallest_subnormal": ("clipcli.dtypes", "smallest_subnormal"),
+    "slice_norms": ("clipcli.numerics.slices", "slice_norms"),
+    "slice_sumsq": ("clipcli.numerics.slices", "slice_sumsq"),
+    "slice_blocks": ("clipcli.numerics.slices", "slice_blocks"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        module, attribute = _MOVED[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
