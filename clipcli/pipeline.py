@@ -24,7 +24,8 @@ from clipcli.errors import UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.measurement import Measurement, TensorStats
 from clipcli.numerics import rounding, slices
-from clipcli.numerics.norms import CertainSumsq, NormAccumulator, accumulate, accumulate_array
+from clipcli.numerics.certain import CertainSumsq
+from clipcli.numerics.norms import NormAccumulator, accumulate, accumulate_array
 from clipcli.parallel import ordered_map
 from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
 from clipcli.progress import SILENT, Progress
