@@ -135,6 +135,15 @@ AllowLargeSideFilesOpt = Annotated[
         help="Copy a model directory's other files even over 1 GiB each (holes stay holes).",
     ),
 ]
+AllowLossyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-lossy",
+        help="Write OUT even when its format cannot hold all of IN beyond the tensors (HDF5 "
+        "attributes, groups and non-tensor datasets into .npz; file metadata into .npz); "
+        "one warning line names what was dropped. Without it that is refused (exit 2).",
+    ),
+]
 
 
 def _selection(
@@ -198,8 +207,8 @@ def ls_command(
     from clipcli.engine import list_tensors
     from clipcli.report import ls_report
 
-    file_format, metadata, infos = list_tensors(path)
-    _emit(lambda: _print(ls_report(str(path), file_format, metadata, infos), fmt))
+    file_format, metadata, infos, non_tensors = list_tensors(path)
+    _emit(lambda: _print(ls_report(str(path), file_format, metadata, infos, non_tensors), fmt))
 
 
 @app.command(
@@ -394,6 +403,7 @@ def clip_command(
     ] = OutputFormat.TABLE,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
     all_tensors: AllTensorsOpt = False,
+    allow_lossy: AllowLossyOpt = False,
 ) -> None:
     """Write a clipped copy of IN to OUT. Choose exactly one mode: --min/--max/--value,
     --norm [--axes], --average or --global [--use-norm]. Tensors within the limit, not
@@ -433,6 +443,7 @@ def clip_command(
             progress=_progress(quiet),
             allow_large_side_files=allow_large_side_files,
             notify=_notify,
+            allow_lossy=allow_lossy,
         )
         if not quiet:
             _emit(lambda: _print(clip_report(result), fmt))
@@ -451,6 +462,7 @@ def convert_command(
     force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
+    allow_lossy: AllowLossyOpt = False,
 ) -> None:
     """Copy IN to OUT's format losslessly: same names, order, dtypes, shapes and values;
     metadata carried over where OUT's format can hold it. A dtype OUT cannot hold
@@ -466,6 +478,7 @@ def convert_command(
             progress=_progress(quiet),
             allow_large_side_files=allow_large_side_files,
             notify=_notify,
+            allow_lossy=allow_lossy,
         )
         if not quiet:
             total = sum(i.nbytes for i in infos)

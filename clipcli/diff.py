@@ -44,6 +44,7 @@ import numpy as np
 from clipcli.dtypes import is_floating
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import Reader, TensorInfo, default_chunk_elems
+from clipcli.formats.compare import file_changes
 from clipcli.formats.sharded import ShardedReader
 from clipcli.io import open_reader
 from clipcli.numerics.norms import NormAccumulator, accumulate, global_norm, widen
@@ -604,7 +605,7 @@ def _result(a: Reader, b: Reader, jobs: Sequence[_Job], tensors: list[TensorDiff
         format_a=a.format_name,
         format_b=b.format_name,
         tensors=tensors,
-        metadata_changes=metadata_changes(a.metadata, b.metadata),
+        metadata_changes=file_changes(a, b),  # metadata, then HDF5 structure
         global_norm_a=global_a,
         global_norm_b=global_norm(norms_b),
         global_diff_norm=global_diff,

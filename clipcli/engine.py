@@ -22,8 +22,9 @@ import numpy as np
 from clipcli import interrupts, roles, scope
 from clipcli.dtypes import is_floating
 from clipcli.errors import DataRefusedError, UsageError
-from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
+from clipcli.formats.base import Checkpoint, NonTensorInfo, Reader, TensorInfo, Writer
 from clipcli.formats.sharded import ShardedReader, ShardedWriter, output_names
+from clipcli.formats.structure import check_losses
 from clipcli.identity import InputGuard
 from clipcli.io import open_reader, writer_class
 from clipcli.numerics import lookup
@@ -239,9 +240,16 @@ def model_directory(reader: Reader) -> Path | None:
     return reader.directory if isinstance(reader, ShardedReader) else None
 
 
-def list_tensors(path: Path) -> tuple[str, dict[str, str], list[TensorInfo]]:
+def list_tensors(
+    path: Path,
+) -> tuple[str, dict[str, str], list[TensorInfo], list[NonTensorInfo]]:
     with open_reader(path) as reader:
-        return reader.format_name, dict(reader.metadata), list(reader.infos)
+        return (
+            reader.format_name,
+            dict(reader.metadata),
+            list(reader.infos),
+            list(reader.non_tensors),
+        )
 
 
 # ---------------------------------------------------------------- clipping
@@ -759,12 +767,14 @@ def clip(
     progress: Progress = SILENT,
     allow_large_side_files: bool = False,
     notify: scope.Notify = scope.ignore,
+    allow_lossy: bool = False,
 ) -> ClipResult:
     """Plan, then (unless dry_run) write the clipped copy atomically. Signals are deferred
     for the whole run: acted on between chunks before the commit, moot after it."""
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
+        check_losses(writer_cls.structure_losses(reader), allow_lossy, notify, target.out)
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
             plans = plan_clip(reader, spec, selection, progress)
@@ -872,11 +882,13 @@ def convert(
     progress: Progress = SILENT,
     allow_large_side_files: bool = False,
     notify: scope.Notify = scope.ignore,
+    allow_lossy: bool = False,
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
+        check_losses(writer_cls.structure_losses(reader), allow_lossy, notify, target.out)
         plans = [TensorPlan(info, NormAccumulator(), True) for info in reader.infos]
         _write_file(
             reader,

@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from clipcli.formats.structure import Structure
+
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
 # small enough that a float64 copy of it stays in L2/L3 cache.
 CHUNK_BYTES = 1 << 21
@@ -48,6 +50,20 @@ def byte_view(array: np.ndarray, dtype: np.dtype[Any]) -> memoryview:
 
 def default_chunk_elems(dtype: np.dtype[Any]) -> int:
     return max(1, CHUNK_BYTES // max(1, dtype.itemsize))
+
+
+@dataclass(frozen=True)
+class NonTensorInfo:
+    """A stored object that is not a tensor (an HDF5 string dataset such as a vocabulary,
+    a compound table, an empty dataspace): listed, never measured or clipped, and carried
+    through unchanged where the output format can hold it."""
+
+    name: str
+    kind: str  # what it holds, for people: "a variable-length string dtype"
+    shape: tuple[int, ...] | None  # None: an empty (null) dataspace
+    nbytes: int  # as declared in the file
+    copyable: bool = True  # False: it cannot be carried to another file (references)
+    variable_length: bool = False
 
 
 @dataclass
@@ -96,6 +112,16 @@ class Reader(ABC):
     def source_files(self) -> list[Path]:
         """Every file this reader takes data from (checked for changes during a clip)."""
         return [self.path]
+
+    def structure(self) -> Structure | None:
+        """The file's structure beyond its tensors (HDF5 groups, attributes, non-tensor
+        datasets), carried through conversions; None when the format has none."""
+        return None
+
+    @property
+    def non_tensors(self) -> list[NonTensorInfo]:
+        """Stored objects that are not tensors, in file order (HDF5 only, so far)."""
+        return []
 
     def side_files(self) -> list[Path]:
         """Files that are not tensors but belong with them in an output directory."""
@@ -148,6 +174,16 @@ class Writer(ABC):
     def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
         """Why this format cannot store this metadata (copied from `source`), or None."""
         return None
+
+    @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:
+        """What of the source's structure this format would drop (refused unless the user
+        accepts the loss). By default a format keeps no structure: everything beyond the
+        tensors and file metadata that the source holds is lost."""
+        structure = source.structure()
+        if structure is None or structure.is_trivial():
+            return []
+        return [f"the HDF5 structure ({structure.summary()})"]
 
     @abstractmethod
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:

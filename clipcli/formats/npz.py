@@ -612,6 +612,14 @@ class NpzWriter(Writer):
         )
 
     @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:
+        """npz holds tensors and nothing else: file metadata and any structure are lost."""
+        losses = super().structure_losses(source)
+        if not losses and source.metadata:
+            losses = [f"file metadata ({len(source.metadata)} keys)"]
+        return losses
+
+    @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
         if info.dtype.type.__module__.startswith("ml_dtypes"):
             return f"npz cannot hold {info.dtype.name}; write .safetensors instead"

@@ -31,6 +31,12 @@ from clipcli.formats.base import (
     byte_view,
     default_chunk_elems,
 )
+from clipcli.formats.structure import (
+    STRUCTURE_KEY,
+    MalformedStructure,
+    Structure,
+    parse_structure,
+)
 from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
 
@@ -111,6 +117,7 @@ class SafetensorsReader(Reader):
         try:
             self._identity = FileIdentity.of_stat(os.fstat(self._file.fileno()))
             self._infos, self._offsets, self._metadata = self._parse(self._file)
+            self._structure: Structure | None = None
         except BaseException:
             self._file.close()
             raise
@@ -264,6 +271,22 @@ class SafetensorsReader(Reader):
     def metadata(self) -> Mapping[str, str]:
         return self._metadata
 
+    def structure(self) -> Structure | None:
+        """The HDF5 structure recorded under STRUCTURE_KEY by a conversion from HDF5, read
+        on first use (ls and norms never need it); malformed is an InputError then."""
+        text = self._metadata.get(STRUCTURE_KEY)
+        if text is None:
+            return None
+        if self._structure is None:
+            self._structure = Structure(load=lambda: self._parse_structure(text))
+        return self._structure
+
+    def _parse_structure(self, text: str) -> Structure:
+        try:
+            return parse_structure(text)
+        except MalformedStructure as exc:
+            raise self._fail(f"__metadata__[{STRUCTURE_KEY!r}] is malformed: {exc}") from None
+
     def byte_range(self, info: TensorInfo) -> tuple[int, int]:
         """Absolute [begin, end) of the tensor's bytes in the file."""
         return self._offsets[info.name]
@@ -338,8 +361,29 @@ def build_header(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> by
     return _U64.pack(len(text)) + text
 
 
+def with_structure(checkpoint: Checkpoint) -> dict[str, str]:
+    """The checkpoint's metadata, plus the HDF5 structure of an HDF5 source under
+    STRUCTURE_KEY (a safetensors source keeps the key it has, as all its metadata)."""
+    metadata = dict(checkpoint.metadata)
+    structure = checkpoint.source.structure() if checkpoint.source is not None else None
+    if structure is None or structure.origin is None or STRUCTURE_KEY in metadata:
+        return metadata
+    if structure.document is not None:
+        metadata[STRUCTURE_KEY] = structure.to_text()
+    return metadata
+
+
 class SafetensorsWriter(Writer):
     format_name = "safetensors"
+
+    @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:
+        """An HDF5 source's structure is kept under STRUCTURE_KEY, but for what has no
+        portable description (references, sequences, names that are not UTF-8)."""
+        structure = source.structure()
+        if structure is None or structure.origin is None:
+            return []
+        return list(structure.dropped)
 
     def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
         super().__init__(path, checkpoint, durable)
@@ -347,7 +391,7 @@ class SafetensorsWriter(Writer):
             if (reason := self.check_dtype(info)) is not None:
                 raise ValueError(reason)
         self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed by close()/abort()
-        header = build_header(checkpoint.infos, checkpoint.metadata)
+        header = build_header(checkpoint.infos, with_structure(checkpoint))
         total = len(header) + sum(info.nbytes for info in checkpoint.infos)
         # Reserving the whole file up front makes a full disk fail before any data is
         # written, and spares the filesystem growing the file block by block.
