@@ -6,6 +6,7 @@ commands so that `clipcli --help` starts fast.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -100,7 +101,8 @@ OutArg = Annotated[
     typer.Argument(
         metavar="OUT",
         help="Output file (its extension picks the format), or a model directory: a "
-        "name ending in /, or with no extension when IN is a model directory.",
+        "name ending in /, or with no extension when IN is a model directory; '-' streams "
+        "a safetensors IN's clipped copy to standard output (the report goes to stderr).",
         show_default=False,
     ),
 ]
@@ -446,7 +448,9 @@ def clip_command(
             allow_lossy=allow_lossy,
         )
         if not quiet:
-            _emit(lambda: _print(clip_report(result), fmt))
+            # OUT '-' is the clipped file on stdout: the report goes to stderr instead.
+            with contextlib.redirect_stdout(sys.stderr if str(out) == "-" else sys.stdout):
+                _emit(lambda: _print(clip_report(result), fmt))
 
 
 @app.command(

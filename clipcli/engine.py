@@ -48,6 +48,7 @@ from clipcli.plan import (
     tensor_limit,
 )
 from clipcli.progress import SILENT, Progress
+from clipcli.stream_target import STDOUT, StdoutTarget
 
 R = TypeVar("R")
 
@@ -713,7 +714,13 @@ def check_writable(reader: Reader, target: Target) -> type[Writer]:
     """The writer for OUT, once every limit of its format that is known before writing
     holds (names, dtypes, names together, metadata): a refusal is exit 2 naming the tensor
     or key, before anything is created."""
-    cls: type[Writer] = ShardedWriter if target.is_directory else writer_class(target.out)
+    cls: type[Writer] = (
+        target.writer
+        if isinstance(target, StdoutTarget)
+        else ShardedWriter
+        if target.is_directory
+        else writer_class(target.out)
+    )
     for info in reader.infos:
         reason = cls.check_name(info.name) or cls.check_dtype(info)
         if reason is not None:
@@ -751,6 +758,8 @@ def _check_side_files(reader: Reader, allow_large: bool) -> None:
 
 
 def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
+    if str(out) == STDOUT:  # safetensors streamed to standard output (stream_target)
+        return StdoutTarget(force=force, durable=durable)
     is_directory = src.is_dir() or src.name.endswith(".index.json")
     return choose_target(out, input_is_directory=is_directory, force=force, durable=durable)
 

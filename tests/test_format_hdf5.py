@@ -498,7 +498,7 @@ def write_from(reader: Reader, out: Path) -> None:
 
 
 def test_writes_a_non_hdf5_source_as_contiguous_datasets(tmp_path: Path) -> None:
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "z.weight": RNG.standard_normal((3, 4)).astype(np.float32),
         "encoder/layer0/w": RNG.standard_normal((2, 2, 3)),
         "encoder/layer0/b": np.arange(3, dtype=">i4"),

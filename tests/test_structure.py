@@ -133,13 +133,15 @@ def test_a_target_without_structure_is_refused_unless_lossy(tmp_path: Path, suff
     out = tmp_path / f"out{suffix}"
     refused = clipcli("convert", src, out)
     assert refused.returncode == 2
-    assert refused.stderr.count("\n") == 1 and "--allow-lossy" in refused.stderr
+    assert refused.stderr.count("\n") == 1
+    assert "--allow-lossy" in refused.stderr
     assert "attributes" in refused.stderr
     assert not out.exists()
     lossy = clipcli("convert", "--allow-lossy", src, out)
     assert lossy.returncode == 0, lossy.stderr
     warnings = [line for line in lossy.stderr.splitlines() if line.startswith("clipcli: warning")]
-    assert len(warnings) == 1 and "dropped" in warnings[0]
+    assert len(warnings) == 1
+    assert "dropped" in warnings[0]
     with np.load(out, allow_pickle=False) as npz:
         assert sorted(npz.files) == sorted(f"{name}.npy" for name in weights) or sorted(
             npz.files
@@ -181,13 +183,16 @@ def test_unportable_attribute_into_safetensors_needs_the_flag(tmp_path: Path) ->
         f.attrs["kept"] = 1.5
     out = tmp_path / "o.safetensors"
     refused = clipcli("convert", src, out)
-    assert refused.returncode == 2 and "attribute 'r'" in refused.stderr
+    assert refused.returncode == 2
+    assert "attribute 'r'" in refused.stderr
     lossy = clipcli("convert", "--allow-lossy", src, out)
-    assert lossy.returncode == 0 and "attribute 'r'" in lossy.stderr
+    assert lossy.returncode == 0
+    assert "attribute 'r'" in lossy.stderr
     back = tmp_path / "back.h5"
     assert clipcli("convert", out, back).returncode == 0
     with h5py.File(back, "r") as f:
-        assert list(f.attrs) == ["kept"] and f.attrs["kept"] == 1.5
+        assert list(f.attrs) == ["kept"]
+        assert f.attrs["kept"] == 1.5
 
 
 def test_malformed_recorded_structure_is_exit_3_when_used(tmp_path: Path) -> None:
@@ -198,7 +203,8 @@ def test_malformed_recorded_structure_is_exit_3_when_used(tmp_path: Path) -> Non
     assert clipcli("ls", src).returncode == 0  # listing never needs the structure
     run = clipcli("convert", src, tmp_path / "o.h5")
     assert run.returncode == 3
-    assert STRUCTURE_KEY in run.stderr and not (tmp_path / "o.h5").exists()
+    assert STRUCTURE_KEY in run.stderr
+    assert not (tmp_path / "o.h5").exists()
 
 
 def test_hostile_recorded_structure_is_refused_field_by_field(tmp_path: Path) -> None:
@@ -222,7 +228,8 @@ def test_hostile_recorded_structure_is_refused_field_by_field(tmp_path: Path) ->
     )
     run = clipcli("convert", bad, tmp_path / "o.h5")
     assert run.returncode == 3, run.stderr
-    assert "malformed" in run.stderr and not (tmp_path / "o.h5").exists()
+    assert "malformed" in run.stderr
+    assert not (tmp_path / "o.h5").exists()
 
 
 def test_structure_that_does_not_fit_the_tensors_needs_the_flag(tmp_path: Path) -> None:
@@ -240,7 +247,8 @@ def test_structure_that_does_not_fit_the_tensors_needs_the_flag(tmp_path: Path) 
     save_file(tensors, str(edited), metadata=metadata)
     assert clipcli("convert", edited, tmp_path / "o.h5").returncode == 2
     run = clipcli("convert", "--allow-lossy", edited, tmp_path / "o.h5")
-    assert run.returncode == 0 and "not the checkpoint's tensors" in run.stderr
+    assert run.returncode == 0
+    assert "not the checkpoint's tensors" in run.stderr
     with h5py.File(tmp_path / "o.h5", "r") as f:
         assert "extra" in f
 
@@ -258,7 +266,8 @@ def test_diff_reports_every_structure_difference(tmp_path: Path) -> None:
     assert "/model_weights/dense_1 @weight_names" in keys
     assert "keras_version" in keys
     same = json.loads(clipcli("diff", "--format", "json", src, round_trip(tmp_path, src)[1]).stdout)
-    assert same["metadata_changes"] == [] and same["identical"] is True
+    assert same["metadata_changes"] == []
+    assert same["identical"] is True
 
 
 def test_diff_reports_a_changed_attribute_and_an_empty_group(tmp_path: Path) -> None:
@@ -274,4 +283,6 @@ def test_diff_reports_a_changed_attribute_and_an_empty_group(tmp_path: Path) -> 
     assert changes["group /new_empty"] == (None, "group")
     assert "/empty @note" in changes
     before, after = changes["/dense @weight_names"]
-    assert before is not None and after is not None and before != after
+    assert before is not None
+    assert after is not None
+    assert before != after

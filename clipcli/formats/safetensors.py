@@ -390,17 +390,9 @@ class SafetensorsWriter(Writer):
         for info in checkpoint.infos:
             if (reason := self.check_dtype(info)) is not None:
                 raise ValueError(reason)
-        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed by close()/abort()
+        self._file: BinaryIO = self._open(path)
         header = build_header(checkpoint.infos, with_structure(checkpoint))
-        total = len(header) + sum(info.nbytes for info in checkpoint.infos)
-        # Reserving the whole file up front makes a full disk fail before any data is
-        # written, and spares the filesystem growing the file block by block.
-        try:
-            os.posix_fallocate(self._file.fileno(), 0, total)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise
-            # Filesystems without fallocate support (EOPNOTSUPP, EINVAL) just grow the file.
+        self._reserve(len(header) + sum(info.nbytes for info in checkpoint.infos))
         self._file.write(header)
         self._writeback = WritebackStarter(self._file.fileno()) if durable else None
         self._offsets: dict[str, int] = {}
@@ -411,6 +403,19 @@ class SafetensorsWriter(Writer):
         self._ahead: dict[str, Future[None]] = {}
         self._copier: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
+
+    def _open(self, path: Path) -> BinaryIO:
+        return open(path, "wb")  # noqa: SIM115 - closed by close()/abort()
+
+    def _reserve(self, total: int) -> None:
+        """Reserving the whole file up front makes a full disk fail before any data is
+        written, and spares the filesystem growing the file block by block."""
+        try:
+            os.posix_fallocate(self._file.fileno(), 0, total)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise
+            # Filesystems without fallocate support (EOPNOTSUPP, EINVAL) just grow the file.
 
     def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
         """Kernel-copy the tensor to its final offset on a background thread, so that when
@@ -495,3 +500,36 @@ class SafetensorsWriter(Writer):
     def abort(self) -> None:
         self._stop_copier()
         self._file.close()
+
+
+class SafetensorsStreamWriter(SafetensorsWriter):
+    """The same file, written strictly in order to standard output (a pipe or a file the
+    shell opened): no reservation, no kernel copies, no writes at offsets. The path it is
+    given is ignored; the descriptor is a duplicate of 1, so closing it closes no stdout."""
+
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+        super().__init__(path, checkpoint, durable=False)
+
+    def _open(self, path: Path) -> BinaryIO:
+        return os.fdopen(os.dup(1), "wb")
+
+    def _reserve(self, total: int) -> None:
+        pass  # a pipe cannot be reserved
+
+    @classmethod
+    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
+        if source.format_name != "safetensors":
+            return (
+                f"standard output carries safetensors only, and IN is {source.format_name}; "
+                "name an OUT file to convert"
+            )
+        return super().check_metadata(metadata, source)
+
+    def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
+        pass  # kernel copies write at offsets, which a stream has not
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+        return False  # streamed chunk by chunk, in order
+
+    def _written(self) -> None:
+        pass  # no writeback hints: a pipe has no pages to start writing

@@ -228,10 +228,7 @@ class Hdf5Writer(Writer):
         for node in source.nodes:
             with input_errors(source.path, f"cannot copy object {node.path!r}"):
                 original = source.file[node.path]
-            if node.path == "/":
-                copy = self.file["/"]
-            else:
-                copy = self._create_like(source, original, node)
+            copy = self.file["/"] if node.path == "/" else self._create_like(source, original, node)
             self._copy_attributes(source, original, copy, node.path)
             item = non_tensors.get(node.path[1:]) if node.kind == "dataset" else None
             if item is not None:
