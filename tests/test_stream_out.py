@@ -32,7 +32,7 @@ def clipcli(
 def model(tmp_path: Path) -> Path:
     rng = np.random.default_rng(7)
     path = tmp_path / "in.safetensors"
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "embed": rng.normal(size=(16, 8)).astype(np.float32),
         "bias": rng.normal(size=8).astype(np.float16),
         "steps": np.arange(3, dtype=np.int64),
@@ -41,6 +41,7 @@ def model(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # two interpreters per case (~1 s each on a loaded machine)
 @pytest.mark.parametrize("mode", [("--global", "1"), ("--value", "100")])
 def test_stream_equals_the_file_output_byte_for_byte(
     tmp_path: Path, model: Path, mode: tuple[str, str]
@@ -62,6 +63,7 @@ def test_stream_with_quiet_writes_only_the_file(model: Path) -> None:
     assert run.stdout == model.read_bytes()  # nothing over the limit: bit-identical
 
 
+@pytest.mark.slow  # an interpreter per test: standard output must be real
 def test_a_terminal_stdout_is_refused(model: Path) -> None:
     leader, follower = os.openpty()
     try:
@@ -73,6 +75,7 @@ def test_a_terminal_stdout_is_refused(model: Path) -> None:
     assert b"terminal" in run.stderr and run.stderr.count(b"\n") == 1
 
 
+@pytest.mark.slow  # an interpreter per test: standard output must be real
 def test_other_formats_do_not_stream(tmp_path: Path) -> None:
     src = tmp_path / "m.h5"
     with h5py.File(src, "w") as f:
@@ -83,6 +86,7 @@ def test_other_formats_do_not_stream(tmp_path: Path) -> None:
     assert not (tmp_path / "-").exists() and not Path("-").exists()
 
 
+@pytest.mark.slow  # an interpreter per test: standard output must be real
 def test_stdout_that_is_the_input_is_refused(model: Path) -> None:
     before = model.read_bytes()
     with open(model, "ab") as same:

@@ -9,8 +9,8 @@ numpy.load only. The exact HDF5 comparison is test_format_hdf5.assert_same_file.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +21,31 @@ from layouts import keras2_save_weights, keras3_nested_weights, legacy_keras_ful
 from safetensors import safe_open
 from test_format_hdf5 import assert_same_file
 
+from clipcli.cli import main
+
 STRUCTURE_KEY = "clipcli.hdf5_structure"
 
 
-def clipcli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "clipcli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
+@dataclass(frozen=True)
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Cli = Callable[..., Run]
+
+
+@pytest.fixture
+def clipcli(capsys: pytest.CaptureFixture[str]) -> Cli:
+    """clipcli's main() in this process (no interpreter start-up per command)."""
+
+    def run(*args: str | Path) -> Run:
+        code = main([str(arg) for arg in args])
+        out, err = capsys.readouterr()
+        return Run(code, out, err)
+
+    return run
 
 
 def vocab_file(path: Path) -> Path:
@@ -58,7 +72,7 @@ def vocab_file(path: Path) -> Path:
     return path
 
 
-def round_trip(tmp_path: Path, src: Path) -> tuple[Path, Path]:
+def round_trip(clipcli: Cli, tmp_path: Path, src: Path) -> tuple[Path, Path]:
     mid, back = tmp_path / "mid.safetensors", tmp_path / "back.h5"
     for a, b in ((src, mid), (mid, back)):
         run = clipcli("convert", a, b)
@@ -70,10 +84,10 @@ def round_trip(tmp_path: Path, src: Path) -> tuple[Path, Path]:
 @pytest.mark.parametrize(
     "make", [legacy_keras_full_model, keras2_save_weights, keras3_nested_weights, vocab_file]
 )
-def test_hdf5_to_safetensors_and_back_is_exact(tmp_path: Path, make: Any) -> None:
+def test_hdf5_to_safetensors_and_back_is_exact(clipcli: Cli, tmp_path: Path, make: Any) -> None:
     src = tmp_path / "src.h5"
     make(src)
-    mid, back = round_trip(tmp_path, src)
+    mid, back = round_trip(clipcli, tmp_path, src)
     assert_same_file(src, back)  # every group, dataset, attribute value and HDF5 type
     with safe_open(str(mid), "np") as f, h5py.File(src, "r") as h:
         metadata = f.metadata()
@@ -83,16 +97,16 @@ def test_hdf5_to_safetensors_and_back_is_exact(tmp_path: Path, make: Any) -> Non
             np.testing.assert_array_equal(f.get_tensor(name), h[name][()])
 
 
-def test_keras2_layer_names_survive_the_round_trip(tmp_path: Path) -> None:
+def test_keras2_layer_names_survive_the_round_trip(clipcli: Cli, tmp_path: Path) -> None:
     src = tmp_path / "w.h5"
     keras2_save_weights(src)
-    _, back = round_trip(tmp_path, src)
+    _, back = round_trip(clipcli, tmp_path, src)
     with h5py.File(src, "r") as a, h5py.File(back, "r") as b:
         assert b.attrs.get_id("layer_names").get_type() == a.attrs.get_id("layer_names").get_type()
         assert list(b.attrs["layer_names"]) == list(a.attrs["layer_names"])
 
 
-def test_clip_keeps_non_tensor_datasets_and_the_structure(tmp_path: Path) -> None:
+def test_clip_keeps_non_tensor_datasets_and_the_structure(clipcli: Cli, tmp_path: Path) -> None:
     src = vocab_file(tmp_path / "v.h5")
     out_h5, out_st = tmp_path / "c.h5", tmp_path / "c.safetensors"
     for out in (out_h5, out_st):
@@ -107,7 +121,7 @@ def test_clip_keeps_non_tensor_datasets_and_the_structure(tmp_path: Path) -> Non
     assert_same_file(out_h5, back)
 
 
-def test_ls_lists_non_tensors_and_norms_ignore_them(tmp_path: Path) -> None:
+def test_ls_lists_non_tensors_and_norms_ignore_them(clipcli: Cli, tmp_path: Path) -> None:
     src = vocab_file(tmp_path / "v.h5")
     run = clipcli("ls", "--format", "json", src)
     assert run.returncode == 0, run.stderr
@@ -127,7 +141,9 @@ def test_ls_lists_non_tensors_and_norms_ignore_them(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("suffix", [".npz"])
-def test_a_target_without_structure_is_refused_unless_lossy(tmp_path: Path, suffix: str) -> None:
+def test_a_target_without_structure_is_refused_unless_lossy(
+    clipcli: Cli, tmp_path: Path, suffix: str
+) -> None:
     src = tmp_path / "m.h5"
     weights = legacy_keras_full_model(src)
     out = tmp_path / f"out{suffix}"
@@ -150,14 +166,14 @@ def test_a_target_without_structure_is_refused_unless_lossy(tmp_path: Path, suff
             np.testing.assert_array_equal(npz[name], array)
 
 
-def test_clip_to_npz_refuses_a_vocab_without_the_flag(tmp_path: Path) -> None:
+def test_clip_to_npz_refuses_a_vocab_without_the_flag(clipcli: Cli, tmp_path: Path) -> None:
     src = vocab_file(tmp_path / "v.h5")
     run = clipcli("clip", "--global", "1", src, tmp_path / "o.npz")
     assert run.returncode == 2
     assert "non-tensor datasets ('vocab'" in run.stderr
 
 
-def test_safetensors_metadata_into_npz_needs_the_flag(tmp_path: Path) -> None:
+def test_safetensors_metadata_into_npz_needs_the_flag(clipcli: Cli, tmp_path: Path) -> None:
     from safetensors.numpy import save_file
 
     src = tmp_path / "m.safetensors"
@@ -166,7 +182,7 @@ def test_safetensors_metadata_into_npz_needs_the_flag(tmp_path: Path) -> None:
     assert clipcli("convert", "--allow-lossy", src, tmp_path / "o.npz").returncode == 0
 
 
-def test_plain_hdf5_to_npz_loses_nothing_and_needs_no_flag(tmp_path: Path) -> None:
+def test_plain_hdf5_to_npz_loses_nothing_and_needs_no_flag(clipcli: Cli, tmp_path: Path) -> None:
     src = tmp_path / "plain.h5"
     with h5py.File(src, "w") as f:
         f["a/b"] = np.arange(3.0)
@@ -175,7 +191,7 @@ def test_plain_hdf5_to_npz_loses_nothing_and_needs_no_flag(tmp_path: Path) -> No
     assert run.stderr == ""
 
 
-def test_unportable_attribute_into_safetensors_needs_the_flag(tmp_path: Path) -> None:
+def test_unportable_attribute_into_safetensors_needs_the_flag(clipcli: Cli, tmp_path: Path) -> None:
     src = tmp_path / "ref.h5"
     with h5py.File(src, "w") as f:
         f["w"] = np.ones(2)
@@ -195,7 +211,7 @@ def test_unportable_attribute_into_safetensors_needs_the_flag(tmp_path: Path) ->
         assert f.attrs["kept"] == 1.5
 
 
-def test_malformed_recorded_structure_is_exit_3_when_used(tmp_path: Path) -> None:
+def test_malformed_recorded_structure_is_exit_3_when_used(clipcli: Cli, tmp_path: Path) -> None:
     from safetensors.numpy import save_file
 
     src = tmp_path / "bad.safetensors"
@@ -207,7 +223,7 @@ def test_malformed_recorded_structure_is_exit_3_when_used(tmp_path: Path) -> Non
     assert not (tmp_path / "o.h5").exists()
 
 
-def test_hostile_recorded_structure_is_refused_field_by_field(tmp_path: Path) -> None:
+def test_hostile_recorded_structure_is_refused_field_by_field(clipcli: Cli, tmp_path: Path) -> None:
     """A recorded node with raw values shorter than its dataspace needs must not make the
     library read past a buffer: refused (exit 3) before anything is written."""
     from safetensors.numpy import save_file
@@ -232,7 +248,9 @@ def test_hostile_recorded_structure_is_refused_field_by_field(tmp_path: Path) ->
     assert not (tmp_path / "o.h5").exists()
 
 
-def test_structure_that_does_not_fit_the_tensors_needs_the_flag(tmp_path: Path) -> None:
+def test_structure_that_does_not_fit_the_tensors_needs_the_flag(
+    clipcli: Cli, tmp_path: Path
+) -> None:
     from safetensors.numpy import save_file
 
     src = tmp_path / "src.h5"
@@ -253,7 +271,7 @@ def test_structure_that_does_not_fit_the_tensors_needs_the_flag(tmp_path: Path) 
         assert "extra" in f
 
 
-def test_diff_reports_every_structure_difference(tmp_path: Path) -> None:
+def test_diff_reports_every_structure_difference(clipcli: Cli, tmp_path: Path) -> None:
     src = tmp_path / "m.h5"
     legacy_keras_full_model(src)
     npz = tmp_path / "m.npz"
@@ -265,12 +283,14 @@ def test_diff_reports_every_structure_difference(tmp_path: Path) -> None:
     assert "/model_weights @layer_names" in keys
     assert "/model_weights/dense_1 @weight_names" in keys
     assert "keras_version" in keys
-    same = json.loads(clipcli("diff", "--format", "json", src, round_trip(tmp_path, src)[1]).stdout)
+    same = json.loads(
+        clipcli("diff", "--format", "json", src, round_trip(clipcli, tmp_path, src)[1]).stdout
+    )
     assert same["metadata_changes"] == []
     assert same["identical"] is True
 
 
-def test_diff_reports_a_changed_attribute_and_an_empty_group(tmp_path: Path) -> None:
+def test_diff_reports_a_changed_attribute_and_an_empty_group(clipcli: Cli, tmp_path: Path) -> None:
     a = vocab_file(tmp_path / "a.h5")
     b = vocab_file(tmp_path / "b.h5")
     with h5py.File(b, "a") as f:

@@ -53,13 +53,15 @@ class Hdf5Reader(Reader):
 
     format_name = "hdf5"
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
+    def __init__(self, path: Path, shown_as: Path | None = None) -> None:
+        """shown_as: the name messages give the file (a weights file unpacked from a
+        .keras archive is named after the archive, not after its temp copy)."""
+        super().__init__(shown_as or path)
         h5py = load_h5py()
         # Our own descriptor, opened without blocking and checked to be a regular file;
         # the library then opens that very file through /proc/self/fd, so a name swapped
         # for a FIFO or another file after the check is never what HDF5 reads.
-        self._fd = open_input_fd(path)
+        self._fd = open_input_fd(path)  # the real file
         try:
             self._open_file(h5py, fd_path(self._fd) or os.fspath(path))
         except BaseException:
@@ -67,16 +69,16 @@ class Hdf5Reader(Reader):
             raise
         try:
             self._file_size = os.fstat(self._fd).st_size
-            self._checks = DatasetChecks(path, self._file_size)
+            self._checks = DatasetChecks(self.path, self._file_size)
             self._non_tensors: list[NonTensorInfo] = []
-            with input_errors(path, "cannot read the file's structure"):
+            with input_errors(self.path, "cannot read the file's structure"):
                 self.nodes, self._infos = self._walk()
             # Walking reads no attribute values, so no global heap has been touched yet.
             self._checks.check_expansion()
             self.largest_heap_object = check_global_heaps(
-                path, self._fd, self._file_size, self._checks.data_ranges
+                self.path, self._fd, self._file_size, self._checks.data_ranges
             )
-            with input_errors(path, "cannot inspect attributes"):
+            with input_errors(self.path, "cannot inspect attributes"):
                 self._checks.check_attribute_budget(
                     self.file, [node.path for node in self.nodes], self.largest_heap_object
                 )
@@ -85,7 +87,7 @@ class Hdf5Reader(Reader):
             self.close()
             raise
         self._by_name = {info.name: info for info in self._infos}
-        self._vlen_budget = VlenBudget(path, self._file_size)
+        self._vlen_budget = VlenBudget(self.path, self._file_size)
         self._structure: Structure | None = None
 
     def _open_file(self, h5py: Any, name: str) -> None:
