@@ -368,7 +368,7 @@ def with_structure(checkpoint: Checkpoint) -> dict[str, str]:
     structure = checkpoint.source.structure() if checkpoint.source is not None else None
     if structure is None or structure.origin is None or STRUCTURE_KEY in metadata:
         return metadata
-    if structure.document is not None:
+    if structure.document is not None and not structure.is_plain(metadata):
         metadata[STRUCTURE_KEY] = structure.to_text()
     return metadata
 

@@ -17,7 +17,7 @@ hold (npz holds no metadata at all; some HDF5 types have no portable description
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from clipcli.errors import UsageError
@@ -90,12 +90,31 @@ class Structure:
             parts.append(f"{len(others)} non-tensor datasets ({_names(others)})")
         return ", ".join(parts)
 
-    def is_trivial(self) -> bool:
+    def is_plain(self, metadata: Mapping[str, str]) -> bool:
+        """True when writing the tensors plainly (a contiguous dataset per tensor, root
+        string attributes from the metadata) rebuilds everything recorded: then a
+        conversion need not record the structure at all (safetensors -> HDF5 ->
+        safetensors stays byte for byte the same)."""
+        if not self.is_trivial(root_attributes_ok=metadata):
+            return False
+        return all(
+            node["layout"] == "contiguous" and not node["filters"]
+            for node in self.nodes
+            if node["kind"] == "dataset"
+        )
+
+    def is_trivial(self, root_attributes_ok: Mapping[str, str] | None = None) -> bool:
         """True when a plain file of the tensors would hold everything: no attributes, no
         non-tensor datasets, no group that the tensors' paths do not imply."""
         nodes = self.nodes
-        if self.dropped or any(node.get("attrs") for node in nodes):
+        if self.dropped or self.document is None:
             return False
+        for node in nodes:
+            attrs = node.get("attrs") or []
+            if node["path"] == "/" and root_attributes_ok is not None:
+                attrs = [a for a in attrs if not _is_metadata_string(a, root_attributes_ok)]
+            if attrs:
+                return False
         if any(node["kind"] == "dataset" and not node["tensor"] for node in nodes):
             return False
         if any(node["kind"] == "datatype" for node in nodes):
@@ -106,6 +125,20 @@ class Structure:
                 parts = node["path"].split("/")
                 implied.update("/".join(parts[:end]) or "/" for end in range(1, len(parts)))
         return all(node["path"] in implied for node in nodes if node["kind"] == "group")
+
+
+# How h5py (and so the HDF5 writer's plain layout) stores a str attribute.
+_PLAIN_STRING = {"class": "string", "size": None, "cset": 1, "pad": 0}
+
+
+def _is_metadata_string(attr: dict[str, Any], metadata: Mapping[str, str]) -> bool:
+    """A root attribute that the metadata key of the same name recreates exactly."""
+    data = attr.get("data") or {}
+    return (
+        attr.get("type") == _PLAIN_STRING
+        and attr.get("space") == {"class": "scalar"}
+        and data.get("strings") == [metadata.get(attr.get("name", ""))]
+    )
 
 
 def _names(names: Sequence[str], limit: int = 3) -> str:

@@ -156,7 +156,7 @@ class Hdf5Writer(Writer):
 
     @classmethod
     def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
-        structure = source.structure()
+        structure = source.structure() if source is not None else None
         if structure is not None and isinstance(structure.origin, Hdf5Reader):
             return None  # copied attribute by attribute, with the source's own settings
         metadata = {k: v for k, v in metadata.items() if k != STRUCTURE_KEY}
