@@ -180,3 +180,17 @@ def test_weights_member_that_is_not_hdf5_is_named(clipcli: Cli, tmp_path: Path) 
     )
     run = clipcli("norms", path)
     assert run.returncode == 3 and "m.keras[model.weights.h5]" in run.stderr
+
+
+def test_member_count_exactly_at_the_limit(
+    clipcli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clipcli.formats import keras_archive as module
+
+    path = tmp_path / "m.keras"
+    keras_archive(path)  # four members
+    monkeypatch.setattr(module, "MAX_MEMBERS", 4)
+    assert clipcli("ls", path).returncode == 0
+    monkeypatch.setattr(module, "MAX_MEMBERS", 3)
+    run = clipcli("ls", path)
+    assert run.returncode == 3 and "over 3" in run.stderr

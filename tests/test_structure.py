@@ -306,3 +306,123 @@ def test_diff_reports_a_changed_attribute_and_an_empty_group(clipcli: Cli, tmp_p
     assert before is not None
     assert after is not None
     assert before != after
+
+
+# ---------------------------------------------------------------------------------------
+# limits, each exactly at and one past its bound
+
+
+def test_non_tensors_copied_in_many_small_slices_stay_exact(
+    clipcli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clipcli.formats.hdf5 import limits
+
+    src = tmp_path / "rows.h5"
+    words = [f"word{i}" * (i % 4) for i in range(37)]
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(3, np.float32)
+        f.create_dataset("vocab", data=words, dtype=h5py.string_dtype())
+        f.create_dataset("grid", data=np.arange(7 * 5, dtype="<i2").reshape(7, 5).astype("S3"))
+    monkeypatch.setattr(limits, "NON_TENSOR_SLICE_BYTES", 40)  # a few rows per slice
+    assert clipcli("clip", "--global", "1", "-q", src, tmp_path / "c.h5").returncode == 0
+    _, back = round_trip(clipcli, tmp_path, src)
+    for out in (tmp_path / "c.h5", back):
+        with h5py.File(src, "r") as a, h5py.File(out, "r") as b:
+            assert list(b["vocab"][()]) == [w.encode() for w in words]
+            assert b["grid"][()].tobytes() == a["grid"][()].tobytes()
+
+
+def _vocab_only(path: Path, words: list[str]) -> Path:
+    with h5py.File(path, "w") as f:
+        f["w"] = np.ones(2, np.float32)
+        f.create_dataset("vocab", data=words, dtype=h5py.string_dtype())
+    return path
+
+
+def test_variable_length_budget_exactly_at_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clipcli.errors import InputError
+    from clipcli.formats.hdf5 import Hdf5Reader, limits
+    from clipcli.formats.hdf5.nontensor import VlenBudget, read_rows
+
+    words = ["abc", "de", "f" * 10]
+    path = _vocab_only(tmp_path / "v.h5", words)
+    total = sum(len(w) for w in words)
+    reader = Hdf5Reader(path)
+    try:
+        item, dataset = reader.non_tensors[0], reader.file["/vocab"]
+        monkeypatch.setattr(limits, "MAX_EXPANSION", 0)
+        monkeypatch.setattr(limits, "SPARSE_CHECK_BYTES", total)  # a budget of 15 bytes
+        exact = VlenBudget(path, file_size=0)
+        rows = list(read_rows(dataset, item, reader.largest_heap_object, exact))
+        assert [v for piece in rows for v in piece.values] == [w.encode() for w in words]
+        monkeypatch.setattr(limits, "SPARSE_CHECK_BYTES", total - 1)
+        short = VlenBudget(path, file_size=0)
+        with pytest.raises(InputError, match="expand"):
+            list(read_rows(dataset, item, reader.largest_heap_object, short))
+    finally:
+        reader.close()
+
+
+def test_recorded_structure_size_exactly_at_the_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import clipcli.formats.hdf5.structure as hdf5_structure
+    from clipcli.formats.hdf5 import Hdf5Reader
+
+    path = vocab_file(tmp_path / "v.h5")
+    reader = Hdf5Reader(path)
+    try:
+        size = len(hdf5_structure.read_structure(reader).to_text().encode("utf-8"))
+        monkeypatch.setattr(hdf5_structure, "MAX_STRUCTURE_BYTES", size)
+        assert hdf5_structure.read_structure(reader).document is not None
+        monkeypatch.setattr(hdf5_structure, "MAX_STRUCTURE_BYTES", size - 1)
+        over = hdf5_structure.read_structure(reader)
+        assert over.document is None
+        assert "cap" in over.dropped[0]
+    finally:
+        reader.close()
+
+
+def test_parsed_structure_size_exactly_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    import clipcli.formats.structure as structure
+
+    text = json.dumps(
+        {
+            "format": STRUCTURE_KEY,
+            "version": 1,
+            "nodes": [{"path": "/", "kind": "group", "attrs": []}],
+        }
+    )
+    monkeypatch.setattr(structure, "MAX_STRUCTURE_BYTES", len(text))
+    assert structure.parse_structure(text).nodes[0]["path"] == "/"
+    monkeypatch.setattr(structure, "MAX_STRUCTURE_BYTES", len(text) - 1)
+    with pytest.raises(structure.MalformedStructure, match="limit"):
+        structure.parse_structure(text)
+
+
+def _nested_array(depth: int) -> dict[str, Any]:
+    desc: dict[str, Any] = {"class": "int", "size": 1, "order": "<", "signed": True}
+    for _ in range(depth):
+        desc = {"class": "array", "dims": [1], "base": desc}
+    return desc
+
+
+def test_recorded_type_limits_exactly_at_the_bound() -> None:
+    from clipcli.formats.hdf5.portable import (
+        MAX_TYPE_DEPTH,
+        MAX_TYPE_SIZE,
+        Malformed,
+        build_type,
+    )
+
+    assert build_type(_nested_array(MAX_TYPE_DEPTH)).get_size() == 1
+    with pytest.raises(Malformed, match="deeply"):
+        build_type(_nested_array(MAX_TYPE_DEPTH + 1))
+    opaque = {"class": "opaque", "size": MAX_TYPE_SIZE, "tag": "t"}
+    assert build_type(opaque).get_size() == MAX_TYPE_SIZE
+    with pytest.raises(Malformed):
+        build_type({**opaque, "size": MAX_TYPE_SIZE + 1})
+    with pytest.raises(Malformed):
+        build_type({"class": "int", "size": 4, "order": "<", "signed": 1})  # not a bool
