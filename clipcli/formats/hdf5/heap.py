@@ -8,8 +8,8 @@ import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
-from clipcli.formats.hdf5 import limits
 
 
 def check_global_heaps(

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
+import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, Reader, TensorInfo, default_chunk_elems
-from clipcli.formats.hdf5 import limits
 from clipcli.formats.hdf5.geometry import aligned_step, block_shape, flat_range_blocks
 from clipcli.formats.hdf5.heap import check_global_heaps
 from clipcli.formats.hdf5.library import NodeKind, input_errors, load_h5py, utf8_text

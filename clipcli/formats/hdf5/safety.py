@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, TensorInfo
-from clipcli.formats.hdf5 import limits
 from clipcli.formats.hdf5.library import (
     holds_references,
     holds_vlen,

@@ -28,9 +28,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, TensorInfo
-from clipcli.formats.hdf5 import limits
 from clipcli.formats.hdf5.library import input_errors, load_h5py
 from clipcli.formats.hdf5.nontensor import RowSlice
 from clipcli.formats.hdf5.portable import (

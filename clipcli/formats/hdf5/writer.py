@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError, WriteError
 from clipcli.formats.base import (
     Checkpoint,
@@ -25,7 +26,6 @@ from clipcli.formats.base import (
     Writer,
     utf8_encodable,
 )
-from clipcli.formats.hdf5 import limits
 from clipcli.formats.hdf5.geometry import block_shape, flat_range_blocks
 from clipcli.formats.hdf5.library import (
     holds_references,
