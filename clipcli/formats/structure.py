@@ -83,7 +83,7 @@ class Structure:
         """What the structure holds, in a few words (for a loss message)."""
         nodes = self.nodes
         attributes = sum(len(node.get("attrs", ())) for node in nodes)
-        groups = sum(node["kind"] == "group" for node in nodes)
+        groups = sum(node["kind"] == "group" and node["path"] != "/" for node in nodes)
         others = [n["path"][1:] for n in nodes if n["kind"] == "dataset" and not n["tensor"]]
         parts = [f"{attributes} attributes", f"{groups} groups"]
         if others:

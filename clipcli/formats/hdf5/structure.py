@@ -174,11 +174,23 @@ def _dataset_data(reader: Hdf5Source, item: NonTensorInfo, desc: Json) -> Json |
         return None
     if item.variable_length and not holds_variable_string(desc):
         raise Unportable("variable-length data inside another type")
-    pieces = list(reader.non_tensor_rows(item))
+    if item.nbytes > MAX_STRUCTURE_BYTES:
+        raise Unportable(f"{item.nbytes} bytes, over the recorded structure's cap")
+    strings: list[Any] = []
+    raw: list[bytes] = []
+    size = 0
+    for piece in reader.non_tensor_rows(item):
+        if item.variable_length:
+            strings.extend(_string(v) for v in piece.values.reshape(-1))
+            size += sum(len(v) for v in piece.values.reshape(-1))
+        else:
+            raw.append(piece.values.tobytes())
+            size += piece.values.nbytes
+        if size > MAX_STRUCTURE_BYTES:  # stop reading: it could never be recorded
+            raise Unportable(f"over {MAX_STRUCTURE_BYTES} bytes, the recorded structure's cap")
     if item.variable_length:
-        return {"strings": [_string(v) for piece in pieces for v in piece.values.reshape(-1)]}
-    raw = b"".join(piece.values.tobytes() for piece in pieces)
-    return {"raw": base64.b64encode(raw).decode("ascii")}
+        return {"strings": strings}
+    return {"raw": base64.b64encode(b"".join(raw)).decode("ascii")}
 
 
 def _string(value: object) -> Any:
@@ -203,6 +215,10 @@ def _describe_attributes(obj: Any, path: str, dropped: list[str]) -> list[Json]:
             dropped.append(f"attribute {name!r} of {path!r} ({exc})")
             continue
         space = describe_space(attr.get_space())
+        raw_size = space_points(space) * int(attr.get_type().get_size())
+        if raw_size > limits.MAX_ATTRIBUTE_BYTES:
+            dropped.append(f"attribute {name!r} of {path!r} ({raw_size} bytes, over the cap)")
+            continue
         data: Json | None = None
         if space["class"] != "null":
             shape = tuple(space.get("shape", ()))
