@@ -426,3 +426,18 @@ def test_recorded_type_limits_exactly_at_the_bound() -> None:
         build_type({**opaque, "size": MAX_TYPE_SIZE + 1})
     with pytest.raises(Malformed):
         build_type({"class": "int", "size": 4, "order": "<", "signed": 1})  # not a bool
+
+
+def test_root_string_attributes_travel_as_metadata(clipcli: Cli, tmp_path: Path) -> None:
+    """Root string attributes are file metadata: a model directory keeps them (no flag);
+    npz holds no metadata, so that loss is named."""
+    src = tmp_path / "m.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(3, np.float32)
+        f.attrs["format"] = "pt"
+    assert clipcli("convert", src, f"{tmp_path / 'dir'}/").returncode == 0
+    with safe_open(str(tmp_path / "dir" / "model.safetensors"), "np") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    refused = clipcli("convert", src, tmp_path / "m.npz")
+    assert refused.returncode == 2
+    assert "file metadata (1 keys)" in refused.stderr

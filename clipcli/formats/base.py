@@ -181,7 +181,9 @@ class Writer(ABC):
         accepts the loss). By default a format keeps no structure: everything beyond the
         tensors and file metadata that the source holds is lost."""
         structure = source.structure()
-        if structure is None or structure.is_trivial():
+        # Root string attributes travel as file metadata, which the writer keeps or
+        # reports on its own (check_metadata, npz's own losses).
+        if structure is None or structure.is_trivial(root_attributes_ok=source.metadata):
             return []
         return [f"the HDF5 structure ({structure.summary()})"]
 

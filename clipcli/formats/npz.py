@@ -615,8 +615,8 @@ class NpzWriter(Writer):
     def structure_losses(cls, source: Reader) -> list[str]:
         """npz holds tensors and nothing else: file metadata and any structure are lost."""
         losses = super().structure_losses(source)
-        if not losses and source.metadata:
-            losses = [f"file metadata ({len(source.metadata)} keys)"]
+        if source.metadata:
+            losses.append(f"file metadata ({len(source.metadata)} keys)")
         return losses
 
     @classmethod
