@@ -7,8 +7,10 @@ every link before touching its target and inspects every dataset's storage befor
 is read. Anything it cannot vouch for is an InputError naming the object.
 
 Modules: library (h5py loaded safely, errors, type facts), limits (budgets), geometry (flat
-ranges as hyperslabs), heap (global heap scan), safety (per-dataset checks), reader,
-writer.
+ranges as hyperslabs), heap (global heap scan), safety (per-dataset checks), nontensor
+(non-tensor datasets a slice at a time), reader, replica (an HDF5 source copied object by
+object), writer; portable (types, dataspaces and settings as JSON), structure (a file's
+structure recorded for another format) and rebuild (an HDF5 file made from a record).
 
 Decisions worth knowing:
 - Objects are listed in the file's own link order (creation order when a group tracks it,

@@ -10,17 +10,15 @@ import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
-from clipcli.errors import InputError, WriteError
+from clipcli.errors import WriteError
 from clipcli.formats.base import (
     Checkpoint,
-    NonTensorInfo,
     Reader,
     TensorInfo,
     Writer,
@@ -28,22 +26,14 @@ from clipcli.formats.base import (
 )
 from clipcli.formats.hdf5.geometry import block_shape, flat_range_blocks
 from clipcli.formats.hdf5.library import (
-    holds_references,
     input_errors,
     load_h5py,
-    name_bytes,
     reason,
 )
-from clipcli.formats.hdf5.nontensor import write_rows
-from clipcli.formats.hdf5.reader import Hdf5Node, Hdf5Reader
-from clipcli.formats.hdf5.structure import ReadyNode, create_nodes, prepare
+from clipcli.formats.hdf5.reader import Hdf5Reader
+from clipcli.formats.hdf5.rebuild import ReadyNode, create_nodes, prepare
+from clipcli.formats.hdf5.replica import Replica, split_path
 from clipcli.formats.structure import STRUCTURE_KEY
-
-
-def _split(path: str) -> tuple[str, str]:
-    parent, _, name = path.rpartition("/")
-    return parent or "/", name
-
 
 HDF5_MAX_ATTRIBUTES = 65535  # attributes per object when creation order is tracked
 HDF5_MAX_ATTRIBUTE_NAME_BYTES = 65534  # plus the terminating NUL: a 16-bit length
@@ -59,17 +49,6 @@ def _dataset_path_problem(name: str) -> str | None:
     if any(part == "." for part in parts):
         return "it has a '.' path component"
     return None
-
-
-@dataclass
-class _AttributeCopy:
-    """An attribute read from the source: its exact HDF5 type, dataspace and raw values."""
-
-    name: bytes
-    type_id: Any
-    space: Any
-    values: np.ndarray | None  # None for an empty (null) dataspace
-    memory_type: Any
 
 
 def _stored_chunk_offsets(dataset_id: Any) -> list[tuple[int, ...]]:
@@ -224,104 +203,8 @@ class Hdf5Writer(Writer):
         ours = {info.name: info.shape for info in self.checkpoint.infos}
         if ours != source_names:
             raise ValueError("an HDF5 source needs the checkpoint to list exactly its datasets")
-        non_tensors = {item.name: item for item in source.non_tensors}
-        for node in source.nodes:
-            with input_errors(source.path, f"cannot copy object {node.path!r}"):
-                original = source.file[node.path]
-            copy = self.file["/"] if node.path == "/" else self._create_like(source, original, node)
-            self._copy_attributes(source, original, copy, node.path)
-            item = non_tensors.get(node.path[1:]) if node.kind == "dataset" else None
-            if item is not None:
-                self._copy_non_tensor(source, item, copy)
+        Replica(self.file, source, self._failing_quietly).copy_all()
         self._update_metadata(source)
-
-    def _copy_non_tensor(self, source: Hdf5Reader, item: NonTensorInfo, copy: Any) -> None:
-        """A dataset that is not a tensor, copied value for value with its own type."""
-        if not item.copyable:
-            raise InputError(
-                source.path,
-                "holds HDF5 references, which cannot be copied to another file",
-                item.name,
-            )
-        rank = 0 if item.shape is None else len(item.shape)
-        with self._failing_quietly():
-            for piece in source.non_tensor_rows(item):
-                write_rows(copy.id, piece, rank)
-
-    def _create_like(self, source: Hdf5Reader, original: Any, node: Hdf5Node) -> Any:
-        """An object at node.path with the original's creation settings (not its data)."""
-        h5py = load_h5py()
-        parent_path, name = _split(node.path)
-        parent_id, link_name = self.file[parent_path].id, name_bytes(name)
-        with input_errors(source.path, f"cannot read the settings of {node.path!r}"):
-            link_plist = self._link_plist(source.file[parent_path], name)
-            if node.kind == "group":
-                group_plist = original.id.get_create_plist()  # link/attribute ordering
-            elif node.kind == "dataset":
-                # Layout, chunks, filters (compression, shuffle, fletcher32, scaleoffset,
-                # ...), fill value and attribute ordering all live in this property list.
-                dataset_plist = original.id.get_create_plist()
-                type_id = original.id.get_type().copy()  # a copy is never a committed type
-                space = original.id.get_space()  # shape and maxshape
-            else:
-                type_id = original.id.copy()
-        if node.kind == "group":
-            h5py.h5g.create(parent_id, link_name, lcpl=link_plist, gcpl=group_plist)
-        elif node.kind == "dataset":
-            h5py.h5d.create(
-                parent_id, link_name, type_id, space, dcpl=dataset_plist, lcpl=link_plist
-            )
-        else:
-            type_id.commit(parent_id, link_name, lcpl=link_plist)
-        return self.file[node.path]
-
-    def _link_plist(self, source_parent: Any, name: str) -> Any:
-        """A link creation property list with the source link's character set."""
-        h5p = load_h5py().h5p
-        link_plist = h5p.create(h5p.LINK_CREATE)
-        link_plist.set_create_intermediate_group(False)
-        cset = source_parent.id.links.get_info(name_bytes(name)).cset
-        link_plist.set_char_encoding(cset)
-        return link_plist
-
-    def _copy_attributes(self, source: Hdf5Reader, original: Any, copy: Any, path: str) -> None:
-        """Attributes in the source's order, with their exact HDF5 types (fixed-length byte
-        strings stay fixed-length, padding and character set included)."""
-        with input_errors(source.path, f"cannot list the attributes of {path!r}"):
-            names = list(original.attrs)
-        for name in names:
-            attribute = self._read_attribute(source, original, name, path)
-            h5a = load_h5py().h5a
-            created = h5a.create(copy.id, attribute.name, attribute.type_id, attribute.space)
-            if attribute.values is not None:
-                created.write(attribute.values, mtype=attribute.memory_type)
-
-    def _read_attribute(
-        self, source: Hdf5Reader, original: Any, name: str | bytes, path: str
-    ) -> _AttributeCopy:
-        h5py = load_h5py()
-        with input_errors(source.path, f"cannot read attribute {name!r} of {path!r}"):
-            attr = original.attrs.get_id(name)
-            type_id = attr.get_type().copy()
-            if holds_references(type_id):
-                raise InputError(
-                    source.path,
-                    f"attribute {name!r} of {path!r} holds HDF5 references, which cannot "
-                    "be copied to another file",
-                )
-            space = attr.get_space()
-            dtype = attr.dtype
-            memory_type = h5py.h5t.py_create(dtype)
-            if space.get_simple_extent_type() == h5py.h5s.NULL:
-                return _AttributeCopy(name_bytes(name), type_id, space, None, memory_type)
-            shape = attr.shape
-            if dtype.subdtype is not None:  # NumPy has no array-typed elements: unfold them
-                dtype, inner_shape = dtype.subdtype
-                shape = shape + inner_shape
-            # Read without h5py's str decoding: variable-length strings stay raw bytes.
-            values = np.zeros(shape, dtype=dtype)
-            attr.read(values, mtype=memory_type)
-        return _AttributeCopy(name_bytes(name), type_id, space, values, memory_type)
 
     def _update_metadata(self, source: Hdf5Reader) -> None:
         """Root string attributes for metadata the caller changed; the rest was copied."""
@@ -346,7 +229,7 @@ class Hdf5Writer(Writer):
             problem = _dataset_path_problem(info.name)
             if problem is not None:
                 raise WriteError(f"tensor {info.name!r} cannot be an HDF5 dataset: {problem}")
-            parent_path, name = _split("/" + info.name)
+            parent_path, name = split_path("/" + info.name)
             try:
                 parent = self._require_group(parent_path)
                 parent.create_dataset(name, shape=info.shape, dtype=info.dtype)
