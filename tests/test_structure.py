@@ -441,3 +441,54 @@ def test_root_string_attributes_travel_as_metadata(clipcli: Cli, tmp_path: Path)
     refused = clipcli("convert", src, tmp_path / "m.npz")
     assert refused.returncode == 2
     assert "file metadata (1 keys)" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "repeated_attribute",
+        "dotdot_name",
+        "orphan_path",
+        "unknown_filter",
+        "huge_chunk",
+        "bad_base64",
+    ],
+)
+def test_hostile_structure_edits_are_exit_3_and_write_nothing(
+    clipcli: Cli, tmp_path: Path, edit: str
+) -> None:
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("g/w", data=np.ones((4, 4), np.float32), chunks=(2, 2))
+        f["g"].attrs["a"] = np.arange(2)
+    mid = tmp_path / "mid.safetensors"
+    assert clipcli("convert", src, mid).returncode == 0
+    with safe_open(str(mid), "np") as f:
+        document = json.loads(f.metadata()[STRUCTURE_KEY])
+    group, dataset = document["nodes"][1], document["nodes"][2]
+    if edit == "repeated_attribute":
+        group["attrs"].append(group["attrs"][0])
+    elif edit == "dotdot_name":
+        group["path"] = "/.."
+    elif edit == "orphan_path":
+        dataset["path"] = "/nowhere/w"
+    elif edit == "unknown_filter":
+        dataset["filters"] = [[32001, 0, []]]
+    elif edit == "huge_chunk":
+        dataset["chunks"] = [1 << 20, 1 << 20]
+    else:
+        group["attrs"][0]["data"]["raw"] = "not base64!"
+    bad = tmp_path / "bad.safetensors"
+    save_file(
+        {"g/w": np.ones((4, 4), np.float32)},
+        str(bad),
+        metadata={STRUCTURE_KEY: json.dumps(document)},
+    )
+    run = clipcli("convert", "--allow-lossy", bad, tmp_path / "o.h5")
+    if edit in ("dotdot_name", "orphan_path"):  # no longer fits: a plain file, said so
+        assert run.returncode == 0 and "dropped" in run.stderr, run.stderr
+        return
+    assert run.returncode == 3, run.stderr
+    assert "malformed" in run.stderr and not (tmp_path / "o.h5").exists()

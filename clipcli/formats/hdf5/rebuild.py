@@ -80,7 +80,7 @@ def _check_fit(ready: list[ReadyNode], infos: Sequence[TensorInfo]) -> str | Non
     for node in ready[1:]:
         parent = node.path.rpartition("/")[0] or "/"
         name = node.path.rpartition("/")[2]
-        if not node.path.startswith("/") or name in ("", ".") or parent not in seen:
+        if not node.path.startswith("/") or name in ("", ".", "..") or parent not in seen:
             return f"object {node.path!r} does not follow its parent group"
         if node.kind == "group":
             seen.add(node.path)
@@ -118,6 +118,8 @@ def _prepare_node(node: Json) -> ReadyNode:
     attributes = [_prepare_attribute(a) for a in node["attrs"]]
     if len(attributes) > 65535:
         raise Malformed("more than 65,535 attributes on one object")
+    if len({attr.name for attr in attributes}) != len(attributes):
+        raise Malformed(f"an attribute name repeated on {path!r}")
     plist = type_id = space = data = None
     tensor = False
     if kind == "group":

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
-from clipcli.errors import WriteError
+from clipcli.errors import InputError, WriteError
 from clipcli.formats.base import (
     Checkpoint,
     Reader,
@@ -90,8 +90,15 @@ class Hdf5Writer(Writer):
             if self._source is not None:
                 self._copy_structure(self._source)
             elif self._rebuild is not None:
+                source_path = checkpoint.source.path if checkpoint.source else path
                 with self._failing_quietly():
-                    create_nodes(self.file, self._rebuild)
+                    try:
+                        create_nodes(self.file, self._rebuild)
+                    except (ValueError, KeyError, TypeError) as exc:  # what it records clashes
+                        raise InputError(
+                            source_path,
+                            f"cannot rebuild the recorded HDF5 structure: {exc}",
+                        ) from None
                 self._add_metadata(
                     skip={attr.name.decode() for attr in self._rebuild[0].attributes}
                 )
