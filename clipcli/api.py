@@ -16,7 +16,8 @@ from clipcli import interrupts, pipeline, scope
 from clipcli.diff import DiffResult
 from clipcli.errors import UsageError
 from clipcli.footprint import InputFootprint
-from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
+from clipcli.formats.base import Checkpoint, NonTensorInfo, Reader, TensorInfo, Writer
+from clipcli.formats.structure import check_losses
 from clipcli.identity import InputGuard
 from clipcli.io import open_reader, writer_class
 from clipcli.measurement import Measurement
@@ -26,11 +27,19 @@ from clipcli.plan import Outcome, Plan, Reason, TensorPlan, copy_plan, plan
 from clipcli.progress import SILENT, Progress
 from clipcli.selection import EVERY_TENSOR, Selection
 from clipcli.spec import ClipSpec, Mode
+from clipcli.stream_target import STDOUT, StdoutTarget
 
 
-def list_tensors(path: Path) -> tuple[str, dict[str, str], list[TensorInfo]]:
+def list_tensors(
+    path: Path,
+) -> tuple[str, dict[str, str], list[TensorInfo], list[NonTensorInfo]]:
     with open_reader(path) as reader:
-        return reader.format_name, dict(reader.metadata), list(reader.infos)
+        return (
+            reader.format_name,
+            dict(reader.metadata),
+            list(reader.infos),
+            list(reader.non_tensors),
+        )
 
 
 def measure(
@@ -170,6 +179,7 @@ def clip(
     progress: Progress = SILENT,
     allow_large_side_files: bool = False,
     notify: scope.Notify = scope.ignore,
+    allow_lossy: bool = False,
 ) -> ClipResult:
     """Measure, plan, then write the clipped copy atomically (a dry run writes nothing).
     Signals are deferred for the whole run: acted on between chunks before the commit,
@@ -177,6 +187,7 @@ def clip(
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
+        check_losses(writer_cls.structure_losses(reader), allow_lossy, notify, target.out)
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
             made = plan_clip(reader, spec, selection, progress)
@@ -258,11 +269,13 @@ def convert(
     progress: Progress = SILENT,
     allow_large_side_files: bool = False,
     notify: scope.Notify = scope.ignore,
+    allow_lossy: bool = False,
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
+        check_losses(writer_cls.structure_losses(reader), allow_lossy, notify, target.out)
         copying = copy_plan(reader.infos)
         _write_out(
             reader,
@@ -283,7 +296,11 @@ def check_writable(reader: Reader, target: Target) -> type[Writer]:
     """The writer for OUT, once every limit of its format that is known before writing
     holds (names, dtypes, names together, metadata): a refusal is exit 2 naming the tensor
     or key, before anything is created."""
-    cls = writer_class(target.out, target.is_directory)
+    cls = (
+        target.writer
+        if isinstance(target, StdoutTarget)
+        else writer_class(target.out, target.is_directory)
+    )
     for info in reader.infos:
         reason = cls.check_name(info.name) or cls.check_dtype(info)
         if reason is not None:
@@ -318,6 +335,8 @@ def _check_side_files(reader: Reader, allow_large: bool) -> None:
 
 
 def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
+    if str(out) == STDOUT:  # safetensors streamed to standard output (stream_target)
+        return StdoutTarget(force=force, durable=durable)
     is_directory = src.is_dir() or src.name.endswith(".index.json")
     return choose_target(out, input_is_directory=is_directory, force=force, durable=durable)
 

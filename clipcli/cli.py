@@ -6,6 +6,7 @@ commands so that `clipcli --help` starts fast.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -100,7 +101,8 @@ OutArg = Annotated[
     typer.Argument(
         metavar="OUT",
         help="Output file (its extension picks the format), or a model directory: a "
-        "name ending in /, or with no extension when IN is a model directory.",
+        "name ending in /, or with no extension when IN is a model directory; '-' streams "
+        "a safetensors IN's clipped copy to standard output (the report goes to stderr).",
         show_default=False,
     ),
 ]
@@ -133,6 +135,15 @@ AllowLargeSideFilesOpt = Annotated[
     typer.Option(
         "--allow-large-side-files",
         help="Copy a model directory's other files even over 1 GiB each (holes stay holes).",
+    ),
+]
+AllowLossyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-lossy",
+        help="Write OUT even when its format cannot hold all of IN beyond the tensors (HDF5 "
+        "attributes, groups and non-tensor datasets into .npz; file metadata into .npz); "
+        "one warning line names what was dropped. Without it that is refused (exit 2).",
     ),
 ]
 
@@ -198,8 +209,8 @@ def ls_command(
     from clipcli.api import list_tensors
     from clipcli.report import ls_report
 
-    file_format, metadata, infos = list_tensors(path)
-    _emit(lambda: _print(ls_report(str(path), file_format, metadata, infos), fmt))
+    file_format, metadata, infos, non_tensors = list_tensors(path)
+    _emit(lambda: _print(ls_report(str(path), file_format, metadata, infos, non_tensors), fmt))
 
 
 @app.command(
@@ -395,6 +406,7 @@ def clip_command(
     ] = OutputFormat.TABLE,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
     all_tensors: AllTensorsOpt = False,
+    allow_lossy: AllowLossyOpt = False,
 ) -> None:
     """Write a clipped copy of IN to OUT. Choose exactly one mode: --min/--max/--value,
     --norm [--axes], --average or --global [--use-norm]. Tensors within the limit, not
@@ -435,9 +447,12 @@ def clip_command(
             progress=_progress(quiet),
             allow_large_side_files=allow_large_side_files,
             notify=_notify,
+            allow_lossy=allow_lossy,
         )
         if not quiet:
-            _emit(lambda: _print(clip_report(result), fmt))
+            # OUT '-' is the clipped file on stdout: the report goes to stderr instead.
+            with contextlib.redirect_stdout(sys.stderr if str(out) == "-" else sys.stdout):
+                _emit(lambda: _print(clip_report(result), fmt))
 
 
 @app.command(
@@ -453,6 +468,7 @@ def convert_command(
     force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
+    allow_lossy: AllowLossyOpt = False,
 ) -> None:
     """Copy IN to OUT's format losslessly: same names, order, dtypes, shapes and values;
     metadata carried over where OUT's format can hold it. A dtype OUT cannot hold
@@ -468,6 +484,7 @@ def convert_command(
             progress=_progress(quiet),
             allow_large_side_files=allow_large_side_files,
             notify=_notify,
+            allow_lossy=allow_lossy,
         )
         if not quiet:
             total = sum(i.nbytes for i in infos)

@@ -16,7 +16,7 @@ from clipcli.errors import printable
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
     from clipcli.api import ClipResult, ClipRow
     from clipcli.diff import DiffResult
-    from clipcli.formats.base import TensorInfo
+    from clipcli.formats.base import NonTensorInfo, TensorInfo
     from clipcli.groups import NaturalKey
     from clipcli.measurement import Measurement, TensorStats
 
@@ -226,16 +226,45 @@ LS_COLUMNS = (
 )
 
 
-def ls_report(path: str, fmt: str, metadata: dict[str, str], infos: Sequence[TensorInfo]) -> Report:
+NON_TENSOR_LINES = 10  # footer lines naming non-tensors; JSON lists every one
+
+
+def ls_report(
+    path: str,
+    fmt: str,
+    metadata: dict[str, str],
+    infos: Sequence[TensorInfo],
+    non_tensors: Sequence[NonTensorInfo] = (),
+) -> Report:
     rows = tuple((i.name, i.dtype_name, list(i.shape), i.numel, i.nbytes) for i in infos)
     total = sum(i.nbytes for i in infos)
     footer = [f"{len(infos)} tensors, {total} bytes"]
+    for item in non_tensors[:NON_TENSOR_LINES]:
+        shape = "no dataspace" if item.shape is None else f"shape {list(item.shape)}"
+        footer.append(f"non-tensor {shorten(item.name)}: {item.kind}, {shape} (not measured)")
+    if len(non_tensors) > NON_TENSOR_LINES:
+        footer.append(f"... and {len(non_tensors) - NON_TENSOR_LINES} more non-tensors")
     footer += [f"metadata {shorten(k)} = {shorten(v)}" for k, v in metadata.items()]
+    listed = [
+        {
+            "name": item.name,
+            "kind": item.kind,
+            "shape": None if item.shape is None else list(item.shape),
+            "bytes": item.nbytes,
+        }
+        for item in non_tensors
+    ]
     return Report(
         f"{path} ({fmt})",
         LS_COLUMNS,
         rows,
-        (("path", path), ("format", fmt), ("metadata", metadata), ("total_bytes", total)),
+        (
+            ("path", path),
+            ("format", fmt),
+            ("metadata", metadata),
+            ("total_bytes", total),
+            ("non_tensors", listed),
+        ),
         tuple(footer),
     )
 

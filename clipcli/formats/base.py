@@ -18,6 +18,8 @@ from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 
+from clipcli.formats.structure import Structure
+
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
 # small enough that a float64 copy of it stays in L2/L3 cache.
 CHUNK_BYTES = 1 << 21
@@ -91,6 +93,20 @@ class DirectoryLayout:
         return frozenset(names)
 
 
+@dataclass(frozen=True)
+class NonTensorInfo:
+    """A stored object that is not a tensor (an HDF5 string dataset such as a vocabulary,
+    a compound table, an empty dataspace): listed, never measured or clipped, and carried
+    through unchanged where the output format can hold it."""
+
+    name: str
+    kind: str  # what it holds, for people: "a variable-length string dtype"
+    shape: tuple[int, ...] | None  # None: an empty (null) dataspace
+    nbytes: int  # as declared in the file
+    copyable: bool = True  # False: it cannot be carried to another file (references)
+    variable_length: bool = False
+
+
 @dataclass
 class Checkpoint:
     """What a writer needs besides the tensors: metadata, and the reader whose format
@@ -148,6 +164,16 @@ class Reader(ABC):
     def source_files(self) -> list[Path]:
         """Every file this reader takes data from (checked for changes during a clip)."""
         return [self.path]
+
+    def structure(self) -> Structure | None:
+        """The file's structure beyond its tensors (HDF5 groups, attributes, non-tensor
+        datasets), carried through conversions; None when the format has none."""
+        return None
+
+    @property
+    def non_tensors(self) -> list[NonTensorInfo]:
+        """Stored objects that are not tensors, in file order (HDF5 only, so far)."""
+        return []
 
     def side_files(self) -> list[Path]:
         """Files that are not tensors but belong with them in an output directory."""
@@ -236,6 +262,18 @@ class Writer(ABC):
         """Every path (relative) this writer creates in an output directory for `source`;
         empty for a writer of one file."""
         return frozenset()
+
+    @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:
+        """What of the source's structure this format would drop (refused unless the user
+        accepts the loss). By default a format keeps no structure: everything beyond the
+        tensors and file metadata that the source holds is lost."""
+        structure = source.structure()
+        # Root string attributes travel as file metadata, which the writer keeps or
+        # reports on its own (check_metadata, npz's own losses).
+        if structure is None or structure.is_trivial(root_attributes_ok=source.metadata):
+            return []
+        return [f"the HDF5 structure ({structure.summary()})"]
 
     @abstractmethod
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:

@@ -54,7 +54,7 @@ def zip_of(
     return build
 
 
-def patched(build: Builder, edit: Callable[[bytearray], None]) -> Builder:
+def patched(build: Builder, edit: Callable[[bytearray], object]) -> Builder:
     """Build a valid file, then edit its bytes."""
 
     def wrapped(directory: Path) -> Path:
@@ -115,7 +115,10 @@ def pickle_renamed(directory: Path) -> Path:
 def np_savez(compressed: bool, **arrays: np.ndarray) -> Builder:
     def build(directory: Path) -> Path:
         path = directory / "hostile.npz"
-        (np.savez_compressed if compressed else np.savez)(path, **arrays)  # type: ignore[operator]
+        if compressed:
+            np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
+        else:
+            np.savez(path, **arrays)  # type: ignore[arg-type]
         return path
 
     return build
