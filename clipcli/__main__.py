@@ -22,7 +22,7 @@ INTERRUPTED_LINE = b"clipcli: error: interrupted\n"
 TERMINATED_LINE = b"clipcli: error: terminated by SIGTERM\n"
 
 
-def _exit_during_start_up(signum: int, frame: object) -> None:
+def _exit_during_start_up(signum: int, _frame: object) -> None:
     os.write(2, TERMINATED_LINE if signum == _signal.SIGTERM else INTERRUPTED_LINE)
     os._exit(128 + signum)
 
@@ -54,7 +54,7 @@ def run() -> None:
         # main() handled it; the interpreter would then kill itself with SIGINT at exit
         # instead of returning 130. Cleanup already ran inside main(); flush and leave.
         for stream in (sys.stdout, sys.stderr):
-            try:
+            try:  # noqa: SIM105 - contextlib is not loaded yet: start-up time
                 stream.flush()
             except (OSError, ValueError):
                 pass
@@ -83,7 +83,11 @@ def _preload(args: list[str]) -> None:
     import clipcli.formats.npz
     import clipcli.formats.safetensors
     import clipcli.formats.sharded
-    import clipcli.report  # noqa: F401
+    import clipcli.report.builders
+    import clipcli.report.chart
+    import clipcli.report.progress_bar
+    import clipcli.report.serialize
+    import clipcli.report.table  # noqa: F401
 
     # rich loads its emoji and character-width tables on the first render.
     table = Table()

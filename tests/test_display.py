@@ -158,7 +158,7 @@ def test_hostile_names_in_error_lines(tmp_path, run_main, assert_one_error_line)
 
 
 def test_progress_label_is_not_markup(capsys):
-    from clipcli.report import TerminalProgress
+    from clipcli.report.progress_bar import TerminalProgress
 
     progress = TerminalProgress(delay=0)
     progress.start("measuring [/x]\x1b[2J[link=https://e.com]x[/link]", 100)
@@ -168,7 +168,7 @@ def test_progress_label_is_not_markup(capsys):
 
 
 def test_long_metadata_values_are_shortened_in_the_table_only(tmp_path, write_checkpoint, run_main):
-    from clipcli.report import METADATA_VALUE_CHARS
+    from clipcli.report.table import METADATA_VALUE_CHARS
 
     at_limit, over = "a" * METADATA_VALUE_CHARS, "b" * (METADATA_VALUE_CHARS + 1)
     src = write_checkpoint(
@@ -201,7 +201,7 @@ def test_many_metadata_keys_all_listed(tmp_path, write_checkpoint, run_main):
 
 @pytest.mark.parametrize("first", list("=+-@\t\r\uff1d\uff0b\uff0d\uff20"))
 def test_csv_formula_starts_are_neutralised(first):
-    from clipcli.report import csv_text
+    from clipcli.report.serialize import csv_text
 
     expected = _escaped(first + "x")
     assert csv_text(first + "x") == "'" + expected
@@ -209,7 +209,8 @@ def test_csv_formula_starts_are_neutralised(first):
 
 
 def test_csv_leaves_other_text_and_every_number_alone():
-    from clipcli.report import _csv_value, csv_text
+    from clipcli.report.serialize import csv_text
+    from clipcli.report.serialize import csv_value as _csv_value
 
     for text in ("layers.0.weight", "'quoted", " =space first", "#", "%", "0", "1e5"):
         assert csv_text(text) == text
@@ -240,7 +241,7 @@ def big(tmp_path_factory) -> Path:
     PLAIN_TABLE_ROWS) and metadata."""
     from safetensors.numpy import save_file
 
-    from clipcli.report import PLAIN_TABLE_ROWS
+    from clipcli.report.table import PLAIN_TABLE_ROWS
 
     assert PLAIN_TABLE_ROWS > 1500
     path = tmp_path_factory.mktemp("big") / "big.safetensors"
@@ -702,7 +703,8 @@ def test_big_chart_is_plain_text_with_the_same_bars(tmp_path, write_checkpoint, 
     """Above PLAIN_TABLE_ROWS bars the chart is written as plain text (rich took ~7 s for
     20,000): every bar still there, scaled to the largest norm, the limit mark in place,
     names escaped."""
-    from clipcli.report import BAR_WIDTH, PLAIN_TABLE_ROWS
+    from clipcli.report.chart import BAR_WIDTH
+    from clipcli.report.table import PLAIN_TABLE_ROWS
 
     n = PLAIN_TABLE_ROWS + 1
     tensors = {f"t{i:05d}": np.full(1, float(i)) for i in range(n)}

@@ -8,19 +8,20 @@ from pathlib import Path
 import pytest
 
 from clipcli import cli
+from clipcli.commands.common import progress as cli_progress
 from clipcli.progress import SILENT
-from clipcli.report import TerminalProgress
+from clipcli.report.progress_bar import TerminalProgress
 
 
 def test_no_progress_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli._progress() is SILENT
+    assert cli_progress() is SILENT
     assert cli.main(["norms", "-f", "json", "sample_data/tiny_mlp.safetensors"]) == 0
     assert capsys.readouterr().err == ""
 
 
 def test_quiet_turns_progress_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
-    assert cli._progress(quiet=True) is SILENT
+    assert cli_progress(quiet=True) is SILENT
 
 
 def test_terminal_progress_shows_bytes_after_the_delay(

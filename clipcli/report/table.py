@@ -1,0 +1,201 @@
+"""Reports for people: a rich table that fits the terminal without wrapping a name.
+
+A table wider than the terminal first hides its least useful columns (Report.drop_order),
+then shortens the names in the middle (`model.layers.1…self_attn.q_proj.weight`: the start
+and the end of a name are what tell tensors apart). A name is never wrapped, and never cut
+below NAME_MIN_CELLS; JSON and CSV always hold every column and the full names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from clipcli.errors import printable
+from clipcli.report.model import Report, Value
+
+PLAIN_TABLE_ROWS = 2000  # rich lays out big tables slowly (50,000 rows: seconds)
+METADATA_VALUE_CHARS = 200  # a longer metadata value is shortened in the table (JSON has it all)
+NAME_MIN_CELLS = 24  # a shortened name keeps at least this many cells (ellipsis included)
+ELLIPSIS = "…"
+
+
+def output_width(stream: TextIO) -> int | None:
+    """The width to fit: the terminal's (rich's rule: COLUMNS, else the tty's size); for a
+    pipe or file, COLUMNS if it is set, else none (a script's table is never cut)."""
+    if stream.isatty():
+        from rich.console import Console
+
+        return int(Console(file=stream).width)
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else None
+
+
+def cell_text(value: Value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return printable(str(value))
+
+
+def cells(text: str) -> int:
+    """Terminal cells `text` takes (wide characters take two)."""
+    from rich.cells import cell_len
+
+    return int(cell_len(text))
+
+
+def middle_ellipsis(text: str, width: int) -> str:
+    """`text` in at most `width` cells: its start, '…', its end (the end gets two thirds:
+    `…q_proj.weight` says more than `model.layers.`)."""
+    if cells(text) <= width:
+        return text
+    budget = max(width - 1, 2)
+    head_budget = budget // 3
+    head = _take(text, head_budget)
+    tail = _take(text[::-1], budget - cells(head))[::-1]
+    return head + ELLIPSIS + tail
+
+
+def _take(text: str, width: int) -> str:
+    taken, used = [], 0
+    for ch in text:
+        used += cells(ch)
+        if used > width:
+            break
+        taken.append(ch)
+    return "".join(taken)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which columns a table shows and how wide its names may be."""
+
+    shown: tuple[int, ...]  # column indices, in report order (0, the name, always)
+    name_width: int | None  # None: names in full
+    hidden: tuple[str, ...]  # titles of the hidden columns, for the note under the table
+
+
+def table_width(widths: Sequence[int]) -> int:
+    """rich's default box: a border before each column and after the last, and one cell
+    of padding on each side of every column."""
+    return sum(widths) + 3 * len(widths) + 1
+
+
+def fit(report: Report, texts: Sequence[Sequence[str]], width: int | None) -> Layout:
+    natural = [
+        max([cells(c.title)] + [cells(row[i]) for row in texts])
+        for i, c in enumerate(report.columns)
+    ]
+    shown = list(range(len(report.columns)))
+    if width is None or table_width(natural) <= width:
+        return Layout(tuple(shown), None, ())
+    index = {c.key: i for i, c in enumerate(report.columns)}
+    hidden: list[str] = []
+    for key in report.drop_order:
+        if table_width([natural[i] for i in shown]) <= width:
+            break
+        shown.remove(index[key])
+        hidden.append(report.columns[index[key]].title)
+    room = width - (table_width([natural[i] for i in shown]) - natural[0])  # for the names
+    if room >= natural[0]:
+        return Layout(tuple(shown), None, tuple(hidden))
+    return Layout(tuple(shown), max(room, NAME_MIN_CELLS), tuple(hidden))
+
+
+def render_table(report: Report, stream: TextIO, width: int | None) -> None:
+    texts = [[cell_text(v) for v in row] for row in report.rows]
+    layout = fit(report, texts, width)
+    columns = [report.columns[i] for i in layout.shown]
+    rows = [[row[i] for i in layout.shown] for row in texts]
+    if layout.name_width is not None:
+        rows = [[middle_ellipsis(row[0], layout.name_width), *row[1:]] for row in rows]
+    notes = list(report.footer)
+    if layout.hidden:
+        notes.append(
+            f"hidden to fit {width} columns: {', '.join(layout.hidden)} "
+            "(--format csv or json has every column)"
+        )
+    # The title is a plain line, not the table's title: rich would wrap a long path to
+    # the table's width, and a path is something people grep for.
+    stream.write(printable(report.title) + "\n")
+    if len(rows) > PLAIN_TABLE_ROWS:
+        stream.write("".join(line + "\n" for line in _plain_lines(columns, rows)))
+    else:
+        _rich_table(columns, rows, stream)
+    # Built once and written once: a million metadata lines through console.print took
+    # minutes. Footer lines are plain text (escaped), never markup.
+    if notes:
+        stream.write("".join(printable(line) + "\n" for line in notes))
+
+
+def _rich_table(columns: Sequence[Any], rows: Sequence[Sequence[str]], stream: TextIO) -> None:
+    from rich.table import Table
+
+    table = Table()
+    for column in columns:
+        table.add_column(column.title, justify="right" if column.numeric else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*(text_cell(text) for text in row))
+    # The cells are already fitted: rich gets all the room it needs, so it never squeezes.
+    needed = table_width(
+        [max([cells(c.title)] + [cells(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    )
+    console = pipe_console(stream, needed)
+    console.print(table)
+    console.file.flush()  # what rich wrote goes out before the footer, which bypasses it
+
+
+def _plain_lines(columns: Sequence[Any], rows: Sequence[Sequence[str]]) -> list[str]:
+    texts = [[c.title for c in columns], *rows]
+    widths = [max(cells(row[i]) for row in texts) for i in range(len(columns))]
+    lines = []
+    for row in texts:
+        parts = [
+            _pad(text, w, right=column.numeric)
+            for text, w, column in zip(row, widths, columns, strict=True)
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return lines
+
+
+def _pad(text: str, width: int, right: bool) -> str:
+    fill = " " * (width - cells(text))
+    return fill + text if right else text + fill
+
+
+def pipe_console(stream: TextIO, width: int) -> Any:
+    """A rich Console on `stream` that lets a closed pipe surface as BrokenPipeError.
+
+    rich's own handler points stdout at /dev/null and raises SystemExit(1), which is the
+    --fail-above exit code; cli.py turns BrokenPipeError into a quiet exit 0 instead, as
+    `head` expects of any Unix tool."""
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return PipeConsole(file=stream, width=width, highlight=False)
+
+
+def text_cell(text: str) -> Any:
+    """Data for a rich table: a Text object (never parsed as markup, so a name like
+    '[/x]' or '[link=...]' is shown as is) with control and format characters escaped."""
+    from rich.text import Text
+
+    return Text(printable(text))
+
+
+def shorten(text: str, limit: int = METADATA_VALUE_CHARS) -> str:
+    """The first `limit` characters and how many there were, for a value too long to show."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters; --format json shows all)"
