@@ -85,7 +85,8 @@ def ls_report(
         rows,
         summary,
         tuple(footer),
-        drop_order=("numel", "shard", "bytes", "dtype", "shape"),
+        drop_order=("numel",),
+        drop_late=("bytes", "shard", "dtype"),
     )
 
 
@@ -102,7 +103,7 @@ NORM_COLUMNS = (
     Column("in_global", "global"),
     Column("role", "role"),  # weight, optimizer or buffer (clipcli.roles)
 )
-NORM_DROP_ORDER = ("numel", "role", "nonfinite", "shape", "max_abs", "dtype")
+NORM_DROP_ORDER = ("numel", "role", "nonfinite", "shape")
 
 _SORTS: dict[SortKey, Callable[[TensorStats], Any]] = {
     SortKey.NAME: lambda t: _natural_key(t.info.name),
@@ -149,6 +150,7 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.FILE, top: int | None =
         (("path", str(m.path)), ("format", m.format), ("global_norm", g)),
         tuple(footer),
         drop_order=NORM_DROP_ORDER,
+        drop_late=("max_abs", "dtype"),
     )
 
 
@@ -179,7 +181,7 @@ def groups_report(
         (("path", str(m.path)), ("format", m.format), ("global_norm", g), ("group_by", group_by)),
         tuple(footer),
         rows_key="groups",
-        drop_order=("tensors", "share"),
+        drop_late=("tensors", "share"),
     )
 
 
@@ -259,7 +261,8 @@ def clip_report(result: ClipResult) -> Report:
         rows,
         summary,
         tuple(footer),
-        drop_order=("dtype", "scale", "norm_before", "note", "changed"),
+        drop_order=("dtype", "scale"),
+        drop_late=("norm_before", "note"),
     )
 
 
@@ -278,15 +281,7 @@ DIFF_COLUMNS = (
     Column("cosine", "cosine", numeric=True),
     Column("norm_ratio", "‖B‖/‖A‖", numeric=True),
 )
-DIFF_DROP_ORDER = (
-    "dtype_a",
-    "dtype_b",
-    "max_abs_diff",
-    "cosine",
-    "norm_b",
-    "norm_ratio",
-    "diff_norm",
-)
+DIFF_DROP_ORDER = ("dtype_a", "dtype_b", "max_abs_diff", "cosine")
 
 
 def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
@@ -346,4 +341,5 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         summary,
         tuple(footer),
         drop_order=DIFF_DROP_ORDER,
+        drop_late=("norm_b", "norm_ratio", "diff_norm", "norm_a"),
     )

@@ -42,7 +42,9 @@ class Report:
 
     The first column names the row (a tensor or a group): in a narrow table it is never
     dropped, wrapped or cut to nothing. `drop_order` lists the other columns' keys, least
-    useful first: the order in which a table too wide for the terminal hides them."""
+    useful first: the order in which a table too wide for the terminal hides them before
+    it shortens any name. `drop_late` lists the columns hidden only when the names would
+    otherwise be cut below a readable width."""
 
     title: str
     columns: tuple[Column, ...]
@@ -51,6 +53,7 @@ class Report:
     footer: tuple[str, ...] = ()
     rows_key: str = "tensors"  # the JSON key holding the rows
     drop_order: tuple[str, ...] = ()
+    drop_late: tuple[str, ...] = ()
 
     def records(self) -> list[dict[str, Value]]:
         return [dict(zip((c.key for c in self.columns), row, strict=True)) for row in self.rows]

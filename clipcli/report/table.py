@@ -18,7 +18,7 @@ from clipcli.report.model import Report, Value
 
 PLAIN_TABLE_ROWS = 2000  # rich lays out big tables slowly (50,000 rows: seconds)
 METADATA_VALUE_CHARS = 200  # a longer metadata value is shortened in the table (JSON has it all)
-NAME_MIN_CELLS = 24  # a shortened name keeps at least this many cells (ellipsis included)
+NAME_MIN_CELLS = 32  # columns in drop_late go before a name is cut below this
 ELLIPSIS = "…"
 
 
@@ -99,15 +99,23 @@ def fit(report: Report, texts: Sequence[Sequence[str]], width: int | None) -> La
         return Layout(tuple(shown), None, ())
     index = {c.key: i for i, c in enumerate(report.columns)}
     hidden: list[str] = []
-    for key in report.drop_order:
-        if table_width([natural[i] for i in shown]) <= width:
-            break
+
+    def room() -> int:  # cells left for the names
+        return width - (table_width([natural[i] for i in shown]) - natural[0])
+
+    def hide(key: str) -> None:
         shown.remove(index[key])
         hidden.append(report.columns[index[key]].title)
-    room = width - (table_width([natural[i] for i in shown]) - natural[0])  # for the names
-    if room >= natural[0]:
+
+    early = [key for key in report.drop_order if key in index]
+    late = [key for key in report.drop_late if key in index]
+    while early and room() < natural[0]:
+        hide(early.pop(0))
+    while late and room() < min(natural[0], NAME_MIN_CELLS):
+        hide(late.pop(0))
+    if room() >= natural[0]:
         return Layout(tuple(shown), None, tuple(hidden))
-    return Layout(tuple(shown), max(room, NAME_MIN_CELLS), tuple(hidden))
+    return Layout(tuple(shown), max(room(), NAME_MIN_CELLS), tuple(hidden))
 
 
 def render_table(report: Report, stream: TextIO, width: int | None) -> None:
@@ -120,8 +128,7 @@ def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     notes = list(report.footer)
     if layout.hidden:
         notes.append(
-            f"hidden to fit {width} columns: {', '.join(layout.hidden)} "
-            "(--format csv or json has every column)"
+            f"hidden at {width} columns: {', '.join(layout.hidden)} (--format csv has all)"
         )
     # The title is a plain line, not the table's title: rich would wrap a long path to
     # the table's width, and a path is something people grep for.
