@@ -28,7 +28,9 @@ def render_chart(
     Bars of rows outside the global norm (integer tensors, training state) are drawn with
     '░' and never count as over the limit: a clip would not touch them."""
     counted = [True] * len(labels) if counted is None else list(counted)
-    finite = [n for n in norms if math.isfinite(n)]
+    # Scaled to what the global norm counts: a large int64 buffer must not flatten the
+    # weights' bars (its own bar is cut at the full width; its number is printed).
+    finite = [n for n, c in zip(norms, counted, strict=True) if c and math.isfinite(n)]
     top = max(finite + ([limit] if limit is not None else []), default=0.0)
     texts = [printable(label) for label in labels]
     values = [f"{norm:.6g}" for norm in norms]
@@ -44,7 +46,11 @@ def render_chart(
     lines = []
     for text, norm, value, in_global in zip(texts, norms, values, counted, strict=True):
         length = (
-            bar_width if not math.isfinite(norm) else round(norm / top * bar_width) if top else 0
+            bar_width
+            if not math.isfinite(norm)
+            else min(bar_width, round(norm / top * bar_width))
+            if top
+            else 0
         )
         over = in_global and limit is not None and not norm <= limit
         label = middle_ellipsis(text, label_width)
