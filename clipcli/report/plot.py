@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from clipcli.report.builders import Bars
 
 PLOT_SUFFIXES = (".png", ".svg")
-BARS_MAX = 60
+BARS_MAX = 40
 LABEL_CHARS = 56
 NAMED_IN_RANKING = 15
-ROLES_MAX = 12  # lines in a profile; the other roles are drawn grey, unnamed
+ROLES_MAX = 20  # lines in a profile (10 colours, solid then dashed); the rest grey
 LAYERED = re.compile(
     r"^(?P<prefix>.*?\b(?:layers|layer|blocks|block|h)[._/])(?P<n>\d+)[._/](?P<role>.+)$"
 )
@@ -76,6 +76,9 @@ def write_plot(out: Path, bars: Bars, limit: float | None, force: bool, grouped:
             # on stderr, which holds errors only.
             warnings.filterwarnings("ignore", message="Glyph .* missing from", category=UserWarning)
             fig.savefig(stream, format=out.suffix.lower().lstrip("."), dpi=100)
+        mask = os.umask(0)  # mkstemp made it 0600; a picture is as readable as any new file
+        os.umask(mask)
+        os.chmod(temp, 0o666 & ~mask)
         if force:
             os.replace(temp, out)
         else:
@@ -104,23 +107,25 @@ def _label(text: str) -> str:
     return _plain(middle_ellipsis(printable(text), LABEL_CHARS))
 
 
-def _log_scale(values: Sequence[float]) -> bool:
+def _log_scale(values: Sequence[float], ratio: float = 1e3) -> bool:
     positive = [v for v in values if math.isfinite(v) and v > 0]
-    return bool(positive) and max(positive) / min(positive) > 1e3
+    return bool(positive) and max(positive) / min(positive) > ratio
 
 
 def _figure(plt: Any, bars: Bars, limit: float | None, grouped: bool) -> Any:
     if len(bars.labels) <= BARS_MAX:
         return _bar_figure(plt, bars, limit)
+    if grouped:
+        return _group_profile_figure(plt, bars, limit)
     layered = [LAYERED.match(label) for label in bars.labels]
-    if not grouped and sum(m is not None for m in layered) >= len(bars.labels) // 2:
+    if sum(m is not None for m in layered) >= len(bars.labels) // 2:
         return _profile_figure(plt, bars, limit, layered)
     return _ranked_figure(plt, bars, limit)
 
 
 def _bar_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     n = len(bars.labels)
-    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.24 * n), layout="constrained")
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.24 * n), layout="constrained")
     _horizontal_bars(ax, bars.labels, bars.norms, bars.counted, limit)
     ax.set_title(_plain(bars.title), fontsize=10, loc="left")
     return fig
@@ -133,117 +138,154 @@ def _horizontal_bars(
     counted: Sequence[bool],
     limit: float | None,
 ) -> None:
+    """One bar per row, first row on top, its norm written at its end. The axis is scaled
+    to the rows the global norm counts: a bar outside it that is longer is cut at the edge
+    (its number still says how long it is)."""
     values = [n if math.isfinite(n) else math.nan for n in norms]
+    scale = [v for v, c in zip(values, counted, strict=True) if c and v > 0] or [
+        v for v in values if v > 0
+    ]
+    marks = scale + ([limit] if limit is not None else [])
+    log = _log_scale(marks)
+    floor = min(scale) / 10 if log and scale else 0.0
+    top = max(marks, default=1.0) * (3.0 if log else 1.12)
     positions = list(range(len(labels)))
-    log = _log_scale(values + ([limit] if limit is not None else []))
-    positive = [v for v in values if v > 0]
-    floor = min(positive) / 10 if log and positive else 0.0
     colours = [
         APART if not c else OVER if limit is not None and not v <= limit else WITHIN
         for v, c in zip(values, counted, strict=True)
     ]
-    widths = [v - floor if v > 0 else 0.0 for v in values]
-    ax.barh(positions, widths, left=floor, color=colours, height=0.7)
-    for y, v in zip(positions, values, strict=True):
-        if v == 0:
-            ax.annotate(
-                "0",
-                (floor, y),
-                xytext=(3, 0),
-                textcoords="offset points",
-                va="center",
-                fontsize=7,
-                color="#566573",
-            )
-        elif math.isnan(v):
-            ax.annotate(
-                "NaN/Inf",
-                (floor, y),
-                xytext=(3, 0),
-                textcoords="offset points",
-                va="center",
-                fontsize=7,
-                color=OVER,
-            )
+    shown = [min(v, top) if v > 0 else 0.0 for v in values]
+    ax.barh(
+        positions,
+        [v - floor if v > 0 else 0.0 for v in shown],
+        left=floor,
+        color=colours,
+        height=0.7,
+    )
+    for y, v, end in zip(positions, values, shown, strict=True):
+        text = "NaN/Inf" if math.isnan(v) else f"{v:.4g}"
+        cut = v > top
+        ax.annotate(
+            text + (" ▸" if cut else ""),
+            (end if v > 0 else floor, y),
+            xytext=(-3 if cut else 3, 0),
+            textcoords="offset points",
+            ha="right" if cut else "left",
+            va="center",
+            fontsize=7,
+            color=OVER if math.isnan(v) else "#1b2631",
+        )
     if log:
         ax.set_xscale("log")
-        ax.set_xlim(left=floor)
+    ax.set_xlim(floor, top)
     ax.set_yticks(positions, [_label(label) for label in labels], fontsize=8)
-    ax.invert_yaxis()  # the first row on top, as in the table
+    ax.set_ylim(len(labels) - 0.5, -0.5)  # the first row on top, as in the table
     ax.set_xlabel("L2 norm" + (" (log scale)" if log else ""))
     ax.grid(axis="x", alpha=0.3)
-    _limit_line(ax, limit, vertical=True)
+    _legend(ax, limit, any(not c for c in counted), vertical=True)
 
 
-def _limit_line(ax: Any, limit: float | None, vertical: bool) -> None:
-    if limit is None:
-        return
-    line = ax.axvline if vertical else ax.axhline
-    line(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
-    ax.legend(loc="lower right", fontsize=8)
+def _legend(ax: Any, limit: float | None, apart: bool, vertical: bool) -> None:
+    from matplotlib.patches import Patch
+
+    handles = []
+    if limit is not None:
+        line = ax.axvline if vertical else ax.axhline
+        handles.append(
+            line(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
+        )
+        handles.append(Patch(color=OVER, label="over the limit"))
+    if apart:
+        handles.append(Patch(color=APART, label="not in the global norm"))
+    if handles:
+        ax.legend(handles=handles, loc="best", fontsize=8)
 
 
 def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence[Any]) -> Any:
+    """Layers across, one line per tensor role; what is outside the layers beside it."""
     series: dict[str, dict[int, float]] = {}
     apart: list[tuple[str, float, bool]] = []
-    for label, norm, counted, match in zip(
-        bars.labels, bars.norms, bars.counted, layered, strict=True
-    ):
+    rows = zip(bars.labels, bars.norms, bars.counted, layered, strict=True)
+    for label, norm, counted, match in rows:
         if match is None or not counted:
             apart.append((label, norm, counted))
             continue
         series.setdefault(match["role"], {})[int(match["n"])] = norm
-    roles = sorted(
-        series, key=lambda r: -max(v for v in series[r].values() if math.isfinite(v) or True)
-    )
+    roles = sorted(series, key=lambda r: -max(_finite(series[r].values()), default=0.0))
     named = roles[:ROLES_MAX]
-    height = max(5.0, 1.5 + 0.24 * len(apart))
     fig, (ax, side) = plt.subplots(
-        1,
-        2,
-        figsize=(14, min(height, 12.0)),
-        layout="constrained",
-        gridspec_kw={"width_ratios": [3, 1.3]},
+        1, 2, figsize=(15, 7), layout="constrained", gridspec_kw={"width_ratios": [3, 1.2]}
     )
     every = [v for s in series.values() for v in s.values()]
-    log = _log_scale(every + ([limit] if limit is not None else []))
-    colours = plt.get_cmap("tab20").colors
-    for i, role in enumerate(reversed(roles)):  # the strongest drawn last, on top
+    log = _log_scale(every + ([limit] if limit is not None else []), ratio=100)
+    colours = plt.get_cmap("tab10").colors
+    lines: dict[str, Any] = {}
+    for role in reversed(roles):  # the strongest drawn last, on top
         points = sorted(series[role].items())
         xs = [x for x, _ in points]
         ys = [y if y > 0 or not log else math.nan for _, y in points]
         if role in named:
-            colour = colours[named.index(role) % len(colours)]
-            ax.plot(
+            k = named.index(role)
+            (lines[role],) = ax.plot(
                 xs,
                 ys,
                 marker="o" if len(xs) <= 40 else None,
                 markersize=3,
                 linewidth=1.4,
-                color=colour,
+                color=colours[k % 10],
+                linestyle="-" if k < 10 else "--",
                 label=_label(role),
             )
         else:
             ax.plot(xs, ys, linewidth=0.8, color=APART)
-        del i
+    peaks = [(y, x, r) for r in roles for x, y in series[r].items() if math.isfinite(y)]
+    if peaks:  # name the largest point: the outlier is what one looks for
+        norm, layer, role = max(peaks)
+        right_half = layer > (min(x for _, x, _ in peaks) + max(x for _, x, _ in peaks)) / 2
+        ax.annotate(
+            f"layer {layer} {_label(role)}: {norm:.4g}",
+            (layer, norm),
+            xytext=(-8 if right_half else 8, -4),
+            textcoords="offset points",
+            ha="right" if right_half else "left",
+            fontsize=8,
+        )
+    handles = [lines[role] for role in named]  # the legend lists the strongest first
+    if limit is not None:
+        over = [(x, y) for r in roles for x, y in series[r].items() if not y <= limit]
+        handles.append(
+            ax.scatter(
+                [x for x, _ in over],
+                [y for _, y in over],
+                color=OVER,
+                s=14,
+                zorder=3,
+                label="over the limit",
+            )
+        )
     if log:
         ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel("L2 norm" + (" (log scale)" if log else ""))
     ax.grid(alpha=0.3)
-    _limit_line(ax, limit, vertical=False)
-    title = _plain(bars.title)
-    ax.set_title(f"{title}: per layer, one line per tensor role", fontsize=10, loc="left")
-    legend_title = (
-        None if len(roles) <= ROLES_MAX else f"{ROLES_MAX} strongest of {len(roles)} roles"
+    if limit is not None:
+        handles.append(
+            ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
+        )
+    extra = len(roles) - len(named)
+    ax.set_title(
+        f"{_plain(bars.title)}: per layer, one line per tensor role"
+        + (f" ({extra} weaker roles in grey)" if extra > 0 else ""),
+        fontsize=10,
+        loc="left",
     )
     ax.legend(
+        handles=handles,
         fontsize=7,
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0) if False else None,
-        title=legend_title,
-        title_fontsize=7,
-        ncols=2 if len(named) > 6 else 1,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.1),
+        ncols=min(4, max(1, len(named))),
+        frameon=False,
     )
     if apart:
         shown = apart[:BARS_MAX]
@@ -256,16 +298,80 @@ def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence
     return fig
 
 
-def _ranked_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
-    order = sorted(
-        range(len(bars.norms)),
-        key=lambda i: -bars.norms[i] if not math.isnan(bars.norms[i]) else math.inf,
-    )
+def _finite(values: Any) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
+    """Groups across in the order listed (natural order: layer 2 before layer 10)."""
+    n = len(bars.labels)
     fig, (ax, side) = plt.subplots(
-        1, 2, figsize=(14, 6), layout="constrained", gridspec_kw={"width_ratios": [2, 1.3]}
+        1, 2, figsize=(15, 6), layout="constrained", gridspec_kw={"width_ratios": [3, 1.2]}
     )
-    values = [bars.norms[i] for i in order]
-    log = _log_scale(values + ([limit] if limit is not None else []))
+    values = list(bars.norms)
+    log = _log_scale(values + ([limit] if limit is not None else []), ratio=100)
+    xs = list(range(n))
+    ax.plot(
+        xs,
+        [v if v > 0 or not log else math.nan for v in values],
+        color=WITHIN,
+        linewidth=1.4,
+        marker="o" if n <= 120 else None,
+        markersize=3,
+    )
+    if limit is not None:
+        over = [(x, v) for x, v in zip(xs, values, strict=True) if not v <= limit]
+        ax.scatter(
+            [x for x, _ in over],
+            [v for _, v in over],
+            color=OVER,
+            s=14,
+            zorder=3,
+            label="over the limit",
+        )
+        ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
+        ax.legend(fontsize=8, loc="upper right")
+    step = max(1, math.ceil(n / 25))
+    ax.set_xticks(
+        xs[::step],
+        [_label(bars.labels[i]) for i in xs[::step]],
+        rotation=45,
+        ha="right",
+        fontsize=7,
+    )
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel("L2 norm" + (" (log scale)" if log else ""))
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{_plain(bars.title)}: {n} groups", fontsize=10, loc="left")
+    _largest(side, bars, limit)
+    return fig
+
+
+def _largest(side: Any, bars: Bars, limit: float | None) -> None:
+    order = sorted(range(len(bars.norms)), key=lambda i: _rank(bars.norms[i]))
+    top = order[:NAMED_IN_RANKING]
+    _horizontal_bars(
+        side,
+        [bars.labels[i] for i in top],
+        [bars.norms[i] for i in top],
+        [bars.counted[i] for i in top],
+        limit,
+    )
+    side.set_title(f"the {len(top)} largest", fontsize=9, loc="left")
+
+
+def _rank(norm: float) -> float:
+    return -norm if not math.isnan(norm) else -math.inf
+
+
+def _ranked_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
+    """Many rows without layers: the norms ranked, and the largest named."""
+    fig, (ax, side) = plt.subplots(
+        1, 2, figsize=(15, 6), layout="constrained", gridspec_kw={"width_ratios": [2, 1.3]}
+    )
+    values = sorted((v for v in bars.norms), key=_rank)
+    log = _log_scale(values + ([limit] if limit is not None else []), ratio=100)
     ax.plot(
         range(1, len(values) + 1),
         [v if v > 0 or not log else math.nan for v in values],
@@ -277,15 +383,9 @@ def _ranked_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     ax.set_xlabel("rank (largest norm first)")
     ax.set_ylabel("L2 norm" + (" (log scale)" if log else ""))
     ax.grid(alpha=0.3)
-    _limit_line(ax, limit, vertical=False)
+    if limit is not None:
+        ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
+        ax.legend(fontsize=8, loc="upper right")
     ax.set_title(f"{_plain(bars.title)}: {len(values)} rows ranked", fontsize=10, loc="left")
-    top = order[:NAMED_IN_RANKING]
-    _horizontal_bars(
-        side,
-        [bars.labels[i] for i in top],
-        [bars.norms[i] for i in top],
-        [bars.counted[i] for i in top],
-        limit,
-    )
-    side.set_title(f"the {len(top)} largest", fontsize=9, loc="left")
+    _largest(side, bars, limit)
     return fig
