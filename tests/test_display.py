@@ -178,7 +178,7 @@ def test_long_metadata_values_are_shortened_in_the_table_only(tmp_path, write_ch
     )
     table = run_main("ls", src).stdout
     assert f"metadata at = {at_limit}\n" in table
-    assert f"metadata over = {over[:METADATA_VALUE_CHARS]}... ({len(over)} characters" in table
+    assert f"metadata over = {over[:METADATA_VALUE_CHARS]}… ({len(over)} characters" in table
     assert over not in table
     assert run_main("ls", src, "--format", "json").json()["metadata"] == {
         "at": at_limit,

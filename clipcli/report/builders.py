@@ -71,7 +71,6 @@ def ls_report(
     if listed_of is not None and listed_of != len(infos):
         listed = f"{len(infos)} of {listed_of} tensors"
     footer = [f"{listed}, {parameters:,} parameters, {total:,} bytes"]
-    footer += [f"metadata {shorten(k)} = {shorten(v)}" for k, v in metadata.items()]
     summary: tuple[tuple[str, Any], ...] = (
         ("path", path),
         ("format", fmt),
@@ -87,6 +86,7 @@ def ls_report(
         tuple(footer),
         drop_order=("numel",),
         drop_late=("bytes", "shard", "dtype"),
+        metadata=tuple(metadata.items()),
     )
 
 

@@ -54,6 +54,7 @@ class Report:
     rows_key: str = "tensors"  # the JSON key holding the rows
     drop_order: tuple[str, ...] = ()
     drop_late: tuple[str, ...] = ()
+    metadata: tuple[tuple[str, str], ...] = ()  # shown under a table one line each, shortened
 
     def records(self) -> list[dict[str, Value]]:
         return [dict(zip((c.key for c in self.columns), row, strict=True)) for row in self.rows]

@@ -126,6 +126,7 @@ def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     if layout.name_width is not None:
         rows = [[middle_ellipsis(row[0], layout.name_width), *row[1:]] for row in rows]
     notes = list(report.footer)
+    notes += [metadata_line(key, value, width) for key, value in report.metadata]
     if layout.hidden:
         notes.append(
             f"hidden at {width} columns: {', '.join(layout.hidden)} (--format csv has all)"
@@ -199,6 +200,21 @@ def text_cell(text: str) -> Any:
     from rich.text import Text
 
     return Text(printable(text))
+
+
+def metadata_line(key: str, value: str, width: int | None) -> str:
+    """`metadata KEY = VALUE` on one line: a long value (a Keras model_config is 20+ KB of
+    JSON) is cut to the terminal's width, or to METADATA_VALUE_CHARS without one, saying
+    how long it is; --format json has it whole."""
+    key, value = shorten(printable(key)), printable(value)
+    line = f"metadata {key} = {value}"
+    if len(value) <= METADATA_VALUE_CHARS and (width is None or cells(line) <= width):
+        return line
+    more = f"… ({len(value):,} characters; --format json has all)"
+    room = METADATA_VALUE_CHARS
+    if width is not None:
+        room = min(room, max(width - cells(f"metadata {key} = ") - cells(more), 10))
+    return f"metadata {key} = {_take(value, room)}{more}"
 
 
 def shorten(text: str, limit: int = METADATA_VALUE_CHARS) -> str:
