@@ -72,6 +72,7 @@ def _preload(args: list[str]) -> None:
     every safetensors run pay). --help and the like skip this: they stay fast."""
     if not args or args[0].startswith("-"):
         return
+    import encodings.cp437  # noqa: F401 - zipfile decodes npz member names with it
     import io
 
     from rich.console import Console
@@ -89,6 +90,10 @@ def _preload(args: list[str]) -> None:
     import clipcli.report.serialize
     import clipcli.report.table  # noqa: F401
 
+    try:  # Click imports its help option on the first parse (typer vendors click)
+        __import__("typer._click.decorators")
+    except ImportError:
+        pass
     # rich loads its emoji and character-width tables on the first render.
     table = Table()
     table.add_column("x")
