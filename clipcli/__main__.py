@@ -62,8 +62,53 @@ def run() -> None:
     raise SystemExit(code)
 
 
+# What each command imports on first use, beyond clipcli.cli itself. ls lists headers
+# only: it needs no job module (start-up time in shell loops, issue 12 item 7).
+_READERS = ("clipcli.io",)  # and the reader of each path's format: _formats_of()
+_FORMAT_OF_SUFFIX = {
+    ".safetensors": ("clipcli.formats.safetensors",),
+    ".npz": ("clipcli.formats.npz",),
+    ".h5": ("clipcli.formats.hdf5",),
+    ".hdf5": ("clipcli.formats.hdf5",),
+    ".keras": ("clipcli.formats.hdf5",),
+}
+_EVERY_FORMAT = (
+    "clipcli.formats.safetensors",
+    "clipcli.formats.npz",
+    "clipcli.formats.hdf5",
+    "clipcli.formats.sharded",
+)
+_REPORT = ("clipcli.report.builders", "clipcli.report.table", "clipcli.report.serialize")
+_PRELOAD = {
+    "ls": (*_READERS, *_REPORT, "clipcli.plan"),
+    "norms": (*_READERS, *_REPORT, "clipcli.engine", "clipcli.plan", "clipcli.report.chart"),
+    "clip": (*_READERS, *_REPORT, "clipcli.engine", "clipcli.plan", "clipcli.interrupts"),
+    "convert": (*_READERS, "clipcli.engine", "clipcli.interrupts"),
+    "diff": (*_READERS, *_REPORT, "clipcli.engine", "clipcli.diff"),
+}
+
+
+def _formats_of(command: str, args: list[str]) -> tuple[str, ...]:
+    """The reader modules the inputs among `args` need, by suffix (the content decides in
+    the end, and a suffix that disagrees with it is refused): `ls m.safetensors` in a shell
+    loop should not import the npz and HDF5 readers. clip and convert also write OUT, in
+    any format: all of them."""
+    if command in ("clip", "convert"):
+        return _EVERY_FORMAT
+    modules: tuple[str, ...] = ()
+    for arg in args:
+        if arg.startswith("-") or not os.path.exists(arg):  # options, their values
+            continue
+        if os.path.isdir(arg) or arg.endswith(".index.json"):
+            modules += ("clipcli.formats.sharded", "clipcli.formats.safetensors")
+        else:
+            suffix = os.path.splitext(arg)[1].lower()
+            modules += _FORMAT_OF_SUFFIX.get(suffix, _EVERY_FORMAT)
+    return modules
+
+
 def _preload(args: list[str]) -> None:
-    """Import, while the guard holds, what a command would otherwise import on first use.
+    """Import, while the guard holds, what the command would otherwise import on first use.
 
     A KeyboardInterrupt raised while an import finishes can land in importlib's module-lock
     weakref callback, where Python prints "Exception ignored" and drops it: the run went on
@@ -73,32 +118,28 @@ def _preload(args: list[str]) -> None:
     if not args or args[0].startswith("-"):
         return
     import encodings.cp437  # noqa: F401 - zipfile decodes npz member names with it
-    import io
 
-    from rich.console import Console
-    from rich.table import Table
-
-    import clipcli.diff
-    import clipcli.engine
-    import clipcli.formats.hdf5
-    import clipcli.formats.npz
-    import clipcli.formats.safetensors
-    import clipcli.formats.sharded
-    import clipcli.report.builders
-    import clipcli.report.chart
-    import clipcli.report.progress_bar
-    import clipcli.report.serialize
-    import clipcli.report.table  # noqa: F401
-
+    for module in (*_PRELOAD.get(args[0], ()), *_formats_of(args[0], args[1:])):
+        __import__(module)
+    if {"-i", "--include", "-x", "--exclude"} & set(args):  # ls: the selection, in engine
+        __import__("clipcli.engine")
     try:  # Click imports its help option on the first parse (typer vendors click)
         __import__("typer._click.decorators")
     except ImportError:
         pass
-    # rich loads its emoji and character-width tables on the first render.
-    table = Table()
-    table.add_column("x")
-    table.add_row("x ✓")
-    Console(file=io.StringIO(), width=40).print(table)
+    if "--chart" in args or sys.stderr.isatty():  # rich draws the chart and progress bars
+        import io
+
+        from rich.console import Console
+        from rich.table import Table
+
+        import clipcli.report.progress_bar  # noqa: F401
+
+        # rich loads its emoji and character-width tables on the first render.
+        table = Table()
+        table.add_column("x")
+        table.add_row("x ✓")
+        Console(file=io.StringIO(), width=40).print(table)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import typer
@@ -38,9 +38,9 @@ Exit codes:
   70   internal error (set CLIPCLI_DEBUG=1 for the traceback)
   130  interrupted (143 for SIGTERM); nothing was left behind"""
 
-app = typer.Typer(
-    name="clipcli",
-    help="Inspect L2 norms of checkpoint tensors (.npz, .safetensors, .h5/.hdf5) and write "
+_APP_SETTINGS: dict[str, Any] = {
+    "name": "clipcli",
+    "help": "Inspect L2 norms of checkpoint tensors (.npz, .safetensors, .h5/.hdf5) and write "
     "clipped copies, with TensorFlow's clip_by_value / clip_by_norm / clip_by_average_norm / "
     "clip_by_global_norm semantics.\n\n"
     "\b\nExamples:\n"
@@ -48,12 +48,13 @@ app = typer.Typer(
     "  clipcli norms model.safetensors --sort norm --top 10\n"
     "  clipcli clip --global 5.0 in.safetensors out.safetensors\n"
     "  clipcli clip --norm 1.0 --axes 0 in.h5 out.h5\n\n" + EXIT_CODES_HELP,
-    no_args_is_help=True,
-    add_completion=True,
-    rich_markup_mode=None,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+    "no_args_is_help": True,
+    "add_completion": True,
+    "rich_markup_mode": None,
+    "pretty_exceptions_enable": False,
+    "context_settings": {"help_option_names": ["-h", "--help"]},
+}
+app = typer.Typer(**_APP_SETTINGS)
 
 F = TypeVar("F", bound=Callable[..., None])
 
@@ -138,14 +139,38 @@ def _usage_message(exc: typer.TyperException, args: list[str]) -> str:
 
 # ------------------------------------------------------------------ the commands
 
-for name, body, epilog in (
-    ("ls", inspect.ls_command, inspect.LS_EPILOG),
-    ("norms", inspect.norms_command, inspect.NORMS_EPILOG),
-    ("clip", write.clip_command, write.CLIP_EPILOG),
-    ("convert", write.convert_command, write.CONVERT_EPILOG),
-    ("diff", compare.diff_command, compare.DIFF_EPILOG),
-):
-    app.command(name, epilog=epilog)(_within_boundary(body))
+COMMANDS: dict[str, tuple[Callable[..., None], str]] = {
+    "ls": (inspect.ls_command, inspect.LS_EPILOG),
+    "norms": (inspect.norms_command, inspect.NORMS_EPILOG),
+    "clip": (write.clip_command, write.CLIP_EPILOG),
+    "convert": (write.convert_command, write.CONVERT_EPILOG),
+    "diff": (compare.diff_command, compare.DIFF_EPILOG),
+}
+
+
+def _register(target: typer.Typer, names: Iterable[str]) -> typer.Typer:
+    for name in names:
+        body, epilog = COMMANDS[name]
+        target.command(name, epilog=epilog)(_within_boundary(body))
+    return target
+
+
+_register(app, COMMANDS)
+
+
+def _app_for(args: list[str]) -> typer.Typer:
+    """The app to run: for `clipcli CMD ...`, one holding CMD alone, since Typer builds the
+    Click parameters of every registered command on each start (~10 ms of a shell loop's
+    `clipcli ls`); for anything else (--help, a typo), the whole app."""
+    if args and args[0] in COMMANDS:
+        one = typer.Typer(**_APP_SETTINGS)
+        one.callback()(_group)  # a group still: with one command Typer would make it the root
+        return _register(one, [args[0]])
+    return app
+
+
+def _group() -> None:
+    """(the group callback of a one-command app: nothing to do)"""
 
 
 # ------------------------------------------------------------------ the program
@@ -204,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         if args == ["--version"]:
             print(f"clipcli {__version__}")
             return ExitCode.OK
-        result = app(args=args, prog_name="clipcli", standalone_mode=False)
+        result = _app_for(args)(args=args, prog_name="clipcli", standalone_mode=False)
         sys.stdout.flush()
     except BaseException as exc:  # the boundary: every failure, one line
         return exit_code_for(exc, args)

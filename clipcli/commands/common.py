@@ -1,7 +1,5 @@
 """What every command shares: option types, the selection, stderr notes, progress, output."""
 
-from __future__ import annotations
-
 import math
 import sys
 from collections.abc import Callable
@@ -72,7 +70,7 @@ AllowLargeSideFilesOpt = Annotated[
 
 def selection(
     include: list[str] | None, exclude: list[str] | None, all_tensors: bool = False
-) -> Selection:
+) -> "Selection":
     from clipcli.engine import Selection
 
     return Selection(tuple(include or ()), tuple(exclude or ()), all_tensors)

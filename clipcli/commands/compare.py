@@ -1,7 +1,5 @@
 """`clipcli diff`: compare two checkpoints tensor by tensor."""
 
-from __future__ import annotations
-
 import sys
 from pathlib import Path
 from typing import Annotated

@@ -1,8 +1,6 @@
 """`clipcli ls` and `clipcli norms`: read a checkpoint, write nothing but a report (and a
 --plot picture)."""
 
-from __future__ import annotations
-
 import math
 import sys
 from pathlib import Path
@@ -56,12 +54,18 @@ def ls_command(
         raise UsageError(
             "ls reads no tensor data, so it cannot sort by norm; use norms --sort norm"
         )
-    from clipcli.engine import list_tensors
+    from clipcli.io import open_reader
     from clipcli.report.builders import ls_report
 
-    file_format, metadata, infos = list_tensors(path)
-    shards = _shard_map(path) if file_format.endswith("-sharded") else None
-    chosen = selection(include, exclude).check(infos, notify)
+    # The reader itself, not a job module: listing reads only headers, and `ls` in a shell
+    # loop should not import the measuring and writing machinery.
+    with open_reader(path) as reader:
+        file_format, metadata, infos = reader.format_name, dict(reader.metadata), reader.infos
+        shard_of = getattr(reader, "shard_of", None)  # a model directory's tensor -> shard
+        shards = {i.name: shard_of(i.name) for i in infos} if shard_of is not None else None
+    chosen = list(infos)
+    if include or exclude:  # (the selection lives with the jobs: imported only when asked)
+        chosen = selection(include, exclude).check(infos, notify)
     report = ls_report(str(path), file_format, metadata, chosen, sort, shards, listed_of=len(infos))
     emit(lambda: print_report(report, fmt))
 
@@ -169,12 +173,3 @@ def norms_command(
                 file=sys.stderr,
             )
             raise typer.Exit(ExitCode.CONDITION)
-
-
-def _shard_map(path: Path) -> dict[str, str]:
-    """A model directory's tensor -> shard file (the index, parsed again: no data read)."""
-    from clipcli.io import open_reader
-
-    with open_reader(path) as reader:
-        shard_of = reader.shard_of  # type: ignore[attr-defined]
-        return {info.name: shard_of(info.name) for info in reader.infos}

@@ -1,7 +1,5 @@
 """`clipcli clip` and `clipcli convert`: write OUT from IN."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

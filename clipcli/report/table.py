@@ -1,6 +1,7 @@
 """Reports for people: a rich table that fits the terminal without wrapping a name.
 
-A table wider than the terminal first hides its least useful columns (Report.drop_order),
+The table is drawn here in rich's box style (rich itself is not imported for it: start-up
+time). A table wider than the terminal first hides its least useful columns (Report.drop_order),
 then shortens the names in the middle (`model.layers.1…self_attn.q_proj.weight`: the start
 and the end of a name are what tell tensors apart). A name is never wrapped, and never cut
 below NAME_MIN_CELLS; JSON and CSV always hold every column and the full names.
@@ -9,6 +10,7 @@ below NAME_MIN_CELLS; JSON and CSV always hold every column and the full names.
 from __future__ import annotations
 
 import os
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -46,10 +48,17 @@ def cell_text(value: Value) -> str:
 
 
 def cells(text: str) -> int:
-    """Terminal cells `text` takes (wide characters take two)."""
-    from rich.cells import cell_len
+    """Terminal cells `text` takes: East Asian wide and full-width characters take two,
+    combining marks none (the text is already escaped: no control characters)."""
+    if text.isascii():
+        return len(text)
+    return sum(_cell_width(ch) for ch in text)
 
-    return int(cell_len(text))
+
+def _cell_width(ch: str) -> int:
+    if unicodedata.combining(ch):
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
 
 
 def middle_ellipsis(text: str, width: int) -> str:
@@ -137,28 +146,33 @@ def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     if len(rows) > PLAIN_TABLE_ROWS:
         stream.write("".join(line + "\n" for line in _plain_lines(columns, rows)))
     else:
-        _rich_table(columns, rows, stream)
+        _boxed_table(columns, rows, stream)
     # Built once and written once: a million metadata lines through console.print took
     # minutes. Footer lines are plain text (escaped), never markup.
     if notes:
         stream.write("".join(printable(line) + "\n" for line in notes))
 
 
-def _rich_table(columns: Sequence[Any], rows: Sequence[Sequence[str]], stream: TextIO) -> None:
-    from rich.table import Table
+def _boxed_table(columns: Sequence[Any], rows: Sequence[Sequence[str]], stream: TextIO) -> None:
+    """The table in rich's default box (HEAVY_HEAD), drawn here: the cells are fitted
+    already, and `ls` in a shell loop should not pay for importing rich (~30 ms)."""
+    widths = [max([cells(c.title)] + [cells(r[i]) for r in rows]) for i, c in enumerate(columns)]
 
-    table = Table()
-    for column in columns:
-        table.add_column(column.title, justify="right" if column.numeric else "left", no_wrap=True)
-    for row in rows:
-        table.add_row(*(text_cell(text) for text in row))
-    # The cells are already fitted: rich gets all the room it needs, so it never squeezes.
-    needed = table_width(
-        [max([cells(c.title)] + [cells(r[i]) for r in rows]) for i, c in enumerate(columns)]
-    )
-    console = pipe_console(stream, needed)
-    console.print(table)
-    console.file.flush()  # what rich wrote goes out before the footer, which bypasses it
+    def line(left: str, fill: str, middle: str, right: str) -> str:
+        return left + middle.join(fill * (w + 2) for w in widths) + right + "\n"
+
+    def row(texts: Sequence[str], bar: str) -> str:
+        parts = [
+            _pad(text, w, right=c.numeric)
+            for text, w, c in zip(texts, widths, columns, strict=True)
+        ]
+        return bar + " " + f" {bar} ".join(parts) + " " + bar + "\n"
+
+    out = [line("┏", "━", "┳", "┓"), row([c.title for c in columns], "┃")]
+    out.append(line("┡", "━", "╇", "┩"))
+    out += [row(texts, "│") for texts in rows]
+    out.append(line("└", "─", "┴", "┘"))
+    stream.write("".join(out))
 
 
 def _plain_lines(columns: Sequence[Any], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -192,14 +206,6 @@ def pipe_console(stream: TextIO, width: int) -> Any:
             raise BrokenPipeError
 
     return PipeConsole(file=stream, width=width, highlight=False)
-
-
-def text_cell(text: str) -> Any:
-    """Data for a rich table: a Text object (never parsed as markup, so a name like
-    '[/x]' or '[link=...]' is shown as is) with control and format characters escaped."""
-    from rich.text import Text
-
-    return Text(printable(text))
 
 
 def metadata_line(key: str, value: str, width: int | None) -> str:
