@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from clipcli.cli import main
 
-SHARDS = {
+SHARDS: dict[str, dict[str, np.ndarray]] = {
     "model-00001-of-00002.safetensors": {
         "model.embed_tokens.weight": np.ones((8, 4), np.float32),
         "model.layers.0.mlp.up_proj.weight": np.ones((4, 4), np.float32),

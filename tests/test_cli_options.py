@@ -23,7 +23,7 @@ MISSING = "no-such-model.safetensors"
 def model(tmp_path: Path) -> Path:
     """Weights of distinct norms, and an int64 buffer whose norm beats every weight."""
     rng = np.random.default_rng(5)
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "bert.embeddings.position_ids": np.arange(512, dtype=np.int64)[None],  # norm ~6,678
         **{
             f"bert.encoder.layer.{i}.output.dense.weight": (

@@ -149,3 +149,16 @@ def test_a_name_is_shortened_in_the_middle_never_to_nothing() -> None:
     assert name.startswith(head)
     assert name.endswith(tail)
     assert cell_len(shown) >= 32
+
+
+@pytest.mark.usefixtures("models")
+@pytest.mark.parametrize("width", WIDTHS)
+def test_chart_at_width(
+    width: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", str(width))
+    out = _run(["norms", "a.safetensors", "--chart", "--limit", "20"], capsys)
+    _check_golden(f"chart.{width}.txt", out)
+    bars = [line for line in out.splitlines() if line.startswith(" ")]
+    assert len(bars) == len(NAMES)
+    assert all(cell_len(line) <= width for line in bars)

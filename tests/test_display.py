@@ -25,7 +25,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -167,7 +169,9 @@ def test_progress_label_is_not_markup(capsys):
     _assert_clean(capsys.readouterr().err.replace("\r", ""))
 
 
-def test_long_metadata_values_are_shortened_in_the_table_only(tmp_path, write_checkpoint, run_main):
+def test_long_metadata_values_are_shortened_in_the_table_only(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Any]
+) -> None:
     from clipcli.report.table import METADATA_VALUE_CHARS
 
     at_limit, over = "a" * METADATA_VALUE_CHARS, "b" * (METADATA_VALUE_CHARS + 1)
@@ -338,12 +342,17 @@ def test_closed_pipe_on_help(tmp_path):
     ids=lambda e: type(e).__name__,
 )
 def test_unexpected_exception_is_exit_70_one_line(
-    tmp_path, write_checkpoint, run_main, monkeypatch, assert_one_error_line, error
-):
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_main: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    assert_one_error_line: Callable[..., str],
+    error: BaseException,
+) -> None:
     import clipcli.engine
     import clipcli.io
 
-    def broken(*args, **kwargs):
+    def broken(*_args: object, **_kwargs: object) -> None:
         raise error
 
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
@@ -357,7 +366,12 @@ def test_unexpected_exception_is_exit_70_one_line(
         _assert_clean(line)
 
 
-def test_internal_errors_never_exit_2(tmp_path, write_checkpoint, run_main, monkeypatch):
+def test_internal_errors_never_exit_2(
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_main: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Exceptions that look like usage errors to Click, raised by a bug inside a command,
     are internal errors (70), not usage errors (2)."""
     import typer
@@ -367,14 +381,16 @@ def test_internal_errors_never_exit_2(tmp_path, write_checkpoint, run_main, monk
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     for error in (typer.BadParameter("x"), ValueError("--format"), LookupError()):
 
-        def broken(*args, error=error, **kwargs):
+        def broken(*_args: object, error: Exception = error, **_kwargs: object) -> None:
             raise error
 
         monkeypatch.setattr(clipcli.io, "open_reader", broken)
         assert run_main("ls", src).code == 70
 
 
-def test_internal_error_traceback_only_with_debug(tmp_path, write_checkpoint):
+def test_internal_error_traceback_only_with_debug(
+    tmp_path: Path, write_checkpoint: Callable[..., Path]
+) -> None:
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     program = (
         "import sys, clipcli.io as e\n"

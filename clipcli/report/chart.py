@@ -11,7 +11,7 @@ from clipcli.report.table import PLAIN_TABLE_ROWS, cells, middle_ellipsis, pipe_
 
 BAR_WIDTH = 40
 BAR_MIN_WIDTH = 10  # a narrow terminal shortens the bars to this before the names
-LABEL_MIN_CELLS = 24
+LABEL_MIN_CELLS = 32  # as for table names: bars shorten first
 COUNTED, NOT_COUNTED = "█", "░"  # in the global norm, or listed but not in it
 
 
