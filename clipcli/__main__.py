@@ -127,7 +127,7 @@ def _preload(args: list[str]) -> None:
         __import__("typer._click.decorators")
     except ImportError:
         pass
-    if "--chart" in args or sys.stderr.isatty():  # rich draws the chart and progress bars
+    if "--chart" in args or (sys.stderr is not None and sys.stderr.isatty()):  # rich: bars
         import io
 
         from rich.console import Console
