@@ -8,6 +8,9 @@ import io
 import json
 import math
 import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -172,9 +175,22 @@ def test_sort_file_order_by_default(tmp_path, args, write_checkpoint, norms_json
     assert [r["name"] for r in norms_json(path, *args)["tensors"]] == ["z", "a", "m"]
 
 
-def test_sort_by_norm_name_and_size(fmt, model_file, norms_json, norm64):
+def ranked_by_norm(
+    tensors: dict[str, np.ndarray], norm64: Callable[[np.ndarray], float]
+) -> list[str]:
+    """--sort norm ranks what the global norm counts (floating point) first, the rest after
+    (issue 12: an int64 `step` of norm 1000 no longer outranks every weight)."""
+    return sorted(tensors, key=lambda n: (n not in FLOATS, -norm64(tensors[n])))
+
+
+def test_sort_by_norm_name_and_size(
+    fmt: str,
+    model_file: Path,
+    norms_json: Callable[..., dict[str, Any]],
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     tensors = model()
-    by_norm = sorted(tensors, key=lambda n: -norm64(tensors[n]))
+    by_norm = ranked_by_norm(tensors, norm64)
     by_name = sorted(tensors)
     by_size = sorted(tensors, key=lambda n: -tensors[n].nbytes)
     assert [r["name"] for r in norms_json(model_file, "--sort", "norm")["tensors"]] == by_norm
@@ -182,9 +198,14 @@ def test_sort_by_norm_name_and_size(fmt, model_file, norms_json, norm64):
     assert [r["name"] for r in norms_json(model_file, "--sort", "size")["tensors"]] == by_size
 
 
-def test_top_n(fmt, model_file, norms_json, norm64):
+def test_top_n(
+    fmt: str,
+    model_file: Path,
+    norms_json: Callable[..., dict[str, Any]],
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     tensors = model()
-    by_norm = sorted(tensors, key=lambda n: -norm64(tensors[n]))
+    by_norm = ranked_by_norm(tensors, norm64)
     report = norms_json(model_file, "--sort", "norm", "--top", "2")
     assert [r["name"] for r in report["tensors"]] == by_norm[:2]
     # --top trims the rows, not the global norm

@@ -25,7 +25,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -158,7 +160,7 @@ def test_hostile_names_in_error_lines(tmp_path, run_main, assert_one_error_line)
 
 
 def test_progress_label_is_not_markup(capsys):
-    from clipcli.report import TerminalProgress
+    from clipcli.report.progress_bar import TerminalProgress
 
     progress = TerminalProgress(delay=0)
     progress.start("measuring [/x]\x1b[2J[link=https://e.com]x[/link]", 100)
@@ -167,8 +169,10 @@ def test_progress_label_is_not_markup(capsys):
     _assert_clean(capsys.readouterr().err.replace("\r", ""))
 
 
-def test_long_metadata_values_are_shortened_in_the_table_only(tmp_path, write_checkpoint, run_main):
-    from clipcli.report import METADATA_VALUE_CHARS
+def test_long_metadata_values_are_shortened_in_the_table_only(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Any]
+) -> None:
+    from clipcli.report.table import METADATA_VALUE_CHARS
 
     at_limit, over = "a" * METADATA_VALUE_CHARS, "b" * (METADATA_VALUE_CHARS + 1)
     src = write_checkpoint(
@@ -178,7 +182,7 @@ def test_long_metadata_values_are_shortened_in_the_table_only(tmp_path, write_ch
     )
     table = run_main("ls", src).stdout
     assert f"metadata at = {at_limit}\n" in table
-    assert f"metadata over = {over[:METADATA_VALUE_CHARS]}... ({len(over)} characters" in table
+    assert f"metadata over = {over[:METADATA_VALUE_CHARS]}… ({len(over)} characters" in table
     assert over not in table
     assert run_main("ls", src, "--format", "json").json()["metadata"] == {
         "at": at_limit,
@@ -201,7 +205,7 @@ def test_many_metadata_keys_all_listed(tmp_path, write_checkpoint, run_main):
 
 @pytest.mark.parametrize("first", list("=+-@\t\r\uff1d\uff0b\uff0d\uff20"))
 def test_csv_formula_starts_are_neutralised(first):
-    from clipcli.report import csv_text
+    from clipcli.report.serialize import csv_text
 
     expected = _escaped(first + "x")
     assert csv_text(first + "x") == "'" + expected
@@ -209,7 +213,8 @@ def test_csv_formula_starts_are_neutralised(first):
 
 
 def test_csv_leaves_other_text_and_every_number_alone():
-    from clipcli.report import _csv_value, csv_text
+    from clipcli.report.serialize import csv_text
+    from clipcli.report.serialize import csv_value as _csv_value
 
     for text in ("layers.0.weight", "'quoted", " =space first", "#", "%", "0", "1e5"):
         assert csv_text(text) == text
@@ -240,7 +245,7 @@ def big(tmp_path_factory) -> Path:
     PLAIN_TABLE_ROWS) and metadata."""
     from safetensors.numpy import save_file
 
-    from clipcli.report import PLAIN_TABLE_ROWS
+    from clipcli.report.table import PLAIN_TABLE_ROWS
 
     assert PLAIN_TABLE_ROWS > 1500
     path = tmp_path_factory.mktemp("big") / "big.safetensors"
@@ -337,15 +342,21 @@ def test_closed_pipe_on_help(tmp_path):
     ids=lambda e: type(e).__name__,
 )
 def test_unexpected_exception_is_exit_70_one_line(
-    tmp_path, write_checkpoint, run_main, monkeypatch, assert_one_error_line, error
-):
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_main: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    assert_one_error_line: Callable[..., str],
+    error: BaseException,
+) -> None:
     import clipcli.api
+    import clipcli.io
 
-    def broken(*args, **kwargs):
+    def broken(*_args: object, **_kwargs: object) -> None:
         raise error
 
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
-    monkeypatch.setattr(clipcli.api, "list_tensors", broken)
+    monkeypatch.setattr(clipcli.io, "open_reader", broken)  # what ls calls
     monkeypatch.setattr(clipcli.api, "measure", broken)
     monkeypatch.delenv("CLIPCLI_DEBUG", raising=False)
     for argv in (["ls", src], ["norms", src]):
@@ -355,29 +366,36 @@ def test_unexpected_exception_is_exit_70_one_line(
         _assert_clean(line)
 
 
-def test_internal_errors_never_exit_2(tmp_path, write_checkpoint, run_main, monkeypatch):
+def test_internal_errors_never_exit_2(
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_main: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Exceptions that look like usage errors to Click, raised by a bug inside a command,
     are internal errors (70), not usage errors (2)."""
     import typer
 
-    import clipcli.api
+    import clipcli.io
 
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     for error in (typer.BadParameter("x"), ValueError("--format"), LookupError()):
 
-        def broken(*args, error=error, **kwargs):
+        def broken(*_args: object, error: Exception = error, **_kwargs: object) -> None:
             raise error
 
-        monkeypatch.setattr(clipcli.api, "list_tensors", broken)
+        monkeypatch.setattr(clipcli.io, "open_reader", broken)
         assert run_main("ls", src).code == 70
 
 
-def test_internal_error_traceback_only_with_debug(tmp_path, write_checkpoint):
+def test_internal_error_traceback_only_with_debug(
+    tmp_path: Path, write_checkpoint: Callable[..., Path]
+) -> None:
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     program = (
-        "import sys, clipcli.api as e\n"
+        "import sys, clipcli.io as e\n"
         "def broken(*a, **k): raise ZeroDivisionError('boom')\n"
-        "e.list_tensors = broken\n"
+        "e.open_reader = broken\n"
         "from clipcli.cli import main\n"
         f"raise SystemExit(main(['ls', {str(src)!r}]))\n"
     )
@@ -702,7 +720,8 @@ def test_big_chart_is_plain_text_with_the_same_bars(tmp_path, write_checkpoint, 
     """Above PLAIN_TABLE_ROWS bars the chart is written as plain text (rich took ~7 s for
     20,000): every bar still there, scaled to the largest norm, the limit mark in place,
     names escaped."""
-    from clipcli.report import BAR_WIDTH, PLAIN_TABLE_ROWS
+    from clipcli.report.chart import BAR_WIDTH
+    from clipcli.report.table import PLAIN_TABLE_ROWS
 
     n = PLAIN_TABLE_ROWS + 1
     tensors = {f"t{i:05d}": np.full(1, float(i)) for i in range(n)}

@@ -972,11 +972,11 @@ def test_a_live_runs_temp_is_never_removed_whatever_its_pid(tmp_path: Path) -> N
 def test_a_signal_after_the_commit_point_is_success(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: int
 ) -> None:
-    import clipcli.cli as cli
+    import clipcli.commands.write as command  # clip's body prints the report from there
 
     src = make_input(tmp_path / "in.safetensors")
     out = tmp_path / "out.safetensors"
-    _signal_self_inside(monkeypatch, cli, "_print", sig)
+    _signal_self_inside(monkeypatch, command, "print_report", sig)
     assert main(["clip", "--global", "1", str(src), str(out)]) == 0
     assert sorted(load_file(str(out))) == ["a", "b", "step"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clipcli import report
+from clipcli.report import builders as report
 from clipcli.api import ClipRow
 from clipcli.factor import OutputCheck
 from clipcli.formats.base import Reader, TensorInfo
