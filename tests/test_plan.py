@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clipcli.report import builders as report
 from clipcli.api import ClipRow
 from clipcli.factor import OutputCheck
 from clipcli.formats.base import Reader, TensorInfo
@@ -26,6 +25,7 @@ from clipcli.numerics.norms import NormAccumulator
 from clipcli.numerics.rounding import scale_chunk
 from clipcli.pipeline import DiscardingWriter, execute
 from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, Reason, copy_plan, plan
+from clipcli.report import builders as report
 from clipcli.roles import Role
 from clipcli.selection import EVERY_TENSOR, Selection
 from clipcli.spec import ClipSpec, Mode, build_spec
