@@ -5,7 +5,8 @@ histogram scale search (issue 10):
     mkdir /tmp/old && git archive 50cd0a5 | tar -x -C /tmp/old
     python benchmarks/scale_search.py --size-mib 1024 --other /tmp/old
 
-Files come from run.py's generator (seeded standard normals, 128 tensors of [rows, 1024]);
+Files come from gen_files.py's generator, as run.py's do (seeded standard normals, 128
+tensors of [rows, 1024]);
 each command runs --runs times with --no-fsync; median and least wall and CPU time are printed.
 """
 
@@ -23,7 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import MIB, Checkpoint, write_safetensors  # noqa: E402
+from common import MIB  # noqa: E402
+from gen_files import Checkpoint, write_safetensors  # noqa: E402
 
 
 def timed(argv: list[str], src_root: Path) -> tuple[float, float]:
