@@ -183,6 +183,7 @@ def test_8_bit_float_clamp_and_scale_by_table_match_direct_arithmetic(name):
         np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 
+@pytest.mark.slow  # 64 Mi elements (the only copy of this test; tests/test_core_cli.py had one)
 def test_64m_float32_normals_within_1e_7():
     """64 Mi float32 normals, fed chunk by chunk as a reader would: relative error <= 1e-7
     against numpy's float64 norm (naive float32 accumulation drifts by ~1e-4 here)."""

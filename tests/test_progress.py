@@ -14,7 +14,8 @@ from clipcli.report import TerminalProgress
 
 def test_no_progress_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli._progress() is SILENT
-    assert cli.main(["norms", "-f", "json", "sample_data/tiny_mlp.safetensors"]) == 0
+    sample = Path(__file__).resolve().parent.parent / "sample_data" / "tiny_mlp.safetensors"
+    assert cli.main(["norms", "-f", "json", str(sample)]) == 0
     assert capsys.readouterr().err == ""
 
 

@@ -465,7 +465,7 @@ def test_axes_against_reference(cli, tmp_path, name):
 def test_unstorable_fp8_through_the_library(name):
     """fp8 variants no format stores: the same scale search through axes_scales (all axes),
     then scale_slices; checked as above against the reference."""
-    from clipcli import clipping
+    from clipcli.numerics import scaling as clipping
 
     dtype = dtype_of(name)
     for seed, shape in enumerate([(7,), (3, 5), (2, 3, 4), (64,)]):
