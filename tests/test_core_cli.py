@@ -16,6 +16,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from forked_cli import run_forked
 from handmade import write_safetensors
 from safetensors import safe_open
 from typer.testing import CliRunner
@@ -322,8 +323,9 @@ def test_norms_are_exact(tmp_path: Path, array: np.ndarray, expected: float, rel
 
 
 def assert_refused(tmp_path: Path, args: list[str], code: int, *fragments: str) -> None:
+    """In its own clipcli process (forked warm: tests/forked_cli.py)."""
     before = sorted(p.name for p in tmp_path.iterdir())
-    proc = subprocess.run([sys.executable, "-m", "clipcli", *args], capture_output=True, text=True)
+    (proc,) = run_forked([args], cwd=tmp_path)
     assert proc.returncode == code, proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr

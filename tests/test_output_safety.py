@@ -589,6 +589,7 @@ def test_real_signals_at_many_moments(tmp_path: Path, out_name: str, sig: int, c
 # ---------------------------------------------------------------- dead runs' temps
 
 
+@pytest.mark.slow  # a 64 MB input killed mid-write
 def test_sigkill_leaves_a_named_temp_that_the_next_run_removes(tmp_path: Path) -> None:
     src = tmp_path / "in.safetensors"
     rng = np.random.default_rng(3)
@@ -863,6 +864,7 @@ def test_out_names_up_to_name_max_bytes(tmp_path: Path, name: str) -> None:
     assert listing(tmp_path) == sorted(["in.safetensors", name])
 
 
+@pytest.mark.slow  # one full-disk run per moment of the write
 def test_full_disk_at_every_moment_of_a_compressed_hdf5_write(
     tmp_path: Path, mount_tmpfs: Any
 ) -> None:

@@ -9,14 +9,11 @@ one), no traceback, no raw control characters, and the output directory exactly 
 
 from __future__ import annotations
 
-import atexit
-import json
 import math
 import os
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from forked_cli import run_forked
 
 # Address-space cap for every clipcli run. 1 GiB is enough for healthy runs, numpy's and
 # the worker threads' mappings included (test_general_hostile checks this on a healthy
@@ -107,75 +105,20 @@ def _run_fresh(commands: Sequence[Sequence[str]], cwd: Path, timeout: float) -> 
         return [future.result() for future in futures]
 
 
-class _ForkServer:
-    """The warm parent of tests/hostile/forkserver.py, started on first use and stopped
-    when the test process exits."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("forkserver.py"))],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=_child_env(),
-        )
-        assert self.proc.stdout is not None
-        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
-        atexit.register(self.stop)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def run(self, commands: Sequence[Sequence[str]], cwd: Path, timeout: float) -> list[Run]:
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        with tempfile.TemporaryDirectory(prefix="clipcli-forkserver-") as outdir:
-            request = {
-                "commands": [list(args) for args in commands],
-                "cwd": str(cwd),
-                "timeout": timeout,
-                "memory_cap": MEMORY_CAP,
-                "outdir": outdir,
-            }
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            reply = self.proc.stdout.readline()
-            assert reply, "the fork server died"
-            results = json.loads(reply)["results"]
-            runs = []
-            for number, (args, result) in enumerate(zip(commands, results, strict=True)):
-                out = Path(outdir, f"{number}.out").read_bytes()
-                err = Path(outdir, f"{number}.err").read_bytes()
-                runs.append(
-                    Run(
-                        tuple(args),
-                        result["returncode"],
-                        out.decode("utf-8", "replace"),
-                        err.decode("utf-8", "replace"),
-                        result["seconds"],
-                    )
-                )
-            return runs
-
-
-_server: list[_ForkServer] = []
-
-
 def run_clipcli(*commands: Sequence[str], cwd: Path, timeout: float = TIMEOUT) -> list[Run]:
     """Run each command as clipcli would run from `python -m clipcli ...`, all at once (two
     cores: half the wall time), each in its own process under the memory cap and the
     timeout.
 
     The processes are forked from a warm parent that has numpy, h5py and clipcli imported
-    (tests/hostile/forkserver.py), which saves ~0.3 s of interpreter start-up per command;
+    (tests/forked_cli.py), which saves ~0.3 s of interpreter start-up per command;
     HOSTILE_FRESH_INTERPRETERS=1 starts a new interpreter per command instead."""
     if os.environ.get("HOSTILE_FRESH_INTERPRETERS") == "1":
         return _run_fresh(commands, cwd, timeout)
-    if not _server or _server[0].proc.poll() is not None:
-        _server[:] = [_ForkServer()]
-    return _server[0].run(commands, cwd, timeout)
+    return [
+        Run(tuple(args), done.returncode, done.stdout, done.stderr, done.seconds)
+        for args, done in zip(commands, run_forked(commands, cwd, timeout, MEMORY_CAP), strict=True)
+    ]
 
 
 def listing(directory: Path) -> list[str]:

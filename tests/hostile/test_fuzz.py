@@ -699,6 +699,7 @@ FAMILIES = {
 FUZZ_TIMEOUT = 10.0
 
 
+@pytest.mark.slow  # ~2 s per family
 @pytest.mark.parametrize("family", list(FAMILIES))
 @given(data=st.data())
 def test_mutated_files_give_output_or_clean_refusal(family: str, data: st.DataObject) -> None:
@@ -719,6 +720,7 @@ def test_mutated_files_give_output_or_clean_refusal(family: str, data: st.DataOb
         assert result["output_problem"] is None, result["output_problem"]
 
 
+@pytest.mark.slow  # ~2 s
 @given(case=mutated(seeds=("safetensors", "npz_stored", "npz_deflated")))
 def test_what_the_official_readers_refuse_clipcli_refuses(case: tuple[str, bytes]) -> None:
     """safetensors: refused by safe_open -> `ls` and `norms` exit 3; refused only when

@@ -1,7 +1,7 @@
-"""A warm parent for the hostile tests' clipcli runs: `python forkserver.py`.
+"""A warm parent for clipcli runs in tests (tests/forked_cli.py): `python forkserver.py`.
 
 Starting a fresh interpreter and importing numpy, h5py, rich and clipcli costs ~0.3 s per
-command, and the hostile tests run hundreds of commands. This process imports all of that
+command, and the tests run hundreds of commands. This process imports all of that
 once, then forks one child per command: each child is still its own process, with its own
 memory cap, its own exit code (or signal), its own stdout/stderr and a timeout enforced
 from outside, and it runs clipcli through the same entry point as `python -m clipcli`
@@ -9,7 +9,7 @@ from outside, and it runs clipcli through the same entry point as `python -m cli
 
 Protocol, one JSON line each way per batch (stdin -> stdout):
   request  {"commands": [[arg, ...], ...], "cwd": str, "timeout": float,
-            "memory_cap": int, "outdir": str}
+            "memory_cap": int (0: none), "outdir": str}
   response {"results": [{"returncode": int | null, "seconds": float}, ...]}
 A child's stdout and stderr go to `outdir/<i>.out` and `outdir/<i>.err`; returncode is
 null when the child was killed at the timeout, -N when a signal N ended it.
@@ -57,7 +57,8 @@ def _child(args: list[str], cwd: str, memory_cap: int, out: str, err: str) -> No
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_AS, (memory_cap, memory_cap))
+        if memory_cap:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_cap, memory_cap))
         os.chdir(cwd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
