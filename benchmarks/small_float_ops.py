@@ -19,8 +19,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from clipcli.numerics import float16, lookup
-from clipcli.numerics import scaling as clipping
+from clipcli.numerics import float16, lookup, rounding
 from clipcli.numerics.norms import accumulate
 
 N = 1 << 20
@@ -46,7 +45,7 @@ def timings() -> None:
         (
             "clip to [-0.5, 0.5]",
             lambda: np.clip(half, lo, hi),
-            lambda: clipping.clamp_chunk(half, lo, hi),
+            lambda: rounding.clamp_chunk(half, lo, hi),
         ),
         ("float32 -> float16", lambda: wide.astype(np.float16), lambda: float16.from_float32(wide)),
         (
@@ -56,7 +55,7 @@ def timings() -> None:
         ),
     ]
     eight = (np.random.default_rng(0).standard_normal(N) * 10).astype(ml_dtypes.float8_e4m3fn)
-    lo8, hi8 = clipping.value_bounds(eight.dtype, -0.5, 0.5)
+    lo8, hi8 = rounding.value_bounds(eight.dtype, -0.5, 0.5)
     rows += [
         (
             "fp8 e4m3fn: cast to float32",
@@ -66,12 +65,12 @@ def timings() -> None:
         (
             "fp8 e4m3fn: clip",
             lambda: np.clip(eight, lo8, hi8),
-            lambda: clipping.clamp_chunk(eight, lo8, hi8),
+            lambda: rounding.clamp_chunk(eight, lo8, hi8),
         ),
         (
             "fp8 e4m3fn: scale by 0.3 and round",
-            lambda: clipping._scale(eight, 0.3, 0),
-            lambda: clipping.scale_chunk(eight, 0.3),
+            lambda: rounding._scale(eight, 0.3, 0),
+            lambda: rounding.scale_chunk(eight, 0.3),
         ),
         (
             "fp8 e4m3fn: norm statistics",

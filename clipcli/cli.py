@@ -1,4 +1,4 @@
-"""The command line: parse options, call the engine, render the report, map errors to exit codes.
+"""The command line: parse options, call the API, render the report, map errors to exit codes.
 
 No numerics here. Heavy modules (numpy, h5py, safetensors) are imported inside the
 commands so that `clipcli --help` starts fast.
@@ -140,7 +140,7 @@ AllowLargeSideFilesOpt = Annotated[
 def _selection(
     include: list[str] | None, exclude: list[str] | None, all_tensors: bool = False
 ) -> object:
-    from clipcli.engine import Selection
+    from clipcli.selection import Selection
 
     return Selection(tuple(include or ()), tuple(exclude or ()), all_tensors)
 
@@ -195,7 +195,7 @@ def ls_command(
     ] = OutputFormat.TABLE,
 ) -> None:
     """List tensors (name, dtype, shape, bytes) and file metadata, reading no tensor data."""
-    from clipcli.engine import list_tensors
+    from clipcli.api import list_tensors
     from clipcli.report import ls_report
 
     file_format, metadata, infos = list_tensors(path)
@@ -260,11 +260,12 @@ def norms_command(
     """Per-tensor L2 norm, max |x| and non-finite count, and the global norm over
     floating-point model weights (optimizer state and BatchNorm statistics are listed
     apart unless --all-tensors). Accumulated exactly in float64."""
-    from clipcli.engine import Selection, measure
+    from clipcli.api import measure
     from clipcli.report import groups_report, norms_report, render_chart
+    from clipcli.selection import Selection
 
     if group_by is not None:
-        from clipcli.plan import compile_group_by
+        from clipcli.groups import compile_group_by
 
         compile_group_by(group_by)
     selection = _selection(include, exclude, all_tensors)
@@ -400,9 +401,10 @@ def clip_command(
     selected, not floating point, or training state (optimizer slots, BatchNorm
     statistics; unless --all-tensors) are copied bit-identical."""
     from clipcli import interrupts
-    from clipcli.engine import Selection, clip
+    from clipcli.api import clip
     from clipcli.plan import build_spec
     from clipcli.report import clip_report
+    from clipcli.selection import Selection
 
     spec = build_spec(
         low=low,
@@ -456,7 +458,7 @@ def convert_command(
     metadata carried over where OUT's format can hold it. A dtype OUT cannot hold
     (bfloat16/fp8 into npz or HDF5) is refused."""
     from clipcli import interrupts
-    from clipcli.engine import convert
+    from clipcli.api import convert
 
     with interrupts.deferred():  # as for clip
         infos = convert(
@@ -504,13 +506,13 @@ def diff_command(
     """Compare two checkpoints (any formats) tensor by tensor: ‖A−B‖, ‖A−B‖/‖A‖,
     max |A−B|, cosine similarity and ‖B‖/‖A‖ (the scale a norm clip applied), plus missing
     or extra tensors, dtype/shape changes and metadata changes. Streams both files."""
-    from clipcli.diff import diff_checkpoints
-    from clipcli.engine import Selection
+    from clipcli import api
     from clipcli.report import diff_report
+    from clipcli.selection import Selection
 
     selection = _selection(include, exclude)
     assert isinstance(selection, Selection)
-    result = diff_checkpoints(path_a, path_b, selection, progress=_progress(), notify=_notify)
+    result = api.diff(path_a, path_b, selection, progress=_progress(), notify=_notify)
     _emit(lambda: _print(diff_report(result, changed_only), fmt))
     if fail_above is not None:
         worst = result.max_rel_change

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 from clipcli.errors import printable
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
+    from clipcli.api import ClipResult, ClipRow
     from clipcli.diff import DiffResult
-    from clipcli.engine import ClipResult, Measurement, TensorStats
     from clipcli.formats.base import TensorInfo
-    from clipcli.plan import NaturalKey
+    from clipcli.groups import NaturalKey
+    from clipcli.measurement import Measurement, TensorStats
 
 
 class OutputFormat(str, Enum):
@@ -254,7 +255,7 @@ NORM_COLUMNS = (
 
 def _natural_key(name: str) -> NaturalKey:
     # Imported here: clipping imports numpy, which `clipcli --help` must not pay for.
-    from clipcli.plan import natural_key
+    from clipcli.groups import natural_key
 
     return natural_key(name)
 
@@ -309,25 +310,55 @@ CLIP_COLUMNS = (
 )
 
 
+# The note column of `clip`: each plan reason in words (clipcli.plan.Reason).
+REASON_TEXT = {
+    "not selected": "not selected",
+    "left out": "{role}, left unchanged",
+    "not floating point": "not floating point",
+    "non-finite skipped": "non-finite, skipped",
+    "low rank skipped": "skipped: too few dimensions for --axes",
+    "complex unordered": "complex: no order to clamp by",
+    "within range": "within range",
+    "within limit": "within limit",
+    "zero tensor": "zero tensor",
+    "over limit": "",
+    "over range": "",
+    "per slice": "{clipped} of {slices} slices clipped",
+    "converted": "copied",
+}
+
+
+def clip_note(row: ClipRow) -> str:
+    """The note for one tensor of a clip: its plan's reason, with its group if any."""
+    text = REASON_TEXT[row.reason.value].format(
+        role=row.plan.role.description,
+        clipped=row.outcome.slices_clipped,
+        slices=row.outcome.slices,
+    )
+    if row.plan.group is None:
+        return text
+    return f"{text}, group {row.plan.group}" if text else f"group {row.plan.group}"
+
+
 def clip_report(result: ClipResult) -> Report:
     rows = tuple(
         (
-            p.info.name,
-            p.info.dtype_name,
-            p.before.norm,
-            p.after.norm,
-            None if p.scale is None else math.ldexp(p.scale, p.scale_exp),
-            p.changed,
-            p.note,
+            r.info.name,
+            r.info.dtype_name,
+            r.before.norm,
+            r.after.norm,
+            r.plan.scale,
+            r.changed,
+            clip_note(r),
         )
-        for p in result.plans
+        for r in result.rows
     )
     spec = result.spec
-    changed = sum(p.changed for p in result.plans)
+    changed = sum(r.changed for r in result.rows)
     verb = "would change" if result.dry_run else "changed"
     footer = [
         f"global L2 norm {result.global_before:.6g} -> {result.global_after:.6g}",
-        f"{verb} {changed} of {len(result.plans)} tensors"
+        f"{verb} {changed} of {len(result.rows)} tensors"
         + ("" if result.dry_run else f"; wrote {result.out}"),
     ]
     summary: tuple[tuple[str, Value], ...] = (

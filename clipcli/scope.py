@@ -22,7 +22,7 @@ from clipcli import quantized, roles
 from clipcli.dtypes import is_floating
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import TensorInfo
-from clipcli.plan import compile_group_by, group_key
+from clipcli.groups import compile_group_by, group_key
 
 Notify = Callable[[str, str], None]  # (level, text); level is "warning" or "note"
 

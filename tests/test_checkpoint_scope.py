@@ -24,7 +24,7 @@ from layouts import (
 
 from clipcli import quantized, roles, scope
 from clipcli.formats.base import TensorInfo
-from clipcli.plan import compile_group_by, group_key
+from clipcli.groups import compile_group_by, group_key
 
 
 def exact_norm(arrays: list[np.ndarray]) -> float:
@@ -281,8 +281,9 @@ def test_dead_pattern_beside_live_one_is_a_warning(tmp_path: Path, run_main: Any
 
 def test_empty_selection_is_refused_before_any_data_is_read(tmp_path: Path) -> None:
     """A reader whose data cannot be read at all: the selection check comes first."""
-    from clipcli.engine import Selection, measure_reader
+    from clipcli.api import measure_reader
     from clipcli.errors import UsageError
+    from clipcli.selection import Selection
 
     class NoData:
         path = tmp_path / "x"

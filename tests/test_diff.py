@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from clipcli.api import diff, measure
 from clipcli.diff import (
     CHANGED,
     DTYPE_CHANGED,
@@ -26,16 +27,15 @@ from clipcli.diff import (
     DiffResult,
     TensorDiff,
     aligned_pieces,
-    diff_checkpoints,
-    diff_readers,
     metadata_changes,
-    relative,
 )
-from clipcli.engine import Selection, measure
+from clipcli.diff_math import relative
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo
 from clipcli.formats.safetensors import SafetensorsWriter
 from clipcli.io import open_reader
+from clipcli.pipeline import compare
+from clipcli.selection import Selection
 
 RNG = np.random.default_rng(20240611)
 HAS_NPZ = importlib.util.find_spec("clipcli.formats.npz") is not None
@@ -133,7 +133,7 @@ MIXED = {
 
 def test_file_against_itself_is_all_same(tmp_path: Path) -> None:
     path = write_st(tmp_path / "a.safetensors", MIXED, {"epoch": "3"})
-    result = diff_checkpoints(path, path, chunk_elems=5)
+    result = diff(path, path, chunk_elems=5)
     with open_reader(path) as reader:
         assert [t.name for t in result.tensors] == [info.name for info in reader.infos]
     assert {t.name for t in result.tensors} == set(MIXED)
@@ -156,7 +156,7 @@ def test_file_against_itself_is_all_same(tmp_path: Path) -> None:
 def test_norms_and_global_norm_match_clipcli_norms(tmp_path: Path) -> None:
     path = write_st(tmp_path / "a.safetensors", MIXED)
     measured = measure(path)
-    result = diff_checkpoints(path, path)
+    result = diff(path, path)
     rows = by_name(result)
     for stats in measured.tensors:
         assert rows[stats.info.name].norm_a == stats.norm
@@ -167,7 +167,7 @@ def test_norms_and_global_norm_match_clipcli_norms(tmp_path: Path) -> None:
 def test_same_file_with_nan_and_inf_is_same_with_zero_difference(tmp_path: Path) -> None:
     data = {"x": np.array([1.0, np.nan, np.inf, -np.inf, 2.0], dtype=np.float32)}
     path = write_st(tmp_path / "a.safetensors", data)
-    (t,) = diff_checkpoints(path, path).tensors
+    (t,) = diff(path, path).tensors
     assert t.status == SAME
     assert t.diff_norm == 0.0 and t.rel_change == 0.0 and t.max_abs_diff == 0.0
     assert math.isnan(t.norm_a or 0.0) and t.nonfinite_a == 3
@@ -183,7 +183,7 @@ def test_tensor_scaled_by_half(tmp_path: Path) -> None:
     other = RNG.standard_normal(50)
     a = write_st(tmp_path / "a.safetensors", {"w": w, "other": other})
     b = write_st(tmp_path / "b.safetensors", {"w": w * 0.5, "other": other})
-    result = diff_checkpoints(a, b)
+    result = diff(a, b)
     rows = by_name(result)
     t = rows["w"]
     assert t.status == CHANGED
@@ -220,11 +220,11 @@ def test_hdf5_big_endian_against_safetensors_is_same(tmp_path: Path) -> None:
     data = RNG.standard_normal((5, 3)).astype(np.float32)
     h5 = write_h5(tmp_path / "a.h5", {"w": data.astype(">f4"), "v": data[0]})
     st_path = write_st(tmp_path / "b.safetensors", {"w": data, "v": data[0]})
-    result = diff_checkpoints(h5, st_path, chunk_elems=7)
+    result = diff(h5, st_path, chunk_elems=7)
     assert result.format_a == "hdf5" and result.format_b == "safetensors"
     assert [t.status for t in result.tensors] == [SAME, SAME]
     changed = write_st(tmp_path / "c.safetensors", {"w": data * 2, "v": data[0]})
-    t = by_name(diff_checkpoints(h5, changed, chunk_elems=7))["w"]
+    t = by_name(diff(h5, changed, chunk_elems=7))["w"]
     assert t.status == CHANGED
     assert t.rel_change == pytest.approx(1.0, rel=1e-12)
     assert t.norm_ratio == pytest.approx(2.0, rel=1e-12)
@@ -239,21 +239,21 @@ def test_npz_against_safetensors_same_data(tmp_path: Path) -> None:
     npz = tmp_path / "a.npz"
     np.savez(npz, **tensors)
     st_path = write_st(tmp_path / "b.safetensors", tensors)
-    result = diff_checkpoints(npz, st_path, chunk_elems=5)
+    result = diff(npz, st_path, chunk_elems=5)
     assert result.format_a == "npz" and result.format_b == "safetensors"
     assert {t.name: t.status for t in result.tensors} == {"a": SAME, "b": SAME}
     assert result.global_rel_change == 0.0
     half = write_st(
         tmp_path / "h.safetensors", {k: v.astype(np.float16) for k, v in tensors.items()}
     )
-    assert {t.status for t in diff_checkpoints(npz, half).tensors} == {DTYPE_CHANGED}
+    assert {t.status for t in diff(npz, half).tensors} == {DTYPE_CHANGED}
 
 
 def test_float16_against_float32_of_the_same_values(tmp_path: Path) -> None:
     values = RNG.standard_normal(100).astype(np.float16)
     a = write_st(tmp_path / "a.safetensors", {"x": values})
     b = write_st(tmp_path / "b.safetensors", {"x": values.astype(np.float32)})
-    (t,) = diff_checkpoints(a, b, chunk_elems=16).tensors
+    (t,) = diff(a, b, chunk_elems=16).tensors
     assert t.status == DTYPE_CHANGED
     assert (t.dtype_a, t.dtype_b) == ("float16", "float32")
     assert t.norm_a == t.norm_b == pytest.approx(np.linalg.norm(values.astype(np.float64)))
@@ -263,7 +263,7 @@ def test_float16_against_float32_of_the_same_values(tmp_path: Path) -> None:
     wide = RNG.standard_normal(100).astype(np.float32)
     a = write_st(tmp_path / "c.safetensors", {"x": wide})
     b = write_st(tmp_path / "d.safetensors", {"x": wide.astype(np.float16)})
-    (t,) = diff_checkpoints(a, b).tensors
+    (t,) = diff(a, b).tensors
     ref = reference(wide, wide.astype(np.float16))
     assert t.status == DTYPE_CHANGED
     assert t.diff_norm == pytest.approx(ref["diff_norm"], rel=1e-12)
@@ -274,7 +274,7 @@ def test_bfloat16_against_float32(tmp_path: Path) -> None:
     values = RNG.standard_normal(77).astype(np.float32)
     a = write_st(tmp_path / "a.safetensors", {"x": values})
     b = write_st(tmp_path / "b.safetensors", {"x": values.astype(ml_dtypes.bfloat16)})
-    (t,) = diff_checkpoints(a, b, chunk_elems=10).tensors
+    (t,) = diff(a, b, chunk_elems=10).tensors
     ref = reference(values, values.astype(ml_dtypes.bfloat16).astype(np.float32))
     assert t.status == DTYPE_CHANGED and t.dtype_b == "bfloat16"
     for key in ("diff_norm", "rel_change", "cosine", "max_abs_diff", "norm_b"):
@@ -308,7 +308,7 @@ def test_structural_changes_and_order(tmp_path: Path) -> None:
         },
         {"epoch": "2", "same": "x", "added": "z"},
     )
-    result = diff_checkpoints(a, b)
+    result = diff(a, b)
     rows = by_name(result)
     assert [t.name for t in result.tensors][-1] == "new"  # B-only tensors come last
     a_order = [t.name for t in result.tensors[:-1]]
@@ -366,7 +366,7 @@ def test_metadata_only_change_is_not_identical(tmp_path: Path) -> None:
     data = {"x": np.ones(2, np.float32)}
     a = write_st(tmp_path / "a.safetensors", data, {"k": "v"})
     b = write_st(tmp_path / "b.safetensors", data, {"k": "w", "n": "1"})
-    result = diff_checkpoints(a, b)
+    result = diff(a, b)
     assert result.tensors[0].status == SAME
     assert result.metadata_changes == [("k", "v", "w"), ("n", None, "1")]
     assert not result.identical
@@ -376,9 +376,9 @@ def test_metadata_only_change_is_not_identical(tmp_path: Path) -> None:
 def test_selection_restricts_both_sides(tmp_path: Path) -> None:
     a = write_st(tmp_path / "a.safetensors", {"enc.w": np.ones(2), "dec.w": np.ones(2)})
     b = write_st(tmp_path / "b.safetensors", {"enc.w": np.zeros(2), "dec.x": np.ones(2)})
-    result = diff_checkpoints(a, b, Selection(include=("enc.*",)))
+    result = diff(a, b, Selection(include=("enc.*",)))
     assert [(t.name, t.status) for t in result.tensors] == [("enc.w", CHANGED)]
-    result = diff_checkpoints(a, b, lambda name: name.startswith("dec"))
+    result = diff(a, b, lambda name: name.startswith("dec"))
     assert {t.name: t.status for t in result.tensors} == {"dec.w": ONLY_IN_A, "dec.x": ONLY_IN_B}
 
 
@@ -403,8 +403,8 @@ def test_small_chunks_give_the_same_figures_as_one_chunk(tmp_path: Path) -> None
     }
     a = write_st(tmp_path / "a.safetensors", a_data)
     b = write_st(tmp_path / "b.safetensors", b_data)
-    small = diff_checkpoints(a, b, chunk_elems=7)
-    big = diff_checkpoints(a, b, chunk_elems=10_000)
+    small = diff(a, b, chunk_elems=7)
+    big = diff(a, b, chunk_elems=10_000)
     for x, y in zip(small.tensors, big.tensors, strict=True):
         assert_same_figures(x, y)
     assert small.global_diff_norm == pytest.approx(big.global_diff_norm, rel=1e-13)
@@ -413,13 +413,13 @@ def test_small_chunks_give_the_same_figures_as_one_chunk(tmp_path: Path) -> None
 def test_misaligned_pieces_are_recut() -> None:
     a = RNG.standard_normal(101)
     b = a + RNG.standard_normal(101)
-    regular = diff_readers(ArrayReader({"x": a}), ArrayReader({"x": b}), chunk_elems=1000)
+    regular = compare(ArrayReader({"x": a}), ArrayReader({"x": b}), chunk_elems=1000)
     for step_a, step_b in [(7, 3), (10, 101), (1, 50), (33, 33)]:
-        result = diff_readers(
+        result = compare(
             ArrayReader({"x": a}, step=step_a), ArrayReader({"x": b}, step=step_b), chunk_elems=5
         )
         assert_same_figures(result.tensors[0], regular.tensors[0])
-    same = diff_readers(ArrayReader({"x": a}, step=7), ArrayReader({"x": a.copy()}, step=3))
+    same = compare(ArrayReader({"x": a}, step=7), ArrayReader({"x": a.copy()}, step=3))
     assert same.tensors[0].status == SAME
 
 
@@ -442,21 +442,21 @@ class ShortReader(ArrayReader):
 
 def test_a_reader_that_yields_too_few_elements_is_an_input_error() -> None:
     with pytest.raises(InputError, match="elements"):
-        diff_readers(ArrayReader({"x": np.ones(5)}), ShortReader({"x": np.ones(5)}))
+        compare(ArrayReader({"x": np.ones(5)}), ShortReader({"x": np.ones(5)}))
     with pytest.raises(InputError, match="elements"):
-        diff_readers(ShortReader({"x": np.ones(5)}), ShortReader({"x": np.ones(5)}))
+        compare(ShortReader({"x": np.ones(5)}), ShortReader({"x": np.ones(5)}))
 
 
 def test_bad_chunk_elems() -> None:
     with pytest.raises(UsageError):
-        diff_readers(ArrayReader({}), ArrayReader({}), chunk_elems=0)
+        compare(ArrayReader({}), ArrayReader({}), chunk_elems=0)
 
 
 def test_threads_give_identical_results() -> None:
     tensors_a = {f"t{i}": RNG.standard_normal(300) for i in range(6)}
     tensors_b = {k: v * (1 + 0.1 * RNG.standard_normal(300)) for k, v in tensors_a.items()}
-    one = diff_readers(ArrayReader(tensors_a), ArrayReader(tensors_b), chunk_elems=13, workers=1)
-    four = diff_readers(ArrayReader(tensors_a), ArrayReader(tensors_b), chunk_elems=13, workers=4)
+    one = compare(ArrayReader(tensors_a), ArrayReader(tensors_b), chunk_elems=13, workers=1)
+    four = compare(ArrayReader(tensors_a), ArrayReader(tensors_b), chunk_elems=13, workers=4)
     assert one == four
 
 
@@ -473,14 +473,14 @@ def test_non_finite_values_do_not_crash() -> None:
         (np.array([1.0, 2.0, np.nan, -np.inf, 3.0]), math.inf, math.inf),  # +Inf vs -Inf
     ]
     for b, diff_norm, max_abs in cases:
-        (t,) = diff_readers(ArrayReader({"x": a}), ArrayReader({"x": b})).tensors
+        (t,) = compare(ArrayReader({"x": a}), ArrayReader({"x": b})).tensors
         assert t.status == CHANGED
         np.testing.assert_equal(t.diff_norm, diff_norm)
         np.testing.assert_equal(t.max_abs_diff, max_abs)
         assert t.cosine is not None and math.isnan(t.cosine)
         assert t.nonfinite_a == 2
     # Finite A, B gains an Inf: diff inf, rel inf; global figures follow.
-    result = diff_readers(
+    result = compare(
         ArrayReader({"x": np.ones(3)}), ArrayReader({"x": np.array([1.0, np.inf, 1.0])})
     )
     (t,) = result.tensors
@@ -491,18 +491,18 @@ def test_non_finite_values_do_not_crash() -> None:
 
 def test_difference_beyond_float64_is_inf_without_warnings() -> None:
     a, b = np.array([1e308, 1.0]), np.array([-1e308, 1.0])
-    (t,) = diff_readers(ArrayReader({"x": a}), ArrayReader({"x": b})).tensors
+    (t,) = compare(ArrayReader({"x": a}), ArrayReader({"x": b})).tensors
     assert t.diff_norm == math.inf and t.max_abs_diff == math.inf
     assert t.cosine == pytest.approx(-1.0, rel=1e-12)
 
 
 def test_zero_tensors() -> None:
     zeros, ones = np.zeros(4), np.ones(4)
-    (t,) = diff_readers(ArrayReader({"x": zeros}), ArrayReader({"x": ones})).tensors
+    (t,) = compare(ArrayReader({"x": zeros}), ArrayReader({"x": ones})).tensors
     assert t.rel_change == math.inf and t.norm_ratio is None and t.cosine is None
-    (t,) = diff_readers(ArrayReader({"x": ones}), ArrayReader({"x": zeros})).tensors
+    (t,) = compare(ArrayReader({"x": ones}), ArrayReader({"x": zeros})).tensors
     assert t.rel_change == 1.0 and t.norm_ratio == 0.0 and t.cosine is None
-    (t,) = diff_readers(ArrayReader({"x": zeros}), ArrayReader({"x": -zeros})).tensors
+    (t,) = compare(ArrayReader({"x": zeros}), ArrayReader({"x": -zeros})).tensors
     assert t.status == CHANGED  # -0.0 has other bits
     assert t.rel_change == 0.0 and t.diff_norm == 0.0
     assert relative(0.0, 0.0) == 0.0 and relative(1.0, 0.0) == math.inf
@@ -513,7 +513,7 @@ def test_extreme_magnitudes_neither_overflow_nor_underflow(magnitude: float) -> 
     a = RNG.standard_normal(40)
     b = a + 0.25 * RNG.standard_normal(40)
     ref = reference(a, b)
-    (t,) = diff_readers(
+    (t,) = compare(
         ArrayReader({"x": a * magnitude}), ArrayReader({"x": b * magnitude}), chunk_elems=9
     ).tensors
     rel = 1e-12 if magnitude > 1e-300 else 1e-6  # subnormals keep fewer digits
@@ -527,7 +527,7 @@ def test_mixed_extreme_scales_in_one_tensor() -> None:
     # One piece at 1e300, another at 1e-300: the dot product is carried with exponents.
     a = np.concatenate([np.full(5, 1e300), np.full(5, 1e-300)])
     b = np.concatenate([np.full(5, -1e300), np.full(5, 1e-300)])
-    (t,) = diff_readers(ArrayReader({"x": a}), ArrayReader({"x": b}), chunk_elems=5).tensors
+    (t,) = compare(ArrayReader({"x": a}), ArrayReader({"x": b}), chunk_elems=5).tensors
     assert t.cosine == pytest.approx(-1.0, rel=1e-12)
     assert t.diff_norm == pytest.approx(2e300 * math.sqrt(5), rel=1e-12)
     assert t.max_abs_diff == pytest.approx(2e300)
@@ -536,18 +536,18 @@ def test_mixed_extreme_scales_in_one_tensor() -> None:
 def test_complex_tensors() -> None:
     a = RNG.standard_normal(30) + 1j * RNG.standard_normal(30)
     b = a * (0.5 + 0.5j)
-    (t,) = diff_readers(ArrayReader({"z": a}), ArrayReader({"z": b}), chunk_elems=4).tensors
+    (t,) = compare(ArrayReader({"z": a}), ArrayReader({"z": b}), chunk_elems=4).tensors
     ref = reference(a, b)
     for key in ("diff_norm", "rel_change", "cosine", "max_abs_diff", "norm_a", "norm_b"):
         assert getattr(t, key) == pytest.approx(ref[key], rel=1e-12), key
     # complex64 against complex128, and complex against real
-    (t,) = diff_readers(
+    (t,) = compare(
         ArrayReader({"z": a.astype(np.complex64)}), ArrayReader({"z": a}), chunk_elems=7
     ).tensors
     assert t.status == DTYPE_CHANGED
     assert t.diff_norm == pytest.approx(reference(a.astype(np.complex64), a)["diff_norm"], rel=1e-9)
     real = a.real.copy()
-    (t,) = diff_readers(ArrayReader({"z": a}), ArrayReader({"z": real}), chunk_elems=7).tensors
+    (t,) = compare(ArrayReader({"z": a}), ArrayReader({"z": real}), chunk_elems=7).tensors
     assert t.status == DTYPE_CHANGED
     assert t.diff_norm == pytest.approx(np.linalg.norm(a.imag), rel=1e-12)
     assert t.max_abs_diff == pytest.approx(np.max(np.abs(a.imag)), rel=1e-12)
@@ -556,7 +556,7 @@ def test_complex_tensors() -> None:
 def test_integer_and_bool_tensors_compare_numerically() -> None:
     a = {"i": np.array([1, 2, 3], np.uint8), "m": np.array([True, False, True])}
     b = {"i": np.array([3, 2, 1], np.uint8), "m": np.array([True, True, True])}
-    result = diff_readers(ArrayReader(a), ArrayReader(b))
+    result = compare(ArrayReader(a), ArrayReader(b))
     rows = by_name(result)
     assert rows["i"].diff_norm == pytest.approx(math.sqrt(8))  # no uint8 wraparound
     assert rows["i"].max_abs_diff == 2.0
@@ -592,7 +592,7 @@ def array_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
 @settings(max_examples=50, deadline=None)
 def test_matches_numpy_float64_reference(case: tuple[np.ndarray, np.ndarray, int]) -> None:
     a, b, chunk = case
-    (t,) = diff_readers(ArrayReader({"x": a}), ArrayReader({"x": b}), chunk_elems=chunk).tensors
+    (t,) = compare(ArrayReader({"x": a}), ArrayReader({"x": b}), chunk_elems=chunk).tensors
     ref = reference(a, b)
     for key in ("diff_norm", "rel_change", "max_abs_diff", "norm_a", "norm_b"):
         assert getattr(t, key) == pytest.approx(ref[key], rel=1e-12, abs=0), key

@@ -339,14 +339,14 @@ def test_closed_pipe_on_help(tmp_path):
 def test_unexpected_exception_is_exit_70_one_line(
     tmp_path, write_checkpoint, run_main, monkeypatch, assert_one_error_line, error
 ):
-    import clipcli.engine
+    import clipcli.api
 
     def broken(*args, **kwargs):
         raise error
 
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
-    monkeypatch.setattr(clipcli.engine, "list_tensors", broken)
-    monkeypatch.setattr(clipcli.engine, "measure", broken)
+    monkeypatch.setattr(clipcli.api, "list_tensors", broken)
+    monkeypatch.setattr(clipcli.api, "measure", broken)
     monkeypatch.delenv("CLIPCLI_DEBUG", raising=False)
     for argv in (["ls", src], ["norms", src]):
         result = run_main(*argv)
@@ -360,7 +360,7 @@ def test_internal_errors_never_exit_2(tmp_path, write_checkpoint, run_main, monk
     are internal errors (70), not usage errors (2)."""
     import typer
 
-    import clipcli.engine
+    import clipcli.api
 
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     for error in (typer.BadParameter("x"), ValueError("--format"), LookupError()):
@@ -368,14 +368,14 @@ def test_internal_errors_never_exit_2(tmp_path, write_checkpoint, run_main, monk
         def broken(*args, error=error, **kwargs):
             raise error
 
-        monkeypatch.setattr(clipcli.engine, "list_tensors", broken)
+        monkeypatch.setattr(clipcli.api, "list_tensors", broken)
         assert run_main("ls", src).code == 70
 
 
 def test_internal_error_traceback_only_with_debug(tmp_path, write_checkpoint):
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     program = (
-        "import sys, clipcli.engine as e\n"
+        "import sys, clipcli.api as e\n"
         "def broken(*a, **k): raise ZeroDivisionError('boom')\n"
         "e.list_tensors = broken\n"
         "from clipcli.cli import main\n"

@@ -441,10 +441,12 @@ def test_input_changed_during_the_run_is_exit_3(
             with open(src, "r+b") as handle:
                 handle.write(replacement)
 
-    import clipcli.engine as engine
+    import clipcli.api as api
+    import clipcli.pipeline as pipeline
 
-    hook = "_write_all" if when == "while writing" else "plan_clip"
-    real = getattr(engine, hook)
+    module: Any = pipeline if when == "while writing" else api
+    hook = "execute" if when == "while writing" else "plan_clip"
+    real = getattr(module, hook)
     done: list[bool] = []
 
     def altered(*args: Any, **kwargs: Any) -> Any:
@@ -457,7 +459,7 @@ def test_input_changed_during_the_run_is_exit_3(
             alter()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine, hook, altered)
+    monkeypatch.setattr(module, hook, altered)
     code = main(["clip", "--global", "10", "-q", str(src), str(tmp_path / f"out{ext}")])
     err = capsys.readouterr().err
     assert code == 3, err
@@ -662,11 +664,11 @@ def test_a_huge_sparse_side_file_is_refused_unless_allowed(
 
 @pytest.mark.parametrize(("extra", "code"), [(0, 0), (1, 2)])
 def test_side_file_limit_is_inclusive(tmp_path: Path, extra: int, code: int) -> None:
-    import clipcli.engine as engine
+    import clipcli.api as api
 
     model = make_model(tmp_path / "model")
     with open(model / "big.txt", "wb") as handle:
-        handle.truncate(engine.SIDE_FILE_LIMIT + extra)
+        handle.truncate(api.SIDE_FILE_LIMIT + extra)
     assert main(["clip", "--global", "1", "-q", str(model), str(tmp_path / "out")]) == code
 
 

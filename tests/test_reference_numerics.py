@@ -18,7 +18,7 @@ for byte; every output element is round(x * s) for the reported scale s (rounded
 value mode bit-exact against the independent clamp, NaN bits kept.
 
 dtypes that no checkpoint format stores (float8_e4m3, float8_e3m4, float8_e4m3b11fnuz)
-are checked through clipcli.numerics.scaling.axes_scales with all axes (the same scale search).
+are checked through clipcli.numerics.slices.axes_scales with all axes (the same scale search).
 WORST records output/C per dtype and mode; run the module with -s to print it. The larger
 sweep is marked slow and runs with CLIPCLI_SLOW=1.
 """
@@ -472,7 +472,7 @@ def test_axes_against_reference(cli, tmp_path, name):
 def test_unstorable_fp8_through_the_library(name):
     """fp8 variants no format stores: the same scale search through axes_scales (all axes),
     then scale_slices; checked as above against the reference."""
-    from clipcli.numerics import scaling as clipping
+    from clipcli.numerics import slices
 
     dtype = dtype_of(name)
     for seed, shape in enumerate([(7,), (3, 5), (2, 3, 4), (64,)]):
@@ -481,8 +481,8 @@ def test_unstorable_fp8_through_the_library(name):
         norm = exact_norm(x)
         for factor in (0.3, 0.97, 1.0):
             limit = float(norm * factor)
-            _, scales = clipping.axes_scales(x, axes, limit)
-            out = clipping.scale_slices(x, scales, axes) if np.any(scales != 1) else x
+            _, scales = slices.axes_scales(x, axes, limit)
+            out = slices.scale_slices(x, scales, axes) if np.any(scales != 1) else x
             if exact_sumsq(x) <= Fraction(limit) ** 2:
                 assert out.tobytes() == x.tobytes()
                 continue

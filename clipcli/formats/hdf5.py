@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from clipcli.dtypes import is_numeric
+from clipcli.dtypes import from_ml_dtypes, is_numeric
 from clipcli.errors import InputError, WriteError
 from clipcli.formats.base import (
     Checkpoint,
@@ -764,8 +764,7 @@ class Hdf5Writer(Writer):
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
         dtype = info.dtype
-        # ml_dtypes' floats: bfloat16 and float8_* report kind "V", float8_e5m2 reports "f".
-        if dtype.kind == "V" or dtype.type.__module__.startswith("ml_dtypes"):
+        if from_ml_dtypes(dtype) or dtype.kind == "V":  # ml_dtypes' types, or opaque bytes
             return f"HDF5 cannot hold {dtype.name}; write .safetensors instead"
         return None
 

@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from clipcli.dtypes import is_numeric
+from clipcli.dtypes import from_ml_dtypes, is_numeric
 from clipcli.errors import InputError
 from clipcli.formats.base import (
     CHUNK_BYTES,
@@ -613,7 +613,7 @@ class NpzWriter(Writer):
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
-        if info.dtype.type.__module__.startswith("ml_dtypes"):
+        if from_ml_dtypes(info.dtype):
             return f"npz cannot hold {info.dtype.name}; write .safetensors instead"
         return None
 

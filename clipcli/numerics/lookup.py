@@ -12,51 +12,17 @@ by construction. numpy's float16 is no better off: np.clip on it compares in sof
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from clipcli.dtypes import is_ml_float
-
-_INDEX: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16)}
-
-
-@functools.cache
-def is_float8(dtype: np.dtype[Any]) -> bool:
-    return dtype.itemsize == 1 and is_ml_float(dtype)
-
-
-@functools.cache
-def _all_values(dtype: np.dtype[Any]) -> np.ndarray:
-    """Every value of a 1- or 2-byte dtype, indexed by its own bits."""
-    values = np.arange(256**dtype.itemsize, dtype=np.uint32).astype(_INDEX[dtype.itemsize])
-    table: np.ndarray = values.view(dtype)
-    table.flags.writeable = False
-    return table
-
-
-@functools.cache
-def _float32_values(dtype: np.dtype[Any]) -> np.ndarray:
-    with np.errstate(invalid="ignore"):  # NaN entries
-        table = _all_values(dtype).astype(np.float32)
-    table.flags.writeable = False
-    return table
-
-
-@functools.cache
-def float64_values(dtype: np.dtype[Any]) -> np.ndarray:
-    """Every value of a 1- or 2-byte float as float64, indexed by its bits (exact)."""
-    with np.errstate(invalid="ignore"):  # NaN entries
-        table = _all_values(dtype).astype(np.float32).astype(np.float64)
-    table.flags.writeable = False
-    return table
+from clipcli.dtypes import all_values, bits_dtype, float32_values
 
 
 def as_float32(chunk: np.ndarray) -> np.ndarray:
     """An 8-bit float chunk widened to float32: exact for every value, NaN included."""
-    wide: np.ndarray = np.take(_float32_values(chunk.dtype), chunk.view(np.uint8))
+    wide: np.ndarray = np.take(float32_values(chunk.dtype), chunk.view(np.uint8))
     return wide
 
 
@@ -64,11 +30,11 @@ def table_of(dtype: np.dtype[Any], elementwise: Callable[[np.ndarray], np.ndarra
     """elementwise() of every value of the 1- or 2-byte dtype, in that dtype, as its bits.
     A wider result (ml_dtypes' np.clip returns float32) is cast back, as a writer would."""
     with np.errstate(all="ignore"):  # the table holds NaN and extremes a chunk may not
-        table = np.asarray(elementwise(_all_values(dtype)))
+        table = np.asarray(elementwise(all_values(dtype)))
         table = np.ascontiguousarray(table.astype(dtype, copy=False))
     if table.shape != (256**dtype.itemsize,):
         raise ValueError(f"not an elementwise map: all values gave shape {table.shape}")
-    bits: np.ndarray = table.view(_INDEX[dtype.itemsize])
+    bits: np.ndarray = table.view(bits_dtype(dtype))
     return bits
 
 

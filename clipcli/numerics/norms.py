@@ -10,53 +10,90 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
-from clipcli.dtypes import finfo, is_floating
+from clipcli.dtypes import bits_dtype, float64_values, is_bfloat16, is_float8, is_small_float
 from clipcli.numerics import float16, lookup
+from clipcli.numerics.widening import widen_real
 
 # Elements per piece inside NormAccumulator.add: 2 MiB of float64.
 CACHE_BLOCK = 1 << 18
-# float64 squares lose precision below 2**-511 and overflow above 2**511; scale outside.
-_SAFE_HI = 2.0**500
-_SAFE_LO = 2.0**-500
+
+# ---------------------------------------------------------------- the one scaled sum
+#
+# float64 squares overflow above 2**511 and lose precision below 2**-511, and a dot product
+# of up to 2**63 terms must not overflow either; so data whose largest magnitude lies
+# outside [SAFE_LO, SAFE_HI] is scaled by a power of two first (exact), and sums are carried
+# as mant * 2**exp. One rule and one carrier for every sum of squares and product in
+# clipcli: per tensor (NormAccumulator), per slice (slices.py) and A·B (diff).
+SAFE_HI = 2.0**400
+SAFE_LO = 2.0**-400
 
 
-def _as_real(chunk: np.ndarray) -> np.ndarray:
-    """A real view for complex data (sum |z|² == sum of squares of re and im)."""
-    if chunk.dtype.kind == "c":
-        return chunk.view(chunk.real.dtype)
-    return chunk
+def rescale_exponent(peak: float) -> int:
+    """The power of two to divide data by before squaring, given its largest magnitude:
+    0 inside the safe range (and for 0 or non-finite peaks), else the peak's exponent."""
+    if SAFE_LO <= peak <= SAFE_HI or peak == 0.0 or not math.isfinite(peak):
+        return 0
+    return math.frexp(peak)[1]
 
 
-def _is_bfloat16(dtype: np.dtype[Any]) -> bool:
-    return dtype.type.__name__ == "bfloat16"  # dtype.name is computed in Python: 10x slower
+def rescale_exponents(peaks: np.ndarray) -> np.ndarray:
+    """rescale_exponent of each peak, as int64."""
+    usable = np.isfinite(peaks) & (peaks > 0) & ((peaks < SAFE_LO) | (peaks > SAFE_HI))
+    exps: np.ndarray = np.frexp(np.where(usable, peaks, 1.0))[1].astype(np.int64)
+    exps[~usable] = 0
+    return exps
 
 
-def widen(chunk: np.ndarray) -> np.ndarray:
-    """The chunk as float64 (real view for complex), values unchanged."""
-    chunk = _as_real(chunk)
-    if chunk.dtype == np.float64:
-        return chunk
-    if lookup.is_float8(chunk.dtype):
-        return lookup.as_float32(chunk).astype(np.float64)
-    with np.errstate(invalid="ignore"):  # a signalling NaN stays NaN: nothing to warn of
-        if chunk.dtype.kind == "V":
-            # ml_dtypes' bfloat16 casts fast to float32; straight to float64 a NaN warns.
-            return chunk.astype(np.float32).astype(np.float64)
-        return chunk.astype(np.float64)
+@dataclass
+class ScaledSum:
+    """A float64 sum carried as mant * 2**exp (mant normalised to [0.5, 1) in magnitude,
+    signed), so that no sum of scaled terms overflows or underflows."""
+
+    mant: float = 0.0
+    exp: int = 0
+
+    def add(self, mant: float, exp: int) -> None:
+        """Add mant * 2**exp."""
+        if mant == 0.0:
+            return
+        if self.mant == 0.0:
+            total, at = mant, exp
+        elif exp > self.exp:
+            total, at = mant + math.ldexp(self.mant, self.exp - exp), exp
+        else:
+            total, at = self.mant + math.ldexp(mant, exp - self.exp), self.exp
+        if math.isfinite(total) and total != 0.0:
+            frac, shift = math.frexp(total)
+            self.mant, self.exp = frac, at + shift
+        else:
+            self.mant, self.exp = total, at
+
+    def merge(self, other: ScaledSum) -> None:
+        self.add(other.mant, other.exp)
+
+
+def scaled_dot(a: np.ndarray, b: np.ndarray, max_a: float, max_b: float) -> tuple[float, int]:
+    """a·b of float64 arrays as (mant, exp) meaning mant * 2**exp, given their largest
+    magnitudes; each side rescaled by the one rule when its values are extreme."""
+    if max_a == 0.0 or max_b == 0.0:
+        return 0.0, 0
+    exp_a, exp_b = rescale_exponent(max_a), rescale_exponent(max_b)
+    scaled_a = np.ldexp(a, -exp_a) if exp_a else a
+    scaled_b = np.ldexp(b, -exp_b) if exp_b else b
+    return float(np.dot(scaled_a, scaled_b)), exp_a + exp_b
 
 
 @dataclass
 class NormAccumulator:
-    """Running sum of squares (as ssq * 4**exp), max |x| and non-finite count of a tensor."""
+    """Running sum of squares, max |x| and non-finite count of a tensor."""
 
-    ssq: float = 0.0
-    exp: int = 0
+    sumsq: ScaledSum = field(default_factory=ScaledSum)
     max_abs: float = 0.0  # over the finite values (what sums are scaled by)
     inf_count: int = 0
     nonfinite: int = 0
@@ -73,22 +110,24 @@ class NormAccumulator:
     histogram: tuple[np.ndarray, np.ndarray] | None = None  # (bit patterns, counts), nonzero
     hist_dtype: np.dtype[Any] | None = None
 
+    @property
+    def ssq(self) -> float:
+        """The sum of squares is ssq * 4**exp (ssq in [0.5, 2), or 0)."""
+        return math.ldexp(self.sumsq.mant, self.sumsq.exp % 2)
+
+    @property
+    def exp(self) -> int:
+        return self.sumsq.exp // 2
+
     def add_sumsq(self, ssq: float, exp: int) -> None:
-        if ssq == 0.0:
-            return
-        if self.ssq == 0.0:
-            self.ssq, self.exp = ssq, exp
-        elif exp > self.exp:
-            self.ssq = ssq + math.ldexp(self.ssq, 2 * (self.exp - exp))
-            self.exp = exp
-        else:
-            self.ssq += math.ldexp(ssq, 2 * (exp - self.exp))
+        """Add ssq * 4**exp."""
+        self.sumsq.add(ssq, 2 * exp)
 
     def add(self, chunk: np.ndarray) -> None:
         """Accumulate one chunk of any numeric dtype."""
-        if self.keep_histogram and chunk.dtype.itemsize <= 2 and is_floating(chunk.dtype):
+        if self.keep_histogram and is_small_float(chunk.dtype):
             counts = np.bincount(
-                chunk.reshape(-1).view(f"u{chunk.dtype.itemsize}"),
+                chunk.reshape(-1).view(bits_dtype(chunk.dtype)),
                 minlength=256**chunk.dtype.itemsize,
             )
             self.counts = counts if self.counts is None else self.counts + counts
@@ -107,9 +146,9 @@ class NormAccumulator:
         # cannot overflow or underflow in float64. numpy's float16 max/min/cast run at
         # 1-5 ns/element, so float16 goes through float32 too.
         bound = math.inf
-        if _is_bfloat16(chunk.dtype):
+        if is_bfloat16(chunk.dtype):
             chunk = chunk.astype(np.float32)  # exact, NaN and inf included
-        elif lookup.is_float8(chunk.dtype):
+        elif is_float8(chunk.dtype):
             chunk = lookup.as_float32(chunk)  # exact; ml_dtypes' cast is 9x slower
         narrow = chunk
         if chunk.dtype == np.float16:
@@ -126,7 +165,7 @@ class NormAccumulator:
                 return
         chunk = narrow  # float16 with inf/NaN: the bit trick's stand-ins are not the values
         self.numel += chunk.size
-        wide = widen(chunk)
+        wide = widen_real(chunk)
         # Extremes on the narrow data where numpy orders it fast (fewer bytes to scan).
         kind, itemsize = chunk.dtype.kind, chunk.dtype.itemsize
         ordered = chunk if kind in "iub" or (kind == "f" and itemsize >= 4) else wide
@@ -145,7 +184,7 @@ class NormAccumulator:
             chunk = chunk[finite]
             if chunk.size == 0:
                 return
-            wide = widen(chunk)
+            wide = widen_real(chunk)
             high, low = float(np.max(wide)), float(np.min(wide))
         elif chunk.dtype.kind != "c":
             self.max_value = max(self.max_value, high)
@@ -159,12 +198,9 @@ class NormAccumulator:
         self.max_abs = max(self.max_abs, chunk_max)
         if chunk_max == 0.0:
             return
-        if _SAFE_LO <= chunk_max <= _SAFE_HI:
-            self.add_sumsq(float(np.dot(wide, wide)), 0)
-        else:
-            exp = math.frexp(chunk_max)[1]
-            scaled = np.ldexp(wide, -exp)
-            self.add_sumsq(float(np.dot(scaled, scaled)), exp)
+        exp = rescale_exponent(chunk_max)
+        scaled = np.ldexp(wide, -exp) if exp else wide
+        self.add_sumsq(float(np.dot(scaled, scaled)), exp)
 
     def finish(self) -> None:
         """Turn the bit-pattern counts (if any) into the statistics and a sparse histogram."""
@@ -172,7 +208,7 @@ class NormAccumulator:
             return
         counts, self.counts = self.counts, None
         assert self.hist_dtype is not None
-        values = lookup.float64_values(self.hist_dtype)
+        values = float64_values(self.hist_dtype)
         present = counts > 0
         nan = np.isnan(values)
         finite = np.isfinite(values)
@@ -194,7 +230,7 @@ class NormAccumulator:
             self.add_sumsq(float(np.sum(kept * (magnitudes * magnitudes))), 0)
         # Kept until planning is done, so stored small: 6 bytes per distinct value.
         count_type = np.uint32 if self.numel < 2**32 else np.int64
-        self.histogram = (bits.astype(f"u{self.hist_dtype.itemsize}"), kept.astype(count_type))
+        self.histogram = (bits.astype(bits_dtype(self.hist_dtype)), kept.astype(count_type))
 
     @property
     def largest_magnitude(self) -> float:
@@ -205,7 +241,7 @@ class NormAccumulator:
         if other.counts is not None:
             self.keep_histogram, self.hist_dtype = True, other.hist_dtype
             self.counts = other.counts if self.counts is None else self.counts + other.counts
-        self.add_sumsq(other.ssq, other.exp)
+        self.sumsq.merge(other.sumsq)
         self.max_abs = max(self.max_abs, other.max_abs)
         self.nonfinite += other.nonfinite
         self.nan_count += other.nan_count
@@ -226,7 +262,7 @@ class NormAccumulator:
     def limit_ratio(self, limit: float) -> float:
         """limit / norm, exact even when the norm itself overflows float64 (1e308 values);
         inf for a zero norm."""
-        if self.ssq == 0.0:
+        if self.sumsq.mant == 0.0:
             return math.inf
         try:
             return math.ldexp(limit / math.sqrt(self.ssq), -self.exp)
@@ -277,104 +313,50 @@ def global_norm(norms: Iterable[float]) -> float:
     return acc.norm
 
 
-# Working memory for the float64 copies that slice norms need, per block of slices.
-SLICE_BLOCK_BYTES = 8 << 20
+# ---------------------------------------------------------------- certain sums of squares
 
 
-def slice_blocks(shape: tuple[int, ...], axes: tuple[int, ...]) -> list[tuple[slice, ...]]:
-    """Index tuples cutting an array into contiguous blocks of rows (along axis 0), each
-    small enough that its float64 copy fits SLICE_BLOCK_BYTES."""
-    full = tuple(slice(None) for _ in shape)
-    if not shape or math.prod(shape) * 8 <= SLICE_BLOCK_BYTES:
-        return [full]
-    per_row = max(1, math.prod(shape[1:])) * 8
-    step = max(1, SLICE_BLOCK_BYTES // per_row)
-    return [(slice(start, start + step),) + full[1:] for start in range(0, shape[0], step)]
+def two_square(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x*x as an exact sum high + low (Dekker's split; |x| well inside float64's range)."""
+    high = x * x
+    split = x * 134217729.0  # 2**27 + 1
+    x_high = split - (split - x)
+    x_low = x - x_high
+    return high, ((x_high * x_high - high) + 2 * x_high * x_low) + x_low * x_low
 
 
-def slice_norms(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-    """Norms over `axes` (keepdims), exact in float64; inf where a norm overflows."""
-    sums, exps = slice_sumsq(array, axes)
-    with np.errstate(over="ignore"):
-        norms: np.ndarray = np.ldexp(np.sqrt(sums), exps)
-    return norms
+def split_sumsq(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For rows of values of magnitude at most 1: (main, rest) such that each row's sum of
+    squares is exactly main + rest.sum(axis=1) (squares below 2**-1074 aside, see
+    underflow_bound). Each square is split exactly into two float64s (Dekker), the high
+    parts are added pairwise keeping each addition's exact error (TwoSum): only the tiny
+    terms in `rest` are left to add."""
+    high, low = two_square(x)
+    errors = [low]
+    level = high
+    while level.shape[1] > 1:
+        if level.shape[1] % 2:
+            level = np.pad(level, ((0, 0), (0, 1)))
+        a, b = level[:, 0::2], level[:, 1::2]
+        level = a + b
+        b_part = level - a
+        errors.append((a - (level - b_part)) + (b - b_part))
+    return level[:, 0], np.concatenate(errors, axis=1)
 
 
-def slice_sumsq(array: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """(sums, exps) with keepdims: each slice's norm is sqrt(sums) * 2**exps, kept apart so
-    that norms beyond float64's range still give exact ratios. Computed over blocks of rows
-    so the float64 working copy stays bounded."""
-    keep_shape = [1 if i in axes else n for i, n in enumerate(array.shape)]
-    if array.size == 0:
-        return np.zeros(keep_shape), np.zeros(keep_shape, dtype=np.int64)
-    if len(axes) == array.ndim:
-        acc = accumulate_array(array)
-        return np.full(keep_shape, acc.ssq), np.full(keep_shape, acc.exp, dtype=np.int64)
-    blocks = slice_blocks(array.shape, axes)
-    if 0 not in axes:  # each block holds whole slices
-        parts = [_scaled_sums(array[b], axes) for b in blocks]
-        return (
-            np.concatenate([p[1] for p in parts], axis=0),
-            np.concatenate([p[0] for p in parts], axis=0),
-        )
-    # Slices run across blocks: find each slice's peak first, so that every block is
-    # scaled by the same power of two and the partial sums simply add.
-    peak = np.zeros(keep_shape)
-    for block in blocks:
-        peak = np.maximum(peak, _peaks(array[block], axes))
-    exps = _exponents(peak)
-    total = np.zeros(keep_shape)
-    for block in blocks:
-        total += _sum_squares(array[block], axes, exps)
-    return total, exps
+def underflow_bound(x: np.ndarray) -> np.ndarray:
+    """Per row, what squares lost to underflow may miss: elements below 2**-400 (relative to
+    the peak of 1) may have squares below float64's normal range."""
+    result: np.ndarray = 4 * np.count_nonzero(np.abs(x) < 2.0**-400, axis=1) * 2.0**-1074
+    return result
 
 
-def _wide_abs(array: np.ndarray) -> np.ndarray:
-    """|x| as float64 (the modulus for complex)."""
-    wide: np.ndarray = (
-        np.abs(array.astype(np.complex128)) if array.dtype.kind == "c" else np.abs(widen(array))
-    )
-    return wide
-
-
-def _peaks(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-    peaks: np.ndarray = np.max(_wide_abs(array), axis=axes, keepdims=True)
-    return peaks
-
-
-def _exponents(peak: np.ndarray) -> np.ndarray:
-    safe = np.where((peak > 0) & np.isfinite(peak), peak, 1.0)
-    exps: np.ndarray = np.frexp(safe)[1]
-    return exps
-
-
-def _sum_squares(array: np.ndarray, axes: tuple[int, ...], exps: np.ndarray) -> np.ndarray:
-    scaled = np.ldexp(_wide_abs(array), -exps)
-    sums: np.ndarray = np.sum(scaled * scaled, axis=axes, keepdims=True)
-    return sums
-
-
-def _scaled_sums(array: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """(exponents, scaled sums of squares) of the slices of one block."""
-    exps = _exponents(_peaks(array, axes))
-    return exps, _sum_squares(array, axes, exps)
-
-
-def unit_roundoff(dtype: np.dtype[Any]) -> float:
-    """Half the machine epsilon: the largest relative error of rounding to this dtype."""
-    if not is_floating(dtype):
-        return 0.0
-    if dtype.kind == "c":
-        dtype = np.dtype(dtype.char.lower()) if dtype.char in "FD" else np.dtype(np.float64)
-    return float(finfo(dtype).eps) / 2
-
-
-def smallest_subnormal(dtype: np.dtype[Any]) -> float:
-    if not is_floating(dtype):
-        return 0.0
-    if dtype.kind == "c":
-        dtype = np.dtype(np.float32) if dtype.itemsize == 8 else np.dtype(np.float64)
-    return float(finfo(dtype).smallest_subnormal)
+def sumsq_error_bound(x: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """Per row, a bound of the error of main + (rest summed in plain float64): the float64
+    sum of rest errs by at most (terms + 4) roundings of the sum of magnitudes."""
+    rounding = (rest.shape[1] + 4) * 2.0**-53 * np.abs(rest).sum(axis=1) * 2
+    result: np.ndarray = rounding + underflow_bound(x)
+    return result
 
 
 # Up to this many error terms, CertainSumsq adds them as fractions: exact, so that a small
@@ -395,38 +377,21 @@ class CertainSumsq:
         self.bound = Fraction(0)
 
     def add(self, chunk: np.ndarray) -> None:
-        magnitudes = np.abs(widen(chunk)).reshape(-1)
+        magnitudes = np.abs(widen_real(chunk)).reshape(-1)
         magnitudes = magnitudes[magnitudes != 0]
         if magnitudes.size == 0:
             return
         exp = math.frexp(float(magnitudes.max()))[1]
-        x = np.ldexp(magnitudes, -exp)  # below 1; tiny ones may underflow (bounded below)
-        high = x * x
-        split = x * 134217729.0  # 2**27 + 1
-        x_high = split - (split - x)
-        x_low = x - x_high
-        low = ((x_high * x_high - high) + 2 * x_high * x_low) + x_low * x_low
-        errors = [low]
-        level = high
-        while level.size > 1:
-            if level.size % 2:
-                level = np.append(level, 0.0)
-            a, b = level[0::2], level[1::2]
-            level = a + b
-            b_part = level - a
-            errors.append((a - (level - b_part)) + (b - b_part))
-        rest = np.concatenate(errors)
-        terms = rest.size + 4
-        # Squares of elements below 2**-400 (relative to the peak) may underflow.
-        underflows = int(np.count_nonzero(x < 2.0**-400))
-        error = terms * 2.0**-53 * float(np.sum(np.abs(rest))) * 2 + 4 * underflows * 2.0**-1074
+        x = np.ldexp(magnitudes, -exp)[None, :]  # below 1; tiny ones may underflow
+        main, rest = split_sumsq(x)
         weight = Fraction(4) ** exp
-        if rest.size <= _EXACT_REST:  # small: add the exact errors exactly (a norm == C)
-            exact = sum((Fraction(v) for v in rest[rest != 0].tolist()), Fraction(0))
-            error = 4 * underflows * 2.0**-1074
+        if rest.shape[1] <= _EXACT_REST:  # small: add the exact errors exactly (a norm == C)
+            exact = sum((Fraction(v) for v in rest[0][rest[0] != 0].tolist()), Fraction(0))
+            error = float(underflow_bound(x)[0])
         else:
             exact = Fraction(float(np.sum(rest)))
-        self.total += (Fraction(float(level[0])) + exact) * weight
+            error = float(sumsq_error_bound(x, rest)[0])
+        self.total += (Fraction(float(main[0])) + exact) * weight
         self.bound += Fraction(error) * weight
 
     def merge(self, other: CertainSumsq) -> None:

@@ -1,0 +1,366 @@
+"""The library face of clipcli: ls, measure, clip, convert, diff. Nothing here prints.
+
+Each job opens its input, checks what names alone decide (clipcli.scope), runs the
+streaming passes (clipcli.pipeline) and returns a frozen result for clipcli.report.
+`clip` measures, plans (clipcli.plan: a value, complete before the first byte is written),
+then executes the plan into OUT's target (clipcli.output: one commit point).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from clipcli import interrupts, pipeline, scope
+from clipcli.diff import DiffResult
+from clipcli.errors import UsageError
+from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
+from clipcli.formats.sharded import ShardedReader, ShardedWriter, output_names
+from clipcli.identity import InputGuard
+from clipcli.io import open_reader, writer_class
+from clipcli.measurement import Measurement
+from clipcli.numerics.norms import NormAccumulator, global_norm
+from clipcli.output import InputFootprint, Target, choose_target
+from clipcli.plan import ClipSpec, Mode, Outcome, Plan, Reason, TensorPlan, copy_plan, plan
+from clipcli.progress import SILENT, Progress
+from clipcli.selection import EVERY_TENSOR, Selection
+
+
+def list_tensors(path: Path) -> tuple[str, dict[str, str], list[TensorInfo]]:
+    with open_reader(path) as reader:
+        return reader.format_name, dict(reader.metadata), list(reader.infos)
+
+
+def measure(
+    path: Path,
+    selection: Selection = EVERY_TENSOR,
+    progress: Progress = SILENT,
+    notify: scope.Notify = scope.ignore,
+    group_by: str | None = None,
+) -> Measurement:
+    with open_reader(path) as reader:
+        return measure_reader(reader, selection, progress, notify, group_by)
+
+
+def measure_reader(
+    reader: Reader,
+    selection: Selection = EVERY_TENSOR,
+    progress: Progress = SILENT,
+    notify: scope.Notify = scope.ignore,
+    group_by: str | None = None,
+) -> Measurement:
+    infos = selection.check(reader.infos, notify)
+    selection.check_weights(infos, notify)
+    scope.warn_quantized(reader.infos, model_directory(reader), notify)
+    if group_by is not None:
+        counted = [i.name for i in scope.floating(infos) if selection.left_out(i.name) is None]
+        scope.check_groups(counted, group_by, notify)
+    return pipeline.measure(reader, infos, selection.describe, progress)
+
+
+def model_directory(reader: Reader) -> Path | None:
+    """The Hugging Face model directory being read, where a config.json may live."""
+    return reader.directory if isinstance(reader, ShardedReader) else None
+
+
+def diff(
+    path_a: Path,
+    path_b: Path,
+    selection: Callable[[str], bool] | None = None,
+    *,
+    chunk_elems: int | None = None,
+    progress: Progress = SILENT,
+    workers: int | None = None,
+    notify: scope.Notify = scope.ignore,
+) -> DiffResult:
+    """Compare the checkpoints at path_a (the reference) and path_b, of any formats."""
+    with open_reader(path_a) as reader_a, open_reader(path_b) as reader_b:
+        check_diff_scope(reader_a, reader_b, selection, notify)
+        return pipeline.compare(
+            reader_a,
+            reader_b,
+            selection,
+            chunk_elems=chunk_elems,
+            progress=progress,
+            workers=workers,
+        )
+
+
+def check_diff_scope(
+    a: Reader, b: Reader, selection: Callable[[str], bool] | None, notify: scope.Notify
+) -> None:
+    """Before reading data: refuse an empty selection over both files' names (exit 2), warn
+    about patterns matching nothing and about quantized weights (compared as codes)."""
+    include, exclude = getattr(selection, "include", ()), getattr(selection, "exclude", ())
+    names = list(dict.fromkeys([i.name for i in a.infos] + [i.name for i in b.infos]))
+    kept = [n for n in names if selection is None or selection(n)]
+    scope.check_patterns(names, include, exclude, kept, notify)
+    said: list[tuple[str, str]] = []  # A and B alike (e.g. a file and its copy): once
+    for reader in (a, b):
+        scope.warn_quantized(
+            reader.infos, model_directory(reader), lambda *message: said.append(message)
+        )
+    for level, text in dict.fromkeys(said):
+        notify(level, text)
+
+
+# ---------------------------------------------------------------- clipping
+
+
+@dataclass(frozen=True)
+class ClipRow:
+    """One tensor of a clip: what the plan decided and what the write pass did."""
+
+    plan: TensorPlan
+    outcome: Outcome
+
+    @property
+    def info(self) -> TensorInfo:
+        return self.plan.info
+
+    @property
+    def reason(self) -> Reason:
+        return self.plan.reason
+
+    @property
+    def before(self) -> NormAccumulator:
+        return self.plan.before
+
+    @property
+    def after(self) -> NormAccumulator:
+        return self.outcome.after
+
+    @property
+    def changed(self) -> bool:
+        return self.outcome.changed
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    src: Path
+    out: Path
+    spec: ClipSpec
+    dry_run: bool
+    plan: Plan
+    outcomes: tuple[Outcome, ...]
+
+    @property
+    def rows(self) -> list[ClipRow]:
+        return [ClipRow(p, o) for p, o in zip(self.plan.tensors, self.outcomes, strict=True)]
+
+    @property
+    def used_norm(self) -> float | None:
+        return self.plan.used_norm
+
+    @property
+    def global_before(self) -> float:
+        return self.plan.global_before
+
+    @property
+    def global_after(self) -> float:
+        return global_norm(r.after.norm for r in self.rows if r.plan.in_global)
+
+
+def clip(
+    src: Path,
+    out: str | Path,
+    spec: ClipSpec,
+    selection: Selection = EVERY_TENSOR,
+    *,
+    dry_run: bool = False,
+    force: bool = False,
+    durable: bool = True,
+    progress: Progress = SILENT,
+    allow_large_side_files: bool = False,
+    notify: scope.Notify = scope.ignore,
+) -> ClipResult:
+    """Measure, plan, then write the clipped copy atomically (a dry run writes nothing).
+    Signals are deferred for the whole run: acted on between chunks before the commit,
+    moot after it."""
+    target = _target(src, out, force, durable)
+    with interrupts.deferred(), open_reader(src) as reader:
+        writer_cls = check_writable(reader, target)
+        check_clip_scope(reader, spec, selection, notify)
+        if dry_run:
+            made = plan_clip(reader, spec, selection, progress)
+            outcomes = pipeline.execute(
+                made, reader, pipeline.DiscardingWriter(), progress, "computing"
+            )
+        else:
+            made, outcomes = _write_out(
+                reader,
+                writer_cls,
+                target,
+                lambda writer, guard: _plan_then_check(
+                    reader, spec, selection, progress, writer, guard
+                ),
+                allow_large_side_files,
+                progress,
+                notify,
+            )
+    return ClipResult(src, target.out, spec, dry_run, made, tuple(outcomes))
+
+
+def plan_clip(
+    reader: Reader,
+    spec: ClipSpec,
+    selection: Selection,
+    progress: Progress = SILENT,
+    writer: Writer | None = None,
+) -> Plan:
+    """Measure every tensor and decide what happens to it. Raises before OUT is touched.
+    With a writer, tensors the plan will most likely leave alone are handed to its
+    copy_ahead while the others are still being measured."""
+    hook = pipeline.copy_ahead_hook(spec, reader, writer) if writer is not None else None
+    measurement = pipeline.measure(
+        reader,
+        list(reader.infos),
+        selection.describe,
+        progress,
+        histograms=spec.mode is not Mode.VALUE and spec.axes is None,
+        on_measured=hook,
+    )
+    return plan(measurement, spec, pipeline.output_check(reader))
+
+
+def check_clip_scope(
+    reader: Reader, spec: ClipSpec, selection: Selection, notify: scope.Notify
+) -> None:
+    """Everything about what the clip acts on that names alone decide, refused before any
+    data is read: the selection, training state, quantized weights, --axes, --group-by."""
+    selected = selection.check(reader.infos, notify)
+    selection.check_weights(selected, notify)
+    targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
+    acted_on = [i for i in selected if selection.left_out(i.name) is None]
+    scope.refuse_quantized(reader.infos, acted_on, model_directory(reader))
+    if spec.mode is Mode.NORM and spec.axes is not None:
+        scope.check_axes(targets, spec.axes, spec.skip_low_rank, notify)
+    if spec.group_by is not None:
+        scope.check_groups([i.name for i in targets], spec.group_by, notify)
+
+
+def _plan_then_check(
+    reader: Reader,
+    spec: ClipSpec,
+    selection: Selection,
+    progress: Progress,
+    writer: Writer,
+    guard: InputGuard,
+) -> Plan:
+    made = plan_clip(reader, spec, selection, progress, writer)
+    guard.check("between the measuring and the writing pass")
+    return made
+
+
+def convert(
+    src: Path,
+    out: str | Path,
+    *,
+    force: bool = False,
+    durable: bool = True,
+    progress: Progress = SILENT,
+    allow_large_side_files: bool = False,
+    notify: scope.Notify = scope.ignore,
+) -> list[TensorInfo]:
+    """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
+    target = _target(src, out, force, durable)
+    with interrupts.deferred(), open_reader(src) as reader:
+        writer_cls = check_writable(reader, target)
+        copying = copy_plan(reader.infos)
+        _write_out(
+            reader,
+            writer_cls,
+            target,
+            lambda _writer, _guard: copying,
+            allow_large_side_files,
+            progress,
+            notify,
+        )
+        return list(reader.infos)
+
+
+# ---------------------------------------------------------------- writing OUT
+
+
+def check_writable(reader: Reader, target: Target) -> type[Writer]:
+    """The writer for OUT, once every limit of its format that is known before writing
+    holds (names, dtypes, names together, metadata): a refusal is exit 2 naming the tensor
+    or key, before anything is created."""
+    cls: type[Writer] = ShardedWriter if target.is_directory else writer_class(target.out)
+    for info in reader.infos:
+        reason = cls.check_name(info.name) or cls.check_dtype(info)
+        if reason is not None:
+            raise UsageError(f"{target.out}: tensor {info.name!r}: {reason}")
+    reason = cls.check_names([info.name for info in reader.infos]) or cls.check_metadata(
+        _output_metadata(reader, target.is_directory), reader
+    )
+    if reason is not None:
+        raise UsageError(f"{target.out}: {reason}")
+    return cls
+
+
+def _output_metadata(reader: Reader, to_directory: bool) -> dict[str, str]:
+    # Shards joined into one file keep the shards' own __metadata__, not the index's.
+    if not to_directory and isinstance(reader, ShardedReader):
+        return reader.common_shard_metadata()
+    return dict(reader.metadata)
+
+
+SIDE_FILE_LIMIT = 1 << 30  # bytes: configs and tokenizers are far smaller
+
+
+def _check_side_files(reader: Reader, allow_large: bool) -> None:
+    """A model directory's other files are copied; one of absurd size is refused unless
+    allowed, since a sparse 1 TB file would otherwise fill the disk."""
+    if allow_large:
+        return
+    for path in reader.side_files():
+        size = path.stat().st_size
+        if size > SIDE_FILE_LIMIT:
+            raise UsageError(
+                f"{path}: side file of {size} bytes is over the {SIDE_FILE_LIMIT >> 30} GiB "
+                "limit for files copied beside the weights; pass --allow-large-side-files"
+            )
+
+
+def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
+    is_directory = src.is_dir() or src.name.endswith(".index.json")
+    return choose_target(out, input_is_directory=is_directory, force=force, durable=durable)
+
+
+def _write_out(
+    reader: Reader,
+    writer_cls: type[Writer],
+    target: Target,
+    make_plan: Callable[[Writer, InputGuard], Plan],
+    allow_large_side_files: bool,
+    progress: Progress,
+    notify: scope.Notify,
+) -> tuple[Plan, list[Outcome]]:
+    """Write OUT through its target. The plan is made once the writer exists, so that it
+    can start copying unchanged tensors early; a refusal while planning leaves nothing.
+    The input must not change from opening to the commit (clipcli.identity)."""
+    guard = InputGuard(reader.source_files())
+    target.check(InputFootprint(reader.path, reader.source_files()), output_names(reader))
+    if target.is_directory:
+        _check_side_files(reader, allow_large_side_files)
+        if isinstance(reader, ShardedReader):
+            for entry in reader.skipped_files():
+                where = entry.relative_to(reader.directory).as_posix()
+                notify("note", f"left out {where}: {reader.left_out_reason(entry)}")
+    metadata = _output_metadata(reader, target.is_directory)
+    with target.stage() as staged:
+        writer = writer_cls(
+            staged, Checkpoint(list(reader.infos), metadata, reader), target.durable
+        )
+        try:
+            made = make_plan(writer, guard)
+        except BaseException:
+            writer.abort()
+            raise
+        outcomes = pipeline.execute(made, reader, writer, progress)
+        guard.check("while it was being read")
+    for note in target.notes:
+        notify("note", note)
+    return made, outcomes

@@ -1,0 +1,206 @@
+"""Rounding in a tensor's own dtype: scaling and clamping chunks, each value rounded once.
+
+- narrow_round: float64 to any float dtype with a single rounding (ml_dtypes rounds twice).
+- scale_chunk: chunk * factor, computed exactly in float64 and rounded once.
+- value_bounds / clamp_chunk: clip_by_value's bounds shrunk to values the dtype holds, and
+  the clamp that keeps every element within them (and NaN) bit for bit.
+8- and 16-bit floats go through tables of all their values (lookup.py), one per factor or
+pair of bounds, built by the very same functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from clipcli.dtypes import (
+    bits_dtype,
+    finfo,
+    has_infinity,
+    is_float8,
+    is_small_float,
+    smallest_without_zero,
+)
+from clipcli.errors import DataRefusedError
+from clipcli.numerics import float16, lookup
+from clipcli.numerics.widening import widen
+
+
+def narrow_round(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """float64 (complex128) values rounded once, to nearest with ties to even, to `dtype`.
+
+    numpy rounds float64 to float32 and float16 directly, but ml_dtypes (bfloat16, fp8)
+    goes through float32, rounding twice. Rounding to float32 *to odd* first (truncate,
+    then set the last bit if anything was cut off) keeps enough information that the
+    second rounding, to any format at least two bits narrower, is the correct one."""
+    if dtype.kind == "c" or dtype.itemsize >= 4:
+        narrowed: np.ndarray = wide.astype(dtype)
+        return narrowed
+    if dtype == np.float16 and wide.dtype == np.float64:
+        # Cheaper on the bits: cut the float64 mantissa to float32's 23 bits, keeping a
+        # sticky bit, then an exact cast. Below float32's normal range (2**-126) the cast
+        # rounds again, but such values are far below float16's half-step and become 0.
+        bits64 = wide.view(np.uint64)
+        sticky = (bits64 & np.uint64(0x1FFFFFFF)) != 0
+        cut = (bits64 & ~np.uint64(0x1FFFFFFF)).view(np.float64)
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            single = cut.astype(np.float32)
+        single.view(np.uint32)[...] |= sticky
+        return float16.from_float32(single)
+    with np.errstate(over="ignore", invalid="ignore"):
+        single = wide.astype(np.float32)
+        finite = np.isfinite(single)
+        back = single.astype(np.float64)
+    bits = single.view(np.uint32)
+    bits -= (np.abs(back) > np.abs(wide)) & finite  # rounded up in magnitude: truncate
+    bits |= (back != wide) & finite  # inexact: make it odd (sticky bit)
+    if dtype == np.float16:
+        return float16.from_float32(single)
+    smallest = smallest_without_zero(dtype)
+    if smallest is not None:
+        # No zero to round to (e8m0fnu: 2**-127 and up). Below float32's normal range the
+        # result is decided here: ml_dtypes rounds float32 subnormals up (1.2 * 2**-127
+        # became 2**-126), and a value float32 flushed to 0 would become NaN. The nearest
+        # of the two smallest values, a tie going up as ml_dtypes rounds e8m0 ties; below
+        # the smallest, the smallest (a positive value never becomes NaN).
+        tiny = (wide > 0) & (wide < 2.0**-126)
+        if np.any(tiny):
+            single[tiny] = np.where(wide[tiny] < 1.5 * smallest, smallest, 2 * smallest)
+    with np.errstate(over="ignore", invalid="ignore"):
+        result: np.ndarray = single.astype(dtype)
+    return result
+
+
+def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0) -> np.ndarray:
+    """chunk * scale * 2**exponent, computed wide and rounded once to the chunk's dtype.
+    The exponent carries factors too small for a float64 (C / ||t|| below 1e-308)."""
+    if np.ndim(scale) == 0 and (chunk.dtype == np.float16 or is_float8(chunk.dtype)):
+        return lookup.look_up(chunk, _scale_table(chunk.dtype, float(scale), exponent))
+    return _scale(chunk, scale, exponent)
+
+
+@functools.lru_cache(maxsize=16)
+def _scale_table(dtype: np.dtype[Any], scale: float, exponent: int) -> np.ndarray:
+    """Every value of an 8- or 16-bit float scaled as _scale does, as bits. One table per
+    scale serves every chunk: a global clip has one scale for the whole checkpoint."""
+    table = lookup.table_of(dtype, lambda values: _scale(values, scale, exponent))
+    table.flags.writeable = False
+    return table
+
+
+def _scale(chunk: np.ndarray, scale: float | np.ndarray, exponent: int) -> np.ndarray:
+    """chunk * scale * 2**exponent in float64 (complex128), rounded once to the chunk's
+    dtype. The search gives factors with few enough bits that the product is exact for
+    8- to 32-bit floats, so the only rounding is the last one (narrow_round)."""
+    if exponent:
+        # Fold the mantissa's own power of two into the exponent: a mantissa like 1e16
+        # would overflow a float64 element near 1e300 before the exponent brings it down.
+        scale, shift = math.frexp(float(scale))
+        exponent += shift
+    factor = np.asarray(scale, dtype=np.float64)
+    wide = widen(chunk)
+    if wide.dtype.kind == "c":
+        # Part by part: z * (s + 0j) computes re*0 + im*s, which turns -0.0 into +0.0.
+        out = np.empty(np.broadcast_shapes(wide.shape, factor.shape), np.complex128)
+        out.real = np.ldexp(wide.real * factor, exponent)
+        out.imag = np.ldexp(wide.imag * factor, exponent)
+        return narrow_round(out, chunk.dtype)
+    wide = wide * factor
+    if exponent:
+        wide = np.ldexp(wide, exponent)
+    if smallest_without_zero(chunk.dtype) is not None:
+        # Every value of a dtype without zero is positive (or NaN): a product that
+        # underflowed float64 is a tiny positive value, which rounds to the smallest.
+        wide[wide == 0] = 5e-324
+    return narrow_round(wide, chunk.dtype)
+
+
+def value_bounds(dtype: np.dtype[Any], low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    """[low, high] shrunk to the nearest values the dtype can hold, so clamping never
+    overshoots. A missing bound (+-inf) is the dtype's own extreme: an infinity where it
+    has one, else its largest (smallest) finite value, as fp8 types have no infinity.
+    Refused (DataRefusedError) when no finite value of the dtype lies in [low, high]."""
+    lo = _representable(dtype, low, toward=1)
+    hi = _representable(dtype, high, toward=-1)
+    if lo is None or hi is None or float(lo) > float(hi) or float(lo) == math.inf:
+        raise DataRefusedError(
+            f"no {dtype.name} value lies in [{low:g}, {high:g}]; value clipping is impossible"
+        )
+    if float(hi) == -math.inf:
+        raise DataRefusedError(
+            f"no {dtype.name} value lies in [{low:g}, {high:g}]; value clipping is impossible"
+        )
+    return lo, hi
+
+
+def _representable(dtype: np.dtype[Any], value: float, toward: int) -> np.ndarray | None:
+    """The dtype value (0-d) nearest `value` that is >= it (toward=1) or <= it (toward=-1);
+    None if there is none (above the largest value, or below the smallest)."""
+    info = finfo(dtype)
+    top, bottom = float(info.max), float(info.min)  # bottom > 0 for unsigned fp8 (e8m0)
+    if value == math.inf or value == -math.inf:
+        if (value > 0) == (toward > 0):  # a bound that excludes everything
+            return np.asarray(value).astype(dtype) if has_infinity(dtype) else None
+        if has_infinity(dtype):
+            return np.asarray(value).astype(dtype)
+        return np.asarray(top if value > 0 else bottom).astype(dtype)
+    if value > top:
+        return np.asarray(top).astype(dtype) if toward < 0 else None
+    if value < bottom:
+        return np.asarray(bottom).astype(dtype) if toward > 0 else None
+    with np.errstate(all="ignore"):
+        candidate = np.asarray(value).astype(dtype)
+    if (float(candidate) - value) * toward >= 0:
+        return candidate
+    return _next_toward(candidate, toward)
+
+
+def _next_toward(value: np.ndarray, direction: int) -> np.ndarray:
+    """The adjacent representable value (sign-magnitude float bit patterns; unsigned types
+    such as float8_e8m0fnu have no sign bit and simply count up)."""
+    uint = bits_dtype(value.dtype)
+    bits = int(value.view(uint))
+    if float(finfo(value.dtype).min) > 0:
+        return np.asarray(bits + direction, dtype=uint).view(value.dtype)
+    sign_bit = 1 << (8 * value.dtype.itemsize - 1)
+    negative = bool(bits & sign_bit)
+    magnitude = bits & ~sign_bit
+    if magnitude == 0:
+        bits = 1 if direction > 0 else sign_bit | 1
+    elif negative == (direction > 0):
+        bits -= 1
+    else:
+        bits += 1
+    return np.asarray(bits, dtype=uint).view(value.dtype)
+
+
+def clamp_chunk(chunk: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Elementwise clamp in the tensor's own dtype. An element within [lo, hi] keeps its
+    bits (-0.0 on a bound of 0 included), and so does NaN, payload and all: only elements
+    strictly below lo or above hi are replaced, by the bound."""
+    if is_small_float(chunk.dtype):  # float16, bfloat16, fp8: through a table
+        bounds = (np.asarray(bound, dtype=chunk.dtype).tobytes() for bound in (lo, hi))
+        return lookup.look_up(chunk, _clamp_table(chunk.dtype, *bounds))
+    return _clamp(chunk, lo, hi)
+
+
+def _clamp(chunk: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    wide = widen(chunk) if is_small_float(chunk.dtype) else chunk
+    clamped = chunk.copy()
+    with np.errstate(invalid="ignore"):
+        np.copyto(clamped, np.asarray(lo, chunk.dtype), where=wide < float(lo))
+        np.copyto(clamped, np.asarray(hi, chunk.dtype), where=wide > float(hi))
+    return clamped
+
+
+@functools.lru_cache(maxsize=16)
+def _clamp_table(dtype: np.dtype[Any], lo_bits: bytes, hi_bits: bytes) -> np.ndarray:
+    """Every value of an 8- or 16-bit float clamped as _clamp does, as bits. Keyed by the
+    bounds' bits, since -0.0 == 0.0; one table serves the run."""
+    lo, hi = (np.frombuffer(bits, dtype=dtype)[0] for bits in (lo_bits, hi_bits))
+    table = lookup.table_of(dtype, lambda values: _clamp(values, lo, hi))
+    table.flags.writeable = False
+    return table

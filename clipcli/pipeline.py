@@ -1,0 +1,344 @@
+"""The streaming passes: measure, execute a plan, compare two checkpoints.
+
+Every pass has the same shape (`reduce_stream`): chunks are read in order in this thread,
+reduced to a few numbers in worker threads (clipcli.parallel.ordered_map), merged per
+tensor in order, with progress and signal checks between chunks. `write_tensors` is the
+one loop through which tensors reach a writer; `execute` carries a plan out through it
+and returns what happened without editing the plan. A dry run is a writer that writes
+nothing (DiscardingWriter).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from clipcli import diff_math, interrupts
+from clipcli.diff import DiffResult, PieceWork, pair_tensors, piece_work
+from clipcli.errors import UsageError
+from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
+from clipcli.measurement import Measurement, TensorStats
+from clipcli.numerics import rounding, slices
+from clipcli.numerics.norms import CertainSumsq, NormAccumulator, accumulate, accumulate_array
+from clipcli.parallel import ordered_map
+from clipcli.plan import Action, ClipSpec, EarlyVerdict, Outcome, Plan, TensorPlan
+from clipcli.progress import SILENT, Progress
+
+R = TypeVar("R")
+W = TypeVar("W")
+P = TypeVar("P")
+
+
+# ---------------------------------------------------------------- the common stream
+
+
+def chunk_sources(reader: Reader, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:
+    """Loaders of the tensor's chunks: parallel reads where the reader allows them, else
+    chunks read here in order and handed over as they are."""
+    loaders = reader.chunk_loaders(info)
+    if loaders is not None:
+        return loaders
+    return (functools.partial(_identity, chunk) for chunk in reader.chunks(info))
+
+
+def _identity(chunk: np.ndarray) -> np.ndarray:
+    return chunk
+
+
+def map_chunks(reader: Reader, info: TensorInfo, fn: Callable[[np.ndarray], R]) -> Iterator[R]:
+    """fn over the tensor's chunks in worker threads, results in order."""
+    return ordered_map(lambda load: fn(load()), chunk_sources(reader, info))
+
+
+def reduce_stream(
+    work: Iterable[W],
+    reduce: Callable[[W], tuple[int, P, int]],
+    merge: Callable[[int, P], None],
+    count: int,
+    progress: Progress,
+    label: str,
+    total_bytes: int,
+    *,
+    workers: int | None = None,
+    on_done: Callable[[int], None] | None = None,
+) -> None:
+    """reduce(item) -> (tensor index, partial result, bytes) over `work` in worker threads;
+    merge(index, partial) in order, here. on_done(index) is called for each of the `count`
+    tensors, in order, as soon as its last item is merged (empty tensors have none)."""
+    done_until = 0  # tensors before this index are complete
+    finished = on_done or _ignore
+    progress.start(label, total_bytes)
+    for index, partial, nbytes in ordered_map(reduce, work, workers):
+        for complete in range(done_until, index):
+            finished(complete)
+        done_until = index
+        interrupts.check()
+        merge(index, partial)
+        progress.advance(nbytes)
+    for complete in range(done_until, count):
+        finished(complete)
+    progress.finish()
+
+
+def _ignore(index: int) -> None:
+    pass
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def measure(
+    reader: Reader,
+    infos: Sequence[TensorInfo],
+    describe: Callable[[TensorInfo, NormAccumulator], TensorStats],
+    progress: Progress = SILENT,
+    *,
+    histograms: bool = False,
+    on_measured: Callable[[TensorStats], None] | None = None,
+) -> Measurement:
+    """Statistics of `infos`, chunks measured in worker threads across tensor bounds;
+    describe() says how each tensor counts (clipcli.selection). on_measured is told of
+    each tensor, in order, as soon as it is done. With `histograms`, 8- and 16-bit float
+    tensors also count their bit patterns (for the factor search)."""
+    stats = [NormAccumulator() for _ in infos]
+    rows: list[TensorStats] = []
+    work = ((i, load) for i, info in enumerate(infos) for load in chunk_sources(reader, info))
+
+    def reduce(item: tuple[int, Callable[[], np.ndarray]]) -> tuple[int, NormAccumulator, int]:
+        chunk = item[1]()
+        partial = NormAccumulator(keep_histogram=histograms)
+        partial.add(chunk)
+        return item[0], partial, chunk.nbytes
+
+    def done(index: int) -> None:
+        stats[index].finish()
+        rows.append(describe(infos[index], stats[index]))
+        if on_measured is not None:
+            on_measured(rows[-1])
+
+    reduce_stream(
+        work,
+        reduce,
+        lambda index, partial: stats[index].merge(partial),
+        len(infos),
+        progress,
+        "measuring",
+        sum(info.nbytes for info in infos),
+        on_done=done,
+    )
+    return Measurement(reader.path, reader.format_name, dict(reader.metadata), rows)
+
+
+def copy_ahead_hook(
+    spec: ClipSpec, reader: Reader, writer: Writer
+) -> Callable[[TensorStats], None]:
+    """Hands the writer each measured tensor that the plan will most likely leave alone."""
+    verdict = EarlyVerdict(spec)
+
+    def on_measured(t: TensorStats) -> None:
+        if verdict.unchanged(t):
+            writer.copy_ahead(reader, t.info)
+
+    return on_measured
+
+
+def output_check(reader: Reader) -> Callable[[Sequence[TensorInfo], float, int], CertainSumsq]:
+    """The factor search's data pass: the certain sum of squares of the tensors scaled by
+    mantissa * 2**exponent and rounded (clipcli.factor.OutputCheck)."""
+
+    def check(infos: Sequence[TensorInfo], mantissa: float, exponent: int) -> CertainSumsq:
+        def scaled(chunk: np.ndarray) -> CertainSumsq:
+            partial = CertainSumsq()
+            partial.add(rounding.scale_chunk(chunk, mantissa, exponent))
+            return partial
+
+        total = CertainSumsq()
+        for info in infos:
+            for partial in map_chunks(reader, info, scaled):
+                total.merge(partial)
+        return total
+
+    return check
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_tensors(
+    reader: Reader,
+    writer: Writer,
+    chunks_of: Callable[[TensorInfo], Iterable[np.ndarray] | None],
+    progress: Progress = SILENT,
+) -> None:
+    """The write loop, the one place tensors reach a writer: every tensor of the reader in
+    order, as chunks_of gives it, or, where chunks_of gives None, copied as it is (a kernel
+    copy where the writer can). abort() on any failure, close() after the last tensor."""
+    try:
+        for info in reader.infos:
+            interrupts.check()
+            chunks = chunks_of(info)
+            if chunks is None:
+                if writer.copy_unchanged(reader, info):
+                    progress.advance(info.nbytes)
+                    continue
+                chunks = _counted(reader.chunks(info), progress)
+            writer.write(info, chunks)
+        interrupts.check()
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _counted(chunks: Iterable[np.ndarray], progress: Progress) -> Iterator[np.ndarray]:
+    for chunk in chunks:
+        interrupts.check()
+        progress.advance(chunk.nbytes)
+        yield chunk
+
+
+class DiscardingWriter(Writer):
+    """A dry run's writer: takes every tensor (so its output is computed and measured)
+    and writes nothing."""
+
+    format_name = "none"
+
+    def __init__(self) -> None:
+        super().__init__(Path(os.devnull), Checkpoint([]))
+
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        for _ in chunks:
+            pass
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def execute(
+    plan: Plan, reader: Reader, writer: Writer, progress: Progress = SILENT, label: str = "writing"
+) -> list[Outcome]:
+    """Carry the plan out into the writer (closed at the end); what happened to each
+    tensor, in plan order. The plan is not touched."""
+    by_name = {p.info.name: p for p in plan.tensors}
+    outcomes: dict[str, Outcome] = {}
+
+    def chunks_of(info: TensorInfo) -> Iterable[np.ndarray] | None:
+        tensor = by_name[info.name]
+        if tensor.action is Action.AXES:
+            array, outcomes[info.name] = _clip_slices(reader, tensor, plan.spec)
+            progress.advance(info.nbytes)
+            return [array.reshape(-1)]
+        transform = _transform(tensor, plan.spec)
+        if transform is None:
+            outcomes[info.name] = Outcome(tensor.before, changed=False)
+            return None
+        after = NormAccumulator()
+        outcomes[info.name] = Outcome(after, changed=True)
+        pairs = map_chunks(reader, info, functools.partial(_with_stats, transform))
+        return _measured(pairs, after, progress)
+
+    progress.start(label, sum(p.info.nbytes for p in plan.tensors))
+    write_tensors(reader, writer, chunks_of, progress)
+    progress.finish()
+    return [outcomes[p.info.name] for p in plan.tensors]
+
+
+def _transform(
+    tensor: TensorPlan, spec: ClipSpec | None
+) -> Callable[[np.ndarray], np.ndarray] | None:
+    """What the write pass applies to each chunk of this tensor; None copies it as it is."""
+    if tensor.action is Action.SCALE:
+        assert tensor.factor is not None
+        factor, exponent = tensor.factor, tensor.exponent
+        return lambda chunk: rounding.scale_chunk(chunk, factor, exponent)
+    if tensor.action is Action.CLAMP:
+        assert spec is not None
+        low, high = rounding.value_bounds(tensor.info.dtype, spec.low, spec.high)
+        return lambda chunk: rounding.clamp_chunk(chunk, low, high)
+    return None
+
+
+def _clip_slices(
+    reader: Reader, tensor: TensorPlan, spec: ClipSpec | None
+) -> tuple[np.ndarray, Outcome]:
+    """--axes: the whole tensor in memory, each slice scaled on its own."""
+    assert spec is not None
+    array = reader.read(tensor.info)
+    _, scales = slices.axes_scales(array, tensor.axes, spec.limit)
+    clipped = int(np.count_nonzero(scales != 1.0))
+    if not clipped:
+        return array, Outcome(tensor.before, False, 0, int(scales.size))
+    array = slices.scale_slices(array, scales, tensor.axes)
+    return array, Outcome(accumulate_array(array), True, clipped, int(scales.size))
+
+
+def _measured(
+    chunks: Iterator[tuple[np.ndarray, NormAccumulator]], acc: NormAccumulator, progress: Progress
+) -> Iterator[np.ndarray]:
+    for chunk, partial in chunks:
+        interrupts.check()
+        acc.merge(partial)
+        progress.advance(chunk.nbytes)
+        yield chunk
+
+
+def _with_stats(
+    transform: Callable[[np.ndarray], np.ndarray], chunk: np.ndarray
+) -> tuple[np.ndarray, NormAccumulator]:
+    out = transform(chunk)
+    return out, accumulate([out])
+
+
+# ---------------------------------------------------------------- comparing
+
+
+def compare(
+    a: Reader,
+    b: Reader,
+    selection: Callable[[str], bool] | None = None,
+    *,
+    chunk_elems: int | None = None,
+    progress: Progress = SILENT,
+    workers: int | None = None,
+) -> DiffResult:
+    """Compare two open readers; `selection` (e.g. a Selection) filters tensor names.
+
+    chunk_elems: elements per piece read from each side (default: 1 MiB of the wider
+    dtype). workers: threads for the arithmetic (default parallel.worker_count()).
+    """
+    if chunk_elems is not None and chunk_elems < 1:
+        raise UsageError(f"chunk_elems must be positive, got {chunk_elems}")
+    pairs = pair_tensors(a, b, selection if selection is not None else _everything)
+    running = [diff_math.Running() for _ in pairs]
+    total = sum(
+        (p.info_a.nbytes if p.info_a else 0) + (p.info_b.nbytes if p.info_b else 0) for p in pairs
+    )
+
+    def reduce(item: PieceWork) -> tuple[int, diff_math.Partial, int]:
+        index, partial = diff_math.reduce_piece(item)
+        return index, partial, partial.nbytes
+
+    reduce_stream(
+        piece_work(a, b, pairs, chunk_elems),
+        reduce,
+        lambda index, partial: running[index].merge(partial),
+        len(pairs),
+        progress,
+        "comparing",
+        total,
+        workers=workers,
+    )
+    tensors = [diff_math.finish(p, run) for p, run in zip(pairs, running, strict=True)]
+    return diff_math.result(a, b, pairs, tensors)
+
+
+def _everything(name: str) -> bool:
+    return True

@@ -1,0 +1,61 @@
+"""--include/--exclude/--all-tensors: which tensors a command acts on, by name alone."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from clipcli import roles, scope
+from clipcli.dtypes import is_floating
+from clipcli.formats.base import TensorInfo
+from clipcli.measurement import TensorStats
+from clipcli.numerics.norms import NormAccumulator
+
+
+@dataclass(frozen=True)
+class Selection:
+    """--include/--exclude globs on tensor names; exclude wins."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    all_tensors: bool = False  # --all-tensors: training state counts too (clipcli.roles)
+
+    def __call__(self, name: str) -> bool:
+        if self.include and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
+            return False
+        return not any(fnmatch.fnmatchcase(name, g) for g in self.exclude)
+
+    def left_out(self, name: str) -> roles.Role | None:
+        """The role that keeps a tensor out of norms and clipping, None if it counts."""
+        if self.all_tensors:
+            return None
+        role = roles.classify(name)
+        return None if role is roles.Role.WEIGHT else role
+
+    def check(self, infos: Sequence[TensorInfo], notify: scope.Notify) -> list[TensorInfo]:
+        """The selected tensors; an empty selection is refused (exit 2) before any data is
+        read, and patterns that match nothing are warned about."""
+        selected = [info for info in infos if self(info.name)]
+        names = [info.name for info in infos]
+        scope.check_patterns(names, self.include, self.exclude, [i.name for i in selected], notify)
+        return selected
+
+    def check_weights(self, selected: Sequence[TensorInfo], notify: scope.Notify) -> None:
+        """Training state is left out (one note line); a selection of nothing else is
+        refused (exit 2)."""
+        kept_out = scope.left_out(selected, self.all_tensors)
+        scope.check_roles(selected, kept_out)
+        note = scope.left_out_note(kept_out)
+        if note is not None:
+            notify("note", note)
+
+    def describe(self, info: TensorInfo, stats: NormAccumulator) -> TensorStats:
+        """How a measured tensor counts: selected or not, its role, in the global norm."""
+        selected = self(info.name)
+        role = self.left_out(info.name) if selected else None
+        counts = selected and role is None and is_floating(info.dtype)
+        return TensorStats(info, stats, counts, role or roles.Role.WEIGHT, selected)
+
+
+EVERY_TENSOR = Selection()  # no patterns: every tensor, training state left out
