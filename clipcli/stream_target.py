@@ -35,10 +35,10 @@ class StdoutTarget(Target):
     kind = "stream"
     writer = SafetensorsStreamWriter
 
-    def __init__(self, *, force: bool, durable: bool) -> None:
+    def __init__(self, *, force: bool, durable: bool) -> None:  # noqa: ARG002
         super().__init__(Path(STDOUT), force=force, durable=False)
 
-    def check(self, footprint: InputFootprint, expected_names: Iterable[str] = ()) -> None:
+    def check(self, footprint: InputFootprint, expected_names: Iterable[str] = ()) -> None:  # noqa: ARG002
         fd = _stdout_fd()
         try:
             info = os.fstat(fd)

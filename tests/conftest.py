@@ -1,7 +1,7 @@
 """Shared test scaffolding.
 
 - Hypothesis profiles: `ci` (default, fast) and `long` (HYPOTHESIS_PROFILE=long, for fuzzing
-  by hand: thousands of examples per property).
+  by hand: 20,000 examples per property).
 - Checkpoint files built with the *official* libraries (or, for bfloat16/fp8 safetensors, by
   hand) and read back with the official libraries, so that no test trusts clipcli's own
   readers or writers: `write_checkpoint`, `read_checkpoint`, `read_metadata`.
@@ -29,11 +29,21 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Hypothesis profiles for the whole suite (tests/hostile/test_fuzz.py included; it used to
+# re-register them in tests/hostile/conftest.py, which then applied to every test anyway):
+# - `ci` (default): 40 examples per property; the fuzz file runs in well under a minute.
+# - `long` (HYPOTHESIS_PROFILE=long): 20,000 examples per property, no deadline; for fuzzing
+#   by hand or nightly, e.g. `HYPOTHESIS_PROFILE=long pytest tests/hostile/test_fuzz.py`.
+CI_EXAMPLES = 40
+LONG_EXAMPLES = 20_000
 settings.register_profile(
-    "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "ci",
+    max_examples=CI_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
-    "long", max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck)
+    "long", max_examples=LONG_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck)
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -71,7 +81,8 @@ def _np_dtype(name: str) -> np.dtype[Any]:
     if name in _ML_DTYPES:
         import ml_dtypes
 
-        return np.dtype(getattr(ml_dtypes, name))
+        dtype: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
+        return dtype
     return np.dtype(name)
 
 
@@ -121,14 +132,15 @@ def write_checkpoint(
         else:
             from safetensors.numpy import save_file
 
-            arrays = {name: np.asarray(array, order="C") for name, array in tensors.items()}
-            save_file(arrays, str(path), metadata=dict(metadata) if metadata else None)
+            contiguous = {name: np.asarray(array, order="C") for name, array in tensors.items()}
+            save_file(contiguous, str(path), metadata=dict(metadata) if metadata else None)
     elif ml:
         raise ValueError(f"{suffix} cannot hold {ml}: only safetensors stores bfloat16/fp8")
     elif suffix == ".npz":
         if metadata:
             raise ValueError("npz has no place for metadata")
-        (np.savez_compressed if compressed else np.savez)(path, **tensors)
+        arrays: dict[str, Any] = dict(tensors)  # numpy types **kwds as bool | ArrayLike
+        (np.savez_compressed if compressed else np.savez)(path, **arrays)
     elif suffix in (".h5", ".hdf5"):
         import h5py
 

@@ -16,3 +16,8 @@ def one_error_line(err: str) -> str:
 def listing(directory: Path) -> list[str]:
     """Entry names, sorted: what a failed run must leave exactly as it found."""
     return sorted(p.name for p in directory.iterdir())
+
+
+# The repository, found from this file, so that tests pass from any working directory.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_DATA = REPO_ROOT / "sample_data"

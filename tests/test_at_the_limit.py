@@ -11,20 +11,27 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+# The `cli` fixture (tests/conftest.py): a CliRunner call returning a Run.
+Cli = Callable[..., Any]
+
 F32_3_4 = np.array([3.0, 4.0], np.float32)  # norm exactly 5
 
 
-def clip_report(cli, src, out, *args: str) -> dict:
+def clip_report(cli: Cli, src: Path, out: Path, *args: str) -> dict[str, Any]:
     result = cli("clip", *args, str(src), str(out), "--format", "json")
     assert result.code == 0, result.stderr
-    return json.loads(result.stdout)
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
 
 
-def rows_by_name(report: dict) -> dict[str, dict]:
+def rows_by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {row["name"]: row for row in report["tensors"]}
 
 
@@ -39,8 +46,13 @@ def rows_by_name(report: dict) -> dict[str, dict]:
     ids=["norm", "average", "global", "use-norm"],
 )
 def test_norm_exactly_at_the_limit_is_left_alone(
-    fmt, ckpt, write_checkpoint, read_checkpoint, assert_bit_identical, cli, args
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    assert_bit_identical: Callable[..., None],
+    cli: Cli,
+    args: list[str],
+) -> None:
     src = write_checkpoint(ckpt("in"), {"t": F32_3_4})
     report = clip_report(cli, src, ckpt("out"), *args)
     row = rows_by_name(report)["t"]
@@ -59,17 +71,29 @@ def test_norm_exactly_at_the_limit_is_left_alone(
     ],
     ids=["norm", "average", "global", "use-norm"],
 )
-def test_norm_a_hair_under_the_limit_clips(fmt, ckpt, write_checkpoint, read_checkpoint, cli, args):
+def test_norm_a_hair_under_the_limit_clips(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    cli: Cli,
+    args: list[str],
+) -> None:
     src = write_checkpoint(ckpt("in"), {"t": F32_3_4})
     report = clip_report(cli, src, ckpt("out"), *args)
     row = rows_by_name(report)["t"]
-    assert row["changed"] is True and row["note"] == ""
+    assert row["changed"] is True
+    assert row["note"] == ""
     out = read_checkpoint(ckpt("out"))["t"]
     assert out.dtype == np.float32
     assert 4.99 < float(np.linalg.norm(out.astype(np.float64))) <= 4.999999
 
 
-def test_slice_exactly_at_the_limit_with_axes(fmt, ckpt, write_checkpoint, read_checkpoint, cli):
+def test_slice_exactly_at_the_limit_with_axes(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    cli: Cli,
+) -> None:
     # Row norms 5 (exactly C: stays) and 10 (clipped to <= 5).
     x = np.array([[3.0, 4.0], [6.0, 8.0]], np.float32)
     src = write_checkpoint(ckpt("in"), {"t": x})
@@ -87,8 +111,11 @@ def test_slice_exactly_at_the_limit_with_axes(fmt, ckpt, write_checkpoint, read_
 
 
 def test_values_exactly_on_the_bounds_are_within_range(
-    fmt, ckpt, write_checkpoint, read_checkpoint, cli
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    cli: Cli,
+) -> None:
     x = np.array([-2.0, 2.0, 1.0, -1.0, 0.0], np.float32)
     src = write_checkpoint(ckpt("in"), {"t": x})
     report = clip_report(cli, src, ckpt("out"), "--value", "2")
@@ -98,8 +125,11 @@ def test_values_exactly_on_the_bounds_are_within_range(
 
 
 def test_negative_zero_on_a_min_0_bound_keeps_its_bits(
-    fmt, ckpt, write_checkpoint, read_checkpoint, cli
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    cli: Cli,
+) -> None:
     alone = np.array([-0.0, 1.0, 2.0], np.float32)
     mixed = np.array([-0.0, -1.0, 2.0], np.float32)
     src = write_checkpoint(ckpt("in"), {"alone": alone, "mixed": mixed})
@@ -114,8 +144,11 @@ def test_negative_zero_on_a_min_0_bound_keeps_its_bits(
 
 
 def test_all_zero_tensor_under_global_stays_bit_identical(
-    fmt, ckpt, write_checkpoint, read_checkpoint, cli
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    cli: Cli,
+) -> None:
     zeros = np.array([0.0, -0.0, 0.0], np.float32)
     weights = np.array([30.0, 40.0], np.float32)
     src = write_checkpoint(ckpt("in"), {"z": zeros, "w": weights})
@@ -136,7 +169,9 @@ def test_all_zero_tensor_under_global_stays_bit_identical(
     assert read_checkpoint(ckpt("used"))["z"].tobytes() == zeros.tobytes()
 
 
-def test_diff_fail_above_fails_on_a_nan_relative_change(fmt, ckpt, write_checkpoint, cli):
+def test_diff_fail_above_fails_on_a_nan_relative_change(
+    ckpt: Callable[[str], Path], write_checkpoint: Callable[..., Path], cli: Cli
+) -> None:
     a = {"t": np.array([math.nan, 1.0], np.float32), "u": np.array([1.0, 1.0], np.float32)}
     b = {"t": np.array([math.nan, 1.5], np.float32), "u": np.array([1.0, 1.0], np.float32)}
     pa, pb = write_checkpoint(ckpt("a"), a), write_checkpoint(ckpt("b"), b)

@@ -107,7 +107,8 @@ def test_norms_on_legacy_keras_count_model_weights_only(tmp_path: Path, run_main
         assert row["in_global"] is (expected_roles[name] == "weight"), name
     # The one line about what was left out goes to stderr; stdout stays pure JSON.
     (note,) = stderr_lines(result.stderr, "note")
-    assert "3 optimizer state" in note and "2 non-trainable buffer" in note
+    assert "3 optimizer state" in note
+    assert "2 non-trainable buffer" in note
     assert "--all-tensors" in note
 
 
@@ -134,7 +135,8 @@ def test_clip_global_scales_weights_and_copies_training_state(
     weights = [n for n in tensors if roles.classify(n) is roles.Role.WEIGHT]
     before = exact_norm([tensors[n] for n in weights])
     after = exact_norm([written[n] for n in weights])
-    assert after <= 5.0 and after == pytest.approx(5.0, rel=1e-6)
+    assert after <= 5.0
+    assert after == pytest.approx(5.0, rel=1e-6)
     for name in weights:  # one factor for all weights: 5 / G, G of the weights alone
         nonzero = tensors[name] != 0
         ratio = written[name][nonzero].astype(np.float64) / tensors[name][nonzero]
@@ -162,7 +164,7 @@ def test_clip_all_tensors_rewrites_training_state_too(tmp_path: Path, run_main: 
 
 def test_pytorch_style_training_state_in_safetensors(tmp_path: Path, run_main: Any) -> None:
     path, out = tmp_path / "m.safetensors", tmp_path / "o.safetensors"
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "conv.weight": np.full((2, 2), 3.0, np.float32),
         "bn.running_mean": np.full(2, 1e4, np.float32),
         "bn.running_var": np.full(2, 1e4, np.float32),
@@ -175,7 +177,7 @@ def test_pytorch_style_training_state_in_safetensors(tmp_path: Path, run_main: A
     from safetensors import safe_open
 
     with safe_open(str(out), "np") as f:
-        got = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        got = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     assert exact_norm([got["conv.weight"]]) == pytest.approx(1.0, rel=1e-6)
     for name in tensors.keys() - {"conv.weight"}:
         assert got[name].tobytes() == tensors[name].tobytes(), name
@@ -186,7 +188,8 @@ def test_selection_of_training_state_only_is_exit_2(tmp_path: Path, run_main: An
     legacy_keras_full_model(path)
     result = run_main("norms", path, "--include", "optimizer_weights/*")
     assert result.code == 2
-    assert "--all-tensors" in result.stderr and "optimizer state" in result.stderr
+    assert "--all-tensors" in result.stderr
+    assert "optimizer state" in result.stderr
     assert run_main("norms", path, "--include", "optimizer_weights/*", "--all-tensors").code == 0
 
 
@@ -288,7 +291,7 @@ def test_empty_selection_is_refused_before_any_data_is_read(tmp_path: Path) -> N
         metadata: dict[str, str] = {}
         infos = [TensorInfo("a", np.dtype(np.float32), (2,), 8)]
 
-        def chunk_loaders(self, info: TensorInfo) -> None:
+        def chunk_loaders(self: object, _info: TensorInfo) -> None:
             raise AssertionError("data was read")
 
         chunks = chunk_loaders
@@ -345,7 +348,7 @@ def test_layer_preset_names_groups(case: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "build,expected",
+    ("build", "expected"),
     [
         (keras2_save_weights, {"dense_1", "dense_2"}),
         (keras3_nested_weights, {"block1/layers/conv2d", "dense"}),
@@ -378,7 +381,7 @@ def test_per_layer_clip_of_keras2_file_clips_each_layer(tmp_path: Path, run_main
         assert exact_norm([written[n] for n in names]) == pytest.approx(limit, rel=1e-6)
 
 
-@pytest.mark.parametrize("count,warned", [(1, False), (2, True)])
+@pytest.mark.parametrize(("count", "warned"), [(1, False), (2, True)])
 def test_one_group_taking_every_tensor_is_said(
     tmp_path: Path, run_main: Any, count: int, warned: bool
 ) -> None:
@@ -409,7 +412,8 @@ def test_one_group_taking_every_tensor_is_said(
 def test_two_groups_are_not_warned(tmp_path: Path, run_main: Any) -> None:
     path = write_safetensors(tmp_path / "m.safetensors", hf_names("model.layers.", 2))
     result = run_main("norms", path, "--group-by", "layer")
-    assert result.code == 0 and not stderr_lines(result.stderr, "warning")
+    assert result.code == 0
+    assert not stderr_lines(result.stderr, "warning")
 
 
 def test_group_by_layer_on_sentence_transformers_directory(tmp_path: Path, run_main: Any) -> None:
@@ -418,7 +422,9 @@ def test_group_by_layer_on_sentence_transformers_directory(tmp_path: Path, run_m
     (model / "modules.json").write_text(json.dumps([{"path": "1_Pooling"}]))
     (model / "1_Pooling" / "config.json").write_text("{}")
     (model / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    tensors = {"embeddings.word_embeddings.weight": np.ones((3, 2), np.float32)}
+    tensors: dict[str, np.ndarray] = {
+        "embeddings.word_embeddings.weight": np.ones((3, 2), np.float32)
+    }
     for i in range(2):
         tensors[f"encoder.layer.{i}.attention.self.query.weight"] = np.full((2, 2), i + 1.0)
         tensors[f"encoder.layer.{i}.attention.self.query.bias"] = np.ones(2, np.float32)
@@ -460,7 +466,7 @@ def _channel_fp8(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    "build,scheme",
+    ("build", "scheme"),
     [
         (lambda p: block_fp8_shard(p / "fp8.safetensors") and p / "fp8.safetensors", "block"),
         (_mxfp4, "mxfp4"),
@@ -476,15 +482,19 @@ def test_quantized_weights_warn_on_norms_and_refuse_clip(
     assert norms.code == 0
     json.loads(norms.stdout)
     (warning,) = stderr_lines(norms.stderr, "warning")
-    assert "1 quantized weights" in warning and scheme in warning
+    assert "1 quantized weights" in warning
+    assert scheme in warning
     diff = run_main("diff", path, path)
-    assert diff.code == 0 and stderr_lines(diff.stderr, "warning") == [warning]
+    assert diff.code == 0
+    assert stderr_lines(diff.stderr, "warning") == [warning]
     for mode in (["--global", "1"], ["--norm", "1"], ["--average", "1"], ["--value", "1"]):
         out = tmp_path / "out.safetensors"
         clip = run_main("clip", *mode, path, out)
         assert clip.code == 4, (mode, clip.stderr)
         (line,) = clip.stderr.splitlines()
-        assert "quantized" in line and "--exclude" in line and scheme in line
+        assert "quantized" in line
+        assert "--exclude" in line
+        assert scheme in line
         assert not out.exists()
 
 
@@ -513,13 +523,14 @@ def test_model_directory_with_quantization_config(tmp_path: Path, run_main: Any)
     assert norms.code == 0
     assert "quant_method 'awq'" in stderr_lines(norms.stderr, "warning")[0]
     clip = run_main("clip", "--global", "1", model, tmp_path / "out/")
-    assert clip.code == 4 and "quant_method 'awq'" in clip.stderr
+    assert clip.code == 4
+    assert "quant_method 'awq'" in clip.stderr
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert not stderr_lines(run_main("norms", model).stderr, "warning")
 
 
 @pytest.mark.parametrize(
-    "dtype,found",
+    ("dtype", "found"),
     [(np.uint8, True), (np.int8, True), (np.float16, False)],
     ids=["1-byte", "int8", "2-byte"],
 )
@@ -563,8 +574,10 @@ def test_axes_refusal_is_short_and_names_the_fix(tmp_path: Path, run_main: Any) 
     assert result.code == 4
     (line,) = result.stderr.splitlines()
     assert "5 selected tensors have too few dimensions for --axes 1" in line
-    assert "'model.layers.0.self_attn.q_proj.bias' [4]" in line and "and 2 more" in line
-    assert "--skip-low-rank" in line and len(line) < 400
+    assert "'model.layers.0.self_attn.q_proj.bias' [4]" in line
+    assert "and 2 more" in line
+    assert "--skip-low-rank" in line
+    assert len(line) < 400
     assert not out.exists()
 
 
@@ -581,7 +594,7 @@ def test_readme_recipe_with_skip_low_rank(tmp_path: Path, run_main: Any) -> None
     from safetensors import safe_open
 
     with safe_open(str(out), "np") as f:
-        got = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        got = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     rows = {r["name"]: r for r in json.loads(result.stdout)["tensors"]}
     for name, array in tensors.items():
         if name.endswith("bias"):
@@ -597,29 +610,32 @@ def test_readme_recipe_with_skip_low_rank(tmp_path: Path, run_main: Any) -> None
 
 
 @pytest.mark.parametrize(
-    "axes,shape,fits",
+    ("axes", "shape", "fits"),
     [((0,), (3,), True), ((-1,), (3,), True), ((1,), (3,), False), ((-2,), (3,), False),
      ((1,), (3, 4), True), ((-2,), (3, 4), True), ((2,), (3, 4), False)],
 )  # fmt: skip
-def test_axes_fit_at_the_rank_limit(axes: tuple[int, ...], shape: tuple[int, ...], fits: bool):
+def test_axes_fit_at_the_rank_limit(
+    axes: tuple[int, ...], shape: tuple[int, ...], fits: bool
+) -> None:
     assert scope.axes_fit(axes, shape) is fits
 
 
 def test_skip_low_rank_needs_axes(tmp_path: Path, run_main: Any) -> None:
     path, _ = _attention_model(tmp_path, 1)
     result = run_main("clip", "--norm", "1", "--skip-low-rank", path, tmp_path / "o.safetensors")
-    assert result.code == 2 and "--skip-low-rank" in result.stderr
+    assert result.code == 2
+    assert "--skip-low-rank" in result.stderr
 
 
 @pytest.mark.parametrize(
-    "count,text", [(3, "'a0', 'a1', 'a2'"), (4, "'a0', 'a1', 'a2' and 1 more")]
+    ("count", "text"), [(3, "'a0', 'a1', 'a2'"), (4, "'a0', 'a1', 'a2' and 1 more")]
 )
 def test_first_few_at_the_limit(count: int, text: str) -> None:
     assert scope.first_few([f"a{i}" for i in range(count)]) == text
 
 
 @pytest.mark.parametrize(
-    "command,options",
+    ("command", "options"),
     [("norms", ["--all-tensors"]), ("clip", ["--all-tensors", "--skip-low-rank"])],
 )
 def test_help_documents_the_new_options(run_main: Any, command: str, options: list[str]) -> None:

@@ -10,12 +10,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import clipcli.engine
 import numpy as np
 import pytest
 from handmade import write_safetensors
 from typer.testing import CliRunner
 
+import clipcli.api
 from clipcli.cli import app, main
 from clipcli.errors import (
     DataRefusedError,
@@ -57,7 +57,7 @@ def test_every_family_maps_the_same_through_main_and_typer(
     def broken(*_args: object, **_kwargs: object) -> None:
         raise make()
 
-    monkeypatch.setattr(clipcli.engine, "measure", broken)
+    monkeypatch.setattr(clipcli.api, "measure", broken)
     monkeypatch.delenv("CLIPCLI_DEBUG", raising=False)
     capsys.readouterr()
     assert main(["norms", str(path)]) == code

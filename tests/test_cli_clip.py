@@ -908,6 +908,7 @@ def test_checkpoint_without_tensors(fmt, ckpt, write_checkpoint, read_checkpoint
 # ------------------------------------------------------------------ tensors spanning many chunks
 
 
+@pytest.mark.slow  # ~1 s per case
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_multi_chunk_tensors_match_reference(
     fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json, norm64

@@ -693,6 +693,7 @@ def test_huge_layer_numbers_sort_naturally(tmp_path, write_checkpoint, run_main,
     assert got == expected
 
 
+@pytest.mark.slow  # ~2 s: a big report into a closed pipe
 def test_closed_pipe_keeps_the_fail_above_verdict(big):
     """The report is cut short, the verdict is not: exit 1 and its one stderr line."""
     code, stderr = _pipeline(["norms", str(big), "--fail-above", "1"], "head -1")

@@ -66,7 +66,8 @@ def test_other_tools_files_are_named_for_what_they_are(
         argv = ["clip", "--global", "1", str(path), str(tmp_path / "out.safetensors")]
     assert main(argv) == 3
     line = one_error_line(capsys.readouterr().err)
-    assert says in line and name in line
+    assert says in line
+    assert name in line
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 

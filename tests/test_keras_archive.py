@@ -104,7 +104,8 @@ def test_keras_converts_to_h5_and_safetensors_but_not_back_from_them(
     assert clipcli("convert", src, tmp_path / "w.h5").returncode == 0
     assert clipcli("convert", src, tmp_path / "w.safetensors").returncode == 0
     refused = clipcli("convert", tmp_path / "w.h5", tmp_path / "x.keras")
-    assert refused.returncode == 2 and ".keras IN only" in refused.stderr
+    assert refused.returncode == 2
+    assert ".keras IN only" in refused.stderr
     assert not (tmp_path / "x.keras").exists()
 
 
@@ -133,7 +134,8 @@ def test_member_names_that_escape_are_refused(clipcli: Cli, tmp_path: Path, bad_
         ],
     )
     run = clipcli("norms", path)
-    assert run.returncode == 3 and "escapes" in run.stderr
+    assert run.returncode == 3
+    assert "escapes" in run.stderr
 
 
 @pytest.mark.slow  # ~1.3 s: deflating 150 MiB to build the bomb
@@ -150,7 +152,8 @@ def test_a_weights_bomb_is_refused_before_unpacking(clipcli: Cli, tmp_path: Path
                 sink.write(block)
     assert path.stat().st_size < 2 << 20
     run = clipcli("ls", path)
-    assert run.returncode == 3 and "zip bomb" in run.stderr
+    assert run.returncode == 3
+    assert "zip bomb" in run.stderr
 
 
 def test_a_central_directory_that_lies_about_sizes_is_refused(clipcli: Cli, tmp_path: Path) -> None:
@@ -179,7 +182,8 @@ def test_weights_member_that_is_not_hdf5_is_named(clipcli: Cli, tmp_path: Path) 
         ],
     )
     run = clipcli("norms", path)
-    assert run.returncode == 3 and "m.keras[model.weights.h5]" in run.stderr
+    assert run.returncode == 3
+    assert "m.keras[model.weights.h5]" in run.stderr
 
 
 def test_member_count_exactly_at_the_limit(
@@ -193,4 +197,5 @@ def test_member_count_exactly_at_the_limit(
     assert clipcli("ls", path).returncode == 0
     monkeypatch.setattr(module, "MAX_MEMBERS", 3)
     run = clipcli("ls", path)
-    assert run.returncode == 3 and "over 3" in run.stderr
+    assert run.returncode == 3
+    assert "over 3" in run.stderr

@@ -45,7 +45,8 @@ def make_input(path: Path, seed: int = 0, n: int = 4096) -> Path:
     if path.suffix == ".safetensors":
         write_safetensors(path, data)
     elif path.suffix == ".npz":
-        np.savez(path, **data)
+        arrays: dict[str, Any] = dict(data)  # numpy types **kwds as bool | ArrayLike
+        np.savez(path, **arrays)
     else:
         with h5py.File(path, "w") as handle:
             for name, array in data.items():
@@ -68,7 +69,7 @@ def make_model(directory: Path, seed: int = 0) -> Path:
     """A two-shard Hugging Face model directory with config and tokenizer files."""
     directory.mkdir()
     rng = np.random.default_rng(seed)
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for number in (1, 2):
         shard = f"model-{number:05d}-of-00002.safetensors"
         names = [f"layers.{number}.w", f"layers.{number}.b"]
@@ -517,7 +518,8 @@ def test_signal_during_the_fsync_before_the_commit_leaves_the_old_out(
     out.write_bytes(b"old")
     sent = _signal_self_inside(monkeypatch, output.Target, "_sync", sig)
     assert main(["clip", "--global", "1", "-q", "--force", str(src), str(out)]) == code
-    assert sent and out.read_bytes() == b"old"
+    assert sent
+    assert out.read_bytes() == b"old"
     assert listing(tmp_path) == ["in.safetensors", "out.safetensors"]
 
 
@@ -557,6 +559,7 @@ def test_second_interrupt_during_cleanup_does_not_stop_it(
     assert listing(tmp_path) == ["model"]
 
 
+@pytest.mark.slow  # 40 real processes of 100 MB each
 @pytest.mark.parametrize("out_name", ["out.safetensors", "out.npz", "out.h5", "clipped/"])
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_real_signals_at_many_moments(tmp_path: Path, out_name: str, sig: int, code: int) -> None:
@@ -580,7 +583,7 @@ def test_real_signals_at_many_moments(tmp_path: Path, out_name: str, sig: int, c
             assert not err.strip(), err
             if proc.returncode == 0 or path.exists():
                 assert len(read_back(path) if path.is_file() else _read_dir(path)) == 12
-            output.remove_tree(path)
+            fsops.remove_tree(path)
         else:
             assert proc.returncode == code, err
             assert "no output written" in one_error_line(err)
@@ -593,6 +596,7 @@ def test_real_signals_at_many_moments(tmp_path: Path, out_name: str, sig: int, c
 # ---------------------------------------------------------------- dead runs' temps
 
 
+@pytest.mark.slow  # a 64 MB input killed mid-write
 def test_sigkill_leaves_a_named_temp_that_the_next_run_removes(tmp_path: Path) -> None:
     src = tmp_path / "in.safetensors"
     rng = np.random.default_rng(3)
@@ -602,7 +606,8 @@ def test_sigkill_leaves_a_named_temp_that_the_next_run_removes(tmp_path: Path) -
     out = tmp_path / "out.safetensors"
     proc = start_clip(src, str(out), "--no-fsync", stderr=subprocess.DEVNULL)
     temps = [p for p in tmp_path.iterdir() if p.name.endswith(".clipcli-tmp")]
-    assert proc.poll() is None and temps, "finished before the temp file was seen"
+    assert proc.poll() is None, "finished before the temp file was seen"
+    assert temps, "finished before the temp file was seen"
     proc.kill()
     proc.wait()
     assert temps[0].name.startswith(f".out.safetensors.{proc.pid}-")
@@ -699,7 +704,7 @@ def test_writer_failure_midway_leaves_nothing_for_every_target(
 ) -> None:
     model = make_model(tmp_path / "model")
 
-    def full(self: SafetensorsWriter, info: object, chunks: object) -> None:
+    def full(*_args: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(SafetensorsWriter, "write", full)
@@ -850,9 +855,9 @@ def test_long_out_names_that_share_a_prefix_do_not_share_temps(tmp_path: Path) -
     src = make_input(tmp_path / "in.safetensors")
     stem = "x" * 200
     a, b = tmp_path / f"{stem}A.safetensors", tmp_path / f"{stem}B.safetensors"
-    aside_a = tmp_path / f"{output.temp_prefix(a)}999999999-deadbeef.clipcli-old"
+    aside_a = tmp_path / f"{fsops.temp_prefix(a)}999999999-deadbeef.clipcli-old"
     aside_a.write_text("precious old A")
-    assert output.temp_prefix(a) != output.temp_prefix(b)
+    assert fsops.temp_prefix(a) != fsops.temp_prefix(b)
     assert main(["clip", "--global", "1", "-q", "--force", str(src), str(b)]) == 0
     assert aside_a.read_text() == "precious old A"
     assert not a.exists()
@@ -866,6 +871,7 @@ def test_out_names_up_to_name_max_bytes(tmp_path: Path, name: str) -> None:
     assert listing(tmp_path) == sorted(["in.safetensors", name])
 
 
+@pytest.mark.slow  # one full-disk run per moment of the write
 def test_full_disk_at_every_moment_of_a_compressed_hdf5_write(
     tmp_path: Path, mount_tmpfs: Any
 ) -> None:
@@ -945,7 +951,8 @@ def test_a_file_put_into_the_replaced_directory_at_the_last_moment_survives(
     monkeypatch.setattr(output.DirectoryTarget, "_remove_replaced", stranger_arrives)
     assert main(["clip", "--global", "1", "-q", "--force", str(model), str(out)]) == 0
     kept = [p for p in tmp_path.iterdir() if p.name.endswith(".clipcli-kept")]
-    assert len(kept) == 1 and (kept[0] / "theirs.txt").read_text() == "not clipcli's"
+    assert len(kept) == 1
+    assert (kept[0] / "theirs.txt").read_text() == "not clipcli's"
     assert "kept at" in capsys.readouterr().err
     # and a later run never removes a kept copy
     assert main(["clip", "--global", "2", "-q", "--force", str(model), str(out)]) == 0
@@ -959,7 +966,7 @@ def test_a_live_runs_temp_is_never_removed_whatever_its_pid(tmp_path: Path) -> N
 
     src = make_input(tmp_path / "in.safetensors")
     out = tmp_path / "out.safetensors"
-    live = tmp_path / f"{output.temp_prefix(out)}999999999-0123abcd.clipcli-tmp"
+    live = tmp_path / f"{fsops.temp_prefix(out)}999999999-0123abcd.clipcli-tmp"
     live.mkdir()
     (live / "out.safetensors").write_bytes(b"partial")
     fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
@@ -1000,7 +1007,7 @@ def test_a_folder_swapped_between_the_check_and_the_open_is_caught(
     secrets_dir = tmp_path / "secrets"
     secrets_dir.mkdir()
     (secrets_dir / "passwd").write_text("TOPSECRET")
-    real_open = sharded.open_input
+    real_open = sharded.open_input  # type: ignore[attr-defined]  # imported there, patched here
 
     def swapping_open(path: Path) -> Any:
         if path.name != "passwd":

@@ -43,7 +43,7 @@ def test_stopping_early_cancels_the_rest() -> None:
     started: list[int] = []
     results = ordered_map(started.append, range(10_000), workers=2)
     next(results)
-    results.close()  # the caller stops: at most the lookahead was started
+    results.close()  # type: ignore[attr-defined]  # a generator; the caller stops: at most the lookahead was started
     assert len(started) <= 2 * 2 + 1
 
 
@@ -65,7 +65,8 @@ def test_a_forked_child_gets_its_own_threads() -> None:
     while deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+            assert os.WIFEXITED(status)
+            assert os.WEXITSTATUS(status) == 0
             return
         deadline -= 1
         threading.Event().wait(0.05)

@@ -165,6 +165,7 @@ def test_clipped_norm_never_exceeds_the_limit(
 MODES = ["--value", "--norm", "--average", "--global", "--axes"]
 
 
+@pytest.mark.slow  # ~1 s per format
 @pytest.mark.parametrize("ext", EXTS)
 @PROPERTY
 @given(data=st.data(), mode=st.sampled_from(MODES), ratio=st.floats(1e-3, 2.0))

@@ -372,7 +372,14 @@ NORM_DTYPES = list(STORABLE)
 ROUNDINGS = dict.fromkeys(STORABLE, 2) | {"float64": 8, "complex128": 8}
 
 
-@pytest.mark.parametrize("name", NORM_DTYPES)
+# The default run keeps one dtype of each kind; the rest run with `-m slow` (CI).
+QUICK_NORM_DTYPES = ("float32", "float64", "bfloat16", "float16", "float8_e4m3fn")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in QUICK_NORM_DTYPES else pytest.param(n, marks=pytest.mark.slow) for n in NORM_DTYPES],
+)
 @pytest.mark.parametrize("mode", ["norm", "average", "global"])
 def test_norm_modes_against_reference(
     cli: Callable[..., Any], tmp_path: Path, name: str, mode: str

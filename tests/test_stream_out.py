@@ -59,7 +59,8 @@ def test_stream_equals_the_file_output_byte_for_byte(
 
 def test_stream_with_quiet_writes_only_the_file(model: Path) -> None:
     run = clipcli("clip", "-q", "--global", "1e9", model, "-")
-    assert run.returncode == 0 and run.stderr == b""
+    assert run.returncode == 0
+    assert run.stderr == b""
     assert run.stdout == model.read_bytes()  # nothing over the limit: bit-identical
 
 
@@ -72,7 +73,8 @@ def test_a_terminal_stdout_is_refused(model: Path) -> None:
         os.close(follower)
         os.close(leader)
     assert run.returncode == 2
-    assert b"terminal" in run.stderr and run.stderr.count(b"\n") == 1
+    assert b"terminal" in run.stderr
+    assert run.stderr.count(b"\n") == 1
 
 
 @pytest.mark.slow  # an interpreter per test: standard output must be real
@@ -81,9 +83,11 @@ def test_other_formats_do_not_stream(tmp_path: Path) -> None:
     with h5py.File(src, "w") as f:
         f["w"] = np.ones(3, np.float32)
     run = clipcli("clip", "--global", "1", src, "-")
-    assert run.returncode == 2 and run.stdout == b""
+    assert run.returncode == 2
+    assert run.stdout == b""
     assert b"safetensors only" in run.stderr
-    assert not (tmp_path / "-").exists() and not Path("-").exists()
+    assert not (tmp_path / "-").exists()
+    assert not Path("-").exists()
 
 
 @pytest.mark.slow  # an interpreter per test: standard output must be real
@@ -91,5 +95,6 @@ def test_stdout_that_is_the_input_is_refused(model: Path) -> None:
     before = model.read_bytes()
     with open(model, "ab") as same:
         run = clipcli("clip", "--global", "1", model, "-", stdout=same.fileno())
-    assert run.returncode == 2 and b"input" in run.stderr
+    assert run.returncode == 2
+    assert b"input" in run.stderr
     assert model.read_bytes() == before

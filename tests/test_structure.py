@@ -74,7 +74,7 @@ def test_hdf5_to_safetensors_and_back_is_exact(clipcli: Cli, tmp_path: Path, mak
         metadata = f.metadata()
         document = json.loads(metadata[STRUCTURE_KEY])
         assert (document["format"], document["version"]) == (STRUCTURE_KEY, 1)
-        for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+        for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
             np.testing.assert_array_equal(f.get_tensor(name), h[name][()])
 
 
@@ -469,7 +469,9 @@ def test_hostile_structure_edits_are_exit_3_and_write_nothing(
     )
     run = clipcli("convert", "--allow-lossy", bad, tmp_path / "o.h5")
     if edit in ("dotdot_name", "orphan_path"):  # no longer fits: a plain file, said so
-        assert run.returncode == 0 and "dropped" in run.stderr, run.stderr
+        assert run.returncode == 0, run.stderr
+        assert "dropped" in run.stderr, run.stderr
         return
     assert run.returncode == 3, run.stderr
-    assert "malformed" in run.stderr and not (tmp_path / "o.h5").exists()
+    assert "malformed" in run.stderr
+    assert not (tmp_path / "o.h5").exists()

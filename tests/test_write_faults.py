@@ -37,14 +37,15 @@ def test_disk_full_during_write_leaves_nothing(
     src = make_input(tmp_path / "in.safetensors")
     before = listing(tmp_path)
 
-    def full(self: SafetensorsWriter, info: object, chunks: object) -> None:
+    def full(*_args: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(SafetensorsWriter, "write", full)
     code = main(["clip", "--global", "1", str(src), str(tmp_path / "out.safetensors")])
     assert code == 5
     line = one_error_line(capsys.readouterr().err)
-    assert "disk full" in line and "out.safetensors" in line
+    assert "disk full" in line
+    assert "out.safetensors" in line
     assert listing(tmp_path) == before
 
 
@@ -55,7 +56,7 @@ def test_disk_full_keeps_existing_out_untouched(
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"precious")
 
-    def full(self: SafetensorsWriter, info: object, chunks: object) -> None:
+    def full(*_args: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(SafetensorsWriter, "write", full)
@@ -85,30 +86,43 @@ def test_file_size_limit_gives_exit_5(tmp_path: Path) -> None:
     assert listing(tmp_path) == ["in.safetensors"]
 
 
+# `python -m clipcli` with every chunk it writes held back 50 ms, so that the write pass
+# lasts long enough to be interrupted on a small input, however fast or loaded the machine.
+PACED_CLIPCLI = """
+import sys, time
+from clipcli.formats.safetensors import SafetensorsWriter
+
+real_write = SafetensorsWriter.write
+
+def paced_write(self, info, chunks):
+    def paced():
+        for chunk in chunks:
+            time.sleep(0.05)
+            yield chunk
+    return real_write(self, info, paced())
+
+SafetensorsWriter.write = paced_write
+sys.argv[0] = "clipcli"
+from clipcli.__main__ import run
+run()
+"""
+
+
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_mid_write_removes_temp_file(tmp_path: Path, sig: int, code: int) -> None:
+    """A real signal into a real process while it writes OUT (it was an 800 MB input, to
+    make the write last; a paced writer does that with 16 MB)."""
     src = tmp_path / "in.safetensors"
     rng = np.random.default_rng(1)
-    # ~800 MB in 16 tensors, so the write pass lasts long enough to be interrupted even on
-    # a fast moment of a loaded machine.
     save_file(
-        {f"t{i}": rng.standard_normal(12_500_000, dtype=np.float32) for i in range(16)},
+        {f"t{i}": rng.standard_normal(1_000_000, dtype=np.float32) for i in range(4)},
         str(src),
     )
     out = tmp_path / "out.safetensors"
     env = dict(os.environ, CLIPCLI_THREADS="1")
+    argv = ["clip", "--global", "1", "--no-fsync", str(src), str(out)]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "clipcli",
-            "clip",
-            "--global",
-            "1",
-            "--no-fsync",
-            str(src),
-            str(out),
-        ],
+        [sys.executable, "-c", PACED_CLIPCLI, *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -120,9 +134,9 @@ def test_signal_mid_write_removes_temp_file(tmp_path: Path, sig: int, code: int)
         assert time.monotonic() < deadline
         time.sleep(0.002)
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == code, (err, out, listing(tmp_path))
-    assert err.strip(), ("no message", out, listing(tmp_path))
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, (err, stdout, listing(tmp_path))
+    assert err.strip(), ("no message", stdout, listing(tmp_path))
     line = one_error_line(err)
     assert "no output written" in line
     assert listing(tmp_path) == ["in.safetensors"]
@@ -234,6 +248,7 @@ def test_early_writeback_leaves_the_output_exact(
         <= 1.0
     )
     if durable:
-        assert len(calls) >= 4 and calls[-1][1] == os.path.getsize(tmp_path / "clipped.safetensors")
+        assert len(calls) >= 4
+        assert calls[-1][1] == os.path.getsize(tmp_path / "clipped.safetensors")
     else:
         assert calls == []

@@ -190,7 +190,7 @@ class KerasArchiveWriter(Writer):
         self._weights = Hdf5Writer(self._weights_path, inner, durable)
 
     @classmethod
-    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
+    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:  # noqa: ARG003
         if source.format_name != "keras":
             return (
                 f"a .keras archive is written from a .keras IN only (its config.json and "
@@ -203,13 +203,13 @@ class KerasArchiveWriter(Writer):
         return Hdf5Writer.check_dtype(info)
 
     @classmethod
-    def structure_losses(cls, source: Reader) -> list[str]:
+    def structure_losses(cls, source: Reader) -> list[str]:  # noqa: ARG003
         return []  # the weights file is replicated as HDF5, object by object
 
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         self._weights.write(info, chunks)
 
-    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
         inner = self._source.inner
         return inner is not None and self._weights.copy_unchanged(inner, info)
 

@@ -410,7 +410,7 @@ class SafetensorsWriter(Writer):
         self._stop = threading.Event()
 
     def _open(self, path: Path) -> BinaryIO:
-        return open(path, "wb")  # noqa: SIM115 - closed by close()/abort()
+        return open(path, "wb")
 
     def _reserve(self, total: int) -> None:
         """Reserving the whole file up front makes a full disk fail before any data is
@@ -512,10 +512,10 @@ class SafetensorsStreamWriter(SafetensorsWriter):
     shell opened): no reservation, no kernel copies, no writes at offsets. The path it is
     given is ignored; the descriptor is a duplicate of 1, so closing it closes no stdout."""
 
-    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:  # noqa: ARG002
         super().__init__(path, checkpoint, durable=False)
 
-    def _open(self, path: Path) -> BinaryIO:
+    def _open(self, path: Path) -> BinaryIO:  # noqa: ARG002
         return os.fdopen(os.dup(1), "wb")
 
     def _reserve(self, total: int) -> None:
@@ -533,7 +533,7 @@ class SafetensorsStreamWriter(SafetensorsWriter):
     def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
         pass  # kernel copies write at offsets, which a stream has not
 
-    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
         return False  # streamed chunk by chunk, in order
 
     def _written(self) -> None:

@@ -103,7 +103,7 @@ def _attack_blobs_to_root_absolute_link(snapshot: Path, blobs: Path, secret: Pat
     return config
 
 
-def _attack_blobs_to_root_proc_environ(snapshot: Path, blobs: Path, secret: Path) -> Path:
+def _attack_blobs_to_root_proc_environ(snapshot: Path, blobs: Path, _secret: Path) -> Path:
     _blobs_to_root(snapshot, blobs)
     config = snapshot / "config.json"
     config.unlink()
@@ -111,21 +111,21 @@ def _attack_blobs_to_root_proc_environ(snapshot: Path, blobs: Path, secret: Path
     return config
 
 
-def _attack_config_to_secret(snapshot: Path, blobs: Path, secret: Path) -> Path:
+def _attack_config_to_secret(snapshot: Path, _blobs: Path, secret: Path) -> Path:
     config = snapshot / "config.json"
     config.unlink()
     config.symlink_to(secret)
     return config
 
 
-def _attack_config_to_etc_passwd(snapshot: Path, blobs: Path, secret: Path) -> Path:
+def _attack_config_to_etc_passwd(snapshot: Path, _blobs: Path, _secret: Path) -> Path:
     config = snapshot / "config.json"
     config.unlink()
     config.symlink_to("/etc/passwd")
     return config
 
 
-def _attack_config_to_proc_environ(snapshot: Path, blobs: Path, secret: Path) -> Path:
+def _attack_config_to_proc_environ(snapshot: Path, _blobs: Path, _secret: Path) -> Path:
     config = snapshot / "config.json"
     config.unlink()
     config.symlink_to("/proc/self/environ")
@@ -141,7 +141,7 @@ def _attack_blob_links_out(snapshot: Path, blobs: Path, secret: Path) -> Path:
     return config
 
 
-def _attack_fifo_side_file(snapshot: Path, blobs: Path, secret: Path) -> Path:
+def _attack_fifo_side_file(snapshot: Path, blobs: Path, _secret: Path) -> Path:
     fifo = blobs / "fifo"
     os.mkfifo(fifo)
     config = snapshot / "generation_config.json"
@@ -149,13 +149,13 @@ def _attack_fifo_side_file(snapshot: Path, blobs: Path, secret: Path) -> Path:
     return config
 
 
-def _attack_device_side_file(snapshot: Path, blobs: Path, secret: Path) -> Path:
+def _attack_device_side_file(snapshot: Path, _blobs: Path, _secret: Path) -> Path:
     config = snapshot / "special_tokens_map.json"
     config.symlink_to("/dev/zero")
     return config
 
 
-def _attack_shard_to_proc(snapshot: Path, blobs: Path, secret: Path) -> Path:
+def _attack_shard_to_proc(snapshot: Path, _blobs: Path, _secret: Path) -> Path:
     model = snapshot / "model.safetensors"
     model.unlink()
     model.symlink_to("/proc/self/environ")
@@ -232,6 +232,7 @@ def _low_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
 
 
+@pytest.mark.slow  # 2,000 shard files and a fresh interpreter
 def test_two_thousand_shards_under_a_low_descriptor_limit(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
@@ -285,7 +286,8 @@ def test_shards_beyond_the_open_limit_are_reopened_and_checked(
         save_file({f"t{number}": np.full(3, number + 1.0, np.float32)}, str(model / name))
         weight_map[f"t{number}"] = name
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    with sharded.ShardedReader(model, model / "model.safetensors.index.json") as reader:
+    reader = sharded.ShardedReader(model, model / "model.safetensors.index.json")
+    with reader:
         for info in reader.infos:  # every shard reopened in turn
             assert float(reader.read(info)[0]) == float(info.name[1:]) + 1
             open_now = [reader.shard_reader(s).is_open for s in reader.shard_names]

@@ -10,6 +10,7 @@ import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import h5py
 import ml_dtypes
@@ -52,7 +53,8 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> Path:
 
 
 def write_npz(path: Path, tensors: dict[str, np.ndarray]) -> Path:
-    np.savez(path, **tensors)
+    arrays: dict[str, Any] = dict(tensors)  # numpy types **kwds as bool | ArrayLike
+    np.savez(path, **arrays)
     return path
 
 
@@ -72,7 +74,9 @@ WRITERS: dict[str, Callable[[Path, dict[str, np.ndarray]], Path]] = {
 
 def healthy(directory: Path, suffix: str) -> Path:
     rng = np.random.default_rng(0)
-    tensors = {"dense.kernel": rng.standard_normal((64, 32)).astype(np.float32)}
+    tensors: dict[str, np.ndarray] = {
+        "dense.kernel": rng.standard_normal((64, 32)).astype(np.float32)
+    }
     tensors["dense.bias"] = rng.standard_normal(32)
     return WRITERS[suffix](directory / f"model{suffix}", tensors)
 
@@ -154,7 +158,7 @@ def test_fifo_does_not_hang(tmp_path: Path, name: str) -> None:
     refuse_input(path, 3)
 
 
-def test_dev_zero_does_not_hang(tmp_path: Path) -> None:
+def test_dev_zero_does_not_hang() -> None:
     """/dev/zero has no extension and never ends: no hang, no eating memory."""
     refuse_input(Path("/dev/zero"), 3)
 
@@ -272,7 +276,7 @@ def test_nonfinite_refusal_names_the_file(tmp_path: Path, suffix: str) -> None:
 
 
 FP16_MAX = float(np.finfo(np.float16).max)
-BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)  # type: ignore[no-untyped-call]
 EXTREMES: dict[str, tuple[np.ndarray, float, tuple[str, ...]]] = {
     # name: (values, expected norm, formats that can hold the dtype)
     "float64_1e200": (np.array([1e200, 1e200]), 1.4142135623730951e200, tuple(WRITERS)),
@@ -334,7 +338,8 @@ def test_extreme_finite_values(tmp_path: Path, case: str, suffix: str) -> None:
     assert report["global_norm"] == pytest.approx(expected, rel=1e-12, abs=0), report
     assert clip.returncode == 0, clip.describe()
     clipped = read_back(out)["x"]
-    assert clipped.dtype == array.dtype and clipped.shape == array.shape
+    assert clipped.dtype == array.dtype
+    assert clipped.shape == array.shape
     assert np.all(np.isfinite(clipped.astype(np.float64)))
     after = exact_norm(clipped)
     assert after <= 1.0, after
@@ -482,7 +487,8 @@ def test_hostile_tensor_name_in_output(
         err = capsys.readouterr().err
         if code != 0:
             assert code in (2, 3, 5), (code, err)
-            assert err.startswith("clipcli: error: ") and err.count("\n") == 1, err
+            assert err.startswith("clipcli: error: "), err
+            assert err.count("\n") == 1, err
             assert sorted(p.name for p in workdir.iterdir()) == [src.name]
             return
         assert main(["ls", "--format", "json", str(out)]) == 0, capsys.readouterr().err

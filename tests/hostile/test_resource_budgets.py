@@ -12,6 +12,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -80,7 +81,8 @@ def assert_within_budgets(run: Measured, codes: tuple[int, ...] = (3,)) -> None:
     assert run.peak_rss < RSS_BUDGET, run
     assert run.written < WRITE_BUDGET, run
     if run.returncode != 0:
-        assert run.stderr.startswith("clipcli: error: ") and run.stderr.count("\n") == 1, run
+        assert run.stderr.startswith("clipcli: error: "), run
+        assert run.stderr.count("\n") == 1, run
 
 
 # ------------------------------------------------------------------ zip building by hand
@@ -296,7 +298,7 @@ def test_bzip2_members_are_refused(tmp_path: Path) -> None:
 def test_healthy_npz_variants_still_read(tmp_path: Path) -> None:
     """numpy's own writers: savez (stored), savez_compressed (deflate), ZIP64, empty."""
     rng = np.random.default_rng(1)
-    arrays = {"a": rng.standard_normal((3, 5)), "b": np.zeros(0, np.float32)}
+    arrays: dict[str, Any] = {"a": rng.standard_normal((3, 5)), "b": np.zeros(0, np.float32)}
     for save in (np.savez, np.savez_compressed):
         path = tmp_path / f"{save.__name__}.npz"
         save(path, **arrays)
@@ -327,7 +329,8 @@ def vlen_shared_heap_object(path: Path, elements: int = 1500) -> None:
 
     big = [m for m in re.finditer(rb"\x00\x00\x10\x00(.{8})(.{4})", data, re.S) if in_a_heap(m)]
     small = [m for m in re.finditer(rb"\x01\x00\x00\x00(.{8})(.{4})", data, re.S) if in_a_heap(m)]
-    assert len(big) == 1 and len(small) == elements
+    assert len(big) == 1
+    assert len(small) == elements
     for m in small:
         data[m.start() : m.start() + 16] = big[0].group(0)
     path.write_bytes(bytes(data))
@@ -433,7 +436,8 @@ def fortran_npz(path: Path, shape: tuple[int, ...], compress: bool) -> np.ndarra
     rng = np.random.default_rng(5)
     c_order = rng.standard_normal(shape[::-1]).astype(np.float32)
     tensor = c_order.T
-    assert tensor.flags.f_contiguous and (tensor.ndim < 2 or not tensor.flags.c_contiguous)
+    assert tensor.flags.f_contiguous
+    assert tensor.ndim < 2 or not tensor.flags.c_contiguous
     (np.savez_compressed if compress else np.savez)(path, w=tensor)
     return tensor
 
@@ -459,7 +463,9 @@ def test_fortran_members_read_in_c_order(
     with npz_module.NpzReader(path) as reader:
         (info,) = reader.infos
         for chunk_elems in (1, 7, 1 << 20):
-            flat = np.concatenate([c.copy() for c in reader.chunks(info, chunk_elems)] or [[]])
+            flat = np.concatenate(
+                [c.copy() for c in reader.chunks(info, chunk_elems)] or [np.zeros(0)]
+            )
             np.testing.assert_array_equal(flat.astype(np.float32), reference.reshape(-1))
         np.testing.assert_array_equal(reader.read(info), reference)
 
@@ -488,11 +494,13 @@ def test_large_fortran_member_within_memory_budget(tmp_path: Path) -> None:
     header = npy_bytes_header("<f4", (rows, cols)).replace(b"False", b"True ")
     rng = np.random.default_rng(3)
     blocks = [rng.integers(0, 2, cols).astype(np.float32).tobytes() for _ in range(64)]
-    with zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
-        with archive.open("w.npy", "w", force_zip64=True) as member:
-            member.write(header)
-            for row in range(rows):
-                member.write(blocks[row % 64])
+    with (
+        zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive,
+        archive.open("w.npy", "w", force_zip64=True) as member,
+    ):
+        member.write(header)
+        for row in range(rows):
+            member.write(blocks[row % 64])
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     run = measured_run(["norms", "--format", "json", str(src)], out_dir, timeout=300)
@@ -543,7 +551,7 @@ def test_members_with_data_descriptors_are_adjacent_not_overlapping(
     stream = _Unseekable()
     compression = zipfile.ZIP_STORED if method == "stored" else zipfile.ZIP_DEFLATED
     arrays = {f"t{i}": np.arange(i + 3, dtype=np.float32) for i in range(4)}
-    with zipfile.ZipFile(stream, "w", compression) as archive:  # type: ignore[arg-type]
+    with zipfile.ZipFile(stream, "w", compression) as archive:  # type: ignore[call-overload]
         for name, array in arrays.items():
             with archive.open(f"{name}.npy", "w", force_zip64=zip64) as member:
                 member.write(npy_bytes_header("<f4", array.shape) + array.tobytes())

@@ -206,6 +206,7 @@ def _empty_tensors(count: int) -> bytes:
     return st(header)
 
 
+@pytest.mark.slow  # a 1,000,000-tensor header: seconds by design
 def test_a_million_empty_tensors_finish_in_time(tmp_path: Path) -> None:
     """10**6 empty tensors (a 60 MB header): clipcli may list them or refuse them, but
     either way within the timeout and without an internal error."""
@@ -229,6 +230,7 @@ def test_a_million_empty_tensors_finish_in_time(tmp_path: Path) -> None:
         assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.slow  # 50,000 tensors listed: seconds by design
 def test_fifty_thousand_tensors_are_listed_in_time(tmp_path: Path) -> None:
     """50,000 empty tensors (a 3 MB header) are under clipcli's tensor limit, and real
     checkpoints come close (large MoE models have ~10**5 tensors), so `ls` and `norms`
