@@ -146,3 +146,16 @@ def test_plot_into_a_missing_directory_is_refused_before_reading(
     code, _, err = _run(capsys, "norms", MISSING, "--plot", tmp_path / "nowhere" / "p.png")
     assert code == 5
     assert "does not exist" in one_error_line(err)
+
+
+def test_chart_limit_exactly_at_a_norm_is_not_over(
+    model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, out, _ = _run(capsys, "norms", model, "--sort", "norm", "--format", "json")
+    largest = json.loads(out)["tensors"][0]["norm"]  # a weight: ranked first
+    _, chart, _ = _run(capsys, "norms", model, "--chart", "--limit", repr(largest))
+    assert chart.splitlines()[-1].startswith("limit ")
+    assert chart.splitlines()[-1].endswith(": 0 of 5 over")  # the int64 buffer never counts
+    below = repr(float(np.nextafter(largest, 0)))
+    _, chart, _ = _run(capsys, "norms", model, "--chart", "--limit", below)
+    assert chart.splitlines()[-1].endswith(": 1 of 5 over")

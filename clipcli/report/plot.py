@@ -56,7 +56,7 @@ def check_plot_target(out: Path, force: bool) -> None:
         raise UsageError(f"--plot {out} exists; add --force to replace it")
     if os.path.isdir(out):
         raise UsageError(f"--plot {out} is a directory")
-    if not out.parent.is_dir() if str(out.parent) else False:
+    if not out.parent.is_dir():  # (Path("p.png").parent is ".")
         raise WriteError(f"--plot {out}: the directory {out.parent} does not exist")
 
 
