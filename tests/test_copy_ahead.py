@@ -44,7 +44,7 @@ def test_nothing_changes_copies_every_tensor_ahead_and_the_file_is_identical(
     tmp_path: Path, copied_ahead: list[str]
 ) -> None:
     rng = np.random.default_rng(0)
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "a": rng.standard_normal(50_000).astype(np.float32),
         "b": rng.standard_normal((300, 70)).astype(np.float64),
         "empty": np.zeros(0, np.float32),
@@ -107,7 +107,8 @@ def test_refusal_after_tensors_were_copied_ahead_leaves_nothing(
     assert copied_ahead == ["ok"]
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "'bad' (1 non-finite)" in err
+    assert err.count("\n") == 1
+    assert "'bad' (1 non-finite)" in err
 
 
 def test_value_mode_copies_the_tensors_already_in_range(

@@ -44,7 +44,8 @@ def test_e8m0_at_and_above_its_floor(tmp_path: Path, times: float, code: int) ->
     assert main(["clip", "--norm", repr(limit), "-q", str(src), str(out)]) == code
     if code == 0:
         written = np.frombuffer(_raw(out, "e"), dtype=E8M0).astype(np.float64)
-        assert np.all(np.isfinite(written)) and math.sqrt(float(np.sum(written**2))) <= limit
+        assert np.all(np.isfinite(written))
+        assert math.sqrt(float(np.sum(written**2))) <= limit
 
 
 def _raw(path: Path, name: str) -> bytes:
@@ -63,7 +64,9 @@ def test_use_norm_inf_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFix
 
 @pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
 def test_complex_scaling_keeps_the_sign_of_zero_parts(tmp_path: Path, dtype: type) -> None:
-    values = np.array([3 - 0j, complex(-0.0, -0.0), complex(-0.0, 4), -3 - 0j], dtype=dtype)
+    values: np.ndarray = np.array(
+        [3 - 0j, complex(-0.0, -0.0), complex(-0.0, 4), -3 - 0j], dtype=dtype
+    )
     values.imag[0] = -0.0
     values.imag[3] = -0.0
     np.savez(tmp_path / "in.npz", z=values)

@@ -13,9 +13,11 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -30,7 +32,7 @@ FP16_300 = np.full(300, 300.0, dtype=np.float16)  # sqrt(300 * 300**2) = 300 * s
 FP16_300_NORM = 5196.152422706632
 
 
-def chunked(array: np.ndarray, size: int):
+def chunked(array: np.ndarray, size: int) -> Iterator[np.ndarray]:
     flat = array.reshape(-1)
     return (flat[i : i + size] for i in range(0, flat.size, size))
 
@@ -38,7 +40,7 @@ def chunked(array: np.ndarray, size: int):
 # ------------------------------------------------------------------ library: exact values
 
 
-def test_float16_squares_do_not_overflow():
+def test_float16_squares_do_not_overflow() -> None:
     assert l2_norm(FP16_300) == pytest.approx(FP16_300_NORM, rel=1e-12)
     assert accumulate(chunked(FP16_300, 7)).norm == pytest.approx(FP16_300_NORM, rel=1e-12)
     assert l2_norm(np.array([300.0], np.float16)) == 300.0
@@ -46,24 +48,24 @@ def test_float16_squares_do_not_overflow():
     assert l2_norm(np.full(4, 65504.0, np.float16)) == 131008.0
 
 
-def test_float32_1e20():
+def test_float32_1e20() -> None:
     x = np.array([1e20, 1e20], dtype=np.float32)
     assert l2_norm(x) == pytest.approx(1.4142135623730951e20, rel=1e-7)
 
 
 @pytest.mark.parametrize("magnitude", [1e200, 1e-200, 1e300, 1e-300])
-def test_float64_extremes(magnitude):
+def test_float64_extremes(magnitude: Any) -> None:
     x = np.array([magnitude, magnitude], dtype=np.float64)
     assert l2_norm(x) == pytest.approx(SQRT2 * magnitude, rel=1e-14)
     assert accumulate([x[:1], x[1:]]).norm == pytest.approx(SQRT2 * magnitude, rel=1e-14)
 
 
-def test_float64_subnormals():
+def test_float64_subnormals() -> None:
     tiny = np.full(4, 5e-324)  # the smallest subnormal; its square is 0 in float64
     assert l2_norm(tiny) == 2 * 5e-324
 
 
-def test_mixed_magnitudes_in_one_tensor_and_across_chunks():
+def test_mixed_magnitudes_in_one_tensor_and_across_chunks() -> None:
     x = np.array([1e200, 1e-200, 3e200, 5.0, -1e-300])
     assert l2_norm(x) == pytest.approx(math.sqrt(10) * 1e200, rel=1e-14)
     acc = accumulate([np.array([1e-200]), np.array([3.0]), np.array([4.0]), np.array([1e-300])])
@@ -72,7 +74,7 @@ def test_mixed_magnitudes_in_one_tensor_and_across_chunks():
     assert acc.norm == pytest.approx(1e200, rel=1e-15)
 
 
-def test_merging_partial_accumulators_matches_one_pass():
+def test_merging_partial_accumulators_matches_one_pass() -> None:
     rng = np.random.default_rng(5)
     x = rng.standard_normal(10_000) * np.exp(rng.uniform(-300, 300, 10_000))
     whole = accumulate([x])
@@ -84,7 +86,7 @@ def test_merging_partial_accumulators_matches_one_pass():
     assert merged.max_abs == float(np.max(np.abs(x)))
 
 
-def test_global_norm_neither_overflows_nor_underflows():
+def test_global_norm_neither_overflows_nor_underflows() -> None:
     assert global_norm([3e200, 4e200]) == pytest.approx(5e200, rel=1e-15)
     assert global_norm([3e-200, 4e-200]) == pytest.approx(5e-200, rel=1e-15)
     assert global_norm([3.0, 0.0, 4.0]) == 5.0
@@ -106,20 +108,21 @@ def test_global_norm_neither_overflows_nor_underflows():
     ],
     ids=["bf16", "fp8-e4m3fn", "fp8-e5m2", "complex", "int64", "uint8", "bool", "scalar", "empty"],
 )
-def test_every_dtype(array, expected):
+def test_every_dtype(array: Any, expected: Any) -> None:
     assert l2_norm(array) == pytest.approx(expected, rel=1e-15)
 
 
-def test_nonfinite_values_are_counted():
+def test_nonfinite_values_are_counted() -> None:
     acc = accumulate([np.array([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32)])
     assert acc.nonfinite == 3
     assert math.isnan(acc.norm)
     acc = accumulate([np.array([np.inf, 3.0, 4.0], np.float64)])
-    assert acc.nonfinite == 1 and acc.norm == math.inf
+    assert acc.nonfinite == 1
+    assert acc.norm == math.inf
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
-def test_every_16_bit_pattern_measures_as_float64_does(dtype):
+def test_every_16_bit_pattern_measures_as_float64_does(dtype: Any) -> None:
     """All 65,536 values (subnormals, ±0, ±inf and NaNs included), one value per chunk and
     all together: the fast 16-bit paths (bit tricks, ml_dtypes casts) agree exactly with
     float64 arithmetic on the same values."""
@@ -153,7 +156,7 @@ def all_float8(name: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", FLOAT8)
-def test_every_8_bit_float_measures_as_float64_does(name):
+def test_every_8_bit_float_measures_as_float64_does(name: Any) -> None:
     """All 256 values (NaN included), widened through clipcli's lookup table."""
     values = all_float8(name)
     with np.errstate(invalid="ignore"):
@@ -180,12 +183,13 @@ def test_8_bit_float_clamp_by_table_keeps_bits(name: str) -> None:
         lo, hi = rounding.value_bounds(dtype, low, high)
         expected = clamp_keeping_bits(chunk, lo, hi)
         got = rounding.clamp_chunk(chunk, lo, hi)
-        assert got.dtype == dtype and got.shape == chunk.shape
+        assert got.dtype == dtype
+        assert got.shape == chunk.shape
         np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 
 @pytest.mark.slow  # 64 Mi elements (the only copy of this test; tests/test_core_cli.py had one)
-def test_64m_float32_normals_within_1e_7():
+def test_64m_float32_normals_within_1e_7() -> None:
     """64 Mi float32 normals, fed chunk by chunk as a reader would: relative error <= 1e-7
     against numpy's float64 norm (naive float32 accumulation drifts by ~1e-4 here)."""
     x = np.random.default_rng(0).standard_normal(64 * 2**20, dtype=np.float32)
@@ -212,7 +216,7 @@ FLOAT16_BOUNDS = [
 ]
 
 
-def clamp_keeping_bits(chunk: np.ndarray, lo, hi) -> np.ndarray:
+def clamp_keeping_bits(chunk: np.ndarray, lo: Any, hi: Any) -> np.ndarray:
     """The clamp clipcli promises (issue 10): only elements strictly below lo or above hi
     are replaced, by the bound; everything else (NaN payloads, -0.0 on a bound of 0) keeps
     its bits. np.clip rewrites NaN payloads of fp8/bf16 and picks either zero."""
@@ -225,20 +229,20 @@ def clamp_keeping_bits(chunk: np.ndarray, lo, hi) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("low", "high"), FLOAT16_BOUNDS)
-def test_float16_clamp_keeps_bits_within_bounds(low, high):
+def test_float16_clamp_keeps_bits_within_bounds(low: Any, high: Any) -> None:
     """float16 is clamped through a lookup table (numpy compares float16 in software, 15x
     slower): every one of the 65,536 values, NaN payloads and the sign of zero included,
     comes out exactly as the independent clamp gives it (was np.clip, which replaces
     -0.0 by a +0.0 bound: issue 10 says a value within the bounds keeps its bits)."""
     lo, hi = np.float16(low), np.float16(high)
     expected = clamp_keeping_bits(ALL_FLOAT16, lo, hi)
-    got = rounding.clamp_chunk(ALL_FLOAT16, lo, hi)
+    got = rounding.clamp_chunk(ALL_FLOAT16, lo, hi)  # type: ignore[arg-type]  # scalars broadcast
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
 
 
 @pytest.mark.parametrize("scale", [0.3, 1e-3, 0.999, 2.0**-20, 1 - 2.0**-30, 0.01])
-def test_float16_scaling_is_rounded_once(scale):
+def test_float16_scaling_is_rounded_once(scale: Any) -> None:
     """float16 is widened by moving bits; the result must be the exact product rounded once
     to float16, for every finite value (issue 10: it was a float32 product rounded again).
     numpy rounds float64 to float16 directly, and the product of a float16 and a factor
@@ -263,7 +267,7 @@ def float32_patterns() -> np.ndarray:
     return np.concatenate([magnitudes, magnitudes | np.uint32(0x80000000)]).view(np.float32)
 
 
-def test_float32_to_float16_is_numpys_cast_bit_for_bit():
+def test_float32_to_float16_is_numpys_cast_bit_for_bit() -> None:
     """Ties to even, subnormals, overflow to inf and NaN payloads, as numpy rounds them
     (numpy takes 70 ns for each inexact subnormal; float16.from_float32 2.5 ns for any)."""
     values = float32_patterns()
@@ -273,7 +277,7 @@ def test_float32_to_float16_is_numpys_cast_bit_for_bit():
     np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
 
 
-def test_float16_widening_by_bits_is_exact_and_flags_nonfinite():
+def test_float16_widening_by_bits_is_exact_and_flags_nonfinite() -> None:
     finite = ALL_FLOAT16[np.isfinite(ALL_FLOAT16)]
     np.testing.assert_array_equal(
         float16.bits_as_float32(finite).view(np.uint32), finite.astype(np.float32).view(np.uint32)
@@ -294,7 +298,9 @@ EXTREMES = {
 }
 
 
-def test_norms_cli_exact_on_every_format(fmt, ckpt, write_checkpoint, cli):
+def test_norms_cli_exact_on_every_format(
+    ckpt: Callable[[str], Path], write_checkpoint: Callable[..., Path], cli: Callable[..., Any]
+) -> None:
     path = write_checkpoint(ckpt("extremes"), {k: v[0] for k, v in EXTREMES.items()})
     result = cli("norms", path, "--format", "json")
     assert result.code == 0, result.stderr
@@ -305,7 +311,13 @@ def test_norms_cli_exact_on_every_format(fmt, ckpt, write_checkpoint, cli):
     assert report["global_norm"] == pytest.approx(SQRT2 * 1e200, rel=1e-14)
 
 
-def test_clip_float16_where_tf_overflows(fmt, ckpt, write_checkpoint, read_checkpoint, cli, norm64):
+def test_clip_float16_where_tf_overflows(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    cli: Callable[..., Any],
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     # TF: 300**2 overflows float16, the norm is inf and the clipped tensor becomes zeros.
     src = write_checkpoint(ckpt("in"), {"h": FP16_300})
     result = cli("clip", "--norm", "100", src, ckpt("out"), "--quiet")
@@ -327,7 +339,15 @@ def test_clip_float16_where_tf_overflows(fmt, ckpt, write_checkpoint, read_check
     ],
     ids=["1e200-to-1", "1e200-to-1e199", "1e-200-to-1e-201", "f32-1e20-to-1"],
 )
-def test_clip_extremes(fmt, ckpt, write_checkpoint, read_checkpoint, cli, norm64, x, limit):
+def test_clip_extremes(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    cli: Callable[..., Any],
+    norm64: Callable[[np.ndarray], float],
+    x: Any,
+    limit: Any,
+) -> None:
     src = write_checkpoint(ckpt("in"), {"x": x})
     result = cli("clip", "--global", repr(limit), src, ckpt("out"), "--quiet")
     assert result.code == 0, result.stderr
@@ -470,7 +490,8 @@ def check_scaling_against_reference(name: str, scale: float, exponent: int) -> N
     order = rng.permutation(codes.size)  # shuffled, 2-D: the table lookup keeps positions
     chunk = codes[order].reshape(-1, 16).view(dtype)
     got = rounding.scale_chunk(chunk, scale, exponent)
-    assert got.dtype == dtype and got.shape == chunk.shape
+    assert got.dtype == dtype
+    assert got.shape == chunk.shape
     got_codes = got.view(uint).reshape(-1)
     with np.errstate(invalid="ignore"):
         given = chunk.astype(np.float32).reshape(-1)

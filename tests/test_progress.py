@@ -24,14 +24,12 @@ def test_quiet_turns_progress_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli._progress(quiet=True) is SILENT
 
 
-def test_terminal_progress_shows_bytes_after_the_delay(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_terminal_progress_shows_bytes_after_the_delay(monkeypatch: pytest.MonkeyPatch) -> None:
     screen = io.StringIO()
     from rich.console import Console
 
     monkeypatch.setattr(
-        "rich.console.Console", lambda **kw: Console(file=screen, force_terminal=True, width=100)
+        "rich.console.Console", lambda **_kw: Console(file=screen, force_terminal=True, width=100)
     )
     progress = TerminalProgress(delay=0.0)
     progress.start("measuring", 4 << 20)
@@ -39,7 +37,8 @@ def test_terminal_progress_shows_bytes_after_the_delay(
     progress.advance(2 << 20)
     progress.finish()
     text = screen.getvalue()
-    assert "measuring" in text and "MiB" in text
+    assert "measuring" in text
+    assert "MiB" in text
 
 
 def test_quick_passes_print_nothing() -> None:

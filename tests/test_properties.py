@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hypothesis.extra.numpy as hnp
 import numpy as np
@@ -26,8 +28,17 @@ from hypothesis import strategies as st
 from clipcli.cli import main
 
 EXTS = [".safetensors", ".npz", ".h5"]
-FLOAT_DTYPES = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
-OTHER_DTYPES = [np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint8), np.dtype(np.bool_)]
+FLOAT_DTYPES: list[np.dtype[Any]] = [
+    np.dtype(np.float16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+]
+OTHER_DTYPES: list[np.dtype[Any]] = [
+    np.dtype(np.int32),
+    np.dtype(np.int64),
+    np.dtype(np.uint8),
+    np.dtype(np.bool_),
+]
 
 PROPERTY = settings(
     max_examples=30,
@@ -50,7 +61,9 @@ def other_arrays(dtype: np.dtype) -> st.SearchStrategy[np.ndarray]:
 NAMES = st.from_regex(r"[a-z][a-z0-9_.]{0,7}", fullmatch=True)
 
 
-def checkpoints(min_dims: int = 0, with_others: bool = True) -> st.SearchStrategy[dict]:
+def checkpoints(
+    min_dims: int = 0, with_others: bool = True
+) -> st.SearchStrategy[dict[str, np.ndarray]]:
     """1-3 floating-point tensors, plus (maybe) one integer or bool tensor."""
     floats = st.dictionaries(
         NAMES,
@@ -77,7 +90,7 @@ def run_clip(src: Path, out: Path, *mode: str) -> None:
     assert code == 0, f"clip {' '.join(mode)} exited {code}"
 
 
-def global_norm64(tensors: dict[str, np.ndarray], norm64) -> float:
+def global_norm64(tensors: dict[str, np.ndarray], norm64: Callable[[np.ndarray], float]) -> float:
     norms = [norm64(x) for x in tensors.values() if is_float(x)]
     if any(math.isinf(n) for n in norms):
         return math.inf
@@ -106,8 +119,14 @@ def limit_from(norm: float, ratio: float) -> float:
     ratio=st.floats(1e-3, 2.0),
 )
 def test_clipped_norm_never_exceeds_the_limit(
-    ext, data, mode, ratio, write_checkpoint, read_checkpoint, norm64
-):
+    ext: Any,
+    data: Any,
+    mode: Any,
+    ratio: Any,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     """Per tensor (--norm), per numel (--average), over all (--global), per last-axis slice
     (--norm --axes -1): the output's norm, computed in float64, is at most C."""
     tensors = data.draw(checkpoints(min_dims=1 if mode == "--axes" else 0), label="tensors")
@@ -127,7 +146,8 @@ def test_clipped_norm_never_exceeds_the_limit(
         out = read_checkpoint(Path(tmp) / f"out{ext}")
     assert set(out) == set(tensors)
     for name, x in out.items():
-        assert x.dtype == tensors[name].dtype and x.shape == tensors[name].shape, name
+        assert x.dtype == tensors[name].dtype, name
+        assert x.shape == tensors[name].shape, name
     if mode == "--global":
         assert global_norm64({k: out[k] for k in floats}, norm64) <= limit
     for name in floats:
@@ -149,7 +169,15 @@ MODES = ["--value", "--norm", "--average", "--global", "--axes"]
 @pytest.mark.parametrize("ext", EXTS)
 @PROPERTY
 @given(data=st.data(), mode=st.sampled_from(MODES), ratio=st.floats(1e-3, 2.0))
-def test_clipping_is_idempotent(ext, data, mode, ratio, write_checkpoint, read_checkpoint, norm64):
+def test_clipping_is_idempotent(
+    ext: Any,
+    data: Any,
+    mode: Any,
+    ratio: Any,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     """clip(clip(x)) == clip(x) bit for bit: the first output is within the limit, so the
     second run leaves it alone."""
     tensors = data.draw(checkpoints(min_dims=1 if mode == "--axes" else 0), label="tensors")
@@ -187,8 +215,15 @@ def test_clipping_is_idempotent(ext, data, mode, ratio, write_checkpoint, read_c
     headroom=st.floats(1e-6, 10.0),
 )
 def test_tensors_within_the_limit_are_unchanged(
-    ext, tensors, mode, headroom, write_checkpoint, read_checkpoint, norm64, assert_bit_identical
-):
+    ext: Any,
+    tensors: Any,
+    mode: Any,
+    headroom: Any,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    norm64: Callable[[np.ndarray], float],
+    assert_bit_identical: Callable[..., None],
+) -> None:
     floats = [x for x in tensors.values() if is_float(x)]
     grow = 1 + headroom
     if mode == "--value":
@@ -220,8 +255,12 @@ def test_tensors_within_the_limit_are_unchanged(
 @PROPERTY
 @given(tensors=checkpoints())
 def test_clip_with_an_infinite_limit_is_a_faithful_copy(
-    ext, tensors, write_checkpoint, read_checkpoint, assert_bit_identical
-):
+    ext: Any,
+    tensors: Any,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    assert_bit_identical: Callable[..., None],
+) -> None:
     """Write with the official library, pass through `clip --norm inf`, read with the
     official library: same names, dtypes, shapes and bytes."""
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,8 +29,10 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -97,7 +99,8 @@ def write_any(path: Path, tensors: dict[str, np.ndarray]) -> Path:
     if path.suffix == ".safetensors":
         return write_safetensors(path, tensors)
     if path.suffix == ".npz":
-        np.savez(path, **tensors)
+        arrays: dict[str, Any] = dict(tensors)  # numpy types **kwds as bool | ArrayLike
+        np.savez(path, **arrays)
         return path
     import h5py
 
@@ -192,7 +195,7 @@ class Table:
             with np.errstate(invalid="ignore"):
                 nz = np.asarray(-0.0).astype(self.dtype).view(f"u{self.dtype.itemsize}")
             result[negative_zero] = nz
-        return result
+        return np.asarray(result)
 
 
 TABLES: dict[str, Table] = {}
@@ -208,7 +211,7 @@ def two_product(x: np.ndarray, s: float) -> tuple[np.ndarray, np.ndarray]:
     """x*s as an exact sum high + low (Dekker, both factors split)."""
     high = x * s
 
-    def split(a):
+    def split(a: Any) -> tuple[Any, Any]:
         c = a * 134217729.0
         h = c - (c - a)
         return h, a - h
@@ -263,7 +266,7 @@ def unit(dtype: np.dtype) -> float:
         if dtype.kind == "c"
         else dtype
     )
-    return float(ml_dtypes.finfo(real).eps) / 2
+    return float(ml_dtypes.finfo(real).eps) / 2  # type: ignore[no-untyped-call]
 
 
 def tiny(dtype: np.dtype) -> float:
@@ -272,7 +275,7 @@ def tiny(dtype: np.dtype) -> float:
         if dtype.kind == "c"
         else dtype
     )
-    return float(ml_dtypes.finfo(real).smallest_subnormal)
+    return float(ml_dtypes.finfo(real).smallest_subnormal)  # type: ignore[no-untyped-call]
 
 
 # ------------------------------------------------------------------ data
@@ -288,23 +291,24 @@ def sample(dtype: np.dtype, shape: tuple[int, ...], seed: int) -> np.ndarray:
         values *= 2.0 ** rng.integers(-12, 4, n)
     if dtype.kind == "c":
         values = values + 1j * rng.standard_normal(n)
-    top = float(ml_dtypes.finfo(dtype).max) / 2 if dtype.itemsize <= 2 else math.inf
+    top = float(ml_dtypes.finfo(dtype).max) / 2 if dtype.itemsize <= 2 else math.inf  # type: ignore[no-untyped-call]
     values = np.clip(values.real, -top, top) + (1j * values.imag if dtype.kind == "c" else 0)
     with np.errstate(over="ignore"):
         if dtype.itemsize <= 2:
             out = values.astype(np.float32).astype(dtype)
         else:
             out = values.astype(dtype)
-    return out.reshape(shape)
+    return np.asarray(out.reshape(shape))
 
 
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 2), (0,), (64,)]
 
 
-def run_clip(cli, src: Path, out: Path, *args: str) -> dict:
+def run_clip(cli: Callable[..., Any], src: Path, out: Path, *args: str) -> dict[str, Any]:
     result = cli("clip", *args, str(src), str(out), "--format", "json", "--force")
     assert result.code == 0, result.stderr
-    return json.loads(result.stdout)
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
 
 
 def record(dtype: np.dtype, mode: str, ratio: float) -> None:
@@ -313,7 +317,7 @@ def record(dtype: np.dtype, mode: str, ratio: float) -> None:
 
 
 def check_norm_clip(
-    cli,
+    cli: Callable[..., Any],
     tmp_path: Path,
     x: np.ndarray,
     limit: float,
@@ -328,7 +332,8 @@ def check_norm_clip(
     report = run_clip(cli, src, out_path, *mode_args)
     out = read_safetensors(out_path)["t"]
     row = report["tensors"][0]
-    assert out.dtype == x.dtype and out.shape == x.shape
+    assert out.dtype == x.dtype
+    assert out.shape == x.shape
     before = exact_sumsq(x)
     if before <= Fraction(limit_for_tensor) ** 2:
         assert out.tobytes() == x.tobytes(), "an under-limit tensor changed"
@@ -374,7 +379,9 @@ QUICK_NORM_DTYPES = ("float32", "float64", "bfloat16", "float16", "float8_e4m3fn
     [n if n in QUICK_NORM_DTYPES else pytest.param(n, marks=pytest.mark.slow) for n in NORM_DTYPES],
 )
 @pytest.mark.parametrize("mode", ["norm", "average", "global"])
-def test_norm_modes_against_reference(cli, tmp_path, name, mode):
+def test_norm_modes_against_reference(
+    cli: Callable[..., Any], tmp_path: Path, name: Any, mode: Any
+) -> None:
     dtype = dtype_of(name)
     for seed, shape in enumerate(SHAPES):
         x = sample(dtype, shape, seed)
@@ -405,7 +412,7 @@ def test_norm_modes_against_reference(cli, tmp_path, name, mode):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("CLIPCLI_SLOW"), reason="slow: set CLIPCLI_SLOW=1")
 @pytest.mark.parametrize("name", NORM_DTYPES)
-def test_norm_modes_larger_sweep(cli, tmp_path, name):
+def test_norm_modes_larger_sweep(cli: Callable[..., Any], tmp_path: Path, name: Any) -> None:
     """More seeds, bigger tensors and limits at many distances from the norm (slow)."""
     dtype = dtype_of(name)
     for seed in range(100, 130):
@@ -437,7 +444,7 @@ AXES_CASES = [
 
 
 @pytest.mark.parametrize("name", [*STORABLE, "complex128"])
-def test_axes_against_reference(cli, tmp_path, name):
+def test_axes_against_reference(cli: Callable[..., Any], tmp_path: Path, name: Any) -> None:
     """Each slice over C gets the best uniform factor of its own (to one rounding), each
     slice within C stays bit-identical, and clipping again changes nothing."""
     dtype = dtype_of(name)
@@ -469,7 +476,7 @@ def test_axes_against_reference(cli, tmp_path, name):
 
 
 @pytest.mark.parametrize("name", LIBRARY_ONLY)
-def test_unstorable_fp8_through_the_library(name):
+def test_unstorable_fp8_through_the_library(name: Any) -> None:
     """fp8 variants no format stores: the same scale search through axes_scales (all axes),
     then scale_slices; checked as above against the reference."""
     from clipcli.numerics import slices
@@ -516,7 +523,7 @@ def ref_bound(dtype: np.dtype, value: float, toward: int) -> float | None:
         return math.copysign(0.0, value) if found == 0 else found  # a zero bound as given
     if math.isinf(value) and (value > 0) != (toward > 0):
         return value
-    info = ml_dtypes.finfo(dtype)
+    info = ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
     if (toward > 0 and value > float(info.max)) or (toward < 0 and value < float(info.min)):
         return None
     with np.errstate(over="ignore"):
@@ -566,7 +573,9 @@ VALUE_BOUNDS = [
 
 
 @pytest.mark.parametrize("name", [*STORABLE])
-def test_value_mode_against_independent_clamp(cli, tmp_path, name):
+def test_value_mode_against_independent_clamp(
+    cli: Callable[..., Any], tmp_path: Path, name: Any
+) -> None:
     dtype = dtype_of(name)
     if dtype.kind == "c":
         pytest.skip("complex has no order: value mode leaves it")
@@ -602,7 +611,9 @@ def test_value_mode_against_independent_clamp(cli, tmp_path, name):
 # ------------------------------------------------------------------ the issue's own cases
 
 
-def clip_one(cli, tmp_path: Path, x: np.ndarray, *args: str, suffix: str = ".safetensors"):
+def clip_one(
+    cli: Callable[..., Any], tmp_path: Path, x: np.ndarray, *args: str, suffix: str = ".safetensors"
+) -> tuple[Any, Any]:  # (the run, the output tensor or None when refused)
     src = write_any(tmp_path / f"issue-in{suffix}", {"t": x})
     out = tmp_path / f"issue-out{suffix}"
     result = cli("clip", *args, str(src), str(out), "--format", "json", "--force")
@@ -611,7 +622,9 @@ def clip_one(cli, tmp_path: Path, x: np.ndarray, *args: str, suffix: str = ".saf
 
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz"])
 @pytest.mark.parametrize("bound", [["--max", "9"], ["--min", "-9"]])
-def test_issue_1_one_sided_bounds_on_fp8_without_infinity(cli, tmp_path, name, bound):
+def test_issue_1_one_sided_bounds_on_fp8_without_infinity(
+    cli: Callable[..., Any], tmp_path: Path, name: Any, bound: Any
+) -> None:
     dtype = dtype_of(name)
     x = np.array([0, 1, 20, -30], np.float32).astype(dtype)
     result, out = clip_one(cli, tmp_path, x, *bound)
@@ -624,7 +637,7 @@ def test_issue_1_one_sided_bounds_on_fp8_without_infinity(cli, tmp_path, name, b
     assert 8 <= abs(wide[moved]) <= 9
 
 
-def test_issue_1_e8m0_clamps(cli, tmp_path):
+def test_issue_1_e8m0_clamps(cli: Callable[..., Any], tmp_path: Path) -> None:
     x = np.array([1, 2, 4, 0.5], np.float32).astype(ml_dtypes.float8_e8m0fnu)
     _, out = clip_one(cli, tmp_path, x, "--max", "1.5")
     assert out.astype(np.float32).tolist() == [1, 1, 1, 0.5]
@@ -632,7 +645,9 @@ def test_issue_1_e8m0_clamps(cli, tmp_path):
     assert out.astype(np.float32).tolist() == [1, 1, 1, 1]
 
 
-def test_issue_2_norm_modes_reach_the_best_uniform_factor(cli, tmp_path):
+def test_issue_2_norm_modes_reach_the_best_uniform_factor(
+    cli: Callable[..., Any], tmp_path: Path
+) -> None:
     values = np.random.default_rng(0).standard_normal(10000)
     x8 = values.astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
     _, out = clip_one(cli, tmp_path, x8, "--norm", "1")
@@ -650,7 +665,7 @@ def test_issue_2_norm_modes_reach_the_best_uniform_factor(cli, tmp_path):
     assert 0.1 * 0.999 <= total <= 0.1  # was 0.017 C
 
 
-def test_issue_3_complex64_axes_in_float64(cli, tmp_path):
+def test_issue_3_complex64_axes_in_float64(cli: Callable[..., Any], tmp_path: Path) -> None:
     x = np.array([[3e38 + 3e38j, 1e38 - 2e38j], [1 + 1j, 2 + 2j]], np.complex64)
     result, out = clip_one(cli, tmp_path, x, "--norm", "1", "--axes", "1")
     assert result.code == 0, result.stderr
@@ -660,20 +675,23 @@ def test_issue_3_complex64_axes_in_float64(cli, tmp_path):
     assert out2.tobytes() == out.tobytes()
 
 
-def test_issue_4_float64_output_not_above_c(cli, tmp_path):
+def test_issue_4_float64_output_not_above_c(cli: Callable[..., Any], tmp_path: Path) -> None:
     x = np.full((4, 58, 565), 18.954296754636935)
     result, out = clip_one(cli, tmp_path, x, "--norm", "0.284794")
     assert result.code == 0, result.stderr
     assert exact_sumsq(out) <= Fraction(0.284794) ** 2
 
 
-def test_issue_5_float16_min_beyond_range_is_refused(cli, tmp_path):
+def test_issue_5_float16_min_beyond_range_is_refused(
+    cli: Callable[..., Any], tmp_path: Path
+) -> None:
     result, _ = clip_one(cli, tmp_path, np.ones(4, np.float16), "--min", "65520")
     assert result.code == 4
-    assert result.stderr.startswith("clipcli: error: ") and len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith("clipcli: error: ")
+    assert len(result.stderr.splitlines()) == 1
 
 
-def test_issue_6_float16_scaling_rounds_once(cli, tmp_path):
+def test_issue_6_float16_scaling_rounds_once(cli: Callable[..., Any], tmp_path: Path) -> None:
     # mostly subnormal results: where a float32 product rounded again went wrong
     x = (np.random.default_rng(2).standard_normal(281000) * 1e-3).astype(np.float16)
     result, out = clip_one(cli, tmp_path, x, "--global", "1", "--use-norm", "100")
@@ -682,14 +700,14 @@ def test_issue_6_float16_scaling_rounds_once(cli, tmp_path):
     assert out.tobytes() == ref_scaled(x, scale).tobytes()
 
 
-def test_issue_7_subnormal_limit(cli, tmp_path):
+def test_issue_7_subnormal_limit(cli: Callable[..., Any], tmp_path: Path) -> None:
     x = np.array([1.7e308, 1.7e308])
     result, out = clip_one(cli, tmp_path, x, "--norm", "5e-324")
     assert result.code == 0, result.stderr
     assert exact_sumsq(out) <= Fraction(5e-324) ** 2
 
 
-def test_issue_8_nan_bits_kept_and_complex_max_abs(cli, tmp_path):
+def test_issue_8_nan_bits_kept_and_complex_max_abs(cli: Callable[..., Any], tmp_path: Path) -> None:
     bf = np.array([0x7FC1, 0x7F81, 0x3F80, 0x4000], np.uint16).view(ml_dtypes.bfloat16)
     _, out = clip_one(cli, tmp_path, bf, "--max", "1.5")
     assert out.view(np.uint16).tolist() == [0x7FC1, 0x7F81, 0x3F80, 0x3FC0]
@@ -704,7 +722,7 @@ def test_issue_8_nan_bits_kept_and_complex_max_abs(cli, tmp_path):
     )
 
 
-def test_worst_output_over_limit_report():
+def test_worst_output_over_limit_report() -> None:
     """Prints the worst output/C seen per dtype and mode (run with -s)."""
     for (name, mode), ratio in sorted(WORST.items()):
         print(f"worst output/C {name:20s} {mode:8s} {ratio:.16g}")

@@ -10,6 +10,7 @@ import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,7 +55,7 @@ def zip_of(
     return build
 
 
-def patched(build: Builder, edit: Callable[[bytearray], None]) -> Builder:
+def patched(build: Builder, edit: Callable[[bytearray], object]) -> Builder:
     """Build a valid file, then edit its bytes."""
 
     def wrapped(directory: Path) -> Path:
@@ -97,12 +98,14 @@ def zip_bomb(directory: Path) -> Path:
     """200 MiB of zeros deflated to ~200 KB, written as a stream so the test stays small."""
     path = directory / "bomb.npz"
     size = 200 << 20
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
-        with archive.open("bomb.npy", "w", force_zip64=True) as member:
-            member.write(npy_header(f8_header(f"({size},)", "|u1")))
-            block = bytes(1 << 20)
-            for _ in range(size >> 20):
-                member.write(block)
+    with (
+        zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive,
+        archive.open("bomb.npy", "w", force_zip64=True) as member,
+    ):
+        member.write(npy_header(f8_header(f"({size},)", "|u1")))
+        block = bytes(1 << 20)
+        for _ in range(size >> 20):
+            member.write(block)
     return path
 
 
@@ -115,7 +118,8 @@ def pickle_renamed(directory: Path) -> Path:
 def np_savez(compressed: bool, **arrays: np.ndarray) -> Builder:
     def build(directory: Path) -> Path:
         path = directory / "hostile.npz"
-        (np.savez_compressed if compressed else np.savez)(path, **arrays)  # type: ignore[operator]
+        members: dict[str, Any] = dict(arrays)  # numpy types **kwds as bool | ArrayLike
+        (np.savez_compressed if compressed else np.savez)(path, **members)
         return path
 
     return build
@@ -247,7 +251,7 @@ CASES: dict[str, tuple[Builder, tuple[str, ...]]] = {
     # ---- the zip container
     "truncated_zip_half": (truncated(lambda n: n // 2), ()),
     "truncated_zip_in_central_directory": (truncated(lambda n: n - 30), ()),
-    "truncated_zip_after_local_header": (truncated(lambda n: 40), ()),
+    "truncated_zip_after_local_header": (truncated(lambda _n: 40), ()),
     "truncated_compressed_zip": (truncated(lambda n: n - 200, compressed=True), ()),
     "bad_crc_in_stored_data": (
         patched(np_savez(False, a=np.arange(1000.0)), flip_in_stored_data),
