@@ -14,6 +14,7 @@ import json
 import math
 import struct
 import zipfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,17 +52,28 @@ C1 = np.array([[0, 1, 2], [3, 4, 5]], dtype=np.float32)
 C2 = np.array([[-2, -4], [2, 4]], dtype=np.float32)
 
 
-def test_tf_clip_by_norm_doc_example(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json):
+def test_tf_clip_by_norm_doc_example(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     # tf.clip_by_norm([[1, 2, 3, 4, 5]], 2.0) from the tf.clip_by_norm API page.
     src = write_checkpoint(ckpt("in"), {"t": np.array([[1, 2, 3, 4, 5]], dtype=np.float32)})
     clip_json(src, ckpt("out"), "--norm", "2.0")
     out = read_checkpoint(ckpt("out"))["t"]
-    assert out.dtype == np.float32 and out.shape == (1, 5)
+    assert out.dtype == np.float32
+    assert out.shape == (1, 5)
     expected = [[0.26967996, 0.5393599, 0.80903983, 1.0787199, 1.3483998]]
     np.testing.assert_allclose(out, expected, rtol=TF_RTOL)
 
 
-def test_tf_clip_by_norm_4_clips(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json):
+def test_tf_clip_by_norm_4_clips(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     src = write_checkpoint(ckpt("in"), {"p3": TF_BY_NORM_INPUT})
     clip_json(src, ckpt("out"), "--norm", "4")
     expected = [[-1.8353258, -0.9176629, 0.0], [0.9176629, 1.8353258, 2.7529888]]
@@ -69,8 +81,12 @@ def test_tf_clip_by_norm_4_clips(fmt, ckpt, write_checkpoint, read_checkpoint, c
 
 
 def test_tf_clip_by_norm_5_leaves_tensor_bit_identical(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     # ||p3|| = 4.358... <= 5: TF returns the input; we promise the very same bytes.
     src = write_checkpoint(ckpt("in"), {"p3": TF_BY_NORM_INPUT})
     report = clip_json(src, ckpt("out"), "--norm", "5")
@@ -78,7 +94,12 @@ def test_tf_clip_by_norm_5_leaves_tensor_bit_identical(
     assert report["tensors"][0]["changed"] is False
 
 
-def test_tf_clip_by_norm_axes_1(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json):
+def test_tf_clip_by_norm_axes_1(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     # Row 0 has norm sqrt(5) <= 3 and stays; row 1 has sqrt(14) > 3 and is scaled.
     src = write_checkpoint(ckpt("in"), {"p3": TF_BY_NORM_INPUT})
     clip_json(src, ckpt("out"), "--norm", "3", "--axes", "1")
@@ -89,8 +110,11 @@ def test_tf_clip_by_norm_axes_1(fmt, ckpt, write_checkpoint, read_checkpoint, cl
 
 
 def test_tf_clip_by_global_norm_two_tensors(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     src = write_checkpoint(ckpt("in"), {"c1": C1, "c2": C2})
     report = clip_json(src, ckpt("out"), "--global", "9")
     out = read_checkpoint(ckpt("out"))
@@ -102,7 +126,12 @@ def test_tf_clip_by_global_norm_two_tensors(
     assert report["global_norm_after"] == pytest.approx(9, rel=1e-6)
 
 
-def test_tf_clip_by_value_linspace(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json):
+def test_tf_clip_by_value_linspace(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     num1 = np.linspace(-4, 6, 6).astype(np.float32)
     src = write_checkpoint(ckpt("in"), {"p2": num1})
     clip_json(src, ckpt("out"), "--min", "-2", "--max", "2")
@@ -112,8 +141,11 @@ def test_tf_clip_by_value_linspace(fmt, ckpt, write_checkpoint, read_checkpoint,
 
 
 def test_tf_numbers_through_a_subprocess(
-    tmp_path, write_checkpoint, read_checkpoint, run_subprocess
-):
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    run_subprocess: Callable[..., Any],
+) -> None:
     src = write_checkpoint(tmp_path / "in.safetensors", {"c1": C1, "c2": C2})
     result = run_subprocess("clip", "--global", "9", src, tmp_path / "out.h5", "--quiet")
     assert (result.code, result.stdout, result.stderr) == (0, "", "")
@@ -151,7 +183,9 @@ def as_dtype(name: str) -> np.dtype[Any]:
     return BF16 if name == "bfloat16" else np.dtype(name)
 
 
-def random_tensors(dtype: str, ranks: tuple[str, ...] = tuple(SHAPES), seed: int = 0):
+def random_tensors(
+    dtype: str, ranks: tuple[str, ...] = tuple(SHAPES), seed: int = 0
+) -> dict[str, np.ndarray]:
     """One tensor per rank, standard normals times a per-tensor scale, cast to `dtype`."""
     rng = np.random.default_rng(seed)
     return {
@@ -165,12 +199,15 @@ def wide(array: np.ndarray) -> np.ndarray:
 
 
 def eps(dtype: np.dtype[Any]) -> float:
-    return float(ml_dtypes.finfo(dtype).eps)
+    return float(ml_dtypes.finfo(dtype).eps)  # type: ignore[no-untyped-call]
 
 
-def assert_close_to_reference(name: str, out: np.ndarray, ref: np.ndarray, dtype) -> None:
-    info = ml_dtypes.finfo(dtype)
-    assert out.dtype == dtype and out.shape == ref.shape, (name, out.dtype, out.shape)
+def assert_close_to_reference(
+    name: str, out: np.ndarray, ref: np.ndarray, dtype: np.dtype[Any]
+) -> None:
+    info = ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+    assert out.dtype == dtype, (name, out.dtype, out.shape)
+    assert out.shape == ref.shape, (name, out.dtype, out.shape)
     error = np.abs(wide(out) - ref)
     allowed = REF_EPS_UNITS * float(info.eps) * np.abs(ref) + float(info.smallest_subnormal)
     worst = np.max(error / allowed) if error.size else 0.0
@@ -181,7 +218,9 @@ def assert_close_to_reference(name: str, out: np.ndarray, ref: np.ndarray, dtype
     )
 
 
-def tf_norm_clip(x: np.ndarray, limit: float, norm64) -> tuple[np.ndarray, bool]:
+def tf_norm_clip(
+    x: np.ndarray, limit: float, norm64: Callable[[np.ndarray], float]
+) -> tuple[np.ndarray, bool]:
     """TF's clip_by_norm in float64: t * C / max(||t||, C). Returns (reference, clipped?)."""
     n = norm64(x)
     return wide(x) * limit / max(n, limit), n > limit
@@ -191,10 +230,11 @@ def tf_axes_clip(x: np.ndarray, limit: float, axes: tuple[int, ...]) -> np.ndarr
     """clip_by_norm with axes: every slice over `axes` gets its own t * C / max(||t||, C)."""
     w = wide(x)
     norms = np.sqrt(np.sum(w * w, axis=axes, keepdims=True))
-    return w * limit / np.maximum(norms, limit)
+    clipped: np.ndarray = w * limit / np.maximum(norms, limit)
+    return clipped
 
 
-def median_limit(values) -> float:
+def median_limit(values: Iterable[float]) -> float:
     """A limit that clips some tensors (or slices) and leaves others: between the middle two."""
     ordered = sorted(values)
     return float((ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2)
@@ -202,8 +242,14 @@ def median_limit(values) -> float:
 
 @pytest.mark.parametrize(("fmt", "dtype"), FMT_DTYPES)
 def test_clip_by_norm_matches_reference(
-    fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json, norm64, assert_bit_identical
-):
+    dtype: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+    assert_bit_identical: Callable[..., None],
+) -> None:
     tensors = random_tensors(dtype)
     limit = median_limit(norm64(t) for t in tensors.values())
     src = write_checkpoint(ckpt("in"), tensors)
@@ -222,8 +268,14 @@ def test_clip_by_norm_matches_reference(
 
 @pytest.mark.parametrize(("fmt", "dtype"), FMT_DTYPES)
 def test_clip_by_average_norm_matches_reference(
-    fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json, norm64, assert_bit_identical
-):
+    dtype: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+    assert_bit_identical: Callable[..., None],
+) -> None:
     # TF: the average norm is ||t|| / numel (not RMS); clip_by_norm(t, C * numel).
     tensors = random_tensors(dtype)
     limit = median_limit(norm64(t) / t.size for t in tensors.values())
@@ -243,8 +295,13 @@ def test_clip_by_average_norm_matches_reference(
 
 @pytest.mark.parametrize(("fmt", "dtype"), FMT_DTYPES)
 def test_clip_by_global_norm_matches_reference(
-    fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json, norm64
-):
+    dtype: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     tensors = random_tensors(dtype)
     g = math.sqrt(sum(norm64(t) ** 2 for t in tensors.values()))
     limit = g / 3
@@ -259,8 +316,12 @@ def test_clip_by_global_norm_matches_reference(
 
 @pytest.mark.parametrize(("fmt", "dtype"), FMT_DTYPES)
 def test_clip_by_global_norm_with_use_norm_matches_reference(
-    fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json
-):
+    dtype: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     # With --use-norm N, TF scales by C / max(N, C) whatever the tensors' real norm is.
     tensors = random_tensors(dtype)
     limit, use_norm = 1.25, 4.0
@@ -283,8 +344,14 @@ AXES_CASES = [
 @pytest.mark.parametrize(("axes_arg", "ranks"), AXES_CASES)
 @pytest.mark.parametrize(("fmt", "dtype"), FMT_DTYPES)
 def test_clip_by_norm_with_axes_matches_reference(
-    fmt, dtype, axes_arg, ranks, ckpt, write_checkpoint, read_checkpoint, clip_json
-):
+    dtype: Any,
+    axes_arg: Any,
+    ranks: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     tensors = random_tensors(dtype, ranks)
     axes_of = {
         name: tuple(sorted(int(a) % x.ndim for a in axes_arg.split(",")))
@@ -308,8 +375,13 @@ def test_clip_by_norm_with_axes_matches_reference(
 
 @pytest.mark.parametrize(("fmt", "dtype"), FMT_DTYPES)
 def test_clip_by_value_matches_reference(
-    fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
-):
+    dtype: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     tensors = random_tensors(dtype)
     low, high = -0.5, 0.75  # exactly representable in every float dtype
     src = write_checkpoint(ckpt("in"), tensors)
@@ -317,7 +389,8 @@ def test_clip_by_value_matches_reference(
     out = read_checkpoint(ckpt("out"))
     for name, x in tensors.items():
         ref = np.clip(wide(x), low, high)
-        assert out[name].dtype == x.dtype and out[name].shape == x.shape
+        assert out[name].dtype == x.dtype
+        assert out[name].shape == x.shape
         np.testing.assert_array_equal(wide(out[name]), ref, err_msg=name)
         if np.all(ref == wide(x)):
             assert_bit_identical(out[name], x, name)
@@ -325,8 +398,12 @@ def test_clip_by_value_matches_reference(
 
 @pytest.mark.parametrize(("fmt", "dtype"), FMT_DTYPES)
 def test_value_mode_bounds_that_the_dtype_cannot_hold_never_overshoot(
-    fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json
-):
+    dtype: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     # --value 0.1: 0.1 is not representable in binary floats; the clamp may round inwards,
     # never outwards, and stays within one ulp of 0.1.
     x = np.linspace(-1, 1, 21).astype(as_dtype(dtype))
@@ -355,8 +432,13 @@ def large_tensors(dtype: str, seed: int) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_output_norm_equals_limit(
-    fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json, norm64
-):
+    dtype: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     """Per tensor (--norm), per numel (--average), over all (--global), per slice (--axes):
     the clipped output's norm is C within 1e-6 relative, and never above it (float64 math)."""
     tensors = large_tensors(dtype, seed=3)
@@ -388,10 +470,15 @@ def test_output_norm_equals_limit(
             np.testing.assert_allclose(rows, limit, rtol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize(("fmt", "dtype"), [p for p in FMT_DTYPES if "float16" in p.id])
+@pytest.mark.parametrize(("fmt", "dtype"), [p for p in FMT_DTYPES if "float16" in str(p.id)])
 def test_low_precision_output_norm_never_exceeds_limit(
-    fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json, norm64
-):
+    dtype: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     # float16/bfloat16: the rounded output cannot hit C exactly, but must never exceed it,
     # and must come within a few eps of it.
     tensors = large_tensors(dtype, seed=7)
@@ -410,9 +497,9 @@ def test_low_precision_output_norm_never_exceeds_limit(
 # ------------------------------------------------------------------ 4. bit-identical pass-through
 
 
-def passthrough_tensors(fmt: str) -> dict[str, np.ndarray]:
+def passthrough_tensors(_fmt: str) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(4)
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         # float tensors with -0.0 and subnormals, so that any arithmetic would show
         "small": np.array([-0.0, 1e-45, -3e-41, 0.25, -0.125], dtype=np.float32),
         "big.weight": (rng.standard_normal((4, 6)) * 10).astype(np.float32),
@@ -436,8 +523,14 @@ def passthrough_tensors(fmt: str) -> dict[str, np.ndarray]:
     ],
 )
 def test_untouched_tensors_are_bit_identical(
-    fmt, mode, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
-):
+    fmt: str,
+    mode: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     """Excluded ("big.bias"), not included ("half"), integer and bool tensors, and (except
     with --global, which scales every selected tensor alike) tensors within the limit
     ("small"): the same bytes come out."""
@@ -461,8 +554,12 @@ def test_untouched_tensors_are_bit_identical(
 
 
 def test_integer_tensors_stay_out_of_the_global_norm(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, norm64, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     w = np.array([3.0, 4.0], dtype=np.float32)
     counts = np.array([10**6, 10**6], dtype=np.int64)
     src = write_checkpoint(ckpt("in"), {"w": w, "counts": counts})
@@ -474,8 +571,12 @@ def test_integer_tensors_stay_out_of_the_global_norm(
 
 
 def test_global_within_limit_changes_nothing(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     tensors = random_tensors("float32")
     src = write_checkpoint(ckpt("in"), tensors)
     report = clip_json(src, ckpt("out"), "--global", "1e6")
@@ -487,8 +588,12 @@ def test_global_within_limit_changes_nothing(
 
 
 def test_zero_tensor_is_unchanged(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     zeros = np.array([0.0, -0.0, 0.0], dtype=np.float32)
     src = write_checkpoint(ckpt("in"), {"z": zeros, "w": np.array([30.0, 40.0], np.float32)})
     clip_json(src, ckpt("out"), "--global", "1")
@@ -496,8 +601,12 @@ def test_zero_tensor_is_unchanged(
 
 
 def test_infinite_limit_changes_nothing(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     tensors = random_tensors("float64")
     src = write_checkpoint(ckpt("in"), tensors)
     clip_json(src, ckpt("out"), "--norm", "inf")
@@ -507,8 +616,12 @@ def test_infinite_limit_changes_nothing(
 
 
 def test_skip_nonfinite_leaves_the_nan_tensor_and_clips_the_rest(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     bad = np.array([1.0, np.nan, 5.0, -np.inf], dtype=np.float32)
     good = np.array([30.0, 40.0], dtype=np.float32)
     src = write_checkpoint(ckpt("in"), {"bad": bad, "good": good})
@@ -535,8 +648,13 @@ def test_skip_nonfinite_leaves_the_nan_tensor_and_clips_the_rest(
     ids=lambda m: " ".join(m),
 )
 def test_huge_float64_tensor_whose_norm_overflows_is_still_clipped(
-    fmt, mode, ckpt, write_checkpoint, read_checkpoint, clip_json, norm64
-):
+    mode: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     # ||[1.7e308, 1.7e308]|| = 2.4e308 does not fit a float64, but the input is finite:
     # DESIGN.md says no finite input overflows, so it is clipped like any other.
     x = np.array([[1.7e308, 1.7e308]], dtype=np.float64)
@@ -550,7 +668,12 @@ def test_huge_float64_tensor_whose_norm_overflows_is_still_clipped(
 # ------------------------------------------------------------------ 5. metadata and structure
 
 
-def test_safetensors_metadata_survives(tmp_path, write_checkpoint, read_metadata, clip_json):
+def test_safetensors_metadata_survives(
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    read_metadata: Callable[[Path], dict[str, str]],
+    clip_json: Any,
+) -> None:
     metadata = {"format": "pt", "note": "clipped by nobody yet", "unicode": "héllo ✓"}
     src = write_checkpoint(tmp_path / "in.safetensors", {"w": C1}, metadata)
     for mode in (["--global", "1"], ["--norm", "100"]):
@@ -559,7 +682,9 @@ def test_safetensors_metadata_survives(tmp_path, write_checkpoint, read_metadata
         assert read_metadata(out) == metadata
 
 
-def test_safetensors_without_metadata_gets_none(tmp_path, write_checkpoint, clip_json):
+def test_safetensors_without_metadata_gets_none(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], clip_json: Any
+) -> None:
     src = write_checkpoint(tmp_path / "in.safetensors", {"w": C1})
     out = tmp_path / "out.safetensors"
     clip_json(src, out, "--global", "1")
@@ -569,8 +694,13 @@ def test_safetensors_without_metadata_gets_none(tmp_path, write_checkpoint, clip
 
 
 def test_bfloat16_safetensors_roundtrip(
-    tmp_path, write_checkpoint, read_checkpoint, clip_json, norm64, assert_bit_identical
-):
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+    assert_bit_identical: Callable[..., None],
+) -> None:
     w = np.array([[3.0, 4.0], [0.5, -0.25]], dtype=BF16)
     keep = np.array([0.125, -0.0], dtype=BF16)
     src = write_checkpoint(tmp_path / "in.safetensors", {"w": w, "keep": keep}, {"a": "b"})
@@ -609,8 +739,11 @@ def all_attributes(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def test_hdf5_attributes_on_groups_and_datasets_survive(
-    tmp_path, read_checkpoint, clip_json, norm64
-):
+    tmp_path: Path,
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     src = tmp_path / "in.h5"
     tensors = make_keras_like_h5(src)
     out = tmp_path / "out.h5"
@@ -626,12 +759,16 @@ def test_hdf5_attributes_on_groups_and_datasets_survive(
     out_tensors = read_checkpoint(out)
     assert set(out_tensors) == set(tensors)
     g = math.sqrt(sum(norm64(y) ** 2 for y in out_tensors.values()))
-    assert g == pytest.approx(5, rel=1e-6) and g <= 5
+    assert g == pytest.approx(5, rel=1e-6)
+    assert g <= 5
 
 
 def test_npz_compressed_input_gives_compressed_output(
-    tmp_path, write_checkpoint, read_checkpoint, clip_json
-):
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     tensors = {"w": np.zeros((64, 64), np.float32) + 1, "b": np.arange(100, dtype=np.int64)}
     src = write_checkpoint(tmp_path / "in.npz", tensors, compressed=True)
     out = tmp_path / "out.npz"
@@ -643,8 +780,12 @@ def test_npz_compressed_input_gives_compressed_output(
 
 
 def test_nested_names_survive_every_format(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     tensors = {
         "model/layers.0/attn/q_proj.weight": np.full((2, 2), 3.0, np.float32),
         "model/layers.0/attn/k_proj.weight": np.full((2, 2), 0.1, np.float32),
@@ -662,15 +803,21 @@ def test_nested_names_survive_every_format(
 
 @pytest.mark.parametrize("out_fmt", FORMATS)
 def test_clip_converts_between_formats(
-    fmt, out_fmt, tmp_path, ckpt, write_checkpoint, read_checkpoint, clip_json
-):
+    out_fmt: Any,
+    tmp_path: Path,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     tensors = {"c1": C1, "c2": C2, "step": np.array(12, dtype=np.int64)}
     src = write_checkpoint(ckpt("in"), tensors)
     out = tmp_path / f"converted{EXT[out_fmt]}"
     clip_json(src, out, "--global", "9")
     got = read_checkpoint(out)
     assert set(got) == set(tensors)
-    assert got["c1"].dtype == np.float32 and got["step"].shape == ()
+    assert got["c1"].dtype == np.float32
+    assert got["step"].shape == ()
     np.testing.assert_allclose(got["c2"], [[-1.846761, -3.693522], [1.846761, 3.693522]], rtol=1e-6)
     assert int(got["step"]) == 12
 
@@ -678,7 +825,9 @@ def test_clip_converts_between_formats(
 # ------------------------------------------------------------------ reports, --dry-run, --quiet
 
 
-def test_clip_json_report(fmt, ckpt, write_checkpoint, clip_json):
+def test_clip_json_report(
+    ckpt: Callable[[str], Path], write_checkpoint: Callable[..., Path], clip_json: Any
+) -> None:
     src = write_checkpoint(ckpt("in"), {"c1": C1, "c2": C2, "n": np.arange(3, dtype=np.int32)})
     report = clip_json(src, ckpt("out"), "--global", "9")
     assert {"mode", "limit", "global_norm_before", "global_norm_after", "tensors"} <= set(report)
@@ -694,32 +843,49 @@ def test_clip_json_report(fmt, ckpt, write_checkpoint, clip_json):
     assert rows["c2"]["norm_before"] == pytest.approx(math.sqrt(40), rel=1e-12)
     assert rows["c1"]["scale"] == pytest.approx(9 / math.sqrt(95), rel=1e-6)
     assert rows["c1"]["norm_after"] == pytest.approx(math.sqrt(55) * 9 / math.sqrt(95), rel=1e-6)
-    assert rows["c1"]["changed"] is True and rows["c2"]["changed"] is True
-    assert rows["n"]["changed"] is False and rows["n"]["scale"] is None
+    assert rows["c1"]["changed"] is True
+    assert rows["c2"]["changed"] is True
+    assert rows["n"]["changed"] is False
+    assert rows["n"]["scale"] is None
 
 
 @pytest.mark.parametrize("report_format", ["table", "json", "csv"])
-def test_dry_run_writes_nothing(fmt, report_format, tmp_path, ckpt, write_checkpoint, cli, listing):
+def test_dry_run_writes_nothing(
+    report_format: Any,
+    tmp_path: Path,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    cli: Callable[..., Any],
+    listing: Callable[[Path], list[str]],
+) -> None:
     src = write_checkpoint(ckpt("in"), {"c1": C1, "c2": C2})
     before = listing(tmp_path)
     result = cli("clip", "--global", "9", "--dry-run", "--format", report_format, src, ckpt("out"))
     assert result.code == 0, result.stderr
     assert listing(tmp_path) == before
-    assert "c1" in result.stdout and "c2" in result.stdout
+    assert "c1" in result.stdout
+    assert "c2" in result.stdout
     if report_format == "json":
         report = result.json()
         assert report["global_norm_after"] == pytest.approx(9, rel=1e-6)
         assert all(row["changed"] for row in report["tensors"])
 
 
-def test_quiet_prints_nothing_and_writes(fmt, ckpt, write_checkpoint, read_checkpoint, cli):
+def test_quiet_prints_nothing_and_writes(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    cli: Callable[..., Any],
+) -> None:
     src = write_checkpoint(ckpt("in"), {"c1": C1, "c2": C2})
     result = cli("clip", "--global", "9", "--quiet", src, ckpt("out"))
     assert (result.code, result.stdout, result.stderr) == (0, "", "")
     np.testing.assert_allclose(read_checkpoint(ckpt("out"))["c2"][1], [1.846761, 3.693522], 1e-6)
 
 
-def test_table_report_names_every_tensor(fmt, ckpt, write_checkpoint, cli):
+def test_table_report_names_every_tensor(
+    ckpt: Callable[[str], Path], write_checkpoint: Callable[..., Path], cli: Callable[..., Any]
+) -> None:
     names = {"c1": C1, "encoder.layer_11.attention.output.dense.weight": C2}
     src = write_checkpoint(ckpt("in"), names)
     result = cli("clip", "--global", "9", src, ckpt("out"))
@@ -728,10 +894,16 @@ def test_table_report_names_every_tensor(fmt, ckpt, write_checkpoint, cli):
         assert name in result.stdout
 
 
-def test_main_entry_point_clips(fmt, ckpt, write_checkpoint, read_checkpoint, run_main):
+def test_main_entry_point_clips(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    run_main: Callable[..., Any],
+) -> None:
     src = write_checkpoint(ckpt("in"), {"t": np.array([[1, 2, 3, 4, 5]], dtype=np.float32)})
     result = run_main("clip", "--norm", "2.0", src, ckpt("out"), "--format", "json")
-    assert result.code == 0 and result.stderr == ""
+    assert result.code == 0
+    assert result.stderr == ""
     assert result.json()["tensors"][0]["changed"] is True
     np.testing.assert_allclose(
         read_checkpoint(ckpt("out"))["t"],
@@ -744,8 +916,11 @@ def test_main_entry_point_clips(fmt, ckpt, write_checkpoint, read_checkpoint, ru
 
 
 def test_value_mode_keeps_nan_and_clamps_infinities(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     # DESIGN.md: in value mode NaN stays NaN and +-Inf is clamped; nothing is refused.
     x = np.array([np.nan, np.inf, -np.inf, 5.0, -5.0, 0.5], np.float32)
     src = write_checkpoint(ckpt("in"), {"x": x})
@@ -756,8 +931,11 @@ def test_value_mode_keeps_nan_and_clamps_infinities(
 
 
 def test_value_mode_on_every_float16_matches_np_clip_bit_for_bit(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     # float16 is clamped through a lookup table (numpy's float16 compare is 15x slower):
     # all 65,536 values, NaN payloads and signed zeros included, come out as np.clip has it.
     x = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(256, 256)
@@ -780,8 +958,13 @@ def test_value_mode_on_every_float16_matches_np_clip_bit_for_bit(
     ids=["min-only", "max-only", "both"],
 )
 def test_value_mode_one_sided_bounds(
-    fmt, bounds, expected, ckpt, write_checkpoint, read_checkpoint, clip_json
-):
+    bounds: Any,
+    expected: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     x = np.array([-2.0, -1.0, 0.0, 1.0, 2.0, 3.0], np.float64)
     src = write_checkpoint(ckpt("in"), {"x": x})
     clip_json(src, ckpt("out"), *bounds)
@@ -789,8 +972,12 @@ def test_value_mode_one_sided_bounds(
 
 
 def test_use_norm_not_above_the_limit_changes_nothing(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     # The tensors' real global norm is sqrt(95) > 9, but --use-norm says 8 <= 9: no change.
     src = write_checkpoint(ckpt("in"), {"c1": C1, "c2": C2})
     clip_json(src, ckpt("out"), "--global", "9", "--use-norm", "8")
@@ -805,24 +992,36 @@ def test_use_norm_not_above_the_limit_changes_nothing(
     ids=["fp8-e4m3fn", "fp8-e5m2", "bf16"],
 )
 def test_safetensors_8_and_16_bit_floats_are_clipped(
-    tmp_path, dtype, write_checkpoint, read_checkpoint, clip_json, norm64
-):
+    tmp_path: Path,
+    dtype: Any,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     x = np.array([[3.0, -4.0], [12.0, 0.5]], dtype=dtype)
     src = write_checkpoint(tmp_path / "in.safetensors", {"x": x})
     for mode, limit in (("--norm", 2.0), ("--global", 2.0), ("--average", 0.5)):
         out_path = tmp_path / f"out{mode}.safetensors"
         clip_json(src, out_path, mode, repr(limit))
         y = read_checkpoint(out_path)["x"]
-        assert y.dtype == x.dtype and y.shape == x.shape
+        assert y.dtype == x.dtype
+        assert y.shape == x.shape
         bound = limit * (x.size if mode == "--average" else 1)
         assert norm64(y) <= bound
         assert norm64(y) >= bound * 0.75  # coarse dtypes: within a few of their eps
     clip_json(src, tmp_path / "v.safetensors", "--value", "3.5")
     y = read_checkpoint(tmp_path / "v.safetensors")["x"].astype(np.float64)
-    assert np.max(np.abs(y)) <= 3.5 and np.min(y) < -3
+    assert np.max(np.abs(y)) <= 3.5
+    assert np.min(y) < -3
 
 
-def test_complex_tensors_use_the_modulus(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json):
+def test_complex_tensors_use_the_modulus(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     # DESIGN.md: complex tensors are handled by the norm modes with |z|^2.
     z = np.array([3 + 4j, 0 - 12j], dtype=np.complex64)  # ||z|| = 13
     src = write_checkpoint(ckpt("in"), {"z": z})
@@ -834,7 +1033,13 @@ def test_complex_tensors_use_the_modulus(fmt, ckpt, write_checkpoint, read_check
 
 
 @pytest.mark.parametrize("ext", [".npz", ".h5"])  # safetensors is little-endian by definition
-def test_big_endian_tensors(tmp_path, ext, write_checkpoint, read_checkpoint, clip_json):
+def test_big_endian_tensors(
+    tmp_path: Path,
+    ext: Any,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     # npz and HDF5 can store big-endian data; the values, not the bytes, are what count.
     big = np.array([[3.0, 4.0], [0.0, 0.0]], dtype=">f4")
     keep = np.array([1e-3, -2e-3], dtype=">f8")
@@ -843,15 +1048,22 @@ def test_big_endian_tensors(tmp_path, ext, write_checkpoint, read_checkpoint, cl
     rows = {r["name"]: r for r in report["tensors"]}
     assert rows["big"]["norm_before"] == 5.0
     out = read_checkpoint(tmp_path / f"out{ext}")
-    assert out["big"].dtype.name == "float32" and out["keep"].dtype.name == "float64"
+    assert out["big"].dtype.name == "float32"
+    assert out["keep"].dtype.name == "float64"
     np.testing.assert_allclose(out["big"], [[0.6, 0.8], [0.0, 0.0]], rtol=1e-6)
     assert out["keep"].astype("<f8").tobytes() == keep.astype("<f8").tobytes()
 
 
-def test_npz_fortran_order(tmp_path, write_checkpoint, read_checkpoint, clip_json):
+def test_npz_fortran_order(
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+) -> None:
     # np.savez keeps Fortran order in the .npy header; the data must be read in that order.
     x = np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4))
-    assert x.flags.f_contiguous and not x.flags.c_contiguous
+    assert x.flags.f_contiguous
+    assert not x.flags.c_contiguous
     src = write_checkpoint(tmp_path / "in.npz", {"x": x})
     clip_json(src, tmp_path / "out.npz", "--norm", "1", "--axes", "1")
     out = read_checkpoint(tmp_path / "out.npz")["x"]
@@ -860,7 +1072,13 @@ def test_npz_fortran_order(tmp_path, write_checkpoint, read_checkpoint, clip_jso
     np.testing.assert_allclose(out, expected, rtol=1e-6)
 
 
-def test_unicode_names(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, cli):
+def test_unicode_names(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    cli: Callable[..., Any],
+) -> None:
     tensors = {
         "ünïcødé.weight": np.array([3.0, 4.0], np.float32),
         "模型/层.bias": np.array([0.1], np.float32),
@@ -879,8 +1097,12 @@ def test_unicode_names(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, 
 
 
 def test_unselected_tensors_are_not_checked(
-    fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    assert_bit_identical: Callable[..., None],
+) -> None:
     """Refusals concern selected tensors only: an excluded NaN tensor does not stop --global,
     and an excluded scalar does not stop --axes 0."""
     nan = np.array([np.nan, 1.0], np.float32)
@@ -897,10 +1119,17 @@ def test_unselected_tensors_are_not_checked(
     np.testing.assert_allclose(out["w"], expected, rtol=1e-6)
 
 
-def test_checkpoint_without_tensors(fmt, ckpt, write_checkpoint, read_checkpoint, clip_json, cli):
+def test_checkpoint_without_tensors(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    cli: Callable[..., Any],
+) -> None:
     src = write_checkpoint(ckpt("empty"), {})
     report = cli("norms", src, "--format", "json").json()
-    assert report["global_norm"] == 0.0 and report["tensors"] == []
+    assert report["global_norm"] == 0.0
+    assert report["tensors"] == []
     clip_json(src, ckpt("out"), "--global", "1")
     assert read_checkpoint(ckpt("out")) == {}
 
@@ -911,8 +1140,13 @@ def test_checkpoint_without_tensors(fmt, ckpt, write_checkpoint, read_checkpoint
 @pytest.mark.slow  # ~1 s per case
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_multi_chunk_tensors_match_reference(
-    fmt, dtype, ckpt, write_checkpoint, read_checkpoint, clip_json, norm64
-):
+    dtype: Any,
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     """Tensors of several MiB are read and written in chunks (2 MiB each in clipcli); chunk
     boundaries fall inside rows here. Every mode must still match the float64 reference."""
     rng = np.random.default_rng(21)
@@ -939,7 +1173,13 @@ def test_multi_chunk_tensors_match_reference(
         assert_close_to_reference(f"big axis {axis}", out["big"], ref, big.dtype)
 
 
-def test_multi_chunk_compressed_npz(tmp_path, write_checkpoint, read_checkpoint, clip_json, norm64):
+def test_multi_chunk_compressed_npz(
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    clip_json: Any,
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     rng = np.random.default_rng(22)
     big = rng.standard_normal((777, 3001)).astype(np.float32)
     src = write_checkpoint(tmp_path / "in.npz", {"big": big}, compressed=True)
@@ -949,8 +1189,12 @@ def test_multi_chunk_compressed_npz(tmp_path, write_checkpoint, read_checkpoint,
 
 
 def test_value_bounds_beyond_float16_range_leave_an_empty_float16_tensor_alone(
-    fmt, ckpt, write_checkpoint, read_checkpoint, run_main, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    run_main: Callable[..., Any],
+    assert_bit_identical: Callable[..., None],
+) -> None:
     # Found by test_properties.py: an empty float16 tensor has no value outside the range,
     # so nothing needs clamping, even though no float16 lies in [65520, 196560].
     tensors = {"a": np.array([], np.float16), "b": np.array(131040.0, np.float32)}

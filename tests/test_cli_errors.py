@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import h5py
 import ml_dtypes
@@ -24,7 +26,11 @@ W = np.array([[-2, -1, 0], [1, 2, 3]], dtype=np.float32)
 
 
 @pytest.fixture
-def refused(run_main, listing, assert_one_error_line):
+def refused(
+    run_main: Callable[..., Any],
+    listing: Callable[[Path], list[str]],
+    assert_one_error_line: Callable[..., str],
+) -> Callable[..., str]:
     """Run argv, assert the exit code, one error line holding `fragments`, and an unchanged
     listing of `directory`. Returns the error line."""
 
@@ -41,7 +47,7 @@ def refused(run_main, listing, assert_one_error_line):
 
 
 @pytest.fixture
-def src(ckpt, write_checkpoint) -> Path:
+def src(ckpt: Callable[[str], Path], write_checkpoint: Callable[..., Path]) -> Path:
     """A valid input of the current format."""
     return write_checkpoint(ckpt("in"), {"w": W, "b": np.array([0.5, -0.5], np.float32)})
 
@@ -49,14 +55,18 @@ def src(ckpt, write_checkpoint) -> Path:
 # ------------------------------------------------------------------ exit 3: bad input
 
 
-def test_truncated_safetensors(tmp_path, write_checkpoint, refused):
+def test_truncated_safetensors(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], refused: Any
+) -> None:
     good = write_checkpoint(tmp_path / "good.safetensors", {"w": W})
     bad = tmp_path / "truncated.safetensors"
     bad.write_bytes(good.read_bytes()[:-5])
     refused(tmp_path, 3, ["clip", "--global", "1", bad, tmp_path / "o.safetensors"], "truncated")
 
 
-def test_truncated_safetensors_header(tmp_path, write_checkpoint, refused):
+def test_truncated_safetensors_header(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], refused: Any
+) -> None:
     good = write_checkpoint(tmp_path / "good.safetensors", {"w": W})
     bad = tmp_path / "cut.safetensors"
     bad.write_bytes(good.read_bytes()[:20])
@@ -64,7 +74,7 @@ def test_truncated_safetensors_header(tmp_path, write_checkpoint, refused):
 
 
 @pytest.mark.parametrize("ext", [".safetensors", ".npz", ".h5", ".hdf5", ".bin"])
-def test_garbage_bytes(tmp_path, ext, refused):
+def test_garbage_bytes(tmp_path: Path, ext: Any, refused: Any) -> None:
     bad = tmp_path / f"garbage{ext}"
     bad.write_bytes(b"\x00\x01not a checkpoint, just some garbage bytes\xff\xfe" * 4)
     refused(tmp_path, 3, ["clip", "--norm", "1", bad, tmp_path / "o.safetensors"], bad.name)
@@ -73,20 +83,20 @@ def test_garbage_bytes(tmp_path, ext, refused):
 
 
 @pytest.mark.parametrize("ext", [".safetensors", ".npz", ".h5"])
-def test_empty_file(tmp_path, ext, refused):
+def test_empty_file(tmp_path: Path, ext: Any, refused: Any) -> None:
     bad = tmp_path / f"empty{ext}"
     bad.write_bytes(b"")
     refused(tmp_path, 3, ["clip", "--norm", "1", bad, tmp_path / f"o{ext}"], bad.name)
 
 
-def test_object_dtype_npz(tmp_path, refused):
+def test_object_dtype_npz(tmp_path: Path, refused: Any) -> None:
     bad = tmp_path / "pickle.npz"
     np.savez(bad, evil=np.array([1, "x", None], dtype=object), w=W)  # savez pickles objects
     refused(tmp_path, 3, ["clip", "--global", "1", bad, tmp_path / "o.npz"], "pickle.npz", "evil")
     refused(tmp_path, 3, ["norms", bad], "pickle.npz")
 
 
-def test_hdf5_external_link(tmp_path, refused):
+def test_hdf5_external_link(tmp_path: Path, refused: Any) -> None:
     secret = tmp_path / "secret.h5"
     with h5py.File(secret, "w") as f:
         f["data"] = np.arange(4.0)
@@ -110,7 +120,9 @@ def test_hdf5_external_link(tmp_path, refused):
         ("npz", ".hdf5"),
     ],
 )
-def test_extension_disagrees_with_content(tmp_path, content, claimed, write_checkpoint, refused):
+def test_extension_disagrees_with_content(
+    tmp_path: Path, content: Any, claimed: Any, write_checkpoint: Callable[..., Path], refused: Any
+) -> None:
     real = write_checkpoint(tmp_path / f"real{EXT[content]}", {"w": W})
     liar = tmp_path / f"liar{claimed}"
     liar.write_bytes(real.read_bytes())
@@ -118,7 +130,7 @@ def test_extension_disagrees_with_content(tmp_path, content, claimed, write_chec
     refused(tmp_path, 3, ["norms", liar], liar.name)
 
 
-def test_missing_input(tmp_path, fmt, refused):
+def test_missing_input(tmp_path: Path, fmt: str, refused: Any) -> None:
     missing = tmp_path / f"missing{EXT[fmt]}"
     refused(tmp_path, 3, ["clip", "--norm", "1", missing, tmp_path / "o.npz"], missing.name)
     refused(tmp_path, 3, ["norms", missing], missing.name)
@@ -130,8 +142,12 @@ def test_missing_input(tmp_path, fmt, refused):
 
 @pytest.mark.parametrize("mode", [["--global", "1"], ["--norm", "1"], ["--average", "1"]])
 def test_nonfinite_values_where_a_norm_is_needed(
-    tmp_path, fmt, ckpt, mode, write_checkpoint, refused
-):
+    tmp_path: Path,
+    ckpt: Callable[[str], Path],
+    mode: Any,
+    write_checkpoint: Callable[..., Path],
+    refused: Any,
+) -> None:
     tensors = {
         "grad.w": np.array([1.0, np.nan, np.inf, np.nan, 2.0], np.float32),
         "grad.b": np.array([np.nan, 0.5], np.float64),
@@ -147,8 +163,13 @@ def test_nonfinite_values_where_a_norm_is_needed(
 
 @pytest.mark.parametrize("mode", [["--global", "1"], ["--norm", "1"]])
 def test_skip_nonfinite_keeps_the_tensor_and_exits_0(
-    fmt, ckpt, mode, write_checkpoint, read_checkpoint, run_main, assert_bit_identical
-):
+    ckpt: Callable[[str], Path],
+    mode: Any,
+    write_checkpoint: Callable[..., Path],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    run_main: Callable[..., Any],
+    assert_bit_identical: Callable[..., None],
+) -> None:
     bad = np.array([1.0, np.nan, 5.0, -np.inf], np.float32)
     src = write_checkpoint(ckpt("in"), {"bad": bad, "w": W})
     result = run_main("clip", *mode, "--skip-nonfinite", src, ckpt("out"), "--quiet")
@@ -158,7 +179,9 @@ def test_skip_nonfinite_keeps_the_tensor_and_exits_0(
     assert np.linalg.norm(out["w"].astype(np.float64)) == pytest.approx(1.0, rel=1e-6)
 
 
-def test_axis_out_of_range_names_each_tensor(tmp_path, fmt, ckpt, write_checkpoint, refused):
+def test_axis_out_of_range_names_each_tensor(
+    tmp_path: Path, ckpt: Callable[[str], Path], write_checkpoint: Callable[..., Path], refused: Any
+) -> None:
     # Both tensors lack the axis; DESIGN.md: exit 4, "the message names each tensor".
     src = write_checkpoint(ckpt("in"), {"vec": np.ones(4, np.float32), "mat": W})
     argv = ["clip", "--norm", "1", "--axes", "2", src, ckpt("out")]
@@ -167,8 +190,12 @@ def test_axis_out_of_range_names_each_tensor(tmp_path, fmt, ckpt, write_checkpoi
 
 @pytest.mark.parametrize("axes", ["2", "-3"])
 def test_axis_out_of_range_names_tensor_and_shape(
-    tmp_path, fmt, ckpt, axes, write_checkpoint, refused
-):
+    tmp_path: Path,
+    ckpt: Callable[[str], Path],
+    axes: Any,
+    write_checkpoint: Callable[..., Path],
+    refused: Any,
+) -> None:
     src = write_checkpoint(ckpt("in"), {"kernel": np.ones((2, 3), np.float32)})
     line = refused(tmp_path, 4, ["clip", "--norm", "3", "--axes", axes, src, ckpt("out")], "kernel")
     assert re.search(r"[\[(]2, ?3[\])]|2x3", line), f"shape not named: {line}"
@@ -207,11 +234,13 @@ def test_axis_out_of_range_names_tensor_and_shape(
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
-def test_bad_options(tmp_path, fmt, src, args, fragment, ckpt, refused):
+def test_bad_options(
+    tmp_path: Path, src: Path, args: Any, fragment: Any, ckpt: Callable[[str], Path], refused: Any
+) -> None:
     refused(tmp_path, 2, ["clip", *args, src, ckpt("out")], fragment)
 
 
-def test_out_is_in(tmp_path, fmt, src, refused):
+def test_out_is_in(tmp_path: Path, src: Path, refused: Any) -> None:
     original = src.read_bytes()
     refused(tmp_path, 2, ["clip", "--norm", "1", src, src])
     refused(tmp_path, 2, ["clip", "--norm", "1", "--force", src, src])
@@ -224,7 +253,9 @@ def test_out_is_in(tmp_path, fmt, src, refused):
 
 @pytest.mark.parametrize("force", [[], ["--force"]], ids=["plain", "force"])
 @pytest.mark.parametrize("link", ["symlink", "hardlink"])
-def test_out_is_a_link_to_in(tmp_path, fmt, src, link, force, refused):
+def test_out_is_a_link_to_in(
+    tmp_path: Path, fmt: str, src: Path, link: Any, force: Any, refused: Any
+) -> None:
     original = src.read_bytes()
     out = tmp_path / f"alias{EXT[fmt]}"
     if link == "symlink":
@@ -236,7 +267,9 @@ def test_out_is_a_link_to_in(tmp_path, fmt, src, link, force, refused):
     assert out.is_symlink() == (link == "symlink")
 
 
-def test_out_exists_without_force(tmp_path, fmt, src, ckpt, refused):
+def test_out_exists_without_force(
+    tmp_path: Path, src: Path, ckpt: Callable[[str], Path], refused: Any
+) -> None:
     out = ckpt("out")
     out.write_bytes(b"precious, not a checkpoint")
     refused(tmp_path, 2, ["clip", "--norm", "1", src, out], "--force")
@@ -244,8 +277,13 @@ def test_out_exists_without_force(tmp_path, fmt, src, ckpt, refused):
 
 
 def test_out_exists_with_force_is_replaced(
-    tmp_path, fmt, src, ckpt, run_main, read_checkpoint, listing
-):
+    tmp_path: Path,
+    src: Path,
+    ckpt: Callable[[str], Path],
+    run_main: Callable[..., Any],
+    read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
+    listing: Callable[[Path], list[str]],
+) -> None:
     out = ckpt("out")
     out.write_bytes(b"old contents")
     before = listing(tmp_path)
@@ -258,21 +296,28 @@ def test_out_exists_with_force_is_replaced(
 
 
 @pytest.mark.parametrize("out_ext", [".npz", ".h5", ".hdf5"])
-def test_bfloat16_into_npz_or_hdf5(tmp_path, out_ext, write_checkpoint, refused):
+def test_bfloat16_into_npz_or_hdf5(
+    tmp_path: Path, out_ext: Any, write_checkpoint: Callable[..., Path], refused: Any
+) -> None:
     bf16 = np.array([1.0, 2.0, 3.0], dtype=ml_dtypes.bfloat16)
     src = write_checkpoint(tmp_path / "in.safetensors", {"w": W, "half_brain": bf16})
     refused(tmp_path, 2, ["clip", "--norm", "1", src, tmp_path / f"o{out_ext}"], "half_brain")
     refused(tmp_path, 2, ["clip", "--norm", "1", "--dry-run", src, tmp_path / f"o{out_ext}"])
 
 
-def test_unknown_output_extension(tmp_path, fmt, src, refused):
+def test_unknown_output_extension(tmp_path: Path, src: Path, refused: Any) -> None:
     refused(tmp_path, 2, ["clip", "--norm", "1", src, tmp_path / "out.txt"], "out.txt")
 
 
 # ------------------------------------------------------------------ as a real process
 
 
-def test_errors_from_a_real_process(tmp_path, write_checkpoint, run_subprocess, listing):
+def test_errors_from_a_real_process(
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_subprocess: Callable[..., Any],
+    listing: Callable[[Path], list[str]],
+) -> None:
     good = write_checkpoint(tmp_path / "in.safetensors", {"w": W})
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(good.read_bytes()[:-3])
@@ -292,21 +337,29 @@ def test_errors_from_a_real_process(tmp_path, write_checkpoint, run_subprocess, 
         result = run_subprocess(*argv)
         assert result.code == code, (argv, result.stderr)
         lines = result.stderr.splitlines()
-        assert len(lines) == 1 and lines[0].startswith("clipcli: error: "), (argv, lines)
+        assert len(lines) == 1, (argv, lines)
+        assert lines[0].startswith("clipcli: error: "), (argv, lines)
         assert "Traceback" not in result.stderr
         assert result.stdout == ""
     assert listing(tmp_path) == before
 
 
-def test_errors_through_the_cli_runner(tmp_path, src, ckpt, cli, listing):
+def test_errors_through_the_cli_runner(
+    tmp_path: Path,
+    src: Path,
+    ckpt: Callable[[str], Path],
+    cli: Callable[..., Any],
+    listing: Callable[[Path], list[str]],
+) -> None:
     before = listing(tmp_path)
     result = cli("clip", "--norm", "0", src, ckpt("out"))
     assert result.code == 2
-    assert result.stderr.startswith("clipcli: error: ") and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("clipcli: error: ")
+    assert result.stderr.count("\n") == 1
     assert listing(tmp_path) == before
 
 
-def test_header_claiming_more_data_than_the_file_holds(tmp_path, refused):
+def test_header_claiming_more_data_than_the_file_holds(tmp_path: Path, refused: Any) -> None:
     header = b'{"w":{"dtype":"F32","shape":[1000000],"data_offsets":[0,4000000]}}'
     header += b" " * (-len(header) % 8)
     bad = tmp_path / "liar.safetensors"
@@ -317,14 +370,17 @@ def test_header_claiming_more_data_than_the_file_holds(tmp_path, refused):
 # ------------------------------------------------------------------ exit 5: writing failed
 
 
-def test_output_directory_missing(tmp_path, fmt, src, refused):
+def test_output_directory_missing(tmp_path: Path, fmt: str, src: Path, refused: Any) -> None:
     refused(tmp_path, 5, ["clip", "--norm", "1", src, tmp_path / "no" / "such" / f"o{EXT[fmt]}"])
     assert not (tmp_path / "no").exists()
 
 
 def test_value_bounds_no_float16_can_hold_refused_in_one_line(
-    tmp_path, write_checkpoint, run_subprocess, listing
-):
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_subprocess: Callable[..., Any],
+    listing: Callable[[Path], list[str]],
+) -> None:
     # No float16 lies in [65520, 196560] (65504 is the largest): clamping is impossible.
     # Exit 4, one line naming the tensor; no numpy RuntimeWarning lines on stderr.
     src = write_checkpoint(tmp_path / "in.npz", {"half": np.array([1.0, 2.0], np.float16)})
@@ -333,5 +389,6 @@ def test_value_bounds_no_float16_can_hold_refused_in_one_line(
     assert result.code == 4, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith("clipcli: error: ") and "half" in lines[0], lines
+    assert lines[0].startswith("clipcli: error: "), lines
+    assert "half" in lines[0], lines
     assert listing(tmp_path) == before

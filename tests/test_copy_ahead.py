@@ -107,7 +107,8 @@ def test_refusal_after_tensors_were_copied_ahead_leaves_nothing(
     assert copied_ahead == ["ok"]
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "'bad' (1 non-finite)" in err
+    assert err.count("\n") == 1
+    assert "'bad' (1 non-finite)" in err
 
 
 def test_value_mode_copies_the_tensors_already_in_range(

@@ -139,16 +139,22 @@ def test_file_against_itself_is_all_same(tmp_path: Path) -> None:
     assert {t.name for t in result.tensors} == set(MIXED)
     for t in result.tensors:
         assert t.status == SAME, t
-        assert t.diff_norm == 0.0 and t.rel_change == 0.0 and t.max_abs_diff == 0.0
+        assert t.diff_norm == 0.0
+        assert t.rel_change == 0.0
+        assert t.max_abs_diff == 0.0
         assert t.norm_a == t.norm_b
         if t.norm_a:
-            assert t.cosine == 1.0 and t.norm_ratio == 1.0
+            assert t.cosine == 1.0
+            assert t.norm_ratio == 1.0
         else:
-            assert t.cosine is None and t.norm_ratio is None
-    assert result.global_rel_change == 0.0 and result.global_diff_norm == 0.0
+            assert t.cosine is None
+            assert t.norm_ratio is None
+    assert result.global_rel_change == 0.0
+    assert result.global_diff_norm == 0.0
     assert result.metadata_changes == []
     assert result.identical
-    assert result.counts[SAME] == len(MIXED) and result.n_changed == result.n_structural == 0
+    assert result.counts[SAME] == len(MIXED)
+    assert result.n_changed == result.n_structural == 0
     assert result.max_rel_change == 0.0
     assert result.format_a == result.format_b == "safetensors"
 
@@ -169,9 +175,13 @@ def test_same_file_with_nan_and_inf_is_same_with_zero_difference(tmp_path: Path)
     path = write_st(tmp_path / "a.safetensors", data)
     (t,) = diff(path, path).tensors
     assert t.status == SAME
-    assert t.diff_norm == 0.0 and t.rel_change == 0.0 and t.max_abs_diff == 0.0
-    assert math.isnan(t.norm_a or 0.0) and t.nonfinite_a == 3
-    assert t.cosine is not None and math.isnan(t.cosine)
+    assert t.diff_norm == 0.0
+    assert t.rel_change == 0.0
+    assert t.max_abs_diff == 0.0
+    assert math.isnan(t.norm_a or 0.0)
+    assert t.nonfinite_a == 3
+    assert t.cosine is not None
+    assert math.isnan(t.cosine)
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,8 +203,10 @@ def test_tensor_scaled_by_half(tmp_path: Path) -> None:
     assert t.max_abs_diff == pytest.approx(0.5 * np.max(np.abs(w)), rel=1e-12)
     assert t.diff_norm == pytest.approx(0.5 * np.linalg.norm(w), rel=1e-12)
     assert rows["other"].status == SAME
-    assert result.n_changed == 1 and result.n_same == 1
-    assert result.max_rel_change == t.rel_change and result.largest_change is t
+    assert result.n_changed == 1
+    assert result.n_same == 1
+    assert result.max_rel_change == t.rel_change
+    assert result.largest_change is t
     expected = 0.5 * np.linalg.norm(w) / math.hypot(np.linalg.norm(w), np.linalg.norm(other))
     assert result.global_rel_change == pytest.approx(expected, rel=1e-12)
 
@@ -221,7 +233,8 @@ def test_hdf5_big_endian_against_safetensors_is_same(tmp_path: Path) -> None:
     h5 = write_h5(tmp_path / "a.h5", {"w": data.astype(">f4"), "v": data[0]})
     st_path = write_st(tmp_path / "b.safetensors", {"w": data, "v": data[0]})
     result = diff(h5, st_path, chunk_elems=7)
-    assert result.format_a == "hdf5" and result.format_b == "safetensors"
+    assert result.format_a == "hdf5"
+    assert result.format_b == "safetensors"
     assert [t.status for t in result.tensors] == [SAME, SAME]
     changed = write_st(tmp_path / "c.safetensors", {"w": data * 2, "v": data[0]})
     t = by_name(diff(h5, changed, chunk_elems=7))["w"]
@@ -232,7 +245,7 @@ def test_hdf5_big_endian_against_safetensors_is_same(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not HAS_NPZ, reason="clipcli/formats/npz.py has not landed yet")
 def test_npz_against_safetensors_same_data(tmp_path: Path) -> None:
-    tensors = {
+    tensors: dict[str, Any] = {  # numpy types **kwds as bool | ArrayLike
         "a": RNG.standard_normal((4, 6)).astype(np.float32),
         "b": RNG.standard_normal(9).astype(np.float32),
     }
@@ -240,7 +253,8 @@ def test_npz_against_safetensors_same_data(tmp_path: Path) -> None:
     np.savez(npz, a=tensors["a"], b=tensors["b"])
     st_path = write_st(tmp_path / "b.safetensors", tensors)
     result = diff(npz, st_path, chunk_elems=5)
-    assert result.format_a == "npz" and result.format_b == "safetensors"
+    assert result.format_a == "npz"
+    assert result.format_b == "safetensors"
     assert {t.name: t.status for t in result.tensors} == {"a": SAME, "b": SAME}
     assert result.global_rel_change == 0.0
     half = write_st(
@@ -257,7 +271,9 @@ def test_float16_against_float32_of_the_same_values(tmp_path: Path) -> None:
     assert t.status == DTYPE_CHANGED
     assert (t.dtype_a, t.dtype_b) == ("float16", "float32")
     assert t.norm_a == t.norm_b == pytest.approx(np.linalg.norm(values.astype(np.float64)))
-    assert t.diff_norm == 0.0 and t.rel_change == 0.0 and t.max_abs_diff == 0.0
+    assert t.diff_norm == 0.0
+    assert t.rel_change == 0.0
+    assert t.max_abs_diff == 0.0
     assert t.cosine == pytest.approx(1.0, abs=1e-15)
     # Rounded to float16 the other way: a small, exactly measured change.
     wide = RNG.standard_normal(100).astype(np.float32)
@@ -276,7 +292,8 @@ def test_bfloat16_against_float32(tmp_path: Path) -> None:
     b = write_st(tmp_path / "b.safetensors", {"x": values.astype(ml_dtypes.bfloat16)})
     (t,) = diff(a, b, chunk_elems=10).tensors
     ref = reference(values, values.astype(ml_dtypes.bfloat16).astype(np.float32))
-    assert t.status == DTYPE_CHANGED and t.dtype_b == "bfloat16"
+    assert t.status == DTYPE_CHANGED
+    assert t.dtype_b == "bfloat16"
     for key in ("diff_norm", "rel_change", "cosine", "max_abs_diff", "norm_b"):
         assert getattr(t, key) == pytest.approx(ref[key], rel=1e-12), key
 
@@ -316,14 +333,16 @@ def test_structural_changes_and_order(tmp_path: Path) -> None:
 
     assert rows["keep"].status == SAME
     gone = rows["gone"]
-    assert gone.status == ONLY_IN_A and gone.norm_a == pytest.approx(4.0) and gone.norm_b is None
-    assert gone.diff_norm is None and gone.cosine is None and gone.dtype_b is None
+    assert gone.status == ONLY_IN_A
+    assert gone.norm_a == pytest.approx(4.0)
+    assert gone.norm_b is None
+    assert gone.diff_norm is None
+    assert gone.cosine is None
+    assert gone.dtype_b is None
     new = rows["new"]
-    assert (
-        new.status == ONLY_IN_B
-        and new.norm_b == pytest.approx(math.sqrt(18))
-        and new.norm_a is None
-    )
+    assert new.status == ONLY_IN_B
+    assert new.norm_b == pytest.approx(math.sqrt(18))
+    assert new.norm_a is None
     reshaped = rows["reshaped"]
     assert reshaped.status == SHAPE_CHANGED
     assert (reshaped.shape_a, reshaped.shape_b) == ((6,), (2, 3))
@@ -331,13 +350,16 @@ def test_structural_changes_and_order(tmp_path: Path) -> None:
     assert reshaped.diff_norm is reshaped.rel_change is reshaped.max_abs_diff is None
     assert reshaped.cosine is reshaped.norm_ratio is None
     recast = rows["recast"]
-    assert recast.status == DTYPE_CHANGED and (recast.dtype_a, recast.dtype_b) == (
+    assert recast.status == DTYPE_CHANGED
+    assert (recast.dtype_a, recast.dtype_b) == (
         "float32",
         "float64",
     )
     assert recast.diff_norm == 0.0
     count = rows["count"]
-    assert count.status == CHANGED and count.diff_norm == 2.0 and count.max_abs_diff == 2.0
+    assert count.status == CHANGED
+    assert count.diff_norm == 2.0
+    assert count.max_abs_diff == 2.0
     assert not count.in_global
 
     assert result.metadata_changes == [
@@ -354,7 +376,9 @@ def test_structural_changes_and_order(tmp_path: Path) -> None:
         ONLY_IN_B: 1,
     }
     assert set(result.counts) == set(STATUSES)
-    assert result.n_structural == 3 and result.n_changed == 2 and not result.identical
+    assert result.n_structural == 3
+    assert result.n_changed == 2
+    assert not result.identical
     # Integer tensors are compared but stay out of the global figures.
     assert result.global_diff_norm == 0.0
     floats_a = [1, 1, 1, 2, 2, 2, 2, *range(6), *range(5)]
@@ -433,13 +457,17 @@ def test_aligned_pieces() -> None:
     assert [len(x) for x, _ in pairs] == [3, 1, 1, 5]
     for x, y in pairs:
         np.testing.assert_array_equal(x, y)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError):  # noqa: PT011 (any message: the lengths differ)
         list(aligned_pieces([np.arange(3)], [np.arange(4)]))
     assert list(aligned_pieces([], [])) == []
 
 
 class ShortReader(ArrayReader):
-    def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+    def chunks(
+        self,
+        info: TensorInfo,
+        chunk_elems: int | None = None,  # noqa: ARG002 (the Reader interface)
+    ) -> Iterator[np.ndarray]:
         yield self.arrays[info.name].reshape(-1)[:-1]
 
 
@@ -480,35 +508,46 @@ def test_non_finite_values_do_not_crash() -> None:
         assert t.status == CHANGED
         np.testing.assert_equal(t.diff_norm, diff_norm)
         np.testing.assert_equal(t.max_abs_diff, max_abs)
-        assert t.cosine is not None and math.isnan(t.cosine)
+        assert t.cosine is not None
+        assert math.isnan(t.cosine)
         assert t.nonfinite_a == 2
     # Finite A, B gains an Inf: diff inf, rel inf; global figures follow.
     result = compare(
         ArrayReader({"x": np.ones(3)}), ArrayReader({"x": np.array([1.0, np.inf, 1.0])})
     )
     (t,) = result.tensors
-    assert t.diff_norm == math.inf and t.rel_change == math.inf and t.norm_b == math.inf
-    assert result.global_diff_norm == math.inf and result.global_rel_change == math.inf
+    assert t.diff_norm == math.inf
+    assert t.rel_change == math.inf
+    assert t.norm_b == math.inf
+    assert result.global_diff_norm == math.inf
+    assert result.global_rel_change == math.inf
     assert result.max_rel_change == math.inf
 
 
 def test_difference_beyond_float64_is_inf_without_warnings() -> None:
     a, b = np.array([1e308, 1.0]), np.array([-1e308, 1.0])
     (t,) = compare(ArrayReader({"x": a}), ArrayReader({"x": b})).tensors
-    assert t.diff_norm == math.inf and t.max_abs_diff == math.inf
+    assert t.diff_norm == math.inf
+    assert t.max_abs_diff == math.inf
     assert t.cosine == pytest.approx(-1.0, rel=1e-12)
 
 
 def test_zero_tensors() -> None:
     zeros, ones = np.zeros(4), np.ones(4)
     (t,) = compare(ArrayReader({"x": zeros}), ArrayReader({"x": ones})).tensors
-    assert t.rel_change == math.inf and t.norm_ratio is None and t.cosine is None
+    assert t.rel_change == math.inf
+    assert t.norm_ratio is None
+    assert t.cosine is None
     (t,) = compare(ArrayReader({"x": ones}), ArrayReader({"x": zeros})).tensors
-    assert t.rel_change == 1.0 and t.norm_ratio == 0.0 and t.cosine is None
+    assert t.rel_change == 1.0
+    assert t.norm_ratio == 0.0
+    assert t.cosine is None
     (t,) = compare(ArrayReader({"x": zeros}), ArrayReader({"x": -zeros})).tensors
     assert t.status == CHANGED  # -0.0 has other bits
-    assert t.rel_change == 0.0 and t.diff_norm == 0.0
-    assert relative(0.0, 0.0) == 0.0 and relative(1.0, 0.0) == math.inf
+    assert t.rel_change == 0.0
+    assert t.diff_norm == 0.0
+    assert relative(0.0, 0.0) == 0.0
+    assert relative(1.0, 0.0) == math.inf
 
 
 @pytest.mark.parametrize("magnitude", [1e300, 1e-300, 1e200, 1e-200, 1e-310])
@@ -564,8 +603,10 @@ def test_integer_and_bool_tensors_compare_numerically() -> None:
     assert rows["i"].diff_norm == pytest.approx(math.sqrt(8))  # no uint8 wraparound
     assert rows["i"].max_abs_diff == 2.0
     assert rows["m"].diff_norm == 1.0
-    assert not rows["i"].in_global and not rows["m"].in_global
-    assert result.global_norm_a == 0.0 and result.global_diff_norm == 0.0
+    assert not rows["i"].in_global
+    assert not rows["m"].in_global
+    assert result.global_norm_a == 0.0
+    assert result.global_diff_norm == 0.0
     assert result.global_rel_change == 0.0
 
 

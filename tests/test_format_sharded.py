@@ -290,7 +290,7 @@ def test_reader_infos_match_the_data(model: ModelDir, reader: ShardedReader) -> 
 def test_reader_data_equals_safe_open(model: ModelDir, reader: ShardedReader) -> None:
     for shard in SHARDS:
         with safe_open(str(model.path / shard), framework="np") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 info = next(i for i in reader.infos if i.name == name)
                 official = handle.get_tensor(name)
                 # bf16 is not a numpy dtype that safetensors knows; compare the raw bytes.
@@ -551,7 +551,8 @@ def test_written_index_is_sorted_like_transformers(reader: ShardedReader, tmp_pa
     index = json.loads(text)
     assert list(index) == ["metadata", "weight_map"]
     assert list(index["weight_map"]) == sorted(index["weight_map"])
-    assert text.endswith("}\n") and '\n  "metadata": {' in text
+    assert text.endswith("}\n")
+    assert '\n  "metadata": {' in text
 
 
 def test_changed_tensor_round_trip(model: ModelDir, reader: ShardedReader, tmp_path: Path) -> None:
@@ -591,8 +592,9 @@ def test_index_keeps_other_keys_and_recomputes_total_size(model: ModelDir, tmp_p
     assert index["weight_map"] == model.load_index()["weight_map"]
 
 
+@pytest.mark.usefixtures("reader")
 def test_round_trip_keeps_subdirectories_and_skips_other_weights(
-    model: ModelDir, reader: ShardedReader, tmp_path: Path
+    model: ModelDir, tmp_path: Path
 ) -> None:
     """Subfolders are part of the model (issue 11: 1_Pooling/ was lost); weights in other
     formats are not clipped, so they are not copied, wherever they are."""
@@ -611,7 +613,8 @@ def test_copied_symlink_becomes_a_regular_file(model: ModelDir, tmp_path: Path) 
     with opened_model(model.path) as opened:
         clip_into(opened, tmp_path / "out")
     copied = tmp_path / "out" / "tokenizer_config.json"
-    assert not copied.is_symlink() and copied.read_text() == CONFIG
+    assert not copied.is_symlink()
+    assert copied.read_text() == CONFIG
 
 
 def test_shard_writers_open_one_at_a_time(reader: ShardedReader, tmp_path: Path) -> None:
@@ -652,7 +655,7 @@ def test_writer_needs_a_directory(reader: ShardedReader, tmp_path: Path) -> None
         ShardedWriter(tmp_path / "absent", Checkpoint(list(reader.infos), {}, reader))
 
 
-def test_writer_dtype_check_is_safetensors(tmp_path: Path) -> None:
+def test_writer_dtype_check_is_safetensors() -> None:
     info = TensorInfo("s", np.dtype("U4"), (1,), 16)
     assert ShardedWriter.check_dtype(info) == SafetensorsWriter.check_dtype(info)
     assert ShardedWriter.check_dtype(info) is not None
@@ -713,7 +716,8 @@ def test_atomic_directory_appears_with_the_umask_mode(tmp_path: Path) -> None:
     umask = os.umask(0o022)
     try:
         with atomic_directory(out, force=False) as tmp:
-            assert tmp.parent == tmp_path and tmp.name.startswith(".out.")
+            assert tmp.parent == tmp_path
+            assert tmp.name.startswith(".out.")
             assert not out.exists()
             (tmp / "a.txt").write_text("a")
     finally:
@@ -723,12 +727,11 @@ def test_atomic_directory_appears_with_the_umask_mode(tmp_path: Path) -> None:
     assert entries(tmp_path) == ["out"]
 
 
-def test_atomic_directory_removed_on_error_and_out_untouched(
-    model: ModelDir, tmp_path: Path
-) -> None:
+@pytest.mark.usefixtures("model")
+def test_atomic_directory_removed_on_error_and_out_untouched(tmp_path: Path) -> None:
     out = make_model_dir(tmp_path / "out", seed=9).path
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with (
+    with (  # noqa: PT012 (the failure must happen inside the atomic directory)
         pytest.raises(RuntimeError, match="boom"),
         atomic_directory(out, force=True, expected=frozenset(before)) as tmp,
     ):
@@ -753,9 +756,11 @@ def test_atomic_directory_oserror_becomes_write_error(tmp_path: Path) -> None:
 
 
 def test_atomic_directory_missing_parent_is_write_error(tmp_path: Path) -> None:
-    with pytest.raises(WriteError, match="does not exist"):
-        with atomic_directory(tmp_path / "no" / "out", force=False):
-            pass
+    with (
+        pytest.raises(WriteError, match="does not exist"),
+        atomic_directory(tmp_path / "no" / "out", force=False),
+    ):
+        pass
 
 
 def test_atomic_directory_failed_writer_leaves_nothing(
@@ -792,9 +797,11 @@ def test_atomic_directory_force_refuses_a_directory_with_other_files(
     out = make_model_dir(tmp_path / "out", seed=9).path
     (out / "stale.txt").write_text("old")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(UsageError, match="'stale.txt'"):
-        with atomic_directory(out, force=True, expected=output_names(reader)):
-            pass
+    with (
+        pytest.raises(UsageError, match="'stale.txt'"),
+        atomic_directory(out, force=True, expected=output_names(reader)),
+    ):
+        pass
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert entries(tmp_path) == ["model", "out"]
 
@@ -807,7 +814,8 @@ def test_atomic_directory_force_replaces_a_file_or_symlink(tmp_path: Path) -> No
     link.symlink_to(target)
     with atomic_directory(link, force=True) as tmp:
         (tmp / "new.txt").write_text("new")
-    assert not link.is_symlink() and entries(link) == ["new.txt"]
+    assert not link.is_symlink()
+    assert entries(link) == ["new.txt"]
     assert entries(target) == ["keep.txt"]  # the link's target is never touched
     file_out = tmp_path / "file"
     file_out.write_text("x")
@@ -821,9 +829,8 @@ def test_atomic_directory_without_force_refuses_existing(tmp_path: Path) -> None
     out = tmp_path / "out"
     out.mkdir()
     (out / "x").write_text("x")
-    with pytest.raises(UsageError, match="already exists"):
-        with atomic_directory(out, force=False):
-            pass
+    with pytest.raises(UsageError, match="already exists"), atomic_directory(out, force=False):
+        pass
     empty = tmp_path / "empty"
     empty.mkdir()
     with atomic_directory(empty, force=False) as tmp:

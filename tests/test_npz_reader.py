@@ -98,10 +98,9 @@ def raw_npy(header: str) -> bytes:
 
 
 def refused(path: Path, fragment: str) -> None:
-    with pytest.raises(InputError, match=fragment):
-        with NpzReader(path) as reader:
-            for info in reader.infos:
-                list(reader.chunks(info))
+    with pytest.raises(InputError, match=fragment), NpzReader(path) as reader:  # noqa: PT012
+        for info in reader.infos:
+            list(reader.chunks(info))
 
 
 def test_object_array_is_refused(tmp_path: Path) -> None:
@@ -195,17 +194,19 @@ def test_zip_bomb_is_refused_without_inflating(tmp_path: Path) -> None:
     path = tmp_path / "bomb.npz"
     size = 200 << 20
     header = raw_npy(f"{{'descr': '|u1', 'fortran_order': False, 'shape': ({size},), }}")
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
-        with archive.open("a.npy", "w", force_zip64=True) as member:
-            member.write(header)
-            block = bytes(1 << 20)
-            for _ in range(size >> 20):
-                member.write(block)
+    with (
+        zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive,
+        archive.open("a.npy", "w", force_zip64=True) as member,
+    ):
+        member.write(header)
+        block = bytes(1 << 20)
+        for _ in range(size >> 20):
+            member.write(block)
     assert path.stat().st_size < 1 << 20
     refused(path, "zip bomb")
 
 
-def test_bfloat16_cannot_be_written(tmp_path: Path) -> None:
+def test_bfloat16_cannot_be_written() -> None:
     import ml_dtypes
 
     from clipcli.formats.base import TensorInfo
