@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clipcli import interrupts, pipeline, scope
-from clipcli.diff import DiffResult
 from clipcli.errors import UsageError
 from clipcli.footprint import InputFootprint
 from clipcli.formats.base import Checkpoint, NonTensorInfo, Reader, TensorInfo, Writer
@@ -28,6 +28,9 @@ from clipcli.progress import SILENT, Progress
 from clipcli.selection import EVERY_TENSOR, Selection
 from clipcli.spec import ClipSpec, Mode
 from clipcli.stream_target import STDOUT, StdoutTarget
+
+if TYPE_CHECKING:  # diff's modules load when a diff runs, not for norms or clip
+    from clipcli.diff import DiffResult
 
 
 def list_tensors(

@@ -14,12 +14,11 @@ import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from clipcli import diff_math, interrupts
-from clipcli.diff import DiffResult, PieceWork, pair_tensors, piece_work
+from clipcli import interrupts
 from clipcli.errors import UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.measurement import Measurement, TensorStats
@@ -30,6 +29,9 @@ from clipcli.parallel import ordered_map
 from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
 from clipcli.progress import SILENT, Progress
 from clipcli.spec import ClipSpec
+
+if TYPE_CHECKING:  # the comparison is imported by compare() only
+    from clipcli import diff
 
 R = TypeVar("R")
 W = TypeVar("W")
@@ -310,12 +312,16 @@ def compare(
     chunk_elems: int | None = None,
     progress: Progress = SILENT,
     workers: int | None = None,
-) -> DiffResult:
+) -> diff.DiffResult:
     """Compare two open readers; `selection` (e.g. a Selection) filters tensor names.
 
     chunk_elems: elements per piece read from each side (default: 1 MiB of the wider
     dtype). workers: threads for the arithmetic (default parallel.worker_count()).
     """
+    # Imported here: `norms` and `clip` should not load the comparison's modules.
+    from clipcli import diff_math
+    from clipcli.diff import PieceWork, pair_tensors, piece_work
+
     if chunk_elems is not None and chunk_elems < 1:
         raise UsageError(f"chunk_elems must be positive, got {chunk_elems}")
     pairs = pair_tensors(a, b, selection if selection is not None else _everything)

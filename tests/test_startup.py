@@ -45,5 +45,5 @@ def test_ls_loads_no_job_module_rich_or_h5py(tmp_path: Path, fmt: str) -> None:
 def test_norms_table_loads_no_rich_h5py_or_diff(tmp_path: Path) -> None:
     path = write_safetensors(tmp_path / "m.safetensors", {"w": np.ones(4, np.float32)})
     modules = _modules_after(["norms", str(path)])
-    assert "clipcli.engine" in modules
+    assert "clipcli.api" in modules
     assert [m for m in ("rich", "h5py", "matplotlib", "clipcli.diff") if _loaded(modules, m)] == []
