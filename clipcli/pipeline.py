@@ -244,10 +244,10 @@ def execute(
         if transform is None:
             outcomes[info.name] = Outcome(tensor.before, changed=False)
             return None
-        after = NormAccumulator()
-        outcomes[info.name] = Outcome(after, changed=True)
-        pairs = map_chunks(reader, info, functools.partial(_with_stats, transform))
-        return _measured(pairs, after, progress)
+        outcome = outcomes[info.name] = Outcome(NormAccumulator(), changed=True)
+        count = tensor.action is Action.SCALE
+        pairs = map_chunks(reader, info, functools.partial(_with_stats, transform, count))
+        return _measured(pairs, outcome, progress)
 
     progress.start(label, sum(p.info.nbytes for p in plan.tensors))
     write_tensors(reader, writer, chunks_of, progress)
@@ -280,25 +280,33 @@ def _clip_slices(
     clipped = int(np.count_nonzero(scales != 1.0))
     if not clipped:
         return array, Outcome(tensor.before, False, 0, int(scales.size))
-    array = slices.scale_slices(array, scales, tensor.axes)
-    return array, Outcome(accumulate_array(array), True, clipped, int(scales.size))
+    scaled = slices.scale_slices(array, scales, tensor.axes)
+    to_zero, to_subnormal = rounding.flushes(array, scaled)
+    outcome = Outcome(accumulate_array(scaled), True, clipped, int(scales.size))
+    outcome.flushes.add(to_zero, to_subnormal)
+    return scaled, outcome
 
 
 def _measured(
-    chunks: Iterator[tuple[np.ndarray, NormAccumulator]], acc: NormAccumulator, progress: Progress
+    chunks: Iterator[tuple[np.ndarray, NormAccumulator, tuple[int, int]]],
+    outcome: Outcome,
+    progress: Progress,
 ) -> Iterator[np.ndarray]:
-    for chunk, partial in chunks:
+    for chunk, partial, (to_zero, to_subnormal) in chunks:
         interrupts.check()
-        acc.merge(partial)
+        outcome.after.merge(partial)
+        outcome.flushes.add(to_zero, to_subnormal)
         progress.advance(chunk.nbytes)
         yield chunk
 
 
 def _with_stats(
-    transform: Callable[[np.ndarray], np.ndarray], chunk: np.ndarray
-) -> tuple[np.ndarray, NormAccumulator]:
+    transform: Callable[[np.ndarray], np.ndarray], count_flushes: bool, chunk: np.ndarray
+) -> tuple[np.ndarray, NormAccumulator, tuple[int, int]]:
+    """The transformed chunk, its statistics, and (for scaling) what the rounding flushed."""
     out = transform(chunk)
-    return out, accumulate([out])
+    flushed = rounding.flushes(chunk, out) if count_flushes else (0, 0)
+    return out, accumulate([out]), flushed
 
 
 # ---------------------------------------------------------------- comparing

@@ -98,6 +98,19 @@ class Plan:
         return global_norm(p.before.norm for p in self.tensors if p.in_global)
 
 
+@dataclass
+class Flushes:
+    """Values the rounding of a scaled tensor took to zero, or newly to a subnormal (filled
+    in while the tensor streams, as Outcome.after is)."""
+
+    to_zero: int = 0
+    to_subnormal: int = 0
+
+    def add(self, to_zero: int, to_subnormal: int) -> None:
+        self.to_zero += to_zero
+        self.to_subnormal += to_subnormal
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What the write pass did to one tensor."""
@@ -106,6 +119,7 @@ class Outcome:
     changed: bool = False
     slices_clipped: int = 0  # AXES only
     slices: int = 0
+    flushes: Flushes = field(default_factory=Flushes)
 
 
 def copy_plan(infos: Iterable[TensorInfo]) -> Plan:

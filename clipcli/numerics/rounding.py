@@ -204,3 +204,31 @@ def _clamp_table(dtype: np.dtype[Any], lo_bits: bytes, hi_bits: bytes) -> np.nda
     table = lookup.table_of(dtype, lambda values: _clamp(values, lo, hi))
     table.flags.writeable = False
     return table
+
+
+# ---------------------------------------------------------------- what the rounding lost
+
+
+def flushes(before: np.ndarray, after: np.ndarray) -> tuple[int, int]:
+    """How many values the rounding took from nonzero to zero, and how many it made
+    subnormal (exponent field zero, mantissa not) that were not before; complex part by
+    part. Read from the bit patterns, so it costs two integer passes and no float work.
+    A dtype without zero (float8_e8m0fnu) has neither: (0, 0)."""
+    dtype = after.dtype
+    if smallest_without_zero(dtype) is not None:
+        return 0, 0
+    if dtype.kind == "c":
+        before = before.view(before.real.dtype)
+        after = after.view(after.real.dtype)
+        dtype = after.dtype
+    nmant = int(finfo(dtype).nmant)
+    unsigned = bits_dtype(dtype)
+    mask = unsigned.type((1 << (8 * dtype.itemsize - 1)) - 1)  # every bit but the sign
+    old = np.bitwise_and(before.reshape(-1).view(unsigned), mask)
+    new = np.bitwise_and(after.reshape(-1).view(unsigned), mask)
+    subnormal_below = unsigned.type(1 << nmant)
+    to_zero = int(np.count_nonzero((new == 0) & (old != 0)))
+    new_subnormal = (new != 0) & (new < subnormal_below)
+    old_subnormal = (old != 0) & (old < subnormal_below)
+    to_subnormal = int(np.count_nonzero(new_subnormal & ~old_subnormal))
+    return to_zero, to_subnormal

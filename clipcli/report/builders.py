@@ -293,6 +293,14 @@ def clip_report(result: ClipResult) -> Report:
         f"{verb} {changed} of {len(result.rows)} tensors"
         + ("" if result.dry_run else f"; wrote {result.out}"),
     ]
+    to_zero = sum(r.outcome.flushes.to_zero for r in result.rows)
+    to_subnormal = sum(r.outcome.flushes.to_subnormal for r in result.rows)
+    if to_zero or to_subnormal:  # the dtype's range, not a bug: said, never silent
+        footer.append(
+            f"the scaling {'would flush' if result.dry_run else 'flushed'} "
+            f"{count(to_zero, 'nonzero value')} to zero and made "
+            f"{count(to_subnormal, 'value')} subnormal (below the dtype's normal range)"
+        )
     summary: tuple[tuple[str, Value], ...] = (
         ("src", str(result.src)),
         ("out", str(result.out)),
@@ -306,6 +314,8 @@ def clip_report(result: ClipResult) -> Report:
         ("global_norm_before", result.global_before),
         ("global_norm_after", result.global_after),
         ("changed", changed),
+        ("flushed_to_zero", to_zero),
+        ("made_subnormal", to_subnormal),
     )
     title = f"clip {spec.mode.value} {spec.describe_limit()}: {result.src}"
     return Report(
