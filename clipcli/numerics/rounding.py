@@ -224,11 +224,16 @@ def flushes(before: np.ndarray, after: np.ndarray) -> tuple[int, int]:
     nmant = int(finfo(dtype).nmant)
     unsigned = bits_dtype(dtype)
     mask = unsigned.type((1 << (8 * dtype.itemsize - 1)) - 1)  # every bit but the sign
-    old = np.bitwise_and(before.reshape(-1).view(unsigned), mask)
-    new = np.bitwise_and(after.reshape(-1).view(unsigned), mask)
     subnormal_below = unsigned.type(1 << nmant)
+    new = np.bitwise_and(after.reshape(-1).view(unsigned), mask)
+    # Scaled weights seldom reach the bottom of the range: look at the rest only where the
+    # output is zero or subnormal (one comparison over the chunk, then the few found).
+    low = np.flatnonzero(new < subnormal_below)
+    if not low.size:
+        return 0, 0
+    new = new[low]
+    old = np.bitwise_and(before.reshape(-1).view(unsigned)[low], mask)
     to_zero = int(np.count_nonzero((new == 0) & (old != 0)))
-    new_subnormal = (new != 0) & (new < subnormal_below)
     old_subnormal = (old != 0) & (old < subnormal_below)
-    to_subnormal = int(np.count_nonzero(new_subnormal & ~old_subnormal))
+    to_subnormal = int(np.count_nonzero((new != 0) & ~old_subnormal))
     return to_zero, to_subnormal
