@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from clipcli import dtypes
 from clipcli.numerics import float16, rounding, scaling
 from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.norms import NormAccumulator, accumulate, global_norm, l2_norm
@@ -631,3 +632,69 @@ def test_float16_factor_is_the_largest_that_fits(seed: int) -> None:
 def _no_pass(which: Sequence[int], factor: scaling.Factor) -> CertainSumsq:
     """float16 members need no pass over the data: the histogram decides."""
     raise AssertionError(f"unexpected pass over {which} at {factor}")
+
+
+# ------------------------------------------------------------------ the dtype layer
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dtype_facts_match_the_hand_decoded_layouts(name: str) -> None:
+    """Every fact clipcli.dtypes gives about an 8/16-bit float, against the layouts above
+    (written from the formats' definitions, not from ml_dtypes)."""
+    layout = LAYOUTS[name]
+    dtype = np.dtype(getattr(ml_dtypes, name) if name != "float16" else np.float16)
+    assert dtypes.is_floating(dtype)
+    assert dtypes.is_numeric(dtype)
+    assert dtypes.is_small_float(dtype)
+    assert dtypes.is_float8(dtype) == (layout.width == 8)
+    assert dtypes.is_ml_float(dtype) == (name != "float16")
+    assert dtypes.from_ml_dtypes(dtype) == (name != "float16")
+    assert dtypes.is_bfloat16(dtype) == (name == "bfloat16")
+    assert dtypes.mantissa_digits(dtype) == layout.mantissa_bits + 1
+    assert dtypes.unit_roundoff(dtype) == 2.0 ** -(layout.mantissa_bits + 1)
+    assert dtypes.has_infinity(dtype) == (layout.nan == "ieee")
+    table = magnitudes(layout)
+    smallest = math.ldexp(table.units[1 if table.units[0] == 0 else 0], -table.shift)
+    assert dtypes.smallest_subnormal(dtype) == smallest
+    has_zero = table.units[0] == 0
+    assert dtypes.smallest_without_zero(dtype) == (None if has_zero else smallest)
+    codes = dtypes.all_values(dtype).view(dtypes.bits_dtype(dtype))
+    assert codes.tolist() == list(range(1 << layout.width))
+    wide = dtypes.float64_values(dtype)
+    for code in range(1 << layout.width):
+        parts = decode(layout, code)
+        if parts is not None:
+            sign, sig, power = parts
+            assert wide[code] == (-1) ** sign * math.ldexp(sig, power), hex(code)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "numeric", "floating"),
+    [
+        (np.dtype(np.int8), True, False),
+        (np.dtype(np.uint64), True, False),
+        (np.dtype(np.bool_), True, False),
+        (np.dtype(np.float32), True, True),
+        (np.dtype(np.float64), True, True),
+        (np.dtype(np.complex64), True, True),
+        (np.dtype(np.complex128), True, True),
+        (np.dtype(ml_dtypes.int4), False, False),
+        (np.dtype("V4"), False, False),
+        (np.dtype("S3"), False, False),
+    ],
+)
+def test_dtype_facts_of_wider_and_non_float_types(
+    dtype: np.dtype[Any], numeric: bool, floating: bool
+) -> None:
+    assert dtypes.is_numeric(dtype) == numeric
+    assert dtypes.is_floating(dtype) == floating
+    assert not dtypes.is_ml_float(dtype)
+    assert not dtypes.is_small_float(dtype)
+    assert dtypes.from_ml_dtypes(dtype) == (dtype == np.dtype(ml_dtypes.int4))
+    if dtype.kind == "c":
+        real = np.dtype(np.float32 if dtype.itemsize == 8 else np.float64)
+        assert dtypes.real_dtype(dtype) == real
+        assert dtypes.mantissa_digits(dtype) == (24 if real == np.float32 else 53)
+    if not floating:
+        assert dtypes.unit_roundoff(dtype) == 0.0
+        assert dtypes.smallest_subnormal(dtype) == 0.0
