@@ -36,9 +36,11 @@ def sniff_format(path: Path) -> str:
                 return "hdf5"
             if head.startswith(ZIP_MAGICS):
                 return _zip_format(path, handle)
-            _refuse_foreign_magic(path, head)
+            # safetensors before the foreign magics: its 8-byte header length may itself
+            # begin 80 02..80 05 (640, 896, ... bytes), which looks like a pickle's opening.
             if len(head) >= 9 and head[8:9] == b"{":
                 return "safetensors"
+            _refuse_foreign_magic(path, head)
             # HDF5 allows a user block of 512, 1024, 2048, ... bytes before the superblock.
             if _hdf5_after_user_block(handle):
                 return "hdf5"

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from fractions import Fraction
 
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.groups import compile_group_by
@@ -144,9 +145,14 @@ def normalize_axes(axes: tuple[int, ...], shape: tuple[int, ...], name: str) -> 
 
 
 def tensor_limit(spec: ClipSpec, numel: int) -> float:
-    """The norm a single tensor may have: C, or C * numel for TF's average norm."""
+    """The norm a single tensor may have: C, or C * numel for TF's average norm, rounded
+    down: the float product may round up past the exact C * numel, and the limit is a
+    promise (a float64 tensor scaled to a limit 1 ulp too generous exceeds it)."""
     if spec.mode is Mode.AVERAGE:
-        return spec.limit * numel
+        product = spec.limit * numel
+        if math.isfinite(product) and Fraction(product) > Fraction(spec.limit) * numel:
+            product = math.nextafter(product, 0.0)
+        return product
     return spec.limit
 
 
