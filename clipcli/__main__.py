@@ -122,16 +122,16 @@ def _preload(args: list[str]) -> None:
     every safetensors run pay). --help and the like skip this: they stay fast."""
     if not args or args[0].startswith("-"):
         return
+    import contextlib
     import encodings.cp437  # noqa: F401 - zipfile decodes npz member names with it
 
     for module in (*_PRELOAD.get(args[0], ()), *_formats_of(args[0], args[1:])):
         __import__(module)
     if {"-i", "--include", "-x", "--exclude"} & set(args):  # ls: the selection
         __import__("clipcli.selection")
-    try:  # Click imports its help option on the first parse (typer vendors click)
+    # Click imports its help option on the first parse (typer vendors click).
+    with contextlib.suppress(ImportError):
         __import__("typer._click.decorators")
-    except ImportError:
-        pass
     if "--chart" in args or (sys.stderr is not None and sys.stderr.isatty()):  # rich: bars
         import io
 

@@ -24,7 +24,7 @@ _pending: list[int] = []  # signals received while deferred, oldest first
 _deferring: list[bool] = []  # non-empty while a deferred() block runs
 
 
-def _record(signum: int, frame: FrameType | None) -> None:
+def _record(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001 - handler signature
     _pending.append(signum)
 
 

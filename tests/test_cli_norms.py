@@ -8,13 +8,16 @@ import io
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
 import pytest
+
+if TYPE_CHECKING:
+    from conftest import Run
 
 FORMAT_NAMES = {"safetensors": "safetensors", "npz": "npz", "h5": "hdf5"}
 NORM_KEYS = {"path", "format", "global_norm", "tensors"}
@@ -39,22 +42,23 @@ FLOATS = ("embed.weight", "layers.0.attn.weight", "layers.0.attn.bias", "layers.
 
 
 @pytest.fixture
-def model_file(ckpt, write_checkpoint):
+def model_file(ckpt: Callable[[str], Path], write_checkpoint: Callable[..., Path]) -> Path:
     return write_checkpoint(ckpt("model"), model())
 
 
 @pytest.fixture
-def norms_json(cli):
-    def run(*args) -> dict:
+def norms_json(cli: Callable[..., Run]) -> Callable[..., dict[str, Any]]:
+    def run(*args: str | Path) -> dict[str, Any]:
         result = cli("norms", *args, "--format", "json")
         assert result.code == 0, result.stderr
         assert result.stderr == ""
-        return result.json()
+        report: dict[str, Any] = result.json()
+        return report
 
     return run
 
 
-def expected_global(names, norm64) -> float:
+def expected_global(names: Iterable[str], norm64: Callable[[np.ndarray], float]) -> float:
     tensors = model()
     return math.sqrt(sum(norm64(tensors[n]) ** 2 for n in names))
 
@@ -62,7 +66,12 @@ def expected_global(names, norm64) -> float:
 # ------------------------------------------------------------------ norms --format json
 
 
-def test_norms_json_schema_and_values(fmt, model_file, norms_json, norm64):
+def test_norms_json_schema_and_values(
+    fmt: str,
+    model_file: Path,
+    norms_json: Callable[..., dict[str, Any]],
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     report = norms_json(model_file)
     assert set(report) == NORM_KEYS
     assert report["path"] == str(model_file)
@@ -87,7 +96,9 @@ def test_norms_json_schema_and_values(fmt, model_file, norms_json, norm64):
     assert rows["mask"]["norm"] == pytest.approx(math.sqrt(3), rel=1e-15)
 
 
-def test_norms_json_bfloat16(tmp_path, write_checkpoint, norms_json):
+def test_norms_json_bfloat16(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], norms_json: Callable[..., dict[str, Any]]
+) -> None:
     x = np.array([[3.0, -4.0], [0.5, 0.0]], dtype=ml_dtypes.bfloat16)
     path = write_checkpoint(tmp_path / "bf.safetensors", {"w": x})
     row = norms_json(path)["tensors"][0]
@@ -96,7 +107,11 @@ def test_norms_json_bfloat16(tmp_path, write_checkpoint, norms_json):
     assert row["in_global"] is True
 
 
-def test_norms_reports_nonfinite_values(fmt, ckpt, write_checkpoint, norms_json):
+def test_norms_reports_nonfinite_values(
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    norms_json: Callable[..., dict[str, Any]],
+) -> None:
     bad = np.array([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32)
     path = write_checkpoint(ckpt("bad"), {"bad": bad, "ok": np.array([3.0, 4.0], np.float32)})
     report = norms_json(path)
@@ -111,8 +126,11 @@ def test_norms_reports_nonfinite_values(fmt, ckpt, write_checkpoint, norms_json)
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_signalling_nans_are_counted_without_a_warning(
-    tmp_path, write_checkpoint, run_subprocess, dtype
-):
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_subprocess: Callable[..., Run],
+    dtype: str,
+) -> None:
     """A signalling NaN (quiet bit clear) made numpy warn "invalid value encountered in
     cast" on stderr when it was widened; a NaN is data to count, not a warning."""
     bits = {"float16": [0x7C01, 0x3C00, 0xFC00], "float32": [0x7F800001, 0x3F800000, 0xFF800000]}
@@ -128,7 +146,9 @@ def test_signalling_nans_are_counted_without_a_warning(
 # ------------------------------------------------------------------ table and CSV
 
 
-def test_norms_table_lists_every_tensor(fmt, model_file, cli, norm64):
+def test_norms_table_lists_every_tensor(
+    model_file: Path, cli: Callable[..., Run], norm64: Callable[[np.ndarray], float]
+) -> None:
     result = cli("norms", model_file)
     assert result.code == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -147,7 +167,9 @@ def has_number_near(text: str, value: float, rel: float = 1e-5) -> bool:
     return any(float(n) == pytest.approx(value, rel=rel) for n in numbers)
 
 
-def test_norms_csv(fmt, model_file, cli, norm64):
+def test_norms_csv(
+    model_file: Path, cli: Callable[..., Run], norm64: Callable[[np.ndarray], float]
+) -> None:
     result = cli("norms", model_file, "--format", "csv")
     assert result.code == 0, result.stderr
     assert result.stdout.splitlines()[0] == CSV_HEADER
@@ -167,7 +189,12 @@ def test_norms_csv(fmt, model_file, cli, norm64):
 
 
 @pytest.mark.parametrize("args", [[], ["--sort", "file"]], ids=["default", "file"])
-def test_sort_file_order_by_default(tmp_path, args, write_checkpoint, norms_json):
+def test_sort_file_order_by_default(
+    tmp_path: Path,
+    args: list[str],
+    write_checkpoint: Callable[..., Path],
+    norms_json: Callable[..., dict[str, Any]],
+) -> None:
     # npz and HDF5 keep insertion order only as zip/HDF5 order; check it on a hand-made
     # safetensors file whose offsets follow the dict order.
     tensors = {n: np.full(3, v, ml_dtypes.bfloat16) for n, v in (("z", 1), ("a", 2), ("m", 3))}
@@ -184,7 +211,6 @@ def ranked_by_norm(
 
 
 def test_sort_by_norm_name_and_size(
-    fmt: str,
     model_file: Path,
     norms_json: Callable[..., dict[str, Any]],
     norm64: Callable[[np.ndarray], float],
@@ -199,7 +225,6 @@ def test_sort_by_norm_name_and_size(
 
 
 def test_top_n(
-    fmt: str,
     model_file: Path,
     norms_json: Callable[..., dict[str, Any]],
     norm64: Callable[[np.ndarray], float],
@@ -214,13 +239,19 @@ def test_top_n(
     assert len(everything["tensors"]) == len(tensors)
 
 
-def test_top_must_be_positive(fmt, model_file, run_main, assert_one_error_line):
+def test_top_must_be_positive(
+    model_file: Path, run_main: Callable[..., Run], assert_one_error_line: Callable[..., str]
+) -> None:
     result = run_main("norms", model_file, "--top", "0")
     assert result.code == 2
     assert_one_error_line(result.stderr, "--top")
 
 
-def test_include_and_exclude(fmt, model_file, norms_json, norm64):
+def test_include_and_exclude(
+    model_file: Path,
+    norms_json: Callable[..., dict[str, Any]],
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     report = norms_json(model_file, "--include", "layers.*")
     names = [r["name"] for r in report["tensors"]]
     assert sorted(names) == ["layers.0.attn.bias", "layers.0.attn.weight", "layers.1.mlp.weight"]
@@ -240,13 +271,17 @@ def test_include_and_exclude(fmt, model_file, norms_json, norm64):
 # ------------------------------------------------------------------ --fail-above
 
 
-def test_fail_above(fmt, model_file, cli, norm64):
+def test_fail_above(
+    model_file: Path, cli: Callable[..., Run], norm64: Callable[[np.ndarray], float]
+) -> None:
     g = expected_global(FLOATS, norm64)
     over = cli("norms", model_file, "--fail-above", repr(g * 0.99), "--format", "json")
     assert over.code == 1
     assert over.json()["global_norm"] == pytest.approx(g, rel=1e-12)  # the report still prints
     lines = over.stderr.splitlines()
-    assert len(lines) == 1 and "fail-above" in lines[0] and "Traceback" not in over.stderr
+    assert len(lines) == 1
+    assert "fail-above" in lines[0]
+    assert "Traceback" not in over.stderr
 
     under = cli("norms", model_file, "--fail-above", repr(g * 1.01), "--format", "json")
     assert (under.code, under.stderr) == (0, "")
@@ -255,7 +290,9 @@ def test_fail_above(fmt, model_file, cli, norm64):
     assert cli("norms", model_file, "--fail-above", repr(exact)).code == 0
 
 
-def test_fail_above_in_a_shell_pipeline(tmp_path, write_checkpoint, run_subprocess):
+def test_fail_above_in_a_shell_pipeline(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_subprocess: Callable[..., Run]
+) -> None:
     # `clipcli norms --fail-above 5 m || clipcli clip --global 5 m o`
     path = write_checkpoint(tmp_path / "m.safetensors", {"w": np.array([6.0, 8.0], np.float32)})
     assert run_subprocess("norms", "--fail-above", "10", path).code == 0
@@ -267,7 +304,9 @@ def test_fail_above_in_a_shell_pipeline(tmp_path, write_checkpoint, run_subproce
     assert run_subprocess("norms", "--fail-above", "5", tmp_path / "o.safetensors").code == 0
 
 
-def test_fail_above_with_nan_global_norm_fails(fmt, ckpt, write_checkpoint, cli):
+def test_fail_above_with_nan_global_norm_fails(
+    ckpt: Callable[[str], Path], write_checkpoint: Callable[..., Path], cli: Callable[..., Run]
+) -> None:
     path = write_checkpoint(ckpt("nan"), {"w": np.array([np.nan, 1.0], np.float32)})
     assert cli("norms", path, "--fail-above", "1e300").code == 1
 
@@ -275,7 +314,7 @@ def test_fail_above_with_nan_global_norm_fails(fmt, ckpt, write_checkpoint, cli)
 # ------------------------------------------------------------------ ls
 
 
-def test_ls_table(fmt, model_file, cli):
+def test_ls_table(model_file: Path, cli: Callable[..., Run]) -> None:
     result = cli("ls", model_file)
     assert result.code == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -287,7 +326,7 @@ def test_ls_table(fmt, model_file, cli):
         assert re.search(dims, line), (name, x.shape, line)
 
 
-def test_ls_json(fmt, model_file, cli):
+def test_ls_json(fmt: str, model_file: Path, cli: Callable[..., Run]) -> None:
     result = cli("ls", model_file, "--format", "json")
     assert result.code == 0, result.stderr
     report = result.json()
@@ -300,7 +339,9 @@ def test_ls_json(fmt, model_file, cli):
 
 
 @pytest.mark.parametrize("ext", [".safetensors", ".h5"])
-def test_ls_shows_metadata(tmp_path, ext, write_checkpoint, cli):
+def test_ls_shows_metadata(
+    tmp_path: Path, ext: str, write_checkpoint: Callable[..., Path], cli: Callable[..., Run]
+) -> None:
     metadata = {"format": "pt", "source": "unit-test"}
     path = write_checkpoint(tmp_path / f"meta{ext}", {"w": np.ones(2, np.float32)}, metadata)
     table = cli("ls", path)
@@ -311,15 +352,20 @@ def test_ls_shows_metadata(tmp_path, ext, write_checkpoint, cli):
 
 
 def test_ls_and_norms_through_main_and_a_subprocess(
-    tmp_path, write_checkpoint, run_main, run_subprocess
-):
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_main: Callable[..., Run],
+    run_subprocess: Callable[..., Run],
+) -> None:
     path = write_checkpoint(tmp_path / "m.npz", {"w": np.array([3.0, 4.0])})
     for run in (run_main, run_subprocess):
         result = run("norms", path, "--format", "json")
         assert (result.code, result.stderr) == (0, "")
         assert result.json()["global_norm"] == 5.0
         listed = run("ls", path)
-        assert listed.code == 0 and "w" in listed.stdout and "float64" in listed.stdout
+        assert listed.code == 0
+        assert "w" in listed.stdout
+        assert "float64" in listed.stdout
 
 
 # ------------------------------------------------------------------ help
@@ -328,14 +374,14 @@ def test_ls_and_norms_through_main_and_a_subprocess(
 @pytest.mark.parametrize(
     "command", [[], ["ls"], ["norms"], ["clip"]], ids=["clipcli", "ls", "norms", "clip"]
 )
-def test_help_has_examples(command, cli):
+def test_help_has_examples(command: list[str], cli: Callable[..., Run]) -> None:
     result = cli(*command, "--help")
     assert result.code == 0, result.stderr
     assert "Usage:" in result.stdout
     assert "Example" in result.stdout
 
 
-def test_every_command_has_help(cli):
+def test_every_command_has_help(cli: Callable[..., Run]) -> None:
     from clipcli.cli import app
 
     names = [c.name for c in app.registered_commands]
@@ -346,14 +392,16 @@ def test_every_command_has_help(cli):
         assert "Example" in result.stdout, name
 
 
-def test_top_level_help_documents_exit_codes(cli):
+def test_top_level_help_documents_exit_codes(cli: Callable[..., Run]) -> None:
     text = cli("--help").stdout
     assert "Exit codes" in text
     for code in ("0", "1", "2", "3", "4", "5", "70", "130"):
         assert re.search(rf"^\s*{code}\s+\S", text, re.MULTILINE), code
 
 
-def test_no_arguments_shows_help(run_subprocess, run_main):
+def test_no_arguments_shows_help(
+    run_subprocess: Callable[..., Run], run_main: Callable[..., Run]
+) -> None:
     for run in (run_subprocess, run_main):
         result = run()
         assert result.code == 0, result.stderr
@@ -362,7 +410,9 @@ def test_no_arguments_shows_help(run_subprocess, run_main):
             assert re.search(rf"^\s+{command}\s", result.stdout, re.MULTILINE), command
 
 
-def test_dtype_names_are_numpys(tmp_path, write_checkpoint, cli):
+def test_dtype_names_are_numpys(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], cli: Callable[..., Run]
+) -> None:
     tensors = {
         "bf16": np.ones(2, ml_dtypes.bfloat16),
         "e4m3": np.ones(2, ml_dtypes.float8_e4m3fn),

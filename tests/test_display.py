@@ -27,11 +27,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
 import pytest
+
+if TYPE_CHECKING:
+    from conftest import Run
 
 # ------------------------------------------------------------------ hostile names
 
@@ -63,7 +66,7 @@ def _escaped(name: str) -> str:
 
 
 @pytest.fixture
-def hostile(tmp_path, write_checkpoint) -> Path:
+def hostile(tmp_path: Path, write_checkpoint: Callable[..., Path]) -> Path:
     tensors = {name: np.full((2,), float(i + 1), np.float32) for i, name in enumerate(HOSTILE)}
     metadata = {"[/k]\x1b": "[link=https://e.com]v[/link]\x07\u202e"}
     return write_checkpoint(tmp_path / "m.safetensors", tensors, metadata)
@@ -87,7 +90,9 @@ COMMANDS = {
 
 @pytest.mark.parametrize("fmt_", ["table", "json", "jsonl", "csv"])
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_hostile_names_are_printed_as_data(tmp_path, hostile, run_main, command, fmt_):
+def test_hostile_names_are_printed_as_data(
+    tmp_path: Path, hostile: Path, run_main: Callable[..., Run], command: str, fmt_: str
+) -> None:
     argv = [a.format(m=hostile, out=tmp_path / "o.safetensors") for a in COMMANDS[command]]
     result = run_main(*argv, "--format", fmt_)
     assert result.code == 0, result.stderr
@@ -123,7 +128,9 @@ def _csv_reference(name: str) -> str:
 
 
 @pytest.mark.parametrize("group_by", [None, "(?s)(.*)"])
-def test_hostile_names_in_the_chart(hostile, run_main, group_by):
+def test_hostile_names_in_the_chart(
+    hostile: Path, run_main: Callable[..., Run], group_by: str | None
+) -> None:
     extra = ["--group-by", group_by] if group_by else []
     result = run_main("norms", hostile, "--chart", "--limit", "3", *extra)
     assert result.code == 0, result.stderr
@@ -133,7 +140,9 @@ def test_hostile_names_in_the_chart(hostile, run_main, group_by):
         assert _escaped(name) in result.stdout, name
 
 
-def test_hostile_path_in_title_footer_and_convert(tmp_path, write_checkpoint, run_main):
+def test_hostile_path_in_title_footer_and_convert(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Run]
+) -> None:
     # The path shows '[bold]d\x1b[2J/e[/x]m.safetensors': markup across two components.
     directory = tmp_path / "[bold]d\x1b[2J" / "e["
     directory.mkdir(parents=True)
@@ -151,7 +160,9 @@ def test_hostile_path_in_title_footer_and_convert(tmp_path, write_checkpoint, ru
         assert "[bold]d\\x1b[2J/" + shown in result.stdout, result.stdout
 
 
-def test_hostile_names_in_error_lines(tmp_path, run_main, assert_one_error_line):
+def test_hostile_names_in_error_lines(
+    tmp_path: Path, run_main: Callable[..., Run], assert_one_error_line: Callable[..., str]
+) -> None:
     missing = tmp_path / "[/x]\x1b[2J\n\u202e.safetensors"
     result = run_main("norms", missing)
     assert result.code == 3
@@ -159,7 +170,7 @@ def test_hostile_names_in_error_lines(tmp_path, run_main, assert_one_error_line)
     _assert_clean(line)
 
 
-def test_progress_label_is_not_markup(capsys):
+def test_progress_label_is_not_markup(capsys: pytest.CaptureFixture[str]) -> None:
     from clipcli.report.progress_bar import TerminalProgress
 
     progress = TerminalProgress(delay=0)
@@ -190,7 +201,9 @@ def test_long_metadata_values_are_shortened_in_the_table_only(
     }
 
 
-def test_many_metadata_keys_all_listed(tmp_path, write_checkpoint, run_main):
+def test_many_metadata_keys_all_listed(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Run]
+) -> None:
     """ls renders the footer in one piece (benchmarks/ls_metadata.py times it); every key
     is there once, in the file's order."""
     metadata = {f"key{i}": f"value{i}" for i in range(20_000)}
@@ -204,7 +217,7 @@ def test_many_metadata_keys_all_listed(tmp_path, write_checkpoint, run_main):
 
 
 @pytest.mark.parametrize("first", list("=+-@\t\r\uff1d\uff0b\uff0d\uff20"))
-def test_csv_formula_starts_are_neutralised(first):
+def test_csv_formula_starts_are_neutralised(first: str) -> None:
     from clipcli.report.serialize import csv_text
 
     expected = _escaped(first + "x")
@@ -212,7 +225,7 @@ def test_csv_formula_starts_are_neutralised(first):
     assert csv_text("x" + first) == _escaped("x" + first)  # only the first character counts
 
 
-def test_csv_leaves_other_text_and_every_number_alone():
+def test_csv_leaves_other_text_and_every_number_alone() -> None:
     from clipcli.report.serialize import csv_text
     from clipcli.report.serialize import csv_value as _csv_value
 
@@ -224,7 +237,9 @@ def test_csv_leaves_other_text_and_every_number_alone():
     assert _csv_value(True) == "true"
 
 
-def test_csv_negative_numbers_stay_numbers(tmp_path, write_checkpoint, run_main):
+def test_csv_negative_numbers_stay_numbers(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Run]
+) -> None:
     """diff of A against -A: cosine -1 and a name starting with '-' in the same rows."""
     a = np.array([1.0, 2.0], np.float32)
     src_a = write_checkpoint(tmp_path / "a.safetensors", {"-w": a})
@@ -240,7 +255,7 @@ def test_csv_negative_numbers_stay_numbers(tmp_path, write_checkpoint, run_main)
 
 
 @pytest.fixture(scope="module")
-def big(tmp_path_factory) -> Path:
+def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Reports far larger than a pipe buffer (64 KiB): 1,500 tensors (a rich table, below
     PLAIN_TABLE_ROWS) and metadata."""
     from safetensors.numpy import save_file
@@ -298,7 +313,7 @@ PIPED = {
         ("group-by", "table", "true"),
     ],
 )
-def test_closed_pipe_is_exit_0_and_silent(big, command, fmt_, reader):
+def test_closed_pipe_is_exit_0_and_silent(big: Path, command: str, fmt_: str, reader: str) -> None:
     argv = [a.format(m=big) for a in PIPED[command]]
     if command != "chart":
         argv += ["--format", fmt_]
@@ -310,7 +325,9 @@ def test_closed_pipe_is_exit_0_and_silent(big, command, fmt_, reader):
 @pytest.mark.parametrize("reader", ["head -1", "true", "head -c 5000"])
 @pytest.mark.parametrize("fmt_", ["table", "json", "jsonl", "csv"])
 @pytest.mark.parametrize("command", sorted(PIPED))
-def test_closed_pipe_every_command_and_format(big, command, fmt_, reader):
+def test_closed_pipe_every_command_and_format(
+    big: Path, command: str, fmt_: str, reader: str
+) -> None:
     argv = [a.format(m=big) for a in PIPED[command]]
     if command != "chart":
         argv += ["--format", fmt_]
@@ -320,7 +337,7 @@ def test_closed_pipe_every_command_and_format(big, command, fmt_, reader):
     assert (code, stderr) == (0, "")
 
 
-def test_closed_pipe_on_help(tmp_path):
+def test_closed_pipe_on_help(tmp_path: Path) -> None:
     code, stderr = _pipeline(["--help", str(tmp_path / "x")], "true")
     assert (code, stderr) == (0, "")
 
@@ -472,7 +489,15 @@ def _check_start_up_outcome(code: int, out: str, err: str, expected_out: str) ->
 
 
 @pytest.mark.parametrize("how", ["module", "script"])
-def test_sigint_during_start_up_is_one_line_and_130(tmp_path, write_checkpoint, how, step_ms=8):
+def test_sigint_during_start_up_is_one_line_and_130(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], how: str
+) -> None:
+    _sigint_during_start_up(tmp_path, write_checkpoint, how, step_ms=8)
+
+
+def _sigint_during_start_up(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], how: str, step_ms: int
+) -> None:
     launcher = _launcher(how)
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     env = dict(os.environ, COLUMNS="200")
@@ -488,7 +513,9 @@ def test_sigint_during_start_up_is_one_line_and_130(tmp_path, write_checkpoint, 
     assert codes.count(130) >= len(codes) // 2, codes  # most land in clipcli's start-up
 
 
-def test_sigterm_during_start_up_is_one_line_and_143(tmp_path, write_checkpoint):
+def test_sigterm_during_start_up_is_one_line_and_143(
+    tmp_path: Path, write_checkpoint: Callable[..., Path]
+) -> None:
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     codes = []
     for delay_ms in (40, 60, 80, 100):
@@ -511,26 +538,40 @@ def test_sigterm_during_start_up_is_one_line_and_143(tmp_path, write_checkpoint)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["module", "script"])
-def test_sigint_during_start_up_every_millisecond(tmp_path, write_checkpoint, how):
-    test_sigint_during_start_up_is_one_line_and_130(tmp_path, write_checkpoint, how, 1)
+def test_sigint_during_start_up_every_millisecond(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], how: str
+) -> None:
+    _sigint_during_start_up(tmp_path, write_checkpoint, how, step_ms=1)
 
 
 # ------------------------------------------------------------------ format limits: exit 2
 
 
-def _refused(run_main, listing, directory: Path, argv: list[object], *fragments: str) -> None:
+def _refused(
+    run_main: Callable[..., Run],
+    listing: Callable[[Path], list[str]],
+    directory: Path,
+    argv: list[object],
+    *fragments: str,
+) -> None:
     before = listing(directory)
     result = run_main(*argv)
     assert result.code == 2, result
     assert result.stdout == ""
     lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("clipcli: error:"), lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("clipcli: error:"), lines
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0][:300])
     assert listing(directory) == before
 
 
-def test_npz_member_name_at_the_zip_limit(tmp_path, write_checkpoint, run_main, listing):
+def test_npz_member_name_at_the_zip_limit(
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_main: Callable[..., Run],
+    listing: Callable[[Path], list[str]],
+) -> None:
     """A zip member name has a 16-bit length; the member is NAME.npy in UTF-8: 65,531
     bytes of name fit, 65,532 do not (ASCII, and two-byte characters)."""
     fits = {"a" * 65531: 1.0, "é" * 32765 + "a": 2.0}
@@ -565,8 +606,13 @@ def test_npz_member_name_at_the_zip_limit(tmp_path, write_checkpoint, run_main, 
     ],
 )
 def test_hdf5_path_limits_refused_before_writing(
-    tmp_path, write_checkpoint, run_main, listing, names, fragment
-):
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_main: Callable[..., Run],
+    listing: Callable[[Path], list[str]],
+    names: list[str],
+    fragment: str,
+) -> None:
     src = write_checkpoint(tmp_path / "in.safetensors", {n: np.ones(2) for n in names})
     for argv in (
         ["convert", src, tmp_path / "o.h5"],
@@ -575,7 +621,9 @@ def test_hdf5_path_limits_refused_before_writing(
         _refused(run_main, listing, tmp_path, argv, "o.h5", fragment)
 
 
-def test_hdf5_paths_that_only_share_a_prefix_are_fine(tmp_path, write_checkpoint, run_main):
+def test_hdf5_paths_that_only_share_a_prefix_are_fine(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Run]
+) -> None:
     names = ["a", "ab/c", "a.b/c", "b/a", "b/ab"]
     src = write_checkpoint(tmp_path / "in.safetensors", {n: np.ones(2) for n in names})
     assert run_main("convert", src, tmp_path / "o.h5").code == 0
@@ -585,7 +633,12 @@ def test_hdf5_paths_that_only_share_a_prefix_are_fine(tmp_path, write_checkpoint
     assert sorted(found) == sorted(names)
 
 
-def test_hdf5_metadata_keys_over_the_limit(tmp_path, write_checkpoint, run_main, listing):
+def test_hdf5_metadata_keys_over_the_limit(
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_main: Callable[..., Run],
+    listing: Callable[[Path], list[str]],
+) -> None:
     from clipcli.formats.hdf5 import HDF5_MAX_ATTRIBUTES, Hdf5Writer
 
     src = write_checkpoint(
@@ -607,7 +660,9 @@ def test_hdf5_metadata_keys_over_the_limit(tmp_path, write_checkpoint, run_main,
 
 
 @pytest.mark.slow
-def test_hdf5_metadata_keys_at_the_limit_are_written(tmp_path, write_checkpoint, run_main):
+def test_hdf5_metadata_keys_at_the_limit_are_written(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Run]
+) -> None:
     metadata = {f"k{i}": f"v{i}" for i in range(65535)}
     src = write_checkpoint(tmp_path / "in.safetensors", {"w": np.ones(2)}, metadata)
     assert run_main("convert", src, tmp_path / "o.h5").code == 0
@@ -625,13 +680,20 @@ def test_hdf5_metadata_keys_at_the_limit_are_written(tmp_path, write_checkpoint,
     ],
 )
 def test_hdf5_metadata_names_and_values_refused(
-    tmp_path, write_checkpoint, run_main, listing, metadata, fragment
-):
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_main: Callable[..., Run],
+    listing: Callable[[Path], list[str]],
+    metadata: dict[str, str],
+    fragment: str,
+) -> None:
     src = write_checkpoint(tmp_path / "in.safetensors", {"w": np.ones(2)}, metadata)
     _refused(run_main, listing, tmp_path, ["convert", src, tmp_path / "o.h5"], "o.h5", fragment)
 
 
-def test_hdf5_metadata_name_at_the_limit(tmp_path, write_checkpoint, run_main):
+def test_hdf5_metadata_name_at_the_limit(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Run]
+) -> None:
     metadata = {"k" * 65534: "v", "é" * 32767: "w"}
     src = write_checkpoint(tmp_path / "in.safetensors", {"w": np.ones(2)}, metadata)
     assert run_main("convert", src, tmp_path / "o.h5").code == 0
@@ -639,7 +701,7 @@ def test_hdf5_metadata_name_at_the_limit(tmp_path, write_checkpoint, run_main):
         assert {k: handle.attrs[k] for k in handle.attrs} == metadata
 
 
-def test_lone_surrogate_names_refused_by_every_writer():
+def test_lone_surrogate_names_refused_by_every_writer() -> None:
     """The safetensors reader already refuses a lone surrogate (exit 3); a writer must not
     depend on that: no format can store one as UTF-8 (zipfile and h5py would raise)."""
     from clipcli.formats.hdf5 import Hdf5Writer
@@ -669,7 +731,12 @@ def _reference_natural(name: str) -> tuple[object, ...]:
         ["--group-by", "layer", "--chart"],
     ],
 )
-def test_huge_layer_numbers_sort_naturally(tmp_path, write_checkpoint, run_main, argv):
+def test_huge_layer_numbers_sort_naturally(
+    tmp_path: Path,
+    write_checkpoint: Callable[..., Path],
+    run_main: Callable[..., Run],
+    argv: list[str],
+) -> None:
     """5,000-digit layer numbers: int() refuses more than 4,300 digits by default, so the
     reference lifts that limit and sorts by value."""
     layers = ["9" * 5000, "1" + "0" * 5000, "2", "10", "0" * 4400 + "7", "1²"]
@@ -694,17 +761,20 @@ def test_huge_layer_numbers_sort_naturally(tmp_path, write_checkpoint, run_main,
 
 
 @pytest.mark.slow  # ~2 s: a big report into a closed pipe
-def test_closed_pipe_keeps_the_fail_above_verdict(big):
+def test_closed_pipe_keeps_the_fail_above_verdict(big: Path) -> None:
     """The report is cut short, the verdict is not: exit 1 and its one stderr line."""
     code, stderr = _pipeline(["norms", str(big), "--fail-above", "1"], "head -1")
     assert code == 1
-    assert stderr.startswith("clipcli: global norm") and stderr.count("\n") == 1
+    assert stderr.startswith("clipcli: global norm")
+    assert stderr.count("\n") == 1
     code, stderr = _pipeline(["norms", str(big), "--fail-above", "1e9"], "head -1")
     assert (code, stderr) == (0, "")
 
 
 @pytest.mark.parametrize("suffix", [".png", ".svg"])
-def test_plot_labels_are_not_mathtext(tmp_path, write_checkpoint, run_main, suffix):
+def test_plot_labels_are_not_mathtext(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Run], suffix: str
+) -> None:
     """'$...$' in a name was parsed as mathtext: savefig raised, exit 70."""
     pytest.importorskip("matplotlib")
     names = ["$\\frac{a}{$", "a$b", "^{", "[/x]\x1b[2J", "\u202e"]
@@ -717,7 +787,9 @@ def test_plot_labels_are_not_mathtext(tmp_path, write_checkpoint, run_main, suff
         assert "\x1b" not in out.read_text()
 
 
-def test_big_chart_is_plain_text_with_the_same_bars(tmp_path, write_checkpoint, run_main):
+def test_big_chart_is_plain_text_with_the_same_bars(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Run]
+) -> None:
     """Above PLAIN_TABLE_ROWS bars the chart is written as plain text (rich took ~7 s for
     20,000): every bar still there, scaled to the largest norm, the limit mark in place,
     names escaped."""

@@ -56,9 +56,9 @@ def test_flat_range_blocks_cover_the_range_in_order(case: tuple[tuple[int, ...],
 
 
 def test_flat_range_blocks_rejects_ranges_outside_the_tensor() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"range \[4, 7\) is not inside a tensor of 6 elements"):
         flat_range_blocks((2, 3), 4, 7)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"range \[3, 2\) is not inside a tensor of 6 elements"):
         flat_range_blocks((2, 3), 3, 2)
 
 
@@ -110,7 +110,8 @@ def assert_same_dataset(a: Any, b: Any) -> None:
         assert b.shape is None, a.name
         return
     da, db = np.asarray(a[()]), np.asarray(b[()])
-    assert da.dtype == db.dtype and da.shape == db.shape, a.name
+    assert da.dtype == db.dtype, a.name
+    assert da.shape == db.shape, a.name
     if da.dtype.kind == "O":  # variable-length values: compare them, not their pointers
         assert _nested(da.tolist()) == _nested(db.tolist()), a.name
     else:
@@ -331,7 +332,8 @@ def test_lists_datasets_in_link_order_with_dtypes_and_shapes(tmp_path: Path) -> 
             for info in reader.infos:
                 expected = np.asarray(f[info.name][()])
                 got = reader.read(info)
-                assert got.dtype == expected.dtype and got.shape == expected.shape
+                assert got.dtype == expected.dtype
+                assert got.shape == expected.shape
                 assert got.tobytes() == expected.tobytes()
                 for chunk_elems in (1, 3, 7, 1000):
                     pieces = list(reader.chunks(info, chunk_elems))
@@ -508,8 +510,10 @@ def test_writes_a_non_hdf5_source_as_contiguous_datasets(tmp_path: Path) -> None
         assert dict(f.attrs) == {"format": "pt", "note": "h\u00e9"}
         for name, array in tensors.items():
             dataset = f[name]
-            assert dataset.chunks is None and dataset.compression is None
-            assert dataset.dtype == array.dtype and dataset.shape == array.shape
+            assert dataset.chunks is None
+            assert dataset.compression is None
+            assert dataset.dtype == array.dtype
+            assert dataset.shape == array.shape
             assert np.asarray(dataset[()]).tobytes() == array.tobytes()
     with Hdf5Reader(out) as reader:  # the checkpoint's order survives
         assert [info.name for info in reader.infos] == list(tensors)
@@ -540,7 +544,9 @@ def test_tensor_names_that_cannot_be_hdf5_paths(
 def test_check_dtype_refuses_ml_dtypes(dtype: Any) -> None:
     info = TensorInfo("w", np.dtype(dtype), (2,), 2 * np.dtype(dtype).itemsize)
     reason = Hdf5Writer.check_dtype(info)
-    assert reason is not None and np.dtype(dtype).name in reason and ".safetensors" in reason
+    assert reason is not None
+    assert np.dtype(dtype).name in reason
+    assert ".safetensors" in reason
 
 
 @pytest.mark.parametrize("dtype", ["f2", "f4", ">f8", "i1", "u8", "c16", "?"])
@@ -583,24 +589,24 @@ def add_external_link(f: Any, tmp: Path) -> None:
     f["group/leak"] = h5py.ExternalLink(str(other_file(tmp)), "/x")
 
 
-def add_soft_link(f: Any, tmp: Path) -> None:
+def add_soft_link(f: Any, _tmp: Path) -> None:
     f["alias"] = h5py.SoftLink("/good")
 
 
-def add_dangling_soft_link(f: Any, tmp: Path) -> None:
+def add_dangling_soft_link(f: Any, _tmp: Path) -> None:
     f["dangling"] = h5py.SoftLink("/nowhere")
 
 
-def add_soft_link_loop(f: Any, tmp: Path) -> None:
+def add_soft_link_loop(f: Any, _tmp: Path) -> None:
     f["loop_a"] = h5py.SoftLink("/loop_b")
     f["loop_b"] = h5py.SoftLink("/loop_a")
 
 
-def add_second_hard_link(f: Any, tmp: Path) -> None:
+def add_second_hard_link(f: Any, _tmp: Path) -> None:
     f["copy"] = f["good"]
 
 
-def add_hard_link_cycle(f: Any, tmp: Path) -> None:
+def add_hard_link_cycle(f: Any, _tmp: Path) -> None:
     group = f.create_group("g")
     group["myself"] = group
 
@@ -611,7 +617,7 @@ def add_external_storage(f: Any, tmp: Path) -> None:
     f.create_dataset("ext", shape=(10,), dtype="<f4", external=[(str(raw), 0, 40)])
 
 
-def add_dev_zero_storage(f: Any, tmp: Path) -> None:
+def add_dev_zero_storage(f: Any, _tmp: Path) -> None:
     f.create_dataset("zeros", shape=(10,), dtype="<f4", external=[("/dev/zero", 0, 40)])
 
 
@@ -621,51 +627,51 @@ def add_virtual_dataset(f: Any, tmp: Path) -> None:
     f.create_virtual_dataset("virtual", layout)
 
 
-def add_compound(f: Any, tmp: Path) -> None:
+def add_compound(f: Any, _tmp: Path) -> None:
     f.create_dataset("rec", data=np.zeros(3, dtype=[("a", "f4"), ("b", "i4")]))
 
 
-def add_vlen_string(f: Any, tmp: Path) -> None:
+def add_vlen_string(f: Any, _tmp: Path) -> None:
     f.create_dataset("text", data=["a", "bc"], dtype=h5py.string_dtype())
 
 
-def add_fixed_string(f: Any, tmp: Path) -> None:
+def add_fixed_string(f: Any, _tmp: Path) -> None:
     f.create_dataset("text", data=np.array([b"ab", b"cd"]))
 
 
-def add_reference(f: Any, tmp: Path) -> None:
+def add_reference(f: Any, _tmp: Path) -> None:
     f.create_dataset("refs", data=[f["good"].ref], dtype=h5py.ref_dtype)
 
 
-def add_opaque(f: Any, tmp: Path) -> None:
+def add_opaque(f: Any, _tmp: Path) -> None:
     f.create_dataset("blob", data=np.zeros(3, dtype="V4"))
 
 
-def add_enum(f: Any, tmp: Path) -> None:
+def add_enum(f: Any, _tmp: Path) -> None:
     kind = h5py.enum_dtype({"RED": 0, "GREEN": 1}, basetype="u1")
     f.create_dataset("colour", data=np.array([0, 1], dtype="u1"), dtype=kind)
 
 
-def add_vlen_floats(f: Any, tmp: Path) -> None:
+def add_vlen_floats(f: Any, _tmp: Path) -> None:
     dataset = f.create_dataset("ragged", shape=(2,), dtype=h5py.vlen_dtype(np.float32))
     dataset[0] = np.ones(2, np.float32)
 
 
-def add_null_dataspace(f: Any, tmp: Path) -> None:
+def add_null_dataspace(f: Any, _tmp: Path) -> None:
     f.create_dataset("nothing", data=h5py.Empty("f4"))
 
 
-def add_8tb_dataset(f: Any, tmp: Path) -> None:
+def add_8tb_dataset(f: Any, _tmp: Path) -> None:
     f.create_dataset("huge", shape=(2**40,), dtype="f8", chunks=(2**16,), compression="gzip")
     f["huge"][:10] = 1.0
 
 
-def add_sparse_2gb_dataset(f: Any, tmp: Path) -> None:
+def add_sparse_2gb_dataset(f: Any, _tmp: Path) -> None:
     f.create_dataset("sparse", shape=(2**28,), dtype="f8", chunks=(2**16,), compression="gzip")
     f["sparse"][:10] = 1.0
 
 
-def add_unknown_filter(f: Any, tmp: Path) -> None:
+def add_unknown_filter(f: Any, _tmp: Path) -> None:
     plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     plist.set_chunk((4,))
     plist.set_filter(32123, h5py.h5z.FLAG_OPTIONAL)  # registered by nobody
@@ -674,7 +680,7 @@ def add_unknown_filter(f: Any, tmp: Path) -> None:
     f["filtered"][...] = np.arange(8)
 
 
-def add_non_utf8_name(f: Any, tmp: Path) -> None:
+def add_non_utf8_name(f: Any, _tmp: Path) -> None:
     f.create_dataset(b"\xff\xfe", data=np.zeros(2))
 
 

@@ -147,7 +147,10 @@ class Reader(ABC):
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         """Consecutive 1-D C-order pieces of the tensor, each at most chunk_elems long."""
 
-    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]] | None:
+    def chunk_loaders(
+        self,
+        info: TensorInfo,  # noqa: ARG002 - default of an interface method
+    ) -> Iterator[Callable[[], np.ndarray]] | None:
         """Thread-safe loaders of the same pieces as `chunks`, for readers with random access
         (so that worker threads read in parallel); None when reading must be sequential."""
         return None
@@ -204,7 +207,7 @@ class Reader(ABC):
         """(relative path, why) of each entry a copy of the directory leaves out."""
         return []
 
-    def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:
+    def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:  # noqa: ARG002 - interface
         """Where the tensor's bytes lie as safetensors stores them, for a kernel copy;
         None when they are not stored so."""
         return None
@@ -234,7 +237,7 @@ class Writer(ABC):
         self.durable = durable
 
     @classmethod
-    def check_dtype(cls, info: TensorInfo) -> str | None:
+    def check_dtype(cls, info: TensorInfo) -> str | None:  # noqa: ARG003 - interface default
         """Why this format cannot hold the tensor's dtype, or None if it can."""
         return None
 
@@ -248,17 +251,21 @@ class Writer(ABC):
         return None
 
     @classmethod
-    def check_names(cls, names: Sequence[str]) -> str | None:
+    def check_names(cls, names: Sequence[str]) -> str | None:  # noqa: ARG003 - interface
         """Why this format cannot store these names together (a clash), or None if it can."""
         return None
 
     @classmethod
-    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
+    def check_metadata(
+        cls,
+        metadata: Mapping[str, str],  # noqa: ARG003 - default of an interface method
+        source: Reader,  # noqa: ARG003 - default of an interface method
+    ) -> str | None:
         """Why this format cannot store this metadata (copied from `source`), or None."""
         return None
 
     @classmethod
-    def output_names(cls, source: Reader) -> frozenset[str]:
+    def output_names(cls, source: Reader) -> frozenset[str]:  # noqa: ARG003 - interface
         """Every path (relative) this writer creates in an output directory for `source`;
         empty for a writer of one file."""
         return frozenset()
@@ -279,7 +286,11 @@ class Writer(ABC):
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         """Write the next tensor (in checkpoint order) from flat C-order chunks."""
 
-    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+    def copy_unchanged(
+        self,
+        source: Reader,  # noqa: ARG002 - default of an interface method
+        info: TensorInfo,  # noqa: ARG002 - default of an interface method
+    ) -> bool:
         """Write the next tensor straight from `source` if this format can do it faster
         than chunk by chunk (e.g. a kernel copy); False means the caller streams it."""
         return False

@@ -647,7 +647,5 @@ class NpzWriter(Writer):
         self._zip.close()
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(OSError, ValueError, zipfile.BadZipFile):
             self._zip.close()
-        except (OSError, ValueError, zipfile.BadZipFile):
-            pass

@@ -32,7 +32,7 @@ from clipcli.numerics.widening import widen, widen_real
 SLICE_BLOCK_BYTES = 8 << 20
 
 
-def slice_blocks(shape: tuple[int, ...], axes: tuple[int, ...]) -> list[tuple[slice, ...]]:
+def slice_blocks(shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
     """Index tuples cutting an array into contiguous blocks of rows (along axis 0), each
     small enough that its float64 copy fits SLICE_BLOCK_BYTES."""
     full = tuple(slice(None) for _ in shape)
@@ -61,7 +61,7 @@ def slice_sumsq(array: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, n
     if len(axes) == array.ndim:
         acc = accumulate_array(array)
         return np.full(keep_shape, acc.ssq), np.full(keep_shape, acc.exp, dtype=np.int64)
-    blocks = slice_blocks(array.shape, axes)
+    blocks = slice_blocks(array.shape)
     if 0 not in axes:  # each block holds whole slices
         parts = [_scaled_sums(array[b], axes) for b in blocks]
         return (
@@ -229,7 +229,7 @@ def _certain_rows_margin(rows: np.ndarray, limit: float) -> np.ndarray:
 def scale_slices(array: np.ndarray, scales: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
     """array * scales (per slice), rounded to the dtype; one output copy, bounded temps."""
     out = np.empty_like(array)
-    for block in slice_blocks(array.shape, axes):
+    for block in slice_blocks(array.shape):
         out[block] = scale_chunk(array[block], scales[_scale_index(block, axes)])
     return out
 

@@ -78,24 +78,24 @@ def other_h5(directory: Path) -> str:
     return str(source)
 
 
-def virtual_same_file(f: h5py.File, directory: Path) -> None:
+def virtual_same_file(f: h5py.File, _directory: Path) -> None:
     f["data"] = np.arange(4.0)
     layout = h5py.VirtualLayout(shape=(4,), dtype="<f8")
     layout[:] = h5py.VirtualSource(".", "data", shape=(4,))
     f.create_virtual_dataset(T, layout)
 
 
-def soft_link(f: h5py.File, directory: Path) -> None:
+def soft_link(f: h5py.File, _directory: Path) -> None:
     f["real"] = np.ones(2)
     f[T] = h5py.SoftLink("/real")
 
 
-def soft_link_group(f: h5py.File, directory: Path) -> None:
+def soft_link_group(f: h5py.File, _directory: Path) -> None:
     f.create_group("g")["x"] = np.ones(2)
     f[T] = h5py.SoftLink("/g")
 
 
-def soft_link_loop(f: h5py.File, directory: Path) -> None:
+def soft_link_loop(f: h5py.File, _directory: Path) -> None:
     f[T] = h5py.SoftLink("/other")
     f["other"] = h5py.SoftLink("/" + T)
 
@@ -103,7 +103,7 @@ def soft_link_loop(f: h5py.File, directory: Path) -> None:
 # ---- filters and sizes
 
 
-def unknown_filter(f: h5py.File, directory: Path) -> None:
+def unknown_filter(f: h5py.File, _directory: Path) -> None:
     """Filter 32001 (Blosc's registered id; no plugin is loaded), optional, so HDF5 lets us
     create the dataset and writes the chunks unfiltered."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
@@ -121,7 +121,8 @@ def mandatory_unknown_filter(directory: Path) -> Path:
     path = h5(unknown_filter)(directory)
     data = bytearray(path.read_bytes())
     at = data.find(b"\x01\x7d\x00\x00\x01\x00")
-    assert at >= 0 and data.find(b"\x01\x7d\x00\x00\x01\x00", at + 1) < 0
+    assert at >= 0
+    assert data.find(b"\x01\x7d\x00\x00\x01\x00", at + 1) < 0
     data[at + 4 : at + 6] = b"\x00\x00"
     path.write_bytes(bytes(data))
     with h5py.File(path, "r") as f:
@@ -129,15 +130,15 @@ def mandatory_unknown_filter(directory: Path) -> Path:
     return path
 
 
-def declares_8tb(f: h5py.File, directory: Path) -> None:
+def declares_8tb(f: h5py.File, _directory: Path) -> None:
     f.create_dataset(T, shape=(2**40,), dtype="<f8", chunks=(1024,), compression="gzip")
 
 
-def declares_just_under_1tib(f: h5py.File, directory: Path) -> None:
+def declares_just_under_1tib(f: h5py.File, _directory: Path) -> None:
     f.create_dataset(T, shape=(2**37 - 1024,), dtype="<f8", chunks=(1 << 16,))
 
 
-def gzip_amplified(f: h5py.File, directory: Path) -> None:
+def gzip_amplified(f: h5py.File, _directory: Path) -> None:
     """16 GiB of zeros in 16,384 gzip chunks of ~1 KB each: a 17 MB file."""
     chunk = 1 << 17  # float64 elements: 1 MiB per chunk
     compressed = zlib.compress(bytes(chunk * 8), 9)
@@ -182,19 +183,19 @@ def contiguous_data_cut(directory: Path) -> Path:
 # ---- dtypes that are not tensors
 
 
-def opaque(f: h5py.File, directory: Path) -> None:
+def opaque(f: h5py.File, _directory: Path) -> None:
     tid = h5py.h5t.create(h5py.h5t.OPAQUE, 4)
     tid.set_tag(b"secret blob")
     space = h5py.h5s.create_simple((2,))
     h5py.h5d.create(f.id, T.encode(), tid, space)
 
 
-def region_reference(f: h5py.File, directory: Path) -> None:
+def region_reference(f: h5py.File, _directory: Path) -> None:
     f["data"] = np.arange(10.0)
     f.create_dataset(T, data=[f["data"].regionref[2:5]], dtype=h5py.regionref_dtype)
 
 
-def enum_dtype(f: h5py.File, directory: Path) -> None:
+def enum_dtype(f: h5py.File, _directory: Path) -> None:
     f.create_dataset(
         T,
         data=np.array([0, 1, 2], np.int8),
@@ -202,7 +203,7 @@ def enum_dtype(f: h5py.File, directory: Path) -> None:
     )
 
 
-def non_utf8_name(f: h5py.File, directory: Path) -> None:
+def non_utf8_name(f: h5py.File, _directory: Path) -> None:
     f["ok"] = np.ones(2)
     f.create_group("g").id  # noqa: B018 - a group holding the bad link
     h5py.h5g.create(f["g"].id, b"bad\xff\xfename")
@@ -235,7 +236,7 @@ def raw_file(data: bytes, name: str = "hostile.h5") -> Builder:
 CASES: dict[str, tuple[Builder, tuple[str, ...]]] = {
     # ---- never follow anything outside the file
     "external_link_to_etc_passwd": (
-        h5(lambda f, d: f.__setitem__(T, h5py.ExternalLink("/etc/passwd", "/"))),
+        h5(lambda f, _: f.__setitem__(T, h5py.ExternalLink("/etc/passwd", "/"))),
         (T,),
     ),
     "external_link_to_h5": (
@@ -244,17 +245,17 @@ CASES: dict[str, tuple[Builder, tuple[str, ...]]] = {
     ),
     "soft_link": (h5(soft_link), (T,)),
     "soft_link_to_group": (h5(soft_link_group), (T,)),
-    "dangling_soft_link": (h5(lambda f, d: f.__setitem__(T, h5py.SoftLink("/nowhere"))), (T,)),
+    "dangling_soft_link": (h5(lambda f, _: f.__setitem__(T, h5py.SoftLink("/nowhere"))), (T,)),
     "soft_link_loop": (h5(soft_link_loop), (T,)),
     "external_storage_other_file": (h5(external_storage(secret_file)), (T,)),
-    "external_storage_dev_zero": (h5(external_storage(lambda d: "/dev/zero")), (T,)),
+    "external_storage_dev_zero": (h5(external_storage(lambda _: "/dev/zero")), (T,)),
     "external_storage_fifo": (h5(external_storage(fifo)), (T,)),
-    "external_storage_etc_passwd": (h5(external_storage(lambda d: "/etc/passwd")), (T,)),
+    "external_storage_etc_passwd": (h5(external_storage(lambda _: "/etc/passwd")), (T,)),
     "virtual_dataset_other_file": (h5(virtual_from(other_h5)), (T,)),
     "virtual_dataset_missing_file": (h5(virtual_from(lambda d: str(d / "gone.h5"))), (T,)),
     "virtual_dataset_same_file": (h5(virtual_same_file), (T,)),
     "hard_link_twice": (
-        h5(lambda f, d: (f.__setitem__("a", np.ones(3)), f.__setitem__(T, f["a"]))),
+        h5(lambda f, _: (f.__setitem__("a", np.ones(3)), f.__setitem__(T, f["a"]))),
         (T,),
     ),
     # ---- declared versus stored size, filters, damaged data
@@ -271,8 +272,8 @@ CASES: dict[str, tuple[Builder, tuple[str, ...]]] = {
     "empty_file": (raw_file(b""), ()),
     "magic_only": (raw_file(b"\x89HDF\r\n\x1a\n"), ()),
     "magic_then_junk": (raw_file(b"\x89HDF\r\n\x1a\n" + bytes(range(256)) * 8), ()),
-    "truncated_to_100_bytes": (truncated(lambda n: 100), ()),
-    "truncated_to_2000_bytes": (truncated(lambda n: 2000), ()),
+    "truncated_to_100_bytes": (truncated(lambda _: 100), ()),
+    "truncated_to_2000_bytes": (truncated(lambda _: 2000), ()),
     "truncated_to_half": (truncated(lambda n: n // 2), ()),
     "truncated_last_byte": (truncated(lambda n: n - 1), ()),
 }
@@ -282,13 +283,13 @@ CASES: dict[str, tuple[Builder, tuple[str, ...]]] = {
 # item 6); the storage rules above still apply to them (external storage, bombs, links).
 NON_TENSORS: dict[str, tuple[Builder, tuple[str, ...]]] = {
     "vlen_string": (
-        h5(lambda f, d: f.create_dataset(T, data=["a", "bb"], dtype=h5py.string_dtype())),
+        h5(lambda f, _: f.create_dataset(T, data=["a", "bb"], dtype=h5py.string_dtype())),
         (T,),
     ),
-    "fixed_string": (h5(lambda f, d: f.create_dataset(T, data=np.array([b"abc", b"de"]))), (T,)),
+    "fixed_string": (h5(lambda f, _: f.create_dataset(T, data=np.array([b"abc", b"de"]))), (T,)),
     "vlen_float": (
         h5(
-            lambda f, d: f.create_dataset(
+            lambda f, _: f.create_dataset(
                 T,
                 data=np.array([np.ones(2), np.ones(3)], dtype=object),
                 dtype=h5py.vlen_dtype("<f8"),
@@ -297,18 +298,18 @@ NON_TENSORS: dict[str, tuple[Builder, tuple[str, ...]]] = {
         (T,),
     ),
     "compound": (
-        h5(lambda f, d: f.create_dataset(T, data=np.zeros(2, dtype=[("a", "<f4"), ("b", "<i4")]))),
+        h5(lambda f, _: f.create_dataset(T, data=np.zeros(2, dtype=[("a", "<f4"), ("b", "<i4")]))),
         (T,),
     ),
     "object_reference": (
-        h5(lambda f, d: f.create_dataset(T, data=[f.ref], dtype=h5py.ref_dtype)),
+        h5(lambda f, _: f.create_dataset(T, data=[f.ref], dtype=h5py.ref_dtype)),
         (T,),
     ),
     "region_reference": (h5(region_reference), (T,)),
     "opaque": (h5(opaque), (T,)),
     "enum": (h5(enum_dtype), (T,)),
-    "array_dtype": (h5(lambda f, d: f.create_dataset(T, shape=(2,), dtype="(3,)<f4")), (T,)),
-    "empty_null_dataspace": (h5(lambda f, d: f.create_dataset(T, data=h5py.Empty("<f8"))), (T,)),
+    "array_dtype": (h5(lambda f, _: f.create_dataset(T, shape=(2,), dtype="(3,)<f4")), (T,)),
+    "empty_null_dataspace": (h5(lambda f, _: f.create_dataset(T, data=h5py.Empty("<f8"))), (T,)),
 }
 REFERENCES = {"object_reference", "region_reference"}
 
@@ -376,7 +377,7 @@ def test_hostile_hdf5_is_refused(tmp_path: Path, case: str) -> None:
 def test_hostile_dataset_name_stays_on_one_line(tmp_path: Path) -> None:
     name = "evil\n\x1b[31mname"
     path = h5(
-        lambda f, d: f.create_dataset(
+        lambda f, _: f.create_dataset(
             name, shape=(4,), dtype="<f8", external=[("/dev/zero", 0, 32)]
         )
     )(tmp_path)
@@ -386,7 +387,7 @@ def test_hostile_dataset_name_stays_on_one_line(tmp_path: Path) -> None:
 def test_reference_attribute_cannot_be_copied(tmp_path: Path) -> None:
     """A root attribute holding an object reference: `norms` may read the file, but `clip`
     cannot copy the attribute into another file and must say so cleanly."""
-    path = h5(lambda f, d: (f.__setitem__("a", np.ones(2)), f.attrs.__setitem__("r", f["a"].ref)))(
+    path = h5(lambda f, _: (f.__setitem__("a", np.ones(2)), f.attrs.__setitem__("r", f["a"].ref)))(
         tmp_path
     )
     out = tmp_path / "out.h5"
@@ -405,14 +406,17 @@ def test_corrupt_global_heap_does_not_hang(tmp_path: Path) -> None:
         f["a"] = np.arange(4.0)
     data = bytearray(path.read_bytes())
     heap = data.find(b"GCOL")
-    assert heap > 0 and data.find(b"GCOL", heap + 1) < 0
+    assert heap > 0
+    assert data.find(b"GCOL", heap + 1) < 0
     # GCOL, version, 3 reserved, collection size (8); then objects: index (2), refcount (2),
     # reserved (4), size (8), data padded to 8 bytes. Object 1 holds b"seed"; index 0 is
     # the free space that ends the collection.
     first = heap + 16
-    assert data[first : first + 2] == b"\x01\x00" and data[first + 16 : first + 20] == b"seed"
+    assert data[first : first + 2] == b"\x01\x00"
+    assert data[first + 16 : first + 20] == b"seed"
     free = first + 16 + 8
-    assert data[free : free + 2] == b"\x00\x00" and data[free + 8 : free + 16] != bytes(8)
+    assert data[free : free + 2] == b"\x00\x00"
+    assert data[free + 8 : free + 16] != bytes(8)
     data[free + 8 : free + 16] = bytes(8)
     path.write_bytes(bytes(data))
     out = tmp_path / "out.h5"

@@ -97,12 +97,14 @@ def zip_bomb(directory: Path) -> Path:
     """200 MiB of zeros deflated to ~200 KB, written as a stream so the test stays small."""
     path = directory / "bomb.npz"
     size = 200 << 20
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
-        with archive.open("bomb.npy", "w", force_zip64=True) as member:
-            member.write(npy_header(f8_header(f"({size},)", "|u1")))
-            block = bytes(1 << 20)
-            for _ in range(size >> 20):
-                member.write(block)
+    with (
+        zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive,
+        archive.open("bomb.npy", "w", force_zip64=True) as member,
+    ):
+        member.write(npy_header(f8_header(f"({size},)", "|u1")))
+        block = bytes(1 << 20)
+        for _ in range(size >> 20):
+            member.write(block)
     return path
 
 
@@ -250,7 +252,7 @@ CASES: dict[str, tuple[Builder, tuple[str, ...]]] = {
     # ---- the zip container
     "truncated_zip_half": (truncated(lambda n: n // 2), ()),
     "truncated_zip_in_central_directory": (truncated(lambda n: n - 30), ()),
-    "truncated_zip_after_local_header": (truncated(lambda n: 40), ()),
+    "truncated_zip_after_local_header": (truncated(lambda _: 40), ()),
     "truncated_compressed_zip": (truncated(lambda n: n - 200, compressed=True), ()),
     "bad_crc_in_stored_data": (
         patched(np_savez(False, a=np.arange(1000.0)), flip_in_stored_data),
