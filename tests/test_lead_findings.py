@@ -1,0 +1,68 @@
+"""Regressions for what the attacks of this round found in the lead's part."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from clipcli.cli import main
+from clipcli.spec import ClipSpec, Mode, tensor_limit
+
+
+def _safetensors_with_header_length(path: Path, length: int) -> None:
+    """One float32 tensor, the JSON header padded with spaces (as the format allows) to
+    exactly `length` bytes."""
+    data = np.arange(4, dtype=np.float32).tobytes()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, len(data)]}})
+    header = header.ljust(length)
+    assert len(header) == length
+    path.write_bytes(struct.pack("<Q", length) + header.encode() + data)
+
+
+@pytest.mark.parametrize("length", [640, 896, 1152, 1408, 640 + 65536])
+def test_a_header_length_that_looks_like_a_pickle_is_still_safetensors(
+    tmp_path: Path, length: int
+) -> None:
+    """The 8-byte length 640 begins 80 02, a pickle protocol 2 opening."""
+    path = tmp_path / "m.safetensors"
+    _safetensors_with_header_length(path, length)
+    assert path.read_bytes()[:1] == b"\x80"
+    assert load_file(str(path))["w"].tolist() == [0.0, 1.0, 2.0, 3.0]  # the official reader
+    assert main(["ls", str(path)]) == 0
+    out = tmp_path / "o.safetensors"
+    assert main(["clip", "-q", "--global", "1", str(path), str(out)]) == 0
+    assert set(load_file(str(out))) == {"w"}
+
+
+def test_a_real_pickle_is_still_refused(tmp_path: Path) -> None:
+    path = tmp_path / "m.bin"
+    path.write_bytes(b"\x80\x02}q\x00(X\x01\x00\x00\x00wq\x01K\x01u.")
+    assert main(["ls", str(path)]) == 3
+
+
+@pytest.mark.parametrize("limit", [0.8, 0.1, 1 / 3, 0.7, 1e-3, 3.0])
+def test_average_limit_is_never_above_c_times_n(limit: float) -> None:
+    """C*n rounded down: at most the exact product, and the next float is above it."""
+    for numel in range(1, 3000):
+        value = tensor_limit(ClipSpec(Mode.AVERAGE, limit=limit), numel)
+        exact = Fraction(limit) * numel
+        assert Fraction(value) <= exact
+        assert Fraction(math.nextafter(value, math.inf)) > exact
+
+
+def test_average_clip_of_float64_stays_within_c_times_n(tmp_path: Path) -> None:
+    """The case the property test found: [3, 0, 0] at --average 0.8 came out 1 ulp over."""
+    from safetensors.numpy import save_file
+
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file({"d": np.array([3.0, 0.0, 0.0])}, str(src))
+    assert main(["clip", "-q", "--average", "0.8", str(src), str(out)]) == 0
+    squares = sum(Fraction(float(x)) ** 2 for x in load_file(str(out))["d"])
+    assert squares <= (Fraction(0.8) * 3) ** 2
