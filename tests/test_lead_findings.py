@@ -66,3 +66,21 @@ def test_average_clip_of_float64_stays_within_c_times_n(tmp_path: Path) -> None:
     assert main(["clip", "-q", "--average", "0.8", str(src), str(out)]) == 0
     squares = sum(Fraction(float(x)) ** 2 for x in load_file(str(out))["d"])
     assert squares <= (Fraction(0.8) * 3) ** 2
+
+
+def test_diff_fail_above_fails_on_metadata_and_structure_alone(tmp_path: Path) -> None:
+    """Same tensors, one metadata value changed: --fail-above 0 must fail (exit 1)."""
+    import h5py
+
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    for path, backend in ((a, "tensorflow"), (b, "jax")):
+        with h5py.File(path, "w") as f:
+            f.create_dataset("dense/kernel:0", data=np.ones((2, 2), np.float32))
+            f.attrs["backend"] = backend
+            f["dense"].attrs["weight_names"] = [b"kernel:0"]
+    assert main(["diff", str(a), str(a), "--fail-above", "0"]) == 0
+    assert main(["diff", str(a), str(b), "--fail-above", "0"]) == 1
+    with h5py.File(b, "a") as f:
+        f.attrs["backend"] = "tensorflow"
+        f["dense"].attrs["weight_names"] = [b"bias:0"]  # an attribute of a group
+    assert main(["diff", str(a), str(b), "--fail-above", "0"]) == 1

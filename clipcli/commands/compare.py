@@ -59,10 +59,13 @@ def diff_command(
     emit(lambda: print_report(diff_report(result, changed_only), fmt))
     if fail_above is not None:
         worst = result.max_rel_change
-        if result.n_structural or (worst is not None and not worst <= fail_above):
+        # Structure counts as much as values: a missing tensor, a changed shape, and a
+        # changed metadata key, attribute, group or non-tensor dataset all fail the check.
+        other = result.n_structural + len(result.metadata_changes)
+        if other or (worst is not None and not worst <= fail_above):
             print(
                 f"clipcli: largest relative change {worst if worst is not None else 'n/a'} "
-                f"or {result.n_structural} structural differences exceed --fail-above "
+                f"or {other} structure and metadata differences exceed --fail-above "
                 f"{fail_above:g}",
                 file=sys.stderr,
             )
