@@ -193,6 +193,8 @@ def clip(
         check_losses(writer_cls.structure_losses(reader), allow_lossy, notify, target.out)
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
+            # What the real run would refuse about OUT, refused here too; nothing is staged.
+            _check_target(reader, writer_cls, target, allow_large_side_files)
             made = plan_clip(reader, spec, selection, progress)
             outcomes = pipeline.execute(
                 made, reader, pipeline.DiscardingWriter(), progress, "computing"
@@ -344,6 +346,17 @@ def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
     return choose_target(out, input_is_directory=is_directory, force=force, durable=durable)
 
 
+def _check_target(
+    reader: Reader, writer_cls: type[Writer], target: Target, allow_large_side_files: bool
+) -> None:
+    """Everything about OUT that is refused before any tensor data is read: OUT against
+    the input (never IN, inside it or around it), what is in the way at OUT, side files."""
+    footprint = InputFootprint(reader.path, reader.source_files())
+    target.check(footprint, writer_cls.output_names(reader))
+    if target.is_directory:
+        _check_side_files(reader, allow_large_side_files)
+
+
 def _write_out(
     reader: Reader,
     writer_cls: type[Writer],
@@ -357,10 +370,8 @@ def _write_out(
     can start copying unchanged tensors early; a refusal while planning leaves nothing.
     The input must not change from opening to the commit (clipcli.identity)."""
     guard = InputGuard(reader.source_files())
-    footprint = InputFootprint(reader.path, reader.source_files())
-    target.check(footprint, writer_cls.output_names(reader))
+    _check_target(reader, writer_cls, target, allow_large_side_files)
     if target.is_directory:
-        _check_side_files(reader, allow_large_side_files)
         for where, why in reader.left_out_entries():
             notify("note", f"left out {where}: {why}")
     metadata = _output_metadata(reader, target.is_directory)

@@ -84,3 +84,68 @@ def test_diff_fail_above_fails_on_metadata_and_structure_alone(tmp_path: Path) -
         f.attrs["backend"] = "tensorflow"
         f["dense"].attrs["weight_names"] = [b"bias:0"]  # an attribute of a group
     assert main(["diff", str(a), str(b), "--fail-above", "0"]) == 1
+
+
+def _model(tmp_path: Path, name: str = "m.safetensors") -> Path:
+    from safetensors.numpy import save_file
+
+    path = tmp_path / name
+    save_file({"layers.0.w": np.ones((2, 2), np.float32)}, str(path))
+    return path
+
+
+def test_plot_over_the_input_is_refused_even_with_force(tmp_path: Path) -> None:
+    src = _model(tmp_path, "m.png")  # a checkpoint that happens to be named .png
+    before = src.read_bytes()
+    assert main(["norms", str(src), "--plot", str(src), "--force"]) == 2
+    link = tmp_path / "link.png"
+    link.symlink_to(src)
+    assert main(["norms", str(src), "--plot", str(link), "--force"]) == 2
+    assert src.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--chart", "--limit", "inf"],
+        ["--chart", "--limit", "-1"],
+        ["--chart", "--limit", "0"],
+        ["--force"],
+        ["--group-by", "layer", "--sort", "size"],
+    ],
+)
+def test_options_that_cannot_act_are_refused_before_reading(
+    tmp_path: Path, extra: list[str]
+) -> None:
+    """Pointed at a FIFO: reading it would hang, so exit 2 proves nothing was read."""
+    import os
+
+    fifo = tmp_path / "f.safetensors"
+    os.mkfifo(fifo)
+    assert main(["norms", str(fifo), *extra]) == 2
+
+
+def test_the_smallest_positive_limit_is_accepted(tmp_path: Path) -> None:
+    src = _model(tmp_path)
+    assert main(["norms", str(src), "--chart", "--limit", "5e-324"]) == 0
+
+
+def test_quiet_with_a_report_format_is_refused(tmp_path: Path) -> None:
+    src = _model(tmp_path)
+    out = tmp_path / "o.safetensors"
+    assert main(["clip", "-q", "--format", "json", "--global", "1", str(src), str(out)]) == 2
+    assert not out.exists()
+    assert main(["clip", "-q", "--global", "1", str(src), str(out)]) == 0
+
+
+def test_dry_run_refuses_what_the_real_run_refuses(tmp_path: Path) -> None:
+    src = _model(tmp_path)
+    taken = _model(tmp_path, "taken.safetensors")
+    for out in (src, taken, tmp_path / "missing" / "o.safetensors"):
+        real = main(["clip", "--global", "1", str(src), str(out)])
+        dry = main(["clip", "--dry-run", "--global", "1", str(src), str(out)])
+        assert real != 0
+        assert dry == real, out
+    free = tmp_path / "free.safetensors"
+    assert main(["clip", "--dry-run", "--global", "1", str(src), str(free)]) == 0
+    assert not free.exists()

@@ -138,15 +138,25 @@ def norms_command(
     if limit is not None and not (chart or plot is not None):
         raise UsageError("--limit marks a norm on --chart or --plot; give one of them")
     check_threshold("--limit", limit)
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        raise UsageError(f"--limit {limit:g}: a norm to mark must be positive and finite")
     check_threshold("--fail-above", fail_above)
+    if force and plot is None:
+        raise UsageError("--force replaces an existing --plot FILE; give --plot")
     if group_by is not None:
         from clipcli.groups import compile_group_by
 
         compile_group_by(group_by)
+        if sort is SortKey.SIZE:  # groups have no size of their own to sort by
+            raise UsageError("--sort size orders tensors; groups sort by name or norm")
     if plot is not None:
+        from clipcli.footprint import InputFootprint
         from clipcli.report.plot import check_plot_target
 
         check_plot_target(plot, force)
+        overlap = InputFootprint(path, [path]).overlap(plot)
+        if overlap is not None:  # the input is never written over, --force or not
+            raise UsageError(f"--plot {plot} {overlap}; choose another file")
 
     from clipcli.api import measure
     from clipcli.report.builders import bars_of, groups_report, norms_report

@@ -134,6 +134,8 @@ def clip_command(
     from clipcli.report.builders import clip_report
     from clipcli.spec import build_spec
 
+    if quiet and fmt is not OutputFormat.TABLE:  # a script asked for a report and for none
+        raise UsageError(f"--quiet prints no report; it cannot be --format {fmt.value}")
     spec = build_spec(
         low=low,
         high=high,
