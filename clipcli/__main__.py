@@ -22,7 +22,7 @@ INTERRUPTED_LINE = b"clipcli: error: interrupted\n"
 TERMINATED_LINE = b"clipcli: error: terminated by SIGTERM\n"
 
 
-def _exit_during_start_up(signum: int, frame: object) -> None:
+def _exit_during_start_up(signum: int, _frame: object) -> None:
     os.write(2, TERMINATED_LINE if signum == _signal.SIGTERM else INTERRUPTED_LINE)
     os._exit(128 + signum)
 
@@ -59,7 +59,7 @@ def run() -> None:
         # main() handled it; the interpreter would then kill itself with SIGINT at exit
         # instead of returning 130. Cleanup already ran inside main(); flush and leave.
         for stream in (sys.stdout, sys.stderr):
-            try:
+            try:  # noqa: SIM105 - contextlib is not loaded yet: start-up time
                 stream.flush()
             except (OSError, ValueError):
                 pass
@@ -67,8 +67,53 @@ def run() -> None:
     raise SystemExit(code)
 
 
+# What each command imports on first use, beyond clipcli.cli itself. ls lists headers
+# only: it needs no job module (start-up time in shell loops, issue 12 item 7).
+_READERS = ("clipcli.io",)  # and the reader of each path's format: _formats_of()
+_FORMAT_OF_SUFFIX = {
+    ".safetensors": ("clipcli.formats.safetensors",),
+    ".npz": ("clipcli.formats.npz",),
+    ".h5": ("clipcli.formats.hdf5",),
+    ".hdf5": ("clipcli.formats.hdf5",),
+    ".keras": ("clipcli.formats.hdf5",),
+}
+_EVERY_FORMAT = (
+    "clipcli.formats.safetensors",
+    "clipcli.formats.npz",
+    "clipcli.formats.hdf5",
+    "clipcli.formats.sharded",
+)
+_REPORT = ("clipcli.report.builders", "clipcli.report.table", "clipcli.report.serialize")
+_PRELOAD = {
+    "ls": (*_READERS, *_REPORT, "clipcli.groups"),
+    "norms": (*_READERS, *_REPORT, "clipcli.api", "clipcli.report.chart"),
+    "clip": (*_READERS, *_REPORT, "clipcli.api", "clipcli.interrupts"),
+    "convert": (*_READERS, "clipcli.api", "clipcli.interrupts"),
+    "diff": (*_READERS, *_REPORT, "clipcli.api"),
+}
+
+
+def _formats_of(command: str, args: list[str]) -> tuple[str, ...]:
+    """The reader modules the inputs among `args` need, by suffix (the content decides in
+    the end, and a suffix that disagrees with it is refused): `ls m.safetensors` in a shell
+    loop should not import the npz and HDF5 readers. clip and convert also write OUT, in
+    any format: all of them."""
+    if command in ("clip", "convert"):
+        return _EVERY_FORMAT
+    modules: tuple[str, ...] = ()
+    for arg in args:
+        if arg.startswith("-") or not os.path.exists(arg):  # options, their values
+            continue
+        if os.path.isdir(arg) or arg.endswith(".index.json"):
+            modules += ("clipcli.formats.sharded", "clipcli.formats.safetensors")
+        else:
+            suffix = os.path.splitext(arg)[1].lower()
+            modules += _FORMAT_OF_SUFFIX.get(suffix, _EVERY_FORMAT)
+    return modules
+
+
 def _preload(args: list[str]) -> None:
-    """Import, while the guard holds, what a command would otherwise import on first use.
+    """Import, while the guard holds, what the command would otherwise import on first use.
 
     A KeyboardInterrupt raised while an import finishes can land in importlib's module-lock
     weakref callback, where Python prints "Exception ignored" and drops it: the run went on
@@ -77,23 +122,29 @@ def _preload(args: list[str]) -> None:
     every safetensors run pay). --help and the like skip this: they stay fast."""
     if not args or args[0].startswith("-"):
         return
-    import io
+    import encodings.cp437  # noqa: F401 - zipfile decodes npz member names with it
 
-    from rich.console import Console
-    from rich.table import Table
+    for module in (*_PRELOAD.get(args[0], ()), *_formats_of(args[0], args[1:])):
+        __import__(module)
+    if {"-i", "--include", "-x", "--exclude"} & set(args):  # ls: the selection
+        __import__("clipcli.selection")
+    try:  # Click imports its help option on the first parse (typer vendors click)
+        __import__("typer._click.decorators")
+    except ImportError:
+        pass
+    if "--chart" in args or (sys.stderr is not None and sys.stderr.isatty()):  # rich: bars
+        import io
 
-    import clipcli.api
-    import clipcli.formats.hdf5
-    import clipcli.formats.npz
-    import clipcli.formats.safetensors
-    import clipcli.formats.sharded
-    import clipcli.report  # noqa: F401
+        from rich.console import Console
+        from rich.table import Table
 
-    # rich loads its emoji and character-width tables on the first render.
-    table = Table()
-    table.add_column("x")
-    table.add_row("x ✓")
-    Console(file=io.StringIO(), width=40).print(table)
+        import clipcli.report.progress_bar  # noqa: F401
+
+        # rich loads its emoji and character-width tables on the first render.
+        table = Table()
+        table.add_column("x")
+        table.add_row("x ✓")
+        Console(file=io.StringIO(), width=40).print(table)
 
 
 if __name__ == "__main__":

@@ -15,21 +15,31 @@ from pathlib import Path
 from clipcli import interrupts, pipeline, scope
 from clipcli.diff import DiffResult
 from clipcli.errors import UsageError
-from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
-from clipcli.formats.sharded import ShardedReader, ShardedWriter, output_names
+from clipcli.footprint import InputFootprint
+from clipcli.formats.base import Checkpoint, NonTensorInfo, Reader, TensorInfo, Writer
+from clipcli.formats.structure import check_losses
 from clipcli.identity import InputGuard
 from clipcli.io import open_reader, writer_class
 from clipcli.measurement import Measurement
 from clipcli.numerics.norms import NormAccumulator, global_norm
-from clipcli.output import InputFootprint, Target, choose_target
-from clipcli.plan import ClipSpec, Mode, Outcome, Plan, Reason, TensorPlan, copy_plan, plan
+from clipcli.output import Target, choose_target
+from clipcli.plan import Outcome, Plan, Reason, TensorPlan, copy_plan, plan
 from clipcli.progress import SILENT, Progress
 from clipcli.selection import EVERY_TENSOR, Selection
+from clipcli.spec import ClipSpec, Mode
+from clipcli.stream_target import STDOUT, StdoutTarget
 
 
-def list_tensors(path: Path) -> tuple[str, dict[str, str], list[TensorInfo]]:
+def list_tensors(
+    path: Path,
+) -> tuple[str, dict[str, str], list[TensorInfo], list[NonTensorInfo]]:
     with open_reader(path) as reader:
-        return reader.format_name, dict(reader.metadata), list(reader.infos)
+        return (
+            reader.format_name,
+            dict(reader.metadata),
+            list(reader.infos),
+            list(reader.non_tensors),
+        )
 
 
 def measure(
@@ -52,16 +62,11 @@ def measure_reader(
 ) -> Measurement:
     infos = selection.check(reader.infos, notify)
     selection.check_weights(infos, notify)
-    scope.warn_quantized(reader.infos, model_directory(reader), notify)
+    scope.warn_quantized(reader.infos, reader.model_directory, notify)
     if group_by is not None:
         counted = [i.name for i in scope.floating(infos) if selection.left_out(i.name) is None]
         scope.check_groups(counted, group_by, notify)
     return pipeline.measure(reader, infos, selection.describe, progress)
-
-
-def model_directory(reader: Reader) -> Path | None:
-    """The Hugging Face model directory being read, where a config.json may live."""
-    return reader.directory if isinstance(reader, ShardedReader) else None
 
 
 def diff(
@@ -99,7 +104,7 @@ def check_diff_scope(
     said: list[tuple[str, str]] = []  # A and B alike (e.g. a file and its copy): once
     for reader in (a, b):
         scope.warn_quantized(
-            reader.infos, model_directory(reader), lambda *message: said.append(message)
+            reader.infos, reader.model_directory, lambda *message: said.append(message)
         )
     for level, text in dict.fromkeys(said):
         notify(level, text)
@@ -174,6 +179,7 @@ def clip(
     progress: Progress = SILENT,
     allow_large_side_files: bool = False,
     notify: scope.Notify = scope.ignore,
+    allow_lossy: bool = False,
 ) -> ClipResult:
     """Measure, plan, then write the clipped copy atomically (a dry run writes nothing).
     Signals are deferred for the whole run: acted on between chunks before the commit,
@@ -181,6 +187,7 @@ def clip(
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
+        check_losses(writer_cls.structure_losses(reader), allow_lossy, notify, target.out)
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
             made = plan_clip(reader, spec, selection, progress)
@@ -233,7 +240,7 @@ def check_clip_scope(
     selection.check_weights(selected, notify)
     targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
     acted_on = [i for i in selected if selection.left_out(i.name) is None]
-    scope.refuse_quantized(reader.infos, acted_on, model_directory(reader))
+    scope.refuse_quantized(reader.infos, acted_on, reader.model_directory)
     if spec.mode is Mode.NORM and spec.axes is not None:
         scope.check_axes(targets, spec.axes, spec.skip_low_rank, notify)
     if spec.group_by is not None:
@@ -262,11 +269,13 @@ def convert(
     progress: Progress = SILENT,
     allow_large_side_files: bool = False,
     notify: scope.Notify = scope.ignore,
+    allow_lossy: bool = False,
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
+        check_losses(writer_cls.structure_losses(reader), allow_lossy, notify, target.out)
         copying = copy_plan(reader.infos)
         _write_out(
             reader,
@@ -287,7 +296,11 @@ def check_writable(reader: Reader, target: Target) -> type[Writer]:
     """The writer for OUT, once every limit of its format that is known before writing
     holds (names, dtypes, names together, metadata): a refusal is exit 2 naming the tensor
     or key, before anything is created."""
-    cls: type[Writer] = ShardedWriter if target.is_directory else writer_class(target.out)
+    cls = (
+        target.writer
+        if isinstance(target, StdoutTarget)
+        else writer_class(target.out, target.is_directory)
+    )
     for info in reader.infos:
         reason = cls.check_name(info.name) or cls.check_dtype(info)
         if reason is not None:
@@ -301,10 +314,7 @@ def check_writable(reader: Reader, target: Target) -> type[Writer]:
 
 
 def _output_metadata(reader: Reader, to_directory: bool) -> dict[str, str]:
-    # Shards joined into one file keep the shards' own __metadata__, not the index's.
-    if not to_directory and isinstance(reader, ShardedReader):
-        return reader.common_shard_metadata()
-    return dict(reader.metadata)
+    return dict(reader.metadata) if to_directory else reader.joined_metadata()
 
 
 SIDE_FILE_LIMIT = 1 << 30  # bytes: configs and tokenizers are far smaller
@@ -325,6 +335,8 @@ def _check_side_files(reader: Reader, allow_large: bool) -> None:
 
 
 def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
+    if str(out) == STDOUT:  # safetensors streamed to standard output (stream_target)
+        return StdoutTarget(force=force, durable=durable)
     is_directory = src.is_dir() or src.name.endswith(".index.json")
     return choose_target(out, input_is_directory=is_directory, force=force, durable=durable)
 
@@ -342,13 +354,12 @@ def _write_out(
     can start copying unchanged tensors early; a refusal while planning leaves nothing.
     The input must not change from opening to the commit (clipcli.identity)."""
     guard = InputGuard(reader.source_files())
-    target.check(InputFootprint(reader.path, reader.source_files()), output_names(reader))
+    footprint = InputFootprint(reader.path, reader.source_files())
+    target.check(footprint, writer_cls.output_names(reader))
     if target.is_directory:
         _check_side_files(reader, allow_large_side_files)
-        if isinstance(reader, ShardedReader):
-            for entry in reader.skipped_files():
-                where = entry.relative_to(reader.directory).as_posix()
-                notify("note", f"left out {where}: {reader.left_out_reason(entry)}")
+        for where, why in reader.left_out_entries():
+            notify("note", f"left out {where}: {why}")
     metadata = _output_metadata(reader, target.is_directory)
     with target.stage() as staged:
         writer = writer_cls(

@@ -1,27 +1,30 @@
-"""The command line: parse options, call the API, render the report, map errors to exit codes.
+"""The command line: the Typer app, its commands' registration, and the one error boundary.
 
-No numerics here. Heavy modules (numpy, h5py, safetensors) are imported inside the
-commands so that `clipcli --help` starts fast.
+The commands' bodies live in clipcli/commands/ (parse results in, a library call, a report
+out). Every failure, wherever it happens (option parsing, a command, writing the report),
+goes through `exit_code_for`: one stderr line `clipcli: error: ...` and a documented exit
+code. Heavy modules (numpy, h5py, safetensors, rich) are imported inside the commands so
+that `clipcli --help` starts fast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import math
 import os
 import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
-from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import typer
 
 from clipcli import __version__
-from clipcli.errors import ClipcliError, ExitCode, UsageError, WriteError, printable
-from clipcli.report import OutputFormat, SortKey
+from clipcli.commands import compare, inspect, write
+from clipcli.commands.common import Stdout, finish_progress, reader_went_away
+from clipcli.errors import ClipcliError, ExitCode, printable
 
 EXIT_CODES_HELP = """\b
 Exit codes:
@@ -35,9 +38,9 @@ Exit codes:
   70   internal error (set CLIPCLI_DEBUG=1 for the traceback)
   130  interrupted (143 for SIGTERM); nothing was left behind"""
 
-app = typer.Typer(
-    name="clipcli",
-    help="Inspect L2 norms of checkpoint tensors (.npz, .safetensors, .h5/.hdf5) and write "
+_APP_SETTINGS: dict[str, Any] = {
+    "name": "clipcli",
+    "help": "Inspect L2 norms of checkpoint tensors (.npz, .safetensors, .h5/.hdf5) and write "
     "clipped copies, with TensorFlow's clip_by_value / clip_by_norm / clip_by_average_norm / "
     "clip_by_global_norm semantics.\n\n"
     "\b\nExamples:\n"
@@ -45,525 +48,140 @@ app = typer.Typer(
     "  clipcli norms model.safetensors --sort norm --top 10\n"
     "  clipcli clip --global 5.0 in.safetensors out.safetensors\n"
     "  clipcli clip --norm 1.0 --axes 0 in.h5 out.h5\n\n" + EXIT_CODES_HELP,
-    no_args_is_help=True,
-    add_completion=True,
-    rich_markup_mode=None,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+    "no_args_is_help": True,
+    "add_completion": True,
+    "rich_markup_mode": None,
+    "pretty_exceptions_enable": False,
+    "context_settings": {"help_option_names": ["-h", "--help"]},
+}
+app = typer.Typer(**_APP_SETTINGS)
 
 F = TypeVar("F", bound=Callable[..., None])
 
+# ------------------------------------------------------------------ the error boundary
 
-def _reports_errors(command: F) -> F:
-    """Every failure inside a command becomes one stderr line and its exit code, whether
-    the app runs through main() or through Typer directly (tests' CliRunner)."""
+_failure_reported = False  # main() must not print a second line for the same failure
+
+
+def exit_code_for(exc: BaseException, args: list[str] | None = None) -> int:
+    """The one mapping from an exception family to its stderr line and exit code.
+
+    `args` are the command-line arguments when the exception comes from main() (option
+    parsing included), None when it comes from inside a command."""
+    finish_progress()  # the bar's line ends first, so the message starts a line of its own
+    if isinstance(exc, typer.Exit):  # a verdict (--fail-above: 1), or Click's own exit
+        if isinstance(exc.__cause__, KeyboardInterrupt):  # Click's silent exit 130
+            return _fail("interrupted", ExitCode.INTERRUPTED)
+        return int(exc.exit_code)
+    if isinstance(exc, BrokenPipeError):
+        # The reader of our stdout went away (`| head -1`): not an error, as for any Unix
+        # tool (Click would make it exit 1).
+        return reader_went_away()
+    if isinstance(exc, SystemExit):
+        # Click's answer to a closed pipe while it prints (`clipcli --help | head -1`) is
+        # exit 1, after wrapping stdout in PacifyFlushWrapper; that is not a failure.
+        # (typer vendors click, so the class is recognised by name.)
+        if type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            return reader_went_away()
+        raise exc
+    if isinstance(exc, ClipcliError):
+        return _fail(str(exc), exc.exit_code)
+    if isinstance(exc, KeyboardInterrupt | typer.Abort):
+        # Outside a write there is nothing to clean up; inside one, the job cleaned up.
+        return _fail("interrupted", ExitCode.INTERRUPTED)
+    if isinstance(exc, typer.TyperException) and args is not None:
+        # Click's usage errors, from option parsing (main() passes the arguments); raised
+        # inside a command (args None), the same class is a bug: exit 70 below.
+        return _fail(_usage_message(exc, args), ExitCode.USAGE)
+    if isinstance(exc, Exception):  # last line of defence: a bug, one line, exit 70
+        if os.environ.get("CLIPCLI_DEBUG"):
+            traceback.print_exception(exc)
+        message = f"internal error: {type(exc).__name__}: {exc} (set CLIPCLI_DEBUG=1 for details)"
+        return _fail(message, ExitCode.INTERNAL)
+    raise exc  # GeneratorExit and the like are not ours to report
+
+
+def _within_boundary(command: F) -> F:
+    """A command run by Typer directly (tests' CliRunner) reports its failures through the
+    same boundary as main(), handing Click only the exit code."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
             command(*args, **kwargs)
             sys.stdout.flush()  # a closed pipe must show here, not at interpreter exit
-        except BrokenPipeError:
-            # The reader of our stdout went away (`| head -1`): not an error, as for any
-            # Unix tool. Caught here because Click would turn it into exit 1.
-            raise typer.Exit(_reader_went_away()) from None
-        except ClipcliError as exc:
-            raise typer.Exit(_fail(str(exc), exc.exit_code)) from None
-        except KeyboardInterrupt:
-            # Outside a write (measuring, reporting) there is nothing to clean up; Typer
-            # would turn this into a silent exit 130, so say it.
-            raise typer.Exit(_fail("interrupted", ExitCode.INTERRUPTED)) from None
-        except (typer.Exit, typer.Abort):
+        except typer.Exit:
             raise
-        except Exception as exc:  # noqa: BLE001 - last line of defence: one line, exit 70
-            raise typer.Exit(_internal_error(exc)) from None
+        except BaseException as exc:  # the boundary: every failure, one line
+            raise typer.Exit(exit_code_for(exc)) from None
 
     return wrapper  # type: ignore[return-value]
-
-
-PathArg = Annotated[
-    Path,
-    typer.Argument(
-        help="Checkpoint file, Hugging Face model directory, or *.safetensors.index.json.",
-        show_default=False,
-    ),
-]
-InArg = Annotated[
-    Path,
-    typer.Argument(
-        metavar="IN", help="Input checkpoint file or model directory.", show_default=False
-    ),
-]
-OutArg = Annotated[
-    str,  # not Path: a trailing "/" (write a model directory) must survive
-    typer.Argument(
-        metavar="OUT",
-        help="Output file (its extension picks the format), or a model directory: a "
-        "name ending in /, or with no extension when IN is a model directory.",
-        show_default=False,
-    ),
-]
-IncludeOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--include",
-        "-i",
-        help="Only tensors whose whole name matches this glob (repeatable; '*attn*' for a "
-        "substring). A selection of nothing is refused (exit 2).",
-    ),
-]
-ExcludeOpt = Annotated[
-    list[str] | None,
-    typer.Option("--exclude", "-x", help="Skip tensors matching this glob (repeatable; wins)."),
-]
-
-AllTensorsOpt = Annotated[
-    bool,
-    typer.Option(
-        "--all-tensors",
-        help="Also act on training state: optimizer slots and counters (optimizer_weights/, "
-        "optimizer/, optimizer., optim_state) and BatchNorm running statistics. By default "
-        "they are listed apart, left out of the global norm and copied bit for bit.",
-    ),
-]
-
-AllowLargeSideFilesOpt = Annotated[
-    bool,
-    typer.Option(
-        "--allow-large-side-files",
-        help="Copy a model directory's other files even over 1 GiB each (holes stay holes).",
-    ),
-]
-
-
-def _selection(
-    include: list[str] | None, exclude: list[str] | None, all_tensors: bool = False
-) -> object:
-    from clipcli.selection import Selection
-
-    return Selection(tuple(include or ()), tuple(exclude or ()), all_tensors)
-
-
-def _notify(level: str, text: str) -> None:
-    """A warning or note from the library: one line on stderr, stdout stays the report."""
-    print(f"clipcli: {level}: {printable(text)}", file=sys.stderr)
-
-
-def _progress(quiet: bool = False) -> Any:
-    """A terminal progress bar when stderr is a terminal, else the silent default."""
-    from clipcli.progress import SILENT
-    from clipcli.report import TerminalProgress
-
-    if quiet or not sys.stderr.isatty():
-        return SILENT
-    return TerminalProgress()
-
-
-_stdout_closed = False  # set by main()
-
-
-def _emit(write: Callable[[], None]) -> None:
-    """Write the report; if the reader closes the pipe, stop writing but finish the command:
-    a --fail-above verdict still decides the exit code (`norms --fail-above 5 m | head -1`
-    in a pipefail script must still say 1 when the norm is over)."""
-    if _stdout_closed:  # started with stdout closed (`>&-`)
-        raise WriteError("standard output is closed; the report cannot be written")
-    try:
-        write()
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _reader_went_away()
-    except OSError as exc:  # /dev/full, a failing disk under a redirect
-        reason = exc.strerror or str(exc)
-        raise WriteError(f"standard output: cannot write the report: {reason}") from None
-
-
-def _print(report: object, fmt: OutputFormat) -> None:
-    from clipcli.report import Report, render
-
-    assert isinstance(report, Report)
-    render(report, fmt, sys.stdout)
-
-
-@app.command("ls", epilog="Example: clipcli ls model.safetensors --format json")
-@_reports_errors
-def ls_command(
-    path: PathArg,
-    fmt: Annotated[
-        OutputFormat, typer.Option("--format", "-f", help="Report format.")
-    ] = OutputFormat.TABLE,
-) -> None:
-    """List tensors (name, dtype, shape, bytes) and file metadata, reading no tensor data."""
-    from clipcli.api import list_tensors
-    from clipcli.report import ls_report
-
-    file_format, metadata, infos = list_tensors(path)
-    _emit(lambda: _print(ls_report(str(path), file_format, metadata, infos), fmt))
-
-
-@app.command(
-    "norms",
-    epilog="\b\nExamples:\n"
-    "  clipcli norms model.safetensors\n"
-    "  clipcli norms model.safetensors --sort norm --top 5 --format json\n"
-    "  clipcli norms m.safetensors --fail-above 5 ||\n"
-    "      clipcli clip --global 5 m.safetensors o.safetensors",
-)
-@_reports_errors
-def norms_command(
-    path: PathArg,
-    fmt: Annotated[
-        OutputFormat, typer.Option("--format", "-f", help="Report format.")
-    ] = OutputFormat.TABLE,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    sort: Annotated[
-        SortKey,
-        typer.Option(
-            help="Row order: file order, name (layers.2 before layers.10), norm (largest "
-            "first), size. Groups come in name order unless sorted by norm."
-        ),
-    ] = SortKey.FILE,
-    top: Annotated[int | None, typer.Option(help="Show only the first N rows.", min=1)] = None,
-    fail_above: Annotated[
-        float | None,
-        typer.Option(help="Exit 1 if the global norm exceeds X (or is NaN/Inf).", metavar="X"),
-    ] = None,
-    group_by: Annotated[
-        str | None,
-        typer.Option(
-            help="Aggregate tensors into groups by this regex's first capture group (or whole "
-            "match); 'layer' is a preset for HF/Keras layer names.",
-            metavar="REGEX",
-        ),
-    ] = None,
-    chart: Annotated[
-        bool, typer.Option(help="Draw horizontal bars of the norms instead of the table.")
-    ] = False,
-    limit: Annotated[
-        float | None,
-        typer.Option(
-            help="Mark this norm on --chart/--plot and colour what is over it.", metavar="C"
-        ),
-    ] = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            help="Write a norm profile (per group with --group-by) to FILE.png or FILE.svg; "
-            "needs the 'plot' extra (matplotlib).",
-            metavar="FILE",
-        ),
-    ] = None,
-    all_tensors: AllTensorsOpt = False,
-) -> None:
-    """Per-tensor L2 norm, max |x| and non-finite count, and the global norm over
-    floating-point model weights (optimizer state and BatchNorm statistics are listed
-    apart unless --all-tensors). Accumulated exactly in float64."""
-    from clipcli.api import measure
-    from clipcli.report import groups_report, norms_report, render_chart
-    from clipcli.selection import Selection
-
-    if group_by is not None:
-        from clipcli.groups import compile_group_by
-
-        compile_group_by(group_by)
-    selection = _selection(include, exclude, all_tensors)
-    assert isinstance(selection, Selection)
-    measurement = measure(path, selection, _progress(), _notify, group_by)
-    if group_by is not None:
-        report = groups_report(measurement, group_by, sort)
-    else:
-        report = norms_report(measurement, sort, top)
-    # Charts show what the global norm is made of: groups, or the floating-point tensors.
-    records = report.records()
-    if group_by is None:
-        records = [r for r in records if r["in_global"]]
-    labels = [str(r[report.columns[0].key]) for r in records]
-    values = [float(r["norm"]) for r in records]  # type: ignore[arg-type]
-    if chart:
-        _emit(lambda: render_chart(report.title, labels, values, limit, sys.stdout))
-    else:
-        _emit(lambda: _print(report, fmt))
-    if plot is not None:
-        from clipcli.plot import plot_profile
-
-        plot_profile(plot, report.title, labels, values, limit)
-    if fail_above is not None:
-        g = measurement.global_norm
-        if math.isnan(g) or g > fail_above:
-            print(
-                f"clipcli: global norm {g:.6g} exceeds --fail-above {fail_above:g}",
-                file=sys.stderr,
-            )
-            raise typer.Exit(ExitCode.CONDITION)
-
-
-def _parse_axes(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(part) for part in text.split(",") if part.strip() != ""]
-    except ValueError:
-        raise UsageError(f"--axes takes comma-separated integers, got {text!r}") from None
-
-
-@app.command(
-    "clip",
-    epilog="\b\nExamples:\n"
-    "  clipcli clip --global 5.0 in.safetensors out.safetensors\n"
-    "  clipcli clip --norm 1.0 --axes 0 in.h5 out.h5        # per-column max-norm\n"
-    "  clipcli clip --norm 1 --axes 1 --include '*self_attn*' --skip-low-rank \\\n"
-    "      in.safetensors out.safetensors                   # rows; biases left as they are\n"
-    "  clipcli clip --average 0.01 in.npz out.npz\n"
-    "  clipcli clip --value 3 --include '*.weight' in.safetensors out.safetensors\n"
-    "  clipcli clip --global 1 --dry-run --format json in.safetensors out.safetensors",
-)
-@_reports_errors
-def clip_command(
-    src: InArg,
-    out: OutArg,
-    low: Annotated[
-        float | None, typer.Option("--min", help="clip_by_value lower bound.", metavar="X")
-    ] = None,
-    high: Annotated[
-        float | None, typer.Option("--max", help="clip_by_value upper bound.", metavar="Y")
-    ] = None,
-    value: Annotated[
-        float | None, typer.Option("--value", help="Same as --min -V --max V.", metavar="V")
-    ] = None,
-    norm: Annotated[
-        float | None,
-        typer.Option("--norm", help="clip_by_norm: t * C / max(||t||, C).", metavar="C"),
-    ] = None,
-    axes: Annotated[
-        str | None,
-        typer.Option(help="With --norm: axes to take the norm over, e.g. 0 or 0,-1.", metavar="A"),
-    ] = None,
-    skip_low_rank: Annotated[
-        bool,
-        typer.Option(
-            "--skip-low-rank",
-            help="With --axes: leave tensors with too few dimensions for the axes (biases, "
-            "norms) unchanged and report them as skipped, instead of refusing (exit 4).",
-        ),
-    ] = False,
-    average: Annotated[
-        float | None,
-        typer.Option("--average", help="clip_by_average_norm: ||t|| / numel(t) <= C.", metavar="C"),
-    ] = None,
-    global_: Annotated[
-        float | None,
-        typer.Option(
-            "--global", help="clip_by_global_norm over all selected tensors.", metavar="C"
-        ),
-    ] = None,
-    use_norm: Annotated[
-        float | None,
-        typer.Option(
-            help="With --global: use this global norm instead of computing it.", metavar="N"
-        ),
-    ] = None,
-    group_by: Annotated[
-        str | None,
-        typer.Option(
-            help="With --global: clip each group's global norm separately (per-layer "
-            "clipping); groups as in `norms --group-by`, 'layer' is a preset.",
-            metavar="REGEX",
-        ),
-    ] = None,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    skip_nonfinite: Annotated[
-        bool,
-        typer.Option(help="Leave tensors holding NaN/Inf unchanged instead of refusing (exit 4)."),
-    ] = False,
-    dry_run: Annotated[
-        bool, typer.Option(help="Compute and report the plan; write nothing.")
-    ] = False,
-    force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
-    fsync: Annotated[
-        bool,
-        typer.Option(
-            help="fsync OUT and its directory before reporting success. --no-fsync is faster "
-            "for scratch outputs; the rename stays atomic either way."
-        ),
-    ] = True,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no report.")] = False,
-    fmt: Annotated[
-        OutputFormat, typer.Option("--format", "-f", help="Report format.")
-    ] = OutputFormat.TABLE,
-    allow_large_side_files: AllowLargeSideFilesOpt = False,
-    all_tensors: AllTensorsOpt = False,
-) -> None:
-    """Write a clipped copy of IN to OUT. Choose exactly one mode: --min/--max/--value,
-    --norm [--axes], --average or --global [--use-norm]. Tensors within the limit, not
-    selected, not floating point, or training state (optimizer slots, BatchNorm
-    statistics; unless --all-tensors) are copied bit-identical."""
-    from clipcli import interrupts
-    from clipcli.api import clip
-    from clipcli.plan import build_spec
-    from clipcli.report import clip_report
-    from clipcli.selection import Selection
-
-    spec = build_spec(
-        low=low,
-        high=high,
-        value=value,
-        norm=norm,
-        average=average,
-        global_=global_,
-        axes=_parse_axes(axes),
-        use_norm=use_norm,
-        skip_nonfinite=skip_nonfinite,
-        group_by=group_by,
-        skip_low_rank=skip_low_rank,
-    )
-    selection = _selection(include, exclude, all_tensors)
-    assert isinstance(selection, Selection)
-    # Signals are recorded from here to the end: acted on between chunks until OUT is
-    # committed, moot after that (OUT is whole, so the run reports success).
-    with interrupts.deferred():
-        result = clip(
-            src,
-            out,
-            spec,
-            selection,
-            dry_run=dry_run,
-            force=force,
-            durable=fsync,
-            progress=_progress(quiet),
-            allow_large_side_files=allow_large_side_files,
-            notify=_notify,
-        )
-        if not quiet:
-            _emit(lambda: _print(clip_report(result), fmt))
-
-
-@app.command(
-    "convert",
-    epilog="\b\nExamples:\n"
-    "  clipcli convert model.npz model.safetensors\n"
-    "  clipcli convert weights.h5 weights.safetensors --force",
-)
-@_reports_errors
-def convert_command(
-    src: InArg,
-    out: OutArg,
-    force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
-    allow_large_side_files: AllowLargeSideFilesOpt = False,
-) -> None:
-    """Copy IN to OUT's format losslessly: same names, order, dtypes, shapes and values;
-    metadata carried over where OUT's format can hold it. A dtype OUT cannot hold
-    (bfloat16/fp8 into npz or HDF5) is refused."""
-    from clipcli import interrupts
-    from clipcli.api import convert
-
-    with interrupts.deferred():  # as for clip
-        infos = convert(
-            src,
-            out,
-            force=force,
-            progress=_progress(quiet),
-            allow_large_side_files=allow_large_side_files,
-            notify=_notify,
-        )
-        if not quiet:
-            total = sum(i.nbytes for i in infos)
-            line = f"wrote {printable(str(out))}: {len(infos)} tensors, {total} bytes"
-            _emit(lambda: print(line))
-
-
-@app.command(
-    "diff",
-    epilog="\b\nExamples:\n"
-    "  clipcli diff model.safetensors clipped.safetensors\n"
-    "  clipcli diff old.npz new.safetensors --changed-only --format json\n"
-    "  clipcli diff base/ merged/ --fail-above 0.05   # exit 1 if any tensor moved > 5%",
-)
-@_reports_errors
-def diff_command(
-    path_a: Annotated[Path, typer.Argument(metavar="A", help="Reference checkpoint.")],
-    path_b: Annotated[Path, typer.Argument(metavar="B", help="Checkpoint to compare with A.")],
-    fmt: Annotated[
-        OutputFormat, typer.Option("--format", "-f", help="Report format.")
-    ] = OutputFormat.TABLE,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    changed_only: Annotated[
-        bool, typer.Option(help="List only tensors that are not bit-identical.")
-    ] = False,
-    fail_above: Annotated[
-        float | None,
-        typer.Option(
-            help="Exit 1 if any tensor's relative change ‖A−B‖/‖A‖ exceeds X, or a tensor "
-            "is missing, extra, or changed dtype or shape.",
-            metavar="X",
-        ),
-    ] = None,
-) -> None:
-    """Compare two checkpoints (any formats) tensor by tensor: ‖A−B‖, ‖A−B‖/‖A‖,
-    max |A−B|, cosine similarity and ‖B‖/‖A‖ (the scale a norm clip applied), plus missing
-    or extra tensors, dtype/shape changes and metadata changes. Streams both files."""
-    from clipcli import api
-    from clipcli.report import diff_report
-    from clipcli.selection import Selection
-
-    selection = _selection(include, exclude)
-    assert isinstance(selection, Selection)
-    result = api.diff(path_a, path_b, selection, progress=_progress(), notify=_notify)
-    _emit(lambda: _print(diff_report(result, changed_only), fmt))
-    if fail_above is not None:
-        worst = result.max_rel_change
-        if result.n_structural or (worst is not None and not worst <= fail_above):
-            print(
-                f"clipcli: largest relative change {worst if worst is not None else 'n/a'} "
-                f"or {result.n_structural} structural differences exceed --fail-above "
-                f"{fail_above:g}",
-                file=sys.stderr,
-            )
-            raise typer.Exit(ExitCode.CONDITION)
-
-
-_failure_reported = False  # main() must not print a second line for the same failure
 
 
 def _fail(message: str, code: int) -> int:
     global _failure_reported
     _failure_reported = True
-    try:
+    with contextlib.suppress(OSError):  # stderr is gone too; the exit code still tells
         print(f"clipcli: error: {printable(message)}", file=sys.stderr, flush=True)
-    except OSError:  # stderr is gone too; the exit code still tells
-        pass
     return code
 
 
-def _reader_went_away() -> int:
-    """stdout's reader closed the pipe: exit 0, quietly. stdout is pointed at /dev/null so
-    that the interpreter's final flush of what is still buffered cannot fail and print."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):  # no real stdout (tests capture it): nothing to flush
-        pass
-    return ExitCode.OK
+def _usage_message(exc: typer.TyperException, args: list[str]) -> str:
+    """Click's usage error on one line, with the hint a newcomer needs."""
+    message = exc.format_message().replace("\n", " ").rstrip(".")
+    if "Got unexpected extra argument" in message and "--axes" in args:
+        message += "; --axes takes one comma-separated list, e.g. --axes 0,1"
+    elif "Missing argument" in message or "No such command" in message:
+        command = next((a for a in args if not a.startswith("-")), "")
+        message += f"; see 'clipcli {command} --help'".replace("  ", " ")
+    return message
+
+
+# ------------------------------------------------------------------ the commands
+
+COMMANDS: dict[str, tuple[Callable[..., None], str]] = {
+    "ls": (inspect.ls_command, inspect.LS_EPILOG),
+    "norms": (inspect.norms_command, inspect.NORMS_EPILOG),
+    "clip": (write.clip_command, write.CLIP_EPILOG),
+    "convert": (write.convert_command, write.CONVERT_EPILOG),
+    "diff": (compare.diff_command, compare.DIFF_EPILOG),
+}
+
+
+def _register(target: typer.Typer, names: Iterable[str]) -> typer.Typer:
+    for name in names:
+        body, epilog = COMMANDS[name]
+        target.command(name, epilog=epilog)(_within_boundary(body))
+    return target
+
+
+_register(app, COMMANDS)
+
+
+def _app_for(args: list[str]) -> typer.Typer:
+    """The app to run: for `clipcli CMD ...`, one holding CMD alone, since Typer builds the
+    Click parameters of every registered command on each start (~10 ms of a shell loop's
+    `clipcli ls`); for anything else (--help, a typo), the whole app."""
+    if args and args[0] in COMMANDS:
+        one = typer.Typer(**_APP_SETTINGS)
+        one.callback()(_group)  # a group still: with one command Typer would make it the root
+        return _register(one, [args[0]])
+    return app
+
+
+def _group() -> None:
+    """(the group callback of a one-command app: nothing to do)"""
+
+
+# ------------------------------------------------------------------ the program
 
 
 def _restore_signal_defaults() -> None:
     """Undo the start-up guard of `python -m clipcli` (__main__.py): from here on Ctrl-C is
-    a KeyboardInterrupt that the boundaries below turn into one line and exit 130."""
+    a KeyboardInterrupt that the boundary turns into one line and exit 130."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _internal_error(exc: BaseException) -> int:
-    if os.environ.get("CLIPCLI_DEBUG"):
-        traceback.print_exc()
-    message = f"internal error: {type(exc).__name__}: {exc} (set CLIPCLI_DEBUG=1 for details)"
-    return _fail(message, ExitCode.INTERNAL)
 
 
 def _keep_chunk_buffers() -> None:
@@ -587,65 +205,34 @@ def _keep_chunk_buffers() -> None:
         pass
 
 
-def _usage_message(exc: typer.TyperException, args: list[str]) -> str:
-    """Click's usage error on one line, with the hint a newcomer needs."""
-    message = exc.format_message().replace("\n", " ").rstrip(".")
-    if "Got unexpected extra argument" in message and "--axes" in args:
-        message += "; --axes takes one comma-separated list, e.g. --axes 0,1"
-    elif "Missing argument" in message or "No such command" in message:
-        command = next((a for a in args if not a.startswith("-")), "")
-        message += f"; see 'clipcli {command} --help'".replace("  ", " ")
-    return message
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Every failure is one stderr line."""
     global _failure_reported
     _failure_reported = False
-    global _stdout_closed
     # Started with a stream closed (`>&-`, `2>&-`): Python has None there. Writes go to
     # /dev/null instead; a report that has nowhere to go is then exit 5, one line (lost
     # too, with stderr closed: the exit code still tells).
-    _stdout_closed = sys.stdout is None
+    Stdout.closed = sys.stdout is None
     if sys.stdout is None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
         _restore_signal_defaults()
         for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             # We thread over chunks ourselves; BLAS threads on top only spin and contend.
             os.environ.setdefault(variable, "1")
         _keep_chunk_buffers()
-        args = sys.argv[1:] if argv is None else list(argv)
         if not args:
             args = ["--help"]
         if args == ["--version"]:
             print(f"clipcli {__version__}")
             return ExitCode.OK
-        result = app(args=args, prog_name="clipcli", standalone_mode=False)
+        result = _app_for(args)(args=args, prog_name="clipcli", standalone_mode=False)
         sys.stdout.flush()
-    except ClipcliError as exc:
-        return _fail(str(exc), exc.exit_code)
-    except typer.Exit as exc:
-        if isinstance(exc.__cause__, KeyboardInterrupt):  # Click's silent exit 130
-            return _fail("interrupted", ExitCode.INTERRUPTED)
-        return int(exc.exit_code)
-    except SystemExit:
-        # Click's answer to a closed pipe while it prints (`clipcli --help | head -1`) is
-        # exit 1, after wrapping stdout in PacifyFlushWrapper; that is not a failure.
-        # (typer vendors click, so the class is recognised by name.)
-        if type(sys.stdout).__name__ == "PacifyFlushWrapper":
-            return _reader_went_away()
-        raise
-    except typer.TyperException as exc:  # usage errors from option parsing
-        return _fail(_usage_message(exc, args), ExitCode.USAGE)
-    except (typer.Abort, KeyboardInterrupt):
-        return _fail("interrupted", ExitCode.INTERRUPTED)
-    except BrokenPipeError:
-        return _reader_went_away()
-    except Exception as exc:  # noqa: BLE001 - last line of defence: one line, exit 70
-        return _internal_error(exc)
+    except BaseException as exc:  # the boundary: every failure, one line
+        return exit_code_for(exc, args)
     if result == ExitCode.INTERRUPTED and not _failure_reported:
         # Click turns a Ctrl-C outside our commands (while parsing) into a silent 130.
         return _fail("interrupted", ExitCode.INTERRUPTED)

@@ -214,7 +214,8 @@ def piece_work(
     for index, job in enumerate(jobs):
         info_a, info_b = job.info_a, job.info_b
         if job.paired:
-            assert info_a is not None and info_b is not None
+            assert info_a is not None
+            assert info_b is not None
             n = chunk_elems or min(
                 default_chunk_elems(info_a.dtype), default_chunk_elems(info_b.dtype)
             )

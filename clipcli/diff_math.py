@@ -47,10 +47,10 @@ from clipcli.diff import (
     PieceWork,
     Status,
     TensorDiff,
-    metadata_changes,
 )
 from clipcli.dtypes import is_floating
 from clipcli.formats.base import Reader
+from clipcli.formats.compare import file_changes
 from clipcli.numerics.norms import (
     NormAccumulator,
     ScaledSum,
@@ -179,11 +179,10 @@ def finish(job: Pair, run: Running) -> TensorDiff:
             norm_ratio=None,
             **common,
         )
-    assert info_a is not None and norm_a is not None and norm_b is not None
-    if not job.same_dtype:
-        status = DTYPE_CHANGED
-    else:
-        status = SAME if run.identical else CHANGED
+    assert info_a is not None
+    assert norm_a is not None
+    assert norm_b is not None
+    status = DTYPE_CHANGED if not job.same_dtype else SAME if run.identical else CHANGED
     diff_norm = run.acc_d.norm
     return TensorDiff(
         status=status,
@@ -247,7 +246,7 @@ def result(a: Reader, b: Reader, jobs: Sequence[Pair], tensors: list[TensorDiff]
         format_a=a.format_name,
         format_b=b.format_name,
         tensors=tensors,
-        metadata_changes=metadata_changes(a.metadata, b.metadata),
+        metadata_changes=file_changes(a, b),  # metadata, then HDF5 structure
         global_norm_a=global_a,
         global_norm_b=global_norm(norms_b),
         global_diff_norm=global_diff,

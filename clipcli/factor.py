@@ -19,7 +19,7 @@ import numpy as np
 from clipcli.formats.base import TensorInfo
 from clipcli.measurement import TensorStats
 from clipcli.numerics import scaling
-from clipcli.numerics.norms import CertainSumsq
+from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.scaling import Factor
 
 __all__ = ["Factor", "OutputCheck", "search_factor", "tf_factor"]

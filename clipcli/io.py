@@ -13,7 +13,13 @@ from clipcli.inputs import open_input
 
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
-EXTENSIONS = {".npz": "npz", ".safetensors": "safetensors", ".h5": "hdf5", ".hdf5": "hdf5"}
+EXTENSIONS = {
+    ".npz": "npz",
+    ".safetensors": "safetensors",
+    ".h5": "hdf5",
+    ".hdf5": "hdf5",
+    ".keras": "keras",
+}
 
 
 def format_from_extension(path: Path) -> str | None:
@@ -29,8 +35,7 @@ def sniff_format(path: Path) -> str:
             if head.startswith(HDF5_MAGIC):
                 return "hdf5"
             if head.startswith(ZIP_MAGICS):
-                _refuse_foreign_zip(path, handle)
-                return "npz"
+                return _zip_format(path, handle)
             _refuse_foreign_magic(path, head)
             if len(head) >= 9 and head[8:9] == b"{":
                 return "safetensors"
@@ -70,15 +75,15 @@ def _refuse_foreign_magic(path: Path, head: bytes) -> None:
         )
 
 
-def _refuse_foreign_zip(path: Path, handle: BinaryIO) -> None:
-    """A zip that is not an npz: a PyTorch >= 1.6 checkpoint (<top>/data.pkl) or a Keras 3
-    .keras archive (config.json, metadata.json, model.weights.h5). Only the central
-    directory is read; a zip it cannot parse is left to the npz reader to refuse."""
+def _zip_format(path: Path, handle: BinaryIO) -> str:
+    """npz, or a Keras 3 .keras archive (config.json, metadata.json, model.weights.h5);
+    a PyTorch >= 1.6 checkpoint (<top>/data.pkl) is refused. Only the central directory is
+    read; a zip it cannot parse is left to the npz reader to refuse."""
     try:
         with zipfile.ZipFile(handle) as archive:
             names = archive.namelist()
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError):
-        return  # RuntimeError: NotImplementedError for an unknown zip version
+        return "npz"  # RuntimeError: NotImplementedError for an unknown zip version
     if any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
         raise InputError(
             path,
@@ -86,11 +91,8 @@ def _refuse_foreign_zip(path: Path, handle: BinaryIO) -> None:
             f"clipcli never loads (unpickling runs code); {CONVERT_HINT}",
         )
     if "model.weights.h5" in names and "config.json" in names:
-        raise InputError(
-            path,
-            "is a Keras .keras archive; clipcli reads the weights file "
-            "inside it: unzip it and pass model.weights.h5",
-        )
+        return "keras"
+    return "npz"
 
 
 def _hdf5_after_user_block(handle: BinaryIO) -> bool:
@@ -132,12 +134,21 @@ def reader_class(fmt: str) -> type[Reader]:
         from clipcli.formats.npz import NpzReader
 
         return NpzReader
+    if fmt == "keras":
+        from clipcli.formats.keras_archive import KerasArchiveReader
+
+        return KerasArchiveReader
     from clipcli.formats.hdf5 import Hdf5Reader
 
     return Hdf5Reader
 
 
-def writer_class(out: Path) -> type[Writer]:
+def writer_class(out: Path, is_directory: bool = False) -> type[Writer]:
+    """The writer for OUT: a model directory, else by OUT's extension."""
+    if is_directory:
+        from clipcli.formats.sharded import ShardedWriter
+
+        return ShardedWriter
     fmt = format_from_extension(out)
     if fmt == "safetensors":
         from clipcli.formats.safetensors import SafetensorsWriter
@@ -151,4 +162,10 @@ def writer_class(out: Path) -> type[Writer]:
         from clipcli.formats.hdf5 import Hdf5Writer
 
         return Hdf5Writer
-    raise UsageError(f"{out}: unknown output extension; use .npz, .safetensors, .h5 or .hdf5")
+    if fmt == "keras":
+        from clipcli.formats.keras_archive import KerasArchiveWriter
+
+        return KerasArchiveWriter
+    raise UsageError(
+        f"{out}: unknown output extension; use .npz, .safetensors, .h5, .hdf5 or .keras"
+    )

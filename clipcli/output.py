@@ -25,227 +25,41 @@ process id (`stage`), and committed by one rename. Rules, each tested:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import fcntl
-import hashlib
 import os
-import re
 import secrets
-import shutil
 import signal
 import stat
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from clipcli import interrupts
 from clipcli.errors import ClipcliError, UsageError, WriteError
+from clipcli.footprint import InputFootprint
+from clipcli.fsops import (
+    ASIDE_SUFFIX,
+    KEPT_SUFFIX,
+    TEMP_SUFFIX,
+    exchange,
+    fsync_path,
+    fsync_tree,
+    hold_lock,
+    remove_stale_temps,
+    remove_tree,
+    rename_noreplace,
+    temp_prefix,
+)
 from clipcli.io import format_from_extension
-
-TEMP_SUFFIX = ".clipcli-tmp"
-ASIDE_SUFFIX = ".clipcli-old"
-KEPT_SUFFIX = ".clipcli-kept"
-_NAME_ROOM = 160  # bytes of OUT's name kept in a temp name (NAME_MAX is 255 bytes)
-_TEMP_TAIL = re.compile(r"^(?P<pid>\d+)-[0-9a-f]{8}(?P<kind>\.clipcli-(?:tmp|old))$")
-
-AT_FDCWD = -100
-RENAME_NOREPLACE = 1
-RENAME_EXCHANGE = 2
 
 
 class Refused(UsageError):
     """OUT cannot be written as asked (exit 2); nothing was touched."""
 
 
-# ---------------------------------------------------------------- renameat2
-
-
-def _load_renameat2() -> Callable[[str, str, int], None] | None:
-    try:
-        call = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-
-    def renameat2(old: str, new: str, flags: int) -> None:
-        if call(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code), new)
-
-    return renameat2
-
-
-renameat2 = _load_renameat2()  # None where libc lacks it; tests set it to None for fallbacks
-
-_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
-
-
-def rename_noreplace(src: Path, dst: Path, is_directory: bool) -> None:
-    """Move src to dst only if dst does not exist; FileExistsError otherwise."""
-    if renameat2 is not None:
-        try:
-            renameat2(str(src), str(dst), RENAME_NOREPLACE)
-            return
-        except OSError as exc:
-            if exc.errno == errno.EEXIST:
-                raise FileExistsError(errno.EEXIST, "exists", str(dst)) from None
-            if exc.errno not in _UNSUPPORTED:
-                raise
-    if is_directory:
-        os.mkdir(dst)  # FileExistsError if anything is there; then replace our empty one
-        try:
-            os.rename(src, dst)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.rmdir(dst)  # only if still empty, i.e. still ours
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise FileExistsError(errno.EEXIST, "exists", str(dst)) from None
-            raise
-        return
-    try:
-        os.link(src, dst)  # fails if dst exists, atomically
-    except FileExistsError:
-        raise
-    except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
-            raise
-        if os.path.lexists(dst):  # a filesystem without links: check, then rename
-            raise FileExistsError(errno.EEXIST, "exists", str(dst)) from None
-        os.rename(src, dst)
-        return
-    os.unlink(src)
-
-
-def exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two existing paths; False where the filesystem cannot."""
-    if renameat2 is None:
-        return False
-    try:
-        renameat2(str(a), str(b), RENAME_EXCHANGE)
-    except OSError as exc:
-        if exc.errno in _UNSUPPORTED:
-            return False
-        raise
-    return True
-
-
-# ---------------------------------------------------------------- small file-system helpers
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory under root, then root itself."""
-    for directory, _, files in os.walk(root):
-        for name in files:
-            fsync_path(Path(directory, name))
-        fsync_path(Path(directory))
-
-
-def remove_tree(path: Path) -> None:
-    """Remove a file, link or directory tree that this run created; errors are ignored."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            path.unlink()
-
-
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _is_inside(path: Path, root: Path) -> bool:
-    return path == root or path.is_relative_to(root)
-
-
-def _real(path: Path) -> Path:
-    """The real path: symlinks resolved, including the last component."""
-    return Path(os.path.realpath(path))
-
-
-def _real_parent(path: Path) -> Path:
-    """The path with its directory resolved but its last component as given (so that a
-    symlink at OUT is itself what gets replaced)."""
-    return Path(os.path.realpath(path.parent or "."), path.name)
-
-
-# ---------------------------------------------------------------- the input, as OUT must avoid it
-
-
-class InputFootprint:
-    """What OUT must stay clear of: the input's root (a file, or the model directory) and
-    every file read from it. Compared by real path and by device and inode, so that hard
-    links and bind mounts (another path to the same directory) are caught too."""
-
-    def __init__(self, root: Path, files: Iterable[Path]) -> None:
-        files = list(files)
-        self.root = _real(root)
-        self.root_is_directory = self.root.is_dir()
-        self.files = [_real(f) for f in files]
-        self.inodes = {identity for p in [self.root, *self.files] if (identity := _inode(p))}
-        self.root_inode = _inode(self.root)
-        self.file_ancestors = [set(_ancestor_inodes(f)) for f in [self.root, *self.files]]
-        try:
-            self.root_mode = stat.S_IMODE(os.stat(self.root).st_mode)
-        except OSError:
-            self.root_mode = 0o666
-        # Permission bits of each input file by its path inside the model directory.
-        self.modes: dict[str, int] = {}
-        for path in files:
-            with contextlib.suppress(OSError, ValueError):
-                relative = Path(path).relative_to(root).as_posix()
-                self.modes[relative] = stat.S_IMODE(os.stat(path).st_mode)
-
-    def overlap(self, out: Path) -> str | None:
-        """Why writing OUT would touch the input, or None."""
-        for candidate in {_real_parent(out), _real(out)}:
-            if candidate == self.root or any(candidate == f for f in self.files):
-                return "is the input"
-            if self.root_is_directory and _is_inside(candidate, self.root):
-                return "is inside the input directory"
-            if _is_inside(self.root, candidate) or any(
-                _is_inside(f, candidate) for f in self.files
-            ):
-                return "contains the input"
-        out_inode = _inode(out)
-        if out_inode is not None and out_inode in self.inodes:
-            return "is the input (a link to it)"
-        above = set(_ancestor_inodes(out.parent if str(out.parent) else Path(".")))
-        if self.root_is_directory and self.root_inode in above:
-            return "is inside the input directory (through another path to it)"
-        if out_inode is not None and any(out_inode in up for up in self.file_ancestors):
-            return "contains the input (through another path to it)"
-        return None
-
-
-def _inode(path: Path) -> tuple[int, int] | None:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
-
-
-def _ancestor_inodes(path: Path) -> Iterator[tuple[int, int]]:
-    """(device, inode) of path and of every directory above it, as the kernel sees them
-    (a bind mount shows the mounted directory's own identity)."""
-    current = Path(os.path.abspath(path))
-    while True:
-        identity = _inode(current)
-        if identity is not None:
-            yield identity
-        if current.parent == current:
-            return
-        current = current.parent
 
 
 # ---------------------------------------------------------------- targets
@@ -297,7 +111,7 @@ class Target:
         elif not self.is_directory and stat.S_ISREG(info.st_mode):
             self._mode = stat.S_IMODE(info.st_mode)  # cp keeps a replaced file's mode
 
-    def _check_replaceable_directory(self, expected: frozenset[str]) -> None:
+    def _check_replaceable_directory(self, expected: frozenset[str]) -> None:  # noqa: ARG002
         raise Refused(
             f"{self.out}: is a directory; --force replaces a file, not a directory "
             f"(name the file to write, e.g. {self.out / 'model.safetensors'})"
@@ -337,7 +151,7 @@ class Target:
                 raise WriteError(
                     f"{self.out}: cannot create a directory in {self.parent}: {exc.strerror}"
                 ) from None
-            lock = _hold_lock(workdir)
+            lock = hold_lock(workdir)
             try:
                 staged = self._staged_in(workdir)
                 yield staged
@@ -543,85 +357,6 @@ def _translated(exc: BaseException, out: Path) -> BaseException:
         reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
         return WriteError(f"{out}: writing failed: {reason}; no output written")
     return exc
-
-
-# ---------------------------------------------------------------- stale temps of dead runs
-
-
-def temp_prefix(out: Path) -> str:
-    """`.<OUT name>.`, with a long name cut (by bytes) and a hash of the whole name added,
-    so that temp names fit NAME_MAX and two long OUT names never share a prefix."""
-    encoded = os.fsencode(out.name)
-    if len(encoded) <= _NAME_ROOM:
-        return f".{out.name}."
-    digest = hashlib.sha256(encoded).hexdigest()[:12]
-    cut = encoded[:_NAME_ROOM].decode("utf-8", "ignore")  # never half a character
-    return f".{cut}~{digest}."
-
-
-def _hold_lock(directory: Path) -> int:
-    """An open descriptor of `directory` holding an exclusive flock (where supported)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
-
-
-def _abandoned(path: Path, pid: int) -> bool:
-    """Whether no live clipcli run owns this temp entry: its lock can be taken (the owner
-    is gone), or, where there is no lock to ask (an aside file, no flock), no process
-    with its pid runs."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return not _alive(pid)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return not _alive(pid)
-    finally:
-        os.close(fd)
-    return True
-
-
-def remove_stale_temps(out: Path) -> None:
-    """Remove temp entries for OUT left by clipcli runs that no longer run (SIGKILL, power
-    loss), and put back an aside copy of OUT that a dead run stranded. Only entries named
-    exactly for this OUT, owned by this user, and abandoned by their run."""
-    parent = out.parent if str(out.parent) else Path(".")
-    prefix = temp_prefix(out)
-    try:
-        entries = [e for e in os.scandir(parent) if e.name.startswith(prefix)]
-    except OSError:
-        return
-    for entry in entries:
-        match = _TEMP_TAIL.match(entry.name[len(prefix) :])
-        if match is None:
-            continue
-        path = Path(parent, entry.name)
-        with contextlib.suppress(OSError):
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue
-            if not _abandoned(path, int(match["pid"])):
-                continue
-            if match["kind"] == ASIDE_SUFFIX and not os.path.lexists(out):
-                os.rename(path, out)
-                continue
-            remove_tree(path)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
 
 
 # ---------------------------------------------------------------- choosing the target

@@ -24,10 +24,12 @@ from clipcli.errors import UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.measurement import Measurement, TensorStats
 from clipcli.numerics import rounding, slices
-from clipcli.numerics.norms import CertainSumsq, NormAccumulator, accumulate, accumulate_array
+from clipcli.numerics.certain import CertainSumsq
+from clipcli.numerics.norms import NormAccumulator, accumulate, accumulate_array
 from clipcli.parallel import ordered_map
-from clipcli.plan import Action, ClipSpec, EarlyVerdict, Outcome, Plan, TensorPlan
+from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
 from clipcli.progress import SILENT, Progress
+from clipcli.spec import ClipSpec
 
 R = TypeVar("R")
 W = TypeVar("W")
@@ -85,7 +87,7 @@ def reduce_stream(
     progress.finish()
 
 
-def _ignore(index: int) -> None:
+def _ignore(_index: int) -> None:
     pass
 
 
@@ -211,11 +213,11 @@ class DiscardingWriter(Writer):
     def __init__(self) -> None:
         super().__init__(Path(os.devnull), Checkpoint([]))
 
-    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:  # noqa: ARG002
         for _ in chunks:
             pass
 
-    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
         return True
 
     def close(self) -> None:
@@ -340,5 +342,5 @@ def compare(
     return diff_math.result(a, b, pairs, tensors)
 
 
-def _everything(name: str) -> bool:
+def _everything(_name: str) -> bool:
     return True

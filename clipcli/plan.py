@@ -1,4 +1,4 @@
-"""Pure planning: the validated clip request (ClipSpec) and the plan, a frozen value.
+"""Pure planning: the plan, a frozen value made from a measurement and a ClipSpec.
 
 `plan(measurement, spec, check)` decides, for every tensor, an Action and the Reason for
 it; the report alone turns reasons into words, and no decision ever reads a display
@@ -16,157 +16,14 @@ from enum import Enum
 
 from clipcli import roles
 from clipcli.dtypes import is_floating
-from clipcli.errors import DataRefusedError, UsageError
+from clipcli.errors import DataRefusedError
 from clipcli.factor import Factor, OutputCheck, search_factor, tf_factor
 from clipcli.formats.base import TensorInfo
 from clipcli.groups import compile_group_by, group_key
 from clipcli.measurement import Measurement, TensorStats
 from clipcli.numerics import rounding, scaling
 from clipcli.numerics.norms import NormAccumulator, global_norm
-
-
-class Mode(str, Enum):
-    VALUE = "value"
-    NORM = "norm"
-    AVERAGE = "average"
-    GLOBAL = "global"
-
-
-@dataclass(frozen=True)
-class ClipSpec:
-    """A validated clipping request."""
-
-    mode: Mode
-    limit: float = math.inf  # C for the norm modes
-    low: float = -math.inf  # value mode bounds
-    high: float = math.inf
-    axes: tuple[int, ...] | None = None
-    use_norm: float | None = None
-    skip_nonfinite: bool = False
-    group_by: str | None = None  # --global within each group of tensors
-    skip_low_rank: bool = False  # --axes: leave tensors of too low a rank unchanged
-
-    def describe_limit(self) -> str:
-        if self.mode is Mode.VALUE:
-            return f"[{self.low:g}, {self.high:g}]"
-        return f"{self.limit:g}"
-
-
-def _check_positive(flag: str, value: float) -> None:
-    if math.isnan(value) or value <= 0:
-        raise UsageError(f"{flag} must be a positive number, got {value:g}")
-
-
-def build_spec(
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    value: float | None = None,
-    norm: float | None = None,
-    average: float | None = None,
-    global_: float | None = None,
-    axes: Sequence[int] | None = None,
-    use_norm: float | None = None,
-    skip_nonfinite: bool = False,
-    group_by: str | None = None,
-    skip_low_rank: bool = False,
-) -> ClipSpec:
-    """Turn the CLI flags into a ClipSpec, refusing conflicts and bad values (exit 2)."""
-    chosen = {
-        "--min/--max": low is not None or high is not None,
-        "--value": value is not None,
-        "--norm": norm is not None,
-        "--average": average is not None,
-        "--global": global_ is not None,
-    }
-    modes = [flag for flag, given in chosen.items() if given]
-    if not modes:
-        raise UsageError("choose a mode: --min/--max, --value, --norm, --average or --global")
-    if len(modes) > 1:
-        raise UsageError(f"choose one mode, got {' and '.join(modes)}")
-    if axes is not None and norm is None:
-        raise UsageError("--axes is valid only with --norm")
-    if skip_low_rank and axes is None:
-        raise UsageError("--skip-low-rank is valid only with --norm --axes")
-    if use_norm is not None and global_ is None:
-        raise UsageError("--use-norm is valid only with --global")
-    if group_by is not None:
-        if global_ is None:
-            raise UsageError("--group-by is valid only with --global (per-group global norm)")
-        if use_norm is not None:
-            raise UsageError("--use-norm and --group-by cannot be combined")
-        compile_group_by(group_by)
-    if value is not None:
-        _check_positive("--value", value)
-        low, high = -value, value
-    if low is not None or high is not None:
-        lo = -math.inf if low is None else low
-        hi = math.inf if high is None else high
-        if math.isnan(lo) or math.isnan(hi):
-            raise UsageError("--min and --max must be numbers, got nan")
-        if lo > hi:
-            raise UsageError(f"--min {lo:g} is greater than --max {hi:g}")
-        return ClipSpec(Mode.VALUE, low=lo, high=hi, skip_nonfinite=skip_nonfinite)
-    if norm is not None:
-        _check_positive("--norm", norm)
-        checked_axes = None
-        if axes is not None:
-            if not axes:
-                raise UsageError("--axes needs at least one axis")
-            if len(set(axes)) != len(axes):
-                raise UsageError(f"--axes has a duplicate axis: {','.join(map(str, axes))}")
-            checked_axes = tuple(axes)
-        return ClipSpec(
-            Mode.NORM,
-            limit=norm,
-            axes=checked_axes,
-            skip_nonfinite=skip_nonfinite,
-            skip_low_rank=skip_low_rank,
-        )
-    if average is not None:
-        _check_positive("--average", average)
-        return ClipSpec(Mode.AVERAGE, limit=average, skip_nonfinite=skip_nonfinite)
-    assert global_ is not None
-    _check_positive("--global", global_)
-    if use_norm is not None:
-        _check_positive("--use-norm", use_norm)
-        if math.isinf(use_norm):  # TF's factor C / inf is 0: every tensor zeroed
-            raise UsageError("--use-norm must be finite; --use-norm inf would zero every tensor")
-    return ClipSpec(
-        Mode.GLOBAL,
-        limit=global_,
-        use_norm=use_norm,
-        skip_nonfinite=skip_nonfinite,
-        group_by=group_by,
-    )
-
-
-def normalize_axes(axes: tuple[int, ...], shape: tuple[int, ...], name: str) -> tuple[int, ...]:
-    """Resolve negative axes against one tensor's rank; out of range is refused data (exit 4)."""
-    rank = len(shape)
-    resolved = []
-    for axis in axes:
-        if not -rank <= axis < rank:
-            raise DataRefusedError(
-                f"tensor {name!r} with shape {list(shape)} has no axis {axis} (rank {rank})"
-            )
-        resolved.append(axis % rank)
-    if len(set(resolved)) != len(resolved):
-        raise DataRefusedError(f"tensor {name!r}: --axes {axes} name the same axis twice")
-    return tuple(resolved)
-
-
-def tensor_limit(spec: ClipSpec, numel: int) -> float:
-    """The norm a single tensor may have: C, or C * numel for TF's average norm."""
-    if spec.mode is Mode.AVERAGE:
-        return spec.limit * numel
-    return spec.limit
-
-
-def axes_fit(axes: Sequence[int], shape: Sequence[int]) -> bool:
-    """Whether every axis names a dimension of a tensor of this shape."""
-    return all(-len(shape) <= axis < len(shape) for axis in axes)
-
+from clipcli.spec import ClipSpec, Mode, axes_fit, normalize_axes, tensor_limit
 
 # ---------------------------------------------------------------- the plan
 

@@ -135,3 +135,50 @@ def block_fp8_shard(path: Path) -> dict[str, np.ndarray]:
     }
     write_safetensors(path, tensors)
     return tensors
+
+
+KERAS_CONFIG = json.dumps({"class_name": "Functional", "config": {"name": "model"}}).encode()
+KERAS_METADATA = json.dumps({"keras_version": "3.3.3", "date_saved": "2024-05-01@10:00:00"})
+
+
+def keras_archive(path: Path) -> dict[str, np.ndarray]:
+    """Keras 3 `model.save('m.keras')`: a zip of metadata.json, config.json and
+    model.weights.h5 (the nested Keras 3 weights), plus an asset, in Keras' order. JSON
+    members are deflated, the weights stored. Returns the weights by name."""
+    import zipfile
+
+    weights_file = path.with_name(path.name + ".weights.tmp.h5")
+    tensors = keras3_nested_weights(weights_file)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("metadata.json", KERAS_METADATA, zipfile.ZIP_DEFLATED)
+        archive.writestr("config.json", KERAS_CONFIG, zipfile.ZIP_DEFLATED)
+        archive.write(weights_file, "model.weights.h5", zipfile.ZIP_STORED)
+        archive.writestr("assets/vocab.txt", "a\nb\nc\n", zipfile.ZIP_DEFLATED)
+    weights_file.unlink()
+    return tensors
+
+
+def vocab_file(path: Path) -> Path:
+    """Weights beside a string vocabulary, a compound table, an empty group and attributes of
+    many exact types (big-endian floats, fixed and variable strings, UTF-8 and ASCII)."""
+    import h5py
+
+    rng = np.random.default_rng(11)
+    with h5py.File(path, "w", track_order=True) as f:
+        f.attrs["count"] = np.int64(3)
+        f.attrs["scales"] = np.arange(3, dtype=">f4")
+        f.attrs.create("fixed", np.array([b"a", b"bc"]), dtype="S5")
+        f.attrs["text"] = "h\u00e9llo"
+        f.attrs.create("ascii", b"plain", dtype=h5py.string_dtype("ascii"))
+        f.create_dataset(
+            "dense/kernel", data=rng.normal(size=(4, 3)).astype(np.float32), chunks=(2, 3)
+        )
+        f["dense"].attrs["weight_names"] = np.array([b"kernel"])
+        f.create_dataset("vocab", data=["a", "b", "\u00e7", ""], dtype=h5py.string_dtype())
+        f["vocab"].attrs["kind"] = b"tokens"
+        f.create_dataset("table", data=np.array([(1.5, 2)], dtype=[("a", "<f4"), ("b", "<i4")]))
+        f.create_dataset("scalar_text", data="one", dtype=h5py.string_dtype())
+        f.create_dataset("nothing", data=h5py.Empty("f4"))
+        f.create_group("empty").attrs["note"] = "kept"
+        f.create_dataset("bias", data=np.ones(3, ">f8"), fillvalue=7.0, compression="gzip")
+    return path

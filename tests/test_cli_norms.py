@@ -191,11 +191,21 @@ def test_sort_file_order_by_default(
     assert [r["name"] for r in norms_json(path, *args)["tensors"]] == ["z", "a", "m"]
 
 
+def ranked_by_norm(
+    tensors: dict[str, np.ndarray], norm64: Callable[[np.ndarray], float]
+) -> list[str]:
+    """--sort norm ranks what the global norm counts (floating point) first, the rest after
+    (issue 12: an int64 `step` of norm 1000 no longer outranks every weight)."""
+    return sorted(tensors, key=lambda n: (n not in FLOATS, -norm64(tensors[n])))
+
+
 def test_sort_by_norm_name_and_size(
-    model_file: Any, norms_json: Any, norm64: Callable[[np.ndarray], float]
+    model_file: Path,
+    norms_json: Callable[..., dict[str, Any]],
+    norm64: Callable[[np.ndarray], float],
 ) -> None:
     tensors = model()
-    by_norm = sorted(tensors, key=lambda n: -norm64(tensors[n]))
+    by_norm = ranked_by_norm(tensors, norm64)
     by_name = sorted(tensors)
     by_size = sorted(tensors, key=lambda n: -tensors[n].nbytes)
     assert [r["name"] for r in norms_json(model_file, "--sort", "norm")["tensors"]] == by_norm
@@ -203,9 +213,13 @@ def test_sort_by_norm_name_and_size(
     assert [r["name"] for r in norms_json(model_file, "--sort", "size")["tensors"]] == by_size
 
 
-def test_top_n(model_file: Any, norms_json: Any, norm64: Callable[[np.ndarray], float]) -> None:
+def test_top_n(
+    model_file: Path,
+    norms_json: Callable[..., dict[str, Any]],
+    norm64: Callable[[np.ndarray], float],
+) -> None:
     tensors = model()
-    by_norm = sorted(tensors, key=lambda n: -norm64(tensors[n]))
+    by_norm = ranked_by_norm(tensors, norm64)
     report = norms_json(model_file, "--sort", "norm", "--top", "2")
     assert [r["name"] for r in report["tensors"]] == by_norm[:2]
     # --top trims the rows, not the global norm

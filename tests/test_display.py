@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import h5py
 import numpy as np
@@ -168,7 +168,7 @@ def test_hostile_names_in_error_lines(
 
 
 def test_progress_label_is_not_markup(capsys: pytest.CaptureFixture[str]) -> None:
-    from clipcli.report import TerminalProgress
+    from clipcli.report.progress_bar import TerminalProgress
 
     progress = TerminalProgress(delay=0)
     progress.start("measuring [/x]\x1b[2J[link=https://e.com]x[/link]", 100)
@@ -180,7 +180,7 @@ def test_progress_label_is_not_markup(capsys: pytest.CaptureFixture[str]) -> Non
 def test_long_metadata_values_are_shortened_in_the_table_only(
     tmp_path: Path, write_checkpoint: Callable[..., Path], run_main: Callable[..., Any]
 ) -> None:
-    from clipcli.report import METADATA_VALUE_CHARS
+    from clipcli.report.table import METADATA_VALUE_CHARS
 
     at_limit, over = "a" * METADATA_VALUE_CHARS, "b" * (METADATA_VALUE_CHARS + 1)
     src = write_checkpoint(
@@ -190,7 +190,7 @@ def test_long_metadata_values_are_shortened_in_the_table_only(
     )
     table = run_main("ls", src).stdout
     assert f"metadata at = {at_limit}\n" in table
-    assert f"metadata over = {over[:METADATA_VALUE_CHARS]}... ({len(over)} characters" in table
+    assert f"metadata over = {over[:METADATA_VALUE_CHARS]}… ({len(over)} characters" in table
     assert over not in table
     assert run_main("ls", src, "--format", "json").json()["metadata"] == {
         "at": at_limit,
@@ -215,7 +215,7 @@ def test_many_metadata_keys_all_listed(
 
 @pytest.mark.parametrize("first", list("=+-@\t\r\uff1d\uff0b\uff0d\uff20"))
 def test_csv_formula_starts_are_neutralised(first: Any) -> None:
-    from clipcli.report import csv_text
+    from clipcli.report.serialize import csv_text
 
     expected = _escaped(first + "x")
     assert csv_text(first + "x") == "'" + expected
@@ -223,7 +223,8 @@ def test_csv_formula_starts_are_neutralised(first: Any) -> None:
 
 
 def test_csv_leaves_other_text_and_every_number_alone() -> None:
-    from clipcli.report import _csv_value, csv_text
+    from clipcli.report.serialize import csv_text
+    from clipcli.report.serialize import csv_value as _csv_value
 
     for text in ("layers.0.weight", "'quoted", " =space first", "#", "%", "0", "1e5"):
         assert csv_text(text) == text
@@ -256,7 +257,7 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     PLAIN_TABLE_ROWS) and metadata."""
     from safetensors.numpy import save_file
 
-    from clipcli.report import PLAIN_TABLE_ROWS
+    from clipcli.report.table import PLAIN_TABLE_ROWS
 
     assert PLAIN_TABLE_ROWS > 1500
     path = tmp_path_factory.mktemp("big") / "big.safetensors"
@@ -360,15 +361,16 @@ def test_unexpected_exception_is_exit_70_one_line(
     run_main: Callable[..., Any],
     monkeypatch: pytest.MonkeyPatch,
     assert_one_error_line: Callable[..., str],
-    error: Any,
+    error: BaseException,
 ) -> None:
     import clipcli.api
+    import clipcli.io
 
-    def broken(*_args: object, **_kwargs: object) -> NoReturn:
+    def broken(*_args: object, **_kwargs: object) -> None:
         raise error
 
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
-    monkeypatch.setattr(clipcli.api, "list_tensors", broken)
+    monkeypatch.setattr(clipcli.io, "open_reader", broken)  # what ls calls
     monkeypatch.setattr(clipcli.api, "measure", broken)
     monkeypatch.delenv("CLIPCLI_DEBUG", raising=False)
     for argv in (["ls", src], ["norms", src]):
@@ -388,15 +390,15 @@ def test_internal_errors_never_exit_2(
     are internal errors (70), not usage errors (2)."""
     import typer
 
-    import clipcli.api
+    import clipcli.io
 
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     for error in (typer.BadParameter("x"), ValueError("--format"), LookupError()):
 
-        def broken(*_args: object, error: Exception = error, **_kwargs: object) -> NoReturn:
+        def broken(*_args: object, error: Exception = error, **_kwargs: object) -> None:
             raise error
 
-        monkeypatch.setattr(clipcli.api, "list_tensors", broken)
+        monkeypatch.setattr(clipcli.io, "open_reader", broken)
         assert run_main("ls", src).code == 70
 
 
@@ -405,9 +407,9 @@ def test_internal_error_traceback_only_with_debug(
 ) -> None:
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     program = (
-        "import sys, clipcli.api as e\n"
+        "import sys, clipcli.io as e\n"
         "def broken(*a, **k): raise ZeroDivisionError('boom')\n"
-        "e.list_tensors = broken\n"
+        "e.open_reader = broken\n"
         "from clipcli.cli import main\n"
         f"raise SystemExit(main(['ls', {str(src)!r}]))\n"
     )
@@ -780,7 +782,8 @@ def test_big_chart_is_plain_text_with_the_same_bars(
     """Above PLAIN_TABLE_ROWS bars the chart is written as plain text (rich took ~7 s for
     20,000): every bar still there, scaled to the largest norm, the limit mark in place,
     names escaped."""
-    from clipcli.report import BAR_WIDTH, PLAIN_TABLE_ROWS
+    from clipcli.report.chart import BAR_WIDTH
+    from clipcli.report.table import PLAIN_TABLE_ROWS
 
     n = PLAIN_TABLE_ROWS + 1
     tensors = {f"t{i:05d}": np.full(1, float(i)) for i in range(n)}

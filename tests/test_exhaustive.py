@@ -10,11 +10,13 @@ by name instead of being skipped. Outputs are read back with the official librar
 from __future__ import annotations
 
 import errno
+import io
 import json
 import math
 import os
 import re
 import signal
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,8 @@ from clipcli.cli import main
 from clipcli.errors import ExitCode
 from clipcli.formats.safetensors import SafetensorsWriter
 from clipcli.io import EXTENSIONS
-from clipcli.plan import Mode
 from clipcli.report import OutputFormat, SortKey
+from clipcli.spec import Mode
 
 README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -47,18 +49,31 @@ def _tensors() -> dict[str, np.ndarray]:
     }
 
 
+def _write_h5(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    with h5py.File(path, "w") as handle:
+        for name, array in tensors.items():
+            handle.create_dataset(name, data=array)
+
+
 def _write(path: Path, tensors: dict[str, np.ndarray]) -> Path:
-    """With the official library of the format the suffix names."""
+    """With the official library of the format the suffix names (a Keras 3 archive: zipfile
+    around an h5py file, as `model.save` lays it out)."""
     fmt = EXTENSIONS[path.suffix]
-    if fmt == "safetensors":
+    if fmt == "keras":
+        weights = path.with_name(path.name + ".weights.h5")
+        _write_h5(weights, tensors)
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("metadata.json", json.dumps({"keras_version": "3.6.0"}))
+            archive.writestr("config.json", json.dumps({"class_name": "Functional"}))
+            archive.write(weights, "model.weights.h5")
+        weights.unlink()
+    elif fmt == "safetensors":
         save_file(tensors, str(path))
     elif fmt == "npz":
         arrays: dict[str, Any] = dict(tensors)  # numpy types **kwds as bool | ArrayLike
         np.savez(path, **arrays)
     elif fmt == "hdf5":
-        with h5py.File(path, "w") as handle:
-            for name, array in tensors.items():
-                handle.create_dataset(name, data=array)
+        _write_h5(path, tensors)
     else:
         raise AssertionError(f"no official writer known to the test for {fmt!r}")
     return path
@@ -73,6 +88,12 @@ def _read(path: Path) -> dict[str, np.ndarray]:
             return {name: loaded[name] for name in loaded.files}
     if fmt == "hdf5":
         with h5py.File(path, "r") as handle:
+            return {name: np.asarray(handle[name][()]) for name in handle}
+    if fmt == "keras":
+        with (
+            zipfile.ZipFile(path) as archive,
+            h5py.File(io.BytesIO(archive.read("model.weights.h5")), "r") as handle,
+        ):
             return {name: np.asarray(handle[name][()]) for name in handle}
     raise AssertionError(f"no official reader known to the test for {fmt!r}")
 
@@ -143,9 +164,11 @@ def test_every_registered_suffix_reads_and_writes(
     assert document["format"] == EXTENSIONS[suffix]
     assert sorted(row["name"] for row in document["tensors"]) == sorted(tensors)
     out = tmp_path / f"out{suffix}"
-    assert (
-        main(["convert", "-q", str(_write(tmp_path / "any.safetensors", tensors)), str(out)]) == 0
-    )
+    if EXTENSIONS[suffix] == "keras":  # written from a .keras IN only (it keeps its members)
+        assert main(["clip", "--value", "1e30", "-q", str(src), str(out)]) == 0
+    else:
+        source = _write(tmp_path / "any.safetensors", tensors)
+        assert main(["convert", "-q", str(source), str(out)]) == 0
     back = _read(out)
     assert sorted(back) == sorted(tensors)
     for name, array in tensors.items():
@@ -165,7 +188,8 @@ def test_every_registered_suffix_is_documented(suffix: str) -> None:
 SORT_ORDERS: dict[SortKey, list[str]] = {
     SortKey.FILE: [],
     SortKey.NAME: ["bias", "layers.2.w", "layers.10.w", "step"],  # natural: 2 before 10
-    SortKey.NORM: ["layers.2.w", "step", "layers.10.w", "bias"],  # 13, 7, 5, 1
+    # the tensors the global norm counts, largest first (13, 5, 1), then the rest (README)
+    SortKey.NORM: ["layers.2.w", "layers.10.w", "bias", "step"],
     SortKey.SIZE: ["layers.2.w", "layers.10.w", "bias", "step"],  # 12, 8, 4, 8 bytes
 }
 
@@ -192,16 +216,20 @@ def test_every_sort_key_orders_the_rows(
 
 
 def test_readme_lists_exactly_the_sort_keys() -> None:
-    found = re.search(r"`--sort ([a-z|]+)`", README)
-    assert found, "README lists no --sort keys"
-    assert set(found.group(1).split("|")) == {key.value for key in SortKey}
+    """`norms` lists every key (`ls` takes all but norm: it reads no data)."""
+    keys = {key.value for key in SortKey}
+    listed = [set(found.split("|")) for found in re.findall(r"`--sort ([a-z|]+)`", README)]
+    assert keys in listed, f"README lists no full --sort: {listed}"
+    assert all(entry <= keys for entry in listed), listed
 
 
 def test_readme_lists_exactly_the_report_formats() -> None:
-    listed = set(re.findall(r"`--format ([a-z]+(?:\|[a-z]+)+)`", README))
-    assert listed, "README lists no --format values"
-    for entry in listed:
-        assert set(entry.split("|")) == {fmt.value for fmt in OutputFormat}, entry
+    """The commands' option lists name every format (a sentence about the machine formats
+    alone may name a subset, never an unknown one)."""
+    formats = {fmt.value for fmt in OutputFormat}
+    listed = [set(found.split("|")) for found in re.findall(r"`--format ([a-z|]+)`", README)]
+    assert formats in listed, f"README lists no full --format: {listed}"
+    assert all(entry <= formats for entry in listed), listed
 
 
 @pytest.mark.parametrize("fmt", list(OutputFormat))

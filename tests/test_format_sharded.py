@@ -7,7 +7,7 @@ import filecmp
 import json
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ import pytest
 from safetensors import safe_open
 
 from clipcli.errors import InputError, Interrupted, UsageError, WriteError
+from clipcli.footprint import InputFootprint
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.safetensors import SafetensorsReader, SafetensorsWriter
 from clipcli.formats.sharded import (
@@ -28,7 +29,8 @@ from clipcli.formats.sharded import (
     resolve_sharded,
     validate_sharded,
 )
-from clipcli.output import DirectoryTarget, InputFootprint, choose_target
+from clipcli.output import DirectoryTarget, choose_target
+from clipcli.pipeline import write_tensors
 
 HIDDEN, INTERMEDIATE, VOCAB = 8, 16, 32
 SHARDS = [f"model-{n:05d}-of-00003.safetensors" for n in (1, 2, 3)]
@@ -168,20 +170,18 @@ def drive(
     copy: bool = True,
     transform: Callable[[TensorInfo, np.ndarray], np.ndarray] | None = None,
 ) -> None:
-    """What engine.clip does: a kernel copy where possible, else streamed chunks; abort()
-    on failure, close() after the last tensor."""
-    try:
-        for info in reader.infos:
-            if transform is None and copy and writer.copy_unchanged(reader, info):
-                continue
-            chunks = reader.chunks(info, chunk_elems=20)
-            if transform is not None:
-                chunks = (transform(info, chunk) for chunk in chunks)
-            writer.write(info, chunks)
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close()
+    """Through clipcli's one write loop: a kernel copy where possible, else streamed chunks
+    (transformed if asked); abort() on failure, close() after the last tensor."""
+
+    def chunks_of(info: TensorInfo) -> Iterable[np.ndarray] | None:
+        if transform is None and copy:
+            return None
+        chunks = reader.chunks(info, chunk_elems=20)
+        if transform is None:
+            return chunks
+        return (transform(info, chunk) for chunk in chunks)
+
+    write_tensors(reader, writer, chunks_of)
 
 
 def clip_into(
@@ -199,7 +199,7 @@ def clip_into(
 def atomic_directory(
     out: Path, force: bool, durable: bool = True, expected: frozenset[str] = frozenset()
 ) -> Iterator[Path]:
-    """A directory target checked (against an input elsewhere) and staged, as engine.clip
+    """A directory target checked (against an input elsewhere) and staged, as api.clip
     does: the body fills the staged directory, which then becomes OUT."""
     target = DirectoryTarget(out, force=force, durable=durable)
     target.check(InputFootprint(out.parent / "elsewhere", []), expected)

@@ -13,7 +13,7 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -23,7 +23,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from clipcli.numerics import float16, rounding
+from clipcli.numerics import float16, rounding, scaling
+from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.norms import NormAccumulator, accumulate, global_norm, l2_norm
 from clipcli.numerics.search import truncate_factor
 
@@ -54,7 +55,7 @@ def test_float32_1e20() -> None:
 
 
 @pytest.mark.parametrize("magnitude", [1e200, 1e-200, 1e300, 1e-300])
-def test_float64_extremes(magnitude: Any) -> None:
+def test_float64_extremes(magnitude: float) -> None:
     x = np.array([magnitude, magnitude], dtype=np.float64)
     assert l2_norm(x) == pytest.approx(SQRT2 * magnitude, rel=1e-14)
     assert accumulate([x[:1], x[1:]]).norm == pytest.approx(SQRT2 * magnitude, rel=1e-14)
@@ -108,7 +109,7 @@ def test_global_norm_neither_overflows_nor_underflows() -> None:
     ],
     ids=["bf16", "fp8-e4m3fn", "fp8-e5m2", "complex", "int64", "uint8", "bool", "scalar", "empty"],
 )
-def test_every_dtype(array: Any, expected: Any) -> None:
+def test_every_dtype(array: np.ndarray, expected: float) -> None:
     assert l2_norm(array) == pytest.approx(expected, rel=1e-15)
 
 
@@ -156,7 +157,7 @@ def all_float8(name: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", FLOAT8)
-def test_every_8_bit_float_measures_as_float64_does(name: Any) -> None:
+def test_every_8_bit_float_measures_as_float64_does(name: str) -> None:
     """All 256 values (NaN included), widened through clipcli's lookup table."""
     values = all_float8(name)
     with np.errstate(invalid="ignore"):
@@ -229,20 +230,20 @@ def clamp_keeping_bits(chunk: np.ndarray, lo: Any, hi: Any) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("low", "high"), FLOAT16_BOUNDS)
-def test_float16_clamp_keeps_bits_within_bounds(low: Any, high: Any) -> None:
+def test_float16_clamp_keeps_bits_within_bounds(low: float, high: float) -> None:
     """float16 is clamped through a lookup table (numpy compares float16 in software, 15x
     slower): every one of the 65,536 values, NaN payloads and the sign of zero included,
     comes out exactly as the independent clamp gives it (was np.clip, which replaces
     -0.0 by a +0.0 bound: issue 10 says a value within the bounds keeps its bits)."""
-    lo, hi = np.float16(low), np.float16(high)
+    lo, hi = np.asarray(low, np.float16), np.asarray(high, np.float16)
     expected = clamp_keeping_bits(ALL_FLOAT16, lo, hi)
-    got = rounding.clamp_chunk(ALL_FLOAT16, lo, hi)  # type: ignore[arg-type]  # scalars broadcast
+    got = rounding.clamp_chunk(ALL_FLOAT16, lo, hi)
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
 
 
 @pytest.mark.parametrize("scale", [0.3, 1e-3, 0.999, 2.0**-20, 1 - 2.0**-30, 0.01])
-def test_float16_scaling_is_rounded_once(scale: Any) -> None:
+def test_float16_scaling_is_rounded_once(scale: float) -> None:
     """float16 is widened by moving bits; the result must be the exact product rounded once
     to float16, for every finite value (issue 10: it was a float32 product rounded again).
     numpy rounds float64 to float16 directly, and the product of a float16 and a factor
@@ -299,7 +300,9 @@ EXTREMES = {
 
 
 def test_norms_cli_exact_on_every_format(
-    ckpt: Callable[[str], Path], write_checkpoint: Callable[..., Path], cli: Callable[..., Any]
+    ckpt: Callable[[str], Path],
+    write_checkpoint: Callable[..., Path],
+    cli: Callable[..., Any],
 ) -> None:
     path = write_checkpoint(ckpt("extremes"), {k: v[0] for k, v in EXTREMES.items()})
     result = cli("norms", path, "--format", "json")
@@ -345,8 +348,8 @@ def test_clip_extremes(
     read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
     cli: Callable[..., Any],
     norm64: Callable[[np.ndarray], float],
-    x: Any,
-    limit: Any,
+    x: np.ndarray,
+    limit: float,
 ) -> None:
     src = write_checkpoint(ckpt("in"), {"x": x})
     result = cli("clip", "--global", repr(limit), src, ckpt("out"), "--quiet")
@@ -584,3 +587,48 @@ def test_the_entry_point_keeps_blas_to_one_thread(tmp_path: Path) -> None:
         check=True,
     )
     assert done.stdout.strip().splitlines()[-1] == "1"
+
+
+# ------------------------------------------------------------------ the scale search
+
+
+def _float16_sumsq(values: np.ndarray) -> Fraction:
+    """The exact sum of squares of float16 values (integers in units of 2**-24)."""
+    units = (values.astype(np.float64) * 2.0**24).astype(np.int64).tolist()
+    return Fraction(sum(u * u for u in units), 2**48)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_float16_factor_is_the_largest_that_fits(seed: int) -> None:
+    """The search (histogram margins, narrowed once the answer is bracketed) returns the
+    largest factor of 42 significant bits whose rounded output has norm <= C: checked with
+    numpy's own float16 rounding of the exact product and exact integer sums. The next
+    factor up must go over C, or land within the margin's own rounding slack of C."""
+    rng = np.random.default_rng(100 + seed)
+    size = int(rng.integers(5, 20_000))
+    x = (rng.standard_normal(size) * 10.0 ** rng.uniform(-3, 2)).astype(np.float16)
+    stats = NormAccumulator(keep_histogram=True)
+    stats.add(x)
+    stats.finish()
+    norm = math.sqrt(_float16_sumsq(x))
+    for fraction in (0.3, 0.9, 0.999, 0.99999):
+        limit = norm * fraction
+        member = scaling.Member("t", x.dtype, x.size, stats)
+        factor = scaling.group_factor([member], limit, _no_pass)
+        assert factor is not None
+        assert factor.exponent == 0
+        s = factor.mantissa
+        mantissa, exponent = math.frexp(s)
+        assert math.ldexp(mantissa, 42) == int(math.ldexp(mantissa, 42))  # 42 bits at most
+        bound = Fraction(limit) ** 2
+        with np.errstate(under="ignore"):
+            fits = _float16_sumsq((x.astype(np.float64) * s).astype(np.float16))
+            after = s + math.ldexp(1.0, exponent - 42)
+            over = _float16_sumsq((x.astype(np.float64) * after).astype(np.float16))
+        assert fits <= bound
+        assert over > bound * (1 - Fraction(1, 10**9))
+
+
+def _no_pass(which: Sequence[int], factor: scaling.Factor) -> CertainSumsq:
+    """float16 members need no pass over the data: the histogram decides."""
+    raise AssertionError(f"unexpected pass over {which} at {factor}")

@@ -16,28 +16,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clipcli import report
 from clipcli.api import ClipRow
 from clipcli.factor import OutputCheck
 from clipcli.formats.base import Reader, TensorInfo
 from clipcli.measurement import Measurement
-from clipcli.numerics.norms import CertainSumsq, NormAccumulator
+from clipcli.numerics.certain import CertainSumsq
+from clipcli.numerics.norms import NormAccumulator
 from clipcli.numerics.rounding import scale_chunk
 from clipcli.pipeline import DiscardingWriter, execute
-from clipcli.plan import (
-    Action,
-    ClipSpec,
-    EarlyVerdict,
-    Mode,
-    Outcome,
-    Plan,
-    Reason,
-    build_spec,
-    copy_plan,
-    plan,
-)
+from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, Reason, copy_plan, plan
+from clipcli.report import builders as report
 from clipcli.roles import Role
 from clipcli.selection import EVERY_TENSOR, Selection
+from clipcli.spec import ClipSpec, Mode, build_spec
 
 RNG = np.random.default_rng(1313)
 

@@ -1,49 +1,150 @@
-"""Progress bars: on stderr only for a terminal and work over the delay; never in pipes."""
+"""Progress bars (issue 12, item 4): on stderr only for a terminal, shown from a pass's first
+byte, one unit system (binary: MiB, MiB/s), the sync to disk labelled, and the bar's line
+finished on every exit (a real SIGINT to a real process on a pseudo-terminal)."""
 
 from __future__ import annotations
 
 import io
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from handmade import write_safetensors
+from rich.console import Console
 
 from clipcli import cli
+from clipcli.commands.common import progress as cli_progress
 from clipcli.progress import SILENT
-from clipcli.report import TerminalProgress
+from clipcli.report.progress_bar import SYNC_LABEL, TerminalProgress, binary_size
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "tiny_mlp.safetensors"
+CSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def test_no_progress_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli._progress() is SILENT
-    sample = Path(__file__).resolve().parent.parent / "sample_data" / "tiny_mlp.safetensors"
-    assert cli.main(["norms", "-f", "json", str(sample)]) == 0
+    assert cli_progress() is SILENT
+    assert cli.main(["norms", "-f", "json", str(SAMPLE)]) == 0
     assert capsys.readouterr().err == ""
 
 
 def test_quiet_turns_progress_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
-    assert cli._progress(quiet=True) is SILENT
+    assert cli_progress(quiet=True) is SILENT
 
 
-def test_terminal_progress_shows_bytes_after_the_delay(monkeypatch: pytest.MonkeyPatch) -> None:
-    screen = io.StringIO()
-    from rich.console import Console
-
+@pytest.fixture
+def screen(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
+    """What the bar draws, on a 100-column terminal."""
+    text = io.StringIO()
     monkeypatch.setattr(
-        "rich.console.Console", lambda **_kw: Console(file=screen, force_terminal=True, width=100)
+        "rich.console.Console",
+        lambda **_kw: Console(file=text, force_terminal=True, width=100),
     )
-    progress = TerminalProgress(delay=0.0)
-    progress.start("measuring", 4 << 20)
-    progress.advance(2 << 20)
-    progress.advance(2 << 20)
-    progress.finish()
+    return text
+
+
+def test_bar_is_shown_from_the_first_byte_in_binary_units(screen: io.StringIO) -> None:
+    bar = TerminalProgress()
+    bar.start("measuring", 4 << 20)
+    assert bar._bar is not None  # before any byte is done
+    bar.advance(2 << 20)
+    bar.close()
     text = screen.getvalue()
     assert "measuring" in text
     assert "MiB" in text
+    assert not re.search(r"\b[kMGT]B\b", text)  # no decimal units beside the binary ones
 
 
-def test_quick_passes_print_nothing() -> None:
-    progress = TerminalProgress(delay=60.0)
-    progress.start("measuring", 100)
-    progress.advance(100)
-    progress.finish()
-    assert progress._bar is None
+def test_sync_after_writing_is_labelled_until_closed(screen: io.StringIO) -> None:
+    bar = TerminalProgress()
+    bar.start("writing", 1 << 20)
+    bar.advance(1 << 20)
+    bar.finish()  # the last byte is written; the sync to disk follows
+    assert bar._bar is not None
+    bar._bar.refresh()
+    assert SYNC_LABEL in screen.getvalue()
+    bar.close()
+    assert bar._bar is None
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (1 << 30, "1.0 GiB")],
+)
+def test_binary_sizes(n: int, text: str) -> None:
+    assert binary_size(n) == text
+
+
+# Each chunk's progress report sleeps, so that a 48 MiB file takes seconds on any machine;
+# everything else is the real program.
+SLOW_RUN = (
+    "import time\n"
+    "from clipcli.report import progress_bar\n"
+    "advance = progress_bar.TerminalProgress.advance\n"
+    "def slow(self, n):\n"
+    "    time.sleep(0.1)\n"
+    "    advance(self, n)\n"
+    "progress_bar.TerminalProgress.advance = slow\n"
+    "import sys; sys.argv[0] = 'clipcli'\n"
+    "from clipcli.__main__ import run\n"
+    "run()\n"
+)
+
+
+def _read_until(fd: int, pattern: bytes, seconds: float) -> bytes:
+    seen = b""
+    deadline = time.monotonic() + seconds
+    while pattern not in seen and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+    return seen
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_bar_line(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    model = write_safetensors(
+        tmp_path / "m.safetensors",
+        {f"w{i}": rng.standard_normal(1 << 20).astype(np.float32) for i in range(12)},
+    )
+    main_fd, terminal = pty.openpty()
+    env = dict(os.environ, COLUMNS="100", TERM="xterm")
+    child = subprocess.Popen(
+        [sys.executable, "-c", SLOW_RUN, "norms", str(model)],
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=terminal,
+        env=env,
+    )
+    os.close(terminal)
+    try:
+        shown = _read_until(main_fd, b"MiB", 30)
+        assert b"measuring" in shown, shown  # the bar is up
+        child.send_signal(signal.SIGINT)
+        shown += _read_until(main_fd, b"interrupted", 30)
+        assert child.wait(30) == 130
+        shown += _read_until(main_fd, b"\n\n", 0.5)
+    finally:
+        child.kill()
+        os.close(main_fd)
+    text = shown.decode("utf-8", "replace")
+    before, _, after = text.rpartition("clipcli: error: interrupted")
+    assert before, text
+    # Once the escape sequences are taken out, the bar's last characters are followed by a
+    # carriage return or a newline: the message starts at column 0, on its own line; the
+    # bar is not drawn again after it, and the cursor it hid is shown again.
+    assert CSI.sub("", before)[-1:] in ("\r", "\n"), repr(before[-200:])
+    assert after.strip() == "", repr(after)
+    assert before.rfind("\x1b[?25h") > before.rfind("\x1b[?25l"), repr(before[-200:])

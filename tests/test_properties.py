@@ -119,10 +119,10 @@ def limit_from(norm: float, ratio: float) -> float:
     ratio=st.floats(1e-3, 2.0),
 )
 def test_clipped_norm_never_exceeds_the_limit(
-    ext: Any,
-    data: Any,
-    mode: Any,
-    ratio: Any,
+    ext: str,
+    data: st.DataObject,
+    mode: str,
+    ratio: float,
     write_checkpoint: Callable[..., Path],
     read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
     norm64: Callable[[np.ndarray], float],
@@ -170,10 +170,10 @@ MODES = ["--value", "--norm", "--average", "--global", "--axes"]
 @PROPERTY
 @given(data=st.data(), mode=st.sampled_from(MODES), ratio=st.floats(1e-3, 2.0))
 def test_clipping_is_idempotent(
-    ext: Any,
-    data: Any,
-    mode: Any,
-    ratio: Any,
+    ext: str,
+    data: st.DataObject,
+    mode: str,
+    ratio: float,
     write_checkpoint: Callable[..., Path],
     read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
     norm64: Callable[[np.ndarray], float],
@@ -215,10 +215,10 @@ def test_clipping_is_idempotent(
     headroom=st.floats(1e-6, 10.0),
 )
 def test_tensors_within_the_limit_are_unchanged(
-    ext: Any,
-    tensors: Any,
-    mode: Any,
-    headroom: Any,
+    ext: str,
+    tensors: dict[str, np.ndarray],
+    mode: str,
+    headroom: float,
     write_checkpoint: Callable[..., Path],
     read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
     norm64: Callable[[np.ndarray], float],
@@ -255,8 +255,8 @@ def test_tensors_within_the_limit_are_unchanged(
 @PROPERTY
 @given(tensors=checkpoints())
 def test_clip_with_an_infinite_limit_is_a_faithful_copy(
-    ext: Any,
-    tensors: Any,
+    ext: str,
+    tensors: dict[str, np.ndarray],
     write_checkpoint: Callable[..., Path],
     read_checkpoint: Callable[[Path], dict[str, np.ndarray]],
     assert_bit_identical: Callable[..., None],

@@ -99,8 +99,7 @@ def write_any(path: Path, tensors: dict[str, np.ndarray]) -> Path:
     if path.suffix == ".safetensors":
         return write_safetensors(path, tensors)
     if path.suffix == ".npz":
-        arrays: dict[str, Any] = dict(tensors)  # numpy types **kwds as bool | ArrayLike
-        np.savez(path, **arrays)
+        np.savez(path, **tensors)  # type: ignore[arg-type]  # numpy's stub: allow_pickle
         return path
     import h5py
 
@@ -195,7 +194,8 @@ class Table:
             with np.errstate(invalid="ignore"):
                 nz = np.asarray(-0.0).astype(self.dtype).view(f"u{self.dtype.itemsize}")
             result[negative_zero] = nz
-        return np.asarray(result)
+        picked: np.ndarray = result
+        return picked
 
 
 TABLES: dict[str, Table] = {}
@@ -211,13 +211,13 @@ def two_product(x: np.ndarray, s: float) -> tuple[np.ndarray, np.ndarray]:
     """x*s as an exact sum high + low (Dekker, both factors split)."""
     high = x * s
 
-    def split(a: Any) -> tuple[Any, Any]:
+    def split(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         c = a * 134217729.0
         h = c - (c - a)
         return h, a - h
 
     xh, xl = split(x)
-    sh, sl = split(np.float64(s))
+    sh, sl = split(np.asarray(s, np.float64))
     low = ((xh * sh - high) + xh * sl + xl * sh) + xl * sl
     return high, low
 
@@ -291,14 +291,16 @@ def sample(dtype: np.dtype, shape: tuple[int, ...], seed: int) -> np.ndarray:
         values *= 2.0 ** rng.integers(-12, 4, n)
     if dtype.kind == "c":
         values = values + 1j * rng.standard_normal(n)
-    top = float(ml_dtypes.finfo(dtype).max) / 2 if dtype.itemsize <= 2 else math.inf  # type: ignore[no-untyped-call]
+    largest = float(ml_dtypes.finfo(dtype).max)  # type: ignore[no-untyped-call]
+    top = largest / 2 if dtype.itemsize <= 2 else math.inf
     values = np.clip(values.real, -top, top) + (1j * values.imag if dtype.kind == "c" else 0)
     with np.errstate(over="ignore"):
         if dtype.itemsize <= 2:
             out = values.astype(np.float32).astype(dtype)
         else:
             out = values.astype(dtype)
-    return np.asarray(out.reshape(shape))
+    shaped: np.ndarray = out.reshape(shape)
+    return shaped
 
 
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 2), (0,), (64,)]
@@ -380,7 +382,7 @@ QUICK_NORM_DTYPES = ("float32", "float64", "bfloat16", "float16", "float8_e4m3fn
 )
 @pytest.mark.parametrize("mode", ["norm", "average", "global"])
 def test_norm_modes_against_reference(
-    cli: Callable[..., Any], tmp_path: Path, name: Any, mode: Any
+    cli: Callable[..., Any], tmp_path: Path, name: str, mode: str
 ) -> None:
     dtype = dtype_of(name)
     for seed, shape in enumerate(SHAPES):
@@ -412,7 +414,7 @@ def test_norm_modes_against_reference(
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("CLIPCLI_SLOW"), reason="slow: set CLIPCLI_SLOW=1")
 @pytest.mark.parametrize("name", NORM_DTYPES)
-def test_norm_modes_larger_sweep(cli: Callable[..., Any], tmp_path: Path, name: Any) -> None:
+def test_norm_modes_larger_sweep(cli: Callable[..., Any], tmp_path: Path, name: str) -> None:
     """More seeds, bigger tensors and limits at many distances from the norm (slow)."""
     dtype = dtype_of(name)
     for seed in range(100, 130):
@@ -444,7 +446,7 @@ AXES_CASES = [
 
 
 @pytest.mark.parametrize("name", [*STORABLE, "complex128"])
-def test_axes_against_reference(cli: Callable[..., Any], tmp_path: Path, name: Any) -> None:
+def test_axes_against_reference(cli: Callable[..., Any], tmp_path: Path, name: str) -> None:
     """Each slice over C gets the best uniform factor of its own (to one rounding), each
     slice within C stays bit-identical, and clipping again changes nothing."""
     dtype = dtype_of(name)
@@ -476,7 +478,7 @@ def test_axes_against_reference(cli: Callable[..., Any], tmp_path: Path, name: A
 
 
 @pytest.mark.parametrize("name", LIBRARY_ONLY)
-def test_unstorable_fp8_through_the_library(name: Any) -> None:
+def test_unstorable_fp8_through_the_library(name: str) -> None:
     """fp8 variants no format stores: the same scale search through axes_scales (all axes),
     then scale_slices; checked as above against the reference."""
     from clipcli.numerics import slices
@@ -574,7 +576,7 @@ VALUE_BOUNDS = [
 
 @pytest.mark.parametrize("name", [*STORABLE])
 def test_value_mode_against_independent_clamp(
-    cli: Callable[..., Any], tmp_path: Path, name: Any
+    cli: Callable[..., Any], tmp_path: Path, name: str
 ) -> None:
     dtype = dtype_of(name)
     if dtype.kind == "c":
@@ -613,7 +615,7 @@ def test_value_mode_against_independent_clamp(
 
 def clip_one(
     cli: Callable[..., Any], tmp_path: Path, x: np.ndarray, *args: str, suffix: str = ".safetensors"
-) -> tuple[Any, Any]:  # (the run, the output tensor or None when refused)
+) -> tuple[Any, Any]:
     src = write_any(tmp_path / f"issue-in{suffix}", {"t": x})
     out = tmp_path / f"issue-out{suffix}"
     result = cli("clip", *args, str(src), str(out), "--format", "json", "--force")
@@ -623,7 +625,7 @@ def clip_one(
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz"])
 @pytest.mark.parametrize("bound", [["--max", "9"], ["--min", "-9"]])
 def test_issue_1_one_sided_bounds_on_fp8_without_infinity(
-    cli: Callable[..., Any], tmp_path: Path, name: Any, bound: Any
+    cli: Callable[..., Any], tmp_path: Path, name: str, bound: str
 ) -> None:
     dtype = dtype_of(name)
     x = np.array([0, 1, 20, -30], np.float32).astype(dtype)

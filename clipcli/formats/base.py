@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
+
+from clipcli.formats.structure import Structure
 
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
 # small enough that a float64 copy of it stays in L2/L3 cache.
@@ -50,13 +52,79 @@ def default_chunk_elems(dtype: np.dtype[Any]) -> int:
     return max(1, CHUNK_BYTES // max(1, dtype.itemsize))
 
 
+@dataclass(frozen=True)
+class StoredBytes:
+    """Where a tensor's bytes lie in a file, stored as safetensors stores them (C order,
+    little-endian, nothing between): what a kernel copy may take byte for byte."""
+
+    path: Path
+    fileno: Callable[[], int]  # the descriptor, reopened if it was released
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Shard:
+    name: str  # a plain file name
+    infos: list[TensorInfo]
+    metadata: Mapping[str, str]  # the shard's own __metadata__
+
+
+@dataclass(frozen=True)
+class DirectoryLayout:
+    """A model directory's shape, for writing another like it: the shards with their
+    tensors, the index (if any), and the other files and folders that go beside them."""
+
+    root: Path
+    shards: list[Shard]
+    index_name: str | None
+    index_document: dict[str, Any] | None  # a copy, free to edit
+    side_folders: list[Path]  # under root, parents before children
+    side_files: list[Path]  # under root
+    open_side_file: Callable[[Path], BinaryIO]  # checked again when opened
+
+    def output_names(self) -> frozenset[str]:
+        """Every path (relative, '/'-separated) a copy of this directory holds."""
+        names = {shard.name for shard in self.shards}
+        if self.index_name is not None:
+            names.add(self.index_name)
+        for path in [*self.side_folders, *self.side_files]:
+            names.add(path.relative_to(self.root).as_posix())
+        return frozenset(names)
+
+
+@dataclass(frozen=True)
+class NonTensorInfo:
+    """A stored object that is not a tensor (an HDF5 string dataset such as a vocabulary,
+    a compound table, an empty dataspace): listed, never measured or clipped, and carried
+    through unchanged where the output format can hold it."""
+
+    name: str
+    kind: str  # what it holds, for people: "a variable-length string dtype"
+    shape: tuple[int, ...] | None  # None: an empty (null) dataspace
+    nbytes: int  # as declared in the file
+    copyable: bool = True  # False: it cannot be carried to another file (references)
+    variable_length: bool = False
+
+
 @dataclass
 class Checkpoint:
-    """What a writer needs besides the tensors: metadata, and the reader for format extras."""
+    """What a writer needs besides the tensors: metadata, and the reader whose format
+    extras (declared on Reader: compression, directory layout, stored bytes) it may use."""
 
     infos: list[TensorInfo]
     metadata: Mapping[str, str] = field(default_factory=dict)
     source: Reader | None = None
+
+    @property
+    def compressed(self) -> bool:
+        """The source was compressed (an npz written with savez_compressed)."""
+        return self.source is not None and self.source.compressed
+
+    @property
+    def layout(self) -> DirectoryLayout | None:
+        """The source's model-directory layout, None for a single file."""
+        return self.source.directory_layout() if self.source is not None else None
 
 
 class Reader(ABC):
@@ -97,9 +165,49 @@ class Reader(ABC):
         """Every file this reader takes data from (checked for changes during a clip)."""
         return [self.path]
 
+    def structure(self) -> Structure | None:
+        """The file's structure beyond its tensors (HDF5 groups, attributes, non-tensor
+        datasets), carried through conversions; None when the format has none."""
+        return None
+
+    @property
+    def non_tensors(self) -> list[NonTensorInfo]:
+        """Stored objects that are not tensors, in file order (HDF5 only, so far)."""
+        return []
+
     def side_files(self) -> list[Path]:
         """Files that are not tensors but belong with them in an output directory."""
         return []
+
+    # -- format extras: what a writer or a job may ask of any reader
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the tensors were stored compressed (a copy should be too)."""
+        return False
+
+    @property
+    def model_directory(self) -> Path | None:
+        """The Hugging Face model directory being read, where a config.json may live."""
+        return None
+
+    def joined_metadata(self) -> dict[str, str]:
+        """The metadata for one file that holds every tensor (a directory's shards joined
+        keep their own metadata, not the index's)."""
+        return dict(self.metadata)
+
+    def directory_layout(self) -> DirectoryLayout | None:
+        """The model directory's layout, for an output directory like it; None for a file."""
+        return None
+
+    def left_out_entries(self) -> list[tuple[str, str]]:
+        """(relative path, why) of each entry a copy of the directory leaves out."""
+        return []
+
+    def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:
+        """Where the tensor's bytes lie as safetensors stores them, for a kernel copy;
+        None when they are not stored so."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
@@ -148,6 +256,24 @@ class Writer(ABC):
     def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
         """Why this format cannot store this metadata (copied from `source`), or None."""
         return None
+
+    @classmethod
+    def output_names(cls, source: Reader) -> frozenset[str]:
+        """Every path (relative) this writer creates in an output directory for `source`;
+        empty for a writer of one file."""
+        return frozenset()
+
+    @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:
+        """What of the source's structure this format would drop (refused unless the user
+        accepts the loss). By default a format keeps no structure: everything beyond the
+        tensors and file metadata that the source holds is lost."""
+        structure = source.structure()
+        # Root string attributes travel as file metadata, which the writer keeps or
+        # reports on its own (check_metadata, npz's own losses).
+        if structure is None or structure.is_trivial(root_attributes_ok=source.metadata):
+            return []
+        return [f"the HDF5 structure ({structure.summary()})"]
 
     @abstractmethod
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:

@@ -95,7 +95,7 @@ class NpzReader(Reader):
         infos: list[TensorInfo] = []
         members: dict[str, _Member] = {}
         seen: set[str] = set()
-        self._check_layout(self._zip.infolist())
+        check_zip_layout(self.path, self._handle.fileno(), self._zip)
         for entry in self._zip.infolist():
             name = entry.filename
             if name in seen:
@@ -114,117 +114,6 @@ class NpzReader(Reader):
             infos.append(info)
             members[tensor] = member
         return infos, members
-
-    def _check_layout(self, entries: list[zipfile.ZipInfo]) -> None:
-        """Each member's bytes are its own and inside the file, and together they inflate
-        to at most expansion_budget(file size).
-
-        The central directory is what zipfile trusts; a hostile zip can make it claim more
-        than the file holds: members whose data overlap or share bytes (one compressed
-        block read as a thousand members), a local header that disagrees with its central
-        entry (another name, method or size), a stored member whose two sizes differ, data
-        running into the central directory or past the end. Each member's span (local
-        header, name, extra field, data, data descriptor) is computed from its local
-        header and the spans must be disjoint and lie before the central directory.
-        """
-        fd = self._handle.fileno()
-        file_size = os.fstat(fd).st_size
-        directory_start = getattr(self._zip, "start_dir", file_size)
-        spans: list[tuple[int, int, str]] = []
-        total = 0
-        for entry in entries:
-            name = entry.filename
-            tensor = name[: -len(".npy")] if name.endswith(".npy") else name
-            if entry.compress_type not in COMPRESSION_METHODS:
-                raise InputError(
-                    self.path,
-                    f"compression method {entry.compress_type} is not one numpy writes "
-                    "(stored or deflate)",
-                    tensor,
-                )
-            if entry.compress_type == zipfile.ZIP_STORED and entry.compress_size != entry.file_size:
-                raise InputError(
-                    self.path,
-                    f"stored member claims {entry.file_size} bytes but holds {entry.compress_size}",
-                    tensor,
-                )
-            if not 0 <= entry.header_offset < file_size:
-                raise InputError(
-                    self.path,
-                    f"local header offset {entry.header_offset} is outside the file",
-                    tensor,
-                )
-            try:
-                begin, end = self._member_span(fd, entry, tensor, file_size)
-            except (OSError, OverflowError, ValueError) as exc:
-                raise InputError(
-                    self.path, f"cannot read the local header: {exc}", tensor
-                ) from None
-            if end > min(directory_start, file_size):
-                raise InputError(
-                    self.path,
-                    "member data runs into the central directory or past the end",
-                    tensor,
-                )
-            spans.append((begin, end, tensor))
-            total += entry.file_size
-        spans.sort()
-        for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
-            if begin < end:
-                raise InputError(
-                    self.path,
-                    f"members {first!r} and {second!r} overlap (share bytes); refusing a "
-                    "zip that claims more data than it holds",
-                )
-        budget = expansion_budget(file_size)
-        if total > budget:
-            raise InputError(
-                self.path,
-                f"members inflate to {total} bytes in all, more than {BOMB_RATIO} times the "
-                f"{file_size}-byte file plus {BOMB_MIN_BYTES >> 20} MiB ({budget}); "
-                "refusing what looks like a zip bomb",
-            )
-
-    def _member_span(
-        self, fd: int, entry: zipfile.ZipInfo, tensor: str, file_size: int
-    ) -> tuple[int, int]:
-        """[begin, end) of the member's local header, data and data descriptor."""
-        local = os.pread(fd, _LOCAL_HEADER.size, entry.header_offset)
-        if len(local) != _LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
-            raise InputError(self.path, "bad zip local header", tensor)
-        (_, _, flags, method, _, _, crc, compressed, size, name_len, extra_len) = (
-            _LOCAL_HEADER.unpack(local)
-        )
-        raw_name = os.pread(fd, name_len, entry.header_offset + _LOCAL_HEADER.size)
-        central_name = entry.orig_filename
-        encoding = "utf-8" if entry.flag_bits & 0x800 else "cp437"
-        if raw_name.decode(encoding, "replace") != central_name or method != entry.compress_type:
-            raise InputError(
-                self.path,
-                "local header disagrees with the central directory (name or method)",
-                tensor,
-            )
-        data_start = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        if not flags & _DATA_DESCRIPTOR_FLAG:
-            if 0xFFFFFFFF in (compressed, size):  # ZIP64: the sizes are in the extra field
-                extra = os.pread(fd, extra_len, data_start - extra_len)
-                size, compressed = _zip64_sizes(extra, size, compressed)
-            if (compressed, size, crc) != (entry.compress_size, entry.file_size, entry.CRC):
-                raise InputError(
-                    self.path,
-                    "local header disagrees with the central directory (sizes or CRC)",
-                    tensor,
-                )
-        end = data_start + entry.compress_size
-        if end > file_size:
-            raise InputError(self.path, "member data runs past the end of the file", tensor)
-        if flags & _DATA_DESCRIPTOR_FLAG:
-            # An optional signature, the CRC and two sizes of 4 bytes each, or 8 in ZIP64.
-            extra = os.pread(fd, extra_len, data_start - extra_len)
-            end += (4 if os.pread(fd, 4, end) == b"PK\x07\x08" else 0) + (
-                20 if _has_zip64_field(extra) else 12
-            )
-        return entry.header_offset, end
 
     def _parse_member(self, entry: zipfile.ZipInfo, tensor: str) -> tuple[TensorInfo, _Member]:
         try:
@@ -518,6 +407,117 @@ def _has_zip64_field(extra: bytes) -> bool:
     return False
 
 
+def check_zip_layout(path: Path, fd: int, archive: zipfile.ZipFile) -> None:
+    """Each member's bytes are its own and inside the file, and together they inflate
+    to at most expansion_budget(file size).
+
+    The central directory is what zipfile trusts; a hostile zip can make it claim more
+    than the file holds: members whose data overlap or share bytes (one compressed
+    block read as a thousand members), a local header that disagrees with its central
+    entry (another name, method or size), a stored member whose two sizes differ, data
+    running into the central directory or past the end. Each member's span (local
+    header, name, extra field, data, data descriptor) is computed from its local
+    header and the spans must be disjoint and lie before the central directory.
+    """
+    entries = archive.infolist()
+    file_size = os.fstat(fd).st_size
+    directory_start = getattr(archive, "start_dir", file_size)
+    spans: list[tuple[int, int, str]] = []
+    total = 0
+    for entry in entries:
+        name = entry.filename
+        tensor = name[: -len(".npy")] if name.endswith(".npy") else name
+        if entry.compress_type not in COMPRESSION_METHODS:
+            raise InputError(
+                path,
+                f"compression method {entry.compress_type} is not one numpy writes "
+                "(stored or deflate)",
+                tensor,
+            )
+        if entry.compress_type == zipfile.ZIP_STORED and entry.compress_size != entry.file_size:
+            raise InputError(
+                path,
+                f"stored member claims {entry.file_size} bytes but holds {entry.compress_size}",
+                tensor,
+            )
+        if not 0 <= entry.header_offset < file_size:
+            raise InputError(
+                path,
+                f"local header offset {entry.header_offset} is outside the file",
+                tensor,
+            )
+        try:
+            begin, end = _member_span(path, fd, entry, tensor, file_size)
+        except (OSError, OverflowError, ValueError) as exc:
+            raise InputError(path, f"cannot read the local header: {exc}", tensor) from None
+        if end > min(directory_start, file_size):
+            raise InputError(
+                path,
+                "member data runs into the central directory or past the end",
+                tensor,
+            )
+        spans.append((begin, end, tensor))
+        total += entry.file_size
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise InputError(
+                path,
+                f"members {first!r} and {second!r} overlap (share bytes); refusing a "
+                "zip that claims more data than it holds",
+            )
+    budget = expansion_budget(file_size)
+    if total > budget:
+        raise InputError(
+            path,
+            f"members inflate to {total} bytes in all, more than {BOMB_RATIO} times the "
+            f"{file_size}-byte file plus {BOMB_MIN_BYTES >> 20} MiB ({budget}); "
+            "refusing what looks like a zip bomb",
+        )
+
+
+def _member_span(
+    path: Path, fd: int, entry: zipfile.ZipInfo, tensor: str, file_size: int
+) -> tuple[int, int]:
+    """[begin, end) of the member's local header, data and data descriptor."""
+    local = os.pread(fd, _LOCAL_HEADER.size, entry.header_offset)
+    if len(local) != _LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
+        raise InputError(path, "bad zip local header", tensor)
+    (_, _, flags, method, _, _, crc, compressed, size, name_len, extra_len) = _LOCAL_HEADER.unpack(
+        local
+    )
+    raw_name = os.pread(fd, name_len, entry.header_offset + _LOCAL_HEADER.size)
+    central_name = entry.orig_filename
+    encoding = "utf-8" if entry.flag_bits & 0x800 else "cp437"
+    if raw_name.decode(encoding, "replace") != central_name or method != entry.compress_type:
+        raise InputError(
+            path,
+            "local header disagrees with the central directory (name or method)",
+            tensor,
+        )
+    data_start = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if not flags & _DATA_DESCRIPTOR_FLAG:
+        if 0xFFFFFFFF in (compressed, size):  # ZIP64: the sizes are in the extra field
+            extra = os.pread(fd, extra_len, data_start - extra_len)
+            size, compressed = _zip64_sizes(extra, size, compressed)
+        if (compressed, size, crc) != (entry.compress_size, entry.file_size, entry.CRC):
+            raise InputError(
+                path,
+                "local header disagrees with the central directory (sizes or CRC)",
+                tensor,
+            )
+    end = data_start + entry.compress_size
+    if end > file_size:
+        raise InputError(path, "member data runs past the end of the file", tensor)
+    if flags & _DATA_DESCRIPTOR_FLAG:
+        # An optional signature, the CRC and two sizes of 4 bytes each, or 8 in ZIP64.
+        extra = os.pread(fd, extra_len, data_start - extra_len)
+        end += (4 if os.pread(fd, 4, end) == b"PK\x07\x08" else 0) + (
+            20 if _has_zip64_field(extra) else 12
+        )
+    return entry.header_offset, end
+
+
 class InputProblem(ValueError):
     """A malformed .npy member; the reader adds the file and tensor."""
 
@@ -605,11 +605,18 @@ class NpzWriter(Writer):
 
     def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
         super().__init__(path, checkpoint, durable)
-        source = checkpoint.source
-        compress = isinstance(source, NpzReader) and source.compressed
+        compress = checkpoint.compressed
         self._zip = zipfile.ZipFile(
             path, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED, allowZip64=True
         )
+
+    @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:
+        """npz holds tensors and nothing else: file metadata and any structure are lost."""
+        losses = super().structure_losses(source)
+        if source.metadata:
+            losses.append(f"file metadata ({len(source.metadata)} keys)")
+        return losses
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:

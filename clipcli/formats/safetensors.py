@@ -25,11 +25,18 @@ from clipcli.filecopy import copy_range
 from clipcli.formats.base import (
     Checkpoint,
     Reader,
+    StoredBytes,
     TensorInfo,
     WritebackStarter,
     Writer,
     byte_view,
     default_chunk_elems,
+)
+from clipcli.formats.structure import (
+    STRUCTURE_KEY,
+    MalformedStructure,
+    Structure,
+    parse_structure,
 )
 from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
@@ -111,6 +118,7 @@ class SafetensorsReader(Reader):
         try:
             self._identity = FileIdentity.of_stat(os.fstat(self._file.fileno()))
             self._infos, self._offsets, self._metadata = self._parse(self._file)
+            self._structure: Structure | None = None
         except BaseException:
             self._file.close()
             raise
@@ -264,9 +272,29 @@ class SafetensorsReader(Reader):
     def metadata(self) -> Mapping[str, str]:
         return self._metadata
 
+    def structure(self) -> Structure | None:
+        """The HDF5 structure recorded under STRUCTURE_KEY by a conversion from HDF5, read
+        on first use (ls and norms never need it); malformed is an InputError then."""
+        text = self._metadata.get(STRUCTURE_KEY)
+        if text is None:
+            return None
+        if self._structure is None:
+            self._structure = Structure(load=lambda: self._parse_structure(text))
+        return self._structure
+
+    def _parse_structure(self, text: str) -> Structure:
+        try:
+            return parse_structure(text)
+        except MalformedStructure as exc:
+            raise self._fail(f"__metadata__[{STRUCTURE_KEY!r}] is malformed: {exc}") from None
+
     def byte_range(self, info: TensorInfo) -> tuple[int, int]:
         """Absolute [begin, end) of the tensor's bytes in the file."""
         return self._offsets[info.name]
+
+    def stored_bytes(self, info: TensorInfo) -> StoredBytes:
+        begin, end = self.byte_range(info)
+        return StoredBytes(self.path, self.fileno, begin, end)
 
     def fileno(self) -> int:
         """The open descriptor (reopened if released); valid until the next release()."""
@@ -338,25 +366,38 @@ def build_header(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> by
     return _U64.pack(len(text)) + text
 
 
+def with_structure(checkpoint: Checkpoint) -> dict[str, str]:
+    """The checkpoint's metadata, plus the HDF5 structure of an HDF5 source under
+    STRUCTURE_KEY (a safetensors source keeps the key it has, as all its metadata)."""
+    metadata = dict(checkpoint.metadata)
+    structure = checkpoint.source.structure() if checkpoint.source is not None else None
+    if structure is None or structure.origin is None or STRUCTURE_KEY in metadata:
+        return metadata
+    if structure.document is not None and not structure.is_plain(metadata):
+        metadata[STRUCTURE_KEY] = structure.to_text()
+    return metadata
+
+
 class SafetensorsWriter(Writer):
     format_name = "safetensors"
+
+    @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:
+        """An HDF5 source's structure is kept under STRUCTURE_KEY, but for what has no
+        portable description (references, sequences, names that are not UTF-8)."""
+        structure = source.structure()
+        if structure is None or structure.origin is None:
+            return []
+        return list(structure.dropped)
 
     def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
         super().__init__(path, checkpoint, durable)
         for info in checkpoint.infos:
             if (reason := self.check_dtype(info)) is not None:
                 raise ValueError(reason)
-        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed by close()/abort()
-        header = build_header(checkpoint.infos, checkpoint.metadata)
-        total = len(header) + sum(info.nbytes for info in checkpoint.infos)
-        # Reserving the whole file up front makes a full disk fail before any data is
-        # written, and spares the filesystem growing the file block by block.
-        try:
-            os.posix_fallocate(self._file.fileno(), 0, total)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise
-            # Filesystems without fallocate support (EOPNOTSUPP, EINVAL) just grow the file.
+        self._file: BinaryIO = self._open(path)
+        header = build_header(checkpoint.infos, with_structure(checkpoint))
+        self._reserve(len(header) + sum(info.nbytes for info in checkpoint.infos))
         self._file.write(header)
         self._writeback = WritebackStarter(self._file.fileno()) if durable else None
         self._offsets: dict[str, int] = {}
@@ -368,16 +409,29 @@ class SafetensorsWriter(Writer):
         self._copier: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
 
+    def _open(self, path: Path) -> BinaryIO:
+        return open(path, "wb")
+
+    def _reserve(self, total: int) -> None:
+        """Reserving the whole file up front makes a full disk fail before any data is
+        written, and spares the filesystem growing the file block by block."""
+        try:
+            os.posix_fallocate(self._file.fileno(), 0, total)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise
+            # Filesystems without fallocate support (EOPNOTSUPP, EINVAL) just grow the file.
+
     def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
         """Kernel-copy the tensor to its final offset on a background thread, so that when
         nothing changes the copy overlaps the measuring pass instead of following it."""
-        if not isinstance(source, SafetensorsReader) or not info.nbytes:
+        stored = source.stored_bytes(info)
+        if stored is None or not info.nbytes:
             return
         if self._copier is None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clipcli-copy")
-        begin, end = source.byte_range(info)
         self._ahead[info.name] = self._copier.submit(
-            self._copy_range, source.fileno(), begin, end, self._offsets[info.name]
+            self._copy_range, stored.fileno(), stored.begin, stored.end, self._offsets[info.name]
         )
 
     def _copy_range(self, source_fd: int, begin: int, end: int, position: int) -> None:
@@ -435,11 +489,11 @@ class SafetensorsWriter(Writer):
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
         """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
         if not self._settle(info):
-            if not isinstance(source, SafetensorsReader):
+            stored = source.stored_bytes(info)
+            if stored is None:
                 return False
             self._file.flush()
-            begin, end = source.byte_range(info)
-            self._copy_range(source.fileno(), begin, end, self._offsets[info.name])
+            self._copy_range(stored.fileno(), stored.begin, stored.end, self._offsets[info.name])
         self._file.seek(self._offsets[info.name] + info.nbytes)
         self._written()
         return True
@@ -451,3 +505,36 @@ class SafetensorsWriter(Writer):
     def abort(self) -> None:
         self._stop_copier()
         self._file.close()
+
+
+class SafetensorsStreamWriter(SafetensorsWriter):
+    """The same file, written strictly in order to standard output (a pipe or a file the
+    shell opened): no reservation, no kernel copies, no writes at offsets. The path it is
+    given is ignored; the descriptor is a duplicate of 1, so closing it closes no stdout."""
+
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:  # noqa: ARG002
+        super().__init__(path, checkpoint, durable=False)
+
+    def _open(self, path: Path) -> BinaryIO:  # noqa: ARG002
+        return os.fdopen(os.dup(1), "wb")
+
+    def _reserve(self, total: int) -> None:
+        pass  # a pipe cannot be reserved
+
+    @classmethod
+    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
+        if source.format_name != "safetensors":
+            return (
+                f"standard output carries safetensors only, and IN is {source.format_name}; "
+                "name an OUT file to convert"
+            )
+        return super().check_metadata(metadata, source)
+
+    def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
+        pass  # kernel copies write at offsets, which a stream has not
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
+        return False  # streamed chunk by chunk, in order
+
+    def _written(self) -> None:
+        pass  # no writeback hints: a pipe has no pages to start writing

@@ -2,16 +2,16 @@
 
 Every input chunk is widened to float64 (squares of any float32/float16/bf16/fp8/int
 value are exact-ish and finite in float64). Only float64 input can overflow (1e200²) or
-underflow (1e-200²); such chunks are rescaled by a power of two first, so the sum of
-squares is carried as `ssq * 4**exp`.
+underflow (1e-200²); such chunks are rescaled by a power of two first (the one rule,
+rescale_exponent), and sums are carried as mantissa * 2**exponent (ScaledSum).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -89,6 +89,41 @@ def scaled_dot(a: np.ndarray, b: np.ndarray, max_a: float, max_b: float) -> tupl
     return float(np.dot(scaled_a, scaled_b)), exp_a + exp_b
 
 
+@dataclass(frozen=True)
+class _Patterns:
+    """What finish() needs of every bit pattern of an 8- or 16-bit float, computed once per
+    dtype (finish runs once per tensor: 65,536-entry passes add up over thousands)."""
+
+    nan: np.ndarray  # codes of NaN
+    inf: np.ndarray  # codes of +-inf
+    used: np.ndarray  # codes of finite nonzero values, ascending
+    magnitudes: np.ndarray  # |value| of each code (index by code)
+    squares: np.ndarray  # value**2 of each code, exact (index by code)
+    by_value: np.ndarray  # the non-NaN codes in ascending order of value
+    sorted_values: np.ndarray  # their values
+
+
+@functools.cache
+def _patterns(dtype: np.dtype[Any]) -> _Patterns:
+    values = float64_values(dtype)
+    nan = np.isnan(values)
+    finite = np.isfinite(values)
+    with np.errstate(invalid="ignore", over="ignore"):
+        magnitudes = np.abs(values)
+        squares = values * values
+    by_value = np.flatnonzero(~nan)
+    by_value = by_value[np.argsort(values[by_value], kind="stable")]
+    return _Patterns(
+        nan=np.flatnonzero(nan),
+        inf=np.flatnonzero(np.isinf(values)),
+        used=np.flatnonzero(finite & (values != 0)),
+        magnitudes=magnitudes,
+        squares=squares,
+        by_value=by_value,
+        sorted_values=values[by_value],
+    )
+
+
 @dataclass
 class NormAccumulator:
     """Running sum of squares, max |x| and non-finite count of a tensor."""
@@ -130,7 +165,10 @@ class NormAccumulator:
                 chunk.reshape(-1).view(bits_dtype(chunk.dtype)),
                 minlength=256**chunk.dtype.itemsize,
             )
-            self.counts = counts if self.counts is None else self.counts + counts
+            if self.counts is None:
+                self.counts = counts
+            else:
+                self.counts += counts
             self.numel += chunk.size
             self.hist_dtype = chunk.dtype
             return
@@ -208,26 +246,24 @@ class NormAccumulator:
             return
         counts, self.counts = self.counts, None
         assert self.hist_dtype is not None
-        values = float64_values(self.hist_dtype)
-        present = counts > 0
-        nan = np.isnan(values)
-        finite = np.isfinite(values)
-        self.nan_count += int(counts[nan].sum())
-        self.nonfinite += int(counts[~finite].sum())
-        self.inf_count += int(counts[np.isinf(values)].sum())
-        ordered = values[present & ~nan]
-        if ordered.size:
-            self.max_value = max(self.max_value, float(ordered.max()))
-            self.min_value = min(self.min_value, float(ordered.min()))
-        used = present & finite & (values != 0)
-        bits = np.flatnonzero(used)
+        facts = _patterns(self.hist_dtype)
+        nan_count = int(counts[facts.nan].sum())
+        inf_count = int(counts[facts.inf].sum())
+        self.nan_count += nan_count
+        self.inf_count += inf_count
+        self.nonfinite += nan_count + inf_count
+        seen = np.flatnonzero(counts[facts.by_value])  # positions in value order
+        if seen.size:
+            self.min_value = min(self.min_value, float(facts.sorted_values[seen[0]]))
+            self.max_value = max(self.max_value, float(facts.sorted_values[seen[-1]]))
+        bits = np.flatnonzero(counts[facts.used])
+        bits = facts.used[bits]
         kept = counts[bits]
-        magnitudes = np.abs(values[bits])
         if bits.size:
-            self.max_abs = max(self.max_abs, float(magnitudes.max()))
+            self.max_abs = max(self.max_abs, float(facts.magnitudes[bits].max()))
             # v**2 is exact in float64 for 16-bit v, and so is count * v**2 below 2**53.
             # np.sum, not a BLAS dot (which spins up threads: ms for a histogram).
-            self.add_sumsq(float(np.sum(kept * (magnitudes * magnitudes))), 0)
+            self.add_sumsq(float(np.sum(kept * facts.squares[bits])), 0)
         # Kept until planning is done, so stored small: 6 bytes per distinct value.
         count_type = np.uint32 if self.numel < 2**32 else np.int64
         self.histogram = (bits.astype(bits_dtype(self.hist_dtype)), kept.astype(count_type))
@@ -240,7 +276,10 @@ class NormAccumulator:
     def merge(self, other: NormAccumulator) -> None:
         if other.counts is not None:
             self.keep_histogram, self.hist_dtype = True, other.hist_dtype
-            self.counts = other.counts if self.counts is None else self.counts + other.counts
+            if self.counts is None:
+                self.counts = other.counts.copy()
+            else:
+                self.counts += other.counts
         self.sumsq.merge(other.sumsq)
         self.max_abs = max(self.max_abs, other.max_abs)
         self.nonfinite += other.nonfinite
@@ -278,6 +317,8 @@ class NormAccumulator:
     @property
     def finite_norm(self) -> float:
         """The L2 norm of the finite values; inf if it does not fit in float64."""
+        if self.sumsq.mant == 0.0:
+            return 0.0
         try:
             return math.ldexp(math.sqrt(self.ssq), self.exp)
         except OverflowError:
@@ -311,111 +352,3 @@ def global_norm(norms: Iterable[float]) -> float:
             exp = math.frexp(value)[1]
             acc.add_sumsq(math.ldexp(value, -exp) ** 2, exp)
     return acc.norm
-
-
-# ---------------------------------------------------------------- certain sums of squares
-
-
-def two_square(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x*x as an exact sum high + low (Dekker's split; |x| well inside float64's range)."""
-    high = x * x
-    split = x * 134217729.0  # 2**27 + 1
-    x_high = split - (split - x)
-    x_low = x - x_high
-    return high, ((x_high * x_high - high) + 2 * x_high * x_low) + x_low * x_low
-
-
-def split_sumsq(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For rows of values of magnitude at most 1: (main, rest) such that each row's sum of
-    squares is exactly main + rest.sum(axis=1) (squares below 2**-1074 aside, see
-    underflow_bound). Each square is split exactly into two float64s (Dekker), the high
-    parts are added pairwise keeping each addition's exact error (TwoSum): only the tiny
-    terms in `rest` are left to add."""
-    high, low = two_square(x)
-    errors = [low]
-    level = high
-    while level.shape[1] > 1:
-        if level.shape[1] % 2:
-            level = np.pad(level, ((0, 0), (0, 1)))
-        a, b = level[:, 0::2], level[:, 1::2]
-        level = a + b
-        b_part = level - a
-        errors.append((a - (level - b_part)) + (b - b_part))
-    return level[:, 0], np.concatenate(errors, axis=1)
-
-
-def underflow_bound(x: np.ndarray) -> np.ndarray:
-    """Per row, what squares lost to underflow may miss: elements below 2**-400 (relative to
-    the peak of 1) may have squares below float64's normal range."""
-    result: np.ndarray = 4 * np.count_nonzero(np.abs(x) < 2.0**-400, axis=1) * 2.0**-1074
-    return result
-
-
-def sumsq_error_bound(x: np.ndarray, rest: np.ndarray) -> np.ndarray:
-    """Per row, a bound of the error of main + (rest summed in plain float64): the float64
-    sum of rest errs by at most (terms + 4) roundings of the sum of magnitudes."""
-    rounding = (rest.shape[1] + 4) * 2.0**-53 * np.abs(rest).sum(axis=1) * 2
-    result: np.ndarray = rounding + underflow_bound(x)
-    return result
-
-
-# Up to this many error terms, CertainSumsq adds them as fractions: exact, so that a small
-# tensor whose norm is exactly C is recognised as such.
-_EXACT_REST = 4096
-
-
-class CertainSumsq:
-    """A sum of squares with a rigorous error bound, for the final "<= C" check of float64
-    output (a plain float64 dot product errs by ~1e-14 there, about 150 float64 roundings
-    of the norm). Each square is split exactly into two float64s (Dekker), the high parts
-    are added pairwise with each addition's exact error kept (TwoSum), and only those tiny
-    errors are added in plain float64, with their error bounded. Chunks combine exactly,
-    as fractions. About 20 ns per element."""
-
-    def __init__(self) -> None:
-        self.total = Fraction(0)
-        self.bound = Fraction(0)
-
-    def add(self, chunk: np.ndarray) -> None:
-        magnitudes = np.abs(widen_real(chunk)).reshape(-1)
-        magnitudes = magnitudes[magnitudes != 0]
-        if magnitudes.size == 0:
-            return
-        exp = math.frexp(float(magnitudes.max()))[1]
-        x = np.ldexp(magnitudes, -exp)[None, :]  # below 1; tiny ones may underflow
-        main, rest = split_sumsq(x)
-        weight = Fraction(4) ** exp
-        if rest.shape[1] <= _EXACT_REST:  # small: add the exact errors exactly (a norm == C)
-            exact = sum((Fraction(v) for v in rest[0][rest[0] != 0].tolist()), Fraction(0))
-            error = float(underflow_bound(x)[0])
-        else:
-            exact = Fraction(float(np.sum(rest)))
-            error = float(sumsq_error_bound(x, rest)[0])
-        self.total += (Fraction(float(main[0])) + exact) * weight
-        self.bound += Fraction(error) * weight
-
-    def merge(self, other: CertainSumsq) -> None:
-        self.total += other.total
-        self.bound += other.bound
-
-    def at_most(self, limit: float) -> bool:
-        """Whether the norm is certainly <= limit."""
-        return self.total + self.bound <= Fraction(limit) ** 2
-
-    def over(self, limit: float) -> float:
-        """norm / limit (the bound aside), computed exactly before the last rounding."""
-        try:
-            return math.sqrt(self.total / Fraction(limit) ** 2)
-        except OverflowError:
-            return math.inf
-
-    @property
-    def norm(self) -> float:
-        """The norm (the bound aside), inf beyond float64's range."""
-        if self.total <= 0:
-            return 0.0
-        half = (self.total.numerator.bit_length() - self.total.denominator.bit_length()) // 2
-        try:
-            return math.ldexp(math.sqrt(self.total / Fraction(4) ** half), half)
-        except OverflowError:
-            return math.inf

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -38,12 +38,14 @@ from clipcli.dtypes import (
     unit_roundoff,
 )
 from clipcli.errors import DataRefusedError
-from clipcli.numerics.norms import CACHE_BLOCK, CertainSumsq, NormAccumulator
+from clipcli.numerics.certain import CertainSumsq
+from clipcli.numerics.norms import CACHE_BLOCK, NormAccumulator
 from clipcli.numerics.rounding import narrow_round
 from clipcli.numerics.search import (
     AMBIGUOUS,
     U64,
     Margin,
+    Narrow,
     exact_product_bits,
     guesses,
     search_factors,
@@ -293,37 +295,58 @@ class Histogram:
     counts: np.ndarray  # float64 (exact below 2**53)
 
 
-def histogram_margin(
-    limit: float, histograms: Sequence[Histogram], wide: WideBound | None
-) -> Margin:
-    """margin(s) for one group: exact over its histograms, the bound over the rest."""
+@dataclass(frozen=True)
+class _HistogramBound:
+    """margin(s) for one group: exact over its histograms, the rounding bound over its
+    wide members; and next_change(s), a lower bound of the smallest factor above s at which
+    any histogram value's rounded product changes (the product reaching the midpoint to the
+    next larger magnitude). within(low, high) is the same for factors in [low, high] only:
+    values whose rounded product is the same at both ends (monotone: the same all through)
+    are summed once into `fixed`, and each later step rounds the few others alone."""
 
-    def margin(scales: np.ndarray) -> np.ndarray:
+    limit: float
+    histograms: tuple[Histogram, ...]
+    wide: WideBound | None
+    terms: int  # distinct values in the whole group: the float64 sum's error bound
+    fixed: float = 0.0  # sum of count * (round(v * s) / limit)**2 over settled values
+    recent: dict[tuple[int, float], np.ndarray] = field(default_factory=dict, compare=False)
+
+    def margin(self, scales: np.ndarray) -> np.ndarray:
         s = float(scales[0])
-        total, terms = 0.0, 0
-        for hist in histograms:
-            rounded = narrow_round(hist.values * s, hist.dtype).astype(np.float64) / limit
+        total = self.fixed
+        for hist in self.histograms:
             # np.sum, not a BLAS dot: that spins up threads, 1.5 ms for 30,000 terms.
-            total += float(np.sum(hist.counts * (rounded * rounded)))
-            terms += hist.values.size
-        # The float64 sum above errs by at most (terms + 3) roundings of its total.
-        upper = total * (1 + (terms + 4) * U64)
-        if wide is not None:
-            w = float(wide.relative_norm(np.asarray([s]), limit)[0])
+            total += float(np.sum(hist.counts * self._squares(hist, s)))
+        # The float64 sums above err by at most (terms + 3) roundings of their total.
+        upper = total * (1 + (self.terms + 4) * U64)
+        if self.wide is not None:
+            w = float(self.wide.relative_norm(np.asarray([s]), self.limit)[0])
             upper = (upper + w * w) * (1 + 4 * U64)
         return np.asarray([1.0 - 2 * U64 - upper])
 
-    return margin
+    def _squares(self, hist: Histogram, s: float) -> np.ndarray:
+        rounded = self._rounded(hist, s) / self.limit
+        squares: np.ndarray = rounded * rounded
+        return squares
 
+    def _rounded(self, hist: Histogram, s: float) -> np.ndarray:
+        """round(v * s) for the histogram's values, as float64; the last few are kept, so
+        that within() reuses the roundings at the bracket's ends."""
+        key = (id(hist), s)
+        rounded = self.recent.get(key)
+        if rounded is None:
+            rounded = narrow_round(hist.values * s, hist.dtype).astype(np.float64)
+            if len(self.recent) >= 8:
+                del self.recent[next(iter(self.recent))]
+            self.recent[key] = rounded
+        return rounded
 
-def histogram_next_change(histograms: Sequence[Histogram]) -> Margin:
-    """A lower bound of the smallest factor above s at which any histogram value's rounded
-    product changes: the product reaching the midpoint to the next larger magnitude."""
-
-    def next_change(scales: np.ndarray) -> np.ndarray:
+    def next_change(self, scales: np.ndarray) -> np.ndarray:
         s = float(scales[0])
         first = math.inf
-        for hist in histograms:
+        for hist in self.histograms:
+            if not hist.values.size:
+                continue
             magnitudes = np.abs(hist.values)
             rounded = narrow_round(magnitudes * s, hist.dtype)
             uint = bits_dtype(hist.dtype)
@@ -335,7 +358,19 @@ def histogram_next_change(histograms: Sequence[Histogram]) -> Margin:
             first = min(first, float(np.min(crossing)) * (1 - 4 * U64))
         return np.asarray([first])
 
-    return next_change
+    def within(self, low: np.ndarray, high: np.ndarray) -> tuple[Margin, Margin | None, Narrow]:
+        s_low, s_high = float(low[0]), float(high[0])
+        fixed = self.fixed
+        moving = []
+        for hist in self.histograms:
+            at_low, at_high = self._rounded(hist, s_low), self._rounded(hist, s_high)
+            settled = at_low == at_high
+            rounded = at_low[settled] / self.limit
+            fixed += float(np.sum(hist.counts[settled] * (rounded * rounded)))
+            moving.append(Histogram(hist.dtype, hist.values[~settled], hist.counts[~settled]))
+        narrowed = _HistogramBound(self.limit, tuple(moving), self.wide, self.terms, fixed)
+        changes = narrowed.next_change if self.wide is None else None
+        return narrowed.margin, changes, narrowed.within
 
 
 def _histogram_factor(
@@ -351,7 +386,10 @@ def _histogram_factor(
     if not ratio < 1.0 or math.isinf(limit):  # within the limit, a zero norm, or C = inf
         return None
     bits = exact_product_bits(dtypes)
-    margin = histogram_margin(limit, histograms, wide)
-    lows, highs = guesses(np.asarray([ratio]), worst_unit(dtypes))
-    changes = histogram_next_change(histograms) if wide is None and histograms else None
-    return float(search_factors(margin, lows, highs, bits, next_change=changes)[0])
+    terms = sum(hist.values.size for hist in histograms)
+    bound = _HistogramBound(limit, tuple(histograms), wide, terms)
+    lows, highs = guesses(np.asarray([ratio]), worst_unit(dtypes), fine=True)
+    changes = bound.next_change if wide is None and histograms else None
+    narrow = bound.within if histograms else None
+    factors = search_factors(bound.margin, lows, highs, bits, next_change=changes, narrow=narrow)
+    return float(factors[0])

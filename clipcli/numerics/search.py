@@ -58,6 +58,8 @@ def _factor_of(keys: np.ndarray, bits: int) -> np.ndarray:
 
 
 Margin = Callable[[np.ndarray], np.ndarray]
+# (low factors, high factors) -> (margin, next_change, narrow) for factors between them.
+Narrow = Callable[[np.ndarray, np.ndarray], tuple[Margin, Margin | None, "Narrow"]]
 
 
 def search_factors(
@@ -67,6 +69,7 @@ def search_factors(
     bits: int,
     max_evals: int = 400,
     next_change: Margin | None = None,
+    narrow: Narrow | None = None,
 ) -> np.ndarray:
     """For each of several independent problems, the largest factor s with `bits`
     significant bits and margin(s) >= 0, all searched at once (margin takes and returns
@@ -76,36 +79,51 @@ def search_factors(
     high guesses all fit from 1. Bisection alternates with interpolation in s^2 (the
     output's squared norm is nearly proportional to it), and, given `next_change(s)` (a
     lower bound of the next factor above s at which the rounded output changes at all),
-    with jumps just past that change; the answer is exact either way."""
+    with jumps just past that change; the answer is exact either way. Given `narrow`, once
+    the guesses bracket the answer and whenever the bracket has shrunk 16-fold since,
+    margin and next_change are replaced by narrow(low, high)'s, which need only be right
+    for factors between those two (cheaper: most values round the same way all through a
+    narrow bracket)."""
     one = _key_of(np.ones(1), bits)[0]
     lo = np.zeros(len(lows[0]), np.int64)
     m_lo = np.ones(len(lows[0]))
-    found = np.zeros(len(lows[0]), bool)
-    for guess in lows:
-        keys = np.minimum(_key_of(np.maximum(guess, 0.0), bits), one - 1)
-        m = margin(_factor_of(np.where(found, lo, keys), bits))
-        ok = ~found & (m >= 0)
-        lo, m_lo, found = np.where(ok, keys, lo), np.where(ok, m, m_lo), found | ok
-        if found.all():
-            break
     hi = np.full(lo.shape, one)
     m_hi = -np.ones(lo.shape)
-    found = np.zeros(lo.shape, bool)
+    found_lo = np.zeros(lo.shape, bool)
+    found_hi = np.zeros(lo.shape, bool)
+    for guess in lows:
+        keys = np.minimum(_key_of(np.maximum(guess, 0.0), bits), one - 1)
+        todo = ~found_lo
+        m = margin(_factor_of(np.where(todo, keys, lo), bits))
+        fits = todo & (m >= 0)
+        # A low guess that fails bounds the answer from above (factor 0 is never one: it
+        # fits by definition, even where a dtype without zero makes its margin NaN).
+        over = todo & ~(m >= 0) & (keys > 0) & (keys < hi)
+        lo, m_lo = np.where(fits, keys, lo), np.where(fits, m, m_lo)
+        hi, m_hi = np.where(over, keys, hi), np.where(over, m, m_hi)
+        found_lo, found_hi = found_lo | fits, found_hi | over
+        if found_lo.all():
+            break
     for guess in highs:
         keys = np.minimum(np.maximum(_key_of(np.minimum(guess, 1.0), bits) + 1, lo + 1), one)
-        todo = ~found & (keys < one)
+        todo = ~found_hi & (keys < hi)
         if not todo.any():
             break
         m = margin(_factor_of(np.where(todo, keys, lo), bits))
         over = todo & ~(m >= 0)
         fits = todo & (m >= 0)
-        hi, m_hi, found = np.where(over, keys, hi), np.where(over, m, m_hi), found | over
+        hi, m_hi, found_hi = np.where(over, keys, hi), np.where(over, m, m_hi), found_hi | over
         lo, m_lo = np.where(fits, keys, lo), np.where(fits, m, m_lo)
+    narrowed_at = None  # the bracket's width when margin was last narrowed
     for step in range(max_evals):
         gap = hi - lo
         active = gap > 1
         if not np.any(active):
             break
+        widest = int(np.max(gap))
+        if narrow is not None and (narrowed_at is None or widest <= narrowed_at // 16):
+            margin, next_change, narrow = narrow(_factor_of(lo, bits), _factor_of(hi, bits))
+            narrowed_at = widest
         middle = lo + gap // 2
         if next_change is not None and step % 3 == 1:
             # Jump to just past the next change of the output above lo: if that fits, a
@@ -130,11 +148,17 @@ def search_factors(
     return _factor_of(lo, bits)
 
 
-def guesses(ratios: np.ndarray, unit: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def guesses(
+    ratios: np.ndarray, unit: float, fine: bool = False
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Brackets around TF's factor: rounding errors of many elements mostly cancel, so the
-    answer is usually within 2**-24 or 2**-20 of it; one rounding of every element moves the output
-    by at most u (subnormal results aside: then 0 and 1 are the last resort)."""
-    lows = [ratios * (1 - 2.0**-24), ratios * (1 - 2.0**-20), ratios * (1 - 2 * unit)]
+    answer is usually within 2**-24 or 2**-20 of it; one rounding of every element moves the
+    output by at most u (subnormal results aside: then 0 and 1 are the last resort). `fine`
+    adds rungs between 2**-20 and 2u: each costs one margin when the nearer ones fail, and
+    a tight bracket saves several (a big float16 tensor's answer is often ~2**-19 below)."""
+    rungs = [2.0**-24, 2.0**-20]
+    rungs += [rung for rung in (2.0**-17, 2.0**-14) if fine and rung < 2 * unit]
+    lows = [ratios * (1 - rung) for rung in rungs] + [ratios * (1 - 2 * unit)]
     highs = [ratios * (1 + 2.0**-24), ratios * (1 + 4 * unit)]
     return lows, highs
 

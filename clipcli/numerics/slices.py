@@ -13,13 +13,8 @@ from fractions import Fraction
 import numpy as np
 
 from clipcli.dtypes import is_small_float, mantissa_digits, real_dtype, smallest_subnormal
-from clipcli.numerics.norms import (
-    accumulate_array,
-    rescale_exponents,
-    split_sumsq,
-    sumsq_error_bound,
-    two_square,
-)
+from clipcli.numerics.certain import split_sumsq, sumsq_error_bound, two_square
+from clipcli.numerics.norms import accumulate_array, rescale_exponents
 from clipcli.numerics.rounding import narrow_round, scale_chunk
 from clipcli.numerics.scaling import WideBound
 from clipcli.numerics.search import (

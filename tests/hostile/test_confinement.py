@@ -275,7 +275,7 @@ def test_shards_beyond_the_open_limit_are_reopened_and_checked(
     """With one descriptor allowed, every shard is closed and reopened as it is read; a shard
     replaced by another file in between is refused, not read."""
     from clipcli.errors import InputError
-    from clipcli.formats import sharded
+    from clipcli.formats.sharded import reader as sharded
 
     monkeypatch.setattr(sharded, "MAX_OPEN_SHARDS", 1)
     model = tmp_path / "model"

@@ -16,7 +16,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from hostile_cli import SLOW_LIMIT, assert_refused, refuse_input, run_clipcli
+from hostile_cli import (
+    SLOW_LIMIT,
+    assert_refused,
+    check_error_line,
+    refuse_input,
+    run_clipcli,
+)
 
 Builder = Callable[[Path], Path]
 Fill = Callable[[h5py.File, Path], object]
@@ -260,7 +266,22 @@ CASES: dict[str, tuple[Builder, tuple[str, ...]]] = {
     "corrupt_gzip_chunk": (corrupt_chunk("gzip"), (T,)),
     "corrupt_fletcher32_chunk": (corrupt_chunk("fletcher32"), (T,)),
     "contiguous_data_cut_off": (contiguous_data_cut, ()),
-    # ---- dtypes that are not tensors
+    # ---- not HDF5, or broken HDF5
+    "non_utf8_link_name": (h5(non_utf8_name), ()),
+    "not_hdf5_text": (raw_file(b"definitely not HDF5\n" * 10), ()),
+    "empty_file": (raw_file(b""), ()),
+    "magic_only": (raw_file(b"\x89HDF\r\n\x1a\n"), ()),
+    "magic_then_junk": (raw_file(b"\x89HDF\r\n\x1a\n" + bytes(range(256)) * 8), ()),
+    "truncated_to_100_bytes": (truncated(lambda _n: 100), ()),
+    "truncated_to_2000_bytes": (truncated(lambda _n: 2000), ()),
+    "truncated_to_half": (truncated(lambda n: n // 2), ()),
+    "truncated_last_byte": (truncated(lambda n: n - 1), ()),
+}
+
+
+# ---- dtypes that are not tensors: listed, left out of norms, copied by clip (issue 11
+# item 6); the storage rules above still apply to them (external storage, bombs, links).
+NON_TENSORS: dict[str, tuple[Builder, tuple[str, ...]]] = {
     "vlen_string": (
         h5(lambda f, _d: f.create_dataset(T, data=["a", "bb"], dtype=h5py.string_dtype())),
         (T,),
@@ -289,17 +310,62 @@ CASES: dict[str, tuple[Builder, tuple[str, ...]]] = {
     "enum": (h5(enum_dtype), (T,)),
     "array_dtype": (h5(lambda f, _d: f.create_dataset(T, shape=(2,), dtype="(3,)<f4")), (T,)),
     "empty_null_dataspace": (h5(lambda f, _d: f.create_dataset(T, data=h5py.Empty("<f8"))), (T,)),
-    # ---- not HDF5, or broken HDF5
-    "non_utf8_link_name": (h5(non_utf8_name), ()),
-    "not_hdf5_text": (raw_file(b"definitely not HDF5\n" * 10), ()),
-    "empty_file": (raw_file(b""), ()),
-    "magic_only": (raw_file(b"\x89HDF\r\n\x1a\n"), ()),
-    "magic_then_junk": (raw_file(b"\x89HDF\r\n\x1a\n" + bytes(range(256)) * 8), ()),
-    "truncated_to_100_bytes": (truncated(lambda _n: 100), ()),
-    "truncated_to_2000_bytes": (truncated(lambda _n: 2000), ()),
-    "truncated_to_half": (truncated(lambda n: n // 2), ()),
-    "truncated_last_byte": (truncated(lambda n: n - 1), ()),
 }
+REFERENCES = {"object_reference", "region_reference"}
+
+
+def with_weight(build: Builder) -> Builder:
+    def build_both(directory: Path) -> Path:
+        path = build(directory)
+        with h5py.File(path, "a") as f:
+            f["w_good"] = np.arange(4.0)
+        return path
+
+    return build_both
+
+
+def same_values(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray) and a.dtype.kind == "O":
+        return [np.asarray(x).tobytes() if isinstance(x, np.ndarray) else x for x in a.ravel()] == [
+            np.asarray(x).tobytes() if isinstance(x, np.ndarray) else x
+            for x in np.asarray(b).ravel()
+        ]
+    return bool(np.asarray(a).tobytes() == np.asarray(b).tobytes())
+
+
+@pytest.mark.parametrize("case", list(NON_TENSORS))
+def test_non_tensor_datasets_are_carried_not_refused(tmp_path: Path, case: str) -> None:
+    build, _ = NON_TENSORS[case]
+    src = with_weight(build)(tmp_path)
+    out = tmp_path / "out.h5"
+    norms, clip = run_clipcli(
+        ["norms", "--format", "json", str(src)],
+        ["clip", "--global", "1", str(src), str(out)],
+        cwd=tmp_path,
+    )
+    assert norms.returncode == 0, norms.describe()
+    assert "w_good" in [t["name"] for t in json.loads(norms.stdout)["tensors"]]
+    assert T not in [t["name"] for t in json.loads(norms.stdout)["tensors"]]
+    if case in REFERENCES:  # a reference means nothing in another file: refused, no OUT
+        check_error_line(clip, 3, [str(src), T])
+        assert not out.exists()
+        return
+    assert clip.returncode == 0, clip.describe()
+    with h5py.File(src, "r") as a, h5py.File(out, "r") as b:
+        assert a[T].id.get_type() == b[T].id.get_type()
+        assert a[T].shape == b[T].shape
+        if a[T].shape is not None and case == "opaque":  # h5py reads no tagged opaque
+            assert raw_values(a[T]) == raw_values(b[T])
+        elif a[T].shape is not None:
+            assert same_values(a[T][()], b[T][()])
+
+
+def raw_values(dataset: h5py.Dataset) -> bytes:
+    """The stored bytes, read by the library with the file's own type (no conversion)."""
+    file_type = dataset.id.get_type()
+    out = np.zeros(dataset.size * file_type.get_size(), np.uint8)
+    dataset.id.read(h5py.h5s.ALL, h5py.h5s.ALL, out, mtype=file_type)
+    return out.tobytes()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -310,7 +376,11 @@ def test_hostile_hdf5_is_refused(tmp_path: Path, case: str) -> None:
 
 def test_hostile_dataset_name_stays_on_one_line(tmp_path: Path) -> None:
     name = "evil\n\x1b[31mname"
-    path = h5(lambda f, _d: f.create_dataset(name, data=["x"], dtype=h5py.string_dtype()))(tmp_path)
+    path = h5(
+        lambda f, _d: f.create_dataset(
+            name, shape=(4,), dtype="<f8", external=[("/dev/zero", 0, 32)]
+        )
+    )(tmp_path)
     refuse_input(path, 3, "evil", "name")
 
 

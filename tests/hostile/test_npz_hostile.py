@@ -10,7 +10,6 @@ import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -118,8 +117,10 @@ def pickle_renamed(directory: Path) -> Path:
 def np_savez(compressed: bool, **arrays: np.ndarray) -> Builder:
     def build(directory: Path) -> Path:
         path = directory / "hostile.npz"
-        members: dict[str, Any] = dict(arrays)  # numpy types **kwds as bool | ArrayLike
-        (np.savez_compressed if compressed else np.savez)(path, **members)
+        if compressed:
+            np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
+        else:
+            np.savez(path, **arrays)  # type: ignore[arg-type]
         return path
 
     return build

@@ -392,16 +392,17 @@ def test_hdf5_expansion_budget_exactly_at_the_limit(
     import h5py
 
     from clipcli.formats import hdf5 as hdf5_module
+    from clipcli.formats.hdf5 import limits as hdf5_limits
 
     src = tmp_path / "two.h5"
     with h5py.File(src, "w") as f:
         f["a"] = np.ones(1000, np.float32)
         f["b"] = np.ones(1000, np.float32)
-    monkeypatch.setattr(hdf5_module, "MAX_EXPANSION", 0)
-    monkeypatch.setattr(hdf5_module, "SPARSE_CHECK_BYTES", 8000)
+    monkeypatch.setattr(hdf5_limits, "MAX_EXPANSION", 0)
+    monkeypatch.setattr(hdf5_limits, "SPARSE_CHECK_BYTES", 8000)
     with hdf5_module.Hdf5Reader(src) as reader:
         assert sum(info.nbytes for info in reader.infos) == 8000
-    monkeypatch.setattr(hdf5_module, "SPARSE_CHECK_BYTES", 7999)
+    monkeypatch.setattr(hdf5_limits, "SPARSE_CHECK_BYTES", 7999)
     with pytest.raises(InputError, match="in all"):
         hdf5_module.Hdf5Reader(src)
 
@@ -412,16 +413,17 @@ def test_hdf5_attribute_budget_exactly_at_the_limit(
     import h5py
 
     from clipcli.formats import hdf5 as hdf5_module
+    from clipcli.formats.hdf5 import limits as hdf5_limits
 
     src = tmp_path / "names.h5"
     with h5py.File(src, "w") as f:
         f["w"] = np.ones(2, np.float32)
         f.attrs.create("names", np.array(["x" * 100] * 10, dtype=object), dtype=h5py.string_dtype())
     largest = 100  # each string is its own 100-byte heap object
-    monkeypatch.setattr(hdf5_module, "MAX_ATTRIBUTE_BYTES", 10 * largest)
+    monkeypatch.setattr(hdf5_limits, "MAX_ATTRIBUTE_BYTES", 10 * largest)
     with hdf5_module.Hdf5Reader(src) as reader:
         assert reader.infos[0].name == "w"
-    monkeypatch.setattr(hdf5_module, "MAX_ATTRIBUTE_BYTES", 10 * largest - 1)
+    monkeypatch.setattr(hdf5_limits, "MAX_ATTRIBUTE_BYTES", 10 * largest - 1)
     with pytest.raises(InputError, match="variable-length attribute"):
         hdf5_module.Hdf5Reader(src)
 
@@ -592,13 +594,14 @@ def test_hdf5_chunk_size_exactly_at_the_limit(
     import h5py
 
     from clipcli.formats import hdf5 as hdf5_module
+    from clipcli.formats.hdf5 import limits as hdf5_limits
 
     src = tmp_path / "chunks.h5"
     with h5py.File(src, "w") as f:
         f.create_dataset("w", data=np.ones((40, 30), np.float32), chunks=(10, 30))
-    monkeypatch.setattr(hdf5_module, "MAX_CHUNK_BYTES", 10 * 30 * 4)
+    monkeypatch.setattr(hdf5_limits, "MAX_CHUNK_BYTES", 10 * 30 * 4)
     with hdf5_module.Hdf5Reader(src) as reader:
         assert reader.read(reader.infos[0]).sum() == 1200
-    monkeypatch.setattr(hdf5_module, "MAX_CHUNK_BYTES", 10 * 30 * 4 - 1)
+    monkeypatch.setattr(hdf5_limits, "MAX_CHUNK_BYTES", 10 * 30 * 4 - 1)
     with pytest.raises(InputError, match="chunks of 1200 bytes"):
         hdf5_module.Hdf5Reader(src)

@@ -1,0 +1,185 @@
+"""`clipcli ls` and `clipcli norms`: read a checkpoint, write nothing but a report (and a
+--plot picture)."""
+
+import math
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from clipcli.commands.common import (
+    AllTensorsOpt,
+    ExcludeOpt,
+    FormatOpt,
+    IncludeOpt,
+    PathArg,
+    check_threshold,
+    emit,
+    notify,
+    print_report,
+    progress,
+    selection,
+)
+from clipcli.errors import ExitCode, UsageError
+from clipcli.report import OutputFormat, SortKey
+
+LS_EPILOG = (
+    "\b\nExamples:\n"
+    "  clipcli ls model.safetensors --format json\n"
+    "  clipcli ls model_dir/ --include '*.layers.0.*' --sort size"
+)
+NORMS_EPILOG = (
+    "\b\nExamples:\n"
+    "  clipcli norms model.safetensors\n"
+    "  clipcli norms model.safetensors --sort norm --top 5 --format json\n"
+    "  clipcli norms m.safetensors --fail-above 5 ||\n"
+    "      clipcli clip --global 5 m.safetensors o.safetensors"
+)
+
+
+def ls_command(
+    path: PathArg,
+    fmt: FormatOpt = OutputFormat.TABLE,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    sort: Annotated[
+        SortKey,
+        typer.Option(help="Row order: file order, name (layers.2 before layers.10), size."),
+    ] = SortKey.FILE,
+) -> None:
+    """List tensors (name, dtype, shape, bytes; the shard in a model directory), the total
+    parameter count and file metadata, reading no tensor data."""
+    if sort is SortKey.NORM:
+        raise UsageError(
+            "ls reads no tensor data, so it cannot sort by norm; use norms --sort norm"
+        )
+    from clipcli.io import open_reader
+    from clipcli.report.builders import ls_report
+
+    # The reader itself, not a job module: listing reads only headers, and `ls` in a shell
+    # loop should not import the measuring and writing machinery.
+    with open_reader(path) as reader:
+        file_format, metadata, infos = reader.format_name, dict(reader.metadata), reader.infos
+        non_tensors = list(reader.non_tensors)
+        shard_of = getattr(reader, "shard_of", None)  # a model directory's tensor -> shard
+        shards = {i.name: shard_of(i.name) for i in infos} if shard_of is not None else None
+    chosen = list(infos)
+    if include or exclude:  # (the selection lives with the jobs: imported only when asked)
+        chosen = selection(include, exclude).check(infos, notify)
+    report = ls_report(
+        str(path),
+        file_format,
+        metadata,
+        chosen,
+        sort,
+        shards,
+        listed_of=len(infos),
+        non_tensors=non_tensors,
+    )
+    emit(lambda: print_report(report, fmt))
+
+
+def norms_command(
+    path: PathArg,
+    fmt: FormatOpt = OutputFormat.TABLE,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    sort: Annotated[
+        SortKey,
+        typer.Option(
+            help="Row order: file order, name (layers.2 before layers.10), norm (largest "
+            "first, among what the global norm counts; the rest after), size. Groups come "
+            "in name order unless sorted by norm."
+        ),
+    ] = SortKey.FILE,
+    top: Annotated[
+        int | None, typer.Option(help="Show only the first N rows (tensors or groups).", min=1)
+    ] = None,
+    fail_above: Annotated[
+        float | None,
+        typer.Option(help="Exit 1 if the global norm exceeds X (or is NaN/Inf).", metavar="X"),
+    ] = None,
+    group_by: Annotated[
+        str | None,
+        typer.Option(
+            help="Aggregate tensors into groups by this regex's first capture group (or whole "
+            "match); 'layer' is a preset for HF/Keras layer names.",
+            metavar="REGEX",
+        ),
+    ] = None,
+    chart: Annotated[
+        bool,
+        typer.Option(help="Draw horizontal bars of the listed norms instead of the table."),
+    ] = False,
+    limit: Annotated[
+        float | None,
+        typer.Option(
+            help="Mark this norm on --chart/--plot and colour what is over it.", metavar="C"
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the listed norms as a picture to FILE.png or FILE.svg; needs "
+            "matplotlib (pip install -e '.[plot]' in the clipcli checkout).",
+            metavar="FILE",
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Replace an existing --plot FILE.")] = False,
+    all_tensors: AllTensorsOpt = False,
+) -> None:
+    """Per-tensor L2 norm, max |x| and non-finite count, and the global norm over
+    floating-point model weights (optimizer state and BatchNorm statistics are listed
+    apart unless --all-tensors). Accumulated exactly in float64."""
+    # Every option acts or is refused here, before any data is read.
+    if chart and fmt is not OutputFormat.TABLE:
+        raise UsageError(f"--chart draws for the terminal; it cannot be --format {fmt.value}")
+    if limit is not None and not (chart or plot is not None):
+        raise UsageError("--limit marks a norm on --chart or --plot; give one of them")
+    check_threshold("--limit", limit)
+    check_threshold("--fail-above", fail_above)
+    if group_by is not None:
+        from clipcli.groups import compile_group_by
+
+        compile_group_by(group_by)
+    if plot is not None:
+        from clipcli.report.plot import check_plot_target
+
+        check_plot_target(plot, force)
+
+    from clipcli.api import measure
+    from clipcli.report.builders import bars_of, groups_report, norms_report
+
+    measurement = measure(
+        path, selection(include, exclude, all_tensors), progress(), notify, group_by
+    )
+    if group_by is not None:
+        report = groups_report(measurement, group_by, sort, top)
+    else:
+        report = norms_report(measurement, sort, top)
+    bars = bars_of(report)  # the chart and the plot draw exactly the rows listed
+    if chart:
+        from clipcli.report.chart import render_chart
+        from clipcli.report.table import output_width
+
+        width = output_width(sys.stdout)
+        emit(
+            lambda: render_chart(
+                report.title, bars.labels, bars.norms, limit, sys.stdout, width, bars.counted
+            )
+        )
+    else:
+        emit(lambda: print_report(report, fmt))
+    if plot is not None:
+        from clipcli.report.plot import write_plot
+
+        write_plot(plot, bars, limit, force, grouped=group_by is not None)
+    if fail_above is not None:
+        g = measurement.global_norm
+        if math.isnan(g) or g > fail_above:
+            print(
+                f"clipcli: global norm {g:.6g} exceeds --fail-above {fail_above:g}",
+                file=sys.stderr,
+            )
+            raise typer.Exit(ExitCode.CONDITION)

@@ -1,0 +1,135 @@
+"""What `diff` reports beyond the tensors: file metadata and structure.
+
+Each change is (key, value in A, value in B), None marking a side without it:
+- a file metadata key, by its name (the recorded structure's own key excepted: the
+  structure is compared object by object instead);
+- `group /path`, for a group on one side only (an empty group lost in a conversion);
+- `/path @name`, an attribute of a group or dataset, with its exact HDF5 type and value;
+- `dataset /path`, a non-tensor dataset (its type, shape and values).
+A file without a recorded structure (npz, plain safetensors) counts as the groups its
+tensor names imply, with no attributes, so HDF5 -> npz reports every attribute it lost.
+Tensor datasets are compared by the tensor diff itself; their storage settings (chunks,
+compression) are not content and are not compared.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from clipcli.formats.base import Reader
+from clipcli.formats.structure import STRUCTURE_KEY, Structure
+
+Change = tuple[str, str | None, str | None]
+
+
+def file_changes(a: Reader, b: Reader) -> list[Change]:
+    """Metadata changes, then structure changes, in A's order then B's new entries."""
+    meta_a = {k: v for k, v in a.metadata.items() if k != STRUCTURE_KEY}
+    meta_b = {k: v for k, v in b.metadata.items() if k != STRUCTURE_KEY}
+    plain = _changes({k: (v, v) for k, v in meta_a.items()}, {k: (v, v) for k, v in meta_b.items()})
+    return plain + _changes(_entries(a), _entries(b))
+
+
+Entry = tuple[str, str]  # (exact JSON, for comparing; readable text, for showing)
+
+
+def _changes(a: Mapping[str, Entry], b: Mapping[str, Entry]) -> list[Change]:
+    changes: list[Change] = []
+    for key, (exact, shown) in a.items():
+        other = b.get(key)
+        if other is None:
+            changes.append((key, shown, None))
+        elif other[0] != exact:
+            # Two values that read the same (NaN payloads) are shown exactly.
+            changes.append((key, shown, other[1]) if shown != other[1] else (key, exact, other[0]))
+    changes.extend((key, None, shown) for key, (_, shown) in b.items() if key not in a)
+    return changes
+
+
+def _entries(reader: Reader) -> dict[str, Entry]:
+    structure = reader.structure()
+    if structure is None or structure.document is None:
+        return _implied(reader, structure)
+    entries: dict[str, Entry] = {}
+    for node in structure.nodes:
+        path = node["path"]
+        if node["kind"] == "group" and path != "/":
+            entries[f"group {path}"] = ("group", "group")
+        elif node["kind"] == "dataset" and not node["tensor"]:
+            entries[f"dataset {path}"] = _value(node["type"], node["space"], node.get("data"))
+        elif node["kind"] == "datatype":
+            entries[f"datatype {path}"] = (_text(node["type"]), _type_name(node["type"]))
+        for attr in node.get("attrs", ()):
+            entries[f"{path} @{attr['name']}"] = _value(attr["type"], attr["space"], attr["data"])
+    for dropped in structure.dropped:
+        entries[f"(not comparable) {dropped}"] = ("present", "present")
+    return entries
+
+
+def _implied(reader: Reader, structure: Structure | None) -> dict[str, Entry]:
+    entries: dict[str, Entry] = {}
+    for info in reader.infos:
+        parts = info.name.split("/")
+        for end in range(1, len(parts)):
+            entries[f"group /{'/'.join(parts[:end])}"] = ("group", "group")
+    if structure is not None:
+        for dropped in structure.dropped:
+            entries[f"(not comparable) {dropped}"] = ("present", "present")
+    return entries
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+
+
+def _value(type_desc: Any, space: Any, data: Any) -> Entry:
+    exact = _text({"type": type_desc, "space": space, "data": data})
+    try:
+        shown = f"{_type_name(type_desc)} {_shape(space)} = {_values(type_desc, data)}"
+    except (KeyError, TypeError, ValueError):
+        shown = exact
+    return exact, shown
+
+
+def _type_name(desc: Any) -> str:
+    kind = desc["class"]
+    if kind == "int":
+        return f"{desc['order']}{'i' if desc['signed'] else 'u'}{desc['size']}"
+    if kind == "float":
+        return f"{desc['order']}f{desc['size']}"
+    if kind == "string":
+        cset = "utf-8" if desc["cset"] == 1 else "ascii"
+        return f"vlen str ({cset})" if desc["size"] is None else f"S{desc['size']} ({cset})"
+    return str(kind)
+
+
+def _shape(space: Any) -> str:
+    if space["class"] == "simple":
+        return str(list(space["shape"]))
+    return str(space["class"])
+
+
+def _values(desc: Any, data: Any) -> str:
+    if data is None:
+        return "(no data)"
+    if "strings" in data:
+        strings = data["strings"]
+        return _text(strings[0] if len(strings) == 1 else strings)
+    raw = base64.b64decode(data["raw"])
+    if desc["class"] in ("int", "float"):
+        kind = "f" if desc["class"] == "float" else ("i" if desc["signed"] else "u")
+        values = np.frombuffer(raw, dtype=f"{desc['order']}{kind}{desc['size']}").tolist()
+        return _text(values[0] if len(values) == 1 else values)
+    if desc["class"] == "string":
+        size = desc["size"]
+        items = [
+            raw[i : i + size].rstrip(b"\x00 ").decode("utf-8", "replace")
+            for i in range(0, len(raw), size)
+        ]
+        return _text(items)
+    return f"base64 {data['raw']}"

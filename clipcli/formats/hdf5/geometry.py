@@ -1,0 +1,61 @@
+"""Flat C-order ranges of a tensor as rectangular HDF5 hyperslabs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+
+def flat_range_blocks(shape: Sequence[int], start: int, stop: int) -> Iterator[tuple[slice, ...]]:
+    """Rectangular blocks that together cover the flat C-order range [start, stop), in order.
+
+    Every block has one slice per dimension (slice(i, i + 1) for a single index), so reading
+    each block and ravelling it gives consecutive pieces of the range. A range needs at most
+    2 * rank - 1 blocks (one for rank 0): a partial head row per dimension, one block of whole
+    rows, and a partial tail row per dimension.
+    """
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"range [{start}, {stop}) is not inside a tensor of {numel} elements")
+    return _range_blocks(shape, start, stop)
+
+
+def _range_blocks(shape: tuple[int, ...], start: int, stop: int) -> Iterator[tuple[slice, ...]]:
+    if start == stop:
+        return
+    if not shape:
+        yield ()
+        return
+    row_size = math.prod(shape[1:])  # > 0, since the range is not empty
+    first_row, head = divmod(start, row_size)
+    last_row, tail = divmod(stop, row_size)
+    if first_row == last_row:  # the range lies inside one row
+        for inner in _range_blocks(shape[1:], head, tail):
+            yield (slice(first_row, first_row + 1), *inner)
+        return
+    if head:  # finish the partly covered first row
+        for inner in _range_blocks(shape[1:], head, row_size):
+            yield (slice(first_row, first_row + 1), *inner)
+        first_row += 1
+    if first_row < last_row:  # whole rows
+        yield (slice(first_row, last_row), *(slice(0, dim) for dim in shape[1:]))
+    if tail:  # start of the partly covered last row
+        for inner in _range_blocks(shape[1:], 0, tail):
+            yield (slice(last_row, last_row + 1), *inner)
+
+
+def aligned_step(shape: tuple[int, ...], chunk_elems: int) -> int:
+    """The largest multiple of prod(shape[k:]) that is <= chunk_elems, for the smallest k
+    whose trailing slab fits: pieces then start on slab boundaries and most are one block.
+    Needs every dimension >= 1."""
+    slab = 1
+    for dim in reversed(shape):
+        if slab * dim > chunk_elems:
+            break
+        slab *= dim
+    return chunk_elems // slab * slab
+
+
+def block_shape(block: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(part.stop - part.start for part in block)

@@ -1,0 +1,127 @@
+"""The h5py library as clipcli uses it: imported lazily with filter plugins disabled, its
+errors turned into InputError, and facts about HDF5 types and names."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from clipcli.dtypes import is_numeric
+from clipcli.errors import InputError
+
+# What h5py raises for malformed or unsupported content (UnicodeDecodeError is a ValueError).
+H5PY_ERRORS = (OSError, ValueError, TypeError, KeyError, RuntimeError)
+
+NodeKind = Literal["group", "dataset", "datatype"]
+
+
+@functools.cache
+def load_h5py() -> Any:
+    """Import h5py on first use, with HDF5 filter plugins disabled.
+
+    A plugin directory named by the environment (HDF5_PLUGIN_PATH) is code that HDF5
+    dlopen()s when a file asks for a filter it does not know. The file comes from a
+    stranger, so that is arbitrary code execution on their say-so. HDF5 reads
+    HDF5_PLUGIN_PRELOAD once, when the library initialises at import; "::" is its
+    documented value for "load no plugins". In case h5py was imported before this
+    function ran, we also empty the plugin search path, which has the same effect.
+    """
+    os.environ.setdefault("HDF5_PLUGIN_PRELOAD", "::")
+    import h5py
+    import h5py.h5pl
+
+    while h5py.h5pl.size() > 0:
+        h5py.h5pl.remove(0)
+    return h5py
+
+
+def reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+@contextlib.contextmanager
+def input_errors(path: Path, doing: str, tensor: str | None = None) -> Iterator[None]:
+    """Turn h5py's exceptions into an InputError that says what we were doing."""
+    try:
+        yield
+    except H5PY_ERRORS as exc:
+        raise InputError(path, f"{doing}: {reason(exc)}", tensor) from None
+
+
+def unsupported_dtype(dtype: np.dtype[Any]) -> str | None:
+    """What kind of non-tensor dtype this is, or None for a numeric one."""
+    h5py = load_h5py()
+    string = h5py.check_string_dtype(dtype)
+    if string is not None:
+        kind = "variable-length" if string.length is None else "fixed-length"
+        return f"a {kind} string dtype"
+    if h5py.check_ref_dtype(dtype) is not None:
+        return "a reference dtype"
+    if h5py.check_vlen_dtype(dtype) is not None:
+        return "a variable-length dtype"
+    if h5py.check_enum_dtype(dtype) is not None:  # h5py reports bool without enum metadata
+        return "an enum dtype"
+    if dtype.fields is not None:
+        return f"a compound dtype ({len(dtype.fields)} fields)"
+    if dtype.subdtype is not None:
+        return f"an array dtype ({dtype})"
+    if dtype.kind == "V" and not is_numeric(dtype):
+        return "an opaque dtype"
+    if not is_numeric(dtype):
+        return f"dtype {dtype}"
+    return None
+
+
+def utf8_text(value: object) -> str | None:
+    """value as a str if it is text that round-trips through UTF-8, else None."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # h5py smuggles invalid bytes in as lone surrogates
+        except UnicodeEncodeError:
+            return None
+        return value
+    return None
+
+
+def holds_vlen(type_id: Any) -> bool:
+    """True if an HDF5 type holds variable-length data (strings or sequences) anywhere."""
+    h5t = load_h5py().h5t
+    kind = type_id.get_class()
+    if kind == h5t.VLEN or (kind == h5t.STRING and type_id.is_variable_str()):
+        return True
+    if kind == h5t.COMPOUND:
+        return any(holds_vlen(type_id.get_member_type(i)) for i in range(type_id.get_nmembers()))
+    if kind == h5t.ARRAY:
+        return holds_vlen(type_id.get_super())
+    return False
+
+
+def holds_references(type_id: Any) -> bool:
+    """True if an HDF5 type contains object or region references anywhere inside."""
+    h5t = load_h5py().h5t
+    kind = type_id.get_class()
+    if kind == h5t.REFERENCE:
+        return True
+    if kind == h5t.COMPOUND:
+        return any(
+            holds_references(type_id.get_member_type(i)) for i in range(type_id.get_nmembers())
+        )
+    if kind in (h5t.ARRAY, h5t.VLEN):
+        return holds_references(type_id.get_super())
+    return False
+
+
+def name_bytes(name: str | bytes) -> bytes:
+    """h5py gives names as str, or as bytes when they are not UTF-8; HDF5 wants bytes."""
+    return name if isinstance(name, bytes) else name.encode("utf-8")

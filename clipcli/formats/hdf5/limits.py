@@ -1,0 +1,34 @@
+"""The HDF5 reader's budgets and the library's cache settings, in one place (tests adjust
+them through this module)."""
+
+from __future__ import annotations
+
+MAX_DECLARED_BYTES = 1 << 40  # 1 TiB: no checkpoint tensor is this large
+# The npz reader's zip-bomb rule, for the same reason: real tensors compress ~1.1:1, so a
+# dataset inflating more than 200-fold to more than 64 MiB is almost surely a bomb (gzip of
+# zeros reaches ~1000:1 and would take minutes to decode).
+SPARSE_CHECK_BYTES = 64 << 20
+MAX_EXPANSION = 200
+MAX_DEPTH = 64  # real checkpoints nest a handful of groups; thousands is an attack
+# HDF5 decodes a whole chunk to read any part of it (h5py's automatic chunks are <= 1 MiB).
+MAX_CHUNK_BYTES = 256 << 20
+# Variable-length attribute data (strings) read in all: Keras' names take kilobytes.
+MAX_ATTRIBUTE_BYTES = 64 << 20
+# Non-tensor datasets (a vocabulary of strings, a compound table) are copied, or encoded
+# into safetensors metadata, a slice at a time: at most this many bytes in memory at once.
+NON_TENSOR_SLICE_BYTES = 16 << 20
+
+
+def expansion_budget(file_size: int) -> int:
+    """The most bytes all datasets of a file of this size may declare together: the npz
+    rule (200 times the file, plus 64 MiB so that small all-zero files still read)."""
+    return MAX_EXPANSION * file_size + SPARSE_CHECK_BYTES
+
+
+# One raw-data chunk cache per open dataset (we keep at most a couple open at a time).
+# Large enough to hold a row of HDF5 chunks while we stream C-order pieces through them,
+# so each compressed chunk is decoded (or encoded) once rather than once per piece.
+CHUNK_CACHE_BYTES = 64 << 20
+HEAP_SCAN_WINDOW = 16 << 20  # global-heap search: bytes read at a time
+CHUNK_CACHE_SLOTS = 12_401  # a prime, as HDF5 recommends, ~100x the chunks that fit
+CHUNK_CACHE_W0 = 1.0  # evict fully read/written chunks first: we never revisit them

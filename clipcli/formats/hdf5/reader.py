@@ -1,0 +1,297 @@
+"""The HDF5 reader: opens read-only, walks every object by hard links only, checks every
+dataset (clipcli.formats.hdf5.safety) and the global heaps (heap) before any data is read,
+then hands out tensors in C-order pieces."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import clipcli.formats.hdf5.limits as limits
+from clipcli.errors import InputError
+from clipcli.formats.base import NonTensorInfo, Reader, TensorInfo, default_chunk_elems
+from clipcli.formats.hdf5.geometry import aligned_step, block_shape, flat_range_blocks
+from clipcli.formats.hdf5.heap import check_global_heaps
+from clipcli.formats.hdf5.library import NodeKind, input_errors, load_h5py, utf8_text
+from clipcli.formats.hdf5.nontensor import RowSlice, VlenBudget, read_rows
+from clipcli.formats.hdf5.safety import DatasetChecks
+from clipcli.formats.hdf5.structure import read_structure
+from clipcli.formats.structure import Structure
+from clipcli.inputs import fd_path, open_input_fd
+
+
+@dataclass(frozen=True)
+class Hdf5Node:
+    """One object of the source file, for the writer to replicate. path is absolute."""
+
+    path: str
+    kind: NodeKind
+
+
+def _join(parent: str, name: str) -> str:
+    return f"/{name}" if parent == "/" else f"{parent}/{name}"
+
+
+def _object_key(obj: Any) -> tuple[int, int]:
+    """Identity of an HDF5 object: the same for every hard link that reaches it."""
+    info = load_h5py().h5o.get_info(obj.id)
+    return (int(info.fileno), int(info.addr))
+
+
+class Hdf5Reader(Reader):
+    """Opens read-only and validates the whole file up front, reading no tensor data.
+
+    For the writer it exposes `file` (the h5py.File), `nodes` (every group, dataset and named
+    datatype in walk order) and `dataset(name)`.
+    """
+
+    format_name = "hdf5"
+
+    def __init__(self, path: Path, shown_as: Path | None = None) -> None:
+        """shown_as: the name messages give the file (a weights file unpacked from a
+        .keras archive is named after the archive, not after its temp copy)."""
+        super().__init__(shown_as or path)
+        h5py = load_h5py()
+        # Our own descriptor, opened without blocking and checked to be a regular file;
+        # the library then opens that very file through /proc/self/fd, so a name swapped
+        # for a FIFO or another file after the check is never what HDF5 reads.
+        self._fd = open_input_fd(path)  # the real file
+        try:
+            self._open_file(h5py, fd_path(self._fd) or os.fspath(path))
+        except BaseException:
+            os.close(self._fd)
+            raise
+        try:
+            self._file_size = os.fstat(self._fd).st_size
+            self._checks = DatasetChecks(self.path, self._file_size)
+            self._non_tensors: list[NonTensorInfo] = []
+            with input_errors(self.path, "cannot read the file's structure"):
+                self.nodes, self._infos = self._walk()
+            # Walking reads no attribute values, so no global heap has been touched yet.
+            self._checks.check_expansion()
+            self.largest_heap_object = check_global_heaps(
+                self.path, self._fd, self._file_size, self._checks.data_ranges
+            )
+            with input_errors(self.path, "cannot inspect attributes"):
+                self._checks.check_attribute_budget(
+                    self.file, [node.path for node in self.nodes], self.largest_heap_object
+                )
+            self._metadata = self._read_metadata()
+        except BaseException:
+            self.close()
+            raise
+        self._by_name = {info.name: info for info in self._infos}
+        self._vlen_budget = VlenBudget(self.path, self._file_size)
+        self._structure: Structure | None = None
+
+    def _open_file(self, h5py: Any, name: str) -> None:
+        # Lock where the filesystem can, but do not fail where it cannot (NFS, Lustre).
+        locking = "best-effort" if h5py.version.hdf5_version_tuple >= (1, 12, 1) else None
+        with input_errors(self.path, "cannot open as HDF5"):
+            self.file: Any = h5py.File(
+                name,
+                "r",
+                locking=locking,
+                rdcc_nbytes=limits.CHUNK_CACHE_BYTES,
+                rdcc_nslots=limits.CHUNK_CACHE_SLOTS,
+                rdcc_w0=limits.CHUNK_CACHE_W0,
+            )
+
+    @property
+    def infos(self) -> list[TensorInfo]:
+        return self._infos
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        return self._metadata
+
+    @property
+    def non_tensors(self) -> list[NonTensorInfo]:
+        return self._non_tensors
+
+    def _fail(self, problem: str, tensor: str | None = None) -> InputError:
+        return InputError(self.path, problem, tensor)
+
+    # -- structure ------------------------------------------------------------------------
+
+    def _walk(self) -> tuple[list[Hdf5Node], list[TensorInfo]]:
+        """Every object reachable by hard links, depth first in link order."""
+        h5py = load_h5py()
+        root = self.file["/"]
+        nodes = [Hdf5Node("/", "group")]
+        infos: list[TensorInfo] = []
+        first_path = {_object_key(root): "/"}
+        # An explicit stack: a hostile file may nest groups deeper than Python recursion.
+        stack: list[tuple[str, Any, Iterator[Any]]] = [("/", root, self._member_names(root, "/"))]
+        while stack:
+            parent_path, group, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                continue
+            path = _join(parent_path, name)
+            obj = self._open_hard_link(group, name, path)
+            with input_errors(self.path, f"cannot inspect object {path!r}"):
+                key = _object_key(obj)
+            if key in first_path:
+                raise self._fail(
+                    f"object {path!r} is a second hard link to {first_path[key]!r}; "
+                    "objects linked more than once are refused"
+                )
+            first_path[key] = path
+            if isinstance(obj, h5py.Group):
+                if len(stack) >= limits.MAX_DEPTH:
+                    raise self._fail(
+                        f"groups nest deeper than {limits.MAX_DEPTH} levels at {path[:80]!r}…"
+                    )
+                nodes.append(Hdf5Node(path, "group"))
+                stack.append((path, obj, self._member_names(obj, path)))
+            elif isinstance(obj, h5py.Dataset):
+                nodes.append(Hdf5Node(path, "dataset"))
+                checked = self._checks.check_dataset(obj, path)
+                if isinstance(checked, TensorInfo):
+                    infos.append(checked)
+                else:
+                    self._non_tensors.append(checked)
+            elif isinstance(obj, h5py.Datatype):
+                nodes.append(Hdf5Node(path, "datatype"))
+            else:
+                raise self._fail(f"object {path!r} is of an unknown HDF5 object type")
+        return nodes, infos
+
+    def _member_names(self, group: Any, path: str) -> Iterator[str]:
+        """The group's link names in its own order (h5py uses creation order if tracked)."""
+        with input_errors(self.path, f"cannot list group {path!r}"):
+            names = list(group)
+        for name in names:
+            if not isinstance(name, str):  # h5py hands back undecodable names as bytes
+                raise self._fail(f"group {path!r} has a link name that is not UTF-8: {name!r}")
+        return iter(names)
+
+    def _open_hard_link(self, group: Any, name: str, path: str) -> Any:
+        """The object behind a hard link; any other kind of link is refused unfollowed."""
+        h5py = load_h5py()
+        with input_errors(self.path, f"cannot read the link {path!r}"):
+            link = group.get(name, getlink=True)
+        if isinstance(link, h5py.SoftLink):
+            raise self._fail(
+                f"object {path!r} is a soft link to {link.path!r}; links are not followed"
+            )
+        if isinstance(link, h5py.ExternalLink):
+            raise self._fail(
+                f"object {path!r} is an external link to {link.path!r} in file "
+                f"{link.filename!r}; links to other files are not followed"
+            )
+        if not isinstance(link, h5py.HardLink):
+            raise self._fail(f"object {path!r} is a link of an unsupported kind")
+        with input_errors(self.path, f"cannot open object {path!r}"):
+            return group[name]
+
+    # -- datasets -------------------------------------------------------------------------
+
+    def structure(self) -> Structure:
+        """The whole file's structure (read once: attributes and non-tensor values)."""
+        if self._structure is None:
+            self._structure = Structure(origin=self, load=lambda: read_structure(self))
+        return self._structure
+
+    def non_tensor_rows(self, item: NonTensorInfo) -> Iterator[RowSlice]:
+        """A non-tensor dataset's values, a bounded slice of rows at a time."""
+        with input_errors(self.path, "cannot open dataset", item.name):
+            dataset = self.file["/" + item.name]
+        rows = read_rows(dataset, item, self.largest_heap_object, self._vlen_budget)
+        while True:
+            with input_errors(self.path, "cannot read the non-tensor dataset", item.name):
+                piece = next(rows, None)
+            if piece is None:
+                return
+            yield piece
+
+    def is_unallocated(self, name: str) -> bool:
+        """True when the dataset has no storage at all: every element is its fill value."""
+        return name in self._checks.unallocated
+
+    # -- metadata -------------------------------------------------------------------------
+
+    def _read_metadata(self) -> dict[str, str]:
+        """Root attributes that hold one string (str, or bytes that are UTF-8)."""
+        h5py = load_h5py()
+        attrs = self.file.attrs
+        metadata: dict[str, str] = {}
+        with input_errors(self.path, "cannot read root attributes"):
+            names = list(attrs)
+            for name in names:
+                if not isinstance(name, str):  # h5py gives names that are not UTF-8 as bytes
+                    continue
+                attr = attrs.get_id(name)
+                try:
+                    dtype = attr.dtype
+                except TypeError:  # no NumPy counterpart: certainly not a string
+                    continue
+                if attr.shape != () or h5py.check_string_dtype(dtype) is None:
+                    continue
+                text = utf8_text(attrs[name])
+                if text is not None:
+                    metadata[name] = text
+        return metadata
+
+    # -- data -----------------------------------------------------------------------------
+
+    def dataset(self, name: str) -> Any:
+        """The h5py Dataset of a tensor (its path was checked to be hard links only)."""
+        if name not in self._by_name:
+            raise KeyError(name)
+        with input_errors(self.path, "cannot open dataset", name):
+            return self.file["/" + name]
+
+    def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        if chunk_elems is None:
+            chunk_elems = default_chunk_elems(info.dtype)
+        if chunk_elems < 1:
+            raise ValueError(f"chunk_elems must be positive, got {chunk_elems}")
+        if info.numel == 0:
+            return
+        dataset = self.dataset(info.name)
+        step = aligned_step(info.shape, chunk_elems)
+        for start in range(0, info.numel, step):
+            stop = min(start + step, info.numel)
+            with input_errors(self.path, f"cannot read elements [{start}, {stop})", info.name):
+                piece = self._read_range(dataset, info, start, stop)
+            yield piece
+
+    @staticmethod
+    def _read_range(dataset: Any, info: TensorInfo, start: int, stop: int) -> np.ndarray:
+        """Elements [start, stop) in C order, each block read straight into its place in one
+        array of the tensor's own dtype and byte order (no per-block copies to concatenate)."""
+        out = np.empty(stop - start, dtype=info.dtype)
+        offset = 0
+        for block in flat_range_blocks(info.shape, start, stop):
+            shape_of_block = block_shape(block)
+            count = math.prod(shape_of_block)
+            target = out[offset : offset + count].reshape(shape_of_block)
+            dataset.read_direct(target, source_sel=block or None)  # () is a scalar's whole
+            offset += count
+        return out
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        """The whole dataset in one HDF5 read (the fast path for small tensors)."""
+        dataset = self.dataset(info.name)
+        out = np.empty(info.shape, dtype=info.dtype)
+        if out.size:
+            with input_errors(self.path, "cannot read data", info.name):
+                dataset.read_direct(out)
+        return out
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1

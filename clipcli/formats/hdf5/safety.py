@@ -1,0 +1,234 @@
+"""What the reader checks on every dataset before any data is read: nothing that reads
+outside the file (virtual datasets, external storage), standard IEEE float layouts,
+available filters, and declared sizes bounded by what the file stores.
+
+A dataset of a numeric dtype is a tensor (TensorInfo). Any other dataset (strings, vlen,
+compound, enum, opaque, references, an empty dataspace) is a NonTensor: listed, never
+measured or clipped, carried through unchanged where the output can hold it. The storage
+rules apply to both alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import clipcli.formats.hdf5.limits as limits
+from clipcli.errors import InputError
+from clipcli.formats.base import NonTensorInfo, TensorInfo
+from clipcli.formats.hdf5.library import (
+    holds_references,
+    holds_vlen,
+    input_errors,
+    load_h5py,
+    unsupported_dtype,
+)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A dataset's name, shape (None: empty dataspace) and declared bytes in the file."""
+
+    name: str
+    shape: tuple[int, ...] | None
+    nbytes: int
+
+
+class DatasetChecks:
+    """Checks each dataset of one file and collects what the file-wide checks need: the
+    byte ranges holding dataset storage, and the datasets with no storage at all."""
+
+    def __init__(self, path: Path, file_size: int) -> None:
+        self.path = path
+        self.file_size = file_size
+        self.data_ranges: list[tuple[int, int]] = []
+        self.unallocated: set[str] = set()  # datasets with no storage: all fill value
+        self.declared_total = 0
+
+    def _fail(self, problem: str, tensor: str | None = None) -> InputError:
+        return InputError(self.path, problem, tensor)
+
+    def check_dataset(self, dataset: Any, path: str) -> TensorInfo | NonTensorInfo:
+        """Refuse anything that reads outside the file or is not bounded; classify the rest."""
+        name = path[1:]
+        with input_errors(self.path, "cannot inspect dataset", name):
+            if dataset.is_virtual:
+                raise self._fail(
+                    "is a virtual dataset (its data comes from other datasets or files); "
+                    "not followed",
+                    name,
+                )
+            external = dataset.external
+            if external:
+                raise self._fail(
+                    f"uses external storage in file {external[0][0]!r}; not followed", name
+                )
+            type_id = dataset.id.get_type()
+            problem = self._non_tensor_kind(dataset, type_id, name)
+            shape = None if dataset.shape is None else tuple(int(d) for d in dataset.shape)
+            element_bytes = int(type_id.get_size())
+            numel = 0 if shape is None else math.prod(shape)
+            declared = Declared(name, shape, numel * element_bytes)
+            create_plist = dataset.id.get_create_plist()
+            self._check_filters(create_plist, name)
+            self._check_storage(dataset, create_plist, declared, element_bytes)
+            self.declared_total += declared.nbytes
+            if problem is None and shape is not None:
+                dtype: np.dtype[Any] = dataset.dtype
+                return TensorInfo(name, dtype, shape, numel * dtype.itemsize)
+            return NonTensorInfo(
+                name,
+                problem or "an empty (null) dataspace",
+                shape,
+                declared.nbytes,
+                copyable=not holds_references(type_id),
+                variable_length=holds_vlen(type_id),
+            )
+
+    def _non_tensor_kind(self, dataset: Any, type_id: Any, name: str) -> str | None:
+        """What makes this dataset a non-tensor (its type), or None for a numeric one."""
+        try:
+            dtype: np.dtype[Any] = dataset.dtype
+        except TypeError:  # e.g. HDF5 types with no NumPy counterpart
+            return "an HDF5 type with no NumPy counterpart"
+        if dtype.kind in "fc":
+            self._check_float_layout(type_id, dtype, name)
+        return unsupported_dtype(dtype)
+
+    def _check_float_layout(self, type_id: Any, dtype: np.dtype[Any], name: str) -> None:
+        """An HDF5 float type describes its bits (offset, precision, sign, exponent and
+        mantissa fields); h5py maps it to a NumPy dtype by size alone. Fields that are not
+        the standard IEEE layout of that size (a fuzzed file: bit offset 0xEA00 in a 32-bit
+        float) make the library's conversion read and write out of bounds. Refuse them."""
+        h5t = load_h5py().h5t
+        if isinstance(type_id, h5t.TypeCompoundID):  # complex: check each member
+            for index in range(type_id.get_nmembers()):
+                member = type_id.get_member_type(index)
+                self._check_float_layout(member, np.dtype(f"f{member.get_size()}"), name)
+            return
+        if not isinstance(type_id, h5t.TypeFloatID):
+            return
+        standard = h5t.py_create(np.dtype(f"<f{type_id.get_size()}"))
+        layout = (type_id.get_offset(), type_id.get_precision(), type_id.get_fields())
+        expected = (standard.get_offset(), standard.get_precision(), standard.get_fields())
+        if layout != expected:
+            raise self._fail(
+                f"has a {dtype.itemsize}-byte float type with a non-standard bit layout "
+                f"(offset, precision, fields {layout}); malformed or not IEEE",
+                name,
+            )
+
+    def _check_filters(self, create_plist: Any, name: str) -> None:
+        h5z = load_h5py().h5z
+        for index in range(create_plist.get_nfilters()):
+            code = create_plist.get_filter(index)[0]
+            if not h5z.filter_avail(code):
+                raise self._fail(f"uses unavailable HDF5 filter {code}", name)
+
+    def _check_storage(
+        self, dataset: Any, create_plist: Any, info: Declared, element_bytes: int
+    ) -> None:
+        h5d = load_h5py().h5d
+        declared = info.nbytes
+        if declared > limits.MAX_DECLARED_BYTES:
+            raise self._fail(
+                f"declares {declared} bytes, over the {limits.MAX_DECLARED_BYTES}-byte (1 TiB) "
+                "limit",
+                info.name,
+            )
+        stored = int(dataset.id.get_storage_size())
+        if stored == 0 and declared:
+            self.unallocated.add(info.name)
+        if declared > limits.SPARSE_CHECK_BYTES and declared > limits.MAX_EXPANSION * stored:
+            raise self._fail(
+                f"declares {declared} bytes but stores only {stored}; refusing to expand "
+                f"data more than {limits.MAX_EXPANSION}-fold",
+                info.name,
+            )
+        layout = create_plist.get_layout()
+        if layout == h5d.CONTIGUOUS:
+            offset = dataset.id.get_offset()  # None while no storage is allocated
+            if offset is not None and offset + stored > self.file_size:
+                raise self._fail(
+                    f"data at bytes [{offset}, {offset + stored}) runs past the end of the "
+                    f"{self.file_size}-byte file",
+                    info.name,
+                )
+            if offset is not None:
+                self.data_ranges.append((offset, offset + stored))
+            maxshape = dataset.maxshape
+            if info.shape is not None and maxshape is not None and tuple(maxshape) != info.shape:
+                raise self._fail(
+                    f"is contiguous but declares a maximum shape {tuple(maxshape)} other than "
+                    f"its shape {info.shape}, which HDF5 does not allow (malformed)",
+                    info.name,
+                )
+        if layout == h5d.CHUNKED:
+            self._check_chunks(dataset, create_plist, info.name, element_bytes)
+
+    def _check_chunks(self, dataset: Any, create_plist: Any, name: str, element_bytes: int) -> None:
+        # The library decodes a whole chunk to read any element of it: memory per read
+        # is one chunk, whatever our 2 MiB pieces ask for.
+        chunk_bytes = math.prod(create_plist.get_chunk()) * element_bytes
+        if chunk_bytes > limits.MAX_CHUNK_BYTES:
+            raise self._fail(
+                f"HDF5 chunks of {chunk_bytes} bytes exceed the "
+                f"{limits.MAX_CHUNK_BYTES >> 20} MiB limit (each read decodes a whole chunk "
+                "in memory)",
+                name,
+            )
+        if not hasattr(dataset.id, "chunk_iter"):
+            return  # HDF5 < 1.14: the library scans the chunks itself
+        chunks: list[tuple[int, int]] = []
+        dataset.id.chunk_iter(lambda chunk: chunks.append((chunk.byte_offset, chunk.size)))
+        for offset, size in chunks:
+            # A stored chunk of 0 bytes, or one past the end, makes the library's
+            # filters read nothing or garbage: fletcher32 on an empty chunk segfaults.
+            if size <= 0 or offset + size > self.file_size:
+                raise self._fail(
+                    f"a stored chunk at byte {offset} of {size} bytes is empty or runs "
+                    f"past the end of the {self.file_size}-byte file",
+                    name,
+                )
+            self.data_ranges.append((offset, offset + size))
+
+    def check_expansion(self) -> None:
+        """The whole file's budget: every dataset, allocated or not, is produced in full by
+        the library when read (an unallocated one as fill value), so the declared bytes of
+        all datasets together may be at most expansion_budget(file size). Per-dataset rules
+        alone let 10,000 datasets of 64 MiB each through from a 3 MB file."""
+        total = self.declared_total
+        budget = limits.expansion_budget(self.file_size)
+        if total > budget:
+            raise self._fail(
+                f"datasets declare {total} bytes in all, more than {limits.MAX_EXPANSION} "
+                f"times the {self.file_size}-byte file plus "
+                f"{limits.SPARSE_CHECK_BYTES >> 20} MiB ({budget}); refusing to expand it"
+            )
+
+    def check_attribute_budget(
+        self, file: Any, object_paths: Sequence[str], largest_heap_object: int
+    ) -> None:
+        """Variable-length attribute values live in global heap objects, and any number of
+        elements may point at the same object: 1,500 strings naming one 1 MiB object read
+        as 1.5 GB. Reading an attribute reads all its elements at once, so the bound is
+        taken before any is read: elements x the largest heap object in the file."""
+        elements = 0
+        for path in object_paths:
+            obj = file[path]
+            for name in obj.attrs:
+                attr = obj.attrs.get_id(name)
+                if holds_vlen(attr.get_type()):
+                    elements += max(1, int(attr.get_space().get_simple_extent_npoints()))
+        worst = elements * largest_heap_object
+        if worst > limits.MAX_ATTRIBUTE_BYTES:
+            raise self._fail(
+                f"{elements} variable-length attribute values may each read a heap object of "
+                f"{largest_heap_object} bytes ({worst} in all, over the "
+                f"{limits.MAX_ATTRIBUTE_BYTES >> 20} MiB limit for attributes); refusing it"
+            )

@@ -1,0 +1,360 @@
+"""The HDF5 writer. With an HDF5 source it replicates the source file: every group,
+dataset and named datatype with its creation settings (chunks, filters, fill value,
+orders) and every attribute with its exact HDF5 type; non-tensor datasets are copied as
+they are. Otherwise each tensor becomes a contiguous dataset at its name's path."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import clipcli.formats.hdf5.limits as limits
+from clipcli.dtypes import from_ml_dtypes
+from clipcli.errors import InputError, WriteError
+from clipcli.formats.base import (
+    Checkpoint,
+    Reader,
+    TensorInfo,
+    Writer,
+    utf8_encodable,
+)
+from clipcli.formats.hdf5.geometry import block_shape, flat_range_blocks
+from clipcli.formats.hdf5.library import (
+    input_errors,
+    load_h5py,
+    reason,
+)
+from clipcli.formats.hdf5.reader import Hdf5Reader
+from clipcli.formats.hdf5.rebuild import ReadyNode, create_nodes, prepare
+from clipcli.formats.hdf5.replica import Replica, split_path
+from clipcli.formats.structure import STRUCTURE_KEY
+
+HDF5_MAX_ATTRIBUTES = 65535  # attributes per object when creation order is tracked
+HDF5_MAX_ATTRIBUTE_NAME_BYTES = 65534  # plus the terminating NUL: a 16-bit length
+
+
+def _dataset_path_problem(name: str) -> str | None:
+    """Why a tensor name cannot be used as an HDF5 dataset path, or None."""
+    if name.startswith("/"):
+        return "it starts with '/'"
+    parts = name.split("/")
+    if any(part == "" for part in parts):
+        return "it has an empty path component"
+    if any(part == "." for part in parts):
+        return "it has a '.' path component"
+    return None
+
+
+def _stored_chunk_offsets(dataset_id: Any) -> list[tuple[int, ...]]:
+    """Where each allocated chunk of a chunked dataset starts."""
+    offsets: list[tuple[int, ...]] = []
+    if hasattr(dataset_id, "chunk_iter"):  # HDF5 >= 1.14: one pass over the chunk index
+        dataset_id.chunk_iter(lambda chunk: offsets.append(chunk.chunk_offset))
+    else:
+        for index in range(dataset_id.get_num_chunks()):
+            offsets.append(dataset_id.get_chunk_info(index).chunk_offset)
+    return offsets
+
+
+class Hdf5Writer(Writer):
+    """Creates the whole skeleton (groups, datasets, attributes) in the constructor; write()
+    then fills one dataset. With an Hdf5Reader as the source the skeleton is an exact copy of
+    the source's; otherwise each tensor becomes a contiguous dataset at its name's path."""
+
+    format_name = "hdf5"
+
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+        super().__init__(path, checkpoint, durable)
+        for info in checkpoint.infos:
+            if (reason := self.check_dtype(info)) is not None:
+                raise ValueError(reason)
+        # The source's structure decides the skeleton: an HDF5 source (the structure's
+        # origin) is replicated object by object; a structure recorded in another format
+        # (safetensors __metadata__) is rebuilt; otherwise a plain layout.
+        structure = checkpoint.source.structure() if checkpoint.source is not None else None
+        origin = structure.origin if structure is not None else None
+        self._source: Hdf5Reader | None = origin if isinstance(origin, Hdf5Reader) else None
+        self._rebuild: list[ReadyNode] | None = None
+        if self._source is None and structure is not None and checkpoint.source is not None:
+            ready = prepare(structure, checkpoint.infos, checkpoint.source.path)
+            self._rebuild = ready if isinstance(ready, list) else None
+        self._written: set[str] = set()
+        self.file: Any = self._create_file()
+        try:
+            if self._source is not None:
+                self._copy_structure(self._source)
+            elif self._rebuild is not None:
+                source_path = checkpoint.source.path if checkpoint.source else path
+                with self._failing_quietly():
+                    try:
+                        create_nodes(self.file, self._rebuild)
+                    except (ValueError, KeyError, TypeError) as exc:  # what it records clashes
+                        raise InputError(
+                            source_path,
+                            f"cannot rebuild the recorded HDF5 structure: {exc}",
+                        ) from None
+                self._add_metadata(
+                    skip={attr.name.decode() for attr in self._rebuild[0].attributes}
+                )
+            else:
+                self._create_plain_layout()
+        except BaseException:
+            self.file.close()
+            raise
+
+    @classmethod
+    def check_name(cls, name: str) -> str | None:
+        parts = name.split("/")
+        if name.startswith("/") or "" in parts or "." in parts:
+            return "an HDF5 dataset path needs non-empty components, no '.' and no leading '/'"
+        return super().check_name(name)
+
+    @classmethod
+    def check_names(cls, names: Sequence[str]) -> str | None:
+        # A path is a dataset or a group, not both: `a` and `a/b` cannot both be tensors.
+        datasets = set(names)
+        for name in names:
+            parts = name.split("/")
+            for end in range(1, len(parts)):
+                prefix = "/".join(parts[:end])
+                if prefix in datasets:
+                    return (
+                        f"tensor {name!r} needs {prefix!r} to be an HDF5 group, but {prefix!r} "
+                        "is a tensor too"
+                    )
+        return None
+
+    @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:
+        structure = source.structure()
+        if structure is None or isinstance(structure.origin, Hdf5Reader):
+            return []  # nothing to keep, or replicated object by object
+        ready = prepare(structure, source.infos, source.path)
+        if isinstance(ready, str):
+            return [f"the HDF5 structure recorded in the input ({ready})"]
+        return []
+
+    @classmethod
+    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
+        structure = source.structure() if source is not None else None
+        if structure is not None and isinstance(structure.origin, Hdf5Reader):
+            return None  # copied attribute by attribute, with the source's own settings
+        metadata = {k: v for k, v in metadata.items() if k != STRUCTURE_KEY}
+        # Root attributes, created in tracked order (measured with h5py 3 / HDF5 1.14:
+        # the 65,536th fails with "attribute creation index can't be incremented", a
+        # 65,535-byte name with "decoded name length is invalid").
+        for index, (key, value) in enumerate(metadata.items()):
+            if index >= HDF5_MAX_ATTRIBUTES:
+                return (
+                    f"metadata key {key!r}: HDF5 holds at most {HDF5_MAX_ATTRIBUTES} metadata "
+                    f"keys (root attributes), and this checkpoint has {len(metadata)}"
+                )
+            if not key or "\x00" in key or not utf8_encodable(key):
+                return f"metadata key {key!r}: an HDF5 attribute name must be non-empty UTF-8"
+            if len(key.encode()) > HDF5_MAX_ATTRIBUTE_NAME_BYTES:
+                return (
+                    f"metadata key {key[:40]!r}...: an HDF5 attribute name holds at most "
+                    f"{HDF5_MAX_ATTRIBUTE_NAME_BYTES} bytes of UTF-8"
+                )
+            if "\x00" in value or not utf8_encodable(value):
+                return f"metadata key {key!r}: HDF5 strings hold no NUL byte and only UTF-8"
+        return None
+
+    @classmethod
+    def check_dtype(cls, info: TensorInfo) -> str | None:
+        dtype = info.dtype
+        if from_ml_dtypes(dtype) or dtype.kind == "V":  # ml_dtypes' types, or opaque bytes
+            return f"HDF5 cannot hold {dtype.name}; write .safetensors instead"
+        return None
+
+    # -- skeleton -------------------------------------------------------------------------
+
+    def _create_file(self) -> Any:
+        """A new file whose root group orders links and attributes as the source's did."""
+        h5py = load_h5py()
+        h5f, h5p = h5py.h5f, h5py.h5p
+        create_plist = h5p.create(h5p.FILE_CREATE)
+        if self._source is not None:
+            with input_errors(self._source.path, "cannot read the root group's settings"):
+                root_plist = self._source.file["/"].id.get_create_plist()
+                create_plist.set_link_creation_order(root_plist.get_link_creation_order())
+                create_plist.set_attr_creation_order(root_plist.get_attr_creation_order())
+        elif self._rebuild is not None:  # the recorded root group's orders
+            root_plist = self._rebuild[0].plist
+            create_plist.set_link_creation_order(root_plist.get_link_creation_order())
+            create_plist.set_attr_creation_order(root_plist.get_attr_creation_order())
+        else:  # keep the checkpoint's tensor order when read back
+            order = h5p.CRT_ORDER_TRACKED | h5p.CRT_ORDER_INDEXED
+            create_plist.set_link_creation_order(order)
+            create_plist.set_attr_creation_order(order)
+        access_plist = h5p.create(h5p.FILE_ACCESS)
+        access_plist.set_fclose_degree(h5f.CLOSE_STRONG)
+        access_plist.set_cache(
+            0, limits.CHUNK_CACHE_SLOTS, limits.CHUNK_CACHE_BYTES, limits.CHUNK_CACHE_W0
+        )
+        file_id = h5f.create(
+            os.fsencode(self.path), h5f.ACC_TRUNC, fcpl=create_plist, fapl=access_plist
+        )
+        return h5py.File(file_id)
+
+    def _copy_structure(self, source: Hdf5Reader) -> None:
+        """Every group, dataset and named datatype of the source, with all attributes."""
+        source_names = {info.name: info.shape for info in source.infos}
+        ours = {info.name: info.shape for info in self.checkpoint.infos}
+        if ours != source_names:
+            raise ValueError("an HDF5 source needs the checkpoint to list exactly its datasets")
+        Replica(self.file, source, self._failing_quietly).copy_all()
+        self._update_metadata(source)
+
+    def _update_metadata(self, source: Hdf5Reader) -> None:
+        """Root string attributes for metadata the caller changed; the rest was copied."""
+        attrs = self.file.attrs
+        for key, value in self.checkpoint.metadata.items():
+            if source.metadata.get(key) != value:
+                if key in attrs:
+                    del attrs[key]
+                attrs[key] = value
+
+    def _add_metadata(self, skip: set[str] = set()) -> None:  # noqa: B006 - never mutated
+        """The checkpoint's metadata as root string attributes (the recorded structure's
+        own key and attributes it already created excepted)."""
+        for key, value in self.checkpoint.metadata.items():
+            if key != STRUCTURE_KEY and key not in skip:
+                self.file.attrs[key] = value
+
+    def _create_plain_layout(self) -> None:
+        """A dataset per tensor at its name's path, contiguous and uncompressed."""
+        self._add_metadata()
+        for info in self.checkpoint.infos:
+            problem = _dataset_path_problem(info.name)
+            if problem is not None:
+                raise WriteError(f"tensor {info.name!r} cannot be an HDF5 dataset: {problem}")
+            parent_path, name = split_path("/" + info.name)
+            try:
+                parent = self._require_group(parent_path)
+                parent.create_dataset(name, shape=info.shape, dtype=info.dtype)
+            except (ValueError, KeyError, TypeError) as exc:  # a name clash with another tensor
+                raise WriteError(
+                    f"tensor {info.name!r} cannot be an HDF5 dataset: {reason(exc)}"
+                ) from None
+
+    def _require_group(self, path: str) -> Any:
+        """The group at path, creating missing ones so that they keep insertion order."""
+        group = self.file["/"]
+        for name in [part for part in path.split("/") if part]:
+            if name not in group:
+                group.create_group(name, track_order=True)
+            group = group[name]
+            if not isinstance(group, load_h5py().Group):
+                raise ValueError(f"{group.name!r} is a dataset, not a group")
+        return group
+
+    # -- data -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _failing_quietly(self) -> Iterator[None]:
+        """After the first failure (a full disk), point the library's file descriptor at
+        /dev/null: otherwise every later flush, in h5py's object destructors and at
+        close, fails again, prints a traceback it cannot raise, and the library ends in
+        "Slist already enabled?" and a segfault at exit. The file is discarded anyway."""
+        try:
+            yield
+        except BaseException as exc:
+            self._silence()
+            raise _with_errno(exc) from None
+
+    def _silence(self) -> None:
+        with contextlib.suppress(Exception):
+            fd = self.file.id.get_vfd_handle()
+            sink = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(sink, fd)
+            finally:
+                os.close(sink)
+
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        with self._failing_quietly():
+            self._write(info, chunks)
+
+    def _write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        dataset = self.file["/" + info.name]
+        if dataset.shape != info.shape:
+            raise ValueError(f"tensor {info.name!r} has shape {info.shape}, not {dataset.shape}")
+        position = 0
+        for chunk in chunks:
+            # Cast with NumPy's rules (round to nearest, overflow to inf), as other writers do.
+            flat = np.ascontiguousarray(chunk, dtype=info.dtype).reshape(-1)
+            end = position + flat.size
+            offset = 0
+            for block in flat_range_blocks(info.shape, position, end):
+                shape_of_block = block_shape(block)
+                count = math.prod(shape_of_block)
+                piece = flat[offset : offset + count].reshape(shape_of_block)
+                dataset.write_direct(piece, dest_sel=block or None)
+                offset += count
+            position = end
+        if position != info.numel:
+            raise ValueError(f"tensor {info.name!r} got {position} of {info.numel} elements")
+        dataset.id.flush()  # a full disk shows here, not later in a destructor
+        self._written.add(info.name)
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+        """Copy a chunked dataset's stored (compressed) chunks byte for byte, skipping the
+        decode and re-encode. The output dataset has the source's exact filter pipeline, so
+        the raw chunks are valid there. Other layouts go through write()."""
+        if self._source is None or source is not self._source:
+            return False
+        if self._source.is_unallocated(info.name):
+            # All fill value: the copy, created with the source's fill value and allocation
+            # time, reads the same with nothing written, and stays as small as the source.
+            self._written.add(info.name)
+            return True
+        original = self._source.dataset(info.name)
+        if original.chunks is None:
+            return False
+        copy = self.file["/" + info.name]
+        with input_errors(source.path, "cannot list stored chunks", info.name):
+            offsets = _stored_chunk_offsets(original.id)
+        with self._failing_quietly():
+            for offset in offsets:
+                with input_errors(source.path, f"cannot read stored chunk {offset}", info.name):
+                    filter_mask, raw = original.id.read_direct_chunk(offset)
+                copy.id.write_direct_chunk(offset, raw, filter_mask)
+            copy.id.flush()
+        self._written.add(info.name)
+        return True
+
+    def close(self) -> None:
+        try:
+            missing = [i.name for i in self.checkpoint.infos if i.name not in self._written]
+            if missing:
+                raise RuntimeError(f"closing with {len(missing)} tensors unwritten: {missing[:3]}")
+            with self._failing_quietly():
+                self.file.flush()
+        finally:
+            self.file.close()
+
+    def abort(self) -> None:
+        self._silence()
+        with contextlib.suppress(Exception):
+            self.file.close()
+
+
+def _with_errno(exc: BaseException) -> BaseException:
+    """The library reports a failed write (a full disk) as a RuntimeError or a bare OSError
+    whose text carries the C errno ("errno = 28"); give it back its errno, so that it is
+    reported as what it is (exit 5, "disk full") and not as a bug."""
+    if not isinstance(exc, (RuntimeError, OSError)) or getattr(exc, "errno", None):
+        return exc
+    found = re.search(r"errno = (\d+)", str(exc))
+    if found is None:
+        return exc
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))

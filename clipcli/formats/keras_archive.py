@@ -1,0 +1,253 @@
+"""Keras 3 `.keras` archives: a zip of `config.json`, `metadata.json`, `model.weights.h5`
+and, for some models, assets.
+
+The weights are an ordinary HDF5 file inside the zip. The reader checks the zip with the
+npz reader's rules (every member's bytes its own and inside the file, local headers agreeing
+with the central directory, stored or deflate only, all members together inflating to at
+most 200 x the archive's size + 64 MiB), refuses member names that could escape an
+extraction (absolute, `..`, backslashes, duplicates), unpacks `model.weights.h5` into a
+private temp file (its CRC checked as it streams) and reads that with the HDF5 reader and
+all of its rules; messages name it `ARCHIVE[model.weights.h5]`.
+
+The writer writes a new archive with the same members in the same order, each with the same
+name, date, permissions, comment and compression method; every member but the weights has
+the same content byte for byte (deflated members are compressed again, so their compressed
+bytes may differ), and the weights are the clipped HDF5 file, with its whole structure.
+A `.keras` OUT needs a `.keras` IN: its other members cannot be made up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, BinaryIO
+
+import numpy as np
+
+from clipcli.errors import InputError
+from clipcli.formats.base import (
+    Checkpoint,
+    NonTensorInfo,
+    Reader,
+    TensorInfo,
+    Writer,
+)
+from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer
+from clipcli.formats.npz import check_zip_layout
+from clipcli.formats.structure import Structure
+from clipcli.inputs import open_input
+
+WEIGHTS_MEMBER = "model.weights.h5"
+COPY_BLOCK = 1 << 20
+MAX_MEMBERS = 10_000  # config, metadata, weights and a few assets
+
+
+def is_keras_archive(names: Iterable[str]) -> bool:
+    members = set(names)
+    return WEIGHTS_MEMBER in members and "config.json" in members
+
+
+class KerasArchiveReader(Reader):
+    format_name = "keras"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._handle: BinaryIO = open_input(path)
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+        self.inner: Hdf5Reader | None = None
+        try:
+            try:
+                self.archive = zipfile.ZipFile(self._handle)
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
+                raise InputError(path, f"not a valid .keras (zip) archive: {exc}") from None
+            self.members = self._check_members()
+            check_zip_layout(path, self._handle.fileno(), self.archive)
+            self.inner = Hdf5Reader(self._unpack_weights(), shown_as=self.weights_name)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def weights_name(self) -> Path:
+        return Path(f"{self.path}[{WEIGHTS_MEMBER}]")
+
+    def _check_members(self) -> list[zipfile.ZipInfo]:
+        entries = self.archive.infolist()
+        if len(entries) > MAX_MEMBERS:
+            raise InputError(self.path, f"holds {len(entries)} members, over {MAX_MEMBERS}")
+        seen: set[str] = set()
+        for entry in entries:
+            name = entry.filename
+            parts = name.split("/")
+            if (
+                name in seen
+                or name.startswith("/")
+                or "\\" in name
+                or ".." in parts
+                or "\x00" in name
+            ):
+                raise InputError(self.path, f"member name {name!r} is repeated or escapes")
+            seen.add(name)
+        if WEIGHTS_MEMBER not in seen:
+            raise InputError(self.path, f"holds no {WEIGHTS_MEMBER}")
+        return entries
+
+    def _unpack_weights(self) -> Path:
+        """model.weights.h5 in a private temp directory (removed by close())."""
+        self._scratch = tempfile.TemporaryDirectory(prefix="clipcli-keras-")
+        target = Path(self._scratch.name, WEIGHTS_MEMBER)
+        entry = self.archive.getinfo(WEIGHTS_MEMBER)
+        try:
+            with self.archive.open(entry) as source, open(target, "xb") as sink:
+                copied = _copy_stream(source, sink, entry.file_size)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
+            raise InputError(self.weights_name, f"cannot unpack: {exc}") from None
+        if copied != entry.file_size:
+            raise InputError(self.weights_name, "holds another size than the zip declares")
+        return target
+
+    def _weights(self) -> Hdf5Reader:
+        assert self.inner is not None
+        return self.inner
+
+    @property
+    def infos(self) -> list[TensorInfo]:
+        return self._weights().infos
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        return self._weights().metadata
+
+    @property
+    def non_tensors(self) -> list[NonTensorInfo]:
+        return self._weights().non_tensors
+
+    def structure(self) -> Structure | None:
+        return self._weights().structure()
+
+    def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        return self._weights().chunks(info, chunk_elems)
+
+    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]] | None:
+        return self._weights().chunk_loaders(info)
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        return self._weights().read(info)
+
+    def copy_member(self, entry: zipfile.ZipInfo, sink: IO[bytes]) -> None:
+        """One member's content, streamed (its CRC checked by zipfile at the end)."""
+        try:
+            with self.archive.open(entry) as source:
+                copied = _copy_stream(source, sink, entry.file_size)
+        except (zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as exc:
+            raise InputError(self.path, f"cannot read member {entry.filename!r}: {exc}") from None
+        if copied != entry.file_size:
+            raise InputError(self.path, f"member {entry.filename!r} has another size")
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+            self.inner = None
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+        with contextlib.suppress(AttributeError):
+            self.archive.close()
+        self._handle.close()
+
+
+def _copy_stream(source: IO[bytes], sink: IO[bytes], limit: int) -> int:
+    """Copy at most limit + 1 bytes (one more shows a member longer than declared)."""
+    copied = 0
+    while copied <= limit:
+        block = source.read(min(COPY_BLOCK, limit + 1 - copied))
+        if not block:
+            break
+        sink.write(block)
+        copied += len(block)
+    return copied
+
+
+class KerasArchiveWriter(Writer):
+    """The clipped weights go to a temp HDF5 file beside OUT (in the run's private work
+    directory); close() then writes the archive, member by member, in the source's order."""
+
+    format_name = "keras"
+
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+        super().__init__(path, checkpoint, durable)
+        source = checkpoint.source
+        if not isinstance(source, KerasArchiveReader) or source.inner is None:
+            raise ValueError("a .keras archive is written from a .keras source only")
+        self._source = source
+        self._weights_path = path.with_name(path.name + ".weights.h5")
+        inner = Checkpoint(checkpoint.infos, checkpoint.metadata, source.inner)
+        self._weights = Hdf5Writer(self._weights_path, inner, durable)
+
+    @classmethod
+    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:  # noqa: ARG003
+        if source.format_name != "keras":
+            return (
+                f"a .keras archive is written from a .keras IN only (its config.json and "
+                f"metadata.json are kept), and IN is {source.format_name}; write .h5 instead"
+            )
+        return None
+
+    @classmethod
+    def check_dtype(cls, info: TensorInfo) -> str | None:
+        return Hdf5Writer.check_dtype(info)
+
+    @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:  # noqa: ARG003
+        return []  # the weights file is replicated as HDF5, object by object
+
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        self._weights.write(info, chunks)
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
+        inner = self._source.inner
+        return inner is not None and self._weights.copy_unchanged(inner, info)
+
+    def close(self) -> None:
+        self._weights.close()
+        try:
+            with zipfile.ZipFile(self.path, "x", allowZip64=True) as archive:
+                for entry in self._source.members:
+                    self._add(archive, entry)
+            if self.durable:
+                with open(self.path, "rb") as written:
+                    os.fsync(written.fileno())
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._weights_path)
+
+    def _add(self, archive: zipfile.ZipFile, entry: zipfile.ZipInfo) -> None:
+        copy = zipfile.ZipInfo(entry.filename, entry.date_time)
+        copy.compress_type = entry.compress_type
+        copy.external_attr = entry.external_attr
+        copy.create_system = entry.create_system
+        copy.comment = entry.comment
+        if entry.is_dir():
+            archive.writestr(copy, b"")
+            return
+        size = (
+            self._weights_path.stat().st_size
+            if entry.filename == WEIGHTS_MEMBER
+            else entry.file_size
+        )
+        with archive.open(copy, "w", force_zip64=size >= 0x7FFFFFFF) as sink:
+            if entry.filename == WEIGHTS_MEMBER:
+                with open(self._weights_path, "rb") as weights:
+                    shutil.copyfileobj(weights, sink, COPY_BLOCK)
+            else:
+                self._source.copy_member(entry, sink)
+
+    def abort(self) -> None:
+        self._weights.abort()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._weights_path)

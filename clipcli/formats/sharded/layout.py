@@ -1,0 +1,234 @@
+"""Model directories: finding one, staying inside it, and its index file.
+
+See clipcli.formats.sharded for the layout and the choices made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from clipcli.errors import InputError
+from clipcli.formats.safetensors import MAX_HEADER_BYTES
+from clipcli.inputs import is_pseudo_path, opened_path, read_input
+
+FORMAT_NAME = "safetensors-sharded"
+INDEX_SUFFIX = ".safetensors.index.json"
+DEFAULT_INDEX_NAME = "model" + INDEX_SUFFIX
+SHARD_SUFFIX = ".safetensors"
+SINGLE_FILE_NAME = "model" + SHARD_SUFFIX
+MAX_INDEX_BYTES = MAX_HEADER_BYTES  # an index is smaller than the headers it summarises
+
+# Top-level files that hold the model's weights in another form (or index them).
+OTHER_WEIGHT_SUFFIXES = frozenset(
+    {
+        SHARD_SUFFIX,
+        ".bin",
+        ".pt",
+        ".pth",
+        ".ckpt",
+        ".h5",
+        ".hdf5",
+        ".msgpack",
+        ".npz",
+        ".onnx",
+        ".onnx_data",
+        ".gguf",
+    }
+)
+
+# Folders that hold the weights again in another form, or version-control objects (a
+# git-lfs clone keeps every weight file again under .git/lfs): never copied.
+LEFT_OUT_FOLDERS = frozenset({"onnx", "openvino", ".git"})
+MAX_SIDE_ENTRIES = 100_000  # files and folders beside the weights; real models hold dozens
+MAX_SIDE_DEPTH = 16
+
+
+# ---------------------------------------------------------------- finding a model directory
+
+
+def resolve_sharded(path: Path) -> tuple[Path, Path | None] | None:
+    """(directory, index) for a sharded checkpoint, (directory, None) for a single-file
+    model directory, None when PATH is not a directory or an index (an ordinary file).
+
+    A directory is always a model directory or an error: there is nothing else to read.
+    """
+    if path.is_dir():
+        index = find_index(path)
+        if index is not None:
+            return path, index
+        single_model_file(path)  # raises unless there is exactly one
+        return path, None
+    if path.name.endswith(INDEX_SUFFIX) and os.path.lexists(path):
+        return path.parent, path  # a FIFO or device here is refused when it is opened
+    return None
+
+
+def not_a_directory(path: Path) -> bool:
+    """Files, FIFOs, devices, dangling links: entries that are refused by name when they
+    are not regular files (is_file() would pass over them in silence)."""
+    return os.path.lexists(path) and not path.is_dir()
+
+
+def find_index(directory: Path) -> Path | None:
+    """model.safetensors.index.json, else the one *.safetensors.index.json present."""
+    default = directory / DEFAULT_INDEX_NAME
+    if os.path.lexists(default):
+        return default
+    found = sorted(p for p in directory.glob("*" + INDEX_SUFFIX) if not_a_directory(p))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise InputError(directory, f"several safetensors indexes ({names}); pass the one to use")
+    return found[0] if found else None
+
+
+def single_model_file(directory: Path) -> Path:
+    """The directory's one *.safetensors file, for a model saved without shards."""
+    found = sorted(p for p in directory.glob("*" + SHARD_SUFFIX) if not_a_directory(p))
+    if not found:
+        raise InputError(directory, "no safetensors index or model file in this directory")
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise InputError(
+            directory, f"{len(found)} safetensors files ({names}) but no index to join them"
+        )
+    return found[0]
+
+
+# ---------------------------------------------------------------- staying inside the directory
+
+
+def allowed_roots(directory: Path) -> list[Path]:
+    """Where the directory's files may really live.
+
+    - The model directory itself, as the user named it (symlinks in the name the user
+      typed are the user's choice), resolved. Never `/`: that would allow every file.
+    - For a Hugging Face hub cache snapshot (<entry>/snapshots/<revision>/, where <entry>
+      is models--org--name), the entry's own blobs/ store, and only when blobs/ is a real
+      directory: a blobs/ symlink (to `/`, to a home directory) is a link the user did not
+      name, and following it would let the snapshot's files point anywhere.
+    Nothing above the cache entry is ever a root.
+    """
+    real = directory.resolve()
+    if real == Path(real.anchor):
+        raise InputError(directory, "the filesystem root is not a model directory")
+    if is_pseudo_path(real):
+        raise InputError(directory, "is a kernel or device directory (/proc, /sys, /dev)")
+    roots = [real]
+    if real.parent.name == "snapshots" and real.parent.parent != real.parent:
+        entry = real.parent.parent
+        blobs = entry / "blobs"
+        if not blobs.is_symlink() and blobs.is_dir() and entry != Path(entry.anchor):
+            roots.append(blobs)
+    return roots
+
+
+def opened_inside(fd: int, entry: Path, roots: Iterable[Path]) -> None:
+    """Refuse an opened file that does not lie inside `roots`, judged by the path the
+    kernel gives for the descriptor itself (/proc/self/fd): checking a name and then
+    opening it leaves a moment in which a link or a folder on the way can be swapped."""
+    real = opened_path(fd)
+    if real is None:
+        return  # no /proc: the name-based check made before the open is what there is
+    if is_pseudo_path(real) or not any(real.is_relative_to(root) for root in roots):
+        raise InputError(
+            entry,
+            f"turned out to be {real}, outside the model directory "
+            "(swapped while being opened); refusing it",
+        )
+
+
+def real_path_inside(entry: Path, roots: Iterable[Path]) -> Path:
+    """The file `entry` stands for, refusing dangling links, links out of `roots` and
+    kernel or device files."""
+    try:
+        real = entry.resolve(strict=True)
+    except FileNotFoundError:
+        problem = "is a dangling symlink" if entry.is_symlink() else "does not exist"
+        raise InputError(entry, problem) from None
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise InputError(entry, f"cannot resolve: {exc}") from None
+    if is_pseudo_path(real):
+        raise InputError(entry, f"links to {real}, a kernel or device file; refusing it")
+    if not any(real.is_relative_to(root) for root in roots):
+        raise InputError(entry, f"links to {real}, outside the model directory; refusing it")
+    return real
+
+
+def check_shard_name(index_path: Path, tensor: str, shard: object) -> str:
+    """A shard must be a plain *.safetensors file name: no path may leave the directory."""
+    if not isinstance(shard, str):
+        raise InputError(index_path, f"shard {shard!r} is not a string", tensor)
+    plain = shard not in ("", ".", "..") and not any(c in shard for c in "/\\\0")
+    if not plain or not shard.endswith(SHARD_SUFFIX):
+        raise InputError(
+            index_path, f"shard {shard!r} is not a plain *{SHARD_SUFFIX} file name", tensor
+        )
+    return shard
+
+
+# ---------------------------------------------------------------- the index file
+
+
+def load_index(index_path: Path, real: Path | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The index document and its weight map, with every structural check done."""
+    raw = read_input(index_path, MAX_INDEX_BYTES, real)
+    document, duplicates = parse_json_object(index_path, raw)
+    weight_map = document.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise InputError(index_path, 'index has no "weight_map" object')
+    for key, owner in duplicates:
+        if owner is weight_map:
+            raise InputError(index_path, "listed twice in the index", key)
+        raise InputError(index_path, f"key {key!r} appears twice in the index")
+    if not weight_map:
+        raise InputError(index_path, "the index's weight_map lists no tensors")
+    metadata = document.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise InputError(index_path, 'index "metadata" is not an object')
+    checked = {tensor: check_shard_name(index_path, tensor, s) for tensor, s in weight_map.items()}
+    return document, checked
+
+
+def parse_json_object(
+    index_path: Path, raw: bytes
+) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
+    """The JSON object, and each duplicate key with the object it was repeated in.
+
+    json keeps the last of two equal keys silently; a tensor mapped to two shards must be
+    an error instead, so duplicates are collected and judged once we know which object
+    (the weight map or another one) holds them.
+    """
+    duplicates: list[tuple[str, dict[str, Any]]] = []
+
+    def collect(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                duplicates.append((key, result))
+            result[key] = value
+        return result
+
+    try:
+        document = json.loads(raw.decode("utf-8"), object_pairs_hook=collect)
+    except UnicodeDecodeError:
+        raise InputError(index_path, "index is not valid UTF-8") from None
+    except RecursionError:
+        raise InputError(index_path, "index JSON is nested too deeply") from None
+    except ValueError as exc:
+        raise InputError(index_path, f"index is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise InputError(index_path, "index is not a JSON object")
+    return document, duplicates
+
+
+def flatten(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """String metadata as every format reports it: non-strings as their JSON text."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+
+
+def holds_weights(name: str) -> bool:
+    return name.endswith(".index.json") or Path(name).suffix.lower() in OTHER_WEIGHT_SUFFIXES

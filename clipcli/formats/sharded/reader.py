@@ -1,0 +1,372 @@
+"""Reading a model directory as one checkpoint (ShardedReader), and checking one end to
+end with the official safetensors library (validate_sharded)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import stat
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from clipcli.errors import InputError
+from clipcli.formats.base import DirectoryLayout, Reader, Shard, StoredBytes, TensorInfo
+from clipcli.formats.safetensors import SafetensorsReader
+from clipcli.formats.sharded.layout import (
+    FORMAT_NAME,
+    LEFT_OUT_FOLDERS,
+    MAX_SIDE_DEPTH,
+    MAX_SIDE_ENTRIES,
+    allowed_roots,
+    flatten,
+    holds_weights,
+    load_index,
+    opened_inside,
+    real_path_inside,
+    resolve_sharded,
+    single_model_file,
+)
+from clipcli.inputs import open_input
+
+# Shard descriptors kept open at once; the others are reopened on demand (and checked to be
+# the same file). Far below the usual `ulimit -n` of 1024, which 2,000 shards would exceed.
+MAX_OPEN_SHARDS = 64
+
+
+class ShardedReader(Reader):
+    """All tensors of a model directory, as if it were one checkpoint.
+
+    `infos` lists the shards in file-name order and each shard's tensors in file order;
+    data is read through each shard's SafetensorsReader.
+    """
+
+    format_name = FORMAT_NAME
+
+    def __init__(self, directory: Path, index_path: Path | None = None) -> None:
+        super().__init__(directory)
+        self.directory = directory
+        self.index_path = index_path
+        self._readers: dict[str, SafetensorsReader] = {}
+        # Shards whose descriptor is open, least recently used first (at most MAX_OPEN_SHARDS).
+        self._open_lru: OrderedDict[str, None] = OrderedDict()
+        self._index: dict[str, Any] | None = None
+        self._flat_metadata: dict[str, str] | None = None
+        try:
+            self._roots = allowed_roots(directory)
+            self._open(index_path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, index_path: Path | None) -> None:
+        weight_map: dict[str, str] | None = None
+        if index_path is None:
+            names = [single_model_file(self.directory).name]
+        else:
+            real = real_path_inside(index_path, self._roots)
+            self._index, weight_map = load_index(index_path, real)
+            names = sorted(set(weight_map.values()))
+        for name in names:
+            self._readers[name] = self._open_shard(name)
+            self._used(name)
+        self._shard_of = self._tensor_owners(weight_map)
+        self._infos = [info for name in names for info in self._readers[name].infos]
+        self._other_files, self._side_folders, self._skipped_files = self._scan_directory()
+
+    def _open_shard(self, name: str) -> SafetensorsReader:
+        path = self.directory / name
+        if not os.path.lexists(path):
+            listed_in = self.index_path.name if self.index_path else "the directory"
+            raise InputError(path, f"shard listed in {listed_in} does not exist")
+        real_path_inside(path, self._roots)
+        try:
+            reader = SafetensorsReader(path)
+        except OSError as exc:
+            raise InputError(path, f"cannot read: {exc.strerror}") from None
+        try:
+            # The file opened must lie inside the roots: a link or folder swapped between
+            # the check and the open is caught on the descriptor itself.
+            opened_inside(reader.fileno(), path, self._roots)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def _tensor_owners(self, weight_map: Mapping[str, str] | None) -> dict[str, str]:
+        """tensor -> shard, from the headers, checked against the index both ways."""
+        owners: dict[str, str] = {}
+        for shard, reader in self._readers.items():
+            for info in reader.infos:
+                if info.name in owners:
+                    problem = f"stored in shard {owners[info.name]!r} and again in this shard"
+                    raise InputError(reader.path, problem, info.name)
+                owners[info.name] = shard
+        if weight_map is None:
+            return owners
+        for tensor, shard in weight_map.items():
+            stored_in = owners.get(tensor)
+            if stored_in != shard:
+                where = "" if stored_in is None else f" (it is in shard {stored_in!r})"
+                raise InputError(self.index_path, f"not found in shard {shard!r}{where}", tensor)
+        for tensor, shard in owners.items():
+            if tensor not in weight_map:
+                problem = "is in this shard but missing from the index (the index must be complete)"
+                raise InputError(self.directory / shard, problem, tensor)
+        return owners
+
+    def _scan_directory(self) -> tuple[list[Path], list[Path], list[Path]]:
+        """(files to copy unchanged, directories to recreate, entries left out), in walk
+        order. Subdirectories are part of the model (sentence-transformers' 1_Pooling/ and
+        2_Normalize/, which modules.json points at), so they are walked; weight files in
+        other forms anywhere, weight folders (onnx/, openvino/) and .git/ are left out, as
+        are symlinked directories (not followed). Bounded in entries and depth."""
+        ours = set(self._readers)
+        if self.index_path is not None:
+            ours.add(self.index_path.name)
+        copied: list[Path] = []
+        folders: list[Path] = []
+        skipped: list[Path] = []
+        pending = [(self.directory, 0)]
+        seen = 0
+        while pending:
+            folder, depth = pending.pop(0)
+            try:
+                listing = sorted(folder.iterdir())
+            except OSError as exc:
+                raise InputError(folder, f"cannot list: {exc.strerror}") from None
+            seen += len(listing)
+            if seen > MAX_SIDE_ENTRIES:
+                raise InputError(
+                    self.directory, f"holds more than {MAX_SIDE_ENTRIES} files and folders"
+                )
+            for entry in listing:
+                if folder == self.directory and entry.name in ours:
+                    continue
+                if entry.is_dir():
+                    if (
+                        entry.is_symlink()
+                        or entry.name in LEFT_OUT_FOLDERS
+                        or depth + 1 > MAX_SIDE_DEPTH
+                    ):
+                        skipped.append(entry)
+                    else:
+                        folders.append(entry)
+                        pending.append((entry, depth + 1))
+                elif holds_weights(entry.name):
+                    skipped.append(entry)
+                else:
+                    self._check_side_file(entry)
+                    copied.append(entry)
+        return copied, folders, skipped
+
+    def _check_side_file(self, entry: Path) -> Path:
+        """A file to copy must be a regular file inside the allowed roots: a FIFO, device,
+        socket or link to one is refused (exit 3), naming it, rather than left out in
+        silence, since the copy would then lack a file the user expects in it."""
+        real = real_path_inside(entry, self._roots)
+        mode = real.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise InputError(entry, "is not a regular file (FIFO, device or socket); not copied")
+        return real
+
+    def open_other_file(self, entry: Path) -> BinaryIO:
+        """Open a file listed by other_files() for copying: its confinement is checked again
+        and it is opened non-blocking and checked to be a regular file on the descriptor,
+        so a name swapped for a FIFO or a link out since the listing is refused (exit 3)."""
+        if entry not in self._other_files:
+            raise ValueError(f"{entry} is not one of the files to copy")
+        self._check_side_file(entry)
+        handle = open_input(entry)
+        try:
+            opened_inside(handle.fileno(), entry, self._roots)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    # -- the Reader interface
+
+    @property
+    def infos(self) -> list[TensorInfo]:
+        return self._infos
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        """The index's "metadata" object (total_size, ...); a single file's __metadata__."""
+        if self._index is None:
+            return self._readers[self.shard_names[0]].metadata
+        if self._flat_metadata is None:  # flattened once: an index may hold a million keys
+            self._flat_metadata = flatten(self._index.get("metadata", {}))
+        return self._flat_metadata
+
+    def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        return self._reader_of(info).chunks(info, chunk_elems)
+
+    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:
+        return self._reader_of(info).chunk_loaders(info)
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        return self._reader_of(info).read(info)
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._open_lru.clear()
+
+    def _used(self, shard: str) -> None:
+        """Mark a shard as just used; release the least recently used one past the cap."""
+        self._open_lru[shard] = None
+        self._open_lru.move_to_end(shard)
+        while len(self._open_lru) > MAX_OPEN_SHARDS:
+            oldest, _ = self._open_lru.popitem(last=False)
+            self._readers[oldest].release()
+
+    # -- the directory
+
+    @property
+    def shard_names(self) -> list[str]:
+        """Shard file names in the order `infos` visits them."""
+        return list(self._readers)
+
+    def shard_of(self, name: str) -> str:
+        return self._shard_of[name]
+
+    def shard_reader(self, shard: str) -> SafetensorsReader:
+        self._used(shard)
+        return self._readers[shard]
+
+    def common_shard_metadata(self) -> dict[str, str]:
+        """The __metadata__ entries that every shard shares (typically {"format": "pt"}),
+        for joining the shards into one file: `metadata` is the index's, and transformers
+        refuses a safetensors file whose __metadata__ lacks "format"."""
+        shared = dict(self._readers[self.shard_names[0]].metadata)
+        for reader in self._readers.values():
+            shared = {k: v for k, v in shared.items() if reader.metadata.get(k) == v}
+        return shared
+
+    def index_document(self) -> dict[str, Any] | None:
+        """A copy of the parsed index (None without one), for writing the new index."""
+        return copy.deepcopy(self._index)
+
+    def other_files(self) -> list[Path]:
+        """Files that are neither these weights nor the index, at any depth: config,
+        tokenizer, 1_Pooling/config.json, ..."""
+        return list(self._other_files)
+
+    def side_folders(self) -> list[Path]:
+        """Subdirectories to recreate (parents before children), empty ones included."""
+        return list(self._side_folders)
+
+    def skipped_files(self) -> list[Path]:
+        """Entries that `clip` does not copy: weights in other forms, weight folders, .git/
+        and symlinked directories."""
+        return list(self._skipped_files)
+
+    def left_out_reason(self, entry: Path) -> str:
+        """Why an entry of skipped_files() is not copied, for the note clipcli prints."""
+        if entry.is_dir():
+            if entry.is_symlink():
+                return "a symlinked folder, not followed"
+            if entry.name == ".git":
+                return "version-control data (git-lfs keeps the weights again there)"
+            if entry.name in LEFT_OUT_FOLDERS:
+                return "weights in another format, which clipcli does not clip"
+            return f"nested deeper than {MAX_SIDE_DEPTH} folders"
+        return "weights in another format, which clipcli does not clip"
+
+    def source_files(self) -> list[Path]:
+        index = [] if self.index_path is None else [self.index_path]
+        return [*index, *(self.directory / name for name in self.shard_names), *self.side_files()]
+
+    def side_files(self) -> list[Path]:
+        return self.other_files()
+
+    # -- format extras (clipcli.formats.base.Reader)
+
+    @property
+    def model_directory(self) -> Path | None:
+        return self.directory
+
+    def joined_metadata(self) -> dict[str, str]:
+        return self.common_shard_metadata()
+
+    def stored_bytes(self, info: TensorInfo) -> StoredBytes:
+        return self._reader_of(info).stored_bytes(info)
+
+    def left_out_entries(self) -> list[tuple[str, str]]:
+        return [
+            (entry.relative_to(self.directory).as_posix(), self.left_out_reason(entry))
+            for entry in self.skipped_files()
+        ]
+
+    def directory_layout(self) -> DirectoryLayout:
+        """The shards in `infos` order, each with its tensors and __metadata__."""
+        grouped: dict[str, list[TensorInfo]] = {}
+        for info in self._infos:
+            grouped.setdefault(self._shard_of[info.name], []).append(info)
+        shards = [
+            Shard(name, infos, self._readers[name].metadata) for name, infos in grouped.items()
+        ]
+        return DirectoryLayout(
+            root=self.directory,
+            shards=shards,
+            index_name=None if self.index_path is None else self.index_path.name,
+            index_document=self.index_document(),
+            side_folders=self.side_folders(),
+            side_files=self.side_files(),
+            open_side_file=self.open_other_file,
+        )
+
+    def _reader_of(self, info: TensorInfo) -> SafetensorsReader:
+        return self.shard_reader(self._shard_of[info.name])
+
+
+def validate_sharded(path: Path) -> None:
+    """Check a model directory (or index) end to end; raise InputError on the first problem.
+
+    Beyond what ShardedReader checks (shards exist, are plain names, each tensor in exactly
+    its shard, the index complete), every shard must open with the official
+    `safetensors.safe_open`, and the index's metadata.total_size must equal the sum of the
+    tensors' byte sizes.
+    """
+    resolved = resolve_sharded(path)
+    if resolved is None:
+        raise InputError(path, "not a model directory or a safetensors index")
+    reader = ShardedReader(*resolved)
+    try:
+        for shard in reader.shard_names:
+            _check_with_safe_open(reader, shard)
+        if reader.index_path is not None:
+            _check_total_size(reader, reader.index_path)
+    finally:
+        reader.close()
+
+
+def _check_with_safe_open(reader: ShardedReader, shard: str) -> None:
+    from safetensors import safe_open
+
+    path = reader.directory / shard
+    try:
+        with safe_open(str(path), framework="np") as handle:
+            keys = set(handle.keys())
+    except Exception as exc:  # SafetensorError has no importable base class
+        raise InputError(path, f"safetensors cannot open this shard: {exc}") from None
+    for info in reader.shard_reader(shard).infos:
+        if info.name not in keys:
+            raise InputError(path, "missing according to safetensors.safe_open", info.name)
+
+
+def _check_total_size(reader: ShardedReader, index_path: Path) -> None:
+    document = reader.index_document() or {}
+    total = document.get("metadata", {}).get("total_size")
+    actual = sum(info.nbytes for info in reader.infos)
+    if not isinstance(total, int) or isinstance(total, bool):
+        raise InputError(index_path, f"metadata.total_size is {total!r}, not an integer")
+    if total != actual:
+        raise InputError(
+            index_path, f"metadata.total_size is {total} but the tensors hold {actual} bytes"
+        )

@@ -1,0 +1,153 @@
+"""Writing a model directory: the source's shards, a fresh index and its other files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clipcli.filecopy import copy_side_file
+from clipcli.formats.base import Checkpoint, Reader, Shard, TensorInfo, Writer
+from clipcli.formats.safetensors import SafetensorsWriter
+from clipcli.formats.sharded.layout import FORMAT_NAME, SINGLE_FILE_NAME
+
+
+def plan_shards(checkpoint: Checkpoint) -> list[Shard]:
+    """The source directory's shards (names, tensors, __metadata__), or one
+    model.safetensors when the source is a single file."""
+    layout = checkpoint.layout
+    if layout is None:
+        return [Shard(SINGLE_FILE_NAME, list(checkpoint.infos), checkpoint.metadata)]
+    shard_of = {info.name: shard.name for shard in layout.shards for info in shard.infos}
+    metadata = {shard.name: shard.metadata for shard in layout.shards}
+    grouped: dict[str, list[TensorInfo]] = {}
+    previous: str | None = None
+    for info in checkpoint.infos:
+        shard = shard_of[info.name]
+        # Shards are written one after another, so their tensors must arrive together.
+        if shard != previous and shard in grouped:
+            raise ValueError(f"tensor {info.name!r}: tensors of shard {shard!r} are not adjacent")
+        grouped.setdefault(shard, []).append(info)
+        previous = shard
+    return [Shard(shard, infos, metadata[shard]) for shard, infos in grouped.items()]
+
+
+def output_names(source: Reader | None) -> frozenset[str]:
+    """Every path (relative, '/'-separated) the writer puts into an output directory for
+    this source: shards, index, side files and the folders that hold them."""
+    checkpoint = Checkpoint(list(source.infos) if source else [], {}, source)
+    names = {shard.name for shard in plan_shards(checkpoint)}
+    layout = checkpoint.layout
+    return frozenset(names) | (layout.output_names() if layout is not None else frozenset())
+
+
+class ShardedWriter(Writer):
+    """Fills an existing empty directory: the source's shards, a fresh index, and the source
+    directory's other files; or one model.safetensors when the source is a single file.
+
+    Each shard is a SafetensorsWriter, opened when its first tensor arrives and closed when
+    the next shard starts, so one output file is open at a time.
+    """
+
+    format_name = FORMAT_NAME
+
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+        super().__init__(path, checkpoint, durable)
+        for info in checkpoint.infos:
+            if (reason := self.check_dtype(info)) is not None:
+                raise ValueError(reason)
+        if not path.is_dir():
+            raise ValueError(f"{path}: ShardedWriter needs an existing directory")
+        self._plans = plan_shards(checkpoint)
+        self._shard_number = {
+            info.name: number for number, plan in enumerate(self._plans) for info in plan.infos
+        }
+        self._order = [info for plan in self._plans for info in plan.infos]
+        self._written = 0  # tensors done, in arrival order
+        self._open_number = -1  # the shard being written
+        self._current: SafetensorsWriter | None = None
+
+    @classmethod
+    def check_dtype(cls, info: TensorInfo) -> str | None:
+        return SafetensorsWriter.check_dtype(info)
+
+    @classmethod
+    def check_name(cls, name: str) -> str | None:
+        return SafetensorsWriter.check_name(name)
+
+    @classmethod
+    def output_names(cls, source: Reader) -> frozenset[str]:
+        return output_names(source)
+
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        self._shard_writer(info).write(info, chunks)
+        self._written += 1
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+        """Kernel copy from the source's stored bytes; False (the caller streams) where the
+        source does not store them as safetensors does."""
+        copied = self._shard_writer(info).copy_unchanged(source, info)
+        if copied:
+            self._written += 1
+        return copied
+
+    def close(self) -> None:
+        if self._written != len(self._order):
+            raise ValueError(f"close() after {self._written} of {len(self._order)} tensors")
+        while self._open_number < len(self._plans) - 1:  # a checkpoint without tensors
+            self._start_shard(self._open_number + 1)
+        self._finish_shard()
+        layout = self.checkpoint.layout
+        if layout is not None:
+            if layout.index_name is not None:
+                self._write_index(layout.index_document or {}, layout.index_name)
+            for folder in layout.side_folders:
+                (self.path / folder.relative_to(layout.root)).mkdir(mode=0o755)
+            for file in layout.side_files:  # links followed (inside the roots): real files out
+                with layout.open_side_file(file) as handle:
+                    destination = self.path / file.relative_to(layout.root)
+                    copy_side_file(handle.fileno(), file, destination)
+
+    def abort(self) -> None:
+        if self._current is not None:
+            self._current.abort()
+            self._current = None
+
+    def _shard_writer(self, info: TensorInfo) -> SafetensorsWriter:
+        """The writer of the shard that holds `info`, which must be the next tensor."""
+        expected = self._order[self._written] if self._written < len(self._order) else None
+        if expected is None or expected.name != info.name:
+            wanted = "none" if expected is None else repr(expected.name)
+            raise ValueError(f"tensor {info.name!r} arrived out of order; expected {wanted}")
+        number = self._shard_number[info.name]
+        if number != self._open_number:
+            self._start_shard(number)
+        assert self._current is not None
+        return self._current
+
+    def _start_shard(self, number: int) -> None:
+        self._finish_shard()
+        plan = self._plans[number]
+        shard_checkpoint = Checkpoint(plan.infos, plan.metadata, self.checkpoint.source)
+        self._current = SafetensorsWriter(self.path / plan.name, shard_checkpoint, self.durable)
+        self._open_number = number
+
+    def _finish_shard(self) -> None:
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+
+    def _write_index(self, document: dict[str, Any], index_name: str) -> None:
+        """The source index with a recomputed total_size and this weight map, written the
+        way transformers' save_pretrained does (indent 2, sorted keys)."""
+        metadata = dict(document.get("metadata", {}))
+        metadata["total_size"] = sum(info.nbytes for info in self._order)
+        document["metadata"] = metadata
+        document["weight_map"] = {
+            info.name: plan.name for plan in self._plans for info in plan.infos
+        }
+        text = json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        (self.path / index_name).write_text(text, encoding="utf-8")

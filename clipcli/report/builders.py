@@ -1,0 +1,398 @@
+"""Results -> Report: which columns each command shows, in which order, with which summary.
+
+No arithmetic on tensors here: the numbers come measured; ordering keys come from plan.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from clipcli.report.model import Column, Report, SortKey, Value, count
+from clipcli.report.table import shorten
+
+if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
+    from clipcli.api import ClipResult, ClipRow
+    from clipcli.diff import DiffResult
+    from clipcli.formats.base import NonTensorInfo, TensorInfo
+    from clipcli.measurement import Measurement, TensorStats
+
+
+def _natural_key(name: str) -> Any:
+    # Imported here: groups.py is pure but sits with the jobs; --help need not load it.
+    from clipcli.groups import natural_key
+
+    return natural_key(name)
+
+
+def _norm_first(norm: float) -> float:
+    """Largest first, NaN after every number."""
+    return -norm if not math.isnan(norm) else math.inf
+
+
+# ------------------------------------------------------------------ ls
+
+LS_COLUMNS = (
+    Column("name", "tensor"),
+    Column("dtype", "dtype"),
+    Column("shape", "shape"),
+    Column("numel", "numel", numeric=True),
+    Column("bytes", "bytes", numeric=True),
+)
+SHARD_COLUMN = Column("shard", "shard")
+
+
+NON_TENSOR_LINES = 10  # footer lines naming non-tensors; JSON lists every one
+
+
+def ls_report(
+    path: str,
+    fmt: str,
+    metadata: Mapping[str, str],
+    infos: Sequence[TensorInfo],
+    sort: SortKey = SortKey.FILE,
+    shards: Mapping[str, str] | None = None,
+    listed_of: int | None = None,
+    non_tensors: Sequence[NonTensorInfo] = (),
+) -> Report:
+    """`shards` (tensor -> shard file) adds a shard column for model directories;
+    `listed_of` is the tensor count before --include/--exclude; `non_tensors` (an HDF5
+    vocabulary, a string table) are named in the footer and listed whole in JSON."""
+    order = list(infos)
+    if sort is SortKey.NAME:
+        order.sort(key=lambda i: _natural_key(i.name))
+    elif sort is SortKey.SIZE:
+        order.sort(key=lambda i: -i.nbytes)
+    columns = LS_COLUMNS + ((SHARD_COLUMN,) if shards is not None else ())
+    rows = tuple(
+        (i.name, i.dtype_name, list(i.shape), i.numel, i.nbytes)
+        + ((shards[i.name],) if shards is not None else ())
+        for i in order
+    )
+    total = sum(i.nbytes for i in infos)
+    parameters = sum(i.numel for i in infos)
+    listed = count(len(infos), "tensor")
+    if listed_of is not None and listed_of != len(infos):
+        listed = f"{len(infos)} of {listed_of} tensors"
+    footer = [f"{listed}, {parameters:,} parameters, {total:,} bytes"]
+    for item in non_tensors[:NON_TENSOR_LINES]:
+        shape = "no dataspace" if item.shape is None else f"shape {list(item.shape)}"
+        footer.append(f"non-tensor {item.name}: {item.kind}, {shape} (not measured)")
+    if len(non_tensors) > NON_TENSOR_LINES:
+        footer.append(f"... and {len(non_tensors) - NON_TENSOR_LINES} more non-tensors")
+    summary: tuple[tuple[str, Any], ...] = (
+        ("path", path),
+        ("format", fmt),
+        ("metadata", dict(metadata)),
+        ("total_bytes", total),
+        ("total_parameters", parameters),
+        (
+            "non_tensors",
+            [
+                {
+                    "name": item.name,
+                    "kind": item.kind,
+                    "shape": None if item.shape is None else list(item.shape),
+                    "bytes": item.nbytes,
+                }
+                for item in non_tensors
+            ],
+        ),
+    )
+    return Report(
+        f"{path} ({fmt})",
+        columns,
+        rows,
+        summary,
+        tuple(footer),
+        drop_order=("numel",),
+        drop_late=("bytes", "shard", "dtype"),
+        metadata=tuple(metadata.items()),
+    )
+
+
+# ------------------------------------------------------------------ norms
+
+NORM_COLUMNS = (
+    Column("name", "tensor"),
+    Column("dtype", "dtype"),
+    Column("shape", "shape"),
+    Column("numel", "numel", numeric=True),
+    Column("norm", "norm", numeric=True),
+    Column("max_abs", "max|x|", numeric=True),
+    Column("nonfinite", "nonfinite", numeric=True),
+    Column("in_global", "global"),
+    Column("role", "role"),  # weight, optimizer or buffer (clipcli.roles)
+)
+NORM_DROP_ORDER = ("numel", "role", "nonfinite", "shape")
+
+_SORTS: dict[SortKey, Callable[[TensorStats], Any]] = {
+    SortKey.NAME: lambda t: _natural_key(t.info.name),
+    # Ranked among what the global norm counts: an int64 buffer (position_ids) or an
+    # optimizer slot is listed after every weight, whatever its norm.
+    SortKey.NORM: lambda t: (not t.in_global, _norm_first(t.norm)),
+    SortKey.SIZE: lambda t: -t.info.nbytes,
+}
+
+
+def ranked_tensors(
+    m: Measurement, sort: SortKey = SortKey.FILE, top: int | None = None
+) -> list[TensorStats]:
+    tensors = list(m.tensors)
+    if sort is not SortKey.FILE:
+        tensors.sort(key=_SORTS[sort])
+    return tensors if top is None else tensors[:top]
+
+
+def norms_report(m: Measurement, sort: SortKey = SortKey.FILE, top: int | None = None) -> Report:
+    rows = tuple(
+        (
+            t.info.name,
+            t.info.dtype_name,
+            list(t.info.shape),
+            t.info.numel,
+            t.norm,
+            t.stats.largest_magnitude,
+            t.stats.nonfinite,
+            t.in_global,
+            t.role.value,
+        )
+        for t in ranked_tensors(m, sort, top)
+    )
+    g = m.global_norm
+    counted = sum(t.in_global for t in m.tensors)
+    footer = [f"global L2 norm {g:.6g} over {count(counted, 'floating-point tensor')}"]
+    if top is not None and top < len(m.tensors):
+        footer.append(f"showing {len(rows)} of {len(m.tensors)} tensors (--top {top})")
+    return Report(
+        f"{m.path} ({m.format})",
+        NORM_COLUMNS,
+        rows,
+        (("path", str(m.path)), ("format", m.format), ("global_norm", g)),
+        tuple(footer),
+        drop_order=NORM_DROP_ORDER,
+        drop_late=("max_abs", "dtype"),
+    )
+
+
+GROUP_COLUMNS = (
+    Column("group", "group"),
+    Column("tensors", "tensors", numeric=True),
+    Column("norm", "norm", numeric=True),
+    Column("share", "share of global²", numeric=True),
+)
+
+
+def groups_report(
+    m: Measurement, group_by: str, sort: SortKey = SortKey.FILE, top: int | None = None
+) -> Report:
+    groups = m.groups(group_by)
+    if sort is SortKey.NORM:
+        groups.sort(key=lambda g: _norm_first(g.norm))
+    shown = groups if top is None else groups[:top]
+    rows = tuple((g.name, g.tensors, g.norm, g.share) for g in shown)
+    g = m.global_norm
+    footer = [f"global L2 norm {g:.6g} over {count(len(groups), 'group')}"]
+    if len(shown) < len(groups):
+        footer.append(f"showing {len(shown)} of {len(groups)} groups (--top {top})")
+    return Report(
+        f"{m.path} ({m.format}) grouped by {group_by}",
+        GROUP_COLUMNS,
+        rows,
+        (("path", str(m.path)), ("format", m.format), ("global_norm", g), ("group_by", group_by)),
+        tuple(footer),
+        rows_key="groups",
+        drop_late=("tensors", "share"),
+    )
+
+
+@dataclass(frozen=True)
+class Bars:
+    """What --chart and --plot draw: exactly the rows the report lists."""
+
+    title: str
+    labels: tuple[str, ...]
+    norms: tuple[float, ...]
+    counted: tuple[bool, ...]  # in the global norm
+
+
+def bars_of(report: Report) -> Bars:
+    records = report.records()
+    name_key = report.columns[0].key
+    return Bars(
+        report.title,
+        tuple(str(r[name_key]) for r in records),
+        tuple(float(r["norm"]) for r in records),  # type: ignore[arg-type]
+        tuple(bool(r.get("in_global", True)) for r in records),
+    )
+
+
+# ------------------------------------------------------------------ clip
+
+CLIP_COLUMNS = (
+    Column("name", "tensor"),
+    Column("dtype", "dtype"),
+    Column("norm_before", "before", numeric=True),
+    Column("norm_after", "after", numeric=True),
+    Column("scale", "scale", numeric=True),
+    Column("changed", "changed"),
+    Column("note", "note"),
+)
+
+
+# The note column of `clip`: each plan reason in words (clipcli.plan.Reason).
+REASON_TEXT = {
+    "not selected": "not selected",
+    "left out": "{role}, left unchanged",
+    "not floating point": "not floating point",
+    "non-finite skipped": "non-finite, skipped",
+    "low rank skipped": "skipped: too few dimensions for --axes",
+    "complex unordered": "complex: no order to clamp by",
+    "within range": "within range",
+    "within limit": "within limit",
+    "zero tensor": "zero tensor",
+    "over limit": "",
+    "over range": "",
+    "per slice": "{clipped} of {slices} slices clipped",
+    "converted": "copied",
+}
+
+
+def clip_note(row: ClipRow) -> str:
+    """The note for one tensor of a clip: its plan's reason, with its group if any."""
+    text = REASON_TEXT[row.reason.value].format(
+        role=row.plan.role.description,
+        clipped=row.outcome.slices_clipped,
+        slices=row.outcome.slices,
+    )
+    if row.plan.group is None:
+        return text
+    return f"{text}, group {row.plan.group}" if text else f"group {row.plan.group}"
+
+
+def clip_report(result: ClipResult) -> Report:
+    rows = tuple(
+        (
+            r.info.name,
+            r.info.dtype_name,
+            r.before.norm,
+            r.after.norm,
+            r.plan.scale,
+            r.changed,
+            clip_note(r),
+        )
+        for r in result.rows
+    )
+    spec = result.spec
+    changed = sum(r.changed for r in result.rows)
+    verb = "would change" if result.dry_run else "changed"
+    footer = [
+        f"global L2 norm {result.global_before:.6g} -> {result.global_after:.6g}",
+        f"{verb} {changed} of {len(result.rows)} tensors"
+        + ("" if result.dry_run else f"; wrote {result.out}"),
+    ]
+    summary: tuple[tuple[str, Value], ...] = (
+        ("src", str(result.src)),
+        ("out", str(result.out)),
+        ("mode", spec.mode.value),
+        ("limit", spec.limit if spec.mode.value != "value" else None),
+        ("min", spec.low if spec.mode.value == "value" else None),
+        ("max", spec.high if spec.mode.value == "value" else None),
+        ("axes", list(spec.axes) if spec.axes is not None else None),
+        ("used_norm", result.used_norm),
+        ("dry_run", result.dry_run),
+        ("global_norm_before", result.global_before),
+        ("global_norm_after", result.global_after),
+        ("changed", changed),
+    )
+    title = f"clip {spec.mode.value} {spec.describe_limit()}: {result.src}"
+    return Report(
+        title,
+        CLIP_COLUMNS,
+        rows,
+        summary,
+        tuple(footer),
+        drop_order=("dtype", "scale"),
+        drop_late=("norm_before", "note"),
+    )
+
+
+# ------------------------------------------------------------------ diff
+
+DIFF_COLUMNS = (
+    Column("name", "tensor"),
+    Column("status", "status"),
+    Column("dtype_a", "dtype A"),
+    Column("dtype_b", "dtype B"),
+    Column("norm_a", "norm A", numeric=True),
+    Column("norm_b", "norm B", numeric=True),
+    Column("diff_norm", "‖A−B‖", numeric=True),
+    Column("rel_change", "‖A−B‖/‖A‖", numeric=True),
+    Column("max_abs_diff", "max|A−B|", numeric=True),
+    Column("cosine", "cosine", numeric=True),
+    Column("norm_ratio", "‖B‖/‖A‖", numeric=True),
+)
+DIFF_DROP_ORDER = ("dtype_a", "dtype_b", "max_abs_diff", "cosine")
+
+
+def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
+    rows = tuple(
+        (
+            t.name,
+            t.status,
+            t.dtype_a,
+            t.dtype_b,
+            t.norm_a,
+            t.norm_b,
+            t.diff_norm,
+            t.rel_change,
+            t.max_abs_diff,
+            t.cosine,
+            t.norm_ratio,
+        )
+        for t in result.tensors
+        if not (changed_only and t.status == "same")
+    )
+    counts = {status: n for status, n in result.counts.items() if n}
+    shared = any(t.compared for t in result.tensors)
+    difference = (
+        f"‖A−B‖ {result.global_diff_norm:.6g} (relative {result.global_rel_change:.6g})"
+        if shared
+        else "A and B share no tensor to compare"
+    )
+    footer = [
+        f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, {difference}",
+        ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensors",
+    ]
+    footer += [
+        f"metadata {shorten(key)}: {shorten(repr(a))} -> {shorten(repr(b))}"
+        for key, a, b in result.metadata_changes
+    ]
+    summary: tuple[tuple[str, Any], ...] = (
+        ("path_a", str(result.path_a)),
+        ("path_b", str(result.path_b)),
+        ("format_a", result.format_a),
+        ("format_b", result.format_b),
+        ("global_norm_a", result.global_norm_a),
+        ("global_norm_b", result.global_norm_b),
+        ("global_diff_norm", result.global_diff_norm),
+        ("global_rel_change", result.global_rel_change),
+        ("max_rel_change", result.max_rel_change),
+        ("identical", result.identical),
+        ("counts", dict(result.counts)),
+        (
+            "metadata_changes",
+            [{"key": k, "a": a, "b": b} for k, a, b in result.metadata_changes],
+        ),
+    )
+    return Report(
+        f"diff {result.path_a} ({result.format_a}) -> {result.path_b} ({result.format_b})",
+        DIFF_COLUMNS,
+        rows,
+        summary,
+        tuple(footer),
+        drop_order=DIFF_DROP_ORDER,
+        drop_late=("norm_b", "norm_ratio", "diff_norm", "norm_a"),
+    )

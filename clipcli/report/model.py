@@ -1,0 +1,72 @@
+"""What a report is: frozen rows under named columns, plus the lines around them.
+
+Builders (builders.py) turn results into a Report; renderers (table.py, serialize.py)
+turn a Report into text. Nothing here imports numpy or rich.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class OutputFormat(str, Enum):
+    TABLE = "table"
+    JSON = "json"
+    JSONL = "jsonl"
+    CSV = "csv"
+
+
+class SortKey(str, Enum):
+    FILE = "file"
+    NAME = "name"
+    NORM = "norm"
+    SIZE = "size"
+
+
+Value = str | int | float | bool | list[int] | None
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    title: str
+    numeric: bool = False
+
+
+@dataclass(frozen=True)
+class Report:
+    """Rows of one table plus the summary fields that go around it.
+
+    The first column names the row (a tensor or a group): in a narrow table it is never
+    dropped, wrapped or cut to nothing. `drop_order` lists the other columns' keys, least
+    useful first: the order in which a table too wide for the terminal hides them before
+    it shortens any name. `drop_late` lists the columns hidden only when the names would
+    otherwise be cut below a readable width."""
+
+    title: str
+    columns: tuple[Column, ...]
+    rows: tuple[tuple[Value, ...], ...]
+    summary: tuple[tuple[str, Any], ...] = ()  # JSON-only fields around the rows
+    footer: tuple[str, ...] = ()
+    rows_key: str = "tensors"  # the JSON key holding the rows
+    drop_order: tuple[str, ...] = ()
+    drop_late: tuple[str, ...] = ()
+    metadata: tuple[tuple[str, str], ...] = ()  # shown under a table one line each, shortened
+
+    def records(self) -> list[dict[str, Value]]:
+        return [dict(zip((c.key for c in self.columns), row, strict=True)) for row in self.rows]
+
+
+def count(n: int, noun: str) -> str:
+    """'1 group', '2 groups'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def json_number(value: Any) -> Any:
+    """JSON has no NaN or Infinity; they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

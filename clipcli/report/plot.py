@@ -1,0 +1,391 @@
+"""`norms --plot`: the listed norms as a PNG or SVG picture, via matplotlib.
+
+matplotlib is an optional extra (`pip install -e '.[plot]'` in the checkout), imported only
+here. Three pictures, chosen by what is listed, so that every name that is shown can be read:
+
+- up to BARS_MAX rows: horizontal bars, one per row, names on the left in full or
+  shortened in the middle;
+- more rows whose names follow a layer layout (`model.layers.3.mlp.up_proj.weight`): a
+  per-layer profile, one line per tensor role (`mlp.up_proj.weight`) across the layers, and
+  the tensors outside the layers (embeddings, final norm, head) as bars beside it;
+- more rows without layers: the norms ranked, largest first, the largest ones named.
+
+A zero norm has no place on a log axis: it is drawn at the axis floor, marked "0".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clipcli.errors import UsageError, WriteError, printable
+from clipcli.report.table import middle_ellipsis
+
+if TYPE_CHECKING:
+    from clipcli.report.builders import Bars
+
+PLOT_SUFFIXES = (".png", ".svg")
+BARS_MAX = 40
+LABEL_CHARS = 56
+NAMED_IN_RANKING = 15
+ROLES_MAX = 20  # lines in a profile (10 colours, solid then dashed); the rest grey
+LAYERED = re.compile(
+    r"^(?P<prefix>.*?\b(?:layers|layer|blocks|block|h)[._/])(?P<n>\d+)[._/](?P<role>.+)$"
+)
+OVER, WITHIN, APART, LIMIT = "#c0392b", "#2e86c1", "#aab7b8", "#d4ac0d"
+
+
+def check_plot_target(out: Path, force: bool) -> None:
+    """Everything about --plot FILE that can be refused before any data is read (exit 2)."""
+    if out.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--plot {out}: use a .png or .svg file name")
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            "--plot needs matplotlib, which is not installed; "
+            "install it from the clipcli checkout with: pip install -e '.[plot]'"
+        )
+    if os.path.lexists(out) and not force:
+        raise UsageError(f"--plot {out} exists; add --force to replace it")
+    if os.path.isdir(out):
+        raise UsageError(f"--plot {out} is a directory")
+    if not out.parent.is_dir() if str(out.parent) else False:
+        raise WriteError(f"--plot {out}: the directory {out.parent} does not exist")
+
+
+def write_plot(out: Path, bars: Bars, limit: float | None, force: bool, grouped: bool) -> None:
+    """Draw, write to a temp file beside `out`, then move it into place: `out` appears
+    whole or not at all, and without --force a file that appeared meanwhile is kept."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig = _figure(plt, bars, limit, grouped)
+    fd, temp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as stream, warnings.catch_warnings():
+            # A name in a script the font lacks draws as boxes; that is not worth a warning
+            # on stderr, which holds errors only.
+            warnings.filterwarnings("ignore", message="Glyph .* missing from", category=UserWarning)
+            fig.savefig(stream, format=out.suffix.lower().lstrip("."), dpi=100)
+        mask = os.umask(0)  # mkstemp made it 0600; a picture is as readable as any new file
+        os.umask(mask)
+        os.chmod(temp, 0o666 & ~mask)
+        if force:
+            os.replace(temp, out)
+        else:
+            from clipcli.fsops import rename_noreplace
+
+            rename_noreplace(Path(temp), out, is_directory=False)
+    except FileExistsError:
+        raise UsageError(
+            f"--plot {out} appeared during the run; add --force to replace it"
+        ) from None
+    except OSError as exc:
+        raise WriteError(f"--plot {out}: cannot write: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+        if os.path.lexists(temp):
+            os.unlink(temp)
+
+
+def _plain(text: str) -> str:
+    # Names are data: escaped for the terminal, and '$' escaped so that matplotlib does not
+    # read "$...$" as mathtext (a name like '$\\frac{a}{$' made savefig raise).
+    return printable(text).replace("$", r"\$")
+
+
+def _label(text: str) -> str:
+    return _plain(middle_ellipsis(printable(text), LABEL_CHARS))
+
+
+def _log_scale(values: Sequence[float], ratio: float = 1e3) -> bool:
+    positive = [v for v in values if math.isfinite(v) and v > 0]
+    return bool(positive) and max(positive) / min(positive) > ratio
+
+
+def _figure(plt: Any, bars: Bars, limit: float | None, grouped: bool) -> Any:
+    if len(bars.labels) <= BARS_MAX:
+        return _bar_figure(plt, bars, limit)
+    if grouped:
+        return _group_profile_figure(plt, bars, limit)
+    layered = [LAYERED.match(label) for label in bars.labels]
+    if sum(m is not None for m in layered) >= len(bars.labels) // 2:
+        return _profile_figure(plt, bars, limit, layered)
+    return _ranked_figure(plt, bars, limit)
+
+
+def _bar_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
+    n = len(bars.labels)
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.24 * n), layout="constrained")
+    _horizontal_bars(ax, bars.labels, bars.norms, bars.counted, limit)
+    ax.set_title(_plain(bars.title), fontsize=10, loc="left")
+    return fig
+
+
+def _horizontal_bars(
+    ax: Any,
+    labels: Sequence[str],
+    norms: Sequence[float],
+    counted: Sequence[bool],
+    limit: float | None,
+) -> None:
+    """One bar per row, first row on top, its norm written at its end. The axis is scaled
+    to the rows the global norm counts: a bar outside it that is longer is cut at the edge
+    (its number still says how long it is)."""
+    values = [n if math.isfinite(n) else math.nan for n in norms]
+    scale = [v for v, c in zip(values, counted, strict=True) if c and v > 0] or [
+        v for v in values if v > 0
+    ]
+    marks = scale + ([limit] if limit is not None else [])
+    log = _log_scale(marks)
+    floor = min(scale) / 10 if log and scale else 0.0
+    top = max(marks, default=1.0) * (3.0 if log else 1.12)
+    positions = list(range(len(labels)))
+    colours = [
+        APART if not c else OVER if limit is not None and not v <= limit else WITHIN
+        for v, c in zip(values, counted, strict=True)
+    ]
+    shown = [min(v, top) if v > 0 else 0.0 for v in values]
+    ax.barh(
+        positions,
+        [v - floor if v > 0 else 0.0 for v in shown],
+        left=floor,
+        color=colours,
+        height=0.7,
+    )
+    for y, v, end in zip(positions, values, shown, strict=True):
+        text = "NaN/Inf" if math.isnan(v) else f"{v:.4g}"
+        cut = v > top
+        ax.annotate(
+            text + (" ▸" if cut else ""),
+            (end if v > 0 else floor, y),
+            xytext=(-3 if cut else 3, 0),
+            textcoords="offset points",
+            ha="right" if cut else "left",
+            va="center",
+            fontsize=7,
+            color=OVER if math.isnan(v) else "#1b2631",
+        )
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlim(floor, top)
+    ax.set_yticks(positions, [_label(label) for label in labels], fontsize=8)
+    ax.set_ylim(len(labels) - 0.5, -0.5)  # the first row on top, as in the table
+    ax.set_xlabel("L2 norm" + (" (log scale)" if log else ""))
+    ax.grid(axis="x", alpha=0.3)
+    _legend(ax, limit, any(not c for c in counted), vertical=True)
+
+
+def _legend(ax: Any, limit: float | None, apart: bool, vertical: bool) -> None:
+    from matplotlib.patches import Patch
+
+    handles = []
+    if limit is not None:
+        line = ax.axvline if vertical else ax.axhline
+        handles.append(
+            line(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
+        )
+        handles.append(Patch(color=OVER, label="over the limit"))
+    if apart:
+        handles.append(Patch(color=APART, label="not in the global norm"))
+    if handles:
+        ax.legend(handles=handles, loc="best", fontsize=8)
+
+
+def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence[Any]) -> Any:
+    """Layers across, one line per tensor role; what is outside the layers beside it."""
+    series: dict[str, dict[int, float]] = {}
+    apart: list[tuple[str, float, bool]] = []
+    rows = zip(bars.labels, bars.norms, bars.counted, layered, strict=True)
+    for label, norm, counted, match in rows:
+        if match is None or not counted:
+            apart.append((label, norm, counted))
+            continue
+        series.setdefault(match["role"], {})[int(match["n"])] = norm
+    roles = sorted(series, key=lambda r: -max(_finite(series[r].values()), default=0.0))
+    named = roles[:ROLES_MAX]
+    fig, (ax, side) = plt.subplots(
+        1, 2, figsize=(15, 7), layout="constrained", gridspec_kw={"width_ratios": [3, 1.2]}
+    )
+    every = [v for s in series.values() for v in s.values()]
+    log = _log_scale(every + ([limit] if limit is not None else []), ratio=100)
+    colours = plt.get_cmap("tab10").colors
+    lines: dict[str, Any] = {}
+    for role in reversed(roles):  # the strongest drawn last, on top
+        points = sorted(series[role].items())
+        xs = [x for x, _ in points]
+        ys = [y if y > 0 or not log else math.nan for _, y in points]
+        if role in named:
+            k = named.index(role)
+            (lines[role],) = ax.plot(
+                xs,
+                ys,
+                marker="o" if len(xs) <= 40 else None,
+                markersize=3,
+                linewidth=1.4,
+                color=colours[k % 10],
+                linestyle="-" if k < 10 else "--",
+                label=_label(role),
+            )
+        else:
+            ax.plot(xs, ys, linewidth=0.8, color=APART)
+    peaks = [(y, x, r) for r in roles for x, y in series[r].items() if math.isfinite(y)]
+    if peaks:  # name the largest point: the outlier is what one looks for
+        norm, layer, role = max(peaks)
+        right_half = layer > (min(x for _, x, _ in peaks) + max(x for _, x, _ in peaks)) / 2
+        ax.annotate(
+            f"layer {layer} {_label(role)}: {norm:.4g}",
+            (layer, norm),
+            xytext=(-8 if right_half else 8, -4),
+            textcoords="offset points",
+            ha="right" if right_half else "left",
+            fontsize=8,
+        )
+    handles = [lines[role] for role in named]  # the legend lists the strongest first
+    if limit is not None:
+        over = [(x, y) for r in roles for x, y in series[r].items() if not y <= limit]
+        handles.append(
+            ax.scatter(
+                [x for x, _ in over],
+                [y for _, y in over],
+                color=OVER,
+                s=14,
+                zorder=3,
+                label="over the limit",
+            )
+        )
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("L2 norm" + (" (log scale)" if log else ""))
+    ax.grid(alpha=0.3)
+    if limit is not None:
+        handles.append(
+            ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
+        )
+    extra = len(roles) - len(named)
+    ax.set_title(
+        f"{_plain(bars.title)}: per layer, one line per tensor role"
+        + (f" ({extra} weaker roles in grey)" if extra > 0 else ""),
+        fontsize=10,
+        loc="left",
+    )
+    ax.legend(
+        handles=handles,
+        fontsize=7,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.1),
+        ncols=min(4, max(1, len(named))),
+        frameon=False,
+    )
+    if apart:
+        shown = apart[:BARS_MAX]
+        _horizontal_bars(
+            side, [a[0] for a in shown], [a[1] for a in shown], [a[2] for a in shown], limit
+        )
+        side.set_title("outside the layers", fontsize=9, loc="left")
+    else:
+        side.axis("off")
+    return fig
+
+
+def _finite(values: Any) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
+    """Groups across in the order listed (natural order: layer 2 before layer 10)."""
+    n = len(bars.labels)
+    fig, (ax, side) = plt.subplots(
+        1, 2, figsize=(15, 6), layout="constrained", gridspec_kw={"width_ratios": [3, 1.2]}
+    )
+    values = list(bars.norms)
+    log = _log_scale(values + ([limit] if limit is not None else []), ratio=100)
+    xs = list(range(n))
+    ax.plot(
+        xs,
+        [v if v > 0 or not log else math.nan for v in values],
+        color=WITHIN,
+        linewidth=1.4,
+        marker="o" if n <= 120 else None,
+        markersize=3,
+    )
+    if limit is not None:
+        over = [(x, v) for x, v in zip(xs, values, strict=True) if not v <= limit]
+        ax.scatter(
+            [x for x, _ in over],
+            [v for _, v in over],
+            color=OVER,
+            s=14,
+            zorder=3,
+            label="over the limit",
+        )
+        ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
+        ax.legend(fontsize=8, loc="upper right")
+    step = max(1, math.ceil(n / 25))
+    ax.set_xticks(
+        xs[::step],
+        [_label(bars.labels[i]) for i in xs[::step]],
+        rotation=45,
+        ha="right",
+        fontsize=7,
+    )
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel("L2 norm" + (" (log scale)" if log else ""))
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{_plain(bars.title)}: {n} groups", fontsize=10, loc="left")
+    _largest(side, bars, limit)
+    return fig
+
+
+def _largest(side: Any, bars: Bars, limit: float | None) -> None:
+    order = sorted(range(len(bars.norms)), key=lambda i: _rank(bars.norms[i]))
+    top = order[:NAMED_IN_RANKING]
+    _horizontal_bars(
+        side,
+        [bars.labels[i] for i in top],
+        [bars.norms[i] for i in top],
+        [bars.counted[i] for i in top],
+        limit,
+    )
+    side.set_title(f"the {len(top)} largest", fontsize=9, loc="left")
+
+
+def _rank(norm: float) -> float:
+    return -norm if not math.isnan(norm) else -math.inf
+
+
+def _ranked_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
+    """Many rows without layers: the norms ranked, and the largest named."""
+    fig, (ax, side) = plt.subplots(
+        1, 2, figsize=(15, 6), layout="constrained", gridspec_kw={"width_ratios": [2, 1.3]}
+    )
+    values = sorted((v for v in bars.norms), key=_rank)
+    log = _log_scale(values + ([limit] if limit is not None else []), ratio=100)
+    ax.plot(
+        range(1, len(values) + 1),
+        [v if v > 0 or not log else math.nan for v in values],
+        color=WITHIN,
+        linewidth=1.4,
+    )
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel("rank (largest norm first)")
+    ax.set_ylabel("L2 norm" + (" (log scale)" if log else ""))
+    ax.grid(alpha=0.3)
+    if limit is not None:
+        ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
+        ax.legend(fontsize=8, loc="upper right")
+    ax.set_title(f"{_plain(bars.title)}: {len(values)} rows ranked", fontsize=10, loc="left")
+    _largest(side, bars, limit)
+    return fig

@@ -1,0 +1,230 @@
+"""Reports for people: a rich table that fits the terminal without wrapping a name.
+
+The table is drawn here in rich's box style (rich itself is not imported for it: start-up
+time). A table wider than the terminal first hides its least useful columns (Report.drop_order),
+then shortens the names in the middle (`model.layers.1…self_attn.q_proj.weight`: the start
+and the end of a name are what tell tensors apart). A name is never wrapped, and never cut
+below NAME_MIN_CELLS; JSON and CSV always hold every column and the full names.
+"""
+
+from __future__ import annotations
+
+import os
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from clipcli.errors import printable
+from clipcli.report.model import Report, Value
+
+PLAIN_TABLE_ROWS = 2000  # rich lays out big tables slowly (50,000 rows: seconds)
+METADATA_VALUE_CHARS = 200  # a longer metadata value is shortened in the table (JSON has it all)
+NAME_MIN_CELLS = 32  # columns in drop_late go before a name is cut below this
+ELLIPSIS = "…"
+
+
+def output_width(stream: TextIO) -> int | None:
+    """The width to fit: the terminal's (rich's rule: COLUMNS, else the tty's size); for a
+    pipe or file, COLUMNS if it is set, else none (a script's table is never cut)."""
+    if stream.isatty():
+        from rich.console import Console
+
+        return int(Console(file=stream).width)
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else None
+
+
+def cell_text(value: Value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return printable(str(value))
+
+
+def cells(text: str) -> int:
+    """Terminal cells `text` takes: East Asian wide and full-width characters take two,
+    combining marks none (the text is already escaped: no control characters)."""
+    if text.isascii():
+        return len(text)
+    return sum(_cell_width(ch) for ch in text)
+
+
+def _cell_width(ch: str) -> int:
+    if unicodedata.combining(ch):
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+
+
+def middle_ellipsis(text: str, width: int) -> str:
+    """`text` in at most `width` cells: its start, '…', its end (the end gets two thirds:
+    `…q_proj.weight` says more than `model.layers.`)."""
+    if cells(text) <= width:
+        return text
+    budget = max(width - 1, 2)
+    head_budget = budget // 3
+    head = _take(text, head_budget)
+    tail = _take(text[::-1], budget - cells(head))[::-1]
+    return head + ELLIPSIS + tail
+
+
+def _take(text: str, width: int) -> str:
+    taken, used = [], 0
+    for ch in text:
+        used += cells(ch)
+        if used > width:
+            break
+        taken.append(ch)
+    return "".join(taken)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which columns a table shows and how wide its names may be."""
+
+    shown: tuple[int, ...]  # column indices, in report order (0, the name, always)
+    name_width: int | None  # None: names in full
+    hidden: tuple[str, ...]  # titles of the hidden columns, for the note under the table
+
+
+def table_width(widths: Sequence[int]) -> int:
+    """rich's default box: a border before each column and after the last, and one cell
+    of padding on each side of every column."""
+    return sum(widths) + 3 * len(widths) + 1
+
+
+def fit(report: Report, texts: Sequence[Sequence[str]], width: int | None) -> Layout:
+    natural = [
+        max([cells(c.title)] + [cells(row[i]) for row in texts])
+        for i, c in enumerate(report.columns)
+    ]
+    shown = list(range(len(report.columns)))
+    if width is None or table_width(natural) <= width:
+        return Layout(tuple(shown), None, ())
+    index = {c.key: i for i, c in enumerate(report.columns)}
+    hidden: list[str] = []
+
+    def room() -> int:  # cells left for the names
+        return width - (table_width([natural[i] for i in shown]) - natural[0])
+
+    def hide(key: str) -> None:
+        shown.remove(index[key])
+        hidden.append(report.columns[index[key]].title)
+
+    early = [key for key in report.drop_order if key in index]
+    late = [key for key in report.drop_late if key in index]
+    while early and room() < natural[0]:
+        hide(early.pop(0))
+    while late and room() < min(natural[0], NAME_MIN_CELLS):
+        hide(late.pop(0))
+    if room() >= natural[0]:
+        return Layout(tuple(shown), None, tuple(hidden))
+    return Layout(tuple(shown), max(room(), NAME_MIN_CELLS), tuple(hidden))
+
+
+def render_table(report: Report, stream: TextIO, width: int | None) -> None:
+    texts = [[cell_text(v) for v in row] for row in report.rows]
+    layout = fit(report, texts, width)
+    columns = [report.columns[i] for i in layout.shown]
+    rows = [[row[i] for i in layout.shown] for row in texts]
+    if layout.name_width is not None:
+        rows = [[middle_ellipsis(row[0], layout.name_width), *row[1:]] for row in rows]
+    notes = list(report.footer)
+    notes += [metadata_line(key, value, width) for key, value in report.metadata]
+    if layout.hidden:
+        notes.append(
+            f"hidden at {width} columns: {', '.join(layout.hidden)} (--format csv has all)"
+        )
+    # The title is a plain line, not the table's title: rich would wrap a long path to
+    # the table's width, and a path is something people grep for.
+    stream.write(printable(report.title) + "\n")
+    if len(rows) > PLAIN_TABLE_ROWS:
+        stream.write("".join(line + "\n" for line in _plain_lines(columns, rows)))
+    else:
+        _boxed_table(columns, rows, stream)
+    # Built once and written once: a million metadata lines through console.print took
+    # minutes. Footer lines are plain text (escaped), never markup.
+    if notes:
+        stream.write("".join(printable(line) + "\n" for line in notes))
+
+
+def _boxed_table(columns: Sequence[Any], rows: Sequence[Sequence[str]], stream: TextIO) -> None:
+    """The table in rich's default box (HEAVY_HEAD), drawn here: the cells are fitted
+    already, and `ls` in a shell loop should not pay for importing rich (~30 ms)."""
+    widths = [max([cells(c.title)] + [cells(r[i]) for r in rows]) for i, c in enumerate(columns)]
+
+    def line(left: str, fill: str, middle: str, right: str) -> str:
+        return left + middle.join(fill * (w + 2) for w in widths) + right + "\n"
+
+    def row(texts: Sequence[str], bar: str) -> str:
+        parts = [
+            _pad(text, w, right=c.numeric)
+            for text, w, c in zip(texts, widths, columns, strict=True)
+        ]
+        return bar + " " + f" {bar} ".join(parts) + " " + bar + "\n"
+
+    out = [line("┏", "━", "┳", "┓"), row([c.title for c in columns], "┃")]
+    out.append(line("┡", "━", "╇", "┩"))
+    out += [row(texts, "│") for texts in rows]
+    out.append(line("└", "─", "┴", "┘"))
+    stream.write("".join(out))
+
+
+def _plain_lines(columns: Sequence[Any], rows: Sequence[Sequence[str]]) -> list[str]:
+    texts = [[c.title for c in columns], *rows]
+    widths = [max(cells(row[i]) for row in texts) for i in range(len(columns))]
+    lines = []
+    for row in texts:
+        parts = [
+            _pad(text, w, right=column.numeric)
+            for text, w, column in zip(row, widths, columns, strict=True)
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return lines
+
+
+def _pad(text: str, width: int, right: bool) -> str:
+    fill = " " * (width - cells(text))
+    return fill + text if right else text + fill
+
+
+def pipe_console(stream: TextIO, width: int) -> Any:
+    """A rich Console on `stream` that lets a closed pipe surface as BrokenPipeError.
+
+    rich's own handler points stdout at /dev/null and raises SystemExit(1), which is the
+    --fail-above exit code; cli.py turns BrokenPipeError into a quiet exit 0 instead, as
+    `head` expects of any Unix tool."""
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return PipeConsole(file=stream, width=width, highlight=False)
+
+
+def metadata_line(key: str, value: str, width: int | None) -> str:
+    """`metadata KEY = VALUE` on one line: a long value (a Keras model_config is 20+ KB of
+    JSON) is cut to the terminal's width, or to METADATA_VALUE_CHARS without one, saying
+    how long it is; --format json has it whole."""
+    key, value = shorten(printable(key)), printable(value)
+    line = f"metadata {key} = {value}"
+    if len(value) <= METADATA_VALUE_CHARS and (width is None or cells(line) <= width):
+        return line
+    more = f"… ({len(value):,} characters; --format json has all)"
+    room = METADATA_VALUE_CHARS
+    if width is not None:
+        room = min(room, max(width - cells(f"metadata {key} = ") - cells(more), 10))
+    return f"metadata {key} = {_take(value, room)}{more}"
+
+
+def shorten(text: str, limit: int = METADATA_VALUE_CHARS) -> str:
+    """The first `limit` characters and how many there were, for a value too long to show."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters; --format json shows all)"

@@ -1,0 +1,121 @@
+"""One error boundary (issue 13): every exception family maps to the same stderr line and
+exit code whether the command runs through `main(argv)` or through Typer directly; the
+report package does no math and stays light; cli.py stays small."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from handmade import write_safetensors
+from typer.testing import CliRunner
+
+import clipcli.api
+from clipcli.cli import app, main
+from clipcli.errors import (
+    DataRefusedError,
+    ExitCode,
+    InputError,
+    Interrupted,
+    UsageError,
+    WriteError,
+)
+
+PACKAGE = Path(__file__).resolve().parent.parent / "clipcli"
+
+# exception raised inside a command -> (exit code, what the one stderr line says; None:
+# nothing on stderr)
+FAMILIES: list[tuple[Callable[[], BaseException], int, str | None]] = [
+    (lambda: UsageError("bad option"), ExitCode.USAGE, "bad option"),
+    (lambda: InputError("m", "broken header"), ExitCode.BAD_INPUT, "broken header"),
+    (lambda: DataRefusedError("NaN"), ExitCode.REFUSED_DATA, "NaN"),
+    (lambda: WriteError("disk full"), ExitCode.WRITE_FAILED, "disk full"),
+    (lambda: Interrupted("interrupted"), ExitCode.INTERRUPTED, "interrupted"),
+    (lambda: Interrupted("SIGTERM", ExitCode.TERMINATED), ExitCode.TERMINATED, "SIGTERM"),
+    (lambda: KeyboardInterrupt(), ExitCode.INTERRUPTED, "interrupted"),
+    (lambda: BrokenPipeError(), ExitCode.OK, None),
+    (lambda: ValueError("bug"), ExitCode.INTERNAL, "internal error: ValueError: bug"),
+]
+
+
+@pytest.mark.parametrize(("make", "code", "says"), FAMILIES)
+def test_every_family_maps_the_same_through_main_and_typer(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    make: Callable[[], BaseException],
+    code: int,
+    says: str | None,
+) -> None:
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise make()
+
+    monkeypatch.setattr(clipcli.api, "measure", broken)
+    monkeypatch.delenv("CLIPCLI_DEBUG", raising=False)
+    capsys.readouterr()
+    assert main(["norms", str(path)]) == code
+    err = capsys.readouterr().err
+    through_typer = CliRunner().invoke(app, ["norms", str(path)])
+    assert through_typer.exit_code == code
+    for stderr in (err, through_typer.stderr):
+        if says is None:
+            assert stderr == ""
+        else:
+            lines = stderr.splitlines()
+            assert len(lines) == 1, stderr
+            assert lines[0].startswith("clipcli: error: "), stderr
+            assert says in lines[0]
+
+
+def test_every_exit_code_is_documented_in_help() -> None:
+    from clipcli.cli import EXIT_CODES_HELP
+
+    documented = {
+        int(line.split()[0])
+        for line in EXIT_CODES_HELP.splitlines()[2:]
+        if line[:3].strip().isdigit()
+    }
+    assert {c.value for c in ExitCode} - documented <= {ExitCode.HANGUP, ExitCode.TERMINATED}
+
+
+def test_cli_module_is_small() -> None:
+    assert len((PACKAGE / "cli.py").read_text().splitlines()) <= 400
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_report_package_imports_no_numerics() -> None:
+    """The report renders numbers it is given; sort keys come from plan.py."""
+    for path in sorted((PACKAGE / "report").glob("*.py")):
+        forbidden = {
+            name
+            for name in _imports(path)
+            if name.startswith(("clipcli.numerics", "clipcli.dtypes", "numpy"))
+        }
+        assert not forbidden, (path.name, forbidden)
+
+
+def test_importing_the_report_loads_neither_numpy_nor_rich() -> None:
+    code = (
+        "import sys, clipcli.report, clipcli.report.builders, clipcli.report.chart, "
+        "clipcli.report.table, clipcli.report.serialize, clipcli.report.progress_bar, "
+        "clipcli.report.plot\n"
+        "print(sorted(m for m in ('numpy', 'rich', 'matplotlib') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,164 @@
+"""The exact table of every command at 60, 80 and 120 columns, and its exact CSV (issue 12,
+item 1). A name is never wrapped or cut to nothing: it stays on one line, shortened in the
+middle when it must be, after the least useful columns are hidden; CSV has every column
+and the full names.
+
+The expected outputs are files in tests/golden/, read by a person before they were
+committed. After an intended change of the layout, regenerate them with
+`CLIPCLI_UPDATE_GOLDEN=1 pytest tests/test_cli_tables.py` and read the diff.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from handmade import write_safetensors
+from rich.cells import cell_len
+
+from clipcli.cli import main
+from clipcli.report import Column, OutputFormat, Report, render
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+WIDTHS = (60, 80, 120)
+# Real BERT names (Hugging Face transformers), an int64 buffer and a zero LayerNorm weight.
+NAMES = (
+    "bert.embeddings.word_embeddings.weight",
+    "bert.embeddings.position_ids",
+    "bert.encoder.layer.0.attention.self.query.weight",
+    "bert.encoder.layer.0.attention.output.LayerNorm.weight",
+    "bert.encoder.layer.1.intermediate.dense.bias",
+    "bert.encoder.layer.11.output.dense.weight",
+    "cls.predictions.bias",
+)
+COMMANDS = {
+    "ls": ["ls", "a.safetensors"],
+    "norms": ["norms", "a.safetensors"],
+    "norms-group-by": ["norms", "a.safetensors", "--group-by", "layer"],
+    "clip": ["clip", "--global", "1", "--dry-run", "a.safetensors", "o.safetensors"],
+    "diff": ["diff", "a.safetensors", "b.safetensors"],
+    "diff-changed-only": ["diff", "a.safetensors", "b.safetensors", "--changed-only"],
+}
+
+
+def _model() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(12)
+    tensors: dict[str, np.ndarray] = {}
+    for i, name in enumerate(NAMES):
+        if name.endswith("position_ids"):
+            tensors[name] = np.arange(16, dtype=np.int64)[None]
+        elif name.endswith("LayerNorm.weight"):
+            tensors[name] = np.zeros(8, np.float32)
+        else:
+            shape = (4, 8) if "weight" in name else (8,)
+            tensors[name] = (rng.standard_normal(shape) * (i + 1)).astype(np.float32)
+    return tensors
+
+
+@pytest.fixture
+def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """a.safetensors and b.safetensors (one tensor halved) in the current directory, so that
+    the paths in the titles are the same on every machine."""
+    tensors = _model()
+    write_safetensors(tmp_path / "a.safetensors", tensors, {"format": "pt"})
+    tensors["bert.encoder.layer.11.output.dense.weight"] *= 0.5
+    write_safetensors(tmp_path / "b.safetensors", tensors, {"format": "pt"})
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "clipcli: error" not in err
+    return out
+
+
+def _check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("CLIPCLI_UPDATE_GOLDEN"):
+        path.write_text(text, encoding="utf-8")
+    assert text == path.read_text(encoding="utf-8"), f"{name} differs; see the module docstring"
+
+
+@pytest.mark.usefixtures("models")
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_table_at_width(
+    command: str, width: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", str(width))
+    out = _run(COMMANDS[command], capsys)
+    _check_golden(f"{command}.{width}.txt", out)
+    # Independent of the golden file: every table line fits, every row is one line.
+    lines = out.splitlines()
+    table = [line for line in lines if line[:1] in "┏┃┡│└"]
+    assert all(cell_len(line) <= width for line in table), out
+    rows = [line for line in table if line.startswith("│")]
+    assert len(rows) == (1 if command == "diff-changed-only" else 4 if "group" in command else 7)
+
+
+@pytest.mark.usefixtures("models")
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_csv(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "60")  # CSV ignores the width: every column, full names
+    out = _run([*COMMANDS[command], "--format", "csv"], capsys)
+    _check_golden(f"{command}.csv", out)
+    rows = list(csv.reader(io.StringIO(out)))
+    if command.startswith(("ls", "norms")) and "group" not in command:
+        assert [row[0] for row in rows[1:]] == list(NAMES)
+
+
+def _one_row_report(name: str) -> Report:
+    return Report(
+        "t",
+        (Column("name", "tensor"), Column("x", "x", numeric=True)),
+        ((name, 1),),
+        drop_order=("x",),
+    )
+
+
+def _table(report: Report, width: int) -> list[str]:
+    stream = io.StringIO()
+    render(report, OutputFormat.TABLE, stream, width)
+    return [line for line in stream.getvalue().splitlines() if line.startswith("│")]
+
+
+def test_a_table_exactly_as_wide_as_the_terminal_is_kept_whole() -> None:
+    name = "n" * 40
+    # rich's box: "│ " + name + " │ " + "1" padded to the title "x" + " │"
+    exact = len("│ ") + 40 + len(" │ ") + 1 + len(" │")
+    assert _table(_one_row_report(name), exact) == [f"│ {name} │ 1 │"]
+    narrower = _table(_one_row_report(name), exact - 1)  # the x column goes first
+    assert narrower == [f"│ {name} │"]
+
+
+def test_a_name_is_shortened_in_the_middle_never_to_nothing() -> None:
+    name = "model.layers.17.self_attn.q_proj.weight" + "x" * 40
+    (row,) = _table(_one_row_report(name), 40)
+    shown = row.strip("│ ")
+    assert "…" in shown
+    head, tail = shown.split("…")
+    assert name.startswith(head)
+    assert name.endswith(tail)
+    assert cell_len(shown) >= 32
+
+
+@pytest.mark.usefixtures("models")
+@pytest.mark.parametrize("width", WIDTHS)
+def test_chart_at_width(
+    width: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", str(width))
+    out = _run(["norms", "a.safetensors", "--chart", "--limit", "20"], capsys)
+    _check_golden(f"chart.{width}.txt", out)
+    bars = [line for line in out.splitlines() if line.startswith(" ")]
+    assert len(bars) == len(NAMES)
+    assert all(cell_len(line) <= width for line in bars)

@@ -1,0 +1,87 @@
+"""`norms --plot` pictures people can read for 10 to 1,000+ tensors (issue 12, item 3):
+a bounded picture size whatever the tensor count, nothing on stderr (no matplotlib
+warning), zero norms on a log axis. The pictures were also looked at by a person (the
+commit message of this file says what changed after looking)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from handmade import write_safetensors
+
+from clipcli.cli import main
+
+pytest.importorskip("matplotlib")
+
+MAX_WIDTH, MAX_HEIGHT = 1600, 1300  # pixels
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def _llama(layers: int) -> dict[str, np.ndarray]:
+    """Hugging Face Llama names; a zero bias-like tensor, an outlier and an int64 buffer."""
+    rng = np.random.default_rng(7)
+    tensors: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.standard_normal((16, 4)).astype(np.float32),
+        "model.rotary_emb.inv_freq_ids": np.arange(4, dtype=np.int64),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = np.ones(4, np.float32)
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
+            tensors[p + part + ".weight"] = rng.standard_normal((4, 4)).astype(np.float32)
+    tensors["model.layers.0.self_attn.q_proj.weight"] *= 1e4  # range > 1e3: a log axis
+    tensors["model.norm.weight"] = np.zeros(4, np.float32)  # zero norm on that log axis
+    tensors["lm_head.weight"] = rng.standard_normal((16, 4)).astype(np.float32)
+    return tensors
+
+
+def _plot(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str, layers: int) -> Path:
+    model = write_safetensors(tmp_path / "m.safetensors", _llama(layers))
+    picture = tmp_path / "p.png"
+    capsys.readouterr()
+    assert main(["norms", str(model), "--plot", str(picture), "--format", "json", *extra]) == 0
+    assert capsys.readouterr().err == ""  # no matplotlib warning, no note
+    return picture
+
+
+def test_small_model_is_horizontal_bars(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    width, height = _png_size(_plot(tmp_path, capsys, "--limit", "3", layers=2))
+    assert width <= MAX_WIDTH
+    assert height <= MAX_HEIGHT
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", [12, 200])
+def test_layered_models_are_a_per_layer_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layers: int
+) -> None:
+    """12 layers: 52 tensors; 200 layers: 804 tensors (the old plot: 22,000 px wide)."""
+    width, height = _png_size(_plot(tmp_path, capsys, "--limit", "2", layers=layers))
+    assert width <= MAX_WIDTH
+    assert height <= MAX_HEIGHT
+
+
+@pytest.mark.slow
+def test_many_groups_are_a_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    picture = _plot(tmp_path, capsys, "--group-by", "layer", layers=200)
+    width, height = _png_size(picture)
+    assert width <= MAX_WIDTH
+    assert height <= MAX_HEIGHT
+
+
+@pytest.mark.slow
+def test_svg_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = write_safetensors(tmp_path / "m.safetensors", _llama(1))
+    capsys.readouterr()
+    assert main(["norms", str(model), "--plot", str(tmp_path / "p.svg"), "-f", "csv"]) == 0
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")

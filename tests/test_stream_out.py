@@ -1,0 +1,100 @@
+"""`clip IN -` streams the clipped safetensors file to standard output (issue 11 item 9).
+
+Outputs are read back with safetensors.numpy only; the streamed bytes are compared with
+the same clip written to a file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from safetensors.numpy import load, save_file
+
+
+def clipcli(
+    *args: str | Path, stdout: int | None = subprocess.PIPE
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "clipcli", *map(str, args)],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        check=False,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(7)
+    path = tmp_path / "in.safetensors"
+    tensors: dict[str, np.ndarray] = {
+        "embed": rng.normal(size=(16, 8)).astype(np.float32),
+        "bias": rng.normal(size=8).astype(np.float16),
+        "steps": np.arange(3, dtype=np.int64),
+    }
+    save_file(tensors, str(path), metadata={"format": "np"})
+    return path
+
+
+@pytest.mark.slow  # two interpreters per case (~1 s each on a loaded machine)
+@pytest.mark.parametrize("mode", [("--global", "1"), ("--value", "100")])
+def test_stream_equals_the_file_output_byte_for_byte(
+    tmp_path: Path, model: Path, mode: tuple[str, str]
+) -> None:
+    streamed = clipcli("clip", *mode, model, "-")
+    assert streamed.returncode == 0, streamed.stderr
+    assert b"changed" in streamed.stderr  # the report went to stderr, not into the file
+    out = tmp_path / "out.safetensors"
+    assert clipcli("clip", "-q", *mode, model, out).returncode == 0
+    assert streamed.stdout == out.read_bytes()
+    tensors = load(streamed.stdout)
+    assert sorted(tensors) == ["bias", "embed", "steps"]
+    np.testing.assert_array_equal(tensors["steps"], np.arange(3))
+
+
+def test_stream_with_quiet_writes_only_the_file(model: Path) -> None:
+    run = clipcli("clip", "-q", "--global", "1e9", model, "-")
+    assert run.returncode == 0
+    assert run.stderr == b""
+    assert run.stdout == model.read_bytes()  # nothing over the limit: bit-identical
+
+
+@pytest.mark.slow  # an interpreter per test: standard output must be real
+def test_a_terminal_stdout_is_refused(model: Path) -> None:
+    leader, follower = os.openpty()
+    try:
+        run = clipcli("clip", "--global", "1", model, "-", stdout=follower)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert run.returncode == 2
+    assert b"terminal" in run.stderr
+    assert run.stderr.count(b"\n") == 1
+
+
+@pytest.mark.slow  # an interpreter per test: standard output must be real
+def test_other_formats_do_not_stream(tmp_path: Path) -> None:
+    src = tmp_path / "m.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(3, np.float32)
+    run = clipcli("clip", "--global", "1", src, "-")
+    assert run.returncode == 2
+    assert run.stdout == b""
+    assert b"safetensors only" in run.stderr
+    assert not (tmp_path / "-").exists()
+    assert not Path("-").exists()
+
+
+@pytest.mark.slow  # an interpreter per test: standard output must be real
+def test_stdout_that_is_the_input_is_refused(model: Path) -> None:
+    before = model.read_bytes()
+    with open(model, "ab") as same:
+        run = clipcli("clip", "--global", "1", model, "-", stdout=same.fileno())
+    assert run.returncode == 2
+    assert b"input" in run.stderr
+    assert model.read_bytes() == before

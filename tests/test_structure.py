@@ -1,0 +1,477 @@
+"""HDF5 structure through conversions (issue 11 items 5 and 6): attributes, empty groups and
+non-tensor datasets carried through safetensors and back exactly; formats that cannot hold
+them refused unless --allow-lossy; `diff` reports every difference.
+
+Files are built with h5py; outputs are read back with h5py, safetensors.safe_open and
+numpy.load only. The exact HDF5 comparison is test_format_hdf5.assert_same_file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+from layouts import (
+    keras2_save_weights,
+    keras3_nested_weights,
+    legacy_keras_full_model,
+    vocab_file,
+)
+from safetensors import safe_open
+from test_format_hdf5 import assert_same_file
+
+from clipcli.cli import main
+
+STRUCTURE_KEY = "clipcli.hdf5_structure"
+
+
+@dataclass(frozen=True)
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Cli = Callable[..., Run]
+
+
+@pytest.fixture
+def clipcli(capsys: pytest.CaptureFixture[str]) -> Cli:
+    """clipcli's main() in this process (no interpreter start-up per command)."""
+
+    def run(*args: str | Path) -> Run:
+        code = main([str(arg) for arg in args])
+        out, err = capsys.readouterr()
+        return Run(code, out, err)
+
+    return run
+
+
+def round_trip(clipcli: Cli, tmp_path: Path, src: Path) -> tuple[Path, Path]:
+    mid, back = tmp_path / "mid.safetensors", tmp_path / "back.h5"
+    for a, b in ((src, mid), (mid, back)):
+        run = clipcli("convert", a, b)
+        assert run.returncode == 0, run.stderr
+        assert run.stderr == ""
+    return mid, back
+
+
+@pytest.mark.parametrize(
+    "make", [legacy_keras_full_model, keras2_save_weights, keras3_nested_weights, vocab_file]
+)
+def test_hdf5_to_safetensors_and_back_is_exact(clipcli: Cli, tmp_path: Path, make: Any) -> None:
+    src = tmp_path / "src.h5"
+    make(src)
+    mid, back = round_trip(clipcli, tmp_path, src)
+    assert_same_file(src, back)  # every group, dataset, attribute value and HDF5 type
+    with safe_open(str(mid), "np") as f, h5py.File(src, "r") as h:
+        metadata = f.metadata()
+        document = json.loads(metadata[STRUCTURE_KEY])
+        assert (document["format"], document["version"]) == (STRUCTURE_KEY, 1)
+        for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+            np.testing.assert_array_equal(f.get_tensor(name), h[name][()])
+
+
+def test_keras2_layer_names_survive_the_round_trip(clipcli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "w.h5"
+    keras2_save_weights(src)
+    _, back = round_trip(clipcli, tmp_path, src)
+    with h5py.File(src, "r") as a, h5py.File(back, "r") as b:
+        assert b.attrs.get_id("layer_names").get_type() == a.attrs.get_id("layer_names").get_type()
+        assert list(b.attrs["layer_names"]) == list(a.attrs["layer_names"])
+
+
+def test_clip_keeps_non_tensor_datasets_and_the_structure(clipcli: Cli, tmp_path: Path) -> None:
+    src = vocab_file(tmp_path / "v.h5")
+    out_h5, out_st = tmp_path / "c.h5", tmp_path / "c.safetensors"
+    for out in (out_h5, out_st):
+        run = clipcli("clip", "--global", "1", "-q", src, out)
+        assert run.returncode == 0, run.stderr
+    with h5py.File(src, "r") as a, h5py.File(out_h5, "r") as b:
+        assert list(b["vocab"][()]) == list(a["vocab"][()]) == [b"a", b"b", b"\xc3\xa7", b""]
+        assert b["table"][()].tobytes() == a["table"][()].tobytes()
+        assert np.linalg.norm(np.concatenate([b["dense/kernel"][()].ravel(), b["bias"][()]])) <= 1
+    back = tmp_path / "back.h5"
+    assert clipcli("convert", out_st, back).returncode == 0
+    assert_same_file(out_h5, back)
+
+
+def test_ls_lists_non_tensors_and_norms_ignore_them(clipcli: Cli, tmp_path: Path) -> None:
+    src = vocab_file(tmp_path / "v.h5")
+    run = clipcli("ls", "--format", "json", src)
+    assert run.returncode == 0, run.stderr
+    listing = json.loads(run.stdout)
+    assert [t["name"] for t in listing["tensors"]] == ["dense/kernel", "bias"]
+    assert [n["name"] for n in listing["non_tensors"]] == [
+        "vocab",
+        "table",
+        "scalar_text",
+        "nothing",
+    ]
+    assert listing["non_tensors"][0]["shape"] == [4]
+    table = clipcli("ls", src)
+    assert "non-tensor vocab: a variable-length string dtype, shape [4]" in table.stdout
+    norms = json.loads(clipcli("norms", "--format", "json", src).stdout)
+    assert [t["name"] for t in norms["tensors"]] == ["dense/kernel", "bias"]
+
+
+@pytest.mark.parametrize("suffix", [".npz"])
+def test_a_target_without_structure_is_refused_unless_lossy(
+    clipcli: Cli, tmp_path: Path, suffix: str
+) -> None:
+    src = tmp_path / "m.h5"
+    weights = legacy_keras_full_model(src)
+    out = tmp_path / f"out{suffix}"
+    refused = clipcli("convert", src, out)
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1
+    assert "--allow-lossy" in refused.stderr
+    assert "attributes" in refused.stderr
+    assert not out.exists()
+    lossy = clipcli("convert", "--allow-lossy", src, out)
+    assert lossy.returncode == 0, lossy.stderr
+    warnings = [line for line in lossy.stderr.splitlines() if line.startswith("clipcli: warning")]
+    assert len(warnings) == 1
+    assert "dropped" in warnings[0]
+    with np.load(out, allow_pickle=False) as npz:
+        assert sorted(npz.files) == sorted(f"{name}.npy" for name in weights) or sorted(
+            npz.files
+        ) == sorted(weights)
+        for name, array in weights.items():
+            np.testing.assert_array_equal(npz[name], array)
+
+
+def test_clip_to_npz_refuses_a_vocab_without_the_flag(clipcli: Cli, tmp_path: Path) -> None:
+    src = vocab_file(tmp_path / "v.h5")
+    run = clipcli("clip", "--global", "1", src, tmp_path / "o.npz")
+    assert run.returncode == 2
+    assert "non-tensor datasets ('vocab'" in run.stderr
+
+
+def test_safetensors_metadata_into_npz_needs_the_flag(clipcli: Cli, tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "m.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, str(src), metadata={"format": "np"})
+    assert clipcli("convert", src, tmp_path / "o.npz").returncode == 2
+    assert clipcli("convert", "--allow-lossy", src, tmp_path / "o.npz").returncode == 0
+
+
+def test_plain_hdf5_to_npz_loses_nothing_and_needs_no_flag(clipcli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "plain.h5"
+    with h5py.File(src, "w") as f:
+        f["a/b"] = np.arange(3.0)
+    run = clipcli("convert", src, tmp_path / "o.npz")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+
+
+def test_unportable_attribute_into_safetensors_needs_the_flag(clipcli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "ref.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(2)
+        f.attrs["r"] = f["w"].ref
+        f.attrs["kept"] = 1.5
+    out = tmp_path / "o.safetensors"
+    refused = clipcli("convert", src, out)
+    assert refused.returncode == 2
+    assert "attribute 'r'" in refused.stderr
+    lossy = clipcli("convert", "--allow-lossy", src, out)
+    assert lossy.returncode == 0
+    assert "attribute 'r'" in lossy.stderr
+    back = tmp_path / "back.h5"
+    assert clipcli("convert", out, back).returncode == 0
+    with h5py.File(back, "r") as f:
+        assert list(f.attrs) == ["kept"]
+        assert f.attrs["kept"] == 1.5
+
+
+def test_malformed_recorded_structure_is_exit_3_when_used(clipcli: Cli, tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "bad.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, str(src), metadata={STRUCTURE_KEY: "{not json"})
+    assert clipcli("ls", src).returncode == 0  # listing never needs the structure
+    run = clipcli("convert", src, tmp_path / "o.h5")
+    assert run.returncode == 3
+    assert STRUCTURE_KEY in run.stderr
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_hostile_recorded_structure_is_refused_field_by_field(clipcli: Cli, tmp_path: Path) -> None:
+    """A recorded node with raw values shorter than its dataspace needs must not make the
+    library read past a buffer: refused (exit 3) before anything is written."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(3, np.float32)
+        f.attrs["a"] = np.arange(4, dtype="<i8")
+    mid = tmp_path / "mid.safetensors"
+    assert clipcli("convert", src, mid).returncode == 0
+    with safe_open(str(mid), "np") as f:
+        document = json.loads(f.metadata()[STRUCTURE_KEY])
+    document["nodes"][0]["attrs"][0]["space"]["shape"] = [4000]
+    document["nodes"][0]["attrs"][0]["space"]["maxshape"] = [4000]
+    bad = tmp_path / "bad.safetensors"
+    save_file(
+        {"w": np.ones(3, np.float32)}, str(bad), metadata={STRUCTURE_KEY: json.dumps(document)}
+    )
+    run = clipcli("convert", bad, tmp_path / "o.h5")
+    assert run.returncode == 3, run.stderr
+    assert "malformed" in run.stderr
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_structure_that_does_not_fit_the_tensors_needs_the_flag(
+    clipcli: Cli, tmp_path: Path
+) -> None:
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src.h5"
+    keras2_save_weights(src)
+    mid = tmp_path / "mid.safetensors"
+    assert clipcli("convert", src, mid).returncode == 0
+    with safe_open(str(mid), "np") as f:
+        metadata = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    tensors["extra"] = np.zeros(2, np.float32)
+    edited = tmp_path / "edited.safetensors"
+    save_file(tensors, str(edited), metadata=metadata)
+    assert clipcli("convert", edited, tmp_path / "o.h5").returncode == 2
+    run = clipcli("convert", "--allow-lossy", edited, tmp_path / "o.h5")
+    assert run.returncode == 0
+    assert "not the checkpoint's tensors" in run.stderr
+    with h5py.File(tmp_path / "o.h5", "r") as f:
+        assert "extra" in f
+
+
+def test_diff_reports_every_structure_difference(clipcli: Cli, tmp_path: Path) -> None:
+    src = tmp_path / "m.h5"
+    legacy_keras_full_model(src)
+    npz = tmp_path / "m.npz"
+    assert clipcli("convert", "--allow-lossy", src, npz).returncode == 0
+    run = clipcli("diff", "--format", "json", src, npz)
+    result = json.loads(run.stdout)
+    keys = {change["key"] for change in result["metadata_changes"]}
+    assert result["identical"] is False
+    assert "/model_weights @layer_names" in keys
+    assert "/model_weights/dense_1 @weight_names" in keys
+    assert "keras_version" in keys
+    same = json.loads(
+        clipcli("diff", "--format", "json", src, round_trip(clipcli, tmp_path, src)[1]).stdout
+    )
+    assert same["metadata_changes"] == []
+    assert same["identical"] is True
+
+
+def test_diff_reports_a_changed_attribute_and_an_empty_group(clipcli: Cli, tmp_path: Path) -> None:
+    a = vocab_file(tmp_path / "a.h5")
+    b = vocab_file(tmp_path / "b.h5")
+    with h5py.File(b, "a") as f:
+        f["dense"].attrs["weight_names"] = np.array([b"other"])
+        del f["empty"]
+        f.create_group("new_empty")
+    result = json.loads(clipcli("diff", "--format", "json", a, b).stdout)
+    changes = {c["key"]: (c["a"], c["b"]) for c in result["metadata_changes"]}
+    assert changes["group /empty"] == ("group", None)
+    assert changes["group /new_empty"] == (None, "group")
+    assert "/empty @note" in changes
+    before, after = changes["/dense @weight_names"]
+    assert before is not None
+    assert after is not None
+    assert before != after
+
+
+# ---------------------------------------------------------------------------------------
+# limits, each exactly at and one past its bound
+
+
+def test_non_tensors_copied_in_many_small_slices_stay_exact(
+    clipcli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clipcli.formats.hdf5 import limits
+
+    src = tmp_path / "rows.h5"
+    words = [f"word{i}" * (i % 4) for i in range(37)]
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(3, np.float32)
+        f.create_dataset("vocab", data=words, dtype=h5py.string_dtype())
+        f.create_dataset("grid", data=np.arange(7 * 5, dtype="<i2").reshape(7, 5).astype("S3"))
+    monkeypatch.setattr(limits, "NON_TENSOR_SLICE_BYTES", 40)  # a few rows per slice
+    assert clipcli("clip", "--global", "1", "-q", src, tmp_path / "c.h5").returncode == 0
+    _, back = round_trip(clipcli, tmp_path, src)
+    for out in (tmp_path / "c.h5", back):
+        with h5py.File(src, "r") as a, h5py.File(out, "r") as b:
+            assert list(b["vocab"][()]) == [w.encode() for w in words]
+            assert b["grid"][()].tobytes() == a["grid"][()].tobytes()
+
+
+def _vocab_only(path: Path, words: list[str]) -> Path:
+    with h5py.File(path, "w") as f:
+        f["w"] = np.ones(2, np.float32)
+        f.create_dataset("vocab", data=words, dtype=h5py.string_dtype())
+    return path
+
+
+def test_variable_length_budget_exactly_at_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clipcli.errors import InputError
+    from clipcli.formats.hdf5 import Hdf5Reader, limits
+    from clipcli.formats.hdf5.nontensor import VlenBudget, read_rows
+
+    words = ["abc", "de", "f" * 10]
+    path = _vocab_only(tmp_path / "v.h5", words)
+    total = sum(len(w) for w in words)
+    reader = Hdf5Reader(path)
+    try:
+        item, dataset = reader.non_tensors[0], reader.file["/vocab"]
+        monkeypatch.setattr(limits, "MAX_EXPANSION", 0)
+        monkeypatch.setattr(limits, "SPARSE_CHECK_BYTES", total)  # a budget of 15 bytes
+        exact = VlenBudget(path, file_size=0)
+        rows = list(read_rows(dataset, item, reader.largest_heap_object, exact))
+        assert [v for piece in rows for v in piece.values] == [w.encode() for w in words]
+        monkeypatch.setattr(limits, "SPARSE_CHECK_BYTES", total - 1)
+        short = VlenBudget(path, file_size=0)
+        with pytest.raises(InputError, match="expand"):
+            list(read_rows(dataset, item, reader.largest_heap_object, short))
+    finally:
+        reader.close()
+
+
+def test_recorded_structure_size_exactly_at_the_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import clipcli.formats.hdf5.structure as hdf5_structure
+    from clipcli.formats.hdf5 import Hdf5Reader
+
+    path = vocab_file(tmp_path / "v.h5")
+    reader = Hdf5Reader(path)
+    try:
+        size = len(hdf5_structure.read_structure(reader).to_text().encode("utf-8"))
+        monkeypatch.setattr(hdf5_structure, "MAX_STRUCTURE_BYTES", size)
+        assert hdf5_structure.read_structure(reader).document is not None
+        monkeypatch.setattr(hdf5_structure, "MAX_STRUCTURE_BYTES", size - 1)
+        over = hdf5_structure.read_structure(reader)
+        assert over.document is None
+        assert "cap" in over.dropped[0]
+    finally:
+        reader.close()
+
+
+def test_parsed_structure_size_exactly_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    import clipcli.formats.structure as structure
+
+    text = json.dumps(
+        {
+            "format": STRUCTURE_KEY,
+            "version": 1,
+            "nodes": [{"path": "/", "kind": "group", "attrs": []}],
+        }
+    )
+    monkeypatch.setattr(structure, "MAX_STRUCTURE_BYTES", len(text))
+    assert structure.parse_structure(text).nodes[0]["path"] == "/"
+    monkeypatch.setattr(structure, "MAX_STRUCTURE_BYTES", len(text) - 1)
+    with pytest.raises(structure.MalformedStructure, match="limit"):
+        structure.parse_structure(text)
+
+
+def _nested_array(depth: int) -> dict[str, Any]:
+    desc: dict[str, Any] = {"class": "int", "size": 1, "order": "<", "signed": True}
+    for _ in range(depth):
+        desc = {"class": "array", "dims": [1], "base": desc}
+    return desc
+
+
+def test_recorded_type_limits_exactly_at_the_bound() -> None:
+    from clipcli.formats.hdf5.portable import (
+        MAX_TYPE_DEPTH,
+        MAX_TYPE_SIZE,
+        Malformed,
+        build_type,
+    )
+
+    assert build_type(_nested_array(MAX_TYPE_DEPTH)).get_size() == 1
+    with pytest.raises(Malformed, match="deeply"):
+        build_type(_nested_array(MAX_TYPE_DEPTH + 1))
+    opaque = {"class": "opaque", "size": MAX_TYPE_SIZE, "tag": "t"}
+    assert build_type(opaque).get_size() == MAX_TYPE_SIZE
+    with pytest.raises(Malformed):
+        build_type({**opaque, "size": MAX_TYPE_SIZE + 1})
+    with pytest.raises(Malformed):
+        build_type({"class": "int", "size": 4, "order": "<", "signed": 1})  # not a bool
+
+
+def test_root_string_attributes_travel_as_metadata(clipcli: Cli, tmp_path: Path) -> None:
+    """Root string attributes are file metadata: a model directory keeps them (no flag);
+    npz holds no metadata, so that loss is named."""
+    src = tmp_path / "m.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(3, np.float32)
+        f.attrs["format"] = "pt"
+    assert clipcli("convert", src, f"{tmp_path / 'dir'}/").returncode == 0
+    with safe_open(str(tmp_path / "dir" / "model.safetensors"), "np") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    refused = clipcli("convert", src, tmp_path / "m.npz")
+    assert refused.returncode == 2
+    assert "file metadata (1 keys)" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "repeated_attribute",
+        "dotdot_name",
+        "orphan_path",
+        "unknown_filter",
+        "huge_chunk",
+        "bad_base64",
+    ],
+)
+def test_hostile_structure_edits_are_exit_3_and_write_nothing(
+    clipcli: Cli, tmp_path: Path, edit: str
+) -> None:
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "src.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("g/w", data=np.ones((4, 4), np.float32), chunks=(2, 2))
+        f["g"].attrs["a"] = np.arange(2)
+    mid = tmp_path / "mid.safetensors"
+    assert clipcli("convert", src, mid).returncode == 0
+    with safe_open(str(mid), "np") as f:
+        document = json.loads(f.metadata()[STRUCTURE_KEY])
+    group, dataset = document["nodes"][1], document["nodes"][2]
+    if edit == "repeated_attribute":
+        group["attrs"].append(group["attrs"][0])
+    elif edit == "dotdot_name":
+        group["path"] = "/.."
+    elif edit == "orphan_path":
+        dataset["path"] = "/nowhere/w"
+    elif edit == "unknown_filter":
+        dataset["filters"] = [[32001, 0, []]]
+    elif edit == "huge_chunk":
+        dataset["chunks"] = [1 << 20, 1 << 20]
+    else:
+        group["attrs"][0]["data"]["raw"] = "not base64!"
+    bad = tmp_path / "bad.safetensors"
+    save_file(
+        {"g/w": np.ones((4, 4), np.float32)},
+        str(bad),
+        metadata={STRUCTURE_KEY: json.dumps(document)},
+    )
+    run = clipcli("convert", "--allow-lossy", bad, tmp_path / "o.h5")
+    if edit in ("dotdot_name", "orphan_path"):  # no longer fits: a plain file, said so
+        assert run.returncode == 0, run.stderr
+        assert "dropped" in run.stderr, run.stderr
+        return
+    assert run.returncode == 3, run.stderr
+    assert "malformed" in run.stderr
+    assert not (tmp_path / "o.h5").exists()
