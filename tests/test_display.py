@@ -489,7 +489,12 @@ def _check_start_up_outcome(code: int, out: str, err: str, expected_out: str) ->
 def test_sigint_during_start_up_is_one_line_and_130(
     tmp_path: Path, write_checkpoint: Callable[..., Path], how: str
 ) -> None:
-    step_ms = 8
+    sigint_during_start_up(tmp_path, write_checkpoint, how, step_ms=8)
+
+
+def sigint_during_start_up(
+    tmp_path: Path, write_checkpoint: Callable[..., Path], how: str, step_ms: int
+) -> None:
     launcher = _launcher(how)
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     env = dict(os.environ, COLUMNS="200")
@@ -533,7 +538,7 @@ def test_sigterm_during_start_up_is_one_line_and_143(
 def test_sigint_during_start_up_every_millisecond(
     tmp_path: Path, write_checkpoint: Callable[..., Path], how: Any
 ) -> None:
-    test_sigint_during_start_up_is_one_line_and_130(tmp_path, write_checkpoint, how, 1)
+    sigint_during_start_up(tmp_path, write_checkpoint, how, step_ms=1)
 
 
 # ------------------------------------------------------------------ format limits: exit 2
