@@ -36,9 +36,13 @@ from hypothesis import HealthCheck, settings
 #   by hand or nightly, e.g. `HYPOTHESIS_PROFILE=long pytest tests/hostile/test_fuzz.py`.
 CI_EXAMPLES = 40
 LONG_EXAMPLES = 20_000
+# The default ("ci") run is seeded: the same examples every time and no example database
+# replayed from whatever directory pytest starts in. "long" explores at random.
 settings.register_profile(
     "ci",
     max_examples=CI_EXAMPLES,
+    derandomize=True,
+    database=None,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
