@@ -19,6 +19,9 @@ import pytest
 
 from clipcli.errors import InputError
 from clipcli.formats import npz as npz_module
+from clipcli.formats.npz import fortran as npz_fortran
+from clipcli.formats.npz import reader as npz_reader
+from clipcli.formats.npz import zipcheck as npz_zipcheck
 
 WALL_BUDGET = 10.0  # seconds
 RSS_BUDGET = 300 << 20  # bytes of peak resident memory
@@ -265,12 +268,14 @@ def test_expansion_budget_exactly_at_the_limit(
 ) -> None:
     """Members inflating to exactly the budget are read; one byte more is refused."""
     src, file_size, inflated = _one_member(tmp_path, 1 << 20)
-    monkeypatch.setattr(npz_module, "BOMB_MIN_BYTES", inflated - npz_module.BOMB_RATIO * file_size)
-    assert npz_module.expansion_budget(file_size) == inflated
+    monkeypatch.setattr(
+        npz_zipcheck, "BOMB_MIN_BYTES", inflated - npz_zipcheck.BOMB_RATIO * file_size
+    )
+    assert npz_zipcheck.expansion_budget(file_size) == inflated
     with npz_module.NpzReader(src) as reader:
         assert reader.infos[0].nbytes == inflated - 128
     monkeypatch.setattr(
-        npz_module, "BOMB_MIN_BYTES", inflated - npz_module.BOMB_RATIO * file_size - 1
+        npz_zipcheck, "BOMB_MIN_BYTES", inflated - npz_zipcheck.BOMB_RATIO * file_size - 1
     )
     with pytest.raises(InputError, match="zip bomb"):
         npz_module.NpzReader(src)
@@ -454,7 +459,7 @@ def test_fortran_members_read_in_c_order(
 ) -> None:
     """Both paths (in memory; memory-mapped, from the npz or an inflated temp file) give
     numpy's own values, in any chunk size."""
-    monkeypatch.setattr(npz_module, "FORTRAN_IN_MEMORY_BYTES", in_memory_limit)
+    monkeypatch.setattr(npz_reader, "FORTRAN_IN_MEMORY_BYTES", in_memory_limit)
     path = tmp_path / "f.npz"
     tensor = fortran_npz(path, shape, compress)
     with np.load(path) as loaded:
@@ -473,7 +478,7 @@ def test_fortran_members_read_in_c_order(
 def test_corrupt_stored_fortran_member_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(npz_module, "FORTRAN_IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(npz_reader, "FORTRAN_IN_MEMORY_BYTES", 0)
     path = tmp_path / "f.npz"
     fortran_npz(path, (64, 64), compress=False)
     data = bytearray(path.read_bytes())
@@ -515,8 +520,8 @@ def test_fortran_transpose_tiles(
 ) -> None:
     """Every tiling of the on-disk transpose (whole rows, partial tiles, batches of small
     matrices) gives numpy's C order."""
-    monkeypatch.setattr(npz_module, "FORTRAN_IN_MEMORY_BYTES", 0)
-    monkeypatch.setattr(npz_module, "FORTRAN_TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(npz_reader, "FORTRAN_IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(npz_fortran, "FORTRAN_TILE_BYTES", tile_bytes)
     path = tmp_path / "f.npz"
     tensor = fortran_npz(path, shape, compress=True)
     with npz_module.NpzReader(path) as reader:

@@ -1,0 +1,74 @@
+"""NpzWriter: tensors written as .npy members of a zip, as np.savez would."""
+
+from __future__ import annotations
+
+import contextlib
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from clipcli.dtypes import from_ml_dtypes
+from clipcli.formats.base import (
+    Checkpoint,
+    Reader,
+    TensorInfo,
+    Writer,
+    byte_view,
+)
+from clipcli.formats.npz.npyheader import _npy_header
+
+# The zip headers give a member name a 16-bit length; np.savez adds '.npy' to the key.
+ZIP_NAME_BYTES = 0xFFFF
+
+
+class NpzWriter(Writer):
+    format_name = "npz"
+
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+        super().__init__(path, checkpoint, durable)
+        compress = checkpoint.compressed
+        self._zip = zipfile.ZipFile(
+            path, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED, allowZip64=True
+        )
+
+    @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:
+        """npz holds tensors and nothing else: file metadata and any structure are lost."""
+        losses = super().structure_losses(source)
+        if source.metadata:
+            losses.append(f"file metadata ({len(source.metadata)} keys)")
+        return losses
+
+    @classmethod
+    def check_dtype(cls, info: TensorInfo) -> str | None:
+        if from_ml_dtypes(info.dtype):
+            return f"npz cannot hold {info.dtype.name}; write .safetensors instead"
+        return None
+
+    @classmethod
+    def check_name(cls, name: str) -> str | None:
+        parts = name.replace("\\", "/").split("/")
+        if name.startswith("/") or ".." in parts or name.endswith("/"):
+            return "a zip member must not escape the archive (absolute path or '..')"
+        problem = super().check_name(name)
+        if problem is None and len(f"{name}.npy".encode()) > ZIP_NAME_BYTES:
+            return (
+                f"a zip member name holds at most {ZIP_NAME_BYTES} bytes, and this one "
+                f"(with '.npy', as UTF-8) has {len(f'{name}.npy'.encode())}"
+            )
+        return problem
+
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        with self._zip.open(f"{info.name}.npy", "w", force_zip64=True) as member:
+            member.write(_npy_header(info))
+            for chunk in chunks:
+                member.write(byte_view(chunk, info.dtype))
+
+    def close(self) -> None:
+        self._zip.close()
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError, ValueError, zipfile.BadZipFile):
+            self._zip.close()
