@@ -178,10 +178,12 @@ def write_tensors(
     writer: Writer,
     chunks_of: Callable[[TensorInfo], Iterable[np.ndarray] | None],
     progress: Progress = SILENT,
+    chunk_elems: int | None = None,
 ) -> None:
     """The write loop, the one place tensors reach a writer: every tensor of the reader in
     order, as chunks_of gives it, or, where chunks_of gives None, copied as it is (a kernel
-    copy where the writer can). abort() on any failure, close() after the last tensor."""
+    copy where the writer can, else the reader's chunks of chunk_elems elements; the
+    reader's default when None). abort() on any failure, close() after the last tensor."""
     try:
         for info in reader.infos:
             interrupts.check()
@@ -190,7 +192,7 @@ def write_tensors(
                 if writer.copy_unchanged(reader, info):
                     progress.advance(info.nbytes)
                     continue
-                chunks = _counted(reader.chunks(info), progress)
+                chunks = _counted(reader.chunks(info, chunk_elems), progress)
             writer.write(info, chunks)
         interrupts.check()
         writer.close()

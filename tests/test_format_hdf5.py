@@ -488,11 +488,9 @@ class ListReader(Reader):
 
 
 def write_from(reader: Reader, out: Path) -> None:
+    """Every tensor copied as it is, through the engine's one write loop (chunks of 5)."""
     writer = Hdf5Writer(out, Checkpoint(list(reader.infos), dict(reader.metadata), reader))
-    for info in reader.infos:
-        if not writer.copy_unchanged(reader, info):
-            writer.write(info, reader.chunks(info, 5))
-    writer.close()
+    write_tensors(reader, writer, lambda _info: None, chunk_elems=5)
 
 
 def test_writes_a_non_hdf5_source_as_contiguous_datasets(tmp_path: Path) -> None:
@@ -791,9 +789,11 @@ def test_changed_metadata_is_written_over_the_copied_root_attributes(tmp_path: P
     with Hdf5Reader(src) as reader:
         metadata = dict(reader.metadata, keras_version="3.5.0", clipped_by="clipcli")
         writer = Hdf5Writer(out, Checkpoint(list(reader.infos), metadata, reader))
-        for info in reader.infos:
-            writer.write(info, (chunk.astype(np.float64) for chunk in reader.chunks(info)))
-        writer.close()
+        write_tensors(
+            reader,
+            writer,
+            lambda info: (chunk.astype(np.float64) for chunk in reader.chunks(info)),
+        )
     with h5py.File(out, "r") as f:
         assert f.attrs["keras_version"] == "3.5.0"
         assert f.attrs["clipped_by"] == "clipcli"

@@ -18,6 +18,7 @@ from hypothesis.extra import numpy as hnp
 from clipcli.errors import InputError
 from clipcli.formats.base import Checkpoint
 from clipcli.formats.npz import NpzReader, NpzWriter
+from clipcli.pipeline import write_tensors
 
 
 def sample_tensors() -> dict[str, np.ndarray]:
@@ -37,9 +38,7 @@ def sample_tensors() -> dict[str, np.ndarray]:
 def copy_through(src: Path, out: Path, chunk_elems: int | None = None) -> None:
     with NpzReader(src) as reader:
         writer = NpzWriter(out, Checkpoint(reader.infos, {}, reader))
-        for info in reader.infos:
-            writer.write(info, reader.chunks(info, chunk_elems))
-        writer.close()
+        write_tensors(reader, writer, lambda info: reader.chunks(info, chunk_elems))
 
 
 @pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
