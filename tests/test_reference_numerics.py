@@ -376,6 +376,14 @@ ROUNDINGS = dict.fromkeys(STORABLE, 2) | {"float64": 8, "complex128": 8}
 QUICK_NORM_DTYPES = ("float32", "float64", "bfloat16", "float16", "float8_e4m3fn")
 
 
+def _exact_product_down(average: float, n: int) -> float:
+    """C * n as the README defines the average limit: the exact product, rounded down to a
+    float (the float product may round up past it)."""
+    exact = Fraction(average) * n
+    value = float(exact)
+    return math.nextafter(value, 0.0) if Fraction(value) > exact else value
+
+
 @pytest.mark.parametrize(
     "name",
     [n if n in QUICK_NORM_DTYPES else pytest.param(n, marks=pytest.mark.slow) for n in NORM_DTYPES],
@@ -405,7 +413,7 @@ def test_norm_modes_against_reference(
                     limit,
                     ["--average", repr(average)],
                     mode,
-                    average * n if x.size else average,
+                    _exact_product_down(average, n) if x.size else average,
                 )
             else:
                 check_norm_clip(cli, tmp_path, x, limit, ["--global", repr(limit)], mode)
