@@ -467,11 +467,149 @@ def test_hostile_structure_edits_are_exit_3_and_write_nothing(
         str(bad),
         metadata={STRUCTURE_KEY: json.dumps(document)},
     )
+    # A path that is not a tree (dotdot, orphan) is malformed too: never a loss to accept.
     run = clipcli("convert", "--allow-lossy", bad, tmp_path / "o.h5")
-    if edit in ("dotdot_name", "orphan_path"):  # no longer fits: a plain file, said so
-        assert run.returncode == 0, run.stderr
-        assert "dropped" in run.stderr, run.stderr
-        return
     assert run.returncode == 3, run.stderr
     assert "malformed" in run.stderr
+    assert not (tmp_path / "o.h5").exists()
+
+
+def _edited_record(
+    tmp_path: Path, clipcli: Cli, edit: Callable[[list[dict[str, Any]]], None]
+) -> Path:
+    """A safetensors file converted from a small HDF5 file (a chunked gzip tensor, a
+    vocabulary, an empty group), its structure record then edited."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tmp_path / "src.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("g/w", data=np.ones((4, 4), np.float32), chunks=(2, 2), compression="gzip")
+        f.create_dataset("vocab", data=["a", "b"], dtype=h5py.string_dtype())
+        f.create_group("empty")
+        f.attrs["n"] = np.int32(5)
+    mid = tmp_path / "mid.safetensors"
+    assert clipcli("convert", src, mid).returncode == 0
+    with safe_open(str(mid), "np") as handle:
+        metadata = dict(handle.metadata())
+    document = json.loads(metadata[STRUCTURE_KEY])
+    edit(document["nodes"])
+    bad = tmp_path / "bad.safetensors"
+    save_file(
+        load_file(str(mid)), str(bad), metadata={**metadata, STRUCTURE_KEY: json.dumps(document)}
+    )
+    return bad
+
+
+def _node(nodes: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    return next(node for node in nodes if node["path"] == path)
+
+
+def _set(path: str, **fields: Any) -> Callable[[list[dict[str, Any]]], None]:
+    return lambda nodes: _node(nodes, path).update(fields)
+
+
+def _move(path: str, new: str) -> Callable[[list[dict[str, Any]]], None]:
+    return lambda nodes: _node(nodes, path).update(path=new)
+
+
+def _add_group(path: str, at: int | None = None) -> Callable[[list[dict[str, Any]]], None]:
+    def edit(nodes: list[dict[str, Any]]) -> None:
+        group = {"path": path, "kind": "group", "cset": 0, "links": 0, "attr_order": 0, "attrs": []}
+        nodes.insert(len(nodes) if at is None else at, group)
+
+    return edit
+
+
+def _root_attribute(**fields: Any) -> Callable[[list[dict[str, Any]]], None]:
+    def edit(nodes: list[dict[str, Any]]) -> None:
+        attr = {
+            "name": "x",
+            "type": {"class": "int", "size": 4, "order": "<", "signed": True},
+            "space": {"class": "scalar"},
+            "data": {"raw": "BQAAAA=="},
+        }
+        nodes[0]["attrs"].append({**attr, **fields})
+
+    return edit
+
+
+_ENUM = {
+    "class": "enum",
+    "base": {"class": "int", "size": 1, "order": "<", "signed": True},
+    "members": [["A", 0], ["B", 100000]],
+}
+
+HOSTILE_RECORDS: dict[str, Callable[[list[dict[str, Any]]], None]] = {
+    # F9: once exit 70 (the library failed, and closing the file masked it)
+    "vlen_string_with_nul": _set("/vocab", data={"strings": ["a\x00b", "b"]}),
+    "nul_in_path": _move("/empty", "/a\x00b"),
+    "szip_filter": _set("/g/w", filters=[[4, 1, [4, 32]]]),
+    "100_gzip_filters": _set("/g/w", filters=[[1, 1, [1]]] * 100),
+    "chunks_larger_than_dataset": _set("/g/w", chunks=[8192, 8192]),
+    "contiguous_with_chunks_and_filters": _set("/g/w", layout="contiguous"),
+    # F10: once written with exit 0, not as recorded
+    "nontensor_without_values": _set(
+        "/vocab", space={"class": "simple", "shape": [10**12], "maxshape": [10**12]}, data=None
+    ),
+    "attribute_name_with_nul": _root_attribute(name="a\x00b"),
+    "enum_value_out_of_range": _root_attribute(type=_ENUM, data={"raw": "AA=="}),
+    "gzip_level_100": _set("/g/w", filters=[[1, 1, [100]]]),
+    "track_times_yes": _set("/g/w", track_times="yes"),
+    "chunk_bool": _set("/g/w", chunks=[True, 2]),
+    "fill_time_bool": _set("/g/w", fill_time=True),
+    # F11: once exit 2 ("cannot hold ... pass --allow-lossy")
+    "dotdot": _move("/empty", "/../x"),
+    "double_slash": _add_group("/empty//b"),
+    "relative": _move("/empty", "rel"),
+    "dot": _add_group("/empty/./b"),
+    "no_root": lambda nodes: nodes.__delitem__(0),
+    "parent_after_child": _add_group("/later/child", at=1),
+    "group_under_tensor": _add_group("/g/w/sub"),
+    "listed_twice": _add_group("/empty"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(HOSTILE_RECORDS))
+def test_malformed_or_lying_record_is_exit_3_one_line_nothing_written(
+    clipcli: Cli, tmp_path: Path, edit: str
+) -> None:
+    """A record that cannot be written as it says is malformed: exit 3, one line, no
+    output, with or without --allow-lossy, never exit 70 (a library failure masked by
+    the failing close) and never exit 0 with something else written."""
+    bad = _edited_record(tmp_path, clipcli, HOSTILE_RECORDS[edit])
+    for flags in ([], ["--allow-lossy"]):
+        out = tmp_path / "o.h5"
+        run = clipcli("convert", *flags, bad, out)
+        assert run.returncode == 3, (edit, run.stderr)
+        assert "malformed" in run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+        assert not out.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "bad.safetensors",
+            "mid.safetensors",
+            "src.h5",
+        ]
+
+
+def test_a_failing_close_never_masks_the_first_error(
+    clipcli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the library says while rebuilding a record is reported (exit 3, one line,
+    nothing written), even when closing the half-made file then fails too."""
+    import clipcli.formats.hdf5.writer as writer_module
+
+    bad = _edited_record(tmp_path, clipcli, lambda _nodes: None)
+
+    def failing_create(_file: Any, _ready: Any) -> None:
+        raise RuntimeError("the library refused the first object")
+
+    # After the failure the writer points the library's descriptor at /dev/null, so the
+    # close that follows fails too ("Can't decrement id ref count ... errno = 22").
+    monkeypatch.setattr(writer_module, "create_nodes", failing_create)
+    run = clipcli("convert", bad, tmp_path / "o.h5")
+    monkeypatch.undo()
+    assert run.returncode == 3, run.stderr
+    assert "the library refused the first object" in run.stderr
+    assert "decrement" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert not (tmp_path / "o.h5").exists()
