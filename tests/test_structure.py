@@ -613,3 +613,64 @@ def test_a_failing_close_never_masks_the_first_error(
     assert "decrement" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert not (tmp_path / "o.h5").exists()
+
+
+def test_root_attribute_named_like_the_record_is_escaped_never_the_record(
+    clipcli: Cli, tmp_path: Path
+) -> None:
+    """F6: a root attribute named STRUCTURE_KEY is an attribute like others: the record
+    under that key is always clipcli's own (the attribute cannot replace or forge it), the
+    attribute travels inside it and comes back; a format that drops it names it."""
+    forged = {
+        "format": "clipcli.hdf5_structure",
+        "version": 1,
+        "nodes": [
+            {"path": "/", "kind": "group", "cset": 0, "links": 0, "attr_order": 0, "attrs": []},
+            {
+                "path": "/injected",
+                "kind": "group",
+                "cset": 0,
+                "links": 0,
+                "attr_order": 0,
+                "attrs": [],
+            },
+        ],
+    }
+    for value in ("hello", json.dumps(forged)):
+        src = tmp_path / "src.h5"
+        with h5py.File(src, "w") as f:
+            f["w"] = np.ones(3, np.float32)
+            f.attrs[STRUCTURE_KEY] = value
+            f.attrs["other"] = "x"
+        mid, back = round_trip(clipcli, tmp_path, src)
+        with safe_open(str(mid), "np") as handle:
+            metadata = handle.metadata()
+        record = json.loads(metadata[STRUCTURE_KEY])
+        assert [node["path"] for node in record["nodes"]] == ["/", "/w"]
+        assert [a["name"] for a in record["nodes"][0]["attrs"]] == [STRUCTURE_KEY, "other"]
+        with h5py.File(back, "r") as f:
+            assert dict(f.attrs) == {STRUCTURE_KEY: value, "other": "x"}
+            assert list(f) == ["w"]
+        refused = clipcli("convert", src, tmp_path / "o.npz")
+        assert refused.returncode == 2, refused.stderr
+        assert f"root attribute {STRUCTURE_KEY!r}" in refused.stderr
+        for path in (src, mid, back):
+            path.unlink()
+
+
+def test_invalid_record_key_is_exit_3_only_for_hdf5(clipcli: Cli, tmp_path: Path) -> None:
+    """A safetensors key STRUCTURE_KEY that is no record is metadata to every other format."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "s.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, str(src), metadata={STRUCTURE_KEY: "garbage"})
+    assert clipcli("ls", src).returncode == 0
+    assert clipcli("norms", src).returncode == 0
+    assert clipcli("convert", src, tmp_path / "c.safetensors").returncode == 0
+    assert clipcli("convert", src, f"{tmp_path / 'dir'}/").returncode == 0
+    npz = clipcli("convert", src, tmp_path / "o.npz")
+    assert npz.returncode == 2, npz.stderr
+    assert "file metadata" in npz.stderr
+    hdf5 = clipcli("convert", src, tmp_path / "o.h5")
+    assert hdf5.returncode == 3, hdf5.stderr
+    assert "malformed" in hdf5.stderr

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 
+from clipcli.errors import InputError
 from clipcli.formats.structure import Structure
 
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
@@ -269,9 +270,18 @@ class Writer(ABC):
         accepts the loss). By default a format keeps no structure: everything beyond the
         tensors and file metadata that the source holds is lost."""
         structure = source.structure()
-        # Root string attributes travel as file metadata, which the writer keeps or
-        # reports on its own (check_metadata, npz's own losses).
-        if structure is None or structure.is_trivial(root_attributes_ok=source.metadata):
+        if structure is None:
+            return []
+        try:
+            # Root string attributes travel as file metadata, which the writer keeps or
+            # reports on its own (check_metadata, npz's own losses).
+            if structure.is_trivial(root_attributes_ok=source.metadata):
+                return []
+        except InputError:
+            if structure.origin is not None:
+                raise
+            # A record in another format's metadata that is not a valid one: only the
+            # HDF5 writer reads it (and refuses it); here it is a metadata key like others.
             return []
         return [f"the HDF5 structure ({structure.summary()})"]
 

@@ -86,6 +86,9 @@ class Structure:
         groups = sum(node["kind"] == "group" and node["path"] != "/" for node in nodes)
         others = [n["path"][1:] for n in nodes if n["kind"] == "dataset" and not n["tensor"]]
         parts = [f"{attributes} attributes", f"{groups} groups"]
+        root = nodes[0].get("attrs", []) if nodes else []
+        if any(attr.get("name") == STRUCTURE_KEY for attr in root):
+            parts[0] += f" (root attribute {STRUCTURE_KEY!r} among them)"
         if others:
             parts.append(f"{len(others)} non-tensor datasets ({_names(others)})")
         return ", ".join(parts)
