@@ -674,3 +674,42 @@ def test_invalid_record_key_is_exit_3_only_for_hdf5(clipcli: Cli, tmp_path: Path
     hdf5 = clipcli("convert", src, tmp_path / "o.h5")
     assert hdf5.returncode == 3, hdf5.stderr
     assert "malformed" in hdf5.stderr
+
+
+def test_edited_metadata_wins_over_the_recorded_root_attributes(
+    clipcli: Cli, tmp_path: Path
+) -> None:
+    """F3: with a structure record, what __metadata__ shows is what HDF5 gets: an edited
+    key is written with its new value, a deleted key is not restored, an added key is
+    added; untouched keys keep their exact recorded type (Keras' fixed-length bytes)."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tmp_path / "src.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(3, np.float32)
+        f["w"].attrs["unit"] = "m"
+        f.attrs["backend"] = np.bytes_(b"tensorflow")
+        f.attrs["keras_version"] = np.bytes_(b"2.13.1")
+        f.attrs["kept"] = np.bytes_(b"same")
+        f.attrs["n"] = np.int32(3)
+    mid = tmp_path / "mid.safetensors"
+    assert clipcli("convert", src, mid).returncode == 0
+    with safe_open(str(mid), "np") as handle:
+        metadata = dict(handle.metadata())
+    assert metadata["backend"] == "tensorflow"
+    metadata["backend"] = "jax"
+    del metadata["keras_version"]
+    metadata["added"] = "new"
+    edited = tmp_path / "edited.safetensors"
+    save_file(load_file(str(mid)), str(edited), metadata=metadata)
+    back = tmp_path / "back.h5"
+    run = clipcli("convert", edited, back)
+    assert run.returncode == 0, run.stderr
+    with h5py.File(back, "r") as f:
+        assert sorted(f.attrs) == ["added", "backend", "kept", "n"]
+        assert f.attrs["backend"] == "jax"
+        assert f.attrs.get_id("kept").dtype == np.dtype("S4")  # untouched: exact type
+        assert f.attrs["kept"] == b"same"
+        assert int(f.attrs["n"]) == 3
+        assert f.attrs["added"] == "new"
+        assert f["w"].attrs["unit"] == "m"

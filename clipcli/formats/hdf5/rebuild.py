@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -389,3 +389,54 @@ def _write_values(dataset_id: Any, data: ReadyAttribute) -> None:
     shape = values.shape[:-1] if data.raw else values.shape
     memory_space = h5s.create_simple(shape) if shape else h5s.create(h5s.SCALAR)
     dataset_id.write(memory_space, dataset_id.get_space(), values, data.memory_type)
+
+
+_PLAIN_STRING: Json = {"class": "string", "size": None, "cset": 1, "pad": 0}
+
+
+def follow_metadata(
+    root: ReadyNode, recorded: Sequence[Json], metadata: Mapping[str, str], reserved: str
+) -> None:
+    """What the user sees in __metadata__ wins over the record: a root string attribute
+    whose metadata key was edited is written with the edited value (as a plain UTF-8
+    string), one whose key was deleted is not restored; unchanged ones keep their exact
+    recorded type. (The record's own key, `reserved`, is no attribute's metadata.)"""
+    kept: list[ReadyAttribute] = []
+    for ready, attr in zip(root.attributes, recorded, strict=True):
+        name = attr["name"]
+        text = _recorded_text(attr)
+        if text is None or name == reserved:
+            kept.append(ready)
+        elif name not in metadata:
+            continue  # deleted from __metadata__: not restored
+        elif metadata[name] == text:
+            kept.append(ready)
+        else:
+            kept.append(
+                _values(
+                    _PLAIN_STRING,
+                    {"class": "scalar"},
+                    {"strings": [metadata[name]]},
+                    name.encode("utf-8"),
+                )
+            )
+    root.attributes = kept
+
+
+def _recorded_text(attr: Json) -> str | None:
+    """The metadata value a root attribute shows as (a scalar string that is UTF-8 text),
+    as the HDF5 reader reads it; None for an attribute that is not metadata."""
+    desc, data = attr.get("type"), attr.get("data")
+    if not isinstance(desc, dict) or desc.get("class") != "string":
+        return None
+    if attr.get("space") != {"class": "scalar"} or not isinstance(data, dict):
+        return None
+    if desc.get("size") is None:
+        strings = data.get("strings")
+        return strings[0] if isinstance(strings, list) and isinstance(strings[0], str) else None
+    raw = base64.b64decode(data.get("raw", ""), validate=True)
+    end = raw.find(b"\x00")
+    try:
+        return (raw if end < 0 else raw[:end]).decode("utf-8")
+    except UnicodeDecodeError:
+        return None

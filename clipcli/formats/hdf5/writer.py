@@ -33,7 +33,7 @@ from clipcli.formats.hdf5.library import (
     reason,
 )
 from clipcli.formats.hdf5.reader import Hdf5Reader
-from clipcli.formats.hdf5.rebuild import ReadyNode, create_nodes, prepare
+from clipcli.formats.hdf5.rebuild import ReadyNode, create_nodes, follow_metadata, prepare
 from clipcli.formats.hdf5.replica import Replica, split_path
 from clipcli.formats.structure import STRUCTURE_KEY
 
@@ -86,6 +86,9 @@ class Hdf5Writer(Writer):
         if self._source is None and structure is not None and checkpoint.source is not None:
             ready = prepare(structure, checkpoint.infos, checkpoint.source.path)
             self._rebuild = ready if isinstance(ready, list) else None
+            if self._rebuild is not None:
+                recorded = structure.nodes[0].get("attrs") or []
+                follow_metadata(self._rebuild[0], recorded, checkpoint.metadata, STRUCTURE_KEY)
         self._written: set[str] = set()
         self.file: Any = self._create_file()
         try:
