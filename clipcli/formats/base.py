@@ -166,6 +166,12 @@ class Reader(ABC):
         """Every file this reader takes data from (checked for changes during a clip)."""
         return [self.path]
 
+    def archive_members(self) -> dict[str, str]:
+        """Members of a container that only a writer of the same format keeps (a .keras
+        archive's config.json, metadata.json, assets), each with a summary of its content
+        (size and CRC) for `diff`; empty for formats that are one file of tensors."""
+        return {}
+
     def structure(self) -> Structure | None:
         """The file's structure beyond its tensors (HDF5 groups, attributes, non-tensor
         datasets), carried through conversions; None when the format has none."""
@@ -353,3 +359,16 @@ def utf8_encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def archive_losses(source: Reader, writer_format: str) -> list[str]:
+    """The source container's other members, lost in any other format than its own."""
+    members = list(source.archive_members())
+    if not members or writer_format == source.format_name:
+        return []
+    shown = ", ".join(repr(name) for name in members[:5])
+    more = f" and {len(members) - 5} more" if len(members) > 5 else ""
+    return [
+        f"the {source.format_name} archive's other members ({shown}{more}); "
+        f"only a .{source.format_name} OUT keeps them"
+    ]

@@ -5,7 +5,9 @@ Each change is (key, value in A, value in B), None marking a side without it:
   structure is compared object by object instead);
 - `group /path`, for a group on one side only (an empty group lost in a conversion);
 - `/path @name`, an attribute of a group or dataset, with its exact HDF5 type and value;
-- `dataset /path`, a non-tensor dataset (its type, shape and values).
+- `dataset /path`, a non-tensor dataset (its type, shape and values);
+- `archive member NAME`, a .keras archive's other member (size and CRC32), so that
+  .keras -> .h5 shows what the archive held beyond its weights.
 A file without a recorded structure (npz, plain safetensors) counts as the groups its
 tensor names imply, with no attributes, so HDF5 -> npz reports every attribute it lost.
 Tensor datasets are compared by the tensor diff itself; their storage settings (chunks,
@@ -32,7 +34,13 @@ def file_changes(a: Reader, b: Reader) -> list[Change]:
     meta_a = {k: v for k, v in a.metadata.items() if k != STRUCTURE_KEY}
     meta_b = {k: v for k, v in b.metadata.items() if k != STRUCTURE_KEY}
     plain = _changes({k: (v, v) for k, v in meta_a.items()}, {k: (v, v) for k, v in meta_b.items()})
-    return plain + _changes(_entries(a), _entries(b))
+    members = _changes(_members(a), _members(b))
+    return plain + _changes(_entries(a), _entries(b)) + members
+
+
+def _members(reader: Reader) -> dict[str, Entry]:
+    """A container's members beyond the tensors (.keras: config.json, assets)."""
+    return {f"archive member {name}": (v, v) for name, v in reader.archive_members().items()}
 
 
 Entry = tuple[str, str]  # (exact JSON, for comparing; readable text, for showing)

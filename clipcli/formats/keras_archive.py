@@ -130,6 +130,15 @@ class KerasArchiveReader(Reader):
     def structure(self) -> Structure | None:
         return self._weights().structure()
 
+    def archive_members(self) -> dict[str, str]:
+        return {
+            entry.filename: (
+                "directory" if entry.is_dir() else f"{entry.file_size} bytes, CRC32 {entry.CRC:08x}"
+            )
+            for entry in self.members
+            if entry.filename != WEIGHTS_MEMBER
+        }
+
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         return self._weights().chunks(info, chunk_elems)
 
