@@ -227,3 +227,27 @@ def test_keras_to_another_format_names_the_members_it_drops(
     diff = json.loads(clipcli("diff", "--format", "json", src, out).stdout)
     assert diff["identical"] is False
     assert "archive member config.json" in json.dumps(diff)
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [(0o120777, "symbolic link"), (0o010644, "FIFO"), (0o020644, "character device")],
+)
+def test_a_member_that_is_a_link_or_device_is_refused(
+    clipcli: Cli, tmp_path: Path, mode: int, kind: str
+) -> None:
+    """F12: a member whose Unix mode makes it a symbolic link (or a device, a FIFO) is an
+    unsafe member like one whose name escapes: exit 3, before anything is read or copied."""
+    path = tmp_path / "m.keras"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("config.json", b"{}")
+        archive.writestr("model.weights.h5", _weights_bytes(tmp_path))
+        link = zipfile.ZipInfo("assets/evil")
+        link.create_system = 3
+        link.external_attr = mode << 16
+        archive.writestr(link, b"/etc/passwd")
+    for args in (["norms", path], ["clip", "--global", "1", path, tmp_path / "o.keras"]):
+        run = clipcli(*args)
+        assert run.returncode == 3, run.stderr
+        assert f"'assets/evil' is a {kind}" in run.stderr
+    assert not (tmp_path / "o.keras").exists()
