@@ -199,6 +199,7 @@ def clip(
         writer_cls = check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
+        losses += [] if target.is_directory else reader.join_losses()
         check_losses(losses, allow_lossy, notify, target.out)
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
@@ -289,6 +290,7 @@ def convert(
         writer_cls = check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
+        losses += [] if target.is_directory else reader.join_losses()
         check_losses(losses, allow_lossy, notify, target.out)
         copying = copy_plan(reader.infos)
         _write_out(

@@ -713,3 +713,44 @@ def test_edited_metadata_wins_over_the_recorded_root_attributes(
         assert int(f.attrs["n"]) == 3
         assert f.attrs["added"] == "new"
         assert f["w"].attrs["unit"] == "m"
+
+
+def test_a_model_directory_joined_into_one_file_names_the_metadata_it_drops(
+    clipcli: Cli, tmp_path: Path
+) -> None:
+    """F4: the index's metadata (but total_size) and the shard __metadata__ not every shard
+    shares cannot go into one file: a loss (exit 2 naming the keys) unless --allow-lossy;
+    into a directory nothing is lost."""
+    from safetensors.numpy import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file(
+        {"a": np.ones(4, np.float32)},
+        str(model / "s1.safetensors"),
+        {"format": "pt", "note": "one"},
+    )
+    save_file(
+        {"b": np.ones(4, np.float32)},
+        str(model / "s2.safetensors"),
+        {"format": "pt", "note": "two", "only2": "x"},
+    )
+    index = {
+        "metadata": {"total_size": 32, "custom": "keep"},
+        "weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"},
+    }
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    for suffix in (".safetensors", ".h5"):
+        out = tmp_path / f"one{suffix}"
+        for command in (["convert"], ["clip", "--global", "1"]):
+            refused = clipcli(*command, model, out)
+            assert refused.returncode == 2, refused.stderr
+            for key in ("'custom'", "'note'", "'only2'"):
+                assert key in refused.stderr
+            assert "'total_size'" not in refused.stderr
+            assert "'format'" not in refused.stderr
+            assert not out.exists()
+        lossy = clipcli("convert", "--allow-lossy", model, out)
+        assert lossy.returncode == 0, lossy.stderr
+        assert "'custom'" in lossy.stderr
+    assert clipcli("convert", model, f"{tmp_path / 'copy'}/").returncode == 0

@@ -203,6 +203,11 @@ class Reader(ABC):
         keep their own metadata, not the index's)."""
         return dict(self.metadata)
 
+    def join_losses(self) -> list[str]:
+        """What joining into one file drops of the metadata (a model directory's index
+        metadata and the __metadata__ its shards do not share); empty for a file."""
+        return []
+
     def directory_layout(self) -> DirectoryLayout | None:
         """The model directory's layout, for an output directory like it; None for a file."""
         return None
