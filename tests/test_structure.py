@@ -754,3 +754,39 @@ def test_a_model_directory_joined_into_one_file_names_the_metadata_it_drops(
         assert lossy.returncode == 0, lossy.stderr
         assert "'custom'" in lossy.stderr
     assert clipcli("convert", model, f"{tmp_path / 'copy'}/").returncode == 0
+
+
+def test_storage_settings_are_structure_for_npz_and_diff(clipcli: Cli, tmp_path: Path) -> None:
+    """F7: chunks, filters, maximum shape and fill value are structure: HDF5 -> npz refuses
+    to drop them without --allow-lossy (as any other structure), and `diff` reports them;
+    a plain HDF5 file converts with no flag and diffs identical."""
+    src = tmp_path / "comp.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset(
+            "w",
+            data=np.ones((16, 8), np.float32),
+            chunks=(8, 8),
+            compression="gzip",
+            maxshape=(None, 8),
+            fillvalue=7.0,
+        )
+    out = tmp_path / "o.npz"
+    refused = clipcli("convert", src, out)
+    assert refused.returncode == 2, refused.stderr
+    assert "storage settings" in refused.stderr
+    assert "chunks [8, 8]" in refused.stderr
+    assert not out.exists()
+    lossy = clipcli("convert", "--allow-lossy", src, out)
+    assert lossy.returncode == 0, lossy.stderr
+    assert "storage settings" in lossy.stderr
+    diff = json.loads(clipcli("diff", "--format", "json", src, out).stdout)
+    assert diff["identical"] is False
+    assert "storage /w" in json.dumps(diff)
+
+    plain = tmp_path / "plain.h5"
+    with h5py.File(plain, "w") as f:
+        f["w"] = np.ones((16, 8), np.float32)
+    run = clipcli("convert", plain, tmp_path / "p.npz")
+    assert run.returncode == 0, run.stderr
+    same = json.loads(clipcli("diff", "--format", "json", plain, tmp_path / "p.npz").stdout)
+    assert same["identical"] is True

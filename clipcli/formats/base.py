@@ -286,15 +286,20 @@ class Writer(ABC):
         try:
             # Root string attributes travel as file metadata, which the writer keeps or
             # reports on its own (check_metadata, npz's own losses).
-            if structure.is_trivial(root_attributes_ok=source.metadata):
-                return []
+            trivial = structure.is_trivial(root_attributes_ok=source.metadata)
+            storage = structure.storage_settings()
         except InputError:
             if structure.origin is not None:
                 raise
             # A record in another format's metadata that is not a valid one: only the
             # HDF5 writer reads it (and refuses it); here it is a metadata key like others.
             return []
-        return [f"the HDF5 structure ({structure.summary()})"]
+        losses = [] if trivial else [f"the HDF5 structure ({structure.summary()})"]
+        if storage:
+            shown = "; ".join(f"{path!r}: {text}" for path, text in list(storage.items())[:3])
+            more = f"; and {len(storage) - 3} more" if len(storage) > 3 else ""
+            losses.append(f"the storage settings of {len(storage)} datasets ({shown}{more})")
+        return losses
 
     @abstractmethod
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:

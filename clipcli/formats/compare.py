@@ -11,7 +11,8 @@ Each change is (key, value in A, value in B), None marking a side without it:
 A file without a recorded structure (npz, plain safetensors) counts as the groups its
 tensor names imply, with no attributes, so HDF5 -> npz reports every attribute it lost.
 Tensor datasets are compared by the tensor diff itself; their storage settings (chunks,
-compression) are not content and are not compared.
+filters, maximum shape, fill value) are structure: `storage /path` when not those of a
+plain file, so HDF5 -> npz reports the chunking and compression it lost.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from clipcli.formats.base import Reader
-from clipcli.formats.structure import STRUCTURE_KEY, Structure
+from clipcli.formats.structure import STRUCTURE_KEY, Structure, storage_of
 
 Change = tuple[str, str | None, str | None]
 
@@ -72,6 +73,10 @@ def _entries(reader: Reader) -> dict[str, Entry]:
             entries[f"dataset {path}"] = _value(node["type"], node["space"], node.get("data"))
         elif node["kind"] == "datatype":
             entries[f"datatype {path}"] = (_text(node["type"]), _type_name(node["type"]))
+        if node["kind"] == "dataset":
+            storage = storage_of(node)
+            if storage:
+                entries[f"storage {path}"] = (storage, storage)
         for attr in node.get("attrs", ()):
             entries[f"{path} @{attr['name']}"] = _value(attr["type"], attr["space"], attr["data"])
     for dropped in structure.dropped:
