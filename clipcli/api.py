@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING
 from clipcli import interrupts, pipeline, scope
 from clipcli.errors import UsageError
 from clipcli.footprint import InputFootprint
-from clipcli.formats.base import Checkpoint, NonTensorInfo, Reader, TensorInfo, Writer
+from clipcli.formats.base import (
+    Checkpoint,
+    NonTensorInfo,
+    Reader,
+    TensorInfo,
+    Writer,
+    archive_losses,
+)
 from clipcli.formats.structure import check_losses
 from clipcli.identity import InputGuard
 from clipcli.io import open_reader, writer_class
@@ -190,7 +197,10 @@ def clip(
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
-        check_losses(writer_cls.structure_losses(reader), allow_lossy, notify, target.out)
+        losses = writer_cls.structure_losses(reader)
+        losses += archive_losses(reader, writer_cls.format_name)
+        losses += [] if target.is_directory else reader.join_losses()
+        check_losses(losses, allow_lossy, notify, target.out)
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
             # What the real run would refuse about OUT, refused here too; nothing is staged.
@@ -280,7 +290,10 @@ def convert(
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
-        check_losses(writer_cls.structure_losses(reader), allow_lossy, notify, target.out)
+        losses = writer_cls.structure_losses(reader)
+        losses += archive_losses(reader, writer_cls.format_name)
+        losses += [] if target.is_directory else reader.join_losses()
+        check_losses(losses, allow_lossy, notify, target.out)
         copying = copy_plan(reader.infos)
         _write_out(
             reader,

@@ -21,12 +21,13 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from clipcli.errors import UsageError, WriteError
+from clipcli.errors import ClipcliError, UsageError, WriteError
 from clipcli.footprint import InputFootprint
 from clipcli.formats.safetensors import SafetensorsStreamWriter
 from clipcli.output import Refused, Target
 
 STDOUT = "-"
+_NOTHING_WRITTEN = "no output written"
 
 
 class StdoutTarget(Target):
@@ -60,7 +61,18 @@ class StdoutTarget(Target):
     def stage(self) -> Iterator[Path]:
         """The writer writes straight to standard output; there is nothing to commit."""
         sys.stdout.flush()  # nothing of ours may follow the binary data out of order
-        yield Path(STDOUT)
+        try:
+            yield Path(STDOUT)
+        except ClipcliError as exc:
+            # "no output written" is true of a staged file, not of a stream: say what went.
+            sent = SafetensorsStreamWriter.bytes_sent()
+            text = str(exc)
+            if sent and text.endswith(_NOTHING_WRITTEN):
+                exc.args = (
+                    text[: -len(_NOTHING_WRITTEN)]
+                    + f"the stream on standard output was cut short after {sent} bytes",
+                )
+            raise
 
 
 def _stdout_fd() -> int:

@@ -101,8 +101,8 @@ def test_keras_converts_to_h5_and_safetensors_but_not_back_from_them(
 ) -> None:
     src = tmp_path / "m.keras"
     keras_archive(src)
-    assert clipcli("convert", src, tmp_path / "w.h5").returncode == 0
-    assert clipcli("convert", src, tmp_path / "w.safetensors").returncode == 0
+    assert clipcli("convert", "--allow-lossy", src, tmp_path / "w.h5").returncode == 0
+    assert clipcli("convert", "--allow-lossy", src, tmp_path / "w.safetensors").returncode == 0
     refused = clipcli("convert", tmp_path / "w.h5", tmp_path / "x.keras")
     assert refused.returncode == 2
     assert ".keras IN only" in refused.stderr
@@ -199,3 +199,55 @@ def test_member_count_exactly_at_the_limit(
     run = clipcli("ls", path)
     assert run.returncode == 3
     assert "over 3" in run.stderr
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".safetensors", ".npz"])
+def test_keras_to_another_format_names_the_members_it_drops(
+    clipcli: Cli, tmp_path: Path, suffix: str
+) -> None:
+    """F5: config.json, metadata.json and assets/ live only in the archive: another format
+    drops them, so that is a loss (exit 2, naming them) unless --allow-lossy (then one
+    warning line naming them); `diff` reports them as a difference."""
+    src = tmp_path / "m.keras"
+    keras_archive(src)
+    out = tmp_path / f"w{suffix}"
+    refused = clipcli("convert", src, out)
+    assert refused.returncode == 2, refused.stderr
+    for name in ("config.json", "metadata.json", "assets/vocab.txt"):
+        assert repr(name) in refused.stderr
+    assert "--allow-lossy" in refused.stderr
+    assert not out.exists()
+    clipped = clipcli("clip", "--global", "1", src, tmp_path / f"c{suffix}")
+    assert clipped.returncode == 2, clipped.stderr
+    lossy = clipcli("convert", "--allow-lossy", src, out)
+    assert lossy.returncode == 0, lossy.stderr
+    warnings = [line for line in lossy.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1, lossy.stderr
+    assert "'config.json'" in warnings[0]
+    diff = json.loads(clipcli("diff", "--format", "json", src, out).stdout)
+    assert diff["identical"] is False
+    assert "archive member config.json" in json.dumps(diff)
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [(0o120777, "symbolic link"), (0o010644, "FIFO"), (0o020644, "character device")],
+)
+def test_a_member_that_is_a_link_or_device_is_refused(
+    clipcli: Cli, tmp_path: Path, mode: int, kind: str
+) -> None:
+    """F12: a member whose Unix mode makes it a symbolic link (or a device, a FIFO) is an
+    unsafe member like one whose name escapes: exit 3, before anything is read or copied."""
+    path = tmp_path / "m.keras"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("config.json", b"{}")
+        archive.writestr("model.weights.h5", _weights_bytes(tmp_path))
+        link = zipfile.ZipInfo("assets/evil")
+        link.create_system = 3
+        link.external_attr = mode << 16
+        archive.writestr(link, b"/etc/passwd")
+    for args in (["norms", path], ["clip", "--global", "1", path, tmp_path / "o.keras"]):
+        run = clipcli(*args)
+        assert run.returncode == 3, run.stderr
+        assert f"'assets/evil' is a {kind}" in run.stderr
+    assert not (tmp_path / "o.keras").exists()

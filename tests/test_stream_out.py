@@ -98,3 +98,69 @@ def test_stdout_that_is_the_input_is_refused(model: Path) -> None:
     assert run.returncode == 2
     assert b"input" in run.stderr
     assert model.read_bytes() == before
+
+
+@pytest.fixture
+def big_model(tmp_path: Path) -> Path:
+    """4 MiB of float32: far more than a pipe holds, so the writer meets a closed pipe."""
+    path = tmp_path / "big.safetensors"
+    save_file(
+        {"w": np.random.default_rng(1).normal(size=(1024, 1024)).astype(np.float32)}, str(path)
+    )
+    return path
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_write_error_on_the_stream_is_exit_5_one_line(big_model: Path) -> None:
+    """F13: standard output that fails (a full disk) is exit 5 (write failed), not 70."""
+    with open("/dev/full", "wb") as full:
+        run = clipcli("clip", "-q", "--global", "5", big_model, "-", stdout=full.fileno())
+    assert run.returncode == 5, run.stderr
+    lines = run.stderr.decode().strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "No space left on device" in lines[0]
+    assert "cut short" in lines[0]
+
+
+def test_a_reader_that_goes_away_mid_stream_is_never_exit_0(big_model: Path) -> None:
+    """F14: `clip ... - | head -c 100`: the clipped file is cut short, so the run fails
+    (exit 5, "standard output closed after N bytes"), unlike a report to a closed pipe."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "clipcli", "clip", "-q", "--global", "5", str(big_model), "-"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    assert len(process.stdout.read(100)) == 100
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    process.stderr.close()
+    assert process.wait(timeout=120) == 5, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "standard output closed after" in lines[0]
+
+
+def test_input_changed_mid_stream_does_not_claim_nothing_was_written(tmp_path: Path) -> None:
+    """F14: "no output written" is said of a staged file; on a stream that already carried
+    bytes, the message says the stream was cut short after them."""
+    from clipcli.errors import InputError
+    from clipcli.formats.safetensors import SafetensorsStreamWriter
+    from clipcli.stream_target import StdoutTarget
+
+    class Sent:
+        sent = 4096
+
+    saved = SafetensorsStreamWriter.stream
+    SafetensorsStreamWriter.stream = Sent()  # type: ignore[assignment]
+    try:
+        with pytest.raises(InputError) as caught, StdoutTarget(force=False, durable=False).stage():
+            raise InputError(
+                tmp_path / "in.safetensors", "changed while it was being read; no output written"
+            )
+    finally:
+        SafetensorsStreamWriter.stream = saved
+    message = str(caught.value)
+    assert "no output written" not in message
+    assert "cut short after 4096 bytes" in message

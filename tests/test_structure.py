@@ -467,11 +467,326 @@ def test_hostile_structure_edits_are_exit_3_and_write_nothing(
         str(bad),
         metadata={STRUCTURE_KEY: json.dumps(document)},
     )
+    # A path that is not a tree (dotdot, orphan) is malformed too: never a loss to accept.
     run = clipcli("convert", "--allow-lossy", bad, tmp_path / "o.h5")
-    if edit in ("dotdot_name", "orphan_path"):  # no longer fits: a plain file, said so
-        assert run.returncode == 0, run.stderr
-        assert "dropped" in run.stderr, run.stderr
-        return
     assert run.returncode == 3, run.stderr
     assert "malformed" in run.stderr
     assert not (tmp_path / "o.h5").exists()
+
+
+def _edited_record(
+    tmp_path: Path, clipcli: Cli, edit: Callable[[list[dict[str, Any]]], None]
+) -> Path:
+    """A safetensors file converted from a small HDF5 file (a chunked gzip tensor, a
+    vocabulary, an empty group), its structure record then edited."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tmp_path / "src.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("g/w", data=np.ones((4, 4), np.float32), chunks=(2, 2), compression="gzip")
+        f.create_dataset("vocab", data=["a", "b"], dtype=h5py.string_dtype())
+        f.create_group("empty")
+        f.attrs["n"] = np.int32(5)
+    mid = tmp_path / "mid.safetensors"
+    assert clipcli("convert", src, mid).returncode == 0
+    with safe_open(str(mid), "np") as handle:
+        metadata = dict(handle.metadata())
+    document = json.loads(metadata[STRUCTURE_KEY])
+    edit(document["nodes"])
+    bad = tmp_path / "bad.safetensors"
+    save_file(
+        load_file(str(mid)), str(bad), metadata={**metadata, STRUCTURE_KEY: json.dumps(document)}
+    )
+    return bad
+
+
+def _node(nodes: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    return next(node for node in nodes if node["path"] == path)
+
+
+def _set(path: str, **fields: Any) -> Callable[[list[dict[str, Any]]], None]:
+    return lambda nodes: _node(nodes, path).update(fields)
+
+
+def _move(path: str, new: str) -> Callable[[list[dict[str, Any]]], None]:
+    return lambda nodes: _node(nodes, path).update(path=new)
+
+
+def _add_group(path: str, at: int | None = None) -> Callable[[list[dict[str, Any]]], None]:
+    def edit(nodes: list[dict[str, Any]]) -> None:
+        group = {"path": path, "kind": "group", "cset": 0, "links": 0, "attr_order": 0, "attrs": []}
+        nodes.insert(len(nodes) if at is None else at, group)
+
+    return edit
+
+
+def _root_attribute(**fields: Any) -> Callable[[list[dict[str, Any]]], None]:
+    def edit(nodes: list[dict[str, Any]]) -> None:
+        attr = {
+            "name": "x",
+            "type": {"class": "int", "size": 4, "order": "<", "signed": True},
+            "space": {"class": "scalar"},
+            "data": {"raw": "BQAAAA=="},
+        }
+        nodes[0]["attrs"].append({**attr, **fields})
+
+    return edit
+
+
+_ENUM = {
+    "class": "enum",
+    "base": {"class": "int", "size": 1, "order": "<", "signed": True},
+    "members": [["A", 0], ["B", 100000]],
+}
+
+HOSTILE_RECORDS: dict[str, Callable[[list[dict[str, Any]]], None]] = {
+    # F9: once exit 70 (the library failed, and closing the file masked it)
+    "vlen_string_with_nul": _set("/vocab", data={"strings": ["a\x00b", "b"]}),
+    "nul_in_path": _move("/empty", "/a\x00b"),
+    "szip_filter": _set("/g/w", filters=[[4, 1, [4, 32]]]),
+    "100_gzip_filters": _set("/g/w", filters=[[1, 1, [1]]] * 100),
+    "chunks_larger_than_dataset": _set("/g/w", chunks=[8192, 8192]),
+    "contiguous_with_chunks_and_filters": _set("/g/w", layout="contiguous"),
+    # F10: once written with exit 0, not as recorded
+    "nontensor_without_values": _set(
+        "/vocab", space={"class": "simple", "shape": [10**12], "maxshape": [10**12]}, data=None
+    ),
+    "attribute_name_with_nul": _root_attribute(name="a\x00b"),
+    "enum_value_out_of_range": _root_attribute(type=_ENUM, data={"raw": "AA=="}),
+    "gzip_level_100": _set("/g/w", filters=[[1, 1, [100]]]),
+    "track_times_yes": _set("/g/w", track_times="yes"),
+    "chunk_bool": _set("/g/w", chunks=[True, 2]),
+    "fill_time_bool": _set("/g/w", fill_time=True),
+    # F11: once exit 2 ("cannot hold ... pass --allow-lossy")
+    "dotdot": _move("/empty", "/../x"),
+    "double_slash": _add_group("/empty//b"),
+    "relative": _move("/empty", "rel"),
+    "dot": _add_group("/empty/./b"),
+    "no_root": lambda nodes: nodes.__delitem__(0),
+    "parent_after_child": _add_group("/later/child", at=1),
+    "group_under_tensor": _add_group("/g/w/sub"),
+    "listed_twice": _add_group("/empty"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(HOSTILE_RECORDS))
+def test_malformed_or_lying_record_is_exit_3_one_line_nothing_written(
+    clipcli: Cli, tmp_path: Path, edit: str
+) -> None:
+    """A record that cannot be written as it says is malformed: exit 3, one line, no
+    output, with or without --allow-lossy, never exit 70 (a library failure masked by
+    the failing close) and never exit 0 with something else written."""
+    bad = _edited_record(tmp_path, clipcli, HOSTILE_RECORDS[edit])
+    for flags in ([], ["--allow-lossy"]):
+        out = tmp_path / "o.h5"
+        run = clipcli("convert", *flags, bad, out)
+        assert run.returncode == 3, (edit, run.stderr)
+        assert "malformed" in run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+        assert not out.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "bad.safetensors",
+            "mid.safetensors",
+            "src.h5",
+        ]
+
+
+def test_a_failing_close_never_masks_the_first_error(
+    clipcli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the library says while rebuilding a record is reported (exit 3, one line,
+    nothing written), even when closing the half-made file then fails too."""
+    import clipcli.formats.hdf5.writer as writer_module
+
+    bad = _edited_record(tmp_path, clipcli, lambda _nodes: None)
+
+    def failing_create(_file: Any, _ready: Any) -> None:
+        raise RuntimeError("the library refused the first object")
+
+    # After the failure the writer points the library's descriptor at /dev/null, so the
+    # close that follows fails too ("Can't decrement id ref count ... errno = 22").
+    monkeypatch.setattr(writer_module, "create_nodes", failing_create)
+    run = clipcli("convert", bad, tmp_path / "o.h5")
+    monkeypatch.undo()
+    assert run.returncode == 3, run.stderr
+    assert "the library refused the first object" in run.stderr
+    assert "decrement" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_root_attribute_named_like_the_record_is_escaped_never_the_record(
+    clipcli: Cli, tmp_path: Path
+) -> None:
+    """F6: a root attribute named STRUCTURE_KEY is an attribute like others: the record
+    under that key is always clipcli's own (the attribute cannot replace or forge it), the
+    attribute travels inside it and comes back; a format that drops it names it."""
+    forged = {
+        "format": "clipcli.hdf5_structure",
+        "version": 1,
+        "nodes": [
+            {"path": "/", "kind": "group", "cset": 0, "links": 0, "attr_order": 0, "attrs": []},
+            {
+                "path": "/injected",
+                "kind": "group",
+                "cset": 0,
+                "links": 0,
+                "attr_order": 0,
+                "attrs": [],
+            },
+        ],
+    }
+    for value in ("hello", json.dumps(forged)):
+        src = tmp_path / "src.h5"
+        with h5py.File(src, "w") as f:
+            f["w"] = np.ones(3, np.float32)
+            f.attrs[STRUCTURE_KEY] = value
+            f.attrs["other"] = "x"
+        mid, back = round_trip(clipcli, tmp_path, src)
+        with safe_open(str(mid), "np") as handle:
+            metadata = handle.metadata()
+        record = json.loads(metadata[STRUCTURE_KEY])
+        assert [node["path"] for node in record["nodes"]] == ["/", "/w"]
+        assert [a["name"] for a in record["nodes"][0]["attrs"]] == [STRUCTURE_KEY, "other"]
+        with h5py.File(back, "r") as f:
+            assert dict(f.attrs) == {STRUCTURE_KEY: value, "other": "x"}
+            assert list(f) == ["w"]
+        refused = clipcli("convert", src, tmp_path / "o.npz")
+        assert refused.returncode == 2, refused.stderr
+        assert f"root attribute {STRUCTURE_KEY!r}" in refused.stderr
+        for path in (src, mid, back):
+            path.unlink()
+
+
+def test_invalid_record_key_is_exit_3_only_for_hdf5(clipcli: Cli, tmp_path: Path) -> None:
+    """A safetensors key STRUCTURE_KEY that is no record is metadata to every other format."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "s.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, str(src), metadata={STRUCTURE_KEY: "garbage"})
+    assert clipcli("ls", src).returncode == 0
+    assert clipcli("norms", src).returncode == 0
+    assert clipcli("convert", src, tmp_path / "c.safetensors").returncode == 0
+    assert clipcli("convert", src, f"{tmp_path / 'dir'}/").returncode == 0
+    npz = clipcli("convert", src, tmp_path / "o.npz")
+    assert npz.returncode == 2, npz.stderr
+    assert "file metadata" in npz.stderr
+    hdf5 = clipcli("convert", src, tmp_path / "o.h5")
+    assert hdf5.returncode == 3, hdf5.stderr
+    assert "malformed" in hdf5.stderr
+
+
+def test_edited_metadata_wins_over_the_recorded_root_attributes(
+    clipcli: Cli, tmp_path: Path
+) -> None:
+    """F3: with a structure record, what __metadata__ shows is what HDF5 gets: an edited
+    key is written with its new value, a deleted key is not restored, an added key is
+    added; untouched keys keep their exact recorded type (Keras' fixed-length bytes)."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tmp_path / "src.h5"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(3, np.float32)
+        f["w"].attrs["unit"] = "m"
+        f.attrs["backend"] = np.bytes_(b"tensorflow")
+        f.attrs["keras_version"] = np.bytes_(b"2.13.1")
+        f.attrs["kept"] = np.bytes_(b"same")
+        f.attrs["n"] = np.int32(3)
+    mid = tmp_path / "mid.safetensors"
+    assert clipcli("convert", src, mid).returncode == 0
+    with safe_open(str(mid), "np") as handle:
+        metadata = dict(handle.metadata())
+    assert metadata["backend"] == "tensorflow"
+    metadata["backend"] = "jax"
+    del metadata["keras_version"]
+    metadata["added"] = "new"
+    edited = tmp_path / "edited.safetensors"
+    save_file(load_file(str(mid)), str(edited), metadata=metadata)
+    back = tmp_path / "back.h5"
+    run = clipcli("convert", edited, back)
+    assert run.returncode == 0, run.stderr
+    with h5py.File(back, "r") as f:
+        assert sorted(f.attrs) == ["added", "backend", "kept", "n"]
+        assert f.attrs["backend"] == "jax"
+        assert f.attrs.get_id("kept").dtype == np.dtype("S4")  # untouched: exact type
+        assert f.attrs["kept"] == b"same"
+        assert int(f.attrs["n"]) == 3
+        assert f.attrs["added"] == "new"
+        assert f["w"].attrs["unit"] == "m"
+
+
+def test_a_model_directory_joined_into_one_file_names_the_metadata_it_drops(
+    clipcli: Cli, tmp_path: Path
+) -> None:
+    """F4: the index's metadata (but total_size) and the shard __metadata__ not every shard
+    shares cannot go into one file: a loss (exit 2 naming the keys) unless --allow-lossy;
+    into a directory nothing is lost."""
+    from safetensors.numpy import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file(
+        {"a": np.ones(4, np.float32)},
+        str(model / "s1.safetensors"),
+        {"format": "pt", "note": "one"},
+    )
+    save_file(
+        {"b": np.ones(4, np.float32)},
+        str(model / "s2.safetensors"),
+        {"format": "pt", "note": "two", "only2": "x"},
+    )
+    index = {
+        "metadata": {"total_size": 32, "custom": "keep"},
+        "weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"},
+    }
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    for suffix in (".safetensors", ".h5"):
+        out = tmp_path / f"one{suffix}"
+        for command in (["convert"], ["clip", "--global", "1"]):
+            refused = clipcli(*command, model, out)
+            assert refused.returncode == 2, refused.stderr
+            for key in ("'custom'", "'note'", "'only2'"):
+                assert key in refused.stderr
+            assert "'total_size'" not in refused.stderr
+            assert "'format'" not in refused.stderr
+            assert not out.exists()
+        lossy = clipcli("convert", "--allow-lossy", model, out)
+        assert lossy.returncode == 0, lossy.stderr
+        assert "'custom'" in lossy.stderr
+    assert clipcli("convert", model, f"{tmp_path / 'copy'}/").returncode == 0
+
+
+def test_storage_settings_are_structure_for_npz_and_diff(clipcli: Cli, tmp_path: Path) -> None:
+    """F7: chunks, filters, maximum shape and fill value are structure: HDF5 -> npz refuses
+    to drop them without --allow-lossy (as any other structure), and `diff` reports them;
+    a plain HDF5 file converts with no flag and diffs identical."""
+    src = tmp_path / "comp.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset(
+            "w",
+            data=np.ones((16, 8), np.float32),
+            chunks=(8, 8),
+            compression="gzip",
+            maxshape=(None, 8),
+            fillvalue=7.0,
+        )
+    out = tmp_path / "o.npz"
+    refused = clipcli("convert", src, out)
+    assert refused.returncode == 2, refused.stderr
+    assert "storage settings" in refused.stderr
+    assert "chunks [8, 8]" in refused.stderr
+    assert not out.exists()
+    lossy = clipcli("convert", "--allow-lossy", src, out)
+    assert lossy.returncode == 0, lossy.stderr
+    assert "storage settings" in lossy.stderr
+    diff = json.loads(clipcli("diff", "--format", "json", src, out).stdout)
+    assert diff["identical"] is False
+    assert "storage /w" in json.dumps(diff)
+
+    plain = tmp_path / "plain.h5"
+    with h5py.File(plain, "w") as f:
+        f["w"] = np.ones((16, 8), np.float32)
+    run = clipcli("convert", plain, tmp_path / "p.npz")
+    assert run.returncode == 0, run.stderr
+    same = json.loads(clipcli("diff", "--format", "json", plain, tmp_path / "p.npz").stdout)
+    assert same["identical"] is True

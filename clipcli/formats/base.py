@@ -18,6 +18,7 @@ from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 
+from clipcli.errors import InputError
 from clipcli.formats.structure import Structure
 
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
@@ -168,6 +169,12 @@ class Reader(ABC):
         """Every file this reader takes data from (checked for changes during a clip)."""
         return [self.path]
 
+    def archive_members(self) -> dict[str, str]:
+        """Members of a container that only a writer of the same format keeps (a .keras
+        archive's config.json, metadata.json, assets), each with a summary of its content
+        (size and CRC) for `diff`; empty for formats that are one file of tensors."""
+        return {}
+
     def structure(self) -> Structure | None:
         """The file's structure beyond its tensors (HDF5 groups, attributes, non-tensor
         datasets), carried through conversions; None when the format has none."""
@@ -198,6 +205,11 @@ class Reader(ABC):
         """The metadata for one file that holds every tensor (a directory's shards joined
         keep their own metadata, not the index's)."""
         return dict(self.metadata)
+
+    def join_losses(self) -> list[str]:
+        """What joining into one file drops of the metadata (a model directory's index
+        metadata and the __metadata__ its shards do not share); empty for a file."""
+        return []
 
     def directory_layout(self) -> DirectoryLayout | None:
         """The model directory's layout, for an output directory like it; None for a file."""
@@ -276,11 +288,25 @@ class Writer(ABC):
         accepts the loss). By default a format keeps no structure: everything beyond the
         tensors and file metadata that the source holds is lost."""
         structure = source.structure()
-        # Root string attributes travel as file metadata, which the writer keeps or
-        # reports on its own (check_metadata, npz's own losses).
-        if structure is None or structure.is_trivial(root_attributes_ok=source.metadata):
+        if structure is None:
             return []
-        return [f"the HDF5 structure ({structure.summary()})"]
+        try:
+            # Root string attributes travel as file metadata, which the writer keeps or
+            # reports on its own (check_metadata, npz's own losses).
+            trivial = structure.is_trivial(root_attributes_ok=source.metadata)
+            storage = structure.storage_settings()
+        except InputError:
+            if structure.origin is not None:
+                raise
+            # A record in another format's metadata that is not a valid one: only the
+            # HDF5 writer reads it (and refuses it); here it is a metadata key like others.
+            return []
+        losses = [] if trivial else [f"the HDF5 structure ({structure.summary()})"]
+        if storage:
+            shown = "; ".join(f"{path!r}: {text}" for path, text in list(storage.items())[:3])
+            more = f"; and {len(storage) - 3} more" if len(storage) > 3 else ""
+            losses.append(f"the storage settings of {len(storage)} datasets ({shown}{more})")
+        return losses
 
     @abstractmethod
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
@@ -354,3 +380,16 @@ def utf8_encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def archive_losses(source: Reader, writer_format: str) -> list[str]:
+    """The source container's other members, lost in any other format than its own."""
+    members = list(source.archive_members())
+    if not members or writer_format == source.format_name:
+        return []
+    shown = ", ".join(repr(name) for name in members[:5])
+    more = f" and {len(members) - 5} more" if len(members) > 5 else ""
+    return [
+        f"the {source.format_name} archive's other members ({shown}{more}); "
+        f"only a .{source.format_name} OUT keeps them"
+    ]

@@ -5,11 +5,14 @@ Each change is (key, value in A, value in B), None marking a side without it:
   structure is compared object by object instead);
 - `group /path`, for a group on one side only (an empty group lost in a conversion);
 - `/path @name`, an attribute of a group or dataset, with its exact HDF5 type and value;
-- `dataset /path`, a non-tensor dataset (its type, shape and values).
+- `dataset /path`, a non-tensor dataset (its type, shape and values);
+- `archive member NAME`, a .keras archive's other member (size and CRC32), so that
+  .keras -> .h5 shows what the archive held beyond its weights.
 A file without a recorded structure (npz, plain safetensors) counts as the groups its
 tensor names imply, with no attributes, so HDF5 -> npz reports every attribute it lost.
 Tensor datasets are compared by the tensor diff itself; their storage settings (chunks,
-compression) are not content and are not compared.
+filters, maximum shape, fill value) are structure: `storage /path` when not those of a
+plain file, so HDF5 -> npz reports the chunking and compression it lost.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from clipcli.formats.base import Reader
-from clipcli.formats.structure import STRUCTURE_KEY, Structure
+from clipcli.formats.structure import STRUCTURE_KEY, Structure, storage_of
 
 Change = tuple[str, str | None, str | None]
 
@@ -32,7 +35,13 @@ def file_changes(a: Reader, b: Reader) -> list[Change]:
     meta_a = {k: v for k, v in a.metadata.items() if k != STRUCTURE_KEY}
     meta_b = {k: v for k, v in b.metadata.items() if k != STRUCTURE_KEY}
     plain = _changes({k: (v, v) for k, v in meta_a.items()}, {k: (v, v) for k, v in meta_b.items()})
-    return plain + _changes(_entries(a), _entries(b))
+    members = _changes(_members(a), _members(b))
+    return plain + _changes(_entries(a), _entries(b)) + members
+
+
+def _members(reader: Reader) -> dict[str, Entry]:
+    """A container's members beyond the tensors (.keras: config.json, assets)."""
+    return {f"archive member {name}": (v, v) for name, v in reader.archive_members().items()}
 
 
 Entry = tuple[str, str]  # (exact JSON, for comparing; readable text, for showing)
@@ -64,6 +73,10 @@ def _entries(reader: Reader) -> dict[str, Entry]:
             entries[f"dataset {path}"] = _value(node["type"], node["space"], node.get("data"))
         elif node["kind"] == "datatype":
             entries[f"datatype {path}"] = (_text(node["type"]), _type_name(node["type"]))
+        if node["kind"] == "dataset":
+            storage = storage_of(node)
+            if storage:
+                entries[f"storage {path}"] = (storage, storage)
         for attr in node.get("attrs", ()):
             entries[f"{path} @{attr['name']}"] = _value(attr["type"], attr["space"], attr["data"])
     for dropped in structure.dropped:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -92,6 +93,9 @@ class KerasArchiveReader(Reader):
                 or "\x00" in name
             ):
                 raise InputError(self.path, f"member name {name!r} is repeated or escapes")
+            kind = _unix_file_type(entry)
+            if kind is not None:
+                raise InputError(self.path, f"member {name!r} is a {kind}, not a file")
             seen.add(name)
         if WEIGHTS_MEMBER not in seen:
             raise InputError(self.path, f"holds no {WEIGHTS_MEMBER}")
@@ -130,6 +134,15 @@ class KerasArchiveReader(Reader):
     def structure(self) -> Structure | None:
         return self._weights().structure()
 
+    def archive_members(self) -> dict[str, str]:
+        return {
+            entry.filename: (
+                "directory" if entry.is_dir() else f"{entry.file_size} bytes, CRC32 {entry.CRC:08x}"
+            )
+            for entry in self.members
+            if entry.filename != WEIGHTS_MEMBER
+        }
+
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         return self._weights().chunks(info, chunk_elems)
 
@@ -159,6 +172,25 @@ class KerasArchiveReader(Reader):
         with contextlib.suppress(AttributeError):
             self.archive.close()
         self._handle.close()
+
+
+_UNIX_TYPES = {
+    stat.S_IFLNK: "symbolic link",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+}
+
+
+def _unix_file_type(entry: zipfile.ZipInfo) -> str | None:
+    """What a member's Unix mode (the high 16 bits of its external attributes) says it is,
+    when that is anything but a regular file or a directory (or no mode at all): an
+    extracting tool would make a symbolic link (pointing anywhere) or a device of it."""
+    kind = stat.S_IFMT(entry.external_attr >> 16)
+    if kind in (0, stat.S_IFREG, stat.S_IFDIR):
+        return None
+    return _UNIX_TYPES.get(kind, f"special file (mode {kind:o})")
 
 
 def _copy_stream(source: IO[bytes], sink: IO[bytes], limit: int) -> int:

@@ -5,8 +5,10 @@ streaming writer (header first, then one tensor at a time), which covers bf16 an
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
+import io
 import json
 import math
 import os
@@ -20,7 +22,7 @@ from typing import Any, BinaryIO
 import ml_dtypes
 import numpy as np
 
-from clipcli.errors import InputError
+from clipcli.errors import InputError, WriteError
 from clipcli.filecopy import copy_range
 from clipcli.formats.base import (
     Checkpoint,
@@ -515,8 +517,23 @@ class SafetensorsStreamWriter(SafetensorsWriter):
     def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:  # noqa: ARG002
         super().__init__(path, checkpoint, durable=False)
 
+    stream: _CountingStream | None = None  # the last stream opened (one per process run)
+
     def _open(self, path: Path) -> BinaryIO:  # noqa: ARG002
-        return os.fdopen(os.dup(1), "wb")
+        raw = _CountingStream(os.dup(1), "wb")
+        SafetensorsStreamWriter.stream = raw
+        return io.BufferedWriter(raw)
+
+    @classmethod
+    def bytes_sent(cls) -> int:
+        """Bytes the last stream has written to standard output so far."""
+        return 0 if cls.stream is None else cls.stream.sent
+
+    def abort(self) -> None:
+        # What is still buffered cannot go out (the failure was likely the stream's own):
+        # closing tries once more, and that second failure is not the one to report.
+        with contextlib.suppress(Exception):
+            super().abort()
 
     def _reserve(self, total: int) -> None:
         pass  # a pipe cannot be reserved
@@ -538,3 +555,26 @@ class SafetensorsStreamWriter(SafetensorsWriter):
 
     def _written(self) -> None:
         pass  # no writeback hints: a pipe has no pages to start writing
+
+
+class _CountingStream(io.FileIO):
+    """Standard output's duplicate, counting what it has written; a failed write is a
+    WriteError (exit 5) saying how much went out: the stream is then cut short, which a
+    safetensors reader refuses, and the run must not end with exit 0."""
+
+    sent = 0
+
+    def write(self, data: Any) -> int:
+        try:
+            written = super().write(data)
+        except BrokenPipeError:
+            raise WriteError(
+                f"OUT '-': standard output closed after {self.sent} bytes; the stream is cut short"
+            ) from None
+        except OSError as exc:
+            raise WriteError(
+                f"OUT '-': writing to standard output failed after {self.sent} bytes "
+                f"({exc.strerror or exc}); the stream is cut short"
+            ) from None
+        self.sent += written or 0
+        return written or 0

@@ -16,6 +16,7 @@ hold (npz holds no metadata at all; some HDF5 types have no portable description
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -86,9 +87,24 @@ class Structure:
         groups = sum(node["kind"] == "group" and node["path"] != "/" for node in nodes)
         others = [n["path"][1:] for n in nodes if n["kind"] == "dataset" and not n["tensor"]]
         parts = [f"{attributes} attributes", f"{groups} groups"]
+        root = nodes[0].get("attrs", []) if nodes else []
+        if any(attr.get("name") == STRUCTURE_KEY for attr in root):
+            parts[0] += f" (root attribute {STRUCTURE_KEY!r} among them)"
         if others:
             parts.append(f"{len(others)} non-tensor datasets ({_names(others)})")
         return ", ".join(parts)
+
+    def storage_settings(self) -> dict[str, str]:
+        """Datasets stored otherwise than a plain file stores them (contiguous, unfiltered,
+        fixed shape, zero fill value), each with its settings in a few words: chunks,
+        filters, maximum shape and fill value are part of the structure."""
+        settings: dict[str, str] = {}
+        for node in self.nodes:
+            if node.get("kind") == "dataset":
+                described = storage_of(node)
+                if described:
+                    settings[node["path"]] = described
+        return settings
 
     def is_plain(self, metadata: Mapping[str, str]) -> bool:
         """True when writing the tensors plainly (a contiguous dataset per tensor, root
@@ -139,6 +155,30 @@ def _is_metadata_string(attr: dict[str, Any], metadata: Mapping[str, str]) -> bo
         and attr.get("space") == {"class": "scalar"}
         and data.get("strings") == [metadata.get(attr.get("name", ""))]
     )
+
+
+_FILTER_NAMES = {1: "gzip", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit", 6: "scaleoffset"}
+_FILTER_NAMES[32000] = "lzf"
+
+
+def storage_of(node: dict[str, Any]) -> str:
+    """A dataset node's storage settings in a few words; empty for a plain one."""
+    parts: list[str] = []
+    layout = node.get("layout")
+    if layout == "chunked":
+        parts.append(f"chunks {node.get('chunks')}")
+    elif layout != "contiguous":
+        parts.append(f"{layout} layout")
+    for code, _flags, values in node.get("filters") or []:
+        name = _FILTER_NAMES.get(code, f"filter {code}")
+        parts.append(f"{name} {values}" if code == 1 else name)
+    space = node.get("space") or {}
+    if space.get("class") == "simple" and space.get("maxshape") != space.get("shape"):
+        parts.append(f"maximum shape {space.get('maxshape')}")
+    fill = node.get("fill")
+    if isinstance(fill, str) and base64.b64decode(fill).strip(b"\x00"):
+        parts.append(f"fill value (base64) {fill}")
+    return ", ".join(parts)
 
 
 def _names(names: Sequence[str], limit: int = 3) -> str:

@@ -153,8 +153,8 @@ def build_type(desc: object, depth: int = 0) -> Any:
         members = _list(desc, "members")
         type_id = h5t.create(h5t.COMPOUND, size)
         for member in members:
-            if not isinstance(member, dict) or not isinstance(member.get("name"), str):
-                raise Malformed("a compound member without a name")
+            if not isinstance(member, dict) or not _is_name(member.get("name")):
+                raise Malformed("a compound member without a valid name")
             inner = build_type(member.get("type"), depth + 1)
             offset = _int(member, "offset", range(size))
             if offset + inner.get_size() > size or holds_variable_string(member["type"]):
@@ -177,20 +177,32 @@ def build_type(desc: object, depth: int = 0) -> Any:
         if base.get_class() != h5t.INTEGER:
             raise Malformed("an enum over a type that is not an integer")
         type_id = h5t.enum_create(base)
+        bits = 8 * int(base.get_size())
+        low, high = (
+            (-(1 << (bits - 1)), 1 << (bits - 1))
+            if _bool(desc["base"], "signed")
+            else (0, 1 << bits)
+        )
+        names: set[str] = set()
         for member in _list(desc, "members"):
             if not (
                 isinstance(member, list)
                 and len(member) == 2
-                and isinstance(member[0], str)
+                and _is_name(member[0])
                 and _is_int(member[1])
             ):
                 raise Malformed("an enum member")
+            if not low <= member[1] < high:
+                raise Malformed(f"enum member {member[0]!r} = {member[1]} outside its base type")
+            if member[0] in names:
+                raise Malformed(f"enum member {member[0]!r} named twice")
+            names.add(member[0])
             type_id.enum_insert(member[0].encode("utf-8"), member[1])
         return type_id
     if kind == "opaque":
         type_id = h5t.create(h5t.OPAQUE, _int(desc, "size", range(1, MAX_TYPE_SIZE + 1)))
         tag = desc.get("tag")
-        if not isinstance(tag, str) or len(tag) > 255:
+        if not isinstance(tag, str) or len(tag) > 255 or "\x00" in tag or not _is_utf8(tag):
             raise Malformed("an opaque tag")
         type_id.set_tag(tag.encode("utf-8"))
         return type_id
@@ -201,6 +213,19 @@ def build_type(desc: object, depth: int = 0) -> Any:
         type_id.set_order(h5t.ORDER_BE if _order_char(desc) == ">" else h5t.ORDER_LE)
         return type_id
     raise Malformed(f"unknown type class {kind!r}")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_name(value: object) -> bool:
+    """A member name HDF5 stores as written: non-empty UTF-8 text without NUL."""
+    return isinstance(value, str) and bool(value) and "\x00" not in value and _is_utf8(value)
 
 
 def _is_int(value: object) -> bool:

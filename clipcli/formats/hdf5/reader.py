@@ -22,7 +22,7 @@ from clipcli.formats.hdf5.library import NodeKind, input_errors, load_h5py, utf8
 from clipcli.formats.hdf5.nontensor import RowSlice, VlenBudget, read_rows
 from clipcli.formats.hdf5.safety import DatasetChecks
 from clipcli.formats.hdf5.structure import read_structure
-from clipcli.formats.structure import Structure
+from clipcli.formats.structure import STRUCTURE_KEY, Structure
 from clipcli.inputs import fd_path, open_input_fd
 
 
@@ -220,7 +220,10 @@ class Hdf5Reader(Reader):
     # -- metadata -------------------------------------------------------------------------
 
     def _read_metadata(self) -> dict[str, str]:
-        """Root attributes that hold one string (str, or bytes that are UTF-8)."""
+        """Root attributes that hold one string (str, or bytes that are UTF-8). A root
+        attribute named STRUCTURE_KEY is not metadata: that key is clipcli's own record of
+        the HDF5 structure, which a user attribute must never replace or forge; it stays an
+        attribute, kept (escaped) inside the recorded structure like any other."""
         h5py = load_h5py()
         attrs = self.file.attrs
         metadata: dict[str, str] = {}
@@ -228,6 +231,8 @@ class Hdf5Reader(Reader):
             names = list(attrs)
             for name in names:
                 if not isinstance(name, str):  # h5py gives names that are not UTF-8 as bytes
+                    continue
+                if name == STRUCTURE_KEY:
                     continue
                 attr = attrs.get_id(name)
                 try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ def prepare(
     """The nodes to create, every field checked; a str says why the structure does not
     fit these tensors (then it is not used). Malformed content is an InputError."""
     try:
+        _check_tree(structure.nodes)
         ready = [_prepare_node(node) for node in structure.nodes]
     except (Malformed, KeyError, TypeError, ValueError, binascii.Error) as exc:
         raise InputError(
@@ -70,20 +71,39 @@ def prepare(
     return _check_fit(ready, infos) or ready
 
 
+def _check_tree(nodes: Sequence[Json]) -> None:
+    """The paths form one tree: the root group first, every other object an absolute
+    path of plain link names (no empty, '.', '..' or NUL component) under a group listed
+    before it, each object once. Anything else is a malformed record (exit 3), not a loss."""
+    if not nodes or nodes[0].get("path") != "/" or nodes[0].get("kind") != "group":
+        raise Malformed("it does not start at the root group")
+    seen_groups = {"/"}
+    seen: set[str] = {"/"}
+    for node in nodes[1:]:
+        path = node.get("path")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise Malformed(f"object path {path!r} is not absolute")
+        parent, _, name = path.rpartition("/")
+        if name in ("", ".", "..") or "\x00" in name or not _utf8(name):
+            raise Malformed(f"object path {path!r} has an invalid link name {name!r}")
+        if path in seen:
+            raise Malformed(f"it lists object {path!r} twice")
+        if (parent or "/") not in seen_groups:
+            raise Malformed(f"object {path!r} does not follow its parent group")
+        seen.add(path)
+        if node.get("kind") == "group":
+            seen_groups.add(path)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_fit(ready: list[ReadyNode], infos: Sequence[TensorInfo]) -> str | None:
-    if not ready or ready[0].path != "/" or ready[0].kind != "group":
-        return "it does not start at the root group"
-    paths = [node.path for node in ready]
-    if len(set(paths)) != len(paths):
-        return "it lists an object twice"
-    seen = {"/"}
-    for node in ready[1:]:
-        parent = node.path.rpartition("/")[0] or "/"
-        name = node.path.rpartition("/")[2]
-        if not node.path.startswith("/") or name in ("", ".", "..") or parent not in seen:
-            return f"object {node.path!r} does not follow its parent group"
-        if node.kind == "group":
-            seen.add(node.path)
     tensors = {n.path[1:]: n for n in ready if n.kind == "dataset" and n.tensor}
     if set(tensors) != {info.name for info in infos}:
         return "its datasets are not the checkpoint's tensors"
@@ -113,7 +133,7 @@ def _prepare_node(node: Json) -> ReadyNode:
     h5p = load_h5py().h5p
     kind, path = node["kind"], node["path"]
     cset = node.get("cset", 0)
-    if cset not in (0, 1):
+    if not _is_int(cset) or cset not in (0, 1):
         raise Malformed(f"character set {cset!r}")
     attributes = [_prepare_attribute(a) for a in node["attrs"]]
     if len(attributes) > 65535:
@@ -133,8 +153,12 @@ def _prepare_node(node: Json) -> ReadyNode:
         space = build_space(node["space"])
         plist = _dataset_plist(node, type_id, space)
         tensor = node["tensor"]
-        if not tensor and node.get("data") is not None:
-            data = _values(node["type"], node["space"], node["data"], b"")
+        if not isinstance(tensor, bool):
+            raise Malformed(f"'tensor' {tensor!r} of {path!r}")
+        if not tensor:  # its values are recorded: all of them (null only for no points)
+            data = _values(node["type"], node["space"], node.get("data"), b"")
+        elif node.get("data") is not None:
+            raise Malformed(f"tensor dataset {path!r} records values")
     return ReadyNode(path, kind, cset, plist, type_id, space, attributes, data, tensor)
 
 
@@ -147,30 +171,48 @@ def _order_flags(value: object) -> int:
 
 
 def _dataset_plist(node: Json, type_id: Any, space: Any) -> Any:
-    h5p, h5z, h5d = load_h5py().h5p, load_h5py().h5z, load_h5py().h5d
+    h5p, h5d = load_h5py().h5p, load_h5py().h5d
     plist = h5p.create(h5p.DATASET_CREATE)
     layout = LAYOUTS.get(node["layout"])
     if layout is None:
         raise Malformed(f"layout {node['layout']!r}")
+    shape = tuple(space.shape or ())
+    maxshape = tuple(space.get_simple_extent_dims(True)) if shape else ()
+    chunks = node.get("chunks")
+    filters = node.get("filters")
+    if not isinstance(filters, list):
+        raise Malformed("filters are not a list")
     if node["layout"] == "chunked":
-        chunks = node["chunks"]
-        rank = len(space.shape or ())
+        rank = len(shape)
         if not isinstance(chunks, list) or len(chunks) != rank or rank == 0:
             raise Malformed("chunk shape")
-        if not all(isinstance(c, int) and 1 <= c < 1 << 32 for c in chunks):
-            raise Malformed("chunk dimensions")
+        if not all(_is_int(c) and 1 <= c < 1 << 32 for c in chunks):
+            raise Malformed(f"chunk dimensions {chunks!r}")
+        unlimited = load_h5py().h5s.UNLIMITED
+        for chunk, top in zip(chunks, maxshape, strict=True):
+            if top != unlimited and chunk > top:
+                raise Malformed(
+                    f"chunk dimensions {chunks!r} larger than the dataset's maximum "
+                    f"{node['space'].get('maxshape')!r}"
+                )
         if int(np.prod(chunks, dtype=object)) * type_id.get_size() > limits.MAX_CHUNK_BYTES:
             raise Malformed("chunks over the size limit")
         plist.set_chunk(tuple(chunks))
     else:
+        if chunks is not None:
+            raise Malformed(f"chunk dimensions {chunks!r} on a {node['layout']} dataset")
+        if filters:
+            raise Malformed(f"filters on a {node['layout']} dataset (only chunked ones have them)")
+        if maxshape != shape:
+            raise Malformed(f"an extensible dataspace on a {node['layout']} dataset")
+        if layout == LAYOUTS["compact"] and space_points_of(space) * type_id.get_size() > 64000:
+            raise Malformed("a compact dataset over 64,000 bytes")
         plist.set_layout(layout)
-    for entry in node["filters"]:
-        code, flags, values = entry
-        if not isinstance(code, int) or not h5z.filter_avail(code):
-            raise Malformed(f"filter {code!r} is not available")
-        if not isinstance(values, list) or len(values) > 64:
-            raise Malformed("filter parameters")
-        plist.set_filter(code, int(flags), tuple(int(v) for v in values))
+    if len(filters) > MAX_FILTERS:
+        raise Malformed(f"{len(filters)} filters; HDF5 holds at most {MAX_FILTERS}")
+    for entry in filters:
+        code, flags, values = _filter(entry, chunks)
+        plist.set_filter(code, flags, values)
     if node.get("fill") is not None:
         dtype = _numeric_dtype(node["type"])
         raw = base64.b64decode(node["fill"], validate=True)
@@ -184,13 +226,62 @@ def _dataset_plist(node: Json, type_id: Any, space: Any) -> Any:
         h5d.ALLOC_TIME_LATE,
         h5d.ALLOC_TIME_INCR,
     }
-    if node["fill_time"] not in fill_times or node["alloc_time"] not in alloc_times:
+    if not (
+        _is_int(node["fill_time"])
+        and node["fill_time"] in fill_times
+        and _is_int(node["alloc_time"])
+        and node["alloc_time"] in alloc_times
+    ):
         raise Malformed("fill or allocation time")
+    if not isinstance(node["track_times"], bool):
+        raise Malformed(f"track_times {node['track_times']!r}")
     plist.set_fill_time(node["fill_time"])
     plist.set_alloc_time(node["alloc_time"])
     plist.set_attr_creation_order(_order_flags(node["attr_order"]))
     plist.set_obj_track_times(bool(node["track_times"]))
     return plist
+
+
+MAX_FILTERS = 32  # H5Z_MAX_NFILTERS
+_DEFLATE, _SHUFFLE, _FLETCHER32, _SZIP, _NBIT, _SCALEOFFSET, _LZF = 1, 2, 3, 4, 5, 6, 32000
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def space_points_of(space: Any) -> int:
+    return int(np.prod(space.shape or (), dtype=object)) if space.shape is not None else 0
+
+
+def _filter(entry: object, chunks: list[int] | None) -> tuple[int, int, tuple[int, ...]]:
+    """One [code, flags, [values]] entry, checked: a filter this library can encode, the
+    optional/mandatory flag, parameters that are 32-bit unsigned integers and, for the
+    filters whose parameters the user sets (deflate, szip), values the filter accepts."""
+    h5z = load_h5py().h5z
+    if not isinstance(entry, list) or len(entry) != 3:
+        raise Malformed(f"filter entry {entry!r}")
+    code, flags, values = entry
+    if not _is_int(code) or not h5z.filter_avail(code):
+        raise Malformed(f"filter {code!r} is not available")
+    if not h5z.get_filter_info(code) & h5z.FILTER_CONFIG_ENCODE_ENABLED:
+        raise Malformed(f"filter {code!r} cannot encode here")
+    if not _is_int(flags) or flags not in (0, 1):
+        raise Malformed(f"filter flags {flags!r}")
+    if not isinstance(values, list) or len(values) > 64:
+        raise Malformed("filter parameters")
+    if not all(_is_int(v) and 0 <= v < 1 << 32 for v in values):
+        raise Malformed(f"filter parameters {values!r}")
+    if code == _DEFLATE and (len(values) != 1 or values[0] > 9):
+        raise Malformed(f"deflate (gzip) parameters {values!r}; the level is 0 to 9")
+    if code == _SZIP:
+        points = int(np.prod(chunks or [0], dtype=object))
+        if len(values) not in (2, 4):
+            raise Malformed(f"szip parameters {values!r}")
+        block = values[1]
+        if block % 2 or not 2 <= block <= 32 or block > points:
+            raise Malformed(f"szip pixels per block {block} (even, 2 to 32, at most a chunk)")
+    return code, flags, tuple(values)
 
 
 def _numeric_dtype(desc: Json) -> np.dtype[Any]:
@@ -200,7 +291,13 @@ def _numeric_dtype(desc: Json) -> np.dtype[Any]:
 
 def _prepare_attribute(attr: Json) -> ReadyAttribute:
     name = attr["name"]
-    if not isinstance(name, str) or not name or len(name.encode("utf-8")) > 65534:
+    if (
+        not isinstance(name, str)
+        or not name
+        or "\x00" in name
+        or not _utf8(name)
+        or len(name.encode("utf-8")) > 65534
+    ):
         raise Malformed(f"attribute name {name!r}")
     values = _values(attr["type"], attr["space"], attr["data"], name.encode("utf-8"))
     return values
@@ -241,11 +338,17 @@ def _values(type_desc: Json, space_desc: Json, data: object, name: bytes) -> Rea
 
 
 def _string_bytes(item: object) -> bytes:
-    if isinstance(item, str):
-        return item.encode("utf-8")
-    if isinstance(item, dict) and isinstance(item.get("b64"), str):
-        return base64.b64decode(item["b64"], validate=True)
-    raise Malformed("a string that is neither text nor {'b64': ...}")
+    """A variable-length string's bytes; HDF5 ends one at its first NUL, so a NUL inside
+    could not be written as recorded."""
+    if isinstance(item, str) and _utf8(item):
+        raw = item.encode("utf-8")
+    elif isinstance(item, dict) and isinstance(item.get("b64"), str):
+        raw = base64.b64decode(item["b64"], validate=True)
+    else:
+        raise Malformed("a string that is neither UTF-8 text nor {'b64': ...}")
+    if b"\x00" in raw:
+        raise Malformed(f"a variable-length string holding a NUL byte: {raw[:40]!r}")
+    return raw
 
 
 def create_nodes(file: Any, ready: Sequence[ReadyNode]) -> None:
@@ -286,3 +389,54 @@ def _write_values(dataset_id: Any, data: ReadyAttribute) -> None:
     shape = values.shape[:-1] if data.raw else values.shape
     memory_space = h5s.create_simple(shape) if shape else h5s.create(h5s.SCALAR)
     dataset_id.write(memory_space, dataset_id.get_space(), values, data.memory_type)
+
+
+_PLAIN_STRING: Json = {"class": "string", "size": None, "cset": 1, "pad": 0}
+
+
+def follow_metadata(
+    root: ReadyNode, recorded: Sequence[Json], metadata: Mapping[str, str], reserved: str
+) -> None:
+    """What the user sees in __metadata__ wins over the record: a root string attribute
+    whose metadata key was edited is written with the edited value (as a plain UTF-8
+    string), one whose key was deleted is not restored; unchanged ones keep their exact
+    recorded type. (The record's own key, `reserved`, is no attribute's metadata.)"""
+    kept: list[ReadyAttribute] = []
+    for ready, attr in zip(root.attributes, recorded, strict=True):
+        name = attr["name"]
+        text = _recorded_text(attr)
+        if text is None or name == reserved:
+            kept.append(ready)
+        elif name not in metadata:
+            continue  # deleted from __metadata__: not restored
+        elif metadata[name] == text:
+            kept.append(ready)
+        else:
+            kept.append(
+                _values(
+                    _PLAIN_STRING,
+                    {"class": "scalar"},
+                    {"strings": [metadata[name]]},
+                    name.encode("utf-8"),
+                )
+            )
+    root.attributes = kept
+
+
+def _recorded_text(attr: Json) -> str | None:
+    """The metadata value a root attribute shows as (a scalar string that is UTF-8 text),
+    as the HDF5 reader reads it; None for an attribute that is not metadata."""
+    desc, data = attr.get("type"), attr.get("data")
+    if not isinstance(desc, dict) or desc.get("class") != "string":
+        return None
+    if attr.get("space") != {"class": "scalar"} or not isinstance(data, dict):
+        return None
+    if desc.get("size") is None:
+        strings = data.get("strings")
+        return strings[0] if isinstance(strings, list) and isinstance(strings[0], str) else None
+    raw = base64.b64decode(data.get("raw", ""), validate=True)
+    end = raw.find(b"\x00")
+    try:
+        return (raw if end < 0 else raw[:end]).decode("utf-8")
+    except UnicodeDecodeError:
+        return None

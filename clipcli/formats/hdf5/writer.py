@@ -6,6 +6,7 @@ they are. Otherwise each tensor becomes a contiguous dataset at its name's path.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import re
@@ -32,7 +33,7 @@ from clipcli.formats.hdf5.library import (
     reason,
 )
 from clipcli.formats.hdf5.reader import Hdf5Reader
-from clipcli.formats.hdf5.rebuild import ReadyNode, create_nodes, prepare
+from clipcli.formats.hdf5.rebuild import ReadyNode, create_nodes, follow_metadata, prepare
 from clipcli.formats.hdf5.replica import Replica, split_path
 from clipcli.formats.structure import STRUCTURE_KEY
 
@@ -73,8 +74,8 @@ class Hdf5Writer(Writer):
     def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
         super().__init__(path, checkpoint, durable)
         for info in checkpoint.infos:
-            if (reason := self.check_dtype(info)) is not None:
-                raise ValueError(reason)
+            if (problem := self.check_dtype(info)) is not None:
+                raise ValueError(problem)
         # The source's structure decides the skeleton: an HDF5 source (the structure's
         # origin) is replicated object by object; a structure recorded in another format
         # (safetensors __metadata__) is rebuilt; otherwise a plain layout.
@@ -85,6 +86,9 @@ class Hdf5Writer(Writer):
         if self._source is None and structure is not None and checkpoint.source is not None:
             ready = prepare(structure, checkpoint.infos, checkpoint.source.path)
             self._rebuild = ready if isinstance(ready, list) else None
+            if self._rebuild is not None:
+                recorded = structure.nodes[0].get("attrs") or []
+                follow_metadata(self._rebuild[0], recorded, checkpoint.metadata, STRUCTURE_KEY)
         self._written: set[str] = set()
         self.file: Any = self._create_file()
         try:
@@ -95,10 +99,12 @@ class Hdf5Writer(Writer):
                 with self._failing_quietly():
                     try:
                         create_nodes(self.file, self._rebuild)
-                    except (ValueError, KeyError, TypeError) as exc:  # what it records clashes
+                    except Exception as exc:
+                        if _is_disk_failure(exc):
+                            raise
                         raise InputError(
                             source_path,
-                            f"cannot rebuild the recorded HDF5 structure: {exc}",
+                            f"cannot rebuild the recorded HDF5 structure: {reason(exc)}",
                         ) from None
                 self._add_metadata(
                     skip={attr.name.decode() for attr in self._rebuild[0].attributes}
@@ -106,7 +112,9 @@ class Hdf5Writer(Writer):
             else:
                 self._create_plain_layout()
         except BaseException:
-            self.file.close()
+            # The first failure is the one to report: the library, after it, may fail
+            # again at close ("Can't decrement id ref count"), which must not mask it.
+            self.abort()
             raise
 
     @classmethod
@@ -345,6 +353,15 @@ class Hdf5Writer(Writer):
         self._silence()
         with contextlib.suppress(Exception):
             self.file.close()
+
+
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
+
+
+def _is_disk_failure(exc: BaseException) -> bool:
+    """A failure of the output's storage (exit 5), not of what is being written."""
+    converted = _with_errno(exc)
+    return isinstance(converted, OSError) and converted.errno in _DISK_ERRNOS
 
 
 def _with_errno(exc: BaseException) -> BaseException:

@@ -294,6 +294,22 @@ class ShardedReader(Reader):
     def joined_metadata(self) -> dict[str, str]:
         return self.common_shard_metadata()
 
+    def join_losses(self) -> list[str]:
+        """The index's metadata (but total_size, which the one file does not need) and
+        the shard __metadata__ entries that not every shard shares with the same value."""
+        joined = self.common_shard_metadata()
+        index = [k for k in self.metadata if k != "total_size" and self.index_path is not None]
+        index = [k for k in index if joined.get(k) != self.metadata[k]]
+        shards = sorted(
+            {k for reader in self._readers.values() for k in reader.metadata if k not in joined}
+        )
+        losses = []
+        if index:
+            losses.append(f"the index's metadata {_listed(index)}")
+        if shards:
+            losses.append(f"shard __metadata__ the shards do not share {_listed(shards)}")
+        return losses
+
     def stored_bytes(self, info: TensorInfo) -> StoredBytes:
         return self._reader_of(info).stored_bytes(info)
 
@@ -370,3 +386,8 @@ def _check_total_size(reader: ShardedReader, index_path: Path) -> None:
         raise InputError(
             index_path, f"metadata.total_size is {total} but the tensors hold {actual} bytes"
         )
+
+
+def _listed(keys: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return f"({shown}{f' and {len(keys) - limit} more' if len(keys) > limit else ''})"
