@@ -148,3 +148,39 @@ def test_ctrl_c_finishes_the_bar_line(tmp_path: Path) -> None:
     assert CSI.sub("", before)[-1:] in ("\r", "\n"), repr(before[-200:])
     assert after.strip() == "", repr(after)
     assert before.rfind("\x1b[?25h") > before.rfind("\x1b[?25l"), repr(before[-200:])
+
+
+def test_clip_to_a_file_finishes_the_bar_before_the_report(tmp_path: Path) -> None:
+    """The job drops its TerminalProgress when it returns; the bar must still be closed
+    (line ended, cursor shown, never drawn again) before the report, with stdout a file
+    and stderr a real terminal."""
+    main_fd, terminal = pty.openpty()
+    env = dict(os.environ, COLUMNS="80", TERM="xterm")
+    report = tmp_path / "rep.txt"
+    out = tmp_path / "o.safetensors"
+    with report.open("w") as stdout:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "clipcli", "clip", "--norm", "1", str(SAMPLE), str(out)],
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=terminal,
+            env=env,
+        )
+        os.close(terminal)
+        try:
+            shown = b""
+            deadline = time.monotonic() + 60
+            while child.poll() is None and time.monotonic() < deadline:
+                shown += _read_until(main_fd, b"\x00", 0.2)
+            shown += _read_until(main_fd, b"\x00", 0.3)
+            assert child.wait(30) == 0
+        finally:
+            child.kill()
+            os.close(main_fd)
+    text = shown.decode("utf-8", "replace")
+    assert "writing" in text or "measuring" in text, repr(text)  # a bar was drawn
+    assert text.rfind("\x1b[?25h") > text.rfind("\x1b[?25l"), repr(text[-300:])
+    after = text[text.rfind("\x1b[?25h") :]
+    for drawn in ("MiB", "KiB", SYNC_LABEL):
+        assert drawn not in after, repr(after)
+    assert "wrote" in report.read_text()

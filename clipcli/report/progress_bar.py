@@ -9,7 +9,6 @@ so that the next message starts on a line of its own.
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any
 
 from clipcli.errors import printable
@@ -18,7 +17,9 @@ from clipcli.progress import Progress
 UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 SYNC_LABEL = "syncing to disk"
 
-_open_bars: weakref.WeakSet[TerminalProgress] = weakref.WeakSet()
+# The bars on screen, held strongly: a command may drop its TerminalProgress once the job
+# returns, while rich's refresh thread keeps drawing it; close_all() must still find it.
+_open_bars: set[TerminalProgress] = set()
 
 
 def binary_size(n: float) -> str:
@@ -49,7 +50,6 @@ class TerminalProgress(Progress):
         self._total = 0
         self._done = 0
         self._started = 0.0
-        _open_bars.add(self)
 
     def start(self, label: str, total_bytes: int) -> None:
         self.close()
@@ -77,6 +77,7 @@ class TerminalProgress(Progress):
     def close(self) -> None:
         if self._bar is not None:
             bar, self._bar = self._bar, None
+            _open_bars.discard(self)
             bar.stop()
 
     def _open(self) -> None:
@@ -102,5 +103,6 @@ class TerminalProgress(Progress):
             console=Console(stderr=True),
             transient=True,
         )
+        _open_bars.add(self)
         self._bar.start()
         self._task = self._bar.add_task(self._label, total=self._total, completed=self._done)
