@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import UsageError, WriteError, printable
-from clipcli.report.table import middle_ellipsis
+from clipcli.report.table import middle_ellipses, middle_ellipsis
 
 if TYPE_CHECKING:
     from clipcli.report.builders import Bars
@@ -107,6 +107,11 @@ def _label(text: str) -> str:
     return _plain(middle_ellipsis(printable(text), LABEL_CHARS))
 
 
+def _labels(texts: Sequence[str]) -> list[str]:
+    """Labels shortened together, so that they stay as distinct as the names."""
+    return [_plain(t) for t in middle_ellipses([printable(t) for t in texts], LABEL_CHARS)]
+
+
 def _log_scale(values: Sequence[float], ratio: float = 1e3) -> bool:
     positive = [v for v in values if math.isfinite(v) and v > 0]
     return bool(positive) and max(positive) / min(positive) > ratio
@@ -178,7 +183,7 @@ def _horizontal_bars(
     if log:
         ax.set_xscale("log")
     ax.set_xlim(floor, top)
-    ax.set_yticks(positions, [_label(label) for label in labels], fontsize=8)
+    ax.set_yticks(positions, _labels(labels), fontsize=8)
     ax.set_ylim(len(labels) - 0.5, -0.5)  # the first row on top, as in the table
     ax.set_xlabel("L2 norm" + (" (log scale)" if log else ""))
     ax.grid(axis="x", alpha=0.3)
@@ -334,7 +339,7 @@ def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     step = max(1, math.ceil(n / 25))
     ax.set_xticks(
         xs[::step],
-        [_label(bars.labels[i]) for i in xs[::step]],
+        _labels([bars.labels[i] for i in xs[::step]]),
         rotation=45,
         ha="right",
         fontsize=7,

@@ -73,6 +73,83 @@ def middle_ellipsis(text: str, width: int) -> str:
     return head + ELLIPSIS + tail
 
 
+def middle_ellipses(texts: Sequence[str], width: int) -> list[str]:
+    """Every text in at most `width` cells, cut in the middle at one position for the
+    whole list, chosen so that the shortened texts stay as distinct as the originals
+    (`model.layers.1…self_attn.q_proj.weight` must not become the same for every layer):
+    the default split (a third head, two thirds tail) when it keeps them apart, else the
+    split nearest to it that keeps the most apart. Where one split cannot keep them all
+    apart, each text still colliding keeps its digit runs (layer numbers) in the cut."""
+    long = [t for t in texts if cells(t) > width]
+    if not long:
+        return list(texts)
+    budget = max(width - 1, 2)
+    default = budget // 3
+    wanted = len(set(texts))
+
+    def cut_at(head_budget: int) -> list[str]:
+        return [_split(t, width, budget, head_budget) for t in texts]
+
+    def next_to_a_number(head_budget: int) -> bool:  # `lay….8.self`: 8, 18 or 28?
+        for text in long:
+            head = _take(text, head_budget)
+            tail = _take(text[::-1], budget - cells(head))[::-1]
+            if head[-1:].isdigit() or any(ch.isdigit() for ch in tail[:2]):
+                return True
+        return False
+
+    # Nearest splits first; a very long list tries fewer of them (it is rendered plain).
+    order = sorted(range(budget + 1), key=lambda h: (abs(h - default), h))
+    if len(long) > PLAIN_TABLE_ROWS:
+        order = order[:8]
+    best, best_score = cut_at(default), (-1, False)
+    for head_budget in order:
+        shortened = cut_at(head_budget)
+        distinct = len(set(shortened))
+        if distinct < best_score[0]:
+            continue
+        whole_numbers = distinct >= wanted and not next_to_a_number(head_budget)
+        if (distinct, whole_numbers) > best_score:
+            best, best_score = shortened, (distinct, whole_numbers)
+        if whole_numbers:
+            break
+    best_distinct = best_score[0]
+    if best_distinct < wanted:
+        best = _keep_digits(texts, best, width)
+    return best
+
+
+def _split(text: str, width: int, budget: int, head_budget: int) -> str:
+    if cells(text) <= width:
+        return text
+    head = _take(text, head_budget)
+    tail = _take(text[::-1], budget - cells(head))[::-1]
+    return head + ELLIPSIS + tail
+
+
+def _keep_digits(texts: Sequence[str], shortened: list[str], width: int) -> list[str]:
+    """For the shortened texts that still collide: keep the digit runs that tell them
+    apart, head…digits…tail, in the same width."""
+    import re
+    from collections import Counter
+
+    seen = Counter(shortened)
+    out = list(shortened)
+    for i, (text, short) in enumerate(zip(texts, shortened, strict=True)):
+        if seen[short] < 2:
+            continue
+        digits = ".".join(re.findall(r"\d+", text))
+        if not digits:
+            continue
+        room = max(width - cells(digits) - 2, 2)  # two ellipses around the digits
+        head = _take(text, room // 3)
+        tail = _take(text[::-1], room - cells(head))[::-1]
+        candidate = f"{head}{ELLIPSIS}{digits}{ELLIPSIS}{tail}"
+        if cells(candidate) <= width:
+            out[i] = candidate
+    return out
+
+
 def _take(text: str, width: int) -> str:
     taken, used = [], 0
     for ch in text:
@@ -120,6 +197,17 @@ def fit(report: Report, texts: Sequence[Sequence[str]], width: int | None) -> La
     late = [key for key in report.drop_late if key in index]
     while early and room() < natural[0]:
         hide(early.pop(0))
+    # A column that says the same on every row (dtype all float32) tells no row apart:
+    # it goes before any name is cut, and the note says its one value.
+    for key in list(late):
+        i = index[key]
+        if room() >= natural[0] or len(texts) < 2:
+            break
+        values = {row[i] for row in texts}
+        if len(values) == 1:
+            late.remove(key)
+            shown.remove(i)
+            hidden.append(f"{report.columns[i].title} (all {values.pop()})")
     while late and room() < min(natural[0], NAME_MIN_CELLS):
         hide(late.pop(0))
     if room() >= natural[0]:
@@ -133,7 +221,8 @@ def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     columns = [report.columns[i] for i in layout.shown]
     rows = [[row[i] for i in layout.shown] for row in texts]
     if layout.name_width is not None:
-        rows = [[middle_ellipsis(row[0], layout.name_width), *row[1:]] for row in rows]
+        names = middle_ellipses([row[0] for row in rows], layout.name_width)
+        rows = [[name, *row[1:]] for name, row in zip(names, rows, strict=True)]
     notes = list(report.footer)
     notes += [metadata_line(key, value, width) for key, value in report.metadata]
     if layout.hidden:
