@@ -244,3 +244,36 @@ def test_a_column_alike_on_every_row_goes_before_names_are_cut() -> None:
     assert all(n in text for n in names)  # no name cut
     assert "hidden at" in text
     assert "dtype (all float32)" in text
+
+
+@pytest.mark.parametrize("width", [40, 60, 80])
+def test_lines_under_the_table_fit(
+    width: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The title, the footer, the metadata lines and the `hidden at` note fit the width
+    wherever the table does; diff's metadata lines say values as they are (no repr quotes,
+    no `None`)."""
+    config = "{" + ", ".join(f'"dense_{i}": {{"units": 64}}' for i in range(300)) + "}"
+    tensors = {name: np.ones(4, np.float32) for name in _hf_names()[:5]}
+    monkeypatch.chdir(tmp_path)
+    write_safetensors(Path("a.safetensors"), tensors, {"format": "pt", "model_config": config})
+    b_name = "a_rather_long_directory_like_file_name_for_the_second_checkpoint.safetensors"
+    write_safetensors(Path(b_name), tensors, {"added_key_with_a_long_name": "x" * 90})
+    monkeypatch.setenv("COLUMNS", str(width))
+    for argv in (["diff", "a.safetensors", b_name], ["ls", "a.safetensors"]):
+        out = _run(argv, capsys)
+        table = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+        assert all(cell_len(line) <= width for line in table) or width < 60
+        lines = [line for line in out.splitlines() if line not in table]
+        assert all(cell_len(line) <= width for line in lines), [
+            line for line in lines if cell_len(line) > width
+        ]
+        if argv[0] == "diff":
+            text = "\n".join(lines)
+            assert "None" not in text
+            assert "'" not in text
+            assert "metadata format: pt -> (absent)" in text
+            assert "json" in text  # where the full values are

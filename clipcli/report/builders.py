@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from clipcli.report.model import Column, Report, SortKey, Value, count
-from clipcli.report.table import shorten
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
     from clipcli.api import ClipResult, ClipRow
@@ -376,10 +375,6 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, {difference}",
         ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensors",
     ]
-    footer += [
-        f"metadata {shorten(key)}: {shorten(repr(a))} -> {shorten(repr(b))}"
-        for key, a, b in result.metadata_changes
-    ]
     summary: tuple[tuple[str, Any], ...] = (
         ("path_a", str(result.path_a)),
         ("path_b", str(result.path_b)),
@@ -405,4 +400,5 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         tuple(footer),
         drop_order=DIFF_DROP_ORDER,
         drop_late=("norm_b", "norm_ratio", "diff_norm", "norm_a"),
+        metadata_changes=tuple(result.metadata_changes),
     )

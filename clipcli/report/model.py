@@ -55,6 +55,8 @@ class Report:
     drop_order: tuple[str, ...] = ()
     drop_late: tuple[str, ...] = ()
     metadata: tuple[tuple[str, str], ...] = ()  # shown under a table one line each, shortened
+    # diff: (key, value in A, value in B), None where a side has no such key; one line each
+    metadata_changes: tuple[tuple[str, str | None, str | None], ...] = ()
 
     def records(self) -> list[dict[str, Value]]:
         return [dict(zip((c.key for c in self.columns), row, strict=True)) for row in self.rows]

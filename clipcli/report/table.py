@@ -223,15 +223,16 @@ def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     if layout.name_width is not None:
         names = middle_ellipses([row[0] for row in rows], layout.name_width)
         rows = [[name, *row[1:]] for name, row in zip(names, rows, strict=True)]
-    notes = list(report.footer)
+    notes = [printable(line) for line in report.footer]
     notes += [metadata_line(key, value, width) for key, value in report.metadata]
+    notes += [metadata_change_line(*change, width) for change in report.metadata_changes]
     if layout.hidden:
         notes.append(
             f"hidden at {width} columns: {', '.join(layout.hidden)} (--format csv has all)"
         )
     # The title is a plain line, not the table's title: rich would wrap a long path to
     # the table's width, and a path is something people grep for.
-    stream.write(printable(report.title) + "\n")
+    stream.write("".join(line + "\n" for line in title_lines(printable(report.title), width)))
     if len(rows) > PLAIN_TABLE_ROWS:
         stream.write("".join(line + "\n" for line in _plain_lines(columns, rows)))
     else:
@@ -239,7 +240,7 @@ def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     # Built once and written once: a million metadata lines through console.print took
     # minutes. Footer lines are plain text (escaped), never markup.
     if notes:
-        stream.write("".join(printable(line) + "\n" for line in notes))
+        stream.write("".join(line + "\n" for note in notes for line in fit_line(note, width)))
 
 
 def _boxed_table(columns: Sequence[Any], rows: Sequence[Sequence[str]], stream: TextIO) -> None:
@@ -297,6 +298,70 @@ def pipe_console(stream: TextIO, width: int) -> Any:
     return PipeConsole(file=stream, width=width, highlight=False)
 
 
+def fit_line(line: str, width: int | None) -> list[str]:
+    """A line under the table in lines of at most `width` cells: broken between words,
+    continued two spaces in (a line that already fits is left as it is)."""
+    if width is None or cells(line) <= width:
+        return [line]
+    import textwrap
+
+    room = max(width, 8)
+    wrapped = textwrap.wrap(
+        line, room, subsequent_indent="  ", break_on_hyphens=False, drop_whitespace=True
+    )
+    out: list[str] = []
+    for piece in wrapped:  # textwrap counts characters; wide characters take two cells
+        while cells(piece) > room:
+            head = _take(piece, room)
+            out.append(head)
+            piece = "  " + piece[len(head) :]
+        out.append(piece)
+    return out
+
+
+def title_lines(title: str, width: int | None) -> list[str]:
+    """The title on one line; if it is too wide, a diff's `A -> B` on two lines, and a
+    path still too wide shortened in the middle (--format json has the paths whole)."""
+    if width is None or cells(title) <= width:
+        return [title]
+    parts = title.split(" -> ", 1)
+    lines = [parts[0]] + (["  -> " + parts[1]] if len(parts) == 2 else [])
+    if all(cells(line) <= width for line in lines):
+        return lines
+    return [middle_ellipsis(line, max(width, 16)) for line in lines]
+
+
+def _value_text(value: str | None) -> str:
+    return "(absent)" if value is None else printable(value)
+
+
+def metadata_change_line(key: str, a: str | None, b: str | None, width: int | None) -> str:
+    """`metadata KEY: A -> B` (diff), values as they are (no quotes), `(absent)` for a key a
+    side does not have; values cut to share the width, saying where the rest is."""
+    key, ta, tb = shorten(printable(key)), _value_text(a), _value_text(b)
+    line = f"metadata {key}: {ta} -> {tb}"
+    if max(len(ta), len(tb)) <= METADATA_VALUE_CHARS and (width is None or cells(line) <= width):
+        return line
+    more, room = " (--format json has all)", METADATA_VALUE_CHARS
+    if width is not None:
+        key = middle_ellipsis(key, max(width // 3, 12))
+        for more in (" (--format json has all)", " (--format json)"):
+            fixed = cells(f"metadata {key}: ") + cells(" -> ") + cells(more)
+            room = min(max((width - fixed) // 2, 6), METADATA_VALUE_CHARS)
+            if room >= 10:
+                break
+
+    if (a is None) != (b is None):  # `(absent)` is never cut: the other side gets its room
+        room += max(room - cells("(absent)"), 0)
+
+    def cut(value: str | None, text: str) -> str:
+        if value is None or cells(text) <= room:
+            return text
+        return _take(text, room - 1) + ELLIPSIS
+
+    return f"metadata {key}: {cut(a, ta)} -> {cut(b, tb)}{more}"
+
+
 def metadata_line(key: str, value: str, width: int | None) -> str:
     """`metadata KEY = VALUE` on one line: a long value (a Keras model_config is 20+ KB of
     JSON) is cut to the terminal's width, or to METADATA_VALUE_CHARS without one, saying
@@ -308,7 +373,10 @@ def metadata_line(key: str, value: str, width: int | None) -> str:
     more = f"… ({len(value):,} characters; --format json has all)"
     room = METADATA_VALUE_CHARS
     if width is not None:
-        room = min(room, max(width - cells(f"metadata {key} = ") - cells(more), 10))
+        key = middle_ellipsis(key, max(width // 3, 12))
+        if width - cells(f"metadata {key} = ") - cells(more) < 10:
+            more = "… (--format json has all)"
+        room = min(room, max(width - cells(f"metadata {key} = ") - cells(more), 6))
     return f"metadata {key} = {_take(value, room)}{more}"
 
 
