@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from clipcli.report.model import Column, Report, SortKey, Value, count
+from clipcli.report.model import Column, Report, SortKey, Value, count, count_number
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
     from clipcli.api import ClipResult, ClipRow
@@ -71,11 +71,19 @@ def ls_report(
         for i in order
     )
     total = sum(i.nbytes for i in infos)
-    parameters = sum(i.numel for i in infos)
+    # Parameters are what norms counts as model weights; optimizer slots, step counters
+    # and BatchNorm statistics (clipcli.roles) are training state, said apart.
+    from clipcli.roles import Role, classify
+
+    parameters = sum(i.numel for i in infos if classify(i.name) is Role.WEIGHT)
+    training_state = sum(i.numel for i in infos) - parameters
     listed = count(len(infos), "tensor")
     if listed_of is not None and listed_of != len(infos):
-        listed = f"{len(infos)} of {listed_of} tensors"
-    footer = [f"{listed}, {parameters:,} parameters, {total:,} bytes"]
+        listed = f"{len(infos)} of {count(listed_of, 'tensor')}"
+    counted = count_number(parameters, "parameter")
+    if training_state:
+        counted += f" (+{training_state:,} in training state)"
+    footer = [f"{listed}, {counted}, {count_number(total, 'byte')}"]
     for item in non_tensors[:NON_TENSOR_LINES]:
         shape = "no dataspace" if item.shape is None else f"shape {list(item.shape)}"
         footer.append(f"non-tensor {item.name}: {item.kind}, {shape} (not measured)")
@@ -87,6 +95,7 @@ def ls_report(
         ("metadata", dict(metadata)),
         ("total_bytes", total),
         ("total_parameters", parameters),
+        ("training_state_parameters", training_state),
         (
             "non_tensors",
             [
