@@ -88,7 +88,7 @@ def ls_report(
         shape = "no dataspace" if item.shape is None else f"shape {list(item.shape)}"
         footer.append(f"non-tensor {item.name}: {item.kind}, {shape} (not measured)")
     if len(non_tensors) > NON_TENSOR_LINES:
-        footer.append(f"... and {len(non_tensors) - NON_TENSOR_LINES} more non-tensors")
+        footer.append(f"... and {count(len(non_tensors) - NON_TENSOR_LINES, 'more non-tensor')}")
     summary: tuple[tuple[str, Any], ...] = (
         ("path", path),
         ("format", fmt),
@@ -173,7 +173,7 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.FILE, top: int | None =
     counted = sum(t.in_global for t in m.tensors)
     footer = [f"global L2 norm {g:.6g} over {count(counted, 'floating-point tensor')}"]
     if top is not None and top < len(m.tensors):
-        footer.append(f"showing {len(rows)} of {len(m.tensors)} tensors (--top {top})")
+        footer.append(f"showing {len(rows)} of {count(len(m.tensors), 'tensor')} (--top {top})")
     return Report(
         f"{m.path} ({m.format})",
         NORM_COLUMNS,
@@ -204,7 +204,7 @@ def groups_report(
     g = m.global_norm
     footer = [f"global L2 norm {g:.6g} over {count(len(groups), 'group')}"]
     if len(shown) < len(groups):
-        footer.append(f"showing {len(shown)} of {len(groups)} groups (--top {top})")
+        footer.append(f"showing {len(shown)} of {count(len(groups), 'group')} (--top {top})")
     return Report(
         f"{m.path} ({m.format}) grouped by {group_by}",
         GROUP_COLUMNS,
@@ -298,7 +298,7 @@ def clip_report(result: ClipResult) -> Report:
     verb = "would change" if result.dry_run else "changed"
     footer = [
         f"global L2 norm {result.global_before:.6g} -> {result.global_after:.6g}",
-        f"{verb} {changed} of {len(result.rows)} tensors"
+        f"{verb} {changed} of {count(len(result.rows), 'tensor')}"
         + ("" if result.dry_run else f"; wrote {result.out}"),
     ]
     to_zero = sum(r.outcome.flushes.to_zero for r in result.rows)
@@ -382,7 +382,7 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
     )
     footer = [
         f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, {difference}",
-        ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensors",
+        ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensor",
     ]
     summary: tuple[tuple[str, Any], ...] = (
         ("path_a", str(result.path_a)),
@@ -410,4 +410,5 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         drop_order=DIFF_DROP_ORDER,
         drop_late=("norm_b", "norm_ratio", "diff_norm", "norm_a"),
         metadata_changes=tuple(result.metadata_changes),
+        empty="no tensor changed" if changed_only else "",
     )

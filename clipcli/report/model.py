@@ -57,6 +57,7 @@ class Report:
     metadata: tuple[tuple[str, str], ...] = ()  # shown under a table one line each, shortened
     # diff: (key, value in A, value in B), None where a side has no such key; one line each
     metadata_changes: tuple[tuple[str, str | None, str | None], ...] = ()
+    empty: str = ""  # said in a table instead of drawing one with no rows (JSON/CSV: [])
 
     def records(self) -> list[dict[str, Value]]:
         return [dict(zip((c.key for c in self.columns), row, strict=True)) for row in self.rows]

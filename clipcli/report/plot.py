@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import UsageError, WriteError, printable
+from clipcli.report.model import count
 from clipcli.report.table import middle_ellipses, middle_ellipsis
 
 if TYPE_CHECKING:
@@ -348,7 +349,7 @@ def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
         ax.set_yscale("log")
     ax.set_ylabel("L2 norm" + (" (log scale)" if log else ""))
     ax.grid(alpha=0.3)
-    ax.set_title(f"{_plain(bars.title)}: {n} groups", fontsize=10, loc="left")
+    ax.set_title(f"{_plain(bars.title)}: {count(n, 'group')}", fontsize=10, loc="left")
     _largest(side, bars, limit)
     return fig
 
@@ -391,6 +392,8 @@ def _ranked_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     if limit is not None:
         ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
         ax.legend(fontsize=8, loc="upper right")
-    ax.set_title(f"{_plain(bars.title)}: {len(values)} rows ranked", fontsize=10, loc="left")
+    ax.set_title(
+        f"{_plain(bars.title)}: {count(len(values), 'row')} ranked", fontsize=10, loc="left"
+    )
     _largest(side, bars, limit)
     return fig

@@ -233,7 +233,9 @@ def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     # The title is a plain line, not the table's title: rich would wrap a long path to
     # the table's width, and a path is something people grep for.
     stream.write("".join(line + "\n" for line in title_lines(printable(report.title), width)))
-    if len(rows) > PLAIN_TABLE_ROWS:
+    if not rows and report.empty:
+        stream.write(report.empty + "\n")
+    elif len(rows) > PLAIN_TABLE_ROWS:
         stream.write("".join(line + "\n" for line in _plain_lines(columns, rows)))
     else:
         _boxed_table(columns, rows, stream)
