@@ -129,6 +129,11 @@ def test_other_group_is_not_a_point_of_the_layer_line() -> None:
     assert len(line.get_xdata()) == 50
     assert 40.0 not in list(line.get_ydata())
     assert any("(other)" in t.get_text() for t in ax.texts)  # drawn apart, labelled
+    box = ax.get_legend().get_window_extent()
+    renderer = fig.canvas.get_renderer()
+    for label in ax.get_xticklabels():  # slanted group names below: the legend goes above
+        assert not box.overlaps(label.get_window_extent(renderer))
+    assert not box.overlaps(ax.get_window_extent())
 
 
 def test_limit_legend_is_not_on_the_bars() -> None:

@@ -209,15 +209,16 @@ def _legend(ax: Any, limit: float | None, apart: bool, vertical: bool) -> None:
         _legend_below(ax, handles)
 
 
-def _legend_below(ax: Any, handles: Sequence[Any] | None = None) -> None:
-    """The legend under the axes, never on the bars or lines it explains."""
+def _legend_below(ax: Any, handles: Sequence[Any] | None = None, above: bool = False) -> None:
+    """The legend under the axes (or above them, right, where slanted tick labels fill the
+    space below), never on the bars or lines it explains."""
     kwargs: dict[str, Any] = {} if handles is None else {"handles": list(handles)}
     count_ = len(handles) if handles is not None else len(ax.get_legend_handles_labels()[0])
     ax.legend(
         **kwargs,
         fontsize=8,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.14),
+        loc="lower right" if above else "upper center",
+        bbox_to_anchor=(1.0, 1.0) if above else (0.5, -0.14),
         ncols=max(1, min(3, count_)),
         frameon=False,
     )
@@ -405,7 +406,7 @@ def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
             label="over the limit",
         )
         ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
-        _legend_below(ax)
+        _legend_below(ax, above=True)
     step = max(1, math.ceil(n / 25))
     ax.set_xticks(
         xs[::step],
