@@ -277,3 +277,13 @@ def test_lines_under_the_table_fit(
             assert "'" not in text
             assert "metadata format: pt -> (absent)" in text
             assert "json" in text  # where the full values are
+
+
+def test_names_apart_only_in_the_middle_keep_their_digit_runs() -> None:
+    from clipcli.report.table import NAME_MIN_CELLS, middle_ellipses
+
+    names = ["a" * 40 + f".{i}." + "b" * 40 for i in range(12)]
+    short = middle_ellipses(names, NAME_MIN_CELLS)
+    assert len(set(short)) == len(names)  # no single cut reaches the digits: they are kept
+    assert all(cell_len(s) <= NAME_MIN_CELLS for s in short)
+    assert all(f"…{i}…" in s for i, s in enumerate(short))
