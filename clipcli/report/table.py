@@ -102,7 +102,7 @@ def middle_ellipses(texts: Sequence[str], width: int) -> list[str]:
     order = sorted(range(budget + 1), key=lambda h: (abs(h - default), h))
     if len(long) > PLAIN_TABLE_ROWS:
         order = order[:8]
-    best, best_score = cut_at(default), (-1, False)
+    best, best_score = list(texts), (-1, False)
     for head_budget in order:
         shortened = cut_at(head_budget)
         distinct = len(set(shortened))
@@ -111,8 +111,8 @@ def middle_ellipses(texts: Sequence[str], width: int) -> list[str]:
         whole_numbers = distinct >= wanted and not next_to_a_number(head_budget)
         if (distinct, whole_numbers) > best_score:
             best, best_score = shortened, (distinct, whole_numbers)
-        if whole_numbers:
-            break
+        if whole_numbers or (distinct >= wanted and len(long) > PLAIN_TABLE_ROWS):
+            break  # (a very long list takes the first split that keeps the names apart)
     best_distinct = best_score[0]
     if best_distinct < wanted:
         best = _keep_digits(texts, best, width)
@@ -120,6 +120,11 @@ def middle_ellipses(texts: Sequence[str], width: int) -> list[str]:
 
 
 def _split(text: str, width: int, budget: int, head_budget: int) -> str:
+    if text.isascii():  # the common case, without counting cells
+        if len(text) <= width:
+            return text
+        head = text[:head_budget]
+        return head + ELLIPSIS + text[len(text) - (budget - len(head)) :]
     if cells(text) <= width:
         return text
     head = _take(text, head_budget)
@@ -151,6 +156,8 @@ def _keep_digits(texts: Sequence[str], shortened: list[str], width: int) -> list
 
 
 def _take(text: str, width: int) -> str:
+    if text.isascii():  # one cell per character (the text is escaped: no controls)
+        return text[: max(width, 0)]
     taken, used = [], 0
     for ch in text:
         used += cells(ch)
