@@ -56,3 +56,10 @@ def test_changed_only_on_identical_files(one: Path, capsys: pytest.CaptureFixtur
     _, out, _ = _run(capsys, "diff", str(one), str(one), "--changed-only", "-f", "csv")
     assert out.splitlines()[0].startswith("name,status")
     assert len(out.splitlines()) == 1
+
+
+def test_one_slice_is_singular(one: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["clip", "--norm", "1", "--axes", "0", "--dry-run", str(one), "o.safetensors"]
+    code, out, _ = _run(capsys, *argv, "-f", "json")
+    assert code == 0
+    assert json.loads(out)["tensors"][0]["note"] == "1 of 1 slice clipped"

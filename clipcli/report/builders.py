@@ -263,7 +263,7 @@ REASON_TEXT = {
     "zero tensor": "zero tensor",
     "over limit": "",
     "over range": "",
-    "per slice": "{clipped} of {slices} slices clipped",
+    "per slice": "{clipped} of {slices} clipped",
     "converted": "copied",
 }
 
@@ -273,7 +273,7 @@ def clip_note(row: ClipRow) -> str:
     text = REASON_TEXT[row.reason.value].format(
         role=row.plan.role.description,
         clipped=row.outcome.slices_clipped,
-        slices=row.outcome.slices,
+        slices=count(row.outcome.slices, "slice"),
     )
     if row.plan.group is None:
         return text
