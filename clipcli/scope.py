@@ -23,6 +23,7 @@ from clipcli.dtypes import is_floating
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import TensorInfo
 from clipcli.groups import compile_group_by, group_key
+from clipcli.report.model import count
 
 Notify = Callable[[str, str], None]  # (level, text); level is "warning" or "note"
 
@@ -71,7 +72,7 @@ def check_patterns(
             if hints
             else ""
         )
-        raise UsageError(f"no tensor selected by {given} (of {len(names)} tensors){hint}")
+        raise UsageError(f"no tensor selected by {given} (of {count(len(names), 'tensor')}){hint}")
     for option, patterns in (("--include", dead_includes), ("--exclude", exclude)):
         for pattern in patterns:
             if option == "--exclude" and _matches(pattern, names):
@@ -108,12 +109,20 @@ def left_out_note(kept_out: dict[str, roles.Role]) -> str | None:
     )
 
 
+def _all_selected(n: int) -> str:
+    return "the one selected tensor is" if n == 1 else f"all {n} selected tensors are"
+
+
+def _have(n: int) -> str:
+    return "has" if n == 1 else "have"
+
+
 def check_roles(selected: Sequence[TensorInfo], kept_out: dict[str, roles.Role]) -> None:
     """A selection made only of training state is empty as far as weights go (exit 2)."""
     if selected and all(info.name in kept_out for info in selected):
         kinds = sorted({kept_out[i.name].description for i in selected})
         raise UsageError(
-            f"no model weight selected: all {len(selected)} selected tensors are "
+            f"no model weight selected: {_all_selected(len(selected))} "
             f"{' or '.join(kinds)}; pass --all-tensors to act on them"
         )
 
@@ -187,14 +196,16 @@ def check_axes(
     shown = first_few([f"{t.name!r} {list(t.shape)}" for t in misfits], quote=False)
     if not skip_low_rank:
         raise DataRefusedError(
-            f"{len(misfits)} selected tensors have too few dimensions for --axes {axes_text}: "
+            f"{count(len(misfits), 'selected tensor')} {_have(len(misfits))} too few "
+            f"dimensions for --axes {axes_text}: "
             f"{shown}; pass --skip-low-rank to leave them unchanged, or narrow the selection "
             "with --include/--exclude"
         )
     notify(
         "note",
-        f"--skip-low-rank: {len(misfits)} tensors have too few dimensions for --axes "
-        f"{axes_text} and are left unchanged: {shown}",
+        f"--skip-low-rank: {count(len(misfits), 'tensor')} {_have(len(misfits))} too few "
+        f"dimensions for --axes {axes_text} and {'is' if len(misfits) == 1 else 'are'} left "
+        f"unchanged: {shown}",
     )
     return {t.name for t in misfits}
 

@@ -119,3 +119,33 @@ def test_keras_model_config_is_shortened_in_the_table_only(
     _, out, _ = _run(capsys, "ls", path, "--format", "json")
     with h5py.File(path) as f:
         assert json.loads(out)["metadata"]["model_config"] == f.attrs["model_config"]
+
+
+def test_training_state_is_not_counted_as_parameters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Keras full model with Adam: 110 weights, two slots per weight and the step counter
+    (221 numbers of training state). ls counts what norms counts as model weights."""
+    path = tmp_path / "adam.h5"
+    with h5py.File(path, "w") as f:
+        f["model_weights/dense/dense/kernel:0"] = np.ones((10, 10), np.float32)
+        f["model_weights/dense/dense/bias:0"] = np.ones(10, np.float32)
+        f["optimizer_weights/Adam/iterations:0"] = np.array(7, np.int64)
+        for slot in ("m", "v"):
+            f[f"optimizer_weights/Adam/dense/kernel/{slot}:0"] = np.ones((10, 10), np.float32)
+            f[f"optimizer_weights/Adam/dense/bias/{slot}:0"] = np.ones(10, np.float32)
+    code, out, _ = _run(capsys, "ls", path)
+    assert code == 0
+    assert "7 tensors, 110 parameters (+221 in training state)" in out
+    _, out, _ = _run(capsys, "ls", path, "--format", "json")
+    document = json.loads(out)
+    assert document["total_parameters"] == 110
+    assert document["training_state_parameters"] == 221
+    assert isinstance(document["total_bytes"], int)
+
+
+def test_counts_meet_their_nouns_in_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "one.safetensors"
+    save_file({"w": np.ones((), np.int8)}, str(path))
+    _, out, _ = _run(capsys, "ls", path)
+    assert "1 tensor, 1 parameter, 1 byte" in out

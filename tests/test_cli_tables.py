@@ -162,3 +162,128 @@ def test_chart_at_width(
     bars = [line for line in out.splitlines() if line.startswith(" ")]
     assert len(bars) == len(NAMES)
     assert all(cell_len(line) <= width for line in bars)
+
+
+HF_KINDS: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+HF_KINDS += ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _hf_names(layers: int = 29) -> list[str]:
+    names = ["model.embed_tokens.weight"]
+    for layer in range(layers):
+        names += [f"model.layers.{layer}.{kind}.weight" for kind in HF_KINDS]
+    return names[:200]
+
+
+@pytest.fixture
+def hf_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A 200-tensor Hugging Face model (h.safetensors) and a copy with one tensor halved."""
+    rng = np.random.default_rng(5)
+    tensors = {name: rng.standard_normal(4).astype(np.float32) for name in _hf_names()}
+    write_safetensors(tmp_path / "h.safetensors", tensors)
+    tensors["model.layers.3.mlp.up_proj.weight"] *= 0.5
+    write_safetensors(tmp_path / "g.safetensors", tensors)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+HF_COMMANDS = {
+    "norms": ["norms", "h.safetensors"],
+    "chart": ["norms", "h.safetensors", "--chart"],
+    "clip": ["clip", "--norm", "1", "--dry-run", "h.safetensors", "o.safetensors"],
+    "diff": ["diff", "h.safetensors", "g.safetensors"],
+    "ls": ["ls", "h.safetensors"],
+}
+
+
+@pytest.mark.usefixtures("hf_models")
+@pytest.mark.parametrize("width", [40, 60, 80])
+@pytest.mark.parametrize("command", sorted(HF_COMMANDS))
+def test_shortened_names_stay_distinct(
+    command: str, width: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", str(width))
+    out = _run(HF_COMMANDS[command], capsys)
+    if command == "chart":
+        rows = [line.split()[0] for line in out.splitlines() if line.startswith(" model")]
+    else:
+        rows = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 200, out
+    assert len(set(rows)) == 200, sorted(r for r in rows if rows.count(r) > 1)[:6]
+    if width >= 60:  # at 40 the names keep their documented minimum: the table is wider
+        assert all(cell_len(line) <= width for line in out.splitlines() if "│" in line)
+
+
+def test_middle_ellipses_one_cut_per_list() -> None:
+    from clipcli.report.table import NAME_MIN_CELLS, middle_ellipses
+
+    names = _hf_names()
+    short = middle_ellipses(names, NAME_MIN_CELLS)
+    assert len(set(short)) == len(names)
+    assert all(cell_len(s) <= NAME_MIN_CELLS for s in short)
+    for name, s in zip(names, short, strict=True):
+        if "…" in s:
+            head, tail = s.split("…")
+            assert name.startswith(head)
+            assert name.endswith(tail)
+
+
+def test_a_column_alike_on_every_row_goes_before_names_are_cut() -> None:
+    names = _hf_names()[:20]
+    report = Report(
+        "t",
+        (Column("name", "tensor"), Column("dtype", "dtype"), Column("norm", "norm", True)),
+        tuple((n, "float32", 1.0) for n in names),
+        drop_late=("dtype",),
+    )
+    stream = io.StringIO()
+    longest = max(len(n) for n in names)
+    render(report, OutputFormat.TABLE, stream, longest + 14)  # room without dtype only
+    text = stream.getvalue()
+    assert "float32 │" not in text
+    assert all(n in text for n in names)  # no name cut
+    assert "hidden at" in text
+    assert "dtype (all float32)" in text
+
+
+@pytest.mark.parametrize("width", [40, 60, 80])
+def test_lines_under_the_table_fit(
+    width: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The title, the footer, the metadata lines and the `hidden at` note fit the width
+    wherever the table does; diff's metadata lines say values as they are (no repr quotes,
+    no `None`)."""
+    config = "{" + ", ".join(f'"dense_{i}": {{"units": 64}}' for i in range(300)) + "}"
+    tensors = {name: np.ones(4, np.float32) for name in _hf_names()[:5]}
+    monkeypatch.chdir(tmp_path)
+    write_safetensors(Path("a.safetensors"), tensors, {"format": "pt", "model_config": config})
+    b_name = "a_rather_long_directory_like_file_name_for_the_second_checkpoint.safetensors"
+    write_safetensors(Path(b_name), tensors, {"added_key_with_a_long_name": "x" * 90})
+    monkeypatch.setenv("COLUMNS", str(width))
+    for argv in (["diff", "a.safetensors", b_name], ["ls", "a.safetensors"]):
+        out = _run(argv, capsys)
+        table = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+        assert all(cell_len(line) <= width for line in table) or width < 60
+        lines = [line for line in out.splitlines() if line not in table]
+        assert all(cell_len(line) <= width for line in lines), [
+            line for line in lines if cell_len(line) > width
+        ]
+        if argv[0] == "diff":
+            text = "\n".join(lines)
+            assert "None" not in text
+            assert "'" not in text
+            assert "metadata format: pt -> (absent)" in text
+            assert "json" in text  # where the full values are
+
+
+def test_names_apart_only_in_the_middle_keep_their_digit_runs() -> None:
+    from clipcli.report.table import NAME_MIN_CELLS, middle_ellipses
+
+    names = ["a" * 40 + f".{i}." + "b" * 40 for i in range(12)]
+    short = middle_ellipses(names, NAME_MIN_CELLS)
+    assert len(set(short)) == len(names)  # no single cut reaches the digits: they are kept
+    assert all(cell_len(s) <= NAME_MIN_CELLS for s in short)
+    assert all(f"…{i}…" in s for i, s in enumerate(short))

@@ -152,7 +152,7 @@ def test_hostile_path_in_title_footer_and_convert(
         (["norms", src], "e[/x]m.safetensors (safetensors)"),
         (["norms", src, "--chart"], "e[/x]m.safetensors (safetensors)"),
         (["clip", "--global", "1", src, directory / "o\x07.safetensors"], "e[/o\\x07.safetensors"),
-        (["convert", src, directory / "c\u202e.npz"], "e[/c\\u202e.npz: 1 tensors"),
+        (["convert", src, directory / "c\u202e.npz"], "e[/c\\u202e.npz: 1 tensor,"),
     ):
         result = run_main(*argv)
         assert result.code == 0, result.stderr

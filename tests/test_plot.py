@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,3 +86,64 @@ def test_svg_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["norms", str(model), "--plot", str(tmp_path / "p.svg"), "-f", "csv"]) == 0
     assert capsys.readouterr().err == ""
     assert (tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")
+
+
+def _figure_of(kind: str, labels: list[str], norms: list[float], limit: float | None) -> object:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from clipcli.report import plot
+    from clipcli.report.builders import Bars
+
+    bars = Bars("t", tuple(labels), tuple(norms), tuple(True for _ in labels))
+    draw = {
+        "ranked": plot._ranked_figure,
+        "groups": plot._group_profile_figure,
+        "bars": plot._bar_figure,
+    }[kind]
+    fig = draw(plt, bars, limit)
+    fig.canvas.draw()
+    return fig
+
+
+def test_ranked_log_line_keeps_a_zero_at_the_floor_marked_0() -> None:
+    norms = [10.0 ** (i / 20) for i in range(80)] + [0.0]
+    fig: Any = _figure_of("ranked", [f"w{i}" for i in range(81)], norms, None)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log"
+    ys = np.asarray(ax.lines[0].get_ydata(), dtype=float)
+    assert len(ys) == 81
+    assert np.isfinite(ys).all()  # the line does not stop at 80
+    assert ys[-1] < min(norms[:80])  # the zero sits below every positive value
+    assert "0" in [t.get_text() for t in ax.texts]
+
+
+def test_other_group_is_not_a_point_of_the_layer_line() -> None:
+    labels = [f"model.layers.{i}" for i in range(50)] + ["(other)"]
+    norms = [1.0 + i % 3 for i in range(50)] + [40.0]
+    fig: Any = _figure_of("groups", labels, norms, 10.0)
+    ax = fig.axes[0]
+    line = ax.lines[0]
+    assert len(line.get_xdata()) == 50
+    assert 40.0 not in list(line.get_ydata())
+    assert any("(other)" in t.get_text() for t in ax.texts)  # drawn apart, labelled
+    box = ax.get_legend().get_window_extent()
+    renderer = fig.canvas.get_renderer()
+    for label in ax.get_xticklabels():  # slanted group names below: the legend goes above
+        assert not box.overlaps(label.get_window_extent(renderer))
+    assert not box.overlaps(ax.get_window_extent())
+
+
+def test_limit_legend_is_not_on_the_bars() -> None:
+    labels = [f"layer.{i}.weight" for i in range(12)]
+    norms = [30.0 - i for i in range(12)]  # long bars at the top right, where "best" went
+    fig: Any = _figure_of("bars", labels, norms, 20.0)
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    assert legend is not None
+    box = legend.get_window_extent()
+    for patch in ax.patches:
+        assert not box.overlaps(patch.get_window_extent()), "the legend covers a bar"
+    assert not box.overlaps(ax.get_window_extent())  # outside the plotting area

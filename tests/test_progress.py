@@ -148,3 +148,77 @@ def test_ctrl_c_finishes_the_bar_line(tmp_path: Path) -> None:
     assert CSI.sub("", before)[-1:] in ("\r", "\n"), repr(before[-200:])
     assert after.strip() == "", repr(after)
     assert before.rfind("\x1b[?25h") > before.rfind("\x1b[?25l"), repr(before[-200:])
+
+
+def test_clip_to_a_file_finishes_the_bar_before_the_report(tmp_path: Path) -> None:
+    """The job drops its TerminalProgress when it returns; the bar must still be closed
+    (line ended, cursor shown, never drawn again) before the report, with stdout a file
+    and stderr a real terminal."""
+    main_fd, terminal = pty.openpty()
+    env = dict(os.environ, COLUMNS="80", TERM="xterm")
+    report = tmp_path / "rep.txt"
+    out = tmp_path / "o.safetensors"
+    with report.open("w") as stdout:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "clipcli", "clip", "--norm", "1", str(SAMPLE), str(out)],
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=terminal,
+            env=env,
+        )
+        os.close(terminal)
+        try:
+            shown = b""
+            deadline = time.monotonic() + 60
+            while child.poll() is None and time.monotonic() < deadline:
+                shown += _read_until(main_fd, b"\x00", 0.2)
+            shown += _read_until(main_fd, b"\x00", 0.3)
+            assert child.wait(30) == 0
+        finally:
+            child.kill()
+            os.close(main_fd)
+    text = shown.decode("utf-8", "replace")
+    assert "writing" in text or "measuring" in text, repr(text)  # a bar was drawn
+    assert text.rfind("\x1b[?25h") > text.rfind("\x1b[?25l"), repr(text[-300:])
+    after = text[text.rfind("\x1b[?25h") :]
+    for drawn in ("MiB", "KiB", SYNC_LABEL):
+        assert drawn not in after, repr(after)
+    assert "wrote" in report.read_text()
+
+
+@pytest.mark.parametrize("width", [12, 20, 40, 60, 80, 120])
+@pytest.mark.parametrize("label", ["measuring", SYNC_LABEL, "comparing model-00001-of-00009"])
+def test_bar_line_fits_the_terminal(width: int, label: str) -> None:
+    from rich.cells import cell_len
+
+    from clipcli.report.progress_bar import bar_line
+
+    pieces = bar_line(label, 284 << 20, 320 << 20, 1.8 * (1 << 30), width)
+    line = "".join(text for text, _style in pieces)
+    assert cell_len(line) <= width - 1, (width, line)
+    if width >= 80 and len(label) < 20:  # room for everything: bar, sizes, speed, time left
+        assert "━" in line
+        assert "GiB/s" in line
+        assert "left" in line
+    if width >= 40:
+        assert label in line  # the label is cut only when nothing else is left to drop
+
+
+@pytest.mark.parametrize("width", [20, 60, 80])
+def test_drawn_bar_is_one_line(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
+    text = io.StringIO()
+    monkeypatch.setattr(
+        "rich.console.Console",
+        lambda **_kw: Console(file=text, force_terminal=True, width=width),
+    )
+    bar = TerminalProgress()
+    bar.start("writing", 320 << 20)
+    for _ in range(3):
+        bar.advance(64 << 20)
+        time.sleep(0.05)  # so that rich measures a speed and a time left
+    assert bar._bar is not None
+    bar._bar.refresh()
+    bar.close()
+    drawn = CSI.sub("", text.getvalue())
+    for line in re.split(r"[\r\n]", drawn):
+        assert len(line) <= width - 1, (width, line)

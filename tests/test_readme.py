@@ -23,3 +23,31 @@ def test_every_readme_example_is_the_real_output() -> None:
     outputs = run_in_copy([e.argv for e in found])
     for example, output in zip(found, outputs, strict=True):
         assert output == example.output, f"README example `clipcli {' '.join(example.argv)}`"
+
+
+def _output_columns_row(command: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Output columns (stable for scripts)") :]
+    rows = [line for line in section.splitlines() if line.startswith(f"| `{command}` |")]
+    assert rows, f"no `{command}` row under Output columns"
+    return rows[0]
+
+
+def test_output_columns_name_the_diff_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    """The diff row lists the real columns in order, the JSON summary keys and every status."""
+    import json
+
+    from clipcli import diff
+    from clipcli.cli import main
+    from clipcli.report.builders import DIFF_COLUMNS
+
+    row = _output_columns_row("diff")
+    assert f"`{', '.join(c.key for c in DIFF_COLUMNS)}`" in row
+    sample = str(README.parent / "sample_data" / "tiny_mlp.safetensors")
+    capsys.readouterr()
+    assert main(["diff", sample, sample, "--format", "json"]) == 0
+    summary = [key for key in json.loads(capsys.readouterr().out) if key != "tensors"]
+    assert f"`{', '.join(summary)}`" in row
+    statuses = (diff.SAME, diff.CHANGED, diff.DTYPE_CHANGED, diff.SHAPE_CHANGED)
+    for status in (*statuses, diff.ONLY_IN_A, diff.ONLY_IN_B):
+        assert f"`{status}`" in row

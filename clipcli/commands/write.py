@@ -23,6 +23,7 @@ from clipcli.commands.common import (
 )
 from clipcli.errors import UsageError, printable
 from clipcli.report import OutputFormat
+from clipcli.report.model import count
 
 CLIP_EPILOG = (
     "\b\nExamples:\n"
@@ -197,5 +198,6 @@ def convert_command(
         )
         if not quiet:
             total = sum(i.nbytes for i in infos)
-            line = f"wrote {printable(str(out))}: {len(infos)} tensors, {total} bytes"
+            listed = f"{count(len(infos), 'tensor')}, {count(total, 'byte')}"
+            line = f"wrote {printable(str(out))}: {listed}"
             emit(lambda: print(line))

@@ -10,8 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from clipcli.report.model import Column, Report, SortKey, Value, count
-from clipcli.report.table import shorten
+from clipcli.report.model import Column, Report, SortKey, Value, count, count_number
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
     from clipcli.api import ClipResult, ClipRow
@@ -72,22 +71,31 @@ def ls_report(
         for i in order
     )
     total = sum(i.nbytes for i in infos)
-    parameters = sum(i.numel for i in infos)
+    # Parameters are what norms counts as model weights; optimizer slots, step counters
+    # and BatchNorm statistics (clipcli.roles) are training state, said apart.
+    from clipcli.roles import Role, classify
+
+    parameters = sum(i.numel for i in infos if classify(i.name) is Role.WEIGHT)
+    training_state = sum(i.numel for i in infos) - parameters
     listed = count(len(infos), "tensor")
     if listed_of is not None and listed_of != len(infos):
-        listed = f"{len(infos)} of {listed_of} tensors"
-    footer = [f"{listed}, {parameters:,} parameters, {total:,} bytes"]
+        listed = f"{len(infos)} of {count(listed_of, 'tensor')}"
+    counted = count_number(parameters, "parameter")
+    if training_state:
+        counted += f" (+{training_state:,} in training state)"
+    footer = [f"{listed}, {counted}, {count_number(total, 'byte')}"]
     for item in non_tensors[:NON_TENSOR_LINES]:
         shape = "no dataspace" if item.shape is None else f"shape {list(item.shape)}"
         footer.append(f"non-tensor {item.name}: {item.kind}, {shape} (not measured)")
     if len(non_tensors) > NON_TENSOR_LINES:
-        footer.append(f"... and {len(non_tensors) - NON_TENSOR_LINES} more non-tensors")
+        footer.append(f"... and {count(len(non_tensors) - NON_TENSOR_LINES, 'more non-tensor')}")
     summary: tuple[tuple[str, Any], ...] = (
         ("path", path),
         ("format", fmt),
         ("metadata", dict(metadata)),
         ("total_bytes", total),
         ("total_parameters", parameters),
+        ("training_state_parameters", training_state),
         (
             "non_tensors",
             [
@@ -165,7 +173,7 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.FILE, top: int | None =
     counted = sum(t.in_global for t in m.tensors)
     footer = [f"global L2 norm {g:.6g} over {count(counted, 'floating-point tensor')}"]
     if top is not None and top < len(m.tensors):
-        footer.append(f"showing {len(rows)} of {len(m.tensors)} tensors (--top {top})")
+        footer.append(f"showing {len(rows)} of {count(len(m.tensors), 'tensor')} (--top {top})")
     return Report(
         f"{m.path} ({m.format})",
         NORM_COLUMNS,
@@ -196,7 +204,7 @@ def groups_report(
     g = m.global_norm
     footer = [f"global L2 norm {g:.6g} over {count(len(groups), 'group')}"]
     if len(shown) < len(groups):
-        footer.append(f"showing {len(shown)} of {len(groups)} groups (--top {top})")
+        footer.append(f"showing {len(shown)} of {count(len(groups), 'group')} (--top {top})")
     return Report(
         f"{m.path} ({m.format}) grouped by {group_by}",
         GROUP_COLUMNS,
@@ -255,7 +263,7 @@ REASON_TEXT = {
     "zero tensor": "zero tensor",
     "over limit": "",
     "over range": "",
-    "per slice": "{clipped} of {slices} slices clipped",
+    "per slice": "{clipped} of {slices} clipped",
     "converted": "copied",
 }
 
@@ -265,7 +273,7 @@ def clip_note(row: ClipRow) -> str:
     text = REASON_TEXT[row.reason.value].format(
         role=row.plan.role.description,
         clipped=row.outcome.slices_clipped,
-        slices=row.outcome.slices,
+        slices=count(row.outcome.slices, "slice"),
     )
     if row.plan.group is None:
         return text
@@ -290,7 +298,7 @@ def clip_report(result: ClipResult) -> Report:
     verb = "would change" if result.dry_run else "changed"
     footer = [
         f"global L2 norm {result.global_before:.6g} -> {result.global_after:.6g}",
-        f"{verb} {changed} of {len(result.rows)} tensors"
+        f"{verb} {changed} of {count(len(result.rows), 'tensor')}"
         + ("" if result.dry_run else f"; wrote {result.out}"),
     ]
     to_zero = sum(r.outcome.flushes.to_zero for r in result.rows)
@@ -374,11 +382,7 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
     )
     footer = [
         f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, {difference}",
-        ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensors",
-    ]
-    footer += [
-        f"metadata {shorten(key)}: {shorten(repr(a))} -> {shorten(repr(b))}"
-        for key, a, b in result.metadata_changes
+        ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensor",
     ]
     summary: tuple[tuple[str, Any], ...] = (
         ("path_a", str(result.path_a)),
@@ -405,4 +409,6 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         tuple(footer),
         drop_order=DIFF_DROP_ORDER,
         drop_late=("norm_b", "norm_ratio", "diff_norm", "norm_a"),
+        metadata_changes=tuple(result.metadata_changes),
+        empty="no tensor changed" if changed_only else "",
     )

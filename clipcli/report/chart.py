@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from clipcli.errors import printable
-from clipcli.report.table import PLAIN_TABLE_ROWS, cells, middle_ellipsis, pipe_console
+from clipcli.report.table import PLAIN_TABLE_ROWS, cells, middle_ellipses, pipe_console
 
 BAR_WIDTH = 40
 BAR_MIN_WIDTH = 10  # a narrow terminal shortens the bars to this before the names
@@ -44,7 +44,8 @@ def render_chart(
     mark = round(limit / top * bar_width) if limit is not None and top > 0 else None
     position = None if mark is None else min(mark, bar_width - 1)
     lines = []
-    for text, norm, value, in_global in zip(texts, norms, values, counted, strict=True):
+    shortened = middle_ellipses(texts, label_width)
+    for label, norm, value, in_global in zip(shortened, norms, values, counted, strict=True):
         length = (
             bar_width
             if not math.isfinite(norm)
@@ -53,7 +54,6 @@ def render_chart(
             else 0
         )
         over = in_global and limit is not None and not norm <= limit
-        label = middle_ellipsis(text, label_width)
         glyph = COUNTED if in_global else NOT_COUNTED
         bar = glyph * length + " " * (bar_width - length)
         if position is not None:

@@ -55,6 +55,9 @@ class Report:
     drop_order: tuple[str, ...] = ()
     drop_late: tuple[str, ...] = ()
     metadata: tuple[tuple[str, str], ...] = ()  # shown under a table one line each, shortened
+    # diff: (key, value in A, value in B), None where a side has no such key; one line each
+    metadata_changes: tuple[tuple[str, str | None, str | None], ...] = ()
+    empty: str = ""  # said in a table instead of drawing one with no rows (JSON/CSV: [])
 
     def records(self) -> list[dict[str, Value]]:
         return [dict(zip((c.key for c in self.columns), row, strict=True)) for row in self.rows]
@@ -63,6 +66,11 @@ class Report:
 def count(n: int, noun: str) -> str:
     """'1 group', '2 groups'."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def count_number(n: int, noun: str) -> str:
+    """'1 byte', '4,481 parameters': count() with thousands separators."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
 def json_number(value: Any) -> Any:

@@ -10,7 +10,9 @@ here. Three pictures, chosen by what is listed, so that every name that is shown
   the tensors outside the layers (embeddings, final norm, head) as bars beside it;
 - more rows without layers: the norms ranked, largest first, the largest ones named.
 
-A zero norm has no place on a log axis: it is drawn at the axis floor, marked "0".
+A zero norm has no place on a log axis: it is drawn at the axis floor, marked "0", in bars
+and lines alike. Many groups are a line in the listed order, with `(other)` drawn apart after
+it. Legends sit under the axes, never on what they explain.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import UsageError, WriteError, printable
-from clipcli.report.table import middle_ellipsis
+from clipcli.report.model import count
+from clipcli.report.table import middle_ellipses, middle_ellipsis
 
 if TYPE_CHECKING:
     from clipcli.report.builders import Bars
@@ -107,6 +110,11 @@ def _label(text: str) -> str:
     return _plain(middle_ellipsis(printable(text), LABEL_CHARS))
 
 
+def _labels(texts: Sequence[str]) -> list[str]:
+    """Labels shortened together, so that they stay as distinct as the names."""
+    return [_plain(t) for t in middle_ellipses([printable(t) for t in texts], LABEL_CHARS)]
+
+
 def _log_scale(values: Sequence[float], ratio: float = 1e3) -> bool:
     positive = [v for v in values if math.isfinite(v) and v > 0]
     return bool(positive) and max(positive) / min(positive) > ratio
@@ -178,7 +186,7 @@ def _horizontal_bars(
     if log:
         ax.set_xscale("log")
     ax.set_xlim(floor, top)
-    ax.set_yticks(positions, [_label(label) for label in labels], fontsize=8)
+    ax.set_yticks(positions, _labels(labels), fontsize=8)
     ax.set_ylim(len(labels) - 0.5, -0.5)  # the first row on top, as in the table
     ax.set_xlabel("L2 norm" + (" (log scale)" if log else ""))
     ax.grid(axis="x", alpha=0.3)
@@ -198,7 +206,49 @@ def _legend(ax: Any, limit: float | None, apart: bool, vertical: bool) -> None:
     if apart:
         handles.append(Patch(color=APART, label="not in the global norm"))
     if handles:
-        ax.legend(handles=handles, loc="best", fontsize=8)
+        _legend_below(ax, handles)
+
+
+def _legend_below(ax: Any, handles: Sequence[Any] | None = None, above: bool = False) -> None:
+    """The legend under the axes (or above them, right, where slanted tick labels fill the
+    space below), never on the bars or lines it explains."""
+    kwargs: dict[str, Any] = {} if handles is None else {"handles": list(handles)}
+    count_ = len(handles) if handles is not None else len(ax.get_legend_handles_labels()[0])
+    ax.legend(
+        **kwargs,
+        fontsize=8,
+        loc="lower right" if above else "upper center",
+        bbox_to_anchor=(1.0, 1.0) if above else (0.5, -0.14),
+        ncols=max(1, min(3, count_)),
+        frameon=False,
+    )
+
+
+def _floored(values: Sequence[float], log: bool) -> tuple[list[float], float, list[int]]:
+    """A line's y values on a log axis: a zero norm at the floor (a tenth of the smallest
+    positive value), so that the line does not stop; also the floor and the zeros' indices."""
+    positive = [v for v in values if math.isfinite(v) and v > 0]
+    if not log or not positive:
+        return list(values), 0.0, []
+    floor = min(positive) / 10
+    zeros = [i for i, v in enumerate(values) if v == 0]
+    return [floor if v == 0 else v for v in values], floor, zeros
+
+
+def _mark_zeros(ax: Any, xs: Sequence[float], floor: float, zeros: Sequence[int]) -> None:
+    """Zero norms drawn at the floor are marked `0`, as in the bar view."""
+    if not zeros:
+        return
+    ax.scatter([xs[i] for i in zeros], [floor] * len(zeros), color="#1b2631", s=10, zorder=4)
+    for i in zeros[:20]:
+        ax.annotate(
+            "0",
+            (xs[i], floor),
+            xytext=(5, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=7,
+        )
 
 
 def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence[Any]) -> Any:
@@ -220,10 +270,13 @@ def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence
     log = _log_scale(every + ([limit] if limit is not None else []), ratio=100)
     colours = plt.get_cmap("tab10").colors
     lines: dict[str, Any] = {}
+    floor = min([v for v in every if math.isfinite(v) and v > 0], default=1.0) / 10
+    zero_points: list[int] = []
     for role in reversed(roles):  # the strongest drawn last, on top
         points = sorted(series[role].items())
         xs = [x for x, _ in points]
-        ys = [y if y > 0 or not log else math.nan for _, y in points]
+        ys = [floor if y == 0 and log else y for _, y in points]
+        zero_points += [x for x, y in points if y == 0 and log]
         if role in named:
             k = named.index(role)
             (lines[role],) = ax.plot(
@@ -263,6 +316,7 @@ def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence
                 label="over the limit",
             )
         )
+    _mark_zeros(ax, zero_points, floor, list(range(len(zero_points))))
     if log:
         ax.set_yscale("log")
     ax.set_xlabel("layer")
@@ -304,21 +358,43 @@ def _finite(values: Any) -> list[float]:
 
 def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     """Groups across in the order listed (natural order: layer 2 before layer 10)."""
-    n = len(bars.labels)
+    from clipcli.groups import OTHER_GROUP
+
+    # `(other)` (the tensors no group matched) is no point of the line: drawn apart after it.
+    line = [i for i, label in enumerate(bars.labels) if label != OTHER_GROUP]
+    other = [i for i, label in enumerate(bars.labels) if label == OTHER_GROUP]
+    n = len(line)
     fig, (ax, side) = plt.subplots(
         1, 2, figsize=(15, 6), layout="constrained", gridspec_kw={"width_ratios": [3, 1.2]}
     )
-    values = list(bars.norms)
-    log = _log_scale(values + ([limit] if limit is not None else []), ratio=100)
+    every = list(bars.norms)
+    log = _log_scale(every + ([limit] if limit is not None else []), ratio=100)
+    ys, floor, zeros = _floored(every, log)
+    values = [every[i] for i in line]
     xs = list(range(n))
     ax.plot(
         xs,
-        [v if v > 0 or not log else math.nan for v in values],
+        [ys[i] for i in line],
         color=WITHIN,
         linewidth=1.4,
         marker="o" if n <= 120 else None,
         markersize=3,
     )
+    _mark_zeros(ax, xs, floor, [line.index(i) for i in zeros if i in line])
+    for i in other:
+        x = n + 1  # a gap after the last group
+        over_limit = limit is not None and not every[i] <= limit
+        colour = OVER if over_limit else APART
+        ax.scatter([x], [ys[i]], marker="D", s=28, color=colour, edgecolors="#1b2631", zorder=3)
+        ax.annotate(
+            f"{OTHER_GROUP} {every[i]:.4g}" if every[i] != 0 else f"{OTHER_GROUP} 0",
+            (x, ys[i]),
+            xytext=(0, 7),
+            textcoords="offset points",
+            ha="center",
+            fontsize=7,
+        )
+        ax.axvline(n, color=APART, linewidth=0.8, linestyle=":")
     if limit is not None:
         over = [(x, v) for x, v in zip(xs, values, strict=True) if not v <= limit]
         ax.scatter(
@@ -330,11 +406,11 @@ def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
             label="over the limit",
         )
         ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
-        ax.legend(fontsize=8, loc="upper right")
+        _legend_below(ax, above=True)
     step = max(1, math.ceil(n / 25))
     ax.set_xticks(
         xs[::step],
-        [_label(bars.labels[i]) for i in xs[::step]],
+        _labels([bars.labels[line[i]] for i in xs[::step]]),
         rotation=45,
         ha="right",
         fontsize=7,
@@ -343,7 +419,9 @@ def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
         ax.set_yscale("log")
     ax.set_ylabel("L2 norm" + (" (log scale)" if log else ""))
     ax.grid(alpha=0.3)
-    ax.set_title(f"{_plain(bars.title)}: {n} groups", fontsize=10, loc="left")
+    ax.set_title(
+        f"{_plain(bars.title)}: {count(len(bars.labels), 'group')}", fontsize=10, loc="left"
+    )
     _largest(side, bars, limit)
     return fig
 
@@ -372,12 +450,10 @@ def _ranked_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     )
     values = sorted((v for v in bars.norms), key=_rank)
     log = _log_scale(values + ([limit] if limit is not None else []), ratio=100)
-    ax.plot(
-        range(1, len(values) + 1),
-        [v if v > 0 or not log else math.nan for v in values],
-        color=WITHIN,
-        linewidth=1.4,
-    )
+    ys, floor, zeros = _floored(values, log)
+    xs = list(range(1, len(values) + 1))
+    ax.plot(xs, ys, color=WITHIN, linewidth=1.4)
+    _mark_zeros(ax, xs, floor, zeros)
     if log:
         ax.set_yscale("log")
     ax.set_xlabel("rank (largest norm first)")
@@ -385,7 +461,9 @@ def _ranked_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     ax.grid(alpha=0.3)
     if limit is not None:
         ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
-        ax.legend(fontsize=8, loc="upper right")
-    ax.set_title(f"{_plain(bars.title)}: {len(values)} rows ranked", fontsize=10, loc="left")
+        _legend_below(ax)
+    ax.set_title(
+        f"{_plain(bars.title)}: {count(len(values), 'row')} ranked", fontsize=10, loc="left"
+    )
     _largest(side, bars, limit)
     return fig

@@ -9,7 +9,6 @@ so that the next message starts on a line of its own.
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any
 
 from clipcli.errors import printable
@@ -18,7 +17,9 @@ from clipcli.progress import Progress
 UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 SYNC_LABEL = "syncing to disk"
 
-_open_bars: weakref.WeakSet[TerminalProgress] = weakref.WeakSet()
+# The bars on screen, held strongly: a command may drop its TerminalProgress once the job
+# returns, while rich's refresh thread keeps drawing it; close_all() must still find it.
+_open_bars: set[TerminalProgress] = set()
 
 
 def binary_size(n: float) -> str:
@@ -49,7 +50,6 @@ class TerminalProgress(Progress):
         self._total = 0
         self._done = 0
         self._started = 0.0
-        _open_bars.add(self)
 
     def start(self, label: str, total_bytes: int) -> None:
         self.close()
@@ -77,30 +77,93 @@ class TerminalProgress(Progress):
     def close(self) -> None:
         if self._bar is not None:
             bar, self._bar = self._bar, None
+            _open_bars.discard(self)
             bar.stop()
 
     def _open(self) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
+        from rich.progress import Progress, ProgressColumn
         from rich.text import Text
 
-        class Sizes(ProgressColumn):
-            def render(self, task: Any) -> Text:
-                done = binary_size(task.completed)
-                total = binary_size(task.total or 0)
-                speed = f"{binary_size(task.speed)}/s" if task.speed else ""
-                left = ""
-                if task.speed and task.total:
-                    seconds = max(task.total - task.completed, 0) / task.speed
-                    left = f"{int(seconds // 60)}:{int(seconds % 60):02d} left"
-                return Text(f"{done} / {total}  {speed}  {left}".rstrip())
+        console = Console(stderr=True)
 
-        self._bar = Progress(
-            TextColumn("{task.description}", markup=False),  # labels hold file names
-            BarColumn(),
-            Sizes(),
-            console=Console(stderr=True),
-            transient=True,
-        )
+        class Line(ProgressColumn):
+            """The whole line in one column, laid out for the terminal's width now."""
+
+            def render(self, task: Any) -> Text:
+                parts = bar_line(
+                    str(task.description),
+                    int(task.completed),
+                    int(task.total or 0),
+                    task.speed,
+                    console.width,
+                )
+                text = Text(no_wrap=True, overflow="crop")
+                for piece, style in parts:
+                    text.append(piece, style=style)
+                return text
+
+        self._bar = Progress(Line(), console=console, transient=True)
+        _open_bars.add(self)
         self._bar.start()
         self._task = self._bar.add_task(self._label, total=self._total, completed=self._done)
+
+
+BAR_MIN, BAR_MAX = 10, 40
+
+
+def _time_left(done: int, total: int, speed: float | None) -> str:
+    if not speed or not total:
+        return ""
+    seconds = max(total - done, 0) / speed
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d} left"
+
+
+def bar_line(
+    label: str, done: int, total: int, speed: float | None, width: int
+) -> list[tuple[str, str]]:
+    """The bar's line as (text, style) pieces, at most width - 1 cells (the last column
+    would wrap on some terminals). The least useful parts go first: the speed, then the
+    time left, then the total, then the bar itself (down to 10 cells before that), and
+    last the label is cut."""
+    from rich.cells import cell_len
+
+    room = max(width - 1, 1)
+    sizes = f"{binary_size(done)} / {binary_size(total)}"
+    speed_text = f"{binary_size(speed)}/s" if speed else ""
+    left = _time_left(done, total, speed)
+    layouts = (
+        (sizes, speed_text, left),
+        (sizes, "", left),
+        (sizes, "", ""),
+        (binary_size(done), "", ""),
+    )
+    for with_bar in (True, False):
+        for figures in layouts:
+            tail = "  ".join(part for part in figures if part)
+            fixed = cell_len(label) + 1 + cell_len(tail) + (1 if with_bar else 0)
+            bar_cells = min(BAR_MAX, room - fixed) if with_bar else 0
+            if with_bar and bar_cells < BAR_MIN:
+                continue
+            if fixed > room:
+                continue
+            pieces: list[tuple[str, str]] = [(label + " ", "progress.description")]
+            if with_bar:
+                filled = bar_cells if not total else min(bar_cells, bar_cells * done // total)
+                pieces += [
+                    ("━" * filled, "bar.complete"),
+                    ("━" * (bar_cells - filled), "bar.back"),
+                    (" ", ""),
+                ]
+            pieces.append((tail, "progress.download"))
+            return pieces
+    cut = max(room - 1, 0)
+    return [(_cut_cells(label, cut) + "…" if cell_len(label) > room else label, "")]
+
+
+def _cut_cells(text: str, cells: int) -> str:
+    from rich.cells import cell_len
+
+    while text and cell_len(text) > cells:
+        text = text[:-1]
+    return text

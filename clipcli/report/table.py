@@ -73,7 +73,91 @@ def middle_ellipsis(text: str, width: int) -> str:
     return head + ELLIPSIS + tail
 
 
+def middle_ellipses(texts: Sequence[str], width: int) -> list[str]:
+    """Every text in at most `width` cells, cut in the middle at one position for the
+    whole list, chosen so that the shortened texts stay as distinct as the originals
+    (`model.layers.1…self_attn.q_proj.weight` must not become the same for every layer):
+    the default split (a third head, two thirds tail) when it keeps them apart, else the
+    split nearest to it that keeps the most apart. Where one split cannot keep them all
+    apart, each text still colliding keeps its digit runs (layer numbers) in the cut."""
+    long = [t for t in texts if cells(t) > width]
+    if not long:
+        return list(texts)
+    budget = max(width - 1, 2)
+    default = budget // 3
+    wanted = len(set(texts))
+
+    def cut_at(head_budget: int) -> list[str]:
+        return [_split(t, width, budget, head_budget) for t in texts]
+
+    def next_to_a_number(head_budget: int) -> bool:  # `lay….8.self`: 8, 18 or 28?
+        for text in long:
+            head = _take(text, head_budget)
+            tail = _take(text[::-1], budget - cells(head))[::-1]
+            if head[-1:].isdigit() or any(ch.isdigit() for ch in tail[:2]):
+                return True
+        return False
+
+    # Nearest splits first; a very long list tries fewer of them (it is rendered plain).
+    order = sorted(range(budget + 1), key=lambda h: (abs(h - default), h))
+    if len(long) > PLAIN_TABLE_ROWS:
+        order = order[:8]
+    best, best_score = list(texts), (-1, False)
+    for head_budget in order:
+        shortened = cut_at(head_budget)
+        distinct = len(set(shortened))
+        if distinct < best_score[0]:
+            continue
+        whole_numbers = distinct >= wanted and not next_to_a_number(head_budget)
+        if (distinct, whole_numbers) > best_score:
+            best, best_score = shortened, (distinct, whole_numbers)
+        if whole_numbers or (distinct >= wanted and len(long) > PLAIN_TABLE_ROWS):
+            break  # (a very long list takes the first split that keeps the names apart)
+    best_distinct = best_score[0]
+    if best_distinct < wanted:
+        best = _keep_digits(texts, best, width)
+    return best
+
+
+def _split(text: str, width: int, budget: int, head_budget: int) -> str:
+    if text.isascii():  # the common case, without counting cells
+        if len(text) <= width:
+            return text
+        head = text[:head_budget]
+        return head + ELLIPSIS + text[len(text) - (budget - len(head)) :]
+    if cells(text) <= width:
+        return text
+    head = _take(text, head_budget)
+    tail = _take(text[::-1], budget - cells(head))[::-1]
+    return head + ELLIPSIS + tail
+
+
+def _keep_digits(texts: Sequence[str], shortened: list[str], width: int) -> list[str]:
+    """For the shortened texts that still collide: keep the digit runs that tell them
+    apart, head…digits…tail, in the same width."""
+    import re
+    from collections import Counter
+
+    seen = Counter(shortened)
+    out = list(shortened)
+    for i, (text, short) in enumerate(zip(texts, shortened, strict=True)):
+        if seen[short] < 2:
+            continue
+        digits = ".".join(re.findall(r"\d+", text))
+        if not digits:
+            continue
+        room = max(width - cells(digits) - 2, 2)  # two ellipses around the digits
+        head = _take(text, room // 3)
+        tail = _take(text[::-1], room - cells(head))[::-1]
+        candidate = f"{head}{ELLIPSIS}{digits}{ELLIPSIS}{tail}"
+        if cells(candidate) <= width:
+            out[i] = candidate
+    return out
+
+
 def _take(text: str, width: int) -> str:
+    if text.isascii():  # one cell per character (the text is escaped: no controls)
+        return text[: max(width, 0)]
     taken, used = [], 0
     for ch in text:
         used += cells(ch)
@@ -120,6 +204,17 @@ def fit(report: Report, texts: Sequence[Sequence[str]], width: int | None) -> La
     late = [key for key in report.drop_late if key in index]
     while early and room() < natural[0]:
         hide(early.pop(0))
+    # A column that says the same on every row (dtype all float32) tells no row apart:
+    # it goes before any name is cut, and the note says its one value.
+    for key in list(late):
+        i = index[key]
+        if room() >= natural[0] or len(texts) < 2:
+            break
+        values = {row[i] for row in texts}
+        if len(values) == 1:
+            late.remove(key)
+            shown.remove(i)
+            hidden.append(f"{report.columns[i].title} (all {values.pop()})")
     while late and room() < min(natural[0], NAME_MIN_CELLS):
         hide(late.pop(0))
     if room() >= natural[0]:
@@ -133,24 +228,28 @@ def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     columns = [report.columns[i] for i in layout.shown]
     rows = [[row[i] for i in layout.shown] for row in texts]
     if layout.name_width is not None:
-        rows = [[middle_ellipsis(row[0], layout.name_width), *row[1:]] for row in rows]
-    notes = list(report.footer)
+        names = middle_ellipses([row[0] for row in rows], layout.name_width)
+        rows = [[name, *row[1:]] for name, row in zip(names, rows, strict=True)]
+    notes = [printable(line) for line in report.footer]
     notes += [metadata_line(key, value, width) for key, value in report.metadata]
+    notes += [metadata_change_line(*change, width) for change in report.metadata_changes]
     if layout.hidden:
         notes.append(
             f"hidden at {width} columns: {', '.join(layout.hidden)} (--format csv has all)"
         )
     # The title is a plain line, not the table's title: rich would wrap a long path to
     # the table's width, and a path is something people grep for.
-    stream.write(printable(report.title) + "\n")
-    if len(rows) > PLAIN_TABLE_ROWS:
+    stream.write("".join(line + "\n" for line in title_lines(printable(report.title), width)))
+    if not rows and report.empty:
+        stream.write(report.empty + "\n")
+    elif len(rows) > PLAIN_TABLE_ROWS:
         stream.write("".join(line + "\n" for line in _plain_lines(columns, rows)))
     else:
         _boxed_table(columns, rows, stream)
     # Built once and written once: a million metadata lines through console.print took
     # minutes. Footer lines are plain text (escaped), never markup.
     if notes:
-        stream.write("".join(printable(line) + "\n" for line in notes))
+        stream.write("".join(line + "\n" for note in notes for line in fit_line(note, width)))
 
 
 def _boxed_table(columns: Sequence[Any], rows: Sequence[Sequence[str]], stream: TextIO) -> None:
@@ -208,6 +307,70 @@ def pipe_console(stream: TextIO, width: int) -> Any:
     return PipeConsole(file=stream, width=width, highlight=False)
 
 
+def fit_line(line: str, width: int | None) -> list[str]:
+    """A line under the table in lines of at most `width` cells: broken between words,
+    continued two spaces in (a line that already fits is left as it is)."""
+    if width is None or cells(line) <= width:
+        return [line]
+    import textwrap
+
+    room = max(width, 8)
+    wrapped = textwrap.wrap(
+        line, room, subsequent_indent="  ", break_on_hyphens=False, drop_whitespace=True
+    )
+    out: list[str] = []
+    for piece in wrapped:  # textwrap counts characters; wide characters take two cells
+        while cells(piece) > room:
+            head = _take(piece, room)
+            out.append(head)
+            piece = "  " + piece[len(head) :]
+        out.append(piece)
+    return out
+
+
+def title_lines(title: str, width: int | None) -> list[str]:
+    """The title on one line; if it is too wide, a diff's `A -> B` on two lines, and a
+    path still too wide shortened in the middle (--format json has the paths whole)."""
+    if width is None or cells(title) <= width:
+        return [title]
+    parts = title.split(" -> ", 1)
+    lines = [parts[0]] + (["  -> " + parts[1]] if len(parts) == 2 else [])
+    if all(cells(line) <= width for line in lines):
+        return lines
+    return [middle_ellipsis(line, max(width, 16)) for line in lines]
+
+
+def _value_text(value: str | None) -> str:
+    return "(absent)" if value is None else printable(value)
+
+
+def metadata_change_line(key: str, a: str | None, b: str | None, width: int | None) -> str:
+    """`metadata KEY: A -> B` (diff), values as they are (no quotes), `(absent)` for a key a
+    side does not have; values cut to share the width, saying where the rest is."""
+    key, ta, tb = shorten(printable(key)), _value_text(a), _value_text(b)
+    line = f"metadata {key}: {ta} -> {tb}"
+    if max(len(ta), len(tb)) <= METADATA_VALUE_CHARS and (width is None or cells(line) <= width):
+        return line
+    more, room = " (--format json has all)", METADATA_VALUE_CHARS
+    if width is not None:
+        key = middle_ellipsis(key, max(width // 3, 12))
+        for more in (" (--format json has all)", " (--format json)"):
+            fixed = cells(f"metadata {key}: ") + cells(" -> ") + cells(more)
+            room = min(max((width - fixed) // 2, 6), METADATA_VALUE_CHARS)
+            if room >= 10:
+                break
+
+    if (a is None) != (b is None):  # `(absent)` is never cut: the other side gets its room
+        room += max(room - cells("(absent)"), 0)
+
+    def cut(value: str | None, text: str) -> str:
+        if value is None or cells(text) <= room:
+            return text
+        return _take(text, room - 1) + ELLIPSIS
+
+    return f"metadata {key}: {cut(a, ta)} -> {cut(b, tb)}{more}"
+
+
 def metadata_line(key: str, value: str, width: int | None) -> str:
     """`metadata KEY = VALUE` on one line: a long value (a Keras model_config is 20+ KB of
     JSON) is cut to the terminal's width, or to METADATA_VALUE_CHARS without one, saying
@@ -219,7 +382,10 @@ def metadata_line(key: str, value: str, width: int | None) -> str:
     more = f"… ({len(value):,} characters; --format json has all)"
     room = METADATA_VALUE_CHARS
     if width is not None:
-        room = min(room, max(width - cells(f"metadata {key} = ") - cells(more), 10))
+        key = middle_ellipsis(key, max(width // 3, 12))
+        if width - cells(f"metadata {key} = ") - cells(more) < 10:
+            more = "… (--format json has all)"
+        room = min(room, max(width - cells(f"metadata {key} = ") - cells(more), 6))
     return f"metadata {key} = {_take(value, room)}{more}"
 
 
