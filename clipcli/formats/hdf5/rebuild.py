@@ -156,6 +156,11 @@ def _prepare_node(node: Json) -> ReadyNode:
         if not isinstance(tensor, bool):
             raise Malformed(f"'tensor' {tensor!r} of {path!r}")
         if not tensor:  # its values are recorded: all of them (null only for no points)
+            if node.get("data") is None and space_points(node["space"]):
+                points = space_points(node["space"])
+                raise Malformed(
+                    f"non-tensor dataset {path!r} records no values for {points} elements"
+                )
             data = _values(node["type"], node["space"], node.get("data"), b"")
         elif node.get("data") is not None:
             raise Malformed(f"tensor dataset {path!r} records values")
