@@ -26,7 +26,7 @@ from clipcli.formats.base import (
 )
 from clipcli.formats.structure import check_losses
 from clipcli.identity import InputGuard
-from clipcli.io import open_reader, writer_class
+from clipcli.io import open_reader
 from clipcli.measurement import Measurement
 from clipcli.numerics.norms import NormAccumulator, global_norm
 from clipcli.output import Target, choose_target
@@ -314,11 +314,7 @@ def check_writable(reader: Reader, target: Target) -> type[Writer]:
     """The writer for OUT, once every limit of its format that is known before writing
     holds (names, dtypes, names together, metadata): a refusal is exit 2 naming the tensor
     or key, before anything is created."""
-    cls = (
-        target.writer
-        if isinstance(target, StdoutTarget)
-        else writer_class(target.out, target.is_directory)
-    )
+    cls = target.writer_class()
     for info in reader.infos:
         reason = cls.check_name(info.name) or cls.check_dtype(info)
         if reason is not None:

@@ -36,6 +36,7 @@ from pathlib import Path
 from clipcli import interrupts
 from clipcli.errors import ClipcliError, UsageError, WriteError
 from clipcli.footprint import InputFootprint
+from clipcli.formats.base import Writer
 from clipcli.fsops import (
     ASIDE_SUFFIX,
     KEPT_SUFFIX,
@@ -49,7 +50,7 @@ from clipcli.fsops import (
     rename_noreplace,
     temp_prefix,
 )
-from clipcli.io import format_from_extension
+from clipcli.io import format_from_extension, writer_class
 
 
 class Refused(UsageError):
@@ -81,6 +82,11 @@ class Target:
         self._file_modes: dict[str, int] = {}
         self._default_file_mode = 0o666
         self.notes: list[str] = []  # said after a successful commit
+
+    def writer_class(self) -> type[Writer]:
+        """The format's writer for this target: by OUT's extension, or the model-directory
+        writer."""
+        return writer_class(self.out, self.is_directory)
 
     # -- checks, before any data is read
 

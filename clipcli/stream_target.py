@@ -23,6 +23,7 @@ from pathlib import Path
 
 from clipcli.errors import ClipcliError, UsageError, WriteError
 from clipcli.footprint import InputFootprint
+from clipcli.formats.base import Writer
 from clipcli.formats.safetensors import SafetensorsStreamWriter
 from clipcli.output import Refused, Target
 
@@ -34,7 +35,9 @@ class StdoutTarget(Target):
     """OUT is the process's standard output; nothing is staged, renamed or replaced."""
 
     kind = "stream"
-    writer = SafetensorsStreamWriter
+
+    def writer_class(self) -> type[Writer]:
+        return SafetensorsStreamWriter  # the one format that streams
 
     def __init__(self, *, force: bool, durable: bool) -> None:  # noqa: ARG002
         super().__init__(Path(STDOUT), force=force, durable=False)
