@@ -40,7 +40,9 @@ class MalformedStructure(ValueError):
 class Structure:
     """The structure as a JSON document (None when nothing could be kept), what could not
     be encoded (each entry names the object and why), and, for an HDF5 source, the open
-    reader itself (`origin`), from which the HDF5 writer copies settings byte for byte.
+    reader itself (`origin`), from which the HDF5 writer copies settings byte for byte. Only
+    the HDF5 reader sets `origin` (the declared extra the HDF5 writer asks for; a structure
+    recorded in another format has none and is rebuilt).
 
     A structure may be given as a loader, run on first use: an HDF5 copy to HDF5 never
     needs the document, and reading it costs every attribute and non-tensor value."""

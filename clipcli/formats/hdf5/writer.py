@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -80,8 +80,9 @@ class Hdf5Writer(Writer):
         # origin) is replicated object by object; a structure recorded in another format
         # (safetensors __metadata__) is rebuilt; otherwise a plain layout.
         structure = checkpoint.source.structure() if checkpoint.source is not None else None
+        # Structure.origin is declared as set by the HDF5 reader only (its open file).
         origin = structure.origin if structure is not None else None
-        self._source: Hdf5Reader | None = origin if isinstance(origin, Hdf5Reader) else None
+        self._source: Hdf5Reader | None = cast("Hdf5Reader | None", origin)
         self._rebuild: list[ReadyNode] | None = None
         if self._source is None and structure is not None and checkpoint.source is not None:
             ready = prepare(structure, checkpoint.infos, checkpoint.source.path)
@@ -142,7 +143,7 @@ class Hdf5Writer(Writer):
     @classmethod
     def structure_losses(cls, source: Reader) -> list[str]:
         structure = source.structure()
-        if structure is None or isinstance(structure.origin, Hdf5Reader):
+        if structure is None or structure.origin is not None:
             return []  # nothing to keep, or replicated object by object
         ready = prepare(structure, source.infos, source.path)
         if isinstance(ready, str):
@@ -152,7 +153,7 @@ class Hdf5Writer(Writer):
     @classmethod
     def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
         structure = source.structure() if source is not None else None
-        if structure is not None and isinstance(structure.origin, Hdf5Reader):
+        if structure is not None and structure.origin is not None:
             return None  # copied attribute by attribute, with the source's own settings
         metadata = {k: v for k, v in metadata.items() if k != STRUCTURE_KEY}
         # Root attributes, created in tracked order (measured with h5py 3 / HDF5 1.14:
