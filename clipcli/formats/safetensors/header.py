@@ -11,9 +11,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from clipcli.formats.base import (
-    TensorInfo,
-)
+from clipcli.formats.base import TensorInfo
 
 MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
 MAX_TENSORS = 200_000  # real checkpoints hold at most tens of thousands

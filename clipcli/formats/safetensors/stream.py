@@ -10,11 +10,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from clipcli.errors import WriteError
-from clipcli.formats.base import (
-    Checkpoint,
-    Reader,
-    TensorInfo,
-)
+from clipcli.formats.base import Checkpoint, Reader, TensorInfo
 from clipcli.formats.safetensors.writer import SafetensorsWriter
 
 

@@ -23,9 +23,7 @@ from clipcli.formats.base import (
     byte_view,
 )
 from clipcli.formats.safetensors.header import CODES, build_header
-from clipcli.formats.structure import (
-    STRUCTURE_KEY,
-)
+from clipcli.formats.structure import STRUCTURE_KEY
 
 
 def with_structure(checkpoint: Checkpoint) -> dict[str, str]:
