@@ -94,7 +94,7 @@ def _figure_of(kind: str, labels: list[str], norms: list[float], limit: float | 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from clipcli.report import plot
+    from clipcli.report import plot_figures as plot
     from clipcli.report.builders import Bars
 
     bars = Bars("t", tuple(labels), tuple(norms), tuple(True for _ in labels))

@@ -33,7 +33,8 @@ from clipcli.formats.hdf5.library import (
     reason,
 )
 from clipcli.formats.hdf5.reader import Hdf5Reader
-from clipcli.formats.hdf5.rebuild import ReadyNode, create_nodes, follow_metadata, prepare
+from clipcli.formats.hdf5.rebuild import create_nodes, follow_metadata
+from clipcli.formats.hdf5.record_check import ReadyNode, prepare
 from clipcli.formats.hdf5.replica import Replica, split_path
 from clipcli.formats.structure import STRUCTURE_KEY
 

@@ -1,38 +1,33 @@
-"""safetensors: our own header parser (validated as the official reader does) and a
-streaming writer (header first, then one tensor at a time), which covers bf16 and fp8 that
-`safetensors.numpy` cannot load.
-"""
+"""The safetensors reader: parses and validates the header, then reads with pread."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
-import io
 import json
 import math
 import os
-import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import ml_dtypes
 import numpy as np
 
-from clipcli.errors import InputError, WriteError
-from clipcli.filecopy import copy_range
+from clipcli.errors import InputError
 from clipcli.formats.base import (
-    Checkpoint,
     Reader,
     StoredBytes,
     TensorInfo,
-    WritebackStarter,
-    Writer,
-    byte_view,
     default_chunk_elems,
+)
+from clipcli.formats.safetensors.header import (
+    _PACKED,
+    _U64,
+    DTYPES,
+    MAX_HEADER_BYTES,
+    MAX_TENSORS,
+    _is_int,
+    _reject_duplicates,
 )
 from clipcli.formats.structure import (
     STRUCTURE_KEY,
@@ -42,44 +37,6 @@ from clipcli.formats.structure import (
 )
 from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
-
-MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
-MAX_TENSORS = 200_000  # real checkpoints hold at most tens of thousands
-_U64 = struct.Struct("<Q")
-
-DTYPES: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype(np.bool_),
-    "U8": np.dtype(np.uint8),
-    "I8": np.dtype(np.int8),
-    "I16": np.dtype("<i2"),
-    "U16": np.dtype("<u2"),
-    "I32": np.dtype("<i4"),
-    "U32": np.dtype("<u4"),
-    "I64": np.dtype("<i8"),
-    "U64": np.dtype("<u8"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype("<f4"),
-    "F64": np.dtype("<f8"),
-    "C64": np.dtype("<c8"),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
-    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
-}
-# Sub-byte types are packed two (or four thirds) to a byte; numpy cannot view them.
-_PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
-CODES = {dtype.name: code for code, dtype in DTYPES.items()}
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
-    return result
 
 
 def _refuse_surrogates(reader: SafetensorsReader, header: dict[str, Any]) -> None:
@@ -94,10 +51,6 @@ def _refuse_surrogates(reader: SafetensorsReader, header: dict[str, Any]) -> Non
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise reader._fail(f"name or metadata {text!r} holds a lone UTF-16 surrogate") from None
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class SafetensorsReader(Reader):
@@ -348,233 +301,3 @@ class SafetensorsReader(Reader):
             if self._file is not None:
                 self._file.close()
                 self._file = None
-
-
-def build_header(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> bytes:
-    """Compact JSON with __metadata__ first, space-padded to 8 bytes, like the official writer."""
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    offset = 0
-    for info in infos:
-        header[info.name] = {
-            "dtype": CODES[info.dtype.name],
-            "shape": list(info.shape),
-            "data_offsets": [offset, offset + info.nbytes],
-        }
-        offset += info.nbytes
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    return _U64.pack(len(text)) + text
-
-
-def with_structure(checkpoint: Checkpoint) -> dict[str, str]:
-    """The checkpoint's metadata, plus the HDF5 structure of an HDF5 source under
-    STRUCTURE_KEY (a safetensors source keeps the key it has, as all its metadata)."""
-    metadata = dict(checkpoint.metadata)
-    structure = checkpoint.source.structure() if checkpoint.source is not None else None
-    if structure is None or structure.origin is None or STRUCTURE_KEY in metadata:
-        return metadata
-    if structure.document is not None and not structure.is_plain(metadata):
-        metadata[STRUCTURE_KEY] = structure.to_text()
-    return metadata
-
-
-class SafetensorsWriter(Writer):
-    format_name = "safetensors"
-
-    @classmethod
-    def structure_losses(cls, source: Reader) -> list[str]:
-        """An HDF5 source's structure is kept under STRUCTURE_KEY, but for what has no
-        portable description (references, sequences, names that are not UTF-8)."""
-        structure = source.structure()
-        if structure is None or structure.origin is None:
-            return []
-        return list(structure.dropped)
-
-    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
-        super().__init__(path, checkpoint, durable)
-        for info in checkpoint.infos:
-            if (reason := self.check_dtype(info)) is not None:
-                raise ValueError(reason)
-        self._file: BinaryIO = self._open(path)
-        header = build_header(checkpoint.infos, with_structure(checkpoint))
-        self._reserve(len(header) + sum(info.nbytes for info in checkpoint.infos))
-        self._file.write(header)
-        self._writeback = WritebackStarter(self._file.fileno()) if durable else None
-        self._offsets: dict[str, int] = {}
-        position = len(header)
-        for info in checkpoint.infos:
-            self._offsets[info.name] = position
-            position += info.nbytes
-        self._ahead: dict[str, Future[None]] = {}
-        self._copier: ThreadPoolExecutor | None = None
-        self._stop = threading.Event()
-
-    def _open(self, path: Path) -> BinaryIO:
-        return open(path, "wb")
-
-    def _reserve(self, total: int) -> None:
-        """Reserving the whole file up front makes a full disk fail before any data is
-        written, and spares the filesystem growing the file block by block."""
-        try:
-            os.posix_fallocate(self._file.fileno(), 0, total)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise
-            # Filesystems without fallocate support (EOPNOTSUPP, EINVAL) just grow the file.
-
-    def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
-        """Kernel-copy the tensor to its final offset on a background thread, so that when
-        nothing changes the copy overlaps the measuring pass instead of following it."""
-        stored = source.stored_bytes(info)
-        if stored is None or not info.nbytes:
-            return
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clipcli-copy")
-        self._ahead[info.name] = self._copier.submit(
-            self._copy_range, stored.fileno(), stored.begin, stored.end, self._offsets[info.name]
-        )
-
-    def _copy_range(self, source_fd: int, begin: int, end: int, position: int) -> None:
-        writeback = self._writeback  # started out of order when copying ahead
-        copy_range(
-            source_fd,
-            self._file.fileno(),
-            begin,
-            end,
-            position,
-            source_name=self.checkpoint.source.path if self.checkpoint.source else "input",
-            on_piece=writeback.start if writeback is not None else None,
-            stop=self._stop.is_set,
-        )
-
-    def _settle(self, info: TensorInfo) -> bool:
-        """Wait for a background copy of this tensor, if one was started; True if it was."""
-        future = self._ahead.pop(info.name, None)
-        if future is None:
-            return False
-        future.result()
-        return True
-
-    def _stop_copier(self) -> None:
-        if self._copier is not None:
-            self._stop.set()
-            self._copier.shutdown(wait=True, cancel_futures=True)
-            self._copier = None
-
-    def _written(self) -> None:
-        position = self._file.tell()  # counts buffered bytes: flush only when writeback is due
-        if self._writeback is not None and self._writeback.due(position):
-            self._file.flush()
-            self._writeback.advance(position)
-
-    @classmethod
-    def check_dtype(cls, info: TensorInfo) -> str | None:
-        if info.dtype.name not in CODES:
-            return f"safetensors cannot hold {info.dtype.name}"
-        return None
-
-    @classmethod
-    def check_name(cls, name: str) -> str | None:
-        if name == "__metadata__":
-            return "safetensors reserves the name __metadata__"
-        return super().check_name(name)
-
-    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
-        self._settle(info)  # a copy made ahead must not land on top of what we write now
-        little = info.dtype.newbyteorder("<") if info.dtype.byteorder == ">" else info.dtype
-        for chunk in chunks:
-            self._file.write(byte_view(chunk, little))
-            self._written()
-
-    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
-        """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
-        if not self._settle(info):
-            stored = source.stored_bytes(info)
-            if stored is None:
-                return False
-            self._file.flush()
-            self._copy_range(stored.fileno(), stored.begin, stored.end, self._offsets[info.name])
-        self._file.seek(self._offsets[info.name] + info.nbytes)
-        self._written()
-        return True
-
-    def close(self) -> None:
-        self._stop_copier()
-        self._file.close()
-
-    def abort(self) -> None:
-        self._stop_copier()
-        self._file.close()
-
-
-class SafetensorsStreamWriter(SafetensorsWriter):
-    """The same file, written strictly in order to standard output (a pipe or a file the
-    shell opened): no reservation, no kernel copies, no writes at offsets. The path it is
-    given is ignored; the descriptor is a duplicate of 1, so closing it closes no stdout."""
-
-    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:  # noqa: ARG002
-        super().__init__(path, checkpoint, durable=False)
-
-    stream: _CountingStream | None = None  # the last stream opened (one per process run)
-
-    def _open(self, path: Path) -> BinaryIO:  # noqa: ARG002
-        raw = _CountingStream(os.dup(1), "wb")
-        SafetensorsStreamWriter.stream = raw
-        return io.BufferedWriter(raw)
-
-    @classmethod
-    def bytes_sent(cls) -> int:
-        """Bytes the last stream has written to standard output so far."""
-        return 0 if cls.stream is None else cls.stream.sent
-
-    def abort(self) -> None:
-        # What is still buffered cannot go out (the failure was likely the stream's own):
-        # closing tries once more, and that second failure is not the one to report.
-        with contextlib.suppress(Exception):
-            super().abort()
-
-    def _reserve(self, total: int) -> None:
-        pass  # a pipe cannot be reserved
-
-    @classmethod
-    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
-        if source.format_name != "safetensors":
-            return (
-                f"standard output carries safetensors only, and IN is {source.format_name}; "
-                "name an OUT file to convert"
-            )
-        return super().check_metadata(metadata, source)
-
-    def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
-        pass  # kernel copies write at offsets, which a stream has not
-
-    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
-        return False  # streamed chunk by chunk, in order
-
-    def _written(self) -> None:
-        pass  # no writeback hints: a pipe has no pages to start writing
-
-
-class _CountingStream(io.FileIO):
-    """Standard output's duplicate, counting what it has written; a failed write is a
-    WriteError (exit 5) saying how much went out: the stream is then cut short, which a
-    safetensors reader refuses, and the run must not end with exit 0."""
-
-    sent = 0
-
-    def write(self, data: Any) -> int:
-        try:
-            written = super().write(data)
-        except BrokenPipeError:
-            raise WriteError(
-                f"OUT '-': standard output closed after {self.sent} bytes; the stream is cut short"
-            ) from None
-        except OSError as exc:
-            raise WriteError(
-                f"OUT '-': writing to standard output failed after {self.sent} bytes "
-                f"({exc.strerror or exc}); the stream is cut short"
-            ) from None
-        self.sent += written or 0
-        return written or 0

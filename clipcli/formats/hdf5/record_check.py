@@ -1,0 +1,356 @@
+"""The structure record of an HDF5 file (clipcli.formats.hdf5.structure describes the
+fields) checked before a rebuild: every node checked field by field and turned into library
+objects (prepare), so that malformed content is refused before anything is created;
+rebuild.py creates them."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import clipcli.formats.hdf5.limits as limits
+from clipcli.errors import InputError
+from clipcli.formats.base import TensorInfo
+from clipcli.formats.hdf5.library import load_h5py
+from clipcli.formats.hdf5.portable import (
+    Json,
+    Malformed,
+    build_space,
+    build_type,
+    holds_variable_string,
+    space_points,
+)
+from clipcli.formats.structure import Structure
+
+LAYOUTS = {"compact": 0, "contiguous": 1, "chunked": 2}
+
+
+@dataclass
+class ReadyAttribute:
+    name: bytes
+    type_id: Any
+    space: Any
+    values: np.ndarray | None
+    memory_type: Any
+    raw: bool = True  # values hold the element's bytes as a last axis (else objects)
+
+
+@dataclass
+class ReadyNode:
+    """A node checked and turned into library objects, ready to create."""
+
+    path: str
+    kind: str
+    cset: int
+    plist: Any  # group or dataset creation property list (None for a datatype)
+    type_id: Any
+    space: Any
+    attributes: list[ReadyAttribute]
+    data: ReadyAttribute | None  # a non-tensor dataset's values
+    tensor: bool
+
+
+def prepare(
+    structure: Structure, infos: Sequence[TensorInfo], source: Path
+) -> list[ReadyNode] | str:
+    """The nodes to create, every field checked; a str says why the structure does not
+    fit these tensors (then it is not used). Malformed content is an InputError."""
+    try:
+        _check_tree(structure.nodes)
+        ready = [_prepare_node(node) for node in structure.nodes]
+    except (Malformed, KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise InputError(
+            source, f"the HDF5 structure recorded in __metadata__ is malformed: {exc}"
+        ) from None
+    return _check_fit(ready, infos) or ready
+
+
+def _check_tree(nodes: Sequence[Json]) -> None:
+    """The paths form one tree: the root group first, every other object an absolute
+    path of plain link names (no empty, '.', '..' or NUL component) under a group listed
+    before it, each object once. Anything else is a malformed record (exit 3), not a loss."""
+    if not nodes or nodes[0].get("path") != "/" or nodes[0].get("kind") != "group":
+        raise Malformed("it does not start at the root group")
+    seen_groups = {"/"}
+    seen: set[str] = {"/"}
+    for node in nodes[1:]:
+        path = node.get("path")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise Malformed(f"object path {path!r} is not absolute")
+        parent, _, name = path.rpartition("/")
+        if name in ("", ".", "..") or "\x00" in name or not _utf8(name):
+            raise Malformed(f"object path {path!r} has an invalid link name {name!r}")
+        if path in seen:
+            raise Malformed(f"it lists object {path!r} twice")
+        if (parent or "/") not in seen_groups:
+            raise Malformed(f"object {path!r} does not follow its parent group")
+        seen.add(path)
+        if node.get("kind") == "group":
+            seen_groups.add(path)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_fit(ready: list[ReadyNode], infos: Sequence[TensorInfo]) -> str | None:
+    tensors = {n.path[1:]: n for n in ready if n.kind == "dataset" and n.tensor}
+    if set(tensors) != {info.name for info in infos}:
+        return "its datasets are not the checkpoint's tensors"
+    for info in infos:
+        node = tensors[info.name]
+        if tuple(node.space.shape or ()) != info.shape:
+            return f"dataset {info.name!r} has another shape than the tensor"
+        if node.type_id.get_size() != info.dtype.itemsize or not _same_kind(node, info):
+            return f"dataset {info.name!r} has another type than the tensor"
+    return None
+
+
+def _same_kind(node: ReadyNode, info: TensorInfo) -> bool:
+    h5t = load_h5py().h5t
+    kind = node.type_id.get_class()
+    expected = {
+        "f": h5t.FLOAT,
+        "i": h5t.INTEGER,
+        "u": h5t.INTEGER,
+        "b": h5t.ENUM,
+        "c": h5t.COMPOUND,
+    }
+    return bool(expected.get(info.dtype.kind) == kind)
+
+
+def _prepare_node(node: Json) -> ReadyNode:
+    h5p = load_h5py().h5p
+    kind, path = node["kind"], node["path"]
+    cset = node.get("cset", 0)
+    if not _is_int(cset) or cset not in (0, 1):
+        raise Malformed(f"character set {cset!r}")
+    attributes = [_prepare_attribute(a) for a in node["attrs"]]
+    if len(attributes) > 65535:
+        raise Malformed("more than 65,535 attributes on one object")
+    if len({attr.name for attr in attributes}) != len(attributes):
+        raise Malformed(f"an attribute name repeated on {path!r}")
+    plist = type_id = space = data = None
+    tensor = False
+    if kind == "group":
+        plist = h5p.create(h5p.GROUP_CREATE)
+        plist.set_link_creation_order(_order_flags(node.get("links")))
+        plist.set_attr_creation_order(_order_flags(node.get("attr_order")))
+    elif kind == "datatype":
+        type_id = build_type(node["type"])
+    else:
+        type_id = build_type(node["type"])
+        space = build_space(node["space"])
+        plist = _dataset_plist(node, type_id, space)
+        tensor = node["tensor"]
+        if not isinstance(tensor, bool):
+            raise Malformed(f"'tensor' {tensor!r} of {path!r}")
+        if not tensor:  # its values are recorded: all of them (null only for no points)
+            if node.get("data") is None and space_points(node["space"]):
+                points = space_points(node["space"])
+                raise Malformed(
+                    f"non-tensor dataset {path!r} records no values for {points} elements"
+                )
+            data = _values(node["type"], node["space"], node.get("data"), b"")
+        elif node.get("data") is not None:
+            raise Malformed(f"tensor dataset {path!r} records values")
+    return ReadyNode(path, kind, cset, plist, type_id, space, attributes, data, tensor)
+
+
+def _order_flags(value: object) -> int:
+    h5p = load_h5py().h5p
+    allowed = {0, h5p.CRT_ORDER_TRACKED, h5p.CRT_ORDER_TRACKED | h5p.CRT_ORDER_INDEXED}
+    if value not in allowed or isinstance(value, bool):
+        raise Malformed(f"creation order flags {value!r}")
+    return int(str(value))
+
+
+def _dataset_plist(node: Json, type_id: Any, space: Any) -> Any:
+    h5p, h5d = load_h5py().h5p, load_h5py().h5d
+    plist = h5p.create(h5p.DATASET_CREATE)
+    layout = LAYOUTS.get(node["layout"])
+    if layout is None:
+        raise Malformed(f"layout {node['layout']!r}")
+    shape = tuple(space.shape or ())
+    maxshape = tuple(space.get_simple_extent_dims(True)) if shape else ()
+    chunks = node.get("chunks")
+    filters = node.get("filters")
+    if not isinstance(filters, list):
+        raise Malformed("filters are not a list")
+    if node["layout"] == "chunked":
+        rank = len(shape)
+        if not isinstance(chunks, list) or len(chunks) != rank or rank == 0:
+            raise Malformed("chunk shape")
+        if not all(_is_int(c) and 1 <= c < 1 << 32 for c in chunks):
+            raise Malformed(f"chunk dimensions {chunks!r}")
+        unlimited = load_h5py().h5s.UNLIMITED
+        for chunk, top in zip(chunks, maxshape, strict=True):
+            if top != unlimited and chunk > top:
+                raise Malformed(
+                    f"chunk dimensions {chunks!r} larger than the dataset's maximum "
+                    f"{node['space'].get('maxshape')!r}"
+                )
+        if int(np.prod(chunks, dtype=object)) * type_id.get_size() > limits.MAX_CHUNK_BYTES:
+            raise Malformed("chunks over the size limit")
+        plist.set_chunk(tuple(chunks))
+    else:
+        if chunks is not None:
+            raise Malformed(f"chunk dimensions {chunks!r} on a {node['layout']} dataset")
+        if filters:
+            raise Malformed(f"filters on a {node['layout']} dataset (only chunked ones have them)")
+        if maxshape != shape:
+            raise Malformed(f"an extensible dataspace on a {node['layout']} dataset")
+        if layout == LAYOUTS["compact"] and space_points_of(space) * type_id.get_size() > 64000:
+            raise Malformed("a compact dataset over 64,000 bytes")
+        plist.set_layout(layout)
+    if len(filters) > MAX_FILTERS:
+        raise Malformed(f"{len(filters)} filters; HDF5 holds at most {MAX_FILTERS}")
+    for entry in filters:
+        code, flags, values = _filter(entry, chunks)
+        plist.set_filter(code, flags, values)
+    if node.get("fill") is not None:
+        dtype = _numeric_dtype(node["type"])
+        raw = base64.b64decode(node["fill"], validate=True)
+        if len(raw) != dtype.itemsize:
+            raise Malformed("fill value size")
+        plist.set_fill_value(np.frombuffer(raw, dtype=dtype).reshape(()).copy())
+    fill_times = {h5d.FILL_TIME_ALLOC, h5d.FILL_TIME_NEVER, h5d.FILL_TIME_IFSET}
+    alloc_times = {
+        h5d.ALLOC_TIME_DEFAULT,
+        h5d.ALLOC_TIME_EARLY,
+        h5d.ALLOC_TIME_LATE,
+        h5d.ALLOC_TIME_INCR,
+    }
+    if not (
+        _is_int(node["fill_time"])
+        and node["fill_time"] in fill_times
+        and _is_int(node["alloc_time"])
+        and node["alloc_time"] in alloc_times
+    ):
+        raise Malformed("fill or allocation time")
+    if not isinstance(node["track_times"], bool):
+        raise Malformed(f"track_times {node['track_times']!r}")
+    plist.set_fill_time(node["fill_time"])
+    plist.set_alloc_time(node["alloc_time"])
+    plist.set_attr_creation_order(_order_flags(node["attr_order"]))
+    plist.set_obj_track_times(bool(node["track_times"]))
+    return plist
+
+
+MAX_FILTERS = 32  # H5Z_MAX_NFILTERS
+_DEFLATE, _SHUFFLE, _FLETCHER32, _SZIP, _NBIT, _SCALEOFFSET, _LZF = 1, 2, 3, 4, 5, 6, 32000
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def space_points_of(space: Any) -> int:
+    return int(np.prod(space.shape or (), dtype=object)) if space.shape is not None else 0
+
+
+def _filter(entry: object, chunks: list[int] | None) -> tuple[int, int, tuple[int, ...]]:
+    """One [code, flags, [values]] entry, checked: a filter this library can encode, the
+    optional/mandatory flag, parameters that are 32-bit unsigned integers and, for the
+    filters whose parameters the user sets (deflate, szip), values the filter accepts."""
+    h5z = load_h5py().h5z
+    if not isinstance(entry, list) or len(entry) != 3:
+        raise Malformed(f"filter entry {entry!r}")
+    code, flags, values = entry
+    if not _is_int(code) or not h5z.filter_avail(code):
+        raise Malformed(f"filter {code!r} is not available")
+    if not h5z.get_filter_info(code) & h5z.FILTER_CONFIG_ENCODE_ENABLED:
+        raise Malformed(f"filter {code!r} cannot encode here")
+    if not _is_int(flags) or flags not in (0, 1):
+        raise Malformed(f"filter flags {flags!r}")
+    if not isinstance(values, list) or len(values) > 64:
+        raise Malformed("filter parameters")
+    if not all(_is_int(v) and 0 <= v < 1 << 32 for v in values):
+        raise Malformed(f"filter parameters {values!r}")
+    if code == _DEFLATE and (len(values) != 1 or values[0] > 9):
+        raise Malformed(f"deflate (gzip) parameters {values!r}; the level is 0 to 9")
+    if code == _SZIP:
+        points = int(np.prod(chunks or [0], dtype=object))
+        if len(values) not in (2, 4):
+            raise Malformed(f"szip parameters {values!r}")
+        block = values[1]
+        if block % 2 or not 2 <= block <= 32 or block > points:
+            raise Malformed(f"szip pixels per block {block} (even, 2 to 32, at most a chunk)")
+    return code, flags, tuple(values)
+
+
+def _numeric_dtype(desc: Json) -> np.dtype[Any]:
+    kind = {"int": "i" if desc.get("signed") else "u", "float": "f"}[desc["class"]]
+    return np.dtype(f"{desc['order']}{kind}{desc['size']}")
+
+
+def _prepare_attribute(attr: Json) -> ReadyAttribute:
+    name = attr["name"]
+    if (
+        not isinstance(name, str)
+        or not name
+        or "\x00" in name
+        or not _utf8(name)
+        or len(name.encode("utf-8")) > 65534
+    ):
+        raise Malformed(f"attribute name {name!r}")
+    values = _values(attr["type"], attr["space"], attr["data"], name.encode("utf-8"))
+    return values
+
+
+def _values(type_desc: Json, space_desc: Json, data: object, name: bytes) -> ReadyAttribute:
+    """Type, dataspace and the values in a buffer of exactly the size they need."""
+    h5py = load_h5py()
+    type_id = build_type(type_desc)
+    space = build_space(space_desc)
+    points = space_points(space_desc)
+    if data is None:
+        if points:
+            raise Malformed("values missing")
+        return ReadyAttribute(name, type_id, space, None, type_id)
+    if not isinstance(data, dict):
+        raise Malformed("values are not an object")
+    shape = tuple(space_desc.get("shape", ()))
+    if holds_variable_string(type_desc):
+        strings = data.get("strings")
+        if not isinstance(strings, list) or len(strings) != points:
+            raise Malformed("the number of strings does not match the dataspace")
+        dtype = h5py.string_dtype(encoding="utf-8" if type_desc["cset"] == 1 else "ascii")
+        values = np.empty(points, dtype=dtype)
+        for index, item in enumerate(strings):
+            values[index] = _string_bytes(item)
+        memory_type = h5py.h5t.py_create(dtype)
+        return ReadyAttribute(name, type_id, space, values.reshape(shape), memory_type, raw=False)
+    raw_text = data.get("raw")
+    if not isinstance(raw_text, str):
+        raise Malformed("raw values are not base64 text")
+    raw = base64.b64decode(raw_text, validate=True)
+    size = int(type_id.get_size())
+    if len(raw) != points * size:
+        raise Malformed(f"{len(raw)} bytes of values for {points} elements of {size} bytes")
+    values = np.frombuffer(raw, dtype=np.uint8).reshape((*shape, size)).copy()
+    return ReadyAttribute(name, type_id, space, values, type_id.copy())
+
+
+def _string_bytes(item: object) -> bytes:
+    """A variable-length string's bytes; HDF5 ends one at its first NUL, so a NUL inside
+    could not be written as recorded."""
+    if isinstance(item, str) and _utf8(item):
+        raw = item.encode("utf-8")
+    elif isinstance(item, dict) and isinstance(item.get("b64"), str):
+        raw = base64.b64decode(item["b64"], validate=True)
+    else:
+        raise Malformed("a string that is neither UTF-8 text nor {'b64': ...}")
+    if b"\x00" in raw:
+        raise Malformed(f"a variable-length string holding a NUL byte: {raw[:40]!r}")
+    return raw

@@ -1,0 +1,167 @@
+"""The safetensors writer: header first, then one tensor at a time, with kernel copies of
+unchanged tensors (made ahead on a background thread)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from clipcli.filecopy import copy_range
+from clipcli.formats.base import (
+    Checkpoint,
+    Reader,
+    TensorInfo,
+    WritebackStarter,
+    Writer,
+    byte_view,
+)
+from clipcli.formats.safetensors.header import CODES, build_header
+from clipcli.formats.structure import STRUCTURE_KEY
+
+
+def with_structure(checkpoint: Checkpoint) -> dict[str, str]:
+    """The checkpoint's metadata, plus the HDF5 structure of an HDF5 source under
+    STRUCTURE_KEY (a safetensors source keeps the key it has, as all its metadata)."""
+    metadata = dict(checkpoint.metadata)
+    structure = checkpoint.source.structure() if checkpoint.source is not None else None
+    if structure is None or structure.origin is None or STRUCTURE_KEY in metadata:
+        return metadata
+    if structure.document is not None and not structure.is_plain(metadata):
+        metadata[STRUCTURE_KEY] = structure.to_text()
+    return metadata
+
+
+class SafetensorsWriter(Writer):
+    format_name = "safetensors"
+
+    @classmethod
+    def structure_losses(cls, source: Reader) -> list[str]:
+        """An HDF5 source's structure is kept under STRUCTURE_KEY, but for what has no
+        portable description (references, sequences, names that are not UTF-8)."""
+        structure = source.structure()
+        if structure is None or structure.origin is None:
+            return []
+        return list(structure.dropped)
+
+    def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
+        super().__init__(path, checkpoint, durable)
+        for info in checkpoint.infos:
+            if (reason := self.check_dtype(info)) is not None:
+                raise ValueError(reason)
+        self._file: BinaryIO = self._open(path)
+        header = build_header(checkpoint.infos, with_structure(checkpoint))
+        self._reserve(len(header) + sum(info.nbytes for info in checkpoint.infos))
+        self._file.write(header)
+        self._writeback = WritebackStarter(self._file.fileno()) if durable else None
+        self._offsets: dict[str, int] = {}
+        position = len(header)
+        for info in checkpoint.infos:
+            self._offsets[info.name] = position
+            position += info.nbytes
+        self._ahead: dict[str, Future[None]] = {}
+        self._copier: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()
+
+    def _open(self, path: Path) -> BinaryIO:
+        return open(path, "wb")
+
+    def _reserve(self, total: int) -> None:
+        """Reserving the whole file up front makes a full disk fail before any data is
+        written, and spares the filesystem growing the file block by block."""
+        try:
+            os.posix_fallocate(self._file.fileno(), 0, total)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise
+            # Filesystems without fallocate support (EOPNOTSUPP, EINVAL) just grow the file.
+
+    def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
+        """Kernel-copy the tensor to its final offset on a background thread, so that when
+        nothing changes the copy overlaps the measuring pass instead of following it."""
+        stored = source.stored_bytes(info)
+        if stored is None or not info.nbytes:
+            return
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clipcli-copy")
+        self._ahead[info.name] = self._copier.submit(
+            self._copy_range, stored.fileno(), stored.begin, stored.end, self._offsets[info.name]
+        )
+
+    def _copy_range(self, source_fd: int, begin: int, end: int, position: int) -> None:
+        writeback = self._writeback  # started out of order when copying ahead
+        copy_range(
+            source_fd,
+            self._file.fileno(),
+            begin,
+            end,
+            position,
+            source_name=self.checkpoint.source.path if self.checkpoint.source else "input",
+            on_piece=writeback.start if writeback is not None else None,
+            stop=self._stop.is_set,
+        )
+
+    def _settle(self, info: TensorInfo) -> bool:
+        """Wait for a background copy of this tensor, if one was started; True if it was."""
+        future = self._ahead.pop(info.name, None)
+        if future is None:
+            return False
+        future.result()
+        return True
+
+    def _stop_copier(self) -> None:
+        if self._copier is not None:
+            self._stop.set()
+            self._copier.shutdown(wait=True, cancel_futures=True)
+            self._copier = None
+
+    def _written(self) -> None:
+        position = self._file.tell()  # counts buffered bytes: flush only when writeback is due
+        if self._writeback is not None and self._writeback.due(position):
+            self._file.flush()
+            self._writeback.advance(position)
+
+    @classmethod
+    def check_dtype(cls, info: TensorInfo) -> str | None:
+        if info.dtype.name not in CODES:
+            return f"safetensors cannot hold {info.dtype.name}"
+        return None
+
+    @classmethod
+    def check_name(cls, name: str) -> str | None:
+        if name == "__metadata__":
+            return "safetensors reserves the name __metadata__"
+        return super().check_name(name)
+
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
+        self._settle(info)  # a copy made ahead must not land on top of what we write now
+        little = info.dtype.newbyteorder("<") if info.dtype.byteorder == ">" else info.dtype
+        for chunk in chunks:
+            self._file.write(byte_view(chunk, little))
+            self._written()
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
+        """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
+        if not self._settle(info):
+            stored = source.stored_bytes(info)
+            if stored is None:
+                return False
+            self._file.flush()
+            self._copy_range(stored.fileno(), stored.begin, stored.end, self._offsets[info.name])
+        self._file.seek(self._offsets[info.name] + info.nbytes)
+        self._written()
+        return True
+
+    def close(self) -> None:
+        self._stop_copier()
+        self._file.close()
+
+    def abort(self) -> None:
+        self._stop_copier()
+        self._file.close()
