@@ -182,9 +182,15 @@ def norms_command(
     else:
         emit(lambda: print_report(report, fmt))
     if plot is not None:
-        from clipcli.report.plot import write_plot
+        from clipcli.footprint import InputFootprint
+        from clipcli.output import FileTarget
+        from clipcli.report.plot import render_plot
 
-        write_plot(plot, bars, limit, force, grouped=group_by is not None)
+        picture = render_plot(bars, limit, group_by is not None, plot.suffix)
+        target = FileTarget(plot, force=force, durable=False)
+        target.check(InputFootprint(path, [path]))
+        with target.stage() as staged:  # whole or not at all; no-clobber without --force
+            staged.write_bytes(picture)
     if fail_above is not None:
         g = measurement.global_norm
         if math.isnan(g) or g > fail_above:

@@ -21,7 +21,6 @@ check of --plot FILE, the choice of picture, and writing it.
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,7 +61,7 @@ __all__ = [
     "ROLES_MAX",
     "WITHIN",
     "check_plot_target",
-    "write_plot",
+    "render_plot",
 ]
 
 
@@ -85,41 +84,27 @@ def check_plot_target(out: Path, force: bool) -> None:
         raise WriteError(f"--plot {out}: the directory {out.parent} does not exist")
 
 
-def write_plot(out: Path, bars: Bars, limit: float | None, force: bool, grouped: bool) -> None:
-    """Draw, write to a temp file beside `out`, then move it into place: `out` appears
-    whole or not at all, and without --force a file that appeared meanwhile is kept."""
+def render_plot(bars: Bars, limit: float | None, grouped: bool, suffix: str) -> bytes:
+    """The picture of the listed norms as PNG or SVG bytes; the command writes it to its
+    file through clipcli.output, the one way anything is written."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
     fig = _figure(plt, bars, limit, grouped)
-    fd, temp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent or ".")
     try:
-        with os.fdopen(fd, "wb") as stream, warnings.catch_warnings():
+        buffer = io.BytesIO()
+        with warnings.catch_warnings():
             # A name in a script the font lacks draws as boxes; that is not worth a warning
             # on stderr, which holds errors only.
             warnings.filterwarnings("ignore", message="Glyph .* missing from", category=UserWarning)
-            fig.savefig(stream, format=out.suffix.lower().lstrip("."), dpi=100)
-        mask = os.umask(0)  # mkstemp made it 0600; a picture is as readable as any new file
-        os.umask(mask)
-        os.chmod(temp, 0o666 & ~mask)
-        if force:
-            os.replace(temp, out)
-        else:
-            from clipcli.fsops import rename_noreplace
-
-            rename_noreplace(Path(temp), out, is_directory=False)
-    except FileExistsError:
-        raise UsageError(
-            f"--plot {out} appeared during the run; add --force to replace it"
-        ) from None
-    except OSError as exc:
-        raise WriteError(f"--plot {out}: cannot write: {exc.strerror or exc}") from None
+            fig.savefig(buffer, format=suffix.lower().lstrip("."), dpi=100)
+        return buffer.getvalue()
     finally:
         plt.close(fig)
-        if os.path.lexists(temp):
-            os.unlink(temp)
 
 
 def _figure(plt: Any, bars: Bars, limit: float | None, grouped: bool) -> Any:
