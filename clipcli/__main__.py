@@ -27,10 +27,23 @@ def _exit_during_start_up(signum: int, _frame: object) -> None:
     os._exit(128 + signum)
 
 
-def run() -> None:
-    """Run the CLI as a program and exit with its code (never returns)."""
+def _guard_start_up() -> None:
     for signum in (_signal.SIGINT, _signal.SIGTERM):
         _signal.signal(signum, _exit_during_start_up)
+
+
+# As a program (`python -m clipcli`, or the `clipcli` console script, which imports this
+# module and then calls run()), the guard goes up as this module loads: a signal between
+# the import and run()'s first line would otherwise be a KeyboardInterrupt traceback from
+# our own frames. Imported by anything else (a test), the process's handlers stay as
+# they are.
+if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "clipcli":
+    _guard_start_up()
+
+
+def run() -> None:
+    """Run the CLI as a program and exit with its code (never returns)."""
+    _guard_start_up()
     if sys.argv[1:] == ["--version"]:  # for shell loops: no CLI import at all
         from clipcli import __version__
 
