@@ -128,6 +128,11 @@ class DiffResult:
         return sum(t.structural for t in self.tensors)
 
     @property
+    def n_dtype_changed(self) -> int:
+        """Tensors stored in another dtype (a change a value comparison may not show)."""
+        return sum(t.status == DTYPE_CHANGED for t in self.tensors)
+
+    @property
     def identical(self) -> bool:
         """Every tensor bit-identical and no metadata change."""
         return not self.metadata_changes and all(t.status == SAME for t in self.tensors)

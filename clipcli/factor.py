@@ -12,6 +12,7 @@ tensors to it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,10 @@ OutputCheck = Callable[[Sequence[TensorInfo], float, int], CertainSumsq]
 
 
 def search_factor(
-    members: Sequence[TensorStats], limit: float, check: OutputCheck
+    members: Sequence[TensorStats],
+    limit: float,
+    check: OutputCheck,
+    exact_limit: Fraction | None = None,
 ) -> Factor | None:
     """The factor for `members` together, None when they are within the limit already.
     It applies to the members with a nonzero sum of squares only: a zero tensor is left
@@ -40,7 +44,7 @@ def search_factor(
     def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
         return check([members[i].info for i in which], factor.mantissa, factor.exponent)
 
-    return scaling.group_factor(as_members, limit, output_sumsq)
+    return scaling.group_factor(as_members, limit, output_sumsq, exact_limit)
 
 
 def tf_factor(use_norm: float, limit: float, dtypes: Sequence[np.dtype[Any]]) -> Factor | None:

@@ -23,7 +23,7 @@ from clipcli.groups import compile_group_by, group_key
 from clipcli.measurement import Measurement, TensorStats
 from clipcli.numerics import rounding, scaling
 from clipcli.numerics.norms import NormAccumulator, global_norm
-from clipcli.spec import ClipSpec, Mode, axes_fit, normalize_axes, tensor_limit
+from clipcli.spec import ClipSpec, Mode, axes_fit, exact_limit, normalize_axes, tensor_limit
 
 # ---------------------------------------------------------------- the plan
 
@@ -172,7 +172,13 @@ def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
         made = _plan_axes(measurement, members, spec)
     elif spec.mode in (Mode.NORM, Mode.AVERAGE):
         made = [
-            _scaled(t, search_factor([t], tensor_limit(spec, t.info.numel), check)) for t in members
+            _scaled(
+                t,
+                search_factor(
+                    [t], tensor_limit(spec, t.info.numel), check, exact_limit(spec, t.info.numel)
+                ),
+            )
+            for t in members
         ]
     elif spec.group_by is not None:
         made = _plan_groups(members, spec, check)

@@ -156,6 +156,14 @@ def tensor_limit(spec: ClipSpec, numel: int) -> float:
     return spec.limit
 
 
+def exact_limit(spec: ClipSpec, numel: int) -> Fraction:
+    """The per-tensor limit as a real number: what "within the limit" is decided against
+    (tensor_limit is its rounding down, the target a clipped tensor is scaled to)."""
+    if spec.mode is Mode.AVERAGE:
+        return Fraction(spec.limit) * numel
+    return Fraction(spec.limit)
+
+
 def axes_fit(axes: Sequence[int], shape: Sequence[int]) -> bool:
     """Whether every axis names a dimension of a tensor of this shape."""
     return all(-len(shape) <= axis < len(shape) for axis in axes)

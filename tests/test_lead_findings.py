@@ -149,3 +149,61 @@ def test_dry_run_refuses_what_the_real_run_refuses(tmp_path: Path) -> None:
     free = tmp_path / "free.safetensors"
     assert main(["clip", "--dry-run", "--global", "1", str(src), str(free)]) == 0
     assert not free.exists()
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype", "average"),
+    [
+        # norms between C*n rounded down and the exact C*n (found by the second attack)
+        ([2.0999999999999996, 3.053829302179693e-08, 0.0], "float64", 0.7),
+        ([0.5, 5.27e-9, 0.0, 0.0, 0.0], "bfloat16", 0.1),
+        ([0.5, 1e-9, 0.0, 0.0, 0.0], "float32", 0.1),
+    ],
+)
+def test_average_keeps_a_tensor_within_the_exact_c_times_n(
+    tmp_path: Path, values: list[float], dtype: str, average: float
+) -> None:
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    array = np.array(values, dtype=ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    squares = sum(Fraction(float(x)) ** 2 for x in array.astype(np.float64))
+    bound = (Fraction(average) * array.size) ** 2
+    if squares > bound:
+        pytest.skip("this dtype rounds the case above the limit")
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file({"t": array}, str(src))
+    assert main(["clip", "-q", "--average", repr(average), str(src), str(out)]) == 0
+    with open(out, "rb") as f:
+        data = f.read()
+    size = int.from_bytes(data[:8], "little")
+    begin, end = json.loads(data[8 : 8 + size])["t"]["data_offsets"]
+    assert data[8 + size + begin : 8 + size + end] == array.tobytes()  # bit-identical
+
+
+def test_plot_into_a_model_directory_given_by_its_index_is_refused(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": np.ones(2, np.float32)}, str(model / "model-00001-of-00001.safetensors"))
+    index = model / "model.safetensors.index.json"
+    index.write_text(
+        json.dumps({"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}})
+    )
+    for given in (model, index):
+        assert main(["norms", str(given), "--plot", str(model / "q.png")]) == 2
+    link = tmp_path / "shard.png"
+    link.hardlink_to(model / "model-00001-of-00001.safetensors")
+    assert main(["norms", str(index), "--plot", str(link), "--force"]) == 2
+    assert not (model / "q.png").exists()
+
+
+def test_diff_fail_above_fails_on_a_dtype_change_with_equal_values(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"x": np.array([1.0, 2.0], np.float32)}, str(a))
+    save_file({"x": np.array([1.0, 2.0], np.float64)}, str(b))
+    assert main(["diff", str(a), str(a), "--fail-above", "0"]) == 0
+    assert main(["diff", str(a), str(b), "--fail-above", "0"]) == 1

@@ -59,9 +59,9 @@ def diff_command(
     emit(lambda: print_report(diff_report(result, changed_only), fmt))
     if fail_above is not None:
         worst = result.max_rel_change
-        # Structure counts as much as values: a missing tensor, a changed shape, and a
-        # changed metadata key, attribute, group or non-tensor dataset all fail the check.
-        other = result.n_structural + len(result.metadata_changes)
+        # Structure counts as much as values: a missing tensor, a changed shape or dtype,
+        # and a changed metadata key, attribute, group or non-tensor dataset all fail it.
+        other = result.n_structural + result.n_dtype_changed + len(result.metadata_changes)
         if other or (worst is not None and not worst <= fail_above):
             print(
                 f"clipcli: largest relative change {worst if worst is not None else 'n/a'} "

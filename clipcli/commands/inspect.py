@@ -4,7 +4,7 @@
 import math
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -23,6 +23,9 @@ from clipcli.commands.common import (
 )
 from clipcli.errors import ExitCode, UsageError
 from clipcli.report import OutputFormat, SortKey
+
+if TYPE_CHECKING:
+    from clipcli.footprint import InputFootprint
 
 LS_EPILOG = (
     "\b\nExamples:\n"
@@ -150,11 +153,10 @@ def norms_command(
         if sort is SortKey.SIZE:  # groups have no size of their own to sort by
             raise UsageError("--sort size orders tensors; groups sort by name or norm")
     if plot is not None:
-        from clipcli.footprint import InputFootprint
         from clipcli.report.plot import check_plot_target
 
         check_plot_target(plot, force)
-        overlap = InputFootprint(path, [path]).overlap(plot)
+        overlap = _input_footprint(path).overlap(plot)
         if overlap is not None:  # the input is never written over, --force or not
             raise UsageError(f"--plot {plot} {overlap}; choose another file")
 
@@ -182,13 +184,12 @@ def norms_command(
     else:
         emit(lambda: print_report(report, fmt))
     if plot is not None:
-        from clipcli.footprint import InputFootprint
         from clipcli.output import FileTarget
         from clipcli.report.plot import render_plot
 
         picture = render_plot(bars, limit, group_by is not None, plot.suffix)
         target = FileTarget(plot, force=force, durable=False)
-        target.check(InputFootprint(path, [path]))
+        target.check(_input_footprint(path))
         with target.stage() as staged:  # whole or not at all; no-clobber without --force
             staged.write_bytes(picture)
     if fail_above is not None:
@@ -199,3 +200,14 @@ def norms_command(
                 file=sys.stderr,
             )
             raise typer.Exit(ExitCode.CONDITION)
+
+
+def _input_footprint(path: Path) -> "InputFootprint":
+    """What --plot must stay clear of, from names alone (no data read): the file, or the
+    model directory (given as itself or as its index file) and every file in it, so that
+    a link to a shard is caught too."""
+    from clipcli.footprint import InputFootprint
+
+    root = path.parent if path.name.endswith(".index.json") else path
+    files = [p for p in root.iterdir() if p.is_file()] if root.is_dir() else [path]
+    return InputFootprint(root, files)

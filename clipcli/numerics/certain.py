@@ -97,7 +97,7 @@ class CertainSumsq:
         self.total += other.total
         self.bound += other.bound
 
-    def at_most(self, limit: float) -> bool:
+    def at_most(self, limit: float | Fraction) -> bool:
         """Whether the norm is certainly <= limit."""
         return self.total + self.bound <= Fraction(limit) ** 2
 

@@ -108,7 +108,10 @@ def given_norm_factor(
 
 
 def group_factor(
-    members: Sequence[Member], limit: float, output_sumsq: OutputSumsq
+    members: Sequence[Member],
+    limit: float,
+    output_sumsq: OutputSumsq,
+    exact_limit: Fraction | None = None,
 ) -> Factor | None:
     """The largest uniform factor whose rounded output, over all members together, has
     norm <= limit; None to leave them as they are (within the limit, a zero norm, C = inf).
@@ -126,7 +129,10 @@ def group_factor(
     if abs(ratio - 1) <= AMBIGUOUS:
         # The measured norm is within its own rounding error of C: decide exactly, so that
         # a norm equal to C is left alone and one a hair above it is clipped.
-        if _within_exactly(live, members, limit, output_sumsq):
+        # exact_limit: the limit as a real number when the float `limit` is its rounding
+        # down (--average's C * n): a norm between the two is within, so kept.
+        within = exact_limit if exact_limit is not None else Fraction(limit)
+        if _within_exactly(live, members, within, output_sumsq):
             return None
         ratio = min(ratio, 1 - U64)
     elif not ratio < 1.0:
@@ -173,7 +179,7 @@ def _refuse_unreachable(members: Sequence[Member], limit: float) -> None:
 
 
 def _within_exactly(
-    live: Sequence[int], members: Sequence[Member], limit: float, output_sumsq: OutputSumsq
+    live: Sequence[int], members: Sequence[Member], limit: Fraction, output_sumsq: OutputSumsq
 ) -> bool:
     """Whether the norm of the live members together is <= limit: exact over histograms
     (as fractions), with a certain bound over the rest (one more pass over those)."""
