@@ -87,22 +87,24 @@ def follow_metadata(
     for ready, attr in zip(root.attributes, recorded, strict=True):
         name = attr["name"]
         text = _recorded_text(attr)
-        if text is None or name == reserved:
+        if name == reserved:
             kept.append(ready)
+        elif text is None:
+            # Not text, so not in __metadata__ when recorded: a key of that name there now
+            # was put there by the user, and wins as for an edit.
+            kept.append(ready if name not in metadata else _plain(name, metadata[name]))
         elif name not in metadata:
             continue  # deleted from __metadata__: not restored
         elif metadata[name] == text:
             kept.append(ready)
         else:
-            kept.append(
-                _values(
-                    _PLAIN_STRING,
-                    {"class": "scalar"},
-                    {"strings": [metadata[name]]},
-                    name.encode("utf-8"),
-                )
-            )
+            kept.append(_plain(name, metadata[name]))
     root.attributes = kept
+
+
+def _plain(name: str, value: str) -> ReadyAttribute:
+    """A root attribute holding `value` as a plain UTF-8 string (a metadata value)."""
+    return _values(_PLAIN_STRING, {"class": "scalar"}, {"strings": [value]}, name.encode("utf-8"))
 
 
 def _recorded_text(attr: Json) -> str | None:
