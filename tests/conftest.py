@@ -373,6 +373,27 @@ def run_main(capsys: pytest.CaptureFixture[str]) -> Callable[..., Run]:
     return run
 
 
+@dataclass(frozen=True)
+class MainRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def clipcli(capsys: pytest.CaptureFixture[str]) -> Callable[..., MainRun]:
+    """clipcli's main() in this process (no interpreter start-up per command); a module
+    may override it (tests/test_stream_out.py runs a real process)."""
+    from clipcli.cli import main
+
+    def run(*args: str | Path) -> MainRun:
+        code = main([str(arg) for arg in args])
+        out, err = capsys.readouterr()
+        return MainRun(code, out, err)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def run_subprocess() -> Callable[..., Run]:
     """`run_subprocess("clip", ...)` as `python -m clipcli ...` in a child process."""

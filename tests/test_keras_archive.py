@@ -10,38 +10,16 @@ import json
 import math
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+from conftest import MainRun as Run
 from layouts import keras_archive
 from test_format_hdf5 import assert_same_file
 
-from clipcli.cli import main
-
-
-@dataclass(frozen=True)
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 Cli = Callable[..., Run]
-
-
-@pytest.fixture
-def clipcli(capsys: pytest.CaptureFixture[str]) -> Cli:
-    """clipcli's main() in this process (no interpreter start-up per command)."""
-
-    def run(*args: str | Path) -> Run:
-        code = main([str(arg) for arg in args])
-        out, err = capsys.readouterr()
-        return Run(code, out, err)
-
-    return run
 
 
 def exact_global_norm(arrays: list[np.ndarray]) -> float:

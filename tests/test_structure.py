@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 import pytest
+from conftest import MainRun as Run
 from layouts import (
     keras2_save_weights,
     keras3_nested_weights,
@@ -26,31 +26,10 @@ from layouts import (
 from safetensors import safe_open
 from test_format_hdf5 import assert_same_file
 
-from clipcli.cli import main
-
 STRUCTURE_KEY = "clipcli.hdf5_structure"
 
 
-@dataclass(frozen=True)
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 Cli = Callable[..., Run]
-
-
-@pytest.fixture
-def clipcli(capsys: pytest.CaptureFixture[str]) -> Cli:
-    """clipcli's main() in this process (no interpreter start-up per command)."""
-
-    def run(*args: str | Path) -> Run:
-        code = main([str(arg) for arg in args])
-        out, err = capsys.readouterr()
-        return Run(code, out, err)
-
-    return run
 
 
 def round_trip(clipcli: Cli, tmp_path: Path, src: Path) -> tuple[Path, Path]:
