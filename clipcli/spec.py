@@ -156,9 +156,12 @@ def tensor_limit(spec: ClipSpec, numel: int) -> float:
     return spec.limit
 
 
-def exact_limit(spec: ClipSpec, numel: int) -> Fraction:
+def exact_limit(spec: ClipSpec, numel: int) -> Fraction | None:
     """The per-tensor limit as a real number: what "within the limit" is decided against
-    (tensor_limit is its rounding down, the target a clipped tensor is scaled to)."""
+    (tensor_limit is its rounding down, the target a clipped tensor is scaled to); None for
+    an infinite limit (nothing is over it)."""
+    if not math.isfinite(spec.limit):
+        return None
     if spec.mode is Mode.AVERAGE:
         return Fraction(spec.limit) * numel
     return Fraction(spec.limit)

@@ -326,6 +326,7 @@ def check_norm_clip(
     mode_args: list[str],
     mode: str,
     scale_limit: float | None = None,
+    within: Fraction | None = None,
 ) -> None:
     """One tensor through a norm mode: every acceptance property of issue 10."""
     limit_for_tensor = scale_limit if scale_limit is not None else limit
@@ -337,7 +338,9 @@ def check_norm_clip(
     assert out.dtype == x.dtype
     assert out.shape == x.shape
     before = exact_sumsq(x)
-    if before <= Fraction(limit_for_tensor) ** 2:
+    # --average: within is decided against the exact C * n; the rounded-down float is the
+    # target a clipped tensor is scaled to.
+    if before <= (within if within is not None else Fraction(limit_for_tensor)) ** 2:
         assert out.tobytes() == x.tobytes(), "an under-limit tensor changed"
         assert row["changed"] is False
         return
@@ -414,6 +417,7 @@ def test_norm_modes_against_reference(
                     ["--average", repr(average)],
                     mode,
                     _exact_product_down(average, n) if x.size else average,
+                    Fraction(average) * n if x.size else None,
                 )
             else:
                 check_norm_clip(cli, tmp_path, x, limit, ["--global", repr(limit)], mode)
