@@ -24,6 +24,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -273,15 +274,17 @@ def _pipeline(argv: list[str], reader: str) -> tuple[int, str]:
     """Run `python -m clipcli ARGV | READER` in a real shell; clipcli's status and stderr."""
     command = " ".join([sys.executable, "-m", "clipcli", *map(_quote, argv)])
     script = f'{command} 2>"$ERR" | {reader} >/dev/null; echo ${{PIPESTATUS[0]}}'
-    err = Path(argv[1]).parent / "stderr.txt"
-    done = subprocess.run(
-        ["bash", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, ERR=str(err)),
-    )
-    return int(done.stdout.strip().splitlines()[-1]), err.read_text()
+    # stderr goes to a private temp file, never into the working directory.
+    with tempfile.TemporaryDirectory() as scratch:
+        err = Path(scratch) / "stderr.txt"
+        done = subprocess.run(
+            ["bash", "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, ERR=str(err)),
+        )
+        return int(done.stdout.strip().splitlines()[-1]), err.read_text()
 
 
 def _quote(arg: str) -> str:
