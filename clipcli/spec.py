@@ -145,15 +145,17 @@ def normalize_axes(axes: tuple[int, ...], shape: tuple[int, ...], name: str) -> 
 
 
 def tensor_limit(spec: ClipSpec, numel: int) -> float:
-    """The norm a single tensor may have: C, or C * numel for TF's average norm, rounded
-    down: the float product may round up past the exact C * numel, and the limit is a
-    promise (a float64 tensor scaled to a limit 1 ulp too generous exceeds it)."""
-    if spec.mode is Mode.AVERAGE:
-        product = spec.limit * numel
-        if math.isfinite(product) and Fraction(product) > Fraction(spec.limit) * numel:
-            product = math.nextafter(product, 0.0)
-        return product
-    return spec.limit
+    """The norm a single tensor is scaled to: exact_limit rounded down to a float (the
+    float product C * numel may round up past the exact one, and the limit is a promise:
+    a float64 tensor scaled to a limit 1 ulp too generous exceeds it)."""
+    exact = exact_limit(spec, numel)
+    if exact is None:
+        return math.inf
+    try:
+        value = float(exact)
+    except OverflowError:
+        return math.inf
+    return math.nextafter(value, 0.0) if Fraction(value) > exact else value
 
 
 def exact_limit(spec: ClipSpec, numel: int) -> Fraction | None:
