@@ -21,6 +21,8 @@ SAFETENSORS_CODES = {
     "float8_e4m3fn": "F8_E4M3",
     "float8_e5m2": "F8_E5M2",
     "float8_e8m0fnu": "F8_E8M0",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
     "complex64": "C64",
 }
 
@@ -44,3 +46,24 @@ def write_safetensors(
         for array in tensors.values():
             out.write(array.tobytes())
     return path
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file, decoded by hand from the layout (numpy and
+    ml_dtypes dtypes by name: safetensors.numpy cannot load bfloat16 or fp8)."""
+    import ml_dtypes
+
+    names = {code: name for name, code in SAFETENSORS_CODES.items()}
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype_name = names[entry["dtype"]]
+        dtype = np.dtype(getattr(ml_dtypes, dtype_name, None) or dtype_name)
+        begin, end = entry["data_offsets"]
+        raw = data[8 + length + begin : 8 + length + end]
+        tensors[name] = np.frombuffer(raw, dtype).reshape(entry["shape"])
+    return tensors

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
+from handmade import read_safetensors
 from safetensors.numpy import save_file
 
 from clipcli.cli import main
@@ -29,14 +29,6 @@ def _expected(before: np.ndarray, after: np.ndarray) -> tuple[int, int]:
     old_sub = (old != 0) & (old < tiny)
     new_sub = (new != 0) & (new < tiny)
     return to_zero, int(np.count_nonzero(new_sub & ~old_sub))
-
-
-def _read_raw(path: Path, name: str, dtype: np.dtype[Any]) -> np.ndarray:
-    """A tensor's bytes by the safetensors layout (numpy has no fp8 for load_file)."""
-    data = path.read_bytes()
-    size = int.from_bytes(data[:8], "little")
-    begin, end = json.loads(data[8 : 8 + size])[name]["data_offsets"]
-    return np.frombuffer(data[8 + size + begin : 8 + size + end], dtype)
 
 
 def _spread(dtype: type) -> np.ndarray:
@@ -59,7 +51,7 @@ def test_clip_reports_values_flushed_to_zero_and_made_subnormal(
     capsys.readouterr()
     assert main(["clip", "--global", "0.01", str(src), str(out), "--format", "json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    expected = _expected(tensor, _read_raw(out, "w", tensor.dtype))
+    expected = _expected(tensor, read_safetensors(out)["w"])
     assert expected[0] + expected[1] > 0  # the case really flushes something
     assert (report["flushed_to_zero"], report["made_subnormal"]) == expected
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -37,10 +36,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from handmade import read_safetensors, write_safetensors
 
 WORST: dict[tuple[str, str], float] = {}
 
-STORABLE = {  # safetensors codes (its spec), written and read by hand below
+STORABLE = {  # safetensors codes (its spec); files written and read by hand (handmade.py)
     "float16": "F16",
     "bfloat16": "BF16",
     "float32": "F32",
@@ -60,39 +60,6 @@ def dtype_of(name: str) -> np.dtype:
 
 
 # ------------------------------------------------------------------ files, by hand
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> Path:
-    header, offset, blobs = {}, 0, []
-    for name, array in tensors.items():
-        data = np.ascontiguousarray(array).tobytes()
-        code = STORABLE[array.dtype.name]
-        header[name] = {
-            "dtype": code,
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        offset += len(data)
-        blobs.append(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-    return path
-
-
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    raw = path.read_bytes()
-    (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + length])
-    by_code = {code: name for name, code in STORABLE.items()}
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        data = raw[8 + length + begin : 8 + length + end]
-        out[name] = np.frombuffer(data, dtype_of(by_code[entry["dtype"]])).reshape(entry["shape"])
-    return out
 
 
 def write_any(path: Path, tensors: dict[str, np.ndarray]) -> Path:
