@@ -16,6 +16,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from handmade import write_safetensors
 from hostile_cli import (
     assert_refused,
     check_error_line,
@@ -27,29 +28,7 @@ from safetensors import safe_open
 
 from clipcli.cli import main
 
-# ------------------------------------------------------------------ writers (official libraries)
-
-ST_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> Path:
-    """By hand, so that bfloat16 and any tensor name can be written."""
-    header: dict[str, object] = {}
-    offset = 0
-    for name, array in tensors.items():
-        code = ST_CODES.get(array.dtype.name) or {"int32": "I32", "int64": "I64"}[array.dtype.name]
-        header[name] = {
-            "dtype": code,
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        offset += array.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(
-        struct.pack("<Q", len(text)) + text + b"".join(a.tobytes() for a in tensors.values())
-    )
-    return path
+# ---------------------------------------- writers (official libraries; safetensors: handmade.py)
 
 
 def write_npz(path: Path, tensors: dict[str, np.ndarray]) -> Path:
