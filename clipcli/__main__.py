@@ -1,11 +1,11 @@
 """The program's entry point (`clipcli` and `python -m clipcli`): guard start-up against
 signals, then run the CLI.
 
-Importing the CLI (typer, rich, click) takes tens of milliseconds, before main() has set up
-its error boundary. A Ctrl-C there would print a KeyboardInterrupt traceback, so until
-main() takes over, SIGINT and SIGTERM print the one documented line and exit 130/143:
-nothing has been opened yet, so there is nothing to clean up. main() puts the usual
-handlers back as the first thing inside its error boundary.
+Importing the CLI (numpy; typer too for what the quick parser does not take) takes tens of
+milliseconds, before main() has set up its error boundary. A Ctrl-C there would print a
+KeyboardInterrupt traceback, so until main() takes over, SIGINT and SIGTERM print the one
+documented line and exit 130/143: nothing has been opened yet, so there is nothing to
+clean up. main() puts the usual handlers back as the first thing inside its error boundary.
 
 What runs before this module (the interpreter's start-up, site and .pth files, runpy or the
 console script finding the package) is not clipcli's code: a signal there gets Python's own
@@ -138,13 +138,20 @@ def _preload(args: list[str]) -> None:
     import contextlib
     import encodings.cp437  # noqa: F401 - zipfile decodes npz member names with it
 
-    for module in (*_PRELOAD.get(args[0], ()), *_formats_of(args[0], args[1:])):
+    from clipcli.cli import BODIES
+
+    body = (BODIES[args[0]][0],) if args[0] in BODIES else ()
+    for module in (*body, *_PRELOAD.get(args[0], ()), *_formats_of(args[0], args[1:])):
         __import__(module)
     if {"-i", "--include", "-x", "--exclude"} & set(args):  # ls: the selection
         __import__("clipcli.selection")
-    # Click imports its help option on the first parse (typer vendors click).
-    with contextlib.suppress(ImportError):
-        __import__("typer._click.decorators")
+    from clipcli.quick_args import parse
+
+    if parse(args) is None:  # Typer will parse it (cli.main); the quick parser would not
+        __import__("clipcli.typer_app")
+        # Click imports its help option on the first parse (typer vendors click).
+        with contextlib.suppress(ImportError):
+            __import__("typer._click.decorators")
     if "--chart" in args or (sys.stderr is not None and sys.stderr.isatty()):  # rich: bars
         import io
 

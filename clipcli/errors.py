@@ -1,4 +1,4 @@
-"""Exceptions that carry their exit code; only cli.py turns them into output."""
+"""Exceptions that carry their exit code; only clipcli/boundary.py turns them into output."""
 
 from __future__ import annotations
 
@@ -71,4 +71,13 @@ class Interrupted(ClipcliError):
 
     def __init__(self, message: str, exit_code: ExitCode = ExitCode.INTERRUPTED) -> None:
         super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Verdict(Exception):
+    """Not a failure: the command ran, said what it found, and its answer is an exit code
+    (--fail-above exceeded: 1). The boundary exits with it and prints nothing more."""
+
+    def __init__(self, exit_code: ExitCode) -> None:
+        super().__init__(int(exit_code))
         self.exit_code = exit_code

@@ -288,7 +288,7 @@ class Run:
 def _cli_runner(*args: str | Path) -> Run:
     from typer.testing import CliRunner
 
-    from clipcli.cli import app
+    from clipcli.typer_app import app
 
     # Rich tables are pinned to a wide terminal so that names are never folded.
     result = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})

@@ -20,8 +20,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "clipcli"
 JOBS = frozenset(
     {
         "clipcli.api",
+        "clipcli.boundary",
         "clipcli.cli",
         "clipcli.commands",
+        "clipcli.options",
+        "clipcli.quick_args",
+        "clipcli.typer_app",
         "clipcli.diff",
         "clipcli.diff_math",
         "clipcli.factor",
@@ -130,6 +134,32 @@ def broken(edges: dict[str, set[str]]) -> list[str]:
             if in_report and target.startswith("clipcli.numerics"):
                 problems.append(f"{name} -> {target} (the report does no math)")
     return problems
+
+
+# Typer is for what the quick parser declines (clipcli/quick_args.py): only these two
+# import it, and only main() reaches them (__main__.py preloads them by name, for the
+# same command lines).
+TYPER_APP = frozenset({"clipcli.options", "clipcli.typer_app"})
+REACHES_TYPER = frozenset({"clipcli.cli"})
+
+
+def imports_typer(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name == "typer" or name.startswith("typer.") for name in names):
+            return True
+    return False
+
+
+def test_only_the_typer_app_imports_typer() -> None:
+    assert {name for name, path in all_modules().items() if imports_typer(path)} == TYPER_APP
+    reaching = {name for name, targets in graph().items() if targets & TYPER_APP}
+    assert reaching - TYPER_APP == REACHES_TYPER
 
 
 def test_the_package_has_no_import_cycle() -> None:

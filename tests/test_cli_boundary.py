@@ -16,7 +16,7 @@ from handmade import write_safetensors
 from typer.testing import CliRunner
 
 import clipcli.api
-from clipcli.cli import app, main
+from clipcli.cli import main
 from clipcli.errors import (
     DataRefusedError,
     ExitCode,
@@ -25,6 +25,7 @@ from clipcli.errors import (
     UsageError,
     WriteError,
 )
+from clipcli.typer_app import app
 
 PACKAGE = Path(__file__).resolve().parent.parent / "clipcli"
 
@@ -75,7 +76,7 @@ def test_every_family_maps_the_same_through_main_and_typer(
 
 
 def test_every_exit_code_is_documented_in_help() -> None:
-    from clipcli.cli import EXIT_CODES_HELP
+    from clipcli.typer_app import EXIT_CODES_HELP
 
     documented = {
         int(line.split()[0])

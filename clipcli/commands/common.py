@@ -1,83 +1,15 @@
-"""What every command shares: option types, the selection, stderr notes, progress, output."""
+"""What every command's body shares: the selection, stderr notes, progress, output."""
 
 import math
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
-
-import typer
+from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import UsageError, WriteError, printable
 from clipcli.report import OutputFormat
 
 if TYPE_CHECKING:
     from clipcli.selection import Selection
-
-PathArg = Annotated[
-    Path,
-    typer.Argument(
-        help="Checkpoint file, Hugging Face model directory, or *.safetensors.index.json.",
-        show_default=False,
-    ),
-]
-InArg = Annotated[
-    Path,
-    typer.Argument(
-        metavar="IN", help="Input checkpoint file or model directory.", show_default=False
-    ),
-]
-OutArg = Annotated[
-    str,  # not Path: a trailing "/" (write a model directory) must survive
-    typer.Argument(
-        metavar="OUT",
-        help="Output file (its extension picks the format), or a model directory: a "
-        "name ending in /, or with no extension when IN is a model directory; '-' streams "
-        "a safetensors IN's clipped copy to standard output (the report goes to stderr).",
-        show_default=False,
-    ),
-]
-FormatOpt = Annotated[OutputFormat, typer.Option("--format", "-f", help="Report format.")]
-IncludeOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--include",
-        "-i",
-        help="Only tensors whose whole name matches this glob (repeatable; '*attn*' for a "
-        "substring). A selection of nothing is refused (exit 2).",
-    ),
-]
-ExcludeOpt = Annotated[
-    list[str] | None,
-    typer.Option("--exclude", "-x", help="Skip tensors matching this glob (repeatable; wins)."),
-]
-AllTensorsOpt = Annotated[
-    bool,
-    typer.Option(
-        "--all-tensors",
-        help="Also act on training state: optimizer slots and counters (optimizer_weights/, "
-        "optimizer/, optimizer., optim_state) and BatchNorm running statistics. By default "
-        "they are listed apart, left out of the global norm and copied bit for bit.",
-    ),
-]
-AllowLargeSideFilesOpt = Annotated[
-    bool,
-    typer.Option(
-        "--allow-large-side-files",
-        help="Copy a model directory's other files even over 1 GiB each (holes stay holes).",
-    ),
-]
-
-
-AllowLossyOpt = Annotated[
-    bool,
-    typer.Option(
-        "--allow-lossy",
-        help="Write OUT even when its format cannot hold all of IN beyond the tensors (HDF5 "
-        "attributes, groups and non-tensor datasets into .npz; file metadata into .npz); "
-        "one warning line names what was dropped. Without it that is refused (exit 2).",
-    ),
-]
 
 
 def selection(

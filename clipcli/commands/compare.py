@@ -2,14 +2,8 @@
 
 import sys
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from clipcli.commands.common import (
-    ExcludeOpt,
-    FormatOpt,
-    IncludeOpt,
     check_threshold,
     emit,
     notify,
@@ -17,38 +11,19 @@ from clipcli.commands.common import (
     progress,
     selection,
 )
-from clipcli.errors import ExitCode
+from clipcli.errors import ExitCode, Verdict
 from clipcli.report import OutputFormat
 
-DIFF_EPILOG = (
-    "\b\nExamples:\n"
-    "  clipcli diff model.safetensors clipped.safetensors\n"
-    "  clipcli diff old.npz new.safetensors --changed-only --format json\n"
-    "  clipcli diff base/ merged/ --fail-above 0.05   # exit 1 if any tensor moved > 5%"
-)
 
-
-def diff_command(
-    path_a: Annotated[Path, typer.Argument(metavar="A", help="Reference checkpoint.")],
-    path_b: Annotated[Path, typer.Argument(metavar="B", help="Checkpoint to compare with A.")],
-    fmt: FormatOpt = OutputFormat.TABLE,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    changed_only: Annotated[
-        bool, typer.Option(help="List only tensors that are not bit-identical.")
-    ] = False,
-    fail_above: Annotated[
-        float | None,
-        typer.Option(
-            help="Exit 1 if any tensor's relative change ‖A−B‖/‖A‖ exceeds X, or a tensor "
-            "is missing, extra, or changed dtype or shape.",
-            metavar="X",
-        ),
-    ] = None,
+def diff(
+    path_a: Path,
+    path_b: Path,
+    fmt: OutputFormat = OutputFormat.TABLE,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    changed_only: bool = False,
+    fail_above: float | None = None,
 ) -> None:
-    """Compare two checkpoints (any formats) tensor by tensor: ‖A−B‖, ‖A−B‖/‖A‖,
-    max |A−B|, cosine similarity and ‖B‖/‖A‖ (the scale a norm clip applied), plus missing
-    or extra tensors, dtype/shape changes and metadata changes. Streams both files."""
     check_threshold("--fail-above", fail_above)
     from clipcli import api
     from clipcli.report.builders import diff_report
@@ -69,4 +44,4 @@ def diff_command(
                 f"{fail_above:g}",
                 file=sys.stderr,
             )
-            raise typer.Exit(ExitCode.CONDITION)
+            raise Verdict(ExitCode.CONDITION)

@@ -4,16 +4,9 @@
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
-
-import typer
+from typing import TYPE_CHECKING
 
 from clipcli.commands.common import (
-    AllTensorsOpt,
-    ExcludeOpt,
-    FormatOpt,
-    IncludeOpt,
-    PathArg,
     check_threshold,
     emit,
     notify,
@@ -21,17 +14,12 @@ from clipcli.commands.common import (
     progress,
     selection,
 )
-from clipcli.errors import ExitCode, UsageError
+from clipcli.errors import ExitCode, UsageError, Verdict
 from clipcli.report import OutputFormat, SortKey
 
 if TYPE_CHECKING:
     from clipcli.footprint import InputFootprint
 
-LS_EPILOG = (
-    "\b\nExamples:\n"
-    "  clipcli ls model.safetensors --format json\n"
-    "  clipcli ls model_dir/ --include '*.layers.0.*' --sort size"
-)
 NORMS_EPILOG = (
     "\b\nExamples:\n"
     "  clipcli norms model.safetensors\n"
@@ -41,18 +29,13 @@ NORMS_EPILOG = (
 )
 
 
-def ls_command(
-    path: PathArg,
-    fmt: FormatOpt = OutputFormat.TABLE,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    sort: Annotated[
-        SortKey,
-        typer.Option(help="Row order: file order, name (layers.2 before layers.10), size."),
-    ] = SortKey.FILE,
+def ls(
+    path: Path,
+    fmt: OutputFormat = OutputFormat.TABLE,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    sort: SortKey = SortKey.FILE,
 ) -> None:
-    """List tensors (name, dtype, shape, bytes; the shard in a model directory), the total
-    parameter count and file metadata, reading no tensor data."""
     if sort is SortKey.NORM:
         raise UsageError(
             "ls reads no tensor data, so it cannot sort by norm; use norms --sort norm"
@@ -83,58 +66,21 @@ def ls_command(
     emit(lambda: print_report(report, fmt))
 
 
-def norms_command(
-    path: PathArg,
-    fmt: FormatOpt = OutputFormat.TABLE,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    sort: Annotated[
-        SortKey,
-        typer.Option(
-            help="Row order: file order, name (layers.2 before layers.10), norm (largest "
-            "first, among what the global norm counts; the rest after), size. Groups come "
-            "in name order unless sorted by norm."
-        ),
-    ] = SortKey.FILE,
-    top: Annotated[
-        int | None, typer.Option(help="Show only the first N rows (tensors or groups).", min=1)
-    ] = None,
-    fail_above: Annotated[
-        float | None,
-        typer.Option(help="Exit 1 if the global norm exceeds X (or is NaN/Inf).", metavar="X"),
-    ] = None,
-    group_by: Annotated[
-        str | None,
-        typer.Option(
-            help="Aggregate tensors into groups by this regex's first capture group (or whole "
-            "match); 'layer' is a preset for HF/Keras layer names.",
-            metavar="REGEX",
-        ),
-    ] = None,
-    chart: Annotated[
-        bool,
-        typer.Option(help="Draw horizontal bars of the listed norms instead of the table."),
-    ] = False,
-    limit: Annotated[
-        float | None,
-        typer.Option(
-            help="Mark this norm on --chart/--plot and colour what is over it.", metavar="C"
-        ),
-    ] = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            help="Write the listed norms as a picture to FILE.png or FILE.svg; needs "
-            "matplotlib (pip install -e '.[plot]' in the clipcli checkout).",
-            metavar="FILE",
-        ),
-    ] = None,
-    force: Annotated[bool, typer.Option(help="Replace an existing --plot FILE.")] = False,
-    all_tensors: AllTensorsOpt = False,
+def norms(
+    path: Path,
+    fmt: OutputFormat = OutputFormat.TABLE,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    sort: SortKey = SortKey.FILE,
+    top: int | None = None,
+    fail_above: float | None = None,
+    group_by: str | None = None,
+    chart: bool = False,
+    limit: float | None = None,
+    plot: Path | None = None,
+    force: bool = False,
+    all_tensors: bool = False,
 ) -> None:
-    """Per-tensor L2 norm, max |x| and non-finite count, and the global norm over
-    floating-point model weights (optimizer state and BatchNorm statistics are listed
-    apart unless --all-tensors). Accumulated exactly in float64."""
     # Every option acts or is refused here, before any data is read.
     if chart and fmt is not OutputFormat.TABLE:
         raise UsageError(f"--chart draws for the terminal; it cannot be --format {fmt.value}")
@@ -199,7 +145,7 @@ def norms_command(
                 f"clipcli: global norm {g:.6g} exceeds --fail-above {fail_above:g}",
                 file=sys.stderr,
             )
-            raise typer.Exit(ExitCode.CONDITION)
+            raise Verdict(ExitCode.CONDITION)
 
 
 def _input_footprint(path: Path) -> "InputFootprint":

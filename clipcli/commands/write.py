@@ -2,19 +2,9 @@
 
 import contextlib
 import sys
-from typing import Annotated
-
-import typer
+from pathlib import Path
 
 from clipcli.commands.common import (
-    AllowLargeSideFilesOpt,
-    AllowLossyOpt,
-    AllTensorsOpt,
-    ExcludeOpt,
-    FormatOpt,
-    InArg,
-    IncludeOpt,
-    OutArg,
     emit,
     notify,
     print_report,
@@ -25,16 +15,6 @@ from clipcli.errors import UsageError, printable
 from clipcli.report import OutputFormat
 from clipcli.report.model import count
 
-CLIP_EPILOG = (
-    "\b\nExamples:\n"
-    "  clipcli clip --global 5.0 in.safetensors out.safetensors\n"
-    "  clipcli clip --norm 1.0 --axes 0 in.h5 out.h5        # per-column max-norm\n"
-    "  clipcli clip --norm 1 --axes 1 --include '*self_attn*' --skip-low-rank \\\n"
-    "      in.safetensors out.safetensors                   # rows; biases left as they are\n"
-    "  clipcli clip --average 0.01 in.npz out.npz\n"
-    "  clipcli clip --value 3 --include '*.weight' in.safetensors out.safetensors\n"
-    "  clipcli clip --global 1 --dry-run --format json in.safetensors out.safetensors"
-)
 CONVERT_EPILOG = (
     "\b\nExamples:\n"
     "  clipcli convert model.npz model.safetensors\n"
@@ -51,85 +31,31 @@ def parse_axes(text: str | None) -> list[int] | None:
         raise UsageError(f"--axes takes comma-separated integers, got {text!r}") from None
 
 
-def clip_command(
-    src: InArg,
-    out: OutArg,
-    low: Annotated[
-        float | None, typer.Option("--min", help="clip_by_value lower bound.", metavar="X")
-    ] = None,
-    high: Annotated[
-        float | None, typer.Option("--max", help="clip_by_value upper bound.", metavar="Y")
-    ] = None,
-    value: Annotated[
-        float | None, typer.Option("--value", help="Same as --min -V --max V.", metavar="V")
-    ] = None,
-    norm: Annotated[
-        float | None,
-        typer.Option("--norm", help="clip_by_norm: t * C / max(||t||, C).", metavar="C"),
-    ] = None,
-    axes: Annotated[
-        str | None,
-        typer.Option(help="With --norm: axes to take the norm over, e.g. 0 or 0,-1.", metavar="A"),
-    ] = None,
-    skip_low_rank: Annotated[
-        bool,
-        typer.Option(
-            "--skip-low-rank",
-            help="With --axes: leave tensors with too few dimensions for the axes (biases, "
-            "norms) unchanged and report them as skipped, instead of refusing (exit 4).",
-        ),
-    ] = False,
-    average: Annotated[
-        float | None,
-        typer.Option("--average", help="clip_by_average_norm: ||t|| / numel(t) <= C.", metavar="C"),
-    ] = None,
-    global_: Annotated[
-        float | None,
-        typer.Option(
-            "--global", help="clip_by_global_norm over all selected tensors.", metavar="C"
-        ),
-    ] = None,
-    use_norm: Annotated[
-        float | None,
-        typer.Option(
-            help="With --global: use this global norm instead of computing it.", metavar="N"
-        ),
-    ] = None,
-    group_by: Annotated[
-        str | None,
-        typer.Option(
-            help="With --global: clip each group's global norm separately (per-layer "
-            "clipping); groups as in `norms --group-by`, 'layer' is a preset.",
-            metavar="REGEX",
-        ),
-    ] = None,
-    include: IncludeOpt = None,
-    exclude: ExcludeOpt = None,
-    skip_nonfinite: Annotated[
-        bool,
-        typer.Option(help="Leave tensors holding NaN/Inf unchanged instead of refusing (exit 4)."),
-    ] = False,
-    dry_run: Annotated[
-        bool, typer.Option(help="Compute and report the plan; write nothing.")
-    ] = False,
-    force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
-    fsync: Annotated[
-        bool,
-        typer.Option(
-            help="fsync OUT and its directory before reporting success. --no-fsync is faster "
-            "for scratch outputs; the rename stays atomic either way."
-        ),
-    ] = True,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no report.")] = False,
-    fmt: FormatOpt = OutputFormat.TABLE,
-    allow_large_side_files: AllowLargeSideFilesOpt = False,
-    all_tensors: AllTensorsOpt = False,
-    allow_lossy: AllowLossyOpt = False,
+def clip(
+    src: Path,
+    out: str,
+    low: float | None = None,
+    high: float | None = None,
+    value: float | None = None,
+    norm: float | None = None,
+    axes: str | None = None,
+    skip_low_rank: bool = False,
+    average: float | None = None,
+    global_: float | None = None,
+    use_norm: float | None = None,
+    group_by: str | None = None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    skip_nonfinite: bool = False,
+    dry_run: bool = False,
+    force: bool = False,
+    fsync: bool = True,
+    quiet: bool = False,
+    fmt: OutputFormat = OutputFormat.TABLE,
+    allow_large_side_files: bool = False,
+    all_tensors: bool = False,
+    allow_lossy: bool = False,
 ) -> None:
-    """Write a clipped copy of IN to OUT. Choose exactly one mode: --min/--max/--value,
-    --norm [--axes], --average or --global [--use-norm]. Tensors within the limit, not
-    selected, not floating point, or training state (optimizer slots, BatchNorm
-    statistics; unless --all-tensors) are copied bit-identical."""
     from clipcli import interrupts
     from clipcli.api import clip
     from clipcli.report.builders import clip_report
@@ -172,17 +98,14 @@ def clip_command(
                 emit(lambda: print_report(clip_report(result), fmt))
 
 
-def convert_command(
-    src: InArg,
-    out: OutArg,
-    force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
-    allow_large_side_files: AllowLargeSideFilesOpt = False,
-    allow_lossy: AllowLossyOpt = False,
+def convert(
+    src: Path,
+    out: str,
+    force: bool = False,
+    quiet: bool = False,
+    allow_large_side_files: bool = False,
+    allow_lossy: bool = False,
 ) -> None:
-    """Copy IN to OUT's format losslessly: same names, order, dtypes, shapes and values;
-    metadata carried over where OUT's format can hold it. A dtype OUT cannot hold
-    (bfloat16/fp8 into npz or HDF5) is refused."""
     from clipcli import interrupts
     from clipcli.api import convert
 

@@ -1,0 +1,100 @@
+"""The one error boundary: every failure, wherever it happens (option parsing, a command,
+writing the report), becomes one stderr line `clipcli: error: ...` and a documented exit
+code. cli.main() and the Typer app's commands (typer_app.py) both report through here.
+
+Click's exceptions (Typer vendors Click) are recognised only when Typer is loaded: a run
+that the quick parser took (clipcli/quick_args.py) never imports it, so none can occur.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from typing import Any
+
+from clipcli.commands.common import finish_progress, reader_went_away
+from clipcli.errors import ClipcliError, ExitCode, Verdict, printable
+
+
+class _Reported:
+    """Whether a failure's line was printed in this run: main() must not print a second."""
+
+    failure = False
+
+
+def reset() -> None:
+    _Reported.failure = False
+
+
+def failure_reported() -> bool:
+    return _Reported.failure
+
+
+def exit_code_for(exc: BaseException, args: list[str] | None = None) -> int:
+    """The one mapping from an exception family to its stderr line and exit code.
+
+    `args` are the command-line arguments when the exception comes from main() (option
+    parsing included), None when it comes from inside a command."""
+    finish_progress()  # the bar's line ends first, so the message starts a line of its own
+    if isinstance(exc, Verdict):  # --fail-above: the command has said why
+        return int(exc.exit_code)
+    typer: Any = sys.modules.get("typer")
+    if typer is not None:
+        code = _click_exit_code(typer, exc, args)
+        if code is not None:
+            return code
+    if isinstance(exc, BrokenPipeError):
+        # The reader of our stdout went away (`| head -1`): not an error, as for any Unix
+        # tool (Click would make it exit 1).
+        return reader_went_away()
+    if isinstance(exc, ClipcliError):
+        return fail(str(exc), exc.exit_code)
+    if isinstance(exc, KeyboardInterrupt):
+        # Outside a write there is nothing to clean up; inside one, the job cleaned up.
+        return fail("interrupted", ExitCode.INTERRUPTED)
+    if isinstance(exc, Exception):  # last line of defence: a bug, one line, exit 70
+        if os.environ.get("CLIPCLI_DEBUG"):
+            traceback.print_exception(exc)
+        message = f"internal error: {type(exc).__name__}: {exc} (set CLIPCLI_DEBUG=1 for details)"
+        return fail(message, ExitCode.INTERNAL)
+    raise exc  # SystemExit, GeneratorExit and the like are not ours to report
+
+
+def _click_exit_code(typer: Any, exc: BaseException, args: list[str] | None) -> int | None:
+    """Click's exceptions and exits, or None for any other exception."""
+    if isinstance(exc, typer.Exit):  # Click's own exit (--help, completion)
+        if isinstance(exc.__cause__, KeyboardInterrupt):  # Click's silent exit 130
+            return fail("interrupted", ExitCode.INTERRUPTED)
+        return int(exc.exit_code)
+    if isinstance(exc, SystemExit) and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+        # Click's answer to a closed pipe while it prints (`clipcli --help | head -1`) is
+        # exit 1, after wrapping stdout in PacifyFlushWrapper; that is not a failure.
+        return reader_went_away()
+    if isinstance(exc, typer.Abort):  # Click's Ctrl-C
+        return fail("interrupted", ExitCode.INTERRUPTED)
+    if isinstance(exc, typer.TyperException) and args is not None:
+        # Click's usage errors, from option parsing (main() passes the arguments); raised
+        # inside a command (args None), the same class is a bug: exit 70.
+        return fail(usage_message(exc, args), ExitCode.USAGE)
+    return None
+
+
+def fail(message: str, code: int) -> int:
+    """Print the run's one failure line; returns `code`."""
+    _Reported.failure = True
+    with contextlib.suppress(OSError):  # stderr is gone too; the exit code still tells
+        print(f"clipcli: error: {printable(message)}", file=sys.stderr, flush=True)
+    return code
+
+
+def usage_message(exc: Any, args: list[str]) -> str:
+    """Click's usage error on one line, with the hint a newcomer needs."""
+    message = str(exc.format_message()).replace("\n", " ").rstrip(".")
+    if "Got unexpected extra argument" in message and "--axes" in args:
+        message += "; --axes takes one comma-separated list, e.g. --axes 0,1"
+    elif "Missing argument" in message or "No such command" in message:
+        command = next((a for a in args if not a.startswith("-")), "")
+        message += f"; see 'clipcli {command} --help'".replace("  ", " ")
+    return message

@@ -1,0 +1,102 @@
+"""The Typer app, for `--help`, shell completion, Click's usage errors, and every command
+line that clipcli/quick_args.py does not take: the commands declared in options.py,
+reporting their failures through the one boundary (boundary.py).
+
+Ordinary command lines skip Typer altogether (its import alone costs ~30 ms of a shell
+loop's `clipcli ls`); cli.main() chooses.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from clipcli.boundary import exit_code_for
+from clipcli.options import COMMANDS
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0    success
+  1    --fail-above: the global norm exceeds the threshold
+  2    usage error or refused request (bad option, OUT exists, OUT is IN)
+  3    input unreadable, malformed or unsafe
+  4    data refused (NaN/Inf where a norm is needed, axis out of range,
+       quantized weights a clip would touch)
+  5    writing failed; nothing was left behind
+  70   internal error (set CLIPCLI_DEBUG=1 for the traceback)
+  130  interrupted (143 for SIGTERM); nothing was left behind"""
+
+_APP_SETTINGS: dict[str, Any] = {
+    "name": "clipcli",
+    "help": "Inspect L2 norms of checkpoint tensors (.npz, .safetensors, .h5/.hdf5) and write "
+    "clipped copies, with TensorFlow's clip_by_value / clip_by_norm / clip_by_average_norm / "
+    "clip_by_global_norm semantics.\n\n"
+    "\b\nExamples:\n"
+    "  clipcli ls model.safetensors\n"
+    "  clipcli norms model.safetensors --sort norm --top 10\n"
+    "  clipcli clip --global 5.0 in.safetensors out.safetensors\n"
+    "  clipcli clip --norm 1.0 --axes 0 in.h5 out.h5\n\n" + EXIT_CODES_HELP,
+    "no_args_is_help": True,
+    "add_completion": True,
+    "rich_markup_mode": None,
+    "pretty_exceptions_enable": False,
+    "context_settings": {"help_option_names": ["-h", "--help"]},
+}
+app = typer.Typer(**_APP_SETTINGS)
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def _within_boundary(command: F) -> F:
+    """A command run by Typer directly (tests' CliRunner) reports its failures through the
+    same boundary as main(), handing Click only the exit code."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+            sys.stdout.flush()  # a closed pipe must show here, not at interpreter exit
+        except typer.Exit:
+            raise
+        except BaseException as exc:  # the boundary: every failure, one line
+            raise typer.Exit(exit_code_for(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------ the app
+
+
+def _register(target: typer.Typer, names: list[str]) -> typer.Typer:
+    for name in names:
+        declaration, epilog = COMMANDS[name]
+        target.command(name, epilog=epilog)(_within_boundary(declaration))
+    return target
+
+
+_register(app, list(COMMANDS))
+
+
+def _app_for(args: list[str]) -> typer.Typer:
+    """The app to run: for `clipcli CMD ...`, one holding CMD alone, since Typer builds the
+    Click parameters of every registered command on each start (~10 ms); for anything
+    else (--help, a typo), the whole app."""
+    if args and args[0] in COMMANDS:
+        one = typer.Typer(**_APP_SETTINGS)
+        one.callback()(_group)  # a group still: with one command Typer would make it the root
+        return _register(one, [args[0]])
+    return app
+
+
+def _group() -> None:
+    """(the group callback of a one-command app: nothing to do)"""
+
+
+def run(args: list[str]) -> Any:
+    """Parse `args` with Typer and run the command; Click's exceptions propagate to the
+    caller's boundary (standalone_mode=False)."""
+    return _app_for(args)(args=args, prog_name="clipcli", standalone_mode=False)
