@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from clipcli import interrupts, pipeline, scope
 from clipcli.errors import UsageError
-from clipcli.footprint import InputFootprint
 from clipcli.formats.base import (
     Checkpoint,
     NonTensorInfo,
@@ -29,15 +28,28 @@ from clipcli.identity import InputGuard
 from clipcli.io import open_reader
 from clipcli.measurement import Measurement
 from clipcli.numerics.norms import NormAccumulator, global_norm
-from clipcli.output import Target, choose_target
-from clipcli.plan import Outcome, Plan, Reason, TensorPlan, copy_plan, plan
 from clipcli.progress import SILENT, Progress
 from clipcli.selection import EVERY_TENSOR, Selection
-from clipcli.spec import ClipSpec, Mode
-from clipcli.stream_target import STDOUT, StdoutTarget
 
-if TYPE_CHECKING:  # diff's modules load when a diff runs, not for norms or clip
-    from clipcli.diff import DiffResult
+if TYPE_CHECKING:
+    from clipcli.diff import DiffResult  # diff's modules load when a diff runs
+    from clipcli.output import Target
+    from clipcli.plan import Outcome, Plan, Reason, TensorPlan
+    from clipcli.spec import ClipSpec
+
+# What clip and convert import in their functions, beyond what ls and norms need: norms
+# imports this module too and never writes, and these cost it ~15 ms of start-up (issue
+# 12, item 7). The CLI imports them up front for clip and convert (clipcli.__main__).
+WRITING_MODULES = (
+    "clipcli.execution",
+    "clipcli.footprint",
+    "clipcli.output",
+    "clipcli.plan",
+    "clipcli.spec",
+    "clipcli.stream_target",
+    "clipcli.formats.safetensors.writer",
+    "clipcli.formats.safetensors.stream",
+)
 
 
 def list_tensors(
@@ -194,6 +206,8 @@ def clip(
     """Measure, plan, then write the clipped copy atomically (a dry run writes nothing).
     Signals are deferred for the whole run: acted on between chunks before the commit,
     moot after it."""
+    from clipcli import execution  # WRITING_MODULES
+
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
@@ -206,8 +220,8 @@ def clip(
             # What the real run would refuse about OUT, refused here too; nothing is staged.
             _check_target(reader, writer_cls, target, allow_large_side_files)
             made = plan_clip(reader, spec, selection, progress)
-            outcomes = pipeline.execute(
-                made, reader, pipeline.DiscardingWriter(), progress, "computing"
+            outcomes = execution.execute(
+                made, reader, execution.DiscardingWriter(), progress, "computing"
             )
         else:
             made, outcomes = _write_out(
@@ -234,7 +248,11 @@ def plan_clip(
     """Measure every tensor and decide what happens to it. Raises before OUT is touched.
     With a writer, tensors the plan will most likely leave alone are handed to its
     copy_ahead while the others are still being measured."""
-    hook = pipeline.copy_ahead_hook(spec, reader, writer) if writer is not None else None
+    from clipcli import execution  # WRITING_MODULES
+    from clipcli.plan import plan
+    from clipcli.spec import Mode
+
+    hook = execution.copy_ahead_hook(spec, reader, writer) if writer is not None else None
     measurement = pipeline.measure(
         reader,
         list(reader.infos),
@@ -243,7 +261,7 @@ def plan_clip(
         histograms=spec.mode is not Mode.VALUE and spec.axes is None,
         on_measured=hook,
     )
-    return plan(measurement, spec, pipeline.output_check(reader))
+    return plan(measurement, spec, execution.output_check(reader))
 
 
 def check_clip_scope(
@@ -251,6 +269,8 @@ def check_clip_scope(
 ) -> None:
     """Everything about what the clip acts on that names alone decide, refused before any
     data is read: the selection, training state, quantized weights, --axes, --group-by."""
+    from clipcli.spec import Mode  # WRITING_MODULES
+
     selected = selection.check(reader.infos, notify)
     selection.check_weights(selected, notify)
     targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
@@ -294,6 +314,8 @@ def convert(
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
         check_losses(losses, allow_lossy, notify, target.out)
+        from clipcli.plan import copy_plan  # WRITING_MODULES
+
         copying = copy_plan(reader.infos)
         _write_out(
             reader,
@@ -349,6 +371,9 @@ def _check_side_files(reader: Reader, allow_large: bool) -> None:
 
 
 def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
+    from clipcli.output import choose_target  # WRITING_MODULES
+    from clipcli.stream_target import STDOUT, StdoutTarget
+
     if str(out) == STDOUT:  # safetensors streamed to standard output (stream_target)
         return StdoutTarget(force=force, durable=durable)
     is_directory = src.is_dir() or src.name.endswith(".index.json")
@@ -360,6 +385,8 @@ def _check_target(
 ) -> None:
     """Everything about OUT that is refused before any tensor data is read: OUT against
     the input (never IN, inside it or around it), what is in the way at OUT, side files."""
+    from clipcli.footprint import InputFootprint  # WRITING_MODULES
+
     footprint = InputFootprint(reader.path, reader.source_files())
     target.check(footprint, writer_cls.output_names(reader))
     if target.is_directory:
@@ -393,7 +420,9 @@ def _write_out(
         except BaseException:
             writer.abort()
             raise
-        outcomes = pipeline.execute(made, reader, writer, progress)
+        from clipcli import execution  # WRITING_MODULES
+
+        outcomes = execution.execute(made, reader, writer, progress)
         guard.check("while it was being read")
     for note in target.notes:
         notify("note", note)

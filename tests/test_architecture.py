@@ -24,6 +24,7 @@ JOBS = frozenset(
         "clipcli.commands",
         "clipcli.diff",
         "clipcli.diff_math",
+        "clipcli.execution",
         "clipcli.factor",
         "clipcli.measurement",
         "clipcli.pipeline",

@@ -24,7 +24,12 @@ def _modules_after(argv: list[str]) -> set[str]:
         "print(' '.join(sorted(sys.modules)), file=sys.stderr)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+        [sys.executable, "-c", code],
+        stdout=subprocess.DEVNULL,  # a clip to OUT '-' writes binary there
+        stderr=subprocess.PIPE,
+        text=True,
+        check=True,
+        timeout=60,
     )
     return set(done.stderr.split())
 
@@ -89,6 +94,21 @@ def test_float32_run_loads_no_ml_dtypes_writer_or_hashlib(
         assert not _loaded(modules, "zipfile")
     if command == "ls":  # listing starts no thread pool
         assert not _loaded(modules, "concurrent.futures")
+    # Measuring plans nothing and writes nothing: clip's modules stay out (api.WRITING_MODULES).
+    writing = ("clipcli.execution", "clipcli.plan", "clipcli.spec", "clipcli.output")
+    assert [m for m in (*writing, "clipcli.numerics.slices") if _loaded(modules, m)] == []
+
+
+def test_clip_loads_every_module_api_imports_for_writing(tmp_path: Path) -> None:
+    """WRITING_MODULES is the list the CLI can import up front for clip and convert; each
+    name is a real module that a clip run loads (to a file, or streamed to OUT '-')."""
+    from clipcli.api import WRITING_MODULES
+
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": np.ones(4, np.float32)})
+    loaded: set[str] = set()
+    for out in (str(tmp_path / "out.safetensors"), "-"):
+        loaded |= _modules_after(["clip", str(path), out, "--norm", "1"])
+    assert [m for m in WRITING_MODULES if m not in loaded] == []
 
 
 @pytest.mark.parametrize("command", ["ls", "norms"])
