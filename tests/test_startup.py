@@ -187,3 +187,23 @@ def test_finfo_of_numpy_floats_without_ml_dtypes_agrees_with_ml_dtypes(name: str
     ours, theirs = dtypes.finfo(np.dtype(name)), ml_dtypes.finfo(np.dtype(name))  # type: ignore[no-untyped-call]
     for field in ("eps", "max", "tiny", "smallest_subnormal", "nmant", "nexp", "bits"):
         assert getattr(ours, field) == getattr(theirs, field), field
+
+
+def test_records_made_namedtuples_for_start_up_stay_immutable_values() -> None:
+    """TensorInfo, FileIdentity and Report became NamedTuples (cheaper to define than
+    frozen dataclasses): still immutable, equal by value, hashable where their fields are."""
+    from clipcli.formats.base import TensorInfo
+    from clipcli.identity import FileIdentity
+    from clipcli.report.model import Column, Report
+
+    info = TensorInfo("w", np.dtype(np.float32), (2, 3), 24)
+    assert info == TensorInfo("w", np.dtype(np.float32), (2, 3), 24)
+    assert info != TensorInfo("w", np.dtype(np.float16), (2, 3), 12)
+    assert len({info, TensorInfo("w", np.dtype(np.float32), (2, 3), 24)}) == 1
+    assert (info.numel, info.dtype_name) == (6, "float32")
+    identity = FileIdentity(1, 2, 3, 4, 5)
+    report = Report("t", (Column("name", "Name"),), (("w",),))
+    for record, field in ((info, "name"), (identity, "size"), (report, "title")):
+        with pytest.raises(AttributeError):
+            setattr(record, field, None)
+    assert report.records() == [{"name": "w"}]
