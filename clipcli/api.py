@@ -9,9 +9,8 @@ then executes the plan into OUT's target (clipcli.output: one commit point).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from clipcli import interrupts, pipeline, scope
 from clipcli.errors import UsageError
@@ -135,8 +134,9 @@ def check_diff_scope(
 # ---------------------------------------------------------------- clipping
 
 
-@dataclass(frozen=True)
-class ClipRow:
+# A NamedTuple, not a frozen dataclass: as immutable, and cheaper to define at import
+# (start-up of norms in shell loops, issue 12 item 7).
+class ClipRow(NamedTuple):
     """One tensor of a clip: what the plan decided and what the write pass did."""
 
     plan: TensorPlan
@@ -163,8 +163,7 @@ class ClipRow:
         return self.outcome.changed
 
 
-@dataclass(frozen=True)
-class ClipResult:
+class ClipResult(NamedTuple):
     src: Path
     out: Path
     spec: ClipSpec
