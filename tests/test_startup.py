@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -92,8 +93,8 @@ def test_float32_run_loads_no_ml_dtypes_writer_or_hashlib(
     assert [m for m in NOT_FOR_READING if _loaded(modules, m)] == []
     if fmt != "npz":  # only a zip needs zipfile
         assert not _loaded(modules, "zipfile")
-    if command == "ls":  # listing starts no thread pool
-        assert not _loaded(modules, "concurrent.futures")
+    # Listing starts no thread pool, nor does measuring a small file (measured inline).
+    assert not _loaded(modules, "concurrent.futures")
     # Measuring plans nothing and writes nothing: clip's modules stay out (api.WRITING_MODULES).
     writing = ("clipcli.execution", "clipcli.plan", "clipcli.spec", "clipcli.output")
     assert [m for m in (*writing, "clipcli.numerics.slices") if _loaded(modules, m)] == []
@@ -207,3 +208,35 @@ def test_records_made_namedtuples_for_start_up_stay_immutable_values() -> None:
         with pytest.raises(AttributeError):
             setattr(record, field, None)
     assert report.records() == [{"name": "w"}]
+
+
+@pytest.mark.parametrize(("nbytes", "threaded"), [(16 << 20, True), ((16 << 20) - 1, False)])
+def test_measuring_under_16_mib_runs_inline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nbytes: int, threaded: bool
+) -> None:
+    """Exactly INLINE_BELOW_BYTES in all goes to worker threads; a byte less is measured
+    in this thread (workers=1), with the same norm."""
+    from clipcli import pipeline
+    from clipcli.io import open_reader
+    from clipcli.parallel import ordered_map
+    from clipcli.selection import EVERY_TENSOR
+
+    assert pipeline.INLINE_BELOW_BYTES == 16 << 20
+    data = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)  # wraps: 0..255, repeated
+    path = write_safetensors(tmp_path / "m.safetensors", {"a": data[:1000], "b": data[1000:]})
+    asked: list[int | None] = []
+
+    def spy(fn: Any, items: Any, workers: int | None = None) -> Any:
+        asked.append(workers)
+        return ordered_map(fn, items, workers)
+
+    monkeypatch.setattr(pipeline, "ordered_map", spy)
+    monkeypatch.setenv("CLIPCLI_THREADS", "2")
+    with open_reader(path) as reader:
+        measured = pipeline.measure(reader, list(reader.infos), EVERY_TENSOR.describe)
+    assert asked == ([None] if threaded else [1])
+    # Exact reference: sum of squares of 0..255 per full cycle, plus the tail.
+    cycles, tail = divmod(nbytes, 256)
+    sumsq = cycles * sum(v * v for v in range(256)) + sum(v * v for v in range(tail))
+    got = sum(t.stats.norm**2 for t in measured.tensors)
+    assert got == pytest.approx(float(sumsq), rel=1e-12)
