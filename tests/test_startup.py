@@ -57,9 +57,11 @@ def test_norms_table_loads_no_rich_h5py_or_diff(tmp_path: Path) -> None:
 
 # Modules a run over plain float32 files never needs (issue 12, item 7): ml_dtypes (only a
 # file that names bf16/fp8 does), the safetensors writers with their copy thread pool, zipfile
-# (only zips), hashlib and secrets (temp names and long OUT names, only when writing).
+# (only zips), hashlib and secrets (temp names and long OUT names, only when writing), csv
+# (only --format csv).
 NOT_FOR_READING = (
     "ml_dtypes",
+    "csv",
     "clipcli.formats.safetensors.writer",
     "clipcli.formats.safetensors.stream",
     "hashlib",
