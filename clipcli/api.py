@@ -306,6 +306,8 @@ def convert(
     allow_lossy: bool = False,
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
+    from clipcli.plan import copy_plan  # WRITING_MODULES
+
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
@@ -313,8 +315,6 @@ def convert(
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
         check_losses(losses, allow_lossy, notify, target.out)
-        from clipcli.plan import copy_plan  # WRITING_MODULES
-
         copying = copy_plan(reader.infos)
         _write_out(
             reader,
@@ -404,6 +404,8 @@ def _write_out(
     """Write OUT through its target. The plan is made once the writer exists, so that it
     can start copying unchanged tensors early; a refusal while planning leaves nothing.
     The input must not change from opening to the commit (clipcli.identity)."""
+    from clipcli import execution  # WRITING_MODULES
+
     guard = InputGuard(reader.source_files())
     _check_target(reader, writer_cls, target, allow_large_side_files)
     if target.is_directory:
@@ -419,8 +421,6 @@ def _write_out(
         except BaseException:
             writer.abort()
             raise
-        from clipcli import execution  # WRITING_MODULES
-
         outcomes = execution.execute(made, reader, writer, progress)
         guard.check("while it was being read")
     for note in target.notes:
