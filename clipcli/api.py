@@ -9,13 +9,11 @@ then executes the plan into OUT's target (clipcli.output: one commit point).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from clipcli import interrupts, pipeline, scope
 from clipcli.errors import UsageError
-from clipcli.footprint import InputFootprint
 from clipcli.formats.base import (
     Checkpoint,
     NonTensorInfo,
@@ -29,15 +27,28 @@ from clipcli.identity import InputGuard
 from clipcli.io import open_reader
 from clipcli.measurement import Measurement
 from clipcli.numerics.norms import NormAccumulator, global_norm
-from clipcli.output import Target, choose_target
-from clipcli.plan import Outcome, Plan, Reason, TensorPlan, copy_plan, plan
 from clipcli.progress import SILENT, Progress
 from clipcli.selection import EVERY_TENSOR, Selection
-from clipcli.spec import ClipSpec, Mode
-from clipcli.stream_target import STDOUT, StdoutTarget
 
-if TYPE_CHECKING:  # diff's modules load when a diff runs, not for norms or clip
-    from clipcli.diff import DiffResult
+if TYPE_CHECKING:
+    from clipcli.diff import DiffResult  # diff's modules load when a diff runs
+    from clipcli.output import Target
+    from clipcli.plan import Outcome, Plan, Reason, TensorPlan
+    from clipcli.spec import ClipSpec
+
+# What clip and convert import in their functions, beyond what ls and norms need: norms
+# imports this module too and never writes, and these cost it ~15 ms of start-up (issue
+# 12, item 7). The CLI imports them up front for clip and convert (clipcli.__main__).
+WRITING_MODULES = (
+    "clipcli.execution",
+    "clipcli.footprint",
+    "clipcli.output",
+    "clipcli.plan",
+    "clipcli.spec",
+    "clipcli.stream_target",
+    "clipcli.formats.safetensors.writer",
+    "clipcli.formats.safetensors.stream",
+)
 
 
 def list_tensors(
@@ -123,8 +134,9 @@ def check_diff_scope(
 # ---------------------------------------------------------------- clipping
 
 
-@dataclass(frozen=True)
-class ClipRow:
+# A NamedTuple, not a frozen dataclass: as immutable, and cheaper to define at import
+# (start-up of norms in shell loops, issue 12 item 7).
+class ClipRow(NamedTuple):
     """One tensor of a clip: what the plan decided and what the write pass did."""
 
     plan: TensorPlan
@@ -151,8 +163,7 @@ class ClipRow:
         return self.outcome.changed
 
 
-@dataclass(frozen=True)
-class ClipResult:
+class ClipResult(NamedTuple):
     src: Path
     out: Path
     spec: ClipSpec
@@ -194,6 +205,8 @@ def clip(
     """Measure, plan, then write the clipped copy atomically (a dry run writes nothing).
     Signals are deferred for the whole run: acted on between chunks before the commit,
     moot after it."""
+    from clipcli import execution  # WRITING_MODULES
+
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
@@ -206,8 +219,8 @@ def clip(
             # What the real run would refuse about OUT, refused here too; nothing is staged.
             _check_target(reader, writer_cls, target, allow_large_side_files)
             made = plan_clip(reader, spec, selection, progress)
-            outcomes = pipeline.execute(
-                made, reader, pipeline.DiscardingWriter(), progress, "computing"
+            outcomes = execution.execute(
+                made, reader, execution.DiscardingWriter(), progress, "computing"
             )
         else:
             made, outcomes = _write_out(
@@ -234,7 +247,11 @@ def plan_clip(
     """Measure every tensor and decide what happens to it. Raises before OUT is touched.
     With a writer, tensors the plan will most likely leave alone are handed to its
     copy_ahead while the others are still being measured."""
-    hook = pipeline.copy_ahead_hook(spec, reader, writer) if writer is not None else None
+    from clipcli import execution  # WRITING_MODULES
+    from clipcli.plan import plan
+    from clipcli.spec import Mode
+
+    hook = execution.copy_ahead_hook(spec, reader, writer) if writer is not None else None
     measurement = pipeline.measure(
         reader,
         list(reader.infos),
@@ -243,7 +260,7 @@ def plan_clip(
         histograms=spec.mode is not Mode.VALUE and spec.axes is None,
         on_measured=hook,
     )
-    return plan(measurement, spec, pipeline.output_check(reader))
+    return plan(measurement, spec, execution.output_check(reader))
 
 
 def check_clip_scope(
@@ -251,6 +268,8 @@ def check_clip_scope(
 ) -> None:
     """Everything about what the clip acts on that names alone decide, refused before any
     data is read: the selection, training state, quantized weights, --axes, --group-by."""
+    from clipcli.spec import Mode  # WRITING_MODULES
+
     selected = selection.check(reader.infos, notify)
     selection.check_weights(selected, notify)
     targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
@@ -287,6 +306,8 @@ def convert(
     allow_lossy: bool = False,
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
+    from clipcli.plan import copy_plan  # WRITING_MODULES
+
     target = _target(src, out, force, durable)
     with interrupts.deferred(), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
@@ -349,6 +370,9 @@ def _check_side_files(reader: Reader, allow_large: bool) -> None:
 
 
 def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
+    from clipcli.output import choose_target  # WRITING_MODULES
+    from clipcli.stream_target import STDOUT, StdoutTarget
+
     if str(out) == STDOUT:  # safetensors streamed to standard output (stream_target)
         return StdoutTarget(force=force, durable=durable)
     is_directory = src.is_dir() or src.name.endswith(".index.json")
@@ -360,6 +384,8 @@ def _check_target(
 ) -> None:
     """Everything about OUT that is refused before any tensor data is read: OUT against
     the input (never IN, inside it or around it), what is in the way at OUT, side files."""
+    from clipcli.footprint import InputFootprint  # WRITING_MODULES
+
     footprint = InputFootprint(reader.path, reader.source_files())
     target.check(footprint, writer_cls.output_names(reader))
     if target.is_directory:
@@ -378,6 +404,8 @@ def _write_out(
     """Write OUT through its target. The plan is made once the writer exists, so that it
     can start copying unchanged tensors early; a refusal while planning leaves nothing.
     The input must not change from opening to the commit (clipcli.identity)."""
+    from clipcli import execution  # WRITING_MODULES
+
     guard = InputGuard(reader.source_files())
     _check_target(reader, writer_cls, target, allow_large_side_files)
     if target.is_directory:
@@ -393,7 +421,7 @@ def _write_out(
         except BaseException:
             writer.abort()
             raise
-        outcomes = pipeline.execute(made, reader, writer, progress)
+        outcomes = execution.execute(made, reader, writer, progress)
         guard.check("while it was being read")
     for note in target.notes:
         notify("note", note)

@@ -4,6 +4,12 @@ range, and the tables of every value of an 8- or 16-bit type.
 The numerics and the formats both sit on this module; it imports nothing of clipcli's.
 Answers are cached per dtype: some are asked once per chunk on the hot path, and asking
 ml_dtypes (finfo, a cast of inf) costs microseconds.
+
+ml_dtypes itself is imported only when a question is about one of its types (dtype_named
+with an ml_dtypes name, finfo of an ml_dtypes float): importing it costs about 5 ms, which a
+shell loop of `clipcli ls` over float32 files should not pay (issue 12, item 7). A dtype of
+ml_dtypes exists only once ml_dtypes is imported, so every other question can tell one apart
+without it.
 """
 
 from __future__ import annotations
@@ -13,6 +19,33 @@ import math
 from typing import Any
 
 import numpy as np
+
+# --------------------------------------------------------------------- dtypes by name
+
+# ml_dtypes' floats that the formats name (safetensors' BF16 and F8 codes).
+ML_FLOAT_NAMES = frozenset(
+    {
+        "bfloat16",
+        "float8_e5m2",
+        "float8_e4m3fn",
+        "float8_e8m0fnu",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+    }
+)
+
+
+@functools.cache
+def dtype_named(name: str) -> np.dtype[Any]:
+    """The dtype numpy names `name` (float32, int16, bfloat16, float8_e4m3fn, ...),
+    little-endian; ml_dtypes is imported only for one of its own names."""
+    if name in ML_FLOAT_NAMES:
+        import ml_dtypes  # only now: its import costs ~5 ms (see the module's docstring)
+
+        ml_type: type[Any] = getattr(ml_dtypes, name)
+        return np.dtype(ml_type)
+    return np.dtype(name).newbyteorder("<")
+
 
 # --------------------------------------------------------------------- what kind of dtype
 
@@ -85,10 +118,15 @@ def bits_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
 
 
 def finfo(dtype: np.dtype[Any]) -> Any:
-    """Float limits for numpy's and ml_dtypes' floats alike (the real part's for complex)."""
+    """Float limits for numpy's and ml_dtypes' floats alike (the real part's for complex).
+    numpy's own floats ask numpy (ml_dtypes.finfo gives the same answers for them, but
+    importing ml_dtypes for a float32 file costs ~5 ms)."""
+    real = real_dtype(dtype)
+    if not from_ml_dtypes(real):
+        return np.finfo(real)
     import ml_dtypes
 
-    return ml_dtypes.finfo(real_dtype(dtype))  # type: ignore[no-untyped-call]
+    return ml_dtypes.finfo(real)  # type: ignore[no-untyped-call]
 
 
 @functools.cache

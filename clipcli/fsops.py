@@ -9,7 +9,6 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import hashlib
 import os
 import re
 import shutil
@@ -136,6 +135,8 @@ def temp_prefix(out: Path) -> str:
     encoded = os.fsencode(out.name)
     if len(encoded) <= _NAME_ROOM:
         return f".{out.name}."
+    import hashlib  # only for a long OUT name: hashlib loads OpenSSL (~3 ms of start-up)
+
     digest = hashlib.sha256(encoded).hexdigest()[:12]
     cut = encoded[:_NAME_ROOM].decode("utf-8", "ignore")  # never half a character
     return f".{cut}~{digest}."

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
@@ -81,6 +80,8 @@ def _zip_format(path: Path, handle: BinaryIO) -> str:
     """npz, or a Keras 3 .keras archive (config.json, metadata.json, model.weights.h5);
     a PyTorch >= 1.6 checkpoint (<top>/data.pkl) is refused. Only the central directory is
     read; a zip it cannot parse is left to the npz reader to refuse."""
+    import zipfile  # only for zips: 4 ms (with shutil, bz2, lzma) a safetensors run never needs
+
     try:
         with zipfile.ZipFile(handle) as archive:
             names = archive.namelist()

@@ -6,8 +6,8 @@ Plain data, computed by clipcli.pipeline and read by the planner and the report.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from clipcli import roles
 from clipcli.formats.base import TensorInfo
@@ -15,8 +15,9 @@ from clipcli.groups import compile_group_by, group_key, group_order
 from clipcli.numerics.norms import NormAccumulator, global_norm
 
 
-@dataclass(frozen=True)
-class TensorStats:
+# A NamedTuple, not a frozen dataclass: as immutable, and cheaper to define at import
+# (start-up of norms in shell loops, issue 12 item 7).
+class TensorStats(NamedTuple):
     info: TensorInfo
     stats: NormAccumulator
     in_global: bool  # selected, a model weight (or --all-tensors) and floating point
@@ -28,16 +29,14 @@ class TensorStats:
         return self.stats.norm
 
 
-@dataclass(frozen=True)
-class GroupStats:
+class GroupStats(NamedTuple):
     name: str
     tensors: int
     norm: float
     share: float  # of the global norm squared
 
 
-@dataclass(frozen=True)
-class Measurement:
+class Measurement(NamedTuple):
     path: Path
     format: str
     metadata: dict[str, str]

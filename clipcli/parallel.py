@@ -11,8 +11,10 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -40,6 +42,10 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     tensors is 200,000 calls, and starting a pool per call cost ~0.4 ms each (77-140 s).
     Keyed by process id too: a forked child inherits the dict but not the threads, and
     work submitted to the parent's pool would never run."""
+    # Imported with the first pool: concurrent.futures loads logging (~3 ms), which a run
+    # that measures inline (a small file, one worker) never needs.
+    from concurrent.futures import ThreadPoolExecutor
+
     key = (os.getpid(), workers)
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
@@ -75,6 +81,8 @@ def ordered_map(
         yield fn(first)
         return
     pool = _pool(workers)
+    from concurrent.futures import wait  # loaded by _pool
+
     pending: deque[Future[R]] = deque()
     try:
         for item in itertools.chain((first, second), iterator):

@@ -1,34 +1,27 @@
-"""The streaming passes: measure, execute a plan, compare two checkpoints.
+"""The streaming passes: measure, write, compare two checkpoints.
 
 Every pass has the same shape (`reduce_stream`): chunks are read in order in this thread,
 reduced to a few numbers in worker threads (clipcli.parallel.ordered_map), merged per
 tensor in order, with progress and signal checks between chunks. `write_tensors` is the
-one loop through which tensors reach a writer; `execute` carries a plan out through it
-and returns what happened without editing the plan. A dry run is a writer that writes
-nothing (DiscardingWriter).
+one loop through which tensors reach a writer; clipcli.execution carries a clip plan out
+through it (kept apart so that measuring imports no plan or rounding module).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from clipcli import interrupts
 from clipcli.errors import UsageError
-from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
+from clipcli.formats.base import Reader, TensorInfo, Writer
 from clipcli.measurement import Measurement, TensorStats
-from clipcli.numerics import rounding, slices
-from clipcli.numerics.certain import CertainSumsq
-from clipcli.numerics.norms import NormAccumulator, accumulate, accumulate_array
+from clipcli.numerics.norms import NormAccumulator
 from clipcli.parallel import ordered_map
-from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
 from clipcli.progress import SILENT, Progress
-from clipcli.spec import ClipSpec
 
 if TYPE_CHECKING:  # the comparison is imported by compare() only
     from clipcli import diff
@@ -36,6 +29,11 @@ if TYPE_CHECKING:  # the comparison is imported by compare() only
 R = TypeVar("R")
 W = TypeVar("W")
 P = TypeVar("P")
+
+# Less than this in all is measured in this thread: handing small chunks to threads costs
+# more than it saves (norms of 1-16 MiB: 3-7 ms more CPU, no less wall time, 2 cores), and
+# a run that starts no pool imports no concurrent.futures (start-up, issue 12 item 7).
+INLINE_BELOW_BYTES = 16 << 20
 
 
 # ---------------------------------------------------------------- the common stream
@@ -125,6 +123,7 @@ def measure(
         if on_measured is not None:
             on_measured(rows[-1])
 
+    total = sum(info.nbytes for info in infos)
     reduce_stream(
         work,
         reduce,
@@ -132,42 +131,11 @@ def measure(
         len(infos),
         progress,
         "measuring",
-        sum(info.nbytes for info in infos),
+        total,
+        workers=1 if total < INLINE_BELOW_BYTES else None,
         on_done=done,
     )
     return Measurement(reader.path, reader.format_name, dict(reader.metadata), rows)
-
-
-def copy_ahead_hook(
-    spec: ClipSpec, reader: Reader, writer: Writer
-) -> Callable[[TensorStats], None]:
-    """Hands the writer each measured tensor that the plan will most likely leave alone."""
-    verdict = EarlyVerdict(spec)
-
-    def on_measured(t: TensorStats) -> None:
-        if verdict.unchanged(t):
-            writer.copy_ahead(reader, t.info)
-
-    return on_measured
-
-
-def output_check(reader: Reader) -> Callable[[Sequence[TensorInfo], float, int], CertainSumsq]:
-    """The factor search's data pass: the certain sum of squares of the tensors scaled by
-    mantissa * 2**exponent and rounded (clipcli.factor.OutputCheck)."""
-
-    def check(infos: Sequence[TensorInfo], mantissa: float, exponent: int) -> CertainSumsq:
-        def scaled(chunk: np.ndarray) -> CertainSumsq:
-            partial = CertainSumsq()
-            partial.add(rounding.scale_chunk(chunk, mantissa, exponent))
-            return partial
-
-        total = CertainSumsq()
-        for info in infos:
-            for partial in map_chunks(reader, info, scaled):
-                total.merge(partial)
-        return total
-
-    return check
 
 
 # ---------------------------------------------------------------- writing
@@ -206,109 +174,6 @@ def _counted(chunks: Iterable[np.ndarray], progress: Progress) -> Iterator[np.nd
         interrupts.check()
         progress.advance(chunk.nbytes)
         yield chunk
-
-
-class DiscardingWriter(Writer):
-    """A dry run's writer: takes every tensor (so its output is computed and measured)
-    and writes nothing."""
-
-    format_name = "none"
-
-    def __init__(self) -> None:
-        super().__init__(Path(os.devnull), Checkpoint([]))
-
-    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:  # noqa: ARG002
-        for _ in chunks:
-            pass
-
-    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
-        return True
-
-    def close(self) -> None:
-        pass
-
-
-def execute(
-    plan: Plan, reader: Reader, writer: Writer, progress: Progress = SILENT, label: str = "writing"
-) -> list[Outcome]:
-    """Carry the plan out into the writer (closed at the end); what happened to each
-    tensor, in plan order. The plan is not touched."""
-    by_name = {p.info.name: p for p in plan.tensors}
-    outcomes: dict[str, Outcome] = {}
-
-    def chunks_of(info: TensorInfo) -> Iterable[np.ndarray] | None:
-        tensor = by_name[info.name]
-        if tensor.action is Action.AXES:
-            array, outcomes[info.name] = _clip_slices(reader, tensor, plan.spec)
-            progress.advance(info.nbytes)
-            return [array.reshape(-1)]
-        transform = _transform(tensor, plan.spec)
-        if transform is None:
-            outcomes[info.name] = Outcome(tensor.before, changed=False)
-            return None
-        outcome = outcomes[info.name] = Outcome(NormAccumulator(), changed=True)
-        count = tensor.action is Action.SCALE
-        pairs = map_chunks(reader, info, functools.partial(_with_stats, transform, count))
-        return _measured(pairs, outcome, progress)
-
-    progress.start(label, sum(p.info.nbytes for p in plan.tensors))
-    write_tensors(reader, writer, chunks_of, progress)
-    progress.finish()
-    return [outcomes[p.info.name] for p in plan.tensors]
-
-
-def _transform(
-    tensor: TensorPlan, spec: ClipSpec | None
-) -> Callable[[np.ndarray], np.ndarray] | None:
-    """What the write pass applies to each chunk of this tensor; None copies it as it is."""
-    if tensor.action is Action.SCALE:
-        assert tensor.factor is not None
-        factor, exponent = tensor.factor, tensor.exponent
-        return lambda chunk: rounding.scale_chunk(chunk, factor, exponent)
-    if tensor.action is Action.CLAMP:
-        assert spec is not None
-        low, high = rounding.value_bounds(tensor.info.dtype, spec.low, spec.high)
-        return lambda chunk: rounding.clamp_chunk(chunk, low, high)
-    return None
-
-
-def _clip_slices(
-    reader: Reader, tensor: TensorPlan, spec: ClipSpec | None
-) -> tuple[np.ndarray, Outcome]:
-    """--axes: the whole tensor in memory, each slice scaled on its own."""
-    assert spec is not None
-    array = reader.read(tensor.info)
-    _, scales = slices.axes_scales(array, tensor.axes, spec.limit)
-    clipped = int(np.count_nonzero(scales != 1.0))
-    if not clipped:
-        return array, Outcome(tensor.before, False, 0, int(scales.size))
-    scaled = slices.scale_slices(array, scales, tensor.axes)
-    to_zero, to_subnormal = rounding.flushes(array, scaled)
-    outcome = Outcome(accumulate_array(scaled), True, clipped, int(scales.size))
-    outcome.flushes.add(to_zero, to_subnormal)
-    return scaled, outcome
-
-
-def _measured(
-    chunks: Iterator[tuple[np.ndarray, NormAccumulator, tuple[int, int]]],
-    outcome: Outcome,
-    progress: Progress,
-) -> Iterator[np.ndarray]:
-    for chunk, partial, (to_zero, to_subnormal) in chunks:
-        interrupts.check()
-        outcome.after.merge(partial)
-        outcome.flushes.add(to_zero, to_subnormal)
-        progress.advance(chunk.nbytes)
-        yield chunk
-
-
-def _with_stats(
-    transform: Callable[[np.ndarray], np.ndarray], count_flushes: bool, chunk: np.ndarray
-) -> tuple[np.ndarray, NormAccumulator, tuple[int, int]]:
-    """The transformed chunk, its statistics, and (for scaling) what the rounding flushed."""
-    out = transform(chunk)
-    flushed = rounding.flushes(chunk, out) if count_flushes else (0, 0)
-    return out, accumulate([out]), flushed
 
 
 # ---------------------------------------------------------------- comparing

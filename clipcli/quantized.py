@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from clipcli.formats.base import TensorInfo
 
@@ -30,8 +30,9 @@ MXFP4 = "mxfp4"
 CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge one
 
 
-@dataclass(frozen=True)
-class QuantizedWeight:
+# A NamedTuple, not a frozen dataclass: as immutable, and cheaper to define at import
+# (start-up of norms in shell loops, issue 12 item 7).
+class QuantizedWeight(NamedTuple):
     """One quantized weight: its codes, its scales and any companions (all stored tensors)."""
 
     codes: str

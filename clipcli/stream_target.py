@@ -24,7 +24,6 @@ from pathlib import Path
 from clipcli.errors import ClipcliError, UsageError, WriteError
 from clipcli.footprint import InputFootprint
 from clipcli.formats.base import Writer
-from clipcli.formats.safetensors import SafetensorsStreamWriter
 from clipcli.output import Refused, Target
 
 STDOUT = "-"
@@ -37,6 +36,10 @@ class StdoutTarget(Target):
     kind = "stream"
 
     def writer_class(self) -> type[Writer]:
+        # On first use, as io.writer_class does: norms imports this module (through api)
+        # and never writes.
+        from clipcli.formats.safetensors.stream import SafetensorsStreamWriter
+
         return SafetensorsStreamWriter  # the one format that streams
 
     def __init__(self, *, force: bool, durable: bool) -> None:  # noqa: ARG002
@@ -63,6 +66,8 @@ class StdoutTarget(Target):
     @contextlib.contextmanager
     def stage(self) -> Iterator[Path]:
         """The writer writes straight to standard output; there is nothing to commit."""
+        from clipcli.formats.safetensors.stream import SafetensorsStreamWriter  # as above
+
         sys.stdout.flush()  # nothing of ours may follow the binary data out of order
         try:
             yield Path(STDOUT)

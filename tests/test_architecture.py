@@ -28,6 +28,7 @@ JOBS = frozenset(
         "clipcli.typer_app",
         "clipcli.diff",
         "clipcli.diff_math",
+        "clipcli.execution",
         "clipcli.factor",
         "clipcli.measurement",
         "clipcli.pipeline",

@@ -447,9 +447,9 @@ def test_input_changed_during_the_run_is_exit_3(
                 handle.write(replacement)
 
     import clipcli.api as api
-    import clipcli.pipeline as pipeline
+    import clipcli.execution as execution
 
-    module: Any = pipeline if when == "while writing" else api
+    module: Any = execution if when == "while writing" else api
     hook = "execute" if when == "while writing" else "plan_clip"
     real = getattr(module, hook)
     done: list[bool] = []

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from clipcli.api import ClipRow
+from clipcli.execution import DiscardingWriter, execute
 from clipcli.factor import OutputCheck
 from clipcli.formats.base import Reader, TensorInfo
 from clipcli.measurement import Measurement
 from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.norms import NormAccumulator
 from clipcli.numerics.rounding import scale_chunk
-from clipcli.pipeline import DiscardingWriter, execute
 from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, Reason, copy_plan, plan
 from clipcli.report import builders as report
 from clipcli.roles import Role

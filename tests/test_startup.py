@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,12 @@ def _modules_after(argv: list[str]) -> set[str]:
         "print(' '.join(sorted(sys.modules)), file=sys.stderr)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+        [sys.executable, "-c", code],
+        stdout=subprocess.DEVNULL,  # a clip to OUT '-' writes binary there
+        stderr=subprocess.PIPE,
+        text=True,
+        check=True,
+        timeout=60,
     )
     return set(done.stderr.split())
 
@@ -47,3 +53,192 @@ def test_norms_table_loads_no_rich_h5py_or_diff(tmp_path: Path) -> None:
     modules = _modules_after(["norms", str(path)])
     assert "clipcli.api" in modules
     assert [m for m in ("rich", "h5py", "matplotlib", "clipcli.diff") if _loaded(modules, m)] == []
+
+
+# Modules a run over plain float32 files never needs (issue 12, item 7): ml_dtypes (only a
+# file that names bf16/fp8 does), the safetensors writers with their copy thread pool, zipfile
+# (only zips), hashlib and secrets (temp names and long OUT names, only when writing), csv
+# (only --format csv).
+NOT_FOR_READING = (
+    "ml_dtypes",
+    "csv",
+    "clipcli.formats.safetensors.writer",
+    "clipcli.formats.safetensors.stream",
+    "hashlib",
+    "secrets",
+)
+
+
+def _float32_files(tmp_path: Path) -> dict[str, Path]:
+    import h5py
+
+    npz = tmp_path / "m.npz"
+    np.savez(npz, w=np.ones(4, np.float32))
+    h5 = tmp_path / "m.h5"
+    with h5py.File(h5, "w") as f:
+        f["w"] = np.ones(4, np.float32)
+    return {
+        "safetensors": write_safetensors(tmp_path / "m.safetensors", {"w": np.ones(4, np.float32)}),
+        "npz": npz,
+        "hdf5": h5,
+    }
+
+
+@pytest.mark.parametrize("command", ["ls", "norms"])
+@pytest.mark.parametrize("fmt", ["safetensors", "npz", "hdf5"])
+def test_float32_run_loads_no_ml_dtypes_writer_or_hashlib(
+    tmp_path: Path, command: str, fmt: str
+) -> None:
+    path = _float32_files(tmp_path)[fmt]
+    modules = _modules_after([command, str(path), "--format", "json"])
+    assert "clipcli.io" in modules  # the run did read the file
+    assert [m for m in NOT_FOR_READING if _loaded(modules, m)] == []
+    if fmt != "npz":  # only a zip needs zipfile
+        assert not _loaded(modules, "zipfile")
+    # Listing starts no thread pool, nor does measuring a small file (measured inline).
+    assert not _loaded(modules, "concurrent.futures")
+    # Measuring plans nothing and writes nothing: clip's modules stay out (api.WRITING_MODULES).
+    writing = ("clipcli.execution", "clipcli.plan", "clipcli.spec", "clipcli.output")
+    assert [m for m in (*writing, "clipcli.numerics.slices") if _loaded(modules, m)] == []
+
+
+def test_clip_loads_every_module_api_imports_for_writing(tmp_path: Path) -> None:
+    """WRITING_MODULES is the list the CLI can import up front for clip and convert; each
+    name is a real module that a clip run loads (to a file, or streamed to OUT '-')."""
+    from clipcli.api import WRITING_MODULES
+
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": np.ones(4, np.float32)})
+    loaded: set[str] = set()
+    for out in (str(tmp_path / "out.safetensors"), "-"):
+        loaded |= _modules_after(["clip", str(path), out, "--norm", "1"])
+    assert [m for m in WRITING_MODULES if m not in loaded] == []
+
+
+@pytest.mark.parametrize("command", ["ls", "norms"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_bf16_or_fp8_file_loads_ml_dtypes(tmp_path: Path, command: str, dtype: str) -> None:
+    import ml_dtypes
+
+    tensor = np.ones(4, np.float32).astype(getattr(ml_dtypes, dtype))
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": tensor})
+    done = subprocess.run(
+        [sys.executable, "-m", "clipcli", command, str(path), "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert dtype in done.stdout  # read and named through ml_dtypes
+    assert _loaded(_modules_after([command, str(path), "--format", "json"]), "ml_dtypes")
+
+
+def test_writing_still_finds_the_lazy_safetensors_writers() -> None:
+    """The package's writer names resolve on first use (module __getattr__), to the very
+    classes of their modules; an unknown name is still an AttributeError."""
+    import clipcli.formats.safetensors as package
+    from clipcli.formats.safetensors.stream import SafetensorsStreamWriter
+    from clipcli.formats.safetensors.writer import SafetensorsWriter, with_structure
+
+    assert package.SafetensorsWriter is SafetensorsWriter
+    assert package.SafetensorsStreamWriter is SafetensorsStreamWriter
+    assert package.with_structure is with_structure
+    with pytest.raises(AttributeError, match="no_such_name"):
+        getattr(package, "no_such_name")  # noqa: B009 - the attribute is the point
+
+
+def test_lazy_safetensors_dtype_table_is_the_format_table() -> None:
+    """The codes resolve on first use to the dtypes FORMATS.md names (F8_E4M3 is
+    float8_e4m3fn), little-endian, built here straight from numpy and ml_dtypes."""
+    import ml_dtypes
+
+    from clipcli.formats.safetensors import CODES, DTYPE_NAMES, dtype_of
+
+    expected = {
+        "BOOL": np.dtype("|b1"),
+        "U8": np.dtype("|u1"),
+        "I8": np.dtype("|i1"),
+        "I16": np.dtype("<i2"),
+        "U16": np.dtype("<u2"),
+        "I32": np.dtype("<i4"),
+        "U32": np.dtype("<u4"),
+        "I64": np.dtype("<i8"),
+        "U64": np.dtype("<u8"),
+        "F16": np.dtype("<f2"),
+        "BF16": np.dtype(ml_dtypes.bfloat16),
+        "F32": np.dtype("<f4"),
+        "F64": np.dtype("<f8"),
+        "C64": np.dtype("<c8"),
+        "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+        "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+        "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+        "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+        "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    }
+    assert set(DTYPE_NAMES) == set(expected)
+    for code, dtype in expected.items():
+        assert dtype_of(code) == dtype, code
+        assert dtype_of(code).str == dtype.str, code  # byte order too
+        assert CODES[dtype.name] == code
+
+
+@pytest.mark.parametrize("name", ["float16", "float32", "float64", "complex64", "complex128"])
+def test_finfo_of_numpy_floats_without_ml_dtypes_agrees_with_ml_dtypes(name: str) -> None:
+    import ml_dtypes
+
+    from clipcli import dtypes
+
+    ours, theirs = dtypes.finfo(np.dtype(name)), ml_dtypes.finfo(np.dtype(name))  # type: ignore[no-untyped-call]
+    for field in ("eps", "max", "tiny", "smallest_subnormal", "nmant", "nexp", "bits"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+
+
+def test_records_made_namedtuples_for_start_up_stay_immutable_values() -> None:
+    """TensorInfo, FileIdentity and Report became NamedTuples (cheaper to define than
+    frozen dataclasses): still immutable, equal by value, hashable where their fields are."""
+    from clipcli.formats.base import TensorInfo
+    from clipcli.identity import FileIdentity
+    from clipcli.report.model import Column, Report
+
+    info = TensorInfo("w", np.dtype(np.float32), (2, 3), 24)
+    assert info == TensorInfo("w", np.dtype(np.float32), (2, 3), 24)
+    assert info != TensorInfo("w", np.dtype(np.float16), (2, 3), 12)
+    assert len({info, TensorInfo("w", np.dtype(np.float32), (2, 3), 24)}) == 1
+    assert (info.numel, info.dtype_name) == (6, "float32")
+    identity = FileIdentity(1, 2, 3, 4, 5)
+    report = Report("t", (Column("name", "Name"),), (("w",),))
+    for record, field in ((info, "name"), (identity, "size"), (report, "title")):
+        with pytest.raises(AttributeError):
+            setattr(record, field, None)
+    assert report.records() == [{"name": "w"}]
+
+
+@pytest.mark.parametrize(("nbytes", "threaded"), [(16 << 20, True), ((16 << 20) - 1, False)])
+def test_measuring_under_16_mib_runs_inline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nbytes: int, threaded: bool
+) -> None:
+    """Exactly INLINE_BELOW_BYTES in all goes to worker threads; a byte less is measured
+    in this thread (workers=1), with the same norm."""
+    from clipcli import pipeline
+    from clipcli.io import open_reader
+    from clipcli.parallel import ordered_map
+    from clipcli.selection import EVERY_TENSOR
+
+    assert pipeline.INLINE_BELOW_BYTES == 16 << 20
+    data = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)  # wraps: 0..255, repeated
+    path = write_safetensors(tmp_path / "m.safetensors", {"a": data[:1000], "b": data[1000:]})
+    asked: list[int | None] = []
+
+    def spy(fn: Any, items: Any, workers: int | None = None) -> Any:
+        asked.append(workers)
+        return ordered_map(fn, items, workers)
+
+    monkeypatch.setattr(pipeline, "ordered_map", spy)
+    monkeypatch.setenv("CLIPCLI_THREADS", "2")
+    with open_reader(path) as reader:
+        measured = pipeline.measure(reader, list(reader.infos), EVERY_TENSOR.describe)
+    assert asked == ([None] if threaded else [1])
+    # Exact reference: sum of squares of 0..255 per full cycle, plus the tail.
+    cycles, tail = divmod(nbytes, 256)
+    sumsq = cycles * sum(v * v for v in range(256)) + sum(v * v for v in range(tail))
+    got = sum(t.stats.norm**2 for t in measured.tensors)
+    assert got == pytest.approx(float(sumsq), rel=1e-12)

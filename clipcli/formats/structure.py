@@ -16,7 +16,6 @@ hold (npz holds no metadata at all; some HDF5 types have no portable description
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -178,8 +177,11 @@ def storage_of(node: dict[str, Any]) -> str:
     if space.get("class") == "simple" and space.get("maxshape") != space.get("shape"):
         parts.append(f"maximum shape {space.get('maxshape')}")
     fill = node.get("fill")
-    if isinstance(fill, str) and base64.b64decode(fill).strip(b"\x00"):
-        parts.append(f"fill value (base64) {fill}")
+    if isinstance(fill, str):
+        import base64  # here, not at the top: listing a plain safetensors file needs none
+
+        if base64.b64decode(fill).strip(b"\x00"):
+            parts.append(f"fill value (base64) {fill}")
     return ", ".join(parts)
 
 

@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -89,8 +89,9 @@ def scaled_dot(a: np.ndarray, b: np.ndarray, max_a: float, max_b: float) -> tupl
     return float(np.dot(scaled_a, scaled_b)), exp_a + exp_b
 
 
-@dataclass(frozen=True)
-class _Patterns:
+# A NamedTuple, not a frozen dataclass: as immutable, and cheaper to define at import
+# (start-up of norms in shell loops, issue 12 item 7).
+class _Patterns(NamedTuple):
     """What finish() needs of every bit pattern of an 8- or 16-bit float, computed once per
     dtype (finish runs once per tensor: 65,536-entry passes add up over thousands)."""
 

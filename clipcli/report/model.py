@@ -7,9 +7,8 @@ turn a Report into text. Nothing here imports numpy or rich.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class OutputFormat(str, Enum):
@@ -29,15 +28,15 @@ class SortKey(str, Enum):
 Value = str | int | float | bool | list[int] | None
 
 
-@dataclass(frozen=True)
-class Column:
+# Column and Report are NamedTuples rather than frozen dataclasses: immutable all the same,
+# and ~1 ms less start-up for every command that reports (issue 12, item 7).
+class Column(NamedTuple):
     key: str
     title: str
     numeric: bool = False
 
 
-@dataclass(frozen=True)
-class Report:
+class Report(NamedTuple):
     """Rows of one table plus the summary fields that go around it.
 
     The first column names the row (a tensor or a group): in a narrow table it is never

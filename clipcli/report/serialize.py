@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 from typing import Any, TextIO
@@ -27,6 +26,8 @@ def write_jsonl(report: Report, stream: TextIO) -> None:
 
 
 def write_csv(report: Report, stream: TextIO) -> None:
+    import csv  # only for --format csv: every ls and norms run imports this module
+
     buffer = io.StringIO()
     out = csv.writer(buffer, lineterminator="\n")
     out.writerow([c.key for c in report.columns])

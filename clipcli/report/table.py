@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from clipcli.errors import printable
 from clipcli.report.model import Report, Value
@@ -167,8 +166,9 @@ def _take(text: str, width: int) -> str:
     return "".join(taken)
 
 
-@dataclass(frozen=True)
-class Layout:
+# A NamedTuple, not a frozen dataclass: as immutable, and cheaper to define at import
+# (start-up of norms in shell loops, issue 12 item 7).
+class Layout(NamedTuple):
     """Which columns a table shows and how wide its names may be."""
 
     shown: tuple[int, ...]  # column indices, in report order (0, the name, always)

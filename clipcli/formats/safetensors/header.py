@@ -8,39 +8,47 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from clipcli.dtypes import dtype_named
 from clipcli.formats.base import TensorInfo
 
 MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
 MAX_TENSORS = 200_000  # real checkpoints hold at most tens of thousands
 _U64 = struct.Struct("<Q")
 
-DTYPES: dict[str, np.dtype[Any]] = {
-    "BOOL": np.dtype(np.bool_),
-    "U8": np.dtype(np.uint8),
-    "I8": np.dtype(np.int8),
-    "I16": np.dtype("<i2"),
-    "U16": np.dtype("<u2"),
-    "I32": np.dtype("<i4"),
-    "U32": np.dtype("<u4"),
-    "I64": np.dtype("<i8"),
-    "U64": np.dtype("<u8"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype("<f4"),
-    "F64": np.dtype("<f8"),
-    "C64": np.dtype("<c8"),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
-    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+# Each code's dtype, by numpy's name (little-endian, as safetensors stores). dtype_of() makes
+# the dtype on first use: BF16 and F8 are ml_dtypes' types, and ml_dtypes is imported only
+# for a header that names one (clipcli.dtypes.dtype_named).
+DTYPE_NAMES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
 # Sub-byte types are packed two (or four thirds) to a byte; numpy cannot view them.
 _PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
-CODES = {dtype.name: code for code, dtype in DTYPES.items()}
+CODES = {name: code for code, name in DTYPE_NAMES.items()}  # by numpy's dtype.name
+
+
+def dtype_of(code: str) -> np.dtype[Any]:
+    """The dtype of a code of DTYPE_NAMES."""
+    return dtype_named(DTYPE_NAMES[code])
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

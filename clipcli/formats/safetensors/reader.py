@@ -23,11 +23,12 @@ from clipcli.formats.base import (
 from clipcli.formats.safetensors.header import (
     _PACKED,
     _U64,
-    DTYPES,
+    DTYPE_NAMES,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
     _is_int,
     _reject_duplicates,
+    dtype_of,
 )
 from clipcli.formats.structure import (
     STRUCTURE_KEY,
@@ -193,7 +194,7 @@ class SafetensorsReader(Reader):
         code = entry.get("dtype")
         if isinstance(code, str) and code in _PACKED:
             raise self._fail(f"dtype {code} (packed sub-byte floats) is not supported", name)
-        if not isinstance(code, str) or code not in DTYPES:
+        if not isinstance(code, str) or code not in DTYPE_NAMES:
             raise self._fail(f"unknown dtype {code!r}", name)
         shape = entry.get("shape")
         if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 2**64 for d in shape):
@@ -208,7 +209,7 @@ class SafetensorsReader(Reader):
         begin, end = offsets
         if begin > end:
             raise self._fail(f"data_offsets [{begin}, {end}] has begin > end", name)
-        dtype = DTYPES[code]
+        dtype = dtype_of(code)
         numel = math.prod(shape)
         nbytes = numel * dtype.itemsize
         if nbytes >= 2**63:
