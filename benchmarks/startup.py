@@ -11,9 +11,15 @@ a burst of load on the machine hits them all alike):
   `clipcli ls` / `clipcli norms` on it: targets ls <= 1.0x, norms <= 1.3x.
 
 Both wall time and CPU time (user + system, from the children's rusage) are recorded,
-min and median. The ratios use the minimum CPU time: on a shared 2-core machine wall time
-swings with other people's work, CPU time much less (it still rises with cache contention).
-The machine's load average before and after is recorded with the figures.
+min and median. The targets are judged on the minimum CPU time, as the issue measured them:
+on a shared 2-core machine wall time swings with other people's work, CPU time much less
+(it still rises with cache contention). The machine's load average before and after is
+recorded with the figures.
+
+The one-liner's CPU time includes what OpenBLAS's threads burn while numpy loads (they
+start and spin); clipcli sets them to one. So the one-liner is also timed with
+OPENBLAS_NUM_THREADS=1, and the ratios against that run and against wall time are printed
+beside the targets: they are the harder, fairer comparisons.
 """
 
 from __future__ import annotations
@@ -59,10 +65,14 @@ def clipcli_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "clipcli"]
 
 
-def timed(argv: list[str]) -> tuple[float, float]:
+ONE_BLAS_THREAD = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+ONE_THREAD_CASE = "safe_open one-liner, 1 BLAS thread"
+
+
+def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -81,24 +91,21 @@ def main() -> None:
             "python -c pass": [sys.executable, "-c", "pass"],
             "clipcli --version": [*clipcli, "--version"],
             "safe_open one-liner": [sys.executable, "-c", SAFE_OPEN, str(model)],
-            # What any CLI built like clipcli must import before it can list: the readers'
-            # numpy and ml_dtypes, and typer. Information, not a target.
-            "floor: import numpy, ml_dtypes, typer": [
-                sys.executable,
-                "-c",
-                "import numpy, ml_dtypes, typer",
-            ],
+            ONE_THREAD_CASE: [sys.executable, "-c", SAFE_OPEN, str(model)],
+            # What the one-liner and `clipcli norms` both must import: numpy. Information.
+            "import numpy, 1 BLAS thread": [sys.executable, "-c", "import numpy"],
             "clipcli ls": [*clipcli, "ls", str(model)],
             "clipcli norms": [*clipcli, "norms", str(model)],
         }
+        envs = {name: ONE_BLAS_THREAD if "1 BLAS thread" in name else None for name in cases}
         load_before = os.getloadavg()
-        for argv in cases.values():  # warm-up: page cache, bytecode
-            timed(argv)
+        for name, argv in cases.items():  # warm-up: page cache, bytecode
+            timed(argv, envs[name])
         walls: dict[str, list[float]] = {name: [] for name in cases}
         cpus: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.rounds):
             for name, argv in cases.items():
-                wall, cpu = timed(argv)
+                wall, cpu = timed(argv, envs[name])
                 walls[name].append(wall)
                 cpus[name].append(cpu)
         load_after = os.getloadavg()
@@ -133,19 +140,22 @@ def main() -> None:
             f"{statistics.median(cpus[name]) * 1000:.0f} ms | {wall_min[name] * 1000:.0f} ms | "
             f"{statistics.median(walls[name]) * 1000:.0f} ms |"
         )
-    lines += ["", "| target | ratio (CPU min) | ratio (wall min) | met? |", "|---|---|---|---|"]
-    for case, base, limit in targets:
-        ratio = cpu_min[case] / cpu_min[base]
-        wall_ratio = wall_min[case] / wall_min[base]
-        met = "MET" if ratio <= limit else "NOT MET"
-        lines.append(f"| {case} <= {limit}x {base} | {ratio:.2f} | {wall_ratio:.2f} | {met} |")
-    floor = cpu_min["floor: import numpy, ml_dtypes, typer"] / cpu_min["safe_open one-liner"]
     lines += [
         "",
-        f"The import floor alone (numpy, ml_dtypes, typer, no clipcli code) is {floor:.2f}x "
-        "the safe_open one-liner, so `ls` <= 1.0x cannot be met while the readers need "
-        "ml_dtypes and the CLI is built on typer; `norms` also loads the measuring engine "
-        "(numerics, threads, output), which is most of its remaining gap.",
+        "| target | ratio (CPU min) | met? | ratio (CPU min) to the 1-thread one-liner "
+        "| ratio (wall min) |",
+        "|---|---|---|---|---|",
+    ]
+    for case, base, limit in targets:
+        ratio = cpu_min[case] / cpu_min[base]
+        fair_base = ONE_THREAD_CASE if base == "safe_open one-liner" else base
+        fair = cpu_min[case] / cpu_min[fair_base]
+        wall_ratio = wall_min[case] / wall_min[base]
+        met = "MET" if ratio <= limit else "NOT MET"
+        lines.append(
+            f"| {case} <= {limit}x {base} | {ratio:.2f} | {met} | {fair:.2f} | {wall_ratio:.2f} |"
+        )
+    lines += [
         "",
         "Before issue 12's start-up work (commit eedc5c6, same script, 5 rounds, load ~8): "
         "ls 327 ms CPU (2.88x), norms 335 ms (2.94x), --version 1.10x.",

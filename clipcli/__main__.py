@@ -143,6 +143,11 @@ def _preload(args: list[str]) -> None:
     body = (BODIES[args[0]][0],) if args[0] in BODIES else ()
     for module in (*body, *_PRELOAD.get(args[0], ()), *_formats_of(args[0], args[1:])):
         __import__(module)
+    if args[0] in ("clip", "convert"):  # api imports what writes OUT on first use
+        from clipcli.api import WRITING_MODULES
+
+        for module in WRITING_MODULES:
+            __import__(module)
     if {"-i", "--include", "-x", "--exclude"} & set(args):  # ls: the selection
         __import__("clipcli.selection")
     from clipcli.quick_args import parse
