@@ -110,9 +110,9 @@ def _formats_of(command: str, args: list[str]) -> tuple[str, ...]:
     """The reader modules the inputs among `args` need, by suffix (the content decides in
     the end, and a suffix that disagrees with it is refused): `ls m.safetensors` in a shell
     loop should not import the npz and HDF5 readers. clip and convert also write OUT, in
-    any format: all of them."""
+    any format: all of them, with the model-directory writer (imported on first use)."""
     if command in ("clip", "convert"):
-        return _EVERY_FORMAT
+        return (*_EVERY_FORMAT, "clipcli.formats.sharded.writer")
     modules: tuple[str, ...] = ()
     for arg in args:
         if arg.startswith("-") or not os.path.exists(arg):  # options, their values

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import traceback
 from typing import Any
 
 from clipcli.commands.common import finish_progress, reader_went_away
@@ -56,6 +55,8 @@ def exit_code_for(exc: BaseException, args: list[str] | None = None) -> int:
         return fail("interrupted", ExitCode.INTERRUPTED)
     if isinstance(exc, Exception):  # last line of defence: a bug, one line, exit 70
         if os.environ.get("CLIPCLI_DEBUG"):
+            import traceback  # only here: it loads linecache and tokenize (~3 ms)
+
             traceback.print_exception(exc)
         message = f"internal error: {type(exc).__name__}: {exc} (set CLIPCLI_DEBUG=1 for details)"
         return fail(message, ExitCode.INTERNAL)

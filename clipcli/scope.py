@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from clipcli import quantized, roles
-from clipcli.dtypes import is_floating
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import TensorInfo
 from clipcli.groups import compile_group_by, group_key
@@ -224,4 +223,6 @@ def check_groups(names: Sequence[str], group_by: str, notify: Notify) -> None:
 
 
 def floating(infos: Sequence[TensorInfo]) -> list[TensorInfo]:
+    from clipcli.dtypes import is_floating  # numpy: not for checks on names alone (ls)
+
     return [info for info in infos if is_floating(info.dtype)]

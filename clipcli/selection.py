@@ -5,12 +5,24 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from clipcli import roles, scope
-from clipcli.dtypes import is_floating
-from clipcli.formats.base import TensorInfo
-from clipcli.measurement import TensorStats
-from clipcli.numerics.norms import NormAccumulator
+
+if TYPE_CHECKING:
+    from clipcli.formats.base import TensorInfo
+    from clipcli.measurement import TensorStats
+    from clipcli.numerics.norms import NormAccumulator
+
+
+class Named(Protocol):
+    """Anything with a tensor's name: a TensorInfo, or what `ls` lists (formats.base.Listed)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+N = TypeVar("N", bound=Named)
 
 
 @dataclass(frozen=True)
@@ -33,7 +45,7 @@ class Selection:
         role = roles.classify(name)
         return None if role is roles.Role.WEIGHT else role
 
-    def check(self, infos: Sequence[TensorInfo], notify: scope.Notify) -> list[TensorInfo]:
+    def check(self, infos: Sequence[N], notify: scope.Notify) -> list[N]:
         """The selected tensors; an empty selection is refused (exit 2) before any data is
         read, and patterns that match nothing are warned about."""
         selected = [info for info in infos if self(info.name)]
@@ -52,6 +64,10 @@ class Selection:
 
     def describe(self, info: TensorInfo, stats: NormAccumulator) -> TensorStats:
         """How a measured tensor counts: selected or not, its role, in the global norm."""
+        # Imported here: selecting by name (`ls --include`) needs no numpy.
+        from clipcli.dtypes import is_floating
+        from clipcli.measurement import TensorStats
+
         selected = self(info.name)
         role = self.left_out(info.name) if selected else None
         counts = selected and role is None and is_floating(info.dtype)

@@ -114,7 +114,7 @@ def test_clip_loads_every_module_api_imports_for_writing(tmp_path: Path) -> None
     assert [m for m in WRITING_MODULES if m not in loaded] == []
 
 
-@pytest.mark.parametrize("command", ["ls", "norms"])
+@pytest.mark.parametrize("command", ["norms"])  # ls loads neither numpy nor ml_dtypes: below
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_bf16_or_fp8_file_loads_ml_dtypes(tmp_path: Path, command: str, dtype: str) -> None:
     import ml_dtypes
@@ -130,6 +130,60 @@ def test_bf16_or_fp8_file_loads_ml_dtypes(tmp_path: Path, command: str, dtype: s
     )
     assert dtype in done.stdout  # read and named through ml_dtypes
     assert _loaded(_modules_after([command, str(path), "--format", "json"]), "ml_dtypes")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        [],
+        ["--format", "json"],
+        ["--format", "csv", "--sort", "name"],
+        ["--include", "*.w*", "--exclude", "b.*", "--sort", "size"],
+    ],
+)
+def test_ls_of_a_safetensors_file_loads_no_numpy(tmp_path: Path, options: list[str]) -> None:
+    """A safetensors file is listed from its header alone (Reader.listing): a shell loop
+    of `clipcli ls` pays for no numpy, ml_dtypes or typer, whatever the dtypes."""
+    import ml_dtypes
+
+    tensors = {
+        "a.w": np.ones((2, 3), np.float32),
+        "b.w": np.ones(4, ml_dtypes.bfloat16),
+        "c.w": np.ones(5, ml_dtypes.float8_e4m3fn),
+    }
+    path = write_safetensors(tmp_path / "m.safetensors", tensors)
+    modules = _modules_after(["ls", str(path), *options])
+    assert "clipcli.formats.safetensors.reader" in modules  # the run did list the file
+    assert [m for m in ("numpy", "ml_dtypes", "typer") if _loaded(modules, m)] == []
+
+
+def test_the_listing_without_numpy_is_what_numpy_says(tmp_path: Path) -> None:
+    """Every dtype code, listed from the header's plain table, against the listing the
+    reader's numpy dtypes give (formats.base.Reader.listing, built from `infos`)."""
+    import json
+    import struct
+
+    from clipcli.formats.base import Reader
+    from clipcli.formats.safetensors import DTYPE_NAMES, SafetensorsReader, dtype_of
+
+    header: dict[str, object] = {}
+    offset = 0
+    for code in sorted(DTYPE_NAMES):  # (dtype_of is checked against numpy above)
+        nbytes = 6 * dtype_of(code).itemsize
+        header[f"t.{code}"] = {
+            "dtype": code,
+            "shape": [2, 3],
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(header).encode()
+    path = tmp_path / "all.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(offset))
+    with SafetensorsReader(path) as reader:
+        from_header = reader.listing
+        from_numpy = Reader.listing.fget(reader)  # type: ignore[attr-defined]
+    assert from_header == from_numpy
+    assert len(from_header) == len(DTYPE_NAMES)
 
 
 def test_writing_still_finds_the_lazy_safetensors_writers() -> None:

@@ -46,12 +46,12 @@ def ls(
     # The reader itself, not a job module: listing reads only headers, and `ls` in a shell
     # loop should not import the measuring and writing machinery.
     with open_reader(path) as reader:
-        file_format, metadata, infos = reader.format_name, dict(reader.metadata), reader.infos
+        file_format, metadata, infos = reader.format_name, dict(reader.metadata), reader.listing
         non_tensors = list(reader.non_tensors)
         shard_of = getattr(reader, "shard_of", None)  # a model directory's tensor -> shard
         shards = {i.name: shard_of(i.name) for i in infos} if shard_of is not None else None
     chosen = list(infos)
-    if include or exclude:  # (the selection lives with the jobs: imported only when asked)
+    if include or exclude:
         chosen = selection(include, exclude).check(infos, notify)
     report = ls_report(
         str(path),

@@ -11,15 +11,17 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, ClassVar, NamedTuple
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple
 
 from clipcli.errors import InputError
 from clipcli.formats.structure import Structure
+
+if TYPE_CHECKING:
+    # numpy is imported where data is handled, not here: `clipcli ls` of a safetensors
+    # file lists its header (Reader.listing) without loading numpy at all.
+    import numpy as np
 
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
 # small enough that a float64 copy of it stays in L2/L3 cache.
@@ -46,8 +48,24 @@ class TensorInfo(NamedTuple):
         return self.dtype.name
 
 
+class Listed(NamedTuple):
+    """What `ls` shows of a tensor: read from a header alone, no numpy needed (a
+    safetensors file is listed without loading it: start-up time in shell loops)."""
+
+    name: str
+    dtype_name: str  # numpy's name: float32, bfloat16, float8_e4m3fn, ...
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
 def byte_view(array: np.ndarray, dtype: np.dtype[Any]) -> memoryview:
     """The array's bytes as `dtype`, C-contiguous, without a copy where none is needed."""
+    import numpy as np
+
     data = array if array.dtype == dtype else array.astype(dtype)
     return memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
 
@@ -107,14 +125,22 @@ class NonTensorInfo(NamedTuple):
     variable_length: bool = False
 
 
-@dataclass
 class Checkpoint:
     """What a writer needs besides the tensors: metadata, and the reader whose format
-    extras (declared on Reader: compression, directory layout, stored bytes) it may use."""
+    extras (declared on Reader: compression, directory layout, stored bytes) it may use.
 
-    infos: list[TensorInfo]
-    metadata: Mapping[str, str] = field(default_factory=dict)
-    source: Reader | None = None
+    (A plain class, not a dataclass: importing dataclasses pulls in inspect, ~4 ms of a
+    shell loop's `clipcli ls`, which otherwise loads neither.)"""
+
+    def __init__(
+        self,
+        infos: list[TensorInfo],
+        metadata: Mapping[str, str] | None = None,
+        source: Reader | None = None,
+    ) -> None:
+        self.infos = infos
+        self.metadata: Mapping[str, str] = {} if metadata is None else metadata
+        self.source = source
 
     @property
     def compressed(self) -> bool:
@@ -139,6 +165,12 @@ class Reader(ABC):
         """Tensors in file order, without reading their data."""
 
     @property
+    def listing(self) -> list[Listed]:
+        """What `ls` shows of the tensors, in file order. A reader that can list without
+        numpy (safetensors) answers this without building `infos`."""
+        return [Listed(i.name, i.dtype_name, i.shape, i.nbytes) for i in self.infos]
+
+    @property
     def metadata(self) -> Mapping[str, str]:
         """File-level string metadata (safetensors __metadata__, HDF5 root attributes)."""
         return {}
@@ -157,6 +189,8 @@ class Reader(ABC):
 
     def read(self, info: TensorInfo) -> np.ndarray:
         """The whole tensor, shaped. Costs memory equal to the tensor."""
+        import numpy as np
+
         out = np.empty(info.numel, dtype=info.dtype)
         pos = 0
         for piece in self.chunks(info):

@@ -14,7 +14,7 @@ from clipcli.report.model import Column, Report, SortKey, Value, count, count_nu
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
     from clipcli.api import ClipResult, ClipRow
     from clipcli.diff import DiffResult
-    from clipcli.formats.base import NonTensorInfo, TensorInfo
+    from clipcli.formats.base import Listed, NonTensorInfo
     from clipcli.measurement import Measurement, TensorStats
 
 
@@ -49,7 +49,7 @@ def ls_report(
     path: str,
     fmt: str,
     metadata: Mapping[str, str],
-    infos: Sequence[TensorInfo],
+    infos: Sequence[Listed],
     sort: SortKey = SortKey.FILE,
     shards: Mapping[str, str] | None = None,
     listed_of: int | None = None,

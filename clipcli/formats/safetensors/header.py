@@ -6,20 +6,21 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from clipcli.dtypes import dtype_named
 from clipcli.formats.base import TensorInfo
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_HEADER_BYTES = 100_000_000  # the official reader's limit
 MAX_TENSORS = 200_000  # real checkpoints hold at most tens of thousands
 _U64 = struct.Struct("<Q")
 
-# Each code's dtype, by numpy's name (little-endian, as safetensors stores). dtype_of() makes
-# the dtype on first use: BF16 and F8 are ml_dtypes' types, and ml_dtypes is imported only
-# for a header that names one (clipcli.dtypes.dtype_named).
+# Each code's dtype, by numpy's name (little-endian, as safetensors stores), and its bytes
+# per element. Plain data: `ls` validates and lists a header without numpy. dtype_of()
+# makes the dtype on first use: BF16 and F8 are ml_dtypes' types, and ml_dtypes is
+# imported only for a header that names one (clipcli.dtypes.dtype_named).
 DTYPE_NAMES: dict[str, str] = {
     "BOOL": "bool",
     "U8": "uint8",
@@ -41,6 +42,27 @@ DTYPE_NAMES: dict[str, str] = {
     "F8_E4M3FNUZ": "float8_e4m3fnuz",
     "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
+ITEMSIZES: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "U16": 2,
+    "I32": 4,
+    "U32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F16": 2,
+    "BF16": 2,
+    "F32": 4,
+    "F64": 8,
+    "C64": 8,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+}
 # Sub-byte types are packed two (or four thirds) to a byte; numpy cannot view them.
 _PACKED = {"F4", "F6_E2M3", "F6_E3M2"}
 CODES = {name: code for code, name in DTYPE_NAMES.items()}  # by numpy's dtype.name
@@ -48,6 +70,8 @@ CODES = {name: code for code, name in DTYPE_NAMES.items()}  # by numpy's dtype.n
 
 def dtype_of(code: str) -> np.dtype[Any]:
     """The dtype of a code of DTYPE_NAMES."""
+    from clipcli.dtypes import dtype_named  # numpy: when data is handled, not to list
+
     return dtype_named(DTYPE_NAMES[code])
 
 

@@ -9,12 +9,11 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from clipcli.errors import InputError
 from clipcli.formats.base import (
+    Listed,
     Reader,
     StoredBytes,
     TensorInfo,
@@ -24,6 +23,7 @@ from clipcli.formats.safetensors.header import (
     _PACKED,
     _U64,
     DTYPE_NAMES,
+    ITEMSIZES,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
     _is_int,
@@ -38,6 +38,9 @@ from clipcli.formats.structure import (
 )
 from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def _refuse_surrogates(reader: SafetensorsReader, header: dict[str, Any]) -> None:
@@ -57,6 +60,9 @@ def _refuse_surrogates(reader: SafetensorsReader, header: dict[str, Any]) -> Non
 class SafetensorsReader(Reader):
     """Parses and validates the header in the constructor, then reads with pread.
 
+    The header is validated and listed (`listing`) without numpy, so that `clipcli ls`
+    does not load it; `infos`, with numpy dtypes, is built on first use.
+
     The file may be released (its descriptor closed) and is reopened on the next read, so a
     model directory of thousands of shards needs only a bounded number of descriptors. A
     reopened file must be the one parsed: same device, inode, size and mtime.
@@ -73,7 +79,8 @@ class SafetensorsReader(Reader):
         self._file: BinaryIO | None = open_input(path)  # closed by close() or release()
         try:
             self._identity = FileIdentity.of_stat(os.fstat(self._file.fileno()))
-            self._infos, self._offsets, self._metadata = self._parse(self._file)
+            self._listing, self._codes, self._offsets, self._metadata = self._parse(self._file)
+            self._infos: list[TensorInfo] | None = None
             self._structure: Structure | None = None
         except BaseException:
             self._file.close()
@@ -127,7 +134,9 @@ class SafetensorsReader(Reader):
 
     def _parse(
         self, handle: BinaryIO
-    ) -> tuple[list[TensorInfo], dict[str, tuple[int, int]], dict[str, str]]:
+    ) -> tuple[list[Listed], list[str], dict[str, tuple[int, int]], dict[str, str]]:
+        """The tensors (in file order), their dtype codes, their absolute byte ranges,
+        and the metadata."""
         file_size = os.fstat(handle.fileno()).st_size
         prefix = handle.read(8)
         if len(prefix) < 8:
@@ -160,9 +169,9 @@ class SafetensorsReader(Reader):
         if len(header) > MAX_TENSORS:
             raise self._fail(f"header lists {len(header)} tensors; the limit is {MAX_TENSORS}")
         entries = [self._parse_entry(name, entry) for name, entry in header.items()]
-        entries.sort(key=lambda item: (item[1], item[2]))
+        entries.sort(key=lambda item: (item[2], item[3]))
         expected = 0
-        for info, begin, end in entries:
+        for info, _code, begin, end in entries:
             if begin != expected:
                 problem = "overlaps the previous tensor" if begin < expected else "leaves a gap"
                 raise self._fail(f"data_offsets [{begin}, {end}] {problem}", info.name)
@@ -171,12 +180,13 @@ class SafetensorsReader(Reader):
             actual = file_size - 8 - header_len
             kind = "trailing bytes" if actual > expected else "missing bytes (truncated file)"
             raise self._fail(f"{kind}: tensors need {expected} data bytes, file has {actual}")
-        infos = [info for info, _, _ in entries]
+        listing = [info for info, _, _, _ in entries]
+        codes = [code for _, code, _, _ in entries]
         offsets = {
             info.name: (8 + header_len + begin, 8 + header_len + end)
-            for info, begin, end in entries
+            for info, _, begin, end in entries
         }
-        return infos, offsets, metadata
+        return listing, codes, offsets, metadata
 
     def _parse_metadata(self, raw: object) -> dict[str, str]:
         if raw is None:
@@ -188,7 +198,7 @@ class SafetensorsReader(Reader):
                 raise self._fail(f"__metadata__[{key!r}] is not a string")
         return dict(raw)
 
-    def _parse_entry(self, name: str, entry: object) -> tuple[TensorInfo, int, int]:
+    def _parse_entry(self, name: str, entry: object) -> tuple[Listed, str, int, int]:
         if not isinstance(entry, dict):
             raise self._fail("header entry is not an object", name)
         code = entry.get("dtype")
@@ -209,19 +219,27 @@ class SafetensorsReader(Reader):
         begin, end = offsets
         if begin > end:
             raise self._fail(f"data_offsets [{begin}, {end}] has begin > end", name)
-        dtype = dtype_of(code)
         numel = math.prod(shape)
-        nbytes = numel * dtype.itemsize
+        nbytes = numel * ITEMSIZES[code]
         if nbytes >= 2**63:
             raise self._fail(f"shape {shape} overflows", name)
         if end - begin != nbytes:
             raise self._fail(
                 f"data_offsets span {end - begin} bytes but {code} {shape} needs {nbytes}", name
             )
-        return TensorInfo(name, dtype, tuple(shape), nbytes), begin, end
+        return Listed(name, DTYPE_NAMES[code], tuple(shape), nbytes), code, begin, end
+
+    @property
+    def listing(self) -> list[Listed]:
+        return self._listing
 
     @property
     def infos(self) -> list[TensorInfo]:
+        if self._infos is None:  # numpy (and ml_dtypes for BF16/F8) from here on
+            self._infos = [
+                TensorInfo(t.name, dtype_of(code), t.shape, t.nbytes)
+                for t, code in zip(self._listing, self._codes, strict=True)
+            ]
         return self._infos
 
     @property
@@ -278,6 +296,8 @@ class SafetensorsReader(Reader):
         pread into a fresh buffer keeps the resident set bounded, where a memory map
         would count every touched page of a multi-GB file.
         """
+        import numpy as np  # here, not at the top: listing a header needs no numpy
+
         raw = np.empty(stop - start, dtype=np.uint8)
         view = memoryview(raw)  # type: ignore[arg-type]
         done = 0

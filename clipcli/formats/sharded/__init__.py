@@ -29,7 +29,14 @@ Choices made here (see FORMATS.md, "Sharded Hugging Face checkpoints"):
   `consolidated.safetensors`, ...) and other indexes. Those hold the weights again in
   another form, unclipped; copying them would ship unclipped weights beside clipped ones.
   `skipped_files()` lists them so that the CLI can say so.
+
+The writer is imported on first use of its names (PEP 562 module __getattr__), as in
+clipcli.formats.safetensors: `ls model_dir/` lists the shards' headers without numpy.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from clipcli.formats.sharded.layout import (
     DEFAULT_INDEX_NAME,
@@ -38,7 +45,18 @@ from clipcli.formats.sharded.layout import (
     resolve_sharded,
 )
 from clipcli.formats.sharded.reader import ShardedReader, validate_sharded
-from clipcli.formats.sharded.writer import ShardedWriter, output_names
+
+if TYPE_CHECKING:
+    from clipcli.formats.sharded.writer import ShardedWriter, output_names
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ShardedWriter", "output_names"):
+        from clipcli.formats.sharded import writer
+
+        return getattr(writer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_INDEX_NAME",

@@ -9,12 +9,10 @@ import stat
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from clipcli.errors import InputError
-from clipcli.formats.base import DirectoryLayout, Reader, Shard, StoredBytes, TensorInfo
+from clipcli.formats.base import DirectoryLayout, Listed, Reader, Shard, StoredBytes, TensorInfo
 from clipcli.formats.safetensors import SafetensorsReader
 from clipcli.formats.sharded.layout import (
     FORMAT_NAME,
@@ -31,6 +29,9 @@ from clipcli.formats.sharded.layout import (
     single_model_file,
 )
 from clipcli.inputs import open_input
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Shard descriptors kept open at once; the others are reopened on demand (and checked to be
 # the same file). Far below the usual `ulimit -n` of 1024, which 2,000 shards would exceed.
@@ -74,7 +75,9 @@ class ShardedReader(Reader):
             self._readers[name] = self._open_shard(name)
             self._used(name)
         self._shard_of = self._tensor_owners(weight_map)
-        self._infos = [info for name in names for info in self._readers[name].infos]
+        # Listed from the headers alone (no numpy: `ls model_dir/`); `infos` on first use.
+        self._listing = [t for name in names for t in self._readers[name].listing]
+        self._infos: list[TensorInfo] | None = None
         self._other_files, self._side_folders, self._skipped_files = self._scan_directory()
 
     def _open_shard(self, name: str) -> SafetensorsReader:
@@ -100,7 +103,7 @@ class ShardedReader(Reader):
         """tensor -> shard, from the headers, checked against the index both ways."""
         owners: dict[str, str] = {}
         for shard, reader in self._readers.items():
-            for info in reader.infos:
+            for info in reader.listing:
                 if info.name in owners:
                     problem = f"stored in shard {owners[info.name]!r} and again in this shard"
                     raise InputError(reader.path, problem, info.name)
@@ -191,7 +194,13 @@ class ShardedReader(Reader):
     # -- the Reader interface
 
     @property
+    def listing(self) -> list[Listed]:
+        return self._listing
+
+    @property
     def infos(self) -> list[TensorInfo]:
+        if self._infos is None:
+            self._infos = [info for reader in self._readers.values() for info in reader.infos]
         return self._infos
 
     @property
@@ -322,7 +331,7 @@ class ShardedReader(Reader):
     def directory_layout(self) -> DirectoryLayout:
         """The shards in `infos` order, each with its tensors and __metadata__."""
         grouped: dict[str, list[TensorInfo]] = {}
-        for info in self._infos:
+        for info in self.infos:
             grouped.setdefault(self._shard_of[info.name], []).append(info)
         shards = [
             Shard(name, infos, self._readers[name].metadata) for name, infos in grouped.items()
