@@ -157,6 +157,19 @@ def test_ls_of_a_safetensors_file_loads_no_numpy(tmp_path: Path, options: list[s
     assert [m for m in ("numpy", "ml_dtypes", "typer") if _loaded(modules, m)] == []
 
 
+def test_ls_of_a_model_directory_loads_no_numpy(tmp_path: Path) -> None:
+    import json
+
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": np.ones(2, np.float32)})
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"b": np.ones(3, np.float16)})
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    index = {"metadata": {"total_size": 14}, "weight_map": weight_map}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    modules = _modules_after(["ls", str(tmp_path), "--format", "json"])
+    assert "clipcli.formats.sharded.reader" in modules
+    assert [m for m in ("numpy", "ml_dtypes", "typer") if _loaded(modules, m)] == []
+
+
 def test_the_listing_without_numpy_is_what_numpy_says(tmp_path: Path) -> None:
     """Every dtype code, listed from the header's plain table, against the listing the
     reader's numpy dtypes give (formats.base.Reader.listing, built from `infos`)."""
