@@ -20,6 +20,11 @@ The one-liner's CPU time includes what OpenBLAS's threads burn while numpy loads
 start and spin); clipcli sets them to one. So the one-liner is also timed with
 OPENBLAS_NUM_THREADS=1, and the ratios against that run and against wall time are printed
 beside the targets: they are the harder, fairer comparisons.
+
+clipcli's modules are compiled to bytecode first, as `pip install` does. This sandbox sets
+PYTHONDONTWRITEBYTECODE=1, under which an editable install compiles every clipcli module
+from source on every run; one more case times `clipcli norms` that way (a copy of the
+package with no __pycache__), for information.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results_md import compile_bytecode
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- startup:begin -->", "<!-- startup:end -->"
@@ -67,6 +74,19 @@ def clipcli_command() -> list[str]:
 
 ONE_BLAS_THREAD = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
 ONE_THREAD_CASE = "safe_open one-liner, 1 BLAS thread"
+NO_BYTECODE_CASE = "clipcli norms, no bytecode cache"
+
+
+def source_only_copy(directory: Path) -> dict[str, str]:
+    """An environment running a copy of the clipcli package that has no bytecode and may
+    not write any: every clipcli module is compiled from source on each run."""
+    import shutil
+
+    import clipcli
+
+    package = Path(clipcli.__file__).parent
+    shutil.copytree(package, directory / "clipcli", ignore=shutil.ignore_patterns("__pycache__"))
+    return {**os.environ, "PYTHONPATH": str(directory), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
@@ -85,8 +105,11 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     clipcli = clipcli_command()
+    bytecode = compile_bytecode()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_file(Path(tmp))
+        (Path(tmp) / "source").mkdir()
+        no_bytecode = source_only_copy(Path(tmp) / "source")
         cases = {
             "python -c pass": [sys.executable, "-c", "pass"],
             "clipcli --version": [*clipcli, "--version"],
@@ -96,8 +119,11 @@ def main() -> None:
             "import numpy, 1 BLAS thread": [sys.executable, "-c", "import numpy"],
             "clipcli ls": [*clipcli, "ls", str(model)],
             "clipcli norms": [*clipcli, "norms", str(model)],
+            # -P: not the working directory's clipcli (a checkout) but the copy
+            NO_BYTECODE_CASE: [sys.executable, "-P", "-m", "clipcli", "norms", str(model)],
         }
         envs = {name: ONE_BLAS_THREAD if "1 BLAS thread" in name else None for name in cases}
+        envs[NO_BYTECODE_CASE] = no_bytecode
         load_before = os.getloadavg()
         for name, argv in cases.items():  # warm-up: page cache, bytecode
             timed(argv, envs[name])
@@ -130,6 +156,7 @@ def main() -> None:
         "- method: whole processes, one warm-up each, then the cases take turns for "
         f"{args.rounds} rounds; CPU = user + system time of the process; ratios on the "
         "minimum CPU time (wall time on a loaded machine is other people's work)",
+        f"- {bytecode}",
         "",
         "| case | CPU min | CPU median | wall min | wall median |",
         "|---|---|---|---|---|",
