@@ -58,17 +58,25 @@ DIFF_EPILOG = (
 
 # ------------------------------------------------------------------ shared declarations
 
+# Paths are taken as given: readable=False turns off Click's own `os.access` check, which
+# would call an unreadable input a usage error (exit 2) and an unreadable --plot FILE (an
+# output) unusable. The readers say why they cannot open an input: exit 3, as documented.
+# (quick_args.py converts paths the same way: Path(text), nothing checked.)
 PathArg = Annotated[
     Path,
     typer.Argument(
         help="Checkpoint file, Hugging Face model directory, or *.safetensors.index.json.",
         show_default=False,
+        readable=False,
     ),
 ]
 InArg = Annotated[
     Path,
     typer.Argument(
-        metavar="IN", help="Input checkpoint file or model directory.", show_default=False
+        metavar="IN",
+        help="Input checkpoint file or model directory.",
+        show_default=False,
+        readable=False,
     ),
 ]
 OutArg = Annotated[
@@ -188,6 +196,7 @@ def norms_command(
             help="Write the listed norms as a picture to FILE.png or FILE.svg; needs "
             "matplotlib (pip install -e '.[plot]' in the clipcli checkout).",
             metavar="FILE",
+            readable=False,
         ),
     ] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --plot FILE.")] = False,
@@ -344,8 +353,12 @@ def convert_command(
 
 @_command("diff", DIFF_EPILOG)
 def diff_command(
-    path_a: Annotated[Path, typer.Argument(metavar="A", help="Reference checkpoint.")],
-    path_b: Annotated[Path, typer.Argument(metavar="B", help="Checkpoint to compare with A.")],
+    path_a: Annotated[
+        Path, typer.Argument(metavar="A", help="Reference checkpoint.", readable=False)
+    ],
+    path_b: Annotated[
+        Path, typer.Argument(metavar="B", help="Checkpoint to compare with A.", readable=False)
+    ],
     fmt: FormatOpt = OutputFormat.TABLE,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,

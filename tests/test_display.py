@@ -528,21 +528,27 @@ def _sigint_during_start_up(
 def test_sigterm_during_start_up_is_one_line_and_143(
     tmp_path: Path, write_checkpoint: Callable[..., Path]
 ) -> None:
+    """SIGTERM at moments spread over a measured whole run (start-up keeps getting
+    faster: fixed delays would land after the end)."""
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
+    argv = [sys.executable, "-m", "clipcli", "norms", str(src)]
+    run_times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        expected = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        run_times.append(time.perf_counter() - started)
+    whole_run = min(run_times)
     codes = []
-    for delay_ms in (40, 60, 80, 100):
-        child = subprocess.Popen(
-            [sys.executable, "-m", "clipcli", "norms", str(src)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        time.sleep(delay_ms / 1000)
+    for fraction in (0.3, 0.45, 0.6, 0.75, 0.9):
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(whole_run * fraction)
         child.send_signal(signal.SIGTERM)
         out, err = child.communicate(timeout=60)
         codes.append(child.returncode)
         if child.returncode == 143:
             assert err == "clipcli: error: terminated by SIGTERM\n"
+        elif child.returncode == 0:  # the run was over before the signal came
+            assert (out, err) == (expected, "")
         else:  # before the guard: the interpreter's default, dying of the signal silently
             assert (child.returncode, out, err) == (-signal.SIGTERM, "", ""), err
     assert 143 in codes

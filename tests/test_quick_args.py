@@ -44,6 +44,12 @@ def kind_of(param: Click) -> str:
     if type_name == "StringParamType":
         return "str*" if param.multiple else "str"
     if type_name == "TyperPath":
+        # Taken as given, as quick_args takes it: Click checks nothing on the file system.
+        checks = vars(param.type)
+        assert not any(checks[k] for k in ("exists", "readable", "writable", "resolve_path"))
+        assert checks["file_okay"]
+        assert checks["dir_okay"]
+        assert checks["type"] is None  # (Typer then makes the Path)
         return "path"
     if type_name == "TyperChoice":
         choices = tuple(param.type.choices)

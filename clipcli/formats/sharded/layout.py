@@ -57,6 +57,7 @@ def resolve_sharded(path: Path) -> tuple[Path, Path | None] | None:
     A directory is always a model directory or an error: there is nothing else to read.
     """
     if path.is_dir():
+        _check_listable(path)
         index = find_index(path)
         if index is not None:
             return path, index
@@ -65,6 +66,16 @@ def resolve_sharded(path: Path) -> tuple[Path, Path | None] | None:
     if path.name.endswith(INDEX_SUFFIX) and os.path.lexists(path):
         return path.parent, path  # a FIFO or device here is refused when it is opened
     return None
+
+
+def _check_listable(directory: Path) -> None:
+    """glob() passes over a directory it may not read in silence, which would then be
+    called a directory with no model in it: say why instead."""
+    try:
+        with os.scandir(directory):
+            pass
+    except OSError as exc:
+        raise InputError(directory, f"cannot list the directory: {exc.strerror}") from None
 
 
 def not_a_directory(path: Path) -> bool:
