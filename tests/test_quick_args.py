@@ -177,7 +177,7 @@ def command_lines(draw: st.DrawFn, ordinary: bool = False) -> list[str]:
             }[kind]
         else:
             value = draw(VALUES[kind])
-        if not ordinary and spelling.startswith("--") and draw(st.booleans()):
+        if not ordinary and draw(st.booleans()):  # -f=json is "=json" to Click
             units.insert(at, [f"{spelling}={value}"])
         elif not ordinary and draw(st.integers(0, 20)) == 0:
             last = [spelling]
@@ -246,6 +246,8 @@ def test_the_quick_parser_takes_ordinary_command_lines(args: list[str]) -> None:
         ["norms", "m", "--format", "JSON"],
         ["lsx", "m"],
         ["ls", "m", "--include"],  # no value follows
+        ["ls", "m", "-f=json"],  # Click: the value "=json"
+        ["ls", "m", "-i=a"],
         ["clip", "a", "b", "--global", "1", "--group-by"],
         ["--version", "ls"],
     ],
