@@ -15,6 +15,7 @@ behaviour. This module imports nothing that the interpreter has not already load
 # _signal, not signal: the signal module imports enum, which alone takes milliseconds.
 # os and sys are loaded by the interpreter's own start-up.
 import _signal  # type: ignore[import-not-found]  # no stub; same API as signal
+import errno  # built in, like os and sys
 import os
 import sys
 
@@ -41,14 +42,30 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") =
     _guard_start_up()
 
 
+def _print_version(line: bytes) -> int:
+    """Write the version line; its exit code. As for a report: a reader that went away is
+    not an error (0), stdout closed or failing is exit 5 with one line."""
+    try:
+        os.write(1, line)
+    except BrokenPipeError:
+        return 0
+    except OSError as exc:
+        reason = " is closed" if exc.errno == errno.EBADF else f": cannot write: {exc.strerror}"
+        try:  # noqa: SIM105 - contextlib is not loaded yet: start-up time
+            os.write(2, f"clipcli: error: standard output{reason}\n".encode())
+        except OSError:
+            pass
+        return 5
+    return 0
+
+
 def run() -> None:
     """Run the CLI as a program and exit with its code (never returns)."""
     _guard_start_up()
     if sys.argv[1:] == ["--version"]:  # for shell loops: no CLI import at all
         from clipcli import __version__
 
-        os.write(1, f"clipcli {__version__}\n".encode())
-        raise SystemExit(0)
+        raise SystemExit(_print_version(f"clipcli {__version__}\n".encode()))
 
     for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         # Before anything imports numpy (_preload does): BLAS reads these once, when it is

@@ -114,7 +114,11 @@ def open_reader(path: Path) -> Reader:
     """Open a checkpoint by its content; an extension that disagrees with it is an error.
 
     A directory (or a *.safetensors.index.json) is a Hugging Face model directory."""
-    if path.is_dir() or path.name.endswith(".index.json"):
+    try:
+        is_directory = path.is_dir()
+    except OSError as exc:  # pathlib passes on EACCES (a parent not to be entered), ENAMETOOLONG
+        raise InputError(path, f"cannot read: {exc.strerror}") from None
+    if is_directory or path.name.endswith(".index.json"):
         from clipcli.formats.sharded import ShardedReader, resolve_sharded
 
         resolved = resolve_sharded(path)

@@ -332,8 +332,11 @@ def _is_real_directory(path: Path) -> bool:
 def _is_empty_directory(path: Path) -> bool:
     if not _is_real_directory(path):
         return False
-    with os.scandir(path) as entries:
-        return next(entries, None) is None
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except OSError as exc:
+        raise WriteError(f"{path}: cannot check the output path: {exc.strerror}") from None
 
 
 def _unexpected_entries(directory: Path, expected: frozenset[str]) -> list[str]:
@@ -343,15 +346,19 @@ def _unexpected_entries(directory: Path, expected: frozenset[str]) -> list[str]:
     pending = [""]
     while pending:
         relative = pending.pop()
-        with os.scandir(directory / relative) as entries:
-            for entry in entries:
-                name = f"{relative}/{entry.name}" if relative else entry.name
-                if name not in expected:
-                    strangers.append(name)
-                elif entry.is_dir(follow_symlinks=False):
-                    pending.append(name)
-                elif not entry.is_file(follow_symlinks=False):
-                    strangers.append(name)
+        try:
+            with os.scandir(directory / relative) as entries:
+                for entry in entries:
+                    name = f"{relative}/{entry.name}" if relative else entry.name
+                    if name not in expected:
+                        strangers.append(name)
+                    elif entry.is_dir(follow_symlinks=False):
+                        pending.append(name)
+                    elif not entry.is_file(follow_symlinks=False):
+                        strangers.append(name)
+        except OSError as exc:
+            where = directory / relative
+            raise WriteError(f"{where}: cannot check the output path: {exc.strerror}") from None
     return sorted(strangers)
 
 

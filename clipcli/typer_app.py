@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import typer
 
 from clipcli.boundary import exit_code_for
+from clipcli.errors import WriteError
 from clipcli.options import COMMANDS
 
 EXIT_CODES_HELP = """\b
@@ -99,4 +100,11 @@ def _group() -> None:
 def run(args: list[str]) -> Any:
     """Parse `args` with Typer and run the command; Click's exceptions propagate to the
     caller's boundary (standalone_mode=False)."""
-    return _app_for(args)(args=args, prog_name="clipcli", standalone_mode=False)
+    try:
+        return _app_for(args)(args=args, prog_name="clipcli", standalone_mode=False)
+    except BrokenPipeError:
+        raise  # the reader went away: exit 0, as for a report
+    except OSError as exc:
+        # Commands report their own failures through the boundary (_within_boundary), so
+        # what reaches here is Click's own printing: help, completion (`--help >/dev/full`).
+        raise WriteError(f"standard output: cannot write: {exc.strerror or exc}") from None

@@ -5,10 +5,12 @@ report package does no math and stays light; cli.py stays small."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,3 +122,44 @@ def test_importing_the_report_loads_neither_numpy_nor_rich() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_name_too_long_is_exit_3(run_subprocess: Callable[..., Any]) -> None:
+    name = "a" * 300 + ".safetensors"
+    done = run_subprocess("ls", name)
+    assert (done.code, done.stdout) == (3, "")
+    assert done.stderr == f"clipcli: error: {name}: cannot read: File name too long\n"
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["ls", "--help"], []])
+def test_version_and_help_on_a_full_stdout_are_exit_5(args: list[str]) -> None:
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "clipcli", *args],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 5
+    assert done.stderr == "clipcli: error: standard output: cannot write: No space left on device\n"
+
+
+def test_version_to_a_closed_stdout_or_a_closed_pipe() -> None:
+    closed = subprocess.run(
+        f"{sys.executable} -m clipcli --version >&-", shell=True, capture_output=True, text=True
+    )
+    assert (closed.returncode, closed.stderr) == (5, "clipcli: error: standard output is closed\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader went away: not an error
+    try:
+        gone = subprocess.run(
+            [sys.executable, "-m", "clipcli", "--version"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert (gone.returncode, gone.stderr) == (0, "")

@@ -52,6 +52,9 @@ def place(tmp_path: Path) -> Path:
     (tmp_path / "shut").mkdir()
     save_file(tensors, str(tmp_path / "shut" / "model.safetensors"))
     (tmp_path / "shut").chmod(0o311)  # may be entered, not listed
+    (tmp_path / "closed").mkdir()
+    save_file(tensors, str(tmp_path / "closed" / "a.safetensors"))
+    (tmp_path / "closed").chmod(0o644)  # may be listed, not entered
     return tmp_path
 
 
@@ -75,6 +78,12 @@ def test_the_process_really_cannot_read(place: Path) -> None:
         ),
         (["ls", "shut"], "shut: cannot list the directory: Permission denied"),
         (["norms", "shut"], "shut: cannot list the directory: Permission denied"),
+        (["ls", "closed"], "closed: cannot enter the directory: Permission denied"),
+        (["ls", "closed/a.safetensors"], "closed/a.safetensors: cannot read: Permission denied"),
+        (
+            ["diff", "m.safetensors", "closed/a.safetensors"],
+            "closed/a.safetensors: cannot read: Permission denied",
+        ),
     ],
 )
 @pytest.mark.parametrize("parser", ["quick", "typer"])
@@ -94,10 +103,38 @@ def test_an_unreadable_in_writes_nothing(place: Path, command: str) -> None:
     assert done.returncode == 3
     assert done.stderr == "clipcli: error: locked.safetensors: cannot read: Permission denied\n"
     assert sorted(p.name for p in place.iterdir()) == [
+        "closed",
         "locked.safetensors",
         "m.safetensors",
         "shut",
     ]
+
+
+def test_a_side_folder_that_cannot_be_entered_is_exit_3(place: Path) -> None:
+    model = place / "model"
+    model.mkdir()
+    save_file({"w": np.ones(3, np.float32)}, str(model / "model.safetensors"))
+    (model / "sub").mkdir()
+    (model / "sub" / "notes.txt").write_text("x")
+    (model / "sub").chmod(0o644)
+    for args in (["ls", "model"], ["clip", "--global", "1", "model", "out/"]):
+        done = run_unprivileged(args, place)
+        assert (done.returncode, done.stdout) == (3, ""), done.stderr
+        assert (
+            done.stderr == "clipcli: error: model/sub/notes.txt: cannot read: Permission denied\n"
+        )
+    assert not (place / "out").exists()
+
+
+def test_an_out_directory_that_cannot_be_listed_is_exit_5(place: Path) -> None:
+    locked = place / "out" / "locked"
+    locked.mkdir(parents=True)
+    locked.chmod(0o300)  # may be entered and written, not listed
+    done = run_unprivileged(["convert", "-q", "m.safetensors", "out/locked/"], place)
+    assert (done.returncode, done.stdout) == (5, "")
+    assert done.stderr == (
+        "clipcli: error: out/locked: cannot check the output path: Permission denied\n"
+    )
 
 
 def test_plot_may_replace_a_file_it_cannot_read(place: Path) -> None:

@@ -69,13 +69,17 @@ def resolve_sharded(path: Path) -> tuple[Path, Path | None] | None:
 
 
 def _check_listable(directory: Path) -> None:
-    """glob() passes over a directory it may not read in silence, which would then be
-    called a directory with no model in it: say why instead."""
+    """glob() passes over a directory it may not list, or list but not enter, in silence,
+    which would then be called a directory with no model in it: say why instead."""
     try:
         with os.scandir(directory):
             pass
     except OSError as exc:
         raise InputError(directory, f"cannot list the directory: {exc.strerror}") from None
+    try:
+        os.stat(os.path.join(directory, "."))  # (pathlib would drop the ".")
+    except OSError as exc:
+        raise InputError(directory, f"cannot enter the directory: {exc.strerror}") from None
 
 
 def not_a_directory(path: Path) -> bool:

@@ -149,7 +149,11 @@ class ShardedReader(Reader):
             for entry in listing:
                 if folder == self.directory and entry.name in ours:
                     continue
-                if entry.is_dir():
+                try:
+                    is_directory = entry.is_dir()
+                except OSError as exc:  # in a folder that may be listed but not entered
+                    raise InputError(entry, f"cannot read: {exc.strerror}") from None
+                if is_directory:
                     if (
                         entry.is_symlink()
                         or entry.name in LEFT_OUT_FOLDERS
@@ -171,7 +175,10 @@ class ShardedReader(Reader):
         socket or link to one is refused (exit 3), naming it, rather than left out in
         silence, since the copy would then lack a file the user expects in it."""
         real = real_path_inside(entry, self._roots)
-        mode = real.stat().st_mode
+        try:
+            mode = real.stat().st_mode
+        except OSError as exc:
+            raise InputError(entry, f"cannot read: {exc.strerror}") from None
         if not stat.S_ISREG(mode):
             raise InputError(entry, "is not a regular file (FIFO, device or socket); not copied")
         return real
