@@ -151,3 +151,27 @@ def test_plot_may_replace_a_file_it_cannot_read(place: Path) -> None:
     done = run_unprivileged(["norms", "m.safetensors", "--plot", "p.svg", "--force"], place)
     assert done.returncode == 0, done.stderr
     assert picture.read_text().startswith("<?xml")
+
+
+def test_plot_with_a_home_that_cannot_be_written_says_nothing(place: Path) -> None:
+    """A service account's $HOME may be read-only: matplotlib then logs that it made a
+    temporary cache directory (several lines); stderr holds errors only."""
+    pytest.importorskip("matplotlib")
+    home = place / "home"
+    home.mkdir()
+    home.chmod(0o555)
+    assert SETPRIV is not None
+    done = subprocess.run(
+        [SETPRIV, "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-m", "clipcli"]
+        + ["norms", "m.safetensors", "--plot", "p.png", "--format", "json"],
+        cwd=place,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "MPL"))},
+            "HOME": str(home),
+        },
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert (place / "p.png").read_bytes().startswith(b"\x89PNG")

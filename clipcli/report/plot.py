@@ -88,7 +88,11 @@ def render_plot(bars: Bars, limit: float | None, grouped: bool, suffix: str) -> 
     """The picture of the listed norms as PNG or SVG bytes; the command writes it to its
     file through clipcli.output, the one way anything is written."""
     import io
+    import logging
 
+    # matplotlib logs, as warnings, that it made a temporary cache directory when $HOME is
+    # not writable (a service account), several lines per run: stderr holds errors only.
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
