@@ -153,6 +153,7 @@ def _preload(args: list[str]) -> None:
     if not args or args[0].startswith("-"):
         return
     import contextlib
+    import encodings.ascii  # h5py decodes attributes with it
     import encodings.cp437  # noqa: F401 - zipfile decodes npz member names with it
 
     from clipcli.cli import BODIES

@@ -120,7 +120,10 @@ def fsync_tree(root: Path) -> None:
 def remove_tree(path: Path) -> None:
     """Remove a file, link or directory tree that this run created; errors are ignored."""
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        try:  # empty (a failure before anything was written): needs no descriptor (EMFILE)
+            os.rmdir(path)
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(OSError):
             path.unlink()

@@ -158,7 +158,11 @@ class Target:
                 raise WriteError(
                     f"{self.out}: cannot create a directory in {self.parent}: {exc.strerror}"
                 ) from None
-            lock = hold_lock(workdir)
+            try:
+                lock = hold_lock(workdir)
+            except OSError as exc:  # out of descriptors (EMFILE), say
+                remove_tree(workdir)
+                raise _translated(exc, self.out) from None
             try:
                 staged = self._staged_in(workdir)
                 yield staged
@@ -167,10 +171,15 @@ class Target:
                 if workdir != staged:
                     os.rmdir(workdir)
             except BaseException as exc:
+                # The lock's descriptor goes first: removing the tree needs descriptors of
+                # its own, and the failure may be that there are none left (EMFILE).
+                os.close(lock)
+                lock = -1
                 remove_tree(workdir)
                 raise _translated(exc, self.out) from None
             finally:
-                os.close(lock)
+                if lock >= 0:
+                    os.close(lock)
 
     def _staged_in(self, workdir: Path) -> Path:
         """The path the writer fills: a file inside the work directory."""

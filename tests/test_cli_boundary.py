@@ -163,3 +163,68 @@ def test_version_to_a_closed_stdout_or_a_closed_pipe() -> None:
     finally:
         os.close(write_end)
     assert (gone.returncode, gone.stderr) == (0, "")
+
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
+
+
+@pytest.mark.parametrize("limit", [5, 6, 7])
+@pytest.mark.parametrize(
+    ("source", "out"),
+    [
+        ("tiny_mlp.npz", "f.safetensors"),
+        ("tiny_mlp.npz", "d/"),
+        ("tiny_mlp_keras.h5", "k.h5"),
+        ("tiny_mlp.safetensors", "f.h5"),
+    ],
+)
+def test_out_of_file_descriptors_is_exit_5_and_leaves_nothing(
+    tmp_path: Path, limit: int, source: str, out: str
+) -> None:
+    """`ulimit -n` too low for the run: one line, exit 5, no work directory left behind
+    (the lock's descriptor is freed first, and an empty work directory needs none)."""
+    import resource
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "clipcli", "convert", str(SAMPLE / source), out],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=low_limit,
+    )
+    left = sorted(p.name for p in tmp_path.iterdir())
+    if done.returncode == 0:  # enough descriptors after all: OUT is whole
+        assert left == [out.rstrip("/")]
+    else:  # 5 when writing ran out, 3 when reading IN did ("cannot read ...: Too many ...")
+        assert done.returncode in (3, 5), done.stderr
+        assert "Too many open files" in done.stderr
+        assert done.stderr.count("\n") == 1
+        assert done.stderr.startswith("clipcli: error: "), done.stderr
+        assert left == []
+
+
+def test_a_report_that_cannot_be_printed_after_the_commit_says_out_is_whole(
+    tmp_path: Path,
+) -> None:
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "o.safetensors"
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "clipcli", "clip", "--global", "1"]
+            + [str(SAMPLE / "tiny_mlp.safetensors"), str(out)],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 5
+    assert done.stderr == (
+        "clipcli: error: standard output: cannot write the report: No space left on device; "
+        f"{out} was written and is complete\n"
+    )
+    assert set(load_file(str(out))) == set(load_file(str(SAMPLE / "tiny_mlp.safetensors")))

@@ -2,6 +2,7 @@
 
 import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from clipcli.commands.common import (
@@ -11,7 +12,7 @@ from clipcli.commands.common import (
     progress,
     selection,
 )
-from clipcli.errors import UsageError, printable
+from clipcli.errors import UsageError, WriteError, printable
 from clipcli.report import OutputFormat
 from clipcli.report.model import count
 
@@ -94,7 +95,10 @@ def clip(
         )
         if not quiet:
             # OUT '-' is the clipped file on stdout: the report goes to stderr instead.
-            with contextlib.redirect_stdout(sys.stderr if out == "-" else sys.stdout):
+            with (
+                contextlib.redirect_stdout(sys.stderr if out == "-" else sys.stdout),
+                _written_anyway(None if dry_run or out == "-" else out),
+            ):
                 emit(lambda: print_report(clip_report(result), fmt))
 
 
@@ -123,4 +127,18 @@ def convert(
             total = sum(i.nbytes for i in infos)
             listed = f"{count(len(infos), 'tensor')}, {count(total, 'byte')}"
             line = f"wrote {printable(str(out))}: {listed}"
-            emit(lambda: print(line))
+            with _written_anyway(None if out == "-" else out):
+                emit(lambda: print(line))
+
+
+@contextlib.contextmanager
+def _written_anyway(out: str | None) -> Iterator[None]:
+    """The report comes after OUT is committed: if it cannot be written (stdout full or
+    closed), the run still fails (exit 5: a script asked for a report it did not get), but
+    the line says that OUT is there and whole, since exit 5 otherwise means nothing was."""
+    try:
+        yield
+    except WriteError as exc:
+        if out is None:
+            raise
+        raise WriteError(f"{exc}; {out} was written and is complete") from None
