@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from clipcli.commands.common import finish_progress, reader_went_away
@@ -61,6 +62,18 @@ def exit_code_for(exc: BaseException, args: list[str] | None = None) -> int:
         message = f"internal error: {type(exc).__name__}: {exc} (set CLIPCLI_DEBUG=1 for details)"
         return fail(message, ExitCode.INTERNAL)
     raise exc  # SystemExit, GeneratorExit and the like are not ours to report
+
+
+def run_command(body: Callable[[], None]) -> int:
+    """Run a command's body inside the boundary; its exit code. What it raises comes from
+    inside the command, not from parsing (a Click exception there is a bug: exit 70).
+    cli.main() runs what the quick parser took through here, the Typer app its commands."""
+    try:
+        body()
+        sys.stdout.flush()  # a closed pipe must show here, not at interpreter exit
+    except BaseException as exc:  # the boundary: every failure, one line
+        return exit_code_for(exc)
+    return ExitCode.OK
 
 
 def _click_exit_code(typer: Any, exc: BaseException, args: list[str] | None) -> int | None:

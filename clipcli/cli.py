@@ -15,10 +15,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from clipcli import __version__, boundary, quick_args
-from clipcli.commands.common import Stdout
+from clipcli.commands.common import Stdout, emit
 from clipcli.errors import ExitCode
 
 # Each command's body, by name: (module, function). Imported for the command run only.
@@ -69,17 +68,6 @@ def _keep_chunk_buffers() -> None:
         pass
 
 
-def _run_body(command: str, values: dict[str, Any]) -> int:
-    """Run a command the quick parser took. What it raises comes from inside the command,
-    not from parsing (a Click exception there is a bug: exit 70, as under Typer)."""
-    try:
-        body_of(command)(**values)
-        sys.stdout.flush()  # a closed pipe must show here, not at interpreter exit
-    except BaseException as exc:  # the boundary: every failure, one line
-        return boundary.exit_code_for(exc)
-    return ExitCode.OK
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Every failure is one stderr line."""
     boundary.reset()
@@ -100,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         _keep_chunk_buffers()
         if not args:
             args = ["--help"]
-        if args == ["--version"]:
-            print(f"clipcli {__version__}")
+        if args == ["--version"]:  # (__main__ answers it before importing this module)
+            emit(lambda: print(f"clipcli {__version__}"))
             return ExitCode.OK
         parsed = quick_args.parse(args)
         if parsed is not None:
-            return _run_body(*parsed)
+            command, values = parsed
+            return boundary.run_command(lambda: body_of(command)(**values))
         from clipcli import typer_app
 
         result = typer_app.run(args)

@@ -9,14 +9,13 @@ loop's `clipcli ls`); cli.main() chooses.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
 
-from clipcli.boundary import exit_code_for
-from clipcli.errors import WriteError
+from clipcli.boundary import run_command
+from clipcli.errors import ExitCode, WriteError
 from clipcli.options import COMMANDS
 
 EXIT_CODES_HELP = """\b
@@ -58,13 +57,9 @@ def _within_boundary(command: F) -> F:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> None:
-        try:
-            command(*args, **kwargs)
-            sys.stdout.flush()  # a closed pipe must show here, not at interpreter exit
-        except typer.Exit:
-            raise
-        except BaseException as exc:  # the boundary: every failure, one line
-            raise typer.Exit(exit_code_for(exc)) from None
+        code = run_command(lambda: command(*args, **kwargs))
+        if code != ExitCode.OK:
+            raise typer.Exit(code)
 
     return wrapper  # type: ignore[return-value]
 

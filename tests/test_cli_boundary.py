@@ -228,3 +228,23 @@ def test_a_report_that_cannot_be_printed_after_the_commit_says_out_is_whole(
         f"{out} was written and is complete\n"
     )
     assert set(load_file(str(out))) == set(load_file(str(SAMPLE / "tiny_mlp.safetensors")))
+
+
+def test_main_version_on_a_failing_stdout_is_one_line_and_5(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """main(["--version"]) in process (the program answers --version before loading
+    main): a stdout that fails is exit 5 with one line, as for a report, not exit 70."""
+    import errno
+    import io
+
+    class Full(io.StringIO):
+        def write(self, _text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert main(["--version"]) == 5
+    assert capsys.readouterr().err == (
+        "clipcli: error: standard output: cannot write the report: No space left on device\n"
+    )

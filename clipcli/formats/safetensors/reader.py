@@ -22,6 +22,7 @@ from clipcli.formats.base import (
 from clipcli.formats.safetensors.header import (
     _PACKED,
     _U64,
+    CODES,
     DTYPE_NAMES,
     ITEMSIZES,
     MAX_HEADER_BYTES,
@@ -79,7 +80,7 @@ class SafetensorsReader(Reader):
         self._file: BinaryIO | None = open_input(path)  # closed by close() or release()
         try:
             self._identity = FileIdentity.of_stat(os.fstat(self._file.fileno()))
-            self._listing, self._codes, self._offsets, self._metadata = self._parse(self._file)
+            self._listing, self._offsets, self._metadata = self._parse(self._file)
             self._infos: list[TensorInfo] | None = None
             self._structure: Structure | None = None
         except BaseException:
@@ -134,9 +135,8 @@ class SafetensorsReader(Reader):
 
     def _parse(
         self, handle: BinaryIO
-    ) -> tuple[list[Listed], list[str], dict[str, tuple[int, int]], dict[str, str]]:
-        """The tensors (in file order), their dtype codes, their absolute byte ranges,
-        and the metadata."""
+    ) -> tuple[list[Listed], dict[str, tuple[int, int]], dict[str, str]]:
+        """The tensors (in file order), their absolute byte ranges, and the metadata."""
         file_size = os.fstat(handle.fileno()).st_size
         prefix = handle.read(8)
         if len(prefix) < 8:
@@ -169,9 +169,9 @@ class SafetensorsReader(Reader):
         if len(header) > MAX_TENSORS:
             raise self._fail(f"header lists {len(header)} tensors; the limit is {MAX_TENSORS}")
         entries = [self._parse_entry(name, entry) for name, entry in header.items()]
-        entries.sort(key=lambda item: (item[2], item[3]))
+        entries.sort(key=lambda item: (item[1], item[2]))
         expected = 0
-        for info, _code, begin, end in entries:
+        for info, begin, end in entries:
             if begin != expected:
                 problem = "overlaps the previous tensor" if begin < expected else "leaves a gap"
                 raise self._fail(f"data_offsets [{begin}, {end}] {problem}", info.name)
@@ -180,13 +180,12 @@ class SafetensorsReader(Reader):
             actual = file_size - 8 - header_len
             kind = "trailing bytes" if actual > expected else "missing bytes (truncated file)"
             raise self._fail(f"{kind}: tensors need {expected} data bytes, file has {actual}")
-        listing = [info for info, _, _, _ in entries]
-        codes = [code for _, code, _, _ in entries]
+        listing = [info for info, _, _ in entries]
         offsets = {
             info.name: (8 + header_len + begin, 8 + header_len + end)
-            for info, _, begin, end in entries
+            for info, begin, end in entries
         }
-        return listing, codes, offsets, metadata
+        return listing, offsets, metadata
 
     def _parse_metadata(self, raw: object) -> dict[str, str]:
         if raw is None:
@@ -198,7 +197,7 @@ class SafetensorsReader(Reader):
                 raise self._fail(f"__metadata__[{key!r}] is not a string")
         return dict(raw)
 
-    def _parse_entry(self, name: str, entry: object) -> tuple[Listed, str, int, int]:
+    def _parse_entry(self, name: str, entry: object) -> tuple[Listed, int, int]:
         if not isinstance(entry, dict):
             raise self._fail("header entry is not an object", name)
         code = entry.get("dtype")
@@ -227,7 +226,7 @@ class SafetensorsReader(Reader):
             raise self._fail(
                 f"data_offsets span {end - begin} bytes but {code} {shape} needs {nbytes}", name
             )
-        return Listed(name, DTYPE_NAMES[code], tuple(shape), nbytes), code, begin, end
+        return Listed(name, DTYPE_NAMES[code], tuple(shape), nbytes), begin, end
 
     @property
     def listing(self) -> list[Listed]:
@@ -237,8 +236,8 @@ class SafetensorsReader(Reader):
     def infos(self) -> list[TensorInfo]:
         if self._infos is None:  # numpy (and ml_dtypes for BF16/F8) from here on
             self._infos = [
-                TensorInfo(t.name, dtype_of(code), t.shape, t.nbytes)
-                for t, code in zip(self._listing, self._codes, strict=True)
+                TensorInfo(t.name, dtype_of(CODES[t.dtype_name]), t.shape, t.nbytes)
+                for t in self._listing
             ]
         return self._infos
 
