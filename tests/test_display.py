@@ -34,6 +34,8 @@ import h5py
 import numpy as np
 import pytest
 
+import clipcli
+
 if TYPE_CHECKING:
     from conftest import Run
 
@@ -474,7 +476,9 @@ def _check_start_up_outcome(code: int, out: str, err: str, expected_out: str) ->
     Python installed its handler, Python's own traceback with no frame from the clipcli
     package, or site reporting the interrupt while it ran a .pth file and going on):
     site, .pth files and runpy are not ours to guard."""
-    package = os.sep + "clipcli" + os.sep
+    # The package's own folder, not any path holding "clipcli" (a checkout named clipcli
+    # puts its venv under /…/clipcli/.venv/, and the interpreter's frames live there).
+    package = str(Path(clipcli.__file__).parent) + os.sep
     if code == 130:
         assert err == "clipcli: error: interrupted\n", err
     elif code == 0:

@@ -482,8 +482,12 @@ def test_input_truncated_by_another_process_mid_clip(tmp_path: Path) -> None:
                 f"t{i:02d}", data=rng.standard_normal(4_000_000).astype(np.float32)
             )
     proc = start_clip(src, str(tmp_path / "out.h5"), "--no-fsync")
+    # Stopped the moment its temp entry is seen, so the truncation lands mid-run however
+    # loaded the machine is (the child cannot commit while it is stopped).
+    proc.send_signal(signal.SIGSTOP)
     assert proc.poll() is None, "finished before the temp file was seen"
     subprocess.run(["truncate", "-s", str(src.stat().st_size // 3), str(src)], check=True)
+    proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
     assert "no output written" in one_error_line(err)
