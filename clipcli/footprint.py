@@ -40,6 +40,11 @@ class InputFootprint:
         self.inodes = {identity for p in [self.root, *self.files] if (identity := _inode(p))}
         self.root_inode = _inode(self.root)
         self.file_ancestors = [set(_ancestor_inodes(f)) for f in [self.root, *self.files]]
+        # Everything the input's paths pass through, as given and through every link: what
+        # cleanup (clipcli.fsops) may neither remove nor move.
+        self.reached: frozenset[tuple[int, int]] = frozenset(
+            identity for path in [root, *files] for identity in resolution_inodes(path)
+        )
         try:
             self.root_mode = stat.S_IMODE(os.stat(self.root).st_mode)
         except OSError:
@@ -90,3 +95,54 @@ def _ancestor_inodes(path: Path) -> Iterator[tuple[int, int]]:
         if current.parent == current:
             return
         current = current.parent
+
+
+_MAX_LINKS = 40  # the kernel's own limit on links followed in one lookup (ELOOP)
+
+
+def resolution_inodes(path: Path) -> set[tuple[int, int]]:
+    """(device, inode) of every entry the kernel passes through to reach `path`: each
+    directory from the root down, each symlink on the way (itself, then the entries its
+    target passes through) and the entry reached. Entries that do not exist end the walk."""
+    found: set[tuple[int, int]] = set()
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        text = os.path.join(os.getcwd(), text)  # the real cwd: its components are walked too
+    _walk("/", text, found, [_MAX_LINKS])
+    return found
+
+
+def _walk(base: str, text: str, found: set[tuple[int, int]], links_left: list[int]) -> str | None:
+    """Resolve `text` from the real directory `base` as the kernel does, lstat-ing every
+    component into `found`; the real path reached, or None where the walk stopped."""
+    current = "/" if text.startswith("/") else base
+    with contextlib.suppress(OSError):
+        info = os.lstat(current)
+        found.add((info.st_dev, info.st_ino))
+    for part in text.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = os.path.dirname(current)  # current is real, so this is its parent
+            continue
+        candidate = os.path.join(current, part)
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            return None
+        found.add((info.st_dev, info.st_ino))
+        if not stat.S_ISLNK(info.st_mode):
+            current = candidate
+            continue
+        links_left[0] -= 1
+        if links_left[0] < 0:
+            return None
+        try:
+            target = os.readlink(candidate)
+        except OSError:
+            return None
+        reached = _walk(current, target, found, links_left)
+        if reached is None:
+            return None
+        current = reached
+    return current

@@ -40,10 +40,13 @@ from clipcli.fsops import (
     ASIDE_SUFFIX,
     KEPT_SUFFIX,
     TEMP_SUFFIX,
+    Keep,
+    StaleTempHoldsInput,
     exchange,
     fsync_path,
     fsync_tree,
     hold_lock,
+    remove_entry_at,
     remove_stale_temps,
     remove_tree,
     rename_noreplace,
@@ -80,6 +83,7 @@ class Target:
         self._mode = 0o644
         self._file_modes: dict[str, int] = {}
         self._default_file_mode = 0o666
+        self._keep: Keep = frozenset()  # what the input resolves to: no cleanup touches it
         self.notes: list[str] = []  # said after a successful commit
 
     def writer_class(self) -> type[Writer]:
@@ -95,6 +99,7 @@ class Target:
         problem = footprint.overlap(out)
         if problem is not None:
             raise Refused(f"{out}: output {problem}; choose an OUT outside the input")
+        self._keep = footprint.reached
         if not self.parent.is_dir():
             raise WriteError(f"{out}: directory {self.parent} does not exist")
         self._mode = self._new_mode(footprint)
@@ -150,7 +155,14 @@ class Target:
         directory and leaves OUT as it was: OSError becomes WriteError (exit 5), a signal
         Interrupted."""
         with interrupts.deferred():
-            remove_stale_temps(self.out)
+            try:
+                remove_stale_temps(self.out, self._keep)
+            except StaleTempHoldsInput as exc:
+                raise Refused(
+                    f"{self.out}: the input lies in {exc.path}, which a killed clipcli run "
+                    "left for this OUT and which cleanup would remove; move the input out of "
+                    "it or choose another OUT"
+                ) from None
             workdir = self.temp_path()
             try:
                 os.mkdir(workdir, 0o700)
@@ -161,7 +173,7 @@ class Target:
             try:
                 lock = hold_lock(workdir)
             except OSError as exc:  # out of descriptors (EMFILE), say
-                remove_tree(workdir)
+                remove_tree(workdir, self._keep)
                 raise _translated(exc, self.out) from None
             try:
                 staged = self._staged_in(workdir)
@@ -175,7 +187,7 @@ class Target:
                 # its own, and the failure may be that there are none left (EMFILE).
                 os.close(lock)
                 lock = -1
-                remove_tree(workdir)
+                remove_tree(workdir, self._keep)
                 raise _translated(exc, self.out) from None
             finally:
                 if lock >= 0:
@@ -313,22 +325,29 @@ class DirectoryTarget(Target):
         never a name it does not know: a file someone put there after the last check
         survives, and the old directory is then kept (named *.clipcli-kept) and reported."""
         if not _is_real_directory(old):
-            remove_tree(old)
+            remove_tree(old, self._keep)
             return
-        for name in sorted(self._expected, key=lambda n: n.count("/"), reverse=True):
-            path = old / name
-            with contextlib.suppress(OSError):
-                if _is_real_directory(path):
-                    os.rmdir(path)
-                elif path.is_file() and not path.is_symlink():
-                    path.unlink()
-        try:
-            os.rmdir(old)
-        except OSError:
-            kept = self.temp_path(KEPT_SUFFIX)
-            with contextlib.suppress(OSError):
-                os.rename(old, kept)
-                old = kept
+        expected = self._expected
+
+        def known(relative: str, info: os.stat_result) -> bool:
+            return relative in expected and (
+                stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)
+            )
+
+        # Relative to the opened old directory, links never followed: a folder swapped for
+        # a link meanwhile is not entered, a file swapped for one loses only the link.
+        with contextlib.suppress(OSError):
+            parent = os.open(old.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                remove_entry_at(parent, old.name, self._keep, known)
+            finally:
+                os.close(parent)
+        if not os.path.lexists(old):
+            return
+        kept = self.temp_path(KEPT_SUFFIX)
+        with contextlib.suppress(OSError):
+            os.rename(old, kept)
+            old = kept
             self.notes.append(
                 f"the replaced {self.out} held files clipcli did not write; kept at {old}"
             )
