@@ -56,6 +56,19 @@ class InputFootprint:
                 relative = Path(path).relative_to(root).as_posix()
                 self.modes[relative] = stat.S_IMODE(os.stat(path).st_mode)
 
+    def folder_modes(self, relative_paths: Iterable[str]) -> dict[str, int]:
+        """Permission bits of the input directory's folders among these relative paths
+        (an output directory's names), for its copies; links are no folders."""
+        modes: dict[str, int] = {}
+        if not self.root_is_directory:
+            return modes
+        for relative in relative_paths:
+            with contextlib.suppress(OSError):
+                info = os.lstat(self.root / relative)
+                if stat.S_ISDIR(info.st_mode):
+                    modes[relative] = stat.S_IMODE(info.st_mode)
+        return modes
+
     def overlap(self, out: Path) -> str | None:
         """Why writing OUT would touch the input, or None."""
         for candidate in {real_parent(out), real(out)}:
