@@ -42,9 +42,7 @@ class InputFootprint:
         self.file_ancestors = [set(_ancestor_inodes(f)) for f in [self.root, *self.files]]
         # Everything the input's paths pass through, as given and through every link: what
         # cleanup (clipcli.fsops) may neither remove nor move.
-        self.reached: frozenset[tuple[int, int]] = frozenset(
-            identity for path in [root, *files] for identity in resolution_inodes(path)
-        )
+        self.reached = frozenset(resolution_inodes([root, *files]))
         try:
             self.root_mode = stat.S_IMODE(os.stat(self.root).st_mode)
         except OSError:
@@ -113,15 +111,21 @@ def _ancestor_inodes(path: Path) -> Iterator[tuple[int, int]]:
 _MAX_LINKS = 40  # the kernel's own limit on links followed in one lookup (ELOOP)
 
 
-def resolution_inodes(path: Path) -> set[tuple[int, int]]:
-    """(device, inode) of every entry the kernel passes through to reach `path`: each
+def resolution_inodes(paths: Iterable[Path]) -> set[tuple[int, int]]:
+    """(device, inode) of every entry the kernel passes through to reach each path: each
     directory from the root down, each symlink on the way (itself, then the entries its
-    target passes through) and the entry reached. Entries that do not exist end the walk."""
+    target passes through) and the entry reached. Entries that do not exist end a walk.
+    A folder shared by many files (a model's side files) is walked once."""
     found: set[tuple[int, int]] = set()
-    text = os.fspath(path)
-    if not os.path.isabs(text):
-        text = os.path.join(os.getcwd(), text)  # the real cwd: its components are walked too
-    _walk("/", text, found, [_MAX_LINKS])
+    folders: dict[str, str | None] = {}  # as named -> real path (None: not reached)
+    cwd = os.getcwd()  # the real cwd: its components are walked too
+    for path in paths:
+        folder, name = os.path.split(os.path.join(cwd, os.fspath(path)))
+        if folder not in folders:
+            folders[folder] = _walk("/", folder, found, [_MAX_LINKS])
+        real_folder = folders[folder]
+        if real_folder is not None and name:
+            _walk(real_folder, name, found, [_MAX_LINKS])
     return found
 
 
