@@ -129,12 +129,13 @@ def _data_regions(fd: int, size: int) -> list[tuple[int, int]]:
 
 
 def copy_side_file(source_fd: int, source_name: object, destination: Path) -> None:
-    """A new file at destination with the source's bytes (holes kept), mode and times."""
+    """A new file at destination with the source's bytes (holes kept), times and
+    permission bits, as `cp` gives them: never setuid, setgid or sticky."""
     fd = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         copy_file_sparse(source_fd, fd, source_name)
         info = os.fstat(source_fd)
-        os.fchmod(fd, stat.S_IMODE(info.st_mode))
+        os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o777)
         os.utime(fd, ns=(info.st_atime_ns, info.st_mtime_ns))
     finally:
         os.close(fd)

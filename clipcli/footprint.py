@@ -40,6 +40,9 @@ class InputFootprint:
         self.inodes = {identity for p in [self.root, *self.files] if (identity := _inode(p))}
         self.root_inode = _inode(self.root)
         self.file_ancestors = [set(_ancestor_inodes(f)) for f in [self.root, *self.files]]
+        # Everything the input's paths pass through, as given and through every link: what
+        # cleanup (clipcli.fsops) may neither remove nor move.
+        self.reached = frozenset(resolution_inodes([root, *files]))
         try:
             self.root_mode = stat.S_IMODE(os.stat(self.root).st_mode)
         except OSError:
@@ -50,6 +53,19 @@ class InputFootprint:
             with contextlib.suppress(OSError, ValueError):
                 relative = Path(path).relative_to(root).as_posix()
                 self.modes[relative] = stat.S_IMODE(os.stat(path).st_mode)
+
+    def folder_modes(self, relative_paths: Iterable[str]) -> dict[str, int]:
+        """Permission bits of the input directory's folders among these relative paths
+        (an output directory's names), for its copies; links are no folders."""
+        modes: dict[str, int] = {}
+        if not self.root_is_directory:
+            return modes
+        for relative in relative_paths:
+            with contextlib.suppress(OSError):
+                info = os.lstat(self.root / relative)
+                if stat.S_ISDIR(info.st_mode):
+                    modes[relative] = stat.S_IMODE(info.st_mode)
+        return modes
 
     def overlap(self, out: Path) -> str | None:
         """Why writing OUT would touch the input, or None."""
@@ -90,3 +106,60 @@ def _ancestor_inodes(path: Path) -> Iterator[tuple[int, int]]:
         if current.parent == current:
             return
         current = current.parent
+
+
+_MAX_LINKS = 40  # the kernel's own limit on links followed in one lookup (ELOOP)
+
+
+def resolution_inodes(paths: Iterable[Path]) -> set[tuple[int, int]]:
+    """(device, inode) of every entry the kernel passes through to reach each path: each
+    directory from the root down, each symlink on the way (itself, then the entries its
+    target passes through) and the entry reached. Entries that do not exist end a walk.
+    A folder shared by many files (a model's side files) is walked once."""
+    found: set[tuple[int, int]] = set()
+    folders: dict[str, str | None] = {}  # as named -> real path (None: not reached)
+    cwd = os.getcwd()  # the real cwd: its components are walked too
+    for path in paths:
+        folder, name = os.path.split(os.path.join(cwd, os.fspath(path)))
+        if folder not in folders:
+            folders[folder] = _walk("/", folder, found, [_MAX_LINKS])
+        real_folder = folders[folder]
+        if real_folder is not None and name:
+            _walk(real_folder, name, found, [_MAX_LINKS])
+    return found
+
+
+def _walk(base: str, text: str, found: set[tuple[int, int]], links_left: list[int]) -> str | None:
+    """Resolve `text` from the real directory `base` as the kernel does, lstat-ing every
+    component into `found`; the real path reached, or None where the walk stopped."""
+    current = "/" if text.startswith("/") else base
+    with contextlib.suppress(OSError):
+        info = os.lstat(current)
+        found.add((info.st_dev, info.st_ino))
+    for part in text.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = os.path.dirname(current)  # current is real, so this is its parent
+            continue
+        candidate = os.path.join(current, part)
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            return None
+        found.add((info.st_dev, info.st_ino))
+        if not stat.S_ISLNK(info.st_mode):
+            current = candidate
+            continue
+        links_left[0] -= 1
+        if links_left[0] < 0:
+            return None
+        try:
+            target = os.readlink(candidate)
+        except OSError:
+            return None
+        reached = _walk(current, target, found, links_left)
+        if reached is None:
+            return None
+        current = reached
+    return current

@@ -11,7 +11,7 @@ import errno
 import fcntl
 import os
 import re
-import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +21,11 @@ KEPT_SUFFIX = ".clipcli-kept"
 _NAME_ROOM = 160  # bytes of OUT's name kept in a temp name (NAME_MAX is 255 bytes)
 _TEMP_TAIL = re.compile(r"^(?P<pid>\d+)-[0-9a-f]{8}(?P<kind>\.clipcli-(?:tmp|old))$")
 
+Keep = frozenset[tuple[int, int]]  # (device, inode) of entries no removal may touch
+Wanted = Callable[[str, os.stat_result], bool]  # (relative path, lstat) -> remove it?
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_MAX_DEPTH = 64  # deeper than anything clipcli writes (side folders stop at 16)
+
 AT_FDCWD = -100
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -29,15 +34,17 @@ RENAME_EXCHANGE = 2
 # ---------------------------------------------------------------- renameat2
 
 
-def _load_renameat2() -> Callable[[str, str, int], None] | None:
+def _load_renameat2() -> Callable[..., None] | None:
     try:
         call = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return None
     call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
 
-    def renameat2(old: str, new: str, flags: int) -> None:
-        if call(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags) != 0:
+    def renameat2(
+        old: str, new: str, flags: int, old_dir: int = AT_FDCWD, new_dir: int = AT_FDCWD
+    ) -> None:
+        if call(old_dir, os.fsencode(old), new_dir, os.fsencode(new), flags) != 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code), new)
 
@@ -117,16 +124,110 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(directory))
 
 
-def remove_tree(path: Path) -> None:
-    """Remove a file, link or directory tree that this run created; errors are ignored."""
-    if path.is_dir() and not path.is_symlink():
-        try:  # empty (a failure before anything was written): needs no descriptor (EMFILE)
-            os.rmdir(path)
-        except OSError:
-            shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            path.unlink()
+def remove_tree(path: Path, keep: Keep = frozenset()) -> None:
+    """Remove a file, link or directory tree that clipcli created; errors are ignored.
+    Nothing in `keep` (device, inode: what the input resolves to) is removed, links are
+    never followed, and no other file system mounted inside is entered."""
+    with contextlib.suppress(OSError):  # empty (a failure before anything was written):
+        os.rmdir(path)  # needs no descriptor (EMFILE)
+        return
+    try:
+        parent = os.open(path.parent, _DIRECTORY_FLAGS)
+    except OSError:
+        return
+    try:
+        remove_entry_at(parent, path.name, keep)
+    finally:
+        os.close(parent)
+
+
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+def _same_entry(a: os.stat_result, b: os.stat_result) -> bool:
+    """Device, inode and file type: a freed inode is soon reused, often for a link."""
+    return _identity(a) == _identity(b) and stat.S_IFMT(a.st_mode) == stat.S_IFMT(b.st_mode)
+
+
+def _everything(relative: str, info: os.stat_result) -> bool:  # noqa: ARG001
+    return True
+
+
+def remove_entry_at(parent: int, name: str, keep: Keep, wanted: Wanted = _everything) -> None:
+    """Remove `name` in the directory open as `parent`: a file or link by unlinkat, a
+    directory by removing what `wanted` accepts inside it (deepest first), then rmdir,
+    which only succeeds when nothing is left. Each entry is looked at without following
+    links and skipped when it is in `keep` or on another device, so that a name swapped
+    for a link meanwhile is unlinked as a link and never followed."""
+    with contextlib.suppress(OSError):
+        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        if _identity(info) in keep:
+            return
+        if not stat.S_ISDIR(info.st_mode):
+            os.unlink(name, dir_fd=parent)
+            return
+        _clear_directory_at(parent, name, info, "", keep, wanted, 0)
+        os.rmdir(name, dir_fd=parent)
+
+
+def _clear_directory_at(
+    parent: int,
+    name: str,
+    info: os.stat_result,
+    prefix: str,
+    keep: Keep,
+    wanted: Wanted,
+    depth: int,
+) -> None:
+    if depth >= _MAX_DEPTH:
+        return
+    fd = os.open(name, _DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
+    try:
+        if _identity(os.fstat(fd)) != _identity(info):  # replaced since it was looked at
+            return
+        with os.scandir(fd) as entries:
+            names = [entry.name for entry in entries]
+        for child in names:
+            relative = prefix + child
+            with contextlib.suppress(OSError):
+                found = os.stat(child, dir_fd=fd, follow_symlinks=False)
+                if (
+                    _identity(found) in keep
+                    or found.st_dev != info.st_dev
+                    or not wanted(relative, found)
+                ):
+                    continue
+                if stat.S_ISDIR(found.st_mode):
+                    _clear_directory_at(fd, child, found, relative + "/", keep, wanted, depth + 1)
+                    os.rmdir(child, dir_fd=fd)
+                else:
+                    os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _holds_any_at(parent: int, name: str, info: os.stat_result, keep: Keep, depth: int) -> bool:
+    """Whether the entry `name` (a link not followed), or anything inside it on the same
+    device, is one of `keep`. OSError where it cannot be looked at in full."""
+    if _identity(info) in keep:
+        return True
+    if not stat.S_ISDIR(info.st_mode) or depth >= _MAX_DEPTH:
+        return False
+    fd = os.open(name, _DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
+    try:
+        opened = os.fstat(fd)
+        if _identity(opened) in keep:
+            return True
+        with os.scandir(fd) as entries:
+            children = [(entry.name, entry.stat(follow_symlinks=False)) for entry in entries]
+        return any(
+            _identity(found) in keep
+            or (found.st_dev == opened.st_dev and _holds_any_at(fd, child, found, keep, depth + 1))
+            for child, found in children
+        )
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- stale temps of dead runs
@@ -153,12 +254,21 @@ def hold_lock(directory: Path) -> int:
     return fd
 
 
-def _abandoned(path: Path, pid: int) -> bool:
+class StaleTempHoldsInput(Exception):
+    """A dead run's temp entry that the sweep would remove or move holds (or is, or is a
+    link on the way to) what the input resolves to; nothing was touched."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
+
+
+def _abandoned(parent: int, name: str, pid: int) -> bool:
     """Whether no live clipcli run owns this temp entry: its lock can be taken (the owner
     is gone), or, where there is no lock to ask (an aside file, no flock), no process
     with its pid runs."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(name, _DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
     except OSError:
         return not _alive(pid)
     try:
@@ -172,30 +282,81 @@ def _abandoned(path: Path, pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(out: Path) -> None:
-    """Remove temp entries for OUT left by clipcli runs that no longer run (SIGKILL, power
-    loss), and put back an aside copy of OUT that a dead run stranded. Only entries named
-    exactly for this OUT, owned by this user, and abandoned by their run."""
-    parent = out.parent if str(out.parent) else Path(".")
-    prefix = temp_prefix(out)
-    try:
-        entries = [e for e in os.scandir(parent) if e.name.startswith(prefix)]
-    except OSError:
-        return
-    for entry in entries:
-        match = _TEMP_TAIL.match(entry.name[len(prefix) :])
+def _stale_entries(parent: int, prefix: str) -> list[tuple[str, os.stat_result, str]]:
+    """(name, lstat, kind) of the temp entries for OUT's prefix in `parent` that belong to
+    this user and that no live run owns."""
+    stale = []
+    with os.scandir(parent) as entries:
+        names = [entry.name for entry in entries if entry.name.startswith(prefix)]
+    for name in names:
+        match = _TEMP_TAIL.match(name[len(prefix) :])
         if match is None:
             continue
-        path = Path(parent, entry.name)
         with contextlib.suppress(OSError):
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue
-            if not _abandoned(path, int(match["pid"])):
-                continue
-            if match["kind"] == ASIDE_SUFFIX and not os.path.lexists(out):
-                os.rename(path, out)
-                continue
-            remove_tree(path)
+            info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if info.st_uid == os.getuid() and _abandoned(parent, name, int(match["pid"])):
+                stale.append((name, info, match["kind"]))
+    return stale
+
+
+def remove_stale_temps(out: Path, keep: Keep = frozenset()) -> None:
+    """Remove temp entries for OUT left by clipcli runs that no longer run (SIGKILL, power
+    loss), and put back an aside copy of OUT that a dead run stranded. Only entries named
+    exactly for this OUT, owned by this user, and abandoned by their run.
+
+    `keep` is what the input resolves to (device, inode of every entry on the way to each
+    of its files): when a stale entry is, holds or leads to one of them, nothing at all is
+    removed or moved and StaleTempHoldsInput names the entry. Everything is done relative
+    to OUT's opened directory and never through a link, so an entry swapped for a link
+    after the check is at worst unlinked as a link."""
+    parent_path = out.parent if str(out.parent) else Path(".")
+    try:
+        parent = os.open(parent_path, _DIRECTORY_FLAGS)
+    except OSError:
+        return
+    try:
+        try:
+            stale = _stale_entries(parent, temp_prefix(out))
+        except OSError:
+            return
+        checked = []
+        for name, info, kind in stale:  # every entry first: a refusal leaves all in place
+            try:
+                holds = _holds_any_at(parent, name, info, keep, 0)
+            except OSError:
+                continue  # not to be looked at in full: not to be removed either
+            if holds:
+                raise StaleTempHoldsInput(parent_path / name)
+            checked.append((name, info, kind))
+        for name, info, kind in checked:
+            with contextlib.suppress(OSError):
+                now = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                if not _same_entry(now, info):
+                    continue  # replaced since the check: not the entry that was checked
+                if kind == ASIDE_SUFFIX and _put_back(parent, name, out.name):
+                    continue
+                remove_entry_at(parent, name, keep)
+    finally:
+        os.close(parent)
+
+
+def _put_back(parent: int, name: str, out_name: str) -> bool:
+    """Rename a stranded aside copy back to OUT if nothing is at OUT; whether it was."""
+    if renameat2 is not None:
+        try:
+            renameat2(name, out_name, RENAME_NOREPLACE, parent, parent)
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EEXIST:
+                return False
+            if exc.errno not in _UNSUPPORTED:
+                raise
+    try:
+        os.stat(out_name, dir_fd=parent, follow_symlinks=False)
+        return False
+    except FileNotFoundError:
+        os.rename(name, out_name, src_dir_fd=parent, dst_dir_fd=parent)
+        return True
 
 
 def _alive(pid: int) -> bool:

@@ -40,10 +40,13 @@ from clipcli.fsops import (
     ASIDE_SUFFIX,
     KEPT_SUFFIX,
     TEMP_SUFFIX,
+    Keep,
+    StaleTempHoldsInput,
     exchange,
     fsync_path,
     fsync_tree,
     hold_lock,
+    remove_entry_at,
     remove_stale_temps,
     remove_tree,
     rename_noreplace,
@@ -60,6 +63,16 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# What `cp` (without -p) keeps of a source's mode: a file never its setuid, setgid or
+# sticky bit (as root, cp of a 6755 file gives 0755), a directory (`cp -r`) its sticky bit
+# but never setuid or setgid, which a new directory only inherits from a setgid parent.
+FILE_PERMISSIONS = 0o777
+DIRECTORY_PERMISSIONS = 0o1777
+# What writing new content into an existing file clears (the kernel's rule for a writer
+# without CAP_FSETID, i.e. `cp` over it as an ordinary user): setuid and setgid.
+SET_ID_BITS = stat.S_ISUID | stat.S_ISGID
 
 
 # ---------------------------------------------------------------- targets
@@ -79,7 +92,10 @@ class Target:
         self._replace_empty_directory = False
         self._mode = 0o644
         self._file_modes: dict[str, int] = {}
+        self._folder_modes: dict[str, int] = {}
         self._default_file_mode = 0o666
+        self._mode_is_kept = False  # a replaced directory's own mode, setgid bit and all
+        self._keep: Keep = frozenset()  # what the input resolves to: no cleanup touches it
         self.notes: list[str] = []  # said after a successful commit
 
     def writer_class(self) -> type[Writer]:
@@ -95,6 +111,7 @@ class Target:
         problem = footprint.overlap(out)
         if problem is not None:
             raise Refused(f"{out}: output {problem}; choose an OUT outside the input")
+        self._keep = footprint.reached
         if not self.parent.is_dir():
             raise WriteError(f"{out}: directory {self.parent} does not exist")
         self._mode = self._new_mode(footprint)
@@ -108,13 +125,15 @@ class Target:
         if existing_dir and self.is_directory and _is_empty_directory(out):
             self._replace_empty_directory = True
             self._mode = stat.S_IMODE(info.st_mode)
+            self._mode_is_kept = True
             return
         if not self.force:
             raise Refused(f"{out}: already exists; pass --force to replace it")
         if existing_dir:
             self._check_replaceable_directory(frozenset(expected_names))
         elif not self.is_directory and stat.S_ISREG(info.st_mode):
-            self._mode = stat.S_IMODE(info.st_mode)  # cp keeps a replaced file's mode
+            # cp keeps a replaced file's mode, but new content drops setuid and setgid
+            self._mode = stat.S_IMODE(info.st_mode) & ~SET_ID_BITS
 
     def _check_replaceable_directory(self, expected: frozenset[str]) -> None:  # noqa: ARG002
         raise Refused(
@@ -123,12 +142,13 @@ class Target:
         )
 
     def _new_mode(self, footprint: InputFootprint) -> int:
-        """cp's rule: a new OUT gets IN's permission bits, masked by the umask (for a model
-        directory IN joined into one file: its first file's)."""
+        """cp's rule: a new OUT gets IN's permission bits, masked by the umask, without
+        setuid, setgid or sticky (for a model directory IN joined into one file: its first
+        file's)."""
         mode = footprint.root_mode
         if footprint.root_is_directory:
             mode = next(iter(footprint.modes.values()), 0o666)
-        return mode & ~_umask()
+        return mode & FILE_PERMISSIONS & ~_umask()
 
     # -- staging and the commit
 
@@ -145,12 +165,19 @@ class Target:
         Every run works in a private directory beside OUT (`.<OUT>.<pid>-<hex>.clipcli-tmp`)
         on which it holds an flock while it lives: a later run removes such a directory
         only when it can take that lock, i.e. when its owner is gone (PID namespaces and
-        reused PIDs cannot fool it). A file OUT is built inside it; a directory OUT is that
-        directory. Signals are deferred for the whole block. Any failure removes the work
-        directory and leaves OUT as it was: OSError becomes WriteError (exit 5), a signal
+        reused PIDs cannot fool it). OUT, a file or a directory, is built inside it.
+        Signals are deferred for the whole block. Any failure removes the work directory
+        and leaves OUT as it was: OSError becomes WriteError (exit 5), a signal
         Interrupted."""
         with interrupts.deferred():
-            remove_stale_temps(self.out)
+            try:
+                remove_stale_temps(self.out, self._keep)
+            except StaleTempHoldsInput as exc:
+                raise Refused(
+                    f"{self.out}: the input lies in {exc.path}, which a killed clipcli run "
+                    "left for this OUT and which cleanup would remove; move the input out of "
+                    "it or choose another OUT"
+                ) from None
             workdir = self.temp_path()
             try:
                 os.mkdir(workdir, 0o700)
@@ -161,21 +188,23 @@ class Target:
             try:
                 lock = hold_lock(workdir)
             except OSError as exc:  # out of descriptors (EMFILE), say
-                remove_tree(workdir)
+                remove_tree(workdir, self._keep)
                 raise _translated(exc, self.out) from None
             try:
                 staged = self._staged_in(workdir)
                 yield staged
                 interrupts.check()
                 self._commit(staged)
-                if workdir != staged:
+                # Past the commit point nothing may fail the run or remove anything: a work
+                # directory left (non-empty) is a dead run's to the next sweep.
+                with contextlib.suppress(OSError):
                     os.rmdir(workdir)
             except BaseException as exc:
                 # The lock's descriptor goes first: removing the tree needs descriptors of
                 # its own, and the failure may be that there are none left (EMFILE).
                 os.close(lock)
                 lock = -1
-                remove_tree(workdir)
+                remove_tree(workdir, self._keep)
                 raise _translated(exc, self.out) from None
             finally:
                 if lock >= 0:
@@ -189,7 +218,7 @@ class Target:
         if self.durable:
             self._sync(staged)
         interrupts.check()  # the last moment at which a signal means "no output"
-        os.chmod(staged, self._mode)
+        self._set_mode(staged)
         self._place(staged)  # the commit point
         if self.durable:
             with contextlib.suppress(OSError):
@@ -197,6 +226,9 @@ class Target:
 
     def _sync(self, staged: Path) -> None:
         fsync_path(staged)
+
+    def _set_mode(self, staged: Path) -> None:
+        os.chmod(staged, self._mode)
 
     def _place(self, staged: Path) -> None:
         out = self.out
@@ -227,10 +259,17 @@ class DirectoryTarget(Target):
     is_directory = True
     kind = "directory"
 
+    def check(self, footprint: InputFootprint, expected_names: Iterable[str] = ()) -> None:
+        expected_names = frozenset(expected_names)
+        super().check(footprint, expected_names)
+        self._folder_modes = footprint.folder_modes(expected_names)
+
     def _new_mode(self, footprint: InputFootprint) -> int:
+        """cp -r's rule (the setgid bit a setgid parent gives is added when the directory
+        is made); a single-file IN's directory gets mkdir's mode."""
         if footprint.root_is_directory:
             self._file_modes = dict(footprint.modes)
-            return footprint.root_mode & ~_umask()
+            return footprint.root_mode & DIRECTORY_PERMISSIONS & ~_umask()
         self._default_file_mode = footprint.root_mode  # the one file of a one-file model
         return 0o777 & ~_umask()
 
@@ -245,26 +284,45 @@ class DirectoryTarget(Target):
                 "output. Choose a new OUT"
             )
         self._mode = stat.S_IMODE(os.stat(self.out).st_mode)
+        self._mode_is_kept = True
         self._expected = expected
 
     _expected: frozenset[str] = frozenset()
 
     def _staged_in(self, workdir: Path) -> Path:
-        return workdir  # the work directory becomes OUT
+        """OUT's directory inside the work directory, made with its final permission bits
+        (and owner rwx, to be filled) as `mkdir` and `cp -r` make it: in a setgid parent it
+        inherits the setgid bit, which a later chmod by a user outside the directory's
+        group would silently drop. The private work directory hides it until the commit."""
+        staged = workdir / self.out.name
+        os.mkdir(staged, (self._mode | stat.S_IRWXU) & DIRECTORY_PERMISSIONS)
+        return staged
 
     def _sync(self, staged: Path) -> None:
         fsync_tree(staged)
 
     def _commit(self, staged: Path) -> None:
-        # cp -r: each file keeps its source's permission bits (masked by the umask), so a
-        # private shard does not become a world-readable one inside the new directory.
+        # cp -r: each file keeps its source's permission bits (masked by the umask, never
+        # setuid, setgid or sticky), so a private shard does not become a world-readable
+        # one inside the new directory; each folder its source folder's, deepest first.
         mask = _umask()
-        for folder, _, files in os.walk(staged):
+        for folder, _, files in os.walk(staged, topdown=False):
             for name in files:
                 path = Path(folder, name)
                 relative = path.relative_to(staged).as_posix()
-                os.chmod(path, self._file_modes.get(relative, self._default_file_mode) & ~mask)
+                mode = self._file_modes.get(relative, self._default_file_mode)
+                os.chmod(path, mode & FILE_PERMISSIONS & ~mask)
+            relative = Path(folder).relative_to(staged).as_posix()
+            if relative != ".":
+                mode = self._folder_modes.get(relative, 0o777)
+                _chmod_directory(Path(folder), mode & DIRECTORY_PERMISSIONS & ~mask)
         super()._commit(staged)
+
+    def _set_mode(self, staged: Path) -> None:
+        if self._mode_is_kept:
+            os.chmod(staged, self._mode)
+        else:
+            _chmod_directory(staged, self._mode)
 
     def _place(self, staged: Path) -> None:
         out = self.out
@@ -313,25 +371,42 @@ class DirectoryTarget(Target):
         never a name it does not know: a file someone put there after the last check
         survives, and the old directory is then kept (named *.clipcli-kept) and reported."""
         if not _is_real_directory(old):
-            remove_tree(old)
+            remove_tree(old, self._keep)
             return
-        for name in sorted(self._expected, key=lambda n: n.count("/"), reverse=True):
-            path = old / name
-            with contextlib.suppress(OSError):
-                if _is_real_directory(path):
-                    os.rmdir(path)
-                elif path.is_file() and not path.is_symlink():
-                    path.unlink()
-        try:
-            os.rmdir(old)
-        except OSError:
-            kept = self.temp_path(KEPT_SUFFIX)
-            with contextlib.suppress(OSError):
-                os.rename(old, kept)
-                old = kept
+        expected = self._expected
+
+        def known(relative: str, info: os.stat_result) -> bool:
+            return relative in expected and (
+                stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)
+            )
+
+        # Relative to the opened old directory, links never followed: a folder swapped for
+        # a link meanwhile is not entered, a file swapped for one loses only the link.
+        with contextlib.suppress(OSError):
+            parent = os.open(old.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                remove_entry_at(parent, old.name, self._keep, known)
+            finally:
+                os.close(parent)
+        if not os.path.lexists(old):
+            return
+        kept = self.temp_path(KEPT_SUFFIX)
+        with contextlib.suppress(OSError):
+            os.rename(old, kept)
+            old = kept
             self.notes.append(
                 f"the replaced {self.out} held files clipcli did not write; kept at {old}"
             )
+
+
+def _chmod_directory(path: Path, mode: int) -> None:
+    """Set a directory's permission bits, keeping the setgid bit that mkdir gave it in a
+    setgid parent; no chmod at all where nothing changes (a chmod by a user outside the
+    directory's group drops setgid)."""
+    current = stat.S_IMODE(os.lstat(path).st_mode)
+    wanted = mode | (current & stat.S_ISGID)
+    if wanted != current:
+        os.chmod(path, wanted)
 
 
 def _is_real_directory(path: Path) -> bool:

@@ -716,8 +716,11 @@ def test_atomic_directory_appears_with_the_umask_mode(tmp_path: Path) -> None:
     umask = os.umask(0o022)
     try:
         with atomic_directory(out, force=False) as tmp:
-            assert tmp.parent == tmp_path
-            assert tmp.name.startswith(".out.")
+            # OUT is made inside the run's private work directory (so that mkdir gives it
+            # its final mode, setgid from a setgid parent included) and renamed out
+            assert tmp.parent.parent == tmp_path
+            assert tmp.parent.name.startswith(".out.")
+            assert tmp.name == "out"
             assert not out.exists()
             (tmp / "a.txt").write_text("a")
     finally:

@@ -183,6 +183,9 @@ _UNIX_TYPES = {
 }
 
 
+SPECIAL_MODE_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX
+
+
 def _unix_file_type(entry: zipfile.ZipInfo) -> str | None:
     """What a member's Unix mode (the high 16 bits of its external attributes) says it is,
     when that is anything but a regular file or a directory (or no mode at all): an
@@ -261,7 +264,9 @@ class KerasArchiveWriter(Writer):
     def _add(self, archive: zipfile.ZipFile, entry: zipfile.ZipInfo) -> None:
         copy = zipfile.ZipInfo(entry.filename, entry.date_time)
         copy.compress_type = entry.compress_type
-        copy.external_attr = entry.external_attr
+        # A member's Unix mode without setuid, setgid and sticky (cp's rule), which
+        # `unzip -K` would restore on extraction.
+        copy.external_attr = entry.external_attr & ~(SPECIAL_MODE_BITS << 16)
         copy.create_system = entry.create_system
         copy.comment = entry.comment
         if entry.is_dir():

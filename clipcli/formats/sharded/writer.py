@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,10 @@ class ShardedWriter(Writer):
             if layout.index_name is not None:
                 self._write_index(layout.index_document or {}, layout.index_name)
             for folder in layout.side_folders:
-                (self.path / folder.relative_to(layout.root)).mkdir(mode=0o755)
+                # cp -r: the source folder's bits (owner rwx to fill it), umask and the
+                # setgid a setgid parent passes on applied by mkdir, never setuid/setgid
+                mode = (stat.S_IMODE(folder.lstat().st_mode) | stat.S_IRWXU) & 0o1777
+                (self.path / folder.relative_to(layout.root)).mkdir(mode=mode)
             for file in layout.side_files:  # links followed (inside the roots): real files out
                 with layout.open_side_file(file) as handle:
                     destination = self.path / file.relative_to(layout.root)
