@@ -406,7 +406,7 @@ def _write_out(
     The input must not change from opening to the commit (clipcli.identity)."""
     from clipcli import execution  # WRITING_MODULES
 
-    guard = InputGuard(reader.source_files())
+    guard = InputGuard(reader.source_identities())
     _check_target(reader, writer_cls, target, allow_large_side_files)
     if target.is_directory:
         for where, why in reader.left_out_entries():
