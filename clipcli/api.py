@@ -360,8 +360,9 @@ def _check_side_files(reader: Reader, allow_large: bool) -> None:
     allowed, since a sparse 1 TB file would otherwise fill the disk."""
     if allow_large:
         return
+    opened = reader.source_identities()  # the files the copy will read, not the names now
     for path in reader.side_files():
-        size = path.stat().st_size
+        size = opened[path].size
         if size > SIDE_FILE_LIMIT:
             raise UsageError(
                 f"{path}: side file of {size} bytes is over the {SIDE_FILE_LIMIT >> 30} GiB "

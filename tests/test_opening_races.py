@@ -423,3 +423,31 @@ def test_without_proc_for_real(tmp_path: Path) -> None:
 
 def _quoted(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
+
+
+def test_the_side_file_size_limit_judges_the_file_that_is_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A small file is swapped in only while the 1 GiB limit is checked, by a name stat:
+    the huge file listed (and copied) must be what the limit judges. Before the fix the
+    1 TiB file was copied whole, refused only at the end by the ctime the swap changed."""
+    model = make_model(tmp_path / "model")
+    huge = model / "vocab.txt"
+    with open(huge, "wb") as handle:
+        handle.truncate(1 << 40)
+    os.link(huge, tmp_path / "kept")
+    (tmp_path / "small").write_text("small")
+    real_check = api._check_side_files
+
+    def small_while_checked(reader: Any, allow_large: bool) -> None:
+        os.replace(tmp_path / "small", huge)
+        try:
+            real_check(reader, allow_large)
+        finally:
+            os.replace(tmp_path / "kept", huge)
+
+    monkeypatch.setattr(api, "_check_side_files", small_while_checked)
+    code, err = clip(model, tmp_path / "out", capsys)
+    assert code == 2, err
+    assert "vocab.txt: side file of 1099511627776 bytes" in the_error(err)
+    assert listing(tmp_path) == ["model"]
