@@ -360,8 +360,9 @@ def _check_side_files(reader: Reader, allow_large: bool) -> None:
     allowed, since a sparse 1 TB file would otherwise fill the disk."""
     if allow_large:
         return
+    opened = reader.source_identities()  # the files the copy will read, not the names now
     for path in reader.side_files():
-        size = path.stat().st_size
+        size = opened[path].size
         if size > SIDE_FILE_LIMIT:
             raise UsageError(
                 f"{path}: side file of {size} bytes is over the {SIDE_FILE_LIMIT >> 30} GiB "
@@ -406,7 +407,7 @@ def _write_out(
     The input must not change from opening to the commit (clipcli.identity)."""
     from clipcli import execution  # WRITING_MODULES
 
-    guard = InputGuard(reader.source_files())
+    guard = InputGuard(reader.source_identities())
     _check_target(reader, writer_cls, target, allow_large_side_files)
     if target.is_directory:
         for where, why in reader.left_out_entries():

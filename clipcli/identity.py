@@ -3,16 +3,18 @@
 `clip` reads its input twice (measure, then write). A file truncated or rewritten in
 between, or while either pass runs, would give an output that matches neither version:
 HDF5 even reads zeros past a truncated end. So the identity of every file read (device,
-inode, size, modification and change times) is taken when the input is opened and
-compared after each pass and just before the commit; any difference is exit 3 and no
-output. ctime cannot be set back by a user, so an in-place rewrite that restores the
+inode, size, modification and change times) is taken from the reader's own descriptor
+when the input is opened (`Reader.source_identities`), and the file at each name is
+compared with it after each pass and just before the commit; any difference is exit 3
+and no output. A name renamed over after the open is caught so: the newcomer is not the
+file opened. ctime cannot be set back by a user, so an in-place rewrite that restores the
 mtime is caught too.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,10 +41,11 @@ class FileIdentity(NamedTuple):  # not a frozen dataclass: ~0.6 ms less start-up
 
 
 class InputGuard:
-    """Snapshots the files an input is read from; `check()` raises if any changed."""
+    """Watches the files an input is read from; `check()` raises if the file at any name
+    is no longer the one opened, as it was when opened."""
 
-    def __init__(self, paths: Iterable[Path]) -> None:
-        self._snapshot = {path: FileIdentity.of(path) for path in paths}
+    def __init__(self, opened: Mapping[Path, FileIdentity]) -> None:
+        self._snapshot: dict[Path, FileIdentity | None] = dict(opened)
 
     def check(self, when: str) -> None:
         for path, before in self._snapshot.items():

@@ -9,18 +9,22 @@ swapped for a FIFO between a check and the open cannot make clipcli block:
 - fstat on the descriptor must say S_ISREG; anything else is closed and refused.
 - /proc, /sys and /dev hold "regular" files whose content is the kernel's (environment
   variables, memory maps), never a checkpoint: refused by their resolved path (except
-  inside /dev/shm, an ordinary tmpfs).
+  inside /dev/shm, an ordinary tmpfs) before the open, and again after it by where the
+  descriptor really leads (`real_path_of`) and by its device (procfs, sysfs): a symlink
+  swapped in between would otherwise lead the open into /proc/self/environ.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import stat
 from pathlib import Path
 from typing import BinaryIO
 
 from clipcli.errors import InputError
+from clipcli.identity import FileIdentity
 
 # Pseudo-filesystems: reading these never yields a checkpoint and may yield secrets.
 PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
@@ -37,9 +41,33 @@ def is_pseudo_path(path: Path) -> bool:
         real = path.resolve()
     except (OSError, RuntimeError):
         return False
+    return _under_pseudo_root(real)
+
+
+def _under_pseudo_root(real: Path) -> bool:
     if real.is_relative_to(ORDINARY_UNDER_DEV) and real != ORDINARY_UNDER_DEV:
         return False
     return any(real == root or real.is_relative_to(root) for root in PSEUDO_ROOTS)
+
+
+@functools.cache
+def _kernel_devices() -> frozenset[int]:
+    """st_dev of the procfs and sysfs mounted at /proc and /sys. A file on either is the
+    kernel's whatever its name: a bind mount of /proc elsewhere keeps the device, and is
+    not under /proc by name. (/dev is left to the name check: where /dev/shm is no mount
+    of its own, it shares /dev's device and must stay readable.)"""
+    devices = set()
+    for root in ("/proc", "/sys"):
+        with contextlib.suppress(OSError):
+            if os.path.ismount(root):  # an empty /proc on the root file system is not one
+                devices.add(os.stat(root).st_dev)
+    return frozenset(devices)
+
+
+def is_kernel_file(fd: int, path: Path) -> bool:
+    """True when the opened descriptor leads into /proc, /sys or /dev (by where it really
+    lies, `real_path_of`) or onto the procfs or sysfs device."""
+    return os.fstat(fd).st_dev in _kernel_devices() or _under_pseudo_root(real_path_of(fd, path))
 
 
 def open_input_fd(path: Path) -> int:
@@ -61,6 +89,8 @@ def open_input_fd(path: Path) -> int:
             raise InputError(path, "is a directory, expected a checkpoint file")
         if not stat.S_ISREG(info.st_mode):
             raise InputError(path, f"is not a regular file ({_kind(info.st_mode)})")
+        if is_kernel_file(fd, path):  # a link swapped in after the name was checked
+            raise InputError(path, "is a kernel or device file (/proc, /sys, /dev); not read")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
     except BaseException:
@@ -80,19 +110,18 @@ def open_input(path: Path) -> BinaryIO:
         raise
 
 
-def read_input(path: Path, limit: int, expected: Path | None = None) -> bytes:
-    """The whole regular file, refusing one larger than `limit` bytes before reading it,
-    and (with `expected`, a resolved path checked beforehand) one that is not that file."""
+def read_input(path: Path, limit: int, expected: Path | None = None) -> tuple[bytes, FileIdentity]:
+    """The whole regular file and the identity of the file read (its descriptor's),
+    refusing one larger than `limit` bytes before reading it, and (with `expected`, a
+    resolved path checked beforehand) one that is not that file."""
     with open_input(path) as handle:
-        if expected is not None and not os.path.samestat(
-            os.stat(expected), os.fstat(handle.fileno())
-        ):
+        info = os.fstat(handle.fileno())
+        if expected is not None and not os.path.samestat(os.stat(expected), info):
             raise InputError(path, "changed while it was being opened; refusing it")
-        size = os.fstat(handle.fileno()).st_size
-        if size > limit:
-            raise InputError(path, f"is {size} bytes; the limit is {limit}")
+        if info.st_size > limit:
+            raise InputError(path, f"is {info.st_size} bytes; the limit is {limit}")
         try:
-            return handle.read(limit + 1)[:limit]
+            return handle.read(limit + 1)[:limit], FileIdentity.of_stat(info)
         except OSError as exc:
             raise InputError(path, f"cannot read: {exc.strerror}") from None
 
@@ -110,14 +139,41 @@ def fd_path(fd: int) -> str | None:
 
 
 def opened_path(fd: int) -> Path | None:
-    """The path of the file behind a descriptor, as the kernel knows it (Linux), or None."""
+    """The path of the file behind a descriptor as the kernel names it (Linux
+    /proc/self/fd), only when that name leads to this very file now; None where there is
+    no such name: no /proc, a file removed since (the kernel appends " (deleted)", which
+    a real file name may also end with, so the name is tried rather than the suffix
+    trusted), or renamed away."""
     try:
         name = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
-    if not name.startswith("/") or name.endswith(" (deleted)"):
+    if not name.startswith("/"):
         return None
-    return Path(name)
+    try:
+        if os.path.samestat(os.stat(name), os.fstat(fd)):
+            return Path(name)
+    except OSError:
+        pass
+    return None
+
+
+def real_path_of(fd: int, path: Path) -> Path:
+    """Where the file opened as `path` really lies: the kernel's name for the descriptor,
+    or where there is none (no /proc, a file removed or renamed since the open), `path`
+    resolved, accepted only when it leads to this very file. Otherwise the file was
+    swapped or removed while being opened and nothing vouches for where it lies: refused
+    (exit 3), never waved through."""
+    real = opened_path(fd)
+    if real is not None:
+        return real
+    try:
+        resolved = path.resolve(strict=True)
+        if os.path.samestat(os.stat(resolved), os.fstat(fd)):
+            return resolved
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop
+        pass
+    raise InputError(path, "was removed or replaced while being opened; refusing it")
 
 
 def _kind(mode: int) -> str:

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     # file lists its header (Reader.listing) without loading numpy at all.
     import numpy as np
 
+    from clipcli.identity import FileIdentity
+
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
 # small enough that a float64 copy of it stays in L2/L3 cache.
 CHUNK_BYTES = 1 << 21
@@ -201,6 +203,14 @@ class Reader(ABC):
     def source_files(self) -> list[Path]:
         """Every file this reader takes data from (checked for changes during a clip)."""
         return [self.path]
+
+    def source_identities(self) -> dict[Path, FileIdentity]:
+        """Each of source_files() with the identity of the file the reader really opened:
+        fstat of its own descriptor, taken at the open. The input guard compares the names
+        with these, so a file renamed over IN after the open (while the old one is still
+        read) is caught; an identity taken by name later would watch the newcomer. A
+        reader that cannot say fails loudly rather than leave its files unwatched."""
+        raise NotImplementedError(f"{type(self).__name__} records no source identities")
 
     def archive_members(self) -> dict[str, str]:
         """Members of a container that only a writer of the same format keeps (a .keras

@@ -41,6 +41,7 @@ from clipcli.formats.base import (
 from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer
 from clipcli.formats.npz import check_zip_layout
 from clipcli.formats.structure import Structure
+from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
 
 WEIGHTS_MEMBER = "model.weights.h5"
@@ -62,6 +63,7 @@ class KerasArchiveReader(Reader):
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
         self.inner: Hdf5Reader | None = None
         try:
+            self._identity = FileIdentity.of_stat(os.fstat(self._handle.fileno()))
             try:
                 self.archive = zipfile.ZipFile(self._handle)
             except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
@@ -161,6 +163,9 @@ class KerasArchiveReader(Reader):
             raise InputError(self.path, f"cannot read member {entry.filename!r}: {exc}") from None
         if copied != entry.file_size:
             raise InputError(self.path, f"member {entry.filename!r} has another size")
+
+    def source_identities(self) -> dict[Path, FileIdentity]:
+        return {self.path: self._identity}  # the unpacked weights are our own private copy
 
     def close(self) -> None:
         if self.inner is not None:

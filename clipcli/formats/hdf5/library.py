@@ -29,10 +29,12 @@ def load_h5py() -> Any:
     dlopen()s when a file asks for a filter it does not know. The file comes from a
     stranger, so that is arbitrary code execution on their say-so. HDF5 reads
     HDF5_PLUGIN_PRELOAD once, when the library initialises at import; "::" is its
-    documented value for "load no plugins". In case h5py was imported before this
-    function ran, we also empty the plugin search path, which has the same effect.
+    documented value for "load no plugins", and any other value (an environment with
+    hdf5plugin activated sets one) enables them, so it is overwritten, never kept. In case
+    h5py was imported before this function ran, we also empty the plugin search path,
+    which has the same effect.
     """
-    os.environ.setdefault("HDF5_PLUGIN_PRELOAD", "::")
+    os.environ["HDF5_PLUGIN_PRELOAD"] = "::"
     import h5py
     import h5py.h5pl
 

@@ -23,6 +23,7 @@ from clipcli.formats.hdf5.nontensor import RowSlice, VlenBudget, read_rows
 from clipcli.formats.hdf5.safety import DatasetChecks
 from clipcli.formats.hdf5.structure import read_structure
 from clipcli.formats.structure import STRUCTURE_KEY, Structure
+from clipcli.identity import FileIdentity
 from clipcli.inputs import fd_path, open_input_fd
 
 
@@ -60,14 +61,17 @@ class Hdf5Reader(Reader):
         h5py = load_h5py()
         # Our own descriptor, opened without blocking and checked to be a regular file;
         # the library then opens that very file through /proc/self/fd, so a name swapped
-        # for a FIFO or another file after the check is never what HDF5 reads.
+        # for a FIFO or another file after the check is never what HDF5 reads. Without
+        # /proc it opens the name, and its own descriptor is checked to be that file.
         self._fd = open_input_fd(path)  # the real file
         try:
+            self._identity = FileIdentity.of_stat(os.fstat(self._fd))
             self._open_file(h5py, fd_path(self._fd) or os.fspath(path))
         except BaseException:
             os.close(self._fd)
             raise
         try:
+            self._check_library_opened_ours()
             self._file_size = os.fstat(self._fd).st_size
             self._checks = DatasetChecks(self.path, self._file_size)
             self._non_tensors: list[NonTensorInfo] = []
@@ -102,6 +106,17 @@ class Hdf5Reader(Reader):
                 rdcc_nslots=limits.CHUNK_CACHE_SLOTS,
                 rdcc_w0=limits.CHUNK_CACHE_W0,
             )
+
+    def _check_library_opened_ours(self) -> None:
+        """The file HDF5 opened must be the one our descriptor holds (and identifies for
+        the input guard): a name the library reopens may have been swapped meanwhile."""
+        with input_errors(self.path, "cannot open as HDF5"):
+            library_fd = self.file.id.get_vfd_handle()
+        if not os.path.samestat(os.fstat(library_fd), os.fstat(self._fd)):
+            raise InputError(self.path, "was replaced while being opened; refusing it")
+
+    def source_identities(self) -> dict[Path, FileIdentity]:
+        return {self.path: self._identity}
 
     @property
     def infos(self) -> list[TensorInfo]:

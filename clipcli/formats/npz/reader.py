@@ -25,6 +25,7 @@ from clipcli.formats.base import (
 from clipcli.formats.npz.fortran import _transposed_chunks
 from clipcli.formats.npz.npyheader import InputProblem, _read_exactly, _read_npy_header
 from clipcli.formats.npz.zipcheck import check_zip_layout
+from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
 
 # Column-major (Fortran-order) members: read whole below this size, else transposed
@@ -56,6 +57,7 @@ class NpzReader(Reader):
         super().__init__(path)
         self._handle = open_input(path)  # closed by close()
         try:
+            self._identity = FileIdentity.of_stat(os.fstat(self._handle.fileno()))
             self._zip = zipfile.ZipFile(self._handle)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
             self._handle.close()
@@ -260,6 +262,9 @@ class NpzReader(Reader):
         if member.fortran:  # the whole tensor in C order, built from bounded chunks
             return super().read(info)
         return self._read_member_data(info, member).reshape(info.shape)
+
+    def source_identities(self) -> dict[Path, FileIdentity]:
+        return {self.path: self._identity}
 
     def close(self) -> None:
         self._zip.close()

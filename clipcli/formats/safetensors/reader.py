@@ -87,6 +87,9 @@ class SafetensorsReader(Reader):
             self._file.close()
             raise
 
+    def source_identities(self) -> dict[Path, FileIdentity]:
+        return {self.path: self._identity}
+
     @property
     def is_open(self) -> bool:
         return self._file is not None

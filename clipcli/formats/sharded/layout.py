@@ -13,7 +13,8 @@ from typing import Any
 
 from clipcli.errors import InputError
 from clipcli.formats.safetensors import MAX_HEADER_BYTES
-from clipcli.inputs import is_pseudo_path, opened_path, read_input
+from clipcli.identity import FileIdentity
+from clipcli.inputs import is_pseudo_path, read_input, real_path_of
 
 FORMAT_NAME = "safetensors-sharded"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -142,12 +143,11 @@ def allowed_roots(directory: Path) -> list[Path]:
 
 
 def opened_inside(fd: int, entry: Path, roots: Iterable[Path]) -> None:
-    """Refuse an opened file that does not lie inside `roots`, judged by the path the
-    kernel gives for the descriptor itself (/proc/self/fd): checking a name and then
+    """Refuse an opened file that does not lie inside `roots`, judged by where the
+    descriptor itself leads (`inputs:real_path_of`: the kernel's name for it, or without
+    /proc the resolved name only if it is this very file): checking a name and then
     opening it leaves a moment in which a link or a folder on the way can be swapped."""
-    real = opened_path(fd)
-    if real is None:
-        return  # no /proc: the name-based check made before the open is what there is
+    real = real_path_of(fd, entry)
     if is_pseudo_path(real) or not any(real.is_relative_to(root) for root in roots):
         raise InputError(
             entry,
@@ -188,9 +188,12 @@ def check_shard_name(index_path: Path, tensor: str, shard: object) -> str:
 # ---------------------------------------------------------------- the index file
 
 
-def load_index(index_path: Path, real: Path | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """The index document and its weight map, with every structural check done."""
-    raw = read_input(index_path, MAX_INDEX_BYTES, real)
+def load_index(
+    index_path: Path, real: Path | None = None
+) -> tuple[dict[str, Any], dict[str, str], FileIdentity]:
+    """The index document, its weight map, with every structural check done, and the
+    identity of the file read."""
+    raw, identity = read_input(index_path, MAX_INDEX_BYTES, real)
     document, duplicates = parse_json_object(index_path, raw)
     weight_map = document.get("weight_map")
     if not isinstance(weight_map, dict):
@@ -205,7 +208,7 @@ def load_index(index_path: Path, real: Path | None = None) -> tuple[dict[str, An
     if not isinstance(metadata, dict):
         raise InputError(index_path, 'index "metadata" is not an object')
     checked = {tensor: check_shard_name(index_path, tensor, s) for tensor, s in weight_map.items()}
-    return document, checked
+    return document, checked, identity
 
 
 def parse_json_object(

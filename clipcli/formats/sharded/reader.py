@@ -28,6 +28,7 @@ from clipcli.formats.sharded.layout import (
     resolve_sharded,
     single_model_file,
 )
+from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class ShardedReader(Reader):
         # Shards whose descriptor is open, least recently used first (at most MAX_OPEN_SHARDS).
         self._open_lru: OrderedDict[str, None] = OrderedDict()
         self._index: dict[str, Any] | None = None
+        # Identities of the files read or to be copied, as first seen (clipcli.identity).
+        self._identities: dict[Path, FileIdentity] = {}
         self._flat_metadata: dict[str, str] | None = None
         try:
             self._roots = allowed_roots(directory)
@@ -69,7 +72,7 @@ class ShardedReader(Reader):
             names = [single_model_file(self.directory).name]
         else:
             real = real_path_inside(index_path, self._roots)
-            self._index, weight_map = load_index(index_path, real)
+            self._index, weight_map, self._identities[index_path] = load_index(index_path, real)
             names = sorted(set(weight_map.values()))
         for name in names:
             self._readers[name] = self._open_shard(name)
@@ -176,11 +179,14 @@ class ShardedReader(Reader):
         silence, since the copy would then lack a file the user expects in it."""
         real = real_path_inside(entry, self._roots)
         try:
-            mode = real.stat().st_mode
+            info = real.stat()
         except OSError as exc:
             raise InputError(entry, f"cannot read: {exc.strerror}") from None
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(info.st_mode):
             raise InputError(entry, "is not a regular file (FIFO, device or socket); not copied")
+        # The first sight of the file is the identity that counts (the input guard, and
+        # the copy's open): a later look would accept a file renamed over it meanwhile.
+        self._identities.setdefault(entry, FileIdentity.of_stat(info))
         return real
 
     def open_other_file(self, entry: Path) -> BinaryIO:
@@ -193,6 +199,8 @@ class ShardedReader(Reader):
         handle = open_input(entry)
         try:
             opened_inside(handle.fileno(), entry, self._roots)
+            if FileIdentity.of_stat(os.fstat(handle.fileno())) != self._identities[entry]:
+                raise InputError(entry, "changed since the directory was listed; no output written")
         except BaseException:
             handle.close()
             raise
@@ -300,6 +308,12 @@ class ShardedReader(Reader):
 
     def side_files(self) -> list[Path]:
         return self.other_files()
+
+    def source_identities(self) -> dict[Path, FileIdentity]:
+        known = dict(self._identities)  # the index and the side files
+        for reader in self._readers.values():  # each shard, from its own descriptor
+            known.update(reader.source_identities())
+        return {path: known[path] for path in self.source_files()}
 
     # -- format extras (clipcli.formats.base.Reader)
 
