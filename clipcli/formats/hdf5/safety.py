@@ -21,6 +21,7 @@ import numpy as np
 import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, TensorInfo
+from clipcli.formats.hdf5.filters import lossy_filters
 from clipcli.formats.hdf5.library import (
     holds_references,
     holds_vlen,
@@ -48,7 +49,11 @@ class DatasetChecks:
         self.file_size = file_size
         self.data_ranges: list[tuple[int, int]] = []
         self.unallocated: set[str] = set()  # datasets with no storage: all fill value
+        # Datasets stored with filters not known to be lossless (clipcli.formats.hdf5.filters):
+        # never written with them again.
+        self.lossy: dict[str, list[int]] = {}
         self.declared_total = 0
+        self.declared_chunks = 0  # every chunk of every chunked dataset's shape
 
     def _fail(self, problem: str, tensor: str | None = None) -> InputError:
         return InputError(self.path, problem, tensor)
@@ -75,7 +80,7 @@ class DatasetChecks:
             numel = 0 if shape is None else math.prod(shape)
             declared = Declared(name, shape, numel * element_bytes)
             create_plist = dataset.id.get_create_plist()
-            self._check_filters(create_plist, name)
+            self._check_filters(create_plist, type_id, name)
             self._check_storage(dataset, create_plist, declared, element_bytes)
             self.declared_total += declared.nbytes
             if problem is None and shape is not None:
@@ -123,12 +128,15 @@ class DatasetChecks:
                 name,
             )
 
-    def _check_filters(self, create_plist: Any, name: str) -> None:
-        h5z = load_h5py().h5z
+    def _check_filters(self, create_plist: Any, type_id: Any, name: str) -> None:
+        h5py = load_h5py()
         for index in range(create_plist.get_nfilters()):
             code = create_plist.get_filter(index)[0]
-            if not h5z.filter_avail(code):
+            if not h5py.h5z.filter_avail(code):
                 raise self._fail(f"uses unavailable HDF5 filter {code}", name)
+        lossy = lossy_filters(create_plist, type_id.get_class() == h5py.h5t.INTEGER)
+        if lossy:
+            self.lossy[name] = lossy
 
     def _check_storage(
         self, dataset: Any, create_plist: Any, info: Declared, element_bytes: int
@@ -182,6 +190,9 @@ class DatasetChecks:
                 "in memory)",
                 name,
             )
+        # Counted before the chunk index is walked: listing 10**8 chunks costs too.
+        self.declared_chunks += chunk_count(dataset.shape, create_plist.get_chunk())
+        self.check_chunk_count()
         if not hasattr(dataset.id, "chunk_iter"):
             return  # HDF5 < 1.14: the library scans the chunks itself
         chunks: list[tuple[int, int]] = []
@@ -211,6 +222,18 @@ class DatasetChecks:
                 f"{limits.SPARSE_CHECK_BYTES >> 20} MiB ({budget}); refusing to expand it"
             )
 
+    def check_chunk_count(self) -> None:
+        """The whole file's chunk budget (limits.chunk_budget): the library's memory and
+        work grow with the number of chunks, which bytes alone do not bound."""
+        budget = limits.chunk_budget(self.file_size)
+        if self.declared_chunks > budget:
+            raise self._fail(
+                f"datasets declare more than {budget} HDF5 chunks in all ({self.declared_chunks}"
+                f" so far), over the budget of one per {limits.BYTES_PER_CHUNK} bytes of the "
+                f"{self.file_size}-byte file plus {limits.FREE_CHUNKS}; refusing it (every "
+                "chunk costs memory and time to read)"
+            )
+
     def check_attribute_budget(
         self, file: Any, object_paths: Sequence[str], largest_heap_object: int
     ) -> None:
@@ -232,3 +255,10 @@ class DatasetChecks:
                 f"{largest_heap_object} bytes ({worst} in all, over the "
                 f"{limits.MAX_ATTRIBUTE_BYTES >> 20} MiB limit for attributes); refusing it"
             )
+
+
+def chunk_count(shape: Sequence[int] | None, chunks: Sequence[int]) -> int:
+    """Chunks that cover a dataset's shape (0 when it has no elements)."""
+    if not shape:
+        return 0 if shape is None else 1
+    return math.prod(-(-int(size) // int(chunk)) for size, chunk in zip(shape, chunks, strict=True))
