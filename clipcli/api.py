@@ -214,6 +214,8 @@ def clip(
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
         check_losses(losses, allow_lossy, notify, target.out)
+        for note in writer_cls.structure_notes(reader):
+            notify("note", note)
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
             # What the real run would refuse about OUT, refused here too; nothing is staged.
@@ -315,6 +317,8 @@ def convert(
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
         check_losses(losses, allow_lossy, notify, target.out)
+        for note in writer_cls.structure_notes(reader):
+            notify("note", note)
         copying = copy_plan(reader.infos)
         _write_out(
             reader,

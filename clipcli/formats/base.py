@@ -341,6 +341,12 @@ class Writer(ABC):
             losses.append(f"the storage settings of {len(storage)} datasets ({shown}{more})")
         return losses
 
+    @classmethod
+    def structure_notes(cls, source: Reader) -> list[str]:  # noqa: ARG003 - interface
+        """What this format writes otherwise than the source stores it, no value changed
+        (one note line each): e.g. without a lossy HDF5 filter."""
+        return []
+
     @abstractmethod
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         """Write the next tensor (in checkpoint order) from flat C-order chunks."""

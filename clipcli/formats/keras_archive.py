@@ -238,6 +238,11 @@ class KerasArchiveWriter(Writer):
     def structure_losses(cls, source: Reader) -> list[str]:  # noqa: ARG003
         return []  # the weights file is replicated as HDF5, object by object
 
+    @classmethod
+    def structure_notes(cls, source: Reader) -> list[str]:
+        inner = source.inner if isinstance(source, KerasArchiveReader) else None
+        return Hdf5Writer.structure_notes(inner) if inner is not None else []
+
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         self._weights.write(info, chunks)
 

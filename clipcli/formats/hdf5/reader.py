@@ -217,6 +217,12 @@ class Hdf5Reader(Reader):
         """True when the dataset has no storage at all: every element is its fill value."""
         return name in self._checks.unallocated
 
+    @property
+    def lossy_filters(self) -> dict[str, list[int]]:
+        """Datasets (by name) stored with filters not known to be lossless, and their codes:
+        a copy writes them without those filters, so that it holds the values read."""
+        return self._checks.lossy
+
     # -- metadata -------------------------------------------------------------------------
 
     def _read_metadata(self) -> dict[str, str]:
