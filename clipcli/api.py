@@ -412,6 +412,8 @@ def _write_out(
 
     guard = InputGuard(reader.source_files())
     _check_target(reader, writer_cls, target, allow_large_side_files)
+    if not writer_cls.copies_constants(reader):
+        reader.expect_all_elements()  # an input budget's refusal comes before OUT exists
     if target.is_directory:
         for where, why in reader.left_out_entries():
             notify("note", f"left out {where}: {why}")

@@ -88,14 +88,17 @@ def test_a_file_exactly_at_the_default_budget_is_read_within_memory(tmp_path: Pa
 def test_chunk_budget_exactly_at_the_limit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, over: int
 ) -> None:
-    """Chunks of every dataset count together, partial ones and unwritten ones too: 4
-    (10 elements in 3s, the last partial) + 4 (4 x 5 in 2 x 3 chunks: 2 x 2) + 2 never
-    written = 10."""
+    """Chunks of every dataset count together, partial ones and unwritten ones of a
+    dataset with stored data too: 4 (10 elements in 3s, the last partial) + 4 (4 x 5 in
+    2 x 3 chunks: 2 x 2) + 2 (one never written) = 10. A dataset with no stored chunk at
+    all ("never") is measured from its fill value, never read: it counts none."""
     src = tmp_path / "three.h5"
     with h5py.File(src, "w") as f:
         f.create_dataset("a", data=np.arange(10, dtype=np.float32), chunks=(3,), maxshape=(20,))
         f.create_dataset("b", data=np.ones((4, 5), np.float64), chunks=(2, 3))
         f.create_dataset("c", shape=(6,), dtype=np.float32, chunks=(3,))
+        f["c"][0] = 1.0
+        f.create_dataset("never", shape=(6000,), dtype=np.float32, chunks=(1,))
         f["plain"] = np.ones(1000, np.float32)  # contiguous: no chunks
     monkeypatch.setattr(limits, "FREE_CHUNKS", 10 - src.stat().st_size // limits.BYTES_PER_CHUNK)
     monkeypatch.setattr(limits, "FREE_CHUNKS", limits.FREE_CHUNKS - over)
@@ -104,4 +107,4 @@ def test_chunk_budget_exactly_at_the_limit(
             hdf5_module.Hdf5Reader(src)
         return
     with hdf5_module.Hdf5Reader(src) as reader:
-        assert [info.name for info in reader.infos] == ["a", "b", "c", "plain"]
+        assert [info.name for info in reader.infos] == ["a", "b", "c", "never", "plain"]

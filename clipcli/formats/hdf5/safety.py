@@ -49,6 +49,10 @@ class DatasetChecks:
         self.file_size = file_size
         self.data_ranges: list[tuple[int, int]] = []
         self.unallocated: set[str] = set()  # datasets with no storage: all fill value
+        # Unallocated tensors with a defined fill value: measured from that value and never
+        # read, so outside the expansion and chunk budgets until something asks for their
+        # elements (the reader then charges them to the expansion budget).
+        self.fill_only: set[str] = set()
         # Datasets stored with filters not known to be lossless (clipcli.formats.hdf5.filters):
         # never written with them again.
         self.lossy: dict[str, list[int]] = {}
@@ -81,8 +85,10 @@ class DatasetChecks:
             declared = Declared(name, shape, numel * element_bytes)
             create_plist = dataset.id.get_create_plist()
             self._check_filters(create_plist, type_id, name)
-            self._check_storage(dataset, create_plist, declared, element_bytes)
-            self.declared_total += declared.nbytes
+            tensor = problem is None and shape is not None
+            self._check_storage(dataset, create_plist, declared, element_bytes, tensor)
+            if declared.name not in self.fill_only:
+                self.declared_total += declared.nbytes
             if problem is None and shape is not None:
                 dtype: np.dtype[Any] = dataset.dtype
                 return TensorInfo(name, dtype, shape, numel * dtype.itemsize)
@@ -139,7 +145,7 @@ class DatasetChecks:
             self.lossy[name] = lossy
 
     def _check_storage(
-        self, dataset: Any, create_plist: Any, info: Declared, element_bytes: int
+        self, dataset: Any, create_plist: Any, info: Declared, element_bytes: int, tensor: bool
     ) -> None:
         h5d = load_h5py().h5d
         declared = info.nbytes
@@ -152,7 +158,10 @@ class DatasetChecks:
         stored = int(dataset.id.get_storage_size())
         if stored == 0 and declared:
             self.unallocated.add(info.name)
-        if declared > limits.SPARSE_CHECK_BYTES and declared > limits.MAX_EXPANSION * stored:
+            if tensor and create_plist.fill_value_defined() != h5d.FILL_VALUE_UNDEFINED:
+                self.fill_only.add(info.name)
+        expands = declared > limits.SPARSE_CHECK_BYTES and declared > limits.MAX_EXPANSION * stored
+        if expands and info.name not in self.fill_only:
             raise self._fail(
                 f"declares {declared} bytes but stores only {stored}; refusing to expand "
                 f"data more than {limits.MAX_EXPANSION}-fold",
@@ -190,9 +199,11 @@ class DatasetChecks:
                 "in memory)",
                 name,
             )
-        # Counted before the chunk index is walked: listing 10**8 chunks costs too.
-        self.declared_chunks += chunk_count(dataset.shape, create_plist.get_chunk())
-        self.check_chunk_count()
+        # Counted before the chunk index is walked: listing 10**8 chunks costs too. An
+        # unallocated tensor has no chunk to list and is never read through the library.
+        if name not in self.fill_only:
+            self.declared_chunks += chunk_count(dataset.shape, create_plist.get_chunk())
+            self.check_chunk_count()
         if not hasattr(dataset.id, "chunk_iter"):
             return  # HDF5 < 1.14: the library scans the chunks itself
         chunks: list[tuple[int, int]] = []
@@ -209,10 +220,11 @@ class DatasetChecks:
             self.data_ranges.append((offset, offset + size))
 
     def check_expansion(self) -> None:
-        """The whole file's budget: every dataset, allocated or not, is produced in full by
-        the library when read (an unallocated one as fill value), so the declared bytes of
-        all datasets together may be at most expansion_budget(file size). Per-dataset rules
-        alone let 10,000 datasets of 64 MiB each through from a 3 MB file."""
+        """The whole file's budget: every dataset is produced in full by the library when
+        read, so the declared bytes of all datasets together may be at most
+        expansion_budget(file size). Per-dataset rules alone let 10,000 datasets of 64 MiB
+        each through from a 3 MB file. Unallocated tensors (fill_only) are not read: they
+        count only once their elements are asked for (Hdf5Reader.constant_elements)."""
         total = self.declared_total
         budget = limits.expansion_budget(self.file_size)
         if total > budget:

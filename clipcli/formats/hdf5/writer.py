@@ -153,6 +153,11 @@ class Hdf5Writer(Writer):
         return []
 
     @classmethod
+    def copies_constants(cls, source: Reader) -> bool:
+        structure = source.structure()
+        return structure is not None and structure.origin is not None  # see copy_unchanged
+
+    @classmethod
     def structure_notes(cls, source: Reader) -> list[str]:
         structure = source.structure()
         origin = structure.origin if structure is not None else None
