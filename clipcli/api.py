@@ -214,6 +214,8 @@ def clip(
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
         check_losses(losses, allow_lossy, notify, target.out)
+        for note in writer_cls.structure_notes(reader):
+            notify("note", note)
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
             # What the real run would refuse about OUT, refused here too; nothing is staged.
@@ -315,6 +317,8 @@ def convert(
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
         check_losses(losses, allow_lossy, notify, target.out)
+        for note in writer_cls.structure_notes(reader):
+            notify("note", note)
         copying = copy_plan(reader.infos)
         _write_out(
             reader,
@@ -409,6 +413,8 @@ def _write_out(
 
     guard = InputGuard(reader.source_identities())
     _check_target(reader, writer_cls, target, allow_large_side_files)
+    if not writer_cls.copies_constants(reader):
+        reader.expect_all_elements()  # an input budget's refusal comes before OUT exists
     if target.is_directory:
         for where, why in reader.left_out_entries():
             notify("note", f"left out {where}: {why}")

@@ -109,13 +109,21 @@ def measure(
     tensors also count their bit patterns (for the factor search)."""
     stats = [NormAccumulator() for _ in infos]
     rows: list[TensorStats] = []
-    work = ((i, load) for i, info in enumerate(infos) for load in chunk_sources(reader, info))
+    work = (
+        (i, load, repeat)
+        for i, info in enumerate(infos)
+        for load, repeat in _measured_pieces(reader, info)
+    )
 
-    def reduce(item: tuple[int, Callable[[], np.ndarray]]) -> tuple[int, NormAccumulator, int]:
-        chunk = item[1]()
+    def reduce(item: tuple[int, Callable[[], np.ndarray], int]) -> tuple[int, NormAccumulator, int]:
+        index, load, repeat = item
+        chunk = load()
         partial = NormAccumulator(keep_histogram=histograms)
-        partial.add(chunk)
-        return item[0], partial, chunk.nbytes
+        if repeat:
+            partial.add_repeated(chunk, repeat)
+        else:
+            partial.add(chunk)
+        return index, partial, chunk.nbytes * max(repeat, 1)
 
     def done(index: int) -> None:
         stats[index].finish()
@@ -136,6 +144,20 @@ def measure(
         on_done=done,
     )
     return Measurement(reader.path, reader.format_name, dict(reader.metadata), rows)
+
+
+def _measured_pieces(
+    reader: Reader, info: TensorInfo
+) -> Iterator[tuple[Callable[[], np.ndarray], int]]:
+    """(loader, repeat) for each piece to measure: a tensor the reader knows to hold one
+    value throughout (an unallocated HDF5 dataset) is that value repeated numel times,
+    measured without reading or making its elements; otherwise its chunks (repeat 0)."""
+    value = reader.constant(info) if info.numel else None
+    if value is not None:
+        yield functools.partial(_identity, value.reshape(1)), info.numel
+        return
+    for load in chunk_sources(reader, info):
+        yield load, 0
 
 
 # ---------------------------------------------------------------- writing

@@ -189,6 +189,18 @@ class Reader(ABC):
         (so that worker threads read in parallel); None when reading must be sequential."""
         return None
 
+    def constant(self, info: TensorInfo) -> np.ndarray | None:  # noqa: ARG002 - interface
+        """The one value every element of the tensor holds, when the format says so without
+        reading them (an unallocated HDF5 dataset: its fill value), as a 0-d array of the
+        tensor's dtype; None otherwise. Measuring then needs no data."""
+        return None
+
+    def expect_all_elements(self) -> None:
+        """Every element of every tensor is about to be made (written to a format that
+        holds no fill values): a reader whose budgets left constant tensors out (see
+        `constant`) charges them now, refusing before anything is written."""
+        return None  # the default: every element was counted at opening
+
     def read(self, info: TensorInfo) -> np.ndarray:
         """The whole tensor, shaped. Costs memory equal to the tensor."""
         import numpy as np
@@ -350,6 +362,18 @@ class Writer(ABC):
             more = f"; and {len(storage) - 3} more" if len(storage) > 3 else ""
             losses.append(f"the storage settings of {len(storage)} datasets ({shown}{more})")
         return losses
+
+    @classmethod
+    def copies_constants(cls, source: Reader) -> bool:  # noqa: ARG003 - interface
+        """True when an unchanged constant tensor of `source` (Reader.constant) is written
+        without its elements being made (HDF5 to HDF5: unallocated, with its fill value)."""
+        return False
+
+    @classmethod
+    def structure_notes(cls, source: Reader) -> list[str]:  # noqa: ARG003 - interface
+        """What this format writes otherwise than the source stores it, no value changed
+        (one note line each): e.g. without a lossy HDF5 filter."""
+        return []
 
     @abstractmethod
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:

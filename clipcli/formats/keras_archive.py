@@ -154,6 +154,12 @@ class KerasArchiveReader(Reader):
     def read(self, info: TensorInfo) -> np.ndarray:
         return self._weights().read(info)
 
+    def constant(self, info: TensorInfo) -> np.ndarray | None:
+        return self._weights().constant(info)
+
+    def expect_all_elements(self) -> None:
+        self._weights().expect_all_elements()
+
     def copy_member(self, entry: zipfile.ZipInfo, sink: IO[bytes]) -> None:
         """One member's content, streamed (its CRC checked by zipfile at the end)."""
         try:
@@ -245,6 +251,15 @@ class KerasArchiveWriter(Writer):
     @classmethod
     def structure_losses(cls, source: Reader) -> list[str]:  # noqa: ARG003
         return []  # the weights file is replicated as HDF5, object by object
+
+    @classmethod
+    def copies_constants(cls, source: Reader) -> bool:  # noqa: ARG003
+        return True  # the weights file is replicated as HDF5 (Hdf5Writer.copy_unchanged)
+
+    @classmethod
+    def structure_notes(cls, source: Reader) -> list[str]:
+        inner = source.inner if isinstance(source, KerasArchiveReader) else None
+        return Hdf5Writer.structure_notes(inner) if inner is not None else []
 
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         self._weights.write(info, chunks)

@@ -260,7 +260,6 @@ CASES: dict[str, tuple[Builder, tuple[str, ...]]] = {
     ),
     # ---- declared versus stored size, filters, damaged data
     "gzip_chunked_declares_8TB": (h5(declares_8tb), (T,)),
-    "unallocated_declares_almost_1TiB": (h5(declares_just_under_1tib), (T,)),
     "unknown_optional_filter": (h5(unknown_filter), (T,)),
     "unknown_mandatory_filter": (mandatory_unknown_filter, (T,)),
     "corrupt_gzip_chunk": (corrupt_chunk("gzip"), (T,)),
@@ -372,6 +371,29 @@ def raw_values(dataset: h5py.Dataset) -> bytes:
 def test_hostile_hdf5_is_refused(tmp_path: Path, case: str) -> None:
     build, mentions = CASES[case]
     refuse_input(build(tmp_path), 3, *mentions)
+
+
+def test_unallocated_dataset_of_almost_1tib_is_measured_not_made(tmp_path: Path) -> None:
+    """Once refused on opening (case unallocated_declares_almost_1TiB); issue 18 item 18
+    changed it: all fill value (0), it is measured from that value, copied to HDF5 still
+    unallocated, and refused (exit 3, nothing written) only where its elements must be
+    made."""
+    path = h5(declares_just_under_1tib)(tmp_path)
+    out = tmp_path / "clipped_out.h5"
+    norms, clipped = run_clipcli(
+        ["norms", "--format", "json", str(path)],
+        ["clip", "--global", "1", str(path), str(out)],
+        cwd=tmp_path,
+    )
+    assert norms.returncode == 0, norms.describe()
+    [row] = json.loads(norms.stdout)["tensors"]
+    assert (row["numel"], row["norm"]) == (2**37 - 1024, 0.0)
+    assert clipped.returncode == 0, clipped.describe()
+    with h5py.File(out, "r") as f:
+        assert f[T].id.get_storage_size() == 0
+    assert_refused(
+        ["convert", str(path), str(tmp_path / "o.safetensors")], 3, [str(path), T], watch=tmp_path
+    )
 
 
 def test_hostile_dataset_name_stays_on_one_line(tmp_path: Path) -> None:

@@ -369,15 +369,28 @@ def unallocated_datasets(path: Path, count: int, nbytes: int) -> None:
     "build",
     [
         pytest.param(vlen_shared_heap_object, id="1500-vlen-strings-one-1MiB-object"),
-        pytest.param(
-            lambda p: unallocated_datasets(p, 2000, 64 << 20), id="2000x64MiB-unallocated"
-        ),
     ],
 )
 def test_hdf5_bombs_are_refused_within_budgets(
     tmp_path: Path, build: Callable[[Path], object]
 ) -> None:
     _bomb_is_refused_within_budgets(tmp_path, build, ".h5")
+
+
+def test_unallocated_hdf5_bomb_is_measured_and_refused_only_to_expand(tmp_path: Path) -> None:
+    """2,000 unallocated 64 MiB datasets (fill 1.0): issue 18 item 18 changed this from
+    refused on opening to listed and measured from the fill value (no element read or
+    made); clipping them all makes their elements, which the expansion budget refuses
+    within the same budgets."""
+    src = tmp_path / "bomb.h5"
+    unallocated_datasets(src, 2000, 64 << 20)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    listed = measured_run(["ls", str(src)], out_dir)
+    assert_within_budgets(listed, codes=(0,))
+    clipped = measured_run(["clip", "--global", "1", str(src), str(out_dir / "o.h5")], out_dir)
+    assert_within_budgets(clipped)
+    assert str(src) in clipped.stderr
 
 
 def test_unchanged_unallocated_dataset_stays_unallocated(tmp_path: Path) -> None:

@@ -12,6 +12,14 @@ MAX_EXPANSION = 200
 MAX_DEPTH = 64  # real checkpoints nest a handful of groups; thousands is an attack
 # HDF5 decodes a whole chunk to read any part of it (h5py's automatic chunks are <= 1 MiB).
 MAX_CHUNK_BYTES = 256 << 20
+# Chunks: the library keeps state for every chunk a read touches (about 7 KiB each,
+# measured with HDF5 2.0: 150,000 one-element chunks in a 6.2 MB file made `norms` peak at
+# 1 GB, 17,900 at 130 MB more than a plain file) and indexes every chunk of the file. A
+# stored chunk costs the file ~40 bytes at least, so bytes alone do not bound them: all
+# datasets together may declare at most one chunk per 4 KiB of file, plus 8,192 for
+# small files (h5py's automatic chunks are at least 8 KiB, or the whole dataset).
+BYTES_PER_CHUNK = 4096
+FREE_CHUNKS = 8192
 # Variable-length attribute data (strings) read in all: Keras' names take kilobytes.
 MAX_ATTRIBUTE_BYTES = 64 << 20
 # Non-tensor datasets (a vocabulary of strings, a compound table) are copied, or encoded
@@ -23,6 +31,12 @@ def expansion_budget(file_size: int) -> int:
     """The most bytes all datasets of a file of this size may declare together: the npz
     rule (200 times the file, plus 64 MiB so that small all-zero files still read)."""
     return MAX_EXPANSION * file_size + SPARSE_CHECK_BYTES
+
+
+def chunk_budget(file_size: int) -> int:
+    """The most HDF5 chunks all datasets of a file of this size may declare together
+    (every chunk of a dataset's shape counts, stored or not: reading produces each)."""
+    return file_size // BYTES_PER_CHUNK + FREE_CHUNKS
 
 
 # One raw-data chunk cache per open dataset (we keep at most a couple open at a time).

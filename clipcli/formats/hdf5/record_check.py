@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,15 +18,18 @@ import numpy as np
 import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
 from clipcli.formats.base import TensorInfo
+from clipcli.formats.hdf5.filters import DEFLATE, SZIP, is_lossless, name_of
 from clipcli.formats.hdf5.library import load_h5py
 from clipcli.formats.hdf5.portable import (
     Json,
     Malformed,
     build_space,
     build_type,
+    describe_type,
     holds_variable_string,
     space_points,
 )
+from clipcli.formats.hdf5.safety import chunk_count
 from clipcli.formats.structure import Structure
 
 LAYOUTS = {"compact": 0, "contiguous": 1, "chunked": 2}
@@ -61,14 +65,39 @@ def prepare(
 ) -> list[ReadyNode] | str:
     """The nodes to create, every field checked; a str says why the structure does not
     fit these tensors (then it is not used). Malformed content is an InputError."""
+    nodes = structure.nodes
     try:
-        _check_tree(structure.nodes)
-        ready = [_prepare_node(node) for node in structure.nodes]
+        _check_tree(nodes)
+        ready = [_prepare_node(node) for node in nodes]
+        _check_chunk_budget(nodes, infos)
     except (Malformed, KeyError, TypeError, ValueError, binascii.Error) as exc:
         raise InputError(
             source, f"the HDF5 structure recorded in __metadata__ is malformed: {exc}"
         ) from None
-    return _check_fit(ready, infos) or ready
+    return _check_fit(nodes, ready, infos) or ready
+
+
+def _check_chunk_budget(nodes: Sequence[Json], infos: Sequence[TensorInfo]) -> None:
+    """The HDF5 reader's chunk budget (limits.chunk_budget), taken on the bytes the record
+    describes (the tensors' and the non-tensor values'), as the input's size: chunking by
+    one element would make an 800 KB input cost gigabytes to write, and an OUT that
+    clipcli itself refuses to read."""
+    described = sum(info.nbytes for info in infos)
+    chunks = 0
+    for node in nodes:
+        if node["kind"] != "dataset":
+            continue
+        if not node["tensor"]:
+            described += space_points(node["space"]) * int(build_type(node["type"]).get_size())
+        if node["layout"] == "chunked":
+            chunks += chunk_count(node["space"]["shape"], node["chunks"])
+    budget = limits.chunk_budget(described)
+    if chunks > budget:
+        raise Malformed(
+            f"its datasets declare {chunks} HDF5 chunks in all, over the budget of one per "
+            f"{limits.BYTES_PER_CHUNK} bytes of the {described} bytes it describes plus "
+            f"{limits.FREE_CHUNKS} ({budget})"
+        )
 
 
 def _check_tree(nodes: Sequence[Json]) -> None:
@@ -103,30 +132,72 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def _check_fit(ready: list[ReadyNode], infos: Sequence[TensorInfo]) -> str | None:
-    tensors = {n.path[1:]: n for n in ready if n.kind == "dataset" and n.tensor}
+def _check_fit(
+    nodes: Sequence[Json], ready: list[ReadyNode], infos: Sequence[TensorInfo]
+) -> str | None:
+    """Why the record does not describe these tensors as they are, or None. A tensor's
+    dataset must hold exactly its values: its dataspace is the tensor's shape and its
+    type is the tensor's own (tensor_type_problem). Any other difference would change
+    values on the way into OUT (int32 for uint32, an int compound for complex64)."""
+    tensors = {r.path[1:]: (n, r) for n, r in zip(nodes, ready, strict=True) if r.tensor}
     if set(tensors) != {info.name for info in infos}:
         return "its datasets are not the checkpoint's tensors"
     for info in infos:
-        node = tensors[info.name]
-        if tuple(node.space.shape or ()) != info.shape:
+        node, prepared = tensors[info.name]
+        space = node["space"]
+        expected_class = "scalar" if info.shape == () else "simple"
+        if space["class"] != expected_class or tuple(prepared.space.shape or ()) != info.shape:
             return f"dataset {info.name!r} has another shape than the tensor"
-        if node.type_id.get_size() != info.dtype.itemsize or not _same_kind(node, info):
-            return f"dataset {info.name!r} has another type than the tensor"
+        problem = tensor_type_problem(node["type"], info.dtype)
+        if problem is not None:
+            return f"dataset {info.name!r} {problem}"
     return None
 
 
-def _same_kind(node: ReadyNode, info: TensorInfo) -> bool:
-    h5t = load_h5py().h5t
-    kind = node.type_id.get_class()
-    expected = {
-        "f": h5t.FLOAT,
-        "i": h5t.INTEGER,
-        "u": h5t.INTEGER,
-        "b": h5t.ENUM,
-        "c": h5t.COMPOUND,
-    }
-    return bool(expected.get(info.dtype.kind) == kind)
+def tensor_type_problem(desc: Json, dtype: np.dtype[Any]) -> str | None:
+    """Why an HDF5 type (described) may not hold a tensor of this dtype, or None. The
+    allow-list: exactly the type h5py makes for the dtype, in either byte order (one
+    order throughout: HDF5 converts it exactly, and h5py reads a compound of mixed orders
+    back as no complex dtype); for bool also the enum h5py reads as bool (members FALSE = 0
+    and TRUE = 1 in any order, over a signed or unsigned byte)."""
+    expected = describe_type(load_h5py().h5t.py_create(dtype))
+    orders = _orders(desc)
+    if len(orders) > 1:
+        return "declares a type of mixed byte orders"
+    if _canonical(desc, dtype.kind == "b") != _canonical(expected, dtype.kind == "b"):
+        return f"declares type {_short(desc)}, not the tensor's {dtype.name}"
+    return None
+
+
+def _orders(desc: object) -> set[str]:
+    """The byte orders a described type uses (1-byte types have none that matters)."""
+    if isinstance(desc, dict):
+        found = {o for k, o in desc.items() if k == "order" and desc.get("size") != 1}
+        for value in desc.values():
+            found |= _orders(value)
+        return {str(o) for o in found}
+    if isinstance(desc, list):
+        return set().union(*(_orders(item) for item in desc)) if desc else set()
+    return set()
+
+
+def _canonical(desc: object, boolean: bool) -> object:
+    """The description with byte orders dropped (and, for bool, the enum's member order
+    and its base's sign), for comparison."""
+    if isinstance(desc, list):
+        return [_canonical(item, boolean) for item in desc]
+    if not isinstance(desc, dict):
+        return desc
+    ignored = {"order"} | ({"signed"} if boolean else set())
+    out = {k: _canonical(v, boolean) for k, v in desc.items() if k not in ignored}
+    if boolean and desc.get("class") == "enum" and isinstance(desc.get("members"), list):
+        out["members"] = sorted(map(tuple, desc["members"]))
+    return out
+
+
+def _short(desc: Json) -> str:
+    text = json.dumps(desc, separators=(",", ":"))
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _prepare_node(node: Json) -> ReadyNode:
@@ -215,8 +286,9 @@ def _dataset_plist(node: Json, type_id: Any, space: Any) -> Any:
         plist.set_layout(layout)
     if len(filters) > MAX_FILTERS:
         raise Malformed(f"{len(filters)} filters; HDF5 holds at most {MAX_FILTERS}")
+    integer = node["type"].get("class") == "int"
     for entry in filters:
-        code, flags, values = _filter(entry, chunks)
+        code, flags, values = _filter(entry, chunks, integer)
         plist.set_filter(code, flags, values)
     if node.get("fill") is not None:
         dtype = _numeric_dtype(node["type"])
@@ -248,7 +320,6 @@ def _dataset_plist(node: Json, type_id: Any, space: Any) -> Any:
 
 
 MAX_FILTERS = 32  # H5Z_MAX_NFILTERS
-_DEFLATE, _SHUFFLE, _FLETCHER32, _SZIP, _NBIT, _SCALEOFFSET, _LZF = 1, 2, 3, 4, 5, 6, 32000
 
 
 def _is_int(value: object) -> bool:
@@ -259,27 +330,38 @@ def space_points_of(space: Any) -> int:
     return int(np.prod(space.shape or (), dtype=object)) if space.shape is not None else 0
 
 
-def _filter(entry: object, chunks: list[int] | None) -> tuple[int, int, tuple[int, ...]]:
-    """One [code, flags, [values]] entry, checked: a filter this library can encode, the
-    optional/mandatory flag, parameters that are 32-bit unsigned integers and, for the
-    filters whose parameters the user sets (deflate, szip), values the filter accepts."""
+def _filter(
+    entry: object, chunks: list[int] | None, integer_type: bool
+) -> tuple[int, int, tuple[int, ...]]:
+    """One [code, flags, [values]] entry, checked: a filter known to give back every value
+    exactly (clipcli.formats.hdf5.filters: a record only describes how the values are
+    stored, never changes them), that this library can encode, the optional/mandatory
+    flag, parameters that are 32-bit unsigned integers and, for the filters whose
+    parameters the user sets (deflate, szip), values the filter accepts."""
     h5z = load_h5py().h5z
     if not isinstance(entry, list) or len(entry) != 3:
         raise Malformed(f"filter entry {entry!r}")
     code, flags, values = entry
-    if not _is_int(code) or not h5z.filter_avail(code):
+    if not isinstance(values, list) or len(values) > 64:
+        raise Malformed("filter parameters")
+    if not _is_int(code) or not all(_is_int(v) for v in values):
+        raise Malformed(f"filter {code!r} with parameters {values!r}")
+    if not is_lossless(code, values, integer_type):
+        raise Malformed(
+            f"{name_of(code)} with parameters {values!r} is not known to keep every value "
+            "exactly (lossy filters are never written)"
+        )
+    if not h5z.filter_avail(code):
         raise Malformed(f"filter {code!r} is not available")
     if not h5z.get_filter_info(code) & h5z.FILTER_CONFIG_ENCODE_ENABLED:
         raise Malformed(f"filter {code!r} cannot encode here")
     if not _is_int(flags) or flags not in (0, 1):
         raise Malformed(f"filter flags {flags!r}")
-    if not isinstance(values, list) or len(values) > 64:
-        raise Malformed("filter parameters")
-    if not all(_is_int(v) and 0 <= v < 1 << 32 for v in values):
+    if not all(0 <= v < 1 << 32 for v in values):
         raise Malformed(f"filter parameters {values!r}")
-    if code == _DEFLATE and (len(values) != 1 or values[0] > 9):
+    if code == DEFLATE and (len(values) != 1 or values[0] > 9):
         raise Malformed(f"deflate (gzip) parameters {values!r}; the level is 0 to 9")
-    if code == _SZIP:
+    if code == SZIP:
         points = int(np.prod(chunks or [0], dtype=object))
         if len(values) not in (2, 4):
             raise Malformed(f"szip parameters {values!r}")

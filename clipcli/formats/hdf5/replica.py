@@ -1,6 +1,6 @@
 """The HDF5 writer's copy of an HDF5 source, object by object: each group, dataset and named
-datatype created with the source's own creation settings (chunks, filters, fill value,
-orders, link character set), each attribute with its exact HDF5 type, and non-tensor
+datatype created with the source's own creation settings (chunks, lossless filters, fill
+value, orders, link character set), each attribute with its exact HDF5 type, and non-tensor
 datasets copied value for value. Tensor data is written afterwards by the writer."""
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ class Replica:
                 # Layout, chunks, filters (compression, shuffle, fletcher32, scaleoffset,
                 # ...), fill value and attribute ordering all live in this property list.
                 dataset_plist = original.id.get_create_plist()
+                # ...except a filter not known to be lossless: the copy holds the values
+                # read and measured, not what the filter would turn them into.
+                for code in source.lossy_filters.get(node.path[1:], ()):
+                    dataset_plist.remove_filter(code)
                 type_id = original.id.get_type().copy()  # a copy is never a committed type
                 space = original.id.get_space()  # shape and maxshape
             else:

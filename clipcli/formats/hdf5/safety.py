@@ -21,6 +21,7 @@ import numpy as np
 import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, TensorInfo
+from clipcli.formats.hdf5.filters import lossy_filters
 from clipcli.formats.hdf5.library import (
     holds_references,
     holds_vlen,
@@ -48,7 +49,15 @@ class DatasetChecks:
         self.file_size = file_size
         self.data_ranges: list[tuple[int, int]] = []
         self.unallocated: set[str] = set()  # datasets with no storage: all fill value
+        # Unallocated tensors with a defined fill value: measured from that value and never
+        # read, so outside the expansion and chunk budgets until something asks for their
+        # elements (the reader then charges them to the expansion budget).
+        self.fill_only: set[str] = set()
+        # Datasets stored with filters not known to be lossless (clipcli.formats.hdf5.filters):
+        # never written with them again.
+        self.lossy: dict[str, list[int]] = {}
         self.declared_total = 0
+        self.declared_chunks = 0  # every chunk of every chunked dataset's shape
 
     def _fail(self, problem: str, tensor: str | None = None) -> InputError:
         return InputError(self.path, problem, tensor)
@@ -75,9 +84,11 @@ class DatasetChecks:
             numel = 0 if shape is None else math.prod(shape)
             declared = Declared(name, shape, numel * element_bytes)
             create_plist = dataset.id.get_create_plist()
-            self._check_filters(create_plist, name)
-            self._check_storage(dataset, create_plist, declared, element_bytes)
-            self.declared_total += declared.nbytes
+            self._check_filters(create_plist, type_id, name)
+            tensor = problem is None and shape is not None
+            self._check_storage(dataset, create_plist, declared, element_bytes, tensor)
+            if declared.name not in self.fill_only:
+                self.declared_total += declared.nbytes
             if problem is None and shape is not None:
                 dtype: np.dtype[Any] = dataset.dtype
                 return TensorInfo(name, dtype, shape, numel * dtype.itemsize)
@@ -123,15 +134,18 @@ class DatasetChecks:
                 name,
             )
 
-    def _check_filters(self, create_plist: Any, name: str) -> None:
-        h5z = load_h5py().h5z
+    def _check_filters(self, create_plist: Any, type_id: Any, name: str) -> None:
+        h5py = load_h5py()
         for index in range(create_plist.get_nfilters()):
             code = create_plist.get_filter(index)[0]
-            if not h5z.filter_avail(code):
+            if not h5py.h5z.filter_avail(code):
                 raise self._fail(f"uses unavailable HDF5 filter {code}", name)
+        lossy = lossy_filters(create_plist, type_id.get_class() == h5py.h5t.INTEGER)
+        if lossy:
+            self.lossy[name] = lossy
 
     def _check_storage(
-        self, dataset: Any, create_plist: Any, info: Declared, element_bytes: int
+        self, dataset: Any, create_plist: Any, info: Declared, element_bytes: int, tensor: bool
     ) -> None:
         h5d = load_h5py().h5d
         declared = info.nbytes
@@ -144,7 +158,10 @@ class DatasetChecks:
         stored = int(dataset.id.get_storage_size())
         if stored == 0 and declared:
             self.unallocated.add(info.name)
-        if declared > limits.SPARSE_CHECK_BYTES and declared > limits.MAX_EXPANSION * stored:
+            if tensor and create_plist.fill_value_defined() != h5d.FILL_VALUE_UNDEFINED:
+                self.fill_only.add(info.name)
+        expands = declared > limits.SPARSE_CHECK_BYTES and declared > limits.MAX_EXPANSION * stored
+        if expands and info.name not in self.fill_only:
             raise self._fail(
                 f"declares {declared} bytes but stores only {stored}; refusing to expand "
                 f"data more than {limits.MAX_EXPANSION}-fold",
@@ -182,6 +199,11 @@ class DatasetChecks:
                 "in memory)",
                 name,
             )
+        # Counted before the chunk index is walked: listing 10**8 chunks costs too. An
+        # unallocated tensor has no chunk to list and is never read through the library.
+        if name not in self.fill_only:
+            self.declared_chunks += chunk_count(dataset.shape, create_plist.get_chunk())
+            self.check_chunk_count()
         if not hasattr(dataset.id, "chunk_iter"):
             return  # HDF5 < 1.14: the library scans the chunks itself
         chunks: list[tuple[int, int]] = []
@@ -198,10 +220,11 @@ class DatasetChecks:
             self.data_ranges.append((offset, offset + size))
 
     def check_expansion(self) -> None:
-        """The whole file's budget: every dataset, allocated or not, is produced in full by
-        the library when read (an unallocated one as fill value), so the declared bytes of
-        all datasets together may be at most expansion_budget(file size). Per-dataset rules
-        alone let 10,000 datasets of 64 MiB each through from a 3 MB file."""
+        """The whole file's budget: every dataset is produced in full by the library when
+        read, so the declared bytes of all datasets together may be at most
+        expansion_budget(file size). Per-dataset rules alone let 10,000 datasets of 64 MiB
+        each through from a 3 MB file. Unallocated tensors (fill_only) are not read: they
+        count only once their elements are asked for (Hdf5Reader.constant_elements)."""
         total = self.declared_total
         budget = limits.expansion_budget(self.file_size)
         if total > budget:
@@ -209,6 +232,18 @@ class DatasetChecks:
                 f"datasets declare {total} bytes in all, more than {limits.MAX_EXPANSION} "
                 f"times the {self.file_size}-byte file plus "
                 f"{limits.SPARSE_CHECK_BYTES >> 20} MiB ({budget}); refusing to expand it"
+            )
+
+    def check_chunk_count(self) -> None:
+        """The whole file's chunk budget (limits.chunk_budget): the library's memory and
+        work grow with the number of chunks, which bytes alone do not bound."""
+        budget = limits.chunk_budget(self.file_size)
+        if self.declared_chunks > budget:
+            raise self._fail(
+                f"datasets declare more than {budget} HDF5 chunks in all ({self.declared_chunks}"
+                f" so far), over the budget of one per {limits.BYTES_PER_CHUNK} bytes of the "
+                f"{self.file_size}-byte file plus {limits.FREE_CHUNKS}; refusing it (every "
+                "chunk costs memory and time to read)"
             )
 
     def check_attribute_budget(
@@ -232,3 +267,10 @@ class DatasetChecks:
                 f"{largest_heap_object} bytes ({worst} in all, over the "
                 f"{limits.MAX_ATTRIBUTE_BYTES >> 20} MiB limit for attributes); refusing it"
             )
+
+
+def chunk_count(shape: Sequence[int] | None, chunks: Sequence[int]) -> int:
+    """Chunks that cover a dataset's shape (0 when it has no elements)."""
+    if not shape:
+        return 0 if shape is None else 1
+    return math.prod(-(-int(size) // int(chunk)) for size, chunk in zip(shape, chunks, strict=True))

@@ -7,7 +7,8 @@ Node fields (version 1), in the file's own walk order:
   attribute order.
 - group: "links" and "attr_order" (creation-order flags); the root's come from the file.
 - dataset: "type", "space", "layout" (compact, contiguous, chunked), "chunks", "filters"
-  ([[code, flags, [values]]]), "fill" (base64 of the fill value, numeric types only),
+  ([[code, flags, [values]]], lossless filters only: clipcli.formats.hdf5.filters), "fill"
+  (base64 of the fill value, numeric types only),
   "fill_time", "alloc_time", "attr_order", "track_times", "tensor" (true: the data is the
   tensor of that name; false: "data" holds it).
 - datatype: "type".
@@ -28,6 +29,7 @@ import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
 from clipcli.formats.base import NonTensorInfo
+from clipcli.formats.hdf5.filters import is_lossless
 from clipcli.formats.hdf5.library import input_errors, load_h5py
 from clipcli.formats.hdf5.nontensor import RowSlice
 from clipcli.formats.hdf5.portable import (
@@ -136,11 +138,15 @@ def _describe_dataset(dataset: Any) -> Json:
     names = {h5d.COMPACT: "compact", h5d.CONTIGUOUS: "contiguous", h5d.CHUNKED: "chunked"}
     if layout not in names:
         raise Unportable(f"layout {layout}")
+    desc = describe_type(type_id)
     filters = []
     for index in range(plist.get_nfilters()):
         code, flags, values, _name = plist.get_filter(index)
-        filters.append([int(code), int(flags), [int(v) for v in values]])
-    desc = describe_type(type_id)
+        parameters = [int(v) for v in values]
+        # A lossy filter is not recorded: the tensors hold the values read, and HDF5 OUT
+        # must hold exactly those (a record asking for one is refused, record_check).
+        if is_lossless(int(code), parameters, desc["class"] == "int"):
+            filters.append([int(code), int(flags), parameters])
     fill = None
     if desc["class"] in ("int", "float") and plist.fill_value_defined():
         value = np.zeros((), dtype=dataset.dtype)

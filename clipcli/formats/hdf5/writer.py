@@ -26,6 +26,7 @@ from clipcli.formats.base import (
     Writer,
     utf8_encodable,
 )
+from clipcli.formats.hdf5.filters import describe_lossy
 from clipcli.formats.hdf5.geometry import block_shape, flat_range_blocks
 from clipcli.formats.hdf5.library import (
     input_errors,
@@ -150,6 +151,23 @@ class Hdf5Writer(Writer):
         if isinstance(ready, str):
             return [f"the HDF5 structure recorded in the input ({ready})"]
         return []
+
+    @classmethod
+    def copies_constants(cls, source: Reader) -> bool:
+        structure = source.structure()
+        return structure is not None and structure.origin is not None  # see copy_unchanged
+
+    @classmethod
+    def structure_notes(cls, source: Reader) -> list[str]:
+        structure = source.structure()
+        origin = structure.origin if structure is not None else None
+        lossy = cast("Hdf5Reader", origin).lossy_filters if origin is not None else {}
+        if not lossy:
+            return []
+        return [
+            "written without the HDF5 filters that would change their values, so that OUT "
+            f"holds the values measured: {describe_lossy(lossy)}"
+        ]
 
     @classmethod
     def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
@@ -327,8 +345,8 @@ class Hdf5Writer(Writer):
             self._written.add(info.name)
             return True
         original = self._source.dataset(info.name)
-        if original.chunks is None:
-            return False
+        if original.chunks is None or info.name in self._source.lossy_filters:
+            return False  # stored chunks are valid only under the very same filters
         copy = self.file["/" + info.name]
         with input_errors(source.path, "cannot list stored chunks", info.name):
             offsets = _stored_chunk_offsets(original.id)
