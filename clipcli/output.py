@@ -190,6 +190,7 @@ class Target:
             except OSError as exc:  # out of descriptors (EMFILE), say
                 remove_tree(workdir, self._keep)
                 raise _translated(exc, self.out) from None
+            staged: Path | None = None
             try:
                 staged = self._staged_in(workdir)
                 yield staged
@@ -204,6 +205,9 @@ class Target:
                 # its own, and the failure may be that there are none left (EMFILE).
                 os.close(lock)
                 lock = -1
+                if staged is not None:  # an empty staged OUT goes without a descriptor too
+                    with contextlib.suppress(OSError):
+                        os.rmdir(staged)
                 remove_tree(workdir, self._keep)
                 raise _translated(exc, self.out) from None
             finally:
