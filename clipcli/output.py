@@ -149,7 +149,7 @@ class Target:
         directory. Signals are deferred for the whole block. Any failure removes the work
         directory and leaves OUT as it was: OSError becomes WriteError (exit 5), a signal
         Interrupted."""
-        with interrupts.deferred():
+        with interrupts.deferred(writes=True):
             remove_stale_temps(self.out)
             workdir = self.temp_path()
             try:
@@ -191,6 +191,7 @@ class Target:
         interrupts.check()  # the last moment at which a signal means "no output"
         os.chmod(staged, self._mode)
         self._place(staged)  # the commit point
+        interrupts.settle()  # OUT is whole: a signal from here on is moot
         if self.durable:
             with contextlib.suppress(OSError):
                 fsync_path(self.parent)
