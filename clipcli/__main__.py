@@ -3,9 +3,9 @@ signals, then run the CLI.
 
 Importing the CLI (numpy; typer too for what the quick parser does not take) takes tens of
 milliseconds, before main() has set up its error boundary. A Ctrl-C there would print a
-KeyboardInterrupt traceback, so until main() takes over, SIGINT and SIGTERM print the one
-documented line and exit 130/143: nothing has been opened yet, so there is nothing to
-clean up. main() puts the usual handlers back as the first thing inside its error boundary.
+KeyboardInterrupt traceback, so until main() takes over, SIGINT, SIGTERM and SIGHUP print
+the one documented line and exit 130/143/129: nothing has been opened yet, so there is nothing to
+clean up. main() then records them until the command acts on them (clipcli.interrupts).
 
 What runs before this module (the interpreter's start-up, site and .pth files, runpy or the
 console script finding the package) is not clipcli's code: a signal there gets Python's own
@@ -21,15 +21,18 @@ import sys
 
 INTERRUPTED_LINE = b"clipcli: error: interrupted\n"
 TERMINATED_LINE = b"clipcli: error: terminated by SIGTERM\n"
+HANGUP_LINE = b"clipcli: error: terminated by SIGHUP\n"
+GUARDED = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP)
 
 
 def _exit_during_start_up(signum: int, _frame: object) -> None:
-    os.write(2, TERMINATED_LINE if signum == _signal.SIGTERM else INTERRUPTED_LINE)
+    lines = {_signal.SIGTERM: TERMINATED_LINE, _signal.SIGHUP: HANGUP_LINE}
+    os.write(2, lines.get(signum, INTERRUPTED_LINE))
     os._exit(128 + signum)
 
 
 def _guard_start_up() -> None:
-    for signum in (_signal.SIGINT, _signal.SIGTERM):
+    for signum in GUARDED:
         _signal.signal(signum, _exit_during_start_up)
 
 
@@ -59,6 +62,34 @@ def _print_version(line: bytes) -> int:
     return 0
 
 
+# Exit 5, as for a full disk: the environment refused a resource. The input is not at
+# fault (exit 3 would tell a script to give up on the file), and a run with more memory
+# can succeed.
+OUT_OF_MEMORY = 5
+
+
+def _exit_out_of_memory(exc: BaseException) -> None:
+    detail = f": {exc}" if str(exc) else ""
+    try:  # noqa: SIM105 - contextlib is not loaded yet: start-up time
+        os.write(2, f"clipcli: error: out of memory{detail}\n".encode())
+    except OSError:
+        pass
+    os._exit(OUT_OF_MEMORY)
+
+
+class _RoomForNumpy:
+    """An import hook that checks, before numpy loads, that the address-space limit
+    leaves room for it (clipcli.address_space: else OpenBLAS calls exit(1) from C)."""
+
+    @staticmethod
+    def find_spec(name: str, path: object = None, target: object = None) -> None:  # noqa: ARG004
+        if name == "numpy":
+            sys.meta_path.remove(_RoomForNumpy)  # once is enough
+            from clipcli.address_space import NUMPY_BYTES, check_room
+
+            check_room(NUMPY_BYTES, "loading numpy")
+
+
 def run() -> None:
     """Run the CLI as a program and exit with its code (never returns)."""
     _guard_start_up()
@@ -72,18 +103,26 @@ def run() -> None:
         # loaded. We thread over chunks ourselves; BLAS threads on top only spin and
         # contend (norms of 512 MiB of float16 on a busy 2-core machine: 3.9 s, not 0.7 s).
         os.environ.setdefault(variable, "1")
-    from clipcli.cli import main
+    sys.meta_path.insert(0, _RoomForNumpy)
+    try:
+        from clipcli.cli import main
 
-    _preload(sys.argv[1:])
+        _preload(sys.argv[1:])
+    except (MemoryError, ImportError) as exc:  # before main()'s boundary: as it would say
+        from clipcli.address_space import refused_memory
+
+        if not refused_memory(exc):
+            raise
+        _exit_out_of_memory(exc)
     try:
         code = main()
     except KeyboardInterrupt:  # landed between main()'s boundary and here
         os.write(2, INTERRUPTED_LINE)
         code = 130
     # The outcome is decided and reported: a late signal must not add a traceback to it.
-    for signum in (_signal.SIGINT, _signal.SIGTERM):
+    for signum in GUARDED:
         _signal.signal(signum, _signal.SIG_IGN)
-    if code in (130, 143):
+    if code in (129, 130, 143):
         # CPython 3.11 marks a KeyboardInterrupt "unhandled" when it passes through exec()
         # of a string (dataclasses and namedtuple do that while importing), even though
         # main() handled it; the interpreter would then kill itself with SIGINT at exit

@@ -208,7 +208,7 @@ def clip(
     from clipcli import execution  # WRITING_MODULES
 
     target = _target(src, out, force, durable)
-    with interrupts.deferred(), open_reader(src) as reader:
+    with interrupts.deferred(writes=True), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
@@ -311,7 +311,7 @@ def convert(
     from clipcli.plan import copy_plan  # WRITING_MODULES
 
     target = _target(src, out, force, durable)
-    with interrupts.deferred(), open_reader(src) as reader:
+    with interrupts.deferred(writes=True), open_reader(src) as reader:
         writer_cls = check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from clipcli import interrupts
+from clipcli.address_space import refused_memory
 from clipcli.commands.common import finish_progress, reader_went_away
 from clipcli.errors import ClipcliError, ExitCode, Verdict, printable
 
@@ -51,6 +53,11 @@ def exit_code_for(exc: BaseException, args: list[str] | None = None) -> int:
         return reader_went_away()
     if isinstance(exc, ClipcliError):
         return fail(str(exc), exc.exit_code)
+    if refused_memory(exc):
+        # As for a full disk (exit 5): the environment refused a resource (`ulimit -v`, a
+        # container's memory); the input is not at fault. A write staged so far is gone.
+        detail = f": {exc}" if str(exc) else ""
+        return fail(f"out of memory{detail}", ExitCode.WRITE_FAILED)
     if isinstance(exc, KeyboardInterrupt):
         # Outside a write there is nothing to clean up; inside one, the job cleaned up.
         return fail("interrupted", ExitCode.INTERRUPTED)
@@ -67,10 +74,14 @@ def exit_code_for(exc: BaseException, args: list[str] | None = None) -> int:
 def run_command(body: Callable[[], None]) -> int:
     """Run a command's body inside the boundary; its exit code. What it raises comes from
     inside the command, not from parsing (a Click exception there is a bug: exit 70).
-    cli.main() runs what the quick parser took through here, the Typer app its commands."""
+    cli.main() runs what the quick parser took through here, the Typer app its commands.
+    Signals are recorded for the whole command (clipcli.interrupts): acted on between
+    chunks, they unwind through the readers, which remove their temps."""
     try:
-        body()
-        sys.stdout.flush()  # a closed pipe must show here, not at interpreter exit
+        with interrupts.deferred():
+            interrupts.check()  # one that came while the command line was parsed
+            body()
+            sys.stdout.flush()  # a closed pipe must show here, not at interpreter exit
     except BaseException as exc:  # the boundary: every failure, one line
         return exit_code_for(exc)
     return ExitCode.OK

@@ -16,8 +16,8 @@ import sys
 import threading
 from collections.abc import Callable
 
-from clipcli import __version__, boundary, quick_args
-from clipcli.commands.common import Stdout, emit
+from clipcli import __version__, boundary, interrupts, quick_args
+from clipcli.commands.common import Stdout, emit, escape_unencodable
 from clipcli.errors import ExitCode
 
 # Each command's body, by name: (module, function). Imported for the command run only.
@@ -79,29 +79,39 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    escape_unencodable()
     args = sys.argv[1:] if argv is None else list(argv)
+    if not args:
+        args = ["--help"]
     try:
         _restore_signal_defaults()
         for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             # We thread over chunks ourselves; BLAS threads on top only spin and contend.
             os.environ.setdefault(variable, "1")
         _keep_chunk_buffers()
-        if not args:
-            args = ["--help"]
-        if args == ["--version"]:  # (__main__ answers it before importing this module)
-            emit(lambda: print(f"clipcli {__version__}"))
-            return ExitCode.OK
-        parsed = quick_args.parse(args)
-        if parsed is not None:
-            command, values = parsed
-            return boundary.run_command(lambda: body_of(command)(**values))
-        from clipcli import typer_app
-
-        result = typer_app.run(args)
-        sys.stdout.flush()
+        # SIGINT, SIGTERM and SIGHUP are recorded from here on; the command acts on them
+        # between chunks (boundary.run_command), so readers remove their temps.
+        with interrupts.deferred():
+            result = _run(args)
     except BaseException as exc:  # the boundary: every failure, one line
         return boundary.exit_code_for(exc, args)
     if result == ExitCode.INTERRUPTED and not boundary.failure_reported():
         # Click turns a Ctrl-C outside our commands (while parsing) into a silent 130.
         return boundary.fail("interrupted", ExitCode.INTERRUPTED)
     return int(result) if isinstance(result, int) else ExitCode.OK
+
+
+def _run(args: list[str]) -> object:
+    """The command line's exit code (or what the Typer app returned for it)."""
+    if args == ["--version"]:  # (__main__ answers it before importing this module)
+        emit(lambda: print(f"clipcli {__version__}"))
+        return ExitCode.OK
+    parsed = quick_args.parse(args)
+    if parsed is not None:
+        command, values = parsed
+        return boundary.run_command(lambda: body_of(command)(**values))
+    from clipcli import typer_app
+
+    result = typer_app.run(args)
+    sys.stdout.flush()
+    return result

@@ -169,7 +169,7 @@ class Target:
         Signals are deferred for the whole block. Any failure removes the work directory
         and leaves OUT as it was: OSError becomes WriteError (exit 5), a signal
         Interrupted."""
-        with interrupts.deferred():
+        with interrupts.deferred(writes=True):
             try:
                 remove_stale_temps(self.out, self._keep)
             except StaleTempHoldsInput as exc:
@@ -224,6 +224,7 @@ class Target:
         interrupts.check()  # the last moment at which a signal means "no output"
         self._set_mode(staged)
         self._place(staged)  # the commit point
+        interrupts.settle()  # OUT is whole: a signal from here on is moot
         if self.durable:
             with contextlib.suppress(OSError):
                 fsync_path(self.parent)

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from clipcli import interrupts
 from clipcli.errors import ClipcliError, UsageError, WriteError
 from clipcli.footprint import InputFootprint
 from clipcli.formats.base import Writer
@@ -71,6 +72,7 @@ class StdoutTarget(Target):
         sys.stdout.flush()  # nothing of ours may follow the binary data out of order
         try:
             yield Path(STDOUT)
+            interrupts.settle()  # the whole stream is out: a later signal is moot
         except ClipcliError as exc:
             # "no output written" is true of a staged file, not of a stream: say what went.
             sent = SafetensorsStreamWriter.bytes_sent()

@@ -1,10 +1,12 @@
 """What every command's body shares: the selection, stderr notes, progress, output."""
 
+import contextlib
 import math
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from clipcli import interrupts
 from clipcli.errors import UsageError, WriteError, printable
 from clipcli.report import OutputFormat
 
@@ -42,6 +44,36 @@ def check_threshold(flag: str, value: float | None) -> None:
         raise UsageError(f"{flag} nan can never be exceeded; give a number")
 
 
+ESCAPE = "clipcli.escape"
+
+
+def _escape(exc: UnicodeError) -> tuple[bytes, int]:
+    """What the stream's encoding cannot hold, as backslash escapes (`w\\xe9`); bytes that
+    surrogateescape carried in from a file name go out as they came in."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    out = bytearray()
+    for ch in exc.object[exc.start : exc.end]:
+        if 0xDC80 <= ord(ch) <= 0xDCFF:
+            out.append(ord(ch) - 0xDC00)
+        else:
+            out += ch.encode("ascii", "backslashreplace")
+    return bytes(out), exc.end
+
+
+def escape_unencodable() -> None:
+    """stdout and stderr never fail to encode: under LC_ALL=C (PYTHONUTF8=0) or
+    PYTHONIOENCODING=ascii a name like 'wé' made the report raise UnicodeEncodeError
+    (exit 70, after clip had committed OUT). What the encoding cannot hold is escaped."""
+    import codecs
+
+    codecs.register_error(ESCAPE, _escape)
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) in ("strict", "surrogateescape"):
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                stream.reconfigure(errors=ESCAPE)  # type: ignore[union-attr]
+
+
 class Stdout:
     """Whether the process started with stdout closed (`>&-`); set by cli.main()."""
 
@@ -53,6 +85,7 @@ def emit(write: Callable[[], None]) -> None:
     a --fail-above verdict still decides the exit code (`norms --fail-above 5 m | head -1`
     in a pipefail script must still say 1 when the norm is over)."""
     finish_progress()  # the bar's line ends before the report starts
+    interrupts.check()  # a signal that came while reading ends the run before the report
     if Stdout.closed:
         raise WriteError("standard output is closed; the report cannot be written")
     try:

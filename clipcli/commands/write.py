@@ -79,7 +79,7 @@ def clip(
     )
     # Signals are recorded from here to the end: acted on between chunks until OUT is
     # committed, moot after that (OUT is whole, so the run reports success).
-    with interrupts.deferred():
+    with interrupts.deferred(writes=True):
         result = clip(
             src,
             out,
@@ -113,7 +113,7 @@ def convert(
     from clipcli import interrupts
     from clipcli.api import convert
 
-    with interrupts.deferred():  # as for clip
+    with interrupts.deferred(writes=True):  # as for clip
         infos = convert(
             src,
             out,

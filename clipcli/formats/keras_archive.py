@@ -30,6 +30,7 @@ from typing import IO, BinaryIO
 
 import numpy as np
 
+from clipcli import interrupts, scratch
 from clipcli.errors import InputError
 from clipcli.formats.base import (
     Checkpoint,
@@ -104,15 +105,20 @@ class KerasArchiveReader(Reader):
         return entries
 
     def _unpack_weights(self) -> Path:
-        """model.weights.h5 in a private temp directory (removed by close())."""
-        self._scratch = tempfile.TemporaryDirectory(prefix="clipcli-keras-")
+        """model.weights.h5 in a private temp directory (removed by close()). A temp
+        directory that is missing or full is exit 5 naming it (clipcli.scratch), not a
+        fault of the archive."""
+        self._scratch = scratch.temp_directory("clipcli-keras-")
         target = Path(self._scratch.name, WEIGHTS_MEMBER)
         entry = self.archive.getinfo(WEIGHTS_MEMBER)
+        sink = _ScratchSink(scratch.open_new(target))
         try:
-            with self.archive.open(entry) as source, open(target, "xb") as sink:
+            with self.archive.open(entry) as source:
                 copied = _copy_stream(source, sink, entry.file_size)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
             raise InputError(self.weights_name, f"cannot unpack: {exc}") from None
+        finally:
+            os.close(sink.fd)
         if copied != entry.file_size:
             raise InputError(self.weights_name, "holds another size than the zip declares")
         return target
@@ -207,10 +213,24 @@ def _unix_file_type(entry: zipfile.ZipInfo) -> str | None:
     return _UNIX_TYPES.get(kind, f"special file (mode {kind:o})")
 
 
-def _copy_stream(source: IO[bytes], sink: IO[bytes], limit: int) -> int:
+class _ScratchSink:
+    """A file in the temp directory, written through clipcli.scratch: a failing write is
+    exit 5 naming the directory, told apart from a failing read of the archive."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.position = 0
+
+    def write(self, data: bytes) -> None:
+        scratch.write_at(self.fd, data, self.position)
+        self.position += len(data)
+
+
+def _copy_stream(source: IO[bytes], sink: IO[bytes] | _ScratchSink, limit: int) -> int:
     """Copy at most limit + 1 bytes (one more shows a member longer than declared)."""
     copied = 0
     while copied <= limit:
+        interrupts.check()  # a block at a time: a signal must not wait for the whole member
         block = source.read(min(COPY_BLOCK, limit + 1 - copied))
         if not block:
             break

@@ -7,12 +7,21 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from clipcli.errors import printable
-from clipcli.report.table import PLAIN_TABLE_ROWS, cells, middle_ellipses, pipe_console
+from clipcli.report.table import (
+    PLAIN_TABLE_ROWS,
+    can_draw,
+    cells,
+    encodable,
+    middle_ellipses,
+    pipe_console,
+)
 
 BAR_WIDTH = 40
 BAR_MIN_WIDTH = 10  # a narrow terminal shortens the bars to this before the names
 LABEL_MIN_CELLS = 32  # as for table names: bars shorten first
 COUNTED, NOT_COUNTED = "█", "░"  # in the global norm, or listed but not in it
+GLYPHS = COUNTED + NOT_COUNTED + "│"  # and the limit's mark
+ASCII_GLYPHS = "#.|"
 
 
 def render_chart(
@@ -32,7 +41,7 @@ def render_chart(
     # weights' bars (its own bar is cut at the full width; its number is printed).
     finite = [n for n, c in zip(norms, counted, strict=True) if c and math.isfinite(n)]
     top = max(finite + ([limit] if limit is not None else []), default=0.0)
-    texts = [printable(label) for label in labels]
+    texts = [encodable(stream, printable(label)) for label in labels]
     values = [f"{norm:.6g}" for norm in norms]
     label_width = max((cells(t) for t in texts), default=0)
     norm_width = max((len(v) for v in values), default=0)
@@ -43,6 +52,8 @@ def render_chart(
         label_width = max(min(label_width, spare - bar_width), min(label_width, LABEL_MIN_CELLS))
     mark = round(limit / top * bar_width) if limit is not None and top > 0 else None
     position = None if mark is None else min(mark, bar_width - 1)
+    # An ASCII-only stream (LC_ALL=C) gets ASCII bars instead of escapes.
+    glyphs = GLYPHS if can_draw(stream, GLYPHS) else ASCII_GLYPHS
     lines = []
     shortened = middle_ellipses(texts, label_width)
     for label, norm, value, in_global in zip(shortened, norms, values, counted, strict=True):
@@ -54,26 +65,29 @@ def render_chart(
             else 0
         )
         over = in_global and limit is not None and not norm <= limit
-        glyph = COUNTED if in_global else NOT_COUNTED
+        glyph = glyphs[0] if in_global else glyphs[1]
         bar = glyph * length + " " * (bar_width - length)
         if position is not None:
-            bar = bar[:position] + "│" + bar[position + 1 :]
+            bar = bar[:position] + glyphs[2] + bar[position + 1 :]
         pad = " " * (label_width - cells(label))
         lines.append((f" {label}{pad}  ", bar, f"  {value.rjust(norm_width)}", over, in_global))
     stream.write(printable(title) + "\n")  # a plain line, as for tables: never wrapped
     if len(lines) > PLAIN_TABLE_ROWS or not lines:  # rich lays out 20,000 bars in ~7 s
         stream.write("".join(f"{a}{bar}{b}\n" for a, bar, b, _, _ in lines))
     else:
-        _coloured(lines, position, stream)
+        _coloured(lines, position, stream, glyphs[2])
     if not all(counted):
-        stream.write(f"{NOT_COUNTED} not in the global norm\n")
+        stream.write(f"{glyphs[1]} not in the global norm\n")
     if limit is not None:
         over_count = sum(1 for n, c in zip(norms, counted, strict=True) if c and not n <= limit)
-        stream.write(f"limit {limit:g} (│): {over_count} of {sum(counted)} over\n")
+        stream.write(f"limit {limit:g} ({glyphs[2]}): {over_count} of {sum(counted)} over\n")
 
 
 def _coloured(
-    lines: list[tuple[str, str, str, bool, bool]], position: int | None, stream: TextIO
+    lines: list[tuple[str, str, str, bool, bool]],
+    position: int | None,
+    stream: TextIO,
+    mark: str,
 ) -> None:
     """The same characters, with over-limit bars red, others green, the mark yellow."""
     from rich.text import Text
@@ -87,7 +101,7 @@ def _coloured(
             line.append(bar, style=style)
         else:
             line.append(bar[:position], style=style)
-            line.append("│", style="bold yellow")
+            line.append(mark, style="bold yellow")
             line.append(bar[position + 1 :], style=style)
         line.append(after)
         console.print(line, no_wrap=True, crop=False, soft_wrap=True)

@@ -93,6 +93,9 @@ def render_plot(bars: Bars, limit: float | None, grouped: bool, suffix: str) -> 
     # matplotlib logs, as warnings, that it made a temporary cache directory when $HOME is
     # not writable (a service account), several lines per run: stderr holds errors only.
     logging.getLogger("matplotlib").setLevel(logging.ERROR)
+    from clipcli.address_space import PLOT_BYTES, check_room
+
+    check_room(PLOT_BYTES, "drawing the plot")  # else OpenBLAS may exit(1) mid-drawing
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed

@@ -8,6 +8,7 @@ so that the next message starts on a line of its own.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -103,9 +104,14 @@ class TerminalProgress(Progress):
                     text.append(piece, style=style)
                 return text
 
-        self._bar = Progress(Line(), console=console, transient=True)
+        bar = Progress(Line(), console=console, transient=True)
+        try:
+            bar.start()  # rich redraws from a thread of its own
+        except RuntimeError:  # no thread can be started (RLIMIT_NPROC): no bar, same run
+            self.delay = math.inf
+            return
+        self._bar = bar
         _open_bars.add(self)
-        self._bar.start()
         self._task = self._bar.add_task(self._label, total=self._total, completed=self._done)
 
 

@@ -34,6 +34,35 @@ def output_width(stream: TextIO) -> int | None:
     return int(columns) if columns.isdigit() and int(columns) > 0 else None
 
 
+def can_draw(stream: TextIO, glyphs: str) -> bool:
+    """Whether `stream`'s encoding holds these box or bar characters (LC_ALL=C, or
+    PYTHONIOENCODING=ascii, does not: the table is then drawn in ASCII)."""
+    try:
+        glyphs.encode(getattr(stream, "encoding", None) or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
+def encodable(stream: TextIO, text: str) -> str:
+    """`text` with what `stream`'s encoding cannot hold escaped (`w\\xe9`), so that the
+    cells are measured as they will be written and the columns stay aligned."""
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        return text.encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:
+        pass
+    return text
+
+
+# rich's HEAVY_HEAD box: the top line, the header's bar, the line under it, the rows' bar,
+# the bottom line; rich's ASCII box for streams that cannot hold it.
+BOX = "┏━┳┓┃┡━╇┩│└─┴┘"
+_ASCII_BOX = str.maketrans(BOX, "+-++||-+||+-++")
+
+
 def cell_text(value: Value) -> str:
     if value is None:
         return "-"
@@ -223,7 +252,7 @@ def fit(report: Report, texts: Sequence[Sequence[str]], width: int | None) -> La
 
 
 def render_table(report: Report, stream: TextIO, width: int | None) -> None:
-    texts = [[cell_text(v) for v in row] for row in report.rows]
+    texts = [[encodable(stream, cell_text(v)) for v in row] for row in report.rows]
     layout = fit(report, texts, width)
     columns = [report.columns[i] for i in layout.shown]
     rows = [[row[i] for i in layout.shown] for row in texts]
@@ -267,10 +296,11 @@ def _boxed_table(columns: Sequence[Any], rows: Sequence[Sequence[str]], stream: 
         ]
         return bar + " " + f" {bar} ".join(parts) + " " + bar + "\n"
 
-    out = [line("┏", "━", "┳", "┓"), row([c.title for c in columns], "┃")]
-    out.append(line("┡", "━", "╇", "┩"))
-    out += [row(texts, "│") for texts in rows]
-    out.append(line("└", "─", "┴", "┘"))
+    box = BOX if can_draw(stream, BOX) else BOX.translate(_ASCII_BOX)
+    out = [line(*box[0:4]), row([c.title for c in columns], box[4])]
+    out.append(line(*box[5:9]))
+    out += [row(texts, box[9]) for texts in rows]
+    out.append(line(*box[10:14]))
     stream.write("".join(out))
 
 

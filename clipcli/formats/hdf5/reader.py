@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
+from clipcli.address_space import HDF5_BYTES, check_room
 from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, Reader, TensorInfo, default_chunk_elems
 from clipcli.formats.hdf5.geometry import aligned_step, block_shape, flat_range_blocks
@@ -99,6 +100,7 @@ class Hdf5Reader(Reader):
     def _open_file(self, h5py: Any, name: str) -> None:
         # Lock where the filesystem can, but do not fail where it cannot (NFS, Lustre).
         locking = "best-effort" if h5py.version.hdf5_version_tuple >= (1, 12, 1) else None
+        check_room(HDF5_BYTES, "opening an HDF5 file")  # HDF5 crashes where malloc fails
         with input_errors(self.path, "cannot open as HDF5"):
             self.file: Any = h5py.File(
                 name,

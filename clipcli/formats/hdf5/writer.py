@@ -17,6 +17,7 @@ from typing import Any, cast
 import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
+from clipcli.address_space import HDF5_BYTES, check_room
 from clipcli.dtypes import from_ml_dtypes
 from clipcli.errors import InputError, WriteError
 from clipcli.formats.base import (
@@ -227,6 +228,7 @@ class Hdf5Writer(Writer):
         access_plist.set_cache(
             0, limits.CHUNK_CACHE_SLOTS, limits.CHUNK_CACHE_BYTES, limits.CHUNK_CACHE_W0
         )
+        check_room(HDF5_BYTES, "writing an HDF5 file")  # HDF5 crashes where malloc fails
         file_id = h5f.create(
             os.fsencode(self.path), h5f.ACC_TRUNC, fcpl=create_plist, fapl=access_plist
         )

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import tempfile
 from collections.abc import Iterator
 
 import numpy as np
 
+from clipcli import interrupts, scratch
 from clipcli.formats.base import TensorInfo
 from clipcli.formats.npz.npyheader import InputProblem
 
@@ -30,12 +30,12 @@ def _transposed_chunks(fd: int, offset: int, info: TensorInfo, step: int) -> Ite
     with contextlib.ExitStack() as stack:
         source, source_offset = fd, offset
         for level in range(max(0, len(shape) - 1)):
-            target = stack.enter_context(tempfile.TemporaryFile(prefix="clipcli-fortran-"))
+            target = stack.enter_context(scratch.temp_file("clipcli-fortran-"))
             batch = math.prod(shape[:level])
             cols = shape[level]
             rows = math.prod(shape[level + 1 :])
-            _transpose_batches(source, source_offset, target.fileno(), batch, rows, cols, itemsize)
-            source, source_offset = target.fileno(), 0
+            _transpose_batches(source, source_offset, target, batch, rows, cols, itemsize)
+            source, source_offset = target, 0
         for start in range(0, info.numel, step):
             count = min(step, info.numel - start)
             data = _pread_exactly(source, count * itemsize, source_offset + start * itemsize)
@@ -62,13 +62,15 @@ def _transpose_batches(
             count = min(group, batch - first)
             raw = _pread_exactly(source, count * matrix, offset + first * matrix)
             several = np.frombuffer(raw, np.uint8).reshape(count, rows, cols, itemsize)
-            os.pwrite(target, several.transpose(0, 2, 1, 3).tobytes(), first * matrix)
+            interrupts.check()  # a tile at a time: a signal must not wait for the whole pass
+            scratch.write_at(target, several.transpose(0, 2, 1, 3).tobytes(), first * matrix)
         return
     for index in range(batch):
         base = index * matrix
         for row0 in range(0, rows, tile_rows):
             row1 = min(rows, row0 + tile_rows)
             for col0 in range(0, cols, tile_cols):
+                interrupts.check()
                 col1 = min(cols, col0 + tile_cols)
                 width = (col1 - col0) * itemsize
                 if col0 == 0 and col1 == cols:
@@ -85,10 +87,10 @@ def _transpose_batches(
                 block = np.frombuffer(raw, np.uint8).reshape(row1 - row0, col1 - col0, itemsize)
                 flipped = np.ascontiguousarray(block.transpose(1, 0, 2))
                 if row0 == 0 and row1 == rows:
-                    os.pwrite(target, flipped.tobytes(), base + col0 * rows * itemsize)
+                    scratch.write_at(target, flipped.tobytes(), base + col0 * rows * itemsize)
                 else:
                     for col in range(col0, col1):
-                        os.pwrite(
+                        scratch.write_at(
                             target,
                             flipped[col - col0].tobytes(),
                             base + (col * rows + row0) * itemsize,

@@ -6,15 +6,14 @@ import contextlib
 import math
 import os
 import struct
-import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 
+from clipcli import interrupts, scratch
 from clipcli.errors import InputError
 from clipcli.formats.base import (
     CHUNK_BYTES,
@@ -199,15 +198,16 @@ class NpzReader(Reader):
                 if member.zip_info.compress_type == zipfile.ZIP_STORED:
                     fd, offset = self._handle.fileno(), self._stored_data_start(info, member)
                 else:
-                    spill = stack.enter_context(tempfile.TemporaryFile(prefix="clipcli-fortran-"))
-                    self._inflate_into(info, member, spill)
-                    fd, offset = spill.fileno(), 0
+                    fd = stack.enter_context(scratch.temp_file("clipcli-fortran-"))
+                    self._inflate_into(info, member, fd)
+                    offset = 0
                 yield from _transposed_chunks(fd, offset, info, step)
             except InputProblem as exc:
                 raise InputError(self.path, str(exc), info.name) from None
             except OSError as exc:
-                problem = f"cannot reorder column-major data in {tempfile.gettempdir()}"
-                raise InputError(self.path, f"{problem}: {exc.strerror}", info.name) from None
+                # Writes to the temporary directory fail as WriteError (scratch): this is a read.
+                problem = f"cannot read column-major data: {exc.strerror}"
+                raise InputError(self.path, problem, info.name) from None
 
     def _stored_data_start(self, info: TensorInfo, member: _Member) -> int:
         entry = member.zip_info
@@ -228,19 +228,20 @@ class NpzReader(Reader):
             raise InputError(self.path, "CRC mismatch: the member data is corrupt", info.name)
         return int(start + member.data_offset)
 
-    def _inflate_into(self, info: TensorInfo, member: _Member, spill: IO[bytes]) -> None:
-        """The member's array bytes, decompressed a piece at a time into `spill`."""
+    def _inflate_into(self, info: TensorInfo, member: _Member, spill: int) -> None:
+        """The member's array bytes, decompressed a piece at a time into the scratch file
+        `spill` (a failing write there is scratch's WriteError, exit 5, not a read error)."""
         try:
             with self._zip.open(member.zip_info) as stream:
                 _read_exactly(stream, member.data_offset)
-                remaining = info.nbytes
-                while remaining > 0:
-                    data = _read_exactly(stream, min(CHUNK_BYTES, remaining))
-                    spill.write(data)
-                    remaining -= len(data)
+                position = 0
+                while position < info.nbytes:
+                    interrupts.check()
+                    data = _read_exactly(stream, min(CHUNK_BYTES, info.nbytes - position))
+                    scratch.write_at(spill, data, position)
+                    position += len(data)
                 if stream.read(1):
                     raise InputProblem("extra bytes after the array data")
-            spill.flush()
         except InputProblem as exc:
             raise InputError(self.path, str(exc), info.name) from None
         except _READ_ERRORS as exc:

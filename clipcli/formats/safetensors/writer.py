@@ -67,6 +67,7 @@ class SafetensorsWriter(Writer):
             position += info.nbytes
         self._ahead: dict[str, Future[None]] = {}
         self._copier: ThreadPoolExecutor | None = None
+        self._threadless = False  # no thread could be started: no copying ahead
         self._stop = threading.Event()
 
     def _open(self, path: Path) -> BinaryIO:
@@ -86,13 +87,24 @@ class SafetensorsWriter(Writer):
         """Kernel-copy the tensor to its final offset on a background thread, so that when
         nothing changes the copy overlaps the measuring pass instead of following it."""
         stored = source.stored_bytes(info)
-        if stored is None or not info.nbytes:
+        if stored is None or not info.nbytes or self._threadless:
             return
         if self._copier is None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clipcli-copy")
-        self._ahead[info.name] = self._copier.submit(
-            self._copy_range, stored.fileno(), stored.begin, stored.end, self._offsets[info.name]
-        )
+        try:
+            self._ahead[info.name] = self._copier.submit(
+                self._copy_range,
+                stored.fileno(),
+                stored.begin,
+                stored.end,
+                self._offsets[info.name],
+            )
+        except RuntimeError:
+            # Its thread cannot be started (RLIMIT_NPROC): the tensor is copied in order
+            # by write_tensors instead. The queued copy must never run: cancel it.
+            self._copier.shutdown(wait=True, cancel_futures=True)
+            self._copier = None
+            self._threadless = True
 
     def _copy_range(self, source_fd: int, begin: int, end: int, position: int) -> None:
         writeback = self._writeback  # started out of order when copying ahead

@@ -1,0 +1,61 @@
+"""Room in the address space (`ulimit -v`, RLIMIT_AS) before loading what cannot fail
+cleanly without it.
+
+OpenBLAS (numpy's BLAS) maps 32 MiB buffers when numpy loads and on a first matrix call
+(matplotlib makes one); when the mapping fails it calls exit(1) from C: no exception, no
+cleanup, and 1 is --fail-above's code. So before numpy or matplotlib loads, the room left
+under the limit is checked, and a MemoryError (one line, exit 5) says what is missing.
+This module imports nothing that the interpreter has not loaded (start-up time).
+"""
+
+import os
+
+# Measured with numpy 2 and scipy-openblas (82 MiB), plus a margin for other builds.
+NUMPY_BYTES = 96 << 20
+# The HDF5 library dereferences a failed allocation while it opens a file (SIGSEGV under
+# `ulimit -v`, seen 1 MiB above the smallest limit that works); its caches take a few MiB.
+HDF5_BYTES = 16 << 20
+# matplotlib, a figure and OpenBLAS's matrix buffer (measured ~80 MiB), plus a margin.
+PLOT_BYTES = 112 << 20
+
+
+def check_room(needed: int, what: str) -> None:
+    """Raise MemoryError if the address-space limit leaves less than `needed` bytes."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return
+    try:
+        with open(f"/proc/{os.getpid()}/status", "rb") as status:
+            fields = dict(line.split(b":", 1) for line in status if b":" in line)
+        used = int(fields[b"VmSize"].split()[0]) << 10
+    except (OSError, KeyError, ValueError):  # no /proc: let the library try
+        return
+    problem = room_problem(limit, used, needed, what)
+    if problem is not None:
+        raise MemoryError(problem)
+
+
+def room_problem(limit: int, used: int, needed: int, what: str) -> str | None:
+    """What is missing when `limit` bytes of address space, `used` of them taken, leave
+    less than `needed`; None when exactly `needed` or more are left."""
+    if limit - used >= needed:
+        return None
+    return (
+        f"the address-space limit (ulimit -v) of {limit >> 20} MiB leaves "
+        f"{max(0, limit - used) >> 20} MiB; {what} needs about {needed >> 20} MiB"
+    )
+
+
+def refused_memory(exc: BaseException) -> bool:
+    """Whether `exc` is the address space running out: MemoryError, or the dynamic loader
+    failing to map an extension module (ImportError "failed to map segment")."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, ImportError) and (
+        "failed to map segment" in text or "Cannot allocate memory" in text
+    )
