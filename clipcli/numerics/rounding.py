@@ -177,7 +177,15 @@ def exact_scaled(wide: np.ndarray, scale: float, exponent: int, dtype: np.dtype[
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         if mantissa_digits(dtype) >= 53:
             return _float64_scaled(wide, mantissa, exponent)
-        product, error = _two_product(wide, mantissa)
+        # mantissa = head + tail, head short enough that value * head is exact and tail
+        # with at most the dtype's digits, so value * tail is exact too: their sum,
+        # rounded, and its error (Fast2Sum: |value * head| >= |value * tail|) are the
+        # exact product in four operations.
+        cut = 53 - mantissa_digits(dtype)
+        head = math.ldexp(math.floor(math.ldexp(mantissa, cut)), -cut)
+        high, low = wide * head, wide * (mantissa - head)
+        product = high + low
+        error = low - (product - high)
         inexact = (error != 0) & np.isfinite(product)
         if np.any(inexact):
             bits = product.view(np.uint64)
