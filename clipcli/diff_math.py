@@ -51,6 +51,7 @@ from clipcli.diff import (
 from clipcli.dtypes import is_floating
 from clipcli.formats.base import Reader
 from clipcli.formats.compare import file_changes
+from clipcli.numerics.difference import difference
 from clipcli.numerics.norms import (
     NormAccumulator,
     ScaledSum,
@@ -58,7 +59,7 @@ from clipcli.numerics.norms import (
     global_norm,
     scaled_dot,
 )
-from clipcli.numerics.widening import widen_real
+from clipcli.numerics.widening import widen, widen_real
 
 # ---------------------------------------------------------------------------------------
 # per-piece reduction (runs in worker threads) and per-tensor merge
@@ -113,14 +114,21 @@ def _compare(a: np.ndarray, b: np.ndarray, same_dtype: bool, as_complex: bool) -
         return Partial(acc_a, copy.copy(acc_a), NormAccumulator(), dot, True, nbytes)
     acc_b = accumulate([b])
     wide_a, wide_b = _wide(a, as_complex), _wide(b, as_complex)
-    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, 1e308 - -1e308
-        diff = wide_a - wide_b
+    # Exact differences, not those of the widened values: int64 2**60 + 1 vs 2**60 is 1.
+    diff, shift = difference(_real_parts(a, as_complex), _real_parts(b, as_complex))
     finite = not (acc_a.nonfinite or acc_b.nonfinite)
     if not finite:
-        # Equal values (the same infinity, NaN on both sides) are unchanged: 0, not nan.
-        unchanged = (wide_a == wide_b) | (np.isnan(wide_a) & np.isnan(wide_b))
+        # The same infinity, or NaN on both sides, is unchanged: 0, not nan. (Only floats
+        # are non-finite, and they are exact when widened.)
+        unchanged = (np.isinf(wide_a) & (wide_a == wide_b)) | (np.isnan(wide_a) & np.isnan(wide_b))
         diff[unchanged] = 0.0
     acc_d = accumulate([diff.view(np.complex128) if as_complex else diff])
+    if shift:
+        acc_d.sumsq.exp += 2 * shift  # the squares of differences halved `shift` times
+        try:
+            acc_d.max_abs = math.ldexp(acc_d.max_abs, shift)
+        except OverflowError:  # the largest difference itself is beyond float64
+            acc_d.max_abs = math.inf
     dot = scaled_dot(wide_a, wide_b, acc_a.max_abs, acc_b.max_abs) if finite else (0.0, 0)
     return Partial(acc_a, acc_b, acc_d, dot, False, nbytes)
 
@@ -135,6 +143,18 @@ def _bits(chunk: np.ndarray) -> np.ndarray:
     if unsigned is None:
         unsigned = np.uint64 if size % 8 == 0 else np.uint8
     return chunk.view(unsigned)
+
+
+def _real_parts(chunk: np.ndarray, as_complex: bool) -> np.ndarray:
+    """The chunk's values in their own dtype (integers stay integers, to be subtracted
+    exactly); against a complex side, as real and imaginary parts side by side."""
+    if not as_complex:
+        return chunk
+    if chunk.dtype.kind == "c":
+        return widen(chunk).view(np.float64)
+    parts = np.zeros((chunk.size, 2), dtype=chunk.dtype)
+    parts[:, 0] = chunk.reshape(-1)
+    return parts.reshape(-1)
 
 
 def _wide(chunk: np.ndarray, as_complex: bool) -> np.ndarray:
@@ -187,7 +207,7 @@ def finish(job: Pair, run: Running) -> TensorDiff:
     return TensorDiff(
         status=status,
         diff_norm=diff_norm,
-        rel_change=relative(diff_norm, norm_a),
+        rel_change=_relative_change(run.acc_d, run.acc_a),
         max_abs_diff=_max_abs(run.acc_d),
         cosine=_cosine(run, norm_a, norm_b, status == SAME),
         norm_ratio=norm_b / norm_a if norm_a != 0 else None,
@@ -197,12 +217,38 @@ def finish(job: Pair, run: Running) -> TensorDiff:
 
 
 def relative(change: float, reference: float) -> float:
-    """change / reference, with 0 for no change and inf for a change of nothing."""
+    """change / reference, with 0 for no change and inf for a change of nothing. A change
+    is never reported as 0: a quotient below float64's range is the smallest float64."""
     if change == 0.0:
         return 0.0
     if reference == 0.0:
         return math.inf
-    return change / reference
+    return _never_zero(change / reference)
+
+
+def _relative_change(diff: NormAccumulator, base: NormAccumulator) -> float:
+    """‖A−B‖/‖A‖ from the scaled sums of squares, so that neither norm overflowing
+    (1e308 values) nor the quotient underflowing (a change of 5e-324 against 1e300) hides
+    a change: 0 exactly when no value changed. nan when a difference is NaN, or when
+    something changed and ‖A‖ is not finite (A holds NaN or Inf: no ratio to take)."""
+    changed = diff.sumsq.mant != 0.0 or diff.nonfinite
+    if not changed:
+        return 0.0
+    if diff.nan_count or base.nonfinite:
+        return math.nan
+    if diff.nonfinite or base.sumsq.mant == 0.0:
+        return math.inf
+    ratio = math.sqrt(diff.ssq) / math.sqrt(base.ssq)
+    try:
+        return _never_zero(math.ldexp(ratio, diff.exp - base.exp))
+    except OverflowError:
+        return math.inf
+
+
+def _never_zero(quotient: float) -> float:
+    """A nonzero quotient that underflowed to 0 is the smallest float64 instead, so that
+    `--fail-above 0` and `rel_change > 0` see the change."""
+    return quotient if quotient != 0.0 else math.ulp(0.0)
 
 
 def _max_abs(acc: NormAccumulator) -> float:

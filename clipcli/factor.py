@@ -13,9 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
-
-import numpy as np
 
 from clipcli.formats.base import TensorInfo
 from clipcli.measurement import TensorStats
@@ -47,8 +44,6 @@ def search_factor(
     return scaling.group_factor(as_members, limit, output_sumsq, exact_limit)
 
 
-def tf_factor(use_norm: float, limit: float, dtypes: Sequence[np.dtype[Any]]) -> Factor | None:
-    """--use-norm: TF's factor C / N to as many bits as keep every product exact, so that
-    each value is rounded once (below 2**-29 relative for float32, 2**-42 for float16)."""
-    scale = scaling.given_norm_factor(use_norm, limit, dtypes)
-    return None if scale is None else Factor(scale)
+def tf_factor(use_norm: float, limit: float) -> Factor | None:
+    """--use-norm: TF's factor C / N as given (53 bits; see scaling.given_norm_factor)."""
+    return scaling.given_norm_factor(use_norm, limit)

@@ -183,7 +183,7 @@ def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
     elif spec.group_by is not None:
         made = _plan_groups(members, spec, check)
     elif spec.use_norm is not None:
-        factor = tf_factor(spec.use_norm, spec.limit, [t.info.dtype for t in members])
+        factor = tf_factor(spec.use_norm, spec.limit)
         made = [_scaled(t, factor if t.stats.norm > 0 else None) for t in members]
     else:
         factor = search_factor(members, spec.limit, check)

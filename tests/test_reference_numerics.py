@@ -150,9 +150,14 @@ class Table:
         v = self.values
         idx = np.clip(np.searchsorted(v, high), 1, v.size - 1)
         below, above = v[idx - 1], v[idx]
-        d_below = (high - below) + low
-        d_above = (above - high) - low
-        pick_above = (d_above < d_below) | ((d_above == d_below) & (self.bits[idx] % 2 == 0))
+        # Compared exactly with the midpoint (high - mid is exact: both are multiples of
+        # high's last place, and |low| is below it): distances summed in float64 rounded
+        # a product a hair above a midpoint (--use-norm's 53-bit factors) onto the tie.
+        mid = (below + above) / 2
+        offset = high - mid
+        tie = (offset == 0) & (low == 0)
+        pick_above = (offset > 0) | ((offset == 0) & (low > 0))
+        pick_above |= tie & (self.bits[idx] % 2 == 0)
         pick_above &= high > below  # never past the last value below (saturation aside)
         chosen = np.where(pick_above, idx, idx - 1)
         result = self.bits[chosen].copy()

@@ -5,6 +5,7 @@
   scaled sum (ScaledSum) and rescaling rule, global norms
 - certain: sums of squares with a rigorous error bound, for "<= C" decisions
 - rounding: scale and clamp chunks in their own dtype, each value rounded once
+- difference: a − b for diff, exact for every dtype pair and rounded once
 - search: the one bisection for the largest factor that fits
 - scaling: the factor of a tensor, group or checkpoint (group_factor, given_norm_factor)
 - slices: per-slice norms and factors for --axes (axes_scales, scale_slices)

@@ -22,6 +22,7 @@ from clipcli.dtypes import (
     has_infinity,
     is_float8,
     is_small_float,
+    mantissa_digits,
     smallest_without_zero,
 )
 from clipcli.errors import DataRefusedError
@@ -92,16 +93,27 @@ def _scale_table(dtype: np.dtype[Any], scale: float, exponent: int) -> np.ndarra
 
 
 def _scale(chunk: np.ndarray, scale: float | np.ndarray, exponent: int) -> np.ndarray:
-    """chunk * scale * 2**exponent in float64 (complex128), rounded once to the chunk's
-    dtype. The search gives factors with few enough bits that the product is exact for
-    8- to 32-bit floats, so the only rounding is the last one (narrow_round)."""
+    """chunk * scale * 2**exponent, rounded once to the chunk's dtype. A factor short
+    enough for the float64 product to be exact (the search's factors) takes one
+    multiplication; any other (--use-norm's C / N, all 53 bits) is carried exactly
+    (exact_scaled) so that the only rounding is still the last one (narrow_round)."""
+    wide = widen(chunk)
+    if np.ndim(scale) == 0 and not _product_is_exact(float(scale), exponent, chunk.dtype):
+        if wide.dtype.kind == "c":
+            out = np.empty(wide.shape, np.complex128)
+            out.real = exact_scaled(wide.real, float(scale), exponent, chunk.dtype)
+            out.imag = exact_scaled(wide.imag, float(scale), exponent, chunk.dtype)
+            return narrow_round(out, chunk.dtype)
+        scaled = exact_scaled(wide, float(scale), exponent, chunk.dtype)
+        if smallest_without_zero(chunk.dtype) is not None:
+            scaled[scaled == 0] = 5e-324  # see below: no zero to round to
+        return narrow_round(scaled, chunk.dtype)
     if exponent:
         # Fold the mantissa's own power of two into the exponent: a mantissa like 1e16
         # would overflow a float64 element near 1e300 before the exponent brings it down.
         scale, shift = math.frexp(float(scale))
         exponent += shift
     factor = np.asarray(scale, dtype=np.float64)
-    wide = widen(chunk)
     if wide.dtype.kind == "c":
         # Part by part: z * (s + 0j) computes re*0 + im*s, which turns -0.0 into +0.0.
         out = np.empty(np.broadcast_shapes(wide.shape, factor.shape), np.complex128)
@@ -116,6 +128,99 @@ def _scale(chunk: np.ndarray, scale: float | np.ndarray, exponent: int) -> np.nd
         # underflowed float64 is a tiny positive value, which rounds to the smallest.
         wide[wide == 0] = 5e-324
     return narrow_round(wide, chunk.dtype)
+
+
+def _product_is_exact(scale: float, exponent: int, dtype: np.dtype[Any]) -> bool:
+    """Whether value * scale (then * 2**exponent) rounds once on the plain path: the
+    float64 product is exact, or, for float64 itself, is the one rounding."""
+    if scale == 0.0 or not math.isfinite(scale):
+        return True
+    digits = mantissa_digits(dtype)
+    if digits >= 53:
+        # float64 rounds once in the product; with an exponent a subnormal result would
+        # be rounded a second time by ldexp.
+        return exponent == 0
+    numerator = abs(scale.as_integer_ratio()[0])
+    return numerator.bit_length() + digits <= 53
+
+
+# ---------------------------------------------------------------- exact products
+#
+# x * m for float64 x and m exactly, as p + err (Dekker's product: p = fl(x * m), err the
+# exact remainder), valid while no partial product overflows or underflows: callers keep
+# both in [0.25, 1) (float64 data) or x within float32's range and m in [0.5, 1).
+_SPLITTER = 134217729.0  # 2**27 + 1: splits a float64 into two 26-bit halves
+_FLOAT64_NORMAL = 2.0**-1022
+_FLOAT64_TINIEST_EXP = -1074  # the smallest subnormal is 2**-1074
+
+
+def _split(values: np.ndarray | float) -> tuple[Any, Any]:
+    c = _SPLITTER * values
+    high = c - (c - values)
+    return high, values - high
+
+
+def _two_product(x: np.ndarray, m: float) -> tuple[np.ndarray, np.ndarray]:
+    product = x * m
+    x_high, x_low = _split(x)
+    m_high, m_low = _split(m)
+    error = ((x_high * m_high - product) + x_high * m_low + x_low * m_high) + x_low * m_low
+    return product, error
+
+
+def exact_scaled(wide: np.ndarray, scale: float, exponent: int, dtype: np.dtype[Any]) -> np.ndarray:
+    """Real float64 values times scale * 2**exponent, from the exact product: rounded
+    once to float64 for a float64 dtype, else rounded to odd in float64 (53 bits), which
+    narrow_round then rounds once more, correctly, to any narrower dtype."""
+    mantissa, shift = math.frexp(scale)
+    exponent += shift
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        if mantissa_digits(dtype) >= 53:
+            return _float64_scaled(wide, mantissa, exponent)
+        # mantissa = head + tail, head short enough that value * head is exact and tail
+        # with at most the dtype's digits, so value * tail is exact too: their sum,
+        # rounded, and its error (Fast2Sum: |value * head| >= |value * tail|) are the
+        # exact product in four operations.
+        cut = 53 - mantissa_digits(dtype)
+        head = math.ldexp(math.floor(math.ldexp(mantissa, cut)), -cut)
+        high, low = wide * head, wide * (mantissa - head)
+        product = high + low
+        error = low - (product - high)
+        inexact = (error != 0) & np.isfinite(product)
+        if np.any(inexact):
+            bits = product.view(np.uint64)
+            # Round to odd: truncate toward zero (one step down in magnitude where the
+            # remainder points the other way), then set the last bit if anything was cut.
+            toward_zero = inexact & ((error < 0) != (product < 0))
+            bits -= toward_zero.astype(np.uint64)
+            bits |= inexact.astype(np.uint64)
+        # Far below every narrower dtype's smallest value, the scaled result may round
+        # again in float64's subnormals: it becomes 0 (or e8m0's smallest) either way.
+        result: np.ndarray = np.ldexp(product, exponent) if exponent else product
+        return result
+
+
+def _float64_scaled(wide: np.ndarray, mantissa: float, exponent: int) -> np.ndarray:
+    """wide * mantissa * 2**exponent, each element rounded once to float64: the product
+    of the normalised fraction (one rounding) moved by the exponents where the result is
+    normal, and rounded on the subnormal grid from the exact product where it is not."""
+    fraction, power = np.frexp(wide)
+    result: np.ndarray = np.ldexp(fraction * mantissa, power + exponent)
+    low = np.flatnonzero(np.isfinite(wide) & (wide != 0) & (np.abs(result) < _FLOAT64_NORMAL))
+    if low.size:
+        product, error = _two_product(fraction[low], mantissa)
+        # In units of the smallest subnormal: an integer n to find, ties to even.
+        units = power[low].astype(np.int64) + exponent - _FLOAT64_TINIEST_EXP
+        scaled = np.ldexp(product, units)
+        rest = np.ldexp(error, units)
+        nearest = np.rint(scaled)
+        off = scaled - nearest
+        # Only an exact tie can be decided by the remainder (it is below half a unit of
+        # `scaled`, and so below the distance to the next tie otherwise).
+        beyond_tie = (np.abs(off) == 0.5) & (rest != 0) & ((rest > 0) == (off > 0))
+        nearest = np.where(beyond_tie, nearest + np.sign(off), nearest)  # -0.0 stays -0.0
+        result[low] = np.ldexp(nearest, _FLOAT64_TINIEST_EXP)
+    return result
 
 
 def value_bounds(dtype: np.dtype[Any], low: float, high: float) -> tuple[np.ndarray, np.ndarray]:

@@ -49,7 +49,6 @@ from clipcli.numerics.search import (
     exact_product_bits,
     guesses,
     search_factors,
-    truncate_factor,
     worst_unit,
 )
 
@@ -58,6 +57,9 @@ from clipcli.numerics.search import (
 _DOT_TERMS = CACHE_BLOCK
 # Below this, limit / norm is kept as a mantissa and a power of two (Factor.exponent).
 TINY_RATIO = 2.0**-900
+# A quotient mantissa * 2**exponent (mantissa in (0.5, 2)) from this exponent up is a
+# normal float64.
+TINY_EXPONENT = -1021
 
 
 # ---------------------------------------------------------------- the entry points
@@ -95,16 +97,21 @@ def tf_scale(norm: float, limit: float) -> float | None:
     return limit / norm
 
 
-def given_norm_factor(
-    use_norm: float, limit: float, dtypes: Sequence[np.dtype[Any]]
-) -> float | None:
-    """--global C --use-norm N: TF's factor C / max(N, C) to as many bits as keep every
-    product exact, so that each value is rounded once (below 2**-29 relative for float32,
-    2**-42 for float16); None when nothing changes. Zero tensors stay as they are."""
-    scale = tf_scale(use_norm, limit)
-    if scale is None:
+def given_norm_factor(use_norm: float, limit: float) -> Factor | None:
+    """--global C --use-norm N: TF's factor C / max(N, C), as given: the quotient rounded
+    once to 53 significant bits (exactly float64's C / N wherever that is a normal float64;
+    below, the exponent is kept apart rather than losing bits to a subnormal). Each value is
+    then rounded once from its exact product with it (rounding.scale_chunk), in every dtype.
+    None when nothing changes. Zero tensors stay as they are."""
+    if tf_scale(use_norm, limit) is None:
         return None
-    return truncate_factor(scale, exact_product_bits(dtypes))
+    limit_fraction, limit_exp = math.frexp(limit)
+    norm_fraction, norm_exp = math.frexp(use_norm)
+    mantissa = limit_fraction / norm_fraction  # in (0.5, 2): one rounding, never subnormal
+    exponent = limit_exp - norm_exp
+    if exponent >= TINY_EXPONENT:
+        return Factor(math.ldexp(mantissa, exponent))  # exact: a normal float64
+    return Factor(mantissa, exponent)
 
 
 def group_factor(
