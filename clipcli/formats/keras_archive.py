@@ -39,7 +39,7 @@ from clipcli.formats.base import (
     Writer,
 )
 from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer
-from clipcli.formats.npz import check_zip_layout
+from clipcli.formats.npz.zipcheck import BoundedMember, check_zip_layout, open_member
 from clipcli.formats.structure import Structure
 from clipcli.inputs import open_input
 
@@ -67,7 +67,6 @@ class KerasArchiveReader(Reader):
             except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
                 raise InputError(path, f"not a valid .keras (zip) archive: {exc}") from None
             self.members = self._check_members()
-            check_zip_layout(path, self._handle.fileno(), self.archive)
             self.inner = Hdf5Reader(self._unpack_weights(), shown_as=self.weights_name)
         except BaseException:
             self.close()
@@ -81,23 +80,19 @@ class KerasArchiveReader(Reader):
         entries = self.archive.infolist()
         if len(entries) > MAX_MEMBERS:
             raise InputError(self.path, f"holds {len(entries)} members, over {MAX_MEMBERS}")
-        seen: set[str] = set()
+        # Names (duplicates however spelt, case too: these members are files that tools
+        # extract), layout and budget: the zip rules shared with npz.
+        check_zip_layout(self.path, self._handle.fileno(), self.archive, fold_case=True)
         for entry in entries:
             name = entry.filename
-            parts = name.split("/")
-            if (
-                name in seen
-                or name.startswith("/")
-                or "\\" in name
-                or ".." in parts
-                or "\x00" in name
-            ):
-                raise InputError(self.path, f"member name {name!r} is repeated or escapes")
+            if "\\" in name:  # a separator to Windows tools, a plain character to others
+                raise InputError(
+                    self.path, f"member name {name!r} holds a backslash (a path separator)"
+                )
             kind = _unix_file_type(entry)
             if kind is not None:
                 raise InputError(self.path, f"member {name!r} is a {kind}, not a file")
-            seen.add(name)
-        if WEIGHTS_MEMBER not in seen:
+        if WEIGHTS_MEMBER not in {entry.orig_filename for entry in entries}:
             raise InputError(self.path, f"holds no {WEIGHTS_MEMBER}")
         return entries
 
@@ -107,13 +102,18 @@ class KerasArchiveReader(Reader):
         target = Path(self._scratch.name, WEIGHTS_MEMBER)
         entry = self.archive.getinfo(WEIGHTS_MEMBER)
         try:
-            with self.archive.open(entry) as source, open(target, "xb") as sink:
+            with self._open(entry) as source, open(target, "xb") as sink:
                 copied = _copy_stream(source, sink, entry.file_size)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
             raise InputError(self.weights_name, f"cannot unpack: {exc}") from None
         if copied != entry.file_size:
             raise InputError(self.weights_name, "holds another size than the zip declares")
         return target
+
+    def _open(
+        self, entry: zipfile.ZipInfo
+    ) -> contextlib.AbstractContextManager[BoundedMember | IO[bytes]]:
+        return open_member(self.archive, self._handle.fileno(), entry)
 
     def _weights(self) -> Hdf5Reader:
         assert self.inner is not None
@@ -155,7 +155,7 @@ class KerasArchiveReader(Reader):
     def copy_member(self, entry: zipfile.ZipInfo, sink: IO[bytes]) -> None:
         """One member's content, streamed (its CRC checked by zipfile at the end)."""
         try:
-            with self.archive.open(entry) as source:
+            with self._open(entry) as source:
                 copied = _copy_stream(source, sink, entry.file_size)
         except (zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as exc:
             raise InputError(self.path, f"cannot read member {entry.filename!r}: {exc}") from None
@@ -193,7 +193,7 @@ def _unix_file_type(entry: zipfile.ZipInfo) -> str | None:
     return _UNIX_TYPES.get(kind, f"special file (mode {kind:o})")
 
 
-def _copy_stream(source: IO[bytes], sink: IO[bytes], limit: int) -> int:
+def _copy_stream(source: BoundedMember | IO[bytes], sink: IO[bytes], limit: int) -> int:
     """Copy at most limit + 1 bytes (one more shows a member longer than declared)."""
     copied = 0
     while copied <= limit:
