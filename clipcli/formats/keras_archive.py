@@ -24,7 +24,7 @@ import shutil
 import stat
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, BinaryIO
 
@@ -233,6 +233,14 @@ class KerasArchiveWriter(Writer):
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
         return Hdf5Writer.check_dtype(info)
+
+    @classmethod
+    def check_name(cls, name: str) -> str | None:
+        return Hdf5Writer.check_name(name)  # the weights are an HDF5 file
+
+    @classmethod
+    def check_names(cls, names: Sequence[str]) -> str | None:
+        return Hdf5Writer.check_names(names)
 
     @classmethod
     def structure_losses(cls, source: Reader) -> list[str]:  # noqa: ARG003

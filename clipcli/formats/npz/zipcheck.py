@@ -50,6 +50,19 @@ def member_key(name: str, fold_case: bool = False) -> str:
     return key.casefold() if fold_case else key
 
 
+def member_name_problem(name: str) -> str | None:
+    """Why a member name alone is refused (it escapes the archive, holds a NUL, names no
+    file), or None; the npz writer asks the same of the names it will write."""
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith(("/", "\\")) or ".." in parts:
+        return "escapes the archive (absolute path or '..')"
+    if "\x00" in name:
+        return "holds a NUL byte"
+    if not member_key(name):
+        return "names no file (only '/' and '.')"
+    return None
+
+
 def check_member_names(path: Path, entries: Sequence[zipfile.ZipInfo], fold_case: bool) -> None:
     """Every member names its own file, inside the archive.
 
@@ -68,13 +81,9 @@ def check_member_names(path: Path, entries: Sequence[zipfile.ZipInfo], fold_case
                 f"{key!r} once extracted",
             )
         seen[key] = name
-        parts = name.replace("\\", "/").split("/")
-        if name.startswith(("/", "\\")) or ".." in parts:
-            raise InputError(path, f"member name {name!r} escapes the archive")
-        if "\x00" in name:
-            raise InputError(path, f"member name {name!r} holds a NUL byte")
-        if not key:
-            raise InputError(path, f"member name {name!r} names no file")
+        problem = member_name_problem(name)
+        if problem is not None:
+            raise InputError(path, f"member name {name!r} {problem}")
 
 
 def expansion_budget(file_size: int) -> int:
@@ -304,7 +313,10 @@ class BoundedMember:
             "lc": lc_lp_pb % 9,
             "lp": lc_lp_pb // 9 % 5,
             "pb": lc_lp_pb // 45,
-            "dict_size": int.from_bytes(properties[1:], "little"),
+            # The decoder allocates the whole dictionary up front, and the header may ask
+            # for 4 GiB. No valid stream looks back further than its own output, so the
+            # member's declared size (inside the budget) is dictionary enough (4 KiB at least).
+            "dict_size": max(4096, min(int.from_bytes(properties[1:], "little"), self._size)),
         }
         return lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=[lzma1])
 
