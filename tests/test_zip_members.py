@@ -185,7 +185,7 @@ def test_bzip2_and_lzma_members_read_as_np_load_reads_them(
     clipcli: Cli, tmp_path: Path, method: int
 ) -> None:
     rng = np.random.default_rng(3)
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "w": rng.standard_normal((64, 33)).astype(np.float32),
         "f": np.asfortranarray(rng.standard_normal((5, 7))),
         "e": np.zeros(0, np.float16),
@@ -195,7 +195,8 @@ def test_bzip2_and_lzma_members_read_as_np_load_reads_them(
     with NpzReader(src) as reader:
         for info in reader.infos:
             np.testing.assert_array_equal(reader.read(info), reference[info.name])
-            joined = np.concatenate([c.ravel() for c in reader.chunks(info, 100)] or [[]])
+            pieces = [c.ravel() for c in reader.chunks(info, 100)]
+            joined = np.concatenate(pieces) if pieces else np.zeros(0, info.dtype)
             np.testing.assert_array_equal(joined, reference[info.name].ravel())
     out = tmp_path / "out.npz"
     run = clipcli("clip", "--global", "1", "--quiet", src, out)

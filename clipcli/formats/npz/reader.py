@@ -21,6 +21,7 @@ from clipcli.formats.base import (
     Reader,
     TensorInfo,
     default_chunk_elems,
+    numpy_size_overflows,
 )
 from clipcli.formats.npz.fortran import _transposed_chunks
 from clipcli.formats.npz.npyheader import InputProblem, _read_exactly, _read_npy_header
@@ -98,9 +99,8 @@ class NpzReader(Reader):
             raise InputError(self.path, f"cannot read member header: {exc}", tensor) from None
         numel = math.prod(shape)
         nbytes = numel * dtype.itemsize
-        # numpy's rule (np.load makes the array): itemsize times every dimension, a 0 counted
-        # as 1, must fit in a signed 64-bit size, so (2**32, 2**32, 0) is refused, not empty.
-        if nbytes >= 2**62 or dtype.itemsize * math.prod(max(d, 1) for d in shape) >= 2**63:
+        # numpy's rule too (np.load makes the array): (2**32, 2**32, 0) is refused, not empty.
+        if nbytes >= 2**62 or numpy_size_overflows(shape, dtype.itemsize):
             raise InputError(self.path, f"shape {list(shape)} overflows", tensor)
         if entry.file_size != header_len + nbytes:
             actual = entry.file_size - header_len
