@@ -3,9 +3,9 @@ and, for some models, assets.
 
 The weights are an ordinary HDF5 file inside the zip. The reader checks the zip with the
 npz reader's rules (every member's bytes its own and inside the file, local headers agreeing
-with the central directory, stored or deflate only, all members together inflating to at
-most 200 x the archive's size + 64 MiB), refuses member names that could escape an
-extraction (absolute, `..`, backslashes, duplicates), unpacks `model.weights.h5` into a
+with the central directory, all members together inflating to at most 200 x the archive's
+size + 64 MiB, names that escape or name one file however spelt, here letter case included:
+npz.zipcheck), refuses backslashes in member names, unpacks `model.weights.h5` into a
 private temp file (its CRC checked as it streams) and reads that with the HDF5 reader and
 all of its rules; messages name it `ARCHIVE[model.weights.h5]`.
 
