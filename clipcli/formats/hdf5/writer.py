@@ -50,8 +50,9 @@ def _dataset_path_problem(name: str) -> str | None:
     parts = name.split("/")
     if any(part == "" for part in parts):
         return "it has an empty path component"
-    if any(part in (".", "..") for part in parts):
-        return "it has a '.' or '..' path component"
+    for dots in (".", ".."):
+        if dots in parts:
+            return f"it has a {dots!r} path component"
     return None
 
 
