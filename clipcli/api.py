@@ -397,6 +397,16 @@ def _check_target(
         _check_side_files(reader, allow_large_side_files)
 
 
+def _files_beside_weights(reader: Reader) -> list[str]:
+    """A model directory's files that are neither its shards nor its index (config,
+    tokenizer, weights in other forms), relative to it: none of them goes into one file."""
+    directory = reader.model_directory
+    if directory is None:
+        return []
+    copied = [path.relative_to(directory).as_posix() for path in reader.side_files()]
+    return copied + [where for where, _ in reader.left_out_entries()]
+
+
 def _write_out(
     reader: Reader,
     writer_cls: type[Writer],
@@ -418,6 +428,11 @@ def _write_out(
     if target.is_directory:
         for where, why in reader.left_out_entries():
             notify("note", f"left out {where}: {why}")
+    elif dropped := _files_beside_weights(reader):
+        shown = ", ".join(dropped[:5]) + (
+            f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+        )
+        notify("note", f"OUT is one file: left out the model directory's other files ({shown})")
     metadata = _output_metadata(reader, target.is_directory)
     with target.stage() as staged:
         writer = writer_cls(

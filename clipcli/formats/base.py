@@ -441,6 +441,16 @@ class WritebackStarter:
             self._call(self._fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE
 
 
+NUMPY_MAX_BYTES = 2**63 - 1  # np.intp
+
+
+def numpy_size_overflows(shape: Sequence[int], itemsize: int) -> bool:
+    """numpy's rule for making an array (np.load, h5py's reads): the itemsize times every
+    dimension, a 0 counted as 1, must fit in np.intp; so (2**32, 2**32, 0) is refused,
+    not an empty array. Measured with numpy 2: (2**62, 2, 0) of int8 is refused."""
+    return max(itemsize, 1) * math.prod(max(int(d), 1) for d in shape) > NUMPY_MAX_BYTES
+
+
 def utf8_encodable(text: str) -> bool:
     try:
         text.encode("utf-8")

@@ -3,9 +3,9 @@ and, for some models, assets.
 
 The weights are an ordinary HDF5 file inside the zip. The reader checks the zip with the
 npz reader's rules (every member's bytes its own and inside the file, local headers agreeing
-with the central directory, stored or deflate only, all members together inflating to at
-most 200 x the archive's size + 64 MiB), refuses member names that could escape an
-extraction (absolute, `..`, backslashes, duplicates), unpacks `model.weights.h5` into a
+with the central directory, all members together inflating to at most 200 x the archive's
+size + 64 MiB, names that escape or name one file however spelt, here letter case included:
+npz.zipcheck), refuses backslashes in member names, unpacks `model.weights.h5` into a
 private temp file (its CRC checked as it streams) and reads that with the HDF5 reader and
 all of its rules; messages name it `ARCHIVE[model.weights.h5]`.
 
@@ -24,7 +24,7 @@ import shutil
 import stat
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, BinaryIO
 
@@ -40,7 +40,7 @@ from clipcli.formats.base import (
     Writer,
 )
 from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer
-from clipcli.formats.npz import check_zip_layout
+from clipcli.formats.npz.zipcheck import BoundedMember, check_zip_layout, open_member
 from clipcli.formats.structure import Structure
 from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
@@ -70,7 +70,6 @@ class KerasArchiveReader(Reader):
             except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
                 raise InputError(path, f"not a valid .keras (zip) archive: {exc}") from None
             self.members = self._check_members()
-            check_zip_layout(path, self._handle.fileno(), self.archive)
             self.inner = Hdf5Reader(self._unpack_weights(), shown_as=self.weights_name)
         except BaseException:
             self.close()
@@ -84,23 +83,19 @@ class KerasArchiveReader(Reader):
         entries = self.archive.infolist()
         if len(entries) > MAX_MEMBERS:
             raise InputError(self.path, f"holds {len(entries)} members, over {MAX_MEMBERS}")
-        seen: set[str] = set()
+        # Names (duplicates however spelt, case too: these members are files that tools
+        # extract), layout and budget: the zip rules shared with npz.
+        check_zip_layout(self.path, self._handle.fileno(), self.archive, fold_case=True)
         for entry in entries:
             name = entry.filename
-            parts = name.split("/")
-            if (
-                name in seen
-                or name.startswith("/")
-                or "\\" in name
-                or ".." in parts
-                or "\x00" in name
-            ):
-                raise InputError(self.path, f"member name {name!r} is repeated or escapes")
+            if "\\" in name:  # a separator to Windows tools, a plain character to others
+                raise InputError(
+                    self.path, f"member name {name!r} holds a backslash (a path separator)"
+                )
             kind = _unix_file_type(entry)
             if kind is not None:
                 raise InputError(self.path, f"member {name!r} is a {kind}, not a file")
-            seen.add(name)
-        if WEIGHTS_MEMBER not in seen:
+        if WEIGHTS_MEMBER not in {entry.orig_filename for entry in entries}:
             raise InputError(self.path, f"holds no {WEIGHTS_MEMBER}")
         return entries
 
@@ -113,7 +108,7 @@ class KerasArchiveReader(Reader):
         entry = self.archive.getinfo(WEIGHTS_MEMBER)
         sink = _ScratchSink(scratch.open_new(target))
         try:
-            with self.archive.open(entry) as source:
+            with self._open(entry) as source:
                 copied = _copy_stream(source, sink, entry.file_size)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
             raise InputError(self.weights_name, f"cannot unpack: {exc}") from None
@@ -122,6 +117,11 @@ class KerasArchiveReader(Reader):
         if copied != entry.file_size:
             raise InputError(self.weights_name, "holds another size than the zip declares")
         return target
+
+    def _open(
+        self, entry: zipfile.ZipInfo
+    ) -> contextlib.AbstractContextManager[BoundedMember | IO[bytes]]:
+        return open_member(self.archive, self._handle.fileno(), entry)
 
     def _weights(self) -> Hdf5Reader:
         assert self.inner is not None
@@ -169,7 +169,7 @@ class KerasArchiveReader(Reader):
     def copy_member(self, entry: zipfile.ZipInfo, sink: IO[bytes]) -> None:
         """One member's content, streamed (its CRC checked by zipfile at the end)."""
         try:
-            with self.archive.open(entry) as source:
+            with self._open(entry) as source:
                 copied = _copy_stream(source, sink, entry.file_size)
         except (zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as exc:
             raise InputError(self.path, f"cannot read member {entry.filename!r}: {exc}") from None
@@ -226,7 +226,9 @@ class _ScratchSink:
         self.position += len(data)
 
 
-def _copy_stream(source: IO[bytes], sink: IO[bytes] | _ScratchSink, limit: int) -> int:
+def _copy_stream(
+    source: BoundedMember | IO[bytes], sink: IO[bytes] | _ScratchSink, limit: int
+) -> int:
     """Copy at most limit + 1 bytes (one more shows a member longer than declared)."""
     copied = 0
     while copied <= limit:
@@ -267,6 +269,14 @@ class KerasArchiveWriter(Writer):
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
         return Hdf5Writer.check_dtype(info)
+
+    @classmethod
+    def check_name(cls, name: str) -> str | None:
+        return Hdf5Writer.check_name(name)  # the weights are an HDF5 file
+
+    @classmethod
+    def check_names(cls, names: Sequence[str]) -> str | None:
+        return Hdf5Writer.check_names(names)
 
     @classmethod
     def structure_losses(cls, source: Reader) -> list[str]:  # noqa: ARG003

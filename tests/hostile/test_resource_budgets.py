@@ -304,14 +304,15 @@ def test_stored_member_with_two_sizes_is_refused(tmp_path: Path) -> None:
         npz_module.NpzReader(src)
 
 
-def test_bzip2_members_are_refused(tmp_path: Path) -> None:
+def test_bzip2_members_are_read(tmp_path: Path) -> None:
+    """np.load reads bzip2 members (issue 18, item 17): read, not refused."""
     import zipfile
 
     src = tmp_path / "bz.npz"
     with zipfile.ZipFile(src, "w", zipfile.ZIP_BZIP2) as archive:
         archive.writestr("t.npy", npy_bytes_header("<f4", (4,)) + bytes(16))
-    with pytest.raises(InputError, match="compression method"):
-        npz_module.NpzReader(src)
+    with npz_module.NpzReader(src) as reader:
+        np.testing.assert_array_equal(reader.read(reader.infos[0]), np.load(src)["t"])
 
 
 def test_healthy_npz_variants_still_read(tmp_path: Path) -> None:

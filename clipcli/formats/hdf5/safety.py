@@ -20,7 +20,7 @@ import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
-from clipcli.formats.base import NonTensorInfo, TensorInfo
+from clipcli.formats.base import NonTensorInfo, TensorInfo, numpy_size_overflows
 from clipcli.formats.hdf5.filters import lossy_filters
 from clipcli.formats.hdf5.library import (
     holds_references,
@@ -82,6 +82,9 @@ class DatasetChecks:
             shape = None if dataset.shape is None else tuple(int(d) for d in dataset.shape)
             element_bytes = int(type_id.get_size())
             numel = 0 if shape is None else math.prod(shape)
+            if shape is not None and numpy_size_overflows(shape, element_bytes):
+                # h5py reads through numpy, which refuses it: (2**32, 2**32, 0) is no tensor.
+                raise self._fail(f"shape {list(shape)} overflows numpy's size limit", name)
             declared = Declared(name, shape, numel * element_bytes)
             create_plist = dataset.id.get_create_plist()
             self._check_filters(create_plist, type_id, name)

@@ -25,6 +25,7 @@ from clipcli.formats.base import (
     Reader,
     TensorInfo,
     Writer,
+    numpy_size_overflows,
     utf8_encodable,
 )
 from clipcli.formats.hdf5.filters import describe_lossy
@@ -51,8 +52,9 @@ def _dataset_path_problem(name: str) -> str | None:
     parts = name.split("/")
     if any(part == "" for part in parts):
         return "it has an empty path component"
-    if any(part == "." for part in parts):
-        return "it has a '.' path component"
+    for dots in (".", ".."):
+        if dots in parts:
+            return f"it has a {dots!r} path component"
     return None
 
 
@@ -124,8 +126,18 @@ class Hdf5Writer(Writer):
     @classmethod
     def check_name(cls, name: str) -> str | None:
         parts = name.split("/")
-        if name.startswith("/") or "" in parts or "." in parts:
-            return "an HDF5 dataset path needs non-empty components, no '.' and no leading '/'"
+        if name.startswith("/") or "" in parts or "." in parts or ".." in parts:
+            return (
+                "an HDF5 dataset path needs non-empty components, no '.' or '..' and no leading '/'"
+            )
+        # Each component but the last is a group; the reader refuses groups nested deeper
+        # than MAX_DEPTH, so a path of more components would not read back.
+        if len(parts) > limits.MAX_DEPTH:
+            return (
+                f"an HDF5 dataset path has at most {limits.MAX_DEPTH} components (groups nest "
+                f"at most {limits.MAX_DEPTH - 1} deep under the root), and this one has "
+                f"{len(parts)}"
+            )
         return super().check_name(name)
 
     @classmethod
@@ -194,6 +206,15 @@ class Hdf5Writer(Writer):
                 )
             if "\x00" in value or not utf8_encodable(value):
                 return f"metadata key {key!r}: HDF5 strings hold no NUL byte and only UTF-8"
+        # Each value is a variable-length string in the global heap, and the reader bounds
+        # what attributes may read by their count times the largest heap object.
+        largest = max((len(value.encode()) for value in metadata.values()), default=0)
+        if len(metadata) * largest > limits.MAX_ATTRIBUTE_BYTES:
+            return (
+                f"{len(metadata)} metadata values of up to {largest} bytes would be over the "
+                f"{limits.MAX_ATTRIBUTE_BYTES >> 20} MiB the HDF5 reader allows attributes "
+                "(count x largest value)"
+            )
         return None
 
     @classmethod
@@ -201,6 +222,8 @@ class Hdf5Writer(Writer):
         dtype = info.dtype
         if from_ml_dtypes(dtype) or dtype.kind == "V":  # ml_dtypes' types, or opaque bytes
             return f"HDF5 cannot hold {dtype.name}; write .safetensors instead"
+        if numpy_size_overflows(info.shape, dtype.itemsize):
+            return f"h5py cannot read shape {list(info.shape)} back (numpy's size limit)"
         return None
 
     # -- skeleton -------------------------------------------------------------------------

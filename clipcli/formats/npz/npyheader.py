@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ast
-from typing import IO, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -14,18 +14,24 @@ NPY_MAGIC = b"\x93NUMPY"
 MAX_HEADER_BYTES = 10_000  # numpy's own default cap for np.load
 
 
+class Readable(Protocol):
+    """A member being read: zipfile's stream or a bounded one (zipcheck.BoundedMember)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
 class InputProblem(ValueError):
     """A malformed .npy member; the reader adds the file and tensor."""
 
 
-def _read_exactly(stream: IO[bytes], size: int) -> bytes:
+def _read_exactly(stream: Readable, size: int) -> bytes:
     data = stream.read(size)
     if len(data) != size:
         raise InputProblem(f"truncated member: expected {size} more bytes, got {len(data)}")
     return data
 
 
-def _read_npy_header(stream: IO[bytes]) -> tuple[np.dtype[Any], tuple[int, ...], bool, int]:
+def _read_npy_header(stream: Readable) -> tuple[np.dtype[Any], tuple[int, ...], bool, int]:
     """(dtype, shape, fortran_order, header length) of a .npy stream, parsed with a size cap
     and `ast.literal_eval` (no code runs, no pickle)."""
     prefix = stream.read(8)

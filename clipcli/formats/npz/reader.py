@@ -10,6 +10,7 @@ import zipfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -20,10 +21,11 @@ from clipcli.formats.base import (
     Reader,
     TensorInfo,
     default_chunk_elems,
+    numpy_size_overflows,
 )
 from clipcli.formats.npz.fortran import _transposed_chunks
 from clipcli.formats.npz.npyheader import InputProblem, _read_exactly, _read_npy_header
-from clipcli.formats.npz.zipcheck import check_zip_layout
+from clipcli.formats.npz.zipcheck import BoundedMember, check_zip_layout, open_member
 from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
 
@@ -71,18 +73,16 @@ class NpzReader(Reader):
         infos: list[TensorInfo] = []
         members: dict[str, _Member] = {}
         seen: set[str] = set()
-        check_zip_layout(self.path, self._handle.fileno(), self._zip)
+        # Names (duplicates however spelt, escapes, NUL), layout and budget: the zip rules
+        # shared with .keras. Member names are tensor names, which differ by case.
+        check_zip_layout(self.path, self._handle.fileno(), self._zip, fold_case=False)
         for entry in self._zip.infolist():
             name = entry.filename
-            if name in seen:
-                raise InputError(self.path, f"duplicate member {name!r}")
             seen.add(name)
             if name.endswith("/"):
                 raise InputError(self.path, f"member {name!r} is a directory")
             if not name.endswith(".npy"):
                 raise InputError(self.path, f"member {name!r} is not a .npy array")
-            if name.startswith("/") or ".." in name.replace("\\", "/").split("/"):
-                raise InputError(self.path, f"member name {name!r} escapes the archive")
             tensor = name[: -len(".npy")]
             if tensor in seen:
                 raise InputError(self.path, f"both {tensor!r} and {name!r} are members")
@@ -93,7 +93,7 @@ class NpzReader(Reader):
 
     def _parse_member(self, entry: zipfile.ZipInfo, tensor: str) -> tuple[TensorInfo, _Member]:
         try:
-            with self._zip.open(entry) as stream:
+            with self._open(entry) as stream:
                 dtype, shape, fortran, header_len = _read_npy_header(stream)
         except InputProblem as exc:
             raise InputError(self.path, str(exc), tensor) from None
@@ -101,7 +101,8 @@ class NpzReader(Reader):
             raise InputError(self.path, f"cannot read member header: {exc}", tensor) from None
         numel = math.prod(shape)
         nbytes = numel * dtype.itemsize
-        if nbytes >= 2**62:
+        # numpy's rule too (np.load makes the array): (2**32, 2**32, 0) is refused, not empty.
+        if nbytes >= 2**62 or numpy_size_overflows(shape, dtype.itemsize):
             raise InputError(self.path, f"shape {list(shape)} overflows", tensor)
         if entry.file_size != header_len + nbytes:
             actual = entry.file_size - header_len
@@ -113,6 +114,11 @@ class NpzReader(Reader):
             )
         info = TensorInfo(tensor, dtype, tuple(shape), nbytes)
         return info, _Member(entry, header_len, fortran)
+
+    def _open(
+        self, entry: zipfile.ZipInfo
+    ) -> contextlib.AbstractContextManager[BoundedMember | IO[bytes]]:
+        return open_member(self._zip, self._handle.fileno(), entry)
 
     @property
     def infos(self) -> list[TensorInfo]:
@@ -132,7 +138,7 @@ class NpzReader(Reader):
             yield from self._stored_chunks(info, member, step)
             return
         try:
-            with self._zip.open(member.zip_info) as stream:
+            with self._open(member.zip_info) as stream:
                 _read_exactly(stream, member.data_offset)
                 remaining = info.nbytes
                 while remaining > 0:
@@ -232,7 +238,7 @@ class NpzReader(Reader):
         """The member's array bytes, decompressed a piece at a time into the scratch file
         `spill` (a failing write there is scratch's WriteError, exit 5, not a read error)."""
         try:
-            with self._zip.open(member.zip_info) as stream:
+            with self._open(member.zip_info) as stream:
                 _read_exactly(stream, member.data_offset)
                 position = 0
                 while position < info.nbytes:
@@ -249,7 +255,7 @@ class NpzReader(Reader):
 
     def _read_member_data(self, info: TensorInfo, member: _Member) -> np.ndarray:
         try:
-            with self._zip.open(member.zip_info) as stream:
+            with self._open(member.zip_info) as stream:
                 _read_exactly(stream, member.data_offset)
                 data = _read_exactly(stream, info.nbytes)
         except InputProblem as exc:

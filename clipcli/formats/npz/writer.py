@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +16,10 @@ from clipcli.formats.base import (
     TensorInfo,
     Writer,
     byte_view,
+    numpy_size_overflows,
 )
 from clipcli.formats.npz.npyheader import _npy_header
+from clipcli.formats.npz.zipcheck import member_key, member_name_problem
 
 # The zip headers give a member name a 16-bit length; np.savez adds '.npy' to the key.
 ZIP_NAME_BYTES = 0xFFFF
@@ -45,13 +47,16 @@ class NpzWriter(Writer):
     def check_dtype(cls, info: TensorInfo) -> str | None:
         if from_ml_dtypes(info.dtype):
             return f"npz cannot hold {info.dtype.name}; write .safetensors instead"
+        if numpy_size_overflows(info.shape, info.dtype.itemsize):
+            return f"np.load cannot make an array of shape {list(info.shape)} (numpy's size limit)"
         return None
 
     @classmethod
     def check_name(cls, name: str) -> str | None:
-        parts = name.replace("\\", "/").split("/")
-        if name.startswith("/") or ".." in parts or name.endswith("/"):
-            return "a zip member must not escape the archive (absolute path or '..')"
+        # The member is NAME.npy, judged by the very rule the zip readers apply.
+        escape = member_name_problem(f"{name}.npy")
+        if escape is not None or name.endswith("/"):
+            return f"a zip member must not escape the archive: {escape or 'a trailing /'}"
         problem = super().check_name(name)
         if problem is None and len(f"{name}.npy".encode()) > ZIP_NAME_BYTES:
             return (
@@ -59,6 +64,28 @@ class NpzWriter(Writer):
                 f"(with '.npy', as UTF-8) has {len(f'{name}.npy'.encode())}"
             )
         return problem
+
+    @classmethod
+    def check_names(cls, names: Sequence[str]) -> str | None:
+        """Members that normalise alike ('a/b', 'a//b', 'a/./b', 'a\\b') are one file to an
+        extracting tool; and np.load(out)[K] takes the member named K before K + '.npy',
+        so tensors 'a' and 'a.npy' (members 'a.npy', 'a.npy.npy') would read crossed."""
+        present = set(names)
+        seen: dict[str, str] = {}
+        for name in names:
+            if f"{name}.npy" in present:
+                return (
+                    f"tensors {name!r} and {name + '.npy'!r} cannot both be npz members: "
+                    f"np.load(...)[{name + '.npy'!r}] would return {name!r}"
+                )
+            key = member_key(f"{name}.npy")
+            if key in seen:
+                return (
+                    f"tensors {seen[key]!r} and {name!r} would be one zip member once "
+                    f"normalised ({key!r})"
+                )
+            seen[key] = name
+        return None
 
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         with self._zip.open(f"{info.name}.npy", "w", force_zip64=True) as member:

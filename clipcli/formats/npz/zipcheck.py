@@ -1,13 +1,21 @@
 """The zip layout of an npz (or .keras) file checked before any member is read: each member's
-bytes its own and inside the file, the local headers agreeing with the central directory, and
-the expansion budget that refuses zip bombs."""
+name naming one file that stays inside the archive, its bytes its own and inside the file,
+the local headers agreeing with the central directory, and the expansion budget that refuses
+zip bombs; and members opened so that no read inflates more than the member declares. The one
+place both zip readers (npz, .keras) check their members."""
 
 from __future__ import annotations
 
+import bz2
+import contextlib
+import lzma
 import os
 import struct
 import zipfile
+import zlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import IO
 
 from clipcli.errors import InputError
 
@@ -17,10 +25,65 @@ from clipcli.errors import InputError
 # large; inflating 200 bytes per byte read costs ~1 s per MB of file at zlib's speed.
 BOMB_RATIO = 200
 BOMB_MIN_BYTES = 64 << 20
-# numpy writes members stored or deflated; the others (bzip2 ~20 MB/s, lzma) are refused.
-COMPRESSION_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
+# numpy writes members stored or deflated; np.load also reads bzip2 and lzma (zipfile does),
+# which are inflated here through a bounded stream (BoundedMember) under the same budget.
+COMPRESSION_METHODS = {
+    zipfile.ZIP_STORED: "stored",
+    zipfile.ZIP_DEFLATED: "deflate",
+    zipfile.ZIP_BZIP2: "bzip2",
+    zipfile.ZIP_LZMA: "lzma",
+}
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_ENCRYPTED_FLAG = 0x01
 _DATA_DESCRIPTOR_FLAG = 0x08
+_UTF8_FLAG = 0x800
+_INPUT_BLOCK = 64 << 10  # compressed bytes fed to a decompressor at a time
+
+
+def member_key(name: str, fold_case: bool = False) -> str:
+    """The file an extracting tool (unzip, a zip library's extractall) writes the member to:
+    backslashes read as separators, empty and '.' components dropped, so './x', 'x', 'a//x',
+    'a/./x', 'a\\x' and 'x/' are one file; with fold_case, letter case folded too (a
+    case-insensitive filesystem, macOS's and Windows' default, merges 'X' and 'x')."""
+    parts = [part for part in name.replace("\\", "/").split("/") if part not in ("", ".")]
+    key = "/".join(parts)
+    return key.casefold() if fold_case else key
+
+
+def member_name_problem(name: str) -> str | None:
+    """Why a member name alone is refused (it escapes the archive, holds a NUL, names no
+    file), or None; the npz writer asks the same of the names it will write."""
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith(("/", "\\")) or ".." in parts:
+        return "escapes the archive (absolute path or '..')"
+    if "\x00" in name:
+        return "holds a NUL byte"
+    if not member_key(name):
+        return "names no file (only '/' and '.')"
+    return None
+
+
+def check_member_names(path: Path, entries: Sequence[zipfile.ZipInfo], fold_case: bool) -> None:
+    """Every member names its own file, inside the archive.
+
+    Two members that normalise alike (member_key) are one file to whoever extracts the zip
+    and two to a reader that looks members up by exact name: clipcli would measure one
+    while unzip extracts the other, and a clip would carry the hidden one unclipped. The
+    key is taken of zipfile's name, which ends at a NUL byte as unzip's does."""
+    seen: dict[str, str] = {}
+    for entry in entries:
+        name = entry.orig_filename
+        key = member_key(entry.filename, fold_case)
+        if key in seen:
+            raise InputError(
+                path,
+                f"members {seen[key]!r} and {name!r} are duplicates: both name the file "
+                f"{key!r} once extracted",
+            )
+        seen[key] = name
+        problem = member_name_problem(name)
+        if problem is not None:
+            raise InputError(path, f"member name {name!r} {problem}")
 
 
 def expansion_budget(file_size: int) -> int:
@@ -57,9 +120,11 @@ def _has_zip64_field(extra: bytes) -> bool:
     return False
 
 
-def check_zip_layout(path: Path, fd: int, archive: zipfile.ZipFile) -> None:
-    """Each member's bytes are its own and inside the file, and together they inflate
-    to at most expansion_budget(file size).
+def check_zip_layout(
+    path: Path, fd: int, archive: zipfile.ZipFile, fold_case: bool = False
+) -> None:
+    """Each member names its own file (check_member_names), its bytes are its own and
+    inside the file, and together the members inflate to at most expansion_budget(file size).
 
     The central directory is what zipfile trusts; a hostile zip can make it claim more
     than the file holds: members whose data overlap or share bytes (one compressed
@@ -70,6 +135,7 @@ def check_zip_layout(path: Path, fd: int, archive: zipfile.ZipFile) -> None:
     header and the spans must be disjoint and lie before the central directory.
     """
     entries = archive.infolist()
+    check_member_names(path, entries, fold_case)
     file_size = os.fstat(fd).st_size
     directory_start = getattr(archive, "start_dir", file_size)
     spans: list[tuple[int, int, str]] = []
@@ -80,8 +146,8 @@ def check_zip_layout(path: Path, fd: int, archive: zipfile.ZipFile) -> None:
         if entry.compress_type not in COMPRESSION_METHODS:
             raise InputError(
                 path,
-                f"compression method {entry.compress_type} is not one numpy writes "
-                "(stored or deflate)",
+                f"compression method {entry.compress_type} is not one numpy reads "
+                "(stored, deflate, bzip2 or lzma)",
                 tensor,
             )
         if entry.compress_type == zipfile.ZIP_STORED and entry.compress_size != entry.file_size:
@@ -137,9 +203,19 @@ def _member_span(
         local
     )
     raw_name = os.pread(fd, name_len, entry.header_offset + _LOCAL_HEADER.size)
-    central_name = entry.orig_filename
-    encoding = "utf-8" if entry.flag_bits & 0x800 else "cp437"
-    if raw_name.decode(encoding, "replace") != central_name or method != entry.compress_type:
+    # Compared as bytes, in the central directory's encoding (cp437 and strict UTF-8 both
+    # encode back to the bytes they were decoded from), and with the same UTF-8 flag: a tool
+    # that reads local headers (a streaming unzip) must see the very name clipcli listed.
+    encoding = "utf-8" if entry.flag_bits & _UTF8_FLAG else "cp437"
+    try:
+        central_raw = entry.orig_filename.encode(encoding)
+    except UnicodeEncodeError:  # zipfile decoded it with another encoding than the flag says
+        central_raw = None
+    if (
+        raw_name != central_raw
+        or (flags ^ entry.flag_bits) & _UTF8_FLAG
+        or method != entry.compress_type
+    ):
         raise InputError(
             path,
             "local header disagrees with the central directory (name or method)",
@@ -166,3 +242,121 @@ def _member_span(
             20 if _has_zip64_field(extra) else 12
         )
     return entry.header_offset, end
+
+
+@contextlib.contextmanager
+def open_member(
+    archive: zipfile.ZipFile, fd: int, entry: zipfile.ZipInfo
+) -> Iterator[BoundedMember | IO[bytes]]:
+    """A stream of the member's content that never inflates more than it declares.
+
+    zipfile inflates deflate with a bound on each call's output, but hands a whole block of
+    bzip2 or lzma input to the decompressor at once: a few kilobytes of bzip2 inflate to
+    gigabytes in one call, before any size check. Those two go through BoundedMember,
+    which asks the decompressor for at most what the caller reads."""
+    if entry.compress_type in (zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA):
+        yield BoundedMember(fd, entry)
+    else:
+        with archive.open(entry) as stream:
+            yield stream
+
+
+class BoundedMember:
+    """A bzip2 or lzma member, read from the file with pread and inflated with a bound on
+    every call's output: it yields at most the member's declared size (plus one byte, to
+    show a member longer than declared), and its CRC is checked at the end, as zipfile's."""
+
+    def __init__(self, fd: int, entry: zipfile.ZipInfo) -> None:
+        if entry.flag_bits & _ENCRYPTED_FLAG:
+            raise zipfile.BadZipFile(f"member {entry.filename!r} is encrypted")
+        local = os.pread(fd, _LOCAL_HEADER.size, entry.header_offset)
+        if len(local) != _LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
+            raise zipfile.BadZipFile("bad zip local header")
+        name_len, extra_len = _LOCAL_HEADER.unpack(local)[-2:]
+        self._fd = fd
+        self._position = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        self._left = entry.compress_size  # compressed bytes not yet read from the file
+        self._size = entry.file_size
+        self._crc_expected = entry.CRC
+        self._produced = 0
+        self._crc = 0
+        self._pending = b""  # compressed bytes read but not yet taken by the decompressor
+        self._finished = False
+        self._decompressor: bz2.BZ2Decompressor | lzma.LZMADecompressor
+        if entry.compress_type == zipfile.ZIP_BZIP2:
+            self._decompressor = bz2.BZ2Decompressor()
+        else:
+            self._decompressor = self._lzma_decompressor()
+
+    def _take(self, size: int) -> bytes:
+        data = os.pread(self._fd, min(size, self._left), self._position)
+        if len(data) != min(size, self._left):
+            raise EOFError("member data runs past the end of the file")
+        self._position += len(data)
+        self._left -= len(data)
+        return data
+
+    def _lzma_decompressor(self) -> lzma.LZMADecompressor:
+        """A zip lzma member starts with its own header (APPNOTE 5.8.8): version (2 bytes),
+        properties size (2), then LZMA1's properties: lc/lp/pb in one byte, the dictionary
+        size in four. The stream after it is raw LZMA1."""
+        header = self._take(4)
+        if len(header) != 4:
+            raise zipfile.BadZipFile("truncated lzma member header")
+        (properties_size,) = struct.unpack_from("<H", header, 2)
+        properties = self._take(properties_size)
+        if properties_size != 5 or len(properties) != 5 or properties[0] >= 9 * 5 * 5:
+            raise zipfile.BadZipFile("bad lzma properties in the member header")
+        lc_lp_pb = properties[0]
+        lzma1 = {
+            "id": lzma.FILTER_LZMA1,
+            "lc": lc_lp_pb % 9,
+            "lp": lc_lp_pb // 9 % 5,
+            "pb": lc_lp_pb // 45,
+            # The decoder allocates the whole dictionary up front, and the header may ask
+            # for 4 GiB. No valid stream looks back further than its own output, so the
+            # member's declared size (inside the budget) is dictionary enough (4 KiB at least).
+            "dict_size": max(4096, min(int.from_bytes(properties[1:], "little"), self._size)),
+        }
+        return lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=[lzma1])
+
+    def read(self, size: int = -1) -> bytes:
+        wanted = self._size - self._produced
+        if size >= 0:
+            wanted = min(wanted, size)
+        pieces: list[bytes] = []
+        got = 0
+        while got < wanted:
+            piece = self._inflate(wanted - got)
+            if not piece and self._decompressor.eof:
+                raise EOFError(f"member holds {self._produced + got} of {self._size} bytes")
+            pieces.append(piece)
+            got += len(piece)
+        data = b"".join(pieces)
+        self._produced += len(data)
+        self._crc = zlib.crc32(data, self._crc)
+        if self._produced == self._size and not self._finished:
+            self._finish()
+        return data
+
+    def _inflate(self, limit: int) -> bytes:
+        """At most `limit` bytes more (b"" at the end of the compressed stream)."""
+        if self._decompressor.eof:
+            return b""
+        if self._decompressor.needs_input and not self._pending:
+            if self._left == 0:
+                raise EOFError("the compressed data ends before the member does")
+            self._pending = self._take(_INPUT_BLOCK)
+        piece = self._decompressor.decompress(self._pending, limit)
+        self._pending = b""
+        return piece
+
+    def _finish(self) -> None:
+        """Once the declared size is out: the compressed stream must end there (one byte
+        more is a member longer than declared), and the CRC must match."""
+        while not self._decompressor.eof:
+            if self._inflate(1):
+                raise zipfile.BadZipFile(f"member inflates past its declared {self._size} bytes")
+        if self._crc != self._crc_expected:
+            raise zipfile.BadZipFile("CRC mismatch: the member data is corrupt")
+        self._finished = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.formats.base import TensorInfo
@@ -104,3 +104,64 @@ def build_header(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> by
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     return _U64.pack(len(text)) + text
+
+
+def _json_bytes(value: object) -> int:
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+
+
+def header_length(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> int:
+    """len(build_header(infos, metadata)) - 8, summed a piece at a time: 100 MB of
+    metadata is measured without building the 100 MB header."""
+    pieces = 0
+    total = 2  # the braces
+    if metadata:
+        inner = sum(_json_bytes(k) + 1 + _json_bytes(v) for k, v in metadata.items())
+        total += _json_bytes("__metadata__") + 1 + 2 + inner + len(metadata) - 1
+        pieces += 1
+    offset = 0
+    for info in infos:
+        entry = {
+            "dtype": CODES[info.dtype.name],
+            "shape": list(info.shape),
+            "data_offsets": [offset, offset + info.nbytes],
+        }
+        offset += info.nbytes
+        total += _json_bytes(info.name) + 1 + _json_bytes(entry)
+        pieces += 1
+    total += max(pieces - 1, 0)  # the commas between pieces
+    return total + -total % 8
+
+
+def header_problem(infos: Sequence[TensorInfo], metadata: Mapping[str, str]) -> str | None:
+    """Why a file of these tensors and this __metadata__ would not read back, with the
+    official reader (header at most MAX_HEADER_BYTES, unique keys, __metadata__ reserved,
+    UTF-8) or with ours (at most MAX_TENSORS tensors), or None."""
+    if len(infos) > MAX_TENSORS:
+        return (
+            f"safetensors files hold at most {MAX_TENSORS} tensors here, and this has {len(infos)}"
+        )
+    names: set[str] = set()
+    for info in infos:
+        if info.name in names or info.name == "__metadata__":
+            return f"tensor name {info.name!r} is repeated or reserved (__metadata__)"
+        names.add(info.name)
+    for key, value in metadata.items():
+        if not (_utf8(key) and _utf8(value)):
+            return f"metadata key {key!r}: safetensors holds UTF-8 text only"
+    length = header_length(infos, metadata)
+    if length > MAX_HEADER_BYTES:
+        return (
+            f"the safetensors header would be {length} bytes (tensor names, shapes and "
+            f"{len(metadata)} metadata keys), over the official reader's limit of "
+            f"{MAX_HEADER_BYTES}"
+        )
+    return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -42,6 +41,8 @@ from clipcli.inputs import open_input
 
 if TYPE_CHECKING:
     import numpy as np
+
+_U64_MAX = 2**64 - 1
 
 
 def _refuse_surrogates(reader: SafetensorsReader, header: dict[str, Any]) -> None:
@@ -221,10 +222,17 @@ class SafetensorsReader(Reader):
         begin, end = offsets
         if begin > end:
             raise self._fail(f"data_offsets [{begin}, {end}] has begin > end", name)
-        numel = math.prod(shape)
+        # The official reader's rule (tensor.rs): the dimensions multiplied left to right in
+        # u64, checked at every step, even when a later one is 0, then by the bits per
+        # element: [2**32, 2**32, 0] overflows there, while [0, 2**64 - 1, 2] does not.
+        numel = 1
+        for dim in shape:
+            numel *= dim
+            if numel > _U64_MAX:
+                raise self._fail(f"shape {shape} overflows (computing its buffer size)", name)
         nbytes = numel * ITEMSIZES[code]
-        if nbytes >= 2**63:
-            raise self._fail(f"shape {shape} overflows", name)
+        if nbytes * 8 > _U64_MAX:
+            raise self._fail(f"shape {shape} overflows (computing its buffer size)", name)
         if end - begin != nbytes:
             raise self._fail(
                 f"data_offsets span {end - begin} bytes but {code} {shape} needs {nbytes}", name

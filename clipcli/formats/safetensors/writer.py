@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -22,7 +22,7 @@ from clipcli.formats.base import (
     Writer,
     byte_view,
 )
-from clipcli.formats.safetensors.header import CODES, build_header
+from clipcli.formats.safetensors.header import CODES, build_header, header_problem
 from clipcli.formats.structure import STRUCTURE_KEY
 
 
@@ -150,6 +150,13 @@ class SafetensorsWriter(Writer):
         if name == "__metadata__":
             return "safetensors reserves the name __metadata__"
         return super().check_name(name)
+
+    @classmethod
+    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
+        """The whole header as the writer will build it (the HDF5 structure record
+        included) must read back: its size, tensor count and keys (header_problem)."""
+        infos = list(source.infos)
+        return header_problem(infos, with_structure(Checkpoint(infos, metadata, source)))
 
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         self._settle(info)  # a copy made ahead must not land on top of what we write now

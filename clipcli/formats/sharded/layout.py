@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,9 @@ SHARD_SUFFIX = ".safetensors"
 SINGLE_FILE_NAME = "model" + SHARD_SUFFIX
 MAX_INDEX_BYTES = MAX_HEADER_BYTES  # an index is smaller than the headers it summarises
 
-# Top-level files that hold the model's weights in another form (or index them).
+# Files (at any depth) that hold the model's weights in another form, by suffix: never
+# copied beside clipped weights, which they would ship again unclipped. Files of no known
+# suffix are also judged by content (weights_by_content).
 OTHER_WEIGHT_SUFFIXES = frozenset(
     {
         SHARD_SUFFIX,
@@ -33,13 +36,30 @@ OTHER_WEIGHT_SUFFIXES = frozenset(
         ".ckpt",
         ".h5",
         ".hdf5",
-        ".msgpack",
+        ".keras",
         ".npz",
+        ".npy",
+        ".msgpack",
+        ".gguf",
+        ".ggml",
         ".onnx",
         ".onnx_data",
-        ".gguf",
+        ".tflite",
+        ".pb",  # a TensorFlow graph, frozen graphs holding the weights as constants
+        ".pkl",
+        ".pickle",
+        ".joblib",
+        ".ot",  # rust-bert
+        ".params",  # MXNet
+        ".pdparams",  # PaddlePaddle
+        ".mlmodel",
+        ".pte",  # ExecuTorch
+        ".distcp",  # torch.distributed checkpoints
+        ".llamafile",
     }
 )
+# TensorFlow checkpoints: variables.data-00000-of-00001 and its variables.index.
+_TF_CHECKPOINT = re.compile(r"\.data-\d+-of-\d+$|\.index$")
 
 # Folders that hold the weights again in another form, or version-control objects (a
 # git-lfs clone keeps every weight file again under .git/lfs): never copied.
@@ -249,4 +269,40 @@ def flatten(metadata: Mapping[str, Any]) -> dict[str, str]:
 
 
 def holds_weights(name: str) -> bool:
-    return name.endswith(".index.json") or Path(name).suffix.lower() in OTHER_WEIGHT_SUFFIXES
+    """Whether a file's name says it holds weights (or indexes them)."""
+    return (
+        name.endswith(".index.json")
+        or Path(name).suffix.lower() in OTHER_WEIGHT_SUFFIXES
+        or _TF_CHECKPOINT.search(name) is not None
+    )
+
+
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_PICKLES = tuple(bytes([0x80, protocol]) for protocol in range(2, 6))
+_GGML = (b"GGUF", b"lmgg", b"tjgg", b"fmgg", b"algg")  # GGUF, and GGML's older magics
+
+
+def weights_by_content(fd: int, size: int) -> str | None:
+    """What weight format a file's first bytes say it is, whatever its name, or None: a
+    `weights` file without a suffix, or a renamed checkpoint, is still weights."""
+    head = os.pread(fd, 16, 0)
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return "a zip archive (npz, .keras and PyTorch checkpoints are zips)"
+    if head.startswith(b"\x93NUMPY"):
+        return "a NumPy array"
+    if head.startswith(_PICKLES):
+        return "a pickle (PyTorch's older checkpoints)"
+    if head.startswith(_GGML):
+        return "a GGUF/GGML file"
+    if head[4:8] == b"TFL3":
+        return "a TensorFlow Lite model"
+    # safetensors: an 8-byte header length that fits the file, then the JSON header. (A
+    # JSON file's first 8 bytes read as a length are ~10**18, far past its size.)
+    if head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= size - 8:
+        return "a safetensors file"
+    offset = 0  # HDF5: at 0, or after a user block of 512, 1024, 2048, ... bytes
+    while offset + len(_HDF5_SIGNATURE) <= size:
+        if os.pread(fd, len(_HDF5_SIGNATURE), offset) == _HDF5_SIGNATURE:
+            return "an HDF5 file"
+        offset = max(512, offset * 2)
+    return None

@@ -27,6 +27,7 @@ from clipcli.formats.sharded.layout import (
     real_path_inside,
     resolve_sharded,
     single_model_file,
+    weights_by_content,
 )
 from clipcli.identity import FileIdentity
 from clipcli.inputs import open_input
@@ -81,6 +82,7 @@ class ShardedReader(Reader):
         # Listed from the headers alone (no numpy: `ls model_dir/`); `infos` on first use.
         self._listing = [t for name in names for t in self._readers[name].listing]
         self._infos: list[TensorInfo] | None = None
+        self._content_kinds: dict[Path, str] = {}  # files left out for their content
         self._other_files, self._side_folders, self._skipped_files = self._scan_directory()
 
     def _open_shard(self, name: str) -> SafetensorsReader:
@@ -170,8 +172,23 @@ class ShardedReader(Reader):
                     skipped.append(entry)
                 else:
                     self._check_side_file(entry)
-                    copied.append(entry)
+                    kind = self._weights_inside(entry)
+                    if kind is None:
+                        copied.append(entry)
+                    else:
+                        self._content_kinds[entry] = kind
+                        skipped.append(entry)
         return copied, folders, skipped
+
+    def _weights_inside(self, entry: Path) -> str | None:
+        """The weight format the file's content shows (weights_by_content), or None. A file
+        that cannot be opened here is judged when it is copied (which reports why)."""
+        try:
+            with open_input(entry) as handle:
+                opened_inside(handle.fileno(), entry, self._roots)
+                return weights_by_content(handle.fileno(), os.fstat(handle.fileno()).st_size)
+        except (OSError, InputError):
+            return None
 
     def _check_side_file(self, entry: Path) -> Path:
         """A file to copy must be a regular file inside the allowed roots: a FIFO, device,
@@ -300,6 +317,9 @@ class ShardedReader(Reader):
             if entry.name in LEFT_OUT_FOLDERS:
                 return "weights in another format, which clipcli does not clip"
             return f"nested deeper than {MAX_SIDE_DEPTH} folders"
+        kind = self._content_kinds.get(entry)
+        if kind is not None:
+            return f"{kind}: weights in another format, which clipcli does not clip"
         return "weights in another format, which clipcli does not clip"
 
     def source_files(self) -> list[Path]:

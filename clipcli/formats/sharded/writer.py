@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +12,14 @@ import numpy as np
 
 from clipcli.filecopy import copy_side_file
 from clipcli.formats.base import Checkpoint, Reader, Shard, TensorInfo, Writer
-from clipcli.formats.safetensors import SafetensorsWriter
-from clipcli.formats.sharded.layout import FORMAT_NAME, SINGLE_FILE_NAME
+from clipcli.formats.safetensors.header import header_problem
+from clipcli.formats.safetensors.writer import SafetensorsWriter, with_structure
+from clipcli.formats.sharded.layout import (
+    FORMAT_NAME,
+    MAX_INDEX_BYTES,
+    SHARD_SUFFIX,
+    SINGLE_FILE_NAME,
+)
 
 
 def plan_shards(checkpoint: Checkpoint) -> list[Shard]:
@@ -78,6 +84,33 @@ class ShardedWriter(Writer):
     @classmethod
     def check_name(cls, name: str) -> str | None:
         return SafetensorsWriter.check_name(name)
+
+    @classmethod
+    def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
+        """Each shard must read back as the safetensors file it is (header_problem), under a
+        plain *.safetensors name, and the fresh index within the size the reader allows."""
+        checkpoint = Checkpoint(list(source.infos), metadata, source)
+        plans = plan_shards(checkpoint)
+        for plan in plans:
+            name = plan.name
+            if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+                return f"shard {name!r} is not a plain file name"
+            if not name.endswith(SHARD_SUFFIX):
+                return f"shard {name!r} does not end in {SHARD_SUFFIX}"
+            problem = header_problem(
+                plan.infos, with_structure(Checkpoint(plan.infos, plan.metadata, source))
+            )
+            if problem is not None:
+                return f"shard {name!r}: {problem}"
+        layout = checkpoint.layout
+        if layout is not None and layout.index_name is not None:
+            size = len(index_text(layout.index_document or {}, plans).encode("utf-8"))
+            if size > MAX_INDEX_BYTES:
+                return (
+                    f"the index {layout.index_name!r} would be {size} bytes, over the "
+                    f"{MAX_INDEX_BYTES} that clipcli reads"
+                )
+        return None
 
     @classmethod
     def output_names(cls, source: Reader) -> frozenset[str]:
@@ -145,13 +178,16 @@ class ShardedWriter(Writer):
             self._current = None
 
     def _write_index(self, document: dict[str, Any], index_name: str) -> None:
-        """The source index with a recomputed total_size and this weight map, written the
-        way transformers' save_pretrained does (indent 2, sorted keys)."""
-        metadata = dict(document.get("metadata", {}))
-        metadata["total_size"] = sum(info.nbytes for info in self._order)
-        document["metadata"] = metadata
-        document["weight_map"] = {
-            info.name: plan.name for plan in self._plans for info in plan.infos
-        }
-        text = json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        text = index_text(document, self._plans)
         (self.path / index_name).write_text(text, encoding="utf-8")
+
+
+def index_text(document: Mapping[str, Any], plans: list[Shard]) -> str:
+    """The source index with a recomputed total_size and this weight map, written the way
+    transformers' save_pretrained does (indent 2, sorted keys)."""
+    written = dict(document)
+    metadata = dict(written.get("metadata", {}))
+    metadata["total_size"] = sum(info.nbytes for plan in plans for info in plan.infos)
+    written["metadata"] = metadata
+    written["weight_map"] = {info.name: plan.name for plan in plans for info in plan.infos}
+    return json.dumps(written, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
