@@ -425,14 +425,16 @@ def _write_out(
     _check_target(reader, writer_cls, target, allow_large_side_files)
     if not writer_cls.copies_constants(reader):
         reader.expect_all_elements()  # an input budget's refusal comes before OUT exists
+    # Said once OUT is written (with the target's own notes): a failed run leaves nothing
+    # out of anything, and its stderr is the one error line.
+    left_out: list[str] = []
     if target.is_directory:
-        for where, why in reader.left_out_entries():
-            notify("note", f"left out {where}: {why}")
+        left_out = [f"left out {where}: {why}" for where, why in reader.left_out_entries()]
     elif dropped := _files_beside_weights(reader):
         shown = ", ".join(dropped[:5]) + (
             f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
         )
-        notify("note", f"OUT is one file: left out the model directory's other files ({shown})")
+        left_out = [f"OUT is one file: left out the model directory's other files ({shown})"]
     metadata = _output_metadata(reader, target.is_directory)
     with target.stage() as staged:
         writer = writer_cls(
@@ -445,6 +447,6 @@ def _write_out(
             raise
         outcomes = execution.execute(made, reader, writer, progress)
         guard.check("while it was being read")
-    for note in target.notes:
+    for note in [*left_out, *target.notes]:
         notify("note", note)
     return made, outcomes

@@ -177,8 +177,18 @@ def test_a_side_file_swapped_only_while_it_is_opened_is_caught(
     real_open = sharded.open_input  # type: ignore[attr-defined]  # imported there, patched here
     real_copy = sharded_writer.copy_side_file  # type: ignore[attr-defined]  # as above
 
+    real_open_other = sharded.ShardedReader.open_other_file
+    copying: list[Path] = []
+
+    def open_other_file(self: Any, entry: Path) -> Any:
+        copying.append(entry)  # the copy's own open, not the listing's look at the content
+        try:
+            return real_open_other(self, entry)
+        finally:
+            copying.pop()
+
     def planting_open(path: Path) -> Any:
-        if path == config:
+        if path == config and copying:
             os.replace(tmp_path / "planted", config)
         return real_open(path)
 
@@ -188,6 +198,7 @@ def test_a_side_file_swapped_only_while_it_is_opened_is_caught(
         return real_copy(fd, file, destination)
 
     monkeypatch.setattr(sharded, "open_input", planting_open)
+    monkeypatch.setattr(sharded.ShardedReader, "open_other_file", open_other_file)
     monkeypatch.setattr(sharded_writer, "copy_side_file", restoring_copy)
     code, err = clip(model, tmp_path / "out", capsys)
     assert code == 3, err

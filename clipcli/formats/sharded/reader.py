@@ -184,11 +184,17 @@ class ShardedReader(Reader):
         """The weight format the file's content shows (weights_by_content), or None. A file
         that cannot be opened here is judged when it is copied (which reports why)."""
         try:
-            with open_input(entry) as handle:
-                opened_inside(handle.fileno(), entry, self._roots)
-                return weights_by_content(handle.fileno(), os.fstat(handle.fileno()).st_size)
+            handle = open_input(entry)
         except (OSError, InputError):
             return None
+        with handle:
+            # Outside the roots is a refusal here as at the copy: the content of a file
+            # that was not given is not even looked at.
+            opened_inside(handle.fileno(), entry, self._roots)
+            try:
+                return weights_by_content(handle.fileno(), os.fstat(handle.fileno()).st_size)
+            except OSError:
+                return None
 
     def _check_side_file(self, entry: Path) -> Path:
         """A file to copy must be a regular file inside the allowed roots: a FIFO, device,
@@ -213,7 +219,10 @@ class ShardedReader(Reader):
         if entry not in self._other_files:
             raise ValueError(f"{entry} is not one of the files to copy")
         self._check_side_file(entry)
-        handle = open_input(entry)
+        try:
+            handle = open_input(entry)
+        except OSError as exc:  # gone or unreadable since the listing: the input's fault
+            raise InputError(entry, f"cannot read: {exc.strerror}; no output written") from None
         try:
             opened_inside(handle.fileno(), entry, self._roots)
             if FileIdentity.of_stat(os.fstat(handle.fileno())) != self._identities[entry]:
