@@ -196,6 +196,9 @@ def remove_entry_at(parent: int, name: str, keep: Keep, wanted: Wanted = _everyt
         if not stat.S_ISDIR(info.st_mode):
             os.unlink(name, dir_fd=parent)
             return
+        with contextlib.suppress(OSError):  # empty: needs no descriptor (EMFILE)
+            os.rmdir(name, dir_fd=parent)
+            return
         _clear_directory_at(parent, name, info, "", keep, wanted, 0)
         os.rmdir(name, dir_fd=parent)
 
@@ -215,25 +218,39 @@ def _clear_directory_at(
     try:
         if _identity(os.fstat(fd)) != _identity(info):  # replaced since it was looked at
             return
-        with os.scandir(fd) as entries:
-            names = [entry.name for entry in entries]
-        for child in names:
-            relative = prefix + child
-            with contextlib.suppress(OSError):
-                found = os.stat(child, dir_fd=fd, follow_symlinks=False)
-                if (
-                    _identity(found) in keep
-                    or found.st_dev != info.st_dev
-                    or not wanted(relative, found)
-                ):
-                    continue
-                if stat.S_ISDIR(found.st_mode):
-                    _clear_directory_at(fd, child, found, relative + "/", keep, wanted, depth + 1)
-                    os.rmdir(child, dir_fd=fd)
-                else:
-                    os.unlink(child, dir_fd=fd)
+        _clear_opened(fd, info, prefix, keep, wanted, depth)
     finally:
         os.close(fd)
+
+
+def clear_directory(fd: int, keep: Keep = frozenset()) -> None:
+    """Remove everything inside the directory open as `fd`, as remove_entry_at does
+    (links unlinked, never followed; nothing in `keep`; no other file system entered);
+    errors are ignored. Needs no descriptor for the directory itself."""
+    with contextlib.suppress(OSError):
+        _clear_opened(fd, os.fstat(fd), "", keep, _everything, 0)
+
+
+def _clear_opened(
+    fd: int, info: os.stat_result, prefix: str, keep: Keep, wanted: Wanted, depth: int
+) -> None:
+    with os.scandir(fd) as entries:
+        names = [entry.name for entry in entries]
+    for child in names:
+        relative = prefix + child
+        with contextlib.suppress(OSError):
+            found = os.stat(child, dir_fd=fd, follow_symlinks=False)
+            if (
+                _identity(found) in keep
+                or found.st_dev != info.st_dev
+                or not wanted(relative, found)
+            ):
+                continue
+            if stat.S_ISDIR(found.st_mode):
+                _clear_directory_at(fd, child, found, relative + "/", keep, wanted, depth + 1)
+                os.rmdir(child, dir_fd=fd)
+            else:
+                os.unlink(child, dir_fd=fd)
 
 
 def _holds_any_at(parent: int, name: str, info: os.stat_result, keep: Keep, depth: int) -> bool:

@@ -48,6 +48,7 @@ from clipcli.fsops import (
     TEMP_SUFFIX,
     Keep,
     StaleTempHoldsInput,
+    clear_directory,
     exchange,
     fsync_path,
     fsync_tree,
@@ -277,8 +278,12 @@ class Target:
             with contextlib.suppress(OSError):
                 os.rmdir(work, dir_fd=parent)
         except BaseException as exc:
-            # The lock's descriptor goes first: removing the tree needs descriptors of
-            # its own, and the failure may be that there are none left (EMFILE).
+            # Emptied through the lock's descriptor, which is then freed: removing the
+            # tree needs descriptors of its own, and the failure may be that there are
+            # none left (EMFILE). OUT's staged file, or its folder while still empty,
+            # goes without any; the empty work directory then needs none either.
+            remove_entry_at(lock, self.out.name, self._keep)
+            clear_directory(lock, self._keep)
             os.close(lock)
             lock = self._work_fd = -1
             remove_tree(Path(work), self._keep, parent=parent)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -416,3 +417,36 @@ def test_a_real_process_swaps_a_model_directory_outs_folder(tmp_path: Path, stop
     assert listing(written) == listing(model)
     arrays = {k: v for p in written.glob("*.safetensors") for k, v in load_file(str(p)).items()}
     assert global_norm(arrays) <= 1.0
+
+
+# ---------------------------------------------------------------- a directory it cannot list
+
+
+SETPRIV = shutil.which("setpriv")
+
+
+@pytest.mark.skipif(SETPRIV is None or os.geteuid() != 0, reason="needs root and setpriv")
+@pytest.mark.parametrize("out_name", ["clipped.safetensors", "clipped/"])
+def test_out_in_a_directory_that_may_be_written_but_not_listed(
+    tmp_path: Path, out_name: str
+) -> None:
+    """OUT's directory is opened for reading where allowed; one with write and search
+    permission only (0300) is opened O_PATH, enough to create, rename and remove in it:
+    the run succeeds as it did when every step went by name (the sweep, which must list
+    the directory, is skipped). Run with every capability dropped, so that modes apply."""
+    assert SETPRIV is not None
+    tmp_path.chmod(0o755)
+    src = write_input(tmp_path / "m.safetensors")
+    shut = tmp_path / "shut"
+    shut.mkdir()
+    shut.chmod(0o300)
+    drop = [SETPRIV, "--inh-caps=-all", "--bounding-set=-all"]
+    argv = [sys.executable, "-m", "clipcli", "clip", "--global", "1", "-q", src.name]
+    done = subprocess.run(
+        [*drop, *argv, f"shut/{out_name}"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    out = shut / out_name.rstrip("/")
+    written = out / "model.safetensors" if out_name.endswith("/") else out
+    assert global_norm(load_file(str(written))) <= 1.0
+    assert listing(shut) == [out.name]  # no temp left
