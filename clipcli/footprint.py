@@ -86,6 +86,26 @@ class InputFootprint:
             return "contains the input (through another path to it)"
         return None
 
+    def overlap_at(self, parent: int, name: str) -> str | None:
+        """Why writing the entry `name` in the directory open as `parent` would touch the
+        input, or None: `overlap`'s inode rules judged on the opened directory, whose
+        ancestors are reached by '..' from the descriptor, so that a folder on OUT's path
+        renamed or swapped for a link since OUT was named changes nothing."""
+        above = set(_ancestor_inodes_at(parent))
+        if self.root_is_directory and self.root_inode in above:
+            return "is inside the input directory"
+        for follow in (False, True):
+            try:
+                info = os.stat(name, dir_fd=parent, follow_symlinks=follow)
+            except OSError:
+                continue
+            identity = (info.st_dev, info.st_ino)
+            if identity in self.inodes:
+                return "is the input (a link to it)"
+            if any(identity in up for up in self.file_ancestors):
+                return "contains the input"
+        return None
+
 
 def _inode(path: Path) -> tuple[int, int] | None:
     try:
@@ -107,6 +127,38 @@ def _ancestor_inodes(path: Path) -> Iterator[tuple[int, int]]:
             return
         current = current.parent
 
+
+def _ancestor_inodes_at(directory: int) -> Iterator[tuple[int, int]]:
+    """(device, inode) of the directory open as `directory` and of every directory above
+    it, found by opening '..' from each descriptor, as the kernel walks up (a mount's root
+    leads to the folder it is mounted on); the walk ends at the root ('..' of the root is
+    the root), at a directory already seen, or where '..' cannot be opened."""
+    info = os.fstat(directory)
+    seen = {(info.st_dev, info.st_ino)}
+    yield info.st_dev, info.st_ino
+    current = directory
+    try:
+        while True:
+            try:
+                above = os.open("..", _PATH_FLAGS, dir_fd=current)
+            except OSError:
+                return
+            if current != directory:
+                os.close(current)
+            current = above
+            info = os.fstat(current)
+            identity = (info.st_dev, info.st_ino)
+            if identity in seen:
+                return
+            seen.add(identity)
+            yield identity
+    finally:
+        if current != directory:
+            os.close(current)
+
+
+# A descriptor only to look up names and fstat: no read permission needed.
+_PATH_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
 
 _MAX_LINKS = 40  # the kernel's own limit on links followed in one lookup (ELOOP)
 

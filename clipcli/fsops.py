@@ -56,11 +56,20 @@ renameat2 = _load_renameat2()  # None where libc lacks it; tests set it to None 
 _UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
-def rename_noreplace(src: Path, dst: Path, is_directory: bool) -> None:
-    """Move src to dst only if dst does not exist; FileExistsError otherwise."""
+def rename_noreplace(
+    src: str | Path,
+    dst: str | Path,
+    is_directory: bool,
+    *,
+    src_dir: int | None = None,
+    dst_dir: int | None = None,
+) -> None:
+    """Move src to dst only if dst does not exist; FileExistsError otherwise. With
+    `src_dir`/`dst_dir`, the names are looked up in those opened directories, never
+    through their paths again."""
     if renameat2 is not None:
         try:
-            renameat2(str(src), str(dst), RENAME_NOREPLACE)
+            renameat2(str(src), str(dst), RENAME_NOREPLACE, _at(src_dir), _at(dst_dir))
             return
         except OSError as exc:
             if exc.errno == errno.EEXIST:
@@ -68,40 +77,56 @@ def rename_noreplace(src: Path, dst: Path, is_directory: bool) -> None:
             if exc.errno not in _UNSUPPORTED:
                 raise
     if is_directory:
-        os.mkdir(dst)  # FileExistsError if anything is there; then replace our empty one
+        # FileExistsError if anything is there; then replace our empty one
+        os.mkdir(dst, dir_fd=dst_dir)
         try:
-            os.rename(src, dst)
+            os.rename(src, dst, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
         except OSError as exc:
             with contextlib.suppress(OSError):
-                os.rmdir(dst)  # only if still empty, i.e. still ours
+                os.rmdir(dst, dir_fd=dst_dir)  # only if still empty, i.e. still ours
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 raise FileExistsError(errno.EEXIST, "exists", str(dst)) from None
             raise
         return
-    try:
-        os.link(src, dst)  # fails if dst exists, atomically
+    try:  # fails if dst exists, atomically
+        os.link(src, dst, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
     except FileExistsError:
         raise
     except OSError as exc:
         if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
             raise
-        if os.path.lexists(dst):  # a filesystem without links: check, then rename
+        if _lexists(dst, dst_dir):  # a filesystem without links: check, then rename
             raise FileExistsError(errno.EEXIST, "exists", str(dst)) from None
-        os.rename(src, dst)
+        os.rename(src, dst, src_dir_fd=src_dir, dst_dir_fd=dst_dir)
         return
-    os.unlink(src)
+    os.unlink(src, dir_fd=src_dir)
 
 
-def exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two existing paths; False where the filesystem cannot."""
+def exchange(
+    a: str | Path, b: str | Path, *, a_dir: int | None = None, b_dir: int | None = None
+) -> bool:
+    """Atomically swap two existing entries (names in the opened directories `a_dir` and
+    `b_dir` where given); False where the filesystem cannot."""
     if renameat2 is None:
         return False
     try:
-        renameat2(str(a), str(b), RENAME_EXCHANGE)
+        renameat2(str(a), str(b), RENAME_EXCHANGE, _at(a_dir), _at(b_dir))
     except OSError as exc:
         if exc.errno in _UNSUPPORTED:
             return False
         raise
+    return True
+
+
+def _at(directory: int | None) -> int:
+    return AT_FDCWD if directory is None else directory
+
+
+def _lexists(name: str | Path, directory: int | None) -> bool:
+    try:
+        os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
     return True
 
 
@@ -124,21 +149,25 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(directory))
 
 
-def remove_tree(path: Path, keep: Keep = frozenset()) -> None:
+def remove_tree(path: Path, keep: Keep = frozenset(), *, parent: int | None = None) -> None:
     """Remove a file, link or directory tree that clipcli created; errors are ignored.
     Nothing in `keep` (device, inode: what the input resolves to) is removed, links are
-    never followed, and no other file system mounted inside is entered."""
+    never followed, and no other file system mounted inside is entered. With `parent`,
+    `path` is a name in that opened directory (its path is not looked up again)."""
     with contextlib.suppress(OSError):  # empty (a failure before anything was written):
-        os.rmdir(path)  # needs no descriptor (EMFILE)
+        os.rmdir(path, dir_fd=parent)  # needs no descriptor (EMFILE)
+        return
+    if parent is not None:
+        remove_entry_at(parent, path.name, keep)
         return
     try:
-        parent = os.open(path.parent, _DIRECTORY_FLAGS)
+        opened = os.open(path.parent, _DIRECTORY_FLAGS)
     except OSError:
         return
     try:
-        remove_entry_at(parent, path.name, keep)
+        remove_entry_at(opened, path.name, keep)
     finally:
-        os.close(parent)
+        os.close(opened)
 
 
 def _identity(info: os.stat_result) -> tuple[int, int]:
@@ -167,6 +196,9 @@ def remove_entry_at(parent: int, name: str, keep: Keep, wanted: Wanted = _everyt
         if not stat.S_ISDIR(info.st_mode):
             os.unlink(name, dir_fd=parent)
             return
+        with contextlib.suppress(OSError):  # empty: needs no descriptor (EMFILE)
+            os.rmdir(name, dir_fd=parent)
+            return
         _clear_directory_at(parent, name, info, "", keep, wanted, 0)
         os.rmdir(name, dir_fd=parent)
 
@@ -186,25 +218,39 @@ def _clear_directory_at(
     try:
         if _identity(os.fstat(fd)) != _identity(info):  # replaced since it was looked at
             return
-        with os.scandir(fd) as entries:
-            names = [entry.name for entry in entries]
-        for child in names:
-            relative = prefix + child
-            with contextlib.suppress(OSError):
-                found = os.stat(child, dir_fd=fd, follow_symlinks=False)
-                if (
-                    _identity(found) in keep
-                    or found.st_dev != info.st_dev
-                    or not wanted(relative, found)
-                ):
-                    continue
-                if stat.S_ISDIR(found.st_mode):
-                    _clear_directory_at(fd, child, found, relative + "/", keep, wanted, depth + 1)
-                    os.rmdir(child, dir_fd=fd)
-                else:
-                    os.unlink(child, dir_fd=fd)
+        _clear_opened(fd, info, prefix, keep, wanted, depth)
     finally:
         os.close(fd)
+
+
+def clear_directory(fd: int, keep: Keep = frozenset()) -> None:
+    """Remove everything inside the directory open as `fd`, as remove_entry_at does
+    (links unlinked, never followed; nothing in `keep`; no other file system entered);
+    errors are ignored. Needs no descriptor for the directory itself."""
+    with contextlib.suppress(OSError):
+        _clear_opened(fd, os.fstat(fd), "", keep, _everything, 0)
+
+
+def _clear_opened(
+    fd: int, info: os.stat_result, prefix: str, keep: Keep, wanted: Wanted, depth: int
+) -> None:
+    with os.scandir(fd) as entries:
+        names = [entry.name for entry in entries]
+    for child in names:
+        relative = prefix + child
+        with contextlib.suppress(OSError):
+            found = os.stat(child, dir_fd=fd, follow_symlinks=False)
+            if (
+                _identity(found) in keep
+                or found.st_dev != info.st_dev
+                or not wanted(relative, found)
+            ):
+                continue
+            if stat.S_ISDIR(found.st_mode):
+                _clear_directory_at(fd, child, found, relative + "/", keep, wanted, depth + 1)
+                os.rmdir(child, dir_fd=fd)
+            else:
+                os.unlink(child, dir_fd=fd)
 
 
 def _holds_any_at(parent: int, name: str, info: os.stat_result, keep: Keep, depth: int) -> bool:
@@ -246,9 +292,10 @@ def temp_prefix(out: Path) -> str:
     return f".{cut}~{digest}."
 
 
-def hold_lock(directory: Path) -> int:
-    """An open descriptor of `directory` holding an exclusive flock (where supported)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def hold_lock(directory: str | Path, *, parent: int | None = None) -> int:
+    """An open descriptor of `directory` (a name in the opened directory `parent`, where
+    given; a link is not followed) holding an exclusive flock (where supported)."""
+    fd = os.open(directory, _DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return fd
@@ -299,7 +346,7 @@ def _stale_entries(parent: int, prefix: str) -> list[tuple[str, os.stat_result, 
     return stale
 
 
-def remove_stale_temps(out: Path, keep: Keep = frozenset()) -> None:
+def remove_stale_temps(out: Path, keep: Keep = frozenset(), *, parent: int | None = None) -> None:
     """Remove temp entries for OUT left by clipcli runs that no longer run (SIGKILL, power
     loss), and put back an aside copy of OUT that a dead run stranded. Only entries named
     exactly for this OUT, owned by this user, and abandoned by their run.
@@ -308,36 +355,44 @@ def remove_stale_temps(out: Path, keep: Keep = frozenset()) -> None:
     of its files): when a stale entry is, holds or leads to one of them, nothing at all is
     removed or moved and StaleTempHoldsInput names the entry. Everything is done relative
     to OUT's opened directory and never through a link, so an entry swapped for a link
-    after the check is at worst unlinked as a link."""
+    after the check is at worst unlinked as a link. `parent`, where given, is OUT's
+    directory as the run opened it when it checked OUT (its path is not looked up again)."""
     parent_path = out.parent if str(out.parent) else Path(".")
+    if parent is not None:
+        _remove_stale_temps_at(parent, parent_path, out, keep)
+        return
     try:
-        parent = os.open(parent_path, _DIRECTORY_FLAGS)
+        opened = os.open(parent_path, _DIRECTORY_FLAGS)
     except OSError:
         return
     try:
-        try:
-            stale = _stale_entries(parent, temp_prefix(out))
-        except OSError:
-            return
-        checked = []
-        for name, info, kind in stale:  # every entry first: a refusal leaves all in place
-            try:
-                holds = _holds_any_at(parent, name, info, keep, 0)
-            except OSError:
-                continue  # not to be looked at in full: not to be removed either
-            if holds:
-                raise StaleTempHoldsInput(parent_path / name)
-            checked.append((name, info, kind))
-        for name, info, kind in checked:
-            with contextlib.suppress(OSError):
-                now = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                if not _same_entry(now, info):
-                    continue  # replaced since the check: not the entry that was checked
-                if kind == ASIDE_SUFFIX and _put_back(parent, name, out.name):
-                    continue
-                remove_entry_at(parent, name, keep)
+        _remove_stale_temps_at(opened, parent_path, out, keep)
     finally:
-        os.close(parent)
+        os.close(opened)
+
+
+def _remove_stale_temps_at(parent: int, parent_path: Path, out: Path, keep: Keep) -> None:
+    try:
+        stale = _stale_entries(parent, temp_prefix(out))
+    except OSError:
+        return
+    checked = []
+    for name, info, kind in stale:  # every entry first: a refusal leaves all in place
+        try:
+            holds = _holds_any_at(parent, name, info, keep, 0)
+        except OSError:
+            continue  # not to be looked at in full: not to be removed either
+        if holds:
+            raise StaleTempHoldsInput(parent_path / name)
+        checked.append((name, info, kind))
+    for name, info, kind in checked:
+        with contextlib.suppress(OSError):
+            now = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if not _same_entry(now, info):
+                continue  # replaced since the check: not the entry that was checked
+            if kind == ASIDE_SUFFIX and _put_back(parent, name, out.name):
+                continue
+            remove_entry_at(parent, name, keep)
 
 
 def _put_back(parent: int, name: str, out_name: str) -> bool:

@@ -20,6 +20,12 @@ process id (`stage`), and committed by one rename. Rules, each tested:
 - Temp names are `.<OUT name>.<pid>-<random>.clipcli-tmp` (and `.clipcli-old` for an
   aside copy). SIGKILL cannot be caught, so the next run to the same OUT removes such
   entries of dead processes of the same user (and puts a stranded aside copy back).
+- OUT's directory is opened once, when OUT is checked, and never looked up by name again:
+  the sweep, the work directory, the writer's files (through /proc/self/fd where there is
+  one), the commit and the --force swap all act relative to that descriptor, and the
+  input footprint is checked against it again just before the commit. A folder on OUT's
+  path renamed or swapped for a link meanwhile (into IN's folder, say) is not followed:
+  OUT lands in the directory that was checked.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from clipcli.fsops import (
     TEMP_SUFFIX,
     Keep,
     StaleTempHoldsInput,
+    clear_directory,
     exchange,
     fsync_path,
     fsync_tree,
@@ -52,6 +59,7 @@ from clipcli.fsops import (
     rename_noreplace,
     temp_prefix,
 )
+from clipcli.inputs import fd_path
 from clipcli.io import format_from_extension, writer_class
 
 
@@ -96,7 +104,43 @@ class Target:
         self._default_file_mode = 0o666
         self._mode_is_kept = False  # a replaced directory's own mode, setgid bit and all
         self._keep: Keep = frozenset()  # what the input resolves to: no cleanup touches it
+        self._footprint: InputFootprint | None = None
+        # OUT's directory, opened by check(): every later step is relative to it, so that
+        # a folder on OUT's path swapped after the check is never followed.
+        self._parent_fd = -1
+        self._parent_path = self.parent  # a name for it that does not re-resolve OUT's path
+        self._work_fd = -1  # the run's work directory while staged (holds its flock)
         self.notes: list[str] = []  # said after a successful commit
+
+    def __del__(self) -> None:  # a check that no staging followed (a refusal, a dry run)
+        with contextlib.suppress(Exception):
+            self.release()
+
+    def release(self) -> None:
+        """Close OUT's opened directory; stage() does so when it ends."""
+        if self._parent_fd >= 0:
+            os.close(self._parent_fd)
+            self._parent_fd = -1
+            self._parent_path = self.parent
+
+    def _open_parent(self) -> int:
+        """Open OUT's directory (its path followed as given, once) and keep it open."""
+        self.release()
+        try:
+            fd = _open_directory(self.parent)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise WriteError(f"{self.out}: directory {self.parent} does not exist") from None
+            raise WriteError(
+                f"{self.out}: cannot open the directory {self.parent}: {exc.strerror}"
+            ) from None
+        self._parent_fd = fd
+        self._parent_path = _path_of(fd, self.parent)
+        return fd
+
+    def _in_parent(self, name: str) -> Path:
+        """A path to `name` in OUT's opened directory, for steps that need a path."""
+        return self._parent_path / name
 
     def writer_class(self) -> type[Writer]:
         """The format's writer for this target: by OUT's extension, or the model-directory
@@ -108,21 +152,37 @@ class Target:
     def check(self, footprint: InputFootprint, expected_names: Iterable[str] = ()) -> None:
         """Refuse (exit 2) or fail (exit 5) before anything is read or written."""
         out = self.out
+        if out.name in ("", ".", ".."):
+            raise Refused(f"{out}: name the file or directory to write, not '.' or '..'")
         problem = footprint.overlap(out)
         if problem is not None:
             raise Refused(f"{out}: output {problem}; choose an OUT outside the input")
         self._keep = footprint.reached
-        if not self.parent.is_dir():
-            raise WriteError(f"{out}: directory {self.parent} does not exist")
+        self._footprint = footprint
+        parent = self._open_parent()
+        try:
+            self._check_opened(footprint, parent, frozenset(expected_names))
+        except BaseException:
+            self.release()
+            raise
+
+    def _check_opened(
+        self, footprint: InputFootprint, parent: int, expected_names: frozenset[str]
+    ) -> None:
+        """check() on OUT's opened directory: what that directory is, not what its path
+        named a moment ago, decides."""
+        out = self.out
+        self._refuse_overlap(footprint, parent)
         self._mode = self._new_mode(footprint)
         try:
-            info = os.lstat(out)
+            info = os.stat(out.name, dir_fd=parent, follow_symlinks=False)
         except FileNotFoundError:
             return
         except OSError as exc:
             raise WriteError(f"{out}: cannot check the output path: {exc.strerror}") from None
         existing_dir = stat.S_ISDIR(info.st_mode)
-        if existing_dir and self.is_directory and _is_empty_directory(out):
+        at_out = self._in_parent(out.name)
+        if existing_dir and self.is_directory and _is_empty_directory(at_out, out):
             self._replace_empty_directory = True
             self._mode = stat.S_IMODE(info.st_mode)
             self._mode_is_kept = True
@@ -130,10 +190,16 @@ class Target:
         if not self.force:
             raise Refused(f"{out}: already exists; pass --force to replace it")
         if existing_dir:
-            self._check_replaceable_directory(frozenset(expected_names))
+            self._check_replaceable_directory(expected_names)
         elif not self.is_directory and stat.S_ISREG(info.st_mode):
             # cp keeps a replaced file's mode, but new content drops setuid and setgid
             self._mode = stat.S_IMODE(info.st_mode) & ~SET_ID_BITS
+
+    def _refuse_overlap(self, footprint: InputFootprint, parent: int) -> None:
+        """The input footprint judged on OUT's opened directory (exit 2)."""
+        problem = footprint.overlap_at(parent, self.out.name)
+        if problem is not None:
+            raise Refused(f"{self.out}: output {problem}; choose an OUT outside the input")
 
     def _check_replaceable_directory(self, expected: frozenset[str]) -> None:  # noqa: ARG002
         raise Refused(
@@ -152,11 +218,12 @@ class Target:
 
     # -- staging and the commit
 
-    def temp_path(self, suffix: str = TEMP_SUFFIX) -> Path:
+    def temp_name(self, suffix: str = TEMP_SUFFIX) -> str:
+        """A new temp entry's name in OUT's directory."""
         # os.urandom, as secrets.token_hex does, without importing secrets (hmac, hashlib,
         # random: ~4 ms of start-up for every command that imports this module)
         token = f"{os.getpid()}-{os.urandom(4).hex()}"
-        return self.parent / f"{temp_prefix(self.out)}{token}{suffix}"
+        return f"{temp_prefix(self.out)}{token}{suffix}"
 
     @contextlib.contextmanager
     def stage(self) -> Iterator[Path]:
@@ -170,49 +237,61 @@ class Target:
         and leaves OUT as it was: OSError becomes WriteError (exit 5), a signal
         Interrupted."""
         with interrupts.deferred(writes=True):
+            parent = self._parent_fd if self._parent_fd >= 0 else self._open_parent()
             try:
-                remove_stale_temps(self.out, self._keep)
-            except StaleTempHoldsInput as exc:
-                raise Refused(
-                    f"{self.out}: the input lies in {exc.path}, which a killed clipcli run "
-                    "left for this OUT and which cleanup would remove; move the input out of "
-                    "it or choose another OUT"
-                ) from None
-            workdir = self.temp_path()
-            try:
-                os.mkdir(workdir, 0o700)
-            except OSError as exc:
-                raise WriteError(
-                    f"{self.out}: cannot create a directory in {self.parent}: {exc.strerror}"
-                ) from None
-            try:
-                lock = hold_lock(workdir)
-            except OSError as exc:  # out of descriptors (EMFILE), say
-                remove_tree(workdir, self._keep)
-                raise _translated(exc, self.out) from None
-            staged: Path | None = None
-            try:
-                staged = self._staged_in(workdir)
-                yield staged
-                interrupts.check()
-                self._commit(staged)
-                # Past the commit point nothing may fail the run or remove anything: a work
-                # directory left (non-empty) is a dead run's to the next sweep.
-                with contextlib.suppress(OSError):
-                    os.rmdir(workdir)
-            except BaseException as exc:
-                # The lock's descriptor goes first: removing the tree needs descriptors of
-                # its own, and the failure may be that there are none left (EMFILE).
-                os.close(lock)
-                lock = -1
-                if staged is not None:  # an empty staged OUT goes without a descriptor too
-                    with contextlib.suppress(OSError):
-                        os.rmdir(staged)
-                remove_tree(workdir, self._keep)
-                raise _translated(exc, self.out) from None
+                yield from self._stage_at(parent)
             finally:
-                if lock >= 0:
-                    os.close(lock)
+                self.release()
+
+    def _stage_at(self, parent: int) -> Iterator[Path]:
+        """stage() in OUT's opened directory."""
+        try:
+            remove_stale_temps(self.out, self._keep, parent=parent)
+        except StaleTempHoldsInput as exc:
+            raise Refused(
+                f"{self.out}: the input lies in {exc.path}, which a killed clipcli run "
+                "left for this OUT and which cleanup would remove; move the input out of "
+                "it or choose another OUT"
+            ) from None
+        work = self.temp_name()
+        try:
+            os.mkdir(work, 0o700, dir_fd=parent)
+        except OSError as exc:
+            raise WriteError(
+                f"{self.out}: cannot create a directory in {self.parent}: {exc.strerror}"
+            ) from None
+        try:
+            lock = hold_lock(work, parent=parent)
+        except OSError as exc:  # out of descriptors (EMFILE), say
+            remove_tree(Path(work), self._keep, parent=parent)
+            raise _translated(exc, self.out) from None
+        self._work_fd = lock
+        try:
+            # The writer gets a path through the work directory's descriptor: a name
+            # on OUT's path swapped meanwhile cannot send its files elsewhere.
+            staged = self._staged_in(_path_of(lock, self._in_parent(work)))
+            yield staged
+            interrupts.check()
+            self._commit(staged)
+            # Past the commit point nothing may fail the run or remove anything: a work
+            # directory left (non-empty) is a dead run's to the next sweep.
+            with contextlib.suppress(OSError):
+                os.rmdir(work, dir_fd=parent)
+        except BaseException as exc:
+            # Emptied through the lock's descriptor, which is then freed: removing the
+            # tree needs descriptors of its own, and the failure may be that there are
+            # none left (EMFILE). OUT's staged file, or its folder while still empty,
+            # goes without any; the empty work directory then needs none either.
+            remove_entry_at(lock, self.out.name, self._keep)
+            clear_directory(lock, self._keep)
+            os.close(lock)
+            lock = self._work_fd = -1
+            remove_tree(Path(work), self._keep, parent=parent)
+            raise _translated(exc, self.out) from None
+        finally:
+            if lock >= 0:
+                os.close(lock)
+                self._work_fd = -1
 
     def _staged_in(self, workdir: Path) -> Path:
         """The path the writer fills: a file inside the work directory."""
@@ -223,11 +302,13 @@ class Target:
             self._sync(staged)
         interrupts.check()  # the last moment at which a signal means "no output"
         self._set_mode(staged)
+        if self._footprint is not None:  # OUT's directory may have moved since the check
+            self._refuse_overlap(self._footprint, self._parent_fd)
         self._place(staged)  # the commit point
         interrupts.settle()  # OUT is whole: a signal from here on is moot
         if self.durable:
             with contextlib.suppress(OSError):
-                fsync_path(self.parent)
+                os.fsync(self._parent_fd)
 
     def _sync(self, staged: Path) -> None:
         fsync_path(staged)
@@ -236,17 +317,25 @@ class Target:
         os.chmod(staged, self._mode)
 
     def _place(self, staged: Path) -> None:
+        """The commit: the staged entry (in the work directory) renamed to OUT (in OUT's
+        directory), both by their opened descriptors."""
         out = self.out
         if not self.force:
             try:
-                rename_noreplace(staged, out, self.is_directory)
+                rename_noreplace(
+                    staged.name,
+                    out.name,
+                    self.is_directory,
+                    src_dir=self._work_fd,
+                    dst_dir=self._parent_fd,
+                )
             except FileExistsError:
                 raise Refused(
                     f"{out}: appeared while clipcli was writing; left alone, no output written"
                 ) from None
             return
         try:
-            os.replace(staged, out)
+            os.replace(staged.name, out.name, src_dir_fd=self._work_fd, dst_dir_fd=self._parent_fd)
         except IsADirectoryError:
             raise Refused(
                 f"{out}: became a directory while clipcli was writing; left alone, "
@@ -279,7 +368,7 @@ class DirectoryTarget(Target):
         return 0o777 & ~_umask()
 
     def _check_replaceable_directory(self, expected: frozenset[str]) -> None:
-        strangers = _unexpected_entries(self.out, expected)
+        strangers = _unexpected_entries(self._in_parent(self.out.name), expected, self.out)
         if strangers:
             shown = ", ".join(repr(name) for name in strangers[:5])
             more = f" and {len(strangers) - 5} more" if len(strangers) > 5 else ""
@@ -288,7 +377,7 @@ class DirectoryTarget(Target):
                 "--force replaces only a directory that holds nothing but clipcli's own "
                 "output. Choose a new OUT"
             )
-        self._mode = stat.S_IMODE(os.stat(self.out).st_mode)
+        self._mode = stat.S_IMODE(os.stat(self.out.name, dir_fd=self._parent_fd).st_mode)
         self._mode_is_kept = True
         self._expected = expected
 
@@ -331,9 +420,10 @@ class DirectoryTarget(Target):
 
     def _place(self, staged: Path) -> None:
         out = self.out
+        work, parent = self._work_fd, self._parent_fd
         if self._replace_empty_directory and not self.force:
-            try:
-                os.rename(staged, out)  # replaces an empty directory, and nothing else
+            try:  # replaces an empty directory, and nothing else
+                os.rename(staged.name, out.name, src_dir_fd=work, dst_dir_fd=parent)
             except OSError as exc:
                 if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                     raise Refused(
@@ -341,7 +431,7 @@ class DirectoryTarget(Target):
                     ) from None
                 raise
             return
-        if not self.force or not os.path.lexists(out):
+        if not self.force or not _lexists_at(parent, out.name):
             super()._place(staged)
             return
         self._swap(staged)
@@ -349,27 +439,31 @@ class DirectoryTarget(Target):
     def _swap(self, staged: Path) -> None:
         """Replace an existing OUT (--force) without a moment where OUT is absent."""
         out = self.out
-        if _is_real_directory(out) and _unexpected_entries(out, self._expected):
+        work, parent = self._work_fd, self._parent_fd
+        at_out = self._in_parent(out.name)
+        if _is_real_directory(at_out) and _unexpected_entries(at_out, self._expected, out):
             raise Refused(
                 f"{out}: changed while clipcli was writing; left alone, no output written"
             )
-        if exchange(staged, out):
-            old = staged  # the old OUT now sits at the temp name
-            if _is_real_directory(old) and _unexpected_entries(old, self._expected):
-                exchange(staged, out)  # something arrived in the old OUT meanwhile: undo
+        if exchange(staged.name, out.name, a_dir=work, b_dir=parent):
+            old = staged  # the old OUT now sits at the staged name
+            if _is_real_directory(old) and _unexpected_entries(old, self._expected, out):
+                # something arrived in the old OUT meanwhile: undo
+                exchange(staged.name, out.name, a_dir=work, b_dir=parent)
                 raise Refused(
                     f"{out}: changed while clipcli was writing; left alone, no output written"
                 )
             self._remove_replaced(old)
             return
-        aside = self.temp_path(ASIDE_SUFFIX)
-        os.rename(out, aside)  # signals are deferred, so nothing stops between the two
+        aside = self.temp_name(ASIDE_SUFFIX)
+        # signals are deferred, so nothing stops between the two
+        os.rename(out.name, aside, src_dir_fd=parent, dst_dir_fd=parent)
         try:
-            os.rename(staged, out)
+            os.rename(staged.name, out.name, src_dir_fd=work, dst_dir_fd=parent)
         except OSError:
-            os.rename(aside, out)
+            os.rename(aside, out.name, src_dir_fd=parent, dst_dir_fd=parent)
             raise
-        self._remove_replaced(aside)
+        self._remove_replaced(self._in_parent(aside))
 
     def _remove_replaced(self, old: Path) -> None:
         """Delete the replaced OUT by the names clipcli would have written, deepest first,
@@ -395,12 +489,12 @@ class DirectoryTarget(Target):
                 os.close(parent)
         if not os.path.lexists(old):
             return
-        kept = self.temp_path(KEPT_SUFFIX)
+        kept = self.temp_name(KEPT_SUFFIX)
         with contextlib.suppress(OSError):
-            os.rename(old, kept)
-            old = kept
+            os.rename(old, self._in_parent(kept))
             self.notes.append(
-                f"the replaced {self.out} held files clipcli did not write; kept at {old}"
+                f"the replaced {self.out} held files clipcli did not write; "
+                f"kept at {self.parent / kept}"
             )
 
 
@@ -414,23 +508,54 @@ def _chmod_directory(path: Path, mode: int) -> None:
         os.chmod(path, wanted)
 
 
+def _open_directory(path: Path) -> int:
+    """A descriptor of the directory at `path`: readable where allowed (to list and fsync
+    it), else O_PATH (enough to create, rename and remove names in it: a directory with
+    write and search permission but no read permission)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except PermissionError:
+        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _path_of(fd: int, by_name: Path) -> Path:
+    """A path that reaches exactly the directory open as `fd` (/proc/self/fd), or, where
+    there is none (no /proc), its name as a fallback."""
+    reopened = fd_path(fd)
+    return by_name if reopened is None else Path(reopened)
+
+
+def _lexists_at(directory: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _is_real_directory(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
 
 
-def _is_empty_directory(path: Path) -> bool:
+def _is_empty_directory(path: Path, shown: Path | None = None) -> bool:
+    """Whether `path` is a real, empty directory; `shown` names it in messages (`path`
+    may be a /proc/self/fd path)."""
     if not _is_real_directory(path):
         return False
     try:
         with os.scandir(path) as entries:
             return next(entries, None) is None
     except OSError as exc:
-        raise WriteError(f"{path}: cannot check the output path: {exc.strerror}") from None
+        where = shown or path
+        raise WriteError(f"{where}: cannot check the output path: {exc.strerror}") from None
 
 
-def _unexpected_entries(directory: Path, expected: frozenset[str]) -> list[str]:
+def _unexpected_entries(
+    directory: Path, expected: frozenset[str], shown: Path | None = None
+) -> list[str]:
     """Entries (relative paths, at any depth) that clipcli would not write into this model
-    directory: anything not in `expected`, and symlinks, FIFOs and the like."""
+    directory: anything not in `expected`, and symlinks, FIFOs and the like. `shown` is
+    the directory's name for messages (`directory` may be a /proc/self/fd path)."""
     strangers = []
     pending = [""]
     while pending:
@@ -446,7 +571,7 @@ def _unexpected_entries(directory: Path, expected: frozenset[str]) -> list[str]:
                     elif not entry.is_file(follow_symlinks=False):
                         strangers.append(name)
         except OSError as exc:
-            where = directory / relative
+            where = (shown or directory) / relative
             raise WriteError(f"{where}: cannot check the output path: {exc.strerror}") from None
     return sorted(strangers)
 

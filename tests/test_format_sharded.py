@@ -718,8 +718,10 @@ def test_atomic_directory_appears_with_the_umask_mode(tmp_path: Path) -> None:
         with atomic_directory(out, force=False) as tmp:
             # OUT is made inside the run's private work directory (so that mkdir gives it
             # its final mode, setgid from a setgid parent included) and renamed out
-            assert tmp.parent.parent == tmp_path
-            assert tmp.parent.name.startswith(".out.")
+            # (the writer's path reaches it through its descriptor, /proc/self/fd/N)
+            work = tmp.parent.resolve()
+            assert work.parent == tmp_path
+            assert work.name.startswith(".out.")
             assert tmp.name == "out"
             assert not out.exists()
             (tmp / "a.txt").write_text("a")
