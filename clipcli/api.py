@@ -341,7 +341,7 @@ def check_writable(reader: Reader, target: Target) -> type[Writer]:
     or key, before anything is created."""
     cls = target.writer_class()
     for info in reader.infos:
-        reason = cls.check_name(info.name) or cls.check_dtype(info)
+        reason = cls.check_name(info.name) or cls.check_dtype(info) or cls.check_shape(info)
         if reason is not None:
             raise UsageError(f"{target.out}: tensor {info.name!r}: {reason}")
     reason = cls.check_names([info.name for info in reader.infos]) or cls.check_metadata(
