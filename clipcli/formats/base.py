@@ -244,6 +244,11 @@ class Reader(ABC):
         """Files that are not tensors but belong with them in an output directory."""
         return []
 
+    def side_files_linked_elsewhere(self) -> list[tuple[Path, int]]:
+        """Side files that are hard links with a name outside the directory read, each
+        with its link count (never copied: their content could be any file)."""
+        return []
+
     # -- format extras: what a writer or a job may ask of any reader
 
     @property
