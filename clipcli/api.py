@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from clipcli import interrupts, pipeline, scope
-from clipcli.errors import UsageError
+from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import (
     Checkpoint,
     NonTensorInfo,
@@ -341,7 +341,7 @@ def check_writable(reader: Reader, target: Target) -> type[Writer]:
     or key, before anything is created."""
     cls = target.writer_class()
     for info in reader.infos:
-        reason = cls.check_name(info.name) or cls.check_dtype(info)
+        reason = cls.check_name(info.name) or cls.check_dtype(info) or cls.check_shape(info)
         if reason is not None:
             raise UsageError(f"{target.out}: tensor {info.name!r}: {reason}")
     reason = cls.check_names([info.name for info in reader.infos]) or cls.check_metadata(
@@ -357,21 +357,48 @@ def _output_metadata(reader: Reader, to_directory: bool) -> dict[str, str]:
 
 
 SIDE_FILE_LIMIT = 1 << 30  # bytes: configs and tokenizers are far smaller
+# All side files together (a model's configs and tokenizers are tens of files and MBs):
+# the per-file limit alone lets 100,000 files of 1 GiB through.
+SIDE_FILES_MAX_COUNT = 10_000
+SIDE_FILES_MAX_BYTES = 4 << 30
 
 
 def _check_side_files(reader: Reader, allow_large: bool) -> None:
     """A model directory's other files are copied; one of absurd size is refused unless
-    allowed, since a sparse 1 TB file would otherwise fill the disk."""
+    allowed, since a sparse 1 TB file would otherwise fill the disk; so are too many or too
+    many bytes in all (exit 3), and a hard link with a name outside the directory (exit 3)."""
+    if linked := reader.side_files_linked_elsewhere():
+        path, links = linked[0]
+        raise InputError(
+            path,
+            f"is a hard link with {links} names, some outside the model directory, so it may "
+            "be any file of yours; not copied (copy the directory without hard links)",
+        )
+    opened = reader.source_identities()  # the files the copy will read, not the names now
+    side_files = reader.side_files()
+    if len(side_files) > SIDE_FILES_MAX_COUNT:
+        raise InputError(
+            reader.path,
+            f"has {len(side_files)} other files to copy beside the weights; "
+            f"at most {SIDE_FILES_MAX_COUNT} are copied",
+        )
     if allow_large:
         return
-    opened = reader.source_identities()  # the files the copy will read, not the names now
-    for path in reader.side_files():
+    for path in side_files:
         size = opened[path].size
         if size > SIDE_FILE_LIMIT:
             raise UsageError(
                 f"{path}: side file of {size} bytes is over the {SIDE_FILE_LIMIT >> 30} GiB "
                 "limit for files copied beside the weights; pass --allow-large-side-files"
             )
+    total = sum(opened[path].size for path in side_files)
+    if total > SIDE_FILES_MAX_BYTES:
+        raise InputError(
+            reader.path,
+            f"its other files hold {total} bytes together, over the "
+            f"{SIDE_FILES_MAX_BYTES >> 30} GiB copied beside the weights; "
+            "pass --allow-large-side-files",
+        )
 
 
 def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:

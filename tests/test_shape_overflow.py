@@ -28,6 +28,9 @@ SAFETENSORS_SHAPES = [
     ([U64, 1, 0], "F32"),  # at the limit
     ([U64, 2, 0], "F32"),  # one step past it
     ([0, U64, 2], "F32"),  # the 0 comes first: no overflow
+    # The same limit with dimensions numpy can hold (each < 2**63):
+    ([2**62, 3, 0], "F32"),  # the product just fits in u64
+    ([2**62, 4, 0], "F32"),  # the product is 2**64: overflows
 ]
 
 
@@ -60,8 +63,13 @@ def clipcli_accepts(path: Path) -> bool:
 def test_safetensors_shape_verdict_is_the_official_readers(
     tmp_path: Path, shape: list[int], dtype: str
 ) -> None:
+    """The official verdict, except that a dimension of 2**63 or more, which safe_open lists
+    but no numpy array can have, is refused on reading (issue 18, Open item 3)."""
     path = safetensors_file(tmp_path / "s.safetensors", shape, dtype)
-    assert clipcli_accepts(path) == official_safetensors_accepts(path)
+    numpy_holds_every_dimension = all(d < 2**63 for d in shape)
+    assert clipcli_accepts(path) == (
+        official_safetensors_accepts(path) and numpy_holds_every_dimension
+    )
 
 
 def test_the_issue_example_is_refused_naming_the_tensor(tmp_path: Path) -> None:
@@ -132,13 +140,18 @@ def test_hdf5_shape_verdict_is_h5pys(tmp_path: Path, shape: tuple[int, ...], des
 def test_a_shape_safetensors_holds_but_numpy_cannot_is_not_written_to_npz_or_hdf5(
     tmp_path: Path,
 ) -> None:
-    """[2**64 - 1, 1, 0] reads as safetensors; np.load and h5py could not read it back."""
+    """[2**62, 2, 0] reads as safetensors; np.load and h5py could not read it back.
+    (The example was [2**64 - 1, 1, 0], which is now refused on reading: no numpy array has
+    a dimension of 2**63 or more; tests/test_tensor_rank.py.)"""
     from clipcli import api
     from clipcli.errors import UsageError
 
-    src = safetensors_file(tmp_path / "s.safetensors", [U64, 1, 0], "F32")
+    with pytest.raises(InputError, match="numpy's limit"):
+        open_reader(safetensors_file(tmp_path / "u.safetensors", [U64, 1, 0], "F32"))
+    src = safetensors_file(tmp_path / "s.safetensors", [2**62, 2, 0], "F32")
+    assert official_safetensors_accepts(src)
     for suffix in (".npz", ".h5"):
         with pytest.raises(UsageError, match="numpy's size limit"):
             api.convert(src, tmp_path / f"out{suffix}")
         assert not (tmp_path / f"out{suffix}").exists()
-    assert not numpy_accepts((U64, 1, 0), "<f4")
+    assert not numpy_accepts((2**62, 2, 0), "<f4")

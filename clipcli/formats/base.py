@@ -244,6 +244,11 @@ class Reader(ABC):
         """Files that are not tensors but belong with them in an output directory."""
         return []
 
+    def side_files_linked_elsewhere(self) -> list[tuple[Path, int]]:
+        """Side files that are hard links with a name outside the directory read, each
+        with its link count (never copied: their content could be any file)."""
+        return []
+
     # -- format extras: what a writer or a job may ask of any reader
 
     @property
@@ -307,6 +312,19 @@ class Writer(ABC):
     def check_dtype(cls, info: TensorInfo) -> str | None:  # noqa: ARG003 - interface default
         """Why this format cannot hold the tensor's dtype, or None if it can."""
         return None
+
+    @classmethod
+    def check_shape(cls, info: TensorInfo) -> str | None:
+        """Why this format, or its official reader, cannot hold a tensor of this shape
+        (rank, dimensions, size), or None. By default numpy's limits, which every reader
+        keeps: a format that holds less says so."""
+        return numpy_shape_problem(info.shape)
+
+    def check_tensors(self, infos: Iterable[TensorInfo]) -> None:
+        """The writers' own guard (callers check first, naming OUT: api.check_writable)."""
+        for info in infos:
+            if (reason := self.check_dtype(info) or self.check_shape(info)) is not None:
+                raise ValueError(reason)
 
     @classmethod
     def check_name(cls, name: str) -> str | None:
@@ -442,6 +460,29 @@ class WritebackStarter:
 
 
 NUMPY_MAX_BYTES = 2**63 - 1  # np.intp
+# numpy's NPY_MAXDIMS (numpy 2): np.empty((1,) * 65), np.load and safe_open(framework="np")
+# refuse more dimensions. Every reader refuses them, so no shape past it reaches a writer.
+NUMPY_MAX_RANK = 64
+
+
+def rank_problem(rank: int, limit: int = NUMPY_MAX_RANK, holder: str = "numpy") -> str | None:
+    """Why a shape of `rank` dimensions is too many for `holder`, or None."""
+    if rank > limit:
+        return f"shape has {rank} dimensions; {holder} holds at most {limit}"
+    return None
+
+
+def numpy_shape_problem(shape: Sequence[int]) -> str | None:
+    """What no numpy array could have, whatever its dtype: more dimensions than numpy holds,
+    or a dimension past np.intp (also beside a 0, where the array would hold nothing). The
+    rank is judged before any dimension, so a shape of millions is never looked through
+    (or printed)."""
+    if (problem := rank_problem(len(shape))) is not None:
+        return problem
+    for dim in shape:
+        if dim > NUMPY_MAX_BYTES:
+            return f"dimension {dim} of shape {list(shape)} is past numpy's limit (2**63 - 1)"
+    return None
 
 
 def numpy_size_overflows(shape: Sequence[int], itemsize: int) -> bool:

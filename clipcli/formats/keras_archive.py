@@ -271,6 +271,10 @@ class KerasArchiveWriter(Writer):
         return Hdf5Writer.check_dtype(info)
 
     @classmethod
+    def check_shape(cls, info: TensorInfo) -> str | None:
+        return Hdf5Writer.check_shape(info)
+
+    @classmethod
     def check_name(cls, name: str) -> str | None:
         return Hdf5Writer.check_name(name)  # the weights are an HDF5 file
 

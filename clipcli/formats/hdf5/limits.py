@@ -9,6 +9,7 @@ MAX_DECLARED_BYTES = 1 << 40  # 1 TiB: no checkpoint tensor is this large
 # zeros reaches ~1000:1 and would take minutes to decode).
 SPARSE_CHECK_BYTES = 64 << 20
 MAX_EXPANSION = 200
+MAX_RANK = 32  # H5S_MAX_RANK: the library neither writes nor reads more dimensions
 MAX_DEPTH = 64  # real checkpoints nest a handful of groups; thousands is an attack
 # HDF5 decodes a whole chunk to read any part of it (h5py's automatic chunks are <= 1 MiB).
 MAX_CHUNK_BYTES = 256 << 20

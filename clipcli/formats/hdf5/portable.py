@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+import clipcli.formats.hdf5.limits as limits
 from clipcli.formats.hdf5.library import load_h5py
 
 Json = dict[str, Any]
@@ -22,7 +23,7 @@ Json = dict[str, Any]
 MAX_TYPE_DEPTH = 8  # compound/array nesting; real files nest once or twice
 MAX_TYPE_SIZE = 1 << 20  # bytes per element
 MAX_MEMBERS = 4096  # compound fields or enum members
-MAX_RANK = 32  # HDF5's own limit
+MAX_RANK = limits.MAX_RANK  # HDF5's own limit
 
 
 class Unportable(ValueError):

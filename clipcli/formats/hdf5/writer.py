@@ -26,6 +26,7 @@ from clipcli.formats.base import (
     TensorInfo,
     Writer,
     numpy_size_overflows,
+    rank_problem,
     utf8_encodable,
 )
 from clipcli.formats.hdf5.filters import describe_lossy
@@ -78,9 +79,7 @@ class Hdf5Writer(Writer):
 
     def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
         super().__init__(path, checkpoint, durable)
-        for info in checkpoint.infos:
-            if (problem := self.check_dtype(info)) is not None:
-                raise ValueError(problem)
+        self.check_tensors(checkpoint.infos)
         # The source's structure decides the skeleton: an HDF5 source (the structure's
         # origin) is replicated object by object; a structure recorded in another format
         # (safetensors __metadata__) is rebuilt; otherwise a plain layout.
@@ -222,9 +221,17 @@ class Hdf5Writer(Writer):
         dtype = info.dtype
         if from_ml_dtypes(dtype) or dtype.kind == "V":  # ml_dtypes' types, or opaque bytes
             return f"HDF5 cannot hold {dtype.name}; write .safetensors instead"
-        if numpy_size_overflows(info.shape, dtype.itemsize):
-            return f"h5py cannot read shape {list(info.shape)} back (numpy's size limit)"
         return None
+
+    @classmethod
+    def check_shape(cls, info: TensorInfo) -> str | None:
+        """HDF5 holds at most 32 dimensions (H5S_MAX_RANK: h5py's create_dataset refuses
+        more, "Dimensionality is too large"); h5py reads through numpy."""
+        if (problem := rank_problem(len(info.shape), limits.MAX_RANK, "HDF5")) is not None:
+            return problem
+        if numpy_size_overflows(info.shape, info.dtype.itemsize):
+            return f"h5py cannot read shape {list(info.shape)} back (numpy's size limit)"
+        return super().check_shape(info)
 
     # -- skeleton -------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from clipcli.dtypes import is_numeric
-from clipcli.formats.base import TensorInfo
+from clipcli.formats.base import TensorInfo, numpy_shape_problem
 
 NPY_MAGIC = b"\x93NUMPY"
 MAX_HEADER_BYTES = 10_000  # numpy's own default cap for np.load
@@ -60,6 +60,9 @@ def _read_npy_header(stream: Readable) -> tuple[np.dtype[Any], tuple[int, ...], 
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise InputProblem(f".npy shape {shape!r} is not a tuple of non-negative integers")
+    # np.load's own limits: at most 64 dimensions, each below 2**63 (np.intp).
+    if (problem := numpy_shape_problem(shape)) is not None:
+        raise InputProblem(problem)
     if not isinstance(header["fortran_order"], bool):
         raise InputProblem(".npy fortran_order is not a bool")
     descr = header["descr"]

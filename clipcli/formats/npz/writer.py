@@ -47,6 +47,13 @@ class NpzWriter(Writer):
     def check_dtype(cls, info: TensorInfo) -> str | None:
         if from_ml_dtypes(info.dtype):
             return f"npz cannot hold {info.dtype.name}; write .safetensors instead"
+        return None
+
+    @classmethod
+    def check_shape(cls, info: TensorInfo) -> str | None:
+        """np.load makes the array: numpy's rank and size limits, nothing more."""
+        if (problem := super().check_shape(info)) is not None:
+            return f"np.load cannot read it back: {problem}"
         if numpy_size_overflows(info.shape, info.dtype.itemsize):
             return f"np.load cannot make an array of shape {list(info.shape)} (numpy's size limit)"
         return None

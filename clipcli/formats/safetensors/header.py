@@ -88,6 +88,21 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_U64_MAX = 2**64 - 1
+
+
+def buffer_size_overflows(shape: Sequence[int], itemsize: int) -> bool:
+    """The official reader's rule (tensor.rs): the dimensions multiplied left to right in
+    u64, checked at every step, even when a later one is 0, then by the bits per element:
+    [2**32, 2**32, 0] overflows there, while [0, 2**64 - 1, 2] does not."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+        if numel > _U64_MAX:
+            return True
+    return numel * itemsize * 8 > _U64_MAX
+
+
 def build_header(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> bytes:
     """Compact JSON with __metadata__ first, space-padded to 8 bytes, like the official writer."""
     header: dict[str, Any] = {}

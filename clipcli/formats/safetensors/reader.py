@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -17,6 +18,8 @@ from clipcli.formats.base import (
     StoredBytes,
     TensorInfo,
     default_chunk_elems,
+    numpy_shape_problem,
+    rank_problem,
 )
 from clipcli.formats.safetensors.header import (
     _PACKED,
@@ -28,6 +31,7 @@ from clipcli.formats.safetensors.header import (
     MAX_TENSORS,
     _is_int,
     _reject_duplicates,
+    buffer_size_overflows,
     dtype_of,
 )
 from clipcli.formats.structure import (
@@ -42,7 +46,11 @@ from clipcli.inputs import open_input
 if TYPE_CHECKING:
     import numpy as np
 
-_U64_MAX = 2**64 - 1
+
+def _shown(value: object, limit: int = 200) -> str:
+    """repr cut to `limit` characters: a rejected field may be megabytes long."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _refuse_surrogates(reader: SafetensorsReader, header: dict[str, Any]) -> None:
@@ -210,8 +218,17 @@ class SafetensorsReader(Reader):
         if not isinstance(code, str) or code not in DTYPE_NAMES:
             raise self._fail(f"unknown dtype {code!r}", name)
         shape = entry.get("shape")
-        if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 2**64 for d in shape):
-            raise self._fail(f"shape {shape!r} is not a list of non-negative integers", name)
+        if not isinstance(shape, list):
+            raise self._fail(f"shape {_shown(shape)} is not a list", name)
+        # The rank first: a shape of millions of dimensions is refused unread, unprinted.
+        if (problem := rank_problem(len(shape))) is not None:
+            raise self._fail(problem, name)
+        if not all(_is_int(d) and d >= 0 for d in shape):
+            raise self._fail(f"shape {_shown(shape)} is not a list of non-negative integers", name)
+        # safe_open accepts any dimension below 2**64, but no numpy array (clipcli's chunks,
+        # np and torch loaders) can have one of 2**63 or more, even beside a 0.
+        if (problem := numpy_shape_problem(shape)) is not None:
+            raise self._fail(problem, name)
         offsets = entry.get("data_offsets")
         if (
             not isinstance(offsets, list)
@@ -222,17 +239,9 @@ class SafetensorsReader(Reader):
         begin, end = offsets
         if begin > end:
             raise self._fail(f"data_offsets [{begin}, {end}] has begin > end", name)
-        # The official reader's rule (tensor.rs): the dimensions multiplied left to right in
-        # u64, checked at every step, even when a later one is 0, then by the bits per
-        # element: [2**32, 2**32, 0] overflows there, while [0, 2**64 - 1, 2] does not.
-        numel = 1
-        for dim in shape:
-            numel *= dim
-            if numel > _U64_MAX:
-                raise self._fail(f"shape {shape} overflows (computing its buffer size)", name)
-        nbytes = numel * ITEMSIZES[code]
-        if nbytes * 8 > _U64_MAX:
+        if buffer_size_overflows(shape, ITEMSIZES[code]):
             raise self._fail(f"shape {shape} overflows (computing its buffer size)", name)
+        nbytes = math.prod(shape) * ITEMSIZES[code]
         if end - begin != nbytes:
             raise self._fail(
                 f"data_offsets span {end - begin} bytes but {code} {shape} needs {nbytes}", name

@@ -22,7 +22,12 @@ from clipcli.formats.base import (
     Writer,
     byte_view,
 )
-from clipcli.formats.safetensors.header import CODES, build_header, header_problem
+from clipcli.formats.safetensors.header import (
+    CODES,
+    buffer_size_overflows,
+    build_header,
+    header_problem,
+)
 from clipcli.formats.structure import STRUCTURE_KEY
 
 
@@ -52,9 +57,7 @@ class SafetensorsWriter(Writer):
 
     def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
         super().__init__(path, checkpoint, durable)
-        for info in checkpoint.infos:
-            if (reason := self.check_dtype(info)) is not None:
-                raise ValueError(reason)
+        self.check_tensors(checkpoint.infos)
         self._file: BinaryIO = self._open(path)
         header = build_header(checkpoint.infos, with_structure(checkpoint))
         self._reserve(len(header) + sum(info.nbytes for info in checkpoint.infos))
@@ -144,6 +147,14 @@ class SafetensorsWriter(Writer):
         if info.dtype.name not in CODES:
             return f"safetensors cannot hold {info.dtype.name}"
         return None
+
+    @classmethod
+    def check_shape(cls, info: TensorInfo) -> str | None:
+        """safe_open takes any rank, but makes numpy arrays (numpy's limits: the default);
+        and the official reader's u64 product of the dimensions, as our reader applies it."""
+        if buffer_size_overflows(info.shape, info.dtype.itemsize):
+            return f"shape {list(info.shape)} overflows the safetensors buffer size (u64)"
+        return super().check_shape(info)
 
     @classmethod
     def check_name(cls, name: str) -> str | None:

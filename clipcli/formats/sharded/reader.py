@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import stat
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -59,6 +59,10 @@ class ShardedReader(Reader):
         self._index: dict[str, Any] | None = None
         # Identities of the files read or to be copied, as first seen (clipcli.identity).
         self._identities: dict[Path, FileIdentity] = {}
+        # Hard links: each side file's inode and link count, and how many names the walk
+        # found for each inode inside the directory (side_files_linked_elsewhere).
+        self._side_inodes: dict[Path, tuple[tuple[int, int], int]] = {}
+        self._names_inside: Counter[tuple[int, int]] = Counter()
         self._flat_metadata: dict[str, str] | None = None
         try:
             self._roots = allowed_roots(directory)
@@ -152,12 +156,15 @@ class ShardedReader(Reader):
                     self.directory, f"holds more than {MAX_SIDE_ENTRIES} files and folders"
                 )
             for entry in listing:
-                if folder == self.directory and entry.name in ours:
-                    continue
                 try:
+                    own = entry.lstat()
                     is_directory = entry.is_dir()
                 except OSError as exc:  # in a folder that may be listed but not entered
                     raise InputError(entry, f"cannot read: {exc.strerror}") from None
+                if not stat.S_ISDIR(own.st_mode):
+                    self._names_inside[(own.st_dev, own.st_ino)] += 1
+                if folder == self.directory and entry.name in ours:
+                    continue
                 if is_directory:
                     if (
                         entry.is_symlink()
@@ -210,7 +217,21 @@ class ShardedReader(Reader):
         # The first sight of the file is the identity that counts (the input guard, and
         # the copy's open): a later look would accept a file renamed over it meanwhile.
         self._identities.setdefault(entry, FileIdentity.of_stat(info))
+        self._side_inodes.setdefault(entry, ((info.st_dev, info.st_ino), info.st_nlink))
         return real
+
+    def side_files_linked_elsewhere(self) -> list[tuple[Path, int]]:
+        """Side files whose inode has more hard links than the names found for it inside
+        the directory, with their link count: another name lies outside, and the content
+        may be any file of the user's (a tar extracted without filters links
+        `config.json` to `../../.ssh/id_ed25519`). The path confines symlinks, not these.
+        A symlink into the Hub cache's blobs/ counts its blob, which has one link."""
+        linked = []
+        for entry in self._other_files:
+            inode, links = self._side_inodes[entry]
+            if links > max(1, self._names_inside[inode]):
+                linked.append((entry, links))
+        return linked
 
     def open_other_file(self, entry: Path) -> BinaryIO:
         """Open a file listed by other_files() for copying: its confinement is checked again

@@ -63,9 +63,7 @@ class ShardedWriter(Writer):
 
     def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
         super().__init__(path, checkpoint, durable)
-        for info in checkpoint.infos:
-            if (reason := self.check_dtype(info)) is not None:
-                raise ValueError(reason)
+        self.check_tensors(checkpoint.infos)
         if not path.is_dir():
             raise ValueError(f"{path}: ShardedWriter needs an existing directory")
         self._plans = plan_shards(checkpoint)
@@ -80,6 +78,10 @@ class ShardedWriter(Writer):
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
         return SafetensorsWriter.check_dtype(info)
+
+    @classmethod
+    def check_shape(cls, info: TensorInfo) -> str | None:
+        return SafetensorsWriter.check_shape(info)
 
     @classmethod
     def check_name(cls, name: str) -> str | None:
