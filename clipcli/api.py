@@ -392,10 +392,9 @@ def _check_side_files(reader: Reader, allow_large: bool) -> None:
                 "limit for files copied beside the weights; pass --allow-large-side-files"
             )
     total = sum(opened[path].size for path in side_files)
-    if total > SIDE_FILES_MAX_BYTES:
-        raise InputError(
-            reader.path,
-            f"its other files hold {total} bytes together, over the "
+    if total > SIDE_FILES_MAX_BYTES:  # a refusal the flag lifts, as for one large file
+        raise UsageError(
+            f"{reader.path}: its other files hold {total} bytes together, over the "
             f"{SIDE_FILES_MAX_BYTES >> 30} GiB copied beside the weights; "
             "pass --allow-large-side-files",
         )
