@@ -111,6 +111,40 @@ def rewrite(path: Path, old: bytes, new: bytes, *, checksummed: bool) -> None:
     path.write_bytes(bytes(data))
 
 
+def rewrite_in_heap_block(path: Path, old: bytes, new: bytes) -> None:
+    """Replace `old` by `new` inside the fractal heap direct block (FHDB) that stores a
+    group's links densely. Its checksum is lookup3 of the whole block with the checksum
+    field zeroed; the field's place (after the heap address and the block offset) and
+    the block's size (a power of two) are found by matching the library's own checksum."""
+    assert len(old) == len(new)
+    data = bytearray(path.read_bytes())
+    start = data.index(b"FHDB")
+    at = data.index(old, start)
+    spans = [
+        (field, size)
+        for field in range(start + 13, start + 22)
+        for size in (1 << k for k in range(9, 20))
+        if start + size <= len(data) and at + len(old) <= start + size
+    ]
+
+    def checksum(block: bytearray, field: int) -> int:
+        zeroed = bytearray(block)
+        zeroed[field - start : field - start + 4] = bytes(4)
+        return lookup3(bytes(zeroed))
+
+    matches = [
+        (field, size)
+        for field, size in spans
+        if checksum(data[start : start + size], field)
+        == int.from_bytes(data[field : field + 4], "little")
+    ]
+    assert len(matches) == 1, f"direct block checksum not found: {matches}"
+    field, size = matches[0]
+    data[at : at + len(old)] = new
+    data[field : field + 4] = checksum(data[start : start + size], field).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
 def link_message_name(name: bytes) -> bytes:
     """A short name as stored in a Link message: its one-byte length, then the bytes."""
     return bytes([len(name)]) + name
@@ -210,6 +244,25 @@ def test_a_slash_in_a_link_name_never_opens_another_file(tmp_path: Path) -> None
         assert watch.opens() == 0
     finally:
         watch.close()
+
+
+def test_a_slash_in_a_densely_stored_link_name_never_opens_the_external_target(
+    tmp_path: Path,
+) -> None:
+    """Past 8 links a group stores them in a fractal heap (names indexed by hash and by
+    creation order): the rule is the same, whatever the storage."""
+    fifo = tmp_path / "target.h5"
+    os.mkfifo(fifo)
+    path = tmp_path / "hostile.h5"
+    with h5py.File(path, "w", track_order=True) as f:
+        f["exx"] = np.arange(4.0)
+        for index in range(12):
+            f[f"pad{index:02d}"] = np.arange(2.0)
+        f["e"] = h5py.ExternalLink(str(fifo), "/")
+    rewrite_in_heap_block(path, b"exx", b"e/x")
+    names = root_names(path)
+    assert names == ["e/x", *(f"pad{index:02d}" for index in range(12)), "e"]
+    refuse_input(path, 3, "link named 'e/x'")
 
 
 def test_a_leading_slash_in_an_old_style_group_never_reaches_the_root(tmp_path: Path) -> None:
