@@ -127,3 +127,23 @@ def holds_references(type_id: Any) -> bool:
 def name_bytes(name: str | bytes) -> bytes:
     """h5py gives names as str, or as bytes when they are not UTF-8; HDF5 wants bytes."""
     return name if isinstance(name, bytes) else name.encode("utf-8")
+
+
+def link_name_problem(name: str) -> str | None:
+    """Why a stored link name cannot be used to open what it links to, or None.
+
+    HDF5 never stores such a name, but a hand-made file can, and h5py and libhdf5 take
+    every name they are given as a path: `e/x` is the link `x` reached through `e`, which
+    the library follows (a soft link, or an external link whose file it opens by name)
+    before the walk ever reaches `e` to refuse it; `.` is the group itself. So a name is
+    used only when it is one plain path component. (An empty name the library refuses
+    itself; a NUL ends the name in every API, which shows it as a repeated name.)"""
+    if name == "":
+        return "the name is empty"
+    if name in (".", ".."):
+        return f"{name!r} is not a plain name"
+    if "/" in name:
+        return "HDF5 reads a '/' in it as a path"
+    if "\0" in name:
+        return "it contains NUL"
+    return None

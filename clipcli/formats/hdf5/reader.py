@@ -19,7 +19,13 @@ from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, Reader, TensorInfo, default_chunk_elems
 from clipcli.formats.hdf5.geometry import aligned_step, block_shape, flat_range_blocks
 from clipcli.formats.hdf5.heap import check_global_heaps
-from clipcli.formats.hdf5.library import NodeKind, input_errors, load_h5py, utf8_text
+from clipcli.formats.hdf5.library import (
+    NodeKind,
+    input_errors,
+    link_name_problem,
+    load_h5py,
+    utf8_text,
+)
 from clipcli.formats.hdf5.nontensor import RowSlice, VlenBudget, read_rows
 from clipcli.formats.hdf5.safety import DatasetChecks
 from clipcli.formats.hdf5.structure import read_structure
@@ -145,7 +151,8 @@ class Hdf5Reader(Reader):
         root = self.file["/"]
         nodes = [Hdf5Node("/", "group")]
         infos: list[TensorInfo] = []
-        first_path = {_object_key(root): "/"}
+        root_key = _object_key(root)
+        first_path = {root_key: "/"}
         # An explicit stack: a hostile file may nest groups deeper than Python recursion.
         stack: list[tuple[str, Any, Iterator[Any]]] = [("/", root, self._member_names(root, "/"))]
         while stack:
@@ -158,6 +165,10 @@ class Hdf5Reader(Reader):
             obj = self._open_hard_link(group, name, path)
             with input_errors(self.path, f"cannot inspect object {path!r}"):
                 key = _object_key(obj)
+            if key[0] != root_key[0]:  # names are checked: this is the backstop
+                raise self._fail(
+                    f"object {path!r} lies in another file; only this file's objects are read"
+                )
             if key in first_path:
                 raise self._fail(
                     f"object {path!r} is a second hard link to {first_path[key]!r}; "
@@ -185,12 +196,24 @@ class Hdf5Reader(Reader):
         return nodes, infos
 
     def _member_names(self, group: Any, path: str) -> Iterator[str]:
-        """The group's link names in its own order (h5py uses creation order if tracked)."""
+        """The group's link names in its own order (h5py uses creation order if tracked),
+        each checked to be one plain path component before anything is opened through it:
+        the library reads any name as a path (library.link_name_problem)."""
         with input_errors(self.path, f"cannot list group {path!r}"):
             names = list(group)
+        seen: set[str] = set()
         for name in names:
             if not isinstance(name, str):  # h5py hands back undecodable names as bytes
                 raise self._fail(f"group {path!r} has a link name that is not UTF-8: {name!r}")
+            problem = link_name_problem(name)
+            if problem is not None:
+                raise self._fail(
+                    f"group {path!r} has a link named {name!r}: {problem}; refused before "
+                    "anything is opened through it"
+                )
+            if name in seen:  # a name lookup finds only one of them: the other is hidden
+                raise self._fail(f"group {path!r} lists the link name {name!r} twice")
+            seen.add(name)
         return iter(names)
 
     def _open_hard_link(self, group: Any, name: str, path: str) -> Any:

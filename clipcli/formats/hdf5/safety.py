@@ -255,11 +255,18 @@ class DatasetChecks:
         """Variable-length attribute values live in global heap objects, and any number of
         elements may point at the same object: 1,500 strings naming one 1 MiB object read
         as 1.5 GB. Reading an attribute reads all its elements at once, so the bound is
-        taken before any is read: elements x the largest heap object in the file."""
+        taken before any is read: elements x the largest heap object in the file.
+        An object listing an attribute name twice is refused: h5py opens attributes by
+        name, which finds only one of them (the other is hidden, or written twice)."""
         elements = 0
         for path in object_paths:
             obj = file[path]
-            for name in obj.attrs:
+            names = list(obj.attrs)
+            seen: set[str | bytes] = set()
+            for name in names:
+                if name in seen:
+                    raise self._fail(f"object {path!r} lists the attribute name {name!r} twice")
+                seen.add(name)
                 attr = obj.attrs.get_id(name)
                 if holds_vlen(attr.get_type()):
                     elements += max(1, int(attr.get_space().get_simple_extent_npoints()))
