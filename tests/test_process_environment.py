@@ -484,7 +484,8 @@ def test_just_above_and_below_what_a_run_needs(tmp_path: Path, command: str) -> 
     _keras(src)
     argv = _argv(command, src, tmp_path)
     low, high = 8, 512  # fails at low, succeeds at high
-    assert _limited(high, argv).returncode == 0
+    done = _limited(high, argv)
+    assert done.returncode == 0, done.stderr
     while high - low > 1:
         middle = (low + high) // 2
         (tmp_path / "o.keras").unlink(missing_ok=True)
