@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from clipcli.errors import WriteError
+from clipcli.inputs import out_of_descriptors
 
 
 def directory() -> str:
@@ -35,6 +36,9 @@ def directory() -> str:
 
 def failure(exc: OSError) -> WriteError:
     """A write into the temporary directory failed: exit 5, naming it."""
+    no_descriptor = out_of_descriptors(exc, f"temporary directory {directory()}")
+    if no_descriptor is not None:  # no fault of the directory: do not send the user to TMPDIR
+        return no_descriptor
     reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
     return WriteError(
         f"temporary directory {directory()}: cannot write: {reason}; "
@@ -99,8 +103,13 @@ class PrivateDirectory:
         for _ in range(self.ATTEMPTS):
             try:
                 path = tempfile.mkdtemp(prefix=prefix, dir=where)
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as exc:
+                raise failure(exc) from None
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as exc:  # out of descriptors: the new directory must not stay
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
                 raise failure(exc) from None
             if _lock(fd) is not False and os.fstat(fd).st_nlink > 0:  # still there, ours now
                 self.path, self.fd = Path(path), fd
