@@ -3,9 +3,12 @@ signals, then run the CLI.
 
 Importing the CLI (numpy; typer too for what the quick parser does not take) takes tens of
 milliseconds, before main() has set up its error boundary. A Ctrl-C there would print a
-KeyboardInterrupt traceback, so until main() takes over, SIGINT, SIGTERM and SIGHUP print
-the one documented line and exit 130/143/129: nothing has been opened yet, so there is nothing to
+KeyboardInterrupt traceback, so until main() takes over, SIGINT, SIGTERM, SIGHUP and the
+other signals that would end the process print the one documented line and exit 128 + N
+(130/143/129, 131 for SIGQUIT, ...): nothing has been opened yet, so there is nothing to
 clean up. main() then records them until the command acts on them (clipcli.interrupts).
+A signal ignored when the process started (`nohup`, a background job's SIGINT) is left
+ignored, here and for the whole run.
 
 What runs before this module (the interpreter's start-up, site and .pth files, runpy or the
 console script finding the package) is not clipcli's code: a signal there gets Python's own
@@ -20,20 +23,32 @@ import os
 import sys
 
 INTERRUPTED_LINE = b"clipcli: error: interrupted\n"
-TERMINATED_LINE = b"clipcli: error: terminated by SIGTERM\n"
-HANGUP_LINE = b"clipcli: error: terminated by SIGHUP\n"
-GUARDED = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP)
+# The signals whose default action ends the process and that can be caught: those that
+# clipcli.interrupts.HANDLED records during a command (SIGPIPE and SIGXFSZ are ignored by
+# CPython itself). Their names are spelt out: the signal module's enum is not loaded yet.
+_ENDING_NAMES = (
+    "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGXCPU",
+    "SIGVTALRM", "SIGPROF",
+)  # fmt: skip
+GUARDED = {getattr(_signal, name): name for name in _ENDING_NAMES if hasattr(_signal, name)}
 
 
 def _exit_during_start_up(signum: int, _frame: object) -> None:
-    lines = {_signal.SIGTERM: TERMINATED_LINE, _signal.SIGHUP: HANGUP_LINE}
-    os.write(2, lines.get(signum, INTERRUPTED_LINE))
+    if signum == _signal.SIGINT:
+        os.write(2, INTERRUPTED_LINE)
+    else:
+        os.write(2, f"clipcli: error: terminated by {GUARDED[signum]}\n".encode())
     os._exit(128 + signum)
 
 
 def _guard_start_up() -> None:
+    """Guard every ending signal, except one ignored when the process started: the parent
+    asked for it to be ignored (`nohup`, a shell running a background job), and the check
+    is made before anything is installed, so later checks (clipcli.interrupts.ignored)
+    still see the inherited SIG_IGN."""
     for signum in GUARDED:
-        _signal.signal(signum, _exit_during_start_up)
+        if _signal.getsignal(signum) != _signal.SIG_IGN:
+            _signal.signal(signum, _exit_during_start_up)
 
 
 # As a program (`python -m clipcli`, or the `clipcli` console script, which imports this
@@ -122,7 +137,7 @@ def run() -> None:
     # The outcome is decided and reported: a late signal must not add a traceback to it.
     for signum in GUARDED:
         _signal.signal(signum, _signal.SIG_IGN)
-    if code in (129, 130, 143):
+    if code > 128:  # ended by a signal (128 + N)
         # CPython 3.11 marks a KeyboardInterrupt "unhandled" when it passes through exec()
         # of a string (dataclasses and namedtuple do that while importing), even though
         # main() handled it; the interpreter would then kill itself with SIGINT at exit

@@ -18,6 +18,7 @@ from clipcli import interrupts
 from clipcli.address_space import refused_memory
 from clipcli.commands.common import finish_progress, reader_went_away
 from clipcli.errors import ClipcliError, ExitCode, Verdict, printable
+from clipcli.inputs import out_of_descriptors
 
 
 class _Reported:
@@ -58,6 +59,9 @@ def exit_code_for(exc: BaseException, args: list[str] | None = None) -> int:
         # container's memory); the input is not at fault. A write staged so far is gone.
         detail = f": {exc}" if str(exc) else ""
         return fail(f"out of memory{detail}", ExitCode.WRITE_FAILED)
+    no_descriptor = out_of_descriptors(exc)  # e.g. importing a module (h5py) at `ulimit -n`
+    if no_descriptor is not None:
+        return fail(str(no_descriptor), no_descriptor.exit_code)
     if isinstance(exc, KeyboardInterrupt):
         # Outside a write there is nothing to clean up; inside one, the job cleaned up.
         return fail("interrupted", ExitCode.INTERRUPTED)

@@ -41,10 +41,13 @@ def body_of(command: str) -> Callable[..., None]:
 
 def _restore_signal_defaults() -> None:
     """Undo the start-up guard of `python -m clipcli` (__main__.py): from here on Ctrl-C is
-    a KeyboardInterrupt that the boundary turns into one line and exit 130."""
+    a KeyboardInterrupt that the boundary turns into one line and exit 130. A signal
+    ignored since start-up (`nohup`, a background job's SIGINT) stays ignored."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if not interrupts.ignored(signal.SIGINT):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if not interrupts.ignored(signal.SIGTERM):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _keep_chunk_buffers() -> None:

@@ -30,7 +30,7 @@ def printable(text: str) -> str:
 class ClipcliError(Exception):
     """Base class: the message is one line, the exit code says what kind of failure it is."""
 
-    exit_code: ExitCode = ExitCode.INTERNAL
+    exit_code: int = ExitCode.INTERNAL  # an ExitCode, or 128 + N for signal N (Interrupted)
 
     def __init__(self, message: str) -> None:
         super().__init__(printable(message))
@@ -65,11 +65,12 @@ class WriteError(ClipcliError):
 
 
 class Interrupted(ClipcliError):
-    """SIGINT or SIGTERM arrived; the partial output was removed."""
+    """A signal arrived (SIGINT, SIGTERM, ...); the partial output was removed. Exit code
+    128 + the signal's number."""
 
-    exit_code = ExitCode.INTERRUPTED
+    exit_code: int = ExitCode.INTERRUPTED
 
-    def __init__(self, message: str, exit_code: ExitCode = ExitCode.INTERRUPTED) -> None:
+    def __init__(self, message: str, exit_code: int = ExitCode.INTERRUPTED) -> None:
         super().__init__(message)
         self.exit_code = exit_code
 

@@ -17,13 +17,14 @@ swapped for a FIFO between a check and the open cannot make clipcli block:
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from clipcli.errors import InputError
+from clipcli.errors import InputError, WriteError
 from clipcli.identity import FileIdentity
 
 # Pseudo-filesystems: reading these never yields a checkpoint and may yield secrets.
@@ -70,6 +71,20 @@ def is_kernel_file(fd: int, path: Path) -> bool:
     return os.fstat(fd).st_dev in _kernel_devices() or _under_pseudo_root(real_path_of(fd, path))
 
 
+# The process or the system has no descriptor left (RLIMIT_NOFILE, `ulimit -n`): the
+# environment refused a resource, as for a full disk (exit 5), not a fault of the input.
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+
+def out_of_descriptors(exc: BaseException, path: object = None) -> WriteError | None:
+    """The exit-5 failure for an error that says no descriptor is left, else None."""
+    if not isinstance(exc, OSError) or exc.errno not in OUT_OF_DESCRIPTORS:
+        return None
+    where = f"{path}: cannot open: " if path is not None else ""
+    reason = exc.strerror or "Too many open files"
+    return WriteError(f"{where}out of file descriptors ({reason}); raise the limit (ulimit -n)")
+
+
 def open_input_fd(path: Path) -> int:
     """A read-only descriptor of the regular file `path`; InputError (exit 3) otherwise."""
     if is_pseudo_path(path):
@@ -82,7 +97,9 @@ def open_input_fd(path: Path) -> int:
     except IsADirectoryError:
         raise InputError(path, "is a directory, expected a checkpoint file") from None
     except OSError as exc:
-        raise InputError(path, f"cannot read: {exc.strerror}") from None
+        raise out_of_descriptors(exc, path) or InputError(
+            path, f"cannot read: {exc.strerror}"
+        ) from None
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):

@@ -28,7 +28,7 @@ Exit codes:
        quantized weights a clip would touch)
   5    writing failed; nothing was left behind
   70   internal error (set CLIPCLI_DEBUG=1 for the traceback)
-  130  interrupted (143 for SIGTERM); nothing was left behind"""
+  130  interrupted (143 for SIGTERM, 128+N for signal N); nothing was left behind"""
 
 _APP_SETTINGS: dict[str, Any] = {
     "name": "clipcli",

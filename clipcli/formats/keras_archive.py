@@ -6,8 +6,10 @@ npz reader's rules (every member's bytes its own and inside the file, local head
 with the central directory, all members together inflating to at most 200 x the archive's
 size + 64 MiB, names that escape or name one file however spelt, here letter case included:
 npz.zipcheck), refuses backslashes in member names, unpacks `model.weights.h5` into a
-private temp file (its CRC checked as it streams) and reads that with the HDF5 reader and
-all of its rules; messages name it `ARCHIVE[model.weights.h5]`.
+temp file that has no name (its CRC checked as it streams) and reads that with the HDF5
+reader and all of its rules; messages name it `ARCHIVE[model.weights.h5]`. A file with no
+name is gone with the last descriptor, however the process ends: SIGKILL, SIGQUIT or a
+power cut cannot leave up to 200 x the archive in $TMPDIR, where nothing would sweep it.
 
 The writer writes a new archive with the same members in the same order, each with the same
 name, date, permissions, comment and compression method; every member but the weights has
@@ -22,7 +24,6 @@ import contextlib
 import os
 import shutil
 import stat
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -43,11 +44,12 @@ from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer
 from clipcli.formats.npz.zipcheck import BoundedMember, check_zip_layout, open_member
 from clipcli.formats.structure import Structure
 from clipcli.identity import FileIdentity
-from clipcli.inputs import open_input
+from clipcli.inputs import fd_path, open_input
 
 WEIGHTS_MEMBER = "model.weights.h5"
 COPY_BLOCK = 1 << 20
 MAX_MEMBERS = 10_000  # config, metadata, weights and a few assets
+SCRATCH_PREFIX = "clipcli-keras-"
 
 
 def is_keras_archive(names: Iterable[str]) -> bool:
@@ -61,7 +63,7 @@ class KerasArchiveReader(Reader):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self._handle: BinaryIO = open_input(path)
-        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+        self._scratch: scratch.PrivateDirectory | None = None
         self.inner: Hdf5Reader | None = None
         try:
             self._identity = FileIdentity.of_stat(os.fstat(self._handle.fileno()))
@@ -70,7 +72,7 @@ class KerasArchiveReader(Reader):
             except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
                 raise InputError(path, f"not a valid .keras (zip) archive: {exc}") from None
             self.members = self._check_members()
-            self.inner = Hdf5Reader(self._unpack_weights(), shown_as=self.weights_name)
+            self.inner = self._unpack_weights()
         except BaseException:
             self.close()
             raise
@@ -99,24 +101,58 @@ class KerasArchiveReader(Reader):
             raise InputError(self.path, f"holds no {WEIGHTS_MEMBER}")
         return entries
 
-    def _unpack_weights(self) -> Path:
-        """model.weights.h5 in a private temp directory (removed by close()). A temp
-        directory that is missing or full is exit 5 naming it (clipcli.scratch), not a
-        fault of the archive."""
-        self._scratch = scratch.temp_directory("clipcli-keras-")
-        target = Path(self._scratch.name, WEIGHTS_MEMBER)
+    def _unpack_weights(self) -> Hdf5Reader:
+        """model.weights.h5 unpacked into an unnamed temp file, which HDF5 opens through
+        /proc/self/fd. Without /proc (no name reopens an unnamed file) it goes to a private
+        temp directory, removed by close(). A temp directory that is missing or full is
+        exit 5 naming it (clipcli.scratch), not a fault of the archive."""
+        fd, nameable = scratch.unnamed_file(SCRATCH_PREFIX)
+        if not nameable or fd_path(fd) is None:  # no O_TMPFILE, or no /proc to name it by
+            os.close(fd)
+            target = self._private_directory() / WEIGHTS_MEMBER
+            fd = scratch.open_new(target)
+            try:
+                self._unpack_into(fd)
+            finally:
+                os.close(fd)
+            return Hdf5Reader(target, shown_as=self.weights_name)
+        try:
+            self._unpack_into(fd)
+            # HDF5 opens files by name only (and not /proc/self/fd/N of an unnamed file:
+            # it resolves the link and finds no path), so the file gets a name for as long
+            # as HDF5 takes to open and check it, then loses it again.
+            self._private_directory()
+            assert self._scratch is not None
+            target = scratch.name_unnamed(fd, self._scratch, WEIGHTS_MEMBER)
+            reader = Hdf5Reader(target, shown_as=self.weights_name)
+        finally:
+            os.close(fd)
+        self._remove_scratch()  # HDF5 reads through its own descriptor from here on
+        return reader
+
+    def _private_directory(self) -> Path:
+        """A locked private directory (clipcli.scratch.PrivateDirectory): one that a dead
+        run left is removed by the next run, unless the archive being read lies in it."""
+        self._scratch = scratch.PrivateDirectory(
+            SCRATCH_PREFIX, keep=os.fstat(self._handle.fileno())
+        )
+        return self._scratch.path
+
+    def _remove_scratch(self) -> None:
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+    def _unpack_into(self, fd: int) -> None:
         entry = self.archive.getinfo(WEIGHTS_MEMBER)
-        sink = _ScratchSink(scratch.open_new(target))
+        sink = _ScratchSink(fd)
         try:
             with self._open(entry) as source:
                 copied = _copy_stream(source, sink, entry.file_size)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
             raise InputError(self.weights_name, f"cannot unpack: {exc}") from None
-        finally:
-            os.close(sink.fd)
         if copied != entry.file_size:
             raise InputError(self.weights_name, "holds another size than the zip declares")
-        return target
 
     def _open(
         self, entry: zipfile.ZipInfo
@@ -183,9 +219,7 @@ class KerasArchiveReader(Reader):
         if self.inner is not None:
             self.inner.close()
             self.inner = None
-        if self._scratch is not None:
-            self._scratch.cleanup()
-            self._scratch = None
+        self._remove_scratch()
         with contextlib.suppress(AttributeError):
             self.archive.close()
         self._handle.close()

@@ -14,6 +14,7 @@ import numpy as np
 
 from clipcli.dtypes import is_numeric
 from clipcli.errors import InputError
+from clipcli.inputs import out_of_descriptors
 
 # What h5py raises for malformed or unsupported content (UnicodeDecodeError is a ValueError).
 H5PY_ERRORS = (OSError, ValueError, TypeError, KeyError, RuntimeError)
@@ -53,7 +54,8 @@ def input_errors(path: Path, doing: str, tensor: str | None = None) -> Iterator[
     try:
         yield
     except H5PY_ERRORS as exc:
-        raise InputError(path, f"{doing}: {reason(exc)}", tensor) from None
+        no_descriptor = out_of_descriptors(exc, path)  # HDF5 opening by name: ulimit -n
+        raise no_descriptor or InputError(path, f"{doing}: {reason(exc)}", tensor) from None
 
 
 def unsupported_dtype(dtype: np.dtype[Any]) -> str | None:

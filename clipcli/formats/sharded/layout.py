@@ -15,7 +15,7 @@ from typing import Any
 from clipcli.errors import InputError
 from clipcli.formats.safetensors import MAX_HEADER_BYTES
 from clipcli.identity import FileIdentity
-from clipcli.inputs import is_pseudo_path, read_input, real_path_of
+from clipcli.inputs import is_pseudo_path, out_of_descriptors, read_input, real_path_of
 
 FORMAT_NAME = "safetensors-sharded"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -96,7 +96,8 @@ def _check_listable(directory: Path) -> None:
         with os.scandir(directory):
             pass
     except OSError as exc:
-        raise InputError(directory, f"cannot list the directory: {exc.strerror}") from None
+        problem = f"cannot list the directory: {exc.strerror}"
+        raise out_of_descriptors(exc, directory) or InputError(directory, problem) from None
     try:
         os.stat(os.path.join(directory, "."))  # (pathlib would drop the ".")
     except OSError as exc:

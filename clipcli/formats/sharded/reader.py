@@ -30,7 +30,7 @@ from clipcli.formats.sharded.layout import (
     weights_by_content,
 )
 from clipcli.identity import FileIdentity
-from clipcli.inputs import open_input
+from clipcli.inputs import open_input, out_of_descriptors
 
 if TYPE_CHECKING:
     import numpy as np
@@ -149,7 +149,8 @@ class ShardedReader(Reader):
             try:
                 listing = sorted(folder.iterdir())
             except OSError as exc:
-                raise InputError(folder, f"cannot list: {exc.strerror}") from None
+                no_descriptor = out_of_descriptors(exc, folder)
+                raise no_descriptor or InputError(folder, f"cannot list: {exc.strerror}") from None
             seen += len(listing)
             if seen > MAX_SIDE_ENTRIES:
                 raise InputError(
