@@ -172,7 +172,6 @@ def test_a_side_file_swapped_only_while_it_is_opened_is_caught(
 
     model = make_model(tmp_path / "model")
     config = model / "config.json"
-    os.link(config, tmp_path / "kept")
     (tmp_path / "planted").write_text('{"planted": true}')
     real_open = sharded.open_input  # type: ignore[attr-defined]  # imported there, patched here
     real_copy = sharded_writer.copy_side_file  # type: ignore[attr-defined]  # as above
@@ -188,7 +187,8 @@ def test_a_side_file_swapped_only_while_it_is_opened_is_caught(
             copying.pop()
 
     def planting_open(path: Path) -> Any:
-        if path == config and copying:
+        if path == config and copying:  # moved aside, not hard-linked (see above)
+            os.replace(config, tmp_path / "kept")
             os.replace(tmp_path / "planted", config)
         return real_open(path)
 
@@ -446,11 +446,12 @@ def test_the_side_file_size_limit_judges_the_file_that_is_copied(
     huge = model / "vocab.txt"
     with open(huge, "wb") as handle:
         handle.truncate(1 << 40)
-    os.link(huge, tmp_path / "kept")
     (tmp_path / "small").write_text("small")
     real_check = api._check_side_files
 
     def small_while_checked(reader: Any, allow_large: bool) -> None:
+        # Moved aside, not hard-linked: a side file with a name outside is refused.
+        os.replace(huge, tmp_path / "kept")
         os.replace(tmp_path / "small", huge)
         try:
             real_check(reader, allow_large)
