@@ -86,6 +86,16 @@ SET_ID_BITS = stat.S_ISUID | stat.S_ISGID
 # ---------------------------------------------------------------- targets
 
 
+
+# Enough to empty a staged model directory (a descriptor for each folder open on the way
+# down, and one for each listing) when the run itself ran out of them.
+_CLEANUP_DESCRIPTORS = 4
+
+
+def _close_all(descriptors: list[int]) -> None:
+    while descriptors:
+        os.close(descriptors.pop())
+
 class Target:
     """Where OUT goes and how it gets there; subclasses say what kind of entry it is."""
 
@@ -266,7 +276,12 @@ class Target:
             remove_tree(Path(work), self._keep, parent=parent)
             raise _translated(exc, self.out) from None
         self._work_fd = lock
+        # Descriptors held back for the cleanup below: removing a tree needs some, and the
+        # failure may be that the run used up the rest (EMFILE).
+        spares: list[int] = []
         try:
+            while len(spares) < _CLEANUP_DESCRIPTORS:
+                spares.append(os.dup(lock))
             # The writer gets a path through the work directory's descriptor: a name
             # on OUT's path swapped meanwhile cannot send its files elsewhere.
             staged = self._staged_in(_path_of(lock, self._in_parent(work)))
@@ -282,6 +297,7 @@ class Target:
             # tree needs descriptors of its own, and the failure may be that there are
             # none left (EMFILE). OUT's staged file, or its folder while still empty,
             # goes without any; the empty work directory then needs none either.
+            _close_all(spares)
             remove_entry_at(lock, self.out.name, self._keep)
             clear_directory(lock, self._keep)
             os.close(lock)
@@ -289,6 +305,7 @@ class Target:
             remove_tree(Path(work), self._keep, parent=parent)
             raise _translated(exc, self.out) from None
         finally:
+            _close_all(spares)
             if lock >= 0:
                 os.close(lock)
                 self._work_fd = -1
