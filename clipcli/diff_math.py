@@ -204,10 +204,15 @@ def finish(job: Pair, run: Running) -> TensorDiff:
     assert norm_b is not None
     status = DTYPE_CHANGED if not job.same_dtype else SAME if run.identical else CHANGED
     diff_norm = run.acc_d.norm
+    rel_change = _relative_change(run.acc_d, run.acc_a)
+    if status == CHANGED and rel_change == 0.0:
+        # Bits that no value shows changed (-0.0 for 0.0, a NaN's payload): the smallest
+        # change there is, so that `--fail-above 0` sees what `changed` says.
+        rel_change = _never_zero(0.0)
     return TensorDiff(
         status=status,
         diff_norm=diff_norm,
-        rel_change=_relative_change(run.acc_d, run.acc_a),
+        rel_change=rel_change,
         max_abs_diff=_max_abs(run.acc_d),
         cosine=_cosine(run, norm_a, norm_b, status == SAME),
         norm_ratio=norm_b / norm_a if norm_a != 0 else None,

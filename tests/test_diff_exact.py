@@ -316,3 +316,24 @@ def test_finite_differences_beyond_float64_come_back_halved() -> None:
     d, shift = difference(a, b)
     assert shift == 1
     assert d.tolist() == [1.5e308, 0.25, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("a_bits", "b_bits"),
+    [
+        ([0x00000000, 0x3F800000], [0x80000000, 0x3F800000]),  # 0.0 against -0.0
+        ([0x7FC00001, 0x3F800000], [0x7FC00002, 0x3F800000]),  # NaN payloads
+    ],
+)
+def test_bits_no_value_shows_fail_above_zero(
+    tmp_path: Path, a_bits: list[int], b_bits: list[int]
+) -> None:
+    """`changed` by its bits alone: the smallest relative change, so `--fail-above 0` exits 1
+    and any positive threshold still passes (found by the attack on issue 18)."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"t": np.array(a_bits, np.uint32).view(np.float32)}, str(a))
+    save_file({"t": np.array(b_bits, np.uint32).view(np.float32)}, str(b))
+    from clipcli.cli import main
+
+    assert main(["diff", str(a), str(b), "--fail-above", "0"]) == 1
+    assert main(["diff", str(a), str(b), "--fail-above", "1e-300"]) == 0
