@@ -44,8 +44,9 @@ def hinted(message: str, args: Sequence[str]) -> str:
         and message.startswith("Invalid value for '--sort'")
         and _value_of(args, "--sort") == "norm"
     ):
-        line = _line(["norms", *args[1:]])
-        return f"{message}; ls reads no tensor data: to sort by norm, type: {line}"
+        _, rest = _without_option(args[1:], "--sort")
+        line = _line(["norms", "--sort", "norm", *rest])
+        return f"ls reads no tensor data, so it cannot sort by norm; type: {line}"
     if message.startswith("Missing argument"):
         return f"{message}; see '{_help_of(command)}'"
     return message

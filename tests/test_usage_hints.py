@@ -184,12 +184,10 @@ def test_diff_with_three_paths_says_it_compares_two(capsys: pytest.CaptureFixtur
 
 
 def test_ls_sort_norm_names_the_norms_line(model: str, capsys: pytest.CaptureFixture[str]) -> None:
-    error = error_of(["ls", model, "--sort", "norm"], capsys)
-    assert error.startswith(
-        "Invalid value for '--sort': 'norm' is not one of 'file', 'name', 'size'"
-    )
-    line = suggested_line(error, "to sort by norm, type: ")
-    assert line == ["norms", model, "--sort", "norm"]
+    error = error_of(["ls", model, "--sort", "norm", "-i", "layers.*"], capsys)
+    assert error.startswith("ls reads no tensor data, so it cannot sort by norm; type: ")
+    line = suggested_line(error, "; type: ")
+    assert line == ["norms", "--sort", "norm", model, "-i", "layers.*"]
     assert main(line) == 0
 
 
