@@ -108,7 +108,7 @@ class _RoomForNumpy:
 def run() -> None:
     """Run the CLI as a program and exit with its code (never returns)."""
     _guard_start_up()
-    if sys.argv[1:] == ["--version"]:  # for shell loops: no CLI import at all
+    if sys.argv[1:] in (["--version"], ["-V"]):  # for shell loops: no CLI import at all
         from clipcli import __version__
 
         raise SystemExit(_print_version(f"clipcli {__version__}\n".encode()))

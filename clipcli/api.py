@@ -219,7 +219,14 @@ def clip(
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
             # What the real run would refuse about OUT, refused here too; nothing is staged.
-            _check_target(reader, writer_cls, target, allow_large_side_files)
+            # An existing OUT is not refused (nothing is written to it): it is judged as
+            # with --force (a directory that holds other files, or IN, still is), and a
+            # note says that the real run needs --force.
+            check = target if force else _target(src, out, force=True, durable=durable)
+            _check_target(reader, writer_cls, check, allow_large_side_files)
+            check.release()
+            if check.occupied and not force:
+                notify("note", f"{target.out} exists: the run without --dry-run needs --force")
             made = plan_clip(reader, spec, selection, progress)
             outcomes = execution.execute(
                 made, reader, execution.DiscardingWriter(), progress, "computing"

@@ -119,11 +119,7 @@ def fail(message: str, code: int) -> int:
 
 
 def usage_message(exc: Any, args: list[str]) -> str:
-    """Click's usage error on one line, with the hint a newcomer needs."""
-    message = str(exc.format_message()).replace("\n", " ").rstrip(".")
-    if "Got unexpected extra argument" in message and "--axes" in args:
-        message += "; --axes takes one comma-separated list, e.g. --axes 0,1"
-    elif "Missing argument" in message or "No such command" in message:
-        command = next((a for a in args if not a.startswith("-")), "")
-        message += f"; see 'clipcli {command} --help'".replace("  ", " ")
-    return message
+    """Click's usage error on one line, with the hint a newcomer needs (what to type)."""
+    from clipcli.usage_hints import hinted
+
+    return hinted(str(exc.format_message()).replace("\n", " ").rstrip("."), args)

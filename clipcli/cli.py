@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: list[str]) -> object:
     """The command line's exit code (or what the Typer app returned for it)."""
-    if args == ["--version"]:  # (__main__ answers it before importing this module)
+    if args in (["--version"], ["-V"]):  # (__main__ answers it before importing this module)
         emit(lambda: print(f"clipcli {__version__}"))
         return ExitCode.OK
     parsed = quick_args.parse(args)

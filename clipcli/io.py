@@ -53,6 +53,7 @@ def sniff_format(path: Path) -> str:
     raise InputError(path, "not an npz, safetensors or HDF5 file (unknown leading bytes)")
 
 
+NPY_MAGIC = b"\x93NUMPY"
 PICKLE_PROTOCOLS = tuple(bytes([0x80, n]) for n in range(2, 6))
 CONVERT_HINT = (
     "convert it to safetensors first (for a transformers model: "
@@ -67,6 +68,13 @@ def _refuse_foreign_magic(path: Path, head: bytes) -> None:
             path,
             "is a GGUF file (llama.cpp), which clipcli does not read; "
             "clip the safetensors weights it was made from instead",
+        )
+    if head.startswith(NPY_MAGIC):
+        # One array, no names: not a checkpoint. (Reading it is a format of its own, to come.)
+        raise InputError(
+            path,
+            "is a single .npy array, not a checkpoint; clipcli reads .npz: save it as one "
+            f"with numpy, e.g. np.savez({path.stem + '.npz'!r}, weight=np.load({str(path)!r}))",
         )
     if head.startswith(PICKLE_PROTOCOLS):
         raise InputError(

@@ -15,7 +15,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from clipcli.commands import compare, inspect, write
-from clipcli.report import OutputFormat, SortKey
+from clipcli.report import ListingSortKey, OutputFormat, SortKey
 
 F = TypeVar("F", bound=Callable[..., None])
 
@@ -65,6 +65,7 @@ DIFF_EPILOG = (
 PathArg = Annotated[
     Path,
     typer.Argument(
+        metavar="PATH",
         help="Checkpoint file, Hugging Face model directory, or *.safetensors.index.json.",
         show_default=False,
         readable=False,
@@ -85,11 +86,21 @@ OutArg = Annotated[
         metavar="OUT",
         help="Output file (its extension picks the format), or a model directory: a "
         "name ending in /, or with no extension when IN is a model directory; '-' streams "
-        "a safetensors IN's clipped copy to standard output (the report goes to stderr).",
+        "OUT to standard output as safetensors (a safetensors IN only; the report goes to "
+        "stderr).",
         show_default=False,
     ),
 ]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", "-f", help="Report format.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
+ReportQuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="Print no report: the exit code tells (1: --fail-above exceeded).",
+    ),
+]
 IncludeOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -139,22 +150,44 @@ AllowLossyOpt = Annotated[
 def ls_command(
     path: PathArg,
     fmt: FormatOpt = OutputFormat.TABLE,
+    as_json: JsonOpt = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            help="Print no listing: the exit code tells whether the file can be read (3 if not).",
+        ),
+    ] = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     sort: Annotated[
-        SortKey,
-        typer.Option(help="Row order: file order, name (layers.2 before layers.10), size."),
-    ] = SortKey.FILE,
+        ListingSortKey,
+        typer.Option(
+            help="Row order: file order, name (layers.2 before layers.10), size. (ls reads "
+            "no tensor data: for --sort norm, use norms.)"
+        ),
+    ] = ListingSortKey.FILE,
 ) -> None:
     """List tensors (name, dtype, shape, bytes; the shard in a model directory), the total
     parameter count and file metadata, reading no tensor data."""
-    inspect.ls(path=path, fmt=fmt, include=include, exclude=exclude, sort=sort)
+    inspect.ls(
+        path=path,
+        fmt=fmt,
+        as_json=as_json,
+        quiet=quiet,
+        include=include,
+        exclude=exclude,
+        sort=SortKey(sort.value),
+    )
 
 
 @_command("norms", inspect.NORMS_EPILOG)
 def norms_command(
     path: PathArg,
     fmt: FormatOpt = OutputFormat.TABLE,
+    as_json: JsonOpt = False,
+    quiet: ReportQuietOpt = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     sort: Annotated[
@@ -194,7 +227,7 @@ def norms_command(
         Path | None,
         typer.Option(
             help="Write the listed norms as a picture to FILE.png or FILE.svg; needs "
-            "matplotlib (pip install -e '.[plot]' in the clipcli checkout).",
+            "matplotlib (clipcli's 'plot' extra).",
             metavar="FILE",
             readable=False,
         ),
@@ -208,6 +241,8 @@ def norms_command(
     inspect.norms(
         path=path,
         fmt=fmt,
+        as_json=as_json,
+        quiet=quiet,
         include=include,
         exclude=exclude,
         sort=sort,
@@ -294,6 +329,7 @@ def clip_command(
     ] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no report.")] = False,
     fmt: FormatOpt = OutputFormat.TABLE,
+    as_json: JsonOpt = False,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
     all_tensors: AllTensorsOpt = False,
     allow_lossy: AllowLossyOpt = False,
@@ -323,6 +359,7 @@ def clip_command(
         fsync=fsync,
         quiet=quiet,
         fmt=fmt,
+        as_json=as_json,
         allow_large_side_files=allow_large_side_files,
         all_tensors=all_tensors,
         allow_lossy=allow_lossy,
@@ -360,6 +397,8 @@ def diff_command(
         Path, typer.Argument(metavar="B", help="Checkpoint to compare with A.", readable=False)
     ],
     fmt: FormatOpt = OutputFormat.TABLE,
+    as_json: JsonOpt = False,
+    quiet: ReportQuietOpt = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     changed_only: Annotated[
@@ -381,6 +420,8 @@ def diff_command(
         path_a=path_a,
         path_b=path_b,
         fmt=fmt,
+        as_json=as_json,
+        quiet=quiet,
         include=include,
         exclude=exclude,
         changed_only=changed_only,

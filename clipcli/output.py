@@ -108,6 +108,7 @@ class Target:
         self.durable = durable
         self.parent = out.parent if str(out.parent) else Path(".")
         self._replace_empty_directory = False
+        self.occupied = False  # check() found an entry at OUT that the commit would replace
         self._mode = 0o644
         self._file_modes: dict[str, int] = {}
         self._folder_modes: dict[str, int] = {}
@@ -197,6 +198,7 @@ class Target:
             self._mode = stat.S_IMODE(info.st_mode)
             self._mode_is_kept = True
             return
+        self.occupied = True
         if not self.force:
             raise Refused(f"{out}: already exists; pass --force to replace it")
         if existing_dir:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clipcli.report import OutputFormat, SortKey
+from clipcli.report import ListingSortKey, OutputFormat, SortKey
 
 Convert = Callable[[str], Any]  # raises ValueError on a value Typer would refuse
 ON, OFF = "on", "off"  # a flag's two spellings: --force sets True, --no-force False
@@ -36,6 +36,11 @@ def _string(text: str) -> str:
     return text
 
 
+def _listing_sort(text: str) -> SortKey:
+    """ls's --sort: Typer's choices are ListingSortKey's; the body takes a SortKey."""
+    return SortKey(ListingSortKey(text).value)
+
+
 # Typer's Path conversion is `Path(text)`: nothing is resolved or checked while parsing.
 _OPTION_KINDS: dict[str, Convert] = {
     "str": _string,
@@ -44,6 +49,7 @@ _OPTION_KINDS: dict[str, Convert] = {
     "path": Path,
     "format": OutputFormat,
     "sort": SortKey,
+    "listing-sort": _listing_sort,
 }
 
 
@@ -82,6 +88,7 @@ def _spellings(*entries: tuple[str, str, str]) -> dict[str, Option]:
 
 
 _FORMAT = ("--format -f", "fmt", "format")
+_JSON = ("--json", "as_json", ON)
 _INCLUDE = ("--include -i", "include", "str*")
 _EXCLUDE = ("--exclude -x", "exclude", "str*")
 _ALL_TENSORS = ("--all-tensors", "all_tensors", ON)
@@ -94,12 +101,14 @@ _LOSSY = ("--allow-lossy", "allow_lossy", ON)
 COMMANDS: dict[str, Command] = {
     "ls": Command(
         [("path", Path)],
-        _spellings(_FORMAT, _INCLUDE, _EXCLUDE, ("--sort", "sort", "sort")),
+        _spellings(_FORMAT, _JSON, _QUIET, _INCLUDE, _EXCLUDE, ("--sort", "sort", "listing-sort")),
     ),
     "norms": Command(
         [("path", Path)],
         _spellings(
             _FORMAT,
+            _JSON,
+            _QUIET,
             _INCLUDE,
             _EXCLUDE,
             ("--sort", "sort", "sort"),
@@ -140,6 +149,7 @@ COMMANDS: dict[str, Command] = {
             ("--no-fsync", "fsync", OFF),
             _QUIET,
             _FORMAT,
+            _JSON,
             _LARGE_SIDE_FILES,
             _ALL_TENSORS,
             _LOSSY,
@@ -153,6 +163,8 @@ COMMANDS: dict[str, Command] = {
         [("path_a", Path), ("path_b", Path)],
         _spellings(
             _FORMAT,
+            _JSON,
+            _QUIET,
             _INCLUDE,
             _EXCLUDE,
             ("--changed-only", "changed_only", ON),

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
+from typer.core import TyperCommand
 
+from clipcli import __version__
 from clipcli.boundary import run_command
 from clipcli.errors import ExitCode, WriteError
 from clipcli.options import COMMANDS
@@ -51,6 +53,39 @@ app = typer.Typer(**_APP_SETTINGS)
 F = TypeVar("F", bound=Callable[..., None])
 
 
+class _Command(TyperCommand):
+    """A command whose usage line names its arguments as the help and the README do
+    (`clipcli ls [OPTIONS] PATH`): Typer would write a required one `{PATH}`."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [
+            piece[1:-1] if piece.startswith("{") and piece.endswith("}") else piece
+            for piece in super().collect_usage_pieces(ctx)
+        ]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"clipcli {__version__}")
+        raise typer.Exit()
+
+
+VersionOpt = Annotated[
+    bool,
+    typer.Option(
+        "--version",
+        "-V",
+        help="Print the version and exit.",
+        is_eager=True,
+        callback=_print_version,
+    ),
+]
+
+
+def _options(version: VersionOpt = False) -> None:
+    """(the group's own options: --version, which its callback answers before any command)"""
+
+
 def _within_boundary(command: F) -> F:
     """A command run by Typer directly (tests' CliRunner) reports its failures through the
     same boundary as main(), handing Click only the exit code."""
@@ -70,10 +105,11 @@ def _within_boundary(command: F) -> F:
 def _register(target: typer.Typer, names: list[str]) -> typer.Typer:
     for name in names:
         declaration, epilog = COMMANDS[name]
-        target.command(name, epilog=epilog)(_within_boundary(declaration))
+        target.command(name, epilog=epilog, cls=_Command)(_within_boundary(declaration))
     return target
 
 
+app.callback()(_options)
 _register(app, list(COMMANDS))
 
 
@@ -83,13 +119,9 @@ def _app_for(args: list[str]) -> typer.Typer:
     else (--help, a typo), the whole app."""
     if args and args[0] in COMMANDS:
         one = typer.Typer(**_APP_SETTINGS)
-        one.callback()(_group)  # a group still: with one command Typer would make it the root
+        one.callback()(_options)  # a group still: with one command Typer would make it the root
         return _register(one, [args[0]])
     return app
-
-
-def _group() -> None:
-    """(the group callback of a one-command app: nothing to do)"""
 
 
 def run(args: list[str]) -> Any:

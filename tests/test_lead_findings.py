@@ -138,11 +138,17 @@ def test_quiet_with_a_report_format_is_refused(tmp_path: Path) -> None:
 def test_dry_run_refuses_what_the_real_run_refuses(tmp_path: Path) -> None:
     src = _model(tmp_path)
     taken = _model(tmp_path, "taken.safetensors")
-    for out in (src, taken, tmp_path / "missing" / "o.safetensors"):
+    for out in (src, tmp_path / "missing" / "o.safetensors"):
         real = main(["clip", "--global", "1", str(src), str(out)])
         dry = main(["clip", "--dry-run", "--global", "1", str(src), str(out)])
         assert real != 0
         assert dry == real, out
+    # An existing OUT (issue 23, item 13): a dry run writes nothing, so it is judged as the
+    # real run with --force judges it, and a note says that run needs --force.
+    before = taken.read_bytes()
+    assert main(["clip", "--global", "1", str(src), str(taken)]) == 2
+    assert main(["clip", "--dry-run", "--global", "1", str(src), str(taken)]) == 0
+    assert taken.read_bytes() == before
     free = tmp_path / "free.safetensors"
     assert main(["clip", "--dry-run", "--global", "1", str(src), str(free)]) == 0
     assert not free.exists()

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from clipcli import boundary, quick_args, typer_app
 from clipcli.cli import BODIES, body_of, main
-from clipcli.report import OutputFormat, SortKey
+from clipcli.report import ListingSortKey, OutputFormat, SortKey
 
 Click = Any  # typer vendors click; its classes are recognised by name below
 
@@ -53,7 +53,8 @@ def kind_of(param: Click) -> str:
         return "path"
     if type_name == "TyperChoice":
         choices = tuple(param.type.choices)
-        for kind, enum in (("format", OutputFormat), ("sort", SortKey)):
+        kinds = (("format", OutputFormat), ("sort", SortKey), ("listing-sort", ListingSortKey))
+        for kind, enum in kinds:
             if choices == tuple(e.value for e in enum):
                 assert param.type.case_sensitive
                 return kind
@@ -140,6 +141,7 @@ VALUES: dict[str, st.SearchStrategy[str]] = {
     "path": TEXT,
     "format": st.one_of(st.sampled_from([*(f.value for f in OutputFormat), "JSON"]), TEXT),
     "sort": st.one_of(st.sampled_from([*(s.value for s in SortKey), "Name"]), TEXT),
+    "listing-sort": st.one_of(st.sampled_from([*(s.value for s in SortKey), "Name"]), TEXT),
 }
 
 
@@ -174,6 +176,7 @@ def command_lines(draw: st.DrawFn, ordinary: bool = False) -> list[str]:
                 "count": str(draw(st.integers(1, 99))),
                 "format": draw(st.sampled_from([f.value for f in OutputFormat])),
                 "sort": draw(st.sampled_from([s.value for s in SortKey])),
+                "listing-sort": draw(st.sampled_from([s.value for s in ListingSortKey])),
             }[kind]
         else:
             value = draw(VALUES[kind])

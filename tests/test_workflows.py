@@ -434,7 +434,8 @@ def test_plot_without_matplotlib_says_how_to_install(
     )
     assert code == 2
     err = capsys.readouterr().err
-    assert "pip install -e '.[plot]'" in err
+    # The hint fits how clipcli runs (issue 23, item 14): this one from its checkout.
+    assert f"-m pip install -e '{SAMPLE_DATA.parent}[plot]'" in err
     assert err.count("\n") == 1
 
 

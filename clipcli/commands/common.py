@@ -44,6 +44,19 @@ def check_threshold(flag: str, value: float | None) -> None:
         raise UsageError(f"{flag} nan can never be exceeded; give a number")
 
 
+def report_format(fmt: OutputFormat, as_json: bool, quiet: bool = False) -> OutputFormat:
+    """The report's format: --json is --format json (the spelling gh and kubectl users
+    reach for); refused when it contradicts --format, or when --quiet asks for no report."""
+    if as_json:
+        if fmt not in (OutputFormat.TABLE, OutputFormat.JSON):
+            raise UsageError(f"--json is --format json; it cannot be --format {fmt.value} too")
+        fmt = OutputFormat.JSON
+    if quiet and fmt is not OutputFormat.TABLE:  # a script asked for a report and for none
+        asked = "--json" if as_json else f"--format {fmt.value}"
+        raise UsageError(f"--quiet prints no report; it cannot be {asked}")
+    return fmt
+
+
 ESCAPE = "clipcli.escape"
 
 

@@ -9,6 +9,7 @@ from clipcli.commands.common import (
     notify,
     print_report,
     progress,
+    report_format,
     selection,
 )
 from clipcli.errors import ExitCode, Verdict
@@ -19,19 +20,23 @@ def diff(
     path_a: Path,
     path_b: Path,
     fmt: OutputFormat = OutputFormat.TABLE,
+    as_json: bool = False,
+    quiet: bool = False,
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     changed_only: bool = False,
     fail_above: float | None = None,
 ) -> None:
+    fmt = report_format(fmt, as_json, quiet)
     check_threshold("--fail-above", fail_above)
     from clipcli import api
     from clipcli.report.builders import diff_report
 
     result = api.diff(
-        path_a, path_b, selection(include, exclude), progress=progress(), notify=notify
+        path_a, path_b, selection(include, exclude), progress=progress(quiet), notify=notify
     )
-    emit(lambda: print_report(diff_report(result, changed_only), fmt))
+    if not quiet:
+        emit(lambda: print_report(diff_report(result, changed_only), fmt))
     if fail_above is not None:
         worst = result.max_rel_change
         # Structure counts as much as values: a missing tensor, a changed shape or dtype,

@@ -12,6 +12,7 @@ from clipcli.commands.common import (
     notify,
     print_report,
     progress,
+    report_format,
     selection,
 )
 from clipcli.errors import ExitCode, UsageError, Verdict
@@ -32,10 +33,13 @@ NORMS_EPILOG = (
 def ls(
     path: Path,
     fmt: OutputFormat = OutputFormat.TABLE,
+    as_json: bool = False,
+    quiet: bool = False,
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     sort: SortKey = SortKey.FILE,
 ) -> None:
+    fmt = report_format(fmt, as_json, quiet)
     if sort is SortKey.NORM:
         raise UsageError(
             "ls reads no tensor data, so it cannot sort by norm; use norms --sort norm"
@@ -63,12 +67,15 @@ def ls(
         listed_of=len(infos),
         non_tensors=non_tensors,
     )
-    emit(lambda: print_report(report, fmt))
+    if not quiet:  # the listing was still read and checked: exit 3 for a malformed file
+        emit(lambda: print_report(report, fmt))
 
 
 def norms(
     path: Path,
     fmt: OutputFormat = OutputFormat.TABLE,
+    as_json: bool = False,
+    quiet: bool = False,
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     sort: SortKey = SortKey.FILE,
@@ -82,6 +89,9 @@ def norms(
     all_tensors: bool = False,
 ) -> None:
     # Every option acts or is refused here, before any data is read.
+    fmt = report_format(fmt, as_json, quiet)
+    if chart and quiet:
+        raise UsageError("--quiet prints no report; it cannot be --chart")
     if chart and fmt is not OutputFormat.TABLE:
         raise UsageError(f"--chart draws for the terminal; it cannot be --format {fmt.value}")
     if limit is not None and not (chart or plot is not None):
@@ -110,7 +120,7 @@ def norms(
     from clipcli.report.builders import bars_of, groups_report, norms_report
 
     measurement = measure(
-        path, selection(include, exclude, all_tensors), progress(), notify, group_by
+        path, selection(include, exclude, all_tensors), progress(quiet), notify, group_by
     )
     if group_by is not None:
         report = groups_report(measurement, group_by, sort, top)
@@ -127,7 +137,7 @@ def norms(
                 report.title, bars.labels, bars.norms, limit, sys.stdout, width, bars.counted
             )
         )
-    else:
+    elif not quiet:
         emit(lambda: print_report(report, fmt))
     if plot is not None:
         from clipcli.output import FileTarget

@@ -10,6 +10,7 @@ from clipcli.commands.common import (
     notify,
     print_report,
     progress,
+    report_format,
     selection,
 )
 from clipcli.errors import UsageError, WriteError, printable
@@ -53,6 +54,7 @@ def clip(
     fsync: bool = True,
     quiet: bool = False,
     fmt: OutputFormat = OutputFormat.TABLE,
+    as_json: bool = False,
     allow_large_side_files: bool = False,
     all_tensors: bool = False,
     allow_lossy: bool = False,
@@ -62,8 +64,7 @@ def clip(
     from clipcli.report.builders import clip_report
     from clipcli.spec import build_spec
 
-    if quiet and fmt is not OutputFormat.TABLE:  # a script asked for a report and for none
-        raise UsageError(f"--quiet prints no report; it cannot be --format {fmt.value}")
+    fmt = report_format(fmt, as_json, quiet)
     spec = build_spec(
         low=low,
         high=high,

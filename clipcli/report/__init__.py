@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from clipcli.report.model import Column, OutputFormat, Report, SortKey, Value
+from clipcli.report.model import Column, ListingSortKey, OutputFormat, Report, SortKey, Value
 
-__all__ = ["Column", "OutputFormat", "Report", "SortKey", "Value", "render"]
+__all__ = ["Column", "ListingSortKey", "OutputFormat", "Report", "SortKey", "Value", "render"]
 
 
 def render(report: Report, fmt: OutputFormat, stream: TextIO, width: int | None = None) -> None:

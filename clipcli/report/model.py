@@ -25,6 +25,15 @@ class SortKey(str, Enum):
     SIZE = "size"
 
 
+class ListingSortKey(str, Enum):
+    """ls's row orders: SortKey without norm, since ls reads no tensor data (so that
+    `ls --help` offers only what ls accepts)."""
+
+    FILE = "file"
+    NAME = "name"
+    SIZE = "size"
+
+
 Value = str | int | float | bool | list[int] | None
 
 

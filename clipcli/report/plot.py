@@ -1,6 +1,6 @@
 """`norms --plot`: the listed norms as a PNG or SVG picture, via matplotlib.
 
-matplotlib is an optional extra (`pip install -e '.[plot]'` in the checkout), imported only
+matplotlib is an optional extra (clipcli.extras says how to add it), imported only
 here. Three pictures, chosen by what is listed, so that every name that is shown can be read:
 
 - up to BARS_MAX rows: horizontal bars, one per row, names on the left in full or
@@ -72,9 +72,11 @@ def check_plot_target(out: Path, force: bool) -> None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
+        from clipcli.extras import install_command
+
         raise UsageError(
-            "--plot needs matplotlib, which is not installed; "
-            "install it from the clipcli checkout with: pip install -e '.[plot]'"
+            "--plot needs matplotlib, which is not installed; install it with: "
+            + install_command("plot", "matplotlib")
         )
     if os.path.lexists(out) and not force:
         raise UsageError(f"--plot {out} exists; add --force to replace it")
