@@ -86,7 +86,6 @@ SET_ID_BITS = stat.S_ISUID | stat.S_ISGID
 # ---------------------------------------------------------------- targets
 
 
-
 # Enough to empty a staged model directory (a descriptor for each folder open on the way
 # down, and one for each listing) when the run itself ran out of them.
 _CLEANUP_DESCRIPTORS = 4
@@ -95,6 +94,7 @@ _CLEANUP_DESCRIPTORS = 4
 def _close_all(descriptors: list[int]) -> None:
     while descriptors:
         os.close(descriptors.pop())
+
 
 class Target:
     """Where OUT goes and how it gets there; subclasses say what kind of entry it is."""

@@ -65,6 +65,9 @@ def write_by_content(path: Path, kind: str) -> None:
             np.save(handle, np.ones(2))
     elif kind == "pickle":
         path.write_bytes(pickle.dumps({"x": [1.0, 2.0]}, protocol=2))
+    elif kind.startswith("text_pickle"):  # protocols 0 and 1 have no \x80 header
+        protocol, count = (0, 4) if kind.endswith("0") else (1, 100_000)  # past the probe
+        path.write_bytes(pickle.dumps({"w": np.ones(count, np.float32)}, protocol=protocol))
     elif kind == "zip":
         with open(path, "wb") as handle:
             np.savez(handle, x=np.ones(2))
@@ -74,7 +77,18 @@ def write_by_content(path: Path, kind: str) -> None:
         path.write_bytes(b"\x1c\x00\x00\x00TFL3" + bytes(16))
 
 
-CONTENT_KINDS = ["safetensors", "hdf5", "hdf5_user_block", "npy", "pickle", "zip", "gguf", "tflite"]
+CONTENT_KINDS = [
+    "safetensors",
+    "hdf5",
+    "hdf5_user_block",
+    "npy",
+    "pickle",
+    "text_pickle0",
+    "text_pickle1",
+    "zip",
+    "gguf",
+    "tflite",
+]
 
 
 @pytest.mark.parametrize("kind", CONTENT_KINDS)
@@ -129,6 +143,9 @@ def test_weight_files_by_suffix_are_left_out_in_subfolders_too(
         b"# README\n\x89HDF is not at a user-block offset",
         b"\x89HD",  # shorter than the signature
         b"",
+        b"[PAD]\n[UNK]\n[CLS]\n" * 8000,  # a vocabulary: ']' and 'P' are pickle opcodes
+        b"cat\ndog\n" * 10000,  # reads as a GLOBAL, then fails at once
+        b"N.",  # a whole pickle (None) that names no class
     ],
 )
 def test_ordinary_side_files_are_still_copied(clipcli: Cli, tmp_path: Path, content: bytes) -> None:

@@ -283,6 +283,43 @@ _PICKLES = tuple(bytes([0x80, protocol]) for protocol in range(2, 6))
 _GGML = (b"GGUF", b"lmgg", b"tjgg", b"fmgg", b"algg")  # GGUF, and GGML's older magics
 
 
+# Protocols 0 and 1 have no \x80 header: a pickle is known by parsing its opcodes (never
+# running them) from the start. Text files fail within a few bytes.
+_TEXT_PICKLE_STARTS = frozenset(b"(c}])NILFSVXUKJMGT")
+_PICKLE_PROBE = 64 << 10
+_PICKLE_TAIL = 1 << 10  # a probe cut inside an opcode fails this close to its end
+
+
+def _is_text_pickle(fd: int, size: int) -> bool:
+    """Whether the file starts with a protocol-0/1 pickle that names a class (GLOBAL or
+    INST, as every pickled array does): parsed to its STOP, or without a fault until the
+    probe cuts it short. pickletools only reads opcodes; nothing is imported or run."""
+    head = os.pread(fd, _PICKLE_PROBE, 0)
+    if not head or head[0] not in _TEXT_PICKLE_STARTS:
+        return False
+    import io
+    import pickletools
+
+    seen: set[str] = set()
+    stream = io.BytesIO(head)
+    try:
+        for opcode, _, _ in pickletools.genops(stream):
+            seen.add(opcode.name)
+            if opcode.name == "STOP":
+                return _builds_an_object(seen)
+    except (ValueError, UnicodeDecodeError, EOFError):
+        # Garbage fails where it starts; a pickle cut by the probe, where the probe ends.
+        cut_short = size > len(head) and stream.tell() >= len(head) - _PICKLE_TAIL
+        return cut_short and _builds_an_object(seen)
+    return False
+
+
+def _builds_an_object(opcodes: set[str]) -> bool:
+    """A class named (GLOBAL/INST) and something built with it (MARK, REDUCE, BUILD): lines
+    of text can read as GLOBALs alone ("cat\ndog\n" is the global cat.dog)."""
+    return bool(opcodes & {"GLOBAL", "INST"}) and bool(opcodes & {"MARK", "REDUCE", "BUILD"})
+
+
 def weights_by_content(fd: int, size: int) -> str | None:
     """What weight format a file's first bytes say it is, whatever its name, or None: a
     `weights` file without a suffix, or a renamed checkpoint, is still weights."""
@@ -291,7 +328,7 @@ def weights_by_content(fd: int, size: int) -> str | None:
         return "a zip archive (npz, .keras and PyTorch checkpoints are zips)"
     if head.startswith(b"\x93NUMPY"):
         return "a NumPy array"
-    if head.startswith(_PICKLES):
+    if head.startswith(_PICKLES) or _is_text_pickle(fd, size):
         return "a pickle (PyTorch's older checkpoints)"
     if head.startswith(_GGML):
         return "a GGUF/GGML file"
