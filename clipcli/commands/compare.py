@@ -24,6 +24,7 @@ def diff(
     exclude: list[str] | None = None,
     changed_only: bool = False,
     fail_above: float | None = None,
+    all_tensors: bool = False,
 ) -> None:
     check_threshold("--fail-above", fail_above)
     from clipcli import api
@@ -32,7 +33,7 @@ def diff(
     result = api.diff(
         path_a,
         path_b,
-        selection(include, exclude),
+        selection(include, exclude, all_tensors),
         progress=progress(),
         notify=notify,
     )

@@ -392,6 +392,11 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, {difference}",
         ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensor",
     ]
+    if result.training_state:  # as in `norms`: the global figures are of model weights
+        footer.append(
+            f"{count(result.training_state, 'training-state tensor')} compared, not in the "
+            "global figures (--all-tensors counts them)"
+        )
     summary: tuple[tuple[str, Any], ...] = (
         ("path_a", str(result.path_a)),
         ("path_b", str(result.path_b)),
@@ -401,6 +406,7 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         ("global_norm_b", result.global_norm_b),
         ("global_diff_norm", result.global_diff_norm),
         ("global_rel_change", result.global_rel_change),
+        ("training_state", result.training_state),
         ("max_rel_change", result.max_rel_change),
         ("identical", result.identical),
         ("counts", dict(result.counts)),
