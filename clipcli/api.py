@@ -214,8 +214,9 @@ def clip(
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
         check_losses(losses, allow_lossy, notify, target.out)
-        for note in writer_cls.structure_notes(reader):
-            notify("note", note)
+        # Said once OUT is written (or the dry run is done): a failed run's stderr is its
+        # one error line.
+        notes = writer_cls.structure_notes(reader)
         check_clip_scope(reader, spec, selection, notify)
         if dry_run:
             # What the real run would refuse about OUT, refused here too; nothing is staged.
@@ -243,6 +244,8 @@ def clip(
                 progress,
                 notify,
             )
+        for note in notes:
+            notify("note", note)
     return ClipResult(src, target.out, spec, dry_run, made, tuple(outcomes))
 
 
@@ -324,8 +327,7 @@ def convert(
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
         check_losses(losses, allow_lossy, notify, target.out)
-        for note in writer_cls.structure_notes(reader):
-            notify("note", note)
+        notes = writer_cls.structure_notes(reader)  # said once OUT is written, as in clip
         copying = copy_plan(reader.infos)
         _write_out(
             reader,
@@ -336,6 +338,8 @@ def convert(
             progress,
             notify,
         )
+        for note in notes:
+            notify("note", note)
         return list(reader.infos)
 
 

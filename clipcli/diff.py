@@ -61,7 +61,9 @@ class TensorDiff:
     norm_ratio: float | None  # ‖B‖/‖A‖ (the scale a norm clip applied); None if ‖A‖ = 0
     nonfinite_a: int = 0  # NaN/Inf elements of A
     nonfinite_b: int = 0
-    in_global: bool = False  # A is floating point and compared: counts in global_diff_norm
+    # A model weight by name (training state only with --all-tensors), floating point in A
+    # and compared: counts in global_diff_norm, as `clipcli norms` counts it in the global norm
+    in_global: bool = False
 
     @property
     def compared(self) -> bool:
@@ -81,10 +83,11 @@ class DiffResult:
     format_b: str
     tensors: list[TensorDiff]  # A's order, then the tensors only B has, in B's order
     metadata_changes: list[tuple[str, str | None, str | None]]  # (key, in A, in B)
-    global_norm_a: float  # over A's floating-point tensors (selected), like `clipcli norms`
-    global_norm_b: float  # over B's floating-point tensors (selected)
+    global_norm_a: float  # over A's floating-point model weights (selected), as `clipcli norms`
+    global_norm_b: float  # over B's floating-point model weights (selected)
     global_diff_norm: float  # sqrt(Σ ‖A−B‖²) over compared tensors that are floating in A
     global_rel_change: float  # global_diff_norm / global_norm_a (0 if nothing changed)
+    training_state: int = 0  # tensors compared but left out of the global figures by role
 
     @property
     def max_rel_change(self) -> float | None:

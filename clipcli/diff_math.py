@@ -171,7 +171,9 @@ def _wide(chunk: np.ndarray, as_complex: bool) -> np.ndarray:
 # final figures
 
 
-def finish(job: Pair, run: Running) -> TensorDiff:
+def finish(job: Pair, run: Running, weight: bool = True) -> TensorDiff:
+    """The figures of one tensor; `weight`: a model weight by name (or --all-tensors),
+    which counts in the global figures if A's dtype is floating point."""
     info_a, info_b = job.info_a, job.info_b
     norm_a = run.acc_a.norm if info_a is not None else None
     norm_b = run.acc_b.norm if info_b is not None else None
@@ -216,7 +218,7 @@ def finish(job: Pair, run: Running) -> TensorDiff:
         max_abs_diff=_max_abs(run.acc_d),
         cosine=_cosine(run, norm_a, norm_b, status == SAME),
         norm_ratio=norm_b / norm_a if norm_a != 0 else None,
-        in_global=is_floating(info_a.dtype),
+        in_global=weight and is_floating(info_a.dtype),
         **common,
     )
 
@@ -281,9 +283,15 @@ def _cosine(run: Running, norm_a: float, norm_b: float, identical: bool) -> floa
     return max(-1.0, min(1.0, cosine))
 
 
-def result(a: Reader, b: Reader, jobs: Sequence[Pair], tensors: list[TensorDiff]) -> DiffResult:
+def result(
+    a: Reader, b: Reader, jobs: Sequence[Pair], tensors: list[TensorDiff], weights: Sequence[bool]
+) -> DiffResult:
+    """The global figures over the tensors that are `weights` (by name) and floating point
+    on their side: the selection `clipcli norms` makes of each file."""
     norms_a, norms_b = [], []
-    for job, t in zip(jobs, tensors, strict=True):
+    for job, t, weight in zip(jobs, tensors, weights, strict=True):
+        if not weight:
+            continue
         if job.info_a is not None and t.norm_a is not None and is_floating(job.info_a.dtype):
             norms_a.append(t.norm_a)
         if job.info_b is not None and t.norm_b is not None and is_floating(job.info_b.dtype):
@@ -302,4 +310,5 @@ def result(a: Reader, b: Reader, jobs: Sequence[Pair], tensors: list[TensorDiff]
         global_norm_b=global_norm(norms_b),
         global_diff_norm=global_diff,
         global_rel_change=relative(global_diff, global_a),
+        training_state=sum(not weight for weight in weights),
     )

@@ -412,6 +412,14 @@ def diff_command(
             metavar="X",
         ),
     ] = None,
+    all_tensors: Annotated[
+        bool,
+        typer.Option(
+            "--all-tensors",
+            help="Count training state (optimizer slots and counters, BatchNorm running "
+            "statistics) in the global figures too. Every tensor is compared either way.",
+        ),
+    ] = False,
 ) -> None:
     """Compare two checkpoints (any formats) tensor by tensor: ‖A−B‖, ‖A−B‖/‖A‖,
     max |A−B|, cosine similarity and ‖B‖/‖A‖ (the scale a norm clip applied), plus missing
@@ -426,4 +434,5 @@ def diff_command(
         exclude=exclude,
         changed_only=changed_only,
         fail_above=fail_above,
+        all_tensors=all_tensors,
     )

@@ -22,6 +22,7 @@ from clipcli.measurement import Measurement, TensorStats
 from clipcli.numerics.norms import NormAccumulator
 from clipcli.parallel import ordered_map
 from clipcli.progress import SILENT, Progress
+from clipcli.selection import EVERY_TENSOR, Selection
 
 if TYPE_CHECKING:  # the comparison is imported by compare() only
     from clipcli import diff
@@ -241,8 +242,16 @@ def compare(
         total,
         workers=workers,
     )
-    tensors = [diff_math.finish(p, run) for p, run in zip(pairs, running, strict=True)]
-    return diff_math.result(a, b, pairs, tensors)
+    # The global figures mean what they mean in `norms`: model weights only, training state
+    # left out by name unless the selection says --all-tensors (a plain callable: the
+    # default rules), floating point only (diff_math).
+    left_out = selection.left_out if isinstance(selection, Selection) else EVERY_TENSOR.left_out
+    weights = [left_out(p.name) is None for p in pairs]
+    tensors = [
+        diff_math.finish(p, run, weight)
+        for p, run, weight in zip(pairs, running, weights, strict=True)
+    ]
+    return diff_math.result(a, b, pairs, tensors, weights)
 
 
 def _everything(_name: str) -> bool:

@@ -170,6 +170,7 @@ COMMANDS: dict[str, Command] = {
             ("--changed-only", "changed_only", ON),
             ("--no-changed-only", "changed_only", OFF),
             ("--fail-above", "fail_above", "float"),
+            _ALL_TENSORS,
         ),
     ),
 }

@@ -14,6 +14,9 @@ The rules (documented in the README, "Model weights and training state"):
   BUFFER_NAMES (BatchNorm's running statistics in Keras and PyTorch).
 Keras 3 `.weights.h5` files number their variables (`vars/0`, `vars/1`) instead of naming
 them, so their BatchNorm statistics cannot be told from weights by name.
+A tensor named like a weight that is not floating point (an int64 `position_ids`, a step
+counter, a bool mask) is no parameter: its role is NON_FLOAT, never WEIGHT. Its dtype
+decides that, so it is no training state either: --all-tensors cannot bring it in.
 """
 
 from __future__ import annotations
@@ -45,26 +48,41 @@ class Role(str, Enum):
     WEIGHT = "weight"
     OPTIMIZER = "optimizer"
     BUFFER = "buffer"
+    NON_FLOAT = "non-float"
 
     @property
     def description(self) -> str:
         return _DESCRIPTIONS[self]
+
+    @property
+    def training_state(self) -> bool:
+        """Left out by name unless --all-tensors (optimizer slots, BatchNorm statistics)."""
+        return self in (Role.OPTIMIZER, Role.BUFFER)
 
 
 _DESCRIPTIONS = {
     Role.WEIGHT: "model weight",
     Role.OPTIMIZER: "optimizer state",
     Role.BUFFER: "non-trainable buffer",
+    Role.NON_FLOAT: "non-floating-point tensor",
 }
 
+# numpy's and ml_dtypes' names of the floating-point and complex dtypes (float16,
+# bfloat16, float8_e4m3fn, float4_e2m1fn, complex64, ...): what `ls` tells apart by the
+# dtype's name alone, without numpy (clipcli.dtypes.is_floating on the dtype agrees).
+_FLOATING_PREFIXES = ("float", "bfloat", "complex")
 
-def classify(name: str) -> Role:
-    """The role of the tensor called `name` (HDF5 path or dotted safetensors/npz name)."""
+
+def is_floating_name(dtype_name: str) -> bool:
+    return dtype_name.startswith(_FLOATING_PREFIXES)
+
+
+def classify(name: str, floating: bool = True) -> Role:
+    """The role of the tensor called `name` (HDF5 path or dotted safetensors/npz name):
+    training state by name first, then NON_FLOAT for a tensor that is not `floating`."""
     parts = [part for part in _SEPARATORS.split(name) if part]
-    if not parts:
-        return Role.WEIGHT
-    if parts[0] in OPTIMIZER_ROOTS:
+    if parts and parts[0] in OPTIMIZER_ROOTS:
         return Role.OPTIMIZER
-    if _KERAS_SUFFIX.sub("", parts[-1]) in BUFFER_NAMES:
+    if parts and _KERAS_SUFFIX.sub("", parts[-1]) in BUFFER_NAMES:
         return Role.BUFFER
-    return Role.WEIGHT
+    return Role.WEIGHT if floating else Role.NON_FLOAT

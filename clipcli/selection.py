@@ -69,9 +69,11 @@ class Selection:
         from clipcli.measurement import TensorStats
 
         selected = self(info.name)
-        role = self.left_out(info.name) if selected else None
-        counts = selected and role is None and is_floating(info.dtype)
-        return TensorStats(info, stats, counts, role or roles.Role.WEIGHT, selected)
+        floating = is_floating(info.dtype)
+        kept_out = self.left_out(info.name) if selected else None
+        counts = selected and kept_out is None and floating
+        role = kept_out or (roles.Role.WEIGHT if floating else roles.Role.NON_FLOAT)
+        return TensorStats(info, stats, counts, role, selected)
 
 
 EVERY_TENSOR = Selection()  # no patterns: every tensor, training state left out

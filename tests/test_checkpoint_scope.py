@@ -80,6 +80,12 @@ ROLE_EXAMPLES = {
         "encoder.bn1.running_var",
         "encoder.bn1.num_batches_tracked",
     ],
+    # Named like weights, but integer or bool (classified with floating=False).
+    roles.Role.NON_FLOAT: [
+        "bert.embeddings.position_ids",
+        "step",
+        "model.layers.0.self_attn.q_proj.weight",
+    ],
 }
 
 
@@ -87,7 +93,7 @@ ROLE_EXAMPLES = {
 def test_every_role_has_examples_that_classify_to_it(role: roles.Role) -> None:
     assert ROLE_EXAMPLES[role]
     for name in ROLE_EXAMPLES[role]:
-        assert roles.classify(name) is role, name
+        assert roles.classify(name, floating=role is not roles.Role.NON_FLOAT) is role, name
     assert role.description
 
 

@@ -148,4 +148,8 @@ def test_counts_meet_their_nouns_in_ls(tmp_path: Path, capsys: pytest.CaptureFix
     path = tmp_path / "one.safetensors"
     save_file({"w": np.ones((), np.int8)}, str(path))
     _, out, _ = _run(capsys, "ls", path)
-    assert "1 tensor, 1 parameter, 1 byte" in out
+    # An int8 tensor is no parameter (issue 23 item 9: counted as `norms` counts them).
+    assert "1 tensor, 0 parameters (+1 non-float), 1 byte" in out
+    save_file({"w": np.ones((), np.float16)}, str(path))
+    _, out, _ = _run(capsys, "ls", path)
+    assert "1 tensor, 1 parameter, 2 bytes" in out

@@ -137,7 +137,11 @@ def test_safetensors_metadata_into_npz_needs_the_flag(clipcli: Cli, tmp_path: Pa
     from safetensors.numpy import save_file
 
     src = tmp_path / "m.safetensors"
+    # A framework tag alone is dropped with a note (issue 23 item 7); real metadata is not.
     save_file({"w": np.ones(3, np.float32)}, str(src), metadata={"format": "np"})
+    assert clipcli("convert", src, tmp_path / "tag.npz").returncode == 0
+    metadata = {"format": "np", "license": "mit"}
+    save_file({"w": np.ones(3, np.float32)}, str(src), metadata=metadata)
     assert clipcli("convert", src, tmp_path / "o.npz").returncode == 2
     assert clipcli("convert", "--allow-lossy", src, tmp_path / "o.npz").returncode == 0
 
@@ -395,12 +399,13 @@ def test_root_string_attributes_travel_as_metadata(clipcli: Cli, tmp_path: Path)
     with h5py.File(src, "w") as f:
         f["w"] = np.ones(3, np.float32)
         f.attrs["format"] = "pt"
+        f.attrs["license"] = "mit"  # real metadata: a framework tag alone would be no loss
     assert clipcli("convert", src, f"{tmp_path / 'dir'}/").returncode == 0
     with safe_open(str(tmp_path / "dir" / "model.safetensors"), "np") as handle:
-        assert handle.metadata() == {"format": "pt"}
+        assert handle.metadata() == {"format": "pt", "license": "mit"}
     refused = clipcli("convert", src, tmp_path / "m.npz")
     assert refused.returncode == 2
-    assert "file metadata (1 keys)" in refused.stderr
+    assert "file metadata (2 keys: 'format', 'license')" in refused.stderr
 
 
 @pytest.mark.parametrize(

@@ -355,7 +355,7 @@ def test_diff_reports_the_scales_clip_applied(tmp_path: Path) -> None:
             assert ratio == 1.0
     code, _, err = run("diff", str(src), str(out), "--fail-above", "0.01")
     assert code == 1
-    assert "exceed --fail-above" in err
+    assert "(w3) exceeds --fail-above 0.01" in err  # issue 23 item 2: one grammatical line
 
 
 def test_convert_between_formats_is_lossless(tmp_path: Path) -> None:

@@ -10,6 +10,16 @@ Each change is (key, value in A, value in B), None marking a side without it:
   .keras -> .h5 shows what the archive held beyond its weights.
 A file without a recorded structure (npz, plain safetensors) counts as the groups its
 tensor names imply, with no attributes, so HDF5 -> npz reports every attribute it lost.
+
+Metadata is compared by meaning, once. A file's metadata is the key -> text mapping its
+reader gives (safetensors `__metadata__`; for HDF5 the root attributes that hold one
+string, as h5py reads them: variable or fixed length, ASCII or UTF-8, the padding its
+type declares stripped, decoded as UTF-8). Two values are the same when their texts are
+equal. A root attribute whose name is a metadata key on its side is that key, so it is
+not compared again as `/ @name` with its HDF5 string type: safetensors `format=pt` and an
+HDF5 root attribute `format` holding "pt" in any string type are the same, and an edited
+value is reported once. Every other root attribute (numbers, arrays, text that is not
+UTF-8) is structure, compared exactly.
 Tensor datasets are compared by the tensor diff itself; their storage settings (chunks,
 filters, maximum shape, fill value) are structure: `storage /path` when not those of a
 plain file, so HDF5 -> npz reports the chunking and compression it lost.
@@ -19,7 +29,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,7 +46,7 @@ def file_changes(a: Reader, b: Reader) -> list[Change]:
     meta_b = {k: v for k, v in b.metadata.items() if k != STRUCTURE_KEY}
     plain = _changes({k: (v, v) for k, v in meta_a.items()}, {k: (v, v) for k, v in meta_b.items()})
     members = _changes(_members(a), _members(b))
-    return plain + _changes(_entries(a), _entries(b)) + members
+    return plain + _changes(_entries(a, meta_a.keys()), _entries(b, meta_b.keys())) + members
 
 
 def _members(reader: Reader) -> dict[str, Entry]:
@@ -60,7 +70,9 @@ def _changes(a: Mapping[str, Entry], b: Mapping[str, Entry]) -> list[Change]:
     return changes
 
 
-def _entries(reader: Reader) -> dict[str, Entry]:
+def _entries(reader: Reader, metadata_keys: Collection[str]) -> dict[str, Entry]:
+    """The structure's entries; root attributes that are metadata keys are left to the
+    metadata comparison (see the module's docstring)."""
     structure = reader.structure()
     if structure is None or structure.document is None:
         return _implied(reader, structure)
@@ -78,6 +90,8 @@ def _entries(reader: Reader) -> dict[str, Entry]:
             if storage:
                 entries[f"storage {path}"] = (storage, storage)
         for attr in node.get("attrs", ()):
+            if path == "/" and attr["name"] in metadata_keys:
+                continue
             entries[f"{path} @{attr['name']}"] = _value(attr["type"], attr["space"], attr["data"])
     for dropped in structure.dropped:
         entries[f"(not comparable) {dropped}"] = ("present", "present")
@@ -144,5 +158,5 @@ def _values(desc: Any, data: Any) -> str:
             raw[i : i + size].rstrip(b"\x00 ").decode("utf-8", "replace")
             for i in range(0, len(raw), size)
         ]
-        return _text(items)
+        return _text(items[0] if len(items) == 1 else items)
     return f"base64 {data['raw']}"

@@ -70,18 +70,25 @@ def ls_report(
         for i in order
     )
     total = sum(i.nbytes for i in infos)
-    # Parameters are what norms counts as model weights; optimizer slots, step counters
-    # and BatchNorm statistics (clipcli.roles) are training state, said apart.
-    from clipcli.roles import Role, classify
+    # Parameters are what norms counts in the global norm: floating-point model weights.
+    # Optimizer slots and BatchNorm statistics (clipcli.roles) are training state, and
+    # integer or bool tensors (position_ids, a step counter) no parameters: said apart.
+    from clipcli.roles import Role, classify, is_floating_name
 
-    parameters = sum(i.numel for i in infos if classify(i.name) is Role.WEIGHT)
-    training_state = sum(i.numel for i in infos) - parameters
+    elements = dict.fromkeys(Role, 0)
+    for i in infos:
+        elements[classify(i.name, is_floating_name(i.dtype_name))] += i.numel
+    parameters = elements[Role.WEIGHT]
+    training_state = elements[Role.OPTIMIZER] + elements[Role.BUFFER]
+    non_float = elements[Role.NON_FLOAT]
     listed = count(len(infos), "tensor")
     if listed_of is not None and listed_of != len(infos):
         listed = f"{len(infos)} of {count(listed_of, 'tensor')}"
     counted = count_number(parameters, "parameter")
-    if training_state:
-        counted += f" (+{training_state:,} in training state)"
+    apart = [f"+{training_state:,} in training state"] if training_state else []
+    apart += [f"+{non_float:,} non-float"] if non_float else []
+    if apart:
+        counted += f" ({', '.join(apart)})"
     footer = [f"{listed}, {counted}, {count_number(total, 'byte')}"]
     for item in non_tensors[:NON_TENSOR_LINES]:
         shape = "no dataspace" if item.shape is None else f"shape {list(item.shape)}"
@@ -95,6 +102,7 @@ def ls_report(
         ("total_bytes", total),
         ("total_parameters", parameters),
         ("training_state_parameters", training_state),
+        ("non_float_elements", non_float),
         (
             "non_tensors",
             [
@@ -384,6 +392,11 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, {difference}",
         ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensor",
     ]
+    if result.training_state:  # as in `norms`: the global figures are of model weights
+        footer.append(
+            f"{count(result.training_state, 'training-state tensor')} compared, not in the "
+            "global figures (--all-tensors counts them)"
+        )
     summary: tuple[tuple[str, Any], ...] = (
         ("path_a", str(result.path_a)),
         ("path_b", str(result.path_b)),
@@ -393,6 +406,7 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
         ("global_norm_b", result.global_norm_b),
         ("global_diff_norm", result.global_diff_norm),
         ("global_rel_change", result.global_rel_change),
+        ("training_state", result.training_state),
         ("max_rel_change", result.max_rel_change),
         ("identical", result.identical),
         ("counts", dict(result.counts)),

@@ -20,6 +20,7 @@ from clipcli.formats.base import (
 )
 from clipcli.formats.npz.npyheader import _npy_header
 from clipcli.formats.npz.zipcheck import member_key, member_name_problem
+from clipcli.formats.structure import FRAMEWORK_KEY, metadata_loss, metadata_loss_text
 
 # The zip headers give a member name a 16-bit length; np.savez adds '.npy' to the key.
 ZIP_NAME_BYTES = 0xFFFF
@@ -37,11 +38,24 @@ class NpzWriter(Writer):
 
     @classmethod
     def structure_losses(cls, source: Reader) -> list[str]:
-        """npz holds tensors and nothing else: file metadata and any structure are lost."""
+        """npz holds tensors and nothing else: file metadata and any structure are lost.
+        The metadata is what one file would hold (a model directory's shards joined: its
+        index's total_size is no loss, and join_losses names the rest of the index's)."""
         losses = super().structure_losses(source)
-        if source.metadata:
-            losses.append(f"file metadata ({len(source.metadata)} keys)")
+        lost, _ = metadata_loss(source.joined_metadata())
+        if lost:
+            losses.append(metadata_loss_text(lost))
         return losses
+
+    @classmethod
+    def structure_notes(cls, source: Reader) -> list[str]:
+        _, tag = metadata_loss(source.joined_metadata())
+        if tag is None:
+            return []
+        return [
+            f"npz holds no file metadata: {FRAMEWORK_KEY}={tag!r}, which only names the "
+            "framework that wrote the file, is left out"
+        ]
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
