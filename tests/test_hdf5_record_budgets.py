@@ -502,3 +502,33 @@ def test_whatever_a_forged_record_makes_the_writer_write_clipcli_reads_back(
         assert not out.exists()
         return
     _reads_back(clipcli, out)
+
+
+def test_what_only_the_written_file_shows_is_refused_before_the_commit(
+    clipcli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record's chunk budget is taken on the bytes it describes: 100 chunks of 4 KiB
+    for 400 KiB of zeros, exactly the budget with no free chunks. Compressed by gzip, OUT
+    is a few KiB, which the reader allows 1 or 2 chunks: OUT is opened with the reader
+    before the commit, and the run is refused (exit 3, one line, nothing written)."""
+    src_h5, mid = tmp_path / "zeros.h5", tmp_path / "zeros.safetensors"
+    with h5py.File(src_h5, "w") as f:
+        f.attrs["n"] = 1
+        f.create_dataset("z", data=np.zeros(100 * 1024, np.float32))
+    assert clipcli("convert", src_h5, mid).returncode == 0
+
+    def compress(record: Record) -> None:
+        _node(record, "/z").update(layout="chunked", chunks=[1024], filters=[[1, 0, [9]]])
+
+    src = _forge(mid, tmp_path / "forged.safetensors", compress)
+    monkeypatch.setattr(limits, "FREE_CHUNKS", 0)
+    out = tmp_path / "out.h5"
+    run = clipcli("convert", src, out)
+    assert run.returncode == 3, run
+    assert run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith(f"clipcli: error: {src}: ")
+    assert "would refuse to read back (OUT: datasets declare more than 2 HDF5 chunks" in run.stderr
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["zeros.h5", "zeros.safetensors", "forged.safetensors"]
+    )

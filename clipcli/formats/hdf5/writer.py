@@ -418,6 +418,24 @@ class Hdf5Writer(Writer):
                 self.file.flush()
         finally:
             self.file.close()
+        if self._rebuild is not None:
+            self._check_reads_back()
+
+    def _check_reads_back(self) -> None:
+        """A file rebuilt from a record is opened with the HDF5 reader (every check it makes
+        on a stranger's file) before the commit. The record's own checks bound what is
+        known before writing; what only the written file shows (chunks compressed so well
+        that OUT is too small for their number, a dataset stored over 200-fold smaller
+        than it declares) is refused here: clipcli writes nothing it would refuse to read."""
+        source = self.checkpoint.source
+        try:
+            Hdf5Reader(self.path, shown_as=Path("OUT")).close()
+        except InputError as exc:
+            raise InputError(
+                source.path if source is not None else self.path,
+                "the HDF5 structure recorded in __metadata__ makes an HDF5 file that clipcli "
+                f"would refuse to read back ({exc})",
+            ) from None
 
     def abort(self) -> None:
         self._silence()
