@@ -209,10 +209,11 @@ def build_type(desc: object, depth: int = 0) -> Any:
         return type_id
     if kind == "bitfield":
         size = _int(desc, "size", {1, 2, 4, 8})
-        type_id = {1: h5t.STD_B8LE, 2: h5t.STD_B16LE, 4: h5t.STD_B32LE, 8: h5t.STD_B64LE}[size]
-        type_id = type_id.copy()
-        type_id.set_order(h5t.ORDER_BE if _order_char(desc) == ">" else h5t.ORDER_LE)
-        return type_id
+        # The library's predefined types in each order: h5py's bitfield type has no
+        # set_order (calling it was an AttributeError, exit 70).
+        little = {1: h5t.STD_B8LE, 2: h5t.STD_B16LE, 4: h5t.STD_B32LE, 8: h5t.STD_B64LE}
+        big = {1: h5t.STD_B8BE, 2: h5t.STD_B16BE, 4: h5t.STD_B32BE, 8: h5t.STD_B64BE}
+        return (big if _order_char(desc) == ">" else little)[size].copy()
     raise Malformed(f"unknown type class {kind!r}")
 
 

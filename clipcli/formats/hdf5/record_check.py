@@ -8,7 +8,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
-from clipcli.formats.base import TensorInfo
+from clipcli.formats.base import TensorInfo, numpy_size_overflows
 from clipcli.formats.hdf5.filters import DEFLATE, SZIP, is_lossless, name_of
 from clipcli.formats.hdf5.library import load_h5py
 from clipcli.formats.hdf5.portable import (
@@ -29,10 +30,18 @@ from clipcli.formats.hdf5.portable import (
     holds_variable_string,
     space_points,
 )
-from clipcli.formats.hdf5.safety import chunk_count
+from clipcli.formats.hdf5.safety import (
+    attribute_budget_problem,
+    chunk_count,
+    non_tensor_kind,
+    vlen_attribute_elements,
+)
 from clipcli.formats.structure import Structure
 
 LAYOUTS = {"compact": 0, "contiguous": 1, "chunked": 2}
+# A variable-length element as the file stores it: a 4-byte length and a global heap ID
+# (an 8-byte collection address and a 4-byte index); its bytes live in the heap.
+VLEN_STORED_BYTES = 16
 
 
 @dataclass
@@ -61,20 +70,76 @@ class ReadyNode:
 
 
 def prepare(
-    structure: Structure, infos: Sequence[TensorInfo], source: Path
+    structure: Structure, infos: Sequence[TensorInfo], source: Path, input_bytes: int
 ) -> list[ReadyNode] | str:
     """The nodes to create, every field checked; a str says why the structure does not
-    fit these tensors (then it is not used). Malformed content is an InputError."""
+    fit these tensors (then it is not used). Malformed content is an InputError, and so
+    is a record that would make OUT larger than the input's expansion budget
+    (input_bytes: the size of the files it was read from)."""
     nodes = structure.nodes
     try:
         _check_tree(nodes)
         ready = [_prepare_node(node) for node in nodes]
         _check_chunk_budget(nodes, infos)
+        _check_allocation(nodes, ready, input_bytes)
     except (Malformed, KeyError, TypeError, ValueError, binascii.Error) as exc:
-        raise InputError(
-            source, f"the HDF5 structure recorded in __metadata__ is malformed: {exc}"
-        ) from None
+        raise _malformed(source, exc) from None
     return _check_fit(nodes, ready, infos) or ready
+
+
+def _malformed(source: Path, exc: BaseException | str) -> InputError:
+    return InputError(source, f"the HDF5 structure recorded in __metadata__ is malformed: {exc}")
+
+
+def _check_allocation(nodes: Sequence[Json], ready: Sequence[ReadyNode], input_bytes: int) -> None:
+    """The bytes OUT's datasets allocate, charged to the readers' expansion budget
+    (limits.expansion_budget of the input's size) before anything is written: a chunked
+    dataset allocates every chunk its extent touches in full (a one-element tensor in a
+    256 MiB chunk is 256 MiB on disk), any other its elements."""
+    allocated = 0
+    for node, prepared in zip(nodes, ready, strict=True):
+        if prepared.kind != "dataset":
+            continue
+        element = int(prepared.type_id.get_size())
+        if holds_variable_string(node["type"]):
+            element = VLEN_STORED_BYTES  # the in-memory size is a pointer's
+        if node["layout"] == "chunked":
+            shape, chunks = node["space"]["shape"], node["chunks"]
+            allocated += chunk_count(shape, chunks) * math.prod(chunks) * element
+        else:
+            allocated += space_points(node["space"]) * element
+    budget = limits.expansion_budget(input_bytes)
+    if allocated > budget:
+        raise Malformed(
+            f"its datasets would allocate {allocated} bytes in OUT, more than "
+            f"{limits.MAX_EXPANSION} times the {input_bytes}-byte input plus "
+            f"{limits.SPARSE_CHECK_BYTES} bytes ({budget})"
+        )
+
+
+def check_attribute_budget(
+    ready: Sequence[ReadyNode], added_metadata: Iterable[str], source: Path
+) -> None:
+    """The HDF5 reader's attribute budget (safety.attribute_budget_problem), taken on what
+    the rebuild writes: every variable-length attribute element counted as the reader
+    counts it, times the largest variable-length string OUT's global heap will hold (those
+    of attributes, of non-tensor datasets and the metadata values written as root
+    attributes, added_metadata). Past it, OUT would be a file clipcli refuses to read."""
+    elements = 0
+    largest = 0
+    for node in ready:
+        values = [node.data] if node.data is not None else []
+        for item in [*node.attributes, *values]:
+            if not item.raw and item.values is not None:
+                largest = max([largest, *(len(v) for v in item.values.reshape(-1))])
+        for attr in node.attributes:
+            elements += vlen_attribute_elements(attr.type_id, attr.space)
+    for value in added_metadata:  # each a scalar variable-length string
+        elements += 1
+        largest = max(largest, len(value.encode("utf-8")))
+    problem = attribute_budget_problem(elements, largest)
+    if problem is not None:
+        raise _malformed(source, problem)
 
 
 def _check_chunk_budget(nodes: Sequence[Json], infos: Sequence[TensorInfo]) -> None:
@@ -108,6 +173,7 @@ def _check_tree(nodes: Sequence[Json]) -> None:
         raise Malformed("it does not start at the root group")
     seen_groups = {"/"}
     seen: set[str] = {"/"}
+    # The reader refuses groups nested MAX_DEPTH levels below the root (Hdf5Reader._walk).
     for node in nodes[1:]:
         path = node.get("path")
         if not isinstance(path, str) or not path.startswith("/"):
@@ -121,6 +187,11 @@ def _check_tree(nodes: Sequence[Json]) -> None:
             raise Malformed(f"object {path!r} does not follow its parent group")
         seen.add(path)
         if node.get("kind") == "group":
+            if path.count("/") >= limits.MAX_DEPTH:
+                raise Malformed(
+                    f"groups nest deeper than {limits.MAX_DEPTH} levels (the root and "
+                    f"{limits.MAX_DEPTH - 1} below it: clipcli reads no deeper) at {path[:80]!r}"
+                )
             seen_groups.add(path)
 
 
@@ -227,6 +298,7 @@ def _prepare_node(node: Json) -> ReadyNode:
         if not isinstance(tensor, bool):
             raise Malformed(f"'tensor' {tensor!r} of {path!r}")
         if not tensor:  # its values are recorded: all of them (null only for no points)
+            _check_non_tensor(node, type_id)
             if node.get("data") is None and space_points(node["space"]):
                 points = space_points(node["space"])
                 raise Malformed(
@@ -236,6 +308,23 @@ def _prepare_node(node: Json) -> ReadyNode:
         elif node.get("data") is not None:
             raise Malformed(f"tensor dataset {path!r} records values")
     return ReadyNode(path, kind, cset, plist, type_id, space, attributes, data, tensor)
+
+
+def _check_non_tensor(node: Json, type_id: Any) -> None:
+    """A record's non-tensor dataset must be one the HDF5 reader lists as a non-tensor
+    (safety.non_tensor_kind, the reader's own rule): a numeric one would be read from OUT
+    as a weight that is no tensor of the input (measured, in the global norm, never
+    clipped). clipcli never records one, so it is forged: malformed, never ignored. And
+    its dataspace must be one numpy can make (the reader's rule for every dataset)."""
+    space = node["space"]
+    if non_tensor_kind(type_id, space["class"] == "null") is None:
+        raise Malformed(
+            f"non-tensor dataset {node['path']!r} has a numeric type: OUT's reader would "
+            "read it as a tensor, and a record may only describe the tensors there are"
+        )
+    shape = space.get("shape", ())
+    if numpy_size_overflows(shape, int(type_id.get_size())):
+        raise Malformed(f"dataset {node['path']!r} of shape {shape!r} overflows numpy's size limit")
 
 
 def _order_flags(value: object) -> int:

@@ -78,8 +78,8 @@ class DatasetChecks:
                     f"uses external storage in file {external[0][0]!r}; not followed", name
                 )
             type_id = dataset.id.get_type()
-            problem = self._non_tensor_kind(dataset, type_id, name)
             shape = None if dataset.shape is None else tuple(int(d) for d in dataset.shape)
+            problem = self._non_tensor_kind(type_id, shape is None, name)
             element_bytes = int(type_id.get_size())
             numel = 0 if shape is None else math.prod(shape)
             if shape is not None and numpy_size_overflows(shape, element_bytes):
@@ -104,15 +104,16 @@ class DatasetChecks:
                 variable_length=holds_vlen(type_id),
             )
 
-    def _non_tensor_kind(self, dataset: Any, type_id: Any, name: str) -> str | None:
-        """What makes this dataset a non-tensor (its type), or None for a numeric one."""
+    def _non_tensor_kind(self, type_id: Any, null_space: bool, name: str) -> str | None:
+        """What makes this dataset a non-tensor (non_tensor_kind), or None for a tensor;
+        a float type's bit layout is checked first."""
         try:
-            dtype: np.dtype[Any] = dataset.dtype
-        except TypeError:  # e.g. HDF5 types with no NumPy counterpart
-            return "an HDF5 type with no NumPy counterpart"
-        if dtype.kind in "fc":
+            dtype: np.dtype[Any] | None = type_id.dtype
+        except TypeError:  # no NumPy counterpart: no float to check
+            dtype = None
+        if dtype is not None and dtype.kind in "fc":
             self._check_float_layout(type_id, dtype, name)
-        return unsupported_dtype(dtype)
+        return non_tensor_kind(type_id, null_space)
 
     def _check_float_layout(self, type_id: Any, dtype: np.dtype[Any], name: str) -> None:
         """An HDF5 float type describes its bits (offset, precision, sign, exponent and
@@ -268,15 +269,46 @@ class DatasetChecks:
                     raise self._fail(f"object {path!r} lists the attribute name {name!r} twice")
                 seen.add(name)
                 attr = obj.attrs.get_id(name)
-                if holds_vlen(attr.get_type()):
-                    elements += max(1, int(attr.get_space().get_simple_extent_npoints()))
-        worst = elements * largest_heap_object
-        if worst > limits.MAX_ATTRIBUTE_BYTES:
-            raise self._fail(
-                f"{elements} variable-length attribute values may each read a heap object of "
-                f"{largest_heap_object} bytes ({worst} in all, over the "
-                f"{limits.MAX_ATTRIBUTE_BYTES >> 20} MiB limit for attributes); refusing it"
-            )
+                elements += vlen_attribute_elements(attr.get_type(), attr.get_space())
+        problem = attribute_budget_problem(elements, largest_heap_object)
+        if problem is not None:
+            raise self._fail(f"{problem}; refusing it")
+
+
+def non_tensor_kind(type_id: Any, null_space: bool) -> str | None:
+    """What makes a dataset of this HDF5 type a non-tensor, or None for a tensor: the one
+    rule the reader lists datasets by, and that a structure record's non-tensor datasets
+    are held to (record_check), so that a record never adds a dataset OUT's reader would
+    measure or clip as a weight."""
+    try:
+        dtype: np.dtype[Any] = type_id.dtype
+    except TypeError:  # e.g. HDF5 types with no NumPy counterpart
+        return "an HDF5 type with no NumPy counterpart"
+    problem = unsupported_dtype(dtype)
+    if problem is None and null_space:
+        return "an empty (null) dataspace"
+    return problem
+
+
+def vlen_attribute_elements(type_id: Any, space: Any) -> int:
+    """The elements an attribute counts against the attribute budget: each may point at
+    the largest heap object of the file (at least one, whatever its dataspace)."""
+    if not holds_vlen(type_id):
+        return 0
+    return max(1, int(space.get_simple_extent_npoints()))
+
+
+def attribute_budget_problem(elements: int, largest_heap_object: int) -> str | None:
+    """Why a file with this many variable-length attribute elements and this largest global
+    heap object is over the attribute budget (elements x largest), or None."""
+    worst = elements * largest_heap_object
+    if worst <= limits.MAX_ATTRIBUTE_BYTES:
+        return None
+    return (
+        f"{elements} variable-length attribute values may each read a heap object of "
+        f"{largest_heap_object} bytes ({worst} in all, over the "
+        f"{limits.MAX_ATTRIBUTE_BYTES >> 20} MiB limit for attributes)"
+    )
 
 
 def chunk_count(shape: Sequence[int] | None, chunks: Sequence[int]) -> int:

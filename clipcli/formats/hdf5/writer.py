@@ -38,7 +38,7 @@ from clipcli.formats.hdf5.library import (
 )
 from clipcli.formats.hdf5.reader import Hdf5Reader
 from clipcli.formats.hdf5.rebuild import create_nodes, follow_metadata
-from clipcli.formats.hdf5.record_check import ReadyNode, prepare
+from clipcli.formats.hdf5.record_check import ReadyNode, check_attribute_budget, prepare
 from clipcli.formats.hdf5.replica import Replica, split_path
 from clipcli.formats.structure import STRUCTURE_KEY
 
@@ -57,6 +57,12 @@ def _dataset_path_problem(name: str) -> str | None:
         if dots in parts:
             return f"it has a {dots!r} path component"
     return None
+
+
+def _input_bytes(source: Reader) -> int:
+    """The size of the files a reader takes its data from (as opened): what a recorded
+    structure's budgets are relative to."""
+    return sum(identity.size for identity in source.source_identities().values())
 
 
 def _stored_chunk_offsets(dataset_id: Any) -> list[tuple[int, ...]]:
@@ -89,11 +95,15 @@ class Hdf5Writer(Writer):
         self._source: Hdf5Reader | None = cast("Hdf5Reader | None", origin)
         self._rebuild: list[ReadyNode] | None = None
         if self._source is None and structure is not None and checkpoint.source is not None:
-            ready = prepare(structure, checkpoint.infos, checkpoint.source.path)
+            source = checkpoint.source
+            ready = prepare(structure, checkpoint.infos, source.path, _input_bytes(source))
             self._rebuild = ready if isinstance(ready, list) else None
             if self._rebuild is not None:
                 recorded = structure.nodes[0].get("attrs") or []
                 follow_metadata(self._rebuild[0], recorded, checkpoint.metadata, STRUCTURE_KEY)
+                check_attribute_budget(
+                    self._rebuild, self._added_metadata(self._rebuild[0]).values(), source.path
+                )
         self._written: set[str] = set()
         self.file: Any = self._create_file()
         try:
@@ -111,9 +121,8 @@ class Hdf5Writer(Writer):
                             source_path,
                             f"cannot rebuild the recorded HDF5 structure: {reason(exc)}",
                         ) from None
-                self._add_metadata(
-                    skip={attr.name.decode() for attr in self._rebuild[0].attributes}
-                )
+                for key, value in self._added_metadata(self._rebuild[0]).items():
+                    self.file.attrs[key] = value
             else:
                 self._create_plain_layout()
         except BaseException:
@@ -159,7 +168,7 @@ class Hdf5Writer(Writer):
         structure = source.structure()
         if structure is None or structure.origin is not None:
             return []  # nothing to keep, or replicated object by object
-        ready = prepare(structure, source.infos, source.path)
+        ready = prepare(structure, source.infos, source.path, _input_bytes(source))
         if isinstance(ready, str):
             return [f"the HDF5 structure recorded in the input ({ready})"]
         return []
@@ -282,12 +291,21 @@ class Hdf5Writer(Writer):
                     del attrs[key]
                 attrs[key] = value
 
-    def _add_metadata(self, skip: set[str] = set()) -> None:  # noqa: B006 - never mutated
-        """The checkpoint's metadata as root string attributes (the recorded structure's
-        own key and attributes it already created excepted)."""
+    def _add_metadata(self) -> None:
+        """The checkpoint's metadata as root string attributes (the record's key excepted)."""
         for key, value in self.checkpoint.metadata.items():
-            if key != STRUCTURE_KEY and key not in skip:
+            if key != STRUCTURE_KEY:
                 self.file.attrs[key] = value
+
+    def _added_metadata(self, root: ReadyNode) -> dict[str, str]:
+        """The metadata a rebuild adds as root string attributes: all but the record's own
+        key and the attributes the recorded root already creates."""
+        created = {attr.name.decode() for attr in root.attributes}
+        return {
+            key: value
+            for key, value in self.checkpoint.metadata.items()
+            if key != STRUCTURE_KEY and key not in created
+        }
 
     def _create_plain_layout(self) -> None:
         """A dataset per tensor at its name's path, contiguous and uncompressed."""
@@ -400,6 +418,24 @@ class Hdf5Writer(Writer):
                 self.file.flush()
         finally:
             self.file.close()
+        if self._rebuild is not None:
+            self._check_reads_back()
+
+    def _check_reads_back(self) -> None:
+        """A file rebuilt from a record is opened with the HDF5 reader (every check it makes
+        on a stranger's file) before the commit. The record's own checks bound what is
+        known before writing; what only the written file shows (chunks compressed so well
+        that OUT is too small for their number, a dataset stored over 200-fold smaller
+        than it declares) is refused here: clipcli writes nothing it would refuse to read."""
+        source = self.checkpoint.source
+        try:
+            Hdf5Reader(self.path, shown_as=Path("OUT")).close()
+        except InputError as exc:
+            raise InputError(
+                source.path if source is not None else self.path,
+                "the HDF5 structure recorded in __metadata__ makes an HDF5 file that clipcli "
+                f"would refuse to read back ({exc})",
+            ) from None
 
     def abort(self) -> None:
         self._silence()
