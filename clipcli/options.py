@@ -90,6 +90,16 @@ OutArg = Annotated[
     ),
 ]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", "-f", help="Report format.")]
+# norms: with --plot FILE (or --chart) the table is printed only when --format asks for it.
+NormsFormatOpt = Annotated[
+    OutputFormat | None,
+    typer.Option(
+        "--format",
+        "-f",
+        help="Report format [default: table; with --plot, no report unless given].",
+        show_default=False,
+    ),
+]
 IncludeOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -111,6 +121,18 @@ AllTensorsOpt = Annotated[
         "optimizer/, optimizer., optim_state) and BatchNorm running statistics. By default "
         "they are listed apart, left out of the global norm and copied bit for bit.",
     ),
+]
+# One declaration of --sort and --top for every command that measures (norms, clip, diff).
+SortOpt = Annotated[
+    SortKey,
+    typer.Option(
+        help="Row order: name (natural: layers.2 before layers.10; the default), file order, "
+        "norm (largest first, among what the global norm counts; the rest after; diff: "
+        "‖A−B‖), size. Groups come in name order unless sorted by norm."
+    ),
+]
+TopOpt = Annotated[
+    int | None, typer.Option(help="Show only the first N rows (tensors or groups).", min=1)
 ]
 AllowLargeSideFilesOpt = Annotated[
     bool,
@@ -143,8 +165,11 @@ def ls_command(
     exclude: ExcludeOpt = None,
     sort: Annotated[
         SortKey,
-        typer.Option(help="Row order: file order, name (layers.2 before layers.10), size."),
-    ] = SortKey.FILE,
+        typer.Option(
+            help="Row order: name (natural: layers.2 before layers.10; the default), file "
+            "order, size."
+        ),
+    ] = SortKey.NAME,
 ) -> None:
     """List tensors (name, dtype, shape, bytes; the shard in a model directory), the total
     parameter count and file metadata, reading no tensor data."""
@@ -154,20 +179,11 @@ def ls_command(
 @_command("norms", inspect.NORMS_EPILOG)
 def norms_command(
     path: PathArg,
-    fmt: FormatOpt = OutputFormat.TABLE,
+    fmt: NormsFormatOpt = None,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
-    sort: Annotated[
-        SortKey,
-        typer.Option(
-            help="Row order: file order, name (layers.2 before layers.10), norm (largest "
-            "first, among what the global norm counts; the rest after), size. Groups come "
-            "in name order unless sorted by norm."
-        ),
-    ] = SortKey.FILE,
-    top: Annotated[
-        int | None, typer.Option(help="Show only the first N rows (tensors or groups).", min=1)
-    ] = None,
+    sort: SortOpt = SortKey.NAME,
+    top: TopOpt = None,
     fail_above: Annotated[
         float | None,
         typer.Option(help="Exit 1 if the global norm exceeds X (or is NaN/Inf).", metavar="X"),
@@ -294,6 +310,8 @@ def clip_command(
     ] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no report.")] = False,
     fmt: FormatOpt = OutputFormat.TABLE,
+    sort: SortOpt = SortKey.NAME,
+    top: TopOpt = None,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
     all_tensors: AllTensorsOpt = False,
     allow_lossy: AllowLossyOpt = False,
@@ -323,6 +341,8 @@ def clip_command(
         fsync=fsync,
         quiet=quiet,
         fmt=fmt,
+        sort=sort,
+        top=top,
         allow_large_side_files=allow_large_side_files,
         all_tensors=all_tensors,
         allow_lossy=allow_lossy,
@@ -365,6 +385,8 @@ def diff_command(
     changed_only: Annotated[
         bool, typer.Option(help="List only tensors that are not bit-identical.")
     ] = False,
+    sort: SortOpt = SortKey.NAME,
+    top: TopOpt = None,
     fail_above: Annotated[
         float | None,
         typer.Option(
@@ -384,5 +406,7 @@ def diff_command(
         include=include,
         exclude=exclude,
         changed_only=changed_only,
+        sort=sort,
+        top=top,
         fail_above=fail_above,
     )

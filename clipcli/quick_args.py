@@ -90,11 +90,13 @@ _NO_FORCE = ("--no-force", "force", OFF)
 _QUIET = ("--quiet -q", "quiet", ON)
 _LARGE_SIDE_FILES = ("--allow-large-side-files", "allow_large_side_files", ON)
 _LOSSY = ("--allow-lossy", "allow_lossy", ON)
+_SORT = ("--sort", "sort", "sort")
+_TOP = ("--top", "top", "count")
 
 COMMANDS: dict[str, Command] = {
     "ls": Command(
         [("path", Path)],
-        _spellings(_FORMAT, _INCLUDE, _EXCLUDE, ("--sort", "sort", "sort")),
+        _spellings(_FORMAT, _INCLUDE, _EXCLUDE, _SORT),
     ),
     "norms": Command(
         [("path", Path)],
@@ -102,8 +104,8 @@ COMMANDS: dict[str, Command] = {
             _FORMAT,
             _INCLUDE,
             _EXCLUDE,
-            ("--sort", "sort", "sort"),
-            ("--top", "top", "count"),
+            _SORT,
+            _TOP,
             ("--fail-above", "fail_above", "float"),
             ("--group-by", "group_by", "str"),
             ("--chart", "chart", ON),
@@ -140,6 +142,8 @@ COMMANDS: dict[str, Command] = {
             ("--no-fsync", "fsync", OFF),
             _QUIET,
             _FORMAT,
+            _SORT,
+            _TOP,
             _LARGE_SIDE_FILES,
             _ALL_TENSORS,
             _LOSSY,
@@ -157,6 +161,8 @@ COMMANDS: dict[str, Command] = {
             _EXCLUDE,
             ("--changed-only", "changed_only", ON),
             ("--no-changed-only", "changed_only", OFF),
+            _SORT,
+            _TOP,
             ("--fail-above", "fail_above", "float"),
         ),
     ),

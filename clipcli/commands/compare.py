@@ -12,7 +12,7 @@ from clipcli.commands.common import (
     selection,
 )
 from clipcli.errors import ExitCode, Verdict
-from clipcli.report import OutputFormat
+from clipcli.report import OutputFormat, SortKey
 
 
 def diff(
@@ -22,6 +22,8 @@ def diff(
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     changed_only: bool = False,
+    sort: SortKey = SortKey.NAME,
+    top: int | None = None,
     fail_above: float | None = None,
 ) -> None:
     check_threshold("--fail-above", fail_above)
@@ -31,7 +33,7 @@ def diff(
     result = api.diff(
         path_a, path_b, selection(include, exclude), progress=progress(), notify=notify
     )
-    emit(lambda: print_report(diff_report(result, changed_only), fmt))
+    emit(lambda: print_report(diff_report(result, changed_only, sort, top), fmt))
     if fail_above is not None:
         worst = result.max_rel_change
         # Structure counts as much as values: a missing tensor, a changed shape or dtype,
