@@ -283,7 +283,7 @@ def check_clip_scope(
     from clipcli.spec import Mode  # WRITING_MODULES
 
     selected = selection.check(reader.infos, notify)
-    selection.check_weights(selected, notify)
+    selection.check_weights(selected, notify, writes=True)
     targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
     acted_on = [i for i in selected if selection.left_out(i.name) is None]
     scope.refuse_quantized(reader.infos, acted_on, reader.model_directory)

@@ -101,6 +101,16 @@ ReportQuietOpt = Annotated[
         help="Print no report: the exit code tells (1: --fail-above exceeded).",
     ),
 ]
+# norms: with --plot FILE (or --chart) the table is printed only when --format asks for it.
+NormsFormatOpt = Annotated[
+    OutputFormat | None,
+    typer.Option(
+        "--format",
+        "-f",
+        help="Report format [default: table; with --plot, no report unless given].",
+        show_default=False,
+    ),
+]
 IncludeOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -122,6 +132,18 @@ AllTensorsOpt = Annotated[
         "optimizer/, optimizer., optim_state) and BatchNorm running statistics. By default "
         "they are listed apart, left out of the global norm and copied bit for bit.",
     ),
+]
+# One declaration of --sort and --top for every command that measures (norms, clip, diff).
+SortOpt = Annotated[
+    SortKey,
+    typer.Option(
+        help="Row order: name (natural: layers.2 before layers.10; the default), file order, "
+        "norm (largest first, among what the global norm counts; the rest after; diff: "
+        "‖A−B‖), size. Groups come in name order unless sorted by norm."
+    ),
+]
+TopOpt = Annotated[
+    int | None, typer.Option(help="Show only the first N rows (tensors or groups).", min=1)
 ]
 AllowLargeSideFilesOpt = Annotated[
     bool,
@@ -164,10 +186,10 @@ def ls_command(
     sort: Annotated[
         ListingSortKey,
         typer.Option(
-            help="Row order: file order, name (layers.2 before layers.10), size. (ls reads "
-            "no tensor data: for --sort norm, use norms.)"
+            help="Row order: name (natural: layers.2 before layers.10; the default), file "
+            "order, size. (ls reads no tensor data: for --sort norm, use norms.)"
         ),
-    ] = ListingSortKey.FILE,
+    ] = ListingSortKey.NAME,
 ) -> None:
     """List tensors (name, dtype, shape, bytes; the shard in a model directory), the total
     parameter count and file metadata, reading no tensor data."""
@@ -185,22 +207,13 @@ def ls_command(
 @_command("norms", inspect.NORMS_EPILOG)
 def norms_command(
     path: PathArg,
-    fmt: FormatOpt = OutputFormat.TABLE,
+    fmt: NormsFormatOpt = None,
     as_json: JsonOpt = False,
     quiet: ReportQuietOpt = False,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
-    sort: Annotated[
-        SortKey,
-        typer.Option(
-            help="Row order: file order, name (layers.2 before layers.10), norm (largest "
-            "first, among what the global norm counts; the rest after), size. Groups come "
-            "in name order unless sorted by norm."
-        ),
-    ] = SortKey.FILE,
-    top: Annotated[
-        int | None, typer.Option(help="Show only the first N rows (tensors or groups).", min=1)
-    ] = None,
+    sort: SortOpt = SortKey.NAME,
+    top: TopOpt = None,
     fail_above: Annotated[
         float | None,
         typer.Option(help="Exit 1 if the global norm exceeds X (or is NaN/Inf).", metavar="X"),
@@ -330,6 +343,8 @@ def clip_command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no report.")] = False,
     fmt: FormatOpt = OutputFormat.TABLE,
     as_json: JsonOpt = False,
+    sort: SortOpt = SortKey.NAME,
+    top: TopOpt = None,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
     all_tensors: AllTensorsOpt = False,
     allow_lossy: AllowLossyOpt = False,
@@ -360,6 +375,8 @@ def clip_command(
         quiet=quiet,
         fmt=fmt,
         as_json=as_json,
+        sort=sort,
+        top=top,
         allow_large_side_files=allow_large_side_files,
         all_tensors=all_tensors,
         allow_lossy=allow_lossy,
@@ -404,6 +421,8 @@ def diff_command(
     changed_only: Annotated[
         bool, typer.Option(help="List only tensors that are not bit-identical.")
     ] = False,
+    sort: SortOpt = SortKey.NAME,
+    top: TopOpt = None,
     fail_above: Annotated[
         float | None,
         typer.Option(
@@ -433,6 +452,8 @@ def diff_command(
         include=include,
         exclude=exclude,
         changed_only=changed_only,
+        sort=sort,
+        top=top,
         fail_above=fail_above,
         all_tensors=all_tensors,
     )

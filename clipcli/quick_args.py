@@ -97,6 +97,8 @@ _NO_FORCE = ("--no-force", "force", OFF)
 _QUIET = ("--quiet -q", "quiet", ON)
 _LARGE_SIDE_FILES = ("--allow-large-side-files", "allow_large_side_files", ON)
 _LOSSY = ("--allow-lossy", "allow_lossy", ON)
+_SORT = ("--sort", "sort", "sort")
+_TOP = ("--top", "top", "count")
 
 COMMANDS: dict[str, Command] = {
     "ls": Command(
@@ -111,8 +113,8 @@ COMMANDS: dict[str, Command] = {
             _QUIET,
             _INCLUDE,
             _EXCLUDE,
-            ("--sort", "sort", "sort"),
-            ("--top", "top", "count"),
+            _SORT,
+            _TOP,
             ("--fail-above", "fail_above", "float"),
             ("--group-by", "group_by", "str"),
             ("--chart", "chart", ON),
@@ -150,6 +152,8 @@ COMMANDS: dict[str, Command] = {
             _QUIET,
             _FORMAT,
             _JSON,
+            _SORT,
+            _TOP,
             _LARGE_SIDE_FILES,
             _ALL_TENSORS,
             _LOSSY,
@@ -169,6 +173,8 @@ COMMANDS: dict[str, Command] = {
             _EXCLUDE,
             ("--changed-only", "changed_only", ON),
             ("--no-changed-only", "changed_only", OFF),
+            _SORT,
+            _TOP,
             ("--fail-above", "fail_above", "float"),
             _ALL_TENSORS,
         ),

@@ -93,19 +93,29 @@ def left_out(infos: Sequence[TensorInfo], all_tensors: bool) -> dict[str, roles.
     return result
 
 
-def left_out_note(kept_out: dict[str, roles.Role]) -> str | None:
-    """One line: what was left out and why; None when nothing was."""
+# What a role's tensors are called in the note, as countable nouns (roles.Role.description
+# is a mass noun, "optimizer state": "105 optimizer state" read wrong).
+_LEFT_OUT_NOUNS = {
+    roles.Role.OPTIMIZER: "optimizer tensor",
+    roles.Role.BUFFER: "BatchNorm statistic",
+}
+
+
+def left_out_note(kept_out: dict[str, roles.Role], writes: bool = False) -> str | None:
+    """One short line: how much training state was left out, and what the command did
+    with it (`norms` leaves it out of the global norm; `clip` copies it unchanged). None
+    when nothing was."""
     if not kept_out:
         return None
-    parts = []
-    for role in (roles.Role.OPTIMIZER, roles.Role.BUFFER):
-        names = [n for n, r in kept_out.items() if r is role]
-        if names:
-            parts.append(f"{len(names)} {role.description} ({first_few(names, 2)})")
-    return (
-        f"left out of the norms and copied unchanged: {'; '.join(parts)}; "
-        "pass --all-tensors to include them"
-    )
+    found = [
+        count(n, noun)
+        for role, noun in _LEFT_OUT_NOUNS.items()
+        if (n := sum(r is role for r in kept_out.values()))
+    ]
+    what = " and ".join(found)
+    if writes:
+        return f"training state left unchanged: {what} (--all-tensors clips them)"
+    return f"training state left out of the global norm: {what} (--all-tensors counts them)"
 
 
 def _all_selected(n: int) -> str:

@@ -53,12 +53,14 @@ class Selection:
         scope.check_patterns(names, self.include, self.exclude, [i.name for i in selected], notify)
         return selected
 
-    def check_weights(self, selected: Sequence[TensorInfo], notify: scope.Notify) -> None:
-        """Training state is left out (one note line); a selection of nothing else is
-        refused (exit 2)."""
+    def check_weights(
+        self, selected: Sequence[TensorInfo], notify: scope.Notify, writes: bool = False
+    ) -> None:
+        """Training state is left out (one note line, worded for a command that `writes`
+        or only measures); a selection of nothing else is refused (exit 2)."""
         kept_out = scope.left_out(selected, self.all_tensors)
         scope.check_roles(selected, kept_out)
-        note = scope.left_out_note(kept_out)
+        note = scope.left_out_note(kept_out, writes)
         if note is not None:
             notify("note", note)
 

@@ -113,8 +113,8 @@ def test_norms_on_legacy_keras_count_model_weights_only(tmp_path: Path, run_main
         assert row["in_global"] is (expected_roles[name] == "weight"), name
     # The one line about what was left out goes to stderr; stdout stays pure JSON.
     (note,) = stderr_lines(result.stderr, "note")
-    assert "3 optimizer state" in note
-    assert "2 non-trainable buffer" in note
+    assert "3 optimizer tensors" in note  # countable nouns since issue 23, item 6
+    assert "2 BatchNorm statistics" in note
     assert "--all-tensors" in note
 
 

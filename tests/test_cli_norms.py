@@ -188,18 +188,24 @@ def test_norms_csv(
 # ------------------------------------------------------------------ --sort, --top, selection
 
 
-@pytest.mark.parametrize("args", [[], ["--sort", "file"]], ids=["default", "file"])
-def test_sort_file_order_by_default(
+@pytest.mark.parametrize(
+    ("args", "order"),
+    [([], ["a", "m", "z"]), (["--sort", "file"], ["z", "a", "m"])],
+    ids=["default", "file"],
+)
+def test_default_order_is_natural_names_and_sort_file_keeps_the_files(
     tmp_path: Path,
     args: list[str],
+    order: list[str],
     write_checkpoint: Callable[..., Path],
     norms_json: Callable[..., dict[str, Any]],
 ) -> None:
     # npz and HDF5 keep insertion order only as zip/HDF5 order; check it on a hand-made
-    # safetensors file whose offsets follow the dict order.
+    # safetensors file whose offsets follow the dict order. The default is natural name
+    # order since issue 23 (item 3); `--sort file` keeps the file's order.
     tensors = {n: np.full(3, v, ml_dtypes.bfloat16) for n, v in (("z", 1), ("a", 2), ("m", 3))}
     path = write_checkpoint(tmp_path / "ordered.safetensors", tensors)
-    assert [r["name"] for r in norms_json(path, *args)["tensors"]] == ["z", "a", "m"]
+    assert [r["name"] for r in norms_json(path, *args)["tensors"]] == order
 
 
 def ranked_by_norm(

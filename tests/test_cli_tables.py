@@ -21,6 +21,7 @@ from handmade import write_safetensors
 from rich.cells import cell_len
 
 from clipcli.cli import main
+from clipcli.groups import natural_key
 from clipcli.report import Column, OutputFormat, Report, render
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -116,7 +117,8 @@ def test_csv(
     rows = list(csv.reader(io.StringIO(out)))
     _check_csv_golden(path.name, rows, list(csv.reader(io.StringIO(path.read_text("utf-8")))))
     if command.startswith(("ls", "norms")) and "group" not in command:
-        assert [row[0] for row in rows[1:]] == list(NAMES)
+        # natural name order is the default (issue 23, item 3); `--sort file` has file order
+        assert [row[0] for row in rows[1:]] == sorted(NAMES, key=natural_key)
 
 
 def _same_cell(got: str, want: str) -> bool:

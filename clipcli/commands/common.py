@@ -23,8 +23,32 @@ def selection(
 
 
 def notify(level: str, text: str) -> None:
-    """A warning or note from the library: one line on stderr, stdout stays the report."""
-    print(f"clipcli: {level}: {printable(text)}", file=sys.stderr)
+    """A warning or note from the library: one line on stderr, stdout stays the report. On
+    a terminal a line too long for it is broken between words (continued two spaces in),
+    so that the terminal does not break it inside one."""
+    line = f"clipcli: {level}: {printable(text)}"
+    width = terminal_width(sys.stderr)
+    if width is not None:
+        from clipcli.report.table import fit_line
+
+        line = "\n".join(fit_line(line, width))
+    print(line, file=sys.stderr)
+
+
+def terminal_width(stream: Any) -> int | None:
+    """The width of the terminal `stream` is (rich's rule: COLUMNS, else the terminal's
+    size); None when it is no terminal (a pipe or file: a script's lines stay whole)."""
+    import os
+
+    try:
+        if not stream.isatty():
+            return None
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdigit() and int(columns) > 0:
+            return int(columns)
+        return os.get_terminal_size(stream.fileno()).columns or None
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def progress(quiet: bool = False) -> Any:

@@ -14,7 +14,7 @@ from clipcli.commands.common import (
     selection,
 )
 from clipcli.errors import ExitCode, Verdict, printable
-from clipcli.report import OutputFormat
+from clipcli.report import OutputFormat, SortKey
 
 
 def diff(
@@ -26,6 +26,8 @@ def diff(
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     changed_only: bool = False,
+    sort: SortKey = SortKey.NAME,
+    top: int | None = None,
     fail_above: float | None = None,
     all_tensors: bool = False,
 ) -> None:
@@ -42,7 +44,7 @@ def diff(
         notify=notify,
     )
     if not quiet:
-        emit(lambda: print_report(diff_report(result, changed_only), fmt))
+        emit(lambda: print_report(diff_report(result, changed_only, sort, top), fmt))
     if fail_above is not None:
         largest = result.largest_change
         change = None if largest is None else largest.rel_change

@@ -15,7 +15,7 @@ from clipcli.commands.common import (
     report_format,
     selection,
 )
-from clipcli.errors import ExitCode, UsageError, Verdict
+from clipcli.errors import ExitCode, UsageError, Verdict, printable
 from clipcli.report import OutputFormat, SortKey
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def ls(
     quiet: bool = False,
     include: list[str] | None = None,
     exclude: list[str] | None = None,
-    sort: SortKey = SortKey.FILE,
+    sort: SortKey = SortKey.NAME,
 ) -> None:
     fmt = report_format(fmt, as_json, quiet)
     if sort is SortKey.NORM:
@@ -73,12 +73,12 @@ def ls(
 
 def norms(
     path: Path,
-    fmt: OutputFormat = OutputFormat.TABLE,
+    fmt: OutputFormat | None = None,
     as_json: bool = False,
     quiet: bool = False,
     include: list[str] | None = None,
     exclude: list[str] | None = None,
-    sort: SortKey = SortKey.FILE,
+    sort: SortKey = SortKey.NAME,
     top: int | None = None,
     fail_above: float | None = None,
     group_by: str | None = None,
@@ -89,10 +89,11 @@ def norms(
     all_tensors: bool = False,
 ) -> None:
     # Every option acts or is refused here, before any data is read.
-    fmt = report_format(fmt, as_json, quiet)
+    if fmt is not None or as_json:  # none given: a table, or with --plot alone no report
+        fmt = report_format(fmt or OutputFormat.TABLE, as_json, quiet)
     if chart and quiet:
         raise UsageError("--quiet prints no report; it cannot be --chart")
-    if chart and fmt is not OutputFormat.TABLE:
+    if chart and fmt not in (None, OutputFormat.TABLE):
         raise UsageError(f"--chart draws for the terminal; it cannot be --format {fmt.value}")
     if limit is not None and not (chart or plot is not None):
         raise UsageError("--limit marks a norm on --chart or --plot; give one of them")
@@ -137,8 +138,8 @@ def norms(
                 report.title, bars.labels, bars.norms, limit, sys.stdout, width, bars.counted
             )
         )
-    elif not quiet:
-        emit(lambda: print_report(report, fmt))
+    elif not quiet and (fmt is not None or plot is None):  # --plot alone: the picture
+        emit(lambda: print_report(report, fmt or OutputFormat.TABLE))
     if plot is not None:
         from clipcli.output import FileTarget
         from clipcli.report.plot import render_plot
@@ -148,6 +149,11 @@ def norms(
         target.check(_input_footprint(path))
         with target.stage() as staged:  # whole or not at all; no-clobber without --force
             staged.write_bytes(picture)
+        if not quiet and fmt in (None, OutputFormat.TABLE):
+            # The report for people says what was written, as clip's and convert's do;
+            # JSON, JSONL and CSV stay data only.
+            line = f"wrote {printable(str(plot))}"
+            emit(lambda: print(line))
     if fail_above is not None:
         g = measurement.global_norm
         if math.isnan(g) or g > fail_above:

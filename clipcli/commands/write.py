@@ -14,7 +14,7 @@ from clipcli.commands.common import (
     selection,
 )
 from clipcli.errors import UsageError, WriteError, printable
-from clipcli.report import OutputFormat
+from clipcli.report import OutputFormat, SortKey
 from clipcli.report.model import count
 
 CONVERT_EPILOG = (
@@ -55,6 +55,8 @@ def clip(
     quiet: bool = False,
     fmt: OutputFormat = OutputFormat.TABLE,
     as_json: bool = False,
+    sort: SortKey = SortKey.NAME,
+    top: int | None = None,
     allow_large_side_files: bool = False,
     all_tensors: bool = False,
     allow_lossy: bool = False,
@@ -100,7 +102,7 @@ def clip(
                 contextlib.redirect_stdout(sys.stderr if out == "-" else sys.stdout),
                 _written_anyway(None if dry_run or out == "-" else out),
             ):
-                emit(lambda: print_report(clip_report(result), fmt))
+                emit(lambda: print_report(clip_report(result, sort, top), fmt))
 
 
 def convert(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from clipcli.report.model import Column, Report, SortKey, Value, count, count_number
 
@@ -25,9 +25,42 @@ def _natural_key(name: str) -> Any:
     return natural_key(name)
 
 
-def _norm_first(norm: float) -> float:
-    """Largest first, NaN after every number."""
-    return -norm if not math.isnan(norm) else math.inf
+def _norm_first(norm: float | None) -> float:
+    """Largest first, NaN (and a figure that does not apply) after every number."""
+    return -norm if norm is not None and not math.isnan(norm) else math.inf
+
+
+T = TypeVar("T")
+
+
+def ordered(
+    items: Sequence[T],
+    sort: SortKey,
+    top: int | None,
+    name: Callable[[T], str],
+    norm: Callable[[T], float | None],
+    counted: Callable[[T], bool],
+    size: Callable[[T], int],
+) -> list[T]:
+    """The rows of any command in --sort order, the first --top of them. Natural name order
+    is the default (layers.2 before layers.10: file order is no guide, as safetensors and
+    h5py store names sorted as text); --sort norm ranks what the global norm counts,
+    largest first, and lists the rest after it, each part in name order."""
+    rows = list(items)
+    if sort is not SortKey.FILE:
+        rows.sort(key=lambda r: _natural_key(name(r)))  # also the tie-break of the others
+    if sort is SortKey.NORM:
+        rows.sort(key=lambda r: (not counted(r), _norm_first(norm(r))))
+    elif sort is SortKey.SIZE:
+        rows.sort(key=lambda r: -size(r))
+    return rows if top is None else rows[:top]
+
+
+def showing_line(shown: int, total: int, noun: str, top: int | None) -> list[str]:
+    """The footer line that says --top left rows out; none when it did not."""
+    if top is None or shown >= total:
+        return []
+    return [f"showing {shown} of {count(total, noun)} (--top {top})"]
 
 
 # ------------------------------------------------------------------ ls
@@ -50,7 +83,7 @@ def ls_report(
     fmt: str,
     metadata: Mapping[str, str],
     infos: Sequence[Listed],
-    sort: SortKey = SortKey.FILE,
+    sort: SortKey = SortKey.NAME,
     shards: Mapping[str, str] | None = None,
     listed_of: int | None = None,
     non_tensors: Sequence[NonTensorInfo] = (),
@@ -58,11 +91,9 @@ def ls_report(
     """`shards` (tensor -> shard file) adds a shard column for model directories;
     `listed_of` is the tensor count before --include/--exclude; `non_tensors` (an HDF5
     vocabulary, a string table) are named in the footer and listed whole in JSON."""
-    order = list(infos)
-    if sort is SortKey.NAME:
-        order.sort(key=lambda i: _natural_key(i.name))
-    elif sort is SortKey.SIZE:
-        order.sort(key=lambda i: -i.nbytes)
+    order = ordered(
+        infos, sort, None, lambda i: i.name, lambda _: None, lambda _: True, lambda i: i.nbytes
+    )
     columns = LS_COLUMNS + ((SHARD_COLUMN,) if shards is not None else ())
     rows = tuple(
         (i.name, i.dtype_name, list(i.shape), i.numel, i.nbytes)
@@ -143,25 +174,24 @@ NORM_COLUMNS = (
 )
 NORM_DROP_ORDER = ("numel", "role", "nonfinite", "shape")
 
-_SORTS: dict[SortKey, Callable[[TensorStats], Any]] = {
-    SortKey.NAME: lambda t: _natural_key(t.info.name),
-    # Ranked among what the global norm counts: an int64 buffer (position_ids) or an
-    # optimizer slot is listed after every weight, whatever its norm.
-    SortKey.NORM: lambda t: (not t.in_global, _norm_first(t.norm)),
-    SortKey.SIZE: lambda t: -t.info.nbytes,
-}
-
 
 def ranked_tensors(
-    m: Measurement, sort: SortKey = SortKey.FILE, top: int | None = None
+    m: Measurement, sort: SortKey = SortKey.NAME, top: int | None = None
 ) -> list[TensorStats]:
-    tensors = list(m.tensors)
-    if sort is not SortKey.FILE:
-        tensors.sort(key=_SORTS[sort])
-    return tensors if top is None else tensors[:top]
+    # Ranked among what the global norm counts: an int64 buffer (position_ids) or an
+    # optimizer slot is listed after every weight, whatever its norm.
+    return ordered(
+        m.tensors,
+        sort,
+        top,
+        lambda t: t.info.name,
+        lambda t: t.norm,
+        lambda t: t.in_global,
+        lambda t: t.info.nbytes,
+    )
 
 
-def norms_report(m: Measurement, sort: SortKey = SortKey.FILE, top: int | None = None) -> Report:
+def norms_report(m: Measurement, sort: SortKey = SortKey.NAME, top: int | None = None) -> Report:
     rows = tuple(
         (
             t.info.name,
@@ -179,8 +209,7 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.FILE, top: int | None =
     g = m.global_norm
     counted = sum(t.in_global for t in m.tensors)
     footer = [f"global L2 norm {g:.6g} over {count(counted, 'floating-point tensor')}"]
-    if top is not None and top < len(m.tensors):
-        footer.append(f"showing {len(rows)} of {count(len(m.tensors), 'tensor')} (--top {top})")
+    footer += showing_line(len(rows), len(m.tensors), "tensor", top)
     return Report(
         f"{m.path} ({m.format})",
         NORM_COLUMNS,
@@ -201,17 +230,16 @@ GROUP_COLUMNS = (
 
 
 def groups_report(
-    m: Measurement, group_by: str, sort: SortKey = SortKey.FILE, top: int | None = None
+    m: Measurement, group_by: str, sort: SortKey = SortKey.NAME, top: int | None = None
 ) -> Report:
-    groups = m.groups(group_by)
+    groups = m.groups(group_by)  # in natural order, (other) last
     if sort is SortKey.NORM:
         groups.sort(key=lambda g: _norm_first(g.norm))
     shown = groups if top is None else groups[:top]
     rows = tuple((g.name, g.tensors, g.norm, g.share) for g in shown)
     g = m.global_norm
     footer = [f"global L2 norm {g:.6g} over {count(len(groups), 'group')}"]
-    if len(shown) < len(groups):
-        footer.append(f"showing {len(shown)} of {count(len(groups), 'group')} (--top {top})")
+    footer += showing_line(len(shown), len(groups), "group", top)
     return Report(
         f"{m.path} ({m.format}) grouped by {group_by}",
         GROUP_COLUMNS,
@@ -288,7 +316,16 @@ def clip_note(row: ClipRow) -> str:
     return f"{text}, group {row.plan.group}" if text else f"group {row.plan.group}"
 
 
-def clip_report(result: ClipResult) -> Report:
+def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | None = None) -> Report:
+    listed = ordered(
+        result.rows,
+        sort,
+        top,
+        lambda r: r.info.name,
+        lambda r: r.before.norm,  # --sort norm: the norm each tensor had before the clip
+        lambda r: r.plan.in_global,
+        lambda r: r.info.nbytes,
+    )
     rows = tuple(
         (
             r.info.name,
@@ -299,7 +336,7 @@ def clip_report(result: ClipResult) -> Report:
             r.changed,
             clip_note(r),
         )
-        for r in result.rows
+        for r in listed
     )
     spec = result.spec
     changed = sum(r.changed for r in result.rows)
@@ -311,6 +348,7 @@ def clip_report(result: ClipResult) -> Report:
     ]
     to_zero = sum(r.outcome.flushes.to_zero for r in result.rows)
     to_subnormal = sum(r.outcome.flushes.to_subnormal for r in result.rows)
+    footer += showing_line(len(rows), len(result.rows), "tensor", top)
     if to_zero or to_subnormal:  # the dtype's range, not a bug: said, never silent
         footer.append(
             f"the scaling {'would flush' if result.dry_run else 'flushed'} "
@@ -340,8 +378,9 @@ def clip_report(result: ClipResult) -> Report:
         rows,
         summary,
         tuple(footer),
-        drop_order=("dtype", "scale"),
-        drop_late=("norm_before", "note"),
+        # `changed` says again what scale and note say (scale "-", or a note's reason)
+        drop_order=("dtype", "changed", "scale"),
+        drop_late=("note", "norm_before"),
     )
 
 
@@ -363,7 +402,27 @@ DIFF_COLUMNS = (
 DIFF_DROP_ORDER = ("dtype_a", "dtype_b", "max_abs_diff", "cosine")
 
 
-def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
+def _diff_size(t: Any) -> int:
+    """--sort size in diff: the elements of the larger side (diff has no byte counts)."""
+    return max((math.prod(s) for s in (t.shape_a, t.shape_b) if s is not None), default=0)
+
+
+def diff_report(
+    result: DiffResult,
+    changed_only: bool = False,
+    sort: SortKey = SortKey.NAME,
+    top: int | None = None,
+) -> Report:
+    kept = [t for t in result.tensors if not (changed_only and t.status == "same")]
+    listed = ordered(
+        kept,
+        sort,
+        top,
+        lambda t: t.name,
+        lambda t: t.diff_norm,  # --sort norm: the largest ‖A−B‖ first
+        lambda t: t.in_global,
+        _diff_size,
+    )
     rows = tuple(
         (
             t.name,
@@ -378,8 +437,7 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
             t.cosine,
             t.norm_ratio,
         )
-        for t in result.tensors
-        if not (changed_only and t.status == "same")
+        for t in listed
     )
     counts = {status: n for status, n in result.counts.items() if n}
     shared = any(t.compared for t in result.tensors)
@@ -397,6 +455,7 @@ def diff_report(result: DiffResult, changed_only: bool = False) -> Report:
             f"{count(result.training_state, 'training-state tensor')} compared, not in the "
             "global figures (--all-tensors counts them)"
         )
+    footer += showing_line(len(rows), len(kept), "tensor", top)
     summary: tuple[tuple[str, Any], ...] = (
         ("path_a", str(result.path_a)),
         ("path_b", str(result.path_b)),

@@ -20,8 +20,8 @@ BAR_WIDTH = 40
 BAR_MIN_WIDTH = 10  # a narrow terminal shortens the bars to this before the names
 LABEL_MIN_CELLS = 32  # as for table names: bars shorten first
 COUNTED, NOT_COUNTED = "█", "░"  # in the global norm, or listed but not in it
-GLYPHS = COUNTED + NOT_COUNTED + "│"  # and the limit's mark
-ASCII_GLYPHS = "#.|"
+GLYPHS = COUNTED + NOT_COUNTED + "│" + "▸"  # and the limit's mark, and a bar cut at the edge
+ASCII_GLYPHS = "#.|>"
 
 
 def render_chart(
@@ -38,8 +38,11 @@ def render_chart(
     '░' and never count as over the limit: a clip would not touch them."""
     counted = [True] * len(labels) if counted is None else list(counted)
     # Scaled to what the global norm counts: a large int64 buffer must not flatten the
-    # weights' bars (its own bar is cut at the full width; its number is printed).
+    # weights' bars. Its own bar, on the same scale, is cut at the full width and marked
+    # '▸' just past its end; its number is printed.
     finite = [n for n, c in zip(norms, counted, strict=True) if c and math.isfinite(n)]
+    if not finite:  # nothing listed is in the global norm: the rows' own scale
+        finite = [n for n in norms if math.isfinite(n)]
     top = max(finite + ([limit] if limit is not None else []), default=0.0)
     texts = [encodable(stream, printable(label)) for label in labels]
     values = [f"{norm:.6g}" for norm in norms]
@@ -47,8 +50,10 @@ def render_chart(
     norm_width = max((len(v) for v in values), default=0)
     bar_width = BAR_WIDTH
     if width is not None:  # " label  bar  norm": 5 cells around the three parts
+        # The bars shrink (down to BAR_MIN_WIDTH) before any name is cut; then the names
+        # are cut, never below LABEL_MIN_CELLS.
         spare = width - 5 - norm_width
-        bar_width = max(BAR_MIN_WIDTH, min(BAR_WIDTH, spare - min(label_width, LABEL_MIN_CELLS)))
+        bar_width = max(BAR_MIN_WIDTH, min(BAR_WIDTH, spare - label_width))
         label_width = max(min(label_width, spare - bar_width), min(label_width, LABEL_MIN_CELLS))
     mark = round(limit / top * bar_width) if limit is not None and top > 0 else None
     position = None if mark is None else min(mark, bar_width - 1)
@@ -56,21 +61,25 @@ def render_chart(
     glyphs = GLYPHS if can_draw(stream, GLYPHS) else ASCII_GLYPHS
     lines = []
     shortened = middle_ellipses(texts, label_width)
+    cut_bars = 0
     for label, norm, value, in_global in zip(shortened, norms, values, counted, strict=True):
+        beyond = norm > top  # longer than the scale (+inf too): cut at the edge, marked
         length = (
             bar_width
-            if not math.isfinite(norm)
+            if not math.isfinite(norm) or beyond
             else min(bar_width, round(norm / top * bar_width))
             if top
             else 0
         )
+        cut_bars += beyond
         over = in_global and limit is not None and not norm <= limit
         glyph = glyphs[0] if in_global else glyphs[1]
         bar = glyph * length + " " * (bar_width - length)
         if position is not None:
             bar = bar[:position] + glyphs[2] + bar[position + 1 :]
         pad = " " * (label_width - cells(label))
-        lines.append((f" {label}{pad}  ", bar, f"  {value.rjust(norm_width)}", over, in_global))
+        gap = (glyphs[3] if beyond else " ") + " "
+        lines.append((f" {label}{pad}  ", bar, f"{gap}{value.rjust(norm_width)}", over, in_global))
     stream.write(printable(title) + "\n")  # a plain line, as for tables: never wrapped
     if len(lines) > PLAIN_TABLE_ROWS or not lines:  # rich lays out 20,000 bars in ~7 s
         stream.write("".join(f"{a}{bar}{b}\n" for a, bar, b, _, _ in lines))
@@ -78,6 +87,8 @@ def render_chart(
         _coloured(lines, position, stream, glyphs[2])
     if not all(counted):
         stream.write(f"{glyphs[1]} not in the global norm\n")
+    if cut_bars:
+        stream.write(f"{glyphs[3]} longer than the scale, cut at the edge\n")
     if limit is not None:
         over_count = sum(1 for n, c in zip(norms, counted, strict=True) if c and not n <= limit)
         stream.write(f"limit {limit:g} ({glyphs[2]}): {over_count} of {sum(counted)} over\n")

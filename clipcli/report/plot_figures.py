@@ -146,8 +146,9 @@ def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence
     """Layers across, one line per tensor role; what is outside the layers beside it."""
     series: dict[str, dict[int, float]] = {}
     apart: list[tuple[str, float, bool]] = []
-    rows = zip(bars.labels, bars.norms, bars.counted, layered, strict=True)
-    for label, norm, counted, match in rows:
+    summarised, left_out = _summarised(bars)
+    for i in summarised:
+        label, norm, counted, match = bars.labels[i], bars.norms[i], bars.counted[i], layered[i]
         if match is None or not counted:
             apart.append((label, norm, counted))
             continue
@@ -220,7 +221,8 @@ def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence
     extra = len(roles) - len(named)
     ax.set_title(
         f"{_plain(bars.title)}: per layer, one line per tensor role"
-        + (f" ({extra} weaker roles in grey)" if extra > 0 else ""),
+        + (f" ({extra} weaker roles in grey)" if extra > 0 else "")
+        + left_out,
         fontsize=10,
         loc="left",
     )
@@ -313,8 +315,21 @@ def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     return fig
 
 
+def _summarised(bars: Bars) -> tuple[list[int], str]:
+    """The rows a summary (a profile, a ranking, the largest) draws: those the global norm
+    counts, so that an optimizer's step counter or BatchNorm statistics do not crowd out
+    the weights (every row, if none counts); and the words that say what was left out."""
+    counted = [i for i, c in enumerate(bars.counted) if c]
+    if not counted or len(counted) == len(bars.counted):
+        return list(range(len(bars.labels))), ""
+    return (
+        counted,
+        f" ({count(len(bars.counted) - len(counted), 'row')} not in the global norm left out)",
+    )
+
+
 def _largest(side: Any, bars: Bars, limit: float | None) -> None:
-    order = sorted(range(len(bars.norms)), key=lambda i: _rank(bars.norms[i]))
+    order = sorted(_summarised(bars)[0], key=lambda i: _rank(bars.norms[i]))
     top = order[:NAMED_IN_RANKING]
     _horizontal_bars(
         side,
@@ -331,7 +346,8 @@ def _ranked_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     fig, (ax, side) = plt.subplots(
         1, 2, figsize=(15, 6), layout="constrained", gridspec_kw={"width_ratios": [2, 1.3]}
     )
-    values = sorted((v for v in bars.norms), key=_rank)
+    rows, left_out = _summarised(bars)
+    values = sorted((bars.norms[i] for i in rows), key=_rank)
     log = _log_scale(values + ([limit] if limit is not None else []), ratio=100)
     ys, floor, zeros = _floored(values, log)
     xs = list(range(1, len(values) + 1))
@@ -346,7 +362,9 @@ def _ranked_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
         ax.axhline(limit, color=LIMIT, linestyle="--", linewidth=1.2, label=f"limit {limit:g}")
         _legend_below(ax)
     ax.set_title(
-        f"{_plain(bars.title)}: {count(len(values), 'row')} ranked", fontsize=10, loc="left"
+        f"{_plain(bars.title)}: {count(len(values), 'row')} ranked{left_out}",
+        fontsize=10,
+        loc="left",
     )
     _largest(side, bars, limit)
     return fig

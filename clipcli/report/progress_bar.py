@@ -87,6 +87,9 @@ class TerminalProgress(Progress):
         from rich.text import Text
 
         console = Console(stderr=True)
+        glyphs = bar_glyphs(
+            console.color_system is not None and not console.no_color, console.encoding
+        )
 
         class Line(ProgressColumn):
             """The whole line in one column, laid out for the terminal's width now."""
@@ -98,6 +101,7 @@ class TerminalProgress(Progress):
                     int(task.total or 0),
                     task.speed,
                     console.width,
+                    glyphs,
                 )
                 text = Text(no_wrap=True, overflow="crop")
                 for piece, style in parts:
@@ -125,13 +129,34 @@ def _time_left(done: int, total: int, speed: float | None) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d} left"
 
 
+# The bar's filled and empty cells. In colour both are rich's line, told apart by colour;
+# without colour (NO_COLOR, a dumb terminal) they must differ in shape, and a stream that
+# cannot encode the blocks (LC_ALL=C) gets ASCII.
+COLOUR_GLYPHS, PLAIN_GLYPHS, ASCII_GLYPHS = "━━", "█░", "#-"
+
+
+def bar_glyphs(colour: bool, encoding: str | None) -> str:
+    """The filled and empty glyph for a terminal with or without colour."""
+    glyphs = COLOUR_GLYPHS if colour else PLAIN_GLYPHS
+    try:
+        glyphs.encode(encoding or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return ASCII_GLYPHS
+    return glyphs
+
+
 def bar_line(
-    label: str, done: int, total: int, speed: float | None, width: int
+    label: str,
+    done: int,
+    total: int,
+    speed: float | None,
+    width: int,
+    glyphs: str = COLOUR_GLYPHS,
 ) -> list[tuple[str, str]]:
     """The bar's line as (text, style) pieces, at most width - 1 cells (the last column
     would wrap on some terminals). The least useful parts go first: the speed, then the
     time left, then the total, then the bar itself (down to 10 cells before that), and
-    last the label is cut."""
+    last the label is cut. `glyphs` are the filled and the empty cell (bar_glyphs)."""
     from rich.cells import cell_len
 
     room = max(width - 1, 1)
@@ -157,8 +182,8 @@ def bar_line(
             if with_bar:
                 filled = bar_cells if not total else min(bar_cells, bar_cells * done // total)
                 pieces += [
-                    ("━" * filled, "bar.complete"),
-                    ("━" * (bar_cells - filled), "bar.back"),
+                    (glyphs[0] * filled, "bar.complete"),
+                    (glyphs[1] * (bar_cells - filled), "bar.back"),
                     (" ", ""),
                 ]
             pieces.append((tail, "progress.download"))

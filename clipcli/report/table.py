@@ -231,24 +231,40 @@ def fit(report: Report, texts: Sequence[Sequence[str]], width: int | None) -> La
 
     early = [key for key in report.drop_order if key in index]
     late = [key for key in report.drop_late if key in index]
+    # A column that says the same on every row (dtype all float32, changed all yes) tells
+    # no row apart: such columns go first, an empty one unsaid, the others with their one
+    # value in the note; then the least useful ones.
+    for key in constant_columns(report, texts):
+        if room() >= natural[0]:
+            break
+        i = index[key]
+        shown.remove(i)
+        for keys in (early, late):
+            if key in keys:
+                keys.remove(key)
+        value = texts[0][i]
+        if value:
+            hidden.append(f"{report.columns[i].title} (all {value})")
     while early and room() < natural[0]:
         hide(early.pop(0))
-    # A column that says the same on every row (dtype all float32) tells no row apart:
-    # it goes before any name is cut, and the note says its one value.
-    for key in list(late):
-        i = index[key]
-        if room() >= natural[0] or len(texts) < 2:
-            break
-        values = {row[i] for row in texts}
-        if len(values) == 1:
-            late.remove(key)
-            shown.remove(i)
-            hidden.append(f"{report.columns[i].title} (all {values.pop()})")
     while late and room() < min(natural[0], NAME_MIN_CELLS):
         hide(late.pop(0))
     if room() >= natural[0]:
         return Layout(tuple(shown), None, tuple(hidden))
     return Layout(tuple(shown), max(room(), NAME_MIN_CELLS), tuple(hidden))
+
+
+def constant_columns(report: Report, texts: Sequence[Sequence[str]]) -> list[str]:
+    """The keys of the columns (never the name's) that read the same on every row of two
+    or more: empty ones first, then in the order the report would drop them, then from
+    the last column back."""
+    if len(texts) < 2:
+        return []
+    keys = [c.key for c in report.columns]
+    preference = [*report.drop_order, *report.drop_late, *reversed(keys)]
+    constant = [i for i in range(1, len(keys)) if len({row[i] for row in texts}) == 1]
+    constant.sort(key=lambda i: (texts[0][i] != "", preference.index(keys[i])))
+    return [keys[i] for i in constant]
 
 
 def render_table(report: Report, stream: TextIO, width: int | None) -> None:
