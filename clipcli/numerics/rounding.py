@@ -20,7 +20,6 @@ from clipcli.dtypes import (
     bits_dtype,
     finfo,
     has_infinity,
-    is_float8,
     is_small_float,
     mantissa_digits,
     smallest_without_zero,
@@ -78,9 +77,46 @@ def narrow_round(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
 def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0) -> np.ndarray:
     """chunk * scale * 2**exponent, computed wide and rounded once to the chunk's dtype.
     The exponent carries factors too small for a float64 (C / ||t|| below 1e-308)."""
-    if np.ndim(scale) == 0 and (chunk.dtype == np.float16 or is_float8(chunk.dtype)):
+    if np.ndim(scale) == 0 and is_small_float(chunk.dtype):
+        # bfloat16 included: ml_dtypes rounds float32 to bfloat16 one element at a time
+        # (with narrow_round's passes, 13 ns/element; the table lookup is ~1 ns).
         return lookup.look_up(chunk, _scale_table(chunk.dtype, float(scale), exponent))
+    if (
+        np.ndim(scale) == 0
+        and chunk.dtype.kind == "f"
+        and chunk.dtype.itemsize >= 4
+        and _product_is_exact(float(scale), exponent, chunk.dtype)
+        and (exponent == 0 or chunk.dtype.itemsize == 4)
+    ):
+        return _scale_in_blocks(chunk, float(scale), exponent)
     return _scale(chunk, scale, exponent)
+
+
+# Elements per block of _scale_in_blocks: a 512 KiB float64 buffer, reused, stays in L2.
+_SCALE_BLOCK = 1 << 16
+
+
+def _scale_in_blocks(chunk: np.ndarray, scale: float, exponent: int) -> np.ndarray:
+    """_scale for float32 and float64 with a factor whose float64 product is exact (or, for
+    float64, is the one rounding): the same operations (multiply in float64, ldexp, one
+    cast to the dtype) block by block through one buffer that stays in cache, instead of
+    three whole-chunk float64 temporaries (fresh pages: 4 ns/element, now ~1)."""
+    flat = np.ascontiguousarray(chunk).reshape(-1)
+    out = np.empty(flat.size, chunk.dtype)
+    if exponent:
+        # As _scale: the mantissa's own power of two goes into the exponent.
+        scale, shift = math.frexp(scale)
+        exponent += shift
+    factor = np.float64(scale)
+    buffer = np.empty(min(_SCALE_BLOCK, flat.size), np.float64)
+    for start in range(0, flat.size, _SCALE_BLOCK):
+        piece = flat[start : start + _SCALE_BLOCK]
+        wide = buffer[: piece.size]
+        np.multiply(piece, factor, out=wide)
+        if exponent:
+            np.ldexp(wide, exponent, out=wide)
+        out[start : start + piece.size] = wide  # the one rounding, as astype in narrow_round
+    return out.reshape(chunk.shape)
 
 
 @functools.lru_cache(maxsize=16)
