@@ -86,7 +86,7 @@ def test_ls_lists_non_tensors_and_norms_ignore_them(clipcli: Cli, tmp_path: Path
     run = clipcli("ls", "--format", "json", src)
     assert run.returncode == 0, run.stderr
     listing = json.loads(run.stdout)
-    assert [t["name"] for t in listing["tensors"]] == ["dense/kernel", "bias"]
+    assert [t["name"] for t in listing["tensors"]] == ["bias", "dense/kernel"]  # natural name order
     assert [n["name"] for n in listing["non_tensors"]] == [
         "vocab",
         "table",
