@@ -97,7 +97,7 @@ def test_ls_lists_non_tensors_and_norms_ignore_them(clipcli: Cli, tmp_path: Path
     table = clipcli("ls", src)
     assert "non-tensor vocab: a variable-length string dtype, shape [4]" in table.stdout
     norms = json.loads(clipcli("norms", "--format", "json", src).stdout)
-    assert [t["name"] for t in norms["tensors"]] == ["dense/kernel", "bias"]
+    assert [t["name"] for t in norms["tensors"]] == ["bias", "dense/kernel"]
 
 
 @pytest.mark.parametrize("suffix", [".npz"])
