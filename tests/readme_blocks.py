@@ -1,6 +1,9 @@
-"""The `$ clipcli ...` examples of README.md: parsed here for tests/test_readme.py, and
-rewritten from the real output by `python tests/readme_blocks.py --update` (then read the
-diff before committing it)."""
+"""The `$ clipcli ...` examples of README.md and docs/*.md: parsed here for
+tests/test_readme.py, and rewritten from the real output by
+`python tests/readme_blocks.py --update` (then read the diff before committing it).
+
+A block may hold several commands (`$ clipcli clip ...` then `$ clipcli diff ...`): each
+`$ clipcli` line starts an example whose output runs to the next such line or the fence."""
 
 from __future__ import annotations
 
@@ -17,30 +20,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 FENCE = "```"
+PROMPT = "$ clipcli "
+
+
+def documents() -> list[Path]:
+    """The README first, then every docs/*.md: each one's examples run in their own copy."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 @dataclass(frozen=True)
 class Example:
     argv: tuple[str, ...]  # after "clipcli"
-    output: str  # the block's text after the command line
-    start: int  # line numbers of the block's text in README.md (after the $ line, to the fence)
+    output: str  # the text after the command line, to the next command line or the fence
+    start: int  # line numbers of that text in the document (after the $ line, to the end)
     end: int
 
 
 def examples(text: str) -> list[Example]:
-    """Every fenced block whose first line is `$ clipcli ...`, in README order."""
+    """Every command of every fenced block whose first line is `$ clipcli ...`, in order."""
     lines = text.splitlines(keepends=True)
     found = []
     i = 0
     while i < len(lines):
         if lines[i].startswith(FENCE) and i + 1 < len(lines):  # an opening fence, any language
-            first = lines[i + 1]
-            end = i + 2
+            end = i + 1
             while end < len(lines) and lines[end].rstrip("\n") != FENCE:
                 end += 1
-            if first.startswith("$ clipcli "):
-                argv = tuple(shlex.split(first[len("$ clipcli ") :]))
-                found.append(Example(argv, "".join(lines[i + 2 : end]), i + 2, end))
+            if lines[i + 1].startswith(PROMPT):
+                commands = [n for n in range(i + 1, end) if lines[n].startswith(PROMPT)]
+                for n, stop in zip(commands, [*commands[1:], end], strict=True):
+                    argv = tuple(shlex.split(lines[n][len(PROMPT) :]))
+                    found.append(Example(argv, "".join(lines[n + 1 : stop]), n + 1, stop))
             i = end + 1
         else:
             i += 1
@@ -71,18 +81,19 @@ def run_in_copy(commands: list[tuple[str, ...]]) -> list[str]:
     return outputs
 
 
-def update() -> None:
-    text = README.read_text(encoding="utf-8")
+def update(document: Path) -> None:
+    text = document.read_text(encoding="utf-8")
     found = examples(text)
     outputs = run_in_copy([e.argv for e in found])
     lines = text.splitlines(keepends=True)
     for example, output in reversed(list(zip(found, outputs, strict=True))):
         lines[example.start : example.end] = [output]
-    README.write_text("".join(lines), encoding="utf-8")
+    document.write_text("".join(lines), encoding="utf-8")
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--update"]:
-        update()
+        for document in documents():
+            update(document)
     else:
         print(__doc__)

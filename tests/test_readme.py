@@ -1,17 +1,19 @@
-"""Every `$ clipcli ...` block of README.md is the real output (issue 12, item 8).
+"""Every `$ clipcli ...` block of README.md and of docs/*.md is the real output (issue 12,
+item 8; issue 23 moved most of the README into docs/).
 
-The commands run in order on a fresh copy of sample_data/ (seeded demo files), from a
-directory that holds it, so the relative paths in titles are the README's. Nothing is
-normalised: the examples print no timings, no absolute paths and no versions. stderr is
-not part of the examples (the README shows what a pipe receives). After an intended change
+The commands of each document run in order on a fresh copy of sample_data/ (seeded demo
+files), from a directory that holds it, so the relative paths in titles are the document's.
+Nothing is normalised: the examples print no timings, no absolute paths and no versions.
+stderr is not part of the examples (the README shows what a pipe receives). After an intended change
 of the output: `python tests/readme_blocks.py --update`, then read the diff."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
-from readme_blocks import README, examples, run_in_copy
+from readme_blocks import README, ROOT, documents, examples, run_in_copy
 
 
 def test_readme_has_the_examples() -> None:
@@ -19,15 +21,33 @@ def test_readme_has_the_examples() -> None:
     assert {"ls", "norms", "clip", "diff"} <= set(commands)
 
 
+def test_the_docs_have_examples_too() -> None:
+    """The guard against a parser that silently finds nothing in docs/."""
+    in_docs = [e for d in documents() if d != README for e in examples(d.read_text("utf-8"))]
+    assert {"norms", "clip", "diff"} <= {e.argv[0] for e in in_docs}
+
+
 @pytest.mark.usefixtures("monkeypatch")
-def test_every_readme_example_is_the_real_output() -> None:
-    found = examples(README.read_text(encoding="utf-8"))
+@pytest.mark.parametrize(
+    "document", documents(), ids=[str(d.relative_to(ROOT)) for d in documents()]
+)
+def test_every_readme_example_is_the_real_output(document: Path) -> None:
+    found = examples(document.read_text(encoding="utf-8"))
     outputs = run_in_copy([e.argv for e in found])
     for example, output in zip(found, outputs, strict=True):
         assert same_but_last_bits(output, example.output), (
-            f"README example `clipcli {' '.join(example.argv)}`",
+            f"{document.name} example `clipcli {' '.join(example.argv)}`",
             output,
         )
+
+
+def test_a_block_may_hold_several_commands() -> None:
+    text = "```\n$ clipcli clip a b -q\n$ clipcli diff a b\nrow 1\nrow 2\n```\n"
+    found = examples(text)
+    assert [(e.argv, e.output) for e in found] == [
+        (("clip", "a", "b", "-q"), ""),
+        (("diff", "a", "b"), "row 1\nrow 2\n"),
+    ]
 
 
 _FULL_FLOAT = re.compile(r"-?\d+\.\d{6,}(?:e[-+]?\d+)?")

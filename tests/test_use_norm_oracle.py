@@ -3,7 +3,7 @@
 
 In a checkpoint that mixed float64 with narrower floats, the factor used to be cut to the
 bits that keep a float32 product exact (29), so float64 tensors came out up to ~1.8e7 ulps
-away from x·C/N. The README promises: the factor is C / N rounded once to 53 significant
+away from x·C/N. docs/NUMERICS.md promises: the factor is C / N rounded once to 53 significant
 bits (float64's C / N wherever that is a normal float64), and every element is rounded
 once, to nearest with ties to even, from the exact product x·factor.
 

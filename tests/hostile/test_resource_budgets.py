@@ -1,6 +1,6 @@
 """Issue 9 items 13-17: small files built to cost minutes, gigabytes or terabytes. Each case
-runs the real CLI in a subprocess and asserts explicit budgets, stated in README's
-"Untrusted input": wall time, peak RSS of the child, and bytes written. These are bombs:
+runs the real CLI in a subprocess and asserts explicit budgets, stated in
+docs/UNTRUSTED_INPUT.md: wall time, peak RSS of the child, and bytes written. These are bombs:
 handled badly they cost minutes or gigabytes, so generous bounds are meaningful."""
 
 from __future__ import annotations
