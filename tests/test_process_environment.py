@@ -476,6 +476,7 @@ def test_an_address_space_limit_is_one_line_and_exit_5(
     assert os.listdir(out_dir) == ([f"o{src.suffix}"] if written else [])  # no temp left
 
 
+@pytest.mark.slow  # several seconds: many processes or files
 @pytest.mark.parametrize("command", ["ls", "norms", "clip", "diff"])
 def test_just_above_and_below_what_a_run_needs(tmp_path: Path, command: str) -> None:
     """The smallest limit (in MiB) at which the run succeeds, found by bisection; that

@@ -182,6 +182,7 @@ def test_side_file_bytes_at_the_limit_and_one_past(
         assert run.returncode == 0, run.stderr
 
 
+@pytest.mark.slow  # several seconds: many processes or files
 def test_many_side_files_at_the_real_count_limit_are_refused_before_copying(
     tmp_path: Path, clipcli: Runner, assert_one_error_line: Callable[..., str]
 ) -> None:

@@ -510,6 +510,7 @@ def _argv_for(command: str, src: Path, out_dir: Path) -> list[str]:
     return [command, str(src)]
 
 
+@pytest.mark.slow  # several seconds: many processes or files
 @pytest.mark.parametrize("limit", [5, 6, 7, 8, 10])
 @pytest.mark.parametrize("command", ["ls", "norms", "diff", "clip", "convert"])
 def test_few_file_descriptors_are_one_line_and_exit_5_for_every_input(

@@ -378,6 +378,7 @@ def test_hdf5_bombs_are_refused_within_budgets(
     _bomb_is_refused_within_budgets(tmp_path, build, ".h5")
 
 
+@pytest.mark.slow  # several seconds: many processes or files
 def test_unallocated_hdf5_bomb_is_measured_and_refused_only_to_expand(tmp_path: Path) -> None:
     """2,000 unallocated 64 MiB datasets (fill 1.0): issue 18 item 18 changed this from
     refused on opening to listed and measured from the fill value (no element read or
