@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from clipcli import interrupts, pipeline, scope
+from clipcli import interrupts, pipeline, scope, scratch
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import (
     Checkpoint,
@@ -54,7 +54,7 @@ WRITING_MODULES = (
 def list_tensors(
     path: Path,
 ) -> tuple[str, dict[str, str], list[TensorInfo], list[NonTensorInfo]]:
-    with open_reader(path) as reader:
+    with scratch.keeping_clear_of([path]), open_reader(path) as reader:
         return (
             reader.format_name,
             dict(reader.metadata),
@@ -70,7 +70,7 @@ def measure(
     notify: scope.Notify = scope.ignore,
     group_by: str | None = None,
 ) -> Measurement:
-    with open_reader(path) as reader:
+    with scratch.keeping_clear_of([path]), open_reader(path) as reader:
         return measure_reader(reader, selection, progress, notify, group_by)
 
 
@@ -101,7 +101,11 @@ def diff(
     notify: scope.Notify = scope.ignore,
 ) -> DiffResult:
     """Compare the checkpoints at path_a (the reference) and path_b, of any formats."""
-    with open_reader(path_a) as reader_a, open_reader(path_b) as reader_b:
+    with (
+        scratch.keeping_clear_of([path_a, path_b]),  # one reader's sweep spares the other
+        open_reader(path_a) as reader_a,
+        open_reader(path_b) as reader_b,
+    ):
         check_diff_scope(reader_a, reader_b, selection, notify)
         return pipeline.compare(
             reader_a,
@@ -208,7 +212,11 @@ def clip(
     from clipcli import execution  # WRITING_MODULES
 
     target = _target(src, out, force, durable)
-    with interrupts.deferred(writes=True), open_reader(src) as reader:
+    with (
+        interrupts.deferred(writes=True),
+        scratch.keeping_clear_of([src, out]),  # a sweep in $TMPDIR spares OUT's folder
+        open_reader(src) as reader,
+    ):
         writer_cls = check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
@@ -321,7 +329,11 @@ def convert(
     from clipcli.plan import copy_plan  # WRITING_MODULES
 
     target = _target(src, out, force, durable)
-    with interrupts.deferred(writes=True), open_reader(src) as reader:
+    with (
+        interrupts.deferred(writes=True),
+        scratch.keeping_clear_of([src, out]),  # a sweep in $TMPDIR spares OUT's folder
+        open_reader(src) as reader,
+    ):
         writer_cls = check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)

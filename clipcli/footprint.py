@@ -1,9 +1,11 @@
-"""What OUT must stay clear of: the input's files and folders, by path and by inode."""
+"""What OUT and cleanup must stay clear of: the input's files and folders, by path and by
+inode, and the mount points a removal must not enter."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -91,7 +93,7 @@ class InputFootprint:
         input, or None: `overlap`'s inode rules judged on the opened directory, whose
         ancestors are reached by '..' from the descriptor, so that a folder on OUT's path
         renamed or swapped for a link since OUT was named changes nothing."""
-        above = set(_ancestor_inodes_at(parent))
+        above = set(ancestor_inodes_at(parent))
         if self.root_is_directory and self.root_inode in above:
             return "is inside the input directory"
         for follow in (False, True):
@@ -128,7 +130,7 @@ def _ancestor_inodes(path: Path) -> Iterator[tuple[int, int]]:
         current = current.parent
 
 
-def _ancestor_inodes_at(directory: int) -> Iterator[tuple[int, int]]:
+def ancestor_inodes_at(directory: int) -> Iterator[tuple[int, int]]:
     """(device, inode) of the directory open as `directory` and of every directory above
     it, found by opening '..' from each descriptor, as the kernel walks up (a mount's root
     leads to the folder it is mounted on); the walk ends at the root ('..' of the root is
@@ -215,3 +217,48 @@ def _walk(base: str, text: str, found: set[tuple[int, int]], links_left: list[in
             return None
         current = reached
     return current
+
+
+# ---------------------------------------------------------------- mount points cleanup must avoid
+
+# mountinfo writes space, tab, newline and backslash in a path as three octal digits
+_MOUNTINFO_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def mount_points() -> list[str] | None:
+    """Every mount point of this process's mount namespace, as /proc/self/mountinfo lists
+    them (its fifth field, escapes undone), relative to this process's root; None where
+    it cannot be read (no /proc)."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as handle:
+            listed = handle.read()
+    except OSError:
+        return None
+    points = []
+    for line in listed.splitlines():
+        fields = line.split(b" ")
+        if len(fields) > 4:
+            unescaped = _MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), fields[4])
+            points.append(os.fsdecode(unescaped))
+    return points
+
+
+def holds_a_mount(parent: int, name: str) -> bool:
+    """Whether a file system is mounted at the entry `name` of the directory open as
+    `parent`, or anywhere below it. A bind mount of a folder of the same file system has
+    the same device number as its surroundings, so only the kernel's list of mount points
+    shows it. Where that list cannot be read (no /proc), False: the removal walks then
+    rely on their own device check (os.path.ismount's test), which sees other file
+    systems. Where the directory's own path cannot be known, True: leave it alone."""
+    points = mount_points()
+    if points is None:
+        return False
+    try:
+        where = os.readlink(f"/proc/self/fd/{parent}")
+    except OSError:
+        return True
+    if not where.startswith("/") or where.endswith(" (deleted)"):
+        return True  # unreachable from our root, or removed: no path to compare
+    entry = os.path.join(where, name) if name not in ("", ".") else where
+    inside = entry.rstrip("/") + "/"
+    return any(point == entry or point.startswith(inside) for point in points)

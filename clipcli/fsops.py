@@ -15,6 +15,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from clipcli.footprint import holds_a_mount
+
 TEMP_SUFFIX = ".clipcli-tmp"
 ASIDE_SUFFIX = ".clipcli-old"
 KEPT_SUFFIX = ".clipcli-kept"
@@ -188,7 +190,9 @@ def remove_entry_at(parent: int, name: str, keep: Keep, wanted: Wanted = _everyt
     directory by removing what `wanted` accepts inside it (deepest first), then rmdir,
     which only succeeds when nothing is left. Each entry is looked at without following
     links and skipped when it is in `keep` or on another device, so that a name swapped
-    for a link meanwhile is unlinked as a link and never followed."""
+    for a link meanwhile is unlinked as a link and never followed. A directory with a
+    file system mounted at or below it (a bind mount of a folder of the same file system
+    looks like any folder) is left whole."""
     with contextlib.suppress(OSError):
         info = os.stat(name, dir_fd=parent, follow_symlinks=False)
         if _identity(info) in keep:
@@ -198,6 +202,8 @@ def remove_entry_at(parent: int, name: str, keep: Keep, wanted: Wanted = _everyt
             return
         with contextlib.suppress(OSError):  # empty: needs no descriptor (EMFILE)
             os.rmdir(name, dir_fd=parent)
+            return
+        if holds_a_mount(parent, name):
             return
         _clear_directory_at(parent, name, info, "", keep, wanted, 0)
         os.rmdir(name, dir_fd=parent)
@@ -225,10 +231,12 @@ def _clear_directory_at(
 
 def clear_directory(fd: int, keep: Keep = frozenset()) -> None:
     """Remove everything inside the directory open as `fd`, as remove_entry_at does
-    (links unlinked, never followed; nothing in `keep`; no other file system entered);
-    errors are ignored. Needs no descriptor for the directory itself."""
+    (links unlinked, never followed; nothing in `keep`; no other file system entered,
+    nothing removed where one is mounted inside); errors are ignored. Needs no
+    descriptor for the directory itself."""
     with contextlib.suppress(OSError):
-        _clear_opened(fd, os.fstat(fd), "", keep, _everything, 0)
+        if not holds_a_mount(fd, "."):
+            _clear_opened(fd, os.fstat(fd), "", keep, _everything, 0)
 
 
 def _clear_opened(
@@ -311,19 +319,24 @@ class StaleTempHoldsInput(Exception):
 
 
 def _abandoned(parent: int, name: str, pid: int) -> bool:
-    """Whether no live clipcli run owns this temp entry: its lock can be taken (the owner
-    is gone), or, where there is no lock to ask (an aside file, no flock), no process
-    with its pid runs."""
+    """Whether no live clipcli run owns this temp entry: no process with its pid runs,
+    and its lock can be taken (where it can be asked: a directory on a file system with
+    flock). Both, because a run creates its work directory before it can lock it, and
+    sets OUT's old copy aside unlocked: a live run always has its pid running. The lock
+    answers where the pid cannot (another PID namespace); a reused pid only leaves an
+    entry for a later sweep, never removes a live one."""
+    if _alive(pid):
+        return False
     try:
         fd = os.open(name, _DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
     except OSError:
-        return not _alive(pid)
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     except OSError:
-        return not _alive(pid)
+        return True
     finally:
         os.close(fd)
     return True
@@ -346,36 +359,45 @@ def _stale_entries(parent: int, prefix: str) -> list[tuple[str, os.stat_result, 
     return stale
 
 
-def remove_stale_temps(out: Path, keep: Keep = frozenset(), *, parent: int | None = None) -> None:
+def remove_stale_temps(
+    out: Path, keep: Keep = frozenset(), *, parent: int | None = None, out_is_directory: bool
+) -> bool:
     """Remove temp entries for OUT left by clipcli runs that no longer run (SIGKILL, power
-    loss), and put back an aside copy of OUT that a dead run stranded. Only entries named
-    exactly for this OUT, owned by this user, and abandoned by their run.
+    loss), and put back an aside copy of OUT that a dead run stranded; whether one was
+    put back. Only entries named exactly for this OUT, owned by this user, and abandoned
+    by their run; none with a file system mounted at or below it.
 
     `keep` is what the input resolves to (device, inode of every entry on the way to each
     of its files): when a stale entry is, holds or leads to one of them, nothing at all is
     removed or moved and StaleTempHoldsInput names the entry. Everything is done relative
     to OUT's opened directory and never through a link, so an entry swapped for a link
     after the check is at worst unlinked as a link. `parent`, where given, is OUT's
-    directory as the run opened it when it checked OUT (its path is not looked up again)."""
+    directory as the run opened it when it checked OUT (its path is not looked up again).
+
+    clipcli sets aside only a directory OUT, and only as a real directory: an aside entry
+    is put back only when it is one and OUT is a directory target; anything else under an
+    aside name (a file, a link, a directory where OUT is a file) is no copy of clipcli's
+    and is left alone, neither moved nor removed."""
     parent_path = out.parent if str(out.parent) else Path(".")
     if parent is not None:
-        _remove_stale_temps_at(parent, parent_path, out, keep)
-        return
+        return _remove_stale_temps_at(parent, parent_path, out, keep, out_is_directory)
     try:
         opened = os.open(parent_path, _DIRECTORY_FLAGS)
     except OSError:
-        return
+        return False
     try:
-        _remove_stale_temps_at(opened, parent_path, out, keep)
+        return _remove_stale_temps_at(opened, parent_path, out, keep, out_is_directory)
     finally:
         os.close(opened)
 
 
-def _remove_stale_temps_at(parent: int, parent_path: Path, out: Path, keep: Keep) -> None:
+def _remove_stale_temps_at(
+    parent: int, parent_path: Path, out: Path, keep: Keep, out_is_directory: bool
+) -> bool:
     try:
         stale = _stale_entries(parent, temp_prefix(out))
     except OSError:
-        return
+        return False
     checked = []
     for name, info, kind in stale:  # every entry first: a refusal leaves all in place
         try:
@@ -384,34 +406,55 @@ def _remove_stale_temps_at(parent: int, parent_path: Path, out: Path, keep: Keep
             continue  # not to be looked at in full: not to be removed either
         if holds:
             raise StaleTempHoldsInput(parent_path / name)
+        if kind == ASIDE_SUFFIX and not (out_is_directory and stat.S_ISDIR(info.st_mode)):
+            continue  # no copy clipcli set aside: left alone
+        if stat.S_ISDIR(info.st_mode) and holds_a_mount(parent, name):
+            continue  # a file system mounted inside is no temp of clipcli's
         checked.append((name, info, kind))
+    put_back = False
     for name, info, kind in checked:
         with contextlib.suppress(OSError):
             now = os.stat(name, dir_fd=parent, follow_symlinks=False)
             if not _same_entry(now, info):
                 continue  # replaced since the check: not the entry that was checked
-            if kind == ASIDE_SUFFIX and _put_back(parent, name, out.name):
+            if kind == ASIDE_SUFFIX and _put_back(parent, name, out.name, info):
+                put_back = True
                 continue
             remove_entry_at(parent, name, keep)
+    return put_back
 
 
-def _put_back(parent: int, name: str, out_name: str) -> bool:
-    """Rename a stranded aside copy back to OUT if nothing is at OUT; whether it was."""
+def _put_back(parent: int, name: str, out_name: str, info: os.stat_result) -> bool:
+    """Rename a stranded aside copy (the real directory `info`) back to OUT if nothing is
+    at OUT; whether it was. Should the name have been swapped for another entry since
+    it was checked, that entry is moved back and nothing is put back."""
     if renameat2 is not None:
         try:
             renameat2(name, out_name, RENAME_NOREPLACE, parent, parent)
-            return True
         except OSError as exc:
             if exc.errno == errno.EEXIST:
                 return False
             if exc.errno not in _UNSUPPORTED:
                 raise
+        else:
+            return _is_the_checked(parent, name, out_name, info)
     try:
         os.stat(out_name, dir_fd=parent, follow_symlinks=False)
         return False
     except FileNotFoundError:
         os.rename(name, out_name, src_dir_fd=parent, dst_dir_fd=parent)
+        return _is_the_checked(parent, name, out_name, info)
+
+
+def _is_the_checked(parent: int, name: str, out_name: str, info: os.stat_result) -> bool:
+    """After a put-back: whether OUT is the checked aside directory; if not (swapped
+    meanwhile), it goes back under its aside name, untouched."""
+    now = os.stat(out_name, dir_fd=parent, follow_symlinks=False)
+    if _same_entry(now, info):
         return True
+    is_directory = stat.S_ISDIR(now.st_mode)
+    rename_noreplace(out_name, name, is_directory, src_dir=parent, dst_dir=parent)
+    return False
 
 
 def _alive(pid: int) -> bool:

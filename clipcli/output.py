@@ -19,7 +19,8 @@ process id (`stage`), and committed by one rename. Rules, each tested:
   filesystem lacks it, two renames, and the aside copy keeps a name the next run restores.
 - Temp names are `.<OUT name>.<pid>-<random>.clipcli-tmp` (and `.clipcli-old` for an
   aside copy). SIGKILL cannot be caught, so the next run to the same OUT removes such
-  entries of dead processes of the same user (and puts a stranded aside copy back).
+  entries of dead processes of the same user (and puts a stranded aside copy back: only
+  a real directory, for a directory OUT; then the run stops, exit 2, OUT being back).
 - OUT's directory is opened once, when OUT is checked, and never looked up by name again:
   the sweep, the work directory, the writer's files (through /proc/self/fd where there is
   one), the commit and the --force swap all act relative to that descriptor, and the
@@ -243,8 +244,9 @@ class Target:
 
         Every run works in a private directory beside OUT (`.<OUT>.<pid>-<hex>.clipcli-tmp`)
         on which it holds an flock while it lives: a later run removes such a directory
-        only when it can take that lock, i.e. when its owner is gone (PID namespaces and
-        reused PIDs cannot fool it). OUT, a file or a directory, is built inside it.
+        only when no process has its pid and the lock can be taken (the directory exists
+        a moment before its lock; a reused pid only leaves it for a later run). OUT, a
+        file or a directory, is built inside it.
         Signals are deferred for the whole block. Any failure removes the work directory
         and leaves OUT as it was: OSError becomes WriteError (exit 5), a signal
         Interrupted."""
@@ -258,13 +260,20 @@ class Target:
     def _stage_at(self, parent: int) -> Iterator[Path]:
         """stage() in OUT's opened directory."""
         try:
-            remove_stale_temps(self.out, self._keep, parent=parent)
+            put_back = remove_stale_temps(
+                self.out, self._keep, parent=parent, out_is_directory=self.is_directory
+            )
         except StaleTempHoldsInput as exc:
             raise Refused(
                 f"{self.out}: the input lies in {exc.path}, which a killed clipcli run "
                 "left for this OUT and which cleanup would remove; move the input out of "
                 "it or choose another OUT"
             ) from None
+        if put_back:  # OUT is there again, unlike when it was checked: check it anew
+            raise Refused(
+                f"{self.out}: a killed clipcli run had moved it aside; it is back in place "
+                "and nothing was written; run again (with --force to replace it)"
+            )
         work = self.temp_name()
         try:
             os.mkdir(work, 0o700, dir_fd=parent)

@@ -44,12 +44,13 @@ def ls(
         raise UsageError(
             "ls reads no tensor data, so it cannot sort by norm; use norms --sort norm"
         )
+    from clipcli import scratch
     from clipcli.io import open_reader
     from clipcli.report.builders import ls_report
 
     # The reader itself, not a job module: listing reads only headers, and `ls` in a shell
     # loop should not import the measuring and writing machinery.
-    with open_reader(path) as reader:
+    with scratch.keeping_clear_of([path]), open_reader(path) as reader:
         file_format, metadata, infos = reader.format_name, dict(reader.metadata), reader.listing
         non_tensors = list(reader.non_tensors)
         shard_of = getattr(reader, "shard_of", None)  # a model directory's tensor -> shard

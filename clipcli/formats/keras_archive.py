@@ -134,7 +134,7 @@ class KerasArchiveReader(Reader):
         """A locked private directory (clipcli.scratch.PrivateDirectory): one that a dead
         run left is removed by the next run, unless the archive being read lies in it."""
         self._scratch = scratch.PrivateDirectory(
-            SCRATCH_PREFIX, keep=os.fstat(self._handle.fileno())
+            SCRATCH_PREFIX, (WEIGHTS_MEMBER,), keep=os.fstat(self._handle.fileno())
         )
         return self._scratch.path
 
