@@ -29,6 +29,25 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+from clipcli import interrupts
+
+
+def _restore_default_signal_dispositions() -> None:
+    """A test run started with signals ignored (a background job of a script, `nohup`, some
+    CI runners) hands SIG_IGN to every clipcli it starts, and clipcli keeps an ignored
+    signal ignored on purpose: the signal tests need the defaults. The tests of that rule
+    set SIG_IGN in the child themselves. (SIGPIPE and SIGXFSZ are Python's own, and
+    subprocess restores them in children.)"""
+    import signal
+
+    for sig in interrupts.HANDLED:
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            signal.signal(sig, default)
+
+
+_restore_default_signal_dispositions()
+
 # Hypothesis profiles for the whole suite (tests/hostile/test_fuzz.py included; it used to
 # re-register them in tests/hostile/conftest.py, which then applied to every test anyway):
 # - `ci` (default): 40 examples per property; the fuzz file runs in well under a minute.
