@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from clipcli.footprint import holds_a_mount
+from clipcli.scratch import process_alive
 
 TEMP_SUFFIX = ".clipcli-tmp"
 ASIDE_SUFFIX = ".clipcli-old"
@@ -325,7 +326,7 @@ def _abandoned(parent: int, name: str, pid: int) -> bool:
     sets OUT's old copy aside unlocked: a live run always has its pid running. The lock
     answers where the pid cannot (another PID namespace); a reused pid only leaves an
     entry for a later sweep, never removes a live one."""
-    if _alive(pid):
+    if process_alive(pid):
         return False
     try:
         fd = os.open(name, _DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
@@ -455,15 +456,3 @@ def _is_the_checked(parent: int, name: str, out_name: str, info: os.stat_result)
     is_directory = stat.S_ISDIR(now.st_mode)
     rename_noreplace(out_name, name, is_directory, src_dir=parent, dst_dir=parent)
     return False
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True

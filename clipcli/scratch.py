@@ -274,7 +274,7 @@ def sweep_abandoned(
         protected: tuple[set[tuple[int, int]], set[tuple[int, int]]] | None = None
         for name in names:
             match = _RUN_TAIL.match(name[len(prefix) :])
-            if match is None or _alive(int(match["pid"])):
+            if match is None or process_alive(int(match["pid"])):
                 continue
             with contextlib.suppress(OSError):
                 found = _candidate(base, name, members)
@@ -357,7 +357,9 @@ def _remove_checked(base: int, name: str, fd: int, files: list[tuple[str, os.sta
     os.rmdir(name, dir_fd=base)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether `pid` may be a live process here: only "no such process" says it is not
+    (another user's, or a PID out of range, counts as alive: an entry is then only left)."""
     if pid == os.getpid():
         return True
     try:
