@@ -159,8 +159,9 @@ AllowLossyOpt = Annotated[
     typer.Option(
         "--allow-lossy",
         help="Write OUT even when its format cannot hold all of IN beyond the tensors (HDF5 "
-        "attributes, groups and non-tensor datasets into .npz; file metadata into .npz); "
-        "one warning line names what was dropped. Without it that is refused (exit 2).",
+        "attributes, groups and non-tensor datasets into .npz; file metadata into .npz; a "
+        "model directory's index metadata, but total_size and total_parameters, into one "
+        "file); one warning line names what was dropped. Without it that is refused (exit 2).",
     ),
 ]
 

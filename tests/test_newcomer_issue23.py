@@ -1,0 +1,95 @@
+"""What a newcomer stumbled on following the README (issue 23), one test group per item.
+
+Model directories here are written the way transformers 5.x saves them: shards by the
+official safetensors writer with {"format": "pt"}, and an index whose metadata holds
+total_size and total_parameters."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from conftest import Run
+from expect import one_error_line
+from safetensors.numpy import load_file, save_file
+
+RunCli = Callable[..., Run]
+
+
+def transformers5_directory(
+    directory: Path, tensors: dict[str, np.ndarray], extra_index_metadata: dict[str, object]
+) -> Path:
+    """Two shards and an index, as transformers 5 writes them."""
+    directory.mkdir()
+    names = list(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2]}
+    halves["model-00002-of-00002.safetensors"] = names[len(names) // 2 :]
+    for shard, members in halves.items():
+        save_file({n: tensors[n] for n in members}, directory / shard, metadata={"format": "pt"})
+    index = {
+        "metadata": {
+            "total_parameters": sum(int(a.size) for a in tensors.values()),
+            "total_size": sum(int(a.nbytes) for a in tensors.values()),
+            **extra_index_metadata,
+        },
+        "weight_map": {n: shard for shard, members in halves.items() for n in members},
+    }
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (directory / "config.json").write_text('{"model_type": "bert"}')
+    return directory
+
+
+def bert_like(directory: Path, extra_index_metadata: dict[str, object] | None = None) -> Path:
+    rng = np.random.default_rng(23)
+    tensors = {
+        f"bert.encoder.layer.{i}.attention.self.query.weight": rng.standard_normal((4, 4)).astype(
+            np.float32
+        )
+        for i in range(2)
+    }
+    tensors |= {
+        f"bert.encoder.layer.{i}.attention.output.LayerNorm.weight": np.ones(64, np.float32)
+        for i in range(2)
+    }
+    return transformers5_directory(directory, tensors, extra_index_metadata or {})
+
+
+# ------------------------------------------------------------------ 2: derived index keys
+
+
+def test_joining_a_transformers5_directory_needs_no_allow_lossy(
+    tmp_path: Path, run_main: RunCli
+) -> None:
+    model = bert_like(tmp_path / "bert-tiny")
+    merged = tmp_path / "merged.safetensors"
+    done = run_main("convert", model, merged)
+    assert done.code == 0, done.stderr
+    assert "warning" not in done.stderr
+    expected: dict[str, np.ndarray] = {}
+    for shard in sorted(model.glob("*.safetensors")):
+        expected |= load_file(shard)
+    written = load_file(merged)
+    assert written.keys() == expected.keys()
+    for name, array in expected.items():
+        assert written[name].tobytes() == array.tobytes()
+    with open(merged, "rb") as handle:  # the official reader's view of __metadata__
+        header_size = int.from_bytes(handle.read(8), "little")
+        assert json.loads(handle.read(header_size))["__metadata__"] == {"format": "pt"}
+
+
+def test_any_other_index_key_is_still_refused(tmp_path: Path, run_main: RunCli) -> None:
+    model = bert_like(tmp_path / "bert-tiny", {"total_flops": 7})
+    done = run_main("convert", model, tmp_path / "merged.safetensors")
+    assert done.code == 2
+    line = one_error_line(done.stderr)
+    assert "('total_flops')" in line
+    assert "total_parameters" not in line
+    assert not (tmp_path / "merged.safetensors").exists()
+
+
+def test_allow_lossy_help_names_index_metadata(run_main: RunCli) -> None:
+    done = run_main("convert", "--help")
+    assert done.code == 0
+    assert "index metadata" in " ".join(done.stdout.split())
