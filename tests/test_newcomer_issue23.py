@@ -152,3 +152,46 @@ def test_an_existing_directory_with_a_dot_is_still_the_target(
     assert again.code == 2
     assert "already exists; pass --force" in again.stderr
     assert run_main("convert", model, tmp_path / "out.v2", "--force").code == 0
+
+
+# ------------------------------------------------------------------ 4: diff dir vs joined file
+
+
+def test_a_directory_and_its_joined_file_do_not_differ(tmp_path: Path, run_main: RunCli) -> None:
+    model = bert_like(tmp_path / "bert-tiny")
+    joined = tmp_path / "bert1.safetensors"
+    assert run_main("convert", model, joined).code == 0
+    for a, b in ((model, joined), (joined, model)):
+        done = run_main("diff", a, b, "--fail-above", "0", "--json")
+        assert done.code == 0, done.stderr
+        assert done.json()["metadata_changes"] == []
+
+
+def test_a_directory_and_its_npz_differ_only_by_format(tmp_path: Path, run_main: RunCli) -> None:
+    """npz holds no metadata: the shards' format=pt is what it lost, and nothing else."""
+    model = bert_like(tmp_path / "bert-tiny")
+    joined = tmp_path / "bert1.npz"
+    assert run_main("convert", model, joined).code == 0
+    done = run_main("diff", model, joined, "--json")
+    assert done.code == 0, done.stderr
+    changes = done.json()["metadata_changes"]
+    assert [(c["key"], c["a"], c["b"]) for c in changes] == [("format", "pt", None)]
+
+
+def test_other_index_keys_are_still_differences(tmp_path: Path, run_main: RunCli) -> None:
+    plain = bert_like(tmp_path / "plain")
+    edited = bert_like(tmp_path / "edited", {"total_flops": 7, "total_size": 1})
+    done = run_main("diff", plain, edited, "--fail-above", "0", "--json")
+    assert done.code == 1
+    changes = done.json()["metadata_changes"]
+    assert [(c["key"], c["a"], c["b"]) for c in changes] == [("total_flops", None, "7")]
+
+
+def test_an_index_key_the_shards_carry_otherwise_is_shown_apart(
+    tmp_path: Path, run_main: RunCli
+) -> None:
+    plain = bert_like(tmp_path / "plain")
+    edited = bert_like(tmp_path / "edited", {"format": "tf"})
+    done = run_main("diff", plain, edited, "--json")
+    changes = done.json()["metadata_changes"]
+    assert [(c["key"], c["a"], c["b"]) for c in changes] == [("index format", None, "tf")]
