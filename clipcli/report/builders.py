@@ -218,6 +218,7 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.NAME, top: int | None =
         tuple(footer),
         drop_order=NORM_DROP_ORDER,
         drop_late=("max_abs", "dtype"),
+        kept=("norm", "numel") if sort is SortKey.SIZE else ("norm",),
     )
 
 
@@ -248,6 +249,7 @@ def groups_report(
         tuple(footer),
         rows_key="groups",
         drop_late=("tensors", "share"),
+        kept=("norm",),
     )
 
 
@@ -381,6 +383,7 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
         # `changed` says again what scale and note say (scale "-", or a note's reason)
         drop_order=("dtype", "changed", "scale"),
         drop_late=("note", "norm_before"),
+        kept=("norm_before", "norm_after"),  # --sort norm sorts by norm_before
     )
 
 
@@ -482,6 +485,7 @@ def diff_report(
         tuple(footer),
         drop_order=DIFF_DROP_ORDER,
         drop_late=("norm_b", "norm_ratio", "diff_norm", "norm_a"),
+        kept=("rel_change", "diff_norm") if sort is SortKey.NORM else ("rel_change",),
         metadata_changes=tuple(result.metadata_changes),
         empty="no tensor changed" if changed_only else "",
     )
