@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
+from typer._click.types import StringParamType
+from typer.main import TyperPath
 
 from clipcli.commands import compare, inspect, write
 from clipcli.report import ListingSortKey, OutputFormat, SortKey
@@ -62,6 +64,33 @@ DIFF_EPILOG = (
 # would call an unreadable input a usage error (exit 2) and an unreadable --plot FILE (an
 # output) unusable. The readers say why they cannot open an input: exit 3, as documented.
 # (quick_args.py converts paths the same way: Path(text), nothing checked.)
+# An empty argument is refused (exit 2) before Path('') turns it into '.', the current
+# directory: `clipcli norms "$CKPT"` with CKPT unset must not read whatever is here.
+EMPTY_PATH = "an empty path (is a variable unset?)"
+
+
+class _GivenPath(TyperPath):
+    """Typer's path type (nothing checked on the file system), refusing ''."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value == "":
+            self.fail(EMPTY_PATH, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class _GivenText(StringParamType):
+    """Click's text type, refusing '' (OUT is text: its trailing '/' must survive)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value == "":
+            self.fail(EMPTY_PATH, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def _given_path() -> _GivenPath:
+    return _GivenPath(readable=False)
+
+
 PathArg = Annotated[
     Path,
     typer.Argument(
@@ -69,6 +98,7 @@ PathArg = Annotated[
         help="Checkpoint file, Hugging Face model directory, or *.safetensors.index.json.",
         show_default=False,
         readable=False,
+        click_type=_given_path(),
     ),
 ]
 InArg = Annotated[
@@ -78,6 +108,7 @@ InArg = Annotated[
         help="Input checkpoint file or model directory.",
         show_default=False,
         readable=False,
+        click_type=_given_path(),
     ),
 ]
 OutArg = Annotated[
@@ -89,6 +120,7 @@ OutArg = Annotated[
         "OUT to standard output as safetensors (a safetensors IN only; the report goes to "
         "stderr).",
         show_default=False,
+        click_type=_GivenText(),
     ),
 ]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", "-f", help="Report format.")]
@@ -244,6 +276,7 @@ def norms_command(
             "matplotlib (clipcli's 'plot' extra).",
             metavar="FILE",
             readable=False,
+            click_type=_given_path(),
         ),
     ] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --plot FILE.")] = False,
@@ -409,10 +442,19 @@ def convert_command(
 @_command("diff", DIFF_EPILOG)
 def diff_command(
     path_a: Annotated[
-        Path, typer.Argument(metavar="A", help="Reference checkpoint.", readable=False)
+        Path,
+        typer.Argument(
+            metavar="A", help="Reference checkpoint.", readable=False, click_type=_given_path()
+        ),
     ],
     path_b: Annotated[
-        Path, typer.Argument(metavar="B", help="Checkpoint to compare with A.", readable=False)
+        Path,
+        typer.Argument(
+            metavar="B",
+            help="Checkpoint to compare with A.",
+            readable=False,
+            click_type=_given_path(),
+        ),
     ],
     fmt: FormatOpt = OutputFormat.TABLE,
     as_json: JsonOpt = False,

@@ -17,6 +17,8 @@ from conftest import Run
 from expect import one_error_line
 from safetensors.numpy import load_file, save_file
 
+from clipcli import quick_args
+
 RunCli = Callable[..., Run]
 
 
@@ -326,3 +328,46 @@ def test_skip_low_rank_with_one_tensor_at_the_rank_clips_it(
     assert done.code == 0, done.stderr
     written = load_file(out)
     assert sum(not np.array_equal(written[n], a) for n, a in load_file(source).items()) == 1
+
+
+# ------------------------------------------------------------------ 10: an empty path
+
+EMPTY_LINES = [
+    ["ls", ""],
+    ["ls", "", "--sort=size"],
+    ["norms", ""],
+    ["norms", "", "--top", "3"],
+    ["norms", "m.npz", "--plot", ""],
+    ["norms", "m.npz", "--plot="],
+    ["clip", "--global", "1", "", "o.npz"],
+    ["clip", "--global", "1", "m.npz", ""],
+    ["convert", "", "o.npz"],
+    ["convert", "m.npz", ""],
+    ["diff", "", "m.npz"],
+    ["diff", "m.npz", ""],
+]
+
+
+@pytest.mark.parametrize("args", EMPTY_LINES)
+def test_an_empty_path_is_a_usage_error(
+    args: list[str], tmp_path: Path, run_main: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never the current directory: here it holds a checkpoint that must not be read."""
+    np.savez(tmp_path / "m.npz", w=np.ones(3))
+    save_file({"w": np.ones(3, np.float32)}, tmp_path / "model.safetensors")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    done = run_main(*args)
+    assert done.code == 2
+    assert "an empty path (is a variable unset?)" in one_error_line(done.stderr)
+    assert done.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("args", EMPTY_LINES)
+def test_both_parsers_refuse_an_empty_path(args: list[str], cli: RunCli) -> None:
+    """The quick parser hands such a line to Typer, and Typer itself refuses it."""
+    assert quick_args.parse(args) is None
+    done = cli(*args)  # Typer's app directly (CliRunner)
+    assert done.code == 2
+    assert "an empty path (is a variable unset?)" in done.stderr
