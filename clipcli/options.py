@@ -14,7 +14,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from typer._click.types import StringParamType
-from typer.main import TyperPath
+from typer.main import TyperPath  # type: ignore[attr-defined]  # typer's own Path type
 
 from clipcli.commands import compare, inspect, write
 from clipcli.report import ListingSortKey, OutputFormat, SortKey

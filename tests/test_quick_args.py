@@ -37,8 +37,8 @@ def kind_of(param: Click) -> str:
     """The quick table's kind for a Click parameter, from Click's own description of it."""
     type_name = type(param.type).__name__
     # clipcli's own subclasses (which refuse an empty path) count as what they extend
-    kinds = [cls.__name__ for cls in type(param.type).__mro__]
-    type_name = next((k for k in kinds if k in ("TyperPath", "StringParamType")), type_name)
+    bases = [cls.__name__ for cls in type(param.type).__mro__]
+    type_name = next((k for k in bases if k in ("TyperPath", "StringParamType")), type_name)
     if type_name == "FloatParamType":
         return "float"
     if type_name == "IntRange":
