@@ -134,6 +134,11 @@ def open_reader(path: Path) -> Reader:
     """Open a checkpoint by its content; an extension that disagrees with it is an error.
 
     A directory (or a *.safetensors.index.json) is a Hugging Face model directory."""
+    if str(path) == "-":  # a pipe into `norms -` would otherwise be "no such file"
+        raise UsageError(
+            "-: reading a checkpoint from standard input is not supported ('-' is only OUT, "
+            "for clip and convert); write it to a file first and name that file"
+        )
     try:
         is_directory = path.is_dir()
     except OSError as exc:  # pathlib passes on EACCES (a parent not to be entered), ENAMETOOLONG

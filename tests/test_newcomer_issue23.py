@@ -371,3 +371,44 @@ def test_both_parsers_refuse_an_empty_path(args: list[str], cli: RunCli) -> None
     done = cli(*args)  # Typer's app directly (CliRunner)
     assert done.code == 2
     assert "an empty path (is a variable unset?)" in done.stderr
+
+
+# ------------------------------------------------------------------ 12: '-' as an input
+
+STDIN_LINES = [
+    ["ls", "-"],
+    ["norms", "-"],
+    ["clip", "--global", "1", "-", "o.safetensors"],
+    ["convert", "-", "o.safetensors"],
+    ["diff", "-", "m.safetensors"],
+    ["diff", "m.safetensors", "-"],
+]
+
+
+@pytest.mark.parametrize("args", STDIN_LINES)
+def test_standard_input_is_not_an_input(
+    args: list[str], tmp_path: Path, run_main: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_file({"w": np.ones(3, np.float32)}, tmp_path / "m.safetensors")
+    monkeypatch.chdir(tmp_path)
+    done = run_main(*args)
+    assert done.code == 2
+    line = one_error_line(done.stderr)
+    assert "reading a checkpoint from standard input is not supported" in line
+    assert "write it to a file first" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+@pytest.mark.parametrize("command", [["clip", "--global", "100"], ["convert"]])
+def test_the_report_says_standard_output_not_dash(
+    command: list[str], tmp_path: Path, run_subprocess: RunCli
+) -> None:
+    source = tmp_path / "m.safetensors"
+    save_file({"w": np.full(3, 2.0, np.float32)}, source)
+    done = run_subprocess(*command, source, "-")
+    assert done.code == 0, done.stderr
+    assert "wrote safetensors to standard output" in done.stderr
+    assert "wrote -" not in done.stderr
+    assert "wrote" not in done.stdout  # stdout is the safetensors file and nothing else
+    header = json.loads(done.stdout[8 : 8 + int.from_bytes(done.stdout[:8].encode(), "little")])
+    assert header["w"]["shape"] == [3]

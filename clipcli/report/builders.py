@@ -56,6 +56,11 @@ def ordered(
     return rows if top is None else rows[:top]
 
 
+def written_to(out: str) -> str:
+    """What the report says was written: OUT '-' is no file name."""
+    return "safetensors to standard output" if out == "-" else out
+
+
 def showing_line(shown: int, total: int, noun: str, top: int | None) -> list[str]:
     """The footer line that says --top left rows out; none when it did not."""
     if top is None or shown >= total:
@@ -346,7 +351,7 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
     footer = [
         f"global L2 norm {result.global_before:.6g} -> {result.global_after:.6g}",
         f"{verb} {changed} of {count(len(result.rows), 'tensor')}"
-        + ("" if result.dry_run else f"; wrote {result.out}"),
+        + ("" if result.dry_run else f"; wrote {written_to(str(result.out))}"),
     ]
     to_zero = sum(r.outcome.flushes.to_zero for r in result.rows)
     to_subnormal = sum(r.outcome.flushes.to_subnormal for r in result.rows)
