@@ -375,6 +375,15 @@ class FileTarget(Target):
     """OUT is one checkpoint file; its extension names the format."""
 
 
+class NewFileTarget(FileTarget):
+    """A file that is no copy of the input (norms --plot): a new one gets 0o666 less the
+    umask, as any file a program creates; a replaced one keeps its own mode, less setuid
+    and setgid, as for FileTarget."""
+
+    def _new_mode(self, footprint: InputFootprint) -> int:  # noqa: ARG002  (IN decides nothing)
+        return 0o666 & ~_umask()
+
+
 class DirectoryTarget(Target):
     """OUT is a model directory: shards, index and the input directory's other files."""
 

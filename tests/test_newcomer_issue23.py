@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -412,3 +413,36 @@ def test_the_report_says_standard_output_not_dash(
     assert "wrote" not in done.stdout  # stdout is the safetensors file and nothing else
     header = json.loads(done.stdout[8 : 8 + int.from_bytes(done.stdout[:8].encode(), "little")])
     assert header["w"]["shape"] == [3]
+
+
+# ------------------------------------------------------------------ 16: the plot's mode
+
+
+@pytest.mark.parametrize(("umask", "expected"), [(0o022, 0o644), (0o077, 0o600), (0, 0o666)])
+def test_a_new_plot_gets_the_umask_mode_not_the_inputs(
+    tmp_path: Path, run_main: RunCli, umask: int, expected: int
+) -> None:
+    pytest.importorskip("matplotlib")
+    model = bert_like(tmp_path / "bert-tiny")
+    for entry in model.iterdir():
+        entry.chmod(0o600)  # private shards: the picture of their norms is no copy of them
+    plot = tmp_path / "norms.png"
+    old = os.umask(umask)
+    try:
+        done = run_main("norms", model, "--plot", plot)
+    finally:
+        os.umask(old)
+    assert done.code == 0, done.stderr
+    assert stat.S_IMODE(plot.stat().st_mode) == expected
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_replaced_plot_keeps_its_own_mode_less_set_id(tmp_path: Path, run_main: RunCli) -> None:
+    pytest.importorskip("matplotlib")
+    model = bert_like(tmp_path / "bert-tiny")
+    plot = tmp_path / "norms.png"
+    plot.write_bytes(b"old")
+    plot.chmod(0o2640)
+    done = run_main("norms", model, "--plot", plot, "--force")
+    assert done.code == 0, done.stderr
+    assert stat.S_IMODE(plot.stat().st_mode) == 0o640
