@@ -130,7 +130,8 @@ ReportQuietOpt = Annotated[
     typer.Option(
         "--quiet",
         "-q",
-        help="Print no report: the exit code tells (1: --fail-above exceeded).",
+        help="Print no report: the exit code tells (1: --fail-above exceeded). Notes, "
+        "warnings and errors still go to stderr.",
     ),
 ]
 # norms: with --plot FILE (or --chart) the table is printed only when --format asks for it.
@@ -211,7 +212,8 @@ def ls_command(
         typer.Option(
             "--quiet",
             "-q",
-            help="Print no listing: the exit code tells whether the file can be read (3 if not).",
+            help="Print no listing: the exit code tells whether the file can be read (3 if "
+            "not). Notes, warnings and errors still go to stderr.",
         ),
     ] = False,
     include: IncludeOpt = None,
@@ -374,7 +376,14 @@ def clip_command(
             "for scratch outputs; the rename stays atomic either way."
         ),
     ] = True,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no report.")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            help="Print no report. Notes, warnings and errors still go to stderr.",
+        ),
+    ] = False,
     fmt: FormatOpt = OutputFormat.TABLE,
     as_json: JsonOpt = False,
     sort: SortOpt = SortKey.NAME,
@@ -422,7 +431,14 @@ def convert_command(
     src: InArg,
     out: OutArg,
     force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            help="Print no 'wrote' line. Notes, warnings and errors still go to stderr.",
+        ),
+    ] = False,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
     allow_lossy: AllowLossyOpt = False,
 ) -> None:

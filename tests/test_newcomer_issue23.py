@@ -446,3 +446,33 @@ def test_a_replaced_plot_keeps_its_own_mode_less_set_id(tmp_path: Path, run_main
     done = run_main("norms", model, "--plot", plot, "--force")
     assert done.code == 0, done.stderr
     assert stat.S_IMODE(plot.stat().st_mode) == 0o640
+
+
+# ------------------------------------------------------------------ 14: what -q silences
+# The README's stream rules: reports on stdout, diagnostics on stderr. -q silences the
+# report; a note (what was left out) is a diagnostic and stays, and --help says so.
+
+
+def test_quiet_convert_prints_no_report_and_keeps_the_diagnostics(
+    tmp_path: Path, run_main: RunCli
+) -> None:
+    """llama-tiny into one file with --allow-lossy: a warning (index metadata dropped) and
+    a note (config.json left out) on stderr; -q drops the 'wrote' line only."""
+    model = bert_like(tmp_path / "llama-tiny", {"total_flops": 7})
+    loud = run_main("convert", model, tmp_path / "a.safetensors", "--allow-lossy")
+    assert loud.code == 0, loud.stderr
+    assert loud.stdout.startswith("wrote ")
+    quiet = run_main("convert", model, tmp_path / "b.safetensors", "--allow-lossy", "-q")
+    assert quiet.code == 0
+    assert quiet.stdout == ""
+    assert quiet.stderr == loud.stderr.replace("a.safetensors", "b.safetensors")
+    lines = quiet.stderr.splitlines()
+    assert [line.split(":")[1] for line in lines] == [" warning", " note"]
+
+
+@pytest.mark.parametrize("command", ["ls", "norms", "clip", "convert", "diff"])
+def test_quiet_help_says_exactly_what_it_silences(run_main: RunCli, command: str) -> None:
+    done = run_main(command, "--help")
+    text = " ".join(done.stdout.replace("│", " ").split())
+    assert "Notes, warnings and errors still go to stderr." in text
+    assert "Print nothing on success" not in text
