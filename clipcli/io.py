@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import BinaryIO
 
@@ -21,8 +22,19 @@ EXTENSIONS = {
 }
 
 
+ACCEPTED_EXTENSIONS = ".npz, .safetensors, .h5, .hdf5 or .keras"
+# What reads as a file extension: a letter first, so that a version in a directory's name
+# (llama-3.2-1b, Qwen2.5-0.5B) is no extension and such an OUT may still be a directory.
+_EXTENSION = re.compile(r"\.[A-Za-z][A-Za-z0-9_]*")
+
+
 def format_from_extension(path: Path) -> str | None:
     return EXTENSIONS.get(path.suffix.lower())
+
+
+def has_extension(path: Path) -> bool:
+    """Whether OUT's name ends in something that reads as a file extension, known or not."""
+    return _EXTENSION.fullmatch(path.suffix) is not None
 
 
 def sniff_format(path: Path) -> str:
@@ -122,6 +134,11 @@ def open_reader(path: Path) -> Reader:
     """Open a checkpoint by its content; an extension that disagrees with it is an error.
 
     A directory (or a *.safetensors.index.json) is a Hugging Face model directory."""
+    if str(path) == "-":  # a pipe into `norms -` would otherwise be "no such file"
+        raise UsageError(
+            "-: reading a checkpoint from standard input is not supported ('-' is only OUT, "
+            "for clip and convert); write it to a file first and name that file"
+        )
     try:
         is_directory = path.is_dir()
     except OSError as exc:  # pathlib passes on EACCES (a parent not to be entered), ENAMETOOLONG
@@ -181,6 +198,4 @@ def writer_class(out: Path, is_directory: bool = False) -> type[Writer]:
         from clipcli.formats.keras_archive import KerasArchiveWriter
 
         return KerasArchiveWriter
-    raise UsageError(
-        f"{out}: unknown output extension; use .npz, .safetensors, .h5, .hdf5 or .keras"
-    )
+    raise UsageError(f"{out}: unknown output extension; use {ACCEPTED_EXTENSIONS}")

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
+from typer._click.types import StringParamType
+from typer.main import TyperPath  # type: ignore[attr-defined]  # typer's own Path type
 
 from clipcli.commands import compare, inspect, write
 from clipcli.report import ListingSortKey, OutputFormat, SortKey
@@ -62,6 +64,33 @@ DIFF_EPILOG = (
 # would call an unreadable input a usage error (exit 2) and an unreadable --plot FILE (an
 # output) unusable. The readers say why they cannot open an input: exit 3, as documented.
 # (quick_args.py converts paths the same way: Path(text), nothing checked.)
+# An empty argument is refused (exit 2) before Path('') turns it into '.', the current
+# directory: `clipcli norms "$CKPT"` with CKPT unset must not read whatever is here.
+EMPTY_PATH = "an empty path (is a variable unset?)"
+
+
+class _GivenPath(TyperPath):
+    """Typer's path type (nothing checked on the file system), refusing ''."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value == "":
+            self.fail(EMPTY_PATH, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class _GivenText(StringParamType):
+    """Click's text type, refusing '' (OUT is text: its trailing '/' must survive)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value == "":
+            self.fail(EMPTY_PATH, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def _given_path() -> _GivenPath:
+    return _GivenPath(readable=False)
+
+
 PathArg = Annotated[
     Path,
     typer.Argument(
@@ -69,6 +98,7 @@ PathArg = Annotated[
         help="Checkpoint file, Hugging Face model directory, or *.safetensors.index.json.",
         show_default=False,
         readable=False,
+        click_type=_given_path(),
     ),
 ]
 InArg = Annotated[
@@ -78,6 +108,7 @@ InArg = Annotated[
         help="Input checkpoint file or model directory.",
         show_default=False,
         readable=False,
+        click_type=_given_path(),
     ),
 ]
 OutArg = Annotated[
@@ -89,6 +120,7 @@ OutArg = Annotated[
         "OUT to standard output as safetensors (a safetensors IN only; the report goes to "
         "stderr).",
         show_default=False,
+        click_type=_GivenText(),
     ),
 ]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", "-f", help="Report format.")]
@@ -98,7 +130,8 @@ ReportQuietOpt = Annotated[
     typer.Option(
         "--quiet",
         "-q",
-        help="Print no report: the exit code tells (1: --fail-above exceeded).",
+        help="Print no report: the exit code tells (1: --fail-above exceeded). Notes, "
+        "warnings and errors still go to stderr.",
     ),
 ]
 # norms: with --plot FILE (or --chart) the table is printed only when --format asks for it.
@@ -159,8 +192,9 @@ AllowLossyOpt = Annotated[
     typer.Option(
         "--allow-lossy",
         help="Write OUT even when its format cannot hold all of IN beyond the tensors (HDF5 "
-        "attributes, groups and non-tensor datasets into .npz; file metadata into .npz); "
-        "one warning line names what was dropped. Without it that is refused (exit 2).",
+        "attributes, groups and non-tensor datasets into .npz; file metadata into .npz; a "
+        "model directory's index metadata, but total_size and total_parameters, into one "
+        "file); one warning line names what was dropped. Without it that is refused (exit 2).",
     ),
 ]
 
@@ -178,7 +212,8 @@ def ls_command(
         typer.Option(
             "--quiet",
             "-q",
-            help="Print no listing: the exit code tells whether the file can be read (3 if not).",
+            help="Print no listing: the exit code tells whether the file can be read (3 if "
+            "not). Notes, warnings and errors still go to stderr.",
         ),
     ] = False,
     include: IncludeOpt = None,
@@ -243,6 +278,7 @@ def norms_command(
             "matplotlib (clipcli's 'plot' extra).",
             metavar="FILE",
             readable=False,
+            click_type=_given_path(),
         ),
     ] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --plot FILE.")] = False,
@@ -340,7 +376,14 @@ def clip_command(
             "for scratch outputs; the rename stays atomic either way."
         ),
     ] = True,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print no report.")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            help="Print no report. Notes, warnings and errors still go to stderr.",
+        ),
+    ] = False,
     fmt: FormatOpt = OutputFormat.TABLE,
     as_json: JsonOpt = False,
     sort: SortOpt = SortKey.NAME,
@@ -388,7 +431,14 @@ def convert_command(
     src: InArg,
     out: OutArg,
     force: Annotated[bool, typer.Option(help="Replace an existing OUT (never IN).")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            help="Print no 'wrote' line. Notes, warnings and errors still go to stderr.",
+        ),
+    ] = False,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
     allow_lossy: AllowLossyOpt = False,
 ) -> None:
@@ -408,10 +458,19 @@ def convert_command(
 @_command("diff", DIFF_EPILOG)
 def diff_command(
     path_a: Annotated[
-        Path, typer.Argument(metavar="A", help="Reference checkpoint.", readable=False)
+        Path,
+        typer.Argument(
+            metavar="A", help="Reference checkpoint.", readable=False, click_type=_given_path()
+        ),
     ],
     path_b: Annotated[
-        Path, typer.Argument(metavar="B", help="Checkpoint to compare with A.", readable=False)
+        Path,
+        typer.Argument(
+            metavar="B",
+            help="Checkpoint to compare with A.",
+            readable=False,
+            click_type=_given_path(),
+        ),
     ],
     fmt: FormatOpt = OutputFormat.TABLE,
     as_json: JsonOpt = False,

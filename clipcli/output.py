@@ -61,7 +61,7 @@ from clipcli.fsops import (
     temp_prefix,
 )
 from clipcli.inputs import fd_path
-from clipcli.io import format_from_extension, writer_class
+from clipcli.io import ACCEPTED_EXTENSIONS, format_from_extension, has_extension, writer_class
 
 
 class Refused(UsageError):
@@ -375,6 +375,15 @@ class FileTarget(Target):
     """OUT is one checkpoint file; its extension names the format."""
 
 
+class NewFileTarget(FileTarget):
+    """A file that is no copy of the input (norms --plot): a new one gets 0o666 less the
+    umask, as any file a program creates; a replaced one keeps its own mode, less setuid
+    and setgid, as for FileTarget."""
+
+    def _new_mode(self, footprint: InputFootprint) -> int:  # noqa: ARG002  (IN decides nothing)
+        return 0o666 & ~_umask()
+
+
 class DirectoryTarget(Target):
     """OUT is a model directory: shards, index and the input directory's other files."""
 
@@ -622,8 +631,10 @@ def choose_target(
     out_text: str | os.PathLike[str], *, input_is_directory: bool, force: bool, durable: bool
 ) -> Target:
     """File or directory, from OUT's text: a known extension is a file; a trailing slash,
-    or a model directory IN with an extensionless OUT, is a model directory. A single-file
-    IN gets a directory OUT only when asked (trailing slash, or an existing empty one)."""
+    or a model directory IN with an OUT that has no extension (or is a directory already),
+    is a model directory. A single-file IN gets a directory OUT only when asked (trailing
+    slash, or an existing empty one). An unknown extension is refused: `o.pt` or `b.gguf`
+    is a file the user expects, not a directory of that name."""
     text = os.fspath(out_text)
     if text == "-":
         raise UsageError("OUT '-': writing to standard output is not supported; name a file")
@@ -631,7 +642,9 @@ def choose_target(
     asks_directory = text.endswith(("/", os.sep))
     if format_from_extension(out) is not None and not asks_directory:
         return FileTarget(out, force=force, durable=durable)
-    if asks_directory or input_is_directory or _is_empty_directory(out):
+    if asks_directory or _is_empty_directory(out):
+        return DirectoryTarget(out, force=force, durable=durable)
+    if input_is_directory and (not has_extension(out) or _is_real_directory(out)):
         return DirectoryTarget(out, force=force, durable=durable)
     if _is_real_directory(out):
         raise Refused(
@@ -640,6 +653,6 @@ def choose_target(
             "for a one-file model directory"
         )
     raise UsageError(
-        f"{out}: unknown output extension; use .npz, .safetensors, .h5 or .hdf5, "
+        f"{out}: unknown output extension; use {ACCEPTED_EXTENSIONS}, "
         "or end OUT with / to write a model directory"
     )

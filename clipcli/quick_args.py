@@ -41,12 +41,19 @@ def _listing_sort(text: str) -> SortKey:
     return SortKey(ListingSortKey(text).value)
 
 
+def _path(text: str) -> Path:
+    """An empty path is Typer's to refuse (Path('') would be '.', the current directory)."""
+    if not text:
+        raise ValueError(text)
+    return Path(text)
+
+
 # Typer's Path conversion is `Path(text)`: nothing is resolved or checked while parsing.
 _OPTION_KINDS: dict[str, Convert] = {
     "str": _string,
     "float": float,
     "count": _at_least_one,
-    "path": Path,
+    "path": _path,
     "format": OutputFormat,
     "sort": SortKey,
     "listing-sort": _listing_sort,
@@ -218,8 +225,8 @@ def parse(args: list[str]) -> tuple[str, dict[str, Any]] | None:
             values.setdefault(option.param, []).append(value)
         else:  # given twice: the last wins, as in Click
             values[option.param] = value
-    if len(positional) != len(command.positionals):
-        return None
+    if len(positional) != len(command.positionals) or "" in positional:
+        return None  # Typer says what is wrong (an empty PATH: is a variable unset?)
     for (param, convert), text in zip(command.positionals, positional, strict=True):
         values[param] = convert(text)
     return args[0], values

@@ -197,7 +197,8 @@ def check_axes(
     targets: Sequence[TensorInfo], axes: Sequence[int], skip_low_rank: bool, notify: Notify
 ) -> set[str]:
     """The targets whose rank cannot take `axes`: exit 4 with a short message by default,
-    or (with skip_low_rank) their names, which the plan leaves unchanged."""
+    or (with skip_low_rank) their names, which the plan leaves unchanged, unless that is
+    every target: exit 4, as an empty selection is refused."""
     misfits = [t for t in targets if not axes_fit(axes, t.shape)]
     if not misfits:
         return set()
@@ -209,6 +210,14 @@ def check_axes(
             f"dimensions for --axes {axes_text}: "
             f"{shown}; pass --skip-low-rank to leave them unchanged, or narrow the selection "
             "with --include/--exclude"
+        )
+    if len(misfits) == len(targets):  # a mistyped axis would make the run a silent no-op
+        needed = max(axis + 1 if axis >= 0 else -axis for axis in axes)
+        highest = max(len(t.shape) for t in targets)
+        raise DataRefusedError(
+            f"--skip-low-rank leaves no selected tensor to clip: --axes {axes_text} needs "
+            f"{needed} dimensions, and the highest rank among the "
+            f"{count(len(targets), 'selected tensor')} is {highest}; check --axes"
         )
     notify(
         "note",

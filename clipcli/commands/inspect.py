@@ -142,11 +142,11 @@ def norms(
     elif not quiet and (fmt is not None or plot is None):  # --plot alone: the picture
         emit(lambda: print_report(report, fmt or OutputFormat.TABLE))
     if plot is not None:
-        from clipcli.output import FileTarget
+        from clipcli.output import NewFileTarget
         from clipcli.report.plot import render_plot
 
         picture = render_plot(bars, limit, group_by is not None, plot.suffix)
-        target = FileTarget(plot, force=force, durable=False)
+        target = NewFileTarget(plot, force=force, durable=False)  # a picture, not a copy
         target.check(_input_footprint(path))
         with target.stage() as staged:  # whole or not at all; no-clobber without --force
             staged.write_bytes(picture)

@@ -15,6 +15,7 @@ from clipcli.commands.common import (
 )
 from clipcli.errors import UsageError, WriteError, printable
 from clipcli.report import OutputFormat, SortKey
+from clipcli.report.builders import written_to
 from clipcli.report.model import count
 
 CONVERT_EPILOG = (
@@ -129,8 +130,12 @@ def convert(
         if not quiet:
             total = sum(i.nbytes for i in infos)
             listed = f"{count(len(infos), 'tensor')}, {count(total, 'byte')}"
-            line = f"wrote {printable(str(out))}: {listed}"
-            with _written_anyway(None if out == "-" else out):
+            line = f"wrote {printable(written_to(str(out)))}: {listed}"
+            # as for clip: OUT '-' is the file on stdout, so the line goes to stderr
+            with (
+                contextlib.redirect_stdout(sys.stderr if out == "-" else sys.stdout),
+                _written_anyway(None if out == "-" else out),
+            ):
                 emit(lambda: print(line))
 
 

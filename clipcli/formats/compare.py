@@ -11,6 +11,12 @@ Each change is (key, value in A, value in B), None marking a side without it:
 A file without a recorded structure (npz, plain safetensors) counts as the groups its
 tensor names imply, with no attributes, so HDF5 -> npz reports every attribute it lost.
 
+A model directory's metadata is what one file joining its shards would hold (the
+`__metadata__` every shard shares, e.g. format=pt), plus its index's own metadata but the
+keys derived from the tensors (total_size, total_parameters): a directory and its
+conversion to one file have the same metadata. An index key that the shards also carry
+with another value is shown as `index KEY`.
+
 Metadata is compared by meaning, once. A file's metadata is the key -> text mapping its
 reader gives (safetensors `__metadata__`; for HDF5 the root attributes that hold one
 string, as h5py reads them: variable or fixed length, ASCII or UTF-8, the padding its
@@ -35,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from clipcli.formats.base import Reader
+from clipcli.formats.sharded.layout import DERIVED_INDEX_KEYS
 from clipcli.formats.structure import STRUCTURE_KEY, Structure, storage_of
 
 Change = tuple[str, str | None, str | None]
@@ -42,11 +49,23 @@ Change = tuple[str, str | None, str | None]
 
 def file_changes(a: Reader, b: Reader) -> list[Change]:
     """Metadata changes, then structure changes, in A's order then B's new entries."""
-    meta_a = {k: v for k, v in a.metadata.items() if k != STRUCTURE_KEY}
-    meta_b = {k: v for k, v in b.metadata.items() if k != STRUCTURE_KEY}
+    meta_a = {k: v for k, v in compared_metadata(a).items() if k != STRUCTURE_KEY}
+    meta_b = {k: v for k, v in compared_metadata(b).items() if k != STRUCTURE_KEY}
     plain = _changes({k: (v, v) for k, v in meta_a.items()}, {k: (v, v) for k, v in meta_b.items()})
     members = _changes(_members(a), _members(b))
     return plain + _changes(_entries(a, meta_a.keys()), _entries(b, meta_b.keys())) + members
+
+
+def compared_metadata(reader: Reader) -> dict[str, str]:
+    """The file metadata a reader stands for (see the module's docstring)."""
+    if reader.model_directory is None:
+        return dict(reader.metadata)
+    metadata = reader.joined_metadata()
+    for key, value in reader.metadata.items():  # the index's (the one shard's, without one)
+        if key in DERIVED_INDEX_KEYS or metadata.get(key) == value:
+            continue
+        metadata[key if key not in metadata else f"index {key}"] = value
+    return metadata
 
 
 def _members(reader: Reader) -> dict[str, Entry]:

@@ -56,6 +56,11 @@ def ordered(
     return rows if top is None else rows[:top]
 
 
+def written_to(out: str) -> str:
+    """What the report says was written: OUT '-' is no file name."""
+    return "safetensors to standard output" if out == "-" else out
+
+
 def showing_line(shown: int, total: int, noun: str, top: int | None) -> list[str]:
     """The footer line that says --top left rows out; none when it did not."""
     if top is None or shown >= total:
@@ -218,6 +223,7 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.NAME, top: int | None =
         tuple(footer),
         drop_order=NORM_DROP_ORDER,
         drop_late=("max_abs", "dtype"),
+        kept=("norm", "numel") if sort is SortKey.SIZE else ("norm",),
     )
 
 
@@ -248,6 +254,7 @@ def groups_report(
         tuple(footer),
         rows_key="groups",
         drop_late=("tensors", "share"),
+        kept=("norm",),
     )
 
 
@@ -344,7 +351,7 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
     footer = [
         f"global L2 norm {result.global_before:.6g} -> {result.global_after:.6g}",
         f"{verb} {changed} of {count(len(result.rows), 'tensor')}"
-        + ("" if result.dry_run else f"; wrote {result.out}"),
+        + ("" if result.dry_run else f"; wrote {written_to(str(result.out))}"),
     ]
     to_zero = sum(r.outcome.flushes.to_zero for r in result.rows)
     to_subnormal = sum(r.outcome.flushes.to_subnormal for r in result.rows)
@@ -381,6 +388,7 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
         # `changed` says again what scale and note say (scale "-", or a note's reason)
         drop_order=("dtype", "changed", "scale"),
         drop_late=("note", "norm_before"),
+        kept=("norm_before", "norm_after"),  # --sort norm sorts by norm_before
     )
 
 
@@ -482,6 +490,7 @@ def diff_report(
         tuple(footer),
         drop_order=DIFF_DROP_ORDER,
         drop_late=("norm_b", "norm_ratio", "diff_norm", "norm_a"),
+        kept=("rel_change", "diff_norm") if sort is SortKey.NORM else ("rel_change",),
         metadata_changes=tuple(result.metadata_changes),
         empty="no tensor changed" if changed_only else "",
     )

@@ -52,7 +52,9 @@ class Report(NamedTuple):
     dropped, wrapped or cut to nothing. `drop_order` lists the other columns' keys, least
     useful first: the order in which a table too wide for the terminal hides them before
     it shortens any name. `drop_late` lists the columns hidden only when the names would
-    otherwise be cut below a readable width."""
+    otherwise be cut below a readable width. `kept` lists the command's primary figures and
+    the --sort key's column: never hidden for reading the same on every row, and hidden
+    only after the names are shortened (a kept column in drop_order goes last, as if late)."""
 
     title: str
     columns: tuple[Column, ...]
@@ -62,6 +64,7 @@ class Report(NamedTuple):
     rows_key: str = "tensors"  # the JSON key holding the rows
     drop_order: tuple[str, ...] = ()
     drop_late: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
     metadata: tuple[tuple[str, str], ...] = ()  # shown under a table one line each, shortened
     # diff: (key, value in A, value in B), None where a side has no such key; one line each
     metadata_changes: tuple[tuple[str, str | None, str | None], ...] = ()

@@ -229,8 +229,11 @@ def fit(report: Report, texts: Sequence[Sequence[str]], width: int | None) -> La
         shown.remove(index[key])
         hidden.append(report.columns[index[key]].title)
 
-    early = [key for key in report.drop_order if key in index]
-    late = [key for key in report.drop_late if key in index]
+    early = [key for key in report.drop_order if key in index and key not in report.kept]
+    # kept columns go last of all, after the names are cut to NAME_MIN_CELLS
+    late = [key for key in report.drop_late if key in index and key not in report.kept]
+    late += [key for key in report.drop_order if key in index and key in report.kept]
+    late += [key for key in report.drop_late if key in index and key in report.kept]
     # A column that says the same on every row (dtype all float32, changed all yes) tells
     # no row apart: such columns go first, an empty one unsaid, the others with their one
     # value in the note; then the least useful ones.
@@ -255,14 +258,19 @@ def fit(report: Report, texts: Sequence[Sequence[str]], width: int | None) -> La
 
 
 def constant_columns(report: Report, texts: Sequence[Sequence[str]]) -> list[str]:
-    """The keys of the columns (never the name's) that read the same on every row of two
-    or more: empty ones first, then in the order the report would drop them, then from
+    """The keys of the columns (never the name's, nor a kept one's: four LayerNorm weights
+    all of norm 8 are still what `--sort norm` shows) that read the same on every row of
+    two or more: empty ones first, then in the order the report would drop them, then from
     the last column back."""
     if len(texts) < 2:
         return []
     keys = [c.key for c in report.columns]
     preference = [*report.drop_order, *report.drop_late, *reversed(keys)]
-    constant = [i for i in range(1, len(keys)) if len({row[i] for row in texts}) == 1]
+    constant = [
+        i
+        for i in range(1, len(keys))
+        if keys[i] not in report.kept and len({row[i] for row in texts}) == 1
+    ]
     constant.sort(key=lambda i: (texts[0][i] != "", preference.index(keys[i])))
     return [keys[i] for i in constant]
 

@@ -40,7 +40,8 @@ class NpzWriter(Writer):
     def structure_losses(cls, source: Reader) -> list[str]:
         """npz holds tensors and nothing else: file metadata and any structure are lost.
         The metadata is what one file would hold (a model directory's shards joined: its
-        index's total_size is no loss, and join_losses names the rest of the index's)."""
+        index's derived total_size and total_parameters are no loss; join_losses names the
+        rest of the index's)."""
         losses = super().structure_losses(source)
         lost, _ = metadata_loss(source.joined_metadata())
         if lost:

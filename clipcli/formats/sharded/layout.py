@@ -23,6 +23,10 @@ DEFAULT_INDEX_NAME = "model" + INDEX_SUFFIX
 SHARD_SUFFIX = ".safetensors"
 SINGLE_FILE_NAME = "model" + SHARD_SUFFIX
 MAX_INDEX_BYTES = MAX_HEADER_BYTES  # an index is smaller than the headers it summarises
+# Index metadata that only summarises the tensors (transformers writes total_size, and
+# since 5.x total_parameters): one joined file loses nothing without it, and diff does not
+# count it as a difference.
+DERIVED_INDEX_KEYS = frozenset({"total_size", "total_parameters"})
 
 # Files (at any depth) that hold the model's weights in another form, by suffix: never
 # copied beside clipped weights, which they would ship again unclipped. Files of no known

@@ -15,6 +15,7 @@ from clipcli.errors import InputError
 from clipcli.formats.base import DirectoryLayout, Listed, Reader, Shard, StoredBytes, TensorInfo
 from clipcli.formats.safetensors import SafetensorsReader
 from clipcli.formats.sharded.layout import (
+    DERIVED_INDEX_KEYS,
     FORMAT_NAME,
     LEFT_OUT_FOLDERS,
     MAX_SIDE_DEPTH,
@@ -376,10 +377,12 @@ class ShardedReader(Reader):
         return self.common_shard_metadata()
 
     def join_losses(self) -> list[str]:
-        """The index's metadata (but total_size, which the one file does not need) and
-        the shard __metadata__ entries that not every shard shares with the same value."""
+        """The index's metadata (but DERIVED_INDEX_KEYS, which the one file does not need)
+        and the shard __metadata__ entries that not every shard shares with the same value."""
         joined = self.common_shard_metadata()
-        index = [k for k in self.metadata if k != "total_size" and self.index_path is not None]
+        index = [
+            k for k in self.metadata if k not in DERIVED_INDEX_KEYS and self.index_path is not None
+        ]
         index = [k for k in index if joined.get(k) != self.metadata[k]]
         shards = sorted(
             {k for reader in self._readers.values() for k in reader.metadata if k not in joined}
