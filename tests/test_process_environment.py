@@ -525,3 +525,23 @@ def test_a_memory_error_in_a_command_is_exit_5(
     monkeypatch.setattr(pipeline, "reduce_stream", no_memory)
     assert main(["norms", str(src)]) == 5
     _one_line(capsys.readouterr().err, "out of memory: Unable to allocate 8.00 MiB")
+
+
+def test_our_own_symbols_are_spelt_in_ascii_where_the_stream_cannot_hold_them(
+    tmp_path: Path,
+) -> None:
+    """`‖A−B‖` in diff's titles and footer was written as `\\u2016A\\u2212B\\u2016`, wider than
+    its column (found by the newcomer). Every table line is then as wide as the others."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, str(a))
+    save_file({"w": np.array([1, 2, 3], np.float32)}, str(b))
+    env = dict(os.environ, PYTHONIOENCODING="ascii", COLUMNS="120")
+    done = subprocess.run(
+        [*CLIPCLI, "diff", str(a), str(b)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "\\u" not in done.stdout
+    assert "||A-B||/||A||" in done.stdout
+    assert "||A-B|| 2.23607" in done.stdout
+    table = [line for line in done.stdout.splitlines() if line[:1] in "+|"]
+    assert len({len(line) for line in table}) == 1, table

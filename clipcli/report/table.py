@@ -57,6 +57,20 @@ def encodable(stream: TextIO, text: str) -> str:
     return text
 
 
+# clipcli's own symbols in titles and footers, spelt in ASCII where the stream cannot hold
+# them (`‖A−B‖` would otherwise be written as `\u2016A\u2212B\u2016`, wider than measured).
+_ASCII_SYMBOLS = str.maketrans(
+    {"‖": "||", "−": "-", "×": "x", "…": "...", "→": "->", "≤": "<=", "≥": ">=", "·": "*"}
+)
+
+
+def our_text(stream: TextIO, text: str) -> str:
+    """A title or footer of clipcli's own, as `stream` can show it (names in it escaped)."""
+    if can_draw(stream, text):
+        return text
+    return encodable(stream, text.translate(_ASCII_SYMBOLS))
+
+
 # rich's HEAVY_HEAD box: the top line, the header's bar, the line under it, the rows' bar,
 # the bottom line; rich's ASCII box for streams that cannot hold it.
 BOX = "┏━┳┓┃┡━╇┩│└─┴┘"
@@ -276,6 +290,8 @@ def constant_columns(report: Report, texts: Sequence[Sequence[str]]) -> list[str
 
 
 def render_table(report: Report, stream: TextIO, width: int | None) -> None:
+    titles = tuple(c._replace(title=our_text(stream, c.title)) for c in report.columns)
+    report = report._replace(columns=titles)  # measured as they will be written
     texts = [[encodable(stream, cell_text(v)) for v in row] for row in report.rows]
     layout = fit(report, texts, width)
     columns = [report.columns[i] for i in layout.shown]
@@ -283,7 +299,7 @@ def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     if layout.name_width is not None:
         names = middle_ellipses([row[0] for row in rows], layout.name_width)
         rows = [[name, *row[1:]] for name, row in zip(names, rows, strict=True)]
-    notes = [printable(line) for line in report.footer]
+    notes = [our_text(stream, printable(line)) for line in report.footer]
     notes += [metadata_line(key, value, width) for key, value in report.metadata]
     notes += [metadata_change_line(*change, width) for change in report.metadata_changes]
     if layout.hidden:
