@@ -643,3 +643,20 @@ def test_matches_numpy_float64_reference(case: tuple[np.ndarray, np.ndarray, int
     # The cosine has an absolute, not relative, error bound (see clipcli.diff).
     assert t.cosine == pytest.approx(ref["cosine"], rel=1e-12, abs=1e-14)
     assert t.norm_ratio == pytest.approx(ref["norm_b"] / ref["norm_a"], rel=1e-12)
+
+
+def test_the_summary_says_its_difference_is_over_the_tensors_both_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """‖A−B‖ 0 beside "1 only in B" read as "no difference" (found by the newcomer)."""
+    from safetensors.numpy import save_file
+
+    from clipcli.cli import main
+
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, str(a))
+    save_file({"w": np.ones(3, np.float32), "extra": np.ones(2, np.float32)}, str(b))
+    assert main(["diff", str(a), str(b)]) == 0
+    assert "‖A−B‖ 0 (relative 0) over the tensors both hold" in capsys.readouterr().out
+    assert main(["diff", str(a), str(a)]) == 0
+    assert "both hold" not in capsys.readouterr().out

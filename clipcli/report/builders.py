@@ -449,8 +449,10 @@ def diff_report(
     )
     counts = {status: n for status, n in result.counts.items() if n}
     shared = any(t.compared for t in result.tensors)
+    unpaired = not all(t.compared for t in result.tensors)
     difference = (
         f"‖A−B‖ {result.global_diff_norm:.6g} (relative {result.global_rel_change:.6g})"
+        + (" over the tensors both hold" if unpaired else "")
         if shared
         else "A and B share no tensor to compare"
     )
