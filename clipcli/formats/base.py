@@ -25,6 +25,20 @@ if TYPE_CHECKING:
 
     from clipcli.identity import FileIdentity
 
+# numpy's dtype.name is computed in Python on every call (~2 us): a checkpoint of 200,000
+# tensors asks it several times per tensor (rows, writer checks, headers), so each dtype's
+# name is kept once here (no numpy import: the dtype object is the key).
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def name_of_dtype(dtype: np.dtype[Any]) -> str:
+    """dtype.name, computed once per dtype."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
+
+
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
 # small enough that a float64 copy of it stays in L2/L3 cache.
 CHUNK_BYTES = 1 << 21
@@ -47,7 +61,7 @@ class TensorInfo(NamedTuple):
     @property
     def dtype_name(self) -> str:
         """numpy's name, independent of byte order: float32, bfloat16, float8_e4m3fn, ..."""
-        return self.dtype.name
+        return name_of_dtype(self.dtype)
 
 
 class Listed(NamedTuple):
@@ -187,6 +201,16 @@ class Reader(ABC):
     ) -> Iterator[Callable[[], np.ndarray]] | None:
         """Thread-safe loaders of the same pieces as `chunks`, for readers with random access
         (so that worker threads read in parallel); None when reading must be sequential."""
+        return None
+
+    def loader_of_many(
+        self,
+        infos: Sequence[TensorInfo],  # noqa: ARG002 - default of an interface method
+    ) -> Callable[[], list[np.ndarray]] | None:
+        """A thread-safe loader of several whole tensors at once, each flat, in the order
+        given, for a reader that reads them in one go (small tensors stored near each other
+        in one file: one read instead of one per tensor); None where it cannot, and the
+        caller reads them one by one. Asked for small tensors only (a few MiB in all)."""
         return None
 
     def constant(self, info: TensorInfo) -> np.ndarray | None:  # noqa: ARG002 - interface

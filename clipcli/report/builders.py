@@ -270,13 +270,17 @@ class Bars(NamedTuple):
 
 
 def bars_of(report: Report) -> Bars:
-    records = report.records()
-    name_key = report.columns[0].key
+    keys = [c.key for c in report.columns]
+    norm_at = keys.index("norm")
+    counted_at = keys.index("in_global") if "in_global" in keys else None
+    rows = report.rows
     return Bars(
         report.title,
-        tuple(str(r[name_key]) for r in records),
-        tuple(float(r["norm"]) for r in records),  # type: ignore[arg-type]
-        tuple(bool(r.get("in_global", True)) for r in records),
+        tuple(str(r[0]) for r in rows),
+        tuple(float(r[norm_at]) for r in rows),  # type: ignore[arg-type]
+        tuple(True for _ in rows)
+        if counted_at is None
+        else tuple(bool(r[counted_at]) for r in rows),
     )
 
 

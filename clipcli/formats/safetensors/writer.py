@@ -144,8 +144,8 @@ class SafetensorsWriter(Writer):
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
-        if info.dtype.name not in CODES:
-            return f"safetensors cannot hold {info.dtype.name}"
+        if info.dtype_name not in CODES:
+            return f"safetensors cannot hold {info.dtype_name}"
         return None
 
     @classmethod
