@@ -21,8 +21,9 @@ from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.measurement import TensorStats
 from clipcli.numerics import rounding, slices
 from clipcli.numerics.certain import CertainSumsq
+from clipcli.numerics.many import accumulate_each
 from clipcli.numerics.norms import NormAccumulator, accumulate, accumulate_array
-from clipcli.pipeline import map_chunks, write_tensors
+from clipcli.pipeline import SMALL_TENSOR_BYTES, map_chunks, write_tensors
 from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
 from clipcli.progress import SILENT, Progress
 from clipcli.spec import ClipSpec
@@ -37,7 +38,9 @@ def copy_ahead_hook(
     verdict = EarlyVerdict(spec)
 
     def on_measured(t: TensorStats) -> None:
-        if verdict.unchanged(t):
+        # Small tensors are written together, from one read (write_tensors): a copy of
+        # each on its own, ahead, would be a thread task and two syscalls per tensor.
+        if verdict.unchanged(t) and t.info.nbytes > SMALL_TENSOR_BYTES:
             writer.copy_ahead(reader, t.info)
 
     return on_measured
@@ -108,10 +111,66 @@ def execute(
         pairs = map_chunks(reader, info, functools.partial(_with_stats, transform, count))
         return _measured(pairs, outcome, progress)
 
+    def joins(info: TensorInfo) -> bool:  # --axes reads each tensor whole, on its own
+        return by_name[info.name].action is not Action.AXES
+
+    def outputs(infos: list[TensorInfo], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return _carry_out_many([by_name[i.name] for i in infos], arrays, plan.spec, outcomes)
+
     progress.start(label, sum(p.info.nbytes for p in plan.tensors))
-    write_tensors(reader, writer, chunks_of, progress)
+    write_tensors(reader, writer, chunks_of, progress, many=(joins, outputs))
     progress.finish()
     return [outcomes[p.info.name] for p in plan.tensors]
+
+
+def _carry_out_many(
+    tensors: list[TensorPlan],
+    arrays: list[np.ndarray],
+    spec: ClipSpec | None,
+    outcomes: dict[str, Outcome],
+) -> list[np.ndarray]:
+    """What to write of small whole tensors (their outcomes go into `outcomes`): those
+    with the same transform and dtype are transformed as one array, then measured together
+    (numerics.many). Scaling and clamping act on each value alone, so the output is the
+    one each tensor gets on its own, bit for bit."""
+    written = list(arrays)
+    together: dict[tuple[object, ...], list[int]] = {}
+    for k, tensor in enumerate(tensors):
+        if tensor.action is Action.SCALE:
+            key: tuple[object, ...] = (tensor.info.dtype, tensor.factor, tensor.exponent)
+        elif tensor.action is Action.CLAMP:
+            key = (tensor.info.dtype,)
+        else:
+            outcomes[tensor.info.name] = Outcome(tensor.before, changed=False)
+            continue
+        together.setdefault((tensor.action, *key), []).append(k)
+    for members in together.values():
+        first = tensors[members[0]]
+        transform = _transform(first, spec)
+        assert transform is not None
+        before = [arrays[k] for k in members]
+        flat = np.concatenate(before)
+        flat_after = transform(flat)
+        after = _split(flat_after, before)
+        flushed = [(0, 0)] * len(members)
+        if first.action is Action.SCALE and rounding.flushes(flat, flat_after) != (0, 0):
+            flushed = [rounding.flushes(b, a) for b, a in zip(before, after, strict=True)]
+        for k, out, stats, (to_zero, to_subnormal) in zip(
+            members, after, accumulate_each(after), flushed, strict=True
+        ):
+            outcome = outcomes[tensors[k].info.name] = Outcome(stats, changed=True)
+            outcome.flushes.add(to_zero, to_subnormal)
+            written[k] = out
+    return written
+
+
+def _split(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+    """`flat` cut into pieces as long as the arrays of `like`, in order."""
+    pieces, start = [], 0
+    for array in like:
+        pieces.append(flat[start : start + array.size])
+        start += array.size
+    return pieces
 
 
 def _transform(

@@ -174,48 +174,48 @@ MANY_TENSORS = 4096
 MANY_BYTES = 2 << 20
 
 
-def _measure_work(
-    reader: Reader, infos: Sequence[TensorInfo], histograms: bool
-) -> Iterator[_Piece]:
-    """The pieces to measure, in order: runs of small tensors together where the reader
-    can read them so, every other tensor as _measured_pieces gives it."""
+def small_runs(
+    infos: Sequence[TensorInfo], joins: Callable[[TensorInfo], bool]
+) -> Iterator[list[int]]:
+    """The indices of `infos` in order, cut into runs: consecutive tensors of at most
+    SMALL_TENSOR_BYTES for which joins() holds, MANY_TENSORS and MANY_BYTES at most
+    together; every other tensor is a run of its own."""
     run: list[int] = []
     run_bytes = 0
     for index, info in enumerate(infos):
-        if _joins_runs(info, histograms):
+        if info.nbytes <= SMALL_TENSOR_BYTES and joins(info):
             if run and (len(run) == MANY_TENSORS or run_bytes + info.nbytes > MANY_BYTES):
-                yield from _run_pieces(reader, infos, run)
+                yield run
                 run, run_bytes = [], 0
             run.append(index)
             run_bytes += info.nbytes
             continue
         if run:
-            yield from _run_pieces(reader, infos, run)
+            yield run
             run, run_bytes = [], 0
-        for load, repeat in _measured_pieces(reader, info):
-            yield index, load, repeat
+        yield [index]
     if run:
-        yield from _run_pieces(reader, infos, run)
+        yield run
 
 
-def _joins_runs(info: TensorInfo, histograms: bool) -> bool:
-    """Small, and measured by NormAccumulator.add alone: 8- and 16-bit floats counted
-    into histograms are not (each needs its bit-pattern counts)."""
-    if info.nbytes > SMALL_TENSOR_BYTES:
-        return False
-    return not (histograms and is_small_float(info.dtype))
+def _measure_work(
+    reader: Reader, infos: Sequence[TensorInfo], histograms: bool
+) -> Iterator[_Piece]:
+    """The pieces to measure, in order: runs of small tensors together where the reader
+    can read them so, every other tensor as _measured_pieces gives it. 8- and 16-bit
+    floats counted into histograms stay apart (each needs its bit-pattern counts)."""
 
+    def joins(info: TensorInfo) -> bool:
+        return not (histograms and is_small_float(info.dtype))
 
-def _run_pieces(reader: Reader, infos: Sequence[TensorInfo], run: list[int]) -> Iterator[_Piece]:
-    """A run of consecutive small tensors as one piece, or one by one where the reader
-    cannot read them together."""
-    load = reader.loader_of_many([infos[i] for i in run]) if len(run) > 1 else None
-    if load is not None:
-        yield run[0], load, _MANY
-        return
-    for index in run:
-        for piece_load, repeat in _measured_pieces(reader, infos[index]):
-            yield index, piece_load, repeat
+    for run in small_runs(infos, joins):
+        load = reader.loader_of_many([infos[i] for i in run]) if len(run) > 1 else None
+        if load is not None:
+            yield run[0], load, _MANY
+            continue
+        for index in run:  # one by one
+            for piece_load, repeat in _measured_pieces(reader, infos[index]):
+                yield index, piece_load, repeat
 
 
 def _measured_pieces(
@@ -234,6 +234,13 @@ def _measured_pieces(
 
 # ---------------------------------------------------------------- writing
 
+# What write_tensors may do with small tensors together: which ones join (joins), and what
+# to write of them given their data (outputs: whole flat arrays, in order).
+Many = tuple[
+    Callable[[TensorInfo], bool],
+    Callable[[list[TensorInfo], list[np.ndarray]], list[np.ndarray]],
+]
+
 
 def write_tensors(
     reader: Reader,
@@ -241,26 +248,54 @@ def write_tensors(
     chunks_of: Callable[[TensorInfo], Iterable[np.ndarray] | None],
     progress: Progress = SILENT,
     chunk_elems: int | None = None,
+    *,
+    many: Many | None = None,
 ) -> None:
     """The write loop, the one place tensors reach a writer: every tensor of the reader in
     order, as chunks_of gives it, or, where chunks_of gives None, copied as it is (a kernel
     copy where the writer can, else the reader's chunks of chunk_elems elements; the
-    reader's default when None). abort() on any failure, close() after the last tensor."""
+    reader's default when None). abort() on any failure, close() after the last tensor.
+
+    many = (joins, outputs): small tensors for which joins() holds are read together where
+    the reader can (small_runs, Reader.loader_of_many), and outputs(infos, arrays) gives
+    what to write of them, whole, handed to the writer together (Writer.write_many)."""
+    infos = reader.infos
+    runs = small_runs(infos, many[0]) if many is not None else ([i] for i in range(len(infos)))
     try:
-        for info in reader.infos:
+        for run in runs:
             interrupts.check()
-            chunks = chunks_of(info)
-            if chunks is None:
-                if writer.copy_unchanged(reader, info):
-                    progress.advance(info.nbytes)
-                    continue
-                chunks = _counted(reader.chunks(info, chunk_elems), progress)
-            writer.write(info, chunks)
+            together = [infos[i] for i in run]
+            load = reader.loader_of_many(together) if many is not None and len(run) > 1 else None
+            if many is not None and load is not None:
+                writer.write_many(together, many[1](together, load()))
+                progress.advance(sum(info.nbytes for info in together))
+                continue
+            for index in run:
+                _write_one(reader, writer, infos[index], chunks_of, progress, chunk_elems)
         interrupts.check()
         writer.close()
     except BaseException:
         writer.abort()
         raise
+
+
+def _write_one(
+    reader: Reader,
+    writer: Writer,
+    info: TensorInfo,
+    chunks_of: Callable[[TensorInfo], Iterable[np.ndarray] | None],
+    progress: Progress,
+    chunk_elems: int | None,
+) -> None:
+    """One tensor as chunks_of gives it, or copied as it is (see write_tensors)."""
+    interrupts.check()
+    chunks = chunks_of(info)
+    if chunks is None:
+        if writer.copy_unchanged(reader, info):
+            progress.advance(info.nbytes)
+            return
+        chunks = _counted(reader.chunks(info, chunk_elems), progress)
+    writer.write(info, chunks)
 
 
 def _counted(chunks: Iterable[np.ndarray], progress: Progress) -> Iterator[np.ndarray]:

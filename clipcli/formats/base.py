@@ -421,6 +421,13 @@ class Writer(ABC):
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         """Write the next tensor (in checkpoint order) from flat C-order chunks."""
 
+    def write_many(self, infos: Sequence[TensorInfo], arrays: Sequence[np.ndarray]) -> None:
+        """Write the next tensors (in checkpoint order), each whole, as one flat array:
+        small tensors, handed over together. A writer that can write them in one go
+        should (one write instead of one per tensor)."""
+        for info, array in zip(infos, arrays, strict=True):
+            self.write(info, [array])
+
     def copy_unchanged(
         self,
         source: Reader,  # noqa: ARG002 - default of an interface method
