@@ -184,6 +184,7 @@ def header_length(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> i
         total += _json_bytes("__metadata__") + 1 + 2 + inner + len(metadata) - 1
         pieces += 1
     offset = 0
+    batch: list[list[Any]] = []
     for info in infos:
         entry = {
             "dtype": CODES[info.dtype_name],
@@ -191,10 +192,29 @@ def header_length(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> i
             "data_offsets": [offset, offset + info.nbytes],
         }
         offset += info.nbytes
-        total += _json_bytes(info.name) + 1 + _json_bytes(entry)
-        pieces += 1
+        batch.append([info.name, entry])
+        if len(batch) == _PIECES_AT_ONCE:
+            total += _pieces_bytes(batch)
+            pieces += len(batch)
+            batch = []
+    total += _pieces_bytes(batch)
+    pieces += len(batch)
     total += max(pieces - 1, 0)  # the commas between pieces
     return total + -total % 8
+
+
+# Entries measured by one json.dumps: one call per entry cost ~5 us (200,000 tensors: 1 s).
+_PIECES_AT_ONCE = 4096
+
+
+def _pieces_bytes(pairs: list[list[Any]]) -> int:
+    """Bytes of `"name":{entry}` for each [name, entry], commas between them left out:
+    `["name",{entry}]` in a list is that plus its two brackets, the list itself its two
+    brackets and the commas between elements."""
+    if not pairs:
+        return 0
+    listed = _json_bytes(pairs)
+    return listed - 2 - (len(pairs) - 1) - 2 * len(pairs)
 
 
 def header_problem(infos: Sequence[TensorInfo], metadata: Mapping[str, str]) -> str | None:
