@@ -10,6 +10,7 @@ what it runs (issue 12, item 7).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from clipcli.numerics import rounding, slices
 from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.many import accumulate_each
 from clipcli.numerics.norms import NormAccumulator, accumulate, accumulate_array
-from clipcli.pipeline import SMALL_TENSOR_BYTES, map_chunks, write_tensors
+from clipcli.pipeline import map_chunks, write_tensors
 from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
 from clipcli.progress import SILENT, Progress
 from clipcli.spec import ClipSpec
@@ -38,9 +39,7 @@ def copy_ahead_hook(
     verdict = EarlyVerdict(spec)
 
     def on_measured(t: TensorStats) -> None:
-        # Small tensors are written together, from one read (write_tensors): a copy of
-        # each on its own, ahead, would be a thread task and two syscalls per tensor.
-        if verdict.unchanged(t) and t.info.nbytes > SMALL_TENSOR_BYTES:
+        if verdict.unchanged(t):
             writer.copy_ahead(reader, t.info)
 
     return on_measured
@@ -99,6 +98,9 @@ def execute(
     def chunks_of(info: TensorInfo) -> Iterable[np.ndarray] | None:
         tensor = by_name[info.name]
         if tensor.action is Action.AXES:
+            if len(slices.box_indices(info.shape, slices.STREAM_BOX_ELEMENTS)) > 1:
+                outcomes[info.name], scaled = _clip_slices_streamed(reader, tensor, plan.spec)
+                return None if scaled is None else _counted_out(scaled, progress)
             array, outcomes[info.name] = _clip_slices(reader, tensor, plan.spec)
             progress.advance(info.nbytes)
             return [array.reshape(-1)]
@@ -173,6 +175,12 @@ def _split(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
     return pieces
 
 
+def _counted_out(chunks: Iterator[np.ndarray], progress: Progress) -> Iterator[np.ndarray]:
+    for chunk in chunks:
+        progress.advance(chunk.nbytes)
+        yield chunk
+
+
 def _transform(
     tensor: TensorPlan, spec: ClipSpec | None
 ) -> Callable[[np.ndarray], np.ndarray] | None:
@@ -188,10 +196,66 @@ def _transform(
     return None
 
 
+def _clip_slices_streamed(
+    reader: Reader, tensor: TensorPlan, spec: ClipSpec | None
+) -> tuple[Outcome, Iterator[np.ndarray] | None]:
+    """--axes on a tensor read box by box (numerics.slices: a pass for the slices' norms,
+    then one that scales): memory stays flat whatever its size. The outcome, and the
+    scaled chunks (None if no slice changes: the tensor is copied as it is), which fill in
+    the outcome's statistics as they go."""
+    assert spec is not None
+    info = tensor.info
+    boxes = _boxes_of(reader, info)
+    _, scales = slices.streamed_axes_scales(boxes, info.shape, tensor.axes, info.dtype, spec.limit)
+    clipped = int(np.count_nonzero(scales != 1.0))
+    if not clipped:
+        return Outcome(tensor.before, False, 0, int(scales.size)), None
+    outcome = Outcome(NormAccumulator(), True, clipped, int(scales.size))
+    return outcome, _scaled_boxes(boxes, scales, tensor.axes, outcome)
+
+
+def _scaled_boxes(
+    boxes: slices.Boxes, scales: np.ndarray, axes: tuple[int, ...], outcome: Outcome
+) -> Iterator[np.ndarray]:
+    for box, index in boxes():
+        scaled = slices.scale_box(box, index, scales, axes)
+        outcome.flushes.add(*rounding.flushes(box, scaled))
+        flat = scaled.reshape(-1)
+        outcome.after.add(flat)
+        yield flat
+
+
+def _boxes_of(reader: Reader, info: TensorInfo) -> slices.Boxes:
+    """The tensor's boxes (numerics.slices.box_indices), read anew on each call: the
+    reader's chunks cut or joined to the boxes' sizes, at most a chunk and a box at once."""
+    indices = slices.box_indices(info.shape, slices.STREAM_BOX_ELEMENTS)
+
+    def one_pass() -> Iterator[slices.Box]:
+        chunks = reader.chunks(info, slices.STREAM_BOX_ELEMENTS)
+        left = np.empty(0, info.dtype)
+        for index in indices:
+            shape = slices.box_shape(info.shape, index)
+            size = math.prod(shape)
+            parts = []
+            while size:
+                interrupts.check()
+                if not left.size:
+                    left = next(chunks, left)
+                    if not left.size:
+                        raise ValueError(f"tensor {info.name!r} ended early")
+                parts.append(left[:size])
+                size -= parts[-1].size
+                left = left[parts[-1].size :]
+            box = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            yield box.reshape(shape), index
+
+    return one_pass
+
+
 def _clip_slices(
     reader: Reader, tensor: TensorPlan, spec: ClipSpec | None
 ) -> tuple[np.ndarray, Outcome]:
-    """--axes: the whole tensor in memory, each slice scaled on its own."""
+    """--axes: the whole tensor in memory (one box at most), each slice scaled on its own."""
     assert spec is not None
     array = reader.read(tensor.info)
     _, scales = slices.axes_scales(array, tensor.axes, spec.limit)
