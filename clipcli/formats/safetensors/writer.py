@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -182,16 +182,6 @@ class SafetensorsWriter(Writer):
         for chunk in chunks:
             self._file.write(byte_view(chunk, little))
             self._written()
-
-    def write_many(self, infos: Sequence[TensorInfo], arrays: Sequence[np.ndarray]) -> None:
-        """The tensors' bytes one after another, in one write."""
-        pieces = []
-        for info, array in zip(infos, arrays, strict=True):
-            self._settle(info)
-            little = info.dtype.newbyteorder("<") if info.dtype.byteorder == ">" else info.dtype
-            pieces.append(byte_view(array, little))
-        self._file.write(b"".join(pieces))
-        self._written()
 
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
         """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
