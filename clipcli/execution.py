@@ -83,6 +83,9 @@ class DiscardingWriter(Writer):
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
         return True
 
+    def copy_unchanged_many(self, source: Reader, infos: Sequence[TensorInfo]) -> bool:  # noqa: ARG002
+        return True
+
     def close(self) -> None:
         pass
 
@@ -116,11 +119,19 @@ def execute(
     def joins(info: TensorInfo) -> bool:  # --axes reads each tensor whole, on its own
         return by_name[info.name].action is not Action.AXES
 
+    def kept(info: TensorInfo) -> bool:
+        return by_name[info.name].action is Action.KEEP
+
     def outputs(infos: list[TensorInfo], arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return _carry_out_many([by_name[i.name] for i in infos], arrays, plan.spec, outcomes)
+        tensors = [by_name[i.name] for i in infos]
+        if not arrays:  # copied as they are
+            for tensor in tensors:
+                outcomes[tensor.info.name] = Outcome(tensor.before, changed=False)
+            return []
+        return _carry_out_many(tensors, arrays, plan.spec, outcomes)
 
     progress.start(label, sum(p.info.nbytes for p in plan.tensors))
-    write_tensors(reader, writer, chunks_of, progress, many=(joins, outputs))
+    write_tensors(reader, writer, chunks_of, progress, many=(joins, kept, outputs))
     progress.finish()
     return [outcomes[p.info.name] for p in plan.tensors]
 

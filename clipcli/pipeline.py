@@ -234,9 +234,11 @@ def _measured_pieces(
 
 # ---------------------------------------------------------------- writing
 
-# What write_tensors may do with small tensors together: which ones join (joins), and what
-# to write of them given their data (outputs: whole flat arrays, in order).
+# What write_tensors may do with small tensors together: which ones join (joins), which
+# are written as they are (kept), and what to write of them given their data (outputs:
+# whole flat arrays, in order).
 Many = tuple[
+    Callable[[TensorInfo], bool],
     Callable[[TensorInfo], bool],
     Callable[[list[TensorInfo], list[np.ndarray]], list[np.ndarray]],
 ]
@@ -256,20 +258,29 @@ def write_tensors(
     copy where the writer can, else the reader's chunks of chunk_elems elements; the
     reader's default when None). abort() on any failure, close() after the last tensor.
 
-    many = (joins, outputs): small tensors for which joins() holds are read together where
-    the reader can (small_runs, Reader.loader_of_many), and outputs(infos, arrays) gives
-    what to write of them, whole, handed to the writer together (Writer.write_many)."""
+    many = (joins, kept, outputs): small tensors for which joins() holds are copied in one
+    go when every one is kept as it is and the writer can (Writer.copy_unchanged_many),
+    else read together where the reader can (small_runs, Reader.loader_of_many), and
+    outputs(infos, arrays) gives what to write of them, whole, handed to the writer
+    together (Writer.write_many); outputs(infos, []) for tensors copied."""
     infos = reader.infos
     runs = small_runs(infos, many[0]) if many is not None else ([i] for i in range(len(infos)))
     try:
         for run in runs:
             interrupts.check()
             together = [infos[i] for i in run]
-            load = reader.loader_of_many(together) if many is not None and len(run) > 1 else None
-            if many is not None and load is not None:
-                writer.write_many(together, many[1](together, load()))
-                progress.advance(sum(info.nbytes for info in together))
-                continue
+            if many is not None and len(run) > 1:
+                joins, kept, outputs = many
+                nbytes = sum(info.nbytes for info in together)
+                if all(map(kept, together)) and writer.copy_unchanged_many(reader, together):
+                    outputs(together, [])  # (their outcomes: unchanged)
+                    progress.advance(nbytes)
+                    continue
+                load = reader.loader_of_many(together)
+                if load is not None:
+                    writer.write_many(together, outputs(together, load()))
+                    progress.advance(nbytes)
+                    continue
             for index in run:
                 _write_one(reader, writer, infos[index], chunks_of, progress, chunk_elems)
         interrupts.check()

@@ -23,7 +23,7 @@ import pytest
 from handmade import read_safetensors, write_safetensors
 from safetensors.numpy import load_file
 
-from clipcli import pipeline
+from clipcli import filecopy, pipeline
 from clipcli.cli import main
 from clipcli.formats.base import TensorInfo
 from clipcli.formats.safetensors import reader as st_reader
@@ -143,7 +143,7 @@ def tiny_checkpoint(
     path: Path, count: int, seed: int = 0, kinds: list[type] = ALL_KINDS
 ) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    tensors = {}
+    tensors: dict[str, np.ndarray] = {}
     for i in range(count):
         size = int(rng.choice([0, 1, 2, 3, 7]))
         kind = kinds[i % len(kinds)]
@@ -235,11 +235,11 @@ def test_clip_of_many_tiny_tensors_is_what_one_at_a_time_gives(
 def test_small_tensors_are_written_in_order_from_one_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each small tensor reaches the writer's write() (where faults and signals are
-    tested), none through a kernel copy of its own, and none read on its own."""
+    """Each small scaled tensor reaches the writer's write() (where faults and signals are
+    tested) from the run's one read; unchanged ones go in one kernel copy per run."""
     src = tmp_path / "many.safetensors"
     # 8- and 16-bit floats are measured one by one for clip (each counts its bit patterns)
-    tiny_checkpoint(src, 400, kinds=[np.float32, np.float64, np.int64])
+    tensors = tiny_checkpoint(src, 400, kinds=[np.float32, np.float64, np.int64])
     writes: list[str] = []
     real = SafetensorsWriter.write
 
@@ -249,11 +249,24 @@ def test_small_tensors_are_written_in_order_from_one_read(
 
     monkeypatch.setattr(SafetensorsWriter, "write", spy)
     monkeypatch.setattr(SafetensorsWriter, "copy_unchanged", None)  # never asked
+    copies: list[int] = []
+    real_copy = filecopy.kernel_copy
+
+    def copy_spy(*args: int) -> int:
+        copies.append(args[2])
+        return real_copy(*args)
+
+    monkeypatch.setattr(filecopy, "kernel_copy", copy_spy)
     calls = count_preads(monkeypatch)
     out = tmp_path / "o.safetensors"
-    assert main(["clip", "--global", "1e9", "-q", str(src), str(out)]) == 0
+    assert main(["clip", "--global", "1", "-q", str(src), str(out)]) == 0
     assert writes == [f"layers.{i}.w" for i in range(400)]
     assert len(calls) == 2  # one to measure, one to write
+    assert copies == []
+    writes.clear()
+    assert main(["clip", "--global", "1e9", "-q", "--force", str(src), str(out)]) == 0
+    assert writes == []
+    assert copies == [sum(a.nbytes for a in tensors.values())]  # the run: one copy
     assert out.read_bytes() == src.read_bytes()
 
 

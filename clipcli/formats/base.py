@@ -445,6 +445,15 @@ class Writer(ABC):
         for info, array in zip(infos, arrays, strict=True):
             self.write(info, [array])
 
+    def copy_unchanged_many(
+        self,
+        source: Reader,  # noqa: ARG002 - default of an interface method
+        infos: Sequence[TensorInfo],  # noqa: ARG002 - default of an interface method
+    ) -> bool:
+        """copy_unchanged for the next tensors together (small ones, stored one after
+        another): one copy instead of one per tensor. False: the caller writes them."""
+        return False
+
     def copy_unchanged(
         self,
         source: Reader,  # noqa: ARG002 - default of an interface method

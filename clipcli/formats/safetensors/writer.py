@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -182,6 +182,29 @@ class SafetensorsWriter(Writer):
         for chunk in chunks:
             self._file.write(byte_view(chunk, little))
             self._written()
+
+    def copy_unchanged_many(self, source: Reader, infos: Sequence[TensorInfo]) -> bool:
+        """One kernel copy for tensors stored one after another in one file, which go one
+        after another here too."""
+        stored = [source.stored_bytes(info) for info in infos]
+        first = stored[0]
+        if first is None:
+            return False
+        end = first.begin
+        for info, where in zip(infos, stored, strict=True):
+            if where is None or where.path != first.path or where.begin != end:
+                return False
+            if self._offsets[info.name] != self._offsets[infos[0].name] + (end - first.begin):
+                return False
+            end = where.end
+        for info in infos:
+            self._settle(info)
+        self._file.flush()
+        position = self._offsets[infos[0].name]
+        self._copy_range(first.fileno(), first.begin, end, position)
+        self._file.seek(position + end - first.begin)
+        self._written()
+        return True
 
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
         """Copy an unchanged tensor's bytes file-to-file in the kernel, with no Python copy."""
