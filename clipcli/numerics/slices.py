@@ -283,8 +283,8 @@ Boxes = Callable[[], Iterator[Box]]
 
 def box_indices(shape: tuple[int, ...], budget: int) -> list[tuple[int | slice, ...]]:
     """The index of each box of an array of `shape`, in C order: ints on the leading axes,
-    a slice on one axis, whole axes after it; every box at most `budget` elements (or one
-    row of the last axis, if that alone is more)."""
+    a slice on one axis, whole axes after it; every box at most `budget` elements (a last
+    axis longer than the budget is itself cut into ranges)."""
     if math.prod(shape) == 0:
         return []
     depth = len(shape)  # the axis cut into ranges: the first whose rows fit the budget
