@@ -1,45 +1,132 @@
-"""Issue 9 item 17: `clip` on 200,000 one-element tensors (a 14 MB safetensors file).
+"""Issue 20, "Many tensors" and "--axes in bounded memory": CPU seconds and peak RSS.
 
-    python benchmarks/many_tiny_tensors.py [--tensors N]
+    python benchmarks/many_tiny_tensors.py [--tensors N] [--axes-mib M] [--runs R]
+                                           [--other NAME=CHECKOUT ...] [--dir DIR]
 
-Times one `clipcli clip --global 1` process (wall seconds and peak RSS via /usr/bin/time
-where present). Measured on the shared 2-core machine, 2026-11-23: 91.8 s before (a
-thread pool per tensor), 41.7 s with one shared pool, 20.4 s with one-chunk tensors run
-inline as well.
+Rows (each a whole `python -m clipcli` process, timed with /usr/bin/time: CPU = user +
+system seconds, the figure to trust on a shared machine; peak RSS = %M):
+
+- norms (table), norms --format json, clip --global 1 (durable, as users run it) on a
+  safetensors file of N one-element float32 tensors (default 200,000: 14 MB);
+- clip --norm 1 --axes 0 --no-fsync on one float32 tensor of M MiB (default 1024:
+  [M * 256, 1024]), every column clipped.
+
+`--other NAME=CHECKOUT` runs the same commands with another checkout's clipcli (its
+directory on PYTHONPATH, run from outside any checkout), interleaved with this one, e.g.
+`--other main=/work/main` for a before/after table. Targets (issue 20, 2 cores): norms
+<= 3 s and clip --global <= 5 s of CPU at <= 200 MiB; --axes <= 200 MiB.
+The generated files are kept in --dir (default: a temporary directory, removed).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
+import os
+import statistics
+import struct
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+
+HERE = Path(__file__).resolve().parent.parent  # this checkout
+
+
+def write_tiny(path: Path, count: int) -> None:
+    """count one-element float32 tensors t0, t1, ... holding i % 5 (safetensors by hand)."""
+    header = {
+        f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+        for i in range(count)
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    values = (np.arange(count) % 5).astype("<f4")
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text + values.tobytes())
+
+
+def write_single(path: Path, mib: int) -> None:
+    """One float32 tensor of [mib * 256, 1024], seeded standard normals, in 32 MiB steps."""
+    rows = mib * 256
+    header = {"w": {"dtype": "F32", "shape": [rows, 1024], "data_offsets": [0, rows * 4096]}}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    rng = np.random.default_rng(0)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text)
+        for start in range(0, rows, 8192):
+            step = min(8192, rows - start)
+            out.write(rng.standard_normal((step, 1024), dtype=np.float32).tobytes())
+
+
+def run(checkout: Path, args: list[str], scratch: Path) -> tuple[float, float, int]:
+    """(CPU s, wall s, peak RSS KiB) of one `python -m clipcli ARGS` with that checkout."""
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    timer = ["/usr/bin/time", "-f", "%U %S %e %M", "-o", str(scratch / "time.txt")]
+    command = [*timer, sys.executable, "-m", "clipcli", *args]
+    subprocess.run(command, env=env, cwd=scratch, stdout=subprocess.DEVNULL, check=True)
+    user, system, wall, rss = (scratch / "time.txt").read_text().split()[-4:]
+    return float(user) + float(system), float(wall), int(rss)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tensors", type=int, default=200_000)
+    parser.add_argument("--axes-mib", type=int, default=1024)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--other", action="append", default=[], metavar="NAME=CHECKOUT")
+    parser.add_argument("--dir", type=Path, default=None)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch:
-        src = Path(scratch) / "many.safetensors"
-        save_file(
-            {f"t{i}": np.array([float(i % 5)], np.float32) for i in range(args.tensors)},
-            str(src),
-        )
-        command = [sys.executable, "-m", "clipcli", "clip", "--global", "1", "--quiet"]
-        command += [str(src), str(Path(scratch) / "out.safetensors")]
-        timer = shutil.which("time") or "/usr/bin/time"
-        if Path(timer).exists():
-            command = [timer, "-f", "%e s wall, %M KB peak RSS", *command]
-        start = time.monotonic()
-        subprocess.run(command, check=True)
-        print(f"{args.tensors} one-element tensors: {time.monotonic() - start:.1f} s")
+    trees = [("this", HERE)] + [
+        (name, Path(path).resolve()) for name, path in (o.split("=", 1) for o in args.other)
+    ]
+    with tempfile.TemporaryDirectory() as temporary:
+        scratch = args.dir or Path(temporary)
+        scratch.mkdir(parents=True, exist_ok=True)
+        tiny = scratch / f"tiny-{args.tensors}.safetensors"
+        single = scratch / f"single-{args.axes_mib}mib.safetensors"
+        if not tiny.exists():
+            write_tiny(tiny, args.tensors)
+        if args.axes_mib and not single.exists():
+            write_single(single, args.axes_mib)
+        out = str(scratch / "out.safetensors")
+        jobs = [
+            (f"norms, {args.tensors:,} one-element tensors", ["norms", str(tiny)]),
+            (f"norms --format json, {args.tensors:,}", ["norms", "--format", "json", str(tiny)]),
+            (
+                f"clip --global 1, {args.tensors:,}",
+                ["clip", "--global", "1", "--quiet", "--force", str(tiny), out],
+            ),
+        ]
+        if args.axes_mib:
+            axes = ["clip", "--norm", "1", "--axes", "0", "--quiet", "--force", "--no-fsync"]
+            jobs.append(
+                (
+                    f"clip --norm 1 --axes 0, one {args.axes_mib} MiB tensor",
+                    [*axes, str(single), out],
+                )
+            )
+        results: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+        for _ in range(args.runs):  # interleaved: drift in the machine hits every tree alike
+            for label, job in jobs:
+                for name, checkout in trees:
+                    results.setdefault((label, name), []).append(run(checkout, job, scratch))
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(f"load average after: {load}; {args.runs} runs\n")
+        print("| job | tree | CPU s (median, min) | wall s (median) | peak RSS |")
+        print("|---|---|---|---|---|")
+        for label, _ in jobs:
+            for name, _ in trees:
+                runs = results[(label, name)]
+                cpu = [r[0] for r in runs]
+                print(
+                    f"| {label} | {name} | {statistics.median(cpu):.2f} ({min(cpu):.2f}) | "
+                    f"{statistics.median(r[1] for r in runs):.2f} | "
+                    f"{max(r[2] for r in runs) / 1024:.0f} MiB |"
+                )
 
 
 if __name__ == "__main__":

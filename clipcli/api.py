@@ -189,7 +189,8 @@ class ClipResult(NamedTuple):
 
     @property
     def global_after(self) -> float:
-        return global_norm(r.after.norm for r in self.rows if r.plan.in_global)
+        pairs = zip(self.plan.tensors, self.outcomes, strict=True)
+        return global_norm(outcome.after.norm for p, outcome in pairs if p.in_global)
 
 
 def clip(
@@ -363,10 +364,8 @@ def check_writable(reader: Reader, target: Target) -> type[Writer]:
     holds (names, dtypes, names together, metadata): a refusal is exit 2 naming the tensor
     or key, before anything is created."""
     cls = target.writer_class()
-    for info in reader.infos:
-        reason = cls.check_name(info.name) or cls.check_dtype(info) or cls.check_shape(info)
-        if reason is not None:
-            raise UsageError(f"{target.out}: tensor {info.name!r}: {reason}")
+    for info, problem in cls.tensor_problems(reader.infos):
+        raise UsageError(f"{target.out}: tensor {info.name!r}: {problem}")
     reason = cls.check_names([info.name for info in reader.infos]) or cls.check_metadata(
         _output_metadata(reader, target.is_directory), reader
     )

@@ -9,6 +9,7 @@ boundary (boundary.py): one stderr line `clipcli: error: ...` and a documented e
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import signal
@@ -71,6 +72,23 @@ def _keep_chunk_buffers() -> None:
         pass
 
 
+# The cyclic collector's thresholds for its two older generations (Python's default: 10
+# and 10). See _collect_old_objects_rarely.
+OLD_GENERATIONS_THRESHOLDS = (100, 100)
+
+
+def _collect_old_objects_rarely() -> None:
+    """Have the cyclic garbage collector look at long-lived objects 10x less often.
+
+    A checkpoint of 200,000 tensors makes a few million objects (header entries, tensor
+    records, statistics, report rows) that all live to the end of the run, and each full
+    collection walks every one of them: with the default thresholds that was a third of
+    `clip`'s CPU time (9.3 -> 6.6 s on 200,000 one-element tensors). clipcli's data is
+    freed by reference counting (chunks hold no cycles), so collecting the young
+    generation as usual is enough; the old ones still get collected, later."""
+    gc.set_threshold(gc.get_threshold()[0], *OLD_GENERATIONS_THRESHOLDS)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code. Every failure is one stderr line."""
     boundary.reset()
@@ -92,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             # We thread over chunks ourselves; BLAS threads on top only spin and contend.
             os.environ.setdefault(variable, "1")
         _keep_chunk_buffers()
+        _collect_old_objects_rarely()
         # SIGINT, SIGTERM and SIGHUP are recorded from here on; the command acts on them
         # between chunks (boundary.run_command), so readers remove their temps.
         with interrupts.deferred():

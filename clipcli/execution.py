@@ -10,6 +10,7 @@ what it runs (issue 12, item 7).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.measurement import TensorStats
 from clipcli.numerics import rounding, slices
 from clipcli.numerics.certain import CertainSumsq
+from clipcli.numerics.many import accumulate_each
 from clipcli.numerics.norms import NormAccumulator, accumulate, accumulate_array
 from clipcli.pipeline import map_chunks, write_tensors
 from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
@@ -81,6 +83,9 @@ class DiscardingWriter(Writer):
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
         return True
 
+    def copy_unchanged_many(self, source: Reader, infos: Sequence[TensorInfo]) -> bool:  # noqa: ARG002
+        return True
+
     def close(self) -> None:
         pass
 
@@ -96,6 +101,9 @@ def execute(
     def chunks_of(info: TensorInfo) -> Iterable[np.ndarray] | None:
         tensor = by_name[info.name]
         if tensor.action is Action.AXES:
+            if len(slices.box_indices(info.shape, slices.STREAM_BOX_ELEMENTS)) > 1:
+                outcomes[info.name], scaled = _clip_slices_streamed(reader, tensor, plan.spec)
+                return None if scaled is None else _counted_out(scaled, progress)
             array, outcomes[info.name] = _clip_slices(reader, tensor, plan.spec)
             progress.advance(info.nbytes)
             return [array.reshape(-1)]
@@ -108,10 +116,80 @@ def execute(
         pairs = map_chunks(reader, info, functools.partial(_with_stats, transform, count))
         return _measured(pairs, outcome, progress)
 
+    def joins(info: TensorInfo) -> bool:  # --axes reads each tensor whole, on its own
+        return by_name[info.name].action is not Action.AXES
+
+    def kept(info: TensorInfo) -> bool:
+        return by_name[info.name].action is Action.KEEP
+
+    def outputs(infos: list[TensorInfo], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        tensors = [by_name[i.name] for i in infos]
+        if not arrays:  # copied as they are
+            for tensor in tensors:
+                outcomes[tensor.info.name] = Outcome(tensor.before, changed=False)
+            return []
+        return _carry_out_many(tensors, arrays, plan.spec, outcomes)
+
     progress.start(label, sum(p.info.nbytes for p in plan.tensors))
-    write_tensors(reader, writer, chunks_of, progress)
+    write_tensors(reader, writer, chunks_of, progress, many=(joins, kept, outputs))
     progress.finish()
     return [outcomes[p.info.name] for p in plan.tensors]
+
+
+def _carry_out_many(
+    tensors: list[TensorPlan],
+    arrays: list[np.ndarray],
+    spec: ClipSpec | None,
+    outcomes: dict[str, Outcome],
+) -> list[np.ndarray]:
+    """What to write of small whole tensors (their outcomes go into `outcomes`): those
+    with the same transform and dtype are transformed as one array, then measured together
+    (numerics.many). Scaling and clamping act on each value alone, so the output is the
+    one each tensor gets on its own, bit for bit."""
+    written = list(arrays)
+    together: dict[tuple[object, ...], list[int]] = {}
+    for k, tensor in enumerate(tensors):
+        if tensor.action is Action.SCALE:
+            key: tuple[object, ...] = (tensor.info.dtype, tensor.factor, tensor.exponent)
+        elif tensor.action is Action.CLAMP:
+            key = (tensor.info.dtype,)
+        else:
+            outcomes[tensor.info.name] = Outcome(tensor.before, changed=False)
+            continue
+        together.setdefault((tensor.action, *key), []).append(k)
+    for members in together.values():
+        first = tensors[members[0]]
+        transform = _transform(first, spec)
+        assert transform is not None
+        before = [arrays[k] for k in members]
+        flat = np.concatenate(before)
+        flat_after = transform(flat)
+        after = _split(flat_after, before)
+        flushed = [(0, 0)] * len(members)
+        if first.action is Action.SCALE and rounding.flushes(flat, flat_after) != (0, 0):
+            flushed = [rounding.flushes(b, a) for b, a in zip(before, after, strict=True)]
+        for k, out, stats, (to_zero, to_subnormal) in zip(
+            members, after, accumulate_each(after), flushed, strict=True
+        ):
+            outcome = outcomes[tensors[k].info.name] = Outcome(stats, changed=True)
+            outcome.flushes.add(to_zero, to_subnormal)
+            written[k] = out
+    return written
+
+
+def _split(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+    """`flat` cut into pieces as long as the arrays of `like`, in order."""
+    pieces, start = [], 0
+    for array in like:
+        pieces.append(flat[start : start + array.size])
+        start += array.size
+    return pieces
+
+
+def _counted_out(chunks: Iterator[np.ndarray], progress: Progress) -> Iterator[np.ndarray]:
+    for chunk in chunks:
+        progress.advance(chunk.nbytes)
+        yield chunk
 
 
 def _transform(
@@ -129,10 +207,66 @@ def _transform(
     return None
 
 
+def _clip_slices_streamed(
+    reader: Reader, tensor: TensorPlan, spec: ClipSpec | None
+) -> tuple[Outcome, Iterator[np.ndarray] | None]:
+    """--axes on a tensor read box by box (numerics.slices: a pass for the slices' norms,
+    then one that scales): memory stays flat whatever its size. The outcome, and the
+    scaled chunks (None if no slice changes: the tensor is copied as it is), which fill in
+    the outcome's statistics as they go."""
+    assert spec is not None
+    info = tensor.info
+    boxes = _boxes_of(reader, info)
+    _, scales = slices.streamed_axes_scales(boxes, info.shape, tensor.axes, info.dtype, spec.limit)
+    clipped = int(np.count_nonzero(scales != 1.0))
+    if not clipped:
+        return Outcome(tensor.before, False, 0, int(scales.size)), None
+    outcome = Outcome(NormAccumulator(), True, clipped, int(scales.size))
+    return outcome, _scaled_boxes(boxes, scales, tensor.axes, outcome)
+
+
+def _scaled_boxes(
+    boxes: slices.Boxes, scales: np.ndarray, axes: tuple[int, ...], outcome: Outcome
+) -> Iterator[np.ndarray]:
+    for box, index in boxes():
+        scaled = slices.scale_box(box, index, scales, axes)
+        outcome.flushes.add(*rounding.flushes(box, scaled))
+        flat = scaled.reshape(-1)
+        outcome.after.add(flat)
+        yield flat
+
+
+def _boxes_of(reader: Reader, info: TensorInfo) -> slices.Boxes:
+    """The tensor's boxes (numerics.slices.box_indices), read anew on each call: the
+    reader's chunks cut or joined to the boxes' sizes, at most a chunk and a box at once."""
+    indices = slices.box_indices(info.shape, slices.STREAM_BOX_ELEMENTS)
+
+    def one_pass() -> Iterator[slices.Box]:
+        chunks = reader.chunks(info, slices.STREAM_BOX_ELEMENTS)
+        left = np.empty(0, info.dtype)
+        for index in indices:
+            shape = slices.box_shape(info.shape, index)
+            size = math.prod(shape)
+            parts = []
+            while size:
+                interrupts.check()
+                if not left.size:
+                    left = next(chunks, left)
+                    if not left.size:
+                        raise ValueError(f"tensor {info.name!r} ended early")
+                parts.append(left[:size])
+                size -= parts[-1].size
+                left = left[parts[-1].size :]
+            box = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            yield box.reshape(shape), index
+
+    return one_pass
+
+
 def _clip_slices(
     reader: Reader, tensor: TensorPlan, spec: ClipSpec | None
 ) -> tuple[np.ndarray, Outcome]:
-    """--axes: the whole tensor in memory, each slice scaled on its own."""
+    """--axes: the whole tensor in memory (one box at most), each slice scaled on its own."""
     assert spec is not None
     array = reader.read(tensor.info)
     _, scales = slices.axes_scales(array, tensor.axes, spec.limit)

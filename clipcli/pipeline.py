@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from clipcli import interrupts
+from clipcli.dtypes import is_small_float
 from clipcli.errors import UsageError
 from clipcli.formats.base import Reader, TensorInfo, Writer
 from clipcli.measurement import Measurement, TensorStats
@@ -107,17 +108,18 @@ def measure(
     """Statistics of `infos`, chunks measured in worker threads across tensor bounds;
     describe() says how each tensor counts (clipcli.selection). on_measured is told of
     each tensor, in order, as soon as it is done. With `histograms`, 8- and 16-bit float
-    tensors also count their bit patterns (for the factor search)."""
-    stats = [NormAccumulator() for _ in infos]
+    tensors also count their bit patterns (for the factor search). Small tensors that the
+    reader reads together are measured together (clipcli.numerics.many)."""
+    stats: list[NormAccumulator | None] = [None] * len(infos)
     rows: list[TensorStats] = []
-    work = (
-        (i, load, repeat)
-        for i, info in enumerate(infos)
-        for load, repeat in _measured_pieces(reader, info)
-    )
 
-    def reduce(item: tuple[int, Callable[[], np.ndarray], int]) -> tuple[int, NormAccumulator, int]:
+    def reduce(item: _Piece) -> tuple[int, NormAccumulator | list[NormAccumulator], int]:
         index, load, repeat = item
+        if repeat == _MANY:  # whole small tensors from index on
+            from clipcli.numerics.many import accumulate_each
+
+            arrays = load()
+            return index, accumulate_each(arrays), sum(a.nbytes for a in arrays)
         chunk = load()
         partial = NormAccumulator(keep_histogram=histograms)
         if repeat:
@@ -126,17 +128,30 @@ def measure(
             partial.add(chunk)
         return index, partial, chunk.nbytes * max(repeat, 1)
 
+    def merge(index: int, partial: NormAccumulator | list[NormAccumulator]) -> None:
+        if isinstance(partial, list):
+            stats[index : index + len(partial)] = partial
+            return
+        so_far = stats[index]
+        if so_far is None:
+            stats[index] = partial
+        else:
+            so_far.merge(partial)
+
     def done(index: int) -> None:
-        stats[index].finish()
-        rows.append(describe(infos[index], stats[index]))
+        acc = stats[index]
+        if acc is None:  # an empty tensor
+            acc = stats[index] = NormAccumulator()
+        acc.finish()
+        rows.append(describe(infos[index], acc))
         if on_measured is not None:
             on_measured(rows[-1])
 
     total = sum(info.nbytes for info in infos)
     reduce_stream(
-        work,
+        _measure_work(reader, infos, histograms),
         reduce,
-        lambda index, partial: stats[index].merge(partial),
+        merge,
         len(infos),
         progress,
         "measuring",
@@ -145,6 +160,62 @@ def measure(
         on_done=done,
     )
     return Measurement(reader.path, reader.format_name, dict(reader.metadata), rows)
+
+
+# (tensor index, loader, repeat): repeat 0 is a chunk of the tensor, a positive repeat a
+# constant tensor's one value, _MANY whole tensors from the index on (a list of arrays).
+_Piece = tuple[int, Callable[[], Any], int]
+_MANY = -1
+# Tensors of at most SMALL_TENSOR_BYTES are read and measured MANY_TENSORS at a time (at
+# most MANY_BYTES): per tensor, a read, a task and a NormAccumulator.add cost ~30 us,
+# which 200,000 one-element tensors turned into most of a minute.
+SMALL_TENSOR_BYTES = 64 << 10
+MANY_TENSORS = 4096
+MANY_BYTES = 2 << 20
+
+
+def small_runs(
+    infos: Sequence[TensorInfo], joins: Callable[[TensorInfo], bool]
+) -> Iterator[list[int]]:
+    """The indices of `infos` in order, cut into runs: consecutive tensors of at most
+    SMALL_TENSOR_BYTES for which joins() holds, MANY_TENSORS and MANY_BYTES at most
+    together; every other tensor is a run of its own."""
+    run: list[int] = []
+    run_bytes = 0
+    for index, info in enumerate(infos):
+        if info.nbytes <= SMALL_TENSOR_BYTES and joins(info):
+            if run and (len(run) == MANY_TENSORS or run_bytes + info.nbytes > MANY_BYTES):
+                yield run
+                run, run_bytes = [], 0
+            run.append(index)
+            run_bytes += info.nbytes
+            continue
+        if run:
+            yield run
+            run, run_bytes = [], 0
+        yield [index]
+    if run:
+        yield run
+
+
+def _measure_work(
+    reader: Reader, infos: Sequence[TensorInfo], histograms: bool
+) -> Iterator[_Piece]:
+    """The pieces to measure, in order: runs of small tensors together where the reader
+    can read them so, every other tensor as _measured_pieces gives it. 8- and 16-bit
+    floats counted into histograms stay apart (each needs its bit-pattern counts)."""
+
+    def joins(info: TensorInfo) -> bool:
+        return not (histograms and is_small_float(info.dtype))
+
+    for run in small_runs(infos, joins):
+        load = reader.loader_of_many([infos[i] for i in run]) if len(run) > 1 else None
+        if load is not None:
+            yield run[0], load, _MANY
+            continue
+        for index in run:  # one by one
+            for piece_load, repeat in _measured_pieces(reader, infos[index]):
+                yield index, piece_load, repeat
 
 
 def _measured_pieces(
@@ -163,6 +234,15 @@ def _measured_pieces(
 
 # ---------------------------------------------------------------- writing
 
+# What write_tensors may do with small tensors together: which ones join (joins), which
+# are written as they are (kept), and what to write of them given their data (outputs:
+# whole flat arrays, in order).
+Many = tuple[
+    Callable[[TensorInfo], bool],
+    Callable[[TensorInfo], bool],
+    Callable[[list[TensorInfo], list[np.ndarray]], list[np.ndarray]],
+]
+
 
 def write_tensors(
     reader: Reader,
@@ -170,26 +250,63 @@ def write_tensors(
     chunks_of: Callable[[TensorInfo], Iterable[np.ndarray] | None],
     progress: Progress = SILENT,
     chunk_elems: int | None = None,
+    *,
+    many: Many | None = None,
 ) -> None:
     """The write loop, the one place tensors reach a writer: every tensor of the reader in
     order, as chunks_of gives it, or, where chunks_of gives None, copied as it is (a kernel
     copy where the writer can, else the reader's chunks of chunk_elems elements; the
-    reader's default when None). abort() on any failure, close() after the last tensor."""
+    reader's default when None). abort() on any failure, close() after the last tensor.
+
+    many = (joins, kept, outputs): small tensors for which joins() holds are copied in one
+    go when every one is kept as it is and the writer can (Writer.copy_unchanged_many),
+    else read together where the reader can (small_runs, Reader.loader_of_many), and
+    outputs(infos, arrays) gives what to write of them, whole, handed to the writer
+    together (Writer.write_many); outputs(infos, []) for tensors copied."""
+    infos = reader.infos
+    runs = small_runs(infos, many[0]) if many is not None else ([i] for i in range(len(infos)))
     try:
-        for info in reader.infos:
+        for run in runs:
             interrupts.check()
-            chunks = chunks_of(info)
-            if chunks is None:
-                if writer.copy_unchanged(reader, info):
-                    progress.advance(info.nbytes)
+            together = [infos[i] for i in run]
+            if many is not None and len(run) > 1:
+                joins, kept, outputs = many
+                nbytes = sum(info.nbytes for info in together)
+                if all(map(kept, together)) and writer.copy_unchanged_many(reader, together):
+                    outputs(together, [])  # (their outcomes: unchanged)
+                    progress.advance(nbytes)
                     continue
-                chunks = _counted(reader.chunks(info, chunk_elems), progress)
-            writer.write(info, chunks)
+                load = reader.loader_of_many(together)
+                if load is not None:
+                    writer.write_many(together, outputs(together, load()))
+                    progress.advance(nbytes)
+                    continue
+            for index in run:
+                _write_one(reader, writer, infos[index], chunks_of, progress, chunk_elems)
         interrupts.check()
         writer.close()
     except BaseException:
         writer.abort()
         raise
+
+
+def _write_one(
+    reader: Reader,
+    writer: Writer,
+    info: TensorInfo,
+    chunks_of: Callable[[TensorInfo], Iterable[np.ndarray] | None],
+    progress: Progress,
+    chunk_elems: int | None,
+) -> None:
+    """One tensor as chunks_of gives it, or copied as it is (see write_tensors)."""
+    interrupts.check()
+    chunks = chunks_of(info)
+    if chunks is None:
+        if writer.copy_unchanged(reader, info):
+            progress.advance(info.nbytes)
+            return
+        chunks = _counted(reader.chunks(info, chunk_elems), progress)
+    writer.write(info, chunks)
 
 
 def _counted(chunks: Iterable[np.ndarray], progress: Progress) -> Iterator[np.ndarray]:

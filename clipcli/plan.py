@@ -301,6 +301,7 @@ class EarlyVerdict:
     def __init__(self, spec: ClipSpec) -> None:
         self.spec = spec
         self._so_far = NormAccumulator()
+        self._crossed = False  # the global norm so far is over the limit: it stays so
 
     def unchanged(self, t: TensorStats) -> bool:
         spec = self.spec
@@ -311,8 +312,12 @@ class EarlyVerdict:
         if spec.mode is Mode.GLOBAL:
             if spec.use_norm is not None:
                 return scaling.tf_scale(spec.use_norm, spec.limit) is None
+            if self._crossed:
+                return False
             self._so_far.merge(t.stats)
-            return self._so_far.limit_ratio(spec.limit) >= 1.0
+            within = self._so_far.limit_ratio(spec.limit) >= 1.0
+            self._crossed = not within
+            return within
         if spec.mode is Mode.VALUE:
             try:
                 return value_decision(spec, t)[0] is Action.KEEP

@@ -77,9 +77,22 @@ def is_floating_name(dtype_name: str) -> bool:
     return dtype_name.startswith(_FLOATING_PREFIXES)
 
 
+# Every name in OPTIMIZER_ROOTS holds "optim", and every one in BUFFER_NAMES one of these:
+# a name holding none of them is not training state, known without splitting it (a
+# checkpoint of 200,000 tensors asks this of each, several times).
+BUFFER_MARKS = ("moving_", "running_", "num_batches_tracked")
+
+
 def classify(name: str, floating: bool = True) -> Role:
     """The role of the tensor called `name` (HDF5 path or dotted safetensors/npz name):
     training state by name first, then NON_FLOAT for a tensor that is not `floating`."""
+    if (
+        "optim" not in name
+        and "moving_" not in name
+        and "running_" not in name
+        and "num_batches_tracked" not in name
+    ):
+        return Role.WEIGHT if floating else Role.NON_FLOAT
     parts = [part for part in _SEPARATORS.split(name) if part]
     if parts and parts[0] in OPTIMIZER_ROOTS:
         return Role.OPTIMIZER

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from clipcli import roles, scope
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from clipcli.formats.base import TensorInfo
     from clipcli.measurement import TensorStats
     from clipcli.numerics.norms import NormAccumulator
@@ -36,7 +39,7 @@ class Selection:
     def __call__(self, name: str) -> bool:
         if self.include and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
             return False
-        return not any(fnmatch.fnmatchcase(name, g) for g in self.exclude)
+        return not self.exclude or not any(fnmatch.fnmatchcase(name, g) for g in self.exclude)
 
     def left_out(self, name: str) -> roles.Role | None:
         """The role that keeps a tensor out of norms and clipping, None if it counts."""
@@ -66,16 +69,24 @@ class Selection:
 
     def describe(self, info: TensorInfo, stats: NormAccumulator) -> TensorStats:
         """How a measured tensor counts: selected or not, its role, in the global norm."""
-        # Imported here: selecting by name (`ls --include`) needs no numpy.
-        from clipcli.dtypes import is_floating
-        from clipcli.measurement import TensorStats
-
+        is_floating, TensorStats = _measuring()
         selected = self(info.name)
         floating = is_floating(info.dtype)
         kept_out = self.left_out(info.name) if selected else None
         counts = selected and kept_out is None and floating
         role = kept_out or (roles.Role.WEIGHT if floating else roles.Role.NON_FLOAT)
         return TensorStats(info, stats, counts, role, selected)
+
+
+@functools.cache
+def _measuring() -> tuple[Callable[[np.dtype[Any]], bool], type[TensorStats]]:
+    """What describe() needs, imported on its first call (selecting by name, as in
+    `ls --include`, needs no numpy), then kept: an import statement costs ~1 us, and
+    describe() runs once per tensor."""
+    from clipcli.dtypes import is_floating
+    from clipcli.measurement import TensorStats
+
+    return is_floating, TensorStats
 
 
 EVERY_TENSOR = Selection()  # no patterns: every tensor, training state left out

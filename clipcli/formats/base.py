@@ -25,6 +25,20 @@ if TYPE_CHECKING:
 
     from clipcli.identity import FileIdentity
 
+# numpy's dtype.name is computed in Python on every call (~2 us): a checkpoint of 200,000
+# tensors asks it several times per tensor (rows, writer checks, headers), so each dtype's
+# name is kept once here (no numpy import: the dtype object is the key).
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def name_of_dtype(dtype: np.dtype[Any]) -> str:
+    """dtype.name, computed once per dtype."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
+
+
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
 # small enough that a float64 copy of it stays in L2/L3 cache.
 CHUNK_BYTES = 1 << 21
@@ -47,7 +61,7 @@ class TensorInfo(NamedTuple):
     @property
     def dtype_name(self) -> str:
         """numpy's name, independent of byte order: float32, bfloat16, float8_e4m3fn, ..."""
-        return self.dtype.name
+        return name_of_dtype(self.dtype)
 
 
 class Listed(NamedTuple):
@@ -189,6 +203,16 @@ class Reader(ABC):
         (so that worker threads read in parallel); None when reading must be sequential."""
         return None
 
+    def loader_of_many(
+        self,
+        infos: Sequence[TensorInfo],  # noqa: ARG002 - default of an interface method
+    ) -> Callable[[], list[np.ndarray]] | None:
+        """A thread-safe loader of several whole tensors at once, each flat, in the order
+        given, for a reader that reads them in one go (small tensors stored near each other
+        in one file: one read instead of one per tensor); None where it cannot, and the
+        caller reads them one by one. Asked for small tensors only (a few MiB in all)."""
+        return None
+
     def constant(self, info: TensorInfo) -> np.ndarray | None:  # noqa: ARG002 - interface
         """The one value every element of the tensor holds, when the format says so without
         reading them (an unallocated HDF5 dataset: its fill value), as a 0-d array of the
@@ -322,9 +346,26 @@ class Writer(ABC):
 
     def check_tensors(self, infos: Iterable[TensorInfo]) -> None:
         """The writers' own guard (callers check first, naming OUT: api.check_writable)."""
+        for _, reason in self.tensor_problems(infos, names=False):
+            raise ValueError(reason)
+
+    @classmethod
+    def tensor_problems(
+        cls, infos: Iterable[TensorInfo], names: bool = True
+    ) -> Iterator[tuple[TensorInfo, str]]:
+        """Each tensor this format cannot hold, with why: its name (if `names`), its dtype
+        or its shape. The dtype and shape checks are asked once per (dtype, shape): a
+        checkpoint of 200,000 tensors has a few dozen of them."""
+        verdicts: dict[tuple[Any, tuple[int, ...]], str | None] = {}
         for info in infos:
-            if (reason := self.check_dtype(info) or self.check_shape(info)) is not None:
-                raise ValueError(reason)
+            reason = cls.check_name(info.name) if names else None
+            if reason is None:
+                key = (info.dtype, info.shape)
+                if key not in verdicts:
+                    verdicts[key] = cls.check_dtype(info) or cls.check_shape(info)
+                reason = verdicts[key]
+            if reason is not None:
+                yield info, reason
 
     @classmethod
     def check_name(cls, name: str) -> str | None:
@@ -396,6 +437,22 @@ class Writer(ABC):
     @abstractmethod
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         """Write the next tensor (in checkpoint order) from flat C-order chunks."""
+
+    def write_many(self, infos: Sequence[TensorInfo], arrays: Sequence[np.ndarray]) -> None:
+        """Write the next tensors (in checkpoint order), each whole, as one flat array:
+        small tensors, handed over together. A writer that can write them in one go
+        should (one write instead of one per tensor)."""
+        for info, array in zip(infos, arrays, strict=True):
+            self.write(info, [array])
+
+    def copy_unchanged_many(
+        self,
+        source: Reader,  # noqa: ARG002 - default of an interface method
+        infos: Sequence[TensorInfo],  # noqa: ARG002 - default of an interface method
+    ) -> bool:
+        """copy_unchanged for the next tensors together (small ones, stored one after
+        another): one copy instead of one per tensor. False: the caller writes them."""
+        return False
 
     def copy_unchanged(
         self,

@@ -50,7 +50,7 @@ def rescale_exponents(peaks: np.ndarray) -> np.ndarray:
     return exps
 
 
-@dataclass
+@dataclass(slots=True)  # slots: ~300 bytes less per tensor (checkpoints of 200,000)
 class ScaledSum:
     """A float64 sum carried as mant * 2**exp (mant normalised to [0.5, 1) in magnitude,
     signed), so that no sum of scaled terms overflows or underflows."""
@@ -125,7 +125,7 @@ def _patterns(dtype: np.dtype[Any]) -> _Patterns:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class NormAccumulator:
     """Running sum of squares, max |x| and non-finite count of a tensor."""
 

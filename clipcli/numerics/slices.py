@@ -7,8 +7,11 @@ block of rows, so memory stays bounded by the tensor plus SLICE_BLOCK_BYTES.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable, Iterator
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -117,6 +120,32 @@ def axes_scales(
     wider floats the rounding bound of WideBound is applied per slice, needing no pass.
     """
     sums, exps = slice_sumsq(array, axes)
+    return scales_from_sums(
+        sums,
+        exps,
+        limit,
+        array.dtype,
+        array.shape,
+        axes,
+        lambda near: _rows_within_exactly(_rows(array, axes, near), limit),
+        lambda over: _picked_slices(array, axes, over),
+    )
+
+
+def scales_from_sums(
+    sums: np.ndarray,
+    exps: np.ndarray,
+    limit: float,
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    axes: tuple[int, ...],
+    within_exactly: Callable[[np.ndarray], np.ndarray],
+    picked: Callable[[np.ndarray], np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+    """axes_scales from the slices' sums of squares (slice_sumsq), whatever holds the data:
+    within_exactly(near) says, for the slices marked `near` (in C order), whether each
+    one's exact sum of squares is <= limit**2; picked(over) gives the slices marked `over`
+    as rows (only asked for 8/16-bit floats and float64, whose margin needs the values)."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         norms = np.ldexp(np.sqrt(sums), exps)
         # limit / norm from the scaled sums, so slices whose norm overflows still clip.
@@ -130,21 +159,21 @@ def axes_scales(
     near = over & (np.abs(ratios - 1.0) <= AMBIGUOUS)
     if np.any(near):
         # Within the sums' own rounding error of C: decide exactly (a norm equal to C stays).
-        within = _rows_within_exactly(_rows(array, axes, near), limit)
+        within = within_exactly(near)
         over[near] = ~within
         ratios = np.where(near, np.minimum(ratios, 1 - U64), ratios)
         if not np.any(over):
             return norms, scales
-    bits = exact_product_bits([array.dtype])
-    slice_numel = math.prod(array.shape[a] for a in axes)
-    unit = worst_unit([array.dtype])
-    if is_small_float(array.dtype) or mantissa_digits(array.dtype) == 53:
+    bits = exact_product_bits([dtype])
+    slice_numel = math.prod(shape[a] for a in axes)
+    unit = worst_unit([dtype])
+    if is_small_float(dtype) or mantissa_digits(dtype) == 53:
         # 8/16-bit: exact from the values; float64: the bound would cost ~slice_numel
         # ulps, so the rounded slices are summed with a certain error bound instead.
-        margin = _slice_values_margin(array, axes, over, limit)
+        margin = _slice_values_margin(picked(over), dtype, limit)
     else:
         # np.sum over each slice errs by at most slice_numel roundings (pairwise: fewer).
-        bound = WideBound(1.0, unit, smallest_subnormal(array.dtype), slice_numel)
+        bound = WideBound(1.0, unit, smallest_subnormal(dtype), slice_numel)
         rel_error = (slice_numel + 8) * U64
         slice_ratio = ratios[over] * (1 - rel_error)
 
@@ -158,21 +187,19 @@ def axes_scales(
     return norms, scales
 
 
-def _slice_values_margin(
-    array: np.ndarray, axes: tuple[int, ...], over: np.ndarray, limit: float
-) -> Margin:
-    """margin(factors) for the slices marked `over`, from their values (8/16-bit floats)."""
-    picked = _picked_slices(array, axes, over)
+def _slice_values_margin(picked: np.ndarray, dtype: np.dtype[Any], limit: float) -> Margin:
+    """margin(factors) for the slices given as rows, from their values (8/16-bit floats,
+    float64)."""
     values = widen_real(picked)
     per_slice = values.shape[1]
     flat = values.reshape(-1)
     slices = picked.shape[0]
     terms = per_slice + 4
-    small = is_small_float(array.dtype)
+    small = is_small_float(dtype)
 
     def margin(factors: np.ndarray) -> np.ndarray:
         each = np.repeat(factors, per_slice)  # complex: per real and imaginary part
-        rounded = narrow_round(flat * each, real_dtype(array.dtype)).astype(np.float64)
+        rounded = narrow_round(flat * each, real_dtype(dtype)).astype(np.float64)
         rounded = rounded.reshape(slices, per_slice)
         if not small:
             return _certain_rows_margin(rounded, limit)
@@ -237,3 +264,144 @@ def scale_slices(array: np.ndarray, scales: np.ndarray, axes: tuple[int, ...]) -
 def _scale_index(block: tuple[slice, ...], axes: tuple[int, ...]) -> tuple[slice, ...]:
     """The same block in the keepdims scales array (size 1 along the reduced axes)."""
     return tuple(slice(None) if i in axes else part for i, part in enumerate(block))
+
+
+# ---------------------------------------------------------------- a tensor read in pieces
+#
+# --axes on a tensor too big to hold (a 1 GiB tensor was held twice: 2.1 GB RSS): the data
+# comes as boxes, each a contiguous stretch of the C-order tensor that is itself a block of
+# it, array[i0, ..., i(d-1), a:b, :, ..., :], at most STREAM_BOX_ELEMENTS long. Every pass
+# over the tensor (`Boxes`, called once per pass) visits the boxes in order; the slices'
+# sums of squares add up over them, then a last pass scales box by box. Memory: the
+# per-slice arrays and one box with its float64 copies, whatever the tensor's size.
+
+STREAM_BOX_ELEMENTS = 1 << 20
+
+Box = tuple[np.ndarray, tuple[int | slice, ...]]  # a box shaped as a block, and its index
+Boxes = Callable[[], Iterator[Box]]
+
+
+def box_indices(shape: tuple[int, ...], budget: int) -> list[tuple[int | slice, ...]]:
+    """The index of each box of an array of `shape`, in C order: ints on the leading axes,
+    a slice on one axis, whole axes after it; every box at most `budget` elements (a last
+    axis longer than the budget is itself cut into ranges)."""
+    if math.prod(shape) == 0:
+        return []
+    depth = len(shape)  # the axis cut into ranges: the first whose rows fit the budget
+    while depth > 0 and math.prod(shape[depth - 1 :]) <= budget:
+        depth -= 1
+    if depth == 0:
+        return [tuple(slice(None) for _ in shape)]
+    axis = depth - 1
+    row = math.prod(shape[axis + 1 :])
+    step = max(1, budget // row)
+    rest = tuple(slice(None) for _ in shape[axis + 1 :])
+    return [
+        (*lead, slice(start, min(start + step, shape[axis])), *rest)
+        for lead in itertools.product(*(range(n) for n in shape[:axis]))
+        for start in range(0, shape[axis], step)
+    ]
+
+
+def box_shape(shape: tuple[int, ...], index: tuple[int | slice, ...]) -> tuple[int, ...]:
+    """The shape of a box as a block: 1 on the leading axes."""
+    return tuple(
+        1 if isinstance(part, int) else len(range(*part.indices(n)))
+        for part, n in zip(index, shape, strict=True)
+    )
+
+
+def box_region(index: tuple[int | slice, ...], axes: tuple[int, ...]) -> tuple[slice, ...]:
+    """Where a box's per-slice results go in the keepdims arrays (size 1 on `axes`)."""
+    return tuple(
+        slice(0, 1) if i in axes else (slice(part, part + 1) if isinstance(part, int) else part)
+        for i, part in enumerate(index)
+    )
+
+
+def streamed_sumsq(
+    boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any]
+) -> tuple[np.ndarray, np.ndarray]:
+    """slice_sumsq of the tensor the boxes hold. Only float64 data (real part) can need
+    rescaling: its slices' peaks take a pass of their own first; narrower data cannot
+    overflow or underflow float64 squares, and its exponents are all 0."""
+    keep_shape = tuple(1 if i in axes else n for i, n in enumerate(shape))
+    exps = np.zeros(keep_shape, dtype=np.int64)
+    if real_dtype(dtype).itemsize >= 8:
+        peak = np.zeros(keep_shape)
+        for box, index in boxes():
+            region = box_region(index, axes)
+            peak[region] = np.maximum(peak[region], _peaks(box, axes))
+        exps = rescale_exponents(peak)
+    total = np.zeros(keep_shape)
+    for box, index in boxes():
+        region = box_region(index, axes)
+        total[region] += _sum_squares(box, axes, exps[region])
+    return total, exps
+
+
+def streamed_picked(
+    boxes: Boxes,
+    shape: tuple[int, ...],
+    axes: tuple[int, ...],
+    dtype: np.dtype[Any],
+    which: np.ndarray,
+) -> np.ndarray:
+    """_picked_slices of the tensor the boxes hold: the slices marked in `which`
+    (keepdims) as rows, in the same order, gathered in one pass (memory: those slices)."""
+    rest = [i for i in range(len(shape)) if i not in axes]
+    marked = which.reshape(-1)
+    row_of = np.cumsum(marked) - 1  # each marked slice's row in the result
+    picked = np.empty((int(np.count_nonzero(marked)), math.prod(shape[a] for a in axes)), dtype)
+    for box, index in boxes():
+        ranges = [
+            range(part, part + 1) if isinstance(part, int) else range(*part.indices(n))
+            for part, n in zip(index, shape, strict=True)
+        ]
+        slice_ids = _raveled([ranges[i] for i in rest], [shape[i] for i in rest])
+        inside = marked[slice_ids]
+        if not np.any(inside):
+            continue
+        columns = _raveled([ranges[a] for a in axes], [shape[a] for a in axes])
+        moved = np.moveaxis(box, list(axes), list(range(box.ndim - len(axes), box.ndim)))
+        rows = moved.reshape(len(slice_ids), -1)[inside]
+        picked[row_of[slice_ids[inside]][:, None], columns[None, :]] = rows
+    return picked
+
+
+def _raveled(ranges: list[range], shape: list[int]) -> np.ndarray:
+    """The C-order flat indices, in `shape`, of the block that `ranges` spans, in C order."""
+    if not ranges:
+        return np.zeros(1, np.intp)
+    flat: np.ndarray = np.ravel_multi_index(np.ix_(*ranges), shape).reshape(-1)
+    return flat
+
+
+def streamed_axes_scales(
+    boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any], limit: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """axes_scales of the tensor the boxes hold, one pass for the sums (two for float64),
+    one more for the few slices within rounding error of the limit, and for 8/16-bit floats
+    and float64 one gathering the slices over it (their margin needs the values)."""
+    sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
+
+    def picked(which: np.ndarray) -> np.ndarray:
+        return streamed_picked(boxes, shape, axes, dtype, which)
+
+    return scales_from_sums(
+        sums,
+        exps,
+        limit,
+        dtype,
+        shape,
+        axes,
+        lambda near: _rows_within_exactly(widen_real(picked(near)), limit),
+        picked,
+    )
+
+
+def scale_box(
+    box: np.ndarray, index: tuple[int | slice, ...], scales: np.ndarray, axes: tuple[int, ...]
+) -> np.ndarray:
+    """One box scaled slice by slice, rounded to its dtype (as scale_slices does)."""
+    return scale_chunk(box, scales[box_region(index, axes)])

@@ -270,13 +270,17 @@ class Bars(NamedTuple):
 
 
 def bars_of(report: Report) -> Bars:
-    records = report.records()
-    name_key = report.columns[0].key
+    keys = [c.key for c in report.columns]
+    norm_at = keys.index("norm")
+    counted_at = keys.index("in_global") if "in_global" in keys else None
+    rows = report.rows
     return Bars(
         report.title,
-        tuple(str(r[name_key]) for r in records),
-        tuple(float(r["norm"]) for r in records),  # type: ignore[arg-type]
-        tuple(bool(r.get("in_global", True)) for r in records),
+        tuple(str(r[0]) for r in rows),
+        tuple(float(r[norm_at]) for r in rows),  # type: ignore[arg-type]
+        tuple(True for _ in rows)
+        if counted_at is None
+        else tuple(bool(r[counted_at]) for r in rows),
     )
 
 
@@ -324,8 +328,10 @@ def clip_note(row: ClipRow) -> str:
 
 
 def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | None = None) -> Report:
+    every = result.rows  # built once: a checkpoint may hold 200,000 tensors
+    global_before, global_after = result.global_before, result.global_after
     listed = ordered(
-        result.rows,
+        every,
         sort,
         top,
         lambda r: r.info.name,
@@ -346,16 +352,16 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
         for r in listed
     )
     spec = result.spec
-    changed = sum(r.changed for r in result.rows)
+    changed = sum(r.changed for r in every)
     verb = "would change" if result.dry_run else "changed"
     footer = [
-        f"global L2 norm {result.global_before:.6g} -> {result.global_after:.6g}",
-        f"{verb} {changed} of {count(len(result.rows), 'tensor')}"
+        f"global L2 norm {global_before:.6g} -> {global_after:.6g}",
+        f"{verb} {changed} of {count(len(every), 'tensor')}"
         + ("" if result.dry_run else f"; wrote {written_to(str(result.out))}"),
     ]
-    to_zero = sum(r.outcome.flushes.to_zero for r in result.rows)
-    to_subnormal = sum(r.outcome.flushes.to_subnormal for r in result.rows)
-    footer += showing_line(len(rows), len(result.rows), "tensor", top)
+    to_zero = sum(r.outcome.flushes.to_zero for r in every)
+    to_subnormal = sum(r.outcome.flushes.to_subnormal for r in every)
+    footer += showing_line(len(rows), len(every), "tensor", top)
     if to_zero or to_subnormal:  # the dtype's range, not a bug: said, never silent
         footer.append(
             f"the scaling {'would flush' if result.dry_run else 'flushed'} "
@@ -372,8 +378,8 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
         ("axes", list(spec.axes) if spec.axes is not None else None),
         ("used_norm", result.used_norm),
         ("dry_run", result.dry_run),
-        ("global_norm_before", result.global_before),
-        ("global_norm_after", result.global_after),
+        ("global_norm_before", global_before),
+        ("global_norm_after", global_after),
         ("changed", changed),
         ("flushed_to_zero", to_zero),
         ("made_subnormal", to_subnormal),

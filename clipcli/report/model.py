@@ -71,7 +71,8 @@ class Report(NamedTuple):
     empty: str = ""  # said in a table instead of drawing one with no rows (JSON/CSV: [])
 
     def records(self) -> list[dict[str, Value]]:
-        return [dict(zip((c.key for c in self.columns), row, strict=True)) for row in self.rows]
+        keys = tuple(c.key for c in self.columns)
+        return [dict(zip(keys, row, strict=True)) for row in self.rows]
 
 
 def count(n: int, noun: str) -> str:

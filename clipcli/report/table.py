@@ -78,6 +78,11 @@ _ASCII_BOX = str.maketrans(BOX, "+-++||-+||+-++")
 
 
 def cell_text(value: Value) -> str:
+    kind = type(value)  # the common kinds first: a table may have millions of cells
+    if kind is float:
+        return f"{value:.6g}"
+    if kind is int:  # digits: printable as they are
+        return str(value)
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -89,12 +94,33 @@ def cell_text(value: Value) -> str:
     return printable(str(value))
 
 
+def _column_texts(values: list[Value]) -> list[str]:
+    """cell_text of each value, a column at a time (one kind of value, mostly)."""
+    kinds = set(map(type, values))
+    if kinds == {float}:
+        return list(map("{:.6g}".format, values))
+    if kinds == {int}:
+        return list(map(str, values))
+    if kinds == {str}:
+        return list(map(printable, values))  # type: ignore[arg-type]
+    if kinds == {bool}:
+        return ["yes" if value else "no" for value in values]
+    return list(map(cell_text, values))
+
+
 def cells(text: str) -> int:
     """Terminal cells `text` takes: East Asian wide and full-width characters take two,
     combining marks none (the text is already escaped: no control characters)."""
     if text.isascii():
         return len(text)
     return sum(_cell_width(ch) for ch in text)
+
+
+def widest(texts: Sequence[str]) -> int:
+    """max(cells(t) for t in texts), counting characters where all are ASCII."""
+    if "".join(texts).isascii():
+        return max(map(len, texts), default=0)
+    return max(map(cells, texts), default=0)
 
 
 def _cell_width(ch: str) -> int:
@@ -227,8 +253,7 @@ def table_width(widths: Sequence[int]) -> int:
 
 def fit(report: Report, texts: Sequence[Sequence[str]], width: int | None) -> Layout:
     natural = [
-        max([cells(c.title)] + [cells(row[i]) for row in texts])
-        for i, c in enumerate(report.columns)
+        max(cells(c.title), widest([row[i] for row in texts])) for i, c in enumerate(report.columns)
     ]
     shown = list(range(len(report.columns)))
     if width is None or table_width(natural) <= width:
@@ -292,10 +317,14 @@ def constant_columns(report: Report, texts: Sequence[Sequence[str]]) -> list[str
 def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     titles = tuple(c._replace(title=our_text(stream, c.title)) for c in report.columns)
     report = report._replace(columns=titles)  # measured as they will be written
-    texts = [[encodable(stream, cell_text(v)) for v in row] for row in report.rows]
+    by_column = [_column_texts([row[i] for row in report.rows]) for i in range(len(report.columns))]
+    texts = [list(row) for row in zip(*by_column, strict=True)] if report.rows else []
+    if not "".join(text for row in texts for text in row).isascii():  # ASCII fits any stream
+        texts = [[encodable(stream, text) for text in row] for row in texts]
     layout = fit(report, texts, width)
     columns = [report.columns[i] for i in layout.shown]
-    rows = [[row[i] for i in layout.shown] for row in texts]
+    shows_all = len(layout.shown) == len(report.columns)
+    rows = texts if shows_all else [[row[i] for i in layout.shown] for row in texts]
     if layout.name_width is not None:
         names = middle_ellipses([row[0] for row in rows], layout.name_width)
         rows = [[name, *row[1:]] for name, row in zip(names, rows, strict=True)]
@@ -346,7 +375,15 @@ def _boxed_table(columns: Sequence[Any], rows: Sequence[Sequence[str]], stream: 
 
 def _plain_lines(columns: Sequence[Any], rows: Sequence[Sequence[str]]) -> list[str]:
     texts = [[c.title for c in columns], *rows]
-    widths = [max(cells(row[i]) for row in texts) for i in range(len(columns))]
+    widths = [widest([row[i] for row in texts]) for i in range(len(columns))]
+    if "".join(text for row in texts for text in row).isascii():  # one cell per character
+        padded = [
+            [text.rjust(w) if column.numeric else text.ljust(w) for text in texts_of_column]
+            for column, w, texts_of_column in zip(
+                columns, widths, zip(*texts, strict=True), strict=True
+            )
+        ]
+        return ["  ".join(parts).rstrip() for parts in zip(*padded, strict=True)]
     lines = []
     for row in texts:
         parts = [

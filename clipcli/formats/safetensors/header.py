@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from clipcli.formats.base import TensorInfo
 
@@ -75,13 +75,62 @@ def dtype_of(code: str) -> np.dtype[Any]:
     return dtype_named(DTYPE_NAMES[code])
 
 
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
+class Entry(NamedTuple):
+    """A tensor's header entry as the JSON parser hands it over when it is plainly typed
+    (dtype a known code, shape and data_offsets lists of non-negative ints): a tuple of
+    ~200 bytes instead of a dict of ~650, for headers of 200,000 tensors. The reader checks
+    the rest (sizes, offsets) and names the tensor; as_dict() gives the entry back."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "data_offsets": [self.begin, self.end],
+        }
+
+
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+_CODE_OF = {code: code for code in ITEMSIZES}  # one str per code, not one per tensor
+_RANK_LIMIT = 64  # formats.base.NUMPY_MAX_RANK: more dimensions go to the reader's checks
+
+
+def header_object(pairs: list[tuple[str, Any]]) -> dict[str, Any] | Entry:
+    """The JSON parser's object_pairs_hook: a duplicate key is refused (ValueError); a
+    plainly typed tensor entry becomes an Entry, every other object a dict."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
+    if len(result) != 3 or result.keys() != _ENTRY_KEYS:
+        return result
+    code, shape, offsets = result["dtype"], result["shape"], result["data_offsets"]
+    if (
+        type(code) is str
+        and code in _CODE_OF
+        and type(shape) is list
+        and len(shape) <= _RANK_LIMIT
+        and all(type(d) is int and d >= 0 for d in shape)
+        and type(offsets) is list
+        and len(offsets) == 2
+        and type(offsets[0]) is int
+        and type(offsets[1]) is int
+        and 0 <= offsets[0] <= offsets[1]
+    ):
+        return Entry(_CODE_OF[code], tuple(shape), offsets[0], offsets[1])
     return result
+
+
+def as_json_value(value: Any) -> Any:
+    """An object of the parsed header as the JSON held it (an Entry back as a dict)."""
+    return value.as_dict() if type(value) is Entry else value
 
 
 def _is_int(value: object) -> bool:
@@ -111,7 +160,7 @@ def build_header(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> by
     offset = 0
     for info in infos:
         header[info.name] = {
-            "dtype": CODES[info.dtype.name],
+            "dtype": CODES[info.dtype_name],
             "shape": list(info.shape),
             "data_offsets": [offset, offset + info.nbytes],
         }
@@ -135,17 +184,37 @@ def header_length(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> i
         total += _json_bytes("__metadata__") + 1 + 2 + inner + len(metadata) - 1
         pieces += 1
     offset = 0
+    batch: list[list[Any]] = []
     for info in infos:
         entry = {
-            "dtype": CODES[info.dtype.name],
+            "dtype": CODES[info.dtype_name],
             "shape": list(info.shape),
             "data_offsets": [offset, offset + info.nbytes],
         }
         offset += info.nbytes
-        total += _json_bytes(info.name) + 1 + _json_bytes(entry)
-        pieces += 1
+        batch.append([info.name, entry])
+        if len(batch) == _PIECES_AT_ONCE:
+            total += _pieces_bytes(batch)
+            pieces += len(batch)
+            batch = []
+    total += _pieces_bytes(batch)
+    pieces += len(batch)
     total += max(pieces - 1, 0)  # the commas between pieces
     return total + -total % 8
+
+
+# Entries measured by one json.dumps: one call per entry cost ~5 us (200,000 tensors: 1 s).
+_PIECES_AT_ONCE = 4096
+
+
+def _pieces_bytes(pairs: list[list[Any]]) -> int:
+    """Bytes of `"name":{entry}` for each [name, entry], commas between them left out:
+    `["name",{entry}]` in a list is that plus its two brackets, the list itself its two
+    brackets and the commas between elements."""
+    if not pairs:
+        return 0
+    listed = _json_bytes(pairs)
+    return listed - 2 - (len(pairs) - 1) - 2 * len(pairs)
 
 
 def header_problem(infos: Sequence[TensorInfo], metadata: Mapping[str, str]) -> str | None:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from clipcli.errors import InputError
 from clipcli.formats.base import (
+    NUMPY_MAX_BYTES,
     Listed,
     Reader,
     StoredBytes,
@@ -29,10 +31,12 @@ from clipcli.formats.safetensors.header import (
     ITEMSIZES,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
+    Entry,
     _is_int,
-    _reject_duplicates,
+    as_json_value,
     buffer_size_overflows,
     dtype_of,
+    header_object,
 )
 from clipcli.formats.structure import (
     STRUCTURE_KEY,
@@ -45,6 +49,12 @@ from clipcli.inputs import open_input
 
 if TYPE_CHECKING:
     import numpy as np
+
+_U64_MAX = 2**64 - 1
+# loader_of_many reads at most this much at once, gaps included (a few small tensors with
+# an unselected big one between them are read one by one).
+MANY_SPAN_BYTES = 4 << 20
+_BYTE_RANGE = operator.itemgetter(1, 2)  # of (Listed, begin, end): a stable sort keeps ties
 
 
 def _shown(value: object, limit: int = 200) -> str:
@@ -145,10 +155,8 @@ class SafetensorsReader(Reader):
     def _fail(self, problem: str, tensor: str | None = None) -> InputError:
         return InputError(self.path, problem, tensor)
 
-    def _parse(
-        self, handle: BinaryIO
-    ) -> tuple[list[Listed], dict[str, tuple[int, int]], dict[str, str]]:
-        """The tensors (in file order), their absolute byte ranges, and the metadata."""
+    def _parse(self, handle: BinaryIO) -> tuple[list[Listed], dict[str, int], dict[str, str]]:
+        """The tensors (in file order), where each begins in the file, and the metadata."""
         file_size = os.fstat(handle.fileno()).st_size
         prefix = handle.read(8)
         if len(prefix) < 8:
@@ -169,19 +177,26 @@ class SafetensorsReader(Reader):
         except UnicodeDecodeError:
             raise self._fail("header is not valid UTF-8") from None
         try:
-            header = json.loads(text, object_pairs_hook=_reject_duplicates)
+            header = json.loads(text, object_pairs_hook=header_object)
         except RecursionError:
             raise self._fail("header JSON is nested too deeply") from None
         except ValueError as exc:
             raise self._fail(f"header is not valid JSON: {exc}") from None
+        del text
+        header = as_json_value(header)
         if not isinstance(header, dict):
             raise self._fail("header is not a JSON object")
-        _refuse_surrogates(self, header)
-        metadata = self._parse_metadata(header.pop("__metadata__", None))
+        # A lone surrogate can only be spelled as an escape from \uD800 to \uDFFF: a
+        # header without one needs no look at each of its names.
+        if b"\\ud" in raw or b"\\uD" in raw:
+            _refuse_surrogates(self, header)
+        del raw
+        metadata = self._parse_metadata(as_json_value(header.pop("__metadata__", None)))
         if len(header) > MAX_TENSORS:
             raise self._fail(f"header lists {len(header)} tensors; the limit is {MAX_TENSORS}")
         entries = [self._parse_entry(name, entry) for name, entry in header.items()]
-        entries.sort(key=lambda item: (item[1], item[2]))
+        del header
+        entries.sort(key=_BYTE_RANGE)
         expected = 0
         for info, begin, end in entries:
             if begin != expected:
@@ -193,10 +208,8 @@ class SafetensorsReader(Reader):
             kind = "trailing bytes" if actual > expected else "missing bytes (truncated file)"
             raise self._fail(f"{kind}: tensors need {expected} data bytes, file has {actual}")
         listing = [info for info, _, _ in entries]
-        offsets = {
-            info.name: (8 + header_len + begin, 8 + header_len + end)
-            for info, begin, end in entries
-        }
+        # Where each tensor begins in the file; it ends nbytes later (checked above).
+        offsets = {info.name: 8 + header_len + begin for info, begin, _ in entries}
         return listing, offsets, metadata
 
     def _parse_metadata(self, raw: object) -> dict[str, str]:
@@ -210,6 +223,8 @@ class SafetensorsReader(Reader):
         return dict(raw)
 
     def _parse_entry(self, name: str, entry: object) -> tuple[Listed, int, int]:
+        if type(entry) is Entry:
+            return self._parse_plain_entry(name, entry)
         if not isinstance(entry, dict):
             raise self._fail("header entry is not an object", name)
         code = entry.get("dtype")
@@ -248,6 +263,17 @@ class SafetensorsReader(Reader):
             )
         return Listed(name, DTYPE_NAMES[code], tuple(shape), nbytes), begin, end
 
+    def _parse_plain_entry(self, name: str, entry: Entry) -> tuple[Listed, int, int]:
+        """A plainly typed entry (header_object): only the sizes are left to check."""
+        code, shape, begin, end = entry
+        itemsize = ITEMSIZES[code]
+        numel = math.prod(shape)
+        # Every dimension >= 1: no partial product exceeds the whole (buffer_size_overflows).
+        fits = numel * itemsize * 8 <= _U64_MAX and 0 not in shape
+        if fits and max(shape, default=0) <= NUMPY_MAX_BYTES and end - begin == numel * itemsize:
+            return Listed(name, DTYPE_NAMES[code], shape, numel * itemsize), begin, end
+        return self._parse_entry(name, entry.as_dict())  # says which check fails
+
     @property
     def listing(self) -> list[Listed]:
         return self._listing
@@ -255,9 +281,11 @@ class SafetensorsReader(Reader):
     @property
     def infos(self) -> list[TensorInfo]:
         if self._infos is None:  # numpy (and ml_dtypes for BF16/F8) from here on
+            dtypes = {name: dtype_of(CODES[name]) for name in {t.dtype_name for t in self._listing}}
+            make = TensorInfo._make
             self._infos = [
-                TensorInfo(t.name, dtype_of(CODES[t.dtype_name]), t.shape, t.nbytes)
-                for t in self._listing
+                make((name, dtypes[dtype], shape, nbytes))
+                for name, dtype, shape, nbytes in self._listing
             ]
         return self._infos
 
@@ -283,7 +311,8 @@ class SafetensorsReader(Reader):
 
     def byte_range(self, info: TensorInfo) -> tuple[int, int]:
         """Absolute [begin, end) of the tensor's bytes in the file."""
-        return self._offsets[info.name]
+        begin = self._offsets[info.name]
+        return begin, begin + info.nbytes
 
     def stored_bytes(self, info: TensorInfo) -> StoredBytes:
         begin, end = self.byte_range(info)
@@ -309,8 +338,34 @@ class SafetensorsReader(Reader):
         for start in range(begin, end, step):
             yield functools.partial(self.read_bytes, info, start, min(start + step, end))
 
+    def loader_of_many(self, infos: Sequence[TensorInfo]) -> Callable[[], list[np.ndarray]] | None:
+        """One pread for tensors stored in this order with at most MANY_SPAN_BYTES from the
+        first one's start to the last one's end (what lies between, unasked, is read too)."""
+        begins = [self._offsets[info.name] for info in infos]
+        end = begins[0]
+        for begin, info in zip(begins, infos, strict=True):
+            if begin < end:
+                return None
+            end = begin + info.nbytes
+        if end - begins[0] > MANY_SPAN_BYTES:
+            return None
+        return functools.partial(self._read_many, list(infos), begins, end)
+
+    def _read_many(self, infos: list[TensorInfo], begins: list[int], end: int) -> list[np.ndarray]:
+        start = begins[0]
+        raw = self._pread(start, end, infos[0].name)
+        return [
+            raw[begin - start : begin - start + info.nbytes].view(info.dtype)
+            for begin, info in zip(begins, infos, strict=True)
+        ]
+
     def read_bytes(self, info: TensorInfo, start: int, stop: int) -> np.ndarray:
-        """Elements stored in the absolute byte range [start, stop), read with pread.
+        """Elements stored in the absolute byte range [start, stop), read with pread."""
+        return self._pread(start, stop, info.name).view(info.dtype)
+
+    def _pread(self, start: int, stop: int, name: str) -> np.ndarray:
+        """The bytes [start, stop) of the file, read with pread (`name`: the tensor a short
+        read is blamed on).
 
         pread into a fresh buffer keeps the resident set bounded, where a memory map
         would count every touched page of a multi-GB file.
@@ -325,11 +380,11 @@ class SafetensorsReader(Reader):
             while done < len(view):
                 got = os.preadv(fd, [view[done:]], start + done)
                 if got == 0:
-                    raise self._fail("file shrank while reading", info.name)
+                    raise self._fail("file shrank while reading", name)
                 done += got
         finally:
             self._done()
-        return raw.view(info.dtype)
+        return raw
 
     def read(self, info: TensorInfo) -> np.ndarray:
         begin, end = self.byte_range(info)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -57,6 +57,9 @@ class SafetensorsStreamWriter(SafetensorsWriter):
 
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
         return False  # streamed chunk by chunk, in order
+
+    def copy_unchanged_many(self, source: Reader, infos: Sequence[TensorInfo]) -> bool:  # noqa: ARG002
+        return False  # streamed in order
 
     def _written(self) -> None:
         pass  # no writeback hints: a pipe has no pages to start writing

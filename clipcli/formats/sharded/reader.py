@@ -7,7 +7,7 @@ import copy
 import os
 import stat
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -284,6 +284,13 @@ class ShardedReader(Reader):
 
     def read(self, info: TensorInfo) -> np.ndarray:
         return self._reader_of(info).read(info)
+
+    def loader_of_many(self, infos: Sequence[TensorInfo]) -> Callable[[], list[np.ndarray]] | None:
+        """Tensors of one shard together, as that shard's reader reads them."""
+        shard = self._shard_of[infos[0].name]
+        if any(self._shard_of[info.name] != shard for info in infos):
+            return None
+        return self.shard_reader(shard).loader_of_many(infos)
 
     def close(self) -> None:
         for reader in self._readers.values():
