@@ -15,10 +15,11 @@ console script finding the package) is not clipcli's code: a signal there gets P
 behaviour. This module imports nothing that the interpreter has not already loaded.
 """
 
+# The guard goes up first, before anything else this module does: every statement before
+# it is a moment where Ctrl-C is a KeyboardInterrupt traceback from our own frame.
 # _signal, not signal: the signal module imports enum, which alone takes milliseconds.
 # os and sys are loaded by the interpreter's own start-up.
 import _signal  # type: ignore[import-not-found]  # no stub; same API as signal
-import errno  # built in, like os and sys
 import os
 import sys
 
@@ -26,18 +27,19 @@ INTERRUPTED_LINE = b"clipcli: error: interrupted\n"
 # The signals whose default action ends the process and that can be caught: those that
 # clipcli.interrupts.HANDLED records during a command (SIGPIPE and SIGXFSZ are ignored by
 # CPython itself). Their names are spelt out: the signal module's enum is not loaded yet.
+# SIGINT first: it is the one a person sends.
 _ENDING_NAMES = (
     "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGXCPU",
     "SIGVTALRM", "SIGPROF",
 )  # fmt: skip
-GUARDED = {getattr(_signal, name): name for name in _ENDING_NAMES if hasattr(_signal, name)}
 
 
 def _exit_during_start_up(signum: int, _frame: object) -> None:
     if signum == _signal.SIGINT:
         os.write(2, INTERRUPTED_LINE)
     else:
-        os.write(2, f"clipcli: error: terminated by {GUARDED[signum]}\n".encode())
+        name = next((n for n in _ENDING_NAMES if getattr(_signal, n, None) == signum), "")
+        os.write(2, f"clipcli: error: terminated by {name or signum}\n".encode())
     os._exit(128 + signum)
 
 
@@ -46,8 +48,9 @@ def _guard_start_up() -> None:
     asked for it to be ignored (`nohup`, a shell running a background job), and the check
     is made before anything is installed, so later checks (clipcli.interrupts.ignored)
     still see the inherited SIG_IGN."""
-    for signum in GUARDED:
-        if _signal.getsignal(signum) != _signal.SIG_IGN:
+    for name in _ENDING_NAMES:
+        signum = getattr(_signal, name, None)
+        if signum is not None and _signal.getsignal(signum) != _signal.SIG_IGN:
             _signal.signal(signum, _exit_during_start_up)
 
 
@@ -58,6 +61,10 @@ def _guard_start_up() -> None:
 # they are.
 if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "clipcli":
     _guard_start_up()
+
+import errno  # noqa: E402 - after the guard: built in, like os and sys
+
+GUARDED = tuple(getattr(_signal, n) for n in _ENDING_NAMES if hasattr(_signal, n))
 
 
 def _print_version(line: bytes) -> int:

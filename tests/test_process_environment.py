@@ -442,6 +442,9 @@ def test_ordered_map_runs_inline_when_no_thread_starts(monkeypatch: pytest.Monke
 # ------------------------------------------------------------------ item 14: RLIMIT_AS
 
 
+_RUN_TO_RUN_MIB = 4
+
+
 def _limited(mib: int, argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["prlimit", f"--as={mib << 20}", *CLIPCLI, *argv],
@@ -495,7 +498,13 @@ def test_just_above_and_below_what_a_run_needs(tmp_path: Path, command: str) -> 
         low, high = (low, middle) if done.returncode == 0 else (middle, high)
     (tmp_path / "o.keras").unlink(missing_ok=True)
     _check_limited(_limited(low, argv))
-    assert _limited(high, argv).returncode == 0
+    # What a run maps varies by a MiB or so from run to run (address-space layout, the
+    # allocator): the edge the bisection found is not exact, one MiB below it is judged by
+    # _check_limited like any other, and a few MiB above it the run must succeed.
+    _check_limited(_limited(high, argv))
+    (tmp_path / "o.keras").unlink(missing_ok=True)
+    done = _limited(high + _RUN_TO_RUN_MIB, argv)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize(
