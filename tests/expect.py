@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -16,6 +17,23 @@ def one_error_line(err: str) -> str:
 def listing(directory: Path) -> list[str]:
     """Entry names, sorted: what a failed run must leave exactly as it found."""
     return sorted(p.name for p in directory.iterdir())
+
+
+def tree(root: Path) -> dict[str, bytes | str]:
+    """Every entry under root, links not followed: file bytes, link targets, folders (what
+    a run must leave exactly as it found, compared whole)."""
+    found: dict[str, bytes | str] = {}
+    for folder, dirs, files in os.walk(root):
+        for name in sorted([*dirs, *files]):
+            path = Path(folder, name)
+            key = str(path.relative_to(root))
+            if path.is_symlink():
+                found[key] = "-> " + os.readlink(path)
+            elif path.is_dir():
+                found[key] = "dir"
+            else:
+                found[key] = path.read_bytes()
+    return found
 
 
 # The repository, found from this file, so that tests pass from any working directory.

@@ -34,7 +34,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from expect import one_error_line
+from expect import one_error_line, tree
 from safetensors.numpy import load_file, save_file
 
 from clipcli import fsops, scratch
@@ -78,22 +78,6 @@ def write_model(directory: Path) -> Path:
     save_file({"l.w": np.full(8, 3, dtype=np.float32)}, str(directory / "model.safetensors"))
     (directory / "config.json").write_text("{}")
     return directory
-
-
-def tree(root: Path) -> dict[str, bytes | str]:
-    """Every entry under root, links not followed: bytes, link targets, folders."""
-    found: dict[str, bytes | str] = {}
-    for folder, dirs, files in os.walk(root):
-        for name in sorted([*dirs, *files]):
-            path = Path(folder, name)
-            key = str(path.relative_to(root))
-            if path.is_symlink():
-                found[key] = "-> " + os.readlink(path)
-            elif path.is_dir():
-                found[key] = "dir"
-            else:
-                found[key] = path.read_bytes()
-    return found
 
 
 def global_norm(path: Path) -> float:

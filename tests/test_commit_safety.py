@@ -33,7 +33,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from expect import listing, one_error_line
+from expect import listing, one_error_line, tree
 from safetensors.numpy import load_file, save_file
 
 from clipcli import fsops, output
@@ -93,22 +93,6 @@ def write_model(directory: Path, seed: int = 0) -> Path:
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     (directory / "config.json").write_text('{"model_type": "llama"}')
     return directory
-
-
-def tree(root: Path) -> dict[str, bytes | str]:
-    """Every entry under root, links not followed: file bytes, link targets, folders."""
-    found: dict[str, bytes | str] = {}
-    for folder, dirs, files in os.walk(root):
-        for name in [*dirs, *files]:
-            path = Path(folder, name)
-            key = str(path.relative_to(root))
-            if path.is_symlink():
-                found[key] = "-> " + os.readlink(path)
-            elif path.is_dir():
-                found[key] = "dir"
-            else:
-                found[key] = path.read_bytes()
-    return found
 
 
 def swap_for_link(folder: Path, target: Path) -> Path:
