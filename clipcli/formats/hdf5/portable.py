@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
+from clipcli.formats.base import utf8_encodable
 from clipcli.formats.hdf5.library import load_h5py
 
 Json = dict[str, Any]
@@ -203,7 +204,7 @@ def build_type(desc: object, depth: int = 0) -> Any:
     if kind == "opaque":
         type_id = h5t.create(h5t.OPAQUE, _int(desc, "size", range(1, MAX_TYPE_SIZE + 1)))
         tag = desc.get("tag")
-        if not isinstance(tag, str) or len(tag) > 255 or "\x00" in tag or not _is_utf8(tag):
+        if not isinstance(tag, str) or len(tag) > 255 or "\x00" in tag or not utf8_encodable(tag):
             raise Malformed("an opaque tag")
         type_id.set_tag(tag.encode("utf-8"))
         return type_id
@@ -217,17 +218,9 @@ def build_type(desc: object, depth: int = 0) -> Any:
     raise Malformed(f"unknown type class {kind!r}")
 
 
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _is_name(value: object) -> bool:
     """A member name HDF5 stores as written: non-empty UTF-8 text without NUL."""
-    return isinstance(value, str) and bool(value) and "\x00" not in value and _is_utf8(value)
+    return isinstance(value, str) and bool(value) and "\x00" not in value and utf8_encodable(value)
 
 
 def _is_int(value: object) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
-from clipcli.formats.base import TensorInfo, numpy_size_overflows
+from clipcli.formats.base import TensorInfo, numpy_size_overflows, utf8_encodable
 from clipcli.formats.hdf5.filters import DEFLATE, SZIP, is_lossless, name_of
 from clipcli.formats.hdf5.library import load_h5py
 from clipcli.formats.hdf5.portable import (
@@ -179,7 +179,7 @@ def _check_tree(nodes: Sequence[Json]) -> None:
         if not isinstance(path, str) or not path.startswith("/"):
             raise Malformed(f"object path {path!r} is not absolute")
         parent, _, name = path.rpartition("/")
-        if name in ("", ".", "..") or "\x00" in name or not _utf8(name):
+        if name in ("", ".", "..") or "\x00" in name or not utf8_encodable(name):
             raise Malformed(f"object path {path!r} has an invalid link name {name!r}")
         if path in seen:
             raise Malformed(f"it lists object {path!r} twice")
@@ -193,14 +193,6 @@ def _check_tree(nodes: Sequence[Json]) -> None:
                     f"{limits.MAX_DEPTH - 1} below it: clipcli reads no deeper) at {path[:80]!r}"
                 )
             seen_groups.add(path)
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check_fit(
@@ -471,7 +463,7 @@ def _prepare_attribute(attr: Json) -> ReadyAttribute:
         not isinstance(name, str)
         or not name
         or "\x00" in name
-        or not _utf8(name)
+        or not utf8_encodable(name)
         or len(name.encode("utf-8")) > 65534
     ):
         raise Malformed(f"attribute name {name!r}")
@@ -516,7 +508,7 @@ def _values(type_desc: Json, space_desc: Json, data: object, name: bytes) -> Rea
 def _string_bytes(item: object) -> bytes:
     """A variable-length string's bytes; HDF5 ends one at its first NUL, so a NUL inside
     could not be written as recorded."""
-    if isinstance(item, str) and _utf8(item):
+    if isinstance(item, str) and utf8_encodable(item):
         raw = item.encode("utf-8")
     elif isinstance(item, dict) and isinstance(item.get("b64"), str):
         raw = base64.b64decode(item["b64"], validate=True)

@@ -8,7 +8,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from clipcli.formats.base import TensorInfo
+from clipcli.formats.base import TensorInfo, utf8_encodable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -231,7 +231,7 @@ def header_problem(infos: Sequence[TensorInfo], metadata: Mapping[str, str]) -> 
             return f"tensor name {info.name!r} is repeated or reserved (__metadata__)"
         names.add(info.name)
     for key, value in metadata.items():
-        if not (_utf8(key) and _utf8(value)):
+        if not (utf8_encodable(key) and utf8_encodable(value)):
             return f"metadata key {key!r}: safetensors holds UTF-8 text only"
     length = header_length(infos, metadata)
     if length > MAX_HEADER_BYTES:
@@ -241,11 +241,3 @@ def header_problem(infos: Sequence[TensorInfo], metadata: Mapping[str, str]) -> 
             f"{MAX_HEADER_BYTES}"
         )
     return None
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
