@@ -1,0 +1,125 @@
+"""The layer between what a reader stores and what a job acts on.
+
+A Reader lists *stored* tensors. A View maps them to *logical* tensors: the ones a user
+means, and the ones jobs select, measure, plan, clip, diff and report. The identity view
+serves plain checkpoints (every stored tensor is its own logical tensor). Other views:
+
+- a quantized weight: codes + scales (+ zero points), its real values codes x scales;
+- a torch tensor: a strided view of a storage (several tensors may share one);
+- a GGUF block-quantized tensor: a view over its blocks.
+
+A plan decides on logical tensors and is then *lowered* to a plan on stored tensors (a
+quantized weight scaled by f: codes KEEP, scales SCALE), which the write pass carries out
+as today. Stored tensors that belong to a logical one but are not values themselves
+(scales, zero points, activation scales) are listed with a role of their own and never
+enter a global norm.
+
+Nothing here reads a file on its own: every method gets the stored Reader it maps.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from clipcli.formats.base import Reader, TensorInfo
+
+
+class Part(NamedTuple):
+    """One stored tensor a logical tensor is made of, and what it is to it."""
+
+    name: str  # the stored tensor's name
+    role: str  # e.g. "values", "codes", "scale", "zero_point", "global_scale", "half"
+
+
+class LogicalTensor(NamedTuple):
+    """A tensor as a user means it.
+
+    `info` is the logical tensor: its name (the weight it stands for, e.g. `X.weight`),
+    the dtype of its real values (what its chunks are), its real shape, and nbytes =
+    numel x itemsize of that dtype. `parts` are the stored tensors behind it; `scheme`
+    names how they combine (None: a plain tensor, one part, values as stored).
+    """
+
+    info: TensorInfo
+    parts: tuple[Part, ...]
+    scheme: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.scheme is None
+
+
+class View(ABC):
+    """How the stored tensors of one checkpoint make its logical tensors."""
+
+    @abstractmethod
+    def tensors(self) -> list[LogicalTensor]:
+        """Every logical tensor, in the order of the stored tensors they start at. Every
+        stored tensor appears in exactly one logical tensor's parts or in side_tensors()."""
+
+    def side_tensors(self) -> list[tuple[TensorInfo, str]]:
+        """Stored tensors that are part of a logical tensor without being values (scales,
+        zero points, activation scales), each with its role: listed, never in a norm."""
+        return []
+
+    @abstractmethod
+    def chunks(
+        self, reader: Reader, tensor: LogicalTensor, chunk_elems: int | None = None
+    ) -> Iterator[np.ndarray]:
+        """The real values of `tensor`, flat, in C order, in chunks (bounded memory)."""
+
+    @property
+    def identity(self) -> bool:
+        """True when every logical tensor is one stored tensor, unchanged."""
+        return False
+
+    def lowerable(self, tensor: LogicalTensor) -> str | None:
+        """Why a clip cannot act on `tensor` through its stored tensors (one line), or
+        None when it can."""
+        return (
+            None
+            if tensor.plain
+            else f"{tensor.info.name}: clipping {tensor.scheme} is not supported"
+        )
+
+    def scaled_parts(self, tensor: LogicalTensor) -> list[str]:
+        """Lowering a SCALE: the stored tensors a factor multiplies (each rounded once, as
+        a plain tensor's values are); every other part is kept byte for byte. Identity and
+        plain tensors: the tensor itself. Quantized: its scales (and offsets that scale
+        with the weight), never its codes or zero points."""
+        return [p.name for p in tensor.parts]
+
+    def scaled_chunks(
+        self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
+    ) -> Iterator[np.ndarray]:
+        """The real values `tensor` has once scaled_parts() are scaled by mantissa *
+        2**exponent and rounded exactly as the write pass rounds them
+        (clipcli.numerics.rounding.scale_chunk): what the factor search checks against
+        the limit, so the bound holds for what is written. Float64 or the values' dtype."""
+        from clipcli.numerics import rounding
+
+        for chunk in self.chunks(reader, tensor):
+            yield rounding.scale_chunk(chunk, mantissa, exponent)
+
+    def power_of_two_factors(self, tensor: LogicalTensor) -> bool:  # noqa: ARG002 - interface
+        """True when the stored scales hold only powers of two (E8M0): a factor is then
+        rounded down to a power of two."""
+        return False
+
+    def shared_with(self, tensor: LogicalTensor) -> str | None:  # noqa: ARG002 - interface
+        """The name of an earlier logical tensor whose values `tensor` shares exactly
+        (tied weights: counted once in a global norm), or None."""
+        return None
+
+    def stored_names(self, tensors: Sequence[LogicalTensor]) -> list[str]:
+        """The stored tensors behind `tensors`, each once, in order."""
+        seen: dict[str, None] = {}
+        for t in tensors:
+            for part in t.parts:
+                seen.setdefault(part.name)
+        return list(seen)
