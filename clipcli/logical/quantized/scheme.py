@@ -1,0 +1,73 @@
+"""The interface every quantization scheme module implements.
+
+A scheme module recognises its weights among a checkpoint's stored tensors (by names,
+dtypes and shapes, and by `config.json`'s `quantization_config` when a model directory
+has one) and decodes their real values from the stored codes and scales. It reads no
+file: the view (clipcli.logical.quantized.view) hands it arrays.
+
+Decoding is by rows of the real weight, seen as 2-D [rows, columns] (rows = the product
+of every dimension but the last), so that a weight of any size streams in bounded memory:
+`decode_rows` gets the stored code rows that cover real rows [start, stop) and the whole
+small tensors (scales, zero points, g_idx, global scales, quant maps), which the view
+reads once per weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from clipcli.formats.base import TensorInfo
+    from clipcli.logical.view import Part
+
+
+class Recognised(NamedTuple):
+    """One quantized weight found among the stored tensors."""
+
+    name: str  # the weight it stands for: "X.weight" (gpt-oss "X_blocks": "X")
+    scheme: str  # e.g. "fp8-block", "mxfp4", "nvfp4", "gptq-int4", "awq-int4", "bnb-nf4"
+    shape: tuple[int, ...]  # the real weight's shape (Linear weights: [out, in])
+    codes: str  # the stored tensor holding the payload (kept byte for byte by a clip)
+    parts: tuple[Part, ...]  # every stored tensor it is made of (codes first), with roles
+    side: tuple[Part, ...] = ()  # stored tensors beside it that are not values (input_scale)
+    params: Mapping[str, Any] = {}  # bits, block or group size, version, ...
+
+
+class Scheme(Protocol):
+    """A scheme module (e.g. clipcli.logical.quantized.fp8_block) satisfies this."""
+
+    NAMES: Sequence[str]  # the scheme names it recognises
+
+    def recognise(
+        self, stored: Mapping[str, TensorInfo], config: Mapping[str, Any] | None
+    ) -> list[Recognised]:
+        """Its weights among `stored` (name -> info). Refuses (clipcli.errors, exit 3)
+        what is ambiguous or inconsistent (a scale whose shape does not fit), never
+        guesses."""
+        ...
+
+    def code_rows(self, weight: Recognised, start: int, stop: int) -> tuple[int, int]:
+        """The rows of the stored codes tensor (seen as 2-D [rows, last dim]) that hold
+        real rows [start, stop)."""
+        ...
+
+    def decode_rows(
+        self,
+        weight: Recognised,
+        codes: np.ndarray,
+        start: int,
+        stop: int,
+        small: Mapping[str, np.ndarray],
+    ) -> np.ndarray:
+        """Real rows [start, stop) as float64 [stop - start, columns], exact (every real
+        value these schemes define is a float64 exactly, products of a code and a scale
+        included), from `codes` = code_rows' rows and `small` = the other parts, whole."""
+        ...
+
+    def scaled_parts(self, weight: Recognised) -> list[str]:
+        """What a clip multiplies: the scales (and offsets that scale with the weight),
+        never the codes or zero points."""
+        ...
