@@ -8,6 +8,7 @@ then executes the plan into OUT's target (clipcli.output: one commit point).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -25,6 +26,8 @@ from clipcli.formats.base import (
 from clipcli.formats.structure import check_losses
 from clipcli.identity import InputGuard
 from clipcli.io import open_reader
+from clipcli.logical import views
+from clipcli.logical.reader import LogicalReader
 from clipcli.measurement import Measurement
 from clipcli.numerics.norms import NormAccumulator, global_norm
 from clipcli.progress import SILENT, Progress
@@ -69,9 +72,14 @@ def measure(
     progress: Progress = SILENT,
     notify: scope.Notify = scope.ignore,
     group_by: str | None = None,
+    stored: bool = False,
 ) -> Measurement:
+    """Norms of the logical tensors (a quantized weight's real values); `stored`: of
+    every stored tensor as it is."""
     with scratch.keeping_clear_of([path]), open_reader(path) as reader:
-        return measure_reader(reader, selection, progress, notify, group_by)
+        return measure_reader(
+            reader if stored else views.logical(reader), selection, progress, notify, group_by
+        )
 
 
 def measure_reader(
@@ -81,6 +89,7 @@ def measure_reader(
     notify: scope.Notify = scope.ignore,
     group_by: str | None = None,
 ) -> Measurement:
+    selection = _with_parts(selection, reader)
     infos = selection.check(reader.infos, notify)
     selection.check_weights(infos, notify)
     scope.warn_quantized(reader.infos, reader.model_directory, notify)
@@ -106,10 +115,11 @@ def diff(
         open_reader(path_a) as reader_a,
         open_reader(path_b) as reader_b,
     ):
-        check_diff_scope(reader_a, reader_b, selection, notify)
+        logical_a, logical_b = views.logical(reader_a), views.logical(reader_b)
+        check_diff_scope(logical_a, logical_b, selection, notify)
         return pipeline.compare(
-            reader_a,
-            reader_b,
+            logical_a,
+            logical_b,
             selection,
             chunk_elems=chunk_elems,
             progress=progress,
@@ -226,7 +236,8 @@ def clip(
         # Said once OUT is written (or the dry run is done): a failed run's stderr is its
         # one error line.
         notes = writer_cls.structure_notes(reader)
-        check_clip_scope(reader, spec, selection, notify)
+        logical = views.logical(reader)
+        check_clip_scope(logical, spec, selection, notify)
         if dry_run:
             # What the real run would refuse about OUT, refused here too; nothing is staged.
             # An existing OUT is not refused (nothing is written to it): it is judged as
@@ -237,9 +248,9 @@ def clip(
             check.release()
             if check.occupied and not force:
                 notify("note", f"{target.out} exists: the run without --dry-run needs --force")
-            made = plan_clip(reader, spec, selection, progress)
-            outcomes = execution.execute(
-                made, reader, execution.DiscardingWriter(), progress, "computing"
+            made = plan_clip(logical, spec, selection, progress)
+            outcomes = _execute(
+                made, logical, reader, execution.DiscardingWriter(), progress, "computing"
             )
         else:
             made, outcomes = _write_out(
@@ -247,11 +258,12 @@ def clip(
                 writer_cls,
                 target,
                 lambda writer, guard: _plan_then_check(
-                    reader, spec, selection, progress, writer, guard
+                    logical, spec, selection, progress, writer, guard
                 ),
                 allow_large_side_files,
                 progress,
                 notify,
+                logical,
             )
         for note in notes:
             notify("note", note)
@@ -272,7 +284,10 @@ def plan_clip(
     from clipcli.plan import plan
     from clipcli.spec import Mode
 
-    hook = execution.copy_ahead_hook(spec, reader, writer) if writer is not None else None
+    # Copying ahead hands stored tensors to the writer: only where logical ones are stored.
+    ahead = None if isinstance(reader, LogicalReader) else writer
+    hook = execution.copy_ahead_hook(spec, reader, ahead) if ahead is not None else None
+    selection = _with_parts(selection, reader)
     measurement = pipeline.measure(
         reader,
         list(reader.infos),
@@ -281,7 +296,12 @@ def plan_clip(
         histograms=spec.mode is not Mode.VALUE and spec.axes is None,
         on_measured=hook,
     )
-    return plan(measurement, spec, execution.output_check(reader))
+    made = plan(measurement, spec, execution.output_check(reader))
+    if isinstance(reader, LogicalReader):
+        from clipcli.logical import lowering
+
+        lowering.check_lowerable(made, reader)  # refused before anything is written
+    return made
 
 
 def check_clip_scope(
@@ -291,6 +311,7 @@ def check_clip_scope(
     data is read: the selection, training state, quantized weights, --axes, --group-by."""
     from clipcli.spec import Mode  # WRITING_MODULES
 
+    selection = _with_parts(selection, reader)
     selected = selection.check(reader.infos, notify)
     selection.check_weights(selected, notify, writes=True)
     targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
@@ -357,6 +378,34 @@ def convert(
 
 
 # ---------------------------------------------------------------- writing OUT
+
+
+def _with_parts(selection: Selection, reader: Reader) -> Selection:
+    """`selection` with a logical reader's parts (scales, zero points) kept apart."""
+    if not isinstance(reader, LogicalReader) or not reader.part_roles:
+        return selection
+    return dataclasses.replace(selection, parts=frozenset(reader.part_roles))
+
+
+def _execute(
+    made: Plan,
+    logical: Reader,
+    reader: Reader,
+    writer: Writer,
+    progress: Progress,
+    label: str = "writing",
+) -> list[Outcome]:
+    """Carry out a plan made on `logical`'s tensors: lowered to the stored tensors of
+    `reader` when they differ, with the outcomes lifted back."""
+    from clipcli import execution  # WRITING_MODULES
+
+    if not isinstance(logical, LogicalReader):
+        return execution.execute(made, reader, writer, progress, label)
+    from clipcli.logical import lowering
+
+    lowered = lowering.lower(made, logical)
+    outcomes = execution.execute(lowered, reader, writer, progress, label)
+    return lowering.lift(made, lowered, outcomes, logical)
 
 
 def check_writable(reader: Reader, target: Target) -> type[Writer]:
@@ -463,11 +512,11 @@ def _write_out(
     allow_large_side_files: bool,
     progress: Progress,
     notify: scope.Notify,
+    logical: Reader | None = None,
 ) -> tuple[Plan, list[Outcome]]:
     """Write OUT through its target. The plan is made once the writer exists, so that it
     can start copying unchanged tensors early; a refusal while planning leaves nothing.
     The input must not change from opening to the commit (clipcli.identity)."""
-    from clipcli import execution  # WRITING_MODULES
 
     guard = InputGuard(reader.source_identities())
     _check_target(reader, writer_cls, target, allow_large_side_files)
@@ -493,7 +542,7 @@ def _write_out(
         except BaseException:
             writer.abort()
             raise
-        outcomes = execution.execute(made, reader, writer, progress)
+        outcomes = _execute(made, logical or reader, reader, writer, progress)
         guard.check("while it was being read")
     for note in [*left_out, *target.notes]:
         notify("note", note)

@@ -19,6 +19,7 @@ import numpy as np
 
 from clipcli import interrupts
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
+from clipcli.logical.reader import LogicalReader
 from clipcli.measurement import TensorStats
 from clipcli.numerics import rounding, slices
 from clipcli.numerics.certain import CertainSumsq
@@ -57,6 +58,11 @@ def output_check(reader: Reader) -> Callable[[Sequence[TensorInfo], float, int],
 
         total = CertainSumsq()
         for info in infos:
+            if isinstance(reader, LogicalReader) and not reader.stored_as_is(info):
+                # A logical tensor made of parts: the rounding is of its stored scales.
+                for chunk in reader.scaled_chunks(info, mantissa, exponent):
+                    total.add(chunk)
+                continue
             for partial in map_chunks(reader, info, scaled):
                 total.merge(partial)
         return total

@@ -133,7 +133,7 @@ def outside_reason(t: TensorStats) -> Reason | None:
     """Why a tensor is outside every norm and clip, None if it counts."""
     if not t.selected:
         return Reason.NOT_SELECTED
-    if t.role.training_state:
+    if t.role.kept_apart:
         return Reason.LEFT_OUT
     if not is_floating(t.info.dtype):
         return Reason.NOT_FLOATING

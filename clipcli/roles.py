@@ -49,6 +49,10 @@ class Role(str, Enum):
     OPTIMIZER = "optimizer"
     BUFFER = "buffer"
     NON_FLOAT = "non-float"
+    # A stored tensor that belongs to a logical tensor without being values (a quantized
+    # weight's scales or zero points, an activation scale): listed, never in a norm, not
+    # even with --all-tensors (clipcli.logical).
+    QUANTIZATION = "quantization"
 
     @property
     def description(self) -> str:
@@ -59,12 +63,18 @@ class Role(str, Enum):
         """Left out by name unless --all-tensors (optimizer slots, BatchNorm statistics)."""
         return self in (Role.OPTIMIZER, Role.BUFFER)
 
+    @property
+    def kept_apart(self) -> bool:
+        """Never measured into a global norm nor clipped by default."""
+        return self.training_state or self is Role.QUANTIZATION
+
 
 _DESCRIPTIONS = {
     Role.WEIGHT: "model weight",
     Role.OPTIMIZER: "optimizer state",
     Role.BUFFER: "non-trainable buffer",
     Role.NON_FLOAT: "non-floating-point tensor",
+    Role.QUANTIZATION: "quantization scale or zero point",
 }
 
 # numpy's and ml_dtypes' names of the floating-point and complex dtypes (float16,

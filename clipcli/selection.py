@@ -35,6 +35,9 @@ class Selection:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     all_tensors: bool = False  # --all-tensors: training state counts too (clipcli.roles)
+    # Stored tensors that are parts of a logical tensor without being values (scales):
+    # kept apart whatever the flags (clipcli.logical).
+    parts: frozenset[str] = frozenset()
 
     def __call__(self, name: str) -> bool:
         if self.include and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
@@ -43,6 +46,8 @@ class Selection:
 
     def left_out(self, name: str) -> roles.Role | None:
         """The role that keeps a tensor out of norms and clipping, None if it counts."""
+        if name in self.parts:
+            return roles.Role.QUANTIZATION
         if self.all_tensors:
             return None
         role = roles.classify(name)
