@@ -1,9 +1,9 @@
 """The library face of clipcli: ls, measure, clip, convert, diff. Nothing here prints.
 
-Each job opens its input, checks what names alone decide (clipcli.scope), runs the
-streaming passes (clipcli.pipeline) and returns a frozen result for clipcli.report.
-`clip` measures, plans (clipcli.plan: a value, complete before the first byte is written),
-then executes the plan into OUT's target (clipcli.output: one commit point).
+Each job opens its input, checks what names alone decide (clipcli.jobs.scope), runs the
+streaming passes (clipcli.jobs.pipeline) and returns a frozen result for clipcli.report.
+`clip` measures, plans (clipcli.jobs.plan: a value, complete before the first byte is written),
+then executes the plan into OUT's target (clipcli.output.target: one commit point).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from clipcli import interrupts, pipeline, scope, scratch
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import (
     Checkpoint,
@@ -24,31 +23,33 @@ from clipcli.formats.base import (
     archive_losses,
 )
 from clipcli.formats.structure import check_losses
-from clipcli.identity import InputGuard
 from clipcli.io import open_reader
+from clipcli.jobs import pipeline, scope
+from clipcli.jobs.measurement import Measurement
+from clipcli.jobs.progress import SILENT, Progress
+from clipcli.jobs.selection import EVERY_TENSOR, Selection
 from clipcli.logical import views
 from clipcli.logical.reader import LogicalReader
-from clipcli.measurement import Measurement
 from clipcli.numerics.norms import NormAccumulator, global_norm
-from clipcli.progress import SILENT, Progress
-from clipcli.selection import EVERY_TENSOR, Selection
+from clipcli.system import interrupts, scratch
+from clipcli.system.identity import InputGuard
 
 if TYPE_CHECKING:
-    from clipcli.diff import DiffResult  # diff's modules load when a diff runs
-    from clipcli.output import Target
-    from clipcli.plan import Outcome, Plan, Reason, TensorPlan
-    from clipcli.spec import ClipSpec
+    from clipcli.jobs.diff import DiffResult  # diff's modules load when a diff runs
+    from clipcli.jobs.plan import Outcome, Plan, Reason, TensorPlan
+    from clipcli.jobs.spec import ClipSpec
+    from clipcli.output.target import Target
 
 # What clip and convert import in their functions, beyond what ls and norms need: norms
 # imports this module too and never writes, and these cost it ~15 ms of start-up (issue
 # 12, item 7). The CLI imports them up front for clip and convert (clipcli.__main__).
 WRITING_MODULES = (
-    "clipcli.execution",
-    "clipcli.footprint",
-    "clipcli.output",
-    "clipcli.plan",
-    "clipcli.spec",
-    "clipcli.stream_target",
+    "clipcli.jobs.execution",
+    "clipcli.output.footprint",
+    "clipcli.output.target",
+    "clipcli.jobs.plan",
+    "clipcli.jobs.spec",
+    "clipcli.output.stream_target",
     "clipcli.formats.safetensors.writer",
     "clipcli.formats.safetensors.stream",
 )
@@ -220,7 +221,7 @@ def clip(
     """Measure, plan, then write the clipped copy atomically (a dry run writes nothing).
     Signals are deferred for the whole run: acted on between chunks before the commit,
     moot after it."""
-    from clipcli import execution  # WRITING_MODULES
+    from clipcli.jobs import execution  # WRITING_MODULES
 
     target = _target(src, out, force, durable)
     with (
@@ -280,9 +281,9 @@ def plan_clip(
     """Measure every tensor and decide what happens to it. Raises before OUT is touched.
     With a writer, tensors the plan will most likely leave alone are handed to its
     copy_ahead while the others are still being measured."""
-    from clipcli import execution  # WRITING_MODULES
-    from clipcli.plan import plan
-    from clipcli.spec import Mode
+    from clipcli.jobs import execution  # WRITING_MODULES
+    from clipcli.jobs.plan import plan
+    from clipcli.jobs.spec import Mode
 
     # Copying ahead hands stored tensors to the writer: only where logical ones are stored.
     ahead = None if isinstance(reader, LogicalReader) else writer
@@ -309,7 +310,7 @@ def check_clip_scope(
 ) -> None:
     """Everything about what the clip acts on that names alone decide, refused before any
     data is read: the selection, training state, quantized weights, --axes, --group-by."""
-    from clipcli.spec import Mode  # WRITING_MODULES
+    from clipcli.jobs.spec import Mode  # WRITING_MODULES
 
     selection = _with_parts(selection, reader)
     selected = selection.check(reader.infos, notify)
@@ -348,7 +349,7 @@ def convert(
     allow_lossy: bool = False,
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
-    from clipcli.plan import copy_plan  # WRITING_MODULES
+    from clipcli.jobs.plan import copy_plan  # WRITING_MODULES
 
     target = _target(src, out, force, durable)
     with (
@@ -397,7 +398,7 @@ def _execute(
 ) -> list[Outcome]:
     """Carry out a plan made on `logical`'s tensors: lowered to the stored tensors of
     `reader` when they differ, with the outcomes lifted back."""
-    from clipcli import execution  # WRITING_MODULES
+    from clipcli.jobs import execution  # WRITING_MODULES
 
     if not isinstance(logical, LogicalReader):
         return execution.execute(made, reader, writer, progress, label)
@@ -472,8 +473,8 @@ def _check_side_files(reader: Reader, allow_large: bool) -> None:
 
 
 def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
-    from clipcli.output import choose_target  # WRITING_MODULES
-    from clipcli.stream_target import STDOUT, StdoutTarget
+    from clipcli.output.stream_target import STDOUT, StdoutTarget
+    from clipcli.output.target import choose_target  # WRITING_MODULES
 
     if str(out) == STDOUT:  # safetensors streamed to standard output (stream_target)
         return StdoutTarget(force=force, durable=durable)
@@ -486,7 +487,7 @@ def _check_target(
 ) -> None:
     """Everything about OUT that is refused before any tensor data is read: OUT against
     the input (never IN, inside it or around it), what is in the way at OUT, side files."""
-    from clipcli.footprint import InputFootprint  # WRITING_MODULES
+    from clipcli.output.footprint import InputFootprint  # WRITING_MODULES
 
     footprint = InputFootprint(reader.path, reader.source_files())
     target.check(footprint, writer_cls.output_names(reader))
@@ -516,7 +517,7 @@ def _write_out(
 ) -> tuple[Plan, list[Outcome]]:
     """Write OUT through its target. The plan is made once the writer exists, so that it
     can start copying unchanged tensors early; a refusal while planning leaves nothing.
-    The input must not change from opening to the commit (clipcli.identity)."""
+    The input must not change from opening to the commit (clipcli.system.identity)."""
 
     guard = InputGuard(reader.source_identities())
     _check_target(reader, writer_cls, target, allow_large_side_files)

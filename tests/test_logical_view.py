@@ -16,9 +16,9 @@ from safetensors.numpy import load_file, save_file
 from clipcli import api
 from clipcli.errors import DataRefusedError
 from clipcli.formats.base import Reader, TensorInfo
+from clipcli.jobs.spec import ClipSpec, Mode
 from clipcli.logical import views
 from clipcli.logical.view import LogicalTensor, Part, View
-from clipcli.spec import ClipSpec, Mode
 
 
 class Halves(View):

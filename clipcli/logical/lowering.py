@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from clipcli.errors import DataRefusedError
+from clipcli.jobs.plan import Action, Outcome, Plan, TensorPlan
 from clipcli.logical.reader import LogicalReader
 from clipcli.numerics.norms import NormAccumulator, accumulate
-from clipcli.plan import Action, Outcome, Plan, TensorPlan
 
 
 def check_lowerable(plan: Plan, reader: LogicalReader) -> None:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import DirectoryLayout, NonTensorInfo
-    from clipcli.identity import FileIdentity
+    from clipcli.system.identity import FileIdentity
 
 
 class LogicalReader(Reader):

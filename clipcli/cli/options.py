@@ -1,8 +1,8 @@
 """Every command's arguments and options as Typer declares them, with their help.
 
-Each declaration hands its parsed values to the command's body in clipcli/commands/, which
+Each declaration hands its parsed values to the command's body in clipcli/cli/commands/, which
 takes plain values. typer_app.py registers the declarations on the app. Ordinary command
-lines never import this module: clipcli/quick_args.py parses them without Typer, and
+lines never import this module: clipcli/cli/quick_args.py parses them without Typer, and
 tests/test_quick_args.py holds the two to the same options, defaults and values.
 """
 
@@ -16,7 +16,7 @@ import typer
 from typer._click.types import StringParamType
 from typer.main import TyperPath  # type: ignore[attr-defined]  # typer's own Path type
 
-from clipcli.commands import compare, inspect, write
+from clipcli.cli.commands import compare, inspect, write
 from clipcli.report import ListingSortKey, OutputFormat, SortKey
 
 F = TypeVar("F", bound=Callable[..., None])

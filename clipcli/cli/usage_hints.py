@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from clipcli.quick_args import COMMANDS, Command
+from clipcli.cli.quick_args import COMMANDS, Command
 from clipcli.report import OutputFormat
 
 CLI = "clipcli"

@@ -21,11 +21,11 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from clipcli import interrupts
 from clipcli.errors import ClipcliError, UsageError, WriteError
-from clipcli.footprint import InputFootprint
 from clipcli.formats.base import Writer
-from clipcli.output import Refused, Target
+from clipcli.output.footprint import InputFootprint
+from clipcli.output.target import Refused, Target
+from clipcli.system import interrupts
 
 STDOUT = "-"
 _NOTHING_WRITTEN = "no output written"

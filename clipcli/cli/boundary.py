@@ -3,7 +3,7 @@ writing the report), becomes one stderr line `clipcli: error: ...` and a documen
 code. cli.main() and the Typer app's commands (typer_app.py) both report through here.
 
 Click's exceptions (Typer vendors Click) are recognised only when Typer is loaded: a run
-that the quick parser took (clipcli/quick_args.py) never imports it, so none can occur.
+that the quick parser took (clipcli/cli/quick_args.py) never imports it, so none can occur.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from clipcli import interrupts
-from clipcli.address_space import refused_memory
-from clipcli.commands.common import finish_progress, reader_went_away
+from clipcli.cli.commands.common import finish_progress, reader_went_away
 from clipcli.errors import ClipcliError, ExitCode, Verdict, printable
-from clipcli.inputs import out_of_descriptors
+from clipcli.system import interrupts
+from clipcli.system.address_space import refused_memory
+from clipcli.system.inputs import out_of_descriptors
 
 
 class _Reported:
@@ -79,7 +79,7 @@ def run_command(body: Callable[[], None]) -> int:
     """Run a command's body inside the boundary; its exit code. What it raises comes from
     inside the command, not from parsing (a Click exception there is a bug: exit 70).
     cli.main() runs what the quick parser took through here, the Typer app its commands.
-    Signals are recorded for the whole command (clipcli.interrupts): acted on between
+    Signals are recorded for the whole command (clipcli.system.interrupts): acted on between
     chunks, they unwind through the readers, which remove their temps."""
     try:
         with interrupts.deferred():
@@ -120,6 +120,6 @@ def fail(message: str, code: int) -> int:
 
 def usage_message(exc: Any, args: list[str]) -> str:
     """Click's usage error on one line, with the hint a newcomer needs (what to type)."""
-    from clipcli.usage_hints import hinted
+    from clipcli.cli.usage_hints import hinted
 
     return hinted(str(exc.format_message()).replace("\n", " ").rstrip("."), args)

@@ -8,13 +8,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from clipcli import roles, scope
+from clipcli.jobs import roles, scope
 
 if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import TensorInfo
-    from clipcli.measurement import TensorStats
+    from clipcli.jobs.measurement import TensorStats
     from clipcli.numerics.norms import NormAccumulator
 
 
@@ -34,7 +34,7 @@ class Selection:
 
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
-    all_tensors: bool = False  # --all-tensors: training state counts too (clipcli.roles)
+    all_tensors: bool = False  # --all-tensors: training state counts too (clipcli.jobs.roles)
     # Stored tensors that are parts of a logical tensor without being values (scales):
     # kept apart whatever the flags (clipcli.logical).
     parts: frozenset[str] = frozenset()
@@ -89,7 +89,7 @@ def _measuring() -> tuple[Callable[[np.dtype[Any]], bool], type[TensorStats]]:
     `ls --include`, needs no numpy), then kept: an import statement costs ~1 us, and
     describe() runs once per tensor."""
     from clipcli.dtypes import is_floating
-    from clipcli.measurement import TensorStats
+    from clipcli.jobs.measurement import TensorStats
 
     return is_floating, TensorStats
 

@@ -4,7 +4,7 @@ import math
 import sys
 from pathlib import Path
 
-from clipcli.commands.common import (
+from clipcli.cli.commands.common import (
     check_threshold,
     emit,
     notify,

@@ -6,18 +6,18 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from clipcli import interrupts
 from clipcli.errors import UsageError, WriteError, printable
 from clipcli.report import OutputFormat
+from clipcli.system import interrupts
 
 if TYPE_CHECKING:
-    from clipcli.selection import Selection
+    from clipcli.jobs.selection import Selection
 
 
 def selection(
     include: list[str] | None, exclude: list[str] | None, all_tensors: bool = False
 ) -> "Selection":
-    from clipcli.selection import Selection
+    from clipcli.jobs.selection import Selection
 
     return Selection(tuple(include or ()), tuple(exclude or ()), all_tensors)
 
@@ -53,7 +53,7 @@ def terminal_width(stream: Any) -> int | None:
 
 def progress(quiet: bool = False) -> Any:
     """A terminal progress bar when stderr is a terminal, else the silent default."""
-    from clipcli.progress import SILENT
+    from clipcli.jobs.progress import SILENT
 
     if quiet or not sys.stderr.isatty():
         return SILENT

@@ -1,9 +1,9 @@
 """The streaming passes: measure, write, compare two checkpoints.
 
 Every pass has the same shape (`reduce_stream`): chunks are read in order in this thread,
-reduced to a few numbers in worker threads (clipcli.parallel.ordered_map), merged per
+reduced to a few numbers in worker threads (clipcli.system.parallel.ordered_map), merged per
 tensor in order, with progress and signal checks between chunks. `write_tensors` is the
-one loop through which tensors reach a writer; clipcli.execution carries a clip plan out
+one loop through which tensors reach a writer; clipcli.jobs.execution carries a clip plan out
 through it (kept apart so that measuring imports no plan or rounding module).
 """
 
@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from clipcli import interrupts
 from clipcli.dtypes import is_small_float
 from clipcli.errors import UsageError
 from clipcli.formats.base import Reader, TensorInfo, Writer
-from clipcli.measurement import Measurement, TensorStats
+from clipcli.jobs.measurement import Measurement, TensorStats
+from clipcli.jobs.progress import SILENT, Progress
+from clipcli.jobs.selection import EVERY_TENSOR, Selection
 from clipcli.numerics.norms import NormAccumulator
-from clipcli.parallel import ordered_map
-from clipcli.progress import SILENT, Progress
-from clipcli.selection import EVERY_TENSOR, Selection
+from clipcli.system import interrupts
+from clipcli.system.parallel import ordered_map
 
 if TYPE_CHECKING:  # the comparison is imported by compare() only
-    from clipcli import diff
+    from clipcli.jobs import diff
 
 R = TypeVar("R")
 W = TypeVar("W")
@@ -106,7 +106,7 @@ def measure(
     on_measured: Callable[[TensorStats], None] | None = None,
 ) -> Measurement:
     """Statistics of `infos`, chunks measured in worker threads across tensor bounds;
-    describe() says how each tensor counts (clipcli.selection). on_measured is told of
+    describe() says how each tensor counts (clipcli.jobs.selection). on_measured is told of
     each tensor, in order, as soon as it is done. With `histograms`, 8- and 16-bit float
     tensors also count their bit patterns (for the factor search). Small tensors that the
     reader reads together are measured together (clipcli.numerics.many)."""
@@ -334,8 +334,8 @@ def compare(
     dtype). workers: threads for the arithmetic (default parallel.worker_count()).
     """
     # Imported here: `norms` and `clip` should not load the comparison's modules.
-    from clipcli import diff_math
-    from clipcli.diff import PieceWork, pair_tensors, piece_work
+    from clipcli.jobs import diff_math
+    from clipcli.jobs.diff import PieceWork, pair_tensors, piece_work
 
     if chunk_elems is not None and chunk_elems < 1:
         raise UsageError(f"chunk_elems must be positive, got {chunk_elems}")

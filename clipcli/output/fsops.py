@@ -1,6 +1,6 @@
 """File-system steps of writing OUT: no-clobber renames and swaps (renameat2, with
 fallbacks), fsync, removal of what this run made, and temp names with the cleanup of
-temps that dead runs left. clipcli.output puts them together into targets.
+temps that dead runs left. clipcli.output.target puts them together into targets.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from clipcli.footprint import holds_a_mount
-from clipcli.scratch import process_alive
+from clipcli.output.footprint import holds_a_mount
+from clipcli.system.scratch import process_alive
 
 TEMP_SUFFIX = ".clipcli-tmp"
 ASIDE_SUFFIX = ".clipcli-old"

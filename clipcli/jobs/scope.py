@@ -2,8 +2,8 @@
 
 - the --include/--exclude patterns: an empty selection is refused (exit 2) naming the
   patterns, a pattern that matches nothing while others match is a warning;
-- roles (clipcli.roles): training state is left out unless --all-tensors, in one note line;
-- quantized weights (clipcli.quantized): a warning for norms/diff, exit 4 for clip;
+- roles (clipcli.jobs.roles): training state is left out unless --all-tensors, in one note line;
+- quantized weights (clipcli.jobs.quantized): a warning for norms/diff, exit 4 for clip;
 - --axes against each tensor's rank: a short refusal (exit 4) or, with --skip-low-rank,
   the tensors that cannot take the axes are left unchanged;
 - --group-by: a warning when one group takes every tensor (grouping did nothing).
@@ -18,10 +18,10 @@ import fnmatch
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from clipcli import quantized, roles
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import TensorInfo
-from clipcli.groups import compile_group_by, group_key
+from clipcli.jobs import quantized, roles
+from clipcli.jobs.groups import compile_group_by, group_key
 from clipcli.report.model import count
 
 Notify = Callable[[str, str], None]  # (level, text); level is "warning" or "note"

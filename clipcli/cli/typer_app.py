@@ -1,5 +1,5 @@
 """The Typer app, for `--help`, shell completion, Click's usage errors, and every command
-line that clipcli/quick_args.py does not take: the commands declared in options.py,
+line that clipcli/cli/quick_args.py does not take: the commands declared in options.py,
 reporting their failures through the one boundary (boundary.py).
 
 Ordinary command lines skip Typer altogether (its import alone costs ~30 ms of a shell
@@ -16,9 +16,9 @@ import typer
 from typer.core import TyperCommand
 
 from clipcli import __version__
-from clipcli.boundary import run_command
+from clipcli.cli.boundary import run_command
+from clipcli.cli.options import COMMANDS
 from clipcli.errors import ExitCode, WriteError
-from clipcli.options import COMMANDS
 
 EXIT_CODES_HELP = """\b
 Exit codes:

@@ -2,7 +2,7 @@
 tensors the plan will leave alone (copy_ahead_hook), and execute(plan) -> outcomes, every
 tensor streamed through pipeline.write_tensors. A dry run executes into DiscardingWriter.
 
-Apart from clipcli.pipeline (the streaming passes that norms uses too) so that measuring
+Apart from clipcli.jobs.pipeline (the streaming passes that norms uses too) so that measuring
 imports no plan, rounding or --axes module: `clipcli norms` in a shell loop pays only for
 what it runs (issue 12, item 7).
 """
@@ -17,18 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
-from clipcli import interrupts
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
+from clipcli.jobs.measurement import TensorStats
+from clipcli.jobs.pipeline import map_chunks, write_tensors
+from clipcli.jobs.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
+from clipcli.jobs.progress import SILENT, Progress
+from clipcli.jobs.spec import ClipSpec
 from clipcli.logical.reader import LogicalReader
-from clipcli.measurement import TensorStats
 from clipcli.numerics import rounding, slices
 from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.many import accumulate_each
 from clipcli.numerics.norms import NormAccumulator, accumulate, accumulate_array
-from clipcli.pipeline import map_chunks, write_tensors
-from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
-from clipcli.progress import SILENT, Progress
-from clipcli.spec import ClipSpec
+from clipcli.system import interrupts
 
 # ---------------------------------------------------------------- while measuring
 
@@ -48,7 +48,7 @@ def copy_ahead_hook(
 
 def output_check(reader: Reader) -> Callable[[Sequence[TensorInfo], float, int], CertainSumsq]:
     """The factor search's data pass: the certain sum of squares of the tensors scaled by
-    mantissa * 2**exponent and rounded (clipcli.factor.OutputCheck)."""
+    mantissa * 2**exponent and rounded (clipcli.jobs.factor.OutputCheck)."""
 
     def check(infos: Sequence[TensorInfo], mantissa: float, exponent: int) -> CertainSumsq:
         def scaled(chunk: np.ndarray) -> CertainSumsq:

@@ -4,7 +4,7 @@ The factor is the largest one whose rounded output has norm <= C (DESIGN.md sect
 For 8- and 16-bit floats the measuring pass's bit-pattern histograms make the search
 exact without reading data again; for float32 and wider, the limit is decided or the
 factor verified by a pass over the data, which the caller supplies as an OutputCheck
-(clipcli.pipeline reads the file; a unit test may use arrays in memory). The search
+(clipcli.jobs.pipeline reads the file; a unit test may use arrays in memory). The search
 itself is clipcli.numerics.scaling.group_factor; this module adapts the plan's measured
 tensors to it.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 from clipcli.formats.base import TensorInfo
-from clipcli.measurement import TensorStats
+from clipcli.jobs.measurement import TensorStats
 from clipcli.numerics import scaling
 from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.scaling import Factor

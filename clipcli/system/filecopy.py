@@ -14,8 +14,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from clipcli import interrupts
 from clipcli.errors import InputError
+from clipcli.system import interrupts
 
 PIECE = 64 << 20  # bytes per kernel call: small enough to notice a stop request soon
 PLAIN_PIECE = 4 << 20  # bytes per pread/pwrite in the fallback

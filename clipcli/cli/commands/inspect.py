@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clipcli.commands.common import (
+from clipcli.cli.commands.common import (
     check_threshold,
     emit,
     notify,
@@ -19,7 +19,7 @@ from clipcli.errors import ExitCode, UsageError, Verdict, printable
 from clipcli.report import OutputFormat, SortKey
 
 if TYPE_CHECKING:
-    from clipcli.footprint import InputFootprint
+    from clipcli.output.footprint import InputFootprint
 
 NORMS_EPILOG = (
     "\b\nExamples:\n"
@@ -44,9 +44,9 @@ def ls(
         raise UsageError(
             "ls reads no tensor data, so it cannot sort by norm; use norms --sort norm"
         )
-    from clipcli import scratch
     from clipcli.io import open_reader
     from clipcli.report.builders import ls_report
+    from clipcli.system import scratch
 
     # The reader itself, not a job module: listing reads only headers, and `ls` in a shell
     # loop should not import the measuring and writing machinery.
@@ -105,7 +105,7 @@ def norms(
     if force and plot is None:
         raise UsageError("--force replaces an existing --plot FILE; give --plot")
     if group_by is not None:
-        from clipcli.groups import compile_group_by
+        from clipcli.jobs.groups import compile_group_by
 
         compile_group_by(group_by)
         if sort is SortKey.SIZE:  # groups have no size of their own to sort by
@@ -142,7 +142,7 @@ def norms(
     elif not quiet and (fmt is not None or plot is None):  # --plot alone: the picture
         emit(lambda: print_report(report, fmt or OutputFormat.TABLE))
     if plot is not None:
-        from clipcli.output import NewFileTarget
+        from clipcli.output.target import NewFileTarget
         from clipcli.report.plot import render_plot
 
         picture = render_plot(bars, limit, group_by is not None, plot.suffix)
@@ -169,7 +169,7 @@ def _input_footprint(path: Path) -> "InputFootprint":
     """What --plot must stay clear of, from names alone (no data read): the file, or the
     model directory (given as itself or as its index file) and every file in it, so that
     a link to a shard is caught too."""
-    from clipcli.footprint import InputFootprint
+    from clipcli.output.footprint import InputFootprint
 
     root = path.parent if path.name.endswith(".index.json") else path
     files = [p for p in root.iterdir() if p.is_file()] if root.is_dir() else [path]

@@ -1,7 +1,7 @@
 """The program: main() runs one command line and returns its exit code.
 
 An ordinary command line (a command, its paths, options spelled out) is parsed by
-clipcli/quick_args.py and goes straight to the command's body in clipcli/commands/;
+clipcli/cli/quick_args.py and goes straight to the command's body in clipcli/cli/commands/;
 anything else (--help, completion, a usage error) goes to the Typer app (typer_app.py),
 whose import alone would cost a shell loop ~30 ms. Either way every failure passes the one
 boundary (boundary.py): one stderr line `clipcli: error: ...` and a documented exit code.
@@ -17,17 +17,19 @@ import sys
 import threading
 from collections.abc import Callable
 
-from clipcli import __version__, boundary, interrupts, quick_args
-from clipcli.commands.common import Stdout, emit, escape_unencodable
+from clipcli import __version__
+from clipcli.cli import boundary, quick_args
+from clipcli.cli.commands.common import Stdout, emit, escape_unencodable
 from clipcli.errors import ExitCode
+from clipcli.system import interrupts
 
 # Each command's body, by name: (module, function). Imported for the command run only.
 BODIES = {
-    "ls": ("clipcli.commands.inspect", "ls"),
-    "norms": ("clipcli.commands.inspect", "norms"),
-    "clip": ("clipcli.commands.write", "clip"),
-    "convert": ("clipcli.commands.write", "convert"),
-    "diff": ("clipcli.commands.compare", "diff"),
+    "ls": ("clipcli.cli.commands.inspect", "ls"),
+    "norms": ("clipcli.cli.commands.inspect", "norms"),
+    "clip": ("clipcli.cli.commands.write", "clip"),
+    "convert": ("clipcli.cli.commands.write", "convert"),
+    "diff": ("clipcli.cli.commands.compare", "diff"),
 }
 
 
@@ -132,7 +134,7 @@ def _run(args: list[str]) -> object:
     if parsed is not None:
         command, values = parsed
         return boundary.run_command(lambda: body_of(command)(**values))
-    from clipcli import typer_app
+    from clipcli.cli import typer_app
 
     result = typer_app.run(args)
     sys.stdout.flush()

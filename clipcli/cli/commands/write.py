@@ -5,7 +5,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from clipcli.commands.common import (
+from clipcli.cli.commands.common import (
     emit,
     notify,
     print_report,
@@ -62,10 +62,10 @@ def clip(
     all_tensors: bool = False,
     allow_lossy: bool = False,
 ) -> None:
-    from clipcli import interrupts
     from clipcli.api import clip
+    from clipcli.jobs.spec import build_spec
     from clipcli.report.builders import clip_report
-    from clipcli.spec import build_spec
+    from clipcli.system import interrupts
 
     fmt = report_format(fmt, as_json, quiet)
     spec = build_spec(
@@ -114,8 +114,8 @@ def convert(
     allow_large_side_files: bool = False,
     allow_lossy: bool = False,
 ) -> None:
-    from clipcli import interrupts
     from clipcli.api import convert
+    from clipcli.system import interrupts
 
     with interrupts.deferred(writes=True):  # as for clip
         infos = convert(

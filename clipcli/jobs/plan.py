@@ -2,7 +2,7 @@
 
 `plan(measurement, spec, check)` decides, for every tensor, an Action and the Reason for
 it; the report alone turns reasons into words, and no decision ever reads a display
-string. `clipcli.pipeline.execute` carries the plan out and reports what happened
+string. `clipcli.jobs.pipeline.execute` carries the plan out and reports what happened
 (Outcome) without editing it. Nothing here reads a file: the one data pass a factor
 search may need (float32 and wider) is the `check` callback the caller supplies.
 """
@@ -14,16 +14,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from clipcli import roles
 from clipcli.dtypes import is_floating
 from clipcli.errors import DataRefusedError
-from clipcli.factor import Factor, OutputCheck, search_factor, tf_factor
 from clipcli.formats.base import TensorInfo
-from clipcli.groups import compile_group_by, group_key
-from clipcli.measurement import Measurement, TensorStats
+from clipcli.jobs import roles
+from clipcli.jobs.factor import Factor, OutputCheck, search_factor, tf_factor
+from clipcli.jobs.groups import compile_group_by, group_key
+from clipcli.jobs.measurement import Measurement, TensorStats
+from clipcli.jobs.spec import ClipSpec, Mode, axes_fit, exact_limit, normalize_axes, tensor_limit
 from clipcli.numerics import rounding, scaling
 from clipcli.numerics.norms import NormAccumulator, global_norm
-from clipcli.spec import ClipSpec, Mode, axes_fit, exact_limit, normalize_axes, tensor_limit
 
 # ---------------------------------------------------------------- the plan
 
@@ -41,7 +41,7 @@ class Reason(str, Enum):
     """Why a tensor gets its Action; clipcli.report renders each one."""
 
     NOT_SELECTED = "not selected"  # by --include/--exclude
-    LEFT_OUT = "left out"  # optimizer state or a buffer (clipcli.roles)
+    LEFT_OUT = "left out"  # optimizer state or a buffer (clipcli.jobs.roles)
     NOT_FLOATING = "not floating point"
     NONFINITE_SKIPPED = "non-finite skipped"  # --skip-nonfinite
     LOW_RANK_SKIPPED = "low rank skipped"  # --skip-low-rank

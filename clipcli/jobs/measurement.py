@@ -1,6 +1,6 @@
 """What the measuring pass found: per-tensor statistics, the global norm, group shares.
 
-Plain data, computed by clipcli.pipeline and read by the planner and the report.
+Plain data, computed by clipcli.jobs.pipeline and read by the planner and the report.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import math
 from pathlib import Path
 from typing import NamedTuple
 
-from clipcli import roles
 from clipcli.formats.base import TensorInfo
-from clipcli.groups import compile_group_by, group_key, group_order
+from clipcli.jobs import roles
+from clipcli.jobs.groups import compile_group_by, group_key, group_order
 from clipcli.numerics.norms import NormAccumulator, global_norm
 
 

@@ -7,8 +7,8 @@ up (the HDF5 reader rounds pieces to whole rows), and every pair of pieces is re
 few numbers in worker threads (`parallel.ordered_map`); reading stays in the calling thread.
 
 This module holds the results and the pairing (which tensors meet, in aligned pieces);
-clipcli.diff_math reduces each pair of pieces and gives the final figures, and
-clipcli.pipeline.compare streams them.
+clipcli.jobs.diff_math reduces each pair of pieces and gives the final figures, and
+clipcli.jobs.pipeline.compare streams them.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from enum import Enum
 from fractions import Fraction
 
 from clipcli.errors import DataRefusedError, UsageError
-from clipcli.groups import compile_group_by
+from clipcli.jobs.groups import compile_group_by
 
 
 class Mode(str, Enum):

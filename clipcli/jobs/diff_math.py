@@ -35,7 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.diff import (
+from clipcli.dtypes import is_floating
+from clipcli.formats.base import Reader
+from clipcli.formats.compare import file_changes
+from clipcli.jobs.diff import (
     CHANGED,
     DTYPE_CHANGED,
     ONLY_IN_A,
@@ -48,9 +51,6 @@ from clipcli.diff import (
     Status,
     TensorDiff,
 )
-from clipcli.dtypes import is_floating
-from clipcli.formats.base import Reader
-from clipcli.formats.compare import file_changes
 from clipcli.numerics.difference import difference
 from clipcli.numerics.norms import (
     NormAccumulator,

@@ -10,7 +10,7 @@ process id (`stage`), and committed by one rename. Rules, each tested:
   with it, a file (or symlink) is replaced, and a directory only when it holds nothing but
   names clipcli itself would write there (exit 2 otherwise, naming what is in the way).
 - One commit point. Before it the old OUT is whole; after it the run reports success.
-  Signals are recorded while staging (clipcli.interrupts) and acted on between chunks, and
+  Signals are recorded while staging (clipcli.system.interrupts) and acted on between chunks, and
   once more just before the rename; cleanup is never cut short by a second signal.
 - No-clobber without --force: the rename is renameat2(RENAME_NOREPLACE) (for a directory
   without it: mkdir + rename over the empty directory), so something that appears at OUT
@@ -39,11 +39,11 @@ import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from clipcli import interrupts
 from clipcli.errors import ClipcliError, UsageError, WriteError
-from clipcli.footprint import InputFootprint
 from clipcli.formats.base import Writer
-from clipcli.fsops import (
+from clipcli.io import ACCEPTED_EXTENSIONS, format_from_extension, has_extension, writer_class
+from clipcli.output.footprint import InputFootprint
+from clipcli.output.fsops import (
     ASIDE_SUFFIX,
     KEPT_SUFFIX,
     TEMP_SUFFIX,
@@ -60,8 +60,8 @@ from clipcli.fsops import (
     rename_noreplace,
     temp_prefix,
 )
-from clipcli.inputs import fd_path
-from clipcli.io import ACCEPTED_EXTENSIONS, format_from_extension, has_extension, writer_class
+from clipcli.system import interrupts
+from clipcli.system.inputs import fd_path
 
 
 class Refused(UsageError):

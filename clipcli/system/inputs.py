@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from clipcli.errors import InputError, WriteError
-from clipcli.identity import FileIdentity
+from clipcli.system.identity import FileIdentity
 
 # Pseudo-filesystems: reading these never yields a checkpoint and may yield secrets.
 PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))

@@ -43,7 +43,7 @@ class InputFootprint:
         self.root_inode = _inode(self.root)
         self.file_ancestors = [set(_ancestor_inodes(f)) for f in [self.root, *self.files]]
         # Everything the input's paths pass through, as given and through every link: what
-        # cleanup (clipcli.fsops) may neither remove nor move.
+        # cleanup (clipcli.output.fsops) may neither remove nor move.
         self.reached = frozenset(resolution_inodes([root, *files]))
         try:
             self.root_mode = stat.S_IMODE(os.stat(self.root).st_mode)
