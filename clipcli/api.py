@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 # 12, item 7). The CLI imports them up front for clip and convert (clipcli.__main__).
 WRITING_MODULES = (
     "clipcli.jobs.execution",
-    "clipcli.output.footprint",
+    "clipcli.system.footprint",
     "clipcli.output.target",
     "clipcli.jobs.plan",
     "clipcli.jobs.spec",
@@ -299,7 +299,7 @@ def plan_clip(
     )
     made = plan(measurement, spec, execution.output_check(reader))
     if isinstance(reader, LogicalReader):
-        from clipcli.logical import lowering
+        from clipcli.jobs import lowering
 
         lowering.check_lowerable(made, reader)  # refused before anything is written
     return made
@@ -402,7 +402,7 @@ def _execute(
 
     if not isinstance(logical, LogicalReader):
         return execution.execute(made, reader, writer, progress, label)
-    from clipcli.logical import lowering
+    from clipcli.jobs import lowering
 
     lowered = lowering.lower(made, logical)
     outcomes = execution.execute(lowered, reader, writer, progress, label)
@@ -487,7 +487,7 @@ def _check_target(
 ) -> None:
     """Everything about OUT that is refused before any tensor data is read: OUT against
     the input (never IN, inside it or around it), what is in the way at OUT, side files."""
-    from clipcli.output.footprint import InputFootprint  # WRITING_MODULES
+    from clipcli.system.footprint import InputFootprint  # WRITING_MODULES
 
     footprint = InputFootprint(reader.path, reader.source_files())
     target.check(footprint, writer_cls.output_names(reader))

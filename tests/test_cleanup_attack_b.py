@@ -41,8 +41,8 @@ from clipcli.cli.entry import main
 from clipcli.errors import WriteError
 from clipcli.formats.keras_archive import SCRATCH_PREFIX, WEIGHTS_MEMBER
 from clipcli.output import fsops
-from clipcli.output.footprint import holds_a_mount, mount_points
 from clipcli.system import scratch
+from clipcli.system.footprint import holds_a_mount, mount_points
 
 DEAD_PID = 999_999_999  # no such process
 CLIPCLI = [sys.executable, "-m", "clipcli"]

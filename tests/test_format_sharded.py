@@ -29,8 +29,8 @@ from clipcli.formats.sharded import (
     validate_sharded,
 )
 from clipcli.jobs.pipeline import write_tensors
-from clipcli.output.footprint import InputFootprint
 from clipcli.output.target import DirectoryTarget, choose_target
+from clipcli.system.footprint import InputFootprint
 
 HIDDEN, INTERMEDIATE, VOCAB = 8, 16, 32
 SHARDS = [f"model-{n:05d}-of-00003.safetensors" for n in (1, 2, 3)]

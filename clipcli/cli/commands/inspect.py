@@ -19,7 +19,7 @@ from clipcli.errors import ExitCode, UsageError, Verdict, printable
 from clipcli.report import OutputFormat, SortKey
 
 if TYPE_CHECKING:
-    from clipcli.output.footprint import InputFootprint
+    from clipcli.system.footprint import InputFootprint
 
 NORMS_EPILOG = (
     "\b\nExamples:\n"
@@ -169,7 +169,7 @@ def _input_footprint(path: Path) -> "InputFootprint":
     """What --plot must stay clear of, from names alone (no data read): the file, or the
     model directory (given as itself or as its index file) and every file in it, so that
     a link to a shard is caught too."""
-    from clipcli.output.footprint import InputFootprint
+    from clipcli.system.footprint import InputFootprint
 
     root = path.parent if path.name.endswith(".index.json") else path
     files = [p for p in root.iterdir() if p.is_file()] if root.is_dir() else [path]
