@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import (
     Checkpoint,
+    Listed,
     NonTensorInfo,
     Reader,
     TensorInfo,
@@ -24,20 +25,18 @@ from clipcli.formats.base import (
 )
 from clipcli.formats.structure import check_losses
 from clipcli.io import open_reader
-from clipcli.jobs import pipeline, scope
-from clipcli.jobs.measurement import Measurement
+from clipcli.jobs import scope
 from clipcli.jobs.progress import SILENT, Progress
 from clipcli.jobs.selection import EVERY_TENSOR, Selection
-from clipcli.logical import views
-from clipcli.logical.reader import LogicalReader
-from clipcli.numerics.norms import NormAccumulator, global_norm
 from clipcli.system import interrupts, scratch
 from clipcli.system.identity import InputGuard
 
 if TYPE_CHECKING:
     from clipcli.jobs.diff import DiffResult  # diff's modules load when a diff runs
+    from clipcli.jobs.measurement import Measurement
     from clipcli.jobs.plan import Outcome, Plan, Reason, TensorPlan
     from clipcli.jobs.spec import ClipSpec
+    from clipcli.numerics.norms import NormAccumulator
     from clipcli.output.target import Target
 
 # What clip and convert import in their functions, beyond what ls and norms need: norms
@@ -55,15 +54,27 @@ WRITING_MODULES = (
 )
 
 
-def list_tensors(
-    path: Path,
-) -> tuple[str, dict[str, str], list[TensorInfo], list[NonTensorInfo]]:
+class Listing(NamedTuple):
+    """What `ls` shows: read from headers only, no tensor data, no numpy."""
+
+    format_name: str
+    metadata: dict[str, str]
+    tensors: list[Listed]
+    non_tensors: list[NonTensorInfo]
+    shards: dict[str, str] | None  # tensor -> the file holding it, in a model directory
+
+
+def listing(path: Path) -> Listing:
     with scratch.keeping_clear_of([path]), open_reader(path) as reader:
-        return (
+        tensors = list(reader.listing)
+        owners = {t.name: reader.shard_of(t.name) for t in tensors}
+        shards = {k: v for k, v in owners.items() if v is not None}
+        return Listing(
             reader.format_name,
             dict(reader.metadata),
-            list(reader.infos),
+            tensors,
             list(reader.non_tensors),
+            shards if len(shards) == len(owners) and shards else None,
         )
 
 
@@ -77,6 +88,8 @@ def measure(
 ) -> Measurement:
     """Norms of the logical tensors (a quantized weight's real values); `stored`: of
     every stored tensor as it is."""
+    from clipcli.logical import views
+
     with scratch.keeping_clear_of([path]), open_reader(path) as reader:
         return measure_reader(
             reader if stored else views.logical(reader), selection, progress, notify, group_by
@@ -90,6 +103,8 @@ def measure_reader(
     notify: scope.Notify = scope.ignore,
     group_by: str | None = None,
 ) -> Measurement:
+    from clipcli.jobs import pipeline
+
     selection = _with_parts(selection, reader)
     infos = selection.check(reader.infos, notify)
     selection.check_weights(infos, notify)
@@ -111,6 +126,9 @@ def diff(
     notify: scope.Notify = scope.ignore,
 ) -> DiffResult:
     """Compare the checkpoints at path_a (the reference) and path_b, of any formats."""
+    from clipcli.jobs import pipeline
+    from clipcli.logical import views
+
     with (
         scratch.keeping_clear_of([path_a, path_b]),  # one reader's sweep spares the other
         open_reader(path_a) as reader_a,
@@ -201,6 +219,8 @@ class ClipResult(NamedTuple):
     @property
     def global_after(self) -> float:
         pairs = zip(self.plan.tensors, self.outcomes, strict=True)
+        from clipcli.numerics.norms import global_norm
+
         return global_norm(outcome.after.norm for p, outcome in pairs if p.in_global)
 
 
@@ -222,6 +242,7 @@ def clip(
     Signals are deferred for the whole run: acted on between chunks before the commit,
     moot after it."""
     from clipcli.jobs import execution  # WRITING_MODULES
+    from clipcli.logical import views
 
     target = _target(src, out, force, durable)
     with (
@@ -281,12 +302,15 @@ def plan_clip(
     """Measure every tensor and decide what happens to it. Raises before OUT is touched.
     With a writer, tensors the plan will most likely leave alone are handed to its
     copy_ahead while the others are still being measured."""
-    from clipcli.jobs import execution  # WRITING_MODULES
+    from clipcli.jobs import (
+        execution,  # WRITING_MODULES
+        pipeline,
+    )
     from clipcli.jobs.plan import plan
     from clipcli.jobs.spec import Mode
 
     # Copying ahead hands stored tensors to the writer: only where logical ones are stored.
-    ahead = None if isinstance(reader, LogicalReader) else writer
+    ahead = None if _is_logical(reader) else writer
     hook = execution.copy_ahead_hook(spec, reader, ahead) if ahead is not None else None
     selection = _with_parts(selection, reader)
     measurement = pipeline.measure(
@@ -298,6 +322,8 @@ def plan_clip(
         on_measured=hook,
     )
     made = plan(measurement, spec, execution.output_check(reader))
+    from clipcli.logical.reader import LogicalReader
+
     if isinstance(reader, LogicalReader):
         from clipcli.jobs import lowering
 
@@ -381,11 +407,20 @@ def convert(
 # ---------------------------------------------------------------- writing OUT
 
 
+def _is_logical(reader: Reader) -> bool:
+    """A LogicalReader (a view that is not the identity), told apart without importing
+    the logical layer for plain checkpoints' sake."""
+    from clipcli.logical.reader import LogicalReader
+
+    return isinstance(reader, LogicalReader)
+
+
 def _with_parts(selection: Selection, reader: Reader) -> Selection:
     """`selection` with a logical reader's parts (scales, zero points) kept apart."""
-    if not isinstance(reader, LogicalReader) or not reader.part_roles:
+    parts = getattr(reader, "part_roles", None) if _is_logical(reader) else None
+    if not parts:
         return selection
-    return dataclasses.replace(selection, parts=frozenset(reader.part_roles))
+    return dataclasses.replace(selection, parts=frozenset(parts))
 
 
 def _execute(
@@ -399,6 +434,7 @@ def _execute(
     """Carry out a plan made on `logical`'s tensors: lowered to the stored tensors of
     `reader` when they differ, with the outcomes lifted back."""
     from clipcli.jobs import execution  # WRITING_MODULES
+    from clipcli.logical.reader import LogicalReader
 
     if not isinstance(logical, LogicalReader):
         return execution.execute(made, reader, writer, progress, label)

@@ -46,7 +46,7 @@ def official(path: Path, name: str) -> np.ndarray:
 
 
 def clipcli_names(path: Path) -> list[str]:
-    return [info.name for info in api.list_tensors(path)[2]]
+    return [t.name for t in api.listing(path).tensors]
 
 
 def refused_before_writing(run: Run, out: Path, *fragments: str) -> None:
@@ -164,7 +164,7 @@ def test_hdf5_metadata_at_the_attribute_budget_reads_back(
     )
     out = tmp_path / "out.h5"
     api.convert(src, out)
-    assert api.list_tensors(out)[1] == attribute_metadata(4, 1000)
+    assert api.listing(out).metadata == attribute_metadata(4, 1000)
     with h5py.File(out, "r") as f:
         assert f.attrs["k0"] == "x" * 1000
 

@@ -303,6 +303,10 @@ class Reader(ABC):
         """(relative path, why) of each entry a copy of the directory leaves out."""
         return []
 
+    def shard_of(self, name: str) -> str | None:  # noqa: ARG002 - interface
+        """The file of a model directory that holds the tensor, None for one file."""
+        return None
+
     def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:  # noqa: ARG002 - interface
         """Where the tensor's bytes lie as safetensors stores them, for a kernel copy;
         None when they are not stored so."""
