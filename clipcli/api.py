@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import (
     Checkpoint,
     Listed,
@@ -23,11 +22,11 @@ from clipcli.formats.base import (
     Writer,
     archive_losses,
 )
-from clipcli.formats.structure import check_losses
 from clipcli.io import open_reader
 from clipcli.jobs import scope
 from clipcli.jobs.progress import SILENT, Progress
 from clipcli.jobs.selection import EVERY_TENSOR, Selection
+from clipcli.output import policy
 from clipcli.system import interrupts, scratch
 from clipcli.system.identity import InputGuard
 
@@ -244,17 +243,17 @@ def clip(
     from clipcli.jobs import execution  # WRITING_MODULES
     from clipcli.logical import views
 
-    target = _target(src, out, force, durable)
+    target = policy.target_for(src, out, force, durable)
     with (
         interrupts.deferred(writes=True),
         scratch.keeping_clear_of([src, out]),  # a sweep in $TMPDIR spares OUT's folder
         open_reader(src) as reader,
     ):
-        writer_cls = check_writable(reader, target)
+        writer_cls = policy.check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
-        check_losses(losses, allow_lossy, notify, target.out)
+        policy.check_losses(losses, allow_lossy, notify, target.out)
         # Said once OUT is written (or the dry run is done): a failed run's stderr is its
         # one error line.
         notes = writer_cls.structure_notes(reader)
@@ -265,8 +264,8 @@ def clip(
             # An existing OUT is not refused (nothing is written to it): it is judged as
             # with --force (a directory that holds other files, or IN, still is), and a
             # note says that the real run needs --force.
-            check = target if force else _target(src, out, force=True, durable=durable)
-            _check_target(reader, writer_cls, check, allow_large_side_files)
+            check = target if force else policy.target_for(src, out, force=True, durable=durable)
+            policy.check_target(reader, writer_cls, check, allow_large_side_files)
             check.release()
             if check.occupied and not force:
                 notify("note", f"{target.out} exists: the run without --dry-run needs --force")
@@ -377,17 +376,17 @@ def convert(
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
     from clipcli.jobs.plan import copy_plan  # WRITING_MODULES
 
-    target = _target(src, out, force, durable)
+    target = policy.target_for(src, out, force, durable)
     with (
         interrupts.deferred(writes=True),
         scratch.keeping_clear_of([src, out]),  # a sweep in $TMPDIR spares OUT's folder
         open_reader(src) as reader,
     ):
-        writer_cls = check_writable(reader, target)
+        writer_cls = policy.check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
-        check_losses(losses, allow_lossy, notify, target.out)
+        policy.check_losses(losses, allow_lossy, notify, target.out)
         notes = writer_cls.structure_notes(reader)  # said once OUT is written, as in clip
         copying = copy_plan(reader.infos)
         _write_out(
@@ -445,102 +444,6 @@ def _execute(
     return lowering.lift(made, lowered, outcomes, logical)
 
 
-def check_writable(reader: Reader, target: Target) -> type[Writer]:
-    """The writer for OUT, once every limit of its format that is known before writing
-    holds (names, dtypes, names together, metadata): a refusal is exit 2 naming the tensor
-    or key, before anything is created."""
-    cls = target.writer_class()
-    for info, problem in cls.tensor_problems(reader.infos):
-        raise UsageError(f"{target.out}: tensor {info.name!r}: {problem}")
-    reason = cls.check_names([info.name for info in reader.infos]) or cls.check_metadata(
-        _output_metadata(reader, target.is_directory), reader
-    )
-    if reason is not None:
-        raise UsageError(f"{target.out}: {reason}")
-    return cls
-
-
-def _output_metadata(reader: Reader, to_directory: bool) -> dict[str, str]:
-    return dict(reader.metadata) if to_directory else reader.joined_metadata()
-
-
-SIDE_FILE_LIMIT = 1 << 30  # bytes: configs and tokenizers are far smaller
-# All side files together (a model's configs and tokenizers are tens of files and MBs):
-# the per-file limit alone lets 100,000 files of 1 GiB through.
-SIDE_FILES_MAX_COUNT = 10_000
-SIDE_FILES_MAX_BYTES = 4 << 30
-
-
-def _check_side_files(reader: Reader, allow_large: bool) -> None:
-    """A model directory's other files are copied; one of absurd size is refused unless
-    allowed, since a sparse 1 TB file would otherwise fill the disk; so are too many or too
-    many bytes in all (exit 3), and a hard link with a name outside the directory (exit 3)."""
-    if linked := reader.side_files_linked_elsewhere():
-        path, links = linked[0]
-        raise InputError(
-            path,
-            f"is a hard link with {links} names, some outside the model directory, so it may "
-            "be any file of yours; not copied (copy the directory without hard links)",
-        )
-    opened = reader.source_identities()  # the files the copy will read, not the names now
-    side_files = reader.side_files()
-    if len(side_files) > SIDE_FILES_MAX_COUNT:
-        raise InputError(
-            reader.path,
-            f"has {len(side_files)} other files to copy beside the weights; "
-            f"at most {SIDE_FILES_MAX_COUNT} are copied",
-        )
-    if allow_large:
-        return
-    for path in side_files:
-        size = opened[path].size
-        if size > SIDE_FILE_LIMIT:
-            raise UsageError(
-                f"{path}: side file of {size} bytes is over the {SIDE_FILE_LIMIT >> 30} GiB "
-                "limit for files copied beside the weights; pass --allow-large-side-files"
-            )
-    total = sum(opened[path].size for path in side_files)
-    if total > SIDE_FILES_MAX_BYTES:  # a refusal the flag lifts, as for one large file
-        raise UsageError(
-            f"{reader.path}: its other files hold {total} bytes together, over the "
-            f"{SIDE_FILES_MAX_BYTES >> 30} GiB copied beside the weights; "
-            "pass --allow-large-side-files",
-        )
-
-
-def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
-    from clipcli.output.stream_target import STDOUT, StdoutTarget
-    from clipcli.output.target import choose_target  # WRITING_MODULES
-
-    if str(out) == STDOUT:  # safetensors streamed to standard output (stream_target)
-        return StdoutTarget(force=force, durable=durable)
-    is_directory = src.is_dir() or src.name.endswith(".index.json")
-    return choose_target(out, input_is_directory=is_directory, force=force, durable=durable)
-
-
-def _check_target(
-    reader: Reader, writer_cls: type[Writer], target: Target, allow_large_side_files: bool
-) -> None:
-    """Everything about OUT that is refused before any tensor data is read: OUT against
-    the input (never IN, inside it or around it), what is in the way at OUT, side files."""
-    from clipcli.system.footprint import InputFootprint  # WRITING_MODULES
-
-    footprint = InputFootprint(reader.path, reader.source_files())
-    target.check(footprint, writer_cls.output_names(reader))
-    if target.is_directory:
-        _check_side_files(reader, allow_large_side_files)
-
-
-def _files_beside_weights(reader: Reader) -> list[str]:
-    """A model directory's files that are neither its shards nor its index (config,
-    tokenizer, weights in other forms), relative to it: none of them goes into one file."""
-    directory = reader.model_directory
-    if directory is None:
-        return []
-    copied = [path.relative_to(directory).as_posix() for path in reader.side_files()]
-    return copied + [where for where, _ in reader.left_out_entries()]
-
-
 def _write_out(
     reader: Reader,
     writer_cls: type[Writer],
@@ -556,7 +459,7 @@ def _write_out(
     The input must not change from opening to the commit (clipcli.system.identity)."""
 
     guard = InputGuard(reader.source_identities())
-    _check_target(reader, writer_cls, target, allow_large_side_files)
+    policy.check_target(reader, writer_cls, target, allow_large_side_files)
     if not writer_cls.copies_constants(reader):
         reader.expect_all_elements()  # an input budget's refusal comes before OUT exists
     # Said once OUT is written (with the target's own notes): a failed run leaves nothing
@@ -564,12 +467,12 @@ def _write_out(
     left_out: list[str] = []
     if target.is_directory:
         left_out = [f"left out {where}: {why}" for where, why in reader.left_out_entries()]
-    elif dropped := _files_beside_weights(reader):
+    elif dropped := policy.files_beside_weights(reader):
         shown = ", ".join(dropped[:5]) + (
             f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
         )
         left_out = [f"OUT is one file: left out the model directory's other files ({shown})"]
-    metadata = _output_metadata(reader, target.is_directory)
+    metadata = policy.output_metadata(reader, target.is_directory)
     with target.stage() as staged:
         writer = writer_cls(
             staged, Checkpoint(list(reader.infos), metadata, reader), target.durable

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple
 
 from clipcli.errors import InputError
-from clipcli.formats.structure import Structure
+from clipcli.formats.structure_record import Structure
 
 if TYPE_CHECKING:
     # numpy is imported where data is handled, not here: `clipcli ls` of a safetensors
