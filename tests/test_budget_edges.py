@@ -357,3 +357,36 @@ def test_safetensors_valid_header_of_exactly_the_limit(
         assert official.get_tensor("t").tolist() == [3.0, 4.0]
     assert run.returncode == 0, run
     assert json.loads(run.stdout)["global_norm"] == 5.0
+
+
+# ------------------------------------------------------------------ npz: .npy header size
+
+
+def _npy_with_header_length(length: int) -> bytes:
+    """A version 1.0 .npy of two float32, its header padded with spaces to `length`."""
+    text = repr({"descr": "<f4", "fortran_order": False, "shape": (2,)})
+    raw = text.encode().ljust(length - 1) + b"\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", length) + raw + b"\0\0@@\0\0\x80@"
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_npy_header_exactly_at_numpys_cap(clipcli: Cli, tmp_path: Path, over: int) -> None:
+    """A member's .npy header of 10,000 bytes (numpy's max_header_size) is read; 10,001 is
+    refused, as np.load refuses it."""
+    import zipfile
+
+    length = 10_000 + over
+    src = tmp_path / "m.npz"
+    with zipfile.ZipFile(src, "w") as archive:
+        archive.writestr("w.npy", _npy_with_header_length(length))
+    run = clipcli("norms", "--format", "json", src)
+    if over:
+        with pytest.raises(ValueError, match="max_header_size"), np.load(src) as archive:
+            archive["w"]
+        assert run.returncode == 3, run
+        assert f".npy header of {length} bytes exceeds the 10000 cap" in one_error_line(run.stderr)
+        return
+    with np.load(src) as archive:
+        assert archive["w"].tolist() == [3.0, 4.0]
+    assert run.returncode == 0, run
+    assert json.loads(run.stdout)["global_norm"] == 5.0
