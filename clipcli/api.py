@@ -22,9 +22,9 @@ from clipcli.formats.base import (
     Writer,
     archive_losses,
 )
+from clipcli.formats.opening import open_reader
 from clipcli.formats.structure import check_losses
 from clipcli.identity import InputGuard
-from clipcli.io import open_reader
 from clipcli.measurement import Measurement
 from clipcli.numerics.norms import NormAccumulator, global_norm
 from clipcli.progress import SILENT, Progress

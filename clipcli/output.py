@@ -42,7 +42,9 @@ from pathlib import Path
 from clipcli import interrupts
 from clipcli.errors import ClipcliError, UsageError, WriteError
 from clipcli.footprint import InputFootprint
+from clipcli.formats import registry
 from clipcli.formats.base import Writer
+from clipcli.formats.opening import has_extension, writer_class
 from clipcli.fsops import (
     ASIDE_SUFFIX,
     KEPT_SUFFIX,
@@ -61,7 +63,6 @@ from clipcli.fsops import (
     temp_prefix,
 )
 from clipcli.inputs import fd_path
-from clipcli.io import ACCEPTED_EXTENSIONS, format_from_extension, has_extension, writer_class
 
 
 class Refused(UsageError):
@@ -640,7 +641,7 @@ def choose_target(
         raise UsageError("OUT '-': writing to standard output is not supported; name a file")
     out = Path(text)
     asks_directory = text.endswith(("/", os.sep))
-    if format_from_extension(out) is not None and not asks_directory:
+    if registry.output_format(out.name) is not None and not asks_directory:
         return FileTarget(out, force=force, durable=durable)
     if asks_directory or _is_empty_directory(out):
         return DirectoryTarget(out, force=force, durable=durable)
@@ -653,6 +654,6 @@ def choose_target(
             "for a one-file model directory"
         )
     raise UsageError(
-        f"{out}: unknown output extension; use {ACCEPTED_EXTENSIONS}, "
+        f"{out}: unknown output extension; use {registry.accepted_extensions()}, "
         "or end OUT with / to write a model directory"
     )

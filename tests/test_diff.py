@@ -32,8 +32,8 @@ from clipcli.diff import (
 from clipcli.diff_math import relative
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo
+from clipcli.formats.opening import open_reader
 from clipcli.formats.safetensors import SafetensorsWriter
-from clipcli.io import open_reader
 from clipcli.pipeline import compare
 from clipcli.selection import Selection
 

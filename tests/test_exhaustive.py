@@ -29,12 +29,15 @@ from safetensors.numpy import load_file, save_file
 
 from clipcli.cli import main
 from clipcli.errors import ExitCode
+from clipcli.formats import registry
 from clipcli.formats.safetensors import SafetensorsWriter
-from clipcli.io import EXTENSIONS
 from clipcli.report import OutputFormat, SortKey
 from clipcli.spec import Mode
 
 README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+# Every suffix OUT may have, with its format's name: from the registry, so that a new
+# format arrives here by its entry alone.
+EXTENSIONS = {suffix: fmt.name for suffix, fmt in registry.OUTPUT_SUFFIXES.items()}
 
 MainRun = Callable[..., Any]
 

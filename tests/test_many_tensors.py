@@ -26,10 +26,10 @@ from safetensors.numpy import load_file
 from clipcli import filecopy, pipeline
 from clipcli.cli import main
 from clipcli.formats.base import TensorInfo
+from clipcli.formats.opening import open_reader
 from clipcli.formats.safetensors import reader as st_reader
 from clipcli.formats.safetensors.header import build_header, header_length
 from clipcli.formats.safetensors.writer import COPY_AHEAD_MIN_BYTES, SafetensorsWriter
-from clipcli.io import open_reader
 from clipcli.numerics.many import SHORT, accumulate_each
 from clipcli.numerics.norms import NormAccumulator
 from clipcli.report import OutputFormat, render

@@ -267,7 +267,7 @@ def test_hdf5_attributes_into_safetensors_at_and_past_the_header_limit(
 
 
 def clipcli_reader(path: Path):  # type: ignore[no-untyped-def]
-    from clipcli.io import open_reader
+    from clipcli.formats.opening import open_reader
 
     return open_reader(path)
 

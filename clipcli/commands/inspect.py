@@ -45,7 +45,7 @@ def ls(
             "ls reads no tensor data, so it cannot sort by norm; use norms --sort norm"
         )
     from clipcli import scratch
-    from clipcli.io import open_reader
+    from clipcli.formats.opening import open_reader
     from clipcli.report.builders import ls_report
 
     # The reader itself, not a job module: listing reads only headers, and `ls` in a shell
