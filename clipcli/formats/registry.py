@@ -262,9 +262,11 @@ FORMATS: tuple[Format, ...] = (
         label=".npy",
         suffixes=(".npy",),
         recognise=_starts(NPY_MAGIC),
-        # One array, no names: not a checkpoint. (Reading it is a format of its own, to come.)
-        refusal="is a single .npy array, not a checkpoint; clipcli reads .npz: save it as one "
-        "with numpy, e.g. np.savez({npz!r}, weight=np.load({path!r}))",
+        reader="clipcli.formats.npy:NpyReader",
+        writer="clipcli.formats.npy:NpyWriter",
+        output=True,
+        preload=("clipcli.formats.npy",),
+        capabilities=frozenset({ONE_TENSOR}),
     ),
     Format(
         "pytorch-zip",
