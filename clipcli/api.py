@@ -22,7 +22,7 @@ from clipcli.formats.base import (
     Writer,
     archive_losses,
 )
-from clipcli.io import open_reader
+from clipcli.formats.opening import open_reader
 from clipcli.jobs import scope
 from clipcli.jobs.progress import SILENT, Progress
 from clipcli.jobs.selection import EVERY_TENSOR, Selection
@@ -217,9 +217,9 @@ class ClipResult(NamedTuple):
 
     @property
     def global_after(self) -> float:
-        pairs = zip(self.plan.tensors, self.outcomes, strict=True)
         from clipcli.numerics.norms import global_norm
 
+        pairs = zip(self.plan.tensors, self.outcomes, strict=True)
         return global_norm(outcome.after.norm for p, outcome in pairs if p.in_global)
 
 

@@ -22,8 +22,8 @@ from clipcli.api import diff, measure
 from clipcli.cli.entry import main
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo
+from clipcli.formats.opening import open_reader
 from clipcli.formats.safetensors import SafetensorsWriter
-from clipcli.io import open_reader
 from clipcli.jobs.diff import (
     CHANGED,
     DTYPE_CHANGED,
