@@ -1,18 +1,18 @@
 """The library face of clipcli: ls, measure, clip, convert, diff. Nothing here prints.
 
-Each job opens its input, checks what names alone decide (clipcli.scope), runs the
-streaming passes (clipcli.pipeline) and returns a frozen result for clipcli.report.
-`clip` measures, plans (clipcli.plan: a value, complete before the first byte is written),
-then executes the plan into OUT's target (clipcli.output: one commit point).
+Each job opens its input, checks what names alone decide (clipcli.jobs.scope), runs the
+streaming passes (clipcli.jobs.pipeline) and returns a frozen result for clipcli.report.
+`clip` measures, plans (clipcli.jobs.plan: a value, complete before the first byte is written),
+then executes the plan into OUT's target (clipcli.output.target: one commit point).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from clipcli import interrupts, pipeline, scope, scratch
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import (
     Checkpoint,
@@ -23,29 +23,33 @@ from clipcli.formats.base import (
     archive_losses,
 )
 from clipcli.formats.structure import check_losses
-from clipcli.identity import InputGuard
 from clipcli.io import open_reader
-from clipcli.measurement import Measurement
+from clipcli.jobs import pipeline, scope
+from clipcli.jobs.measurement import Measurement
+from clipcli.jobs.progress import SILENT, Progress
+from clipcli.jobs.selection import EVERY_TENSOR, Selection
+from clipcli.logical import views
+from clipcli.logical.reader import LogicalReader
 from clipcli.numerics.norms import NormAccumulator, global_norm
-from clipcli.progress import SILENT, Progress
-from clipcli.selection import EVERY_TENSOR, Selection
+from clipcli.system import interrupts, scratch
+from clipcli.system.identity import InputGuard
 
 if TYPE_CHECKING:
-    from clipcli.diff import DiffResult  # diff's modules load when a diff runs
-    from clipcli.output import Target
-    from clipcli.plan import Outcome, Plan, Reason, TensorPlan
-    from clipcli.spec import ClipSpec
+    from clipcli.jobs.diff import DiffResult  # diff's modules load when a diff runs
+    from clipcli.jobs.plan import Outcome, Plan, Reason, TensorPlan
+    from clipcli.jobs.spec import ClipSpec
+    from clipcli.output.target import Target
 
 # What clip and convert import in their functions, beyond what ls and norms need: norms
 # imports this module too and never writes, and these cost it ~15 ms of start-up (issue
 # 12, item 7). The CLI imports them up front for clip and convert (clipcli.__main__).
 WRITING_MODULES = (
-    "clipcli.execution",
-    "clipcli.footprint",
-    "clipcli.output",
-    "clipcli.plan",
-    "clipcli.spec",
-    "clipcli.stream_target",
+    "clipcli.jobs.execution",
+    "clipcli.output.footprint",
+    "clipcli.output.target",
+    "clipcli.jobs.plan",
+    "clipcli.jobs.spec",
+    "clipcli.output.stream_target",
     "clipcli.formats.safetensors.writer",
     "clipcli.formats.safetensors.stream",
 )
@@ -69,9 +73,14 @@ def measure(
     progress: Progress = SILENT,
     notify: scope.Notify = scope.ignore,
     group_by: str | None = None,
+    stored: bool = False,
 ) -> Measurement:
+    """Norms of the logical tensors (a quantized weight's real values); `stored`: of
+    every stored tensor as it is."""
     with scratch.keeping_clear_of([path]), open_reader(path) as reader:
-        return measure_reader(reader, selection, progress, notify, group_by)
+        return measure_reader(
+            reader if stored else views.logical(reader), selection, progress, notify, group_by
+        )
 
 
 def measure_reader(
@@ -81,6 +90,7 @@ def measure_reader(
     notify: scope.Notify = scope.ignore,
     group_by: str | None = None,
 ) -> Measurement:
+    selection = _with_parts(selection, reader)
     infos = selection.check(reader.infos, notify)
     selection.check_weights(infos, notify)
     scope.warn_quantized(reader.infos, reader.model_directory, notify)
@@ -106,10 +116,11 @@ def diff(
         open_reader(path_a) as reader_a,
         open_reader(path_b) as reader_b,
     ):
-        check_diff_scope(reader_a, reader_b, selection, notify)
+        logical_a, logical_b = views.logical(reader_a), views.logical(reader_b)
+        check_diff_scope(logical_a, logical_b, selection, notify)
         return pipeline.compare(
-            reader_a,
-            reader_b,
+            logical_a,
+            logical_b,
             selection,
             chunk_elems=chunk_elems,
             progress=progress,
@@ -210,7 +221,7 @@ def clip(
     """Measure, plan, then write the clipped copy atomically (a dry run writes nothing).
     Signals are deferred for the whole run: acted on between chunks before the commit,
     moot after it."""
-    from clipcli import execution  # WRITING_MODULES
+    from clipcli.jobs import execution  # WRITING_MODULES
 
     target = _target(src, out, force, durable)
     with (
@@ -226,7 +237,8 @@ def clip(
         # Said once OUT is written (or the dry run is done): a failed run's stderr is its
         # one error line.
         notes = writer_cls.structure_notes(reader)
-        check_clip_scope(reader, spec, selection, notify)
+        logical = views.logical(reader)
+        check_clip_scope(logical, spec, selection, notify)
         if dry_run:
             # What the real run would refuse about OUT, refused here too; nothing is staged.
             # An existing OUT is not refused (nothing is written to it): it is judged as
@@ -237,9 +249,9 @@ def clip(
             check.release()
             if check.occupied and not force:
                 notify("note", f"{target.out} exists: the run without --dry-run needs --force")
-            made = plan_clip(reader, spec, selection, progress)
-            outcomes = execution.execute(
-                made, reader, execution.DiscardingWriter(), progress, "computing"
+            made = plan_clip(logical, spec, selection, progress)
+            outcomes = _execute(
+                made, logical, reader, execution.DiscardingWriter(), progress, "computing"
             )
         else:
             made, outcomes = _write_out(
@@ -247,11 +259,12 @@ def clip(
                 writer_cls,
                 target,
                 lambda writer, guard: _plan_then_check(
-                    reader, spec, selection, progress, writer, guard
+                    logical, spec, selection, progress, writer, guard
                 ),
                 allow_large_side_files,
                 progress,
                 notify,
+                logical,
             )
         for note in notes:
             notify("note", note)
@@ -268,11 +281,14 @@ def plan_clip(
     """Measure every tensor and decide what happens to it. Raises before OUT is touched.
     With a writer, tensors the plan will most likely leave alone are handed to its
     copy_ahead while the others are still being measured."""
-    from clipcli import execution  # WRITING_MODULES
-    from clipcli.plan import plan
-    from clipcli.spec import Mode
+    from clipcli.jobs import execution  # WRITING_MODULES
+    from clipcli.jobs.plan import plan
+    from clipcli.jobs.spec import Mode
 
-    hook = execution.copy_ahead_hook(spec, reader, writer) if writer is not None else None
+    # Copying ahead hands stored tensors to the writer: only where logical ones are stored.
+    ahead = None if isinstance(reader, LogicalReader) else writer
+    hook = execution.copy_ahead_hook(spec, reader, ahead) if ahead is not None else None
+    selection = _with_parts(selection, reader)
     measurement = pipeline.measure(
         reader,
         list(reader.infos),
@@ -281,7 +297,12 @@ def plan_clip(
         histograms=spec.mode is not Mode.VALUE and spec.axes is None,
         on_measured=hook,
     )
-    return plan(measurement, spec, execution.output_check(reader))
+    made = plan(measurement, spec, execution.output_check(reader))
+    if isinstance(reader, LogicalReader):
+        from clipcli.logical import lowering
+
+        lowering.check_lowerable(made, reader)  # refused before anything is written
+    return made
 
 
 def check_clip_scope(
@@ -289,8 +310,9 @@ def check_clip_scope(
 ) -> None:
     """Everything about what the clip acts on that names alone decide, refused before any
     data is read: the selection, training state, quantized weights, --axes, --group-by."""
-    from clipcli.spec import Mode  # WRITING_MODULES
+    from clipcli.jobs.spec import Mode  # WRITING_MODULES
 
+    selection = _with_parts(selection, reader)
     selected = selection.check(reader.infos, notify)
     selection.check_weights(selected, notify, writes=True)
     targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
@@ -327,7 +349,7 @@ def convert(
     allow_lossy: bool = False,
 ) -> list[TensorInfo]:
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
-    from clipcli.plan import copy_plan  # WRITING_MODULES
+    from clipcli.jobs.plan import copy_plan  # WRITING_MODULES
 
     target = _target(src, out, force, durable)
     with (
@@ -357,6 +379,34 @@ def convert(
 
 
 # ---------------------------------------------------------------- writing OUT
+
+
+def _with_parts(selection: Selection, reader: Reader) -> Selection:
+    """`selection` with a logical reader's parts (scales, zero points) kept apart."""
+    if not isinstance(reader, LogicalReader) or not reader.part_roles:
+        return selection
+    return dataclasses.replace(selection, parts=frozenset(reader.part_roles))
+
+
+def _execute(
+    made: Plan,
+    logical: Reader,
+    reader: Reader,
+    writer: Writer,
+    progress: Progress,
+    label: str = "writing",
+) -> list[Outcome]:
+    """Carry out a plan made on `logical`'s tensors: lowered to the stored tensors of
+    `reader` when they differ, with the outcomes lifted back."""
+    from clipcli.jobs import execution  # WRITING_MODULES
+
+    if not isinstance(logical, LogicalReader):
+        return execution.execute(made, reader, writer, progress, label)
+    from clipcli.logical import lowering
+
+    lowered = lowering.lower(made, logical)
+    outcomes = execution.execute(lowered, reader, writer, progress, label)
+    return lowering.lift(made, lowered, outcomes, logical)
 
 
 def check_writable(reader: Reader, target: Target) -> type[Writer]:
@@ -423,8 +473,8 @@ def _check_side_files(reader: Reader, allow_large: bool) -> None:
 
 
 def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
-    from clipcli.output import choose_target  # WRITING_MODULES
-    from clipcli.stream_target import STDOUT, StdoutTarget
+    from clipcli.output.stream_target import STDOUT, StdoutTarget
+    from clipcli.output.target import choose_target  # WRITING_MODULES
 
     if str(out) == STDOUT:  # safetensors streamed to standard output (stream_target)
         return StdoutTarget(force=force, durable=durable)
@@ -437,7 +487,7 @@ def _check_target(
 ) -> None:
     """Everything about OUT that is refused before any tensor data is read: OUT against
     the input (never IN, inside it or around it), what is in the way at OUT, side files."""
-    from clipcli.footprint import InputFootprint  # WRITING_MODULES
+    from clipcli.output.footprint import InputFootprint  # WRITING_MODULES
 
     footprint = InputFootprint(reader.path, reader.source_files())
     target.check(footprint, writer_cls.output_names(reader))
@@ -463,11 +513,11 @@ def _write_out(
     allow_large_side_files: bool,
     progress: Progress,
     notify: scope.Notify,
+    logical: Reader | None = None,
 ) -> tuple[Plan, list[Outcome]]:
     """Write OUT through its target. The plan is made once the writer exists, so that it
     can start copying unchanged tensors early; a refusal while planning leaves nothing.
-    The input must not change from opening to the commit (clipcli.identity)."""
-    from clipcli import execution  # WRITING_MODULES
+    The input must not change from opening to the commit (clipcli.system.identity)."""
 
     guard = InputGuard(reader.source_identities())
     _check_target(reader, writer_cls, target, allow_large_side_files)
@@ -493,7 +543,7 @@ def _write_out(
         except BaseException:
             writer.abort()
             raise
-        outcomes = execution.execute(made, reader, writer, progress)
+        outcomes = _execute(made, logical or reader, reader, writer, progress)
         guard.check("while it was being read")
     for note in [*left_out, *target.notes]:
         notify("note", note)

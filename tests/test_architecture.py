@@ -20,27 +20,32 @@ PACKAGE = Path(__file__).resolve().parent.parent / "clipcli"
 JOBS = frozenset(
     {
         "clipcli.api",
-        "clipcli.boundary",
-        "clipcli.cli",
-        "clipcli.commands",
-        "clipcli.options",
-        "clipcli.quick_args",
-        "clipcli.typer_app",
-        "clipcli.diff",
-        "clipcli.diff_math",
-        "clipcli.execution",
-        "clipcli.factor",
-        "clipcli.measurement",
-        "clipcli.pipeline",
-        "clipcli.plan",
+        "clipcli.cli.boundary",
+        "clipcli.cli.entry",
+        "clipcli.cli.commands",
+        "clipcli.cli.options",
+        "clipcli.cli.quick_args",
+        "clipcli.cli.typer_app",
+        "clipcli.jobs.diff",
+        "clipcli.jobs.diff_math",
+        "clipcli.jobs.execution",
+        "clipcli.jobs.factor",
+        "clipcli.jobs.measurement",
+        "clipcli.jobs.pipeline",
+        "clipcli.jobs.plan",
         "clipcli.report",
-        "clipcli.scope",
-        "clipcli.selection",
-        "clipcli.spec",
+        "clipcli.jobs.scope",
+        "clipcli.jobs.selection",
+        "clipcli.jobs.spec",
     }
 )
 OUTPUT = frozenset(
-    {"clipcli.output", "clipcli.fsops", "clipcli.footprint", "clipcli.stream_target"}
+    {
+        "clipcli.output.target",
+        "clipcli.output.fsops",
+        "clipcli.output.footprint",
+        "clipcli.output.stream_target",
+    }
 )
 # What the bottom layer may import of clipcli's own.
 BOTTOM = frozenset({"clipcli.dtypes", "clipcli.errors"})
@@ -137,11 +142,11 @@ def broken(edges: dict[str, set[str]]) -> list[str]:
     return problems
 
 
-# Typer is for what the quick parser declines (clipcli/quick_args.py): only these two
+# Typer is for what the quick parser declines (clipcli/cli/quick_args.py): only these two
 # import it, and only main() reaches them (__main__.py preloads them by name, for the
 # same command lines).
-TYPER_APP = frozenset({"clipcli.options", "clipcli.typer_app"})
-REACHES_TYPER = frozenset({"clipcli.cli"})
+TYPER_APP = frozenset({"clipcli.cli.options", "clipcli.cli.typer_app"})
+REACHES_TYPER = frozenset({"clipcli.cli.entry"})
 
 
 def imports_typer(path: Path) -> bool:
@@ -174,7 +179,7 @@ def test_the_package_keeps_the_layering_rules() -> None:
 def test_the_graph_sees_imports_inside_functions() -> None:
     edges = graph()
     assert "clipcli.formats.sharded" in edges["clipcli.io"]  # imported inside writer_class
-    assert "clipcli.api" in edges["clipcli.commands.write"]  # imported inside the commands
+    assert "clipcli.api" in edges["clipcli.cli.commands.write"]  # imported inside the commands
     assert "clipcli.api" in edges["clipcli.report.builders"]  # under TYPE_CHECKING
 
 
@@ -194,9 +199,9 @@ def test_cycles_are_found(edges: dict[str, set[str]], expected: list[list[str]])
     ("importer", "target"),
     [
         ("clipcli.numerics.norms", "clipcli.formats.base"),
-        ("clipcli.dtypes", "clipcli.plan"),
-        ("clipcli.formats.npz", "clipcli.pipeline"),
-        ("clipcli.formats.sharded.writer", "clipcli.output"),
+        ("clipcli.dtypes", "clipcli.jobs.plan"),
+        ("clipcli.formats.npz", "clipcli.jobs.pipeline"),
+        ("clipcli.formats.sharded.writer", "clipcli.output.target"),
         ("clipcli.report", "clipcli.numerics.scaling"),
     ],
 )
@@ -208,6 +213,6 @@ def test_allowed_imports_pass() -> None:
     allowed = {
         "clipcli.numerics.norms": {"clipcli.dtypes", "clipcli.numerics.lookup"},
         "clipcli.formats.npz": {"clipcli.formats.base", "clipcli.errors"},
-        "clipcli.report": {"clipcli.groups", "clipcli.errors"},
+        "clipcli.report": {"clipcli.jobs.groups", "clipcli.errors"},
     }
     assert broken(allowed) == []

@@ -22,9 +22,9 @@ from layouts import (
     legacy_keras_full_model,
 )
 
-from clipcli import quantized, roles, scope
 from clipcli.formats.base import TensorInfo
-from clipcli.groups import compile_group_by, group_key
+from clipcli.jobs import quantized, roles, scope
+from clipcli.jobs.groups import compile_group_by, group_key
 
 
 def exact_norm(arrays: list[np.ndarray]) -> float:
@@ -289,7 +289,7 @@ def test_empty_selection_is_refused_before_any_data_is_read(tmp_path: Path) -> N
     """A reader whose data cannot be read at all: the selection check comes first."""
     from clipcli.api import measure_reader
     from clipcli.errors import UsageError
-    from clipcli.selection import Selection
+    from clipcli.jobs.selection import Selection
 
     class NoData:
         path = tmp_path / "x"

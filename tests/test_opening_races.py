@@ -26,10 +26,11 @@ from expect import REPO_ROOT, listing
 from handmade import write_safetensors
 from layouts import keras_archive
 
-from clipcli import api, inputs
-from clipcli.cli import main
+from clipcli import api
+from clipcli.cli.entry import main
 from clipcli.errors import InputError
-from clipcli.identity import InputGuard
+from clipcli.system import inputs
+from clipcli.system.identity import InputGuard
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 INDEX = "model.safetensors.index.json"
@@ -379,7 +380,7 @@ NO_PROC_SCRIPT = textwrap.dedent(
     import json, os, sys
     from pathlib import Path
     assert not os.path.exists("/proc/self"), "/proc is still there"
-    from clipcli.cli import main
+    from clipcli.cli.entry import main
     import clipcli.formats.sharded.reader as sharded
 
     work = Path(sys.argv[1])

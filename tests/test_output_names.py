@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 import clipcli.formats.hdf5.limits as hdf5_limits
 from clipcli import api
-from clipcli.boundary import exit_code_for
+from clipcli.cli.boundary import exit_code_for
 from clipcli.errors import ClipcliError
 from clipcli.formats.base import TensorInfo
 from clipcli.formats.safetensors import header as st_header

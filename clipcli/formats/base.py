@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     # file lists its header (Reader.listing) without loading numpy at all.
     import numpy as np
 
-    from clipcli.identity import FileIdentity
+    from clipcli.system.identity import FileIdentity
 
 # numpy's dtype.name is computed in Python on every call (~2 us): a checkpoint of 200,000
 # tensors asks it several times per tensor (rows, writer checks, headers), so each dtype's

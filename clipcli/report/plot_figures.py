@@ -247,7 +247,7 @@ def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence
 
 def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     """Groups across in the order listed (natural order: layer 2 before layer 10)."""
-    from clipcli.groups import OTHER_GROUP
+    from clipcli.jobs.groups import OTHER_GROUP
 
     # `(other)` (the tensors no group matched) is no point of the line: drawn apart after it.
     line = [i for i, label in enumerate(bars.labels) if label != OTHER_GROUP]

@@ -44,8 +44,8 @@ from clipcli.formats.structure import (
     Structure,
     parse_structure,
 )
-from clipcli.identity import FileIdentity
-from clipcli.inputs import open_input
+from clipcli.system.identity import FileIdentity
+from clipcli.system.inputs import open_input
 
 if TYPE_CHECKING:
     import numpy as np

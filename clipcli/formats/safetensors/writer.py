@@ -13,7 +13,6 @@ from typing import BinaryIO
 
 import numpy as np
 
-from clipcli.filecopy import copy_range
 from clipcli.formats.base import (
     Checkpoint,
     Reader,
@@ -29,6 +28,7 @@ from clipcli.formats.safetensors.header import (
     header_problem,
 )
 from clipcli.formats.structure import STRUCTURE_KEY
+from clipcli.system.filecopy import copy_range
 
 
 def with_structure(checkpoint: Checkpoint) -> dict[str, str]:
