@@ -39,7 +39,7 @@ def quantization_config(directory: Path | None) -> Mapping[str, Any] | None:
     if directory is None:
         return None
     from clipcli.formats.sharded.layout import allowed_roots, real_path_inside
-    from clipcli.inputs import read_input
+    from clipcli.system.inputs import read_input
 
     path = directory / "config.json"
     if not path.exists() and not path.is_symlink():
@@ -259,3 +259,10 @@ class _RowCursor:
         if len(pieces) > 1:
             self._buffer = np.concatenate(pieces)
         return self._buffer[:need].reshape(last - first, self._width)
+
+
+def quantized_view(reader: Reader) -> QuantizedView | None:
+    """The view factory (clipcli.logical.views): a QuantizedView when some scheme claims a
+    weight, else None (the identity view: the stored reader as it is)."""
+    view = QuantizedView.of(reader)
+    return None if view.identity else view
