@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from clipcli.logical.quantized import fp8_block
+from clipcli.logical.quantized import fp8_block, fp8_scaled
 
 if TYPE_CHECKING:
     from clipcli.logical.quantized.scheme import Scheme
 
-SCHEMES: tuple[Scheme, ...] = (fp8_block,)
+SCHEMES: tuple[Scheme, ...] = (fp8_block, fp8_scaled)
