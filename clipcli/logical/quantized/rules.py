@@ -101,3 +101,31 @@ def code_values(codes: np.ndarray) -> np.ndarray:
     from clipcli.dtypes import float64_values
 
     return float64_values(codes.dtype)[codes.view(np.uint8)]
+
+
+# e2m1 (FP4), by code: 0-7 positive, 8-15 their negatives (OCP MX; NVFP4 uses the same).
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def fp4_low_first(packed: np.ndarray) -> np.ndarray:
+    """Bytes [rows, n] holding two e2m1 codes each, low nibble = even element, as float64
+    values [rows, 2n]."""
+    import numpy as np
+
+    table = np.array(E2M1, dtype=np.float64)
+    raw = packed.view(np.uint8)
+    out = np.empty((raw.shape[0], raw.shape[1] * 2), dtype=np.float64)
+    out[:, 0::2] = table[raw & 0x0F]
+    out[:, 1::2] = table[raw >> 4]
+    return out
+
+
+def e8m0_values(codes: np.ndarray) -> np.ndarray:
+    """E8M0 exponents (uint8 or float8_e8m0fnu bytes) as float64: 2**(s - 127), 0xFF NaN
+    (OCP MX)."""
+    import numpy as np
+
+    raw = codes.view(np.uint8).astype(np.int64)
+    values = np.ldexp(1.0, raw - 127)
+    values[raw == 0xFF] = np.nan
+    return values
