@@ -492,7 +492,11 @@ def test_quantized_weights_are_read_by_norms_and_refused_by_clip(
     # issue 21: every layout here is measured as its real values now, nothing to warn of
     assert not stderr_lines(norms.stderr, "warning")
     assert not stderr_lines(diff.stderr, "warning")
-    for mode in (["--global", "1"], ["--norm", "1"], ["--average", "1"], ["--value", "1"]):
+    # issue 21: a factor goes through float scales (tests/test_quantized_clip.py); MXFP4's
+    # uint8 exponents take no factor yet, and --value is never linear in the scales
+    refused = [["--value", "1"]]
+    refused += [["--global", "1"], ["--norm", "1"], ["--average", "1"]] if scheme == "mxfp4" else []
+    for mode in refused:
         out = tmp_path / "out.safetensors"
         clip = run_main("clip", *mode, path, out)
         assert clip.code == 4, (mode, clip.stderr)

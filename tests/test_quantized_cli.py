@@ -72,11 +72,11 @@ def test_model_directory_with_scale_in_another_shard(tmp_path: Path, run_main: A
     assert close(report["global_norm"], Stats(values).norm)
 
 
-def test_clip_refuses_what_it_cannot_do_through_the_scales(tmp_path: Path, run_main: Any) -> None:
+def test_clip_value_on_a_quantized_weight_is_refused(tmp_path: Path, run_main: Any) -> None:
     stored, _ = finite_fp8_weight(4, 8, 8, (128, 128))
     path = write_raw_safetensors(tmp_path / "m.safetensors", stored)
     out = tmp_path / "o.safetensors"
-    for mode in (["--global", "1"], ["--norm", "1"], ["--value", "1"]):
+    for mode in (["--value", "1"], ["--min", "-1", "--max", "1"]):
         result = run_main("clip", *mode, path, out)
         assert result.code == 4, (mode, result.stderr)
         (line,) = result.stderr.splitlines()

@@ -200,9 +200,21 @@ class QuantizedView(View):
     # ------------------------------------------------------------ clipping hooks
 
     def lowerable(self, tensor: LogicalTensor) -> str | None:
+        """A factor is carried by the scales when they are floats that round as any float
+        tensor does (float32, bfloat16, float16, fp8 e4m3/e5m2). Integer-stored or E8M0
+        exponents (MXFP4) would need a power-of-two step of the exponent instead: refused."""
         if tensor.plain:
             return None
-        return f"{tensor.info.name}: clipping {tensor.scheme} is not supported"
+        from clipcli.dtypes import is_floating
+
+        for name in self.scaled_parts(tensor):
+            dtype = self._stored[name].dtype
+            if not is_floating(dtype) or dtype.name == "float8_e8m0fnu":
+                return (
+                    f"{tensor.info.name}: clipping {tensor.scheme} through its {dtype.name} "
+                    "scales is not supported"
+                )
+        return None
 
     def scaled_parts(self, tensor: LogicalTensor) -> list[str]:
         if tensor.plain:
