@@ -146,3 +146,30 @@ def test_clip_report_says_the_scale_was_rescaled(tmp_path: Path, run_main: Any) 
     assert rows["layer.weight"]["changed"]
     assert rows["layer.weight_scale_inv"]["changed"]
     assert "rescaled with its weight" in rows["layer.weight_scale_inv"]["note"]
+
+
+def test_nvfp4_clip_rescales_block_scales_never_the_global_scale(
+    tmp_path: Path, run_main: Any
+) -> None:
+    """The fp8 block scales take the factor (each rounded once in e4m3, the bound checked);
+    the global scale, which fused q/k/v may share, and the codes stay byte for byte."""
+    from quant_reference import e2m1_value
+    from test_quantized_fp4 import NVFP4_CONFIG, nvfp4
+
+    stored, _, _, _ = nvfp4(np.random.default_rng(9), 4, 32, 3.0, positive=True)
+    directory = write_model_directory(tmp_path / "m", {"model.safetensors": stored}, NVFP4_CONFIG)
+    out = tmp_path / "out"
+    limit = 0.75
+    clip(run_main, directory, out, "--global", repr(limit))
+    written = read_raw_safetensors(out / "model.safetensors")
+    for name in ("layer.weight_packed", "layer.weight_global_scale", "layer.input_global_scale"):
+        assert written[name] == stored[name]
+    assert written["layer.weight_scale"] != stored["layer.weight_scale"]  # it was over
+    packed, scales = written["layer.weight_packed"][2], written["layer.weight_scale"][2]
+    codes = [n for b in packed for n in (b & 0xF, b >> 4)]
+    after = Fraction(0)
+    for i, code in enumerate(codes):
+        scale = e4m3fn_value(scales[(i // 32) * 2 + (i % 32) // 16])
+        assert scale is not None
+        after += (e2m1_value(code) * scale / 3) ** 2
+    assert 0 < after <= Fraction(limit) ** 2
