@@ -295,3 +295,24 @@ def test_plain_checkpoint_is_the_identity(tmp_path: Path) -> None:
         assert view.side_tensors() == []
         assert [t.info for t in view.tensors()] == reader.infos
         assert all(view.lowerable(t) is None for t in view.tensors())
+
+
+@pytest.mark.parametrize("room", [0, -1])
+def test_small_parts_budget_at_and_past_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, room: int
+) -> None:
+    """A weight's scales are read whole: at most SMALL_PARTS_LIMIT bytes of them."""
+    from clipcli.logical.quantized import view as view_module
+
+    stored, values = block_fp8(np.random.default_rng(11), 20, 23, (3, 5))
+    directory = write_model_directory(
+        tmp_path / "model", {"model.safetensors": stored}, fp8_config([3, 5])
+    )
+    scale_bytes = len(stored["layer.weight_scale_inv"][2])
+    monkeypatch.setattr(view_module, "SMALL_PARTS_LIMIT", scale_bytes + room)
+    if room == 0:
+        assert_exact(measured(directory)["layer.weight"], values)
+    else:
+        with pytest.raises(InputError, match="the limit is") as caught:
+            measured(directory)
+        assert caught.value.exit_code == 3
