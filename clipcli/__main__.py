@@ -120,11 +120,9 @@ def run() -> None:
 
         raise SystemExit(_print_version(f"clipcli {__version__}\n".encode()))
 
-    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        # Before anything imports numpy (_preload does): BLAS reads these once, when it is
-        # loaded. We thread over chunks ourselves; BLAS threads on top only spin and
-        # contend (norms of 512 MiB of float16 on a busy 2-core machine: 3.9 s, not 0.7 s).
-        os.environ.setdefault(variable, "1")
+    from clipcli.system.blas import single_threaded_blas
+
+    single_threaded_blas()  # before anything imports numpy (_preload does)
     sys.meta_path.insert(0, _RoomForNumpy)
     try:
         from clipcli.cli.entry import main

@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 from handmade import write_safetensors
 
+from clipcli import __version__
+from clipcli.cli.entry import main
+
 HEAVY = ("rich", "h5py", "matplotlib", "clipcli.engine", "clipcli.jobs.diff", "clipcli.numerics")
 
 
@@ -316,3 +319,32 @@ def test_measuring_under_16_mib_runs_inline(
     sumsq = cycles * sum(v * v for v in range(256)) + sum(v * v for v in range(tail))
     got = sum(t.stats.norm**2 for t in measured.tensors)
     assert got == pytest.approx(float(sumsq), rel=1e-12)
+
+
+def test_version_through_main_and_as_a_program(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"clipcli {__version__}\n"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.argv[1:] = ['--version'];from clipcli.__main__ import run; run()",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"clipcli {__version__}\n", "")
+
+
+def test_version_loads_no_cli_module() -> None:
+    """`clipcli --version` answers before typer, rich or numpy are imported."""
+    code = (
+        "import sys; sys.argv[1:] = ['--version']\n"
+        "from clipcli.__main__ import run\n"
+        "try:\n    run()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('typer', 'rich', 'numpy', 'clipcli.cli.entry')"
+        " if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip().endswith("[]"), done.stdout

@@ -22,6 +22,7 @@ from clipcli.cli import boundary, quick_args
 from clipcli.cli.commands.common import Stdout, emit, escape_unencodable
 from clipcli.errors import ExitCode
 from clipcli.system import interrupts
+from clipcli.system.blas import single_threaded_blas
 
 # Each command's body, by name: (module, function). Imported for the command run only.
 BODIES = {
@@ -108,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         args = ["--help"]
     try:
         _restore_signal_defaults()
-        for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            # We thread over chunks ourselves; BLAS threads on top only spin and contend.
-            os.environ.setdefault(variable, "1")
+        single_threaded_blas()
         _keep_chunk_buffers()
         _collect_old_objects_rarely()
         # SIGINT, SIGTERM and SIGHUP are recorded from here on; the command acts on them

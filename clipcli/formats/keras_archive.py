@@ -41,7 +41,7 @@ from clipcli.formats.base import (
 )
 from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer
 from clipcli.formats.npz.zipcheck import BoundedMember, check_zip_layout, open_member
-from clipcli.formats.structure import Structure
+from clipcli.formats.structure_record import Structure
 from clipcli.system import interrupts, scratch
 from clipcli.system.identity import FileIdentity
 from clipcli.system.inputs import fd_path, open_input

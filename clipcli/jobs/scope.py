@@ -22,7 +22,7 @@ from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import TensorInfo
 from clipcli.jobs import quantized, roles
 from clipcli.jobs.groups import compile_group_by, group_key
-from clipcli.report.model import count
+from clipcli.words import count
 
 Notify = Callable[[str, str], None]  # (level, text); level is "warning" or "note"
 

@@ -15,7 +15,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from clipcli.output.footprint import holds_a_mount
+from clipcli.system.footprint import holds_a_mount
 from clipcli.system.scratch import process_alive
 
 TEMP_SUFFIX = ".clipcli-tmp"

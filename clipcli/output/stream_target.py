@@ -23,9 +23,9 @@ from pathlib import Path
 
 from clipcli.errors import ClipcliError, UsageError, WriteError
 from clipcli.formats.base import Writer
-from clipcli.output.footprint import InputFootprint
 from clipcli.output.target import Refused, Target
 from clipcli.system import interrupts
+from clipcli.system.footprint import InputFootprint
 
 STDOUT = "-"
 _NOTHING_WRITTEN = "no output written"

@@ -42,7 +42,6 @@ from pathlib import Path
 from clipcli.errors import ClipcliError, UsageError, WriteError
 from clipcli.formats.base import Writer
 from clipcli.io import ACCEPTED_EXTENSIONS, format_from_extension, has_extension, writer_class
-from clipcli.output.footprint import InputFootprint
 from clipcli.output.fsops import (
     ASIDE_SUFFIX,
     KEPT_SUFFIX,
@@ -61,6 +60,7 @@ from clipcli.output.fsops import (
     temp_prefix,
 )
 from clipcli.system import interrupts
+from clipcli.system.footprint import InputFootprint
 from clipcli.system.inputs import fd_path
 
 

@@ -9,7 +9,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from clipcli.report.model import Column, Report, SortKey, Value, count, count_number
+from clipcli.report.model import Column, Report, SortKey, Value
+from clipcli.words import count, count_number
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
     from clipcli.api import ClipResult, ClipRow

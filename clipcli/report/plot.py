@@ -1,6 +1,6 @@
 """`norms --plot`: the listed norms as a PNG or SVG picture, via matplotlib.
 
-matplotlib is an optional extra (clipcli.cli.extras says how to add it), imported only
+matplotlib is an optional extra (clipcli.system.extras says how to add it), imported only
 here. Three pictures, chosen by what is listed, so that every name that is shown can be read:
 
 - up to BARS_MAX rows: horizontal bars, one per row, names on the left in full or
@@ -72,7 +72,7 @@ def check_plot_target(out: Path, force: bool) -> None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        from clipcli.cli.extras import install_command
+        from clipcli.system.extras import install_command
 
         raise UsageError(
             "--plot needs matplotlib, which is not installed; install it with: "

@@ -11,7 +11,6 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from clipcli.report.model import count
 from clipcli.report.plot_layout import (
     APART,
     BARS_MAX,
@@ -28,6 +27,7 @@ from clipcli.report.plot_layout import (
     _plain,
     _rank,
 )
+from clipcli.words import count
 
 if TYPE_CHECKING:
     from clipcli.report.builders import Bars

@@ -170,7 +170,7 @@ def keeping_clear_of(paths: Iterable[str | os.PathLike[str]]) -> Iterator[None]:
 def _named_identities() -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
     """(device, inode) of every entry the named paths pass through and reach, and of the
     named paths that are directories (a model directory IN, a directory OUT)."""
-    from clipcli.output.footprint import resolution_inodes  # only when a sweep has a candidate
+    from clipcli.system.footprint import resolution_inodes  # only when a sweep has a candidate
 
     reached = resolution_inodes(Path(path) for path in _named_paths)
     folders = set()
@@ -338,7 +338,7 @@ def _clear_of(
     """Whether the directory open as `fd` and its `files` are clear of the job: none is
     reached by a named path, the directory lies in no named directory, and nothing is
     mounted at or in it."""
-    from clipcli.output.footprint import ancestor_inodes_at, holds_a_mount
+    from clipcli.system.footprint import ancestor_inodes_at, holds_a_mount
 
     infos = [os.fstat(fd), *(info for _, info in files)]
     if any((info.st_dev, info.st_ino) in reached for info in infos):

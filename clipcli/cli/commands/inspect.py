@@ -19,7 +19,7 @@ from clipcli.errors import ExitCode, UsageError, Verdict, printable
 from clipcli.report import OutputFormat, SortKey
 
 if TYPE_CHECKING:
-    from clipcli.output.footprint import InputFootprint
+    from clipcli.system.footprint import InputFootprint
 
 NORMS_EPILOG = (
     "\b\nExamples:\n"
@@ -44,29 +44,22 @@ def ls(
         raise UsageError(
             "ls reads no tensor data, so it cannot sort by norm; use norms --sort norm"
         )
-    from clipcli.io import open_reader
+    from clipcli import api  # imports no numpy and no measuring or writing module
     from clipcli.report.builders import ls_report
-    from clipcli.system import scratch
 
-    # The reader itself, not a job module: listing reads only headers, and `ls` in a shell
-    # loop should not import the measuring and writing machinery.
-    with scratch.keeping_clear_of([path]), open_reader(path) as reader:
-        file_format, metadata, infos = reader.format_name, dict(reader.metadata), reader.listing
-        non_tensors = list(reader.non_tensors)
-        shard_of = getattr(reader, "shard_of", None)  # a model directory's tensor -> shard
-        shards = {i.name: shard_of(i.name) for i in infos} if shard_of is not None else None
-    chosen = list(infos)
+    listed = api.listing(path)
+    chosen = list(listed.tensors)
     if include or exclude:
-        chosen = selection(include, exclude).check(infos, notify)
+        chosen = selection(include, exclude).check(listed.tensors, notify)
     report = ls_report(
         str(path),
-        file_format,
-        metadata,
+        listed.format_name,
+        listed.metadata,
         chosen,
         sort,
-        shards,
-        listed_of=len(infos),
-        non_tensors=non_tensors,
+        listed.shards,
+        listed_of=len(listed.tensors),
+        non_tensors=listed.non_tensors,
     )
     if not quiet:  # the listing was still read and checked: exit 3 for a malformed file
         emit(lambda: print_report(report, fmt))
@@ -169,7 +162,7 @@ def _input_footprint(path: Path) -> "InputFootprint":
     """What --plot must stay clear of, from names alone (no data read): the file, or the
     model directory (given as itself or as its index file) and every file in it, so that
     a link to a shard is caught too."""
-    from clipcli.output.footprint import InputFootprint
+    from clipcli.system.footprint import InputFootprint
 
     root = path.parent if path.name.endswith(".index.json") else path
     files = [p for p in root.iterdir() if p.is_file()] if root.is_dir() else [path]

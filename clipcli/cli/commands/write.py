@@ -16,7 +16,7 @@ from clipcli.cli.commands.common import (
 from clipcli.errors import UsageError, WriteError, printable
 from clipcli.report import OutputFormat, SortKey
 from clipcli.report.builders import written_to
-from clipcli.report.model import count
+from clipcli.words import count
 
 CONVERT_EPILOG = (
     "\b\nExamples:\n"
