@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from clipcli.io import open_reader
 from quant_reference import (
     Stats,
     close,
@@ -27,7 +28,6 @@ from quant_reference import (
 )
 from test_quantized_fp8_block import assert_exact, measured, refused
 
-from clipcli.io import open_reader
 from clipcli.logical.quantized.view import QuantizedView
 
 
