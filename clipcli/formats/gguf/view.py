@@ -1,0 +1,117 @@
+"""GGUF's logical tensors (clipcli.logical.view.View): a block-quantized tensor is a view
+over its blocks, its real values float32 as `gguf.quants.dequantize` gives them (what
+llama.cpp computes with), streamed a bounded run of blocks at a time.
+
+Plain tensors (F32, F16, BF16, F64, I8..I64) are their own logical tensors. A block type
+that gguf.quants cannot dequantize (Q8_1, Q8_K, Q1_0 in gguf 0.19; any block type of a
+big-endian file, whose block layouts gguf.quants does not read) stays its uint8 rows of
+blocks: a non-float tensor, left out of the global norm, named by warnings().
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from clipcli.formats.base import TensorInfo
+from clipcli.formats.gguf.header import GGML_TYPES, Header, TensorEntry
+from clipcli.logical.view import LogicalTensor, Part, View
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from clipcli.formats.base import Reader
+
+SCHEME_PREFIX = "gguf-"  # a logical tensor's scheme: "gguf-Q4_0"
+
+
+@functools.cache
+def can_dequantize(type_name: str) -> bool:
+    """Whether gguf.quants dequantizes this ggml block type (tried on one zero block, which
+    also builds the type's lookup grids once, before worker threads share them)."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[type_name]
+    _, _, type_size = GGML_TYPES[qtype.value]
+    try:
+        dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def dequantize_blocks(ggml_type: int, raw: np.ndarray) -> np.ndarray:
+    """Whole blocks' bytes (flat uint8) to their float32 values, flat, in order."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    out = dequantize(raw.reshape(1, -1), GGMLQuantizationType(ggml_type))
+    return out.reshape(-1)
+
+
+class GGUFView(View):
+    """The logical tensors of one GGUF file, in file order."""
+
+    def __init__(self, header: Header, stored_infos: list[TensorInfo]) -> None:
+        """`stored_infos`: the reader's, one per header tensor, in order."""
+        import numpy as np
+
+        self._header = header
+        self._tensors: list[LogicalTensor] = []
+        self._undecodable: list[TensorEntry] = []
+        self._decoded: set[str] = set()
+        float32 = np.dtype(np.float32)
+        for entry, stored in zip(header.tensors, stored_infos, strict=True):
+            parts = (Part(entry.name, "values" if entry.plain else "blocks"),)
+            if entry.plain or not self._decodable(entry):
+                if not entry.plain:
+                    self._undecodable.append(entry)
+                self._tensors.append(LogicalTensor(stored, parts))
+                continue
+            info = TensorInfo(entry.name, float32, entry.shape, math.prod(entry.shape) * 4)
+            self._decoded.add(entry.name)
+            self._tensors.append(LogicalTensor(info, parts, SCHEME_PREFIX + entry.type_name))
+
+    def _decodable(self, entry: TensorEntry) -> bool:
+        return not self._header.big_endian and can_dequantize(entry.type_name)
+
+    def tensors(self) -> list[LogicalTensor]:
+        return self._tensors
+
+    def warnings(self) -> list[str]:
+        if not self._undecodable:
+            return []
+        types = sorted({e.type_name for e in self._undecodable})
+        names = ", ".join(repr(e.name) for e in self._undecodable[:3])
+        more = f" and {len(self._undecodable) - 3} more" if len(self._undecodable) > 3 else ""
+        order = " of a big-endian file" if self._header.big_endian else ""
+        return [
+            f"{len(self._undecodable)} GGUF tensors of block types{order} that cannot be "
+            f"dequantized ({', '.join(types)}: {names}{more}) are left out of the global norm "
+            "(measured as their stored bytes)"
+        ]
+
+    def decoder(
+        self, entry: TensorEntry, info: TensorInfo
+    ) -> Callable[[np.ndarray], np.ndarray] | None:
+        """How to turn the tensor's stored bytes into `info`'s values; None: as stored."""
+        if info.name not in self._decoded:
+            return None
+        return functools.partial(dequantize_blocks, entry.ggml_type)
+
+    def chunks(
+        self, reader: Reader, tensor: LogicalTensor, chunk_elems: int | None = None
+    ) -> Iterator[np.ndarray]:
+        return reader.chunks(tensor.info, chunk_elems)
+
+    def lowerable(self, tensor: LogicalTensor) -> str | None:
+        if tensor.plain:
+            return None
+        return (
+            f"{tensor.info.name}: clipping GGUF {tensor.scheme} blocks (rescaling their "
+            "scales) is not supported yet"
+        )
