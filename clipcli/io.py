@@ -45,6 +45,8 @@ def sniff_format(path: Path) -> str:
             head = handle.read(16)
             if head.startswith(HDF5_MAGIC):
                 return "hdf5"
+            if head.startswith(b"GGUF"):
+                return "gguf"
             if head.startswith(ZIP_MAGICS):
                 return _zip_format(path, handle)
             # safetensors before the foreign magics: its 8-byte header length may itself
@@ -75,12 +77,6 @@ CONVERT_HINT = (
 
 def _refuse_foreign_magic(path: Path, head: bytes) -> None:
     """Checkpoints of other tools, named for what they are, instead of 'unknown bytes'."""
-    if head.startswith(b"GGUF"):
-        raise InputError(
-            path,
-            "is a GGUF file (llama.cpp), which clipcli does not read; "
-            "clip the safetensors weights it was made from instead",
-        )
     if head.startswith(NPY_MAGIC):
         # One array, no names: not a checkpoint. (Reading it is a format of its own, to come.)
         raise InputError(
@@ -150,7 +146,7 @@ def open_reader(path: Path) -> Reader:
         if resolved is not None:
             return ShardedReader(*resolved)
     detected = sniff_format(path)
-    claimed = format_from_extension(path)
+    claimed = format_from_extension(path) or ("gguf" if path.suffix.lower() == ".gguf" else None)
     if claimed is not None and claimed != detected:
         raise InputError(path, f"extension says {claimed} but the content is {detected}")
     return reader_class(detected)(path)
@@ -170,6 +166,10 @@ def reader_class(fmt: str) -> type[Reader]:
         from clipcli.formats.keras_archive import KerasArchiveReader
 
         return KerasArchiveReader
+    if fmt == "gguf":
+        from clipcli.formats.gguf import GgufReader
+
+        return GgufReader
     from clipcli.formats.hdf5 import Hdf5Reader
 
     return Hdf5Reader
