@@ -46,10 +46,14 @@ def can_dequantize(type_name: str) -> bool:
 
 def dequantize_blocks(ggml_type: int, raw: np.ndarray) -> np.ndarray:
     """Whole blocks' bytes (flat uint8) to their float32 values, flat, in order."""
+    import numpy as np
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    out = dequantize(raw.reshape(1, -1), GGMLQuantizationType(ggml_type))
+    # Any bytes are a block: an inf or NaN scale makes inf - inf inside gguf's arithmetic,
+    # which is the value (counted as non-finite by the measurement), not a fault.
+    with np.errstate(all="ignore"):
+        out = dequantize(raw.reshape(1, -1), GGMLQuantizationType(ggml_type))
     return out.reshape(-1)
 
 
