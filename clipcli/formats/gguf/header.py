@@ -247,8 +247,10 @@ class _Cursor:
 def read_header(fd: int, file_size: int) -> Header:
     """Parse and validate the header of the GGUF file open at `fd`."""
     head = os.pread(fd, 8, 0)
-    if len(head) < 8 or head[:4] != MAGIC:
+    if head[:4] != MAGIC:
         raise MalformedGGUF("not a GGUF file (no GGUF magic)")
+    if len(head) < 8:
+        raise MalformedGGUF(f"file ends inside the GGUF header ({len(head)} bytes)")
     little, big = struct.unpack("<I", head[4:])[0], struct.unpack(">I", head[4:])[0]
     # Byte order by the version (as gguf-py and llama.cpp tell it): 3 read either way.
     if little in VERSIONS:
