@@ -22,9 +22,9 @@ from layouts import (
     legacy_keras_full_model,
 )
 
-from clipcli import quantized, roles, scope
 from clipcli.formats.base import TensorInfo
-from clipcli.groups import compile_group_by, group_key
+from clipcli.jobs import quantized, roles, scope
+from clipcli.jobs.groups import compile_group_by, group_key
 
 
 def exact_norm(arrays: list[np.ndarray]) -> float:
@@ -89,12 +89,23 @@ ROLE_EXAMPLES = {
 }
 
 
-@pytest.mark.parametrize("role", list(roles.Role))
+@pytest.mark.parametrize("role", roles.BY_NAME)
 def test_every_role_has_examples_that_classify_to_it(role: roles.Role) -> None:
     assert ROLE_EXAMPLES[role]
     for name in ROLE_EXAMPLES[role]:
         assert roles.classify(name, floating=role is not roles.Role.NON_FLOAT) is role, name
     assert role.description
+
+
+def test_every_role_is_decided_by_name_or_by_a_view() -> None:
+    assert set(roles.BY_NAME) | {roles.Role.QUANTIZATION} == set(roles.Role)
+    assert roles.Role.QUANTIZATION.description
+    assert roles.Role.QUANTIZATION.kept_apart
+    assert not roles.Role.QUANTIZATION.training_state  # --all-tensors does not bring it in
+    # A name alone never makes a quantization part, whatever it says.
+    names = [n for examples in ROLE_EXAMPLES.values() for n in examples]
+    names += ["model.layers.0.mlp.down_proj.weight_scale_inv", "x.weight_scale", "x_scales"]
+    assert all(roles.classify(n) is not roles.Role.QUANTIZATION for n in names)
 
 
 def test_norms_on_legacy_keras_count_model_weights_only(tmp_path: Path, run_main: Any) -> None:
@@ -289,7 +300,7 @@ def test_empty_selection_is_refused_before_any_data_is_read(tmp_path: Path) -> N
     """A reader whose data cannot be read at all: the selection check comes first."""
     from clipcli.api import measure_reader
     from clipcli.errors import UsageError
-    from clipcli.selection import Selection
+    from clipcli.jobs.selection import Selection
 
     class NoData:
         path = tmp_path / "x"

@@ -37,11 +37,12 @@ import pytest
 from expect import one_error_line, tree
 from safetensors.numpy import load_file, save_file
 
-from clipcli import fsops, scratch
-from clipcli.cli import main
+from clipcli.cli.entry import main
 from clipcli.errors import WriteError
-from clipcli.footprint import holds_a_mount, mount_points
 from clipcli.formats.keras_archive import SCRATCH_PREFIX, WEIGHTS_MEMBER
+from clipcli.output import fsops
+from clipcli.system import scratch
+from clipcli.system.footprint import holds_a_mount, mount_points
 
 DEAD_PID = 999_999_999  # no such process
 CLIPCLI = [sys.executable, "-m", "clipcli"]

@@ -27,8 +27,9 @@ import pytest
 from expect import listing, one_error_line, tree
 from safetensors.numpy import load_file, save_file
 
-from clipcli import fsops, output
-from clipcli.cli import main
+from clipcli.cli.entry import main
+from clipcli.output import fsops
+from clipcli.output import target as output
 
 STALE_PID = 999_999_999  # no such process: its entries are abandoned
 

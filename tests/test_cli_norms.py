@@ -388,7 +388,7 @@ def test_help_has_examples(command: list[str], cli: Callable[..., Run]) -> None:
 
 
 def test_every_command_has_help(cli: Callable[..., Run]) -> None:
-    from clipcli.typer_app import app
+    from clipcli.cli.typer_app import app
 
     names = [c.name for c in app.registered_commands]
     assert {"ls", "norms", "clip"} <= set(names)

@@ -20,8 +20,8 @@ import pytest
 from handmade import write_safetensors
 from rich.cells import cell_len
 
-from clipcli.cli import main
-from clipcli.groups import natural_key
+from clipcli.cli.entry import main
+from clipcli.jobs.groups import natural_key
 from clipcli.report import Column, OutputFormat, Report, render
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

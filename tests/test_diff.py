@@ -1,4 +1,4 @@
-"""clipcli.diff: tensor-by-tensor comparison of two checkpoints; files generated in tmp_path."""
+"""clipcli.jobs.diff: tensor-by-tensor comparison of two checkpoints; files made in tmp_path."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clipcli.api import diff, measure
-from clipcli.diff import (
+from clipcli.errors import InputError, UsageError
+from clipcli.formats.base import Checkpoint, Reader, TensorInfo
+from clipcli.formats.safetensors import SafetensorsWriter
+from clipcli.io import open_reader
+from clipcli.jobs.diff import (
     CHANGED,
     DTYPE_CHANGED,
     ONLY_IN_A,
@@ -29,13 +33,9 @@ from clipcli.diff import (
     aligned_pieces,
     metadata_changes,
 )
-from clipcli.diff_math import relative
-from clipcli.errors import InputError, UsageError
-from clipcli.formats.base import Checkpoint, Reader, TensorInfo
-from clipcli.formats.safetensors import SafetensorsWriter
-from clipcli.io import open_reader
-from clipcli.pipeline import compare
-from clipcli.selection import Selection
+from clipcli.jobs.diff_math import relative
+from clipcli.jobs.pipeline import compare
+from clipcli.jobs.selection import Selection
 
 RNG = np.random.default_rng(20240611)
 HAS_NPZ = importlib.util.find_spec("clipcli.formats.npz") is not None
@@ -640,7 +640,7 @@ def test_matches_numpy_float64_reference(case: tuple[np.ndarray, np.ndarray, int
     ref = reference(a, b)
     for key in ("diff_norm", "rel_change", "max_abs_diff", "norm_a", "norm_b"):
         assert getattr(t, key) == pytest.approx(ref[key], rel=1e-12, abs=0), key
-    # The cosine has an absolute, not relative, error bound (see clipcli.diff).
+    # The cosine has an absolute, not relative, error bound (see clipcli.jobs.diff).
     assert t.cosine == pytest.approx(ref["cosine"], rel=1e-12, abs=1e-14)
     assert t.norm_ratio == pytest.approx(ref["norm_b"] / ref["norm_a"], rel=1e-12)
 
@@ -651,7 +651,7 @@ def test_the_summary_says_its_difference_is_over_the_tensors_both_hold(
     """‖A−B‖ 0 beside "1 only in B" read as "no difference" (found by the newcomer)."""
     from safetensors.numpy import save_file
 
-    from clipcli.cli import main
+    from clipcli.cli.entry import main
 
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     save_file({"w": np.ones(3, np.float32)}, str(a))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from expect import one_error_line
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 
 
 def pytorch_zip(path: Path) -> Path:

@@ -18,7 +18,6 @@ import pytest
 from safetensors import safe_open
 
 from clipcli.errors import InputError, Interrupted, UsageError, WriteError
-from clipcli.footprint import InputFootprint
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.safetensors import SafetensorsReader, SafetensorsWriter
 from clipcli.formats.sharded import (
@@ -29,8 +28,9 @@ from clipcli.formats.sharded import (
     resolve_sharded,
     validate_sharded,
 )
-from clipcli.output import DirectoryTarget, choose_target
-from clipcli.pipeline import write_tensors
+from clipcli.jobs.pipeline import write_tensors
+from clipcli.output.target import DirectoryTarget, choose_target
+from clipcli.system.footprint import InputFootprint
 
 HIDDEN, INTERMEDIATE, VOCAB = 8, 16, 32
 SHARDS = [f"model-{n:05d}-of-00003.safetensors" for n in (1, 2, 3)]

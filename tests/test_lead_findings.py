@@ -13,8 +13,8 @@ import pytest
 from handmade import read_safetensors
 from safetensors.numpy import load_file, save_file
 
-from clipcli.cli import main
-from clipcli.spec import ClipSpec, Mode, tensor_limit
+from clipcli.cli.entry import main
+from clipcli.jobs.spec import ClipSpec, Mode, tensor_limit
 
 
 def _safetensors_with_header_length(path: Path, length: int) -> None:

@@ -12,7 +12,7 @@ from expect import one_error_line
 from handmade import write_safetensors
 
 from clipcli import __version__
-from clipcli.cli import main
+from clipcli.cli.entry import main
 
 
 def test_version_through_main_and_as_a_program(capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,7 +37,8 @@ def test_version_loads_no_cli_module() -> None:
         "import sys; sys.argv[1:] = ['--version']\n"
         "from clipcli.__main__ import run\n"
         "try:\n    run()\nexcept SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('typer', 'rich', 'numpy', 'clipcli.cli') if m in sys.modules))"
+        "print(sorted(m for m in ('typer', 'rich', 'numpy', 'clipcli.cli.entry')"
+        " if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip().endswith("[]"), done.stdout

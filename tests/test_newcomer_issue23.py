@@ -18,7 +18,7 @@ from conftest import Run
 from expect import one_error_line
 from safetensors.numpy import load_file, save_file
 
-from clipcli import quick_args
+from clipcli.cli import quick_args
 
 RunCli = Callable[..., Run]
 

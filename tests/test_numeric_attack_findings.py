@@ -14,7 +14,7 @@ from expect import listing, one_error_line
 from handmade import write_safetensors
 from safetensors.numpy import load_file
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 

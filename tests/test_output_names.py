@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 import clipcli.formats.hdf5.limits as hdf5_limits
 from clipcli import api
-from clipcli.boundary import exit_code_for
+from clipcli.cli.boundary import exit_code_for
 from clipcli.errors import ClipcliError
 from clipcli.formats.base import TensorInfo
 from clipcli.formats.safetensors import header as st_header
@@ -46,7 +46,7 @@ def official(path: Path, name: str) -> np.ndarray:
 
 
 def clipcli_names(path: Path) -> list[str]:
-    return [info.name for info in api.list_tensors(path)[2]]
+    return [t.name for t in api.listing(path).tensors]
 
 
 def refused_before_writing(run: Run, out: Path, *fragments: str) -> None:
@@ -164,7 +164,7 @@ def test_hdf5_metadata_at_the_attribute_budget_reads_back(
     )
     out = tmp_path / "out.h5"
     api.convert(src, out)
-    assert api.list_tensors(out)[1] == attribute_metadata(4, 1000)
+    assert api.listing(out).metadata == attribute_metadata(4, 1000)
     with h5py.File(out, "r") as f:
         assert f.attrs["k0"] == "x" * 1000
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from clipcli import address_space, parallel
+from clipcli.system import address_space, parallel
 
 CLIPCLI = [sys.executable, "-m", "clipcli"]
 
@@ -159,7 +159,7 @@ def test_signal_while_unpacking_to_tmpdir_is_one_line_and_no_temp(
     scratch_dir.mkdir()
     env = dict(os.environ, TMPDIR=str(scratch_dir), CLIPCLI_THREADS="1")
     returncode, out, err = _signalled_run(
-        _argv(command, src, tmp_path), "clipcli.scratch:write_at", sig, env
+        _argv(command, src, tmp_path), "clipcli.system.scratch:write_at", sig, env
     )
     assert returncode == code, (err, out)
     assert _one_line(err, words) == f"clipcli: error: {words}"
@@ -177,7 +177,7 @@ def test_signal_while_measuring_any_input_is_one_line(
     src = tmp_path / "m.safetensors"
     _safetensors(src)
     returncode, out, err = _signalled_run(
-        _argv(command, src, tmp_path), "clipcli.pipeline:reduce_stream", sig, dict(os.environ)
+        _argv(command, src, tmp_path), "clipcli.jobs.pipeline:reduce_stream", sig, dict(os.environ)
     )
     assert returncode == code, (err, out)
     _one_line(err, words)
@@ -195,7 +195,7 @@ def test_signal_during_a_clip_of_a_keras_leaves_nothing(
     out_dir.mkdir()
     env = dict(os.environ, TMPDIR=str(scratch_dir))
     returncode, _, err = _signalled_run(
-        _argv("clip", src, out_dir), "clipcli.scratch:write_at", sig, env
+        _argv("clip", src, out_dir), "clipcli.system.scratch:write_at", sig, env
     )
     assert returncode == code
     _one_line(err, words, "no output written")
@@ -522,8 +522,8 @@ def test_room_exactly_at_the_need_is_enough(left: int, fails: bool) -> None:
 def test_a_memory_error_in_a_command_is_exit_5(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from clipcli import pipeline
-    from clipcli.cli import main
+    from clipcli.cli.entry import main
+    from clipcli.jobs import pipeline
 
     src = tmp_path / "m.safetensors"
     _safetensors(src)

@@ -1,4 +1,4 @@
-"""The quick parser (clipcli/quick_args.py) against the parser of record, Typer.
+"""The quick parser (clipcli/cli/quick_args.py) against the parser of record, Typer.
 
 Ordinary command lines skip Typer for start-up time (issue 12, item 7). That is only safe
 if the quick parser never gives a command's body values Typer would not: here its option
@@ -21,8 +21,8 @@ import typer.main
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clipcli import boundary, quick_args, typer_app
-from clipcli.cli import BODIES, body_of, main
+from clipcli.cli import boundary, quick_args, typer_app
+from clipcli.cli.entry import BODIES, body_of, main
 from clipcli.report import ListingSortKey, OutputFormat, SortKey
 
 Click = Any  # typer vendors click; its classes are recognised by name below
@@ -341,7 +341,7 @@ def test_an_ordinary_run_never_imports_typer(model: Path) -> None:
     fresh interpreter, as a shell loop runs it."""
     code = (
         "import sys\n"
-        "from clipcli.cli import main\n"
+        "from clipcli.cli.entry import main\n"
         f"assert main(['norms', {str(model)!r}, '--format', 'json']) == 0\n"
         "assert 'typer' not in sys.modules, 'typer was imported'\n"
         "assert main(['norms', '--help']) == 0\n"

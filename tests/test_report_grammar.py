@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from handmade import write_safetensors
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 
 
 @pytest.fixture

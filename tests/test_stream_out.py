@@ -147,7 +147,7 @@ def test_input_changed_mid_stream_does_not_claim_nothing_was_written(tmp_path: P
     bytes, the message says the stream was cut short after them."""
     from clipcli.errors import InputError
     from clipcli.formats.safetensors import SafetensorsStreamWriter
-    from clipcli.stream_target import StdoutTarget
+    from clipcli.output.stream_target import StdoutTarget
 
     class Sent:
         sent = 4096

@@ -332,7 +332,7 @@ def test_variable_length_budget_exactly_at_the_limit(
 def test_recorded_structure_size_exactly_at_the_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import clipcli.formats.hdf5.structure as hdf5_structure
+    import clipcli.formats.hdf5.record_read as hdf5_structure
     from clipcli.formats.hdf5 import Hdf5Reader
 
     path = vocab_file(tmp_path / "v.h5")
@@ -350,7 +350,7 @@ def test_recorded_structure_size_exactly_at_the_cap(
 
 
 def test_parsed_structure_size_exactly_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    import clipcli.formats.structure as structure
+    import clipcli.formats.structure_record as structure
 
     text = json.dumps(
         {
