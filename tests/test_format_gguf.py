@@ -282,7 +282,7 @@ def test_random_block_bytes_of_every_dequantizable_type_are_measured(
 ) -> None:
     """Any bytes are a block (grid indices, scales, NaN scales): gguf.quants must decode
     them, and a NaN or inf is counted, never a crash."""
-    from clipcli.formats.gguf.view import can_dequantize
+    from clipcli.formats.gguf.blocks import can_dequantize
 
     rng = np.random.default_rng(5)
     path = tmp_path / "r.gguf"
@@ -315,3 +315,27 @@ def test_other_formats_never_import_gguf(tmp_path: Path) -> None:
         modules = _modules_after(argv)
         assert not _loaded(modules, "gguf"), argv
         assert not _loaded(modules, "clipcli.formats.gguf"), argv
+
+
+def test_the_gguf_view_maps_every_stored_tensor_once(fixture_file: Path) -> None:
+    """GGUFView (clipcli.logical.gguf): each stored tensor is one logical tensor's only
+    part; block types become float32 logical tensors whose chunks are gguf's values."""
+    from clipcli.logical.gguf import GGUFView, gguf_view
+
+    expected = official(fixture_file)
+    reader = GgufReader(fixture_file)
+    try:
+        view = gguf_view(reader)
+        assert isinstance(view, GGUFView)
+        tensors = view.tensors()
+        assert [p.name for t in tensors for p in t.parts] == [i.name for i in reader.stored_infos]
+        for tensor in tensors:
+            name = tensor.info.name
+            quantized = name in {k.lower() for k in QUANTIZED[1:]}
+            assert tensor.plain != quantized, name
+            refusal = view.lowerable(tensor)
+            assert (refusal is None) == tensor.plain, name
+            values = np.concatenate(list(view.chunks(reader, tensor, 100)))
+            np.testing.assert_array_equal(values.astype(np.float64), expected[name].ravel())
+    finally:
+        reader.close()

@@ -162,7 +162,7 @@ CASES: dict[str, tuple[bytes, tuple[str, ...]]] = {
 def test_hostile_gguf_header_is_refused(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from clipcli.cli import main
+    from clipcli.cli.entry import main
 
     content, mentions = CASES[case]
     path = tmp_path / "m.gguf"
@@ -176,7 +176,7 @@ def test_the_good_case_of_the_table_is_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The builder makes readable files: each case is refused for its own fault."""
-    from clipcli.cli import main
+    from clipcli.cli.entry import main
 
     path = tmp_path / "m.gguf"
     for good in (

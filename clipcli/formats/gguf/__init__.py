@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) files: header.py validates, reader.py reads, view.py dequantizes."""
+"""GGUF (llama.cpp) files: header.py validates, reader.py reads, blocks.py dequantizes."""
 
 from clipcli.formats.gguf.reader import GgufReader
 

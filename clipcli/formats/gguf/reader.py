@@ -3,8 +3,8 @@ bytes are read with pread and block-quantized ones dequantized with `gguf.quants
 
 Stored tensors (`stored_infos`): F32/F16/BF16/F64/I8..I64 as their numpy dtypes, block
 types as uint8 rows of blocks, all in numpy order (ggml's `ne` reversed). What jobs see
-(`infos`) are the logical tensors of GGUFView: block-quantized tensors as float32, the
-real values, dequantized a bounded run of blocks at a time.
+(`infos`) are the value tensors of BlockTypes: block-quantized tensors as float32, the
+real values, dequantized a bounded run of blocks at a time (blocks.py).
 
 The `gguf` package is imported only here, only when a quantized tensor is dequantized (it
 loads yaml, ~60 ms): `ls` of a GGUF file needs neither it nor numpy.
@@ -38,13 +38,13 @@ from clipcli.formats.gguf.header import (
     array_values,
     read_header,
 )
-from clipcli.identity import FileIdentity
-from clipcli.inputs import open_input
+from clipcli.system.identity import FileIdentity
+from clipcli.system.inputs import open_input
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from clipcli.formats.gguf.view import GGUFView
+    from clipcli.formats.gguf.blocks import BlockTypes
 
 # A metadata array larger than this in the file is not carried into another format's
 # metadata (a vocabulary of 256k tokens is ~4 MB): join_losses names it.
@@ -71,7 +71,7 @@ class GgufReader(Reader):
             except OSError as exc:
                 raise InputError(path, f"cannot read: {exc.strerror}") from None
             self._entries = {entry.name: entry for entry in self.header.tensors}
-            self._view: GGUFView | None = None
+            self._blocks: BlockTypes | None = None
             self._stored: list[TensorInfo] | None = None
             self._carried: tuple[dict[str, str], list[str]] | None = None
             self._shown: dict[str, str] | None = None
@@ -186,21 +186,21 @@ class GgufReader(Reader):
         return self._stored
 
     @property
-    def view(self) -> GGUFView:
-        if self._view is None:
-            from clipcli.formats.gguf.view import GGUFView
+    def blocks(self) -> BlockTypes:
+        if self._blocks is None:
+            from clipcli.formats.gguf.blocks import BlockTypes
 
-            self._view = GGUFView(self.header, self.stored_infos)
-        return self._view
+            self._blocks = BlockTypes(self.header, self.stored_infos)
+        return self._blocks
 
     @property
     def infos(self) -> list[TensorInfo]:
-        """The logical tensors (GGUFView): block-quantized ones as float32 real values."""
-        return [tensor.info for tensor in self.view.tensors()]
+        """The tensors as values: block-quantized ones as float32 (blocks.BlockTypes)."""
+        return [tensor.info for tensor in self.blocks.tensors()]
 
     def warnings(self) -> list[str]:
         """What a measurement leaves out: block types gguf.quants cannot dequantize."""
-        return self.view.warnings()
+        return self.blocks.warnings()
 
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         for load in self._loaders(info, chunk_elems):
@@ -220,7 +220,7 @@ class GgufReader(Reader):
         entry = self._entries[info.name]
         begin = self.header.data_start + entry.offset
         end = begin + entry.nbytes
-        decode = self.view.decoder(entry, info)
+        decode = self.blocks.decoder(entry, info)
         if decode is None:  # as stored: plain, or blocks left as bytes
             step = (chunk_elems or default_chunk_elems(info.dtype)) * info.dtype.itemsize
             for start in range(begin, end, step):

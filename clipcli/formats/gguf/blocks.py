@@ -1,6 +1,7 @@
-"""GGUF's logical tensors (clipcli.logical.view.View): a block-quantized tensor is a view
-over its blocks, its real values float32 as `gguf.quants.dequantize` gives them (what
-llama.cpp computes with), streamed a bounded run of blocks at a time.
+"""GGUF's block types as values: a block-quantized tensor's real values are float32 as
+`gguf.quants.dequantize` gives them (what llama.cpp computes with), streamed a bounded run
+of blocks at a time. The reader presents them so (`infos`); clipcli.logical.gguf makes the
+same mapping a View over the stored blocks.
 
 Plain tensors (F32, F16, BF16, F64, I8..I64) are their own logical tensors. A block type
 that gguf.quants cannot dequantize (Q8_1, Q8_K, Q1_0 in gguf 0.19; any block type of a
@@ -12,17 +13,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 from clipcli.formats.base import TensorInfo
 from clipcli.formats.gguf.header import GGML_TYPES, Header, TensorEntry
-from clipcli.logical.view import LogicalTensor, Part, View
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from clipcli.formats.base import Reader
 
 SCHEME_PREFIX = "gguf-"  # a logical tensor's scheme: "gguf-Q4_0"
 
@@ -57,33 +55,41 @@ def dequantize_blocks(ggml_type: int, raw: np.ndarray) -> np.ndarray:
     return out.reshape(-1)
 
 
-class GGUFView(View):
-    """The logical tensors of one GGUF file, in file order."""
+class BlockTensor(NamedTuple):
+    """One tensor as its values: `info` (float32 for a dequantized block type, else the
+    stored tensor), the stored tensor, and the scheme ("gguf-Q4_0"; None: as stored)."""
+
+    info: TensorInfo
+    stored: TensorInfo
+    scheme: str | None
+
+
+class BlockTypes:
+    """The value tensors of one GGUF file, in file order."""
 
     def __init__(self, header: Header, stored_infos: list[TensorInfo]) -> None:
         """`stored_infos`: the reader's, one per header tensor, in order."""
         import numpy as np
 
         self._header = header
-        self._tensors: list[LogicalTensor] = []
+        self._tensors: list[BlockTensor] = []
         self._undecodable: list[TensorEntry] = []
         self._decoded: set[str] = set()
         float32 = np.dtype(np.float32)
         for entry, stored in zip(header.tensors, stored_infos, strict=True):
-            parts = (Part(entry.name, "values" if entry.plain else "blocks"),)
             if entry.plain or not self._decodable(entry):
                 if not entry.plain:
                     self._undecodable.append(entry)
-                self._tensors.append(LogicalTensor(stored, parts))
+                self._tensors.append(BlockTensor(stored, stored, None))
                 continue
             info = TensorInfo(entry.name, float32, entry.shape, math.prod(entry.shape) * 4)
             self._decoded.add(entry.name)
-            self._tensors.append(LogicalTensor(info, parts, SCHEME_PREFIX + entry.type_name))
+            self._tensors.append(BlockTensor(info, stored, SCHEME_PREFIX + entry.type_name))
 
     def _decodable(self, entry: TensorEntry) -> bool:
         return not self._header.big_endian and can_dequantize(entry.type_name)
 
-    def tensors(self) -> list[LogicalTensor]:
+    def tensors(self) -> list[BlockTensor]:
         return self._tensors
 
     def warnings(self) -> list[str]:
@@ -106,16 +112,3 @@ class GGUFView(View):
         if info.name not in self._decoded:
             return None
         return functools.partial(dequantize_blocks, entry.ggml_type)
-
-    def chunks(
-        self, reader: Reader, tensor: LogicalTensor, chunk_elems: int | None = None
-    ) -> Iterator[np.ndarray]:
-        return reader.chunks(tensor.info, chunk_elems)
-
-    def lowerable(self, tensor: LogicalTensor) -> str | None:
-        if tensor.plain:
-            return None
-        return (
-            f"{tensor.info.name}: clipping GGUF {tensor.scheme} blocks (rescaling their "
-            "scales) is not supported yet"
-        )
