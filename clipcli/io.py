@@ -46,12 +46,15 @@ def sniff_format(path: Path) -> str:
             if head.startswith(HDF5_MAGIC):
                 return "hdf5"
             if head.startswith(ZIP_MAGICS):
-                return _zip_format(path, handle)
+                return _zip_format(handle)
             # safetensors before the foreign magics: its 8-byte header length may itself
             # begin 80 02..80 05 (640, 896, ... bytes), which looks like a pickle's opening.
             if len(head) >= 9 and head[8:9] == b"{":
                 return "safetensors"
             _refuse_foreign_magic(path, head)
+            # PyTorch: a legacy pickle stream or tar (the zip layout is told by _zip_format)
+            if head.startswith(PICKLE_PROTOCOLS) or os.pread(handle.fileno(), 5, 257) == b"ustar":
+                return "pytorch"
             # HDF5 allows a user block of 512, 1024, 2048, ... bytes before the superblock.
             if _hdf5_after_user_block(handle):
                 return "hdf5"
@@ -67,10 +70,6 @@ def sniff_format(path: Path) -> str:
 
 NPY_MAGIC = b"\x93NUMPY"
 PICKLE_PROTOCOLS = tuple(bytes([0x80, n]) for n in range(2, 6))
-CONVERT_HINT = (
-    "convert it to safetensors first (for a transformers model: "
-    "save_pretrained(..., safe_serialization=True))"
-)
 
 
 def _refuse_foreign_magic(path: Path, head: bytes) -> None:
@@ -88,17 +87,11 @@ def _refuse_foreign_magic(path: Path, head: bytes) -> None:
             "is a single .npy array, not a checkpoint; clipcli reads .npz: save it as one "
             f"with numpy, e.g. np.savez({path.stem + '.npz'!r}, weight=np.load({str(path)!r}))",
         )
-    if head.startswith(PICKLE_PROTOCOLS):
-        raise InputError(
-            path,
-            "is a pickled PyTorch checkpoint, which clipcli never loads "
-            f"(unpickling runs code); {CONVERT_HINT}",
-        )
 
 
-def _zip_format(path: Path, handle: BinaryIO) -> str:
-    """npz, or a Keras 3 .keras archive (config.json, metadata.json, model.weights.h5);
-    a PyTorch >= 1.6 checkpoint (<top>/data.pkl) is refused. Only the central directory is
+def _zip_format(handle: BinaryIO) -> str:
+    """npz, a Keras 3 .keras archive (config.json, metadata.json, model.weights.h5) or a
+    PyTorch >= 1.6 checkpoint (<top>/data.pkl). Only the central directory is
     read; a zip it cannot parse is left to the npz reader to refuse."""
     import zipfile  # only for zips: 4 ms (with shutil, bz2, lzma) a safetensors run never needs
 
@@ -108,11 +101,7 @@ def _zip_format(path: Path, handle: BinaryIO) -> str:
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError):
         return "npz"  # RuntimeError: NotImplementedError for an unknown zip version
     if any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
-        raise InputError(
-            path,
-            "is a PyTorch checkpoint (a pickle inside a zip), which "
-            f"clipcli never loads (unpickling runs code); {CONVERT_HINT}",
-        )
+        return "pytorch"
     if "model.weights.h5" in names and "config.json" in names:
         return "keras"
     return "npz"
@@ -170,6 +159,10 @@ def reader_class(fmt: str) -> type[Reader]:
         from clipcli.formats.keras_archive import KerasArchiveReader
 
         return KerasArchiveReader
+    if fmt == "pytorch":  # read only, its pickle interpreted over an allow-list
+        from clipcli.formats.pytorch import PyTorchReader
+
+        return PyTorchReader
     from clipcli.formats.hdf5 import Hdf5Reader
 
     return Hdf5Reader
