@@ -1,3 +1,5 @@
+# mypy: ignore-errors
+# (torch is not installed where CI type-checks: this script runs by hand, with torch)
 """Makes the PyTorch fixtures in this folder with torch itself (run by hand; CI needs no
 torch): `python tests/data/pytorch/make_fixtures.py`.
 
@@ -92,7 +94,7 @@ def big_endian(source: Path, name: str) -> None:
 
             def find_class(self, module: str, name: str) -> Any:
                 if name.startswith("_rebuild"):
-                    return lambda *a: None
+                    return lambda *_args: None
                 return super().find_class(module, name)
 
         Reader(io.BytesIO(pickle_bytes)).load()
@@ -106,7 +108,9 @@ def big_endian(source: Path, name: str) -> None:
                     data = b"big"
                 elif member.startswith("data/"):
                     size = storage_dtypes[member[5:]]
-                    data = np.frombuffer(data, f"<u{size}").byteswap().tobytes() if size > 1 else data
+                    data = (
+                        np.frombuffer(data, f"<u{size}").byteswap().tobytes() if size > 1 else data
+                    )
                 out.writestr(f"{root}/{member}", data)
     reread = torch.load(path, weights_only=True)
     for key, value in flat(loaded).items():
@@ -238,7 +242,7 @@ def main() -> None:
     )
     big_endian(zip_v2, "zip_big_endian.pt")
     legacy_v1_cuda("legacy_v1_cuda.pth")
-    legacy_tar("legacy.tar.pt")
+    legacy_tar("legacy_tar.pt")
     print("torch", torch.__version__, file=sys.stderr)
 
 
