@@ -28,7 +28,7 @@ LS = (
     "clipcli.report.builders",
     "clipcli.report.table",
     "clipcli.report.serialize",
-    "clipcli.groups",
+    "clipcli.jobs.groups",
 )
 NORMS = (*LS[:-1], "clipcli.api", "clipcli.report.chart")
 SETS = {"ls set": LS, "norms set": NORMS}

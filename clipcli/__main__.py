@@ -6,7 +6,7 @@ milliseconds, before main() has set up its error boundary. A Ctrl-C there would 
 KeyboardInterrupt traceback, so until main() takes over, SIGINT, SIGTERM, SIGHUP and the
 other signals that would end the process print the one documented line and exit 128 + N
 (130/143/129, 131 for SIGQUIT, ...): nothing has been opened yet, so there is nothing to
-clean up. main() then records them until the command acts on them (clipcli.interrupts).
+clean up. main() then records them until the command acts on them (clipcli.system.interrupts).
 A signal ignored when the process started (`nohup`, a background job's SIGINT) is left
 ignored, here and for the whole run.
 
@@ -25,7 +25,7 @@ import sys
 
 INTERRUPTED_LINE = b"clipcli: error: interrupted\n"
 # The signals whose default action ends the process and that can be caught: those that
-# clipcli.interrupts.HANDLED records during a command (SIGPIPE and SIGXFSZ are ignored by
+# clipcli.system.interrupts.HANDLED records during a command (SIGPIPE and SIGXFSZ are ignored by
 # CPython itself). Their names are spelt out: the signal module's enum is not loaded yet.
 # SIGINT first: it is the one a person sends.
 _ENDING_NAMES = (
@@ -46,7 +46,7 @@ def _exit_during_start_up(signum: int, _frame: object) -> None:
 def _guard_start_up() -> None:
     """Guard every ending signal, except one ignored when the process started: the parent
     asked for it to be ignored (`nohup`, a shell running a background job), and the check
-    is made before anything is installed, so later checks (clipcli.interrupts.ignored)
+    is made before anything is installed, so later checks (clipcli.system.interrupts.ignored)
     still see the inherited SIG_IGN."""
     for name in _ENDING_NAMES:
         signum = getattr(_signal, name, None)
@@ -101,13 +101,13 @@ def _exit_out_of_memory(exc: BaseException) -> None:
 
 class _RoomForNumpy:
     """An import hook that checks, before numpy loads, that the address-space limit
-    leaves room for it (clipcli.address_space: else OpenBLAS calls exit(1) from C)."""
+    leaves room for it (clipcli.system.address_space: else OpenBLAS calls exit(1) from C)."""
 
     @staticmethod
     def find_spec(name: str, path: object = None, target: object = None) -> None:  # noqa: ARG004
         if name == "numpy":
             sys.meta_path.remove(_RoomForNumpy)  # once is enough
-            from clipcli.address_space import NUMPY_BYTES, check_room
+            from clipcli.system.address_space import NUMPY_BYTES, check_room
 
             check_room(NUMPY_BYTES, "loading numpy")
 
@@ -120,18 +120,16 @@ def run() -> None:
 
         raise SystemExit(_print_version(f"clipcli {__version__}\n".encode()))
 
-    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        # Before anything imports numpy (_preload does): BLAS reads these once, when it is
-        # loaded. We thread over chunks ourselves; BLAS threads on top only spin and
-        # contend (norms of 512 MiB of float16 on a busy 2-core machine: 3.9 s, not 0.7 s).
-        os.environ.setdefault(variable, "1")
+    from clipcli.system.blas import single_threaded_blas
+
+    single_threaded_blas()  # before anything imports numpy (_preload does)
     sys.meta_path.insert(0, _RoomForNumpy)
     try:
-        from clipcli.cli import main
+        from clipcli.cli.entry import main
 
         _preload(sys.argv[1:])
     except (MemoryError, ImportError) as exc:  # before main()'s boundary: as it would say
-        from clipcli.address_space import refused_memory
+        from clipcli.system.address_space import refused_memory
 
         if not refused_memory(exc):
             raise
@@ -158,7 +156,7 @@ def run() -> None:
     raise SystemExit(code)
 
 
-# What each command imports on first use, beyond clipcli.cli itself. ls lists headers
+# What each command imports on first use, beyond clipcli.cli.entry itself. ls lists headers
 # only: it needs no job module (start-up time in shell loops, issue 12 item 7).
 _READERS = ("clipcli.io",)  # and the reader of each path's format: _formats_of()
 _FORMAT_OF_SUFFIX = {
@@ -176,10 +174,10 @@ _EVERY_FORMAT = (
 )
 _REPORT = ("clipcli.report.builders", "clipcli.report.table", "clipcli.report.serialize")
 _PRELOAD = {
-    "ls": (*_READERS, *_REPORT, "clipcli.groups"),
+    "ls": (*_READERS, *_REPORT, "clipcli.jobs.groups"),
     "norms": (*_READERS, *_REPORT, "clipcli.api", "clipcli.report.chart"),
-    "clip": (*_READERS, *_REPORT, "clipcli.api", "clipcli.interrupts"),
-    "convert": (*_READERS, "clipcli.api", "clipcli.interrupts"),
+    "clip": (*_READERS, *_REPORT, "clipcli.api", "clipcli.system.interrupts"),
+    "convert": (*_READERS, "clipcli.api", "clipcli.system.interrupts"),
     "diff": (*_READERS, *_REPORT, "clipcli.api"),
 }
 
@@ -217,7 +215,7 @@ def _preload(args: list[str]) -> None:
     import encodings.ascii  # h5py decodes attributes with it
     import encodings.cp437  # noqa: F401 - zipfile decodes npz member names with it
 
-    from clipcli.cli import BODIES
+    from clipcli.cli.entry import BODIES
 
     body = (BODIES[args[0]][0],) if args[0] in BODIES else ()
     for module in (*body, *_PRELOAD.get(args[0], ()), *_formats_of(args[0], args[1:])):
@@ -228,11 +226,11 @@ def _preload(args: list[str]) -> None:
         for module in WRITING_MODULES:
             __import__(module)
     if {"-i", "--include", "-x", "--exclude"} & set(args):  # ls: the selection
-        __import__("clipcli.selection")
-    from clipcli.quick_args import parse
+        __import__("clipcli.jobs.selection")
+    from clipcli.cli.quick_args import parse
 
     if parse(args) is None:  # Typer will parse it (cli.main); the quick parser would not
-        __import__("clipcli.typer_app")
+        __import__("clipcli.cli.typer_app")
         # Click imports its help option on the first parse (typer vendors click).
         with contextlib.suppress(ImportError):
             __import__("typer._click.decorators")

@@ -1,4 +1,4 @@
-"""Exceptions that carry their exit code; only clipcli/boundary.py turns them into output."""
+"""Exceptions that carry their exit code; only clipcli/cli/boundary.py turns them into output."""
 
 from __future__ import annotations
 

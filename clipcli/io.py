@@ -1,4 +1,4 @@
-"""Format detection and reader/writer lookup (OUT itself is clipcli.output's job)."""
+"""Format detection and reader/writer lookup (OUT itself is clipcli.output.target's job)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import BinaryIO
 
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import Reader, Writer
-from clipcli.inputs import open_input
+from clipcli.system.inputs import open_input
 
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")

@@ -5,7 +5,7 @@
 - Checkpoint files built with the *official* libraries (or, for bfloat16/fp8 safetensors, by
   hand) and read back with the official libraries, so that no test trusts clipcli's own
   readers or writers: `write_checkpoint`, `read_checkpoint`, `read_metadata`.
-- Ways to drive the real CLI: `cli` (typer's CliRunner), `run_main` (clipcli.cli.main in
+- Ways to drive the real CLI: `cli` (typer's CliRunner), `run_main` (clipcli.cli.entry.main in
   process) and `run_subprocess` (`python -m clipcli`).
 
 Helpers are handed out as fixtures (session-scoped where they hold no state, so hypothesis
@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from clipcli import interrupts
+from clipcli.system import interrupts
 
 
 def _restore_default_signal_dispositions() -> None:
@@ -307,7 +307,7 @@ class Run:
 def _cli_runner(*args: str | Path) -> Run:
     from typer.testing import CliRunner
 
-    from clipcli.typer_app import app
+    from clipcli.cli.typer_app import app
 
     # Rich tables are pinned to a wide terminal so that names are never folded.
     result = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
@@ -380,8 +380,8 @@ def cli() -> Callable[..., Run]:
 
 @pytest.fixture
 def run_main(capsys: pytest.CaptureFixture[str]) -> Callable[..., Run]:
-    """`run_main("clip", ...)` through `clipcli.cli.main(argv)`, the console entry point."""
-    from clipcli.cli import main
+    """`run_main("clip", ...)` through `clipcli.cli.entry.main(argv)`, the console entry point."""
+    from clipcli.cli.entry import main
 
     def run(*args: str | Path) -> Run:
         capsys.readouterr()
@@ -403,7 +403,7 @@ class MainRun:
 def clipcli(capsys: pytest.CaptureFixture[str]) -> Callable[..., MainRun]:
     """clipcli's main() in this process (no interpreter start-up per command); a module
     may override it (tests/test_stream_out.py runs a real process)."""
-    from clipcli.cli import main
+    from clipcli.cli.entry import main
 
     def run(*args: str | Path) -> MainRun:
         code = main([str(arg) for arg in args])
@@ -452,3 +452,6 @@ def mount_tmpfs(tmp_path: Path) -> Any:
     yield mount
     for target in reversed(mounted):
         subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+RunCli = Callable[..., Run]

@@ -31,7 +31,7 @@ from typing import Any
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no BLAS threads in the forking parent
 
 import clipcli.__main__ as entry  # after the environment is set
-import clipcli.cli  # noqa: F401
+import clipcli.cli.entry  # noqa: F401
 
 
 def _warm_up() -> None:

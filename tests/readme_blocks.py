@@ -60,7 +60,7 @@ def examples(text: str) -> list[Example]:
 def run_in_copy(commands: list[tuple[str, ...]]) -> list[str]:
     """Each command's stdout, run in order (clip writes out.safetensors, which diff reads)
     in a fresh copy of sample_data/, with no COLUMNS: a pipe gets the full table."""
-    from clipcli.cli import main
+    from clipcli.cli.entry import main
 
     outputs = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,32 +16,39 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "clipcli"
 
-# Modules that carry out a job or write OUT: nothing under clipcli.formats may import them.
-JOBS = frozenset(
-    {
-        "clipcli.api",
-        "clipcli.boundary",
-        "clipcli.cli",
-        "clipcli.commands",
-        "clipcli.options",
-        "clipcli.quick_args",
-        "clipcli.typer_app",
-        "clipcli.diff",
-        "clipcli.diff_math",
-        "clipcli.execution",
-        "clipcli.factor",
-        "clipcli.measurement",
-        "clipcli.pipeline",
-        "clipcli.plan",
+# The layers, as packages (docs/ARCHITECTURE.md): what each may never import. From the
+# bottom: numerics and dtypes; system (the process and the OS); formats (one package per
+# format); logical (views over stored tensors); jobs; output; report; api; cli.
+FORBIDDEN = {
+    "clipcli.system": (
+        "clipcli.formats",
+        "clipcli.logical",
+        "clipcli.jobs",
+        "clipcli.output",
         "clipcli.report",
-        "clipcli.scope",
-        "clipcli.selection",
-        "clipcli.spec",
-    }
-)
-OUTPUT = frozenset(
-    {"clipcli.output", "clipcli.fsops", "clipcli.footprint", "clipcli.stream_target"}
-)
+        "clipcli.api",
+        "clipcli.cli",
+    ),
+    "clipcli.formats": (
+        "clipcli.logical",
+        "clipcli.jobs",
+        "clipcli.output",
+        "clipcli.report",
+        "clipcli.api",
+        "clipcli.cli",
+    ),
+    "clipcli.logical": (
+        "clipcli.jobs",
+        "clipcli.output",
+        "clipcli.report",
+        "clipcli.api",
+        "clipcli.cli",
+    ),
+    "clipcli.jobs": ("clipcli.report", "clipcli.api", "clipcli.cli"),
+    "clipcli.output": ("clipcli.jobs", "clipcli.report", "clipcli.api", "clipcli.cli"),
+    "clipcli.report": ("clipcli.numerics", "clipcli.cli"),
+    "clipcli.api": ("clipcli.cli",),
+}
 # What the bottom layer may import of clipcli's own.
 BOTTOM = frozenset({"clipcli.dtypes", "clipcli.errors"})
 
@@ -116,9 +123,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _is_job_or_output(module: str) -> bool:
-    package = module.rsplit(".", 1)[0]
-    return module in JOBS or module in OUTPUT or package in JOBS
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def broken(edges: dict[str, set[str]]) -> list[str]:
@@ -129,19 +135,17 @@ def broken(edges: dict[str, set[str]]) -> list[str]:
             bottom = name.startswith("clipcli.numerics") or name == "clipcli.dtypes"
             if bottom and not (target.startswith("clipcli.numerics") or target in BOTTOM):
                 problems.append(f"{name} -> {target} (numerics and dtypes are the bottom)")
-            if name.startswith("clipcli.formats") and _is_job_or_output(target):
-                problems.append(f"{name} -> {target} (formats import no job or output)")
-            in_report = name == "clipcli.report" or name.startswith("clipcli.report.")
-            if in_report and target.startswith("clipcli.numerics"):
-                problems.append(f"{name} -> {target} (the report does no math)")
+            for layer, banned in FORBIDDEN.items():
+                if _under(name, layer) and any(_under(target, b) for b in banned):
+                    problems.append(f"{name} -> {target} ({layer} is below it)")
     return problems
 
 
-# Typer is for what the quick parser declines (clipcli/quick_args.py): only these two
+# Typer is for what the quick parser declines (clipcli/cli/quick_args.py): only these two
 # import it, and only main() reaches them (__main__.py preloads them by name, for the
 # same command lines).
-TYPER_APP = frozenset({"clipcli.options", "clipcli.typer_app"})
-REACHES_TYPER = frozenset({"clipcli.cli"})
+TYPER_APP = frozenset({"clipcli.cli.options", "clipcli.cli.typer_app"})
+REACHES_TYPER = frozenset({"clipcli.cli.entry"})
 
 
 def imports_typer(path: Path) -> bool:
@@ -174,7 +178,7 @@ def test_the_package_keeps_the_layering_rules() -> None:
 def test_the_graph_sees_imports_inside_functions() -> None:
     edges = graph()
     assert "clipcli.formats.sharded" in edges["clipcli.io"]  # imported inside writer_class
-    assert "clipcli.api" in edges["clipcli.commands.write"]  # imported inside the commands
+    assert "clipcli.api" in edges["clipcli.cli.commands.write"]  # imported inside the commands
     assert "clipcli.api" in edges["clipcli.report.builders"]  # under TYPE_CHECKING
 
 
@@ -194,10 +198,16 @@ def test_cycles_are_found(edges: dict[str, set[str]], expected: list[list[str]])
     ("importer", "target"),
     [
         ("clipcli.numerics.norms", "clipcli.formats.base"),
-        ("clipcli.dtypes", "clipcli.plan"),
-        ("clipcli.formats.npz", "clipcli.pipeline"),
-        ("clipcli.formats.sharded.writer", "clipcli.output"),
+        ("clipcli.dtypes", "clipcli.jobs.plan"),
+        ("clipcli.formats.npz", "clipcli.jobs.pipeline"),
+        ("clipcli.formats.sharded.writer", "clipcli.output.target"),
         ("clipcli.report", "clipcli.numerics.scaling"),
+        ("clipcli.jobs.scope", "clipcli.report.model"),
+        ("clipcli.system.scratch", "clipcli.output.fsops"),
+        ("clipcli.logical.reader", "clipcli.jobs.plan"),
+        ("clipcli.formats.base", "clipcli.logical.view"),
+        ("clipcli.jobs.plan", "clipcli.cli.entry"),
+        ("clipcli.api", "clipcli.cli.boundary"),
     ],
 )
 def test_each_rule_fails_when_broken(importer: str, target: str) -> None:
@@ -208,6 +218,9 @@ def test_allowed_imports_pass() -> None:
     allowed = {
         "clipcli.numerics.norms": {"clipcli.dtypes", "clipcli.numerics.lookup"},
         "clipcli.formats.npz": {"clipcli.formats.base", "clipcli.errors"},
-        "clipcli.report": {"clipcli.groups", "clipcli.errors"},
+        "clipcli.report": {"clipcli.jobs.groups", "clipcli.errors"},
+        "clipcli.logical.reader": {"clipcli.formats.base", "clipcli.numerics.norms"},
+        "clipcli.jobs.lowering": {"clipcli.logical.reader", "clipcli.jobs.plan"},
+        "clipcli.cli.entry": {"clipcli.api", "clipcli.report.table"},
     }
     assert broken(allowed) == []

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from handmade import read_safetensors, write_safetensors
 
-from clipcli import execution
-from clipcli.cli import main
+from clipcli.cli.entry import main
 from clipcli.formats.base import TensorInfo
 from clipcli.formats.safetensors.reader import SafetensorsReader
+from clipcli.jobs import execution
 from clipcli.numerics import slices
 
 

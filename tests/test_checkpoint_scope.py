@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import RunCli
+from expect import one_error_line
 from handmade import write_safetensors
 from layouts import (
     block_fp8_shard,
@@ -21,10 +23,11 @@ from layouts import (
     keras3_nested_weights,
     legacy_keras_full_model,
 )
+from safetensors.numpy import load_file, save_file
 
-from clipcli import quantized, roles, scope
 from clipcli.formats.base import TensorInfo
-from clipcli.groups import compile_group_by, group_key
+from clipcli.jobs import quantized, roles, scope
+from clipcli.jobs.groups import compile_group_by, group_key
 
 
 def exact_norm(arrays: list[np.ndarray]) -> float:
@@ -89,12 +92,23 @@ ROLE_EXAMPLES = {
 }
 
 
-@pytest.mark.parametrize("role", list(roles.Role))
+@pytest.mark.parametrize("role", roles.BY_NAME)
 def test_every_role_has_examples_that_classify_to_it(role: roles.Role) -> None:
     assert ROLE_EXAMPLES[role]
     for name in ROLE_EXAMPLES[role]:
         assert roles.classify(name, floating=role is not roles.Role.NON_FLOAT) is role, name
     assert role.description
+
+
+def test_every_role_is_decided_by_name_or_by_a_view() -> None:
+    assert set(roles.BY_NAME) | {roles.Role.QUANTIZATION} == set(roles.Role)
+    assert roles.Role.QUANTIZATION.description
+    assert roles.Role.QUANTIZATION.kept_apart
+    assert not roles.Role.QUANTIZATION.training_state  # --all-tensors does not bring it in
+    # A name alone never makes a quantization part, whatever it says.
+    names = [n for examples in ROLE_EXAMPLES.values() for n in examples]
+    names += ["model.layers.0.mlp.down_proj.weight_scale_inv", "x.weight_scale", "x_scales"]
+    assert all(roles.classify(n) is not roles.Role.QUANTIZATION for n in names)
 
 
 def test_norms_on_legacy_keras_count_model_weights_only(tmp_path: Path, run_main: Any) -> None:
@@ -289,7 +303,7 @@ def test_empty_selection_is_refused_before_any_data_is_read(tmp_path: Path) -> N
     """A reader whose data cannot be read at all: the selection check comes first."""
     from clipcli.api import measure_reader
     from clipcli.errors import UsageError
-    from clipcli.selection import Selection
+    from clipcli.jobs.selection import Selection
 
     class NoData:
         path = tmp_path / "x"
@@ -649,3 +663,41 @@ def test_help_documents_the_new_options(run_main: Any, command: str, options: li
     assert result.code == 0
     for option in options:
         assert option in result.stdout
+
+
+# -------------------------------------------------- issue 23, item 9: --skip-low-rank
+
+
+def _ranked_file(path: Path, ranks: list[int]) -> Path:
+    save_file(
+        {f"t{rank}.{i}": np.ones((2,) * rank, np.float32) for i, rank in enumerate(ranks)}, path
+    )
+    return path
+
+
+@pytest.mark.parametrize(("axes", "ranks"), [("5", [1, 2, 5]), ("1", [1, 1]), ("-3", [2, 1])])
+def test_skip_low_rank_that_leaves_nothing_is_refused(
+    tmp_path: Path, run_main: RunCli, axes: str, ranks: list[int]
+) -> None:
+    """Past the limit: every tensor's rank is below what --axes needs."""
+    source = _ranked_file(tmp_path / "m.safetensors", ranks)
+    out = tmp_path / "x.safetensors"
+    done = run_main("clip", "--norm", "1", "--axes", axes, "--skip-low-rank", source, out)
+    assert done.code == 4
+    line = one_error_line(done.stderr)
+    assert f"--axes {axes} needs" in line
+    assert f"the highest rank among the {len(ranks)} selected tensors is {max(ranks)}" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("axes", "ranks"), [("5", [1, 2, 6]), ("1", [1, 2]), ("-3", [3, 1])])
+def test_skip_low_rank_with_one_tensor_at_the_rank_clips_it(
+    tmp_path: Path, run_main: RunCli, axes: str, ranks: list[int]
+) -> None:
+    """At the limit: one tensor has exactly the rank --axes needs."""
+    source = _ranked_file(tmp_path / "m.safetensors", ranks)
+    out = tmp_path / "x.safetensors"
+    done = run_main("clip", "--norm", "1", "--axes", axes, "--skip-low-rank", source, out, "-q")
+    assert done.code == 0, done.stderr
+    written = load_file(out)
+    assert sum(not np.array_equal(written[n], a) for n, a in load_file(source).items()) == 1

@@ -18,7 +18,8 @@ from handmade import write_safetensors
 from typer.testing import CliRunner
 
 import clipcli.api
-from clipcli.cli import main
+from clipcli.cli.entry import main
+from clipcli.cli.typer_app import app
 from clipcli.errors import (
     DataRefusedError,
     ExitCode,
@@ -27,7 +28,6 @@ from clipcli.errors import (
     UsageError,
     WriteError,
 )
-from clipcli.typer_app import app
 
 PACKAGE = Path(__file__).resolve().parent.parent / "clipcli"
 
@@ -78,7 +78,7 @@ def test_every_family_maps_the_same_through_main_and_typer(
 
 
 def test_every_exit_code_is_documented_in_help() -> None:
-    from clipcli.typer_app import EXIT_CODES_HELP
+    from clipcli.cli.typer_app import EXIT_CODES_HELP
 
     documented = {
         int(line.split()[0])

@@ -3,7 +3,7 @@ documented exit code (DESIGN.md §1), no traceback, and nothing left in the outp
 (no OUT, no temp file): its listing is compared before and after.
 
 Exit codes: 2 usage / refused request, 3 unreadable or unsafe input, 4 refused data.
-Most runs go through `clipcli.cli.main(argv)` (the console entry point); a few through a
+Most runs go through `clipcli.cli.entry.main(argv)` (the console entry point); a few through a
 real `python -m clipcli` child process.
 """
 

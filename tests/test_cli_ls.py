@@ -15,7 +15,7 @@ from expect import one_error_line
 from rich.cells import cell_len
 from safetensors.numpy import save_file
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 
 SHARDS: dict[str, dict[str, np.ndarray]] = {
     "model-00001-of-00002.safetensors": {

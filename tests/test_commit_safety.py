@@ -36,8 +36,9 @@ import pytest
 from expect import listing, one_error_line, tree
 from safetensors.numpy import load_file, save_file
 
-from clipcli import fsops, output
-from clipcli.cli import main
+from clipcli.cli.entry import main
+from clipcli.output import fsops
+from clipcli.output import target as output
 
 FILE_NAMES = ("model.safetensors", "model.npz", "model.h5")
 
@@ -305,8 +306,8 @@ def test_out_named_dot_or_dot_dot_is_refused(
 # The child stops itself (SIGSTOP) as its commit begins: OUT's file is written and synced.
 _STOP_AT_COMMIT = """
 import os, signal, sys
-from clipcli import output
-from clipcli.cli import main
+from clipcli.output import target as output
+from clipcli.cli.entry import main
 real = output.Target._commit
 def stopped_first(self, staged):
     os.kill(os.getpid(), signal.SIGSTOP)

@@ -16,8 +16,8 @@ from handmade import write_safetensors
 from safetensors.numpy import load_file
 
 import clipcli.formats.safetensors as st_format
-from clipcli import filecopy
-from clipcli.cli import main
+from clipcli.cli.entry import main
+from clipcli.system import filecopy
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from handmade import write_safetensors
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from clipcli.cli import main
-from clipcli.typer_app import app
+from clipcli.cli.entry import main
+from clipcli.cli.typer_app import app
 
 runner = CliRunner()
 FORMATS = ["safetensors", "npz", "h5"]
@@ -474,7 +474,7 @@ def test_help_does_not_import_numpy_or_the_format_libraries() -> None:
     needs them (a report-module import of clipping once pulled numpy in: 0.07 -> 0.14 s)."""
     probe = (
         "import sys\n"
-        "from clipcli.cli import main\n"
+        "from clipcli.cli.entry import main\n"
         "code = main(['--help'])\n"
         "heavy = sorted({'numpy', 'h5py', 'safetensors', 'ml_dtypes'} & set(sys.modules))\n"
         "print(code, heavy)\n"

@@ -333,7 +333,7 @@ def test_bits_no_value_shows_fail_above_zero(
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     save_file({"t": np.array(a_bits, np.uint32).view(np.float32)}, str(a))
     save_file({"t": np.array(b_bits, np.uint32).view(np.float32)}, str(b))
-    from clipcli.cli import main
+    from clipcli.cli.entry import main
 
     assert main(["diff", str(a), str(b), "--fail-above", "0"]) == 1
     assert main(["diff", str(a), str(b), "--fail-above", "1e-300"]) == 0

@@ -25,7 +25,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from clipcli.commands.compare import fail_above_message
+from clipcli.cli.commands.compare import fail_above_message
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "tiny_mlp.safetensors"
 

@@ -418,7 +418,7 @@ def test_internal_error_traceback_only_with_debug(
         "import sys, clipcli.io as e\n"
         "def broken(*a, **k): raise ZeroDivisionError('boom')\n"
         "e.open_reader = broken\n"
-        "from clipcli.cli import main\n"
+        "from clipcli.cli.entry import main\n"
         f"raise SystemExit(main(['ls', {str(src)!r}]))\n"
     )
     for debug in (False, True):
@@ -445,7 +445,7 @@ def test_internal_error_traceback_only_with_debug(
 def _launcher(how: str) -> list[str]:
     """`python -m clipcli`, or the installed `clipcli` console script (which must start in
     clipcli.__main__:run, where the guard is; an old editable install still points at
-    clipcli.cli:main until `pip install -e .` is run again)."""
+    clipcli.cli.entry:main until `pip install -e .` is run again)."""
     if how == "module":
         return [sys.executable, "-m", "clipcli"]
     script = Path(sys.executable).parent / "clipcli"

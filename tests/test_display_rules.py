@@ -27,7 +27,7 @@ import pytest
 from handmade import write_safetensors
 from rich.cells import cell_len
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 from clipcli.report import Column, Report
 from clipcli.report.chart import BAR_MIN_WIDTH, render_chart
 from clipcli.report.table import render_table

@@ -27,12 +27,12 @@ import pytest
 from expect import REPO_ROOT, one_error_line
 from safetensors.numpy import load_file, save_file
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 from clipcli.errors import ExitCode
 from clipcli.formats.safetensors import SafetensorsWriter
 from clipcli.io import EXTENSIONS
+from clipcli.jobs.spec import Mode
 from clipcli.report import OutputFormat, SortKey
-from clipcli.spec import Mode
 
 README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
 

@@ -16,7 +16,7 @@ import pytest
 from handmade import read_safetensors
 from safetensors.numpy import save_file
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 from clipcli.numerics.rounding import flushes
 
 

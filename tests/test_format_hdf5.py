@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from clipcli.errors import InputError, WriteError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo
 from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer, flat_range_blocks
-from clipcli.pipeline import write_tensors
+from clipcli.jobs.pipeline import write_tensors
 
 RNG = np.random.default_rng(1234)
 

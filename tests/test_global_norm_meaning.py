@@ -3,7 +3,7 @@
 On a legacy Keras full model (FER-2013 style: model_weights/ plus optimizer_weights/ with
 Adam's float32 `iterations:0` = 92494), `norms` gave the weights' global norm while
 `diff` summed every floating-point tensor, the step counter included. Both now count model
-weights only by the same rules (clipcli.roles; --include/--exclude; --all-tensors brings
+weights only by the same rules (clipcli.jobs.roles; --include/--exclude; --all-tensors brings
 training state back). The references are numpy float64 sums over names chosen here by
 hand, read back with h5py and safetensors' own readers.
 """
@@ -22,7 +22,7 @@ from layouts import legacy_keras_full_model
 from safetensors import safe_open
 
 from clipcli.api import diff
-from clipcli.selection import Selection
+from clipcli.jobs.selection import Selection
 
 OPTIMIZER = "optimizer_weights/"
 BUFFERS = ("moving_mean:0", "moving_variance:0")

@@ -14,10 +14,12 @@ import sys
 
 import pytest
 import typer.main
+from conftest import RunCli
 
-from clipcli import __version__, typer_app
-from clipcli.cli import main
-from clipcli.quick_args import COMMANDS
+from clipcli import __version__
+from clipcli.cli import typer_app
+from clipcli.cli.entry import main
+from clipcli.cli.quick_args import COMMANDS
 from clipcli.report import SortKey
 
 
@@ -86,7 +88,8 @@ def test_dash_v_as_a_program_loads_no_cli_module() -> None:
         "import sys; sys.argv[1:] = ['-V']\n"
         "from clipcli.__main__ import run\n"
         "try:\n    run()\nexcept SystemExit as exc:\n    assert exc.code == 0\n"
-        "print(sorted(m for m in ('typer', 'rich', 'numpy', 'clipcli.cli') if m in sys.modules))"
+        "print(sorted(m for m in ('typer', 'rich', 'numpy', 'clipcli.cli.entry')"
+        " if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout == f"clipcli {__version__}\n[]\n"
@@ -97,3 +100,11 @@ def test_new_flags_are_in_the_help(command: str, capsys: pytest.CaptureFixture[s
     text = help_of([command], capsys)
     assert "--json" in text
     assert "-q, --quiet" in text
+
+
+@pytest.mark.parametrize("command", ["ls", "norms", "clip", "convert", "diff"])
+def test_quiet_help_says_exactly_what_it_silences(run_main: RunCli, command: str) -> None:
+    done = run_main(command, "--help")
+    text = " ".join(done.stdout.replace("│", " ").split())
+    assert "Notes, warnings and errors still go to stderr." in text
+    assert "Print nothing on success" not in text

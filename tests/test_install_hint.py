@@ -28,7 +28,7 @@ PIP = f"{shlex.quote(sys.executable)} -m pip install"
 PROBE = (
     "import sys\n"
     "sys.modules['matplotlib'] = None  # not installed\n"
-    "from clipcli.cli import main\n"
+    "from clipcli.cli.entry import main\n"
     "raise SystemExit(main(['norms', 'm.safetensors', '--plot', 'p.png']))\n"
 )
 

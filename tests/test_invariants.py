@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 
 # Example counts come from the profile in conftest.py (ci: 40, long: 5000).
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -23,18 +23,19 @@ import pytest
 from handmade import read_safetensors, write_safetensors
 from safetensors.numpy import load_file
 
-from clipcli import filecopy, pipeline
-from clipcli.cli import main
+from clipcli.cli.entry import main
 from clipcli.formats.base import TensorInfo
 from clipcli.formats.safetensors import reader as st_reader
 from clipcli.formats.safetensors.header import build_header, header_length
 from clipcli.formats.safetensors.writer import COPY_AHEAD_MIN_BYTES, SafetensorsWriter
 from clipcli.io import open_reader
+from clipcli.jobs import pipeline
 from clipcli.numerics.many import SHORT, accumulate_each
 from clipcli.numerics.norms import NormAccumulator
 from clipcli.report import OutputFormat, render
 from clipcli.report.model import Column, Report
 from clipcli.report.serialize import JSON_ROWS_AT_ONCE
+from clipcli.system import filecopy
 
 FIELDS = ("numel", "max_abs", "min_value", "max_value", "nonfinite", "nan_count", "inf_count")
 

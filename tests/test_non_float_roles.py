@@ -23,9 +23,9 @@ import pytest
 from layouts import legacy_keras_full_model
 from safetensors.numpy import save_file
 
-from clipcli import roles
 from clipcli.dtypes import dtype_named, is_floating
 from clipcli.formats.safetensors.header import DTYPE_NAMES
+from clipcli.jobs import roles
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "tiny_mlp.safetensors"
 

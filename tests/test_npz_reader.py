@@ -18,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 from clipcli.errors import InputError
 from clipcli.formats.base import Checkpoint
 from clipcli.formats.npz import NpzReader, NpzWriter
-from clipcli.pipeline import write_tensors
+from clipcli.jobs.pipeline import write_tensors
 
 
 def sample_tensors() -> dict[str, np.ndarray]:

@@ -24,9 +24,11 @@ from expect import listing, one_error_line
 from handmade import write_safetensors
 from safetensors.numpy import load_file
 
-from clipcli import filecopy, fsops, output
-from clipcli.cli import main
+from clipcli.cli.entry import main
 from clipcli.formats.safetensors import SafetensorsWriter
+from clipcli.output import fsops, policy
+from clipcli.output import target as output
+from clipcli.system import filecopy
 
 FORMATS = (".safetensors", ".npz", ".h5")
 
@@ -447,7 +449,7 @@ def test_input_changed_during_the_run_is_exit_3(
                 handle.write(replacement)
 
     import clipcli.api as api
-    import clipcli.execution as execution
+    import clipcli.jobs.execution as execution
 
     module: Any = execution if when == "while writing" else api
     hook = "execute" if when == "while writing" else "plan_clip"
@@ -673,11 +675,10 @@ def test_a_huge_sparse_side_file_is_refused_unless_allowed(
 
 @pytest.mark.parametrize(("extra", "code"), [(0, 0), (1, 2)])
 def test_side_file_limit_is_inclusive(tmp_path: Path, extra: int, code: int) -> None:
-    import clipcli.api as api
 
     model = make_model(tmp_path / "model")
     with open(model / "big.txt", "wb") as handle:
-        handle.truncate(api.SIDE_FILE_LIMIT + extra)
+        handle.truncate(policy.SIDE_FILE_LIMIT + extra)
     assert main(["clip", "--global", "1", "-q", str(model), str(tmp_path / "out")]) == code
 
 
@@ -988,7 +989,7 @@ def test_a_live_runs_temp_is_never_removed_whatever_its_pid(tmp_path: Path) -> N
 def test_a_signal_after_the_commit_point_is_success(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: int
 ) -> None:
-    import clipcli.commands.write as command  # clip's body prints the report from there
+    import clipcli.cli.commands.write as command  # clip's body prints the report from there
 
     src = make_input(tmp_path / "in.safetensors")
     out = tmp_path / "out.safetensors"

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from clipcli.parallel import ordered_map
+from clipcli.system.parallel import ordered_map
 
 
 def test_results_come_in_input_order() -> None:

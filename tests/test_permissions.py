@@ -3,7 +3,7 @@
 The tests run as root, for whom every file is readable; here clipcli runs with every
 capability dropped (util-linux `setpriv`), so that file modes apply to it. An unreadable
 input is exit 3 with the reason, whichever parser took the command line: the quick parser
-(clipcli/quick_args.py) or Typer, which is reached here through `-fjson`, a bundled short
+(clipcli/cli/quick_args.py) or Typer, which is reached here through `-fjson`, a bundled short
 option the quick parser leaves to it. (Typer's own readability check, a usage error, is
 turned off: it judged inputs before the readers could say why, and judged --plot FILE, an
 output, by whether it could be read.)
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from clipcli import quick_args
+from clipcli.cli import quick_args
 
 SETPRIV = shutil.which("setpriv")
 pytestmark = pytest.mark.skipif(

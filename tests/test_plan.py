@@ -1,4 +1,4 @@
-"""clipcli.plan: the plan is a frozen value made from a measurement, without files.
+"""clipcli.jobs.plan: the plan is a frozen value made from a measurement, without files.
 
 Arrays live in memory (ArrayReader); expected norms come from exact fractions. Every
 Action and every Reason is reached by some plan here, and every Reason is rendered by
@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 
 from clipcli.api import ClipRow
-from clipcli.execution import DiscardingWriter, execute
-from clipcli.factor import OutputCheck
 from clipcli.formats.base import Reader, TensorInfo
-from clipcli.measurement import Measurement
+from clipcli.jobs.execution import DiscardingWriter, execute
+from clipcli.jobs.factor import OutputCheck
+from clipcli.jobs.measurement import Measurement
+from clipcli.jobs.plan import Action, EarlyVerdict, Outcome, Plan, Reason, copy_plan, plan
+from clipcli.jobs.roles import Role
+from clipcli.jobs.selection import EVERY_TENSOR, Selection
+from clipcli.jobs.spec import ClipSpec, Mode, build_spec
 from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.norms import NormAccumulator
 from clipcli.numerics.rounding import scale_chunk
-from clipcli.plan import Action, EarlyVerdict, Outcome, Plan, Reason, copy_plan, plan
 from clipcli.report import builders as report
-from clipcli.roles import Role
-from clipcli.selection import EVERY_TENSOR, Selection
-from clipcli.spec import ClipSpec, Mode, build_spec
 
 RNG = np.random.default_rng(1313)
 

@@ -20,9 +20,9 @@ import pytest
 from handmade import write_safetensors
 from rich.console import Console
 
-from clipcli import cli
-from clipcli.commands.common import progress as cli_progress
-from clipcli.progress import SILENT
+from clipcli.cli import entry as cli
+from clipcli.cli.commands.common import progress as cli_progress
+from clipcli.jobs.progress import SILENT
 from clipcli.report.progress_bar import SYNC_LABEL, TerminalProgress, binary_size
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "tiny_mlp.safetensors"

@@ -1,5 +1,5 @@
 """Properties of `clipcli clip` on random checkpoints (hypothesis), in process through
-`clipcli.cli.main` so that each example costs milliseconds:
+`clipcli.cli.entry.main` so that each example costs milliseconds:
 
 - the clipped norm never exceeds C (per tensor, per numel, global);
 - clipping is idempotent: clip(clip(x)) == clip(x), bit for bit;
@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 
 EXTS = [".safetensors", ".npz", ".h5"]
 FLOAT_DTYPES: list[np.dtype[Any]] = [

@@ -16,7 +16,7 @@ import pytest
 from expect import one_error_line
 from handmade import write_safetensors
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 
 
 @pytest.fixture

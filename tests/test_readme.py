@@ -87,8 +87,8 @@ def test_output_columns_name_the_diff_schema(capsys: pytest.CaptureFixture[str])
     """The diff row lists the real columns in order, the JSON summary keys and every status."""
     import json
 
-    from clipcli import diff
-    from clipcli.cli import main
+    from clipcli.cli.entry import main
+    from clipcli.jobs import diff
     from clipcli.report.builders import DIFF_COLUMNS
 
     row = _output_columns_row("diff")

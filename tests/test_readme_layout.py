@@ -131,7 +131,7 @@ def _named_readme_sections() -> list[tuple[str, str]]:
 
 def test_readme_sections_named_elsewhere_exist() -> None:
     named = _named_readme_sections()
-    assert ("clipcli/roles.py", "Model weights and training state") in named
+    assert ("clipcli/jobs/roles.py", "Model weights and training state") in named
     text = _text(README)
     titles = {t.strip() for t in re.findall(r"^#{2,3} (.+)$", text, re.MULTILINE)}
     for source, title in named:

@@ -51,7 +51,7 @@ if os.environ.get("STOP_AT"):
         result = real(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGSTOP)
         if os.environ.get("SPIN_UNTIL_SIGNAL"):
-            from clipcli import interrupts
+            from clipcli.system import interrupts
             while interrupts.pending() is None and time.process_time() < 20:
                 pass
         return result
@@ -166,7 +166,7 @@ def test_a_signal_ignored_at_start_stays_ignored_during_a_clip(
     tensors = _safetensors(src)
     child = _start(
         ["clip", "--global", "1", "--no-fsync", "-q", str(src), str(out)],
-        "clipcli.execution:write_tensors",
+        "clipcli.jobs.execution:write_tensors",
         dict(os.environ),
         preexec_fn=_ignoring(signum) if ignored else None,
     )
@@ -193,7 +193,7 @@ def test_nohup_keeps_a_clip_alive_through_a_hangup(tmp_path: Path) -> None:
     tensors = _safetensors(src)
     child = _start(
         ["clip", "--global", "1", "--no-fsync", "-q", str(src), str(out)],
-        "clipcli.execution:write_tensors",
+        "clipcli.jobs.execution:write_tensors",
         dict(os.environ),
         prefix=[nohup],
     )
@@ -216,7 +216,7 @@ def test_an_ignored_signal_during_a_keras_unpack_changes_nothing(tmp_path: Path,
     scratch_dir.mkdir()
     child = _start(
         ["norms", "--format", "json", str(src)],
-        "clipcli.scratch:write_at",
+        "clipcli.system.scratch:write_at",
         dict(os.environ, TMPDIR=str(scratch_dir)),
         preexec_fn=_ignoring(signum),
     )
@@ -247,7 +247,9 @@ def test_every_ending_signal_is_one_line_and_leaves_no_temp(
     argv = [command, str(src)]
     if command == "clip":
         argv = ["clip", "--global", "1", "--no-fsync", str(src), str(out_dir / "o.keras")]
-    child = _start(argv, "clipcli.scratch:write_at", dict(os.environ, TMPDIR=str(scratch_dir)))
+    child = _start(
+        argv, "clipcli.system.scratch:write_at", dict(os.environ, TMPDIR=str(scratch_dir))
+    )
     child.send_signal(signum)
     code, out, err = _finish(child)
     assert code == 128 + signum, err
@@ -269,7 +271,7 @@ def test_cpu_time_limit_is_one_line_and_leaves_no_temp(tmp_path: Path) -> None:
     scratch_dir.mkdir()
     argv = ["clip", "--global", "1", "--no-fsync", str(src), str(out_dir / "o.keras")]
     env = dict(os.environ, TMPDIR=str(scratch_dir), SPIN_UNTIL_SIGNAL="1")
-    child = _start(argv, "clipcli.scratch:write_at", env)
+    child = _start(argv, "clipcli.system.scratch:write_at", env)
     resource.prlimit(child.pid, resource.RLIMIT_CPU, (1, 60))
     code, _, err = _finish(child)
     assert code == 128 + signal.SIGXCPU, err
@@ -285,7 +287,7 @@ def test_sigxfsz_stays_ignored_and_the_run_finishes(tmp_path: Path) -> None:
     tensors = _safetensors(src)
     child = _start(
         ["clip", "--global", "1", "--no-fsync", "-q", str(src), str(out)],
-        "clipcli.execution:write_tensors",
+        "clipcli.jobs.execution:write_tensors",
         dict(os.environ),
     )
     child.send_signal(signal.SIGXFSZ)
@@ -390,7 +392,9 @@ def test_sigkill_while_unpacking_a_keras_leaves_nothing_in_tmpdir(tmp_path: Path
     scratch_dir = tmp_path / "tmp"
     scratch_dir.mkdir()
     child = _start(
-        ["norms", str(src)], "clipcli.scratch:write_at", dict(os.environ, TMPDIR=str(scratch_dir))
+        ["norms", str(src)],
+        "clipcli.system.scratch:write_at",
+        dict(os.environ, TMPDIR=str(scratch_dir)),
     )
     assert os.listdir(scratch_dir) == []
     child.kill()
@@ -403,7 +407,7 @@ def _stopped_while_named(src: Path, scratch_dir: Path) -> tuple[subprocess.Popen
     """A norms run of `src` stopped while its weights have a name (HDF5 is opening them)."""
     child = _start(
         ["norms", "--format", "json", str(src)],
-        "clipcli.scratch:name_unnamed",
+        "clipcli.system.scratch:name_unnamed",
         dict(os.environ, TMPDIR=str(scratch_dir)),
     )
     (held,) = os.listdir(scratch_dir)

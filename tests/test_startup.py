@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 from handmade import write_safetensors
 
-HEAVY = ("rich", "h5py", "matplotlib", "clipcli.engine", "clipcli.diff", "clipcli.numerics")
+from clipcli import __version__
+from clipcli.cli.entry import main
+
+HEAVY = ("rich", "h5py", "matplotlib", "clipcli.engine", "clipcli.jobs.diff", "clipcli.numerics")
 
 
 def _modules_after(argv: list[str]) -> set[str]:
@@ -52,7 +55,9 @@ def test_norms_table_loads_no_rich_h5py_or_diff(tmp_path: Path) -> None:
     path = write_safetensors(tmp_path / "m.safetensors", {"w": np.ones(4, np.float32)})
     modules = _modules_after(["norms", str(path)])
     assert "clipcli.api" in modules
-    assert [m for m in ("rich", "h5py", "matplotlib", "clipcli.diff") if _loaded(modules, m)] == []
+    assert [
+        m for m in ("rich", "h5py", "matplotlib", "clipcli.jobs.diff") if _loaded(modules, m)
+    ] == []
 
 
 # Modules a run over plain float32 files never needs (issue 12, item 7): ml_dtypes (only a
@@ -98,7 +103,12 @@ def test_float32_run_loads_no_ml_dtypes_writer_or_hashlib(
     # Listing starts no thread pool, nor does measuring a small file (measured inline).
     assert not _loaded(modules, "concurrent.futures")
     # Measuring plans nothing and writes nothing: clip's modules stay out (api.WRITING_MODULES).
-    writing = ("clipcli.execution", "clipcli.plan", "clipcli.spec", "clipcli.output")
+    writing = (
+        "clipcli.jobs.execution",
+        "clipcli.jobs.plan",
+        "clipcli.jobs.spec",
+        "clipcli.output.target",
+    )
     assert [m for m in (*writing, "clipcli.numerics.slices") if _loaded(modules, m)] == []
 
 
@@ -263,8 +273,8 @@ def test_records_made_namedtuples_for_start_up_stay_immutable_values() -> None:
     """TensorInfo, FileIdentity and Report became NamedTuples (cheaper to define than
     frozen dataclasses): still immutable, equal by value, hashable where their fields are."""
     from clipcli.formats.base import TensorInfo
-    from clipcli.identity import FileIdentity
     from clipcli.report.model import Column, Report
+    from clipcli.system.identity import FileIdentity
 
     info = TensorInfo("w", np.dtype(np.float32), (2, 3), 24)
     assert info == TensorInfo("w", np.dtype(np.float32), (2, 3), 24)
@@ -285,10 +295,10 @@ def test_measuring_under_16_mib_runs_inline(
 ) -> None:
     """Exactly INLINE_BELOW_BYTES in all goes to worker threads; a byte less is measured
     in this thread (workers=1), with the same norm."""
-    from clipcli import pipeline
     from clipcli.io import open_reader
-    from clipcli.parallel import ordered_map
-    from clipcli.selection import EVERY_TENSOR
+    from clipcli.jobs import pipeline
+    from clipcli.jobs.selection import EVERY_TENSOR
+    from clipcli.system.parallel import ordered_map
 
     assert pipeline.INLINE_BELOW_BYTES == 16 << 20
     data = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)  # wraps: 0..255, repeated
@@ -309,3 +319,32 @@ def test_measuring_under_16_mib_runs_inline(
     sumsq = cycles * sum(v * v for v in range(256)) + sum(v * v for v in range(tail))
     got = sum(t.stats.norm**2 for t in measured.tensors)
     assert got == pytest.approx(float(sumsq), rel=1e-12)
+
+
+def test_version_through_main_and_as_a_program(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"clipcli {__version__}\n"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.argv[1:] = ['--version'];from clipcli.__main__ import run; run()",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"clipcli {__version__}\n", "")
+
+
+def test_version_loads_no_cli_module() -> None:
+    """`clipcli --version` answers before typer, rich or numpy are imported."""
+    code = (
+        "import sys; sys.argv[1:] = ['--version']\n"
+        "from clipcli.__main__ import run\n"
+        "try:\n    run()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('typer', 'rich', 'numpy', 'clipcli.cli.entry')"
+        " if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip().endswith("[]"), done.stdout

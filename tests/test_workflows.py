@@ -20,8 +20,8 @@ from handmade import write_safetensors
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from clipcli.cli import main
-from clipcli.typer_app import app
+from clipcli.cli.entry import main
+from clipcli.cli.typer_app import app
 
 runner = CliRunner()
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -18,7 +18,7 @@ import pytest
 from expect import listing, one_error_line
 from safetensors.numpy import load_file, save_file
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 from clipcli.formats.safetensors import SafetensorsWriter
 
 

@@ -31,7 +31,6 @@ from typing import IO, BinaryIO
 
 import numpy as np
 
-from clipcli import interrupts, scratch
 from clipcli.errors import InputError
 from clipcli.formats.base import (
     Checkpoint,
@@ -42,9 +41,10 @@ from clipcli.formats.base import (
 )
 from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer
 from clipcli.formats.npz.zipcheck import BoundedMember, check_zip_layout, open_member
-from clipcli.formats.structure import Structure
-from clipcli.identity import FileIdentity
-from clipcli.inputs import fd_path, open_input
+from clipcli.formats.structure_record import Structure
+from clipcli.system import interrupts, scratch
+from clipcli.system.identity import FileIdentity
+from clipcli.system.inputs import fd_path, open_input
 
 WEIGHTS_MEMBER = "model.weights.h5"
 COPY_BLOCK = 1 << 20
@@ -105,7 +105,7 @@ class KerasArchiveReader(Reader):
         """model.weights.h5 unpacked into an unnamed temp file, which HDF5 opens through
         /proc/self/fd. Without /proc (no name reopens an unnamed file) it goes to a private
         temp directory, removed by close(). A temp directory that is missing or full is
-        exit 5 naming it (clipcli.scratch), not a fault of the archive."""
+        exit 5 naming it (clipcli.system.scratch), not a fault of the archive."""
         fd, nameable = scratch.unnamed_file(SCRATCH_PREFIX)
         if not nameable or fd_path(fd) is None:  # no O_TMPFILE, or no /proc to name it by
             os.close(fd)
@@ -131,7 +131,7 @@ class KerasArchiveReader(Reader):
         return reader
 
     def _private_directory(self) -> Path:
-        """A locked private directory (clipcli.scratch.PrivateDirectory): one that a dead
+        """A locked private directory (clipcli.system.scratch.PrivateDirectory): one that a dead
         run left is removed by the next run, unless the archive being read lies in it."""
         self._scratch = scratch.PrivateDirectory(
             SCRATCH_PREFIX, (WEIGHTS_MEMBER,), keep=os.fstat(self._handle.fileno())
@@ -248,7 +248,7 @@ def _unix_file_type(entry: zipfile.ZipInfo) -> str | None:
 
 
 class _ScratchSink:
-    """A file in the temp directory, written through clipcli.scratch: a failing write is
+    """A file in the temp directory, written through clipcli.system.scratch: a failing write is
     exit 5 naming the directory, told apart from a failing read of the archive."""
 
     def __init__(self, fd: int) -> None:

@@ -9,18 +9,19 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from clipcli.report.model import Column, Report, SortKey, Value, count, count_number
+from clipcli.report.model import Column, Report, SortKey, Value
+from clipcli.words import count, count_number
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
     from clipcli.api import ClipResult, ClipRow
-    from clipcli.diff import DiffResult
     from clipcli.formats.base import Listed, NonTensorInfo
-    from clipcli.measurement import Measurement, TensorStats
+    from clipcli.jobs.diff import DiffResult
+    from clipcli.jobs.measurement import Measurement, TensorStats
 
 
 def _natural_key(name: str) -> Any:
     # Imported here: groups.py is pure but sits with the jobs; --help need not load it.
-    from clipcli.groups import natural_key
+    from clipcli.jobs.groups import natural_key
 
     return natural_key(name)
 
@@ -107,9 +108,9 @@ def ls_report(
     )
     total = sum(i.nbytes for i in infos)
     # Parameters are what norms counts in the global norm: floating-point model weights.
-    # Optimizer slots and BatchNorm statistics (clipcli.roles) are training state, and
+    # Optimizer slots and BatchNorm statistics (clipcli.jobs.roles) are training state, and
     # integer or bool tensors (position_ids, a step counter) no parameters: said apart.
-    from clipcli.roles import Role, classify, is_floating_name
+    from clipcli.jobs.roles import Role, classify, is_floating_name
 
     elements = dict.fromkeys(Role, 0)
     for i in infos:
@@ -175,7 +176,7 @@ NORM_COLUMNS = (
     Column("max_abs", "max|x|", numeric=True),
     Column("nonfinite", "nonfinite", numeric=True),
     Column("in_global", "global"),
-    Column("role", "role"),  # weight, optimizer or buffer (clipcli.roles)
+    Column("role", "role"),  # weight, optimizer or buffer (clipcli.jobs.roles)
 )
 NORM_DROP_ORDER = ("numel", "role", "nonfinite", "shape")
 
@@ -297,7 +298,7 @@ CLIP_COLUMNS = (
 )
 
 
-# The note column of `clip`: each plan reason in words (clipcli.plan.Reason).
+# The note column of `clip`: each plan reason in words (clipcli.jobs.plan.Reason).
 REASON_TEXT = {
     "not selected": "not selected",
     "left out": "{role}, left unchanged",

@@ -75,16 +75,6 @@ class Report(NamedTuple):
         return [dict(zip(keys, row, strict=True)) for row in self.rows]
 
 
-def count(n: int, noun: str) -> str:
-    """'1 group', '2 groups'."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def count_number(n: int, noun: str) -> str:
-    """'1 byte', '4,481 parameters': count() with thousands separators."""
-    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
-
-
 def json_number(value: Any) -> Any:
     """JSON has no NaN or Infinity; they become null."""
     if isinstance(value, float) and not math.isfinite(value):

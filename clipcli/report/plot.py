@@ -1,6 +1,6 @@
 """`norms --plot`: the listed norms as a PNG or SVG picture, via matplotlib.
 
-matplotlib is an optional extra (clipcli.extras says how to add it), imported only
+matplotlib is an optional extra (clipcli.system.extras says how to add it), imported only
 here. Three pictures, chosen by what is listed, so that every name that is shown can be read:
 
 - up to BARS_MAX rows: horizontal bars, one per row, names on the left in full or
@@ -72,7 +72,7 @@ def check_plot_target(out: Path, force: bool) -> None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        from clipcli.extras import install_command
+        from clipcli.system.extras import install_command
 
         raise UsageError(
             "--plot needs matplotlib, which is not installed; install it with: "
@@ -88,14 +88,14 @@ def check_plot_target(out: Path, force: bool) -> None:
 
 def render_plot(bars: Bars, limit: float | None, grouped: bool, suffix: str) -> bytes:
     """The picture of the listed norms as PNG or SVG bytes; the command writes it to its
-    file through clipcli.output, the one way anything is written."""
+    file through clipcli.output.target, the one way anything is written."""
     import io
     import logging
 
     # matplotlib logs, as warnings, that it made a temporary cache directory when $HOME is
     # not writable (a service account), several lines per run: stderr holds errors only.
     logging.getLogger("matplotlib").setLevel(logging.ERROR)
-    from clipcli.address_space import PLOT_BYTES, check_room
+    from clipcli.system.address_space import PLOT_BYTES, check_room
 
     check_room(PLOT_BYTES, "drawing the plot")  # else OpenBLAS may exit(1) mid-drawing
     import matplotlib

@@ -11,7 +11,6 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from clipcli.report.model import count
 from clipcli.report.plot_layout import (
     APART,
     BARS_MAX,
@@ -28,6 +27,7 @@ from clipcli.report.plot_layout import (
     _plain,
     _rank,
 )
+from clipcli.words import count
 
 if TYPE_CHECKING:
     from clipcli.report.builders import Bars
@@ -247,7 +247,7 @@ def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence
 
 def _group_profile_figure(plt: Any, bars: Bars, limit: float | None) -> Any:
     """Groups across in the order listed (natural order: layer 2 before layer 10)."""
-    from clipcli.groups import OTHER_GROUP
+    from clipcli.jobs.groups import OTHER_GROUP
 
     # `(other)` (the tensors no group matched) is no point of the line: drawn apart after it.
     line = [i for i, label in enumerate(bars.labels) if label != OTHER_GROUP]

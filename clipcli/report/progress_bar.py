@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from clipcli.errors import printable
-from clipcli.progress import Progress
+from clipcli.jobs.progress import Progress
 
 UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 SYNC_LABEL = "syncing to disk"

@@ -53,7 +53,7 @@ from hypothesis.extra import numpy as hnp
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 
 
 def _preload_clipcli() -> None:

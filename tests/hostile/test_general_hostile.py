@@ -26,7 +26,7 @@ from hostile_cli import (
 )
 from safetensors import safe_open
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 
 # ---------------------------------------- writers (official libraries; safetensors: handmade.py)
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from clipcli.dtypes import is_numeric
 from clipcli.errors import InputError
-from clipcli.inputs import out_of_descriptors
+from clipcli.system.inputs import out_of_descriptors
 
 # What h5py raises for malformed or unsupported content (UnicodeDecodeError is a ValueError).
 H5PY_ERRORS = (OSError, ValueError, TypeError, KeyError, RuntimeError)

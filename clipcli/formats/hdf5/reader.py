@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
-from clipcli.address_space import HDF5_BYTES, check_room
 from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, Reader, TensorInfo, default_chunk_elems
 from clipcli.formats.hdf5.geometry import aligned_step, block_shape, flat_range_blocks
@@ -27,11 +26,12 @@ from clipcli.formats.hdf5.library import (
     utf8_text,
 )
 from clipcli.formats.hdf5.nontensor import RowSlice, VlenBudget, read_rows
+from clipcli.formats.hdf5.record_read import read_structure
 from clipcli.formats.hdf5.safety import DatasetChecks
-from clipcli.formats.hdf5.structure import read_structure
-from clipcli.formats.structure import STRUCTURE_KEY, Structure
-from clipcli.identity import FileIdentity
-from clipcli.inputs import fd_path, open_input_fd
+from clipcli.formats.structure_record import STRUCTURE_KEY, Structure
+from clipcli.system.address_space import HDF5_BYTES, check_room
+from clipcli.system.identity import FileIdentity
+from clipcli.system.inputs import fd_path, open_input_fd
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from clipcli import interrupts, scratch
 from clipcli.formats.base import TensorInfo
 from clipcli.formats.npz.npyheader import InputProblem
+from clipcli.system import interrupts, scratch
 
 # Larger column-major members are transposed through temporary files a tile of
 # FORTRAN_TILE_BYTES at a time (smaller ones are read whole; see reader.py).

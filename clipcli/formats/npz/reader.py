@@ -14,7 +14,6 @@ from typing import IO
 
 import numpy as np
 
-from clipcli import interrupts, scratch
 from clipcli.errors import InputError
 from clipcli.formats.base import (
     CHUNK_BYTES,
@@ -26,8 +25,9 @@ from clipcli.formats.base import (
 from clipcli.formats.npz.fortran import _transposed_chunks
 from clipcli.formats.npz.npyheader import InputProblem, _read_exactly, _read_npy_header
 from clipcli.formats.npz.zipcheck import BoundedMember, check_zip_layout, open_member
-from clipcli.identity import FileIdentity
-from clipcli.inputs import open_input
+from clipcli.system import interrupts, scratch
+from clipcli.system.identity import FileIdentity
+from clipcli.system.inputs import open_input
 
 # Column-major (Fortran-order) members: read whole below this size, else transposed
 # through temporary files a tile of FORTRAN_TILE_BYTES at a time (fortran.py).

@@ -38,14 +38,14 @@ from clipcli.formats.safetensors.header import (
     dtype_of,
     header_object,
 )
-from clipcli.formats.structure import (
+from clipcli.formats.structure_record import (
     STRUCTURE_KEY,
     MalformedStructure,
     Structure,
     parse_structure,
 )
-from clipcli.identity import FileIdentity
-from clipcli.inputs import open_input
+from clipcli.system.identity import FileIdentity
+from clipcli.system.inputs import open_input
 
 if TYPE_CHECKING:
     import numpy as np

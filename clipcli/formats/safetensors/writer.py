@@ -13,7 +13,6 @@ from typing import BinaryIO
 
 import numpy as np
 
-from clipcli.filecopy import copy_range
 from clipcli.formats.base import (
     Checkpoint,
     Reader,
@@ -28,7 +27,8 @@ from clipcli.formats.safetensors.header import (
     build_header,
     header_problem,
 )
-from clipcli.formats.structure import STRUCTURE_KEY
+from clipcli.formats.structure_record import STRUCTURE_KEY
+from clipcli.system.filecopy import copy_range
 
 
 def with_structure(checkpoint: Checkpoint) -> dict[str, str]:

@@ -14,8 +14,8 @@ from typing import Any
 
 from clipcli.errors import InputError
 from clipcli.formats.safetensors import MAX_HEADER_BYTES
-from clipcli.identity import FileIdentity
-from clipcli.inputs import is_pseudo_path, out_of_descriptors, read_input, real_path_of
+from clipcli.system.identity import FileIdentity
+from clipcli.system.inputs import is_pseudo_path, out_of_descriptors, read_input, real_path_of
 
 FORMAT_NAME = "safetensors-sharded"
 INDEX_SUFFIX = ".safetensors.index.json"

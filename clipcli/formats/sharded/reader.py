@@ -30,8 +30,8 @@ from clipcli.formats.sharded.layout import (
     single_model_file,
     weights_by_content,
 )
-from clipcli.identity import FileIdentity
-from clipcli.inputs import open_input, out_of_descriptors
+from clipcli.system.identity import FileIdentity
+from clipcli.system.inputs import open_input, out_of_descriptors
 
 if TYPE_CHECKING:
     import numpy as np
@@ -58,7 +58,7 @@ class ShardedReader(Reader):
         # Shards whose descriptor is open, least recently used first (at most MAX_OPEN_SHARDS).
         self._open_lru: OrderedDict[str, None] = OrderedDict()
         self._index: dict[str, Any] | None = None
-        # Identities of the files read or to be copied, as first seen (clipcli.identity).
+        # Identities of the files read or to be copied, as first seen (clipcli.system.identity).
         self._identities: dict[Path, FileIdentity] = {}
         # Hard links: each side file's inode and link count, and how many names the walk
         # found for each inode inside the directory (side_files_linked_elsewhere).

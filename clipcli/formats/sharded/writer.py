@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.filecopy import copy_side_file
 from clipcli.formats.base import Checkpoint, Reader, Shard, TensorInfo, Writer
 from clipcli.formats.safetensors.header import header_problem
 from clipcli.formats.safetensors.writer import SafetensorsWriter, with_structure
@@ -20,6 +19,7 @@ from clipcli.formats.sharded.layout import (
     SHARD_SUFFIX,
     SINGLE_FILE_NAME,
 )
+from clipcli.system.filecopy import copy_side_file
 
 
 def plan_shards(checkpoint: Checkpoint) -> list[Shard]:

@@ -1,0 +1,1 @@
+"""The way in: argument parsing (quick and Typer), the command bodies, the one error boundary."""

@@ -1,0 +1,232 @@
+"""An HDF5 file's structure as a portable document (clipcli.formats.structure_record), and an
+HDF5 file rebuilt from one.
+
+Node fields (version 1), in the file's own walk order:
+- every node: "path" (absolute), "kind" (group, dataset, datatype), "cset" (the link
+  name's character set), "attrs": [{"name", "type", "space", "data"}] in the object's
+  attribute order.
+- group: "links" and "attr_order" (creation-order flags); the root's come from the file.
+- dataset: "type", "space", "layout" (compact, contiguous, chunked), "chunks", "filters"
+  ([[code, flags, [values]]], lossless filters only: clipcli.formats.hdf5.filters), "fill"
+  (base64 of the fill value, numeric types only),
+  "fill_time", "alloc_time", "attr_order", "track_times", "tensor" (true: the data is the
+  tensor of that name; false: "data" holds it).
+- datatype: "type".
+Types and dataspaces are described by clipcli.formats.hdf5.portable. "data" is
+{"raw": base64 of the values in the file's own type} or {"strings": [...]} for
+variable-length strings (each a str when the bytes are UTF-8, else {"b64": ...}), or null
+for an empty dataspace.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+import clipcli.formats.hdf5.limits as limits
+from clipcli.formats.base import NonTensorInfo
+from clipcli.formats.hdf5.filters import is_lossless
+from clipcli.formats.hdf5.library import input_errors, load_h5py
+from clipcli.formats.hdf5.nontensor import RowSlice
+from clipcli.formats.hdf5.portable import (
+    Json,
+    Unportable,
+    describe_space,
+    describe_type,
+    holds_variable_string,
+    space_points,
+)
+from clipcli.formats.structure_record import (
+    MAX_STRUCTURE_BYTES,
+    STRUCTURE_FORMAT,
+    STRUCTURE_VERSION,
+    Structure,
+)
+
+
+class Hdf5Source(Protocol):
+    """What read_structure needs of the HDF5 reader (which imports this module)."""
+
+    path: Path
+    file: Any
+
+    @property
+    def nodes(self) -> Sequence[Any]: ...  # Hdf5Node: .path, .kind
+
+    @property
+    def non_tensors(self) -> list[NonTensorInfo]: ...
+
+    def non_tensor_rows(self, item: NonTensorInfo) -> Iterator[RowSlice]: ...
+
+
+# ---------------------------------------------------------------------- reading
+
+
+def read_structure(reader: Hdf5Source) -> Structure:
+    """Every node of the reader's file, with what could not be described listed apart."""
+    dropped: list[str] = []
+    non_tensors = {item.name: item for item in reader.non_tensors}
+    nodes: list[Json] = []
+    for node in reader.nodes:
+        with input_errors(reader.path, f"cannot read object {node.path!r}"):
+            obj = reader.file[node.path]
+            described = _describe_node(reader, obj, node.path, node.kind, non_tensors, dropped)
+        if described is not None:
+            nodes.append(described)
+    document = {"format": STRUCTURE_FORMAT, "version": STRUCTURE_VERSION, "nodes": nodes}
+    structure = Structure(document, dropped, origin=reader)
+    size = len(structure.to_text().encode("utf-8"))
+    if size > MAX_STRUCTURE_BYTES:
+        return Structure(
+            None,
+            [f"the HDF5 structure ({size} bytes encoded, over the {MAX_STRUCTURE_BYTES}-byte cap)"],
+            origin=reader,
+        )
+    return structure
+
+
+def _describe_node(
+    reader: Hdf5Source,
+    obj: Any,
+    path: str,
+    kind: str,
+    non_tensors: dict[str, NonTensorInfo],
+    dropped: list[str],
+) -> Json | None:
+    node: Json = {"path": path, "kind": kind, "cset": _link_cset(reader, path)}
+    if kind == "group":
+        plist = obj.id.get_create_plist()
+        node["links"] = int(plist.get_link_creation_order())
+        node["attr_order"] = int(plist.get_attr_creation_order())
+    elif kind == "datatype":
+        try:
+            node["type"] = describe_type(obj.id)
+        except Unportable as exc:
+            dropped.append(f"named datatype {path!r} ({exc})")
+            return None
+    else:
+        item = non_tensors.get(path[1:])
+        try:
+            node.update(_describe_dataset(obj))
+            if item is not None:
+                node["data"] = _dataset_data(reader, item, node["type"])
+        except Unportable as exc:
+            dropped.append(f"dataset {path!r} ({exc})")
+            return None
+        node["tensor"] = item is None
+    node["attrs"] = _describe_attributes(obj, path, dropped)
+    return node
+
+
+def _link_cset(reader: Hdf5Source, path: str) -> int:
+    if path == "/":
+        return 0
+    parent, _, name = path.rpartition("/")
+    group = reader.file[parent or "/"]  # kept alive: the link proxy does not hold it
+    return int(group.id.links.get_info(name.encode("utf-8")).cset)
+
+
+def _describe_dataset(dataset: Any) -> Json:
+    h5d = load_h5py().h5d
+    plist = dataset.id.get_create_plist()
+    type_id = dataset.id.get_type()
+    layout = plist.get_layout()
+    names = {h5d.COMPACT: "compact", h5d.CONTIGUOUS: "contiguous", h5d.CHUNKED: "chunked"}
+    if layout not in names:
+        raise Unportable(f"layout {layout}")
+    desc = describe_type(type_id)
+    filters = []
+    for index in range(plist.get_nfilters()):
+        code, flags, values, _name = plist.get_filter(index)
+        parameters = [int(v) for v in values]
+        # A lossy filter is not recorded: the tensors hold the values read, and HDF5 OUT
+        # must hold exactly those (a record asking for one is refused, record_check).
+        if is_lossless(int(code), parameters, desc["class"] == "int"):
+            filters.append([int(code), int(flags), parameters])
+    fill = None
+    if desc["class"] in ("int", "float") and plist.fill_value_defined():
+        value = np.zeros((), dtype=dataset.dtype)
+        plist.get_fill_value(value)
+        fill = base64.b64encode(value.tobytes()).decode("ascii")
+    return {
+        "type": desc,
+        "space": describe_space(dataset.id.get_space()),
+        "layout": names[layout],
+        "chunks": None if layout != h5d.CHUNKED else [int(c) for c in plist.get_chunk()],
+        "filters": filters,
+        "fill": fill,
+        "fill_time": int(plist.get_fill_time()),
+        "alloc_time": int(plist.get_alloc_time()),
+        "attr_order": int(plist.get_attr_creation_order()),
+        "track_times": bool(plist.get_obj_track_times()),
+    }
+
+
+def _dataset_data(reader: Hdf5Source, item: NonTensorInfo, desc: Json) -> Json | None:
+    if item.shape is None:
+        return None
+    if item.variable_length and not holds_variable_string(desc):
+        raise Unportable("variable-length data inside another type")
+    if item.nbytes > MAX_STRUCTURE_BYTES:
+        raise Unportable(f"{item.nbytes} bytes, over the recorded structure's cap")
+    strings: list[Any] = []
+    raw: list[bytes] = []
+    size = 0
+    for piece in reader.non_tensor_rows(item):
+        if item.variable_length:
+            strings.extend(_string(v) for v in piece.values.reshape(-1))
+            size += sum(len(v) for v in piece.values.reshape(-1))
+        else:
+            raw.append(piece.values.tobytes())
+            size += piece.values.nbytes
+        if size > MAX_STRUCTURE_BYTES:  # stop reading: it could never be recorded
+            raise Unportable(f"over {MAX_STRUCTURE_BYTES} bytes, the recorded structure's cap")
+    if item.variable_length:
+        return {"strings": strings}
+    return {"raw": base64.b64encode(b"".join(raw)).decode("ascii")}
+
+
+def _string(value: object) -> Any:
+    raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)  # type: ignore[call-overload]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"b64": base64.b64encode(raw).decode("ascii")}
+
+
+def _describe_attributes(obj: Any, path: str, dropped: list[str]) -> list[Json]:
+    h5py = load_h5py()
+    attributes = []
+    for name in list(obj.attrs):
+        if not isinstance(name, str):
+            dropped.append(f"attribute {name!r} of {path!r} (a name that is not UTF-8)")
+            continue
+        attr = obj.attrs.get_id(name)
+        try:
+            desc = describe_type(attr.get_type())
+        except Unportable as exc:
+            dropped.append(f"attribute {name!r} of {path!r} ({exc})")
+            continue
+        space = describe_space(attr.get_space())
+        raw_size = space_points(space) * int(attr.get_type().get_size())
+        if raw_size > limits.MAX_ATTRIBUTE_BYTES:
+            dropped.append(f"attribute {name!r} of {path!r} ({raw_size} bytes, over the cap)")
+            continue
+        data: Json | None = None
+        if space["class"] != "null":
+            shape = tuple(space.get("shape", ()))
+            if holds_variable_string(desc):
+                values = np.empty(shape, dtype=attr.dtype)
+                attr.read(values, mtype=h5py.h5t.py_create(attr.dtype))
+                data = {"strings": [_string(v) for v in values.reshape(-1)]}
+            else:
+                type_id = attr.get_type()
+                raw = np.zeros((*shape, int(type_id.get_size())), dtype=np.uint8)
+                attr.read(raw, mtype=type_id.copy())
+                data = {"raw": base64.b64encode(raw.tobytes()).decode("ascii")}
+        attributes.append({"name": name, "type": desc, "space": space, "data": data})
+    return attributes

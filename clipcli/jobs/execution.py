@@ -1,0 +1,308 @@
+"""Carrying out a clip: the factor search's data pass (output_check), the early copy of
+tensors the plan will leave alone (copy_ahead_hook), and execute(plan) -> outcomes, every
+tensor streamed through pipeline.write_tensors. A dry run executes into DiscardingWriter.
+
+Apart from clipcli.jobs.pipeline (the streaming passes that norms uses too) so that measuring
+imports no plan, rounding or --axes module: `clipcli norms` in a shell loop pays only for
+what it runs (issue 12, item 7).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
+from clipcli.jobs.measurement import TensorStats
+from clipcli.jobs.pipeline import map_chunks, write_tensors
+from clipcli.jobs.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
+from clipcli.jobs.progress import SILENT, Progress
+from clipcli.jobs.spec import ClipSpec
+from clipcli.logical.reader import LogicalReader
+from clipcli.numerics import rounding, slices
+from clipcli.numerics.certain import CertainSumsq
+from clipcli.numerics.many import accumulate_each
+from clipcli.numerics.norms import NormAccumulator, accumulate, accumulate_array
+from clipcli.system import interrupts
+
+# ---------------------------------------------------------------- while measuring
+
+
+def copy_ahead_hook(
+    spec: ClipSpec, reader: Reader, writer: Writer
+) -> Callable[[TensorStats], None]:
+    """Hands the writer each measured tensor that the plan will most likely leave alone."""
+    verdict = EarlyVerdict(spec)
+
+    def on_measured(t: TensorStats) -> None:
+        if verdict.unchanged(t):
+            writer.copy_ahead(reader, t.info)
+
+    return on_measured
+
+
+def output_check(reader: Reader) -> Callable[[Sequence[TensorInfo], float, int], CertainSumsq]:
+    """The factor search's data pass: the certain sum of squares of the tensors scaled by
+    mantissa * 2**exponent and rounded (clipcli.jobs.factor.OutputCheck)."""
+
+    def check(infos: Sequence[TensorInfo], mantissa: float, exponent: int) -> CertainSumsq:
+        def scaled(chunk: np.ndarray) -> CertainSumsq:
+            partial = CertainSumsq()
+            partial.add(rounding.scale_chunk(chunk, mantissa, exponent))
+            return partial
+
+        total = CertainSumsq()
+        for info in infos:
+            if isinstance(reader, LogicalReader) and not reader.stored_as_is(info):
+                # A logical tensor made of parts: the rounding is of its stored scales.
+                for chunk in reader.scaled_chunks(info, mantissa, exponent):
+                    total.add(chunk)
+                continue
+            for partial in map_chunks(reader, info, scaled):
+                total.merge(partial)
+        return total
+
+    return check
+
+
+# ---------------------------------------------------------------- executing
+
+
+class DiscardingWriter(Writer):
+    """A dry run's writer: takes every tensor (so its output is computed and measured)
+    and writes nothing."""
+
+    format_name = "none"
+
+    def __init__(self) -> None:
+        super().__init__(Path(os.devnull), Checkpoint([]))
+
+    def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:  # noqa: ARG002
+        for _ in chunks:
+            pass
+
+    def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:  # noqa: ARG002
+        return True
+
+    def copy_unchanged_many(self, source: Reader, infos: Sequence[TensorInfo]) -> bool:  # noqa: ARG002
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def execute(
+    plan: Plan, reader: Reader, writer: Writer, progress: Progress = SILENT, label: str = "writing"
+) -> list[Outcome]:
+    """Carry the plan out into the writer (closed at the end); what happened to each
+    tensor, in plan order. The plan is not touched."""
+    by_name = {p.info.name: p for p in plan.tensors}
+    outcomes: dict[str, Outcome] = {}
+
+    def chunks_of(info: TensorInfo) -> Iterable[np.ndarray] | None:
+        tensor = by_name[info.name]
+        if tensor.action is Action.AXES:
+            if len(slices.box_indices(info.shape, slices.STREAM_BOX_ELEMENTS)) > 1:
+                outcomes[info.name], scaled = _clip_slices_streamed(reader, tensor, plan.spec)
+                return None if scaled is None else _counted_out(scaled, progress)
+            array, outcomes[info.name] = _clip_slices(reader, tensor, plan.spec)
+            progress.advance(info.nbytes)
+            return [array.reshape(-1)]
+        transform = _transform(tensor, plan.spec)
+        if transform is None:
+            outcomes[info.name] = Outcome(tensor.before, changed=False)
+            return None
+        outcome = outcomes[info.name] = Outcome(NormAccumulator(), changed=True)
+        count = tensor.action is Action.SCALE
+        pairs = map_chunks(reader, info, functools.partial(_with_stats, transform, count))
+        return _measured(pairs, outcome, progress)
+
+    def joins(info: TensorInfo) -> bool:  # --axes reads each tensor whole, on its own
+        return by_name[info.name].action is not Action.AXES
+
+    def kept(info: TensorInfo) -> bool:
+        return by_name[info.name].action is Action.KEEP
+
+    def outputs(infos: list[TensorInfo], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        tensors = [by_name[i.name] for i in infos]
+        if not arrays:  # copied as they are
+            for tensor in tensors:
+                outcomes[tensor.info.name] = Outcome(tensor.before, changed=False)
+            return []
+        return _carry_out_many(tensors, arrays, plan.spec, outcomes)
+
+    progress.start(label, sum(p.info.nbytes for p in plan.tensors))
+    write_tensors(reader, writer, chunks_of, progress, many=(joins, kept, outputs))
+    progress.finish()
+    return [outcomes[p.info.name] for p in plan.tensors]
+
+
+def _carry_out_many(
+    tensors: list[TensorPlan],
+    arrays: list[np.ndarray],
+    spec: ClipSpec | None,
+    outcomes: dict[str, Outcome],
+) -> list[np.ndarray]:
+    """What to write of small whole tensors (their outcomes go into `outcomes`): those
+    with the same transform and dtype are transformed as one array, then measured together
+    (numerics.many). Scaling and clamping act on each value alone, so the output is the
+    one each tensor gets on its own, bit for bit."""
+    written = list(arrays)
+    together: dict[tuple[object, ...], list[int]] = {}
+    for k, tensor in enumerate(tensors):
+        if tensor.action is Action.SCALE:
+            key: tuple[object, ...] = (tensor.info.dtype, tensor.factor, tensor.exponent)
+        elif tensor.action is Action.CLAMP:
+            key = (tensor.info.dtype,)
+        else:
+            outcomes[tensor.info.name] = Outcome(tensor.before, changed=False)
+            continue
+        together.setdefault((tensor.action, *key), []).append(k)
+    for members in together.values():
+        first = tensors[members[0]]
+        transform = _transform(first, spec)
+        assert transform is not None
+        before = [arrays[k] for k in members]
+        flat = np.concatenate(before)
+        flat_after = transform(flat)
+        after = _split(flat_after, before)
+        flushed = [(0, 0)] * len(members)
+        if first.action is Action.SCALE and rounding.flushes(flat, flat_after) != (0, 0):
+            flushed = [rounding.flushes(b, a) for b, a in zip(before, after, strict=True)]
+        for k, out, stats, (to_zero, to_subnormal) in zip(
+            members, after, accumulate_each(after), flushed, strict=True
+        ):
+            outcome = outcomes[tensors[k].info.name] = Outcome(stats, changed=True)
+            outcome.flushes.add(to_zero, to_subnormal)
+            written[k] = out
+    return written
+
+
+def _split(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+    """`flat` cut into pieces as long as the arrays of `like`, in order."""
+    pieces, start = [], 0
+    for array in like:
+        pieces.append(flat[start : start + array.size])
+        start += array.size
+    return pieces
+
+
+def _counted_out(chunks: Iterator[np.ndarray], progress: Progress) -> Iterator[np.ndarray]:
+    for chunk in chunks:
+        progress.advance(chunk.nbytes)
+        yield chunk
+
+
+def _transform(
+    tensor: TensorPlan, spec: ClipSpec | None
+) -> Callable[[np.ndarray], np.ndarray] | None:
+    """What the write pass applies to each chunk of this tensor; None copies it as it is."""
+    if tensor.action is Action.SCALE:
+        assert tensor.factor is not None
+        factor, exponent = tensor.factor, tensor.exponent
+        return lambda chunk: rounding.scale_chunk(chunk, factor, exponent)
+    if tensor.action is Action.CLAMP:
+        assert spec is not None
+        low, high = rounding.value_bounds(tensor.info.dtype, spec.low, spec.high)
+        return lambda chunk: rounding.clamp_chunk(chunk, low, high)
+    return None
+
+
+def _clip_slices_streamed(
+    reader: Reader, tensor: TensorPlan, spec: ClipSpec | None
+) -> tuple[Outcome, Iterator[np.ndarray] | None]:
+    """--axes on a tensor read box by box (numerics.slices: a pass for the slices' norms,
+    then one that scales): memory stays flat whatever its size. The outcome, and the
+    scaled chunks (None if no slice changes: the tensor is copied as it is), which fill in
+    the outcome's statistics as they go."""
+    assert spec is not None
+    info = tensor.info
+    boxes = _boxes_of(reader, info)
+    _, scales = slices.streamed_axes_scales(boxes, info.shape, tensor.axes, info.dtype, spec.limit)
+    clipped = int(np.count_nonzero(scales != 1.0))
+    if not clipped:
+        return Outcome(tensor.before, False, 0, int(scales.size)), None
+    outcome = Outcome(NormAccumulator(), True, clipped, int(scales.size))
+    return outcome, _scaled_boxes(boxes, scales, tensor.axes, outcome)
+
+
+def _scaled_boxes(
+    boxes: slices.Boxes, scales: np.ndarray, axes: tuple[int, ...], outcome: Outcome
+) -> Iterator[np.ndarray]:
+    for box, index in boxes():
+        scaled = slices.scale_box(box, index, scales, axes)
+        outcome.flushes.add(*rounding.flushes(box, scaled))
+        flat = scaled.reshape(-1)
+        outcome.after.add(flat)
+        yield flat
+
+
+def _boxes_of(reader: Reader, info: TensorInfo) -> slices.Boxes:
+    """The tensor's boxes (numerics.slices.box_indices), read anew on each call: the
+    reader's chunks cut or joined to the boxes' sizes, at most a chunk and a box at once."""
+    indices = slices.box_indices(info.shape, slices.STREAM_BOX_ELEMENTS)
+
+    def one_pass() -> Iterator[slices.Box]:
+        chunks = reader.chunks(info, slices.STREAM_BOX_ELEMENTS)
+        left = np.empty(0, info.dtype)
+        for index in indices:
+            shape = slices.box_shape(info.shape, index)
+            size = math.prod(shape)
+            parts = []
+            while size:
+                interrupts.check()
+                if not left.size:
+                    left = next(chunks, left)
+                    if not left.size:
+                        raise ValueError(f"tensor {info.name!r} ended early")
+                parts.append(left[:size])
+                size -= parts[-1].size
+                left = left[parts[-1].size :]
+            box = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            yield box.reshape(shape), index
+
+    return one_pass
+
+
+def _clip_slices(
+    reader: Reader, tensor: TensorPlan, spec: ClipSpec | None
+) -> tuple[np.ndarray, Outcome]:
+    """--axes: the whole tensor in memory (one box at most), each slice scaled on its own."""
+    assert spec is not None
+    array = reader.read(tensor.info)
+    _, scales = slices.axes_scales(array, tensor.axes, spec.limit)
+    clipped = int(np.count_nonzero(scales != 1.0))
+    if not clipped:
+        return array, Outcome(tensor.before, False, 0, int(scales.size))
+    scaled = slices.scale_slices(array, scales, tensor.axes)
+    to_zero, to_subnormal = rounding.flushes(array, scaled)
+    outcome = Outcome(accumulate_array(scaled), True, clipped, int(scales.size))
+    outcome.flushes.add(to_zero, to_subnormal)
+    return scaled, outcome
+
+
+def _measured(
+    chunks: Iterator[tuple[np.ndarray, NormAccumulator, tuple[int, int]]],
+    outcome: Outcome,
+    progress: Progress,
+) -> Iterator[np.ndarray]:
+    for chunk, partial, (to_zero, to_subnormal) in chunks:
+        interrupts.check()
+        outcome.after.merge(partial)
+        outcome.flushes.add(to_zero, to_subnormal)
+        progress.advance(chunk.nbytes)
+        yield chunk
+
+
+def _with_stats(
+    transform: Callable[[np.ndarray], np.ndarray], count_flushes: bool, chunk: np.ndarray
+) -> tuple[np.ndarray, NormAccumulator, tuple[int, int]]:
+    """The transformed chunk, its statistics, and (for scaling) what the rounding flushed."""
+    out = transform(chunk)
+    flushed = rounding.flushes(chunk, out) if count_flushes else (0, 0)
+    return out, accumulate([out]), flushed

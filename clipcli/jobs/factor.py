@@ -1,0 +1,49 @@
+"""The factor search: one uniform scale for a tensor, a group or the whole checkpoint.
+
+The factor is the largest one whose rounded output has norm <= C (DESIGN.md section 2).
+For 8- and 16-bit floats the measuring pass's bit-pattern histograms make the search
+exact without reading data again; for float32 and wider, the limit is decided or the
+factor verified by a pass over the data, which the caller supplies as an OutputCheck
+(clipcli.jobs.pipeline reads the file; a unit test may use arrays in memory). The search
+itself is clipcli.numerics.scaling.group_factor; this module adapts the plan's measured
+tensors to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+from clipcli.formats.base import TensorInfo
+from clipcli.jobs.measurement import TensorStats
+from clipcli.numerics import scaling
+from clipcli.numerics.certain import CertainSumsq
+from clipcli.numerics.scaling import Factor
+
+__all__ = ["Factor", "OutputCheck", "search_factor", "tf_factor"]
+
+# The sum of squares of these tensors with every value scaled by mantissa * 2**exponent
+# and rounded to its dtype, with a certain error bound.
+OutputCheck = Callable[[Sequence[TensorInfo], float, int], CertainSumsq]
+
+
+def search_factor(
+    members: Sequence[TensorStats],
+    limit: float,
+    check: OutputCheck,
+    exact_limit: Fraction | None = None,
+) -> Factor | None:
+    """The factor for `members` together, None when they are within the limit already.
+    It applies to the members with a nonzero sum of squares only: a zero tensor is left
+    bit-identical. Refuses (exit 4) a limit that a dtype without zero cannot reach."""
+    as_members = [scaling.Member(m.info.name, m.info.dtype, m.info.numel, m.stats) for m in members]
+
+    def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
+        return check([members[i].info for i in which], factor.mantissa, factor.exponent)
+
+    return scaling.group_factor(as_members, limit, output_sumsq, exact_limit)
+
+
+def tf_factor(use_norm: float, limit: float) -> Factor | None:
+    """--use-norm: TF's factor C / N as given (53 bits; see scaling.given_norm_factor)."""
+    return scaling.given_norm_factor(use_norm, limit)

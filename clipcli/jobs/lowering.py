@@ -1,0 +1,82 @@
+"""A plan on logical tensors, lowered to a plan on the stored tensors the write pass
+writes; and what the write pass did, lifted back to the logical tensors the report shows.
+
+A plain logical tensor is its stored tensor: its TensorPlan is carried over as it is. A
+logical tensor made of several stored ones (a quantized weight, a toy "two halves"):
+- KEEP: every part kept byte for byte;
+- SCALE by f: the view's scaled_parts() scaled by f (each rounded once, as the factor
+  search's check assumed), the other parts (codes, zero points) kept byte for byte;
+- anything else (CLAMP, AXES) cannot act through the parts: refused, exit 4, before
+  anything is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from clipcli.errors import DataRefusedError
+from clipcli.jobs.plan import Action, Outcome, Plan, TensorPlan
+from clipcli.logical.reader import LogicalReader
+from clipcli.numerics.norms import NormAccumulator, accumulate
+
+
+def check_lowerable(plan: Plan, reader: LogicalReader) -> None:
+    """Refuse (exit 4) an action no stored tensor can carry out, before OUT exists."""
+    for p in plan.tensors:
+        t = reader.by_name.get(p.info.name)
+        if t is None or t.plain or p.action in (Action.KEEP, Action.SCALE):
+            continue
+        raise DataRefusedError(
+            f"{p.info.name}: a {t.scheme} weight cannot be clipped by {p.action.value}"
+            " through its stored tensors (only by one factor per tensor, group or checkpoint)"
+        )
+
+
+def lower(plan: Plan, reader: LogicalReader) -> Plan:
+    """`plan` as actions on every stored tensor, in stored order."""
+    check_lowerable(plan, reader)
+    stored = {info.name: info for info in reader.stored.infos}
+    empty = NormAccumulator()
+    lowered: dict[str, TensorPlan] = {}
+    for p in plan.tensors:
+        t = reader.by_name.get(p.info.name)
+        if t is None:  # a side tensor: stored as it is listed
+            lowered[p.info.name] = replace(p, info=stored[p.info.name])
+            continue
+        if t.plain and len(t.parts) == 1:
+            lowered[t.parts[0].name] = replace(p, info=stored[t.parts[0].name])
+            continue
+        scaled = set(reader.view.scaled_parts(t)) if p.action is Action.SCALE else set()
+        for part in t.parts:
+            info = stored[part.name]
+            if part.name in scaled:
+                lowered[part.name] = replace(p, info=info, before=empty, group=None)
+            else:
+                lowered[part.name] = TensorPlan(info, empty, Action.KEEP, p.reason, p.role)
+    missing = [name for name in stored if name not in lowered]
+    if missing:  # a view that forgot a stored tensor would drop it from OUT
+        raise AssertionError(f"the view left stored tensors out: {missing[:3]}")
+    return Plan(plan.spec, tuple(lowered[name] for name in stored), plan.used_norm)
+
+
+def lift(
+    plan: Plan, lowered: Plan, outcomes: list[Outcome], reader: LogicalReader
+) -> list[Outcome]:
+    """One Outcome per logical tensor of `plan`, from the stored tensors' outcomes. A
+    scaled logical tensor's norm after is measured from what was written (its real values
+    under the rounded stored scales)."""
+    by_stored = {p.info.name: o for p, o in zip(lowered.tensors, outcomes, strict=True)}
+    lifted = []
+    for p in plan.tensors:
+        t = reader.by_name.get(p.info.name)
+        if t is None:
+            lifted.append(by_stored[p.info.name])
+        elif t.plain and len(t.parts) == 1:
+            lifted.append(by_stored[t.parts[0].name])
+        elif p.action is Action.SCALE and p.factor is not None:
+            chunks = reader.scaled_chunks(p.info, p.factor, p.exponent)
+            changed = any(by_stored[part.name].changed for part in t.parts)
+            lifted.append(Outcome(accumulate(chunks), changed=changed))
+        else:
+            lifted.append(Outcome(p.before, changed=False))
+    return lifted

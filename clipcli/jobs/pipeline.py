@@ -1,0 +1,375 @@
+"""The streaming passes: measure, write, compare two checkpoints.
+
+Every pass has the same shape (`reduce_stream`): chunks are read in order in this thread,
+reduced to a few numbers in worker threads (clipcli.system.parallel.ordered_map), merged per
+tensor in order, with progress and signal checks between chunks. `write_tensors` is the
+one loop through which tensors reach a writer; clipcli.jobs.execution carries a clip plan out
+through it (kept apart so that measuring imports no plan or rounding module).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from clipcli.dtypes import is_small_float
+from clipcli.errors import UsageError
+from clipcli.formats.base import Reader, TensorInfo, Writer
+from clipcli.jobs.measurement import Measurement, TensorStats
+from clipcli.jobs.progress import SILENT, Progress
+from clipcli.jobs.selection import EVERY_TENSOR, Selection
+from clipcli.numerics.norms import NormAccumulator
+from clipcli.system import interrupts
+from clipcli.system.parallel import ordered_map
+
+if TYPE_CHECKING:  # the comparison is imported by compare() only
+    from clipcli.jobs import diff
+
+R = TypeVar("R")
+W = TypeVar("W")
+P = TypeVar("P")
+
+# Less than this in all is measured in this thread: handing small chunks to threads costs
+# more than it saves (norms of 1-16 MiB: 3-7 ms more CPU, no less wall time, 2 cores), and
+# a run that starts no pool imports no concurrent.futures (start-up, issue 12 item 7).
+INLINE_BELOW_BYTES = 16 << 20
+
+
+# ---------------------------------------------------------------- the common stream
+
+
+def chunk_sources(reader: Reader, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:
+    """Loaders of the tensor's chunks: parallel reads where the reader allows them, else
+    chunks read here in order and handed over as they are."""
+    loaders = reader.chunk_loaders(info)
+    if loaders is not None:
+        return loaders
+    return (functools.partial(_identity, chunk) for chunk in reader.chunks(info))
+
+
+def _identity(chunk: np.ndarray) -> np.ndarray:
+    return chunk
+
+
+def map_chunks(reader: Reader, info: TensorInfo, fn: Callable[[np.ndarray], R]) -> Iterator[R]:
+    """fn over the tensor's chunks in worker threads, results in order."""
+    return ordered_map(lambda load: fn(load()), chunk_sources(reader, info))
+
+
+def reduce_stream(
+    work: Iterable[W],
+    reduce: Callable[[W], tuple[int, P, int]],
+    merge: Callable[[int, P], None],
+    count: int,
+    progress: Progress,
+    label: str,
+    total_bytes: int,
+    *,
+    workers: int | None = None,
+    on_done: Callable[[int], None] | None = None,
+) -> None:
+    """reduce(item) -> (tensor index, partial result, bytes) over `work` in worker threads;
+    merge(index, partial) in order, here. on_done(index) is called for each of the `count`
+    tensors, in order, as soon as its last item is merged (empty tensors have none)."""
+    done_until = 0  # tensors before this index are complete
+    finished = on_done or _ignore
+    progress.start(label, total_bytes)
+    for index, partial, nbytes in ordered_map(reduce, work, workers):
+        for complete in range(done_until, index):
+            finished(complete)
+        done_until = index
+        interrupts.check()
+        merge(index, partial)
+        progress.advance(nbytes)
+    for complete in range(done_until, count):
+        finished(complete)
+    progress.finish()
+
+
+def _ignore(_index: int) -> None:
+    pass
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def measure(
+    reader: Reader,
+    infos: Sequence[TensorInfo],
+    describe: Callable[[TensorInfo, NormAccumulator], TensorStats],
+    progress: Progress = SILENT,
+    *,
+    histograms: bool = False,
+    on_measured: Callable[[TensorStats], None] | None = None,
+) -> Measurement:
+    """Statistics of `infos`, chunks measured in worker threads across tensor bounds;
+    describe() says how each tensor counts (clipcli.jobs.selection). on_measured is told of
+    each tensor, in order, as soon as it is done. With `histograms`, 8- and 16-bit float
+    tensors also count their bit patterns (for the factor search). Small tensors that the
+    reader reads together are measured together (clipcli.numerics.many)."""
+    stats: list[NormAccumulator | None] = [None] * len(infos)
+    rows: list[TensorStats] = []
+
+    def reduce(item: _Piece) -> tuple[int, NormAccumulator | list[NormAccumulator], int]:
+        index, load, repeat = item
+        if repeat == _MANY:  # whole small tensors from index on
+            from clipcli.numerics.many import accumulate_each
+
+            arrays = load()
+            return index, accumulate_each(arrays), sum(a.nbytes for a in arrays)
+        chunk = load()
+        partial = NormAccumulator(keep_histogram=histograms)
+        if repeat:
+            partial.add_repeated(chunk, repeat)
+        else:
+            partial.add(chunk)
+        return index, partial, chunk.nbytes * max(repeat, 1)
+
+    def merge(index: int, partial: NormAccumulator | list[NormAccumulator]) -> None:
+        if isinstance(partial, list):
+            stats[index : index + len(partial)] = partial
+            return
+        so_far = stats[index]
+        if so_far is None:
+            stats[index] = partial
+        else:
+            so_far.merge(partial)
+
+    def done(index: int) -> None:
+        acc = stats[index]
+        if acc is None:  # an empty tensor
+            acc = stats[index] = NormAccumulator()
+        acc.finish()
+        rows.append(describe(infos[index], acc))
+        if on_measured is not None:
+            on_measured(rows[-1])
+
+    total = sum(info.nbytes for info in infos)
+    reduce_stream(
+        _measure_work(reader, infos, histograms),
+        reduce,
+        merge,
+        len(infos),
+        progress,
+        "measuring",
+        total,
+        workers=1 if total < INLINE_BELOW_BYTES else None,
+        on_done=done,
+    )
+    return Measurement(reader.path, reader.format_name, dict(reader.metadata), rows)
+
+
+# (tensor index, loader, repeat): repeat 0 is a chunk of the tensor, a positive repeat a
+# constant tensor's one value, _MANY whole tensors from the index on (a list of arrays).
+_Piece = tuple[int, Callable[[], Any], int]
+_MANY = -1
+# Tensors of at most SMALL_TENSOR_BYTES are read and measured MANY_TENSORS at a time (at
+# most MANY_BYTES): per tensor, a read, a task and a NormAccumulator.add cost ~30 us,
+# which 200,000 one-element tensors turned into most of a minute.
+SMALL_TENSOR_BYTES = 64 << 10
+MANY_TENSORS = 4096
+MANY_BYTES = 2 << 20
+
+
+def small_runs(
+    infos: Sequence[TensorInfo], joins: Callable[[TensorInfo], bool]
+) -> Iterator[list[int]]:
+    """The indices of `infos` in order, cut into runs: consecutive tensors of at most
+    SMALL_TENSOR_BYTES for which joins() holds, MANY_TENSORS and MANY_BYTES at most
+    together; every other tensor is a run of its own."""
+    run: list[int] = []
+    run_bytes = 0
+    for index, info in enumerate(infos):
+        if info.nbytes <= SMALL_TENSOR_BYTES and joins(info):
+            if run and (len(run) == MANY_TENSORS or run_bytes + info.nbytes > MANY_BYTES):
+                yield run
+                run, run_bytes = [], 0
+            run.append(index)
+            run_bytes += info.nbytes
+            continue
+        if run:
+            yield run
+            run, run_bytes = [], 0
+        yield [index]
+    if run:
+        yield run
+
+
+def _measure_work(
+    reader: Reader, infos: Sequence[TensorInfo], histograms: bool
+) -> Iterator[_Piece]:
+    """The pieces to measure, in order: runs of small tensors together where the reader
+    can read them so, every other tensor as _measured_pieces gives it. 8- and 16-bit
+    floats counted into histograms stay apart (each needs its bit-pattern counts)."""
+
+    def joins(info: TensorInfo) -> bool:
+        return not (histograms and is_small_float(info.dtype))
+
+    for run in small_runs(infos, joins):
+        load = reader.loader_of_many([infos[i] for i in run]) if len(run) > 1 else None
+        if load is not None:
+            yield run[0], load, _MANY
+            continue
+        for index in run:  # one by one
+            for piece_load, repeat in _measured_pieces(reader, infos[index]):
+                yield index, piece_load, repeat
+
+
+def _measured_pieces(
+    reader: Reader, info: TensorInfo
+) -> Iterator[tuple[Callable[[], np.ndarray], int]]:
+    """(loader, repeat) for each piece to measure: a tensor the reader knows to hold one
+    value throughout (an unallocated HDF5 dataset) is that value repeated numel times,
+    measured without reading or making its elements; otherwise its chunks (repeat 0)."""
+    value = reader.constant(info) if info.numel else None
+    if value is not None:
+        yield functools.partial(_identity, value.reshape(1)), info.numel
+        return
+    for load in chunk_sources(reader, info):
+        yield load, 0
+
+
+# ---------------------------------------------------------------- writing
+
+# What write_tensors may do with small tensors together: which ones join (joins), which
+# are written as they are (kept), and what to write of them given their data (outputs:
+# whole flat arrays, in order).
+Many = tuple[
+    Callable[[TensorInfo], bool],
+    Callable[[TensorInfo], bool],
+    Callable[[list[TensorInfo], list[np.ndarray]], list[np.ndarray]],
+]
+
+
+def write_tensors(
+    reader: Reader,
+    writer: Writer,
+    chunks_of: Callable[[TensorInfo], Iterable[np.ndarray] | None],
+    progress: Progress = SILENT,
+    chunk_elems: int | None = None,
+    *,
+    many: Many | None = None,
+) -> None:
+    """The write loop, the one place tensors reach a writer: every tensor of the reader in
+    order, as chunks_of gives it, or, where chunks_of gives None, copied as it is (a kernel
+    copy where the writer can, else the reader's chunks of chunk_elems elements; the
+    reader's default when None). abort() on any failure, close() after the last tensor.
+
+    many = (joins, kept, outputs): small tensors for which joins() holds are copied in one
+    go when every one is kept as it is and the writer can (Writer.copy_unchanged_many),
+    else read together where the reader can (small_runs, Reader.loader_of_many), and
+    outputs(infos, arrays) gives what to write of them, whole, handed to the writer
+    together (Writer.write_many); outputs(infos, []) for tensors copied."""
+    infos = reader.infos
+    runs = small_runs(infos, many[0]) if many is not None else ([i] for i in range(len(infos)))
+    try:
+        for run in runs:
+            interrupts.check()
+            together = [infos[i] for i in run]
+            if many is not None and len(run) > 1:
+                joins, kept, outputs = many
+                nbytes = sum(info.nbytes for info in together)
+                if all(map(kept, together)) and writer.copy_unchanged_many(reader, together):
+                    outputs(together, [])  # (their outcomes: unchanged)
+                    progress.advance(nbytes)
+                    continue
+                load = reader.loader_of_many(together)
+                if load is not None:
+                    writer.write_many(together, outputs(together, load()))
+                    progress.advance(nbytes)
+                    continue
+            for index in run:
+                _write_one(reader, writer, infos[index], chunks_of, progress, chunk_elems)
+        interrupts.check()
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _write_one(
+    reader: Reader,
+    writer: Writer,
+    info: TensorInfo,
+    chunks_of: Callable[[TensorInfo], Iterable[np.ndarray] | None],
+    progress: Progress,
+    chunk_elems: int | None,
+) -> None:
+    """One tensor as chunks_of gives it, or copied as it is (see write_tensors)."""
+    interrupts.check()
+    chunks = chunks_of(info)
+    if chunks is None:
+        if writer.copy_unchanged(reader, info):
+            progress.advance(info.nbytes)
+            return
+        chunks = _counted(reader.chunks(info, chunk_elems), progress)
+    writer.write(info, chunks)
+
+
+def _counted(chunks: Iterable[np.ndarray], progress: Progress) -> Iterator[np.ndarray]:
+    for chunk in chunks:
+        interrupts.check()
+        progress.advance(chunk.nbytes)
+        yield chunk
+
+
+# ---------------------------------------------------------------- comparing
+
+
+def compare(
+    a: Reader,
+    b: Reader,
+    selection: Callable[[str], bool] | None = None,
+    *,
+    chunk_elems: int | None = None,
+    progress: Progress = SILENT,
+    workers: int | None = None,
+) -> diff.DiffResult:
+    """Compare two open readers; `selection` (e.g. a Selection) filters tensor names.
+
+    chunk_elems: elements per piece read from each side (default: 1 MiB of the wider
+    dtype). workers: threads for the arithmetic (default parallel.worker_count()).
+    """
+    # Imported here: `norms` and `clip` should not load the comparison's modules.
+    from clipcli.jobs import diff_math
+    from clipcli.jobs.diff import PieceWork, pair_tensors, piece_work
+
+    if chunk_elems is not None and chunk_elems < 1:
+        raise UsageError(f"chunk_elems must be positive, got {chunk_elems}")
+    pairs = pair_tensors(a, b, selection if selection is not None else _everything)
+    running = [diff_math.Running() for _ in pairs]
+    total = sum(
+        (p.info_a.nbytes if p.info_a else 0) + (p.info_b.nbytes if p.info_b else 0) for p in pairs
+    )
+
+    def reduce(item: PieceWork) -> tuple[int, diff_math.Partial, int]:
+        index, partial = diff_math.reduce_piece(item)
+        return index, partial, partial.nbytes
+
+    reduce_stream(
+        piece_work(a, b, pairs, chunk_elems),
+        reduce,
+        lambda index, partial: running[index].merge(partial),
+        len(pairs),
+        progress,
+        "comparing",
+        total,
+        workers=workers,
+    )
+    # The global figures mean what they mean in `norms`: model weights only, training state
+    # left out by name unless the selection says --all-tensors (a plain callable: the
+    # default rules), floating point only (diff_math).
+    left_out = selection.left_out if isinstance(selection, Selection) else EVERY_TENSOR.left_out
+    weights = [left_out(p.name) is None for p in pairs]
+    tensors = [
+        diff_math.finish(p, run, weight)
+        for p, run, weight in zip(pairs, running, weights, strict=True)
+    ]
+    return diff_math.result(a, b, pairs, tensors, weights)
+
+
+def _everything(_name: str) -> bool:
+    return True

@@ -1,0 +1,326 @@
+"""Pure planning: the plan, a frozen value made from a measurement and a ClipSpec.
+
+`plan(measurement, spec, check)` decides, for every tensor, an Action and the Reason for
+it; the report alone turns reasons into words, and no decision ever reads a display
+string. `clipcli.jobs.pipeline.execute` carries the plan out and reports what happened
+(Outcome) without editing it. Nothing here reads a file: the one data pass a factor
+search may need (float32 and wider) is the `check` callback the caller supplies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from clipcli.dtypes import is_floating
+from clipcli.errors import DataRefusedError
+from clipcli.formats.base import TensorInfo
+from clipcli.jobs import roles
+from clipcli.jobs.factor import Factor, OutputCheck, search_factor, tf_factor
+from clipcli.jobs.groups import compile_group_by, group_key
+from clipcli.jobs.measurement import Measurement, TensorStats
+from clipcli.jobs.spec import ClipSpec, Mode, axes_fit, exact_limit, normalize_axes, tensor_limit
+from clipcli.numerics import rounding, scaling
+from clipcli.numerics.norms import NormAccumulator, global_norm
+
+# ---------------------------------------------------------------- the plan
+
+
+class Action(str, Enum):
+    """What the write pass does to one tensor."""
+
+    KEEP = "keep"  # copied bit for bit
+    SCALE = "scale"  # every value times one factor, rounded once
+    CLAMP = "clamp"  # values clamped to [min, max]
+    AXES = "axes"  # each slice along --axes scaled on its own (whole tensor in memory)
+
+
+class Reason(str, Enum):
+    """Why a tensor gets its Action; clipcli.report renders each one."""
+
+    NOT_SELECTED = "not selected"  # by --include/--exclude
+    LEFT_OUT = "left out"  # optimizer state or a buffer (clipcli.jobs.roles)
+    NOT_FLOATING = "not floating point"
+    NONFINITE_SKIPPED = "non-finite skipped"  # --skip-nonfinite
+    LOW_RANK_SKIPPED = "low rank skipped"  # --skip-low-rank
+    COMPLEX_UNORDERED = "complex unordered"  # value mode: no order to clamp by
+    WITHIN_RANGE = "within range"
+    WITHIN_LIMIT = "within limit"
+    ZERO_TENSOR = "zero tensor"
+    OVER_LIMIT = "over limit"  # scaled
+    OVER_RANGE = "over range"  # clamped
+    PER_SLICE = "per slice"  # --axes: the outcome says how many slices changed
+    CONVERTED = "converted"  # convert: copied into another format, no clip asked
+
+
+# Tensors that never enter the global norm nor any factor.
+_OUTSIDE = frozenset({Reason.NOT_SELECTED, Reason.LEFT_OUT, Reason.NOT_FLOATING})
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    info: TensorInfo
+    before: NormAccumulator
+    action: Action
+    reason: Reason
+    role: roles.Role = roles.Role.WEIGHT
+    factor: float | None = None  # SCALE: factor * 2**exponent
+    exponent: int = 0
+    axes: tuple[int, ...] = ()  # AXES: resolved against this tensor's rank
+    group: str | None = None  # --group-by: the group whose norm decided
+
+    @property
+    def in_global(self) -> bool:
+        """Counted in the global norm (and in the factor of --global)."""
+        return self.reason not in _OUTSIDE and self.reason is not Reason.NONFINITE_SKIPPED
+
+    @property
+    def unchanged(self) -> bool:
+        """Written bit for bit, whatever the data (AXES may turn out unchanged too)."""
+        return self.action is Action.KEEP
+
+    @property
+    def scale(self) -> float | None:
+        """The factor applied (SCALE only), for the report."""
+        return None if self.factor is None else math.ldexp(self.factor, self.exponent)
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: ClipSpec | None  # None: a plain copy (convert)
+    tensors: tuple[TensorPlan, ...]
+    used_norm: float | None = None  # the G that --global scaled by
+
+    @property
+    def global_before(self) -> float:
+        return global_norm(p.before.norm for p in self.tensors if p.in_global)
+
+
+@dataclass
+class Flushes:
+    """Values the rounding of a scaled tensor took to zero, or newly to a subnormal (filled
+    in while the tensor streams, as Outcome.after is)."""
+
+    to_zero: int = 0
+    to_subnormal: int = 0
+
+    def add(self, to_zero: int, to_subnormal: int) -> None:
+        self.to_zero += to_zero
+        self.to_subnormal += to_subnormal
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the write pass did to one tensor."""
+
+    after: NormAccumulator = field(default_factory=NormAccumulator)
+    changed: bool = False
+    slices_clipped: int = 0  # AXES only
+    slices: int = 0
+    flushes: Flushes = field(default_factory=Flushes)
+
+
+def copy_plan(infos: Iterable[TensorInfo]) -> Plan:
+    """Every tensor copied as it is (convert)."""
+    empty = NormAccumulator()
+    tensors = tuple(TensorPlan(i, empty, Action.KEEP, Reason.CONVERTED) for i in infos)
+    return Plan(None, tensors)
+
+
+def outside_reason(t: TensorStats) -> Reason | None:
+    """Why a tensor is outside every norm and clip, None if it counts."""
+    if not t.selected:
+        return Reason.NOT_SELECTED
+    if t.role.kept_apart:
+        return Reason.LEFT_OUT
+    if not is_floating(t.info.dtype):
+        return Reason.NOT_FLOATING
+    return None
+
+
+def value_decision(spec: ClipSpec, t: TensorStats) -> tuple[Action, Reason]:
+    """Value mode for one counted tensor. DataRefusedError if it has values and its dtype
+    holds none in [min, max]; an empty tensor has nothing to clamp either way."""
+    if t.info.dtype.kind == "c":
+        return Action.KEEP, Reason.COMPLEX_UNORDERED
+    if t.stats.numel:
+        low, high = rounding.value_bounds(t.info.dtype, spec.low, spec.high)
+        if t.stats.min_value < float(low) or t.stats.max_value > float(high):
+            return Action.CLAMP, Reason.OVER_RANGE
+    return Action.KEEP, Reason.WITHIN_RANGE
+
+
+def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
+    """Decide what happens to every tensor. Raises (exit 4) before anything is written:
+    non-finite values where a norm is needed, axes that do not fit, unreachable limits."""
+    decided: dict[int, TensorPlan] = {}
+    counted: list[tuple[int, TensorStats]] = []
+    for index, t in enumerate(measurement.tensors):
+        reason = outside_reason(t)
+        if reason is None:
+            counted.append((index, t))
+        else:
+            decided[index] = TensorPlan(t.info, t.stats, Action.KEEP, reason, t.role)
+    if spec.mode is not Mode.VALUE:
+        counted = _skip_nonfinite(measurement, counted, spec, decided)
+    members = [t for _, t in counted]
+    if spec.mode is Mode.VALUE:
+        made = _plan_value(measurement, members, spec)
+    elif spec.mode is Mode.NORM and spec.axes is not None:
+        made = _plan_axes(measurement, members, spec)
+    elif spec.mode in (Mode.NORM, Mode.AVERAGE):
+        made = [
+            _scaled(
+                t,
+                search_factor(
+                    [t], tensor_limit(spec, t.info.numel), check, exact_limit(spec, t.info.numel)
+                ),
+            )
+            for t in members
+        ]
+    elif spec.group_by is not None:
+        made = _plan_groups(members, spec, check)
+    elif spec.use_norm is not None:
+        factor = tf_factor(spec.use_norm, spec.limit)
+        made = [_scaled(t, factor if t.stats.norm > 0 else None) for t in members]
+    else:
+        factor = search_factor(members, spec.limit, check)
+        made = [_scaled(t, factor if t.stats.ssq > 0 else None) for t in members]
+    decided.update(zip((index for index, _ in counted), made, strict=True))
+    tensors = tuple(decided[index] for index in range(len(measurement.tensors)))
+    used = None
+    if spec.mode is Mode.GLOBAL and spec.group_by is None:
+        counts = (p.before.norm for p in tensors if p.in_global)
+        used = spec.use_norm if spec.use_norm is not None else global_norm(counts)
+    return Plan(spec, tensors, used)
+
+
+def _skip_nonfinite(
+    measurement: Measurement,
+    counted: list[tuple[int, TensorStats]],
+    spec: ClipSpec,
+    decided: dict[int, TensorPlan],
+) -> list[tuple[int, TensorStats]]:
+    """Tensors with NaN/Inf cannot be measured against a norm: refused (exit 4), or with
+    --skip-nonfinite left unchanged and out of the global norm."""
+    bad = [(index, t) for index, t in counted if t.stats.nonfinite]
+    if not bad:
+        return counted
+    if not spec.skip_nonfinite:
+        listed = ", ".join(f"{t.info.name!r} ({t.stats.nonfinite} non-finite)" for _, t in bad)
+        raise DataRefusedError(
+            f"{measurement.path}: NaN/Inf values where a norm is needed: {listed}; "
+            "pass --skip-nonfinite to leave them"
+        )
+    for index, t in bad:
+        decided[index] = TensorPlan(t.info, t.stats, Action.KEEP, Reason.NONFINITE_SKIPPED)
+    return [(index, t) for index, t in counted if not t.stats.nonfinite]
+
+
+def _scaled(t: TensorStats, factor: Factor | None, group: str | None = None) -> TensorPlan:
+    if factor is not None:
+        return TensorPlan(
+            t.info,
+            t.stats,
+            Action.SCALE,
+            Reason.OVER_LIMIT,
+            factor=factor.mantissa,
+            exponent=factor.exponent,
+            group=group,
+        )
+    reason = Reason.ZERO_TENSOR if t.stats.norm == 0 else Reason.WITHIN_LIMIT
+    return TensorPlan(t.info, t.stats, Action.KEEP, reason, group=group)
+
+
+def _plan_value(
+    measurement: Measurement, members: Sequence[TensorStats], spec: ClipSpec
+) -> list[TensorPlan]:
+    made, problems = [], []
+    for t in members:
+        try:
+            action, reason = value_decision(spec, t)
+        except DataRefusedError as exc:
+            problems.append(f"tensor {t.info.name!r}: {exc}")
+            continue
+        made.append(TensorPlan(t.info, t.stats, action, reason))
+    if problems:  # name every tensor that cannot be clamped, not just the first
+        raise DataRefusedError(f"{measurement.path}: " + "; ".join(problems))
+    return made
+
+
+def _plan_axes(
+    measurement: Measurement, members: Sequence[TensorStats], spec: ClipSpec
+) -> list[TensorPlan]:
+    assert spec.axes is not None
+    made, problems = [], []
+    for t in members:
+        if spec.skip_low_rank and not axes_fit(spec.axes, t.info.shape):
+            made.append(TensorPlan(t.info, t.stats, Action.KEEP, Reason.LOW_RANK_SKIPPED))
+            continue
+        try:
+            axes = normalize_axes(spec.axes, t.info.shape, t.info.name)
+        except DataRefusedError as exc:
+            problems.append(str(exc))
+            continue
+        made.append(TensorPlan(t.info, t.stats, Action.AXES, Reason.PER_SLICE, axes=axes))
+    if problems:  # name every tensor the axes do not fit, not just the first
+        raise DataRefusedError(f"{measurement.path}: " + "; ".join(problems))
+    return made
+
+
+def _plan_groups(
+    members: Sequence[TensorStats], spec: ClipSpec, check: OutputCheck
+) -> list[TensorPlan]:
+    """--global within each --group-by group: one factor per group."""
+    assert spec.group_by is not None
+    pattern = compile_group_by(spec.group_by)
+    groups: dict[str, list[TensorStats]] = {}
+    for t in members:
+        groups.setdefault(group_key(t.info.name, pattern), []).append(t)
+    factors = {name: search_factor(group, spec.limit, check) for name, group in groups.items()}
+    made = []
+    for t in members:
+        group = group_key(t.info.name, pattern)
+        factor = factors[group]
+        made.append(_scaled(t, factor if t.stats.ssq > 0 else None, group))
+    return made
+
+
+class EarlyVerdict:
+    """The plan's rules applied while tensors are still being measured, for copying
+    unchanged tensors ahead: True for a tensor the plan will most likely leave alone.
+
+    Per-tensor modes know this for sure from the tensor alone. In global mode the norm so
+    far only grows, so tensors are passed on while it is within the limit and never after:
+    when the whole checkpoint is within the limit every tensor is copied during the
+    measuring pass, and when it is not, only the prefix measured before the limit was
+    crossed gets copied in vain. The plan, not this guess, decides what is written."""
+
+    def __init__(self, spec: ClipSpec) -> None:
+        self.spec = spec
+        self._so_far = NormAccumulator()
+        self._crossed = False  # the global norm so far is over the limit: it stays so
+
+    def unchanged(self, t: TensorStats) -> bool:
+        spec = self.spec
+        if outside_reason(t) is not None:
+            return True
+        if t.stats.nonfinite or spec.axes is not None or spec.group_by is not None:
+            return False
+        if spec.mode is Mode.GLOBAL:
+            if spec.use_norm is not None:
+                return scaling.tf_scale(spec.use_norm, spec.limit) is None
+            if self._crossed:
+                return False
+            self._so_far.merge(t.stats)
+            within = self._so_far.limit_ratio(spec.limit) >= 1.0
+            self._crossed = not within
+            return within
+        if spec.mode is Mode.VALUE:
+            try:
+                return value_decision(spec, t)[0] is Action.KEEP
+            except DataRefusedError:
+                return False
+        return t.stats.limit_ratio(tensor_limit(spec, t.info.numel)) >= 1.0

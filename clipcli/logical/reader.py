@@ -1,0 +1,133 @@
+"""LogicalReader: a checkpoint's logical tensors, served as a Reader to the jobs.
+
+Jobs (norms, diff, the measuring pass and plan of clip) read logical tensors through this
+adapter exactly as they read stored ones: `infos` are the view's logical tensors and the
+stored tensors beside them (scales: listed, with a role of their own), and `chunks` are
+real values. What concerns files (identities, metadata, directory layout, side files) is
+the stored reader's. The write pass never goes through it: a plan is lowered to stored
+tensors first (clipcli.logical.lowering).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from clipcli.formats.base import Listed, Reader, TensorInfo
+from clipcli.logical.view import LogicalTensor, View
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from clipcli.formats.base import DirectoryLayout, NonTensorInfo
+    from clipcli.system.identity import FileIdentity
+
+
+class LogicalReader(Reader):
+    def __init__(self, stored: Reader, view: View) -> None:
+        super().__init__(stored.path)
+        self.stored = stored
+        self.view = view
+        self.format_name = stored.format_name  # type: ignore[misc]  # per instance, on purpose
+        self.logical = view.tensors()
+        self.by_name: dict[str, LogicalTensor] = {t.info.name: t for t in self.logical}
+        self.part_roles: dict[str, str] = {info.name: role for info, role in view.side_tensors()}
+        self._side = {info.name: info for info, _ in view.side_tensors()}
+        self._infos = self._ordered()
+        self._stored_infos = {info.name: info for info in stored.infos}
+
+    def _plain_part(self, info: TensorInfo) -> TensorInfo | None:
+        """The stored tensor a plain logical tensor is (or a side tensor), else None."""
+        logical = self.by_name.get(info.name)
+        if logical is None:
+            return self._side[info.name]
+        if logical.plain and len(logical.parts) == 1:
+            return self._stored_infos[logical.parts[0].name]
+        return None
+
+    def _ordered(self) -> list[TensorInfo]:
+        """Logical tensors and side tensors, in the stored order of where each starts."""
+        position = {info.name: i for i, info in enumerate(self.stored.infos)}
+
+        def start(name: str) -> int:
+            t = self.by_name.get(name)
+            if t is None:
+                return position[name]
+            return min(position[p.name] for p in t.parts)
+
+        names = [*self.by_name, *self._side]
+        ordered = sorted(names, key=start)
+        return [self.by_name[n].info if n in self.by_name else self._side[n] for n in ordered]
+
+    @property
+    def infos(self) -> list[TensorInfo]:
+        return self._infos
+
+    @property
+    def listing(self) -> list[Listed]:
+        return [Listed(i.name, i.dtype_name, i.shape, i.nbytes) for i in self._infos]
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        return self.stored.metadata
+
+    def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        part = self._plain_part(info)
+        if part is not None:
+            return self.stored.chunks(part, chunk_elems)
+        return self.view.chunks(self.stored, self.by_name[info.name], chunk_elems)
+
+    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]] | None:
+        part = self._plain_part(info)
+        return None if part is None else self.stored.chunk_loaders(part)
+
+    def constant(self, info: TensorInfo) -> np.ndarray | None:
+        part = self._plain_part(info)
+        return None if part is None else self.stored.constant(part)
+
+    def stored_as_is(self, info: TensorInfo) -> bool:
+        """True when `info` is one stored tensor whose values are as stored."""
+        return self._plain_part(info) is not None
+
+    def scaled_chunks(
+        self, info: TensorInfo, mantissa: float, exponent: int
+    ) -> Iterator[np.ndarray]:
+        """The real values once the view's scaled parts are scaled and rounded (the factor
+        search's check: what the write pass will make of the lowered plan)."""
+        return self.view.scaled_chunks(self.stored, self.by_name[info.name], mantissa, exponent)
+
+    def source_files(self) -> list[Path]:
+        return self.stored.source_files()
+
+    def source_identities(self) -> dict[Path, FileIdentity]:
+        return self.stored.source_identities()
+
+    def archive_members(self) -> dict[str, str]:
+        return self.stored.archive_members()
+
+    @property
+    def non_tensors(self) -> list[NonTensorInfo]:
+        return self.stored.non_tensors
+
+    def side_files(self) -> list[Path]:
+        return self.stored.side_files()
+
+    @property
+    def model_directory(self) -> Path | None:
+        return self.stored.model_directory
+
+    def joined_metadata(self) -> dict[str, str]:
+        return self.stored.joined_metadata()
+
+    def join_losses(self) -> list[str]:
+        return self.stored.join_losses()
+
+    def directory_layout(self) -> DirectoryLayout | None:
+        return self.stored.directory_layout()
+
+    def left_out_entries(self) -> list[tuple[str, str]]:
+        return self.stored.left_out_entries()
+
+    def close(self) -> None:
+        self.stored.close()

@@ -1,0 +1,35 @@
+"""Which view a checkpoint is read through: the first factory that claims it, else the
+identity view (every stored tensor is its own logical tensor, and the stored reader is
+used as it is: plain checkpoints go through exactly the code they always did)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from clipcli.formats.base import Reader
+from clipcli.logical.view import View
+
+# Each factory looks at a stored reader's names, dtypes and config and returns its view,
+# or None when the checkpoint holds nothing it maps. Refusals (ambiguity) raise.
+ViewFactory = Callable[[Reader], View | None]
+VIEW_FACTORIES: list[ViewFactory] = []
+
+
+def view_for(reader: Reader) -> View | None:
+    """The view `reader`'s tensors need, None when the identity view serves."""
+    for factory in VIEW_FACTORIES:
+        view = factory(reader)
+        if view is not None:
+            return view
+    return None
+
+
+def logical(reader: Reader) -> Reader:
+    """The reader jobs measure, plan and compare through: `reader` itself under the
+    identity view, else a LogicalReader over it."""
+    view = view_for(reader)
+    if view is None:
+        return reader
+    from clipcli.logical.reader import LogicalReader
+
+    return LogicalReader(reader, view)

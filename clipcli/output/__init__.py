@@ -1,0 +1,1 @@
+"""The one way OUT is written: targets, checks against the input, staging, the commit point."""
