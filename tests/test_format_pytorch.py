@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from expect import REPO_ROOT, one_error_line
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 from clipcli.formats.pytorch import PyTorchReader
 from clipcli.io import open_reader
 

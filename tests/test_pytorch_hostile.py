@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from expect import one_error_line
 
-from clipcli.cli import main
+from clipcli.cli.entry import main
 from clipcli.formats.pytorch import unpickler
 
 # ------------------------------------------------------------------ a pickle writer

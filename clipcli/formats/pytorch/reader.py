@@ -36,8 +36,8 @@ from clipcli.formats.pytorch.unpickler import (
     TorchDtype,
     _OrderedDict,
 )
-from clipcli.identity import FileIdentity
-from clipcli.inputs import open_input
+from clipcli.system.identity import FileIdentity
+from clipcli.system.inputs import open_input
 
 if TYPE_CHECKING:
     import numpy as np
