@@ -13,8 +13,7 @@ each command's request, body, help and examples. Everything else is derived from
 Adding an option is one field in its command's request, and its use in the body.
 
 This module is imported by every run (the quick parser reads it): it imports neither Typer
-nor the bodies. Its annotations are evaluated (no `from __future__ import annotations`):
-a field's type is read at run time to parse its values.
+nor the bodies. A field's type is read at run time, to parse its values.
 """
 
 import dataclasses
@@ -144,9 +143,13 @@ ALLOW_LOSSY = Option(
 
 # ------------------------------------------------------------------ the requests
 
+# Each has a docstring: without one, @dataclass computes a signature for it (start-up time).
+
 
 @dataclass(frozen=True)
 class LsRequest:
+    """`clipcli ls PATH [OPTIONS]`."""
+
     path: Path = PATH.field()
     fmt: OutputFormat = FORMAT.field()
     as_json: bool = JSON.field()
@@ -165,6 +168,8 @@ class LsRequest:
 
 @dataclass(frozen=True)
 class NormsRequest:
+    """`clipcli norms PATH [OPTIONS]`."""
+
     path: Path = PATH.field()
     # With --plot FILE (or --chart) the table is printed only when --format asks for it.
     fmt: OutputFormat | None = FORMAT.field(
@@ -195,6 +200,8 @@ class NormsRequest:
 
 @dataclass(frozen=True)
 class ClipRequest:
+    """`clipcli clip IN OUT [OPTIONS]`."""
+
     src: Path = IN.field()
     out: str = OUT.field()
     low: float | None = option("--min", help="clip_by_value lower bound.", metavar="X")
@@ -248,6 +255,8 @@ class ClipRequest:
 
 @dataclass(frozen=True)
 class ConvertRequest:
+    """`clipcli convert IN OUT [OPTIONS]`."""
+
     src: Path = IN.field()
     out: str = OUT.field()
     force: bool = FORCE.field()
@@ -260,6 +269,8 @@ class ConvertRequest:
 
 @dataclass(frozen=True)
 class DiffRequest:
+    """`clipcli diff A B [OPTIONS]`."""
+
     path_a: Path = Argument("A", "Reference checkpoint.").field()
     path_b: Path = Argument("B", "Checkpoint to compare with A.").field()
     fmt: OutputFormat = FORMAT.field()
@@ -409,8 +420,7 @@ class Parameter(NamedTuple):
         return value
 
 
-def _resolve(field: "dataclasses.Field[Any]") -> Parameter:
-    annotation = field.type
+def _resolve(field: "dataclasses.Field[Any]", annotation: Any) -> Parameter:
     args = typing.get_args(annotation)
     optional = isinstance(annotation, types.UnionType) and type(None) in args
     if optional:
@@ -424,7 +434,9 @@ def _resolve(field: "dataclasses.Field[Any]") -> Parameter:
 @functools.cache
 def parameters(command: str) -> tuple[Parameter, ...]:
     """The command's arguments and options, in --help order."""
-    return tuple(_resolve(f) for f in dataclasses.fields(COMMANDS[command].request))
+    request = COMMANDS[command].request
+    types_of = typing.get_type_hints(request)  # (a request declared elsewhere may be text)
+    return tuple(_resolve(f, types_of[f.name]) for f in dataclasses.fields(request))
 
 
 class Spelling(NamedTuple):
