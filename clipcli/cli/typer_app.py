@@ -97,9 +97,8 @@ def _options(version: VersionOpt = False) -> None:
 
 # ------------------------------------------------------------------ the commands, generated
 
-# Readable=False turns off Click's own `os.access` check, which would call an unreadable
-# input a usage error (exit 2) and an unreadable --plot FILE (an output) unusable. The
-# readers say why they cannot open an input: exit 3, as documented.
+# An empty argument is refused (exit 2) before Path('') turns it into '.', the current
+# directory: `clipcli norms "$CKPT"` with CKPT unset must not read whatever is here.
 EMPTY_PATH = "an empty path (is a variable unset?)"
 
 
@@ -125,6 +124,9 @@ def _typer_parameter(parameter: Parameter) -> inspect.Parameter:
     """The declaration as Typer takes it: `name: Annotated[type, typer.Option(...)] = default`."""
     declared = parameter.declared
     value_type = parameter.value_type
+    # Paths are taken as given. readable=False turns off Click's own `os.access` check,
+    # which would call an unreadable input a usage error (exit 2) and an unreadable --plot
+    # FILE (an output) unusable; the readers say why they cannot open an input (exit 3).
     given_path = {"readable": False, "click_type": _GivenPath(readable=False)}
     if not isinstance(declared, Option):  # a positional argument: required, never empty
         checked = given_path if value_type is Path else {"click_type": _GivenText()}
