@@ -13,31 +13,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from clipcli.errors import InputError, UsageError
+from clipcli.errors import DataRefusedError
 from clipcli.formats.base import (
     Checkpoint,
+    Listed,
     NonTensorInfo,
     Reader,
     TensorInfo,
     Writer,
     archive_losses,
 )
-from clipcli.formats.structure import check_losses
-from clipcli.io import open_reader
-from clipcli.jobs import pipeline, scope
-from clipcli.jobs.measurement import Measurement
+from clipcli.formats.opening import open_reader
+from clipcli.jobs import scope
 from clipcli.jobs.progress import SILENT, Progress
 from clipcli.jobs.selection import EVERY_TENSOR, Selection
-from clipcli.logical import views
-from clipcli.logical.reader import LogicalReader
-from clipcli.numerics.norms import NormAccumulator, global_norm
+from clipcli.output import policy
 from clipcli.system import interrupts, scratch
 from clipcli.system.identity import InputGuard
 
 if TYPE_CHECKING:
     from clipcli.jobs.diff import DiffResult  # diff's modules load when a diff runs
+    from clipcli.jobs.measurement import Measurement
     from clipcli.jobs.plan import Outcome, Plan, Reason, TensorPlan
     from clipcli.jobs.spec import ClipSpec
+    from clipcli.numerics.norms import NormAccumulator
     from clipcli.output.target import Target
 
 # What clip and convert import in their functions, beyond what ls and norms need: norms
@@ -55,15 +54,27 @@ WRITING_MODULES = (
 )
 
 
-def list_tensors(
-    path: Path,
-) -> tuple[str, dict[str, str], list[TensorInfo], list[NonTensorInfo]]:
+class Listing(NamedTuple):
+    """What `ls` shows: read from headers only, no tensor data, no numpy."""
+
+    format_name: str
+    metadata: dict[str, str]
+    tensors: list[Listed]
+    non_tensors: list[NonTensorInfo]
+    shards: dict[str, str] | None  # tensor -> the file holding it, in a model directory
+
+
+def listing(path: Path) -> Listing:
     with scratch.keeping_clear_of([path]), open_reader(path) as reader:
-        return (
+        tensors = list(reader.listing)
+        owners = {t.name: reader.shard_of(t.name) for t in tensors}
+        shards = {k: v for k, v in owners.items() if v is not None}
+        return Listing(
             reader.format_name,
             dict(reader.metadata),
-            list(reader.infos),
+            tensors,
             list(reader.non_tensors),
+            shards if len(shards) == len(owners) and shards else None,
         )
 
 
@@ -77,6 +88,8 @@ def measure(
 ) -> Measurement:
     """Norms of the logical tensors (a quantized weight's real values); `stored`: of
     every stored tensor as it is."""
+    from clipcli.logical import views
+
     with scratch.keeping_clear_of([path]), open_reader(path) as reader:
         return measure_reader(
             reader if stored else views.logical(reader), selection, progress, notify, group_by
@@ -90,10 +103,12 @@ def measure_reader(
     notify: scope.Notify = scope.ignore,
     group_by: str | None = None,
 ) -> Measurement:
+    from clipcli.jobs import pipeline
+
     selection = _with_parts(selection, reader)
     infos = selection.check(reader.infos, notify)
     selection.check_weights(infos, notify)
-    scope.warn_quantized(reader.infos, reader.model_directory, notify)
+    scope.warn_quantized(reader.infos, _declaring_directory(reader), notify)
     if group_by is not None:
         counted = [i.name for i in scope.floating(infos) if selection.left_out(i.name) is None]
         scope.check_groups(counted, group_by, notify)
@@ -111,6 +126,9 @@ def diff(
     notify: scope.Notify = scope.ignore,
 ) -> DiffResult:
     """Compare the checkpoints at path_a (the reference) and path_b, of any formats."""
+    from clipcli.jobs import pipeline
+    from clipcli.logical import views
+
     with (
         scratch.keeping_clear_of([path_a, path_b]),  # one reader's sweep spares the other
         open_reader(path_a) as reader_a,
@@ -140,7 +158,7 @@ def check_diff_scope(
     said: list[tuple[str, str]] = []  # A and B alike (e.g. a file and its copy): once
     for reader in (a, b):
         scope.warn_quantized(
-            reader.infos, reader.model_directory, lambda *message: said.append(message)
+            reader.infos, _declaring_directory(reader), lambda *message: said.append(message)
         )
     for level, text in dict.fromkeys(said):
         notify(level, text)
@@ -200,6 +218,8 @@ class ClipResult(NamedTuple):
 
     @property
     def global_after(self) -> float:
+        from clipcli.numerics.norms import global_norm
+
         pairs = zip(self.plan.tensors, self.outcomes, strict=True)
         return global_norm(outcome.after.norm for p, outcome in pairs if p.in_global)
 
@@ -222,18 +242,19 @@ def clip(
     Signals are deferred for the whole run: acted on between chunks before the commit,
     moot after it."""
     from clipcli.jobs import execution  # WRITING_MODULES
+    from clipcli.logical import views
 
-    target = _target(src, out, force, durable)
+    target = policy.target_for(src, out, force, durable)
     with (
         interrupts.deferred(writes=True),
         scratch.keeping_clear_of([src, out]),  # a sweep in $TMPDIR spares OUT's folder
         open_reader(src) as reader,
     ):
-        writer_cls = check_writable(reader, target)
+        writer_cls = policy.check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
-        check_losses(losses, allow_lossy, notify, target.out)
+        policy.check_losses(losses, allow_lossy, notify, target.out)
         # Said once OUT is written (or the dry run is done): a failed run's stderr is its
         # one error line.
         notes = writer_cls.structure_notes(reader)
@@ -244,8 +265,8 @@ def clip(
             # An existing OUT is not refused (nothing is written to it): it is judged as
             # with --force (a directory that holds other files, or IN, still is), and a
             # note says that the real run needs --force.
-            check = target if force else _target(src, out, force=True, durable=durable)
-            _check_target(reader, writer_cls, check, allow_large_side_files)
+            check = target if force else policy.target_for(src, out, force=True, durable=durable)
+            policy.check_target(reader, writer_cls, check, allow_large_side_files)
             check.release()
             if check.occupied and not force:
                 notify("note", f"{target.out} exists: the run without --dry-run needs --force")
@@ -281,12 +302,15 @@ def plan_clip(
     """Measure every tensor and decide what happens to it. Raises before OUT is touched.
     With a writer, tensors the plan will most likely leave alone are handed to its
     copy_ahead while the others are still being measured."""
-    from clipcli.jobs import execution  # WRITING_MODULES
+    from clipcli.jobs import (
+        execution,  # WRITING_MODULES
+        pipeline,
+    )
     from clipcli.jobs.plan import plan
     from clipcli.jobs.spec import Mode
 
     # Copying ahead hands stored tensors to the writer: only where logical ones are stored.
-    ahead = None if isinstance(reader, LogicalReader) else writer
+    ahead = None if _is_logical(reader) else writer
     hook = execution.copy_ahead_hook(spec, reader, ahead) if ahead is not None else None
     selection = _with_parts(selection, reader)
     measurement = pipeline.measure(
@@ -298,6 +322,8 @@ def plan_clip(
         on_measured=hook,
     )
     made = plan(measurement, spec, execution.output_check(reader))
+    from clipcli.logical.reader import LogicalReader
+
     if isinstance(reader, LogicalReader):
         from clipcli.jobs import lowering
 
@@ -317,11 +343,45 @@ def check_clip_scope(
     selection.check_weights(selected, notify, writes=True)
     targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
     acted_on = [i for i in selected if selection.left_out(i.name) is None]
-    scope.refuse_quantized(reader.infos, acted_on, reader.model_directory)
+    scope.refuse_quantized(reader.infos, acted_on, _declaring_directory(reader))
+    if _is_logical(reader):
+        _refuse_unlowerable(reader, acted_on, spec.mode is Mode.VALUE)
     if spec.mode is Mode.NORM and spec.axes is not None:
         scope.check_axes(targets, spec.axes, spec.skip_low_rank, notify)
     if spec.group_by is not None:
         scope.check_groups([i.name for i in targets], spec.group_by, notify)
+
+
+def _declaring_directory(reader: Reader) -> Path | None:
+    """The model directory whose config.json scope's quantization warnings should read:
+    none behind a logical reader, whose view has read it and claimed the weights it names."""
+    return None if _is_logical(reader) else reader.model_directory
+
+
+def _refuse_unlowerable(reader: Reader, acted_on: list[TensorInfo], value: bool) -> None:
+    """Exit 4, before any data is read, for a logical tensor of parts (a quantized weight)
+    that a clip would act on and cannot act on through its stored tensors: --value is not
+    linear in them, and the view says which scale factors it cannot carry (lowerable)."""
+    from clipcli.logical.reader import LogicalReader
+
+    assert isinstance(reader, LogicalReader)
+    for info in acted_on:
+        t = reader.by_name.get(info.name)
+        if t is None or t.plain:
+            continue
+        if value:
+            raise DataRefusedError(
+                f"{t.info.name}: a {t.scheme} weight cannot be clipped by clamp through its "
+                "stored tensors (--value is not linear in a quantized weight's scales); "
+                "dequantize it first, or "
+                "leave it out with --exclude"
+            )
+        why = reader.view.lowerable(t)
+        if why is not None:
+            raise DataRefusedError(
+                f"{why}: the weight is quantized; dequantize it first, or leave it out "
+                "with --exclude"
+            )
 
 
 def _plan_then_check(
@@ -351,17 +411,17 @@ def convert(
     """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
     from clipcli.jobs.plan import copy_plan  # WRITING_MODULES
 
-    target = _target(src, out, force, durable)
+    target = policy.target_for(src, out, force, durable)
     with (
         interrupts.deferred(writes=True),
         scratch.keeping_clear_of([src, out]),  # a sweep in $TMPDIR spares OUT's folder
         open_reader(src) as reader,
     ):
-        writer_cls = check_writable(reader, target)
+        writer_cls = policy.check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
-        check_losses(losses, allow_lossy, notify, target.out)
+        policy.check_losses(losses, allow_lossy, notify, target.out)
         notes = writer_cls.structure_notes(reader)  # said once OUT is written, as in clip
         copying = copy_plan(reader.infos)
         _write_out(
@@ -381,11 +441,20 @@ def convert(
 # ---------------------------------------------------------------- writing OUT
 
 
+def _is_logical(reader: Reader) -> bool:
+    """A LogicalReader (a view that is not the identity), told apart without importing
+    the logical layer for plain checkpoints' sake."""
+    from clipcli.logical.reader import LogicalReader
+
+    return isinstance(reader, LogicalReader)
+
+
 def _with_parts(selection: Selection, reader: Reader) -> Selection:
     """`selection` with a logical reader's parts (scales, zero points) kept apart."""
-    if not isinstance(reader, LogicalReader) or not reader.part_roles:
+    parts = getattr(reader, "part_roles", None) if _is_logical(reader) else None
+    if not parts:
         return selection
-    return dataclasses.replace(selection, parts=frozenset(reader.part_roles))
+    return dataclasses.replace(selection, parts=frozenset(parts))
 
 
 def _execute(
@@ -399,6 +468,7 @@ def _execute(
     """Carry out a plan made on `logical`'s tensors: lowered to the stored tensors of
     `reader` when they differ, with the outcomes lifted back."""
     from clipcli.jobs import execution  # WRITING_MODULES
+    from clipcli.logical.reader import LogicalReader
 
     if not isinstance(logical, LogicalReader):
         return execution.execute(made, reader, writer, progress, label)
@@ -407,102 +477,6 @@ def _execute(
     lowered = lowering.lower(made, logical)
     outcomes = execution.execute(lowered, reader, writer, progress, label)
     return lowering.lift(made, lowered, outcomes, logical)
-
-
-def check_writable(reader: Reader, target: Target) -> type[Writer]:
-    """The writer for OUT, once every limit of its format that is known before writing
-    holds (names, dtypes, names together, metadata): a refusal is exit 2 naming the tensor
-    or key, before anything is created."""
-    cls = target.writer_class()
-    for info, problem in cls.tensor_problems(reader.infos):
-        raise UsageError(f"{target.out}: tensor {info.name!r}: {problem}")
-    reason = cls.check_names([info.name for info in reader.infos]) or cls.check_metadata(
-        _output_metadata(reader, target.is_directory), reader
-    )
-    if reason is not None:
-        raise UsageError(f"{target.out}: {reason}")
-    return cls
-
-
-def _output_metadata(reader: Reader, to_directory: bool) -> dict[str, str]:
-    return dict(reader.metadata) if to_directory else reader.joined_metadata()
-
-
-SIDE_FILE_LIMIT = 1 << 30  # bytes: configs and tokenizers are far smaller
-# All side files together (a model's configs and tokenizers are tens of files and MBs):
-# the per-file limit alone lets 100,000 files of 1 GiB through.
-SIDE_FILES_MAX_COUNT = 10_000
-SIDE_FILES_MAX_BYTES = 4 << 30
-
-
-def _check_side_files(reader: Reader, allow_large: bool) -> None:
-    """A model directory's other files are copied; one of absurd size is refused unless
-    allowed, since a sparse 1 TB file would otherwise fill the disk; so are too many or too
-    many bytes in all (exit 3), and a hard link with a name outside the directory (exit 3)."""
-    if linked := reader.side_files_linked_elsewhere():
-        path, links = linked[0]
-        raise InputError(
-            path,
-            f"is a hard link with {links} names, some outside the model directory, so it may "
-            "be any file of yours; not copied (copy the directory without hard links)",
-        )
-    opened = reader.source_identities()  # the files the copy will read, not the names now
-    side_files = reader.side_files()
-    if len(side_files) > SIDE_FILES_MAX_COUNT:
-        raise InputError(
-            reader.path,
-            f"has {len(side_files)} other files to copy beside the weights; "
-            f"at most {SIDE_FILES_MAX_COUNT} are copied",
-        )
-    if allow_large:
-        return
-    for path in side_files:
-        size = opened[path].size
-        if size > SIDE_FILE_LIMIT:
-            raise UsageError(
-                f"{path}: side file of {size} bytes is over the {SIDE_FILE_LIMIT >> 30} GiB "
-                "limit for files copied beside the weights; pass --allow-large-side-files"
-            )
-    total = sum(opened[path].size for path in side_files)
-    if total > SIDE_FILES_MAX_BYTES:  # a refusal the flag lifts, as for one large file
-        raise UsageError(
-            f"{reader.path}: its other files hold {total} bytes together, over the "
-            f"{SIDE_FILES_MAX_BYTES >> 30} GiB copied beside the weights; "
-            "pass --allow-large-side-files",
-        )
-
-
-def _target(src: Path, out: str | Path, force: bool, durable: bool) -> Target:
-    from clipcli.output.stream_target import STDOUT, StdoutTarget
-    from clipcli.output.target import choose_target  # WRITING_MODULES
-
-    if str(out) == STDOUT:  # safetensors streamed to standard output (stream_target)
-        return StdoutTarget(force=force, durable=durable)
-    is_directory = src.is_dir() or src.name.endswith(".index.json")
-    return choose_target(out, input_is_directory=is_directory, force=force, durable=durable)
-
-
-def _check_target(
-    reader: Reader, writer_cls: type[Writer], target: Target, allow_large_side_files: bool
-) -> None:
-    """Everything about OUT that is refused before any tensor data is read: OUT against
-    the input (never IN, inside it or around it), what is in the way at OUT, side files."""
-    from clipcli.system.footprint import InputFootprint  # WRITING_MODULES
-
-    footprint = InputFootprint(reader.path, reader.source_files())
-    target.check(footprint, writer_cls.output_names(reader))
-    if target.is_directory:
-        _check_side_files(reader, allow_large_side_files)
-
-
-def _files_beside_weights(reader: Reader) -> list[str]:
-    """A model directory's files that are neither its shards nor its index (config,
-    tokenizer, weights in other forms), relative to it: none of them goes into one file."""
-    directory = reader.model_directory
-    if directory is None:
-        return []
-    copied = [path.relative_to(directory).as_posix() for path in reader.side_files()]
-    return copied + [where for where, _ in reader.left_out_entries()]
 
 
 def _write_out(
@@ -520,7 +494,7 @@ def _write_out(
     The input must not change from opening to the commit (clipcli.system.identity)."""
 
     guard = InputGuard(reader.source_identities())
-    _check_target(reader, writer_cls, target, allow_large_side_files)
+    policy.check_target(reader, writer_cls, target, allow_large_side_files)
     if not writer_cls.copies_constants(reader):
         reader.expect_all_elements()  # an input budget's refusal comes before OUT exists
     # Said once OUT is written (with the target's own notes): a failed run leaves nothing
@@ -528,12 +502,12 @@ def _write_out(
     left_out: list[str] = []
     if target.is_directory:
         left_out = [f"left out {where}: {why}" for where, why in reader.left_out_entries()]
-    elif dropped := _files_beside_weights(reader):
+    elif dropped := policy.files_beside_weights(reader):
         shown = ", ".join(dropped[:5]) + (
             f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
         )
         left_out = [f"OUT is one file: left out the model directory's other files ({shown})"]
-    metadata = _output_metadata(reader, target.is_directory)
+    metadata = policy.output_metadata(reader, target.is_directory)
     with target.stage() as staged:
         writer = writer_cls(
             staged, Checkpoint(list(reader.infos), metadata, reader), target.durable

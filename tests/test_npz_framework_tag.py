@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from clipcli.formats.structure import FRAMEWORK_TAGS, metadata_loss, metadata_loss_text
+from clipcli.formats.npz.metadata import FRAMEWORK_TAGS, metadata_loss, metadata_loss_text
 
 NOTE = (
     "clipcli: note: npz holds no file metadata: format='pt', which only names the framework "

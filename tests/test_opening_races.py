@@ -29,6 +29,7 @@ from layouts import keras_archive
 from clipcli import api
 from clipcli.cli.entry import main
 from clipcli.errors import InputError
+from clipcli.output import policy
 from clipcli.system import inputs
 from clipcli.system.identity import InputGuard
 
@@ -448,7 +449,7 @@ def test_the_side_file_size_limit_judges_the_file_that_is_copied(
     with open(huge, "wb") as handle:
         handle.truncate(1 << 40)
     (tmp_path / "small").write_text("small")
-    real_check = api._check_side_files
+    real_check = policy.check_side_files
 
     def small_while_checked(reader: Any, allow_large: bool) -> None:
         # Moved aside, not hard-linked: a side file with a name outside is refused.
@@ -459,7 +460,7 @@ def test_the_side_file_size_limit_judges_the_file_that_is_copied(
         finally:
             os.replace(tmp_path / "kept", huge)
 
-    monkeypatch.setattr(api, "_check_side_files", small_while_checked)
+    monkeypatch.setattr(policy, "check_side_files", small_while_checked)
     code, err = clip(model, tmp_path / "out", capsys)
     assert code == 2, err
     assert "vocab.txt: side file of 1099511627776 bytes" in the_error(err)

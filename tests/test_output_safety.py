@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 
 from clipcli.cli.entry import main
 from clipcli.formats.safetensors import SafetensorsWriter
-from clipcli.output import fsops
+from clipcli.output import fsops, policy
 from clipcli.output import target as output
 from clipcli.system import filecopy
 
@@ -675,11 +675,10 @@ def test_a_huge_sparse_side_file_is_refused_unless_allowed(
 
 @pytest.mark.parametrize(("extra", "code"), [(0, 0), (1, 2)])
 def test_side_file_limit_is_inclusive(tmp_path: Path, extra: int, code: int) -> None:
-    import clipcli.api as api
 
     model = make_model(tmp_path / "model")
     with open(model / "big.txt", "wb") as handle:
-        handle.truncate(api.SIDE_FILE_LIMIT + extra)
+        handle.truncate(policy.SIDE_FILE_LIMIT + extra)
     assert main(["clip", "--global", "1", "-q", str(model), str(tmp_path / "out")]) == code
 
 

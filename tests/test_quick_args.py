@@ -19,8 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 import typer.main
+from conftest import RunCli
+from expect import one_error_line
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors.numpy import save_file
 
 from clipcli.cli import boundary, quick_args, typer_app
 from clipcli.cli.declarations import COMMANDS, Spelling, parameters, request, spellings
@@ -232,7 +235,7 @@ def test_what_the_quick_parser_takes_typer_parses_alike(args: list[str]) -> None
         ["clip", "a", "-", "--min", "-3", "--max", "-1"],  # values that look like options
         ["ls", "m", "--include", "--help", "-x", "-i"],
         ["ls", "m", "-i", "a", "--include=b", "-i", "", "--exclude", "c"],
-        ["ls", "m", "--sort=size"],  # (an empty PATH: both refuse, test_newcomer_issue23)
+        ["ls", "m", "--sort=size"],  # (an empty PATH: both refuse, see below)
         ["diff", "a", "b", "--fail-above", "1_0", "--fail-above", " 2"],
         ["clip", "a", "b", "--value", "nan", "--axes", "0,-1", "--no-fsync", "--fsync"],
         ["convert", "a", "b/", "-q", "--no-force"],
@@ -361,3 +364,46 @@ def test_an_ordinary_run_never_imports_typer(model: Path) -> None:
         "assert 'typer' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+# --------------------------------------------------- issue 23, item 10: an empty path
+
+EMPTY_LINES = [
+    ["ls", ""],
+    ["ls", "", "--sort=size"],
+    ["norms", ""],
+    ["norms", "", "--top", "3"],
+    ["norms", "m.npz", "--plot", ""],
+    ["norms", "m.npz", "--plot="],
+    ["clip", "--global", "1", "", "o.npz"],
+    ["clip", "--global", "1", "m.npz", ""],
+    ["convert", "", "o.npz"],
+    ["convert", "m.npz", ""],
+    ["diff", "", "m.npz"],
+    ["diff", "m.npz", ""],
+]
+
+
+@pytest.mark.parametrize("args", EMPTY_LINES)
+def test_an_empty_path_is_a_usage_error(
+    args: list[str], tmp_path: Path, run_main: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never the current directory: here it holds a checkpoint that must not be read."""
+    np.savez(tmp_path / "m.npz", w=np.ones(3))
+    save_file({"w": np.ones(3, np.float32)}, tmp_path / "model.safetensors")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    done = run_main(*args)
+    assert done.code == 2
+    assert "an empty path (is a variable unset?)" in one_error_line(done.stderr)
+    assert done.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("args", EMPTY_LINES)
+def test_both_parsers_refuse_an_empty_path(args: list[str], cli: RunCli) -> None:
+    """The quick parser hands such a line to Typer, and Typer itself refuses it."""
+    assert quick_args.parse(args) is None
+    done = cli(*args)  # Typer's app directly (CliRunner)
+    assert done.code == 2
+    assert "an empty path (is a variable unset?)" in done.stderr

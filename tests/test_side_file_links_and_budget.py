@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import clipcli.api as api
+from clipcli.output import policy
 
 Runner = Callable[..., Any]
 
@@ -150,7 +150,7 @@ def test_a_blob_hard_linked_elsewhere_is_refused(
 def test_side_file_count_at_the_limit_and_one_past(
     tmp_path: Path, clipcli: Runner, monkeypatch: pytest.MonkeyPatch, count: int, code: int
 ) -> None:
-    monkeypatch.setattr(api, "SIDE_FILES_MAX_COUNT", 3)
+    monkeypatch.setattr(policy, "SIDE_FILES_MAX_COUNT", 3)
     model = make_model(tmp_path / "model")  # config.json and tokenizer.json
     for number in range(count - 2):
         (model / f"extra{number}.txt").write_text("x")
@@ -170,7 +170,7 @@ def test_side_file_bytes_at_the_limit_and_one_past(
 ) -> None:
     model = make_model(tmp_path / "model")
     already = sum(len((model / n).read_bytes()) for n in ("config.json", "tokenizer.json"))
-    monkeypatch.setattr(api, "SIDE_FILES_MAX_BYTES", already + 1000)
+    monkeypatch.setattr(policy, "SIDE_FILES_MAX_BYTES", already + 1000)
     (model / "vocab.txt").write_bytes(b"v" * (1000 + extra))
     run = clip_to_directory(clipcli, model, tmp_path / "out")
     assert run.returncode == code, run.stderr
@@ -188,12 +188,12 @@ def test_many_side_files_at_the_real_count_limit_are_refused_before_copying(
 ) -> None:
     """10,001 empty side files (the per-file and entry limits pass): exit 3, nothing made."""
     model = make_model(tmp_path / "model")
-    extra = api.SIDE_FILES_MAX_COUNT + 1 - 2
+    extra = policy.SIDE_FILES_MAX_COUNT + 1 - 2
     for number in range(extra):
         (model / f"f{number:05d}").touch()
     run = clip_to_directory(clipcli, model, tmp_path / "out")
     assert run.returncode == 3
-    assert_one_error_line(run.stderr, f"has {api.SIDE_FILES_MAX_COUNT + 1} other files")
+    assert_one_error_line(run.stderr, f"has {policy.SIDE_FILES_MAX_COUNT + 1} other files")
     assert not (tmp_path / "out").exists()
 
 
@@ -205,7 +205,7 @@ def test_side_files_over_the_real_byte_budget_are_refused_before_copying(
     model = make_model(tmp_path / "model")
     for number in range(5):
         with open(model / f"big{number}.txt", "wb") as handle:
-            handle.truncate(api.SIDE_FILE_LIMIT)
+            handle.truncate(policy.SIDE_FILE_LIMIT)
     run = clip_to_directory(clipcli, model, tmp_path / "out")
     assert run.returncode == 2
     assert_one_error_line(run.stderr, "bytes together", "4 GiB")

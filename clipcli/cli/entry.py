@@ -23,6 +23,7 @@ from clipcli.cli.commands.common import Stdout, emit, escape_unencodable
 from clipcli.cli.declarations import body_of
 from clipcli.errors import ExitCode
 from clipcli.system import interrupts
+from clipcli.system.blas import single_threaded_blas
 
 # ------------------------------------------------------------------ the program
 
@@ -93,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         args = ["--help"]
     try:
         _restore_signal_defaults()
-        for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            # We thread over chunks ourselves; BLAS threads on top only spin and contend.
-            os.environ.setdefault(variable, "1")
+        single_threaded_blas()
         _keep_chunk_buffers()
         _collect_old_objects_rarely()
         # SIGINT, SIGTERM and SIGHUP are recorded from here on; the command acts on them

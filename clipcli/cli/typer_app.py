@@ -30,6 +30,7 @@ from clipcli.cli.declarations import (
     request,
 )
 from clipcli.errors import ExitCode, WriteError
+from clipcli.formats.registry import readable_suffixes_text
 
 EXIT_CODES_HELP = """\b
 Exit codes:
@@ -45,7 +46,7 @@ Exit codes:
 
 _APP_SETTINGS: dict[str, Any] = {
     "name": "clipcli",
-    "help": "Inspect L2 norms of checkpoint tensors (.npz, .safetensors, .h5/.hdf5) and write "
+    "help": f"Inspect L2 norms of checkpoint tensors ({readable_suffixes_text()}) and write "
     "clipped copies, with TensorFlow's clip_by_value / clip_by_norm / clip_by_average_norm / "
     "clip_by_global_norm semantics.\n\n"
     "\b\nExamples:\n"

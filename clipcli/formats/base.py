@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple
 
 from clipcli.errors import InputError
-from clipcli.formats.structure import Structure
+from clipcli.formats.structure_record import Structure
 
 if TYPE_CHECKING:
     # numpy is imported where data is handled, not here: `clipcli ls` of a safetensors
@@ -302,6 +302,10 @@ class Reader(ABC):
     def left_out_entries(self) -> list[tuple[str, str]]:
         """(relative path, why) of each entry a copy of the directory leaves out."""
         return []
+
+    def shard_of(self, name: str) -> str | None:  # noqa: ARG002 - interface
+        """The file of a model directory that holds the tensor, None for one file."""
+        return None
 
     def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:  # noqa: ARG002 - interface
         """Where the tensor's bytes lie as safetensors stores them, for a kernel copy;

@@ -37,7 +37,6 @@ import numpy as np
 
 from clipcli.dtypes import is_floating
 from clipcli.formats.base import Reader
-from clipcli.formats.compare import file_changes
 from clipcli.jobs.diff import (
     CHANGED,
     DTYPE_CHANGED,
@@ -51,6 +50,7 @@ from clipcli.jobs.diff import (
     Status,
     TensorDiff,
 )
+from clipcli.jobs.diff_metadata import file_changes
 from clipcli.numerics.difference import difference
 from clipcli.numerics.norms import (
     NormAccumulator,

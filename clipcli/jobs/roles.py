@@ -69,6 +69,9 @@ class Role(str, Enum):
         return self.training_state or self is Role.QUANTIZATION
 
 
+# The roles a name decides (classify); QUANTIZATION comes from a view, never from a name.
+BY_NAME = (Role.WEIGHT, Role.OPTIMIZER, Role.BUFFER, Role.NON_FLOAT)
+
 _DESCRIPTIONS = {
     Role.WEIGHT: "model weight",
     Role.OPTIMIZER: "optimizer state",

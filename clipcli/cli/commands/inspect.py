@@ -29,29 +29,22 @@ def ls(request: LsRequest) -> None:
         raise UsageError(
             "ls reads no tensor data, so it cannot sort by norm; use norms --sort norm"
         )
-    from clipcli.io import open_reader
+    from clipcli import api  # imports no numpy and no measuring or writing module
     from clipcli.report.builders import ls_report
-    from clipcli.system import scratch
 
-    # The reader itself, not a job module: listing reads only headers, and `ls` in a shell
-    # loop should not import the measuring and writing machinery.
-    with scratch.keeping_clear_of([request.path]), open_reader(request.path) as reader:
-        file_format, metadata, infos = reader.format_name, dict(reader.metadata), reader.listing
-        non_tensors = list(reader.non_tensors)
-        shard_of = getattr(reader, "shard_of", None)  # a model directory's tensor -> shard
-        shards = {i.name: shard_of(i.name) for i in infos} if shard_of is not None else None
-    chosen = list(infos)
+    listed = api.listing(request.path)
+    chosen = list(listed.tensors)
     if request.include or request.exclude:
-        chosen = selection(request.include, request.exclude).check(infos, notify)
+        chosen = selection(request.include, request.exclude).check(listed.tensors, notify)
     report = ls_report(
         str(request.path),
-        file_format,
-        metadata,
+        listed.format_name,
+        listed.metadata,
         chosen,
         request.sort,
-        shards,
-        listed_of=len(infos),
-        non_tensors=non_tensors,
+        listed.shards,
+        listed_of=len(listed.tensors),
+        non_tensors=listed.non_tensors,
     )
     if not request.quiet:  # the listing was still read and checked: exit 3 for a malformed file
         emit(lambda: print_report(report, fmt))

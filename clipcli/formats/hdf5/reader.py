@@ -26,9 +26,9 @@ from clipcli.formats.hdf5.library import (
     utf8_text,
 )
 from clipcli.formats.hdf5.nontensor import RowSlice, VlenBudget, read_rows
+from clipcli.formats.hdf5.record_read import read_structure
 from clipcli.formats.hdf5.safety import DatasetChecks
-from clipcli.formats.hdf5.structure import read_structure
-from clipcli.formats.structure import STRUCTURE_KEY, Structure
+from clipcli.formats.structure_record import STRUCTURE_KEY, Structure
 from clipcli.system.address_space import HDF5_BYTES, check_room
 from clipcli.system.identity import FileIdentity
 from clipcli.system.inputs import fd_path, open_input_fd

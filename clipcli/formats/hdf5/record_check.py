@@ -1,4 +1,4 @@
-"""The structure record of an HDF5 file (clipcli.formats.hdf5.structure describes the
+"""The structure record of an HDF5 file (clipcli.formats.hdf5.record_read describes the
 fields) checked before a rebuild: every node checked field by field and turned into library
 objects (prepare), so that malformed content is refused before anything is created;
 rebuild.py creates them."""
@@ -36,7 +36,7 @@ from clipcli.formats.hdf5.safety import (
     non_tensor_kind,
     vlen_attribute_elements,
 )
-from clipcli.formats.structure import Structure
+from clipcli.formats.structure_record import Structure
 
 LAYOUTS = {"compact": 0, "contiguous": 1, "chunked": 2}
 # A variable-length element as the file stores it: a 4-byte length and a global heap ID

@@ -36,10 +36,10 @@ from clipcli.formats.hdf5.library import (
     reason,
 )
 from clipcli.formats.hdf5.reader import Hdf5Reader
-from clipcli.formats.hdf5.rebuild import create_nodes, follow_metadata
 from clipcli.formats.hdf5.record_check import ReadyNode, check_attribute_budget, prepare
+from clipcli.formats.hdf5.record_rebuild import create_nodes, follow_metadata
 from clipcli.formats.hdf5.replica import Replica, split_path
-from clipcli.formats.structure import STRUCTURE_KEY
+from clipcli.formats.structure_record import STRUCTURE_KEY
 from clipcli.system.address_space import HDF5_BYTES, check_room
 
 HDF5_MAX_ATTRIBUTES = 65535  # attributes per object when creation order is tracked

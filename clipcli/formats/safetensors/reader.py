@@ -38,7 +38,7 @@ from clipcli.formats.safetensors.header import (
     dtype_of,
     header_object,
 )
-from clipcli.formats.structure import (
+from clipcli.formats.structure_record import (
     STRUCTURE_KEY,
     MalformedStructure,
     Structure,

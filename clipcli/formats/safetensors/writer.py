@@ -27,7 +27,7 @@ from clipcli.formats.safetensors.header import (
     build_header,
     header_problem,
 )
-from clipcli.formats.structure import STRUCTURE_KEY
+from clipcli.formats.structure_record import STRUCTURE_KEY
 from clipcli.system.filecopy import copy_range
 
 

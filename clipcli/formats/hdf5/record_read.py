@@ -1,4 +1,4 @@
-"""An HDF5 file's structure as a portable document (clipcli.formats.structure), and an
+"""An HDF5 file's structure as a portable document (clipcli.formats.structure_record), and an
 HDF5 file rebuilt from one.
 
 Node fields (version 1), in the file's own walk order:
@@ -40,7 +40,7 @@ from clipcli.formats.hdf5.portable import (
     holds_variable_string,
     space_points,
 )
-from clipcli.formats.structure import (
+from clipcli.formats.structure_record import (
     MAX_STRUCTURE_BYTES,
     STRUCTURE_FORMAT,
     STRUCTURE_VERSION,

@@ -1,4 +1,4 @@
-"""An HDF5 file rebuilt from a recorded structure (clipcli.formats.hdf5.structure describes
+"""An HDF5 file rebuilt from a recorded structure (clipcli.formats.hdf5.record_read describes
 the fields): every node checked field by field and turned into library objects first
 (prepare, in record_check), so that malformed content is refused before anything is created,
 then created in order (create_nodes)."""

@@ -8,7 +8,7 @@ versioned JSON:
 
     {"format": "clipcli.hdf5_structure", "version": 1, "nodes": [ {node}, ... ]}
 
-one node per HDF5 object in the file's own order (see clipcli/formats/hdf5/structure.py for
+one node per HDF5 object in the file's own order (see clipcli/formats/hdf5/record_read.py for
 the fields), so that converting back to HDF5 rebuilds the same file. What a format cannot
 hold (npz holds no metadata at all; some HDF5 types have no portable description) is a
 "loss": refused unless the user accepts it (--allow-lossy), and then named in one line.
@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-from clipcli.errors import UsageError
 
 STRUCTURE_KEY = "clipcli.hdf5_structure"
 STRUCTURE_FORMAT = "clipcli.hdf5_structure"
@@ -218,41 +216,3 @@ def parse_structure(text: str) -> Structure:
         ):
             raise MalformedStructure("a node without a path, kind or attribute list")
     return Structure(document)
-
-
-Notify = Callable[[str, str], None]
-
-# safetensors' `format` key says only which framework wrote the file (transformers checks
-# it is "pt", "tf", "flax" or "mlx"; diffusers accepts "pt", "pd", "np"): it describes no
-# tensor, so a format without metadata drops it with a note instead of refusing.
-FRAMEWORK_KEY = "format"
-FRAMEWORK_TAGS = frozenset({"pt", "tf", "flax", "mlx", "np", "pd"})
-
-
-def metadata_loss(metadata: Mapping[str, str]) -> tuple[list[str], str | None]:
-    """What a format holding no file metadata loses of `metadata`: (the keys that are a
-    loss, the framework tag dropped with a note). A framework tag beside other keys (the
-    recorded structure's own included) is one of the keys lost, not a note."""
-    keys = list(metadata)
-    tag = metadata.get(FRAMEWORK_KEY)
-    if keys == [FRAMEWORK_KEY] and tag in FRAMEWORK_TAGS:
-        return [], tag
-    return keys, None
-
-
-def metadata_loss_text(keys: Sequence[str]) -> str:
-    """'file metadata (1 key: 'source')', naming the first few keys in sorted order (the
-    same whatever order a writer stored them in)."""
-    shown = ", ".join(repr(key) for key in sorted(keys)[:3])
-    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-    return f"file metadata ({len(keys)} key{'' if len(keys) == 1 else 's'}: {shown}{more})"
-
-
-def check_losses(losses: Sequence[str], allow_lossy: bool, notify: Notify, out: object) -> None:
-    """What OUT cannot hold: refused (exit 2) unless --allow-lossy, then one warning line."""
-    if not losses:
-        return
-    text = "; ".join(losses)
-    if not allow_lossy:
-        raise UsageError(f"{out}: cannot hold {text}; pass --allow-lossy to write it without them")
-    notify("warning", f"dropped from {out}: {text}")

@@ -42,7 +42,7 @@ import numpy as np
 
 from clipcli.formats.base import Reader
 from clipcli.formats.sharded.layout import DERIVED_INDEX_KEYS
-from clipcli.formats.structure import STRUCTURE_KEY, Structure, storage_of
+from clipcli.formats.structure_record import STRUCTURE_KEY, Structure, storage_of
 
 Change = tuple[str, str | None, str | None]
 
