@@ -109,6 +109,8 @@ def measure_reader(
     infos = selection.check(reader.infos, notify)
     selection.check_weights(infos, notify)
     scope.warn_quantized(reader.infos, _declaring_directory(reader), notify)
+    for text in reader.warnings():
+        notify("warning", text)
     if group_by is not None:
         counted = [i.name for i in scope.floating(infos) if selection.left_out(i.name) is None]
         scope.check_groups(counted, group_by, notify)
@@ -160,6 +162,7 @@ def check_diff_scope(
         scope.warn_quantized(
             reader.infos, _declaring_directory(reader), lambda *message: said.append(message)
         )
+        said.extend(("warning", text) for text in reader.warnings())
     for level, text in dict.fromkeys(said):
         notify(level, text)
 

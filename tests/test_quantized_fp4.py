@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from clipcli.io import open_reader
 from quant_reference import (
     Stats,
     close,
@@ -28,6 +27,7 @@ from quant_reference import (
 )
 from test_quantized_fp8_block import assert_exact, measured, refused
 
+from clipcli.formats.opening import open_reader
 from clipcli.logical.quantized.view import QuantizedView
 
 

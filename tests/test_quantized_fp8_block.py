@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from clipcli.io import open_reader
 from quant_reference import (
     Stats,
     bf16_payload,
@@ -30,6 +29,7 @@ from quant_reference import (
 )
 
 from clipcli.errors import ClipcliError, InputError
+from clipcli.formats.opening import open_reader
 from clipcli.logical.quantized import fp8_block, rules
 from clipcli.logical.quantized.view import QuantizedView
 from clipcli.numerics.norms import NormAccumulator

@@ -225,6 +225,11 @@ class Reader(ABC):
         `constant`) charges them now, refusing before anything is written."""
         return None  # the default: every element was counted at opening
 
+    def warnings(self) -> list[str]:
+        """What a measurement of this file leaves out or reads otherwise than asked (one
+        warning line each): GGUF block types that cannot be dequantized."""
+        return []
+
     def read(self, info: TensorInfo) -> np.ndarray:
         """The whole tensor, shaped. Costs memory equal to the tensor."""
         import numpy as np

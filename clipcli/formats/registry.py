@@ -289,8 +289,8 @@ FORMATS: tuple[Format, ...] = (
         label="GGUF",
         suffixes=(".gguf",),
         recognise=_starts(GGUF_MAGIC),
-        refusal="is a GGUF file (llama.cpp), which clipcli does not read; "
-        "clip the safetensors weights it was made from instead",
+        reader="clipcli.formats.gguf:GgufReader",
+        preload=("clipcli.formats.gguf",),
     ),
 )
 

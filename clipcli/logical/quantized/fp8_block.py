@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import rules
-from clipcli.logical.quantized.scheme import Recognised
+from clipcli.logical.quantized.scheme import ReadSmall, Recognised
 from clipcli.logical.view import Part
 
 if TYPE_CHECKING:
@@ -28,7 +28,9 @@ SCALE_SUFFIX = "_scale_inv"
 
 
 def recognise(
-    stored: Mapping[str, TensorInfo], config: Mapping[str, Any] | None
+    stored: Mapping[str, TensorInfo],
+    config: Mapping[str, Any] | None,
+    read: ReadSmall | None = None,  # noqa: ARG001 - interface: every shape is in headers
 ) -> list[Recognised]:
     method = rules.method_of(config)
     if config is not None and method != METHOD:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import fp8_block, rules
-from clipcli.logical.quantized.scheme import Recognised
+from clipcli.logical.quantized.scheme import ReadSmall, Recognised
 from clipcli.logical.view import Part
 
 if TYPE_CHECKING:
@@ -72,7 +72,9 @@ def _strategies(config: Mapping[str, Any]) -> list[tuple[str, Tile]]:
 
 
 def recognise(
-    stored: Mapping[str, TensorInfo], config: Mapping[str, Any] | None
+    stored: Mapping[str, TensorInfo],
+    config: Mapping[str, Any] | None,
+    read: ReadSmall | None = None,  # noqa: ARG001 - interface: every shape is in headers
 ) -> list[Recognised]:
     method = rules.method_of(config)
     if config is not None and method not in (COMPRESSED_TENSORS, FBGEMM):

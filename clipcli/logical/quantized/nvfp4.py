@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import rules
-from clipcli.logical.quantized.scheme import Recognised
+from clipcli.logical.quantized.scheme import ReadSmall, Recognised
 from clipcli.logical.view import Part
 
 if TYPE_CHECKING:
@@ -40,7 +40,9 @@ def _declared(config: Mapping[str, Any]) -> bool:
 
 
 def recognise(
-    stored: Mapping[str, TensorInfo], config: Mapping[str, Any] | None
+    stored: Mapping[str, TensorInfo],
+    config: Mapping[str, Any] | None,
+    read: ReadSmall | None = None,  # noqa: ARG001 - interface: every shape is in headers
 ) -> list[Recognised]:
     if config is not None and not _declared(config):
         return []
