@@ -20,7 +20,9 @@ from clipcli.cli.entry import main
 def pytorch_zip(path: Path) -> Path:
     """The layout torch.save has written since 1.6: one top folder, data.pkl, storages."""
     with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("archive/data.pkl", pickle.dumps({"w": "storage 0"}, protocol=2))
+        # PyTorch files are read now (test_format_pytorch.py); this one's pickle names a
+        # global off the allow-list, refused by name without importing or calling it.
+        archive.writestr("archive/data.pkl", pickle.dumps({"w": Path("x")}, protocol=2))
         archive.writestr("archive/data/0", b"\x00" * 16)
         archive.writestr("archive/version", "3\n")
     return path
@@ -37,15 +39,15 @@ def keras_archive(path: Path) -> Path:
 @pytest.mark.parametrize(
     ("make", "name", "says"),
     [
-        (pytorch_zip, "pytorch_model.bin", "PyTorch checkpoint (a pickle inside a zip)"),
-        (pytorch_zip, "model.pt", "PyTorch checkpoint (a pickle inside a zip)"),
+        (pytorch_zip, "pytorch_model.bin", "PosixPath, which is not on the allow-list"),
+        (pytorch_zip, "model.pt", "PosixPath, which is not on the allow-list"),
         # .keras archives are read now (test_keras_archive.py); this one's weights are
         # a bare HDF5 signature, refused as what they are, inside the archive.
         (keras_archive, "model.keras", "model.keras[model.weights.h5]: cannot open as HDF5"),
         (
             lambda p: p.write_bytes(pickle.dumps({"w": 1}, protocol=4)) and p,
             "old.pth",
-            "pickled PyTorch checkpoint",
+            "is a pickle but not a PyTorch checkpoint",
         ),
         # GGUF files are read now (test_format_gguf.py): this one, an empty header and
         # 16 bytes more than its padding, is refused by the GGUF reader for what it is.

@@ -197,14 +197,14 @@ def _starts(*magics: bytes) -> Recognise:
     return lambda probe: probe.head.startswith(magics)
 
 
+def _tar(probe: Probe) -> bool:
+    """A POSIX tar (torch's legacy tar layout): 'ustar' at byte 257."""
+    return os.pread(probe.handle.fileno(), 5, 257) == b"ustar"
+
+
 def _hdf5_user_block(probe: Probe) -> bool:
     return probe.hdf5_after_user_block()
 
-
-CONVERT_HINT = (
-    "convert it to safetensors first (for a transformers model: "
-    "save_pretrained(..., safe_serialization=True))"
-)
 
 # ---------------------------------------------------------------- the table
 
@@ -269,20 +269,16 @@ FORMATS: tuple[Format, ...] = (
         capabilities=frozenset({ONE_TENSOR}),
     ),
     Format(
-        "pytorch-zip",
+        "pytorch",
         label="PyTorch",
         suffixes=(".pt", ".pth", ".bin"),
-        recognise=_pytorch_zip,
-        refusal="is a PyTorch checkpoint (a pickle inside a zip), which clipcli never loads "
-        f"(unpickling runs code); {CONVERT_HINT}",
-    ),
-    Format(
-        "pytorch-pickle",
-        label="PyTorch",
-        suffixes=(".pt", ".pth", ".bin", ".pkl"),
-        recognise=_starts(*PICKLE_PROTOCOLS),
-        refusal="is a pickled PyTorch checkpoint, which clipcli never loads "
-        f"(unpickling runs code); {CONVERT_HINT}",
+        # The zip layout (torch >= 1.6) and the legacy pickle stream by their first bytes;
+        # the legacy tar only when nothing else matched. Read with an allow-list, never
+        # unpickled (formats/pytorch/unpickler.py).
+        recognise=lambda probe: _pytorch_zip(probe) or probe.head.startswith(PICKLE_PROTOCOLS),
+        late=_tar,
+        reader="clipcli.formats.pytorch:PyTorchReader",
+        preload=("clipcli.formats.pytorch",),
     ),
     Format(
         "gguf",

@@ -32,6 +32,7 @@ OPTIMIZER_ROOTS = frozenset(
         "optim_state_dict",
         "optimizer_state",
         "optimizer_state_dict",
+        "optimizer_states",  # Lightning checkpoints: a list of optimizer state dicts
     }
 )
 BUFFER_NAMES = frozenset(
