@@ -20,7 +20,13 @@ def _quantized(reader: Reader) -> View | None:
     return quantized_view(reader)
 
 
-VIEW_FACTORIES: list[ViewFactory] = [_quantized]
+def _storages(reader: Reader) -> View | None:
+    from clipcli.logical.pytorch import storage_view  # PyTorch tensors sharing storages
+
+    return storage_view(reader)
+
+
+VIEW_FACTORIES: list[ViewFactory] = [_quantized, _storages]
 
 
 def view_for(reader: Reader) -> View | None:

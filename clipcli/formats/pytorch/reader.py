@@ -200,13 +200,39 @@ class PyTorchReader(Reader):
         tied = [f"{name} = {first}" for name, first in self._shared.items()]
         if tied:
             self._metadata["pytorch.tied"] = _value_text("; ".join(tied))
-        overlapping = [
+        shared = [
             ", ".join(names)
             for names in self._storage_mates.values()
             if len({self._shared.get(n, n) for n in names}) > 1
         ]
-        if overlapping:
-            self._metadata["pytorch.shared_storage"] = _value_text("; ".join(overlapping))
+        if shared:
+            self._metadata["pytorch.shared_storage"] = _value_text("; ".join(shared))
+        self._overlapping = self._overlaps()
+
+    def _overlaps(self) -> list[tuple[str, ...]]:
+        """Groups of tensors (tied ones stand for their first) whose byte ranges in one
+        storage intersect, found by a sweep over each storage's ranges sorted by start.
+        Judged by ranges, not elements: two strided views that interleave (even and odd
+        columns) count as overlapping, which errs on the side of refusing a clip."""
+        groups: list[tuple[str, ...]] = []
+        for names in self._storage_mates.values():
+            ranges = sorted(
+                (located.begin + located.first, located.begin + located.first + located.span, n)
+                for n in names
+                if n not in self._shared and (located := self._located[n]).span > 0
+            )
+            current: list[str] = []
+            reach = -1
+            for start, end, name in ranges:
+                if current and start >= reach:
+                    if len(current) > 1:
+                        groups.append(tuple(current))
+                    current = []
+                current.append(name)
+                reach = max(reach, end) if len(current) > 1 else end
+            if len(current) > 1:
+                groups.append(tuple(current))
+        return groups
 
     def _locate(self, name: str, tensor: Tensor, spans: Mapping[str, layouts.Span]) -> _Located:
         storage = tensor.storage
@@ -251,6 +277,14 @@ class PyTorchReader(Reader):
     def shared_with(self, name: str) -> str | None:
         """The earlier tensor whose view `name` repeats exactly (tied weights), or None."""
         return self._shared.get(name)
+
+    def tied(self) -> dict[str, str]:
+        """Every tied tensor -> the first tensor of its identical view."""
+        return dict(self._shared)
+
+    def overlapping_views(self) -> list[tuple[str, ...]]:
+        """Groups of tensors (not tied) whose bytes in one storage overlap in part."""
+        return list(self._overlapping)
 
     def tensor_layout(self, name: str) -> tuple[str, int, tuple[int, ...], tuple[int, ...]]:
         """(storage key, storage offset, sizes, strides) of a tensor, as the pickle says."""
