@@ -278,6 +278,10 @@ FORMATS: tuple[Format, ...] = (
         recognise=lambda probe: _pytorch_zip(probe) or probe.head.startswith(PICKLE_PROTOCOLS),
         late=_tar,
         reader="clipcli.formats.pytorch:PyTorchReader",
+        # A state dict in the zip layout, as torch.save writes it (the pickle written by
+        # us over the same globals): torch.load(weights_only=True) accepts it.
+        writer="clipcli.formats.pytorch:PyTorchWriter",
+        output=True,
         preload=("clipcli.formats.pytorch",),
     ),
     Format(

@@ -21,6 +21,8 @@ def _quantized(reader: Reader) -> View | None:
 
 
 def _storages(reader: Reader) -> View | None:
+    if not reader.format_name.startswith("pytorch"):  # a file or a directory of PyTorch shards
+        return None  # (other formats never import the PyTorch reader)
     from clipcli.logical.pytorch import storage_view  # PyTorch tensors sharing storages
 
     return storage_view(reader)
