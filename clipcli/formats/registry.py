@@ -307,7 +307,19 @@ MODEL_DIRECTORY = Format(
     shards="safetensors",
 )
 
-BY_NAME = {f.name: f for f in (*FORMATS, MODEL_DIRECTORY)}
+# A model directory of PyTorch shards (pytorch_model.bin, or pytorch_model-0000N-of-0000M.bin
+# and pytorch_model.bin.index.json), read as one checkpoint; written as MODEL_DIRECTORY
+# (safetensors shards and index). Where both are present, MODEL_DIRECTORY's files are read.
+PYTORCH_DIRECTORY = Format(
+    "pytorch-sharded",
+    label="model directory of PyTorch shards",
+    reader="clipcli.formats.sharded:ShardedReader",
+    directory=True,
+    preload=("clipcli.formats.sharded", "clipcli.formats.pytorch"),
+    shards="pytorch",
+)
+
+BY_NAME = {f.name: f for f in (*FORMATS, MODEL_DIRECTORY, PYTORCH_DIRECTORY)}
 # The readable formats by suffix (a refused one's suffixes decide nothing: a `.bin` that
 # holds safetensors is read as safetensors).
 BY_SUFFIX = {suffix: f for f in FORMATS if f.readable for suffix in f.suffixes}

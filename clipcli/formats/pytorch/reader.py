@@ -17,7 +17,7 @@ import mmap
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from clipcli.errors import InputError
 from clipcli.formats.base import (
@@ -137,7 +137,8 @@ class PyTorchReader(Reader):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
-        self._handle = open_input(path)  # closed by close()
+        self._handle: BinaryIO | None = open_input(path)  # closed by close() or release()
+        self._closed = False
         try:
             self._fd = self._handle.fileno()
             self._identity = FileIdentity.of_stat(os.fstat(self._fd))
@@ -148,11 +149,34 @@ class PyTorchReader(Reader):
             self._handle.close()
             raise
 
+    def _descriptor(self) -> int:
+        """The open descriptor, reopened (and checked to be the same file) after release():
+        a directory of many shards keeps only some open (clipcli.formats.sharded)."""
+        if self._handle is None:
+            if self._closed:
+                raise ValueError(f"{self.path}: reader is closed")
+            handle = open_input(self.path)
+            if FileIdentity.of_stat(os.fstat(handle.fileno())) != self._identity:
+                handle.close()
+                raise InputError(self.path, "file changed since it was opened")
+            self._handle = handle
+        return self._handle.fileno()
+
+    def fileno(self) -> int:
+        return self._descriptor()
+
+    def release(self) -> None:
+        """Close the descriptor until the next read needs it."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
     def _parse(self) -> layouts.Parsed:
         try:
             head = os.pread(self._fd, 16, 0)
         except OSError as exc:
             raise InputError(self.path, f"cannot read: {exc.strerror}") from None
+        assert self._handle is not None
         if head.startswith(b"PK\x03\x04"):
             return layouts.parse_zip(self.path, self._handle)
         if layouts.is_legacy_stream(head):
@@ -319,7 +343,7 @@ class PyTorchReader(Reader):
 
     def _pread(self, count: int, offset: int) -> bytes:
         try:
-            data = os.pread(self._fd, count, offset)
+            data = os.pread(self._descriptor(), count, offset)
         except OSError as exc:
             raise InputError(self.path, f"cannot read: {exc.strerror}") from None
         if len(data) != count:
@@ -349,7 +373,7 @@ class PyTorchReader(Reader):
         aligned = begin - begin % mmap.ALLOCATIONGRANULARITY
         length = begin - aligned + located.span
         try:
-            window = mmap.mmap(self._fd, length, access=mmap.ACCESS_READ, offset=aligned)
+            window = mmap.mmap(self._descriptor(), length, access=mmap.ACCESS_READ, offset=aligned)
         except (OSError, ValueError) as exc:
             raise InputError(self.path, f"cannot map: {exc}", info.name) from None
         view: np.ndarray | None = None
@@ -379,7 +403,8 @@ class PyTorchReader(Reader):
         return {self.path: self._identity}
 
     def close(self) -> None:
-        self._handle.close()
+        self._closed = True
+        self.release()
 
 
 def _c_contiguous(tensor: Tensor) -> bool:
