@@ -71,6 +71,15 @@ def main() -> int:
     args = parser.parse_args()
     directory = args.keep or Path(tempfile.mkdtemp(prefix="clipcli-pytorch-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
+    # Made in a child process: a child's peak RSS (wait4) starts from its parent's at the
+    # fork, and making the arrays here would lift every measured command's to their size.
+    here = str(Path(__file__).resolve().parent)
+    for size in (512, args.size_mib):
+        call = (
+            f"import sys; sys.path.insert(0, {here!r}); import pytorch_norms; "
+            f"pytorch_norms.make(pytorch_norms.Path({str(directory)!r}), {size})"
+        )
+        subprocess.run([sys.executable, "-c", call], check=True)
     small_safe, small_bin = make(directory, 512)
     big_safe, big_bin = make(directory, args.size_mib)
     commands = {

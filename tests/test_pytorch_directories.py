@@ -210,3 +210,32 @@ def test_tied_tensors_in_a_pytorch_shard_count_once(
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["tensors"]}
     assert rows["lm_head.weight"]["role"] == "tied to 0.weight"
     assert rows["lm_head.weight"]["in_global"] is False
+
+
+def test_loaders_and_release_read_the_same_values(tmp_path: Path) -> None:
+    """Contiguous tensors have thread-safe loaders (strided views do not); a released
+    descriptor is reopened for the next read, and a file swapped meanwhile is refused."""
+    from expect import REPO_ROOT
+
+    from clipcli.errors import InputError
+    from clipcli.formats.pytorch import PyTorchReader
+
+    source = REPO_ROOT / "tests" / "data" / "pytorch" / "zip_v2.pt"
+    with np.load(source.with_name("zip_v2.expected.npz")) as archive:
+        want = {key: archive[key] for key in archive.files}
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes(source.read_bytes())
+    with PyTorchReader(copy) as reader:
+        infos = {i.name: i for i in reader.infos}
+        assert reader.chunk_loaders(infos["transposed"]) is None
+        loaders = reader.chunk_loaders(infos["1.weight"])
+        assert loaders is not None
+        joined = np.concatenate([load() for load in loaders]).astype(np.float64)
+        np.testing.assert_array_equal(joined, want["1.weight"].ravel())
+        reader.release()
+        np.testing.assert_array_equal(reader.read(infos["half"]).astype(np.float64), want["half"])
+        reader.release()
+        copy.unlink()
+        copy.write_bytes(source.read_bytes())  # another file under the name
+        with pytest.raises(InputError, match="changed since it was opened"):
+            reader.read(infos["half"])

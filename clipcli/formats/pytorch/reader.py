@@ -12,10 +12,12 @@ tensor an exactly identical view belongs to, so a global norm counts it once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import mmap
 import os
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
@@ -139,6 +141,10 @@ class PyTorchReader(Reader):
         super().__init__(path)
         self._handle: BinaryIO | None = open_input(path)  # closed by close() or release()
         self._closed = False
+        # Reads in progress (worker threads' loaders): release() waits for them to end.
+        self._lock = threading.Lock()
+        self._users = 0
+        self._close_when_idle = False
         try:
             self._fd = self._handle.fileno()
             self._identity = FileIdentity.of_stat(os.fstat(self._fd))
@@ -163,13 +169,34 @@ class PyTorchReader(Reader):
         return self._handle.fileno()
 
     def fileno(self) -> int:
-        return self._descriptor()
+        with self._lock:
+            return self._descriptor()
 
     def release(self) -> None:
-        """Close the descriptor until the next read needs it."""
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        """Close the descriptor until the next read needs it (once the reads in progress
+        are done)."""
+        with self._lock:
+            if self._users:
+                self._close_when_idle = True
+            elif self._handle is not None:
+                self._handle.close()
+                self._handle = None
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[int]:
+        """The descriptor, held open for one read."""
+        with self._lock:
+            self._close_when_idle = False
+            fd = self._descriptor()
+            self._users += 1
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users and self._close_when_idle and self._handle is not None:
+                    self._handle.close()
+                    self._handle = None
 
     def _parse(self) -> layouts.Parsed:
         try:
@@ -341,26 +368,54 @@ class PyTorchReader(Reader):
             return array.byteswap().view(dtype)
         return array.astype(dtype)
 
-    def _pread(self, count: int, offset: int) -> bytes:
-        try:
-            data = os.pread(self._descriptor(), count, offset)
-        except OSError as exc:
-            raise InputError(self.path, f"cannot read: {exc.strerror}") from None
-        if len(data) != count:
-            raise InputError(self.path, "file is truncated (it changed while being read?)")
-        return data
-
-    def _contiguous(self, info: TensorInfo, located: _Located, elems: int) -> Iterator[np.ndarray]:
+    def _pread(self, count: int, offset: int) -> np.ndarray:
+        """`count` bytes at `offset`, read with preadv into a fresh array (no bytes object
+        to copy from, and the resident set stays bounded)."""
         import numpy as np
 
+        raw = np.empty(count, dtype=np.uint8)
+        view = memoryview(raw)  # type: ignore[arg-type]
+        done = 0
+        with self._reading() as fd:
+            while done < count:
+                try:
+                    got = os.preadv(fd, [view[done:]], offset + done)
+                except OSError as exc:
+                    raise InputError(self.path, f"cannot read: {exc.strerror}") from None
+                if got == 0:
+                    raise InputError(self.path, "file is truncated (it changed while being read?)")
+                done += got
+        return raw
+
+    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]] | None:
+        """Thread-safe loaders of a contiguous tensor's chunks (pread needs no shared file
+        position); None for a strided view, read in order through its map."""
+        located = self._located[info.name]
+        if not located.contiguous or located.span == 0:
+            return None
+        return self._loaders(info, located, default_chunk_elems(info.dtype))
+
+    def _loaders(
+        self, info: TensorInfo, located: _Located, elems: int
+    ) -> Iterator[Callable[[], np.ndarray]]:
         itemsize = info.dtype.itemsize
         start = located.begin + located.first
         file_dtype = self._file_dtype(info.dtype)
         numel = info.numel
         for position in range(0, numel, elems):
             count = min(elems, numel - position)
-            raw = self._pread(count * itemsize, start + position * itemsize)
-            yield self._native(np.frombuffer(raw, dtype=file_dtype), info.dtype)
+            yield functools.partial(
+                self._load, count * itemsize, start + position * itemsize, file_dtype, info.dtype
+            )
+
+    def _load(
+        self, count: int, offset: int, file_dtype: np.dtype[Any], dtype: np.dtype[Any]
+    ) -> np.ndarray:
+        return self._native(self._pread(count, offset).view(file_dtype), dtype)
+
+    def _contiguous(self, info: TensorInfo, located: _Located, elems: int) -> Iterator[np.ndarray]:
+        for load in self._loaders(info, located, elems):
+            yield load()
 
     def _strided(self, info: TensorInfo, located: _Located, elems: int) -> Iterator[np.ndarray]:
         """A strided view read through an mmap of just its span, copied out in C order a
@@ -373,7 +428,8 @@ class PyTorchReader(Reader):
         aligned = begin - begin % mmap.ALLOCATIONGRANULARITY
         length = begin - aligned + located.span
         try:
-            window = mmap.mmap(self._descriptor(), length, access=mmap.ACCESS_READ, offset=aligned)
+            with self._reading() as fd:  # the map holds its own reference to the file
+                window = mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=aligned)
         except (OSError, ValueError) as exc:
             raise InputError(self.path, f"cannot map: {exc}", info.name) from None
         view: np.ndarray | None = None
