@@ -60,6 +60,7 @@ def ls(
         listed.shards,
         listed_of=len(listed.tensors),
         non_tensors=listed.non_tensors,
+        quantized=listed.quantized,
     )
     if not quiet:  # the listing was still read and checked: exit 3 for a malformed file
         emit(lambda: print_report(report, fmt))

@@ -13,7 +13,7 @@ a config the group size is in / groups. The GEMV, Marlin and other layouts are r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import intcodes, rules
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import TensorInfo
 
-NAMES = ("awq",)
+NAMES: Sequence[str] = ("awq",)
 METHOD = "awq"
 BITS = 4
 PER_WORD = 8

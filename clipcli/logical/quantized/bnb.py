@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import intcodes, rules
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import TensorInfo
 
-NAMES = ("bnb-nf4", "bnb-fp4", "bnb-int8")
+NAMES: Sequence[str] = ("bnb-nf4", "bnb-fp4", "bnb-int8")
 METHOD = "bitsandbytes"
 STATE = ".quant_state.bitsandbytes__"
 QUANT_TYPES = ("nf4", "fp4")
@@ -168,7 +168,14 @@ def _four_bit(
         rules.check_shape(nested_map, (256,), weight, "nested quant map")
         parts += [Part(nested_absmax.name, "scale"), Part(nested_map.name, "quant_map")]
         params["nested"] = (nested_absmax.name, nested_map.name, nested_block, float(offset))
-        scaled = [nested_absmax.name, state_info.name]  # the offset in the JSON scales too
+        scaled = [nested_absmax.name]
+        if offset != 0:
+            # absmax = map[q] * nested_absmax + offset: a factor must scale the offset too,
+            # and it is a number inside JSON text, not a tensor a clip rounds and writes.
+            params["clip_refused"] = (
+                f"{weight}: its absmax is nested with nested_offset {offset!r} in the JSON "
+                f"quant state {state_info.name}, which a clip would have to rewrite"
+            )
     parts.append(Part(state_info.name, "quant_state"))
     params["scaled"] = scaled
     return Recognised(

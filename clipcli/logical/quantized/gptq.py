@@ -20,7 +20,7 @@ input is its g_idx (or one group): a group size cannot be told from shapes alone
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import intcodes, rules
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import TensorInfo
 
-NAMES = ("gptq",)
+NAMES: Sequence[str] = ("gptq",)
 METHOD = "gptq"
 BITS = (2, 3, 4, 8)
 FORMATS = {"gptq": 1, "gptq_v2": 2}

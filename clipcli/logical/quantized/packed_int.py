@@ -18,7 +18,7 @@ guessed, the weight is refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from clipcli.logical.quantized import intcodes, rules
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import TensorInfo
 
-NAMES = ("pack-quantized",)
+NAMES: Sequence[str] = ("pack-quantized",)
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
 SUFFIX = ".weight_packed"
