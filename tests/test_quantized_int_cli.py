@@ -161,3 +161,188 @@ def test_a_transposed_weight_larger_than_one_block_takes_several_passes(
         assert result.code == 0, result.stderr
         (row,) = json.loads(result.stdout)["tensors"]
         assert row["max_abs_diff"] == 0.0, (rows, row)
+
+
+# ---------------------------------------------------------------- clip through the scales
+
+# Each case's scale tensor and, for element (row, column) of the real [out, in] weight
+# (bitsandbytes 4-bit: of the flattened weight), the index of the scale it is multiplied by.
+SCALE_OF: dict[str, tuple[str, Any]] = {
+    "gptq-int4": ("m.scales", lambda a, o, i: (int(a["m.g_idx"][i]), o)),
+    "awq-int4": ("m.scales", lambda _, o, i: (i // 16, o)),
+    "pack-quantized-int4": ("m.weight_scale", lambda _, o, i: (o, i // 16)),
+    "bnb-nf4": ("m.weight.absmax", lambda _, o, i: ((o * 13 + i) // 16,)),
+    "bnb-int8": ("m.SCB", lambda _, o, __: (o,)),
+}
+
+
+def clipped_values(
+    scheme: str, before: dict[str, np.ndarray], after: dict[str, np.ndarray], reference: Any
+) -> list[Fraction]:
+    """The real values under the written scales, exactly: each value is its code's part
+    times its scale, so the new value is the old one times new scale / old scale (LLM.int8
+    rounds q * SCB / 127 once to float64, as its definition in bnb.py says)."""
+    name, index = SCALE_OF[scheme]
+    values = []
+    for o, row in enumerate(reference):
+        for i, value in enumerate(row):
+            at = index(before, o, i)
+            old, new = Fraction(float(before[name][at])), Fraction(float(after[name][at]))
+            if scheme == "bnb-int8":
+                q = int(before["m.weight"][o, i])
+                values.append(Fraction(float(q) * float(after[name][at]) / 127))
+            else:
+                values.append(Fraction(0) if old == 0 else Fraction(value) * new / old)
+    return values
+
+
+@pytest.mark.parametrize("where", ["above", "at", "just-below", "far-below"])
+@pytest.mark.parametrize("scheme", list(CASES))
+def test_clip_through_the_scales(tmp_path: Path, run_main: Any, scheme: str, where: str) -> None:
+    from safetensors.numpy import load_file
+
+    arrays, reference, config = CASES[scheme]()
+    src = save(tmp_path / "q.safetensors" if config is None else tmp_path / "q", arrays, config)
+    exact = sumsq(flat(reference))
+    norm_up = exact_sqrt(exact)
+    while Fraction(norm_up) ** 2 < exact:  # the least float64 at or above the exact norm
+        norm_up = math.nextafter(norm_up, math.inf)
+    while Fraction(math.nextafter(norm_up, 0)) ** 2 >= exact:
+        norm_up = math.nextafter(norm_up, 0)
+    limit = {
+        "above": norm_up * 2,
+        "at": norm_up,
+        "just-below": math.nextafter(math.nextafter(norm_up, 0), 0),
+        "far-below": norm_up / 1000,
+    }[where]
+    out = tmp_path / ("o.safetensors" if config is None else "o")
+    result = run_main("clip", "--global", repr(limit), src, out, "-q")
+    assert result.code == 0, result.stderr
+    written = load_file(str(out if config is None else out / "model.safetensors"))
+    scale_name = SCALE_OF[scheme][0]
+    for name in arrays:  # codes, zero points, maps, states (and GPTQ's zero bias): as they were
+        if name != scale_name:
+            assert written[name].tobytes() == arrays[name].tobytes(), name
+    after = sumsq(clipped_values(scheme, arrays, written, reference))
+    assert after <= Fraction(limit) ** 2  # the promise, exactly, on the written scales
+    if where in ("above", "at"):
+        assert written[scale_name].tobytes() == arrays[scale_name].tobytes()
+    else:
+        assert written[scale_name].tobytes() != arrays[scale_name].tobytes()
+        assert after >= Fraction(limit) ** 2 / 4  # tight as the scale dtype allows, roughly
+
+
+def test_nested_bitsandbytes_clip_is_refused_and_value_too(tmp_path: Path, run_main: Any) -> None:
+    """Nested absmax: absmax = map[q] * nested_absmax + nested_offset, and the offset is a
+    number in the JSON quant state, not a tensor a factor may be applied to."""
+    arrays, _ = four_bit((6, 10), 4, nested_block=3, seed=2)
+    src = save(tmp_path / "q.safetensors", arrays, None)
+    out = tmp_path / "o.safetensors"
+    result = run_main("clip", "--global", "0.001", src, out)
+    assert result.code == 4
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("clipcli: error: m.weight: its absmax is nested with nested_offset")
+    assert not out.exists()
+    result = run_main("clip", "--value", "0.1", src, out)
+    assert result.code == 4
+    (line,) = result.stderr.splitlines()
+    assert "not linear" in line
+    assert not out.exists()
+    assert run_main("norms", src, "-q").code == 0  # measured all the same
+
+
+def test_nested_bitsandbytes_with_a_zero_offset_is_clipped(tmp_path: Path, run_main: Any) -> None:
+    """With nested_offset 0, absmax is map[q] * nested_absmax: linear in nested_absmax."""
+    arrays, _ = four_bit((6, 10), 4, nested_block=3, seed=2)
+    name = "m.weight.quant_state.bitsandbytes__nf4"
+    state = json.loads(arrays[name].tobytes())
+    state["nested_offset"] = 0.0
+    arrays[name] = np.frombuffer(json.dumps(state).encode(), np.uint8)
+    src = save(tmp_path / "q.safetensors", arrays, None)
+    out = tmp_path / "o.safetensors"
+    assert run_main("clip", "--global", "0.5", src, out, "-q").code == 0
+    from safetensors.numpy import load_file
+
+    written = load_file(str(out))
+    for key in arrays:
+        if key != "m.weight.nested_absmax":
+            assert written[key].tobytes() == arrays[key].tobytes(), key
+    assert written["m.weight.nested_absmax"].tobytes() != arrays["m.weight.nested_absmax"].tobytes()
+    report = norms_json(run_main, out)
+    assert 0 < report["global_norm"] <= 0.5
+
+
+# ---------------------------------------------------------------- what ls shows
+
+
+def test_ls_lists_the_real_weight_and_counts_scales_apart(tmp_path: Path, run_main: Any) -> None:
+    arrays, _, _ = gptq_case()
+    src = save(tmp_path / "q.safetensors", arrays, None)
+    result = run_main("ls", src, "--format", "json")
+    assert result.code == 0, result.stderr
+    report = json.loads(result.stdout)
+    rows = {row["name"]: row for row in report["tensors"]}
+    assert sorted(rows) == ["m.bias", "m.g_idx", "m.qzeros", "m.scales", "m.weight"]
+    weight = rows["m.weight"]
+    assert weight["shape"] == [40, 96]  # the real [out, in] weight, not the packed words
+    assert weight["numel"] == 40 * 96
+    assert weight["dtype"] == "float16"  # its scales' dtype: what it dequantizes to
+    assert weight["bytes"] == arrays["m.qweight"].nbytes  # its codes; the scales have rows
+    assert weight["quantization"] == {
+        "scheme": "gptq-int4",
+        "stored": ["m.qweight", "m.scales", "m.qzeros", "m.g_idx"],
+    }
+    assert rows["m.scales"]["quantization"] == {"role": "scale", "of": "m.weight"}
+    assert rows["m.bias"]["quantization"] is None
+    assert report["total_parameters"] == 40 * 96 + 40  # the weight's and the bias's
+    parts = ("m.scales", "m.qzeros", "m.g_idx")
+    assert report["quantization_elements"] == sum(arrays[n].size for n in parts)
+    assert report["total_bytes"] == sum(a.nbytes for a in arrays.values())
+    table = run_main("ls", src)
+    assert table.code == 0
+    assert "gptq-int4" in table.stdout
+    assert f"+{report['quantization_elements']:,} in quantization tensors" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("scheme", "dtype"),
+    [("gptq-int4", "float16"), ("pack-quantized-int4", "float16"), ("bnb-nf4", "bfloat16")],
+)
+def test_the_row_dtype_is_what_the_weight_dequantizes_to(
+    tmp_path: Path, run_main: Any, scheme: str, dtype: str
+) -> None:
+    """Not float64 (the exact values' own): the scales' dtype, or bitsandbytes' quant
+    state's dtype; float32 where the scales are 32-bit (LLM.int8's SCB)."""
+    arrays, _, config = CASES[scheme]()
+    src = save(tmp_path / "q.safetensors" if config is None else tmp_path / "q", arrays, config)
+    (row,) = [r for r in norms_json(run_main, src)["tensors"] if r["name"] == "m.weight"]
+    assert row["dtype"] == dtype
+
+
+def test_plain_rows_have_no_quantization_column(tmp_path: Path, run_main: Any) -> None:
+    src = tmp_path / "p.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, str(src))
+    (row,) = norms_json(run_main, src)["tensors"]
+    assert "quantization" not in row
+    (row,) = json.loads(run_main("ls", src, "--format", "json").stdout)["tensors"]
+    assert "quantization" not in row
+
+
+@pytest.mark.parametrize("room", [0, -1])
+def test_recognising_reads_at_most_the_small_parts_budget(
+    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch, room: int
+) -> None:
+    """The real shape of a pack-quantized weight is read from its weight_shape tensor
+    (16 bytes): within SMALL_PARTS_LIMIT it is read, one byte short it is refused (exit 3)."""
+    arrays, _, config = packed_case()
+    src = save(tmp_path / "q", arrays, config)
+    monkeypatch.setattr(view_module, "SMALL_PARTS_LIMIT", arrays["m.weight_shape"].nbytes + room)
+    result = run_main("ls", src)
+    if room == 0:
+        assert result.code == 0, result.stderr
+        assert "[6,40]" in result.stdout
+    else:
+        assert result.code == 3
+        (line,) = result.stderr.splitlines()
+        assert "m.weight_shape" in line
+        assert "small tensors" in line

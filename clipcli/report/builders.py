@@ -137,7 +137,7 @@ def ls_report(
     counted = count_number(parameters, "parameter")
     apart = [f"+{training_state:,} in training state"] if training_state else []
     apart += [f"+{non_float:,} non-float"] if non_float else []
-    apart += [f"+{quantization:,} in scales and zero points"] if quantization else []
+    apart += [f"+{quantization:,} in quantization tensors"] if quantization else []
     if apart:
         counted += f" ({', '.join(apart)})"
     footer = [f"{listed}, {counted}, {count_number(total, 'byte')}"]
