@@ -346,3 +346,18 @@ def test_recognising_reads_at_most_the_small_parts_budget(
         (line,) = result.stderr.splitlines()
         assert "m.weight_shape" in line
         assert "small tensors" in line
+
+
+@pytest.mark.parametrize("command", ["ls", "norms"])
+def test_stored_shows_each_stored_tensor_as_it_is(
+    tmp_path: Path, run_main: Any, command: str
+) -> None:
+    arrays, _, _ = gptq_case()
+    src = save(tmp_path / "q.safetensors", arrays, None)
+    result = run_main(command, src, "--stored", "--format", "json")
+    assert result.code == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)["tensors"]}
+    assert sorted(rows) == sorted(arrays)
+    assert rows["m.qweight"]["shape"] == list(arrays["m.qweight"].shape)
+    assert rows["m.qweight"]["dtype"] == "int32"
+    assert all("quantization" not in row for row in rows.values())

@@ -166,6 +166,14 @@ AllTensorsOpt = Annotated[
         "they are listed apart, left out of the global norm and copied bit for bit.",
     ),
 ]
+StoredOpt = Annotated[
+    bool,
+    typer.Option(
+        "--stored",
+        help="Show the tensors as stored: a quantized weight's codes, scales and zero points "
+        "each as they are, instead of the weight they make up.",
+    ),
+]
 # One declaration of --sort and --top for every command that measures (norms, clip, diff).
 SortOpt = Annotated[
     SortKey,
@@ -225,6 +233,7 @@ def ls_command(
             "order, size. (ls reads no tensor data: for --sort norm, use norms.)"
         ),
     ] = ListingSortKey.NAME,
+    stored: StoredOpt = False,
 ) -> None:
     """List tensors (name, dtype, shape, bytes; the shard in a model directory), the total
     parameter count and file metadata, reading no tensor data."""
@@ -236,6 +245,7 @@ def ls_command(
         include=include,
         exclude=exclude,
         sort=SortKey(sort.value),
+        stored=stored,
     )
 
 
@@ -283,6 +293,7 @@ def norms_command(
     ] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing --plot FILE.")] = False,
     all_tensors: AllTensorsOpt = False,
+    stored: StoredOpt = False,
 ) -> None:
     """Per-tensor L2 norm, max |x| and non-finite count, and the global norm over
     floating-point model weights (optimizer state and BatchNorm statistics are listed
@@ -303,6 +314,7 @@ def norms_command(
         plot=plot,
         force=force,
         all_tensors=all_tensors,
+        stored=stored,
     )
 
 

@@ -105,12 +105,21 @@ _QUIET = ("--quiet -q", "quiet", ON)
 _LARGE_SIDE_FILES = ("--allow-large-side-files", "allow_large_side_files", ON)
 _LOSSY = ("--allow-lossy", "allow_lossy", ON)
 _SORT = ("--sort", "sort", "sort")
+_STORED = ("--stored", "stored", ON)
 _TOP = ("--top", "top", "count")
 
 COMMANDS: dict[str, Command] = {
     "ls": Command(
         [("path", Path)],
-        _spellings(_FORMAT, _JSON, _QUIET, _INCLUDE, _EXCLUDE, ("--sort", "sort", "listing-sort")),
+        _spellings(
+            _FORMAT,
+            _JSON,
+            _QUIET,
+            _INCLUDE,
+            _EXCLUDE,
+            ("--sort", "sort", "listing-sort"),
+            _STORED,
+        ),
     ),
     "norms": Command(
         [("path", Path)],
@@ -131,6 +140,7 @@ COMMANDS: dict[str, Command] = {
             _FORCE,
             _NO_FORCE,
             _ALL_TENSORS,
+            _STORED,
         ),
     ),
     "clip": Command(

@@ -38,6 +38,7 @@ def ls(
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     sort: SortKey = SortKey.NAME,
+    stored: bool = False,
 ) -> None:
     fmt = report_format(fmt, as_json, quiet)
     if sort is SortKey.NORM:
@@ -47,7 +48,7 @@ def ls(
     from clipcli import api  # imports no numpy and no measuring or writing module
     from clipcli.report.builders import ls_report
 
-    listed = api.listing(path)
+    listed = api.listing(path, stored)
     chosen = list(listed.tensors)
     if include or exclude:
         chosen = selection(include, exclude).check(listed.tensors, notify)
@@ -82,6 +83,7 @@ def norms(
     plot: Path | None = None,
     force: bool = False,
     all_tensors: bool = False,
+    stored: bool = False,
 ) -> None:
     # Every option acts or is refused here, before any data is read.
     if fmt is not None or as_json:  # none given: a table, or with --plot alone no report
@@ -116,7 +118,7 @@ def norms(
     from clipcli.report.builders import bars_of, groups_report, norms_report
 
     measurement = measure(
-        path, selection(include, exclude, all_tensors), progress(quiet), notify, group_by
+        path, selection(include, exclude, all_tensors), progress(quiet), notify, group_by, stored
     )
     if group_by is not None:
         report = groups_report(measurement, group_by, sort, top)
