@@ -165,7 +165,7 @@ def diff(
     ):
         logical_a, logical_b = views.logical(reader_a), views.logical(reader_b)
         check_diff_scope(logical_a, logical_b, selection, notify)
-        return pipeline.compare(
+        result = pipeline.compare(
             logical_a,
             logical_b,
             selection,
@@ -173,6 +173,27 @@ def diff(
             progress=progress,
             workers=workers,
         )
+        return _shown_dtypes(result, _quantized_rows(logical_a), _quantized_rows(logical_b))
+
+
+def _shown_dtypes(
+    result: DiffResult, rows_a: QuantizedRows | None, rows_b: QuantizedRows | None
+) -> DiffResult:
+    """A quantized weight's dtype in a diff row is the one its norms row shows (the dtype
+    it dequantizes to, not the float64 it is compared in); `dtype changed` follows it."""
+    if rows_a is None and rows_b is None:
+        return result
+    from clipcli.jobs.diff import CHANGED, DTYPE_CHANGED
+
+    tensors = []
+    for t in result.tensors:
+        a = t.dtype_a if rows_a is None or t.dtype_a is None else rows_a.dtype(t.name, t.dtype_a)
+        b = t.dtype_b if rows_b is None or t.dtype_b is None else rows_b.dtype(t.name, t.dtype_b)
+        status = t.status
+        if status in (CHANGED, DTYPE_CHANGED):
+            status = CHANGED if a == b else DTYPE_CHANGED
+        tensors.append(dataclasses.replace(t, dtype_a=a, dtype_b=b, status=status))
+    return dataclasses.replace(result, tensors=tensors)
 
 
 def check_diff_scope(

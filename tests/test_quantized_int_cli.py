@@ -361,3 +361,19 @@ def test_stored_shows_each_stored_tensor_as_it_is(
     assert rows["m.qweight"]["shape"] == list(arrays["m.qweight"].shape)
     assert rows["m.qweight"]["dtype"] == "int32"
     assert all("quantization" not in row for row in rows.values())
+
+
+def test_diff_rows_show_the_dequantized_dtype(tmp_path: Path, run_main: Any) -> None:
+    """Against the plain float16 weight it equals, a GPTQ weight (float16 scales) is
+    `same`... in values; its row says float16 both sides, so `changed` is not `dtype
+    changed` (the float64 it is compared in is no dtype of the file)."""
+    arrays, reference, _ = gptq_case()
+    src = save(tmp_path / "q.safetensors", arrays, None)
+    real = np.array([[float(v) for v in row] for row in reference], dtype=np.float64)
+    plain = tmp_path / "plain.safetensors"
+    save_file({"m.weight": real.astype(np.float16)}, str(plain))
+    result = run_main("diff", plain, src, "--format", "json", "-i", "m.weight")
+    assert result.code == 0, result.stderr
+    (row,) = json.loads(result.stdout)["tensors"]
+    assert (row["dtype_a"], row["dtype_b"]) == ("float16", "float16")
+    assert row["status"] in ("same", "changed")
