@@ -123,23 +123,33 @@ class QuantizedView(View):
                 self._weights[found.name] = (scheme, found)
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
         self._owner = owner
-        self._side: list[tuple[TensorInfo, str]] = []
-        self._tensors: list[LogicalTensor] = []
+        self._infos = infos
+        # Laid out on first use: a plain checkpoint (no weight recognised) never needs them,
+        # and 200,000 tensors' records cost a second.
+        self._layout: tuple[list[LogicalTensor], list[tuple[TensorInfo, str]]] | None = None
+
+    def _laid_out(self) -> tuple[list[LogicalTensor], list[tuple[TensorInfo, str]]]:
+        if self._layout is not None:
+            return self._layout
+        side: list[tuple[TensorInfo, str]] = []
+        tensors: list[LogicalTensor] = []
         roles = {
             p.name: p.role
             for _, rec in self._weights.values()
             for p in (*rec.parts[1:], *rec.side)
             if p.name != rec.codes
         }
-        for info in infos:
+        for info in self._infos:
             weight = self._by_codes.get(info.name)
             if weight is not None:
                 _, rec = self._weights[weight]
-                self._tensors.append(_logical(rec))
+                tensors.append(_logical(rec))
             elif info.name in roles:
-                self._side.append((info, roles[info.name]))
-            elif info.name not in owner:
-                self._tensors.append(LogicalTensor(info, (Part(info.name, "values"),)))
+                side.append((info, roles[info.name]))
+            elif info.name not in self._owner:
+                tensors.append(LogicalTensor(info, (Part(info.name, "values"),)))
+        self._layout = tensors, side
+        return self._layout
 
     @classmethod
     def of(cls, reader: Reader) -> QuantizedView:
@@ -152,10 +162,10 @@ class QuantizedView(View):
     # ------------------------------------------------------------ what is there
 
     def tensors(self) -> list[LogicalTensor]:
-        return list(self._tensors)
+        return list(self._laid_out()[0])
 
     def side_tensors(self) -> list[tuple[TensorInfo, str]]:
-        return list(self._side)
+        return list(self._laid_out()[1])
 
     @property
     def identity(self) -> bool:
