@@ -20,7 +20,15 @@ def _quantized(reader: Reader) -> View | None:
     return quantized_view(reader)
 
 
-VIEW_FACTORIES: list[ViewFactory] = [_quantized]
+def _gguf(reader: Reader) -> View | None:
+    if reader.format_name != "gguf":
+        return None
+    from clipcli.logical.gguf import gguf_view  # with data, not for ls
+
+    return gguf_view(reader)
+
+
+VIEW_FACTORIES: list[ViewFactory] = [_gguf, _quantized]
 
 
 def view_for(reader: Reader) -> View | None:
