@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from clipcli.jobs.measurement import Measurement
     from clipcli.jobs.plan import Outcome, Plan, Reason, TensorPlan
     from clipcli.jobs.spec import ClipSpec
+    from clipcli.logical.view import QuantizedRows
     from clipcli.numerics.norms import NormAccumulator
     from clipcli.output.target import Target
 
@@ -62,10 +63,14 @@ class Listing(NamedTuple):
     tensors: list[Listed]
     non_tensors: list[NonTensorInfo]
     shards: dict[str, str] | None  # tensor -> the file holding it, in a model directory
+    quantized: QuantizedRows | None = None  # what rows say of quantized weights
 
 
-def listing(path: Path) -> Listing:
-    with scratch.keeping_clear_of([path]), open_reader(path) as reader:
+def listing(path: Path, stored: bool = False) -> Listing:
+    """The logical tensors (a quantized weight with its real shape), or with `stored`
+    every stored tensor as it is."""
+    with scratch.keeping_clear_of([path]), open_reader(path) as stored_reader:
+        reader = stored_reader if stored else _listed_through(stored_reader)
         tensors = list(reader.listing)
         owners = {t.name: reader.shard_of(t.name) for t in tensors}
         shards = {k: v for k, v in owners.items() if v is not None}
@@ -75,7 +80,28 @@ def listing(path: Path) -> Listing:
             tensors,
             list(reader.non_tensors),
             shards if len(shards) == len(owners) and shards else None,
+            _quantized_rows(reader),
         )
+
+
+def _quantized_rows(reader: Reader) -> QuantizedRows | None:
+    from clipcli.logical.reader import LogicalReader
+
+    return reader.quantized_rows() if isinstance(reader, LogicalReader) else None
+
+
+def _listed_through(reader: Reader) -> Reader:
+    """The reader `ls` lists: the logical one where some scheme may claim a weight (that
+    view reads small tensors, with numpy), else the stored one, from headers alone."""
+    from clipcli.logical.quantized.registry import may_hold_quantized
+    from clipcli.logical.quantized.view import quantization_config
+
+    names = [t.name for t in reader.listing]
+    if not may_hold_quantized(names) and quantization_config(reader.model_directory) is None:
+        return reader
+    from clipcli.logical import views
+
+    return views.logical(reader)
 
 
 def measure(
@@ -114,7 +140,8 @@ def measure_reader(
     if group_by is not None:
         counted = [i.name for i in scope.floating(infos) if selection.left_out(i.name) is None]
         scope.check_groups(counted, group_by, notify)
-    return pipeline.measure(reader, infos, selection.describe, progress)
+    measured = pipeline.measure(reader, infos, selection.describe, progress)
+    return measured._replace(quantized=_quantized_rows(reader))
 
 
 def diff(
@@ -138,7 +165,7 @@ def diff(
     ):
         logical_a, logical_b = views.logical(reader_a), views.logical(reader_b)
         check_diff_scope(logical_a, logical_b, selection, notify)
-        return pipeline.compare(
+        result = pipeline.compare(
             logical_a,
             logical_b,
             selection,
@@ -146,6 +173,27 @@ def diff(
             progress=progress,
             workers=workers,
         )
+        return _shown_dtypes(result, _quantized_rows(logical_a), _quantized_rows(logical_b))
+
+
+def _shown_dtypes(
+    result: DiffResult, rows_a: QuantizedRows | None, rows_b: QuantizedRows | None
+) -> DiffResult:
+    """A quantized weight's dtype in a diff row is the one its norms row shows (the dtype
+    it dequantizes to, not the float64 it is compared in); `dtype changed` follows it."""
+    if rows_a is None and rows_b is None:
+        return result
+    from clipcli.jobs.diff import CHANGED, DTYPE_CHANGED
+
+    tensors = []
+    for t in result.tensors:
+        a = t.dtype_a if rows_a is None or t.dtype_a is None else rows_a.dtype(t.name, t.dtype_a)
+        b = t.dtype_b if rows_b is None or t.dtype_b is None else rows_b.dtype(t.name, t.dtype_b)
+        status = t.status
+        if status in (CHANGED, DTYPE_CHANGED):
+            status = CHANGED if a == b else DTYPE_CHANGED
+        tensors.append(dataclasses.replace(t, dtype_a=a, dtype_b=b, status=status))
+    return dataclasses.replace(result, tensors=tensors)
 
 
 def check_diff_scope(

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from clipcli.formats.base import TensorInfo
 from clipcli.jobs import roles
 from clipcli.jobs.groups import compile_group_by, group_key, group_order
 from clipcli.numerics.norms import NormAccumulator, global_norm
+
+if TYPE_CHECKING:
+    from clipcli.logical.view import QuantizedRows
 
 
 # A NamedTuple, not a frozen dataclass: as immutable, and cheaper to define at import
@@ -41,6 +44,7 @@ class Measurement(NamedTuple):
     format: str
     metadata: dict[str, str]
     tensors: list[TensorStats]
+    quantized: QuantizedRows | None = None  # what rows say of quantized weights
 
     @property
     def global_norm(self) -> float:

@@ -20,8 +20,8 @@ Nothing here reads a file on its own: every method gets the stored Reader it map
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,6 +34,41 @@ class Part(NamedTuple):
 
     name: str  # the stored tensor's name
     role: str  # e.g. "values", "codes", "scale", "zero_point", "global_scale", "half"
+
+
+class Quantization(NamedTuple):
+    """What the row of a quantized weight says of it (norms, ls): its scheme, the stored
+    tensors it is made of (codes first), and the dtype its row shows: the dtype a
+    framework dequantizes it to (its float16/bfloat16/float32 scales' dtype, or the one
+    its quant state names; float32 where the scales are 8-bit). Its values themselves are
+    measured exactly, in float64, whatever that dtype."""
+
+    scheme: str
+    stored: tuple[str, ...]
+    dtype: str
+
+
+class QuantizedRows(NamedTuple):
+    """What the rows of a checkpoint with quantized weights say of them: each weight's
+    Quantization, and each stored tensor listed with a role (a scale, a zero point) ->
+    (its role, the weight it belongs to or None)."""
+
+    weights: Mapping[str, Quantization]
+    parts: Mapping[str, tuple[str, str | None]]
+
+    def cell(self, name: str) -> dict[str, Any] | None:
+        """The `quantization` object of a row (JSON), None for a plain tensor."""
+        q = self.weights.get(name)
+        if q is not None:
+            return {"scheme": q.scheme, "stored": list(q.stored)}
+        part = self.parts.get(name)
+        if part is not None:
+            return {"role": part[0], "of": part[1]}
+        return None
+
+    def dtype(self, name: str, stored: str) -> str:
+        q = self.weights.get(name)
+        return stored if q is None else q.dtype
 
 
 class LogicalTensor(NamedTuple):
@@ -122,6 +157,10 @@ class View(ABC):
 
         for chunk in self.chunks(reader, tensor):
             yield rounding.scale_chunk(chunk, mantissa, exponent)
+
+    def quantization(self, tensor: LogicalTensor) -> Quantization | None:  # noqa: ARG002 - interface
+        """What the row of a quantized weight says of it; None for any other tensor."""
+        return None
 
     def power_of_two_factors(self, tensor: LogicalTensor) -> bool:  # noqa: ARG002 - interface
         """True when the stored scales hold only powers of two (E8M0): a factor is then
