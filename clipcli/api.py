@@ -137,6 +137,12 @@ def measure_reader(
     scope.warn_quantized(reader.infos, _declaring_directory(reader), notify)
     for text in reader.warnings():
         notify("warning", text)
+    for group in _overlap_groups(reader, selection):
+        notify(
+            "warning",
+            f"{_listed_names(group)} view overlapping parts of one storage: the global norm "
+            "counts their shared values once per tensor",
+        )
     if group_by is not None:
         counted = [i.name for i in scope.floating(infos) if selection.left_out(i.name) is None]
         scope.check_groups(counted, group_by, notify)
@@ -398,6 +404,14 @@ def check_clip_scope(
     scope.refuse_quantized(reader.infos, acted_on, _declaring_directory(reader))
     if _is_logical(reader):
         _refuse_unlowerable(reader, acted_on, spec.mode is Mode.VALUE)
+        _check_ties(reader, selection)
+        overlaps = _overlap_groups(reader, selection) if spec.mode is Mode.GLOBAL else []
+        if overlaps:
+            raise DataRefusedError(
+                f"{reader.path}: {_listed_names(overlaps[0])} view overlapping parts of one "
+                "storage, so one factor over their norms would count shared values more than "
+                "once; clip them per tensor (--norm), or leave all but one out with --exclude"
+            )
     if spec.mode is Mode.NORM and spec.axes is not None:
         scope.check_axes(targets, spec.axes, spec.skip_low_rank, notify)
     if spec.group_by is not None:
@@ -540,11 +554,47 @@ def _is_logical(reader: Reader) -> bool:
 
 
 def _with_parts(selection: Selection, reader: Reader) -> Selection:
-    """`selection` with a logical reader's parts (scales, zero points) kept apart."""
-    parts = getattr(reader, "part_roles", None) if _is_logical(reader) else None
-    if not parts:
+    """`selection` with a logical reader's parts (scales, zero points) kept apart and its
+    tied tensors counted once."""
+    if not _is_logical(reader):
         return selection
-    return dataclasses.replace(selection, parts=frozenset(parts))
+    parts = getattr(reader, "part_roles", None)
+    tied = getattr(reader, "tied", None)
+    if parts:
+        selection = dataclasses.replace(selection, parts=frozenset(parts))
+    if tied:
+        selection = dataclasses.replace(selection, tied=dict(tied))
+    return selection
+
+
+def _overlap_groups(reader: Reader, selection: Selection) -> list[tuple[str, ...]]:
+    """Groups of counted tensors (two or more) whose values overlap in part: views of one
+    storage (clipcli.logical.pytorch)."""
+    groups = getattr(reader, "overlapping", None) if _is_logical(reader) else None
+    found = []
+    for group in groups or ():
+        counted = tuple(n for n in group if selection(n) and selection.left_out(n) is None)
+        if len(counted) > 1:
+            found.append(counted)
+    return found
+
+
+def _listed_names(names: tuple[str, ...], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_ties(reader: Reader, selection: Selection) -> None:
+    """A tied tensor is written with its first one's bytes: both are acted on or neither
+    (exit 2, before any data is read), or the copy would untie them."""
+    for name, first in (getattr(reader, "tied", None) or {}).items():
+        acted = [selection(n) and selection.left_out(n) is None for n in (name, first)]
+        if acted[0] != acted[1]:
+            chosen, other = (name, first) if acted[0] else (first, name)
+            raise UsageError(
+                f"{name} is tied to {first} (the same values, one storage): the selection "
+                f"acts on {chosen} but not on {other}; select both or neither"
+            )
 
 
 def _execute(

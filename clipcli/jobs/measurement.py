@@ -26,6 +26,7 @@ class TensorStats(NamedTuple):
     in_global: bool  # selected, a model weight (or --all-tensors) and floating point
     role: roles.Role = roles.Role.WEIGHT
     selected: bool = True  # by --include/--exclude
+    tied_to: str | None = None  # the same values as this earlier tensor: not in_global
 
     @property
     def norm(self) -> float:

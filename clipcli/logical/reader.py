@@ -36,6 +36,10 @@ class LogicalReader(Reader):
         self._side = {info.name: info for info, _ in view.side_tensors()}
         self._infos = self._ordered()
         self._stored_infos = {info.name: info for info in stored.infos}
+        # Tied tensors (the same values under a second name) -> the first name: counted
+        # once in a global norm, given the first one's action (clipcli.jobs.plan).
+        self.tied = {t.info.name: first for t in self.logical if (first := view.shared_with(t))}
+        self.overlapping = view.overlapping()
 
     def _plain_part(self, info: TensorInfo) -> TensorInfo | None:
         """The stored tensor a plain logical tensor is (or a side tensor), else None."""

@@ -172,6 +172,12 @@ class View(ABC):
         (tied weights: counted once in a global norm), or None."""
         return None
 
+    def overlapping(self) -> list[tuple[str, ...]]:
+        """Groups of logical tensors whose values overlap in part without being the same
+        (views of one storage at other offsets or strides): each counts on its own, and a
+        global norm counts their shared values once per tensor."""
+        return []
+
     def stored_names(self, tensors: Sequence[LogicalTensor]) -> list[str]:
         """The stored tensors behind `tensors`, each once, in order."""
         seen: dict[str, None] = {}

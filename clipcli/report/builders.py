@@ -224,7 +224,7 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.NAME, top: int | None =
             t.stats.largest_magnitude,
             t.stats.nonfinite,
             t.in_global,
-            t.role.value,
+            t.role.value if t.tied_to is None else f"tied to {t.tied_to}",
         )
         + (() if q is None else (q.cell(t.info.name),))
         for t in ranked_tensors(m, sort, top)
@@ -343,6 +343,8 @@ def clip_note(row: ClipRow) -> str:
         clipped=row.outcome.slices_clipped,
         slices=count(row.outcome.slices, "slice"),
     )
+    if row.plan.tied_to is not None:  # counted once, as the tensor it shares values with
+        text = f"tied to {row.plan.tied_to}, {text}" if text else f"tied to {row.plan.tied_to}"
     if row.plan.group is None:
         return text
     return f"{text}, group {row.plan.group}" if text else f"group {row.plan.group}"
