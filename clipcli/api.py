@@ -308,6 +308,8 @@ def clip(
         open_reader(src) as reader,
     ):
         writer_cls = policy.check_writable(reader, target)
+        logical = views.logical(reader)
+        _refuse_format_bound_parts(logical, writer_cls, target.out)  # before any loss line
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
         losses += _join_losses(reader, writer_cls, target)
@@ -315,8 +317,6 @@ def clip(
         # Said once OUT is written (or the dry run is done): a failed run's stderr is its
         # one error line.
         notes = writer_cls.structure_notes(reader)
-        logical = views.logical(reader)
-        _refuse_format_bound_parts(logical, writer_cls, target.out)
         check_clip_scope(logical, spec, selection, notify)
         if dry_run:
             # What the real run would refuse about OUT, refused here too; nothing is staged.

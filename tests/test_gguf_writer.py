@@ -290,10 +290,12 @@ def test_a_clip_the_block_scales_cannot_carry_is_refused_in_one_line(
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_a_clip_of_blocks_into_another_format_is_refused(
-    clipcli: Any, with_mxfp4: Path, tmp_path: Path
+    clipcli: Any, with_mxfp4: Path, tmp_path: Path, suffix: str
 ) -> None:
-    out = tmp_path / "o.safetensors"
+    """Refused before any loss line (a .pt cannot hold the metadata either)."""
+    out = tmp_path / f"o{suffix}"
     run = clipcli("clip", with_mxfp4, out, "--norm", "1", "--include", "q")
     assert run.returncode == 2, run.stderr
     assert "convert to it first" in one_line(run)

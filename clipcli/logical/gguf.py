@@ -64,7 +64,7 @@ class GGUFView(View):
         if type_name in SCALE_FIELDS:
             return None
         why = {
-            "MXFP4": "its block scales are E8M0 exponents (powers of two only)",
+            "MXFP4": "its block scales are E8M0 exponents, powers of two only",
             "NVFP4": "its sub-block scales are 8-bit UE4M3 floats",
             "IQ1_M": "its scale is packed into the high bits of the sub-block scales",
         }.get(type_name, "it has no float16 block scale that all its values are linear in")
