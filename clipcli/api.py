@@ -308,14 +308,15 @@ def clip(
         open_reader(src) as reader,
     ):
         writer_cls = policy.check_writable(reader, target)
+        logical = views.logical(reader)
+        _refuse_format_bound_parts(logical, writer_cls, target.out)  # before any loss line
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
-        losses += [] if target.is_directory else reader.join_losses()
+        losses += _join_losses(reader, writer_cls, target)
         policy.check_losses(losses, allow_lossy, notify, target.out)
         # Said once OUT is written (or the dry run is done): a failed run's stderr is its
         # one error line.
         notes = writer_cls.structure_notes(reader)
-        logical = views.logical(reader)
         check_clip_scope(logical, spec, selection, notify)
         if dry_run:
             # What the real run would refuse about OUT, refused here too; nothing is staged.
@@ -480,12 +481,13 @@ def convert(
     with (
         interrupts.deferred(writes=True),
         scratch.keeping_clear_of([src, out]),  # a sweep in $TMPDIR spares OUT's folder
-        open_reader(src) as reader,
+        open_reader(src) as stored,
     ):
+        reader = _converted(stored, target.writer_class())
         writer_cls = policy.check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
-        losses += [] if target.is_directory else reader.join_losses()
+        losses += _join_losses(reader, writer_cls, target)
         policy.check_losses(losses, allow_lossy, notify, target.out)
         notes = writer_cls.structure_notes(reader)  # said once OUT is written, as in clip
         copying = copy_plan(reader.infos)
@@ -501,6 +503,43 @@ def convert(
         for note in notes:
             notify("note", note)
         return list(reader.infos)
+
+
+def _join_losses(reader: Reader, writer_cls: type[Writer], target: Target) -> list[str]:
+    """What OUT's metadata loses of IN's: nothing into a directory (the files are kept) or
+    into IN's own format (its writer keeps the metadata as stored: GGUF's KV section)."""
+    if target.is_directory or writer_cls.format_name == reader.format_name:
+        return []
+    return reader.join_losses()
+
+
+def _converted(reader: Reader, writer_cls: type[Writer]) -> Reader:
+    """What convert writes of `reader`: its stored tensors, or its logical ones where the
+    view's stored parts mean something only in their own format (View.stored_format:
+    GGUF's blocks) and OUT is another: a GGUF file into safetensors is dequantized."""
+    from clipcli.logical import views
+
+    logical = views.logical(reader)
+    bound = getattr(logical, "view", None)
+    if bound is not None and bound.stored_format not in (None, writer_cls.format_name):
+        return logical
+    return reader
+
+
+def _refuse_format_bound_parts(reader: Reader, writer_cls: type[Writer], out: object) -> None:
+    """Exit 2 for a clip whose stored parts mean something only in their own format (GGUF's
+    blocks, View.stored_format) into another: clipped, they are written as they are stored."""
+    from clipcli.logical.reader import LogicalReader
+
+    if not isinstance(reader, LogicalReader):
+        return
+    bound = reader.view.stored_format
+    if bound is not None and bound != writer_cls.format_name:
+        raise UsageError(
+            f"{out}: a clip of {reader.format_name} block-quantized tensors writes "
+            f"{reader.format_name} only (their block scales are rescaled); to clip their "
+            "values in another format, convert to it first (which dequantizes them)"
+        )
 
 
 # ---------------------------------------------------------------- writing OUT
@@ -576,7 +615,8 @@ def _execute(
     from clipcli.jobs import lowering
 
     lowered = lowering.lower(made, logical)
-    outcomes = execution.execute(lowered, reader, writer, progress, label)
+    scalers = lowering.stored_scalers(made, logical)
+    outcomes = execution.execute(lowered, reader, writer, progress, label, scalers)
     return lowering.lift(made, lowered, outcomes, logical)
 
 

@@ -290,6 +290,8 @@ FORMATS: tuple[Format, ...] = (
         suffixes=(".gguf",),
         recognise=_starts(GGUF_MAGIC),
         reader="clipcli.formats.gguf:GgufReader",
+        writer="clipcli.formats.gguf.writer:GgufWriter",
+        output=True,
         preload=("clipcli.formats.gguf",),
     ),
 )

@@ -135,6 +135,9 @@ class LogicalReader(Reader):
         search's check: what the write pass will make of the lowered plan)."""
         return self.view.scaled_chunks(self.stored, self.by_name[info.name], mantissa, exponent)
 
+    def warnings(self) -> list[str]:
+        return self.stored.warnings()
+
     def source_files(self) -> list[Path]:
         return self.stored.source_files()
 

@@ -20,7 +20,7 @@ Nothing here reads a file on its own: every method gets the stored Reader it map
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -92,6 +92,11 @@ class LogicalTensor(NamedTuple):
 class View(ABC):
     """How the stored tensors of one checkpoint make its logical tensors."""
 
+    # The format whose files alone give the stored parts their meaning (GGUF: rows of
+    # blocks), None when they are tensors any format holds. Into another format, convert
+    # writes the logical tensors (dequantized) and a clip is refused.
+    stored_format: str | None = None
+
     @abstractmethod
     def tensors(self) -> list[LogicalTensor]:
         """Every logical tensor, in the order of the stored tensors they start at. Every
@@ -126,6 +131,20 @@ class View(ABC):
         plain tensors: the tensor itself. Quantized: its scales (and offsets that scale
         with the weight), never its codes or zero points."""
         return [p.name for p in tensor.parts]
+
+    def stored_scaler(
+        self,
+        tensor: LogicalTensor,  # noqa: ARG002 - interface
+        part: str,  # noqa: ARG002 - interface
+    ) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+        """Lowering a SCALE onto the stored part `part` (one of scaled_parts()) when the
+        factor multiplies fields inside the part's bytes rather than its values (GGUF: the
+        float16 scales inside every block of a uint8 tensor of blocks): the function
+        (chunk, mantissa, exponent) -> the chunk with those fields scaled and rounded, every
+        other byte kept. The stored reader's chunks of such a part hold whole blocks.
+        None (the default): the part is a float tensor, scaled and rounded value by value
+        (clipcli.numerics.rounding.scale_chunk)."""
+        return None
 
     def scaled_chunks(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int

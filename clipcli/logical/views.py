@@ -28,7 +28,15 @@ def _storages(reader: Reader) -> View | None:
     return storage_view(reader)
 
 
-VIEW_FACTORIES: list[ViewFactory] = [_quantized, _storages]
+def _gguf(reader: Reader) -> View | None:
+    if reader.format_name != "gguf":
+        return None
+    from clipcli.logical.gguf import gguf_view  # with data, not for ls
+
+    return gguf_view(reader)
+
+
+VIEW_FACTORIES: list[ViewFactory] = [_gguf, _quantized, _storages]
 
 
 def view_for(reader: Reader) -> View | None:
