@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import struct
 import zipfile
 from collections.abc import Callable
@@ -188,3 +189,43 @@ def test_hdf5_root_attribute_count_exactly_at_the_library_limit_and_one_past() -
     problem = Hdf5Writer.check_metadata(past, None)  # type: ignore[arg-type]
     assert problem is not None
     assert f"at most {HDF5_MAX_ATTRIBUTES} metadata keys" in problem
+
+
+# ---------------------------------------------------------------- inputs and side files
+
+
+def test_a_fifo_is_refused_on_its_descriptor_without_reading(tmp_path: Path) -> None:
+    # Nobody writes to it: a FIFO that were read would block, or stream a forged file.
+    from clipcli.errors import InputError
+    from clipcli.system.inputs import open_input_fd
+
+    fifo = tmp_path / "m.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match=r"is not a regular file \(a FIFO\)"):
+        open_input_fd(fifo)
+
+
+def test_read_input_exactly_at_its_size_limit_and_one_past(tmp_path: Path) -> None:
+    from clipcli.errors import InputError
+    from clipcli.system.inputs import read_input
+
+    path = tmp_path / "config.json"
+    path.write_bytes(b"x" * 100)
+    data, _ = read_input(path, 100)
+    assert data == path.read_bytes()
+    with pytest.raises(InputError, match="is 100 bytes; the limit is 99"):
+        read_input(path, 99)
+
+
+def test_quantization_config_exactly_at_the_size_limit_and_one_past(tmp_path: Path) -> None:
+    # A config.json of 16 MiB is read; one byte more is never slurped (no quantization).
+    from clipcli.jobs.quantized import CONFIG_LIMIT, declared_method
+
+    assert CONFIG_LIMIT == 16 << 20
+    text = json.dumps({"quantization_config": {"quant_method": "fp8"}})
+    config = tmp_path / "config.json"
+    config.write_text(text + " " * (CONFIG_LIMIT - len(text)))
+    assert config.stat().st_size == 16 << 20
+    assert declared_method(tmp_path) == "fp8"
+    config.write_text(text + " " * (CONFIG_LIMIT - len(text) + 1))
+    assert declared_method(tmp_path) is None

@@ -81,11 +81,11 @@ FAULTS: tuple[Fault, ...] = (
     F("clipcli/formats/base.py", "NUMPY_MAX_RANK = 64", "NUMPY_MAX_RANK = 65", "a tensor of 65 dimensions (numpy cannot make it) is accepted", ("tests/test_tensor_rank.py",)),
     F("clipcli/formats/sharded/layout.py", 'if not any(real.is_relative_to(root) for root in roots):\n        raise InputError(entry, f"links to {real}, outside', 'if not any(real.is_relative_to(root.parent) for root in roots):\n        raise InputError(entry, f"links to {real}, outside', "a model directory's link to a sibling folder is followed", (H + "test_confinement.py", "tests/test_format_sharded.py")),
     # ---- inputs and the process (system)
-    F("clipcli/system/inputs.py", "if not stat.S_ISREG(info.st_mode):", "if stat.S_ISSOCK(info.st_mode):", "a FIFO or a device is opened and read as a checkpoint", (H + "test_input_opening.py",)),
-    F("clipcli/system/inputs.py", "if info.st_size > limit:", "if info.st_size > 2 * limit:", "a side file (config, index) twice its size limit is read whole", ("tests/test_side_file_links_and_budget.py", "tests/test_format_sharded.py", "tests/test_checkpoint_scope.py")),
+    F("clipcli/system/inputs.py", "if not stat.S_ISREG(info.st_mode):", "if stat.S_ISSOCK(info.st_mode):", "a FIFO or a device is opened and read as a checkpoint", ("tests/test_limit_edges.py", H + "test_input_opening.py",)),
+    F("clipcli/system/inputs.py", "if info.st_size > limit:", "if info.st_size > 2 * limit:", "a side file (config, index) twice its size limit is read whole", ("tests/test_limit_edges.py", "tests/test_side_file_links_and_budget.py", "tests/test_format_sharded.py", "tests/test_checkpoint_scope.py")),
     F("clipcli/system/identity.py", "            if now != before:", "            if now is None:", "an input rewritten during the run (same name) is not noticed: OUT mixes two files", ("tests/test_opening_races.py",)),
     F("clipcli/system/interrupts.py", "128 + signum)", "130)", "SIGTERM and SIGHUP exit 130 instead of 143 and 129", ("tests/test_signal_dispositions.py",)),
-    F("clipcli/jobs/quantized.py", "CONFIG_LIMIT = 16 << 20", "CONFIG_LIMIT = 32 << 20", "a config.json twice the 16 MiB limit is read", ("tests/test_checkpoint_scope.py",)),
+    F("clipcli/jobs/quantized.py", "CONFIG_LIMIT = 16 << 20", "CONFIG_LIMIT = 32 << 20", "a config.json twice the 16 MiB limit is read", ("tests/test_limit_edges.py", "tests/test_checkpoint_scope.py",)),
     # ---- exit codes (errors, cli)
     F("clipcli/errors.py", "    exit_code = ExitCode.BAD_INPUT", "    exit_code = ExitCode.USAGE", "an unreadable or unsafe input exits 2 (usage) instead of 3", ("tests/test_cli_errors.py",)),
     F("clipcli/errors.py", "    exit_code = ExitCode.REFUSED_DATA", "    exit_code = ExitCode.BAD_INPUT", "refused data (NaN, axes) exits 3 instead of 4", ("tests/test_cli_errors.py",)),
@@ -252,10 +252,11 @@ def run_fault(
             return Result("SURVIVED", ""), elapsed(started)
     finally:
         path.write_text(original, encoding="utf-8")
-    # The killing test must pass without the fault, or the kill proves nothing.
+    # The killing test must pass without the fault, or the kill proves nothing. All its
+    # parameters are run: an id like [65] may come from the planted constant itself.
     if "::" in killer:
         cache = Path(tempfile.mkdtemp(prefix=f"pyc-{number}-clean-", dir=copy.parent))
-        status, output = _pytest(copy, cache, [killer], timeout)
+        status, output = _pytest(copy, cache, [killer.split("[")[0]], timeout)
         if status != 0:
             return Result("BROKEN", f"{killer} fails without the fault too"), elapsed(started)
     return Result("killed", killer), elapsed(started)
