@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import struct
 import zipfile
@@ -229,3 +230,53 @@ def test_quantization_config_exactly_at_the_size_limit_and_one_past(tmp_path: Pa
     assert declared_method(tmp_path) == "fp8"
     config.write_text(text + " " * (CONFIG_LIMIT - len(text) + 1))
     assert declared_method(tmp_path) is None
+
+
+# ---------------------------------------------------------------- option values (the library face)
+
+
+@pytest.mark.parametrize("flag", ["norm", "average", "global_", "value"])
+@pytest.mark.parametrize("bad", [math.nan, 0.0, -1.0])
+def test_limits_must_be_positive_numbers(flag: str, bad: float) -> None:
+    # Checked in build_spec itself, not only by the command-line parser: api callers too.
+    from clipcli.errors import UsageError
+    from clipcli.jobs.spec import build_spec
+
+    with pytest.raises(UsageError, match="must be a positive number"):
+        build_spec(**{flag: bad})  # type: ignore[arg-type]
+
+
+def test_min_equal_to_max_is_accepted_and_min_above_max_refused() -> None:
+    from clipcli.errors import UsageError
+    from clipcli.jobs.spec import build_spec
+
+    spec = build_spec(low=0.5, high=0.5)
+    assert (spec.low, spec.high) == (0.5, 0.5)
+    with pytest.raises(UsageError, match="--min 0.5 is greater than --max 0.25"):
+        build_spec(low=0.5, high=0.25)
+    with pytest.raises(UsageError, match="--min 1 is greater than --max 0.5"):
+        build_spec(low=1.0, high=0.5)
+
+
+@pytest.mark.parametrize(("axis", "fits"), [(-3, False), (-2, True), (1, True), (2, False)])
+def test_axes_exactly_at_the_rank_and_one_past(axis: int, fits: bool) -> None:
+    from clipcli.errors import DataRefusedError
+    from clipcli.jobs.spec import axes_fit, normalize_axes
+
+    shape = (3, 4)
+    assert axes_fit([axis], shape) is fits
+    if fits:
+        assert normalize_axes((axis,), shape, "t") == (axis % 2,)
+    else:
+        with pytest.raises(DataRefusedError, match=f"has no axis {axis} \\(rank 2\\)"):
+            normalize_axes((axis,), shape, "t")
+
+
+def test_use_norm_must_be_finite() -> None:
+    # TF's factor C / inf is 0: every tensor would be zeroed.
+    from clipcli.errors import UsageError
+    from clipcli.jobs.spec import build_spec
+
+    assert build_spec(global_=1.0, use_norm=1e308).use_norm == 1e308
+    with pytest.raises(UsageError, match="--use-norm must be finite"):
+        build_spec(global_=1.0, use_norm=math.inf)

@@ -9,9 +9,9 @@ is wrong by one? (Issue 19: at least 95% of these must be killed by the default 
 edits included) into a temporary folder and plants one fault at a time *there*: the
 working tree is never written, so no mutant can be left in it, whatever stops the run
 (Ctrl-C, a kill). The copy is imported instead of the installed checkout by putting it
-first on PYTHONPATH (a check at the start proves it), with a fresh bytecode cache per
-fault (a mutant of the same size written in the same second would otherwise reuse the
-previous one's .pyc).
+first on PYTHONPATH (a check at the start proves it); each text written is compiled at
+once (a mutant of the same size written in the same second would otherwise run as the
+previous text's .pyc).
 
 For each fault, the targeted test files (declared per fault: the files most likely to
 catch it) run with -x; with --full, a fault that survives them meets the whole default
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import py_compile
 import re
 import shutil
 import signal
@@ -97,11 +98,11 @@ FAULTS: tuple[Fault, ...] = (
     F("clipcli/cli/commands/inspect.py", "if math.isnan(g) or g > fail_above:", "if math.isnan(g) or g >= fail_above:", "norms --fail-above X fails when the global norm equals X", ("tests/test_at_the_limit.py", "tests/test_cli_norms.py")),
     F("clipcli/cli/commands/compare.py", "not change <= fail_above:", "change > fail_above:", "diff --fail-above passes when a relative change is NaN", ("tests/test_diff.py", "tests/test_diff_exact.py")),
     # ---- verdicts: options and plans (jobs)
-    F("clipcli/jobs/spec.py", "if math.isnan(value) or value <= 0:", "if value <= 0:", "--norm nan is accepted instead of a usage error", ("tests/test_cli_options.py", "tests/test_core_cli.py")),
+    F("clipcli/jobs/spec.py", "if math.isnan(value) or value <= 0:", "if value <= 0:", "--norm nan is accepted instead of a usage error", ("tests/test_limit_edges.py", "tests/test_cli_options.py", "tests/test_core_cli.py")),
     F("clipcli/jobs/spec.py", "if math.isnan(value) or value <= 0:", "if math.isnan(value) or value < 0:", "--norm 0 is accepted (zeroes every tensor) instead of a usage error", ("tests/test_cli_options.py", "tests/test_core_cli.py")),
-    F("clipcli/jobs/spec.py", "if lo > hi:", "if lo > hi + 1:", "--min 1 --max 0.5 is accepted", ("tests/test_cli_options.py", "tests/test_core_cli.py")),
-    F("clipcli/jobs/spec.py", "if not -rank <= axis < rank:", "if not -rank <= axis <= rank:", "--axes equal to a tensor's rank is not refused with exit 4", ("tests/test_plan.py", "tests/test_cli_clip.py")),
-    F("clipcli/jobs/spec.py", "if math.isinf(use_norm):", "if math.isnan(use_norm):", "--use-norm inf is accepted and zeroes every tensor", ("tests/test_cli_options.py", "tests/test_core_cli.py")),
+    F("clipcli/jobs/spec.py", "if lo > hi:", "if lo > hi + 1:", "--min 1 --max 0.5 is accepted", ("tests/test_limit_edges.py", "tests/test_cli_options.py", "tests/test_core_cli.py")),
+    F("clipcli/jobs/spec.py", "if not -rank <= axis < rank:", "if not -rank <= axis <= rank:", "--axes equal to a tensor's rank is not refused with exit 4", ("tests/test_limit_edges.py", "tests/test_plan.py", "tests/test_cli_clip.py")),
+    F("clipcli/jobs/spec.py", "if math.isinf(use_norm):", "if math.isnan(use_norm):", "--use-norm inf is accepted and zeroes every tensor", ("tests/test_limit_edges.py", "tests/test_cli_options.py", "tests/test_core_cli.py")),
     F("clipcli/jobs/spec.py", "return math.nextafter(value, 0.0) if Fraction(value) > exact else value", "return value", "--average's C * n rounded up: a float64 tensor clipped 1 ulp over its limit", ("tests/test_at_the_limit.py", "tests/test_reference_numerics.py")),
     F("clipcli/jobs/plan.py", "if t.stats.min_value < float(low) or t.stats.max_value > float(high):", "if t.stats.min_value <= float(low) or t.stats.max_value > float(high):", "a tensor whose minimum equals --min is reported as clamped (changed)", ("tests/test_plan.py", "tests/test_at_the_limit.py")),
     F("clipcli/jobs/plan.py", "    if not spec.skip_nonfinite:\n", "    if spec.skip_nonfinite:\n", "NaN/Inf where a norm is needed is not refused (exit 4) without --skip-nonfinite", ("tests/test_cli_clip.py",)),
@@ -185,21 +186,22 @@ class Result:
     by: str  # the killing test id, or why
 
 
-def _environment(copy: Path, cache: Path) -> dict[str, str]:
+def _environment(copy: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(copy), env.get("PYTHONPATH")]))
-    env["PYTHONPYCACHEPREFIX"] = str(cache)
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.pop("PYTEST_ADDOPTS", None)
     return env
 
 
-def _pytest(copy: Path, cache: Path, args: list[str], timeout: float) -> tuple[int | None, str]:
+def _pytest(copy: Path, args: list[str], timeout: float) -> tuple[int | None, str]:
     """pytest in the copy: (exit status or None on timeout, output)."""
     argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
     process = subprocess.Popen(
         argv,
         cwd=copy,
-        env=_environment(copy, cache),
+        env=_environment(copy),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -227,9 +229,7 @@ def _killer(output: str) -> str:
     return found.group(1) if found else "(collection or start-up failed)"
 
 
-def run_fault(
-    fault: Fault, number: int, copy: Path, full: bool, timeout: float
-) -> tuple[Result, float]:
+def run_fault(fault: Fault, copy: Path, full: bool, timeout: float) -> tuple[Result, float]:
     path = copy / fault.file
     original = path.read_text(encoding="utf-8")
     started = time.monotonic()
@@ -237,12 +237,11 @@ def run_fault(
         mutant = planted(fault, original)
     except Refused as exc:
         return Result("REFUSED", str(exc)), 0.0
-    path.write_text(mutant, encoding="utf-8")
+    _write_source(path, mutant)
     try:
         runs = [list(fault.tests)] + ([[]] if full else [])
         for args in runs:
-            cache = Path(tempfile.mkdtemp(prefix=f"pyc-{number}-", dir=copy.parent))
-            status, output = _pytest(copy, cache, args, timeout)
+            status, output = _pytest(copy, args, timeout)
             if status is None:
                 return Result("killed", f"(timed out after {timeout:g} s)"), elapsed(started)
             if status != 0:
@@ -251,15 +250,24 @@ def run_fault(
         else:
             return Result("SURVIVED", ""), elapsed(started)
     finally:
-        path.write_text(original, encoding="utf-8")
+        _write_source(path, original)
     # The killing test must pass without the fault, or the kill proves nothing. All its
     # parameters are run: an id like [65] may come from the planted constant itself.
     if "::" in killer:
-        cache = Path(tempfile.mkdtemp(prefix=f"pyc-{number}-clean-", dir=copy.parent))
-        status, output = _pytest(copy, cache, [killer.split("[")[0]], timeout)
+        status, output = _pytest(copy, [killer.split("[")[0]], timeout)
         if status != 0:
             return Result("BROKEN", f"{killer} fails without the fault too"), elapsed(started)
     return Result("killed", killer), elapsed(started)
+
+
+def _write_source(path: Path, text: str) -> None:
+    """Write a module and compile it at once: a .pyc is trusted by the source's mtime and
+    size, and a mutant of the same size written within the same second would otherwise
+    run as the previous text (or the original as the mutant)."""
+    for stale in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
+        stale.unlink()
+    path.write_text(text, encoding="utf-8")
+    py_compile.compile(str(path), doraise=True)
 
 
 def elapsed(started: float) -> float:
@@ -268,11 +276,10 @@ def elapsed(started: float) -> float:
 
 def _proof_of_copy(copy: Path) -> None:
     """The tests must import clipcli from the copy, not from the installed checkout."""
-    cache = Path(tempfile.mkdtemp(prefix="pyc-proof-", dir=copy.parent))
     shown = subprocess.run(
         [sys.executable, "-c", "import clipcli; print(clipcli.__file__)"],
         cwd=copy,
-        env=_environment(copy, cache),
+        env=_environment(copy),
         capture_output=True,
         text=True,
         check=True,
@@ -287,11 +294,14 @@ def run(numbers: list[int], full: bool, timeout: float) -> int:
     try:
         copy = work / "tree"
         copy_tree(copy)
+        # Compiled up front, as an installed checkout is: a test that runs clipcli under a
+        # tight address-space limit (ulimit -v) must not spend it compiling the package.
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "clipcli"], cwd=copy, check=True)
         _proof_of_copy(copy)
         print(f"{'#':>3}  {'verdict':8}  {'secs':>5}  file: what it breaks / killed by", flush=True)
         for number in numbers:
             fault = FAULTS[number - 1]
-            result, seconds = run_fault(fault, number, copy, full, timeout)
+            result, seconds = run_fault(fault, copy, full, timeout)
             if result.verdict != "REFUSED":
                 counted += 1
                 killed += result.verdict == "killed"
