@@ -280,3 +280,33 @@ def test_use_norm_must_be_finite() -> None:
     assert build_spec(global_=1.0, use_norm=1e308).use_norm == 1e308
     with pytest.raises(UsageError, match="--use-norm must be finite"):
         build_spec(global_=1.0, use_norm=math.inf)
+
+
+# ---------------------------------------------------------------- verdicts of a plan
+
+
+def test_infinity_without_nan_is_refused_where_a_norm_is_needed(
+    tmp_path: Path, run_main: RunMain
+) -> None:
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "m.safetensors"
+    save_file({"a": np.array([np.inf, 1.0], "<f4"), "b": np.ones(2, "<f4")}, str(src))
+    for mode in (["--global", "1"], ["--norm", "1"], ["--average", "1"]):
+        refused = run_main("clip", *mode, src, tmp_path / "out.safetensors")
+        assert refused.code == ExitCode.REFUSED_DATA
+        assert "'a' (1 non-finite)" in refused.stderr
+        assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_zero_tensor_is_kept_not_scaled_in_global_mode(tmp_path: Path, run_main: RunMain) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    src, out = tmp_path / "m.safetensors", tmp_path / "out.safetensors"
+    save_file({"a": np.array([3.0, 4.0], "<f4"), "z": np.array([0.0, -0.0], "<f4")}, str(src))
+    done = run_main("clip", "--global", "1", "--format", "json", src, out)
+    assert done.code == ExitCode.OK, done.stderr
+    rows = {row["name"]: row for row in json.loads(done.stdout)["tensors"]}
+    assert rows["a"]["changed"] is True
+    assert (rows["z"]["changed"], rows["z"]["scale"]) == (False, None)
+    assert load_file(str(out))["z"].tobytes() == load_file(str(src))["z"].tobytes()
