@@ -310,3 +310,26 @@ def test_a_zero_tensor_is_kept_not_scaled_in_global_mode(tmp_path: Path, run_mai
     assert rows["a"]["changed"] is True
     assert (rows["z"]["changed"], rows["z"]["scale"]) == (False, None)
     assert load_file(str(out))["z"].tobytes() == load_file(str(src))["z"].tobytes()
+
+
+# ---------------------------------------------------------------- side files of a model directory
+
+
+def test_one_side_file_one_byte_past_a_gib_is_refused_before_writing(
+    tmp_path: Path, run_main: RunMain
+) -> None:
+    from safetensors.numpy import save_file
+
+    from clipcli.output import policy
+
+    assert policy.SIDE_FILE_LIMIT == 1 << 30  # 1 GiB: configs and tokenizers are far smaller
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": np.arange(8, dtype=np.float32)}, str(model / "model.safetensors"))
+    with open(model / "vocab.txt", "wb") as handle:  # sparse: nothing is written
+        handle.truncate((1 << 30) + 1)
+    out = tmp_path / "out"
+    refused = run_main("clip", "--global", "1", "-q", model, out)
+    assert refused.code == ExitCode.USAGE
+    assert "--allow-large-side-files" in refused.stderr
+    assert not out.exists()
