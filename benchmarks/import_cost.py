@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 LS = (
-    "clipcli.io",
+    "clipcli.formats.opening",
     "clipcli.formats.safetensors",
     "clipcli.report.builders",
     "clipcli.report.table",

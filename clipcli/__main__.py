@@ -158,20 +158,7 @@ def run() -> None:
 
 # What each command imports on first use, beyond clipcli.cli.entry itself. ls lists headers
 # only: it needs no job module (start-up time in shell loops, issue 12 item 7).
-_READERS = ("clipcli.io",)  # and the reader of each path's format: _formats_of()
-_FORMAT_OF_SUFFIX = {
-    ".safetensors": ("clipcli.formats.safetensors",),
-    ".npz": ("clipcli.formats.npz",),
-    ".h5": ("clipcli.formats.hdf5",),
-    ".hdf5": ("clipcli.formats.hdf5",),
-    ".keras": ("clipcli.formats.hdf5",),
-}
-_EVERY_FORMAT = (
-    "clipcli.formats.safetensors",
-    "clipcli.formats.npz",
-    "clipcli.formats.hdf5",
-    "clipcli.formats.sharded",
-)
+_READERS = ("clipcli.formats.opening",)  # and the reader of each path's format: _formats_of()
 _REPORT = ("clipcli.report.builders", "clipcli.report.table", "clipcli.report.serialize")
 _PRELOAD = {
     "ls": (*_READERS, *_REPORT, "clipcli.jobs.groups"),
@@ -183,21 +170,23 @@ _PRELOAD = {
 
 
 def _formats_of(command: str, args: list[str]) -> tuple[str, ...]:
-    """The reader modules the inputs among `args` need, by suffix (the content decides in
-    the end, and a suffix that disagrees with it is refused): `ls m.safetensors` in a shell
-    loop should not import the npz and HDF5 readers. clip and convert also write OUT, in
-    any format: all of them, with the model-directory writer (imported on first use)."""
+    """The reader modules the inputs among `args` need, by suffix (formats.registry: the
+    content decides in the end, and a suffix that disagrees with it is refused): `ls
+    m.safetensors` in a shell loop should not import the npz and HDF5 readers. clip and
+    convert also write OUT, in any format: all of them, with the model-directory writer
+    (imported on first use)."""
+    from clipcli.formats import registry
+
     if command in ("clip", "convert"):
-        return (*_EVERY_FORMAT, "clipcli.formats.sharded.writer")
+        return (*registry.every_preload(), "clipcli.formats.sharded.writer")
     modules: tuple[str, ...] = ()
     for arg in args:
         if arg.startswith("-") or not os.path.exists(arg):  # options, their values
             continue
         if os.path.isdir(arg) or arg.endswith(".index.json"):
-            modules += ("clipcli.formats.sharded", "clipcli.formats.safetensors")
+            modules += registry.MODEL_DIRECTORY.preload
         else:
-            suffix = os.path.splitext(arg)[1].lower()
-            modules += _FORMAT_OF_SUFFIX.get(suffix, _EVERY_FORMAT)
+            modules += registry.preload_for_path(arg)
     return modules
 
 
@@ -215,9 +204,9 @@ def _preload(args: list[str]) -> None:
     import encodings.ascii  # h5py decodes attributes with it
     import encodings.cp437  # noqa: F401 - zipfile decodes npz member names with it
 
-    from clipcli.cli.entry import BODIES
+    from clipcli.cli.declarations import COMMANDS
 
-    body = (BODIES[args[0]][0],) if args[0] in BODIES else ()
+    body = (COMMANDS[args[0]].body[0],) if args[0] in COMMANDS else ()
     for module in (*body, *_PRELOAD.get(args[0], ()), *_formats_of(args[0], args[1:])):
         __import__(module)
     if args[0] in ("clip", "convert"):  # api imports what writes OUT on first use

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from clipcli.errors import DataRefusedError
 from clipcli.formats.base import (
     Checkpoint,
     Listed,
@@ -22,7 +23,7 @@ from clipcli.formats.base import (
     Writer,
     archive_losses,
 )
-from clipcli.io import open_reader
+from clipcli.formats.opening import open_reader
 from clipcli.jobs import scope
 from clipcli.jobs.progress import SILENT, Progress
 from clipcli.jobs.selection import EVERY_TENSOR, Selection
@@ -107,7 +108,9 @@ def measure_reader(
     selection = _with_parts(selection, reader)
     infos = selection.check(reader.infos, notify)
     selection.check_weights(infos, notify)
-    scope.warn_quantized(reader.infos, reader.model_directory, notify)
+    scope.warn_quantized(reader.infos, _declaring_directory(reader), notify)
+    for text in reader.warnings():
+        notify("warning", text)
     if group_by is not None:
         counted = [i.name for i in scope.floating(infos) if selection.left_out(i.name) is None]
         scope.check_groups(counted, group_by, notify)
@@ -157,8 +160,9 @@ def check_diff_scope(
     said: list[tuple[str, str]] = []  # A and B alike (e.g. a file and its copy): once
     for reader in (a, b):
         scope.warn_quantized(
-            reader.infos, reader.model_directory, lambda *message: said.append(message)
+            reader.infos, _declaring_directory(reader), lambda *message: said.append(message)
         )
+        said.extend(("warning", text) for text in reader.warnings())
     for level, text in dict.fromkeys(said):
         notify(level, text)
 
@@ -217,9 +221,9 @@ class ClipResult(NamedTuple):
 
     @property
     def global_after(self) -> float:
-        pairs = zip(self.plan.tensors, self.outcomes, strict=True)
         from clipcli.numerics.norms import global_norm
 
+        pairs = zip(self.plan.tensors, self.outcomes, strict=True)
         return global_norm(outcome.after.norm for p, outcome in pairs if p.in_global)
 
 
@@ -342,11 +346,45 @@ def check_clip_scope(
     selection.check_weights(selected, notify, writes=True)
     targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
     acted_on = [i for i in selected if selection.left_out(i.name) is None]
-    scope.refuse_quantized(reader.infos, acted_on, reader.model_directory)
+    scope.refuse_quantized(reader.infos, acted_on, _declaring_directory(reader))
+    if _is_logical(reader):
+        _refuse_unlowerable(reader, acted_on, spec.mode is Mode.VALUE)
     if spec.mode is Mode.NORM and spec.axes is not None:
         scope.check_axes(targets, spec.axes, spec.skip_low_rank, notify)
     if spec.group_by is not None:
         scope.check_groups([i.name for i in targets], spec.group_by, notify)
+
+
+def _declaring_directory(reader: Reader) -> Path | None:
+    """The model directory whose config.json scope's quantization warnings should read:
+    none behind a logical reader, whose view has read it and claimed the weights it names."""
+    return None if _is_logical(reader) else reader.model_directory
+
+
+def _refuse_unlowerable(reader: Reader, acted_on: list[TensorInfo], value: bool) -> None:
+    """Exit 4, before any data is read, for a logical tensor of parts (a quantized weight)
+    that a clip would act on and cannot act on through its stored tensors: --value is not
+    linear in them, and the view says which scale factors it cannot carry (lowerable)."""
+    from clipcli.logical.reader import LogicalReader
+
+    assert isinstance(reader, LogicalReader)
+    for info in acted_on:
+        t = reader.by_name.get(info.name)
+        if t is None or t.plain:
+            continue
+        if value:
+            raise DataRefusedError(
+                f"{t.info.name}: a {t.scheme} weight cannot be clipped by clamp through its "
+                "stored tensors (--value is not linear in a quantized weight's scales); "
+                "dequantize it first, or "
+                "leave it out with --exclude"
+            )
+        why = reader.view.lowerable(t)
+        if why is not None:
+            raise DataRefusedError(
+                f"{why}: the weight is quantized; dequantize it first, or leave it out "
+                "with --exclude"
+            )
 
 
 def _plan_then_check(

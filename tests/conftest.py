@@ -452,3 +452,6 @@ def mount_tmpfs(tmp_path: Path) -> Any:
     yield mount
     for target in reversed(mounted):
         subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+RunCli = Callable[..., Run]

@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
 SAFETENSORS_CODES = {
     "float16": "F16",
@@ -67,3 +68,9 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raw = data[8 + length + begin : 8 + length + end]
         tensors[name] = np.frombuffer(raw, dtype).reshape(entry["shape"])
     return tensors
+
+
+def small_model(tmp_path: Path, name: str = "m.safetensors") -> Path:
+    path = tmp_path / name
+    save_file({"layers.0.w": np.ones((2, 2), np.float32)}, str(path))
+    return path

@@ -4,10 +4,15 @@ checkpoints"), written with h5py and by hand, independent of clipcli's writers."
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
+import h5py
 import numpy as np
 from handmade import write_safetensors
+from safetensors.numpy import save_file
+
+from clipcli.formats.keras_archive import WEIGHTS_MEMBER
 
 
 def _rng(seed: int) -> np.random.Generator:
@@ -182,3 +187,58 @@ def vocab_file(path: Path) -> Path:
         f.create_group("empty").attrs["note"] = "kept"
         f.create_dataset("bias", data=np.ones(3, ">f8"), fillvalue=7.0, compression="gzip")
     return path
+
+
+def write_h5(path: Path) -> Path:
+    with h5py.File(path, "w") as handle:
+        handle["dense/kernel"] = np.linspace(-2, 2, 64, dtype=np.float32).reshape(8, 8)
+    return path
+
+
+def write_keras(path: Path) -> Path:
+    weights = path.with_name(path.name + ".weights.h5")
+    write_h5(weights)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("metadata.json", json.dumps({"keras_version": "3.0.0"}))
+        archive.writestr("config.json", json.dumps({"class_name": "Sequential"}))
+        archive.write(weights, WEIGHTS_MEMBER)
+    weights.unlink()
+    return path
+
+
+def transformers5_directory(
+    directory: Path, tensors: dict[str, np.ndarray], extra_index_metadata: dict[str, object]
+) -> Path:
+    """Two shards and an index, as transformers 5 writes them."""
+    directory.mkdir()
+    names = list(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2]}
+    halves["model-00002-of-00002.safetensors"] = names[len(names) // 2 :]
+    for shard, members in halves.items():
+        save_file({n: tensors[n] for n in members}, directory / shard, metadata={"format": "pt"})
+    index = {
+        "metadata": {
+            "total_parameters": sum(int(a.size) for a in tensors.values()),
+            "total_size": sum(int(a.nbytes) for a in tensors.values()),
+            **extra_index_metadata,
+        },
+        "weight_map": {n: shard for shard, members in halves.items() for n in members},
+    }
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (directory / "config.json").write_text('{"model_type": "bert"}')
+    return directory
+
+
+def bert_like(directory: Path, extra_index_metadata: dict[str, object] | None = None) -> Path:
+    rng = np.random.default_rng(23)
+    tensors = {
+        f"bert.encoder.layer.{i}.attention.self.query.weight": rng.standard_normal((4, 4)).astype(
+            np.float32
+        )
+        for i in range(2)
+    }
+    tensors |= {
+        f"bert.encoder.layer.{i}.attention.output.LayerNorm.weight": np.ones(64, np.float32)
+        for i in range(2)
+    }
+    return transformers5_directory(directory, tensors, extra_index_metadata or {})

@@ -12,11 +12,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from handmade import read_safetensors
+from safetensors.numpy import load_file, save_file
+
+from clipcli.cli.entry import main
+from clipcli.jobs.spec import ClipSpec, Mode, tensor_limit
 
 # The `cli` fixture (tests/conftest.py): a CliRunner call returning a Run.
 Cli = Callable[..., Any]
@@ -179,3 +185,47 @@ def test_diff_fail_above_fails_on_a_nan_relative_change(
     assert result.code == 1, result.stderr
     report = json.loads(result.stdout)
     assert report["max_rel_change"] is None or math.isnan(float(report["max_rel_change"]))
+
+
+@pytest.mark.parametrize("limit", [0.8, 0.1, 1 / 3, 0.7, 1e-3, 3.0])
+def test_average_limit_is_never_above_c_times_n(limit: float) -> None:
+    """C*n rounded down: at most the exact product, and the next float is above it."""
+    for numel in range(1, 3000):
+        value = tensor_limit(ClipSpec(Mode.AVERAGE, limit=limit), numel)
+        exact = Fraction(limit) * numel
+        assert Fraction(value) <= exact
+        assert Fraction(math.nextafter(value, math.inf)) > exact
+
+
+def test_average_clip_of_float64_stays_within_c_times_n(tmp_path: Path) -> None:
+    """The case the property test found: [3, 0, 0] at --average 0.8 came out 1 ulp over."""
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file({"d": np.array([3.0, 0.0, 0.0])}, str(src))
+    assert main(["clip", "-q", "--average", "0.8", str(src), str(out)]) == 0
+    squares = sum(Fraction(float(x)) ** 2 for x in load_file(str(out))["d"])
+    assert squares <= (Fraction(0.8) * 3) ** 2
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype", "average"),
+    [
+        # norms between C*n rounded down and the exact C*n (found by the second attack)
+        ([2.0999999999999996, 3.053829302179693e-08, 0.0], "float64", 0.7),
+        ([0.5, 5.27e-9, 0.0, 0.0, 0.0], "bfloat16", 0.1),
+        ([0.5, 1e-9, 0.0, 0.0, 0.0], "float32", 0.1),
+    ],
+)
+def test_average_keeps_a_tensor_within_the_exact_c_times_n(
+    tmp_path: Path, values: list[float], dtype: str, average: float
+) -> None:
+    import ml_dtypes
+
+    array = np.array(values, dtype=ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    squares = sum(Fraction(float(x)) ** 2 for x in array.astype(np.float64))
+    bound = (Fraction(average) * array.size) ** 2
+    if squares > bound:
+        pytest.skip("this dtype rounds the case above the limit")
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file({"t": array}, str(src))
+    assert main(["clip", "-q", "--average", repr(average), str(src), str(out)]) == 0
+    assert read_safetensors(out)["t"].tobytes() == array.tobytes()  # bit-identical

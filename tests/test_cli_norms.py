@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING, Any
 import ml_dtypes
 import numpy as np
 import pytest
+from handmade import write_safetensors
+from safetensors.numpy import load_file
+
+from clipcli.cli.entry import main
 
 if TYPE_CHECKING:
     from conftest import Run
@@ -439,3 +443,21 @@ def test_dtype_names_are_numpys(
     assert listed == expected
     assert {r["name"]: r["dtype"] for r in measured} == expected
     assert {r["name"]: r["in_global"] for r in measured} == {n: n != "u8" for n in tensors}
+
+
+@pytest.mark.parametrize(
+    ("array", "expected"),
+    [
+        (np.array([-np.inf, 2.0], np.float32), None),  # inf: JSON null
+        (np.array([np.nan, 2.0], np.float32), 2.0),  # NaN is not a magnitude
+        (np.array([3.0, -5.0], np.float32), 5.0),
+    ],
+)
+def test_max_abs_counts_infinities(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], array: np.ndarray, expected: float | None
+) -> None:
+    path = write_safetensors(tmp_path / "m.safetensors", {"t": array})
+    assert main(["norms", "--format", "json", str(path)]) == 0
+    row = json.loads(capsys.readouterr().out)["tensors"][0]
+    assert row["max_abs"] == expected
+    assert load_file(str(path))["t"].shape == (2,)

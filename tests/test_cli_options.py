@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import RunCli
 from expect import one_error_line
-from handmade import write_safetensors
+from handmade import small_model, write_safetensors
+from layouts import bert_like
 
 from clipcli.cli.entry import main
 
@@ -159,3 +161,59 @@ def test_chart_limit_exactly_at_a_norm_is_not_over(
     below = repr(float(np.nextafter(largest, 0)))
     _, chart, _ = _run(capsys, "norms", model, "--chart", "--limit", below)
     assert chart.splitlines()[-1].endswith(": 1 of 5 over")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--chart", "--limit", "inf"],
+        ["--chart", "--limit", "-1"],
+        ["--chart", "--limit", "0"],
+        ["--force"],
+        ["--group-by", "layer", "--sort", "size"],
+    ],
+)
+def test_options_that_cannot_act_are_refused_before_reading(
+    tmp_path: Path, extra: list[str]
+) -> None:
+    """Pointed at a FIFO: reading it would hang, so exit 2 proves nothing was read."""
+    import os
+
+    fifo = tmp_path / "f.safetensors"
+    os.mkfifo(fifo)
+    assert main(["norms", str(fifo), *extra]) == 2
+
+
+def test_the_smallest_positive_limit_is_accepted(tmp_path: Path) -> None:
+    src = small_model(tmp_path)
+    assert main(["norms", str(src), "--chart", "--limit", "5e-324"]) == 0
+
+
+def test_quiet_with_a_report_format_is_refused(tmp_path: Path) -> None:
+    src = small_model(tmp_path)
+    out = tmp_path / "o.safetensors"
+    assert main(["clip", "-q", "--format", "json", "--global", "1", str(src), str(out)]) == 2
+    assert not out.exists()
+    assert main(["clip", "-q", "--global", "1", str(src), str(out)]) == 0
+
+
+# ------------------------------------------------ issue 23, item 14: what -q silences
+# The README's stream rules: reports on stdout, diagnostics on stderr. -q silences the
+# report; a note (what was left out) is a diagnostic and stays, and --help says so.
+
+
+def test_quiet_convert_prints_no_report_and_keeps_the_diagnostics(
+    tmp_path: Path, run_main: RunCli
+) -> None:
+    """llama-tiny into one file with --allow-lossy: a warning (index metadata dropped) and
+    a note (config.json left out) on stderr; -q drops the 'wrote' line only."""
+    model = bert_like(tmp_path / "llama-tiny", {"total_flops": 7})
+    loud = run_main("convert", model, tmp_path / "a.safetensors", "--allow-lossy")
+    assert loud.code == 0, loud.stderr
+    assert loud.stdout.startswith("wrote ")
+    quiet = run_main("convert", model, tmp_path / "b.safetensors", "--allow-lossy", "-q")
+    assert quiet.code == 0
+    assert quiet.stdout == ""
+    assert quiet.stderr == loud.stderr.replace("a.safetensors", "b.safetensors")
+    lines = quiet.stderr.splitlines()
+    assert [line.split(":")[1] for line in lines] == [" warning", " note"]

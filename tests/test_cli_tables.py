@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import RunCli
 from handmade import write_safetensors
 from rich.cells import cell_len
+from safetensors.numpy import save_file
 
 from clipcli.cli.entry import main
 from clipcli.jobs.groups import natural_key
@@ -312,3 +314,91 @@ def test_names_apart_only_in_the_middle_keep_their_digit_runs() -> None:
     assert len(set(short)) == len(names)  # no single cut reaches the digits: they are kept
     assert all(cell_len(s) <= NAME_MIN_CELLS for s in short)
     assert all(f"…{i}…" in s for i, s in enumerate(short))
+
+
+LAYER_NORMS = [f"bert.encoder.layer.{i}.attention.output.LayerNorm.weight" for i in range(4)]
+
+
+def _layer_norm_file(directory: Path) -> Path:
+    """Four LayerNorm weights of norm 8 (56-character names) and four small matrices."""
+    rng = np.random.default_rng(5)
+    tensors = {name: np.ones(64, np.float32) for name in LAYER_NORMS}
+    tensors |= {
+        f"bert.encoder.layer.{i}.attention.self.query.weight": (
+            0.01 * rng.standard_normal((4, 4))
+        ).astype(np.float32)
+        for i in range(4)
+    }
+    save_file(tensors, directory / "m.safetensors")
+    return directory / "m.safetensors"
+
+
+def _header(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("┃"))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_norms_sorted_by_norm_keeps_the_norm_column(
+    width: int, tmp_path: Path, run_main: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Golden: `CLIPCLI_UPDATE_GOLDEN=1` rewrites tests/golden/issue23-*.txt; read the diff."""
+    _layer_norm_file(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", str(width))
+    done = run_main("norms", "--top", "4", "--sort", "norm", "m.safetensors")
+    assert done.code == 0, done.stderr
+    golden = GOLDEN / f"issue23-norms-sort-norm-top4.{width}.txt"
+    if os.environ.get("CLIPCLI_UPDATE_GOLDEN"):
+        golden.write_text(done.stdout, encoding="utf-8")
+    assert done.stdout == golden.read_text(encoding="utf-8")
+    assert " norm " in _header(done.stdout)
+    assert "norm (all" not in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("│")]
+    assert len(rows) == 4
+    assert all(" 8 │" in line for line in rows)
+    if width == 60:  # names are shortened in the middle rather than the norm hidden
+        assert all("…" in line for line in rows)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_norms_sorted_by_size_keeps_the_numel_column(
+    width: int, tmp_path: Path, run_main: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _layer_norm_file(tmp_path)
+    monkeypatch.setenv("COLUMNS", str(width))
+    done = run_main("norms", "--top", "4", "--sort", "size", tmp_path / "m.safetensors")
+    assert done.code == 0, done.stderr
+    header = _header(done.stdout)
+    assert " numel " in header
+    assert " norm " in header
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_clip_keeps_the_norms_before_and_after(
+    width: int, tmp_path: Path, run_main: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--norm 0.001 leaves every tensor at that norm: `after` reads the same on every row."""
+    source = _layer_norm_file(tmp_path)
+    monkeypatch.setenv("COLUMNS", str(width))
+    done = run_main("clip", "--norm", "0.001", source, tmp_path / "o.safetensors")
+    assert done.code == 0, done.stderr
+    header = _header(done.stdout)
+    assert " before " in header
+    assert " after " in header
+    assert "after (all" not in done.stdout
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_diff_keeps_the_change(
+    width: int, tmp_path: Path, run_main: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file against its copy: every relative change is 0, and still shown."""
+    source = _layer_norm_file(tmp_path)
+    copy = tmp_path / "copy.npz"
+    assert run_main("convert", source, copy).code == 0
+    monkeypatch.setenv("COLUMNS", str(width))
+    done = run_main("diff", source, copy, "--sort", "norm")
+    assert done.code == 0, done.stderr
+    header = _header(done.stdout)
+    assert " ‖A−B‖/‖A‖ " in header
+    assert " ‖A−B‖ " in header

@@ -12,14 +12,18 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import RunCli
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layouts import bert_like
+from safetensors.numpy import save_file
 
 from clipcli.api import diff, measure
+from clipcli.cli.entry import main
 from clipcli.errors import InputError, UsageError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo
+from clipcli.formats.opening import open_reader
 from clipcli.formats.safetensors import SafetensorsWriter
-from clipcli.io import open_reader
 from clipcli.jobs.diff import (
     CHANGED,
     DTYPE_CHANGED,
@@ -660,3 +664,72 @@ def test_the_summary_says_its_difference_is_over_the_tensors_both_hold(
     assert "‖A−B‖ 0 (relative 0) over the tensors both hold" in capsys.readouterr().out
     assert main(["diff", str(a), str(a)]) == 0
     assert "both hold" not in capsys.readouterr().out
+
+
+def test_diff_fail_above_fails_on_metadata_and_structure_alone(tmp_path: Path) -> None:
+    """Same tensors, one metadata value changed: --fail-above 0 must fail (exit 1)."""
+    import h5py
+
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    for path, backend in ((a, "tensorflow"), (b, "jax")):
+        with h5py.File(path, "w") as f:
+            f.create_dataset("dense/kernel:0", data=np.ones((2, 2), np.float32))
+            f.attrs["backend"] = backend
+            f["dense"].attrs["weight_names"] = [b"kernel:0"]
+    assert main(["diff", str(a), str(a), "--fail-above", "0"]) == 0
+    assert main(["diff", str(a), str(b), "--fail-above", "0"]) == 1
+    with h5py.File(b, "a") as f:
+        f.attrs["backend"] = "tensorflow"
+        f["dense"].attrs["weight_names"] = [b"bias:0"]  # an attribute of a group
+    assert main(["diff", str(a), str(b), "--fail-above", "0"]) == 1
+
+
+def test_diff_fail_above_fails_on_a_dtype_change_with_equal_values(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"x": np.array([1.0, 2.0], np.float32)}, str(a))
+    save_file({"x": np.array([1.0, 2.0], np.float64)}, str(b))
+    assert main(["diff", str(a), str(a), "--fail-above", "0"]) == 0
+    assert main(["diff", str(a), str(b), "--fail-above", "0"]) == 1
+
+
+# ------------------------------------------ issue 23, item 4: diff dir vs joined file
+
+
+def test_a_directory_and_its_joined_file_do_not_differ(tmp_path: Path, run_main: RunCli) -> None:
+    model = bert_like(tmp_path / "bert-tiny")
+    joined = tmp_path / "bert1.safetensors"
+    assert run_main("convert", model, joined).code == 0
+    for a, b in ((model, joined), (joined, model)):
+        done = run_main("diff", a, b, "--fail-above", "0", "--json")
+        assert done.code == 0, done.stderr
+        assert done.json()["metadata_changes"] == []
+
+
+def test_a_directory_and_its_npz_differ_only_by_format(tmp_path: Path, run_main: RunCli) -> None:
+    """npz holds no metadata: the shards' format=pt is what it lost, and nothing else."""
+    model = bert_like(tmp_path / "bert-tiny")
+    joined = tmp_path / "bert1.npz"
+    assert run_main("convert", model, joined).code == 0
+    done = run_main("diff", model, joined, "--json")
+    assert done.code == 0, done.stderr
+    changes = done.json()["metadata_changes"]
+    assert [(c["key"], c["a"], c["b"]) for c in changes] == [("format", "pt", None)]
+
+
+def test_other_index_keys_are_still_differences(tmp_path: Path, run_main: RunCli) -> None:
+    plain = bert_like(tmp_path / "plain")
+    edited = bert_like(tmp_path / "edited", {"total_flops": 7, "total_size": 1})
+    done = run_main("diff", plain, edited, "--fail-above", "0", "--json")
+    assert done.code == 1
+    changes = done.json()["metadata_changes"]
+    assert [(c["key"], c["a"], c["b"]) for c in changes] == [("total_flops", None, "7")]
+
+
+def test_an_index_key_the_shards_carry_otherwise_is_shown_apart(
+    tmp_path: Path, run_main: RunCli
+) -> None:
+    plain = bert_like(tmp_path / "plain")
+    edited = bert_like(tmp_path / "edited", {"format": "tf"})
+    done = run_main("diff", plain, edited, "--json")
+    changes = done.json()["metadata_changes"]
+    assert [(c["key"], c["a"], c["b"]) for c in changes] == [("index format", None, "tf")]

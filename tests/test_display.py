@@ -372,13 +372,13 @@ def test_unexpected_exception_is_exit_70_one_line(
     error: BaseException,
 ) -> None:
     import clipcli.api
-    import clipcli.io
+    import clipcli.formats.opening
 
     def broken(*_args: object, **_kwargs: object) -> None:
         raise error
 
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
-    monkeypatch.setattr(clipcli.io, "open_reader", broken)  # what ls calls
+    monkeypatch.setattr(clipcli.api, "open_reader", broken)  # what ls reads through
     monkeypatch.setattr(clipcli.api, "measure", broken)
     monkeypatch.delenv("CLIPCLI_DEBUG", raising=False)
     for argv in (["ls", src], ["norms", src]):
@@ -398,7 +398,7 @@ def test_internal_errors_never_exit_2(
     are internal errors (70), not usage errors (2)."""
     import typer
 
-    import clipcli.io
+    import clipcli.api
 
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     for error in (typer.BadParameter("x"), ValueError("--format"), LookupError()):
@@ -406,7 +406,7 @@ def test_internal_errors_never_exit_2(
         def broken(*_args: object, error: Exception = error, **_kwargs: object) -> None:
             raise error
 
-        monkeypatch.setattr(clipcli.io, "open_reader", broken)
+        monkeypatch.setattr(clipcli.api, "open_reader", broken)  # what ls reads through
         assert run_main("ls", src).code == 70
 
 
@@ -415,7 +415,7 @@ def test_internal_error_traceback_only_with_debug(
 ) -> None:
     src = write_checkpoint(tmp_path / "m.safetensors", {"w": np.ones(2, np.float32)})
     program = (
-        "import sys, clipcli.io as e\n"
+        "import sys, clipcli.formats.opening as e\n"
         "def broken(*a, **k): raise ZeroDivisionError('boom')\n"
         "e.open_reader = broken\n"
         "from clipcli.cli.entry import main\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from expect import listing, one_error_line
-from handmade import write_safetensors
+from handmade import small_model, write_safetensors
 
 from clipcli.cli.entry import main
 
@@ -97,3 +97,22 @@ def test_the_real_run_still_refuses_an_existing_out(
     assert code == 2
     assert one_error_line(err).endswith("already exists; pass --force to replace it")
     assert out.read_bytes() == b"precious"
+
+
+def test_dry_run_refuses_what_the_real_run_refuses(tmp_path: Path) -> None:
+    src = small_model(tmp_path)
+    taken = small_model(tmp_path, "taken.safetensors")
+    for out in (src, tmp_path / "missing" / "o.safetensors"):
+        real = main(["clip", "--global", "1", str(src), str(out)])
+        dry = main(["clip", "--dry-run", "--global", "1", str(src), str(out)])
+        assert real != 0
+        assert dry == real, out
+    # An existing OUT (issue 23, item 13): a dry run writes nothing, so it is judged as the
+    # real run with --force judges it, and a note says that run needs --force.
+    before = taken.read_bytes()
+    assert main(["clip", "--global", "1", str(src), str(taken)]) == 2
+    assert main(["clip", "--dry-run", "--global", "1", str(src), str(taken)]) == 0
+    assert taken.read_bytes() == before
+    free = tmp_path / "free.safetensors"
+    assert main(["clip", "--dry-run", "--global", "1", str(src), str(free)]) == 0
+    assert not free.exists()

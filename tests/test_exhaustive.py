@@ -29,12 +29,15 @@ from safetensors.numpy import load_file, save_file
 
 from clipcli.cli.entry import main
 from clipcli.errors import ExitCode
+from clipcli.formats import registry
 from clipcli.formats.safetensors import SafetensorsWriter
-from clipcli.io import EXTENSIONS
 from clipcli.jobs.spec import Mode
 from clipcli.report import OutputFormat, SortKey
 
 README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+# Every suffix OUT may have, with its format's name: from the registry, so that a new
+# format arrives here by its entry alone.
+EXTENSIONS = {suffix: fmt.name for suffix, fmt in registry.OUTPUT_SUFFIXES.items()}
 
 MainRun = Callable[..., Any]
 
@@ -70,6 +73,9 @@ def _write(path: Path, tensors: dict[str, np.ndarray]) -> Path:
             archive.writestr("metadata.json", '{"keras_version": "3.0.0"}')
             archive.writestr("config.json", '{"class_name": "Sequential"}')
             archive.writestr("model.weights.h5", weights.getvalue())
+    elif fmt == "npy":  # one array, no name
+        (array,) = tensors.values()
+        np.save(path, array)
     else:
         raise AssertionError(f"no official writer known to the test for {fmt!r}")
     return path
@@ -90,6 +96,10 @@ def _read(path: Path) -> dict[str, np.ndarray]:
             weights = io.BytesIO(archive.read("model.weights.h5"))
         with h5py.File(weights, "r") as handle:
             return {name: np.asarray(handle[name][()]) for name in handle}
+    if fmt == "npy":
+        from clipcli.formats.npy import TENSOR_NAME
+
+        return {TENSOR_NAME: np.load(path, allow_pickle=False)}
     raise AssertionError(f"no official reader known to the test for {fmt!r}")
 
 
@@ -152,8 +162,13 @@ def test_every_registered_suffix_reads_and_writes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str
 ) -> None:
     """Written by the official library, read by clipcli; written by clipcli, read back by
-    the official library bit for bit."""
+    the official library bit for bit. A format that holds one tensor gets one, named as
+    its reader names it."""
     tensors = _tensors()
+    if registry.ONE_TENSOR in registry.OUTPUT_SUFFIXES[suffix].capabilities:
+        from clipcli.formats.npy import TENSOR_NAME
+
+        tensors = {TENSOR_NAME: tensors["layers.2.w"]}
     src = _write(tmp_path / f"in{suffix}", tensors)
     document = _main_json(capsys, "norms", src)
     assert document["format"] == EXTENSIONS[suffix]

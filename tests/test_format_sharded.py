@@ -15,7 +15,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import RunCli
+from expect import one_error_line
+from layouts import bert_like
 from safetensors import safe_open
+from safetensors.numpy import load_file
 
 from clipcli.errors import InputError, Interrupted, UsageError, WriteError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
@@ -894,3 +898,42 @@ def test_directory_target_checks(model: ModelDir, reader: ShardedReader, tmp_pat
         check(home, force=True)
     with pytest.raises(WriteError, match="does not exist"):
         check(tmp_path / "no" / "out", force=False)
+
+
+# ----------------------------------------------- issue 23, item 2: derived index keys
+
+
+def test_joining_a_transformers5_directory_needs_no_allow_lossy(
+    tmp_path: Path, run_main: RunCli
+) -> None:
+    model = bert_like(tmp_path / "bert-tiny")
+    merged = tmp_path / "merged.safetensors"
+    done = run_main("convert", model, merged)
+    assert done.code == 0, done.stderr
+    assert "warning" not in done.stderr
+    expected: dict[str, np.ndarray] = {}
+    for shard in sorted(model.glob("*.safetensors")):
+        expected |= load_file(shard)
+    written = load_file(merged)
+    assert written.keys() == expected.keys()
+    for name, array in expected.items():
+        assert written[name].tobytes() == array.tobytes()
+    with open(merged, "rb") as handle:  # the official reader's view of __metadata__
+        header_size = int.from_bytes(handle.read(8), "little")
+        assert json.loads(handle.read(header_size))["__metadata__"] == {"format": "pt"}
+
+
+def test_any_other_index_key_is_still_refused(tmp_path: Path, run_main: RunCli) -> None:
+    model = bert_like(tmp_path / "bert-tiny", {"total_flops": 7})
+    done = run_main("convert", model, tmp_path / "merged.safetensors")
+    assert done.code == 2
+    line = one_error_line(done.stderr)
+    assert "('total_flops')" in line
+    assert "total_parameters" not in line
+    assert not (tmp_path / "merged.safetensors").exists()
+
+
+def test_allow_lossy_help_names_index_metadata(run_main: RunCli) -> None:
+    done = run_main("convert", "--help")
+    assert done.code == 0
+    assert "index metadata" in " ".join(done.stdout.split())

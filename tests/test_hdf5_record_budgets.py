@@ -186,7 +186,7 @@ NON_TENSORS: dict[str, tuple[Record, Record, Any]] = {
 
 def _reader_lists_as_tensor(tmp_path: Path, type_desc: Record, space: Record) -> bool:
     """How clipcli's HDF5 reader lists a dataset of this type, in a file h5py writes."""
-    from clipcli.io import open_reader
+    from clipcli.formats.opening import open_reader
 
     path = tmp_path / "kind.h5"
     with h5py.File(path, "w") as f:

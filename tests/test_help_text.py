@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import typer.main
+from conftest import RunCli
 
 from clipcli import __version__
 from clipcli.cli import typer_app
@@ -99,3 +100,11 @@ def test_new_flags_are_in_the_help(command: str, capsys: pytest.CaptureFixture[s
     text = help_of([command], capsys)
     assert "--json" in text
     assert "-q, --quiet" in text
+
+
+@pytest.mark.parametrize("command", ["ls", "norms", "clip", "convert", "diff"])
+def test_quiet_help_says_exactly_what_it_silences(run_main: RunCli, command: str) -> None:
+    done = run_main(command, "--help")
+    text = " ".join(done.stdout.replace("│", " ").split())
+    assert "Notes, warnings and errors still go to stderr." in text
+    assert "Print nothing on success" not in text

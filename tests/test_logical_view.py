@@ -89,7 +89,7 @@ def halves_file(tmp_path: Path) -> Halved:
 def test_identity_view_is_the_stored_reader(tmp_path: Path) -> None:
     path = tmp_path / "plain.safetensors"
     save_file({"a": np.ones(3, np.float32)}, str(path))
-    from clipcli.io import open_reader
+    from clipcli.formats.opening import open_reader
 
     with open_reader(path) as reader:
         assert views.logical(reader) is reader  # plain checkpoints: the code they always ran

@@ -25,10 +25,10 @@ from safetensors.numpy import load_file
 
 from clipcli.cli.entry import main
 from clipcli.formats.base import TensorInfo
+from clipcli.formats.opening import open_reader
 from clipcli.formats.safetensors import reader as st_reader
 from clipcli.formats.safetensors.header import build_header, header_length
 from clipcli.formats.safetensors.writer import COPY_AHEAD_MIN_BYTES, SafetensorsWriter
-from clipcli.io import open_reader
 from clipcli.jobs import pipeline
 from clipcli.numerics.many import SHORT, accumulate_each
 from clipcli.numerics.norms import NormAccumulator

@@ -17,10 +17,14 @@ import h5py
 import numpy as np
 import pytest
 from conftest import MainRun as Run
+from conftest import RunCli
+from expect import one_error_line
 from handmade import write_safetensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layouts import bert_like
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 import clipcli.formats.hdf5.limits as hdf5_limits
 from clipcli import api
@@ -267,7 +271,7 @@ def test_hdf5_attributes_into_safetensors_at_and_past_the_header_limit(
 
 
 def clipcli_reader(path: Path):  # type: ignore[no-untyped-def]
-    from clipcli.io import open_reader
+    from clipcli.formats.opening import open_reader
 
     return open_reader(path)
 
@@ -367,3 +371,63 @@ def test_written_names_read_back_with_clipcli_and_the_official_reader(
     suffix: str, names: list[str]
 ) -> None:
     round_trip(names, suffix)
+
+
+# ------------------------------------------ issue 23, item 3: OUT's unknown extension
+
+
+# (b.npy was here until issue 19 made .npy a format: tests/test_format_npy.py refuses a
+# model directory into one .npy file, exit 2, as one line.)
+@pytest.mark.parametrize("out", ["o.pt", "b.gguf", "model.v2"])
+@pytest.mark.parametrize("command", [["convert"], ["clip", "--global", "1"]])
+def test_an_unknown_extension_is_refused_for_a_directory_input(
+    tmp_path: Path, run_main: RunCli, out: str, command: list[str]
+) -> None:
+    model = bert_like(tmp_path / "bert-tiny")
+    done = run_main(*command, model, tmp_path / out)
+    assert done.code == 2
+    line = one_error_line(done.stderr)
+    assert "unknown output extension" in line
+    assert ".npz, .safetensors, .h5, .hdf5, .keras or .npy" in line
+    assert "end OUT with /" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert-tiny"]
+
+
+@pytest.mark.parametrize("out", ["o.pt", "b.gguf"])
+def test_an_unknown_extension_reads_the_same_for_a_file_input(
+    tmp_path: Path, run_main: RunCli, out: str
+) -> None:
+    source = tmp_path / "m.safetensors"
+    save_file({"w": np.ones(3, np.float32)}, source)
+    done = run_main("convert", source, tmp_path / out)
+    assert done.code == 2
+    assert ".npz, .safetensors, .h5, .hdf5, .keras or .npy, or end OUT with /" in done.stderr
+
+
+@pytest.mark.parametrize("out", ["merged", "llama-3.2-1b", "Qwen2.5-0.5B", "o.pt/"])
+def test_a_directory_out_is_still_written_when_asked(
+    tmp_path: Path, run_main: RunCli, out: str
+) -> None:
+    """No extension (a version number is none), or a trailing slash: a model directory."""
+    model = bert_like(tmp_path / "bert-tiny")
+    done = run_main(
+        "convert", model, f"{tmp_path / out.rstrip('/')}{'/' if out[-1] == '/' else ''}"
+    )
+    assert done.code == 0, done.stderr
+    written = tmp_path / out.rstrip("/")
+    assert written.is_dir()
+    assert (written / "model.safetensors.index.json").is_file()
+
+
+def test_an_existing_directory_with_a_dot_is_still_the_target(
+    tmp_path: Path, run_main: RunCli
+) -> None:
+    """A directory that already exists is what the user named: refused without --force as
+    any existing OUT, replaced with it."""
+    model = bert_like(tmp_path / "bert-tiny")
+    first = run_main("convert", model, f"{tmp_path / 'out.v2'}/")
+    assert first.code == 0, first.stderr
+    again = run_main("convert", model, tmp_path / "out.v2")
+    assert again.code == 2
+    assert "already exists; pass --force" in again.stderr
+    assert run_main("convert", model, tmp_path / "out.v2", "--force").code == 0

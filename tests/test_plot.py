@@ -5,13 +5,19 @@ commit message of this file says what changed after looking)."""
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from handmade import write_safetensors
+from conftest import RunCli
+from handmade import small_model, write_safetensors
+from layouts import bert_like
+from safetensors.numpy import save_file
 
 from clipcli.cli.entry import main
 
@@ -147,3 +153,62 @@ def test_limit_legend_is_not_on_the_bars() -> None:
     for patch in ax.patches:
         assert not box.overlaps(patch.get_window_extent()), "the legend covers a bar"
     assert not box.overlaps(ax.get_window_extent())  # outside the plotting area
+
+
+def test_plot_over_the_input_is_refused_even_with_force(tmp_path: Path) -> None:
+    src = small_model(tmp_path, "m.png")  # a checkpoint that happens to be named .png
+    before = src.read_bytes()
+    assert main(["norms", str(src), "--plot", str(src), "--force"]) == 2
+    link = tmp_path / "link.png"
+    link.symlink_to(src)
+    assert main(["norms", str(src), "--plot", str(link), "--force"]) == 2
+    assert src.read_bytes() == before
+
+
+def test_plot_into_a_model_directory_given_by_its_index_is_refused(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": np.ones(2, np.float32)}, str(model / "model-00001-of-00001.safetensors"))
+    index = model / "model.safetensors.index.json"
+    index.write_text(
+        json.dumps({"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}})
+    )
+    for given in (model, index):
+        assert main(["norms", str(given), "--plot", str(model / "q.png")]) == 2
+    link = tmp_path / "shard.png"
+    link.hardlink_to(model / "model-00001-of-00001.safetensors")
+    assert main(["norms", str(index), "--plot", str(link), "--force"]) == 2
+    assert not (model / "q.png").exists()
+
+
+# ------------------------------------------------- issue 23, item 16: the plot's mode
+
+
+@pytest.mark.parametrize(("umask", "expected"), [(0o022, 0o644), (0o077, 0o600), (0, 0o666)])
+def test_a_new_plot_gets_the_umask_mode_not_the_inputs(
+    tmp_path: Path, run_main: RunCli, umask: int, expected: int
+) -> None:
+    pytest.importorskip("matplotlib")
+    model = bert_like(tmp_path / "bert-tiny")
+    for entry in model.iterdir():
+        entry.chmod(0o600)  # private shards: the picture of their norms is no copy of them
+    plot = tmp_path / "norms.png"
+    old = os.umask(umask)
+    try:
+        done = run_main("norms", model, "--plot", plot)
+    finally:
+        os.umask(old)
+    assert done.code == 0, done.stderr
+    assert stat.S_IMODE(plot.stat().st_mode) == expected
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_replaced_plot_keeps_its_own_mode_less_set_id(tmp_path: Path, run_main: RunCli) -> None:
+    pytest.importorskip("matplotlib")
+    model = bert_like(tmp_path / "bert-tiny")
+    plot = tmp_path / "norms.png"
+    plot.write_bytes(b"old")
+    plot.chmod(0o2640)
+    done = run_main("norms", model, "--plot", plot, "--force")
+    assert done.code == 0, done.stderr
+    assert stat.S_IMODE(plot.stat().st_mode) == 0o640

@@ -28,9 +28,12 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from expect import one_error_line
+from layouts import write_keras
 from safetensors.numpy import load_file, save_file
 
-from clipcli.system import address_space, parallel
+from clipcli.errors import WriteError
+from clipcli.system import address_space, parallel, scratch
 
 CLIPCLI = [sys.executable, "-m", "clipcli"]
 
@@ -554,3 +557,162 @@ def test_our_own_symbols_are_spelt_in_ascii_where_the_stream_cannot_hold_them(
     assert "||A-B|| 2.23607" in done.stdout
     table = [line for line in done.stdout.splitlines() if line[:1] in "+|"]
     assert len({len(line) for line in table}) == 1, table
+
+
+# ----------------------------------------- issue 18's cleanup attack, item 5: $TMPDIR
+# A missing or read-only $TMPDIR fell back to /tmp, /var/tmp and then the working
+# directory: TMPDIR, where set, is the only candidate; else /tmp, /var/tmp, /usr/tmp.
+
+
+def test_a_set_tmpdir_is_the_only_candidate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    usable = tmp_path / "usable"
+    usable.mkdir()
+    monkeypatch.setattr(scratch, "FALLBACK_DIRECTORIES", (str(usable),))
+    monkeypatch.setenv("TMPDIR", str(usable))
+    assert scratch.directory() == str(usable)
+    (tmp_path / "file").write_text("x")
+    for chosen, problem in [("missing", "does not exist"), ("file", "is not a directory")]:
+        monkeypatch.setenv("TMPDIR", str(tmp_path / chosen))
+        with pytest.raises(WriteError) as raised:
+            scratch.directory()
+        assert f"TMPDIR {tmp_path / chosen} {problem}" in str(raised.value)
+
+
+def test_without_tmpdir_the_first_usable_fallback_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second, third = (str(tmp_path / name) for name in ("a", "b", "c"))
+    os.mkdir(second)
+    os.mkdir(third)
+    monkeypatch.setattr(scratch, "FALLBACK_DIRECTORIES", (first, second, third))
+    for unset in ("", None):  # an empty TMPDIR is no TMPDIR
+        if unset is None:
+            monkeypatch.delenv("TMPDIR", raising=False)
+        else:
+            monkeypatch.setenv("TMPDIR", unset)
+        assert scratch.directory() == second
+    os.rmdir(second)
+    os.rmdir(third)
+    with pytest.raises(WriteError) as raised:
+        scratch.directory()
+    assert f"TMPDIR is not set and {first} does not exist, {second}" in str(raised.value)
+
+
+FORTRAN_SPILLING = """
+import sys
+import clipcli.formats.npz.reader as npz_reader
+npz_reader.FORTRAN_IN_MEMORY_BYTES = 0  # any column-major member goes through $TMPDIR
+sys.argv[0] = "clipcli"
+from clipcli.__main__ import run
+run()
+"""
+
+
+def _inputs_through_tmpdir(folder: Path) -> list[Path]:
+    """A .keras (unpacked into $TMPDIR) and a compressed column-major npz (spilled)."""
+    npz = folder / "f.npz"
+    np.savez_compressed(npz, w=np.asfortranarray(np.ones((64, 32), np.float32)))
+    return [write_keras(folder / "m.keras"), npz]
+
+
+def _run_in(folder: Path, src: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", FORTRAN_SPILLING, "norms", "-q", src.name],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_missing_or_file_tmpdir_is_exit_5_and_nothing_in_the_working_directory(
+    tmp_path: Path,
+) -> None:
+    """Before: exit 0, with the temps in /tmp (or, /tmp being read-only, in the working
+    directory, which was the input's folder)."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (tmp_path / "a-file").write_text("x")
+    for src in _inputs_through_tmpdir(folder):
+        before = sorted(os.listdir(folder))
+        for chosen, problem in [("missing", "does not exist"), ("a-file", "is not a directory")]:
+            env = dict(os.environ, TMPDIR=str(tmp_path / chosen))
+            done = _run_in(folder, src, env)
+            assert done.returncode == 5, done.stderr
+            line = one_error_line(done.stderr)
+            assert f"TMPDIR {tmp_path / chosen} {problem}" in line
+            assert sorted(os.listdir(folder)) == before
+
+
+def test_a_read_only_tmpdir_is_exit_5(tmp_path: Path, mount_tmpfs: Any) -> None:
+    folder = tmp_path / "work"
+    folder.mkdir()
+    read_only = mount_tmpfs("ro", size="1m", options="ro")
+    for src in _inputs_through_tmpdir(folder):
+        before = sorted(os.listdir(folder))
+        done = _run_in(folder, src, dict(os.environ, TMPDIR=str(read_only)))
+        assert done.returncode == 5, done.stderr
+        assert f"TMPDIR {read_only} is on a read-only file system" in one_error_line(done.stderr)
+        assert sorted(os.listdir(folder)) == before
+
+
+def test_a_tmpdir_the_user_cannot_write_is_exit_5(tmp_path: Path) -> None:
+    """As an ordinary user (who may read root's test files, CAP_DAC_READ_SEARCH, but not
+    write where it may not), a 0555 directory of its own; at the limit, 0755 works."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run as another user")
+    folder = tmp_path / "work"
+    folder.mkdir()
+    src = _inputs_through_tmpdir(folder)[0]
+    for mode, code in [(0o555, 5), (0o755, 0)]:
+        where = tmp_path / f"tmp{mode:o}"
+        where.mkdir(mode=mode)
+        where.chmod(mode)
+        os.chown(where, 65534, 65534)
+        done = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+             "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search",
+             sys.executable, "-m", "clipcli", "norms", "-q", str(src)],
+            env=dict(os.environ, TMPDIR=str(where)), capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        if "Permission denied" in done.stderr and "clipcli: error" not in done.stderr:
+            pytest.skip(f"the interpreter is out of reach as nobody: {done.stderr.strip()}")
+        assert done.returncode == code, done.stderr
+        if code:
+            assert f"TMPDIR {where} is not writable" in one_error_line(done.stderr)
+
+
+def test_without_tmpdir_no_fallback_is_the_working_directory(tmp_path: Path) -> None:
+    """TMPDIR unset and /tmp, /var/tmp (and /usr/tmp) read-only, in a private mount
+    namespace: exit 5 naming them. Before: exit 0, the temps made in the working
+    directory."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare")
+    folder = tmp_path / "work"
+    folder.mkdir()
+    readonly = " && ".join(
+        f"mount --bind {d} {d} && mount -o remount,bind,ro {d}"
+        for d in scratch.FALLBACK_DIRECTORIES
+        if os.path.isdir(d)
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TMPDIR"}
+    for src in _inputs_through_tmpdir(folder):
+        before = sorted(os.listdir(folder))
+        script = (
+            f"{readonly} && cd {folder} && exec {sys.executable} -c '{FORTRAN_SPILLING}' "
+            f"norms -q {src.name}"
+        )
+        done = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        if "mount" in done.stderr and "clipcli" not in done.stderr:
+            pytest.skip(f"cannot mount here: {done.stderr.strip()}")
+        assert done.returncode == 5, done.stderr
+        line = one_error_line(done.stderr)
+        assert "TMPDIR is not set and /tmp is on a read-only file system" in line
+        assert sorted(os.listdir(folder)) == before

@@ -1,5 +1,5 @@
 """What users reached for (issue 23): `--json`, `-q` on the read-only commands, and `.npy`
-files (refused, saying what to do). Reports are checked against numpy's own reading of the
+files (read since issue 19). Reports are checked against numpy's own reading of the
 file, and the --json report against the --format json one.
 """
 
@@ -168,24 +168,19 @@ def test_quiet_norms_still_writes_the_plot(
 # ------------------------------------------------------------------ .npy
 
 
-def test_npy_is_refused_with_the_numpy_line_that_makes_an_npz(
+def test_npy_is_read_as_one_tensor_named_array(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Issue 19 changed this: a .npy file, once refused with a hint to make an npz of it, is
+    now read (formats.npy), its one tensor named "array"; the norm is numpy's."""
     monkeypatch.chdir(tmp_path)
     weight = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.save("w.npy", weight)
-    for command in (["ls"], ["norms"]):
-        code, out, err = run([*command, "w.npy"], capsys)
-        assert (code, out) == (3, "")
-        line = one_error_line(err)
-        assert line.startswith("clipcli: error: w.npy: is a single .npy array, not a checkpoint")
-        assert "unknown leading bytes" not in line
-    # The numpy line in the hint works, and the result is read.
-    hint = line.split("e.g. ", 1)[1]
-    assert hint == "np.savez('w.npz', weight=np.load('w.npy'))"
-    eval(hint, {"np": np})  # our own message, asserted just above
-    code, out, _ = run(["norms", "w.npz", "--json"], capsys)
-    assert code == 0
+    code, out, err = run(["ls", "w.npy", "--json"], capsys)
+    assert (code, err) == (0, "")
+    assert [(t["name"], t["shape"]) for t in json.loads(out)["tensors"]] == [("array", [2, 3])]
+    code, out, err = run(["norms", "w.npy", "--json"], capsys)
+    assert (code, err) == (0, "")
     assert json.loads(out)["global_norm"] == pytest.approx(
         math.sqrt(float(np.sum(weight.astype(np.float64) ** 2))), rel=1e-15
     )
@@ -199,4 +194,5 @@ def test_npy_under_another_name_is_known_by_its_content(
     (tmp_path / "w.npy").rename(disguised)
     code, _, err = run(["ls", disguised], capsys)
     assert code == 3
-    assert "is a single .npy array" in one_error_line(err)
+    # Issue 19: .npy is a format now, so the content is named as any other format's is.
+    assert one_error_line(err).endswith("extension says npz but the content is npy")

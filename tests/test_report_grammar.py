@@ -63,3 +63,22 @@ def test_one_slice_is_singular(one: Path, capsys: pytest.CaptureFixture[str]) ->
     code, out, _ = _run(capsys, *argv, "-f", "json")
     assert code == 0
     assert json.loads(out)["tensors"][0]["note"] == "1 of 1 slice clipped"
+
+
+def test_one_group_is_singular(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_safetensors(tmp_path / "m.safetensors", {"layers.0.w": np.ones(4, np.float32)})
+    assert main(["norms", str(path), "--group-by", "layer"]) == 0
+    out = capsys.readouterr().out
+    assert "over 1 group\n" in out
+    assert "over 1 groups" not in out
+
+
+def test_diff_of_files_that_share_no_tensor_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    np.savez(tmp_path / "a.npz", x=np.ones(3))
+    np.savez(tmp_path / "b.npz", y=np.ones(3))
+    assert main(["diff", str(tmp_path / "a.npz"), str(tmp_path / "b.npz")]) == 0
+    out = capsys.readouterr().out
+    assert "A and B share no tensor to compare" in out
+    assert "relative 0" not in out

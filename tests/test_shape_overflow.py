@@ -16,7 +16,7 @@ import pytest
 from safetensors import safe_open
 
 from clipcli.errors import InputError
-from clipcli.io import open_reader
+from clipcli.formats.opening import open_reader
 
 U64 = 2**64 - 1
 

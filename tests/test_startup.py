@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 from handmade import write_safetensors
 
+from clipcli import __version__
+from clipcli.cli.entry import main
+
 HEAVY = ("rich", "h5py", "matplotlib", "clipcli.engine", "clipcli.jobs.diff", "clipcli.numerics")
 
 
@@ -39,13 +42,23 @@ def _loaded(modules: set[str], prefix: str) -> bool:
     return any(m == prefix or m.startswith(prefix + ".") for m in modules)
 
 
+def _other_formats_loaded(modules: set[str], fmt: str) -> list[str]:
+    """The modules of other formats than `fmt` (formats.registry's preload lists) that a
+    run loaded: an input of one format should load its own reader only."""
+    from clipcli.formats import registry
+
+    own = set(registry.BY_NAME[fmt].preload)
+    others = {m for f in registry.FORMATS if f.readable for m in f.preload} - own
+    return sorted(m for m in others if _loaded(modules, m))
+
+
 @pytest.mark.parametrize("fmt", ["table", "json"])
 def test_ls_loads_no_job_module_rich_or_h5py(tmp_path: Path, fmt: str) -> None:
     path = write_safetensors(tmp_path / "m.safetensors", {"w": np.ones(4, np.float32)})
     modules = _modules_after(["ls", str(path), "--format", fmt])
     assert "clipcli.formats.safetensors" in modules  # the run did list the file
     assert [m for m in HEAVY if _loaded(modules, m)] == []
-    assert not _loaded(modules, "clipcli.formats.npz")  # only the reader this file needs
+    assert _other_formats_loaded(modules, "safetensors") == []  # only the reader it needs
 
 
 def test_norms_table_loads_no_rich_h5py_or_diff(tmp_path: Path) -> None:
@@ -93,7 +106,8 @@ def test_float32_run_loads_no_ml_dtypes_writer_or_hashlib(
 ) -> None:
     path = _float32_files(tmp_path)[fmt]
     modules = _modules_after([command, str(path), "--format", "json"])
-    assert "clipcli.io" in modules  # the run did read the file
+    assert "clipcli.formats.opening" in modules  # the run did read the file
+    assert _other_formats_loaded(modules, fmt) == []  # by suffix: formats.registry
     assert [m for m in NOT_FOR_READING if _loaded(modules, m)] == []
     if fmt != "npz":  # only a zip needs zipfile
         assert not _loaded(modules, "zipfile")
@@ -292,7 +306,7 @@ def test_measuring_under_16_mib_runs_inline(
 ) -> None:
     """Exactly INLINE_BELOW_BYTES in all goes to worker threads; a byte less is measured
     in this thread (workers=1), with the same norm."""
-    from clipcli.io import open_reader
+    from clipcli.formats.opening import open_reader
     from clipcli.jobs import pipeline
     from clipcli.jobs.selection import EVERY_TENSOR
     from clipcli.system.parallel import ordered_map
@@ -316,3 +330,32 @@ def test_measuring_under_16_mib_runs_inline(
     sumsq = cycles * sum(v * v for v in range(256)) + sum(v * v for v in range(tail))
     got = sum(t.stats.norm**2 for t in measured.tensors)
     assert got == pytest.approx(float(sumsq), rel=1e-12)
+
+
+def test_version_through_main_and_as_a_program(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"clipcli {__version__}\n"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.argv[1:] = ['--version'];from clipcli.__main__ import run; run()",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"clipcli {__version__}\n", "")
+
+
+def test_version_loads_no_cli_module() -> None:
+    """`clipcli --version` answers before typer, rich or numpy are imported."""
+    code = (
+        "import sys; sys.argv[1:] = ['--version']\n"
+        "from clipcli.__main__ import run\n"
+        "try:\n    run()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('typer', 'rich', 'numpy', 'clipcli.cli.entry')"
+        " if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip().endswith("[]"), done.stdout

@@ -5,6 +5,7 @@ the same clip written to a file."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import RunCli
+from expect import one_error_line
 from safetensors.numpy import load, save_file
 
 
@@ -164,3 +167,44 @@ def test_input_changed_mid_stream_does_not_claim_nothing_was_written(tmp_path: P
     message = str(caught.value)
     assert "no output written" not in message
     assert "cut short after 4096 bytes" in message
+
+
+# ------------------------------------------------- issue 23, item 12: '-' as an input
+
+STDIN_LINES = [
+    ["ls", "-"],
+    ["norms", "-"],
+    ["clip", "--global", "1", "-", "o.safetensors"],
+    ["convert", "-", "o.safetensors"],
+    ["diff", "-", "m.safetensors"],
+    ["diff", "m.safetensors", "-"],
+]
+
+
+@pytest.mark.parametrize("args", STDIN_LINES)
+def test_standard_input_is_not_an_input(
+    args: list[str], tmp_path: Path, run_main: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_file({"w": np.ones(3, np.float32)}, tmp_path / "m.safetensors")
+    monkeypatch.chdir(tmp_path)
+    done = run_main(*args)
+    assert done.code == 2
+    line = one_error_line(done.stderr)
+    assert "reading a checkpoint from standard input is not supported" in line
+    assert "write it to a file first" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+@pytest.mark.parametrize("command", [["clip", "--global", "100"], ["convert"]])
+def test_the_report_says_standard_output_not_dash(
+    command: list[str], tmp_path: Path, run_subprocess: RunCli
+) -> None:
+    source = tmp_path / "m.safetensors"
+    save_file({"w": np.full(3, 2.0, np.float32)}, source)
+    done = run_subprocess(*command, source, "-")
+    assert done.code == 0, done.stderr
+    assert "wrote safetensors to standard output" in done.stderr
+    assert "wrote -" not in done.stderr
+    assert "wrote" not in done.stdout  # stdout is the safetensors file and nothing else
+    header = json.loads(done.stdout[8 : 8 + int.from_bytes(done.stdout[:8].encode(), "little")])
+    assert header["w"]["shape"] == [3]

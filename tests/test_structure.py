@@ -24,7 +24,10 @@ from layouts import (
     vocab_file,
 )
 from safetensors import safe_open
+from safetensors.numpy import save_file
 from test_format_hdf5 import assert_same_file
+
+from clipcli.cli.entry import main
 
 STRUCTURE_KEY = "clipcli.hdf5_structure"
 
@@ -774,3 +777,31 @@ def test_storage_settings_are_structure_for_npz_and_diff(clipcli: Cli, tmp_path:
     assert run.returncode == 0, run.stderr
     same = json.loads(clipcli("diff", "--format", "json", plain, tmp_path / "p.npz").stdout)
     assert same["identical"] is True
+
+
+def test_a_metadata_key_added_over_a_non_text_attribute_wins(tmp_path: Path) -> None:
+    """The record holds epoch as int64 (not metadata); the user adds epoch='6' to
+    __metadata__: back in HDF5 the user's value is written, never silently the old one."""
+    import h5py
+    from safetensors import safe_open
+
+    src, mid, edited, back = (
+        tmp_path / n for n in ("a.h5", "m.safetensors", "e.safetensors", "b.h5")
+    )
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(4, np.float32)
+        f.attrs["epoch"] = np.int64(5)
+        f.attrs["names"] = np.array(["a", "b"], dtype=h5py.string_dtype())
+    assert main(["convert", "-q", str(src), str(mid)]) == 0
+    with safe_open(str(mid), "np") as f:
+        metadata = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not iterable
+    save_file(tensors, str(edited), metadata={**metadata, "epoch": "6"})
+    assert main(["convert", "-q", str(edited), str(back)]) == 0
+    with h5py.File(back, "r") as f:
+        assert f.attrs["epoch"] == "6"
+        assert list(f.attrs["names"]) == ["a", "b"]  # untouched: its recorded type
+    unedited = tmp_path / "u.h5"
+    assert main(["convert", "-q", str(mid), str(unedited)]) == 0
+    with h5py.File(unedited, "r") as f:
+        assert f.attrs["epoch"] == 5

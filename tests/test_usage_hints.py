@@ -201,3 +201,21 @@ def test_a_hostile_argument_stays_on_the_one_line(capsys: pytest.CaptureFixture[
     error = error_of(["nroms", "a\nb\x1b[31m"], capsys)
     assert "\n" not in error
     assert "\x1b" not in error
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["clip"], "see 'clipcli clip --help'"),
+        (["norms"], "see 'clipcli norms --help'"),
+        (
+            ["clip", "--norm", "1", "--axes", "0", "1", "in.safetensors", "out.safetensors"],
+            "--axes takes one comma-separated list, e.g. --axes 0,1",
+        ),
+    ],
+)
+def test_usage_errors_say_what_to_do(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert hint in one_error_line(capsys.readouterr().err)

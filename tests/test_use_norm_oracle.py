@@ -24,7 +24,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from expect import one_error_line
+from handmade import write_safetensors
 
+from clipcli.cli.entry import main
 from clipcli.numerics.rounding import scale_chunk
 
 Cli = Callable[..., Any]
@@ -269,3 +272,10 @@ def test_float64_subnormal_results_round_once() -> None:
     assert bits_of(got) == bits_of(expected_output(x, factor))
     assert got[0] == (2.0**51 + 1) * 2.0**-1074
     assert math.copysign(1.0, got[2]) == -1.0  # -0.0 keeps its sign
+
+
+def test_use_norm_inf_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = write_safetensors(tmp_path / "in.safetensors", {"a": np.array([3.0, 4.0], np.float32)})
+    argv = ["clip", "--global", "1", "--use-norm", "inf", str(src), str(tmp_path / "o.npz")]
+    assert main(argv) == 2
+    assert "--use-norm must be finite" in one_error_line(capsys.readouterr().err)

@@ -5,7 +5,7 @@ The weights are an ordinary HDF5 file inside the zip. The reader checks the zip 
 npz reader's rules (every member's bytes its own and inside the file, local headers agreeing
 with the central directory, all members together inflating to at most 200 x the archive's
 size + 64 MiB, names that escape or name one file however spelt, here letter case included:
-npz.zipcheck), refuses backslashes in member names, unpacks `model.weights.h5` into a
+formats.zipsafe), refuses backslashes in member names, unpacks `model.weights.h5` into a
 temp file that has no name (its CRC checked as it streams) and reads that with the HDF5
 reader and all of its rules; messages name it `ARCHIVE[model.weights.h5]`. A file with no
 name is gone with the last descriptor, however the process ends: SIGKILL, SIGQUIT or a
@@ -40,8 +40,8 @@ from clipcli.formats.base import (
     Writer,
 )
 from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer
-from clipcli.formats.npz.zipcheck import BoundedMember, check_zip_layout, open_member
 from clipcli.formats.structure_record import Structure
+from clipcli.formats.zipsafe import BoundedMember, check_zip_layout, open_member
 from clipcli.system import interrupts, scratch
 from clipcli.system.identity import FileIdentity
 from clipcli.system.inputs import fd_path, open_input

@@ -38,10 +38,14 @@ def lower(plan: Plan, reader: LogicalReader) -> Plan:
     stored = {info.name: info for info in reader.stored.infos}
     empty = NormAccumulator()
     lowered: dict[str, TensorPlan] = {}
+    # A side tensor may also be a part (a quantized weight's scale, listed with its role):
+    # the logical tensor's action on it wins over the listing's KEEP, in either order.
+    parts = {part.name for t in reader.logical if not t.plain for part in t.parts}
     for p in plan.tensors:
         t = reader.by_name.get(p.info.name)
         if t is None:  # a side tensor: stored as it is listed
-            lowered[p.info.name] = replace(p, info=stored[p.info.name])
+            if p.info.name not in parts:
+                lowered[p.info.name] = replace(p, info=stored[p.info.name])
             continue
         if t.plain and len(t.parts) == 1:
             lowered[t.parts[0].name] = replace(p, info=stored[t.parts[0].name])

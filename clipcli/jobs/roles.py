@@ -32,6 +32,7 @@ OPTIMIZER_ROOTS = frozenset(
         "optim_state_dict",
         "optimizer_state",
         "optimizer_state_dict",
+        "optimizer_states",  # Lightning checkpoints: a list of optimizer state dicts
     }
 )
 BUFFER_NAMES = frozenset(
@@ -83,7 +84,9 @@ _DESCRIPTIONS = {
 # numpy's and ml_dtypes' names of the floating-point and complex dtypes (float16,
 # bfloat16, float8_e4m3fn, float4_e2m1fn, complex64, ...): what `ls` tells apart by the
 # dtype's name alone, without numpy (clipcli.dtypes.is_floating on the dtype agrees).
-_FLOATING_PREFIXES = ("float", "bfloat", "complex")
+# GGUF's block-quantized types (Q4_0, Q4_K, IQ2_XXS, TQ1_0, MXFP4, NVFP4) are listed by
+# their ggml names: their real values are floating point too.
+_FLOATING_PREFIXES = ("float", "bfloat", "complex", "Q", "IQ", "TQ", "MXFP", "NVFP")
 
 
 def is_floating_name(dtype_name: str) -> bool:

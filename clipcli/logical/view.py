@@ -78,14 +78,12 @@ class View(ABC):
         """True when every logical tensor is one stored tensor, unchanged."""
         return False
 
-    def lowerable(self, tensor: LogicalTensor) -> str | None:
+    def lowerable(self, tensor: LogicalTensor) -> str | None:  # noqa: ARG002 - interface
         """Why a clip cannot act on `tensor` through its stored tensors (one line), or
         None when it can."""
-        return (
-            None
-            if tensor.plain
-            else f"{tensor.info.name}: clipping {tensor.scheme} is not supported"
-        )
+        # None by default: clipcli.logical.lowering carries a SCALE out for any view (its
+        # scaled_parts); a view says here which of its tensors it cannot (quantfp, issue 21).
+        return None
 
     def scaled_parts(self, tensor: LogicalTensor) -> list[str]:
         """Lowering a SCALE: the stored tensors a factor multiplies (each rounded once, as

@@ -12,7 +12,15 @@ from clipcli.logical.view import View
 # Each factory looks at a stored reader's names, dtypes and config and returns its view,
 # or None when the checkpoint holds nothing it maps. Refusals (ambiguity) raise.
 ViewFactory = Callable[[Reader], View | None]
-VIEW_FACTORIES: list[ViewFactory] = []
+
+
+def _quantized(reader: Reader) -> View | None:
+    from clipcli.logical.quantized.view import quantized_view  # with data, not for ls
+
+    return quantized_view(reader)
+
+
+VIEW_FACTORIES: list[ViewFactory] = [_quantized]
 
 
 def view_for(reader: Reader) -> View | None:

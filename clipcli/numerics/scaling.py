@@ -261,7 +261,23 @@ def _verified_factor(
     bound = WideBound.of(1.0, [members[i].dtype for i in live], together.numel)
     headroom = 1 - math.sqrt(bound.numel) * bound.step / 2 / limit
     safe = first * bound.ratio * max(headroom, 0.0) / (1 + bound.unit) * (1 - 2.0**-50)
-    return Factor(safe, exponent)
+    if output_sumsq(live, Factor(safe, exponent)).at_most(limit):
+        return Factor(safe, exponent)
+    # The bound above holds for values rounded in their own float64 dtype. A logical
+    # tensor whose factor is rounded elsewhere (a quantized weight's float32/bfloat16/fp8
+    # scales, clipcli.logical) can overshoot it: shrink with margins wider than those
+    # dtypes' roundings, each one verified, never returning an unchecked factor.
+    mantissa = safe
+    for margin in (2.0**-40, 2.0**-22, 2.0**-16, 2.0**-12, 2.0**-10, 2.0**-8, 2.0**-6, 2.0**-3):
+        check = output_sumsq(live, Factor(mantissa, exponent))
+        over = check.over(limit)
+        if math.isfinite(over) and over > 0:
+            mantissa = mantissa / max(over, 1.0) * (1 - margin)
+        else:
+            mantissa *= 1 - margin
+        if output_sumsq(live, Factor(mantissa, exponent)).at_most(limit):
+            return Factor(mantissa, exponent)
+    raise DataRefusedError(f"no factor found whose rounded output stays within the limit {limit:g}")
 
 
 # ---------------------------------------------------------------- margins for the search

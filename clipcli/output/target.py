@@ -40,8 +40,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from clipcli.errors import ClipcliError, UsageError, WriteError
+from clipcli.formats import registry
 from clipcli.formats.base import Writer
-from clipcli.io import ACCEPTED_EXTENSIONS, format_from_extension, has_extension, writer_class
+from clipcli.formats.opening import has_extension, writer_class
 from clipcli.output.fsops import (
     ASIDE_SUFFIX,
     KEPT_SUFFIX,
@@ -640,7 +641,7 @@ def choose_target(
         raise UsageError("OUT '-': writing to standard output is not supported; name a file")
     out = Path(text)
     asks_directory = text.endswith(("/", os.sep))
-    if format_from_extension(out) is not None and not asks_directory:
+    if registry.output_format(out.name) is not None and not asks_directory:
         return FileTarget(out, force=force, durable=durable)
     if asks_directory or _is_empty_directory(out):
         return DirectoryTarget(out, force=force, durable=durable)
@@ -653,6 +654,6 @@ def choose_target(
             "for a one-file model directory"
         )
     raise UsageError(
-        f"{out}: unknown output extension; use {ACCEPTED_EXTENSIONS}, "
+        f"{out}: unknown output extension; use {registry.accepted_extensions()}, "
         "or end OUT with / to write a model directory"
     )

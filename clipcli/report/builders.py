@@ -318,7 +318,10 @@ REASON_TEXT = {
 
 def clip_note(row: ClipRow) -> str:
     """The note for one tensor of a clip: its plan's reason, with its group if any."""
-    text = REASON_TEXT[row.reason.value].format(
+    reason = row.reason.value
+    if reason == "left out" and row.changed:  # a quantized weight's scale: clipped with it
+        return f"{row.plan.role.description}, rescaled with its weight"
+    text = REASON_TEXT[reason].format(
         role=row.plan.role.description,
         clipped=row.outcome.slices_clipped,
         slices=count(row.outcome.slices, "slice"),

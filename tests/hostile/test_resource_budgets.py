@@ -20,9 +20,9 @@ import pytest
 
 from clipcli.errors import InputError
 from clipcli.formats import npz as npz_module
+from clipcli.formats import zipsafe as npz_zipcheck
 from clipcli.formats.npz import fortran as npz_fortran
 from clipcli.formats.npz import reader as npz_reader
-from clipcli.formats.npz import zipcheck as npz_zipcheck
 
 WALL_BUDGET = 10.0  # seconds
 RSS_BUDGET = 300 << 20  # bytes of peak resident memory

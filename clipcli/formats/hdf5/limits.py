@@ -3,12 +3,14 @@ them through this module)."""
 
 from __future__ import annotations
 
+from clipcli.formats import expansion
+
 MAX_DECLARED_BYTES = 1 << 40  # 1 TiB: no checkpoint tensor is this large
-# The npz reader's zip-bomb rule, for the same reason: real tensors compress ~1.1:1, so a
-# dataset inflating more than 200-fold to more than 64 MiB is almost surely a bomb (gzip of
-# zeros reaches ~1000:1 and would take minutes to decode).
-SPARSE_CHECK_BYTES = 64 << 20
-MAX_EXPANSION = 200
+# The one expansion policy (formats.expansion), as the zip readers apply it: a dataset
+# inflating more than 200-fold to more than 64 MiB is almost surely a bomb. Read at each
+# call: a test moves the HDF5 limit here.
+SPARSE_CHECK_BYTES = expansion.FREE_BYTES
+MAX_EXPANSION = expansion.RATIO
 MAX_RANK = 32  # H5S_MAX_RANK: the library neither writes nor reads more dimensions
 MAX_DEPTH = 64  # real checkpoints nest a handful of groups; thousands is an attack
 # HDF5 decodes a whole chunk to read any part of it (h5py's automatic chunks are <= 1 MiB).
@@ -31,7 +33,7 @@ NON_TENSOR_SLICE_BYTES = 16 << 20
 def expansion_budget(file_size: int) -> int:
     """The most bytes all datasets of a file of this size may declare together: the npz
     rule (200 times the file, plus 64 MiB so that small all-zero files still read)."""
-    return MAX_EXPANSION * file_size + SPARSE_CHECK_BYTES
+    return expansion.budget(file_size, MAX_EXPANSION, SPARSE_CHECK_BYTES)
 
 
 def chunk_budget(file_size: int) -> int:

@@ -15,7 +15,7 @@ MAX_HEADER_BYTES = 10_000  # numpy's own default cap for np.load
 
 
 class Readable(Protocol):
-    """A member being read: zipfile's stream or a bounded one (zipcheck.BoundedMember)."""
+    """A member being read (zipfile's stream, or zipsafe.BoundedMember), or a .npy file."""
 
     def read(self, size: int = -1, /) -> bytes: ...
 

@@ -24,7 +24,7 @@ from clipcli.formats.base import (
 )
 from clipcli.formats.npz.fortran import _transposed_chunks
 from clipcli.formats.npz.npyheader import InputProblem, _read_exactly, _read_npy_header
-from clipcli.formats.npz.zipcheck import BoundedMember, check_zip_layout, open_member
+from clipcli.formats.zipsafe import BoundedMember, check_zip_layout, open_member
 from clipcli.system import interrupts, scratch
 from clipcli.system.identity import FileIdentity
 from clipcli.system.inputs import open_input

@@ -20,7 +20,7 @@ from clipcli.formats.base import (
 )
 from clipcli.formats.npz.metadata import FRAMEWORK_KEY, metadata_loss, metadata_loss_text
 from clipcli.formats.npz.npyheader import _npy_header
-from clipcli.formats.npz.zipcheck import member_key, member_name_problem
+from clipcli.formats.zipsafe import member_key, member_name_problem
 
 # The zip headers give a member name a 16-bit length; np.savez adds '.npy' to the key.
 ZIP_NAME_BYTES = 0xFFFF

@@ -13,14 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from clipcli.errors import InputError
+from clipcli.formats import registry
 from clipcli.formats.safetensors import MAX_HEADER_BYTES
 from clipcli.system.identity import FileIdentity
 from clipcli.system.inputs import is_pseudo_path, out_of_descriptors, read_input, real_path_of
 
-FORMAT_NAME = "safetensors-sharded"
-INDEX_SUFFIX = ".safetensors.index.json"
+# What the shards are is the registry's to say (the model directory's entry names them).
+SHARD_FORMAT = registry.shard_format(registry.MODEL_DIRECTORY)
+FORMAT_NAME = registry.MODEL_DIRECTORY.name
+SHARD_SUFFIX = SHARD_FORMAT.suffixes[0]
+INDEX_SUFFIX = SHARD_SUFFIX + ".index.json"
 DEFAULT_INDEX_NAME = "model" + INDEX_SUFFIX
-SHARD_SUFFIX = ".safetensors"
 SINGLE_FILE_NAME = "model" + SHARD_SUFFIX
 MAX_INDEX_BYTES = MAX_HEADER_BYTES  # an index is smaller than the headers it summarises
 # Index metadata that only summarises the tensors (transformers writes total_size, and

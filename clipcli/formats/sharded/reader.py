@@ -9,17 +9,18 @@ import stat
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from clipcli.errors import InputError
 from clipcli.formats.base import DirectoryLayout, Listed, Reader, Shard, StoredBytes, TensorInfo
-from clipcli.formats.safetensors import SafetensorsReader
+from clipcli.formats.safetensors import SafetensorsReader  # the shards' interface
 from clipcli.formats.sharded.layout import (
     DERIVED_INDEX_KEYS,
     FORMAT_NAME,
     LEFT_OUT_FOLDERS,
     MAX_SIDE_DEPTH,
     MAX_SIDE_ENTRIES,
+    SHARD_FORMAT,
     allowed_roots,
     flatten,
     holds_weights,
@@ -35,6 +36,10 @@ from clipcli.system.inputs import open_input, out_of_descriptors
 
 if TYPE_CHECKING:
     import numpy as np
+
+# The shards' reader, as the registry names it. The shards' interface beyond Reader
+# (fileno, release, byte ranges) is the safetensors reader's: the type says so.
+_SHARD_READER = cast("type[SafetensorsReader]", SHARD_FORMAT.reader_class())
 
 # Shard descriptors kept open at once; the others are reopened on demand (and checked to be
 # the same file). Far below the usual `ulimit -n` of 1024, which 2,000 shards would exceed.
@@ -97,7 +102,7 @@ class ShardedReader(Reader):
             raise InputError(path, f"shard listed in {listed_in} does not exist")
         real_path_inside(path, self._roots)
         try:
-            reader = SafetensorsReader(path)
+            reader = _SHARD_READER(path)
         except OSError as exc:
             raise InputError(path, f"cannot read: {exc.strerror}") from None
         try:

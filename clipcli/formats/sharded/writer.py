@@ -6,7 +6,7 @@ import json
 import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -16,10 +16,15 @@ from clipcli.formats.safetensors.writer import SafetensorsWriter, with_structure
 from clipcli.formats.sharded.layout import (
     FORMAT_NAME,
     MAX_INDEX_BYTES,
+    SHARD_FORMAT,
     SHARD_SUFFIX,
     SINGLE_FILE_NAME,
 )
 from clipcli.system.filecopy import copy_side_file
+
+# The shards' writer, as the registry names it (its header and structure helpers above are
+# the safetensors writer's own: the type says so).
+_SHARD_WRITER = cast("type[SafetensorsWriter]", SHARD_FORMAT.writer_class())
 
 
 def plan_shards(checkpoint: Checkpoint) -> list[Shard]:
@@ -77,15 +82,15 @@ class ShardedWriter(Writer):
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
-        return SafetensorsWriter.check_dtype(info)
+        return _SHARD_WRITER.check_dtype(info)
 
     @classmethod
     def check_shape(cls, info: TensorInfo) -> str | None:
-        return SafetensorsWriter.check_shape(info)
+        return _SHARD_WRITER.check_shape(info)
 
     @classmethod
     def check_name(cls, name: str) -> str | None:
-        return SafetensorsWriter.check_name(name)
+        return _SHARD_WRITER.check_name(name)
 
     @classmethod
     def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
@@ -171,7 +176,7 @@ class ShardedWriter(Writer):
         self._finish_shard()
         plan = self._plans[number]
         shard_checkpoint = Checkpoint(plan.infos, plan.metadata, self.checkpoint.source)
-        self._current = SafetensorsWriter(self.path / plan.name, shard_checkpoint, self.durable)
+        self._current = _SHARD_WRITER(self.path / plan.name, shard_checkpoint, self.durable)
         self._open_number = number
 
     def _finish_shard(self) -> None:

@@ -14,7 +14,7 @@ reads once per weight.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
@@ -34,6 +34,17 @@ class Recognised(NamedTuple):
     parts: tuple[Part, ...]  # every stored tensor it is made of (codes first), with roles
     side: tuple[Part, ...] = ()  # stored tensors beside it that are not values (input_scale)
     params: Mapping[str, Any] = {}  # bits, block or group size, version, ...
+    # True when the codes hold the weight's transpose (GPTQ, AWQ store Linear weights as
+    # [in, out]): `shape` is still the real weight's [out, in], but code_rows/decode_rows
+    # count rows of the transpose (shape reversed) and decode_rows returns them. Norms
+    # need no reordering; a view that writes C order of `shape` transposes.
+    transposed: bool = False
+
+
+# Reads one small stored tensor whole (the scheme checks its size first): what recognise
+# needs when a real shape is stored as data (compressed-tensors' `weight_shape`,
+# bitsandbytes' JSON quant state), not in a header.
+ReadSmall = Callable[[str], "np.ndarray"]
 
 
 class Scheme(Protocol):
@@ -42,11 +53,15 @@ class Scheme(Protocol):
     NAMES: Sequence[str]  # the scheme names it recognises
 
     def recognise(
-        self, stored: Mapping[str, TensorInfo], config: Mapping[str, Any] | None
+        self,
+        stored: Mapping[str, TensorInfo],
+        config: Mapping[str, Any] | None,
+        read: ReadSmall | None = None,
     ) -> list[Recognised]:
         """Its weights among `stored` (name -> info). Refuses (clipcli.errors, exit 3)
         what is ambiguous or inconsistent (a scale whose shape does not fit), never
-        guesses."""
+        guesses. `read` reads a small stored tensor whole; schemes whose real shape is
+        stored as data need it (without it they refuse the weights they find)."""
         ...
 
     def code_rows(self, weight: Recognised, start: int, stop: int) -> tuple[int, int]:

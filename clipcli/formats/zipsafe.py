@@ -1,8 +1,8 @@
-"""The zip layout of an npz (or .keras) file checked before any member is read: each member's
-name naming one file that stays inside the archive, its bytes its own and inside the file,
-the local headers agreeing with the central directory, and the expansion budget that refuses
-zip bombs; and members opened so that no read inflates more than the member declares. The one
-place both zip readers (npz, .keras) check their members."""
+"""Zip safety, for every zip reader (npz, .keras; PyTorch's zips next): the zip layout
+checked before any member is read (each member's name naming one file that stays inside
+the archive, its bytes its own and inside the file, the local headers agreeing with the
+central directory), the expansion budget that refuses zip bombs (formats.expansion's
+policy), and members opened so that no read inflates more than the member declares."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import IO
 
 from clipcli.errors import InputError
+from clipcli.formats import expansion
 
 # Expansion budget, on the whole file: the members may together inflate to at most
-# BOMB_RATIO times the file's size, plus BOMB_MIN_BYTES (so a small file of all-zero
-# tensors still reads). Real tensors compress ~1.1:1, all-zero ones ~1000:1 but are rarely
-# large; inflating 200 bytes per byte read costs ~1 s per MB of file at zlib's speed.
-BOMB_RATIO = 200
-BOMB_MIN_BYTES = 64 << 20
+# BOMB_RATIO times the file's size, plus BOMB_MIN_BYTES: the one policy of
+# formats.expansion (inflating 200 bytes per byte read costs ~1 s per MB of file at zlib's
+# speed). Read at each call: a test moves the zip limit here.
+BOMB_RATIO = expansion.RATIO
+BOMB_MIN_BYTES = expansion.FREE_BYTES
 # numpy writes members stored or deflated; np.load also reads bzip2 and lzma (zipfile does),
 # which are inflated here through a bounded stream (BoundedMember) under the same budget.
 COMPRESSION_METHODS = {
@@ -88,7 +89,7 @@ def check_member_names(path: Path, entries: Sequence[zipfile.ZipInfo], fold_case
 
 def expansion_budget(file_size: int) -> int:
     """The most bytes all members of a file of this size may inflate to, together."""
-    return BOMB_RATIO * file_size + BOMB_MIN_BYTES
+    return expansion.budget(file_size, BOMB_RATIO, BOMB_MIN_BYTES)
 
 
 def _zip64_sizes(extra: bytes, size: int, compressed: int) -> tuple[int, int]:

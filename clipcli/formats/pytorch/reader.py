@@ -1,0 +1,375 @@
+"""PyTorchReader: a `.bin`/`.pt`/`.pth` read without torch and without running its pickle.
+
+The pickle is interpreted by our own allow-list machine (unpickler.py); the layouts
+(layouts.py) give the byte span of every storage. Each tensor is a strided view of a
+storage: its offset, sizes and strides are checked (Python ints, no overflow) to lie
+inside the storage before anything is read, and its values are read with pread
+(contiguous views) or through a bounded mmap window (strided ones), never whole.
+Several tensors may view one storage (tied weights): `shared_with` names the first
+tensor an exactly identical view belongs to, so a global norm counts it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from clipcli.errors import InputError
+from clipcli.formats.base import (
+    Reader,
+    TensorInfo,
+    default_chunk_elems,
+    numpy_shape_problem,
+)
+from clipcli.formats.pytorch import layouts
+from clipcli.formats.pytorch.unpickler import (
+    Device,
+    Storage,
+    StorageClass,
+    Tensor,
+    TensorType,
+    TorchDtype,
+    _OrderedDict,
+)
+from clipcli.system.identity import FileIdentity
+from clipcli.system.inputs import open_input
+
+if TYPE_CHECKING:
+    import numpy as np
+
+MAX_TENSORS = 200_000
+MAX_DEPTH = 64  # nesting of dicts and lists in the object tree (a cycle is infinitely deep)
+MAX_VISITS = 2_000_000  # values walked (a memo reference makes a tree a graph: bounded)
+MAX_METADATA = 1_000  # non-tensor values listed; the rest counted
+MAX_VALUE_TEXT = 200
+_MMAP_RELEASE_BYTES = 64 << 20  # pages of a strided read dropped from memory this often
+
+
+class _Located(NamedTuple):
+    """A tensor, checked, with where its storage starts in the file."""
+
+    tensor: Tensor
+    begin: int  # file offset of the storage's element 0 (legacy views included)
+    first: int  # byte offset of the tensor's first element from `begin`
+    span: int  # bytes from `first` to just past its last element (0: empty)
+    contiguous: bool
+
+
+def _name(parts: tuple[str, ...]) -> str:
+    return ".".join(parts)
+
+
+def _key_text(key: object) -> str:
+    return key if isinstance(key, str) else repr(key)
+
+
+def _value_text(value: object) -> str:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        shown = ", ".join(_value_text(v) for v in list(value)[:8])
+        more = f", ... ({len(value)} items)" if len(value) > 8 else ""
+        text = f"[{shown}{more}]"
+    elif isinstance(value, TorchDtype):
+        text = f"torch.{value.name}"
+    elif isinstance(value, Device):
+        text = f"device {value.text}"
+    elif isinstance(value, (StorageClass, TensorType, Storage)):
+        text = f"a {type(value).__name__}"
+    elif isinstance(value, bytes):
+        text = f"<{len(value)} bytes>"
+    elif isinstance(value, (str, int, float, complex, bool, type(None))):
+        text = repr(value) if not isinstance(value, str) else value
+    else:
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= MAX_VALUE_TEXT else text[: MAX_VALUE_TEXT - 3] + "..."
+
+
+def _atomic(value: object) -> bool:
+    return not isinstance(value, (dict, list, tuple, Tensor)) or (
+        isinstance(value, (list, tuple))
+        and not any(isinstance(v, (dict, list, tuple, Tensor)) for v in value)
+    )
+
+
+def flatten(path: Path, root: object) -> tuple[list[tuple[str, Tensor]], dict[str, str]]:
+    """Tensors named by their path in the object tree (`state_dict.layer.weight`), and
+    every other value as metadata text, in pickle order. Walked with an explicit stack."""
+    tensors: list[tuple[str, Tensor]] = []
+    metadata: dict[str, str] = {}
+    omitted = 0
+    visits = 0
+    stack: list[tuple[tuple[str, ...], object]] = [((), root)]
+    while stack:
+        parts, value = stack.pop()
+        visits += 1
+        if visits > MAX_VISITS:
+            raise InputError(path, f"its object tree has more than {MAX_VISITS} values (budget)")
+        if len(parts) > MAX_DEPTH:
+            raise InputError(
+                path, f"its object tree nests deeper than {MAX_DEPTH} levels (or refers to itself)"
+            )
+        if isinstance(value, Tensor):
+            tensors.append((_name(parts) if parts else "tensor", value))
+            if len(tensors) > MAX_TENSORS:
+                raise InputError(path, f"holds more than {MAX_TENSORS} tensors")
+        elif isinstance(value, dict) and (value or not parts):
+            children = [((*parts, _key_text(k)), v) for k, v in value.items()]
+            stack.extend(reversed(children))
+        elif isinstance(value, (list, tuple)) and not _atomic(value):
+            stack.extend(reversed([((*parts, str(i)), v) for i, v in enumerate(value)]))
+        elif len(metadata) < MAX_METADATA:
+            metadata[_name(parts) if parts else "value"] = _value_text(
+                {} if isinstance(value, _OrderedDict) else value
+            )
+        else:
+            omitted += 1
+    if omitted:
+        metadata["pytorch.more_values"] = f"{omitted} more values not listed"
+    return tensors, metadata
+
+
+class PyTorchReader(Reader):
+    format_name = "pytorch"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._handle = open_input(path)  # closed by close()
+        try:
+            self._fd = self._handle.fileno()
+            self._identity = FileIdentity.of_stat(os.fstat(self._fd))
+            parsed = self._parse()
+            self._big = parsed.byteorder == "big"
+            self._setup(parsed)
+        except BaseException:
+            self._handle.close()
+            raise
+
+    def _parse(self) -> layouts.Parsed:
+        try:
+            head = os.pread(self._fd, 16, 0)
+        except OSError as exc:
+            raise InputError(self.path, f"cannot read: {exc.strerror}") from None
+        if head.startswith(b"PK\x03\x04"):
+            return layouts.parse_zip(self.path, self._handle)
+        if layouts.is_legacy_stream(head):
+            return layouts.parse_legacy(self.path, self._fd)
+        if layouts.is_tar(self._fd):
+            return layouts.parse_tar(self.path, self._handle)
+        raise InputError(self.path, "not a PyTorch checkpoint (no zip, legacy or tar layout)")
+
+    def _setup(self, parsed: layouts.Parsed) -> None:
+        from clipcli.dtypes import dtype_named
+
+        named, values = flatten(self.path, parsed.root)
+        self._layout = parsed.layout
+        self._infos: list[TensorInfo] = []
+        self._located: dict[str, _Located] = {}
+        self._shared: dict[str, str] = {}  # an exactly identical view -> the first name
+        self._storage_mates: dict[str, list[str]] = {}  # storage key -> tensor names
+        first_of_view: dict[tuple[Any, ...], str] = {}
+        for name, tensor in named:
+            if not name or "\x00" in name:
+                raise InputError(self.path, "a tensor's name is empty or holds a NUL byte")
+            if name in self._located:
+                raise InputError(self.path, "two tensors have one name", name)
+            located = self._locate(name, tensor, parsed.spans)
+            dtype = dtype_named(tensor.dtype.name)
+            numel = math.prod(tensor.shape)
+            self._infos.append(TensorInfo(name, dtype, tensor.shape, numel * dtype.itemsize))
+            self._located[name] = located
+            view = (
+                tensor.storage.key,
+                located.begin + located.first,
+                tensor.shape,
+                tensor.stride,
+                tensor.dtype.name,
+            )
+            if view in first_of_view:
+                self._shared[name] = first_of_view[view]
+            else:
+                first_of_view[view] = name
+            self._storage_mates.setdefault(tensor.storage.key, []).append(name)
+        self._metadata = dict(values)
+        self._metadata.update(parsed.extras)
+        if self._big:
+            self._metadata["pytorch.byteorder"] = "big"
+        tied = [f"{name} = {first}" for name, first in self._shared.items()]
+        if tied:
+            self._metadata["pytorch.tied"] = _value_text("; ".join(tied))
+        overlapping = [
+            ", ".join(names)
+            for names in self._storage_mates.values()
+            if len({self._shared.get(n, n) for n in names}) > 1
+        ]
+        if overlapping:
+            self._metadata["pytorch.shared_storage"] = _value_text("; ".join(overlapping))
+
+    def _locate(self, name: str, tensor: Tensor, spans: Mapping[str, layouts.Span]) -> _Located:
+        storage = tensor.storage
+        span = spans.get(storage.key)
+        if span is None:
+            raise InputError(self.path, f"its storage {storage.key!r} is not in the file", name)
+        problem = numpy_shape_problem(tensor.shape)
+        if problem is not None:
+            raise InputError(self.path, problem, name)
+        base = storage.view_offset * storage.dtype.itemsize
+        if base + storage.nbytes > span.nbytes:
+            raise InputError(self.path, "its storage view runs past the storage", name)
+        itemsize = tensor.dtype.itemsize
+        numel = math.prod(tensor.shape)
+        first = tensor.offset * itemsize
+        if numel == 0:
+            return _Located(tensor, span.begin + base, 0, 0, True)
+        last = tensor.offset + sum(
+            (d - 1) * s for d, s in zip(tensor.shape, tensor.stride, strict=True)
+        )
+        end = (last + 1) * itemsize
+        if end > storage.nbytes:
+            raise InputError(
+                self.path,
+                f"its view (offset {tensor.offset}, sizes {list(tensor.shape)[:8]}, strides "
+                f"{list(tensor.stride)[:8]}) ends at byte {end}, past its storage of "
+                f"{storage.nbytes} bytes",
+                name,
+            )
+        return _Located(tensor, span.begin + base, first, end - first, _c_contiguous(tensor))
+
+    # ---- the Reader interface
+
+    @property
+    def infos(self) -> list[TensorInfo]:
+        return self._infos
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        return self._metadata
+
+    def shared_with(self, name: str) -> str | None:
+        """The earlier tensor whose view `name` repeats exactly (tied weights), or None."""
+        return self._shared.get(name)
+
+    def tensor_layout(self, name: str) -> tuple[str, int, tuple[int, ...], tuple[int, ...]]:
+        """(storage key, storage offset, sizes, strides) of a tensor, as the pickle says."""
+        tensor = self._located[name].tensor
+        return tensor.storage.key, tensor.offset, tensor.shape, tensor.stride
+
+    def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        located = self._located[info.name]
+        elems = chunk_elems or default_chunk_elems(info.dtype)
+        if located.span == 0:
+            return
+        if located.contiguous:
+            yield from self._contiguous(info, located, elems)
+        else:
+            yield from self._strided(info, located, elems)
+
+    def _file_dtype(self, dtype: np.dtype[Any]) -> np.dtype[Any]:
+        import numpy as np
+
+        if not self._big or dtype.itemsize == 1:
+            return dtype
+        if dtype.kind in "fciub" and dtype.type.__module__ == "numpy":
+            return dtype.newbyteorder(">")
+        return np.dtype(f">u{dtype.itemsize}")  # bfloat16: swapped as a 16-bit word
+
+    def _native(self, array: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+        if array.dtype == dtype:
+            return array
+        if array.dtype.kind == "u" and dtype.kind != "u":
+            return array.byteswap().view(dtype)
+        return array.astype(dtype)
+
+    def _pread(self, count: int, offset: int) -> bytes:
+        try:
+            data = os.pread(self._fd, count, offset)
+        except OSError as exc:
+            raise InputError(self.path, f"cannot read: {exc.strerror}") from None
+        if len(data) != count:
+            raise InputError(self.path, "file is truncated (it changed while being read?)")
+        return data
+
+    def _contiguous(self, info: TensorInfo, located: _Located, elems: int) -> Iterator[np.ndarray]:
+        import numpy as np
+
+        itemsize = info.dtype.itemsize
+        start = located.begin + located.first
+        file_dtype = self._file_dtype(info.dtype)
+        numel = info.numel
+        for position in range(0, numel, elems):
+            count = min(elems, numel - position)
+            raw = self._pread(count * itemsize, start + position * itemsize)
+            yield self._native(np.frombuffer(raw, dtype=file_dtype), info.dtype)
+
+    def _strided(self, info: TensorInfo, located: _Located, elems: int) -> Iterator[np.ndarray]:
+        """A strided view read through an mmap of just its span, copied out in C order a
+        bounded piece at a time; the pages read are dropped as it goes."""
+        import numpy as np
+
+        tensor = located.tensor
+        itemsize = info.dtype.itemsize
+        begin = located.begin + located.first
+        aligned = begin - begin % mmap.ALLOCATIONGRANULARITY
+        length = begin - aligned + located.span
+        try:
+            window = mmap.mmap(self._fd, length, access=mmap.ACCESS_READ, offset=aligned)
+        except (OSError, ValueError) as exc:
+            raise InputError(self.path, f"cannot map: {exc}", info.name) from None
+        view: np.ndarray | None = None
+        piece: np.ndarray | None = None
+        try:
+            view = np.ndarray(
+                tensor.shape,
+                dtype=self._file_dtype(info.dtype),
+                buffer=window,
+                offset=begin - aligned,
+                strides=tuple(s * itemsize for s in tensor.stride),
+            )
+            released = 0
+            for piece in _c_order_pieces(view, elems):
+                flat = piece.flatten()  # a copy: nothing handed out points into the map
+                yield self._native(flat, info.dtype)
+                released += flat.nbytes
+                if released >= _MMAP_RELEASE_BYTES and hasattr(window, "madvise"):
+                    window.madvise(mmap.MADV_DONTNEED)
+                    released = 0
+        finally:
+            view = piece = None  # no array may point into the map when it closes
+            with contextlib.suppress(BufferError):  # a piece still held: the map goes with it
+                window.close()
+
+    def source_identities(self) -> dict[Path, FileIdentity]:
+        return {self.path: self._identity}
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def _c_contiguous(tensor: Tensor) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape), reversed(tensor.stride), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _c_order_pieces(array: np.ndarray, elems: int) -> Iterator[np.ndarray]:
+    """Sub-arrays of `array` that together are its elements in C order, each at most
+    `elems` elements (rows of the leading axis, split further where one is too large)."""
+    if array.size <= elems or array.ndim == 0:
+        yield array
+        return
+    row = array.size // array.shape[0]
+    if row == 0:
+        return
+    rows = max(1, elems // row)
+    for start in range(0, array.shape[0], rows):
+        piece = array[start : start + rows]
+        if piece.size <= elems:
+            yield piece
+        else:
+            yield from _c_order_pieces(piece[0], elems)

@@ -1,0 +1,270 @@
+"""bitsandbytes: 4-bit nf4/fp4 (nested absmax too) and LLM.int8 (quant_method
+"bitsandbytes").
+
+4-bit: `X.weight` holds the codes of the flattened weight, two to a byte, the HIGH nibble
+first (element 2k is byte k's high nibble); its dtype may be any (`quant_storage`), so the
+weight is recognised by its companions: `X.weight.quant_state.bitsandbytes__nf4` (or
+`__fp4`), a U8 tensor holding JSON (quant_type, blocksize, dtype, shape, and for nested
+absmax nested_blocksize and nested_offset); `X.weight.absmax` [ceil(n / blocksize)];
+`X.weight.quant_map` F32 [16]. W[k] = quant_map[nibble k] * absmax[k // blocksize], a
+float64 exactly. Nested: `absmax` is U8 codes with `X.weight.nested_absmax` F32 and
+`X.weight.nested_quant_map` F32 [256], absmax[b] = nested_map[a[b]] *
+nested_absmax[b // nested_blocksize] + nested_offset, computed in float32 as bitsandbytes
+computes it (the absmax its kernels use), then widened exactly.
+
+LLM.int8: `X.weight` I8 [out, in] + `X.SCB` F32 [out]; W = q * SCB[row] / 127, rounded
+once to float64 (the one value here that is not a float64 exactly: a relative error of
+2^-53 per value). An `X.weight_format` other than 0 (row-major) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from clipcli.logical.quantized import intcodes
+from clipcli.logical.quantized.scheme import ReadSmall, Recognised
+from clipcli.logical.view import Part
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from clipcli.formats.base import TensorInfo
+
+NAMES = ("bnb-nf4", "bnb-fp4", "bnb-int8")
+METHOD = "bitsandbytes"
+STATE = ".quant_state.bitsandbytes__"
+QUANT_TYPES = ("nf4", "fp4")
+MAX_STATE_BYTES = 1 << 16  # the JSON is ~200 bytes; a larger one is not read
+MAX_RANK = 8
+MAX_DIM = 1 << 40
+FLOAT32 = frozenset({"float32"})
+
+
+def recognise(
+    stored: Mapping[str, TensorInfo],
+    config: Mapping[str, Any] | None,
+    read: ReadSmall | None = None,
+) -> list[Recognised]:
+    if config is not None and intcodes.method_of(config) != METHOD:
+        return []
+    found = []
+    for name, info in stored.items():
+        head, sep, kind = name.rpartition(STATE)
+        if sep and head.endswith(".weight"):
+            if read is None:
+                raise intcodes.refuse(name, "the real shape is stored as data and was not read")
+            found.append(_four_bit(head, kind, info, stored, read))
+        elif name.endswith(".weight") and name[: -len(".weight")] + ".SCB" in stored:
+            found.append(_int8(name, info, stored, read))
+    return found
+
+
+def _state(info: TensorInfo, kind: str, read: ReadSmall) -> dict[str, Any]:
+    """The JSON quant state, size-checked before it is read, type-checked after."""
+    if kind not in QUANT_TYPES:
+        raise intcodes.refuse(info.name, f"bitsandbytes quant type {kind!r} is not nf4 or fp4")
+    intcodes.check_dtype(info, frozenset({"uint8"}), "bitsandbytes quant state")
+    if info.nbytes > MAX_STATE_BYTES:
+        raise intcodes.refuse(
+            info.name, f"a quant state of {info.nbytes} bytes (more than {MAX_STATE_BYTES})"
+        )
+    try:
+        state = json.loads(read(info.name).tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise intcodes.refuse(info.name, f"the quant state is not JSON ({error})") from None
+    if not isinstance(state, dict):
+        raise intcodes.refuse(info.name, "the quant state is not a JSON object")
+    if state.get("quant_type") != kind:
+        raise intcodes.refuse(
+            info.name, f"quant_type {state.get('quant_type')!r} in a {kind} quant state"
+        )
+    return state
+
+
+def _shape(state: Mapping[str, Any], where: str) -> tuple[int, ...]:
+    shape = state.get("shape")
+    if (
+        not isinstance(shape, list)
+        or not 1 <= len(shape) <= MAX_RANK
+        or any(type(d) is not int or not 0 <= d <= MAX_DIM for d in shape)
+    ):
+        raise intcodes.refuse(where, f"quant state shape {shape!r} is no real shape")
+    return tuple(shape)
+
+
+def _companion(stored: Mapping[str, TensorInfo], name: str, where: str) -> TensorInfo:
+    info = stored.get(name)
+    if info is None:
+        raise intcodes.refuse(where, f"a quant state without its {name}")
+    return info
+
+
+def _four_bit(
+    weight: str,
+    kind: str,
+    state_info: TensorInfo,
+    stored: Mapping[str, TensorInfo],
+    read: ReadSmall,
+) -> Recognised:
+    state = _state(state_info, kind, read)
+    where = state_info.name
+    shape = _shape(state, where)
+    count = math.prod(shape)
+    block = intcodes.whole_number(state.get("blocksize"), where, "blocksize", 1, intcodes.MAX_GROUP)
+    codes = _companion(stored, weight, where)
+    absmax = _companion(stored, weight + ".absmax", where)
+    quant_map = _companion(stored, weight + ".quant_map", where)
+    packed = intcodes.ceil_div(count, 2)
+    item = codes.dtype.itemsize
+    if (
+        codes.nbytes != intcodes.ceil_div(packed, item) * item
+        or len(codes.shape) > 2
+        or (len(codes.shape) == 2 and codes.shape[1] != 1)
+    ):
+        raise intcodes.refuse(
+            weight,
+            f"codes of shape {intcodes.shown(codes.shape)} ({codes.nbytes} bytes) do not hold "
+            f"{count} 4-bit values ({packed} bytes) as [n, 1]",
+        )
+    blocks = intcodes.ceil_div(count, block)
+    intcodes.check_dtype(quant_map, FLOAT32, "quant map")
+    intcodes.check_shape(quant_map, (16,), weight, "quant map")
+    parts = [Part(weight, "codes"), Part(absmax.name, "scale"), Part(quant_map.name, "quant_map")]
+    params: dict[str, Any] = {
+        "block": block,
+        "absmax": absmax.name,
+        "quant_map": quant_map.name,
+        "dtype": state.get("dtype") if isinstance(state.get("dtype"), str) else None,
+        "nested": None,
+        "item": item,
+    }
+    scaled = [absmax.name]
+    nested_absmax = stored.get(weight + ".nested_absmax")
+    if nested_absmax is None:
+        intcodes.check_dtype(absmax, FLOAT32, "absmax")
+        intcodes.check_shape(absmax, (blocks,), weight, f"absmax for blocks of {block}")
+    else:
+        nested_map = stored.get(weight + ".nested_quant_map")
+        if nested_map is None:
+            raise intcodes.refuse(where, "a nested absmax without its .nested_quant_map")
+        nested_block = intcodes.whole_number(
+            state.get("nested_blocksize"), where, "nested_blocksize", 1, intcodes.MAX_GROUP
+        )
+        offset = state.get("nested_offset")
+        if not isinstance(offset, (int, float)) or isinstance(offset, bool):
+            raise intcodes.refuse(where, f"nested_offset {offset!r} is not a number")
+        if not math.isfinite(offset):
+            raise intcodes.refuse(where, f"nested_offset {offset!r} is not finite")
+        intcodes.check_dtype(absmax, frozenset({"uint8"}), "nested absmax codes")
+        intcodes.check_shape(absmax, (blocks,), weight, f"absmax for blocks of {block}")
+        intcodes.check_dtype(nested_absmax, FLOAT32, "nested absmax")
+        intcodes.check_shape(
+            nested_absmax, (intcodes.ceil_div(blocks, nested_block),), weight, "nested absmax"
+        )
+        intcodes.check_dtype(nested_map, FLOAT32, "nested quant map")
+        intcodes.check_shape(nested_map, (256,), weight, "nested quant map")
+        parts += [Part(nested_absmax.name, "scale"), Part(nested_map.name, "quant_map")]
+        params["nested"] = (nested_absmax.name, nested_map.name, nested_block, float(offset))
+        scaled = [nested_absmax.name, state_info.name]  # the offset in the JSON scales too
+    parts.append(Part(state_info.name, "quant_state"))
+    params["scaled"] = scaled
+    return Recognised(
+        name=weight,
+        scheme=f"bnb-{kind}",
+        shape=shape,
+        codes=weight,
+        parts=tuple(parts),
+        params=params,
+    )
+
+
+def _int8(
+    name: str, info: TensorInfo, stored: Mapping[str, TensorInfo], read: ReadSmall | None
+) -> Recognised:
+    module = name[: -len(".weight")]
+    scb = stored[module + ".SCB"]
+    intcodes.check_dtype(info, frozenset({"int8"}), "LLM.int8 weight")
+    if len(info.shape) != 2:
+        raise intcodes.refuse(name, f"LLM.int8 weight of rank {len(info.shape)}, not 2")
+    intcodes.check_dtype(scb, FLOAT32, "SCB")
+    intcodes.check_shape(scb, (info.shape[0],), name, "SCB")
+    parts = [Part(name, "codes"), Part(scb.name, "scale")]
+    layout = stored.get(module + ".weight_format")
+    if layout is not None:
+        if layout.numel != 1 or read is None or int(read(layout.name).reshape(-1)[0]) != 0:
+            raise intcodes.refuse(
+                layout.name, "an LLM.int8 weight_format other than 0 (row-major) is not decoded"
+            )
+        parts.append(Part(layout.name, "format"))
+    return Recognised(
+        name=name,
+        scheme="bnb-int8",
+        shape=tuple(info.shape),
+        codes=name,
+        parts=tuple(parts),
+        params={"scb": scb.name, "dtype": None},
+    )
+
+
+def code_rows(weight: Recognised, start: int, stop: int) -> tuple[int, int]:
+    if weight.scheme == "bnb-int8":
+        return start, stop
+    columns = weight.shape[-1]
+    item = weight.params["item"]
+    first_byte = start * columns // 2
+    end_byte = intcodes.ceil_div(stop * columns, 2)
+    return first_byte // item, intcodes.ceil_div(end_byte, item)
+
+
+def decode_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> np.ndarray:
+    import numpy as np
+
+    params = weight.params
+    if weight.scheme == "bnb-int8":
+        scb = small[params["scb"]].astype(np.float64)[start:stop, None]
+        decoded: np.ndarray = codes.reshape(stop - start, -1).astype(np.float64) * scb / 127
+        return decoded
+    columns = weight.shape[-1]
+    data = np.ascontiguousarray(codes).reshape(-1).view(np.uint8)
+    item = codes.dtype.itemsize
+    first = start * columns
+    elements = np.arange(first, stop * columns, dtype=np.int64)
+    byte = elements // 2 - (first // 2 // item) * item
+    nibble = np.where(elements % 2 == 0, data[byte] >> 4, data[byte] & 0x0F)
+    table = small[params["quant_map"]].astype(np.float64)
+    values = table[nibble] * _absmax(params, small)[elements // params["block"]]
+    decoded = values.reshape(stop - start, columns)
+    return decoded
+
+
+def _absmax(params: Mapping[str, Any], small: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Every block's absmax as float64 (nested: decoded in float32 first, as bitsandbytes
+    does)."""
+    import numpy as np
+
+    absmax = small[params["absmax"]].reshape(-1)
+    if params["nested"] is None:
+        return absmax.astype(np.float64)
+    nested_absmax, nested_map, nested_block, offset = params["nested"]
+    blocks = np.arange(absmax.size, dtype=np.int64)
+    scaled = (
+        small[nested_map].astype(np.float32)[absmax]
+        * small[nested_absmax].astype(np.float32)[blocks // nested_block]
+    )
+    widened: np.ndarray = (scaled + np.float32(offset)).astype(np.float64)
+    return widened
+
+
+def scaled_parts(weight: Recognised) -> list[str]:
+    if weight.scheme == "bnb-int8":
+        return [weight.params["scb"]]
+    return list(weight.params["scaled"])

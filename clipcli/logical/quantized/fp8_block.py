@@ -1,0 +1,138 @@
+"""Block-scaled FP8 (DeepSeek-V3/R1, Qwen3-FP8; quant_method "fp8").
+
+`X.weight` F8_E4M3 [M, N] + `X.weight_scale_inv` [ceil(M/bh), ceil(N/bw)] (float32 in
+practice); weight[i, j] = code[i, j] x scale[i // bh, j // bw] (multiplied, despite the
+name). Edge blocks are partial. Without a config.json, the block is DeepSeek's 128 x 128
+when the scale's shape fits it, one scale for the whole tensor when the scale has one
+element, and anything else is refused: the block size cannot be told from the shapes alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from clipcli.logical.quantized import rules
+from clipcli.logical.quantized.scheme import ReadSmall, Recognised
+from clipcli.logical.view import Part
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from clipcli.formats.base import TensorInfo
+
+NAMES: Sequence[str] = ("fp8-block",)
+METHOD = "fp8"
+DEFAULT_BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
+
+
+def recognise(
+    stored: Mapping[str, TensorInfo],
+    config: Mapping[str, Any] | None,
+    read: ReadSmall | None = None,  # noqa: ARG001 - interface: every shape is in headers
+) -> list[Recognised]:
+    method = rules.method_of(config)
+    if config is not None and method != METHOD:
+        return []
+    declared: tuple[int, ...] | None = None
+    if config is not None:
+        raw = config.get("weight_block_size")
+        if raw is not None:
+            declared = rules.block_sizes(raw, "config.json", "weight_block_size", 2)
+    found = []
+    for name, info in stored.items():
+        if rules.dtype_name(info) not in rules.FP8_CODE_DTYPES or not name.endswith(".weight"):
+            continue
+        scale = stored.get(name + SCALE_SUFFIX)
+        if scale is None:
+            if config is not None:
+                raise rules.refuse(
+                    name,
+                    f"fp8 codes without their {name + SCALE_SUFFIX} (config.json declares "
+                    'quant_method "fp8"): its real values cannot be known',
+                )
+            continue
+        found.append(_recognised(info, scale, declared, config is not None))
+    return found
+
+
+def _recognised(
+    info: TensorInfo, scale: TensorInfo, declared: tuple[int, ...] | None, configured: bool
+) -> Recognised:
+    if len(info.shape) != 2:
+        raise rules.refuse(info.name, f"block-scaled fp8 weight of rank {len(info.shape)}, not 2")
+    rules.check_scale_dtype(scale)
+    rows, columns = info.shape
+    block = _block_from_shapes(info, scale, configured) if declared is None else declared
+    expected = (rules.ceil_div(rows, block[0]), rules.ceil_div(columns, block[1]))
+    if declared is not None or scale.numel != 1:  # one scale of any shape: the whole tensor
+        rules.check_shape(scale, expected, info.name, f"scale for blocks of {list(block)}")
+    return Recognised(
+        name=info.name,
+        scheme=NAMES[0],
+        shape=tuple(info.shape),
+        codes=info.name,
+        parts=(Part(info.name, "codes"), Part(scale.name, "scale")),
+        params={"block": block},
+    )
+
+
+def _block_from_shapes(info: TensorInfo, scale: TensorInfo, configured: bool) -> tuple[int, int]:
+    rows, columns = info.shape
+    if scale.numel == 1:  # one scale for the whole tensor (quant_method fp8 without blocks)
+        return (max(1, rows), max(1, columns))
+    if configured:
+        raise rules.refuse(
+            info.name,
+            f"config.json gives no weight_block_size and the scale {scale.name} has "
+            f"{scale.numel} elements",
+        )
+    expected = (rules.ceil_div(rows, DEFAULT_BLOCK[0]), rules.ceil_div(columns, DEFAULT_BLOCK[1]))
+    if tuple(scale.shape) != expected:
+        raise rules.refuse(
+            scale.name,
+            f"scale of shape {rules.shown(scale.shape)} for weight {rules.shown(info.shape)}: "
+            "the block size cannot be told from the shapes (128 x 128 would need "
+            f"{rules.shown(expected)}); a config.json with quantization_config."
+            "weight_block_size says it",
+        )
+    return DEFAULT_BLOCK
+
+
+def code_rows(weight: Recognised, start: int, stop: int) -> tuple[int, int]:  # noqa: ARG001
+    return start, stop
+
+
+def decode_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> np.ndarray:
+    import numpy as np
+
+    block_rows, block_columns = weight.params["block"]
+    columns = weight.shape[1]
+    flat = rules.widened(small[weight.parts[1].name]).reshape(-1)
+    scale_columns = rules.ceil_div(columns, block_columns) if flat.size > 1 else 1
+    scale = flat.reshape(-1, scale_columns)
+    row_of = (
+        np.arange(start, stop) // block_rows
+        if scale.shape[0] > 1
+        else np.zeros(stop - start, dtype=np.intp)
+    )
+    column_of = (
+        np.arange(columns) // block_columns
+        if scale_columns > 1
+        else np.zeros(columns, dtype=np.intp)
+    )
+    values = rules.code_values(codes.reshape(stop - start, columns))
+    with np.errstate(invalid="ignore", over="ignore"):
+        values *= scale[row_of][:, column_of]
+    return values
+
+
+def scaled_parts(weight: Recognised) -> list[str]:
+    return [weight.parts[1].name]

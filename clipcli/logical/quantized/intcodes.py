@@ -1,0 +1,157 @@
+"""Integer codes packed into 32-bit words, and the checks the integer schemes share.
+
+A packed tensor holds one bit stream per row (or per column): word k holds bits
+[32k, 32k + 32) of it, and element e's b bits start at bit position p(e), least
+significant bit first. Two layouts exist:
+
+- dense: p(e) = e * b, an element may straddle two words (compressed-tensors from 0.17,
+  GPTQ's 3-bit layout);
+- per word: floor(32 / b) elements per word and the rest of the word left as padding,
+  p(e) = (e // f) * 32 + (e % f) * b (compressed-tensors before 0.17).
+
+For b = 1, 2, 4, 8 the two are the same. Pure numpy: no file is read here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from clipcli.errors import InputError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from clipcli.formats.base import TensorInfo
+
+WORD_BITS = 32
+
+# A group larger than this is no real layout (real ones are 32 to 128): refused before it
+# decides a read or an allocation.
+MAX_GROUP = 1 << 24
+
+# Scale dtypes whose product with a small integer is a float64 exactly.
+EXACT_SCALE_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+WORD_DTYPES = frozenset({"int32", "uint32"})
+INDEX_DTYPES = frozenset({"int32", "int64"})
+
+
+def refuse(where: str, problem: str) -> InputError:
+    """The one-line refusal (exit 3) for a quantized weight whose layout does not hold."""
+    return InputError(where, problem)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def shown(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def per_word(bits: int) -> int:
+    return WORD_BITS // bits
+
+
+def words_for(count: int, bits: int, dense: bool) -> int:
+    """Words one stream of `count` elements takes."""
+    if dense:
+        return ceil_div(count * bits, WORD_BITS)
+    return ceil_div(count, per_word(bits))
+
+
+def first_word(index: int, bits: int, dense: bool) -> int:
+    """The word element `index` starts in."""
+    return index * bits // WORD_BITS if dense else index // per_word(bits)
+
+
+def bit_positions(indices: np.ndarray, bits: int, dense: bool) -> np.ndarray:
+    """Where each element starts in its stream, as int64 bit positions."""
+    import numpy as np
+
+    indices = indices.astype(np.int64)
+    if dense:
+        return indices * bits
+    factor = per_word(bits)
+    positions: np.ndarray = (indices // factor) * WORD_BITS + (indices % factor) * bits
+    return positions
+
+
+def extract(words: np.ndarray, positions: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """The `bits`-bit fields starting at `positions` of each stream of `words` (2-D, the
+    streams run along `axis`; positions count from the first word given), as uint16
+    arrays shaped like `words` with `axis` replaced by len(positions)."""
+    import numpy as np
+
+    unsigned = np.ascontiguousarray(words).view(np.uint32).astype(np.uint64)
+    pad = [(0, 0), (0, 0)]
+    pad[axis] = (0, 1)  # the word after the last one, for fields that end in it
+    unsigned = np.pad(unsigned, pad)
+    word = positions // WORD_BITS
+    shift = (positions % WORD_BITS).astype(np.uint64)
+    low = np.take(unsigned, word, axis=axis)
+    high = np.take(unsigned, word + 1, axis=axis)
+    if axis == 0:
+        shift = shift[:, None]
+    both = low | (high << np.uint64(WORD_BITS))
+    return ((both >> shift) & np.uint64((1 << bits) - 1)).astype(np.uint16)
+
+
+def dtype_name(info: TensorInfo) -> str:
+    return info.dtype.name
+
+
+def check_dtype(info: TensorInfo, allowed: frozenset[str], role: str) -> None:
+    if dtype_name(info) not in allowed:
+        raise refuse(
+            info.name,
+            f"{role} of dtype {dtype_name(info)} is not one clipcli decodes "
+            f"({', '.join(sorted(allowed))})",
+        )
+
+
+def check_shape(info: TensorInfo, expected: Sequence[int], weight: str, role: str) -> None:
+    if tuple(info.shape) != tuple(expected):
+        raise refuse(
+            info.name,
+            f"{role} of shape {shown(info.shape)} does not fit {weight} "
+            f"(expected {shown(expected)})",
+        )
+
+
+def method_of(config: Mapping[str, Any] | None) -> str | None:
+    """quantization_config's quant_method, or None."""
+    if config is None:
+        return None
+    method = config.get("quant_method")
+    return method if isinstance(method, str) else None
+
+
+def whole_number(value: object, where: str, what: str, low: int, high: int) -> int:
+    """An int from a config in [low, high] (bool is no int here)."""
+    if type(value) is not int or not low <= value <= high:
+        raise refuse(where, f"{what} {value!r} is not a whole number from {low} to {high}")
+    return value
+
+
+def group_of_rows(
+    g_idx: np.ndarray | None, start: int, stop: int, group: int, groups: int, where: str
+) -> np.ndarray:
+    """The group of each row (or column) in [start, stop): from g_idx when stored (checked
+    to lie in [0, groups) before it indexes anything), else index // group."""
+    import numpy as np
+
+    if g_idx is None:
+        return np.arange(start, stop, dtype=np.int64) // group
+    chosen = g_idx.reshape(-1)[start:stop].astype(np.int64)
+    if chosen.size and (int(chosen.min()) < 0 or int(chosen.max()) >= groups):
+        bad = int(chosen[(chosen < 0) | (chosen >= groups)][0])
+        raise refuse(where, f"g_idx holds group {bad}, outside the {groups} groups stored")
+    return chosen
+
+
+def float64(array: np.ndarray) -> np.ndarray:
+    """A float16/bfloat16/float32 array as float64, exactly."""
+    import numpy as np
+
+    return np.asarray(array).astype(np.float64)

@@ -1,0 +1,128 @@
+"""MXFP4: e2m1 codes in blocks of 32 sharing one E8M0 scale 2**(s - 127).
+
+- gpt-oss (quant_method "mxfp4"; names alone too): `X_blocks` U8 [..., nb, 16] and
+  `X_scales` U8 [..., nb]; the weight is `X` [..., nb * 32]. Each byte holds two codes,
+  low nibble = even element.
+- compressed-tensors `mxfp4-pack-quantized`: `X.weight_packed` U8 [out, in/2] and
+  `X.weight_scale` U8 (or F8_E8M0) [out, ceil(in/32)], low nibble = even element.
+Every value is an e2m1 code times a power of two: a float64 exactly. Scale 0xFF is NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from clipcli.logical.quantized import rules
+from clipcli.logical.quantized.scheme import ReadSmall, Recognised
+from clipcli.logical.view import Part
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from clipcli.formats.base import TensorInfo
+
+NAMES: Sequence[str] = ("mxfp4",)
+METHOD = "mxfp4"
+PACK_FORMAT = "mxfp4-pack-quantized"
+BLOCK = 32
+SCALE_DTYPES = frozenset({"uint8", "float8_e8m0fnu"})
+
+
+def _declares_pack(config: Mapping[str, Any]) -> bool:
+    if config.get("format") == PACK_FORMAT:
+        return True
+    groups = config.get("config_groups")
+    return isinstance(groups, dict) and any(
+        isinstance(g, dict) and g.get("format") == PACK_FORMAT for g in groups.values()
+    )
+
+
+def recognise(
+    stored: Mapping[str, TensorInfo],
+    config: Mapping[str, Any] | None,
+    read: ReadSmall | None = None,  # noqa: ARG001 - interface: every shape is in headers
+) -> list[Recognised]:
+    method = rules.method_of(config)
+    gpt_oss = config is None or method == METHOD
+    pack = config is None or (method == "compressed-tensors" and _declares_pack(config))
+    found = []
+    for name, info in stored.items():
+        if gpt_oss and name.endswith("_blocks") and rules.dtype_name(info) == "uint8":
+            scales = stored.get(name[: -len("_blocks")] + "_scales")
+            if scales is not None:
+                found.append(_gpt_oss(info, scales))
+            elif config is not None:
+                raise rules.refuse(name, "MXFP4 blocks without their _scales")
+        elif pack and name.endswith(".weight_packed") and rules.dtype_name(info) == "uint8":
+            stem = name[: -len(".weight_packed")]
+            scale = stored.get(stem + ".weight_scale")
+            if scale is None or rules.dtype_name(scale) not in SCALE_DTYPES:
+                continue  # another scheme's (NVFP4: an fp8 scale)
+            if stem + ".weight_global_scale" in stored:
+                continue
+            found.append(_packed(info, scale, stem))
+    return found
+
+
+def _gpt_oss(blocks: TensorInfo, scales: TensorInfo) -> Recognised:
+    if len(blocks.shape) < 2 or blocks.shape[-1] != BLOCK // 2:
+        raise rules.refuse(
+            blocks.name, f"MXFP4 blocks of shape {rules.shown(blocks.shape)}: the last is not 16"
+        )
+    rules.check_shape(scales, blocks.shape[:-1], blocks.name, "MXFP4 scales")
+    if rules.dtype_name(scales) not in SCALE_DTYPES:
+        raise rules.refuse(scales.name, f"MXFP4 scales of dtype {rules.dtype_name(scales)}")
+    weight = blocks.name[: -len("_blocks")]
+    shape = (*blocks.shape[:-2], blocks.shape[-2] * BLOCK)
+    return Recognised(
+        name=weight,
+        scheme=NAMES[0],
+        shape=shape,
+        codes=blocks.name,
+        parts=(Part(blocks.name, "codes"), Part(scales.name, "scale")),
+        params={"power_of_two": True, "codes_per_row": blocks.shape[-2]},
+    )
+
+
+def _packed(packed: TensorInfo, scale: TensorInfo, stem: str) -> Recognised:
+    if len(packed.shape) != 2:
+        raise rules.refuse(packed.name, f"packed MXFP4 weight of rank {len(packed.shape)}, not 2")
+    rows, columns = packed.shape[0], packed.shape[1] * 2
+    rules.check_shape(scale, (rows, rules.ceil_div(columns, BLOCK)), packed.name, "scale")
+    return Recognised(
+        name=stem + ".weight",
+        scheme=NAMES[0],
+        shape=(rows, columns),
+        codes=packed.name,
+        parts=(Part(packed.name, "codes"), Part(scale.name, "scale")),
+        params={"power_of_two": True, "codes_per_row": 1},
+    )
+
+
+def code_rows(weight: Recognised, start: int, stop: int) -> tuple[int, int]:
+    per_row: int = weight.params["codes_per_row"]
+    return start * per_row, stop * per_row
+
+
+def decode_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> np.ndarray:
+    import numpy as np
+
+    columns = weight.shape[-1]
+    values = rules.fp4_low_first(codes.reshape(stop - start, -1))[:, :columns]
+    scales = rules.e8m0_values(small[weight.parts[1].name]).reshape(
+        -1, rules.ceil_div(columns, BLOCK)
+    )
+    with np.errstate(invalid="ignore"):
+        values *= np.repeat(scales[start:stop], BLOCK, axis=1)[:, :columns]
+    return values
+
+
+def scaled_parts(weight: Recognised) -> list[str]:
+    return [weight.parts[1].name]

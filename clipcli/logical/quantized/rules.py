@@ -1,0 +1,131 @@
+"""Checks every scheme module makes before a shape or size it derives from a quantization
+config or a tensor's name decides an allocation or a read (docs/THREAT_MODEL.md: the config
+and the names are input)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from clipcli.errors import InputError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from clipcli.formats.base import TensorInfo
+
+# A block or group larger than this is no real layout (real ones are 16 to 128): refused
+# before it sizes anything.
+MAX_BLOCK = 1 << 24
+
+# Scale dtypes whose product with an fp8/fp4 code is a float64 exactly (24 + 4 bits at
+# most, exponents far inside float64's range): the decoded values and their norms stay exact.
+EXACT_SCALE_DTYPES = frozenset(
+    {"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"}
+)
+FP8_CODE_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+
+
+def refuse(where: str, problem: str) -> InputError:
+    """The one-line refusal (exit 3) for a quantized weight whose layout does not hold."""
+    return InputError(where, problem)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_size(value: object, where: str, what: str) -> int:
+    """A block or group size from a config: an int in [1, MAX_BLOCK] (bool is no int here)."""
+    if type(value) is not int or not 1 <= value <= MAX_BLOCK:
+        raise refuse(where, f"{what} {value!r} is not a whole number from 1 to {MAX_BLOCK}")
+    return value
+
+
+def block_sizes(value: object, where: str, what: str, count: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) != count:
+        raise refuse(where, f"{what} {value!r} is not a list of {count} block sizes")
+    return tuple(block_size(v, where, what) for v in value)
+
+
+def dtype_name(info: TensorInfo) -> str:
+    return info.dtype.name
+
+
+def shown(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_shape(info: TensorInfo, expected: Sequence[int], weight: str, role: str) -> None:
+    if tuple(info.shape) != tuple(expected):
+        raise refuse(
+            info.name,
+            f"{role} of shape {shown(info.shape)} does not fit {weight} "
+            f"(expected {shown(expected)})",
+        )
+
+
+def check_scale_dtype(info: TensorInfo, allowed: frozenset[str] = EXACT_SCALE_DTYPES) -> None:
+    if dtype_name(info) not in allowed:
+        raise refuse(
+            info.name,
+            f"a scale of dtype {dtype_name(info)} is not one clipcli decodes "
+            f"({', '.join(sorted(allowed))})",
+        )
+
+
+def method_of(config: Mapping[str, Any] | None) -> str | None:
+    """quantization_config's quant_method, or None."""
+    if config is None:
+        return None
+    method = config.get("quant_method")
+    return method if isinstance(method, str) else None
+
+
+def widened(array: np.ndarray) -> np.ndarray:
+    """A scale array as float64, exactly (an fp8 or E8M0 scale through its value table)."""
+    import numpy as np
+
+    from clipcli.dtypes import float64_values, is_small_float
+
+    if is_small_float(array.dtype) and array.dtype.itemsize == 1:
+        return float64_values(array.dtype)[array.view(np.uint8)]
+    with np.errstate(invalid="ignore"):
+        return array.astype(np.float64)
+
+
+def code_values(codes: np.ndarray) -> np.ndarray:
+    """fp8 codes as float64, through the table of all 256 values (NaN codes stay NaN)."""
+    import numpy as np
+
+    from clipcli.dtypes import float64_values
+
+    return float64_values(codes.dtype)[codes.view(np.uint8)]
+
+
+# e2m1 (FP4), by code: 0-7 positive, 8-15 their negatives (OCP MX; NVFP4 uses the same).
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def fp4_low_first(packed: np.ndarray) -> np.ndarray:
+    """Bytes [rows, n] holding two e2m1 codes each, low nibble = even element, as float64
+    values [rows, 2n]."""
+    import numpy as np
+
+    table = np.array(E2M1, dtype=np.float64)
+    raw = packed.view(np.uint8)
+    out = np.empty((raw.shape[0], raw.shape[1] * 2), dtype=np.float64)
+    out[:, 0::2] = table[raw & 0x0F]
+    out[:, 1::2] = table[raw >> 4]
+    return out
+
+
+def e8m0_values(codes: np.ndarray) -> np.ndarray:
+    """E8M0 exponents (uint8 or float8_e8m0fnu bytes) as float64: 2**(s - 127), 0xFF NaN
+    (OCP MX)."""
+    import numpy as np
+
+    raw = codes.view(np.uint8).astype(np.int64)
+    values = np.ldexp(1.0, raw - 127)
+    values[raw == 0xFF] = np.nan
+    return values
