@@ -23,13 +23,13 @@ from clipcli.errors import ExitCode
 from clipcli.formats.hdf5 import limits
 from clipcli.formats.hdf5.writer import HDF5_MAX_ATTRIBUTES, Hdf5Writer
 from clipcli.formats.npz.writer import ZIP_NAME_BYTES, NpzWriter
-from clipcli.formats.npz.zipcheck import member_name_problem
 from clipcli.formats.structure_record import (
     STRUCTURE_FORMAT,
     STRUCTURE_VERSION,
     MalformedStructure,
     parse_structure,
 )
+from clipcli.formats.zipsafe import member_name_problem
 
 RunMain = Callable[..., Any]
 
