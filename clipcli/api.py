@@ -324,8 +324,10 @@ def plan_clip(
         histograms=spec.mode is not Mode.VALUE and spec.axes is None,
         on_measured=hook,
     )
-    made = plan(measurement, spec, execution.output_check(reader))
     from clipcli.logical.reader import LogicalReader
+
+    rounding = reader.factor_rounding() if isinstance(reader, LogicalReader) else None
+    made = plan(measurement, spec, execution.output_check(reader), rounding)
 
     if isinstance(reader, LogicalReader):
         from clipcli.jobs import lowering

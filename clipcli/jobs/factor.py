@@ -11,8 +11,11 @@ tensors to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
+from typing import Any
+
+import numpy as np
 
 from clipcli.formats.base import TensorInfo
 from clipcli.jobs.measurement import TensorStats
@@ -32,11 +35,18 @@ def search_factor(
     limit: float,
     check: OutputCheck,
     exact_limit: Fraction | None = None,
+    rounding: Mapping[str, np.dtype[Any]] | None = None,
 ) -> Factor | None:
     """The factor for `members` together, None when they are within the limit already.
     It applies to the members with a nonzero sum of squares only: a zero tensor is left
-    bit-identical. Refuses (exit 4) a limit that a dtype without zero cannot reach."""
-    as_members = [scaling.Member(m.info.name, m.info.dtype, m.info.numel, m.stats) for m in members]
+    bit-identical. Refuses (exit 4) a limit that a dtype without zero cannot reach.
+    `rounding`: the tensors whose factor is rounded in another dtype than their values'
+    (a quantized weight's scales), by name (scaling.Member.rounding)."""
+    apart = rounding or {}
+    as_members = [
+        scaling.Member(m.info.name, m.info.dtype, m.info.numel, m.stats, apart.get(m.info.name))
+        for m in members
+    ]
 
     def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
         return check([members[i].info for i in which], factor.mantissa, factor.exponent)

@@ -10,9 +10,10 @@ search may need (float32 and wider) is the `check` callback the caller supplies.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 from clipcli.dtypes import is_floating
 from clipcli.errors import DataRefusedError
@@ -24,6 +25,9 @@ from clipcli.jobs.measurement import Measurement, TensorStats
 from clipcli.jobs.spec import ClipSpec, Mode, axes_fit, exact_limit, normalize_axes, tensor_limit
 from clipcli.numerics import rounding, scaling
 from clipcli.numerics.norms import NormAccumulator, global_norm
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # ---------------------------------------------------------------- the plan
 
@@ -152,9 +156,15 @@ def value_decision(spec: ClipSpec, t: TensorStats) -> tuple[Action, Reason]:
     return Action.KEEP, Reason.WITHIN_RANGE
 
 
-def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
+def plan(
+    measurement: Measurement,
+    spec: ClipSpec,
+    check: OutputCheck,
+    rounding: Mapping[str, np.dtype[Any]] | None = None,
+) -> Plan:
     """Decide what happens to every tensor. Raises (exit 4) before anything is written:
-    non-finite values where a norm is needed, axes that do not fit, unreachable limits."""
+    non-finite values where a norm is needed, axes that do not fit, unreachable limits.
+    `rounding`: tensors whose factor is rounded in another dtype (factor.search_factor)."""
     decided: dict[int, TensorPlan] = {}
     counted: list[tuple[int, TensorStats]] = []
     for index, t in enumerate(measurement.tensors):
@@ -175,18 +185,22 @@ def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
             _scaled(
                 t,
                 search_factor(
-                    [t], tensor_limit(spec, t.info.numel), check, exact_limit(spec, t.info.numel)
+                    [t],
+                    tensor_limit(spec, t.info.numel),
+                    check,
+                    exact_limit(spec, t.info.numel),
+                    rounding,
                 ),
             )
             for t in members
         ]
     elif spec.group_by is not None:
-        made = _plan_groups(members, spec, check)
+        made = _plan_groups(members, spec, check, rounding)
     elif spec.use_norm is not None:
         factor = tf_factor(spec.use_norm, spec.limit)
         made = [_scaled(t, factor if t.stats.norm > 0 else None) for t in members]
     else:
-        factor = search_factor(members, spec.limit, check)
+        factor = search_factor(members, spec.limit, check, rounding=rounding)
         made = [_scaled(t, factor if t.stats.ssq > 0 else None) for t in members]
     decided.update(zip((index for index, _ in counted), made, strict=True))
     tensors = tuple(decided[index] for index in range(len(measurement.tensors)))
@@ -271,7 +285,10 @@ def _plan_axes(
 
 
 def _plan_groups(
-    members: Sequence[TensorStats], spec: ClipSpec, check: OutputCheck
+    members: Sequence[TensorStats],
+    spec: ClipSpec,
+    check: OutputCheck,
+    rounding: Mapping[str, np.dtype[Any]] | None,
 ) -> list[TensorPlan]:
     """--global within each --group-by group: one factor per group."""
     assert spec.group_by is not None
@@ -279,7 +296,10 @@ def _plan_groups(
     groups: dict[str, list[TensorStats]] = {}
     for t in members:
         groups.setdefault(group_key(t.info.name, pattern), []).append(t)
-    factors = {name: search_factor(group, spec.limit, check) for name, group in groups.items()}
+    factors = {
+        name: search_factor(group, spec.limit, check, rounding=rounding)
+        for name, group in groups.items()
+    }
     made = []
     for t in members:
         group = group_key(t.info.name, pattern)

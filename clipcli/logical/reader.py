@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from clipcli.formats.base import Listed, Reader, TensorInfo
 from clipcli.logical.view import LogicalTensor, View
@@ -96,6 +96,22 @@ class LogicalReader(Reader):
         """The real values once the view's scaled parts are scaled and rounded (the factor
         search's check: what the write pass will make of the lowered plan)."""
         return self.view.scaled_chunks(self.stored, self.by_name[info.name], mantissa, exponent)
+
+    def factor_rounding(self) -> dict[str, np.dtype[Any]]:
+        """Every logical tensor whose factor a clip rounds in its stored parts, not value by
+        value in its own dtype: the coarsest dtype of the parts it scales (the factor
+        search verifies such a tensor's bound on what is written)."""
+        from clipcli.dtypes import unit_roundoff
+
+        stored = self._stored_infos
+        result = {}
+        for t in self.logical:
+            if self._plain_part(t.info) is not None:
+                continue
+            dtypes = [stored[name].dtype for name in self.view.scaled_parts(t)]
+            if dtypes:
+                result[t.info.name] = max(dtypes, key=unit_roundoff)
+        return result
 
     def source_files(self) -> list[Path]:
         return self.stored.source_files()
