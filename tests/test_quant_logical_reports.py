@@ -102,7 +102,12 @@ def test_a_changed_value_is_still_seen_by_value(tmp_path: Path, run_main: Any) -
     )
     document = diff_json(run_main, a, b)
     (row,) = [r for r in document["tensors"] if r["name"] == "p"]
-    assert row["status"] == "changed"
+    # A's row shows the dtype MXFP4 dequantizes to (float32), B's float64: a change shows so
+    assert (row["status"], row["dtype_a"], row["dtype_b"]) == (
+        "dtype changed",
+        "float32",
+        "float64",
+    )
     assert row["diff_norm"] == 2.0**-10
     exact = float(Fraction(1, 2**10) / sum((v * v for v in values), Fraction(0)) ** 0.5)
     assert math.isclose(row["rel_change"], exact, rel_tol=1e-12)

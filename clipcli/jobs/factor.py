@@ -11,11 +11,8 @@ tensors to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
-
-import numpy as np
 
 from clipcli.formats.base import TensorInfo
 from clipcli.jobs.measurement import TensorStats
@@ -26,7 +23,10 @@ from clipcli.numerics.scaling import Factor
 __all__ = ["Factor", "OutputCheck", "search_factor", "tf_factor"]
 
 # The sum of squares of these tensors with every value scaled by mantissa * 2**exponent
-# and rounded to its dtype, with a certain error bound.
+# and rounded to its dtype, with a certain error bound. A check may also have a method
+# `rounded_elsewhere(info) -> bool` (clipcli.jobs.execution.output_check: a logical tensor
+# whose factor is rounded in its stored scales): the search then verifies every factor
+# for a group that holds such a tensor (scaling.Member.rounded_elsewhere).
 OutputCheck = Callable[[Sequence[TensorInfo], float, int], CertainSumsq]
 
 
@@ -35,16 +35,19 @@ def search_factor(
     limit: float,
     check: OutputCheck,
     exact_limit: Fraction | None = None,
-    rounding: Mapping[str, np.dtype[Any]] | None = None,
 ) -> Factor | None:
     """The factor for `members` together, None when they are within the limit already.
     It applies to the members with a nonzero sum of squares only: a zero tensor is left
-    bit-identical. Refuses (exit 4) a limit that a dtype without zero cannot reach.
-    `rounding`: the tensors whose factor is rounded in another dtype than their values'
-    (a quantized weight's scales), by name (scaling.Member.rounding)."""
-    apart = rounding or {}
+    bit-identical. Refuses (exit 4) a limit that a dtype without zero cannot reach."""
+    elsewhere = getattr(check, "rounded_elsewhere", None)
     as_members = [
-        scaling.Member(m.info.name, m.info.dtype, m.info.numel, m.stats, apart.get(m.info.name))
+        scaling.Member(
+            m.info.name,
+            m.info.dtype,
+            m.info.numel,
+            m.stats,
+            elsewhere is not None and bool(elsewhere(m.info)),
+        )
         for m in members
     ]
 

@@ -10,10 +10,9 @@ search may need (float32 and wider) is the `check` callback the caller supplies.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any
 
 from clipcli.dtypes import is_floating
 from clipcli.errors import DataRefusedError
@@ -25,9 +24,6 @@ from clipcli.jobs.measurement import Measurement, TensorStats
 from clipcli.jobs.spec import ClipSpec, Mode, axes_fit, exact_limit, normalize_axes, tensor_limit
 from clipcli.numerics import rounding, scaling
 from clipcli.numerics.norms import NormAccumulator, global_norm
-
-if TYPE_CHECKING:
-    import numpy as np
 
 # ---------------------------------------------------------------- the plan
 
@@ -74,11 +70,17 @@ class TensorPlan:
     exponent: int = 0
     axes: tuple[int, ...] = ()  # AXES: resolved against this tensor's rank
     group: str | None = None  # --group-by: the group whose norm decided
+    tied_to: str | None = None  # the plan of this earlier tensor, whose values it shares
 
     @property
     def in_global(self) -> bool:
-        """Counted in the global norm (and in the factor of --global)."""
-        return self.reason not in _OUTSIDE and self.reason is not Reason.NONFINITE_SKIPPED
+        """Counted in the global norm (and in the factor of --global); a tied tensor is
+        counted once, as the tensor it is tied to."""
+        return (
+            self.reason not in _OUTSIDE
+            and self.reason is not Reason.NONFINITE_SKIPPED
+            and self.tied_to is None
+        )
 
     @property
     def unchanged(self) -> bool:
@@ -156,18 +158,17 @@ def value_decision(spec: ClipSpec, t: TensorStats) -> tuple[Action, Reason]:
     return Action.KEEP, Reason.WITHIN_RANGE
 
 
-def plan(
-    measurement: Measurement,
-    spec: ClipSpec,
-    check: OutputCheck,
-    rounding: Mapping[str, np.dtype[Any]] | None = None,
-) -> Plan:
+def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
     """Decide what happens to every tensor. Raises (exit 4) before anything is written:
-    non-finite values where a norm is needed, axes that do not fit, unreachable limits.
-    `rounding`: tensors whose factor is rounded in another dtype (factor.search_factor)."""
+    non-finite values where a norm is needed, axes that do not fit, unreachable limits."""
     decided: dict[int, TensorPlan] = {}
     counted: list[tuple[int, TensorStats]] = []
+    position = {t.info.name: index for index, t in enumerate(measurement.tensors)}
+    tied: list[tuple[int, TensorStats, int]] = []  # follow the plan of the tensor tied to
     for index, t in enumerate(measurement.tensors):
+        if t.tied_to is not None and t.tied_to in position:
+            tied.append((index, t, position[t.tied_to]))
+            continue
         reason = outside_reason(t)
         if reason is None:
             counted.append((index, t))
@@ -185,24 +186,23 @@ def plan(
             _scaled(
                 t,
                 search_factor(
-                    [t],
-                    tensor_limit(spec, t.info.numel),
-                    check,
-                    exact_limit(spec, t.info.numel),
-                    rounding,
+                    [t], tensor_limit(spec, t.info.numel), check, exact_limit(spec, t.info.numel)
                 ),
             )
             for t in members
         ]
     elif spec.group_by is not None:
-        made = _plan_groups(members, spec, check, rounding)
+        made = _plan_groups(members, spec, check)
     elif spec.use_norm is not None:
         factor = tf_factor(spec.use_norm, spec.limit)
         made = [_scaled(t, factor if t.stats.norm > 0 else None) for t in members]
     else:
-        factor = search_factor(members, spec.limit, check, rounding=rounding)
+        factor = search_factor(members, spec.limit, check)
         made = [_scaled(t, factor if t.stats.ssq > 0 else None) for t in members]
     decided.update(zip((index for index, _ in counted), made, strict=True))
+    for index, t, first in tied:
+        # The same values as `first`: the same action and factor, so the same bytes out.
+        decided[index] = replace(decided[first], info=t.info, before=t.stats, tied_to=t.tied_to)
     tensors = tuple(decided[index] for index in range(len(measurement.tensors)))
     used = None
     if spec.mode is Mode.GLOBAL and spec.group_by is None:
@@ -285,10 +285,7 @@ def _plan_axes(
 
 
 def _plan_groups(
-    members: Sequence[TensorStats],
-    spec: ClipSpec,
-    check: OutputCheck,
-    rounding: Mapping[str, np.dtype[Any]] | None,
+    members: Sequence[TensorStats], spec: ClipSpec, check: OutputCheck
 ) -> list[TensorPlan]:
     """--global within each --group-by group: one factor per group."""
     assert spec.group_by is not None
@@ -296,10 +293,7 @@ def _plan_groups(
     groups: dict[str, list[TensorStats]] = {}
     for t in members:
         groups.setdefault(group_key(t.info.name, pattern), []).append(t)
-    factors = {
-        name: search_factor(group, spec.limit, check, rounding=rounding)
-        for name, group in groups.items()
-    }
+    factors = {name: search_factor(group, spec.limit, check) for name, group in groups.items()}
     made = []
     for t in members:
         group = group_key(t.info.name, pattern)

@@ -73,11 +73,10 @@ class Member:
     dtype: np.dtype[Any]
     numel: int
     stats: NormAccumulator  # finished (NormAccumulator.finish), histogram kept if 8/16-bit
-    # The dtype a factor is rounded in when that is not `dtype`'s own rounding of each value:
-    # a quantized weight's scales (bfloat16, fp8: clipcli.logical). None: its own dtype.
-    # Histograms and the rounding bound know nothing of such a member: its factor is
-    # always verified by a pass over what the write pass makes of it.
-    rounding: np.dtype[Any] | None = None
+    # Its output is not its values rounded to `dtype` (a quantized weight: its stored
+    # scales are rounded, each to its own dtype): no bound of `dtype`'s rounding holds, so
+    # every factor for a group that holds it is checked by a pass over the output.
+    rounded_elsewhere: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,8 +149,11 @@ def group_factor(
     elif not ratio < 1.0:
         return None
     dtypes = [m.dtype for m in live_members]
-    apart = any(m.rounding is not None for m in live_members)
-    if apart or ratio < TINY_RATIO or all(mantissa_digits(d) == 53 for d in dtypes):
+    if (
+        ratio < TINY_RATIO
+        or all(mantissa_digits(d) == 53 for d in dtypes)
+        or any(m.rounded_elsewhere for m in live_members)
+    ):
         factor = _verified_factor(live, members, together, limit, output_sumsq)
     else:
         chosen = _histogram_factor(
@@ -247,13 +249,14 @@ def _verified_factor(
     limit: float,
     output_sumsq: OutputSumsq,
 ) -> Factor:
-    """float64, members rounded apart (Member.rounding) and factors below 2**-900: TF's
+    """float64, members rounded elsewhere (Member.rounded_elsewhere) and factors below
+    2**-900: TF's
     factor, checked by a pass over the rounded output with a certain bound on its norm
     (CertainSumsq), then moved as the checks say (_apart_factor), or shrunk by the
     measured overshoot once, else the factor the rounding bound guarantees. Only a factor
     whose check passed is returned."""
     live_members = [members[i] for i in live]
-    apart = [m.rounding for m in live_members if m.rounding is not None]
+    apart = any(m.rounded_elsewhere for m in live_members)
     # A member rounded apart may be decoded with one rounding per value (NVFP4's division
     # by its global scale, relative error <= 2**-53): checked against a hair less than C,
     # its exact values stay within C.
@@ -270,7 +273,7 @@ def _verified_factor(
     else:
         mantissa, exponent = together.limit_ratio_parts(limit)
     if apart:
-        unit = max(unit_roundoff(d) for d in [*apart, *(m.dtype for m in live_members)])
+        unit = max(COARSEST_SCALE_UNIT, *(unit_roundoff(m.dtype) for m in live_members))
         found = _apart_factor(mantissa, exponent, unit, checked)
         if found is not None:
             return Factor(found, exponent)
@@ -311,10 +314,18 @@ def _shrinking(mantissa: float, exponent: int, checked: Checked, limit: float) -
     raise DataRefusedError(f"no factor found whose rounded output stays within the limit {limit:g}")
 
 
-# Verified passes spent on a group with members rounded apart (a quantized weight's
+# The largest unit roundoff of a stored scale a factor is rounded in: fp8 e4m3's (NVFP4's
+# block scales, 3 mantissa bits); bfloat16, float16 and float32 scales round finer.
+COARSEST_SCALE_UNIT = 2.0**-4
+
+# Verified passes spent on a group with members rounded elsewhere (a quantized weight's
 # scales): the rounding of every scale moves with the factor, so no bound makes the search
 # exact; each pass is a certain check of what the write pass will make of one factor.
-APART_PASSES = 8
+APART_PASSES = 10
+# Margins below the measured overshoot, one more per check still over: as fine as a
+# float32 scale's rounding first, as coarse as an fp8 one's last (never below the bound
+# first / (1 + u), which holds unless scales fall to subnormals).
+APART_MARGINS = (2.0**-50, 2.0**-30, 2.0**-22, 2.0**-16, 2.0**-12, 2.0**-8, 2.0**-5, 2.0**-3)
 
 
 def _apart_factor(first: float, exponent: int, unit: float, checked: Checked) -> float | None:
@@ -325,6 +336,7 @@ def _apart_factor(first: float, exponent: int, unit: float, checked: Checked) ->
     check passed (scales falling to subnormals: _shrinking takes over)."""
     low, high = 0.0, math.inf  # the largest factor within, the least over
     guess = first
+    misses = 0  # checks over the limit before one within
     for _ in range(APART_PASSES):
         ok, over = checked(guess, exponent)
         if ok:
@@ -335,9 +347,13 @@ def _apart_factor(first: float, exponent: int, unit: float, checked: Checked) ->
         if math.isinf(high):  # none over yet: up by the room measured
             step = min(1 / measured, 1 + unit) if measured is not None else 1 + unit
             following = low * step * (1 + 2.0**-52)
-        elif low == 0.0:  # none within yet: down by the overshoot, at least to 1 / (1 + u)
+        elif low == 0.0:  # none within yet: down by the overshoot and a growing margin
             step = max(measured, 1.0) if measured is not None else 1 + unit
-            following = min(high / step, first / (1 + unit)) * (1 - 2.0**-50)
+            margin = APART_MARGINS[min(misses, len(APART_MARGINS) - 1)]
+            following = max(high / step * (1 - margin), first / (1 + unit) * (1 - 2.0**-50))
+            if following >= high:  # the rounding bound itself was over: subnormal scales
+                following = high * (1 - margin)
+            misses += 1
         else:
             following = low + (high - low) / 2
         if not low < following < high:
