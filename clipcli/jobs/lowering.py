@@ -51,6 +51,9 @@ def lower(plan: Plan, reader: LogicalReader) -> Plan:
     # A side tensor may also be a part (a quantized weight's scale, listed with its role):
     # the logical tensor's action on it wins over the listing's KEEP, in either order.
     parts = {part.name for t in reader.logical if not t.plain for part in t.parts}
+    # A part listed as a side tensor was measured as stored: a part kept byte for byte is
+    # reported with those figures before and after, never with an empty measurement.
+    measured = {p.info.name: p.before for p in plan.tensors if p.info.name in parts}
     for p in plan.tensors:
         t = reader.by_name.get(p.info.name)
         if t is None:  # a side tensor: stored as it is listed
@@ -63,10 +66,11 @@ def lower(plan: Plan, reader: LogicalReader) -> Plan:
         scaled = set(reader.view.scaled_parts(t)) if p.action is Action.SCALE else set()
         for part in t.parts:
             info = stored[part.name]
+            before = measured.get(part.name, empty)
             if part.name in scaled:
-                lowered[part.name] = replace(p, info=info, before=empty, group=None)
+                lowered[part.name] = replace(p, info=info, before=before, group=None)
             else:
-                lowered[part.name] = TensorPlan(info, empty, Action.KEEP, p.reason, p.role)
+                lowered[part.name] = TensorPlan(info, before, Action.KEEP, p.reason, p.role)
     missing = [name for name in stored if name not in lowered]
     if missing:  # a view that forgot a stored tensor would drop it from OUT
         raise AssertionError(f"the view left stored tensors out: {missing[:3]}")

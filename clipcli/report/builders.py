@@ -477,8 +477,8 @@ def diff_report(
         for t in listed
     )
     counts = {status: n for status, n in result.counts.items() if n}
-    shared = any(t.compared for t in result.tensors)
-    unpaired = not all(t.compared for t in result.tensors)
+    shared = any(t.compared for t in result.counted)
+    unpaired = not all(t.compared for t in result.counted)
     difference = (
         f"‖A−B‖ {result.global_diff_norm:.6g} (relative {result.global_rel_change:.6g})"
         + (" over the tensors both hold" if unpaired else "")
@@ -489,6 +489,11 @@ def diff_report(
         f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, {difference}",
         ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensor",
     ]
+    if result.n_parts:  # a quantized weight's scales: compared through their weight
+        footer.append(
+            f"{count(result.n_parts, 'quantization part')} (scales, zero points) listed "
+            "apart: compared through their weights, not in the counts or global figures"
+        )
     if result.training_state:  # as in `norms`: the global figures are of model weights
         footer.append(
             f"{count(result.training_state, 'training-state tensor')} compared, not in the "
@@ -505,6 +510,7 @@ def diff_report(
         ("global_diff_norm", result.global_diff_norm),
         ("global_rel_change", result.global_rel_change),
         ("training_state", result.training_state),
+        ("parts", result.n_parts),
         ("max_rel_change", result.max_rel_change),
         ("identical", result.identical),
         ("counts", dict(result.counts)),

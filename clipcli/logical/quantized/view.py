@@ -63,6 +63,9 @@ def quantization_config(directory: Path | None) -> Mapping[str, Any] | None:
         return None
     if not isinstance(quant, dict):
         raise InputError(path, "quantization_config is not an object")
+    method = quant.get("quant_method")
+    if method is not None and not isinstance(method, str):
+        raise InputError(path, f"quantization_config.quant_method {method!r} is not a string")
     return quant
 
 
@@ -121,6 +124,8 @@ class QuantizedView(View):
                 ):
                     raise InputError(found.name, "names two quantized weights: ambiguous")
                 self._weights[found.name] = (scheme, found)
+        if config is not None:
+            _refuse_undescribed(stored, owner, config, schemes)
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
         self._owner = owner
         self._infos = infos
@@ -335,6 +340,35 @@ class QuantizedView(View):
         if tensor.plain:
             return False
         return bool(self._weights[tensor.info.name][1].params.get("power_of_two", False))
+
+
+def _refuse_undescribed(
+    stored: Mapping[str, TensorInfo],
+    owner: Mapping[str, tuple[str, str]],
+    config: Mapping[str, Any],
+    schemes: Sequence[Scheme],
+) -> None:
+    """A config.json that does not describe the tensors (another quant_method, a layout
+    it does not declare) must not turn them into plain ones: codes read raw, a scale
+    counted as a weight. What the config left unclaimed is read again by names and
+    dtypes alone; a quantized weight found there, or one refused there, is refused."""
+    rest = {name: info for name, info in stored.items() if name not in owner}
+    method = config.get("quant_method")
+    for scheme in schemes:
+        try:
+            found = scheme.recognise(rest, None)
+        except InputError as exc:  # a layout only a config could settle: still quantized
+            tensor = str(exc).split(": ", 1)[0]
+            problem = f"{tensor} is a part of a quantized weight ({scheme.NAMES[0]})"
+        else:
+            if not found:
+                continue
+            problem = f"{found[0].name} is a quantized weight ({found[0].scheme})"
+        raise InputError(
+            "config.json",
+            f"quantization_config (quant_method {method!r}) does not describe the tensors: "
+            f"by names and dtypes, {problem}; refusing to read it as plain tensors",
+        )
 
 
 def _logical(rec: Recognised) -> LogicalTensor:
