@@ -56,6 +56,7 @@ class Parsed(NamedTuple):
     spans: dict[str, Span]  # storage key -> its bytes
     byteorder: str  # "little" or "big"
     extras: dict[str, str]  # facts for `ls` (the zip's root folder, sys_info)
+    inflated: int = 0  # bytes the zip's compressed records inflate to beyond their size
 
 
 def is_legacy_stream(head: bytes) -> bool:
@@ -164,7 +165,9 @@ def parse_zip(path: Path, handle: BinaryIO) -> Parsed:
                     f"storage declares {storage.nbytes}",
                 )
             spans[key] = Span(_data_start(path, fd, entry), entry.file_size)
-    return Parsed("zip", tree, spans, byteorder, {"pytorch.layout": f"zip ({root}/)"})
+    inflated = sum(max(0, e.file_size - e.compress_size) for e in entries.values())
+    extras = {"pytorch.layout": f"zip ({root}/)"}
+    return Parsed("zip", tree, spans, byteorder, extras, inflated)
 
 
 def _read_record(

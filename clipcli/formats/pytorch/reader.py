@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from clipcli.errors import InputError
+from clipcli.formats import expansion
 from clipcli.formats.base import (
     Reader,
     TensorInfo,
@@ -48,6 +49,11 @@ MAX_VISITS = 2_000_000  # values walked (a memo reference makes a tree a graph: 
 MAX_METADATA = 1_000  # non-tensor values listed; the rest counted
 MAX_VALUE_TEXT = 200
 _MMAP_RELEASE_BYTES = 64 << 20  # pages of a strided read dropped from memory this often
+# The one expansion policy (formats.expansion) for what views generate: a stride of 0
+# (torch's `expand`) or overlapping strides make more elements than the storage holds. Read
+# at each call: a test moves the PyTorch limit here.
+VIEW_RATIO = expansion.RATIO
+VIEW_FREE_BYTES = expansion.FREE_BYTES
 
 
 class _Located(NamedTuple):
@@ -93,6 +99,38 @@ def _atomic(value: object) -> bool:
         isinstance(value, (list, tuple))
         and not any(isinstance(v, (dict, list, tuple, Tensor)) for v in value)
     )
+
+
+class _Generated:
+    """The bytes a file's tensors present beyond the bytes of the storages they view,
+    charged, tensor by tensor, to the expansion budget of the file's size (plus what its
+    compressed records inflated to): a 606-byte file may not present a 1 GiB tensor.
+
+    A storage's bytes are free once, to the tensors that view it (a fused q/k/v storage
+    split in three); every byte its views present beyond that is generated (an `expand`ed
+    row, two tied names of one weight, overlapping windows), since each is produced and
+    written as often as it is presented."""
+
+    def __init__(self, path: Path, file_size: int, inflated: int) -> None:
+        self.path = path
+        self.file_size = file_size
+        self.total = inflated
+        self.presented: dict[str, int] = {}  # storage key -> bytes its views present so far
+
+    def charge(self, name: str, key: str, nbytes: int, storage_bytes: int) -> None:
+        before = self.presented.get(key, 0)
+        after = self.presented[key] = before + nbytes
+        self.total += max(0, after - storage_bytes) - max(0, before - storage_bytes)
+        budget = expansion.budget(self.file_size, VIEW_RATIO, VIEW_FREE_BYTES)
+        if self.total > budget:
+            raise InputError(
+                self.path,
+                f"its views present {self.total} bytes more than their storages hold (a stride "
+                f"of 0, overlapping strides, views repeated), more than {VIEW_RATIO} times the "
+                f"{self.file_size}-byte file plus {VIEW_FREE_BYTES >> 20} MiB ({budget}); "
+                "refusing what looks like an expansion bomb",
+                name,
+            )
 
 
 def flatten(path: Path, root: object) -> tuple[list[tuple[str, Tensor]], dict[str, str]]:
@@ -171,6 +209,7 @@ class PyTorchReader(Reader):
         self._shared: dict[str, str] = {}  # an exactly identical view -> the first name
         self._storage_mates: dict[str, list[str]] = {}  # storage key -> tensor names
         first_of_view: dict[tuple[Any, ...], str] = {}
+        generated = _Generated(self.path, os.fstat(self._fd).st_size, parsed.inflated)
         for name, tensor in named:
             if not name or "\x00" in name:
                 raise InputError(self.path, "a tensor's name is empty or holds a NUL byte")
@@ -179,6 +218,8 @@ class PyTorchReader(Reader):
             located = self._locate(name, tensor, parsed.spans)
             dtype = dtype_named(tensor.dtype.name)
             numel = math.prod(tensor.shape)
+            span = parsed.spans[tensor.storage.key]
+            generated.charge(name, tensor.storage.key, numel * dtype.itemsize, span.nbytes)
             self._infos.append(TensorInfo(name, dtype, tensor.shape, numel * dtype.itemsize))
             self._located[name] = located
             view = (
