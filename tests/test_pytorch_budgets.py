@@ -13,16 +13,21 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from expect import REPO_ROOT, one_error_line
-from test_pytorch_hostile import STOP, legacy, state, tensor, torch_zip
+from test_pytorch_hostile import MARK, STOP, legacy, state, tensor, text, torch_zip
 
 from clipcli.cli.entry import main
+from clipcli.errors import InputError
 from clipcli.formats.opening import open_reader
 from clipcli.formats.pytorch import reader as pytorch_reader
+from clipcli.formats.pytorch import unpickler
+from clipcli.system import address_space
 
 VIEWS = REPO_ROOT / "tests" / "data" / "pytorch_views"
 RSS_BUDGET = 300 << 20  # bytes of peak resident memory (docs/UNTRUSTED_INPUT.md)
@@ -135,3 +140,215 @@ def test_a_storage_split_among_its_tensors_is_free(
     parts = {f"p{i}": tensor(offset=4 * i, size=(4,), numel=12) for i in range(3)}
     path = torch_zip(tmp_path / "m.pt", state(**parts), {"0": bytes(48)})
     assert main(["norms", "-q", str(path)]) == 0
+
+
+# ------------------------------------------------------------------ 2. memory
+
+EMPTY_SET, EMPTY_DICT, LIST = b"\x8f", b"}", b"l"
+BOMB_OPCODES = 3_900_000  # the attack: 3.9 MB of one-byte opcodes
+
+
+def _bomb(path: Path, opcode: bytes) -> Path:
+    """A state dict with one real tensor and, beside it, a list of 3.9 M empty sets (or
+    dicts): each one byte of pickle, each a 216-byte (64-byte) object."""
+    junk = MARK + opcode * BOMB_OPCODES + LIST
+    return torch_zip(path, state(w=tensor(), junk=junk))
+
+
+def test_memory_charge_exactly_at_the_budget_and_one_past(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One empty set costs a reference and what sys.getsizeof says a set takes."""
+    cost = 8 + sys.getsizeof(set())
+    data = b"\x80\x04" + EMPTY_SET + STOP
+    monkeypatch.setattr(unpickler, "MEMORY_RATIO", 0)
+    monkeypatch.setattr(unpickler, "MEMORY_FREE_BYTES", cost)
+    assert unpickler.Interpreter(data).load() == set()
+    monkeypatch.setattr(unpickler, "MEMORY_FREE_BYTES", cost - 1)
+    with pytest.raises(unpickler.PickleProblem, match="bytes of memory"):
+        unpickler.Interpreter(data).load()
+
+
+@pytest.mark.parametrize("ratio_part", [0, 1])
+def test_the_memory_budget_grows_with_the_pickles_size(
+    ratio_part: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two bytes of budget per byte of pickle: the free bytes set so that the pickle's share
+    brings the budget exactly to the charge, or one byte short of it."""
+    data = b"\x80\x04" + EMPTY_SET + STOP
+    monkeypatch.setattr(unpickler, "MEMORY_RATIO", 2)
+    monkeypatch.setattr(
+        unpickler, "MEMORY_FREE_BYTES", 8 + sys.getsizeof(set()) - 2 * len(data) - ratio_part
+    )
+    if ratio_part:
+        with pytest.raises(unpickler.PickleProblem, match="bytes of memory"):
+            unpickler.Interpreter(data).load()
+    else:
+        unpickler.Interpreter(data).load()
+
+
+def test_appended_items_are_charged_by_what_the_container_grows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A list filled by APPENDS is charged what the list took on (sys.getsizeof), besides
+    each item and the MARK's own list: a budget of exactly that reads, one byte less not."""
+    n = 1000
+    data = b"\x80\x04]" + MARK + b"N" * n + b"e" + STOP
+    grown = sys.getsizeof([None] * n) - sys.getsizeof([])  # list.extend of a tuple: exact
+    cost = (8 + sys.getsizeof([])) * 2 + 8 * n + grown
+    monkeypatch.setattr(unpickler, "MEMORY_RATIO", 0)
+    monkeypatch.setattr(unpickler, "MEMORY_FREE_BYTES", cost)
+    assert unpickler.Interpreter(data).load() == [None] * n
+    monkeypatch.setattr(unpickler, "MEMORY_FREE_BYTES", cost - 1)
+    with pytest.raises(unpickler.PickleProblem, match="bytes of memory"):
+        unpickler.Interpreter(data).load()
+
+
+# Runs the command as its only child and writes that child's peak RSS (KiB) to argv[1].
+_PEAK_PROBE = (
+    "import resource, subprocess, sys\n"
+    "done = subprocess.run(sys.argv[2:], stdin=subprocess.DEVNULL)\n"
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))\n"
+    "sys.exit(done.returncode)\n"
+)
+CLIPCLI = [sys.executable, "-m", "clipcli"]
+
+
+@pytest.mark.parametrize("opcode", [EMPTY_SET, EMPTY_DICT], ids=["sets", "dicts"])
+@pytest.mark.parametrize("command", ["ls", "norms"])
+def test_millions_of_empty_containers_are_refused_within_300_mib(
+    opcode: bytes, command: str, tmp_path: Path
+) -> None:
+    """Before: ~1 GB of RSS and exit 0 (sets), or 1.1 GB and 21 s before exit 3 (dicts)."""
+    path = _bomb(tmp_path / "m.pt", opcode)
+    peak = tmp_path / "peak"
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_PROBE, str(peak), *CLIPCLI, command, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 3, done.stderr
+    assert "bytes of memory" in one_error_line(done.stderr)
+    assert int(peak.read_text()) << 10 < RSS_BUDGET
+
+
+def _limited(mib: int, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["prlimit", f"--as={mib << 20}", *CLIPCLI, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("mib", [64, 96, 128, 160, 192, 300])
+def test_under_an_address_space_limit_the_bomb_is_exit_5_or_3_never_70(
+    mib: int, tmp_path: Path
+) -> None:
+    """Wherever the allocation fails (a MemoryError, or CPython's SystemError from a C call
+    in the interpreter's loop), the run ends with one line: out of memory (5), or the
+    budget's refusal (3) where the limit leaves room for the budget."""
+    done = _limited(mib, "ls", str(_bomb(tmp_path / "m.pt", EMPTY_SET)))
+    assert done.returncode in (3, 5), done.stderr
+    line = one_error_line(done.stderr)
+    assert ("out of memory" if done.returncode == 5 else "bytes of memory") in line, line
+    assert "SystemError" not in line
+
+
+_SYSTEM_ERROR_UNDER_A_LIMIT = """
+import resource, sys
+from clipcli.cli import boundary
+if sys.argv[1] == "limited":
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))
+sys.exit(boundary.exit_code_for(SystemError("error return without exception set")))
+"""
+
+
+@pytest.mark.parametrize(("limited", "code"), [("limited", 5), ("unlimited", 70)])
+def test_a_null_without_exception_is_out_of_memory_only_under_a_limit(
+    limited: str, code: int
+) -> None:
+    """Without an address-space limit an allocation does not fail in Python (the kernel
+    ends the process): the same SystemError is then a bug, exit 70."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SYSTEM_ERROR_UNDER_A_LIMIT, limited],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_unlimit_address_space,
+    )
+    assert done.returncode == code, done.stderr
+    line = one_error_line(done.stderr)
+    assert line == "clipcli: error: out of memory" if code == 5 else "internal error" in line
+
+
+def _unlimit_address_space() -> None:
+    import resource
+
+    for kind in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
+        hard = resource.getrlimit(kind)[1]
+        resource.setrlimit(kind, (hard, hard))
+
+
+def test_refused_memory_says_no_to_other_system_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(address_space, "_limited", lambda: True)
+    assert address_space.refused_memory(SystemError("error return without exception set"))
+    assert not address_space.refused_memory(SystemError("bad argument to internal function"))
+
+
+# ------------------------------------------------------------------ 2. the tree walk
+
+
+def _tensor_stand_in() -> unpickler.Tensor:
+    float32 = unpickler.TorchDtype("float32", 4)
+    storage = unpickler.Storage("0", float32, "cpu", 1)
+    return unpickler.Tensor(storage, 0, (1,), (1,), float32)
+
+
+@pytest.mark.parametrize(("slack", "refused"), [(0, False), (-1, True)])
+def test_tree_work_counts_container_items_at_the_limit_and_one_past(
+    slack: int, refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """{"m": [L] * 10}, L a list of 10 Nones (one memo entry, referenced 10 times): the root
+    (1 + 1 item), the outer list (1 + 10), each L (1 + 10): 3 + 12 * 10 = 123 units. A
+    count of values alone (22) let a million references to a million-item list walk a
+    trillion items."""
+    shared = [None] * 10
+    monkeypatch.setattr(pytorch_reader, "MAX_VISITS", 123 + slack)
+    tree = {"m": [shared] * 10}
+    if refused:
+        with pytest.raises(InputError, match="more than 122 values"):
+            pytorch_reader.flatten(Path("m.pt"), tree)
+    else:
+        assert pytorch_reader.flatten(Path("m.pt"), tree)[1]["m.9"].startswith("[None")
+
+
+@pytest.mark.parametrize(("slack", "refused"), [(0, False), (-1, True)])
+def test_names_at_their_character_budget_and_one_past(
+    slack: int, refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long key under a memo-shared dict names every tensor beneath it: names are charged
+    by their characters ("k.0.w" and "k.1.w": 10)."""
+    monkeypatch.setattr(pytorch_reader, "MAX_NAME_CHARS", 10 + slack)
+    shared = {"w": _tensor_stand_in()}
+    tree = {"k": [shared, shared]}
+    if refused:
+        with pytest.raises(InputError, match="names take more than 9 characters"):
+            pytorch_reader.flatten(Path("m.pt"), tree)
+    else:
+        named, _ = pytorch_reader.flatten(Path("m.pt"), tree)
+        assert [name for name, _ in named] == ["k.0.w", "k.1.w"]
+
+
+def test_a_long_tuple_key_is_shortened_in_names() -> None:
+    key = ("x" * 10_000, 1)
+    named, _ = pytorch_reader.flatten(Path("m.pt"), {key: _tensor_stand_in()})
+    assert len(named[0][0]) == pytorch_reader.MAX_VALUE_TEXT
+
+
+def test_a_pickle_of_a_state_dict_stays_within_the_budgets(tmp_path: Path) -> None:
+    """A real-sized tree: 432 tensors named as an LLM's, each its own storage."""
+    names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(432)]
+    body = b"".join(text(n) + tensor(key=str(k), numel=4) for k, n in enumerate(names))
+    pickled = b"\x80\x02}" + MARK + body + b"u" + STOP
+    path = torch_zip(tmp_path / "m.pt", pickled, {str(k): bytes(16) for k in range(432)})
+    assert main(["ls", "-q", str(path)]) == 0

@@ -12,6 +12,7 @@ tensor an exactly identical view belongs to, so a global norm counts it once.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import mmap
 import os
@@ -48,6 +49,9 @@ MAX_DEPTH = 64  # nesting of dicts and lists in the object tree (a cycle is infi
 MAX_VISITS = 2_000_000  # values walked (a memo reference makes a tree a graph: bounded)
 MAX_METADATA = 1_000  # non-tensor values listed; the rest counted
 MAX_VALUE_TEXT = 200
+# Tensor and metadata names together (a memo reference may repeat a long key under many
+# tensors): 200,000 names of 300 characters.
+MAX_NAME_CHARS = 64_000_000
 _MMAP_RELEASE_BYTES = 64 << 20  # pages of a strided read dropped from memory this often
 # The one expansion policy (formats.expansion) for what views generate: a stride of 0
 # (torch's `expand`) or overlapping strides make more elements than the storage holds. Read
@@ -71,12 +75,18 @@ def _name(parts: tuple[str, ...]) -> str:
 
 
 def _key_text(key: object) -> str:
-    return key if isinstance(key, str) else repr(key)
+    """A dict key or list index as a name part: text as it is, anything else (an int, a
+    tuple of atoms) by its repr, shortened (a memo reference may repeat a huge key)."""
+    if isinstance(key, str):
+        return key
+    text = repr(key) if not isinstance(key, tuple) else repr(key[:8])
+    return text if len(text) <= MAX_VALUE_TEXT else text[: MAX_VALUE_TEXT - 3] + "..."
 
 
 def _value_text(value: object) -> str:
     if isinstance(value, (list, tuple, set, frozenset)):
-        shown = ", ".join(_value_text(v) for v in list(value)[:8])
+        # the first 8 items only: a set of a million is not copied to show 8
+        shown = ", ".join(_value_text(v) for v in itertools.islice(value, 8))
         more = f", ... ({len(value)} items)" if len(value) > 8 else ""
         text = f"[{shown}{more}]"
     elif isinstance(value, TorchDtype):
@@ -87,8 +97,10 @@ def _value_text(value: object) -> str:
         text = f"a {type(value).__name__}"
     elif isinstance(value, bytes):
         text = f"<{len(value)} bytes>"
-    elif isinstance(value, (str, int, float, complex, bool, type(None))):
-        text = repr(value) if not isinstance(value, str) else value
+    elif isinstance(value, str):
+        text = value[: MAX_VALUE_TEXT + 1]  # shortened below, as before
+    elif isinstance(value, (int, float, complex, bool, type(None))):
+        text = repr(value)
     else:
         text = f"a {type(value).__name__}"
     return text if len(text) <= MAX_VALUE_TEXT else text[: MAX_VALUE_TEXT - 3] + "..."
@@ -99,6 +111,69 @@ def _atomic(value: object) -> bool:
         isinstance(value, (list, tuple))
         and not any(isinstance(v, (dict, list, tuple, Tensor)) for v in value)
     )
+
+
+Children = Iterator[tuple[object, object]]  # (key or index, value) of one container
+
+
+def flatten(path: Path, root: object) -> tuple[list[tuple[str, Tensor]], dict[str, str]]:
+    """Tensors named by their path in the object tree (`state_dict.layer.weight`), and
+    every other value as metadata text, in pickle order.
+
+    Walked depth first with a stack of iterators, one per open container (at most
+    MAX_DEPTH): memory is the depth, never a copy of a container's children. Work is
+    counted per value and per item of every container looked into (a memo reference
+    makes a tree a graph: one list of a million items, referenced a million times, is a
+    trillion items to walk); names are counted by their characters."""
+    tensors: list[tuple[str, Tensor]] = []
+    metadata: dict[str, str] = {}
+    omitted = 0
+    work = 0
+    name_chars = 0
+    open_containers: list[tuple[tuple[str, ...], Children]] = []
+    parts: tuple[str, ...] = ()
+    value = root
+    while True:
+        work += 1 + (len(value) if isinstance(value, (dict, list, tuple)) else 0)
+        if work > MAX_VISITS:
+            raise InputError(path, f"its object tree has more than {MAX_VISITS} values (budget)")
+        if len(parts) > MAX_DEPTH:
+            raise InputError(
+                path, f"its object tree nests deeper than {MAX_DEPTH} levels (or refers to itself)"
+            )
+        if isinstance(value, Tensor):
+            name = _name(parts) if parts else "tensor"
+            name_chars += len(name)
+            tensors.append((name, value))
+            if len(tensors) > MAX_TENSORS:
+                raise InputError(path, f"holds more than {MAX_TENSORS} tensors")
+        elif isinstance(value, dict) and (value or not parts):
+            open_containers.append((parts, iter(value.items())))
+        elif isinstance(value, (list, tuple)) and not _atomic(value):
+            open_containers.append((parts, enumerate(value)))
+        elif len(metadata) < MAX_METADATA:
+            name = _name(parts) if parts else "value"
+            name_chars += len(name)
+            metadata[name] = _value_text({} if isinstance(value, _OrderedDict) else value)
+        else:
+            omitted += 1
+        if name_chars > MAX_NAME_CHARS:
+            raise InputError(
+                path, f"its tensors' names take more than {MAX_NAME_CHARS} characters (budget)"
+            )
+        while open_containers:  # the next value: the next child of the innermost container
+            base, children = open_containers[-1]
+            child = next(children, None)
+            if child is None:
+                open_containers.pop()
+                continue
+            parts, value = (*base, _key_text(child[0])), child[1]
+            break
+        else:
+            break
+    if omitted:
+        metadata["pytorch.more_values"] = f"{omitted} more values not listed"
+    return tensors, metadata
 
 
 class _Generated:
@@ -131,43 +206,6 @@ class _Generated:
                 "refusing what looks like an expansion bomb",
                 name,
             )
-
-
-def flatten(path: Path, root: object) -> tuple[list[tuple[str, Tensor]], dict[str, str]]:
-    """Tensors named by their path in the object tree (`state_dict.layer.weight`), and
-    every other value as metadata text, in pickle order. Walked with an explicit stack."""
-    tensors: list[tuple[str, Tensor]] = []
-    metadata: dict[str, str] = {}
-    omitted = 0
-    visits = 0
-    stack: list[tuple[tuple[str, ...], object]] = [((), root)]
-    while stack:
-        parts, value = stack.pop()
-        visits += 1
-        if visits > MAX_VISITS:
-            raise InputError(path, f"its object tree has more than {MAX_VISITS} values (budget)")
-        if len(parts) > MAX_DEPTH:
-            raise InputError(
-                path, f"its object tree nests deeper than {MAX_DEPTH} levels (or refers to itself)"
-            )
-        if isinstance(value, Tensor):
-            tensors.append((_name(parts) if parts else "tensor", value))
-            if len(tensors) > MAX_TENSORS:
-                raise InputError(path, f"holds more than {MAX_TENSORS} tensors")
-        elif isinstance(value, dict) and (value or not parts):
-            children = [((*parts, _key_text(k)), v) for k, v in value.items()]
-            stack.extend(reversed(children))
-        elif isinstance(value, (list, tuple)) and not _atomic(value):
-            stack.extend(reversed([((*parts, str(i)), v) for i, v in enumerate(value)]))
-        elif len(metadata) < MAX_METADATA:
-            metadata[_name(parts) if parts else "value"] = _value_text(
-                {} if isinstance(value, _OrderedDict) else value
-            )
-        else:
-            omitted += 1
-    if omitted:
-        metadata["pytorch.more_values"] = f"{omitted} more values not listed"
-    return tensors, metadata
 
 
 class PyTorchReader(Reader):
