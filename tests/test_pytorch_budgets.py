@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import stat
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -352,3 +354,84 @@ def test_a_pickle_of_a_state_dict_stays_within_the_budgets(tmp_path: Path) -> No
     pickled = b"\x80\x02}" + MARK + body + b"u" + STOP
     path = torch_zip(tmp_path / "m.pt", pickled, {str(k): bytes(16) for k in range(432)})
     assert main(["ls", "-q", str(path)]) == 0
+
+
+# ------------------------------------------------------------------ 3. zip records
+
+
+def _with_mode(path: Path, record: str, mode: int) -> Path:
+    """A torch zip whose `record` carries the Unix file type `mode` (as unzip reads it)."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", state(w=tensor()))
+        archive.writestr("archive/byteorder", b"little")
+        entry = zipfile.ZipInfo("archive/data/0")
+        entry.external_attr = mode << 16
+        archive.writestr(entry, bytes(16) if record == "archive/data/0" else b"")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [
+        (stat.S_IFLNK | 0o777, "symbolic link"),
+        (stat.S_IFIFO | 0o644, "FIFO"),
+        (stat.S_IFCHR | 0o644, "character device"),
+    ],
+)
+def test_a_record_with_a_special_unix_mode_is_refused(
+    mode: int, kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _with_mode(tmp_path / "m.pt", "archive/data/0", mode)
+    assert main(["ls", str(path)]) == 3
+    line = one_error_line(capsys.readouterr().err)
+    assert f"record 'archive/data/0' is a {kind}, not a file" in line, line
+
+
+@pytest.mark.parametrize("mode", [0, stat.S_IFREG | 0o644, stat.S_IFREG | 0o600])
+def test_a_record_of_a_plain_file_mode_reads(mode: int, tmp_path: Path) -> None:
+    path = _with_mode(tmp_path / "m.pt", "archive/data/0", mode)
+    assert main(["ls", "-q", str(path)]) == 0
+
+
+def _with_comment(path: Path, comment: bytes) -> Path:
+    torch_zip(path, state(w=tensor()))
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.comment = comment
+    return path
+
+
+FAKE_END = b"PK\x05\x06" + bytes(18)  # an end record of an empty zip, with no comment
+
+
+@pytest.mark.parametrize("name", ["m.pt", "m.npz", "m.bin"])
+def test_an_end_record_hidden_in_the_comment_is_refused_precisely(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """zipfile (and unzip) take the fake record at the end: an empty zip, which made a
+    torch.save file `an npz` (exit 3 saying the extension was wrong) or, named .npz, an
+    empty npz (exit 0, its tensors unseen)."""
+    path = _with_comment(tmp_path / name, FAKE_END)
+    with zipfile.ZipFile(path) as archive:
+        assert archive.namelist() == []  # what Python's zip reader sees
+    assert main(["ls", str(path)]) == 3
+    line = one_error_line(capsys.readouterr().err)
+    assert "2 end-of-central-directory records" in line, line
+
+
+@pytest.mark.parametrize("comment", [b"", b"saved by hand", b"PK\x03\x04 and PK\x01\x02"])
+def test_a_zip_comment_without_a_second_record_reads(comment: bytes, tmp_path: Path) -> None:
+    path = _with_comment(tmp_path / "m.pt", comment)
+    assert main(["ls", "-q", str(path)]) == 0
+
+
+def test_a_bare_end_signature_in_the_comment_is_refused_precisely(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A signature whose record is garbage: zipfile takes it and fails (Bad offset for
+    central directory), which made the file `an npz`; the record ending the file is real."""
+    path = _with_comment(tmp_path / "m.pt", b"PK\x05\x06 is a signature, not a record")
+    with pytest.raises(zipfile.BadZipFile):
+        zipfile.ZipFile(path)
+    assert main(["ls", str(path)]) == 3
+    line = one_error_line(capsys.readouterr().err)
+    assert "2 end-of-central-directory records" in line, line

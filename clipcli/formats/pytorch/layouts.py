@@ -28,7 +28,7 @@ from clipcli.formats.pytorch.unpickler import (
     Tensor,
     storage_from_pid,
 )
-from clipcli.formats.zipsafe import check_zip_layout, open_member
+from clipcli.formats.zipsafe import check_zip_layout, open_member, unix_file_type
 
 # The pickle that describes the checkpoint (data.pkl, the legacy object) is read whole:
 # a state dict of 200,000 tensors pickles to about 30 MB.
@@ -132,9 +132,12 @@ def parse_zip(path: Path, handle: BinaryIO) -> Parsed:
         entries = {entry.filename: entry for entry in archive.infolist()}
         first = next(iter(entries))
         root = first.split("/", 1)[0]
-        for name in entries:
+        for name, record in entries.items():
             if not name.startswith(root + "/"):
                 raise InputError(path, f"record {name!r} is outside the archive's folder {root!r}")
+            kind = unix_file_type(record)  # as for .keras: what an unzip would not make a file
+            if kind is not None:
+                raise InputError(path, f"record {name!r} is a {kind}, not a file")
         pickle_entry = entries.get(f"{root}/data.pkl")
         if pickle_entry is None:
             raise InputError(path, f"no {root}/data.pkl: not a PyTorch checkpoint")
