@@ -109,6 +109,12 @@ ALL_TENSORS = Option(
     "they are listed apart, left out of the global norm and copied bit for bit.",
     False,
 )
+STORED = Option(
+    ("--stored",),
+    "Show the tensors as stored: a quantized weight's codes, scales and zero points each as "
+    "they are, instead of the weight they make up.",
+    False,
+)
 # --sort and --top for every command that measures (norms, clip, diff).
 SORT = Option(
     (),
@@ -164,6 +170,7 @@ class LsRequest:
         help="Row order: name (natural: layers.2 before layers.10; the default), file order, "
         "size. (ls reads no tensor data: for --sort norm, use norms.)",
     )
+    stored: bool = STORED.field()
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,7 @@ class NormsRequest:
     )
     force: bool = FORCE.field(help="Replace an existing --plot FILE.")
     all_tensors: bool = ALL_TENSORS.field()
+    stored: bool = STORED.field()
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,29 @@ A plain logical tensor is its stored tensor: its TensorPlan is carried over as i
 logical tensor made of several stored ones (a quantized weight, a toy "two halves"):
 - KEEP: every part kept byte for byte;
 - SCALE by f: the view's scaled_parts() scaled by f (each rounded once, as the factor
-  search's check assumed), the other parts (codes, zero points) kept byte for byte;
+  search's check assumed), the other parts (codes, zero points) kept byte for byte; a
+  part whose scales are fields inside its bytes (GGUF blocks) is rewritten by the view's
+  stored_scaler (stored_scalers), the rest of its bytes kept;
 - anything else (CLAMP, AXES) cannot act through the parts: refused, exit 4, before
   anything is written.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from clipcli.errors import DataRefusedError
 from clipcli.jobs.plan import Action, Outcome, Plan, TensorPlan
 from clipcli.logical.reader import LogicalReader
 from clipcli.numerics.norms import NormAccumulator, accumulate
+
+if TYPE_CHECKING:
+    import numpy as np
+
+ChunkScaler = Callable[["np.ndarray", float, int], "np.ndarray"]
+ChunkFunction = Callable[["np.ndarray"], "np.ndarray"]
 
 
 def check_lowerable(plan: Plan, reader: LogicalReader) -> None:
@@ -61,6 +71,26 @@ def lower(plan: Plan, reader: LogicalReader) -> Plan:
     if missing:  # a view that forgot a stored tensor would drop it from OUT
         raise AssertionError(f"the view left stored tensors out: {missing[:3]}")
     return Plan(plan.spec, tuple(lowered[name] for name in stored), plan.used_norm)
+
+
+def stored_scalers(plan: Plan, reader: LogicalReader) -> dict[str, ChunkFunction]:
+    """The stored tensors of the lowered `plan` whose SCALE rewrites fields inside their
+    bytes (View.stored_scaler: GGUF's block scales), each with its chunk function; every
+    other scaled stored tensor is scaled value by value."""
+    scalers: dict[str, ChunkFunction] = {}
+    for p in plan.tensors:
+        t = reader.by_name.get(p.info.name)
+        if t is None or t.plain or p.action is not Action.SCALE or p.factor is None:
+            continue
+        for part in reader.view.scaled_parts(t):
+            scale = reader.view.stored_scaler(t, part)
+            if scale is not None:
+                scalers[part] = _bound(scale, p.factor, p.exponent)
+    return scalers
+
+
+def _bound(scale: ChunkScaler, mantissa: float, exponent: int) -> ChunkFunction:
+    return lambda chunk: scale(chunk, mantissa, exponent)
 
 
 def lift(

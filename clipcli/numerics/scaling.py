@@ -73,6 +73,10 @@ class Member:
     dtype: np.dtype[Any]
     numel: int
     stats: NormAccumulator  # finished (NormAccumulator.finish), histogram kept if 8/16-bit
+    # Its output is not its values rounded to `dtype` (a quantized weight: its stored
+    # scales are rounded, each to its own dtype): no bound of `dtype`'s rounding holds, so
+    # every factor for a group that holds it is checked by a pass over the output.
+    rounded_elsewhere: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,11 @@ def group_factor(
     elif not ratio < 1.0:
         return None
     dtypes = [m.dtype for m in live_members]
-    if ratio < TINY_RATIO or all(mantissa_digits(d) == 53 for d in dtypes):
+    if (
+        ratio < TINY_RATIO
+        or all(mantissa_digits(d) == 53 for d in dtypes)
+        or any(m.rounded_elsewhere for m in live_members)
+    ):
         factor = _verified_factor(live, members, together, limit, output_sumsq)
     else:
         chosen = _histogram_factor(

@@ -32,7 +32,7 @@ def ls(request: LsRequest) -> None:
     from clipcli import api  # imports no numpy and no measuring or writing module
     from clipcli.report.builders import ls_report
 
-    listed = api.listing(request.path)
+    listed = api.listing(request.path, request.stored)
     chosen = list(listed.tensors)
     if request.include or request.exclude:
         chosen = selection(request.include, request.exclude).check(listed.tensors, notify)
@@ -45,6 +45,7 @@ def ls(request: LsRequest) -> None:
         listed.shards,
         listed_of=len(listed.tensors),
         non_tensors=listed.non_tensors,
+        quantized=listed.quantized,
     )
     if not request.quiet:  # the listing was still read and checked: exit 3 for a malformed file
         emit(lambda: print_report(report, fmt))
@@ -85,7 +86,9 @@ def norms(request: NormsRequest) -> None:
     from clipcli.report.builders import bars_of, groups_report, norms_report
 
     chosen = selection(request.include, request.exclude, request.all_tensors)
-    measurement = measure(request.path, chosen, progress(request.quiet), notify, request.group_by)
+    measurement = measure(
+        request.path, chosen, progress(request.quiet), notify, request.group_by, request.stored
+    )
     if request.group_by is not None:
         report = groups_report(measurement, request.group_by, request.sort, request.top)
     else:
