@@ -41,7 +41,7 @@ from clipcli.formats.base import (
 )
 from clipcli.formats.hdf5 import Hdf5Reader, Hdf5Writer
 from clipcli.formats.structure_record import Structure
-from clipcli.formats.zipsafe import BoundedMember, check_zip_layout, open_member
+from clipcli.formats.zipsafe import BoundedMember, check_zip_layout, open_member, unix_file_type
 from clipcli.system import interrupts, scratch
 from clipcli.system.identity import FileIdentity
 from clipcli.system.inputs import fd_path, open_input
@@ -94,7 +94,7 @@ class KerasArchiveReader(Reader):
                 raise InputError(
                     self.path, f"member name {name!r} holds a backslash (a path separator)"
                 )
-            kind = _unix_file_type(entry)
+            kind = unix_file_type(entry)
             if kind is not None:
                 raise InputError(self.path, f"member {name!r} is a {kind}, not a file")
         if WEIGHTS_MEMBER not in {entry.orig_filename for entry in entries}:
@@ -225,26 +225,7 @@ class KerasArchiveReader(Reader):
         self._handle.close()
 
 
-_UNIX_TYPES = {
-    stat.S_IFLNK: "symbolic link",
-    stat.S_IFCHR: "character device",
-    stat.S_IFBLK: "block device",
-    stat.S_IFIFO: "FIFO",
-    stat.S_IFSOCK: "socket",
-}
-
-
 SPECIAL_MODE_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX
-
-
-def _unix_file_type(entry: zipfile.ZipInfo) -> str | None:
-    """What a member's Unix mode (the high 16 bits of its external attributes) says it is,
-    when that is anything but a regular file or a directory (or no mode at all): an
-    extracting tool would make a symbolic link (pointing anywhere) or a device of it."""
-    kind = stat.S_IFMT(entry.external_attr >> 16)
-    if kind in (0, stat.S_IFREG, stat.S_IFDIR):
-        return None
-    return _UNIX_TYPES.get(kind, f"special file (mode {kind:o})")
 
 
 class _ScratchSink:

@@ -45,6 +45,8 @@ def _recognise(path: Path) -> Format:
                 found = next((f for f in registry.FORMATS if f.late and f.late(probe)), None)
         except OSError as exc:
             raise InputError(path, f"cannot read: {exc.strerror}") from None
+    if probe.zip_problem is not None:  # which format it is depends on whom one asks
+        raise InputError(path, probe.zip_problem)
     if found is not None:
         if found.refusal is not None:
             npz = path.stem + ".npz"

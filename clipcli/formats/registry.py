@@ -49,6 +49,7 @@ class Probe:
         self.head = handle.read(HEAD_BYTES)
         self._zip_names: list[str] | None = None
         self._zip_read = False
+        self.zip_problem: str | None = None  # why the zip cannot be told apart, if it cannot
 
     @property
     def is_zip(self) -> bool:
@@ -61,11 +62,17 @@ class Probe:
             self._zip_read = True
             import zipfile  # only for zips: 4 ms (with shutil, bz2, lzma) safetensors never needs
 
+            from clipcli.formats.zipsafe import end_record_problem
+
             try:
                 with zipfile.ZipFile(self.handle) as archive:
                     self._zip_names = archive.namelist()
             except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError):
                 self._zip_names = None  # RuntimeError: NotImplementedError, unknown zip version
+            try:  # two end records: zipfile's member list (or failure) is one reading of two
+                self.zip_problem = end_record_problem(self.handle.fileno())
+            except OSError:
+                self.zip_problem = None  # the reader says what cannot be read
         return self._zip_names or []
 
     def hdf5_after_user_block(self) -> bool:

@@ -10,6 +10,7 @@ import bz2
 import contextlib
 import lzma
 import os
+import stat
 import struct
 import zipfile
 import zlib
@@ -87,6 +88,62 @@ def check_member_names(path: Path, entries: Sequence[zipfile.ZipInfo], fold_case
             raise InputError(path, f"member name {name!r} {problem}")
 
 
+_UNIX_TYPES = {
+    stat.S_IFLNK: "symbolic link",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+}
+
+
+def unix_file_type(entry: zipfile.ZipInfo) -> str | None:
+    """What a member's Unix mode (the high 16 bits of its external attributes) says it is,
+    when that is anything but a regular file or a directory (or no mode at all): an
+    extracting tool would make a symbolic link (pointing anywhere) or a device of it."""
+    kind = stat.S_IFMT(entry.external_attr >> 16)
+    if kind in (0, stat.S_IFREG, stat.S_IFDIR):
+        return None
+    return _UNIX_TYPES.get(kind, f"special file (mode {kind:o})")
+
+
+_END_RECORD = b"PK\x05\x06"
+_END_RECORD_SIZE = 22
+_MAX_COMMENT = 0xFFFF
+
+
+def end_record_problem(fd: int) -> str | None:
+    """Why the zip's end record (end of central directory) is ambiguous, or None.
+
+    The end record is found by searching back from the end of the file, and its comment
+    (up to 64 KiB) may hold anything, another end record included. zipfile takes the last
+    signature it finds (as unzip and torch do); a reader that checks the comment's length
+    takes the record whose comment ends the file. When those differ, or two records end
+    the file, a torch.save zip reads as an empty npz to some and as a checkpoint to
+    others. Trailing bytes after a zip with no such second record are left as zipfile
+    reads them."""
+    size = os.fstat(fd).st_size
+    window = min(size, _END_RECORD_SIZE + _MAX_COMMENT)
+    tail = os.pread(fd, window, size - window)
+    found: list[int] = []
+    ending: list[int] = []
+    position = tail.find(_END_RECORD)
+    while position != -1:
+        found.append(position)
+        if position + _END_RECORD_SIZE <= len(tail):
+            (comment,) = struct.unpack_from("<H", tail, position + 20)
+            if position + _END_RECORD_SIZE + comment == len(tail):
+                ending.append(position)
+        position = tail.find(_END_RECORD, position + 1)
+    if ending and (len(ending) > 1 or ending[-1] != found[-1]):
+        return (
+            f"its zip has {len(found)} end-of-central-directory records, one inside the "
+            "comment of another: which members it holds depends on which record a reader "
+            "takes; refusing an ambiguous zip"
+        )
+    return None
+
+
 def expansion_budget(file_size: int) -> int:
     """The most bytes all members of a file of this size may inflate to, together."""
     return expansion.budget(file_size, BOMB_RATIO, BOMB_MIN_BYTES)
@@ -137,6 +194,9 @@ def check_zip_layout(
     """
     entries = archive.infolist()
     check_member_names(path, entries, fold_case)
+    problem = end_record_problem(fd)
+    if problem is not None:
+        raise InputError(path, problem)
     file_size = os.fstat(fd).st_size
     directory_start = getattr(archive, "start_dir", file_size)
     spans: list[tuple[int, int, str]] = []

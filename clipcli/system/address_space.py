@@ -39,6 +39,16 @@ def check_room(needed: int, what: str) -> None:
         raise MemoryError(problem)
 
 
+def _limited() -> bool:
+    """Whether an address-space (or data segment) limit is set for this process."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return False
+    limits = (resource.getrlimit(kind)[0] for kind in (resource.RLIMIT_AS, resource.RLIMIT_DATA))
+    return any(limit != resource.RLIM_INFINITY for limit in limits)
+
+
 def room_problem(limit: int, used: int, needed: int, what: str) -> str | None:
     """What is missing when `limit` bytes of address space, `used` of them taken, leave
     less than `needed`; None when exactly `needed` or more are left."""
@@ -50,12 +60,25 @@ def room_problem(limit: int, used: int, needed: int, what: str) -> str | None:
     )
 
 
+# What CPython says when a C function returned NULL without an exception set: seen when
+# an allocation fails under RLIMIT_AS inside a C call (3.11's eval loop, building the
+# objects of a large pickle), where a MemoryError could not be raised.
+_NULL_WITHOUT_EXCEPTION = (
+    "error return without exception set",
+    "returned NULL without setting an exception",
+)
+
+
 def refused_memory(exc: BaseException) -> bool:
-    """Whether `exc` is the address space running out: MemoryError, or the dynamic loader
-    failing to map an extension module (ImportError "failed to map segment")."""
+    """Whether `exc` is the address space running out: MemoryError, the dynamic loader
+    failing to map an extension module (ImportError "failed to map segment"), or CPython's
+    SystemError for a C call that failed without an exception while an address-space
+    limit is set (without one, an allocation does not fail: the kernel ends the process)."""
     if isinstance(exc, MemoryError):
         return True
     text = str(exc)
+    if isinstance(exc, SystemError):
+        return any(marker in text for marker in _NULL_WITHOUT_EXCEPTION) and _limited()
     return isinstance(exc, ImportError) and (
         "failed to map segment" in text or "Cannot allocate memory" in text
     )

@@ -28,7 +28,7 @@ from clipcli.formats.pytorch.unpickler import (
     Tensor,
     storage_from_pid,
 )
-from clipcli.formats.zipsafe import check_zip_layout, open_member
+from clipcli.formats.zipsafe import check_zip_layout, open_member, unix_file_type
 
 # The pickle that describes the checkpoint (data.pkl, the legacy object) is read whole:
 # a state dict of 200,000 tensors pickles to about 30 MB.
@@ -56,6 +56,7 @@ class Parsed(NamedTuple):
     spans: dict[str, Span]  # storage key -> its bytes
     byteorder: str  # "little" or "big"
     extras: dict[str, str]  # facts for `ls` (the zip's root folder, sys_info)
+    inflated: int = 0  # bytes the zip's compressed records inflate to beyond their size
 
 
 def is_legacy_stream(head: bytes) -> bool:
@@ -131,9 +132,12 @@ def parse_zip(path: Path, handle: BinaryIO) -> Parsed:
         entries = {entry.filename: entry for entry in archive.infolist()}
         first = next(iter(entries))
         root = first.split("/", 1)[0]
-        for name in entries:
+        for name, record in entries.items():
             if not name.startswith(root + "/"):
                 raise InputError(path, f"record {name!r} is outside the archive's folder {root!r}")
+            kind = unix_file_type(record)  # as for .keras: what an unzip would not make a file
+            if kind is not None:
+                raise InputError(path, f"record {name!r} is a {kind}, not a file")
         pickle_entry = entries.get(f"{root}/data.pkl")
         if pickle_entry is None:
             raise InputError(path, f"no {root}/data.pkl: not a PyTorch checkpoint")
@@ -164,7 +168,9 @@ def parse_zip(path: Path, handle: BinaryIO) -> Parsed:
                     f"storage declares {storage.nbytes}",
                 )
             spans[key] = Span(_data_start(path, fd, entry), entry.file_size)
-    return Parsed("zip", tree, spans, byteorder, {"pytorch.layout": f"zip ({root}/)"})
+    inflated = sum(max(0, e.file_size - e.compress_size) for e in entries.values())
+    extras = {"pytorch.layout": f"zip ({root}/)"}
+    return Parsed("zip", tree, spans, byteorder, extras, inflated)
 
 
 def _read_record(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import mmap
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from clipcli.errors import InputError
+from clipcli.formats import expansion
 from clipcli.formats.base import (
     Reader,
     TensorInfo,
@@ -49,7 +51,15 @@ MAX_DEPTH = 64  # nesting of dicts and lists in the object tree (a cycle is infi
 MAX_VISITS = 2_000_000  # values walked (a memo reference makes a tree a graph: bounded)
 MAX_METADATA = 1_000  # non-tensor values listed; the rest counted
 MAX_VALUE_TEXT = 200
+# Tensor and metadata names together (a memo reference may repeat a long key under many
+# tensors): 200,000 names of 300 characters.
+MAX_NAME_CHARS = 64_000_000
 _MMAP_RELEASE_BYTES = 64 << 20  # pages of a strided read dropped from memory this often
+# The one expansion policy (formats.expansion) for what views generate: a stride of 0
+# (torch's `expand`) or overlapping strides make more elements than the storage holds. Read
+# at each call: a test moves the PyTorch limit here.
+VIEW_RATIO = expansion.RATIO
+VIEW_FREE_BYTES = expansion.FREE_BYTES
 
 
 class _Located(NamedTuple):
@@ -67,12 +77,18 @@ def _name(parts: tuple[str, ...]) -> str:
 
 
 def _key_text(key: object) -> str:
-    return key if isinstance(key, str) else repr(key)
+    """A dict key or list index as a name part: text as it is, anything else (an int, a
+    tuple of atoms) by its repr, shortened (a memo reference may repeat a huge key)."""
+    if isinstance(key, str):
+        return key
+    text = repr(key) if not isinstance(key, tuple) else repr(key[:8])
+    return text if len(text) <= MAX_VALUE_TEXT else text[: MAX_VALUE_TEXT - 3] + "..."
 
 
 def _value_text(value: object) -> str:
     if isinstance(value, (list, tuple, set, frozenset)):
-        shown = ", ".join(_value_text(v) for v in list(value)[:8])
+        # the first 8 items only: a set of a million is not copied to show 8
+        shown = ", ".join(_value_text(v) for v in itertools.islice(value, 8))
         more = f", ... ({len(value)} items)" if len(value) > 8 else ""
         text = f"[{shown}{more}]"
     elif isinstance(value, TorchDtype):
@@ -83,8 +99,10 @@ def _value_text(value: object) -> str:
         text = f"a {type(value).__name__}"
     elif isinstance(value, bytes):
         text = f"<{len(value)} bytes>"
-    elif isinstance(value, (str, int, float, complex, bool, type(None))):
-        text = repr(value) if not isinstance(value, str) else value
+    elif isinstance(value, str):
+        text = value[: MAX_VALUE_TEXT + 1]  # shortened below, as before
+    elif isinstance(value, (int, float, complex, bool, type(None))):
+        text = repr(value)
     else:
         text = f"a {type(value).__name__}"
     return text if len(text) <= MAX_VALUE_TEXT else text[: MAX_VALUE_TEXT - 3] + "..."
@@ -97,41 +115,99 @@ def _atomic(value: object) -> bool:
     )
 
 
+Children = Iterator[tuple[object, object]]  # (key or index, value) of one container
+
+
 def flatten(path: Path, root: object) -> tuple[list[tuple[str, Tensor]], dict[str, str]]:
     """Tensors named by their path in the object tree (`state_dict.layer.weight`), and
-    every other value as metadata text, in pickle order. Walked with an explicit stack."""
+    every other value as metadata text, in pickle order.
+
+    Walked depth first with a stack of iterators, one per open container (at most
+    MAX_DEPTH): memory is the depth, never a copy of a container's children. Work is
+    counted per value and per item of every container looked into (a memo reference
+    makes a tree a graph: one list of a million items, referenced a million times, is a
+    trillion items to walk); names are counted by their characters."""
     tensors: list[tuple[str, Tensor]] = []
     metadata: dict[str, str] = {}
     omitted = 0
-    visits = 0
-    stack: list[tuple[tuple[str, ...], object]] = [((), root)]
-    while stack:
-        parts, value = stack.pop()
-        visits += 1
-        if visits > MAX_VISITS:
+    work = 0
+    name_chars = 0
+    open_containers: list[tuple[tuple[str, ...], Children]] = []
+    parts: tuple[str, ...] = ()
+    value = root
+    while True:
+        work += 1 + (len(value) if isinstance(value, (dict, list, tuple)) else 0)
+        if work > MAX_VISITS:
             raise InputError(path, f"its object tree has more than {MAX_VISITS} values (budget)")
         if len(parts) > MAX_DEPTH:
             raise InputError(
                 path, f"its object tree nests deeper than {MAX_DEPTH} levels (or refers to itself)"
             )
         if isinstance(value, Tensor):
-            tensors.append((_name(parts) if parts else "tensor", value))
+            name = _name(parts) if parts else "tensor"
+            name_chars += len(name)
+            tensors.append((name, value))
             if len(tensors) > MAX_TENSORS:
                 raise InputError(path, f"holds more than {MAX_TENSORS} tensors")
         elif isinstance(value, dict) and (value or not parts):
-            children = [((*parts, _key_text(k)), v) for k, v in value.items()]
-            stack.extend(reversed(children))
+            open_containers.append((parts, iter(value.items())))
         elif isinstance(value, (list, tuple)) and not _atomic(value):
-            stack.extend(reversed([((*parts, str(i)), v) for i, v in enumerate(value)]))
+            open_containers.append((parts, enumerate(value)))
         elif len(metadata) < MAX_METADATA:
-            metadata[_name(parts) if parts else "value"] = _value_text(
-                {} if isinstance(value, _OrderedDict) else value
-            )
+            name = _name(parts) if parts else "value"
+            name_chars += len(name)
+            metadata[name] = _value_text({} if isinstance(value, _OrderedDict) else value)
         else:
             omitted += 1
+        if name_chars > MAX_NAME_CHARS:
+            raise InputError(
+                path, f"its tensors' names take more than {MAX_NAME_CHARS} characters (budget)"
+            )
+        while open_containers:  # the next value: the next child of the innermost container
+            base, children = open_containers[-1]
+            child = next(children, None)
+            if child is None:
+                open_containers.pop()
+                continue
+            parts, value = (*base, _key_text(child[0])), child[1]
+            break
+        else:
+            break
     if omitted:
         metadata["pytorch.more_values"] = f"{omitted} more values not listed"
     return tensors, metadata
+
+
+class _Generated:
+    """The bytes a file's tensors present beyond the bytes of the storages they view,
+    charged, tensor by tensor, to the expansion budget of the file's size (plus what its
+    compressed records inflated to): a 606-byte file may not present a 1 GiB tensor.
+
+    A storage's bytes are free once, to the tensors that view it (a fused q/k/v storage
+    split in three); every byte its views present beyond that is generated (an `expand`ed
+    row, two tied names of one weight, overlapping windows), since each is produced and
+    written as often as it is presented."""
+
+    def __init__(self, path: Path, file_size: int, inflated: int) -> None:
+        self.path = path
+        self.file_size = file_size
+        self.total = inflated
+        self.presented: dict[str, int] = {}  # storage key -> bytes its views present so far
+
+    def charge(self, name: str, key: str, nbytes: int, storage_bytes: int) -> None:
+        before = self.presented.get(key, 0)
+        after = self.presented[key] = before + nbytes
+        self.total += max(0, after - storage_bytes) - max(0, before - storage_bytes)
+        budget = expansion.budget(self.file_size, VIEW_RATIO, VIEW_FREE_BYTES)
+        if self.total > budget:
+            raise InputError(
+                self.path,
+                f"its views present {self.total} bytes more than their storages hold (a stride "
+                f"of 0, overlapping strides, views repeated), more than {VIEW_RATIO} times the "
+                f"{self.file_size}-byte file plus {VIEW_FREE_BYTES >> 20} MiB ({budget}); "
+                "refusing what looks like an expansion bomb",
+                name,
+            )
 
 
 class PyTorchReader(Reader):
@@ -222,6 +298,7 @@ class PyTorchReader(Reader):
         self._shared: dict[str, str] = {}  # an exactly identical view -> the first name
         self._storage_mates: dict[str, list[str]] = {}  # storage key -> tensor names
         first_of_view: dict[tuple[Any, ...], str] = {}
+        generated = _Generated(self.path, os.fstat(self._fd).st_size, parsed.inflated)
         for name, tensor in named:
             if not name or "\x00" in name:
                 raise InputError(self.path, "a tensor's name is empty or holds a NUL byte")
@@ -230,6 +307,8 @@ class PyTorchReader(Reader):
             located = self._locate(name, tensor, parsed.spans)
             dtype = dtype_named(tensor.dtype.name)
             numel = math.prod(tensor.shape)
+            span = parsed.spans[tensor.storage.key]
+            generated.charge(name, tensor.storage.key, numel * dtype.itemsize, span.nbytes)
             self._infos.append(TensorInfo(name, dtype, tensor.shape, numel * dtype.itemsize))
             self._located[name] = located
             view = (

@@ -24,6 +24,7 @@ state uses; torch's own `weights_only` list is the model):
 from __future__ import annotations
 
 import struct
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -33,6 +34,13 @@ MAX_OBJECTS = 4_000_000  # values made + stack slots + memo entries, all togethe
 MAX_MARK_DEPTH = 1_000  # MARKs open at once
 MAX_LONG_BYTES = 32  # LONG1/LONG4 payload (the legacy magic number is 10 bytes)
 MAX_LINE = 512  # GLOBAL's module and name lines, PUT/GET's text index
+# Memory: what the objects made take (sys.getsizeof, plus a reference to each), at most
+# MEMORY_RATIO bytes per byte of pickle plus MEMORY_FREE_BYTES. One byte of pickle can
+# make a 216-byte empty set: counting objects alone let a 3.9 MB pickle take 1 GB. A
+# state dict's pickle costs 4-8 bytes of memory per byte (torch memoizes everything).
+MEMORY_RATIO = 32
+MEMORY_FREE_BYTES = 16 << 20
+_REFERENCE = 8  # a slot on the stack, in a container or in the memo
 
 
 class PickleProblem(Exception):
@@ -232,18 +240,35 @@ class Interpreter:
         self._position = position
         self._persistent_load = persistent_load
         self._made = 0
+        self._memory = 0
+        self._memory_budget = MEMORY_RATIO * len(self._data) + MEMORY_FREE_BYTES
 
     @property
     def position(self) -> int:
         """Where the last load() stopped (just past its STOP)."""
         return self._position
 
-    def _count(self, n: int = 1) -> None:
-        self._made += n
+    def _count(self, made: object = None) -> None:
+        """One more object (or stack slot, memo entry): `made`, whose memory is charged."""
+        self._made += 1
         if self._made > MAX_OBJECTS:
             raise PickleProblem(
                 f"pickle makes more than {MAX_OBJECTS} objects; refusing it (budget)"
             )
+        self._charge(_REFERENCE + (sys.getsizeof(made) if made is not None else 0))
+
+    def _charge(self, nbytes: int) -> None:
+        self._memory += nbytes
+        if self._memory > self._memory_budget:
+            raise PickleProblem(
+                f"pickle's objects take more than {self._memory_budget} bytes of memory "
+                f"({MEMORY_RATIO} times its {len(self._data)} bytes plus "
+                f"{MEMORY_FREE_BYTES >> 20} MiB); refusing it (budget)"
+            )
+
+    def _grown(self, target: object, before: int) -> None:
+        """Charge what a container took on since it measured `before` bytes."""
+        self._charge(sys.getsizeof(target) - before)
 
     def _take(self, n: int) -> bytes:
         end = self._position + n
@@ -285,7 +310,7 @@ class Interpreter:
                     raise PickleProblem(f"pickle nests more than {MAX_MARK_DEPTH} marks")
                 marks.append(stack)
                 stack = []
-                count()
+                count(stack)
             elif code == 0x30:  # POP
                 if stack:
                     stack.pop()
@@ -295,7 +320,7 @@ class Interpreter:
                 stack = self._pop_mark(marks)
             elif code == 0x32:  # DUP
                 stack.append(self._top(stack))
-                count()
+                count()  # a reference: the object is charged once
             # ---- atoms
             elif code == 0x4E:  # NONE
                 stack.append(None)
@@ -308,13 +333,13 @@ class Interpreter:
                 count()
             elif code == 0x4A:  # BININT
                 stack.append(struct.unpack("<i", take(4))[0])
-                count()
+                count(stack[-1])
             elif code == 0x4B:  # BININT1
                 stack.append(take(1)[0])
-                count()
+                count(stack[-1])
             elif code == 0x4D:  # BININT2
                 stack.append(struct.unpack("<H", take(2))[0])
-                count()
+                count(stack[-1])
             elif code in (0x8A, 0x8B):  # LONG1, LONG4
                 size = take(1)[0] if code == 0x8A else struct.unpack("<i", take(4))[0]
                 if not 0 <= size <= MAX_LONG_BYTES:
@@ -322,10 +347,10 @@ class Interpreter:
                         f"pickle has a {size}-byte integer (limit {MAX_LONG_BYTES})"
                     )
                 stack.append(int.from_bytes(take(size), "little", signed=True))
-                count()
+                count(stack[-1])
             elif code == 0x47:  # BINFLOAT
                 stack.append(struct.unpack(">d", take(8))[0])
-                count()
+                count(stack[-1])
             elif code in (0x58, 0x8C, 0x8D):  # BINUNICODE, SHORT_BINUNICODE, BINUNICODE8
                 if code == 0x8C:
                     size = take(1)[0]
@@ -337,7 +362,7 @@ class Interpreter:
                     stack.append(take(size).decode("utf-8"))
                 except UnicodeDecodeError:
                     raise PickleProblem("pickle holds a string that is not UTF-8") from None
-                count()
+                count(stack[-1])
             elif code in (0x42, 0x43, 0x8E):  # BINBYTES, SHORT_BINBYTES, BINBYTES8
                 if code == 0x43:
                     size = take(1)[0]
@@ -346,25 +371,25 @@ class Interpreter:
                 else:
                     size = struct.unpack("<Q", take(8))[0]
                 stack.append(take(size))
-                count()
+                count(stack[-1])
             elif code in (0x54, 0x55):  # BINSTRING, SHORT_BINSTRING (Python 2 str)
                 size = take(1)[0] if code == 0x55 else struct.unpack("<i", take(4))[0]
                 # Python 2's str: read as latin-1 text, as pickle's encoding='latin1' does.
                 stack.append(take(size).decode("latin-1"))
-                count()
+                count(stack[-1])
             # ---- containers
             elif code == 0x29:  # EMPTY_TUPLE
                 stack.append(())
-                count()
+                count(stack[-1])
             elif code == 0x5D:  # EMPTY_LIST
                 stack.append([])
-                count()
+                count(stack[-1])
             elif code == 0x7D:  # EMPTY_DICT
                 stack.append({})
-                count()
+                count(stack[-1])
             elif code == 0x8F:  # EMPTY_SET
                 stack.append(set())
-                count()
+                count(stack[-1])
             elif code in (0x85, 0x86, 0x87):  # TUPLE1, TUPLE2, TUPLE3
                 n = code - 0x84
                 if len(stack) < n:
@@ -372,49 +397,63 @@ class Interpreter:
                 items = tuple(stack[-n:])
                 del stack[-n:]
                 stack.append(items)
-                count()
+                count(stack[-1])
             elif code == 0x74:  # TUPLE
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 stack.append(items)
-                count()
+                count(stack[-1])
             elif code == 0x6C:  # LIST
                 items_list = list(stack)
                 stack = self._pop_mark(marks)
                 stack.append(items_list)
-                count()
+                count(stack[-1])
             elif code == 0x64:  # DICT
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 stack.append(self._dict_from(items, {}))
-                count()
+                count(stack[-1])
             elif code == 0x91:  # FROZENSET
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 stack.append(frozenset(self._set_items(items)))
-                count()
+                count(stack[-1])
             elif code == 0x61:  # APPEND
                 value = self._pop(stack)
-                self._list_of(self._top(stack)).append(value)
+                target_list = self._list_of(self._top(stack))
+                before = sys.getsizeof(target_list)
+                target_list.append(value)
+                self._grown(target_list, before)
             elif code == 0x65:  # APPENDS
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
-                self._list_of(self._top(stack)).extend(items)
+                target_list = self._list_of(self._top(stack))
+                before = sys.getsizeof(target_list)
+                target_list.extend(items)
+                self._grown(target_list, before)
             elif code == 0x73:  # SETITEM
                 value = self._pop(stack)
                 key = self._pop(stack)
-                self._dict_from((key, value), self._dict_of(self._top(stack)))
+                target_dict = self._dict_of(self._top(stack))
+                before = sys.getsizeof(target_dict)
+                self._dict_from((key, value), target_dict)
+                self._grown(target_dict, before)
             elif code == 0x75:  # SETITEMS
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
-                self._dict_from(items, self._dict_of(self._top(stack)))
+                target_dict = self._dict_of(self._top(stack))
+                before = sys.getsizeof(target_dict)
+                self._dict_from(items, target_dict)
+                self._grown(target_dict, before)
             elif code == 0x90:  # ADDITEMS
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 target = self._top(stack)
                 if type(target) is not set:
                     raise PickleProblem(f"pickle adds set items to {_short(target)}")
+                before = sys.getsizeof(target)
                 target.update(self._set_items(items))
+                self._grown(target, before)
             # ---- memo
             elif code in (0x71, 0x72, 0x70):  # BINPUT, LONG_BINPUT, PUT
                 if code == 0x71:
@@ -423,13 +462,9 @@ class Interpreter:
                     index = struct.unpack("<I", take(4))[0]
                 else:
                     index = self._text_index()
-                if index not in memo:
-                    count()
-                memo[index] = self._top(stack)
+                self._memoize(memo, index, self._top(stack))
             elif code == 0x94:  # MEMOIZE
-                if len(memo) not in memo:
-                    count()
-                memo[len(memo)] = self._top(stack)
+                self._memoize(memo, len(memo), self._top(stack))
             elif code in (0x68, 0x6A, 0x67):  # BINGET, LONG_BINGET, GET
                 if code == 0x68:
                     index = take(1)[0]
@@ -440,25 +475,25 @@ class Interpreter:
                 if index not in memo:
                     raise PickleProblem(f"pickle reads memo entry {index}, which was never set")
                 stack.append(memo[index])
-                count()
+                count()  # one more reference to an object already charged
             # ---- globals, calls, objects
             elif code == 0x63:  # GLOBAL
                 module = self._text(self._line())
                 name = self._text(self._line())
                 stack.append(resolve_global(module, name))
-                count()
+                count(stack[-1])
             elif code == 0x93:  # STACK_GLOBAL
                 name_value = self._pop(stack)
                 module_value = self._pop(stack)
                 if type(module_value) is not str or type(name_value) is not str:
                     raise PickleProblem("pickle's STACK_GLOBAL names are not strings")
                 stack.append(resolve_global(module_value, name_value))
-                count()
+                count(stack[-1])
             elif code == 0x52:  # REDUCE
                 args = self._pop(stack)
                 function = self._pop(stack)
                 stack.append(self._reduce(function, args))
-                count()
+                count(stack[-1])
             elif code == 0x62:  # BUILD
                 state = self._pop(stack)
                 self._build(self._top(stack), state)
@@ -467,13 +502,20 @@ class Interpreter:
                 if self._persistent_load is None:
                     raise PickleProblem("pickle holds a persistent id where none is allowed")
                 stack.append(self._persistent_load(pid))
-                count()
+                count(stack[-1])
             else:
                 raise PickleProblem(_refused_opcode(code))
             if len(stack) > MAX_OBJECTS:
                 raise PickleProblem(f"pickle's stack grows past {MAX_OBJECTS}; refusing it")
 
     # ---- helpers
+
+    def _memoize(self, memo: dict[int, object], index: int, value: object) -> None:
+        before = sys.getsizeof(memo)
+        if index not in memo:
+            self._count(index)  # the entry's key; the value is charged where it was made
+        memo[index] = value
+        self._grown(memo, before)
 
     @staticmethod
     def _pop_mark(marks: list[list[object]]) -> list[object]:
@@ -546,11 +588,12 @@ class Interpreter:
             raise PickleProblem(f"pickle calls {function.name} with {_short(args)}")
         return _CALLS[function.kind](function.name, args)
 
-    @staticmethod
-    def _build(target: object, state: object) -> None:
+    def _build(self, target: object, state: object) -> None:
         # BUILD sets attributes (or calls __setstate__): only an OrderedDict's attributes
         # (a state dict's _metadata) are accepted, kept aside, never applied to anything.
         if type(target) is _OrderedDict and (state is None or type(state) is dict):
+            if target.attributes is None:  # the instance's attribute dict, made once
+                self._charge(sys.getsizeof(vars(_OrderedDict())) + _REFERENCE)
             target.attributes = state if state is not None else {}
             return
         raise PickleProblem(f"pickle sets the state of {_short(target)} (BUILD), not allowed")
