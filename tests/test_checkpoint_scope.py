@@ -542,12 +542,17 @@ def test_model_directory_with_quantization_config(tmp_path: Path, run_main: Any)
     (model / "config.json").write_text(
         json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4}})
     )
+    # Issue 21: the config's scheme is read, and tensors that do not make up its weights
+    # are a refusal (exit 3, one line), never raw codes measured with a warning.
     norms = run_main("norms", model)
-    assert norms.code == 0
-    assert "quant_method 'awq'" in stderr_lines(norms.stderr, "warning")[0]
+    assert norms.code == 3
+    (line,) = norms.stderr.splitlines()
+    assert "w.qweight" in line
+    assert "w.qzeros" in line
     clip = run_main("clip", "--global", "1", model, tmp_path / "out/")
-    assert clip.code == 4
-    assert "quant_method 'awq'" in clip.stderr
+    assert clip.code == 3
+    assert "w.qzeros" in clip.stderr
+    assert not (tmp_path / "out").exists()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert not stderr_lines(run_main("norms", model).stderr, "warning")
 
