@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _restore_signal_defaults()
         single_threaded_blas()
+        _switch_interval_knob()
         _keep_chunk_buffers()
         _collect_old_objects_rarely()
         # SIGINT, SIGTERM and SIGHUP are recorded from here on; the command acts on them
@@ -123,3 +124,15 @@ def _run(args: list[str]) -> object:
     result = typer_app.run(args)
     sys.stdout.flush()
     return result
+
+
+def _switch_interval_knob() -> None:
+    """CLIPCLI_SWITCH_INTERVAL_US: the GIL's switch interval, a developer's knob for
+    benchmarks/thread_knobs.py; anything but a positive number leaves Python's default."""
+    text = os.environ.get("CLIPCLI_SWITCH_INTERVAL_US", "")
+    try:
+        micros = float(text)
+    except ValueError:
+        return
+    if 0 < micros < 1e6:
+        sys.setswitchinterval(micros / 1e6)

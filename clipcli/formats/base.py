@@ -9,6 +9,7 @@ that order, each as an iterable of flat C-order chunks.
 from __future__ import annotations
 
 import math
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -41,7 +42,14 @@ def name_of_dtype(dtype: np.dtype[Any]) -> str:
 
 # Target size of one chunk in bytes. Large enough to amortise Python overhead,
 # small enough that a float64 copy of it stays in L2/L3 cache.
-CHUNK_BYTES = 1 << 21
+# A developer's knob for benchmarks/thread_knobs.py (not a user option: chunk bounds decide
+# how sums associate, so a changed size changes the last bits of a norm).
+_CHUNK_BYTES_KNOB = os.environ.get("CLIPCLI_CHUNK_BYTES", "")
+CHUNK_BYTES = (
+    int(_CHUNK_BYTES_KNOB)
+    if _CHUNK_BYTES_KNOB.isdigit() and 0 < int(_CHUNK_BYTES_KNOB) <= 1 << 30
+    else 1 << 21
+)
 
 
 # The immutable records below are NamedTuples, not frozen dataclasses: the same fields,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,7 +23,14 @@ from clipcli.numerics import float16, lookup
 from clipcli.numerics.widening import widen_real
 
 # Elements per piece inside NormAccumulator.add: 2 MiB of float64.
-CACHE_BLOCK = 1 << 18
+# Elements per cache block (the developer's knob CLIPCLI_CACHE_BLOCK is for
+# benchmarks/thread_knobs.py only: blocks decide how sums associate).
+_CACHE_BLOCK_KNOB = os.environ.get("CLIPCLI_CACHE_BLOCK", "")
+CACHE_BLOCK = (
+    int(_CACHE_BLOCK_KNOB)
+    if _CACHE_BLOCK_KNOB.isdigit() and 0 < int(_CACHE_BLOCK_KNOB) <= 1 << 30
+    else 1 << 18
+)
 
 # Each thread's float64 buffer for the hot path's widening: a fresh 2 MiB array per block
 # is a malloc and free in the one arena every thread shares (system.parallel: lock traffic
