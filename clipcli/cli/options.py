@@ -441,10 +441,21 @@ def convert_command(
     ] = False,
     allow_large_side_files: AllowLargeSideFilesOpt = False,
     allow_lossy: AllowLossyOpt = False,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="Write the real weights as bfloat16, float16 or float32: quantized "
+            "weights dequantized (named as the weight, scales not written; config.json "
+            "loses its quantization_config), other float tensors cast, rounded to nearest "
+            "even. A cast that overflows to inf is refused (exit 4) unless --allow-lossy.",
+        ),
+    ] = None,
 ) -> None:
     """Copy IN to OUT's format losslessly: same names, order, dtypes, shapes and values;
     metadata carried over where OUT's format can hold it. A dtype OUT cannot hold
-    (bfloat16/fp8 into npz or HDF5) is refused."""
+    (bfloat16/fp8 into npz or HDF5) is refused. With --dtype: dequantized and cast."""
     write.convert(
         src=src,
         out=out,
@@ -452,6 +463,7 @@ def convert_command(
         quiet=quiet,
         allow_large_side_files=allow_large_side_files,
         allow_lossy=allow_lossy,
+        dtype=dtype,
     )
 
 

@@ -168,7 +168,9 @@ COMMANDS: dict[str, Command] = {
     ),
     "convert": Command(
         [("src", Path), ("out", _string)],
-        _spellings(_FORCE, _NO_FORCE, _QUIET, _LARGE_SIDE_FILES, _LOSSY),
+        _spellings(
+            _FORCE, _NO_FORCE, _QUIET, _LARGE_SIDE_FILES, _LOSSY, ("--dtype", "dtype", "str")
+        ),
     ),
     "diff": Command(
         [("path_a", Path), ("path_b", Path)],

@@ -113,6 +113,7 @@ def convert(
     quiet: bool = False,
     allow_large_side_files: bool = False,
     allow_lossy: bool = False,
+    dtype: str | None = None,
 ) -> None:
     from clipcli.api import convert
     from clipcli.system import interrupts
@@ -126,6 +127,7 @@ def convert(
             allow_large_side_files=allow_large_side_files,
             notify=notify,
             allow_lossy=allow_lossy,
+            dtype=dtype,
         )
         if not quiet:
             total = sum(i.nbytes for i in infos)
