@@ -118,19 +118,19 @@ def decode_rows(
     flat = rules.widened(small[weight.parts[1].name]).reshape(-1)
     scale_columns = rules.ceil_div(columns, block_columns) if flat.size > 1 else 1
     scale = flat.reshape(-1, scale_columns)
-    row_of = (
-        np.arange(start, stop) // block_rows
-        if scale.shape[0] > 1
-        else np.zeros(stop - start, dtype=np.intp)
-    )
-    column_of = (
-        np.arange(columns) // block_columns
-        if scale_columns > 1
-        else np.zeros(columns, dtype=np.intp)
-    )
     values = rules.code_values(codes.reshape(stop - start, columns))
-    with np.errstate(invalid="ignore", over="ignore"):
-        values *= scale[row_of][:, column_of]
+    # One row of block scales spread over the columns per run of rows in one row block,
+    # multiplied in place: no scale matrix the size of the chunk.
+    first = start
+    while first < stop:
+        block = first // block_rows if scale.shape[0] > 1 else 0
+        last = min(stop, (first // block_rows + 1) * block_rows)
+        spread = (
+            np.repeat(scale[block], block_columns)[:columns] if scale_columns > 1 else scale[block]
+        )
+        with np.errstate(invalid="ignore", over="ignore"):
+            values[first - start : last - start] *= spread
+        first = last
     return values
 
 
