@@ -399,3 +399,25 @@ def test_gguf_goes_through_the_same_path(tmp_path: Path) -> None:
     assert set(back) == {"q", "f"}
     for name, values in expected.items():
         np.testing.assert_array_equal(back[name], values.astype(np.float16))
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_config_read_up_to_its_limit(tmp_path: Path, extra: int) -> None:
+    """config.json of exactly 16 MiB is rewritten; one byte more is refused (exit 3)."""
+    from clipcli.errors import InputError
+    from clipcli.logical.cast import CONFIG_LIMIT
+
+    directory = tmp_path / "m"
+    directory.mkdir()
+    plain_file(directory / "model.safetensors", {"w": np.ones(2, np.float32)})
+    text = json.dumps({"quantization_config": {"quant_method": "fp8"}, "pad": ""})
+    text = text[:-1] + " " * (CONFIG_LIMIT + extra - len(text)) + "}"  # JSON whitespace
+    assert len(text.encode()) == CONFIG_LIMIT + extra
+    (directory / "config.json").write_text(text)
+    if extra:
+        with pytest.raises(InputError):
+            api.convert(directory, tmp_path / "out", dtype="float16")
+        assert not (tmp_path / "out").exists()
+    else:
+        api.convert(directory, tmp_path / "out", dtype="float16")
+        assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"pad": ""}
