@@ -432,6 +432,7 @@ def convert(
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
         losses += [] if target.is_directory else reader.join_losses()
+        losses += _cast_losses(reader) if target_dtype is not None else []
         policy.check_losses(losses, allow_lossy, notify, target.out)
         notes = writer_cls.structure_notes(reader)  # said once OUT is written, as in clip
         copying = copy_plan(reader.infos)
@@ -470,6 +471,13 @@ def _cast_reader(stored: Reader, dtype: np.dtype[Any], allow_lossy: bool) -> Rea
     from clipcli.logical.cast import CastReader
 
     return CastReader(views.logical(stored), dtype, allow_overflow=allow_lossy)
+
+
+def _cast_losses(reader: Reader) -> list[str]:
+    from clipcli.logical.cast import CastReader
+
+    assert isinstance(reader, CastReader)
+    return reader.losses()
 
 
 def _cast_notes(reader: Reader, notify: scope.Notify) -> None:

@@ -421,3 +421,26 @@ def test_config_read_up_to_its_limit(tmp_path: Path, extra: int) -> None:
     else:
         api.convert(directory, tmp_path / "out", dtype="float16")
         assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"pad": ""}
+
+
+def test_hdf5_structure_is_not_carried_through_a_cast(tmp_path: Path) -> None:
+    """The structure records each dataset's dtype: carried through a cast, an HDF5 copy
+    would keep float32 datasets holding float16-rounded values. It is left behind, which
+    is a loss: refused (exit 2) unless --allow-lossy; then every dataset is float16."""
+    import h5py
+
+    from clipcli.errors import UsageError
+
+    source = tmp_path / "m.h5"
+    with h5py.File(source, "w") as f:
+        f.attrs["backend"] = "x"
+        f.create_dataset("g/w", data=np.array([1.0 + 2**-12, 3.0], np.float32))
+    out = tmp_path / "out.h5"
+    with pytest.raises(UsageError, match="--dtype cast"):
+        api.convert(source, out, dtype="float16")
+    assert not out.exists()
+    api.convert(source, out, dtype="float16", allow_lossy=True)
+    with h5py.File(out, "r") as f:
+        data = f["g/w"][()]
+    assert data.dtype == np.float16
+    assert data.tolist() == [1.0, 3.0]

@@ -246,11 +246,23 @@ class CastReader(Reader):
         return self._stored.archive_members()
 
     def structure(self) -> Structure | None:
-        return self._stored.structure()
+        """The stored structure while it still describes the tensors; a cast that changes
+        a dtype leaves it behind (it records each dataset's dtype: an HDF5 replica would
+        write the old one), said by losses()."""
+        return None if self._casts_any() else self._stored.structure()
 
     @property
     def non_tensors(self) -> list[NonTensorInfo]:
-        return self._stored.non_tensors
+        return [] if self._casts_any() else self._stored.non_tensors
+
+    def _casts_any(self) -> bool:
+        return any(o.stored is None for o in self._outputs)
+
+    def losses(self) -> list[str]:
+        """What the cast leaves behind of the file beyond its tensors (--allow-lossy)."""
+        if self._casts_any() and (self._stored.structure() or self._stored.non_tensors):
+            return ["the HDF5 structure (groups, attributes, datasets) through a --dtype cast"]
+        return []
 
     def side_files(self) -> list[Path]:
         return self._stored.side_files()
