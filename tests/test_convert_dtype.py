@@ -485,3 +485,36 @@ def test_a_transposed_scheme_is_refused_not_written_in_the_wrong_order() -> None
     reader = LogicalReader(Stored(), view)  # type: ignore[arg-type]
     with pytest.raises(InputError, match="stored transposed"):
         CastReader(reader, np.dtype(np.float32), allow_overflow=False)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize(("rows", "columns", "block"), [(130, 260, (128, 128)), (20, 23, (3, 5))])
+def test_block_fp8_tables_equal_decode_then_cast(
+    tmp_path: Path, target: str, rows: int, columns: int, block: tuple[int, int]
+) -> None:
+    """The 256-entry table per block (fp8_block.cast_rows) gives bit for bit what decoding
+    then casting gives, and falls back to that where a table overflows (float16 here)."""
+    from clipcli.formats.opening import open_reader
+    from clipcli.logical.quantized import fp8_block
+    from clipcli.logical.quantized.view import QuantizedView
+    from clipcli.logical.view import View
+
+    stored, _ = block_fp8(np.random.default_rng(rows), rows, columns, block)
+    config = fp8_config(list(block))
+    directory = write_model_directory(tmp_path / "m", {"model.safetensors": stored}, config)
+    dtype = NUMPY[target]
+    with open_reader(directory) as reader:
+        view = QuantizedView.of(reader)
+        (weight,) = view.tensors()
+        fast = list(view.cast_chunks(reader, weight, dtype))
+        slow = list(View.cast_chunks(view, reader, weight, dtype))
+        small = {p.name: reader.read(reader.infos[1]) for p in weight.parts[1:]}
+        codes = reader.read(reader.infos[0])
+        tables = fp8_block.cast_rows(view.recognised(weight), codes, 0, rows, small, dtype)
+    joined = np.concatenate([c.values for c in fast])
+    assert joined.tobytes() == np.concatenate([c.values for c in slow]).tobytes()
+    assert sum(c.overflowed for c in fast) == sum(c.overflowed for c in slow)
+    overflows = sum(c.overflowed for c in slow) > 0
+    assert (tables is None) == overflows  # the table path is taken unless it overflows
+    if tables is not None:
+        assert tables.tobytes() == joined.tobytes()

@@ -135,9 +135,15 @@ class CastReader(Reader):
     def _cast(self, output: _Output, chunk_elems: int | None) -> Iterator[np.ndarray]:
         from clipcli.numerics.casting import cast_chunk
 
+        source = self.source
+        if isinstance(source, LogicalReader) and not source.stored_as_is(output.source):
+            logical = source.by_name[output.info.name]
+            casts = source.view.cast_chunks(source.stored, logical, self.target)
+        else:
+            chunks = source.chunks(output.source, chunk_elems)
+            casts = (cast_chunk(chunk, self.target) for chunk in chunks)
         count, largest = 0, 0.0
-        for chunk in self.source.chunks(output.source, chunk_elems):
-            cast = cast_chunk(chunk, self.target)
+        for cast in casts:
             if cast.overflowed:
                 if not self.allow_overflow:
                     raise DataRefusedError(

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import Reader
     from clipcli.logical.quantized.scheme import Recognised, Scheme
+    from clipcli.numerics.casting import Cast
 
 CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge one
 # The small parts of one weight are read whole: more than this is no real layout's scales
@@ -141,6 +142,26 @@ class QuantizedView(View):
             return
         yield from self._decoded(reader, tensor, chunk_elems, None)
 
+    def cast_chunks(
+        self, reader: Reader, tensor: LogicalTensor, target: np.dtype[Any]
+    ) -> Iterator[Cast]:
+        """A scheme with cast_rows (256-entry tables per scale) gives each run of rows in
+        `target` directly; else (and where its tables overflow) decode, then cast."""
+        from clipcli.numerics.casting import Cast, cast_chunk
+
+        if tensor.plain or not hasattr(self._weights[tensor.info.name][0], "cast_rows"):
+            yield from super().cast_chunks(reader, tensor, target)
+            return
+        scheme, rec = self._weights[tensor.info.name]
+        cast_rows = scheme.cast_rows  # type: ignore[attr-defined]  # optional, as checked
+        for start, stop, codes, small in self._code_runs(reader, tensor, None, None):
+            values = cast_rows(rec, codes, start, stop, small, target)
+            if values is None:
+                decoded = scheme.decode_rows(rec, codes, start, stop, small)
+                yield cast_chunk(decoded.reshape(-1), target)
+            else:
+                yield Cast(values.reshape(-1), 0, 0.0)
+
     def scaled_chunks(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
     ) -> Iterator[np.ndarray]:
@@ -177,6 +198,23 @@ class QuantizedView(View):
         chunk_elems: int | None,
         factor: tuple[float, int] | None,
     ) -> Iterator[np.ndarray]:
+        scheme, rec = self._weights[tensor.info.name]
+        columns = rec.shape[-1] if rec.shape else 1
+        for start, stop, codes, small in self._code_runs(reader, tensor, chunk_elems, factor):
+            values = scheme.decode_rows(rec, codes, start, stop, small)
+            if values.shape != (stop - start, columns):
+                raise AssertionError(f"{rec.scheme} decoded {values.shape} for rows {start}:{stop}")
+            yield values.reshape(-1)
+
+    def _code_runs(
+        self,
+        reader: Reader,
+        tensor: LogicalTensor,
+        chunk_elems: int | None,
+        factor: tuple[float, int] | None,
+    ) -> Iterator[tuple[int, int, np.ndarray, dict[str, np.ndarray]]]:
+        """(start, stop, the code rows that hold real rows [start, stop), the small parts),
+        a bounded run of rows at a time."""
         import numpy as np
 
         scheme, rec = self._weights[tensor.info.name]
@@ -191,11 +229,7 @@ class QuantizedView(View):
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             first, last = scheme.code_rows(rec, start, stop)
-            codes = cursor.rows(first, last)
-            values = scheme.decode_rows(rec, codes, start, stop, small)
-            if values.shape != (stop - start, columns):
-                raise AssertionError(f"{rec.scheme} decoded {values.shape} for rows {start}:{stop}")
-            yield values.reshape(-1)
+            yield start, stop, cursor.rows(first, last), small
 
     # ------------------------------------------------------------ clipping hooks
 
