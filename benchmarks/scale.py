@@ -37,6 +37,15 @@ HERE = Path(__file__).resolve().parent
 CLIPCLI = [sys.executable, "-m", "clipcli"]
 FLOOR = [sys.executable, str(HERE / "floor_norms.py")]
 SHAPE = (4096, 4096)  # 16 Mi elements per tensor
+# --jobs: each group's key and title
+JOBS = {
+    "norms-fp32": "norms, fp32 file",
+    "norms-bf16": "norms, bf16 file (same bytes)",
+    "norms-dir": "norms, bf16 model directory",
+    "clip-file": "clip --global 1.0, bf16 file",
+    "noop-file": "no-op clip --global 1e30, bf16 file",
+    "clip-dir": "clip --global 1.0, bf16 model directory",
+}
 
 TORCH_NORMS = """
 import sys, torch
@@ -160,7 +169,21 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--keep", type=Path, help="folder for the files, kept for reuse")
     parser.add_argument("--threads", help="comma-separated thread counts (default 1,2,4..cores)")
+    parser.add_argument(
+        "--jobs",
+        default=",".join(JOBS),
+        help=f"comma-separated groups to run, of {', '.join(JOBS)} (default: all)",
+    )
+    parser.add_argument(
+        "--default-threads",
+        action="store_true",
+        help="also run each clipcli row without CLIPCLI_THREADS (the machine's default)",
+    )
+    parser.add_argument("--json", type=Path, help="write every run's figures here (JSON)")
     args = parser.parse_args()
+    jobs = set(args.jobs.split(","))
+    if jobs - set(JOBS):
+        parser.error(f"unknown jobs: {', '.join(sorted(jobs - set(JOBS)))}")
     cores = len(os.sched_getaffinity(0))
     threads = [int(t) for t in args.threads.split(",")] if args.threads else thread_counts(cores)
     work = args.keep or Path(tempfile.mkdtemp(prefix="clipcli-scale-"))
@@ -168,9 +191,12 @@ def main() -> int:
     fp32_tensors = max(1, round(args.size * 2**30 / (SHAPE[0] * SHAPE[1] * 4)))
     bf16_tensors = 2 * fp32_tensors
     f32, bf16, directory = work / "fp32.safetensors", work / "bf16.safetensors", work / "bf16-dir"
-    write_safetensors(f32, "F32", fp32_tensors, seed=1)
-    write_safetensors(bf16, "BF16", bf16_tensors, seed=2)
-    write_directory(directory, bf16_tensors, args.shards)
+    if jobs & {"norms-fp32", "norms-bf16"}:  # the floor reads the fp32 file
+        write_safetensors(f32, "F32", fp32_tensors, seed=1)
+    if jobs & {"norms-bf16", "clip-file", "noop-file"}:
+        write_safetensors(bf16, "BF16", bf16_tensors, seed=2)
+    if jobs & {"norms-dir", "clip-dir"}:
+        write_directory(directory, bf16_tensors, args.shards)
     out, out_dir = work / "out.safetensors", work / "out-dir"
     clear = ["rm", "-rf", str(out), str(out_dir)]
     has_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
@@ -186,7 +212,11 @@ def main() -> int:
         return {**base, "CLIPCLI_THREADS": str(n)}
 
     def threaded(label: str, argv: list[str], before: list[str] | None = None) -> list:
-        return [(f"{label}, {n} thr", argv, with_threads(n), before) for n in threads]
+        rows = [(f"{label}, {n} thr", argv, with_threads(n), before) for n in threads]
+        if args.default_threads:
+            unset = {k: v for k, v in base.items() if k != "CLIPCLI_THREADS"}
+            rows.append((f"{label}, default threads", argv, unset, before))
+        return rows
 
     groups.append(
         (
@@ -234,6 +264,9 @@ def main() -> int:
         )
     groups.append(("clip --global 1.0, bf16 model directory", rows))
 
+    titles = {JOBS[key] for key in jobs}
+    groups = [group for group in groups if group[0] in titles]
+    everything: list[dict[str, object]] = []
     print(f"# scale benchmark: {cores} cores, {args.size:g} GiB per checkpoint, {args.runs} runs")
     print(f"load average before: {os.getloadavg()}, torch: {'yes' if torch else 'not installed'}\n")
     print("| job | command | wall (median) | CPU s (median) | peak RSS | vs first row |")
@@ -252,7 +285,19 @@ def main() -> int:
             rss = max(r[2] for r in runs) / 1024
             ratio = wall / first
             print(f"| {title} | {label} | {wall:.3f} s | {cpu:.2f} | {rss:.0f} MiB | {ratio:.2f} |")
+            everything.append(
+                {
+                    "job": title,
+                    "command": label,
+                    "runs": [{"wall_s": w, "cpu_s": c, "peak_rss_kib": r} for w, c, r in runs],
+                    "wall_median_s": wall,
+                    "cpu_median_s": cpu,
+                }
+            )
         sys.stdout.flush()
+        if args.json:  # after each group: a run cut short keeps what it measured
+            meta = {"cores": cores, "size_gib": args.size, "runs": args.runs, "torch": torch}
+            args.json.write_text(json.dumps({"machine": meta, "rows": everything}, indent=1))
     print(f"\nload average after: {os.getloadavg()}")
     subprocess.run(clear, check=True)
     if args.keep is None:

@@ -204,9 +204,9 @@ def _preload(args: list[str]) -> None:
     import encodings.ascii  # h5py decodes attributes with it
     import encodings.cp437  # noqa: F401 - zipfile decodes npz member names with it
 
-    from clipcli.cli.entry import BODIES
+    from clipcli.cli.declarations import COMMANDS
 
-    body = (BODIES[args[0]][0],) if args[0] in BODIES else ()
+    body = (COMMANDS[args[0]].body[0],) if args[0] in COMMANDS else ()
     for module in (*body, *_PRELOAD.get(args[0], ()), *_formats_of(args[0], args[1:])):
         __import__(module)
     if args[0] in ("clip", "convert"):  # api imports what writes OUT on first use

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from clipcli.errors import DataRefusedError
+from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import (
     Checkpoint,
     Listed,
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from clipcli.jobs.measurement import Measurement
     from clipcli.jobs.plan import Outcome, Plan, Reason, TensorPlan
     from clipcli.jobs.spec import ClipSpec
+    from clipcli.logical.view import QuantizedRows
     from clipcli.numerics.norms import NormAccumulator
     from clipcli.output.target import Target
 
@@ -64,10 +65,14 @@ class Listing(NamedTuple):
     tensors: list[Listed]
     non_tensors: list[NonTensorInfo]
     shards: dict[str, str] | None  # tensor -> the file holding it, in a model directory
+    quantized: QuantizedRows | None = None  # what rows say of quantized weights
 
 
-def listing(path: Path) -> Listing:
-    with scratch.keeping_clear_of([path]), open_reader(path) as reader:
+def listing(path: Path, stored: bool = False) -> Listing:
+    """The logical tensors (a quantized weight with its real shape), or with `stored`
+    every stored tensor as it is."""
+    with scratch.keeping_clear_of([path]), open_reader(path) as stored_reader:
+        reader = stored_reader if stored else _listed_through(stored_reader)
         tensors = list(reader.listing)
         owners = {t.name: reader.shard_of(t.name) for t in tensors}
         shards = {k: v for k, v in owners.items() if v is not None}
@@ -77,7 +82,28 @@ def listing(path: Path) -> Listing:
             tensors,
             list(reader.non_tensors),
             shards if len(shards) == len(owners) and shards else None,
+            _quantized_rows(reader),
         )
+
+
+def _quantized_rows(reader: Reader) -> QuantizedRows | None:
+    from clipcli.logical.reader import LogicalReader
+
+    return reader.quantized_rows() if isinstance(reader, LogicalReader) else None
+
+
+def _listed_through(reader: Reader) -> Reader:
+    """The reader `ls` lists: the logical one where some scheme may claim a weight (that
+    view reads small tensors, with numpy), else the stored one, from headers alone."""
+    from clipcli.logical.quantized.registry import may_hold_quantized
+    from clipcli.logical.quantized.view import quantization_config
+
+    names = [t.name for t in reader.listing]
+    if not may_hold_quantized(names) and quantization_config(reader.model_directory) is None:
+        return reader
+    from clipcli.logical import views
+
+    return views.logical(reader)
 
 
 def measure(
@@ -113,10 +139,17 @@ def measure_reader(
     scope.warn_quantized(reader.infos, _declaring_directory(reader), notify)
     for text in reader.warnings():
         notify("warning", text)
+    for group in _overlap_groups(reader, selection):
+        notify(
+            "warning",
+            f"{_listed_names(group)} view overlapping parts of one storage: the global norm "
+            "counts their shared values once per tensor",
+        )
     if group_by is not None:
         counted = [i.name for i in scope.floating(infos) if selection.left_out(i.name) is None]
         scope.check_groups(counted, group_by, notify)
-    return pipeline.measure(reader, infos, selection.describe, progress)
+    measured = pipeline.measure(reader, infos, selection.describe, progress)
+    return measured._replace(quantized=_quantized_rows(reader))
 
 
 def diff(
@@ -140,7 +173,7 @@ def diff(
     ):
         logical_a, logical_b = views.logical(reader_a), views.logical(reader_b)
         check_diff_scope(logical_a, logical_b, selection, notify)
-        return pipeline.compare(
+        result = pipeline.compare(
             logical_a,
             logical_b,
             selection,
@@ -148,6 +181,27 @@ def diff(
             progress=progress,
             workers=workers,
         )
+        return _shown_dtypes(result, _quantized_rows(logical_a), _quantized_rows(logical_b))
+
+
+def _shown_dtypes(
+    result: DiffResult, rows_a: QuantizedRows | None, rows_b: QuantizedRows | None
+) -> DiffResult:
+    """A quantized weight's dtype in a diff row is the one its norms row shows (the dtype
+    it dequantizes to, not the float64 it is compared in); `dtype changed` follows it."""
+    if rows_a is None and rows_b is None:
+        return result
+    from clipcli.jobs.diff import CHANGED, DTYPE_CHANGED
+
+    tensors = []
+    for t in result.tensors:
+        a = t.dtype_a if rows_a is None or t.dtype_a is None else rows_a.dtype(t.name, t.dtype_a)
+        b = t.dtype_b if rows_b is None or t.dtype_b is None else rows_b.dtype(t.name, t.dtype_b)
+        status = t.status
+        if status in (CHANGED, DTYPE_CHANGED):
+            status = CHANGED if a == b else DTYPE_CHANGED
+        tensors.append(dataclasses.replace(t, dtype_a=a, dtype_b=b, status=status))
+    return dataclasses.replace(result, tensors=tensors)
 
 
 def check_diff_scope(
@@ -256,14 +310,15 @@ def clip(
         open_reader(src) as reader,
     ):
         writer_cls = policy.check_writable(reader, target)
+        logical = views.logical(reader)
+        _refuse_format_bound_parts(logical, writer_cls, target.out)  # before any loss line
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
-        losses += [] if target.is_directory else reader.join_losses()
+        losses += _join_losses(reader, writer_cls, target)
         policy.check_losses(losses, allow_lossy, notify, target.out)
         # Said once OUT is written (or the dry run is done): a failed run's stderr is its
         # one error line.
         notes = writer_cls.structure_notes(reader)
-        logical = views.logical(reader)
         check_clip_scope(logical, spec, selection, notify)
         if dry_run:
             # What the real run would refuse about OUT, refused here too; nothing is staged.
@@ -351,6 +406,14 @@ def check_clip_scope(
     scope.refuse_quantized(reader.infos, acted_on, _declaring_directory(reader))
     if _is_logical(reader):
         _refuse_unlowerable(reader, acted_on, spec.mode is Mode.VALUE)
+        _check_ties(reader, selection)
+        overlaps = _overlap_groups(reader, selection) if spec.mode is Mode.GLOBAL else []
+        if overlaps:
+            raise DataRefusedError(
+                f"{reader.path}: {_listed_names(overlaps[0])} view overlapping parts of one "
+                "storage, so one factor over their norms would count shared values more than "
+                "once; clip them per tensor (--norm), or leave all but one out with --exclude"
+            )
     if spec.mode is Mode.NORM and spec.axes is not None:
         scope.check_axes(targets, spec.axes, spec.skip_low_rank, notify)
     if spec.group_by is not None:
@@ -427,11 +490,14 @@ def convert(
         scratch.keeping_clear_of([src, out]),  # a sweep in $TMPDIR spares OUT's folder
         open_reader(src) as stored,
     ):
-        reader = stored if target_dtype is None else _cast_reader(stored, target_dtype, allow_lossy)
+        if target_dtype is None:
+            reader = _converted(stored, target.writer_class())
+        else:
+            reader = _cast_reader(stored, target_dtype, allow_lossy)
         writer_cls = policy.check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
-        losses += [] if target.is_directory else reader.join_losses()
+        losses += _join_losses(reader, writer_cls, target)
         losses += _cast_losses(reader) if target_dtype is not None else []
         policy.check_losses(losses, allow_lossy, notify, target.out)
         notes = writer_cls.structure_notes(reader)  # said once OUT is written, as in clip
@@ -452,11 +518,47 @@ def convert(
         return list(reader.infos)
 
 
+def _join_losses(reader: Reader, writer_cls: type[Writer], target: Target) -> list[str]:
+    """What OUT's metadata loses of IN's: nothing into a directory (the files are kept) or
+    into IN's own format (its writer keeps the metadata as stored: GGUF's KV section)."""
+    if target.is_directory or writer_cls.format_name == reader.format_name:
+        return []
+    return reader.join_losses()
+
+
+def _converted(reader: Reader, writer_cls: type[Writer]) -> Reader:
+    """What convert writes of `reader`: its stored tensors, or its logical ones where the
+    view's stored parts mean something only in their own format (View.stored_format:
+    GGUF's blocks) and OUT is another: a GGUF file into safetensors is dequantized."""
+    from clipcli.logical import views
+
+    logical = views.logical(reader)
+    bound = getattr(logical, "view", None)
+    if bound is not None and bound.stored_format not in (None, writer_cls.format_name):
+        return logical
+    return reader
+
+
+def _refuse_format_bound_parts(reader: Reader, writer_cls: type[Writer], out: object) -> None:
+    """Exit 2 for a clip whose stored parts mean something only in their own format (GGUF's
+    blocks, View.stored_format) into another: clipped, they are written as they are stored."""
+    from clipcli.logical.reader import LogicalReader
+
+    if not isinstance(reader, LogicalReader):
+        return
+    bound = reader.view.stored_format
+    if bound is not None and bound != writer_cls.format_name:
+        raise UsageError(
+            f"{out}: a clip of {reader.format_name} block-quantized tensors writes "
+            f"{reader.format_name} only (their block scales are rescaled); to clip their "
+            "values in another format, convert to it first (which dequantizes them)"
+        )
+
+
 def _cast_target(name: str | None) -> np.dtype[Any] | None:
     """convert --dtype NAME's dtype; a name convert does not write is a usage error."""
     if name is None:
         return None
-    from clipcli.errors import UsageError
     from clipcli.numerics.casting import CAST_TARGETS, cast_target
 
     found = cast_target(name)
@@ -506,11 +608,47 @@ def _is_logical(reader: Reader) -> bool:
 
 
 def _with_parts(selection: Selection, reader: Reader) -> Selection:
-    """`selection` with a logical reader's parts (scales, zero points) kept apart."""
-    parts = getattr(reader, "part_roles", None) if _is_logical(reader) else None
-    if not parts:
+    """`selection` with a logical reader's parts (scales, zero points) kept apart and its
+    tied tensors counted once."""
+    if not _is_logical(reader):
         return selection
-    return dataclasses.replace(selection, parts=frozenset(parts))
+    parts = getattr(reader, "part_roles", None)
+    tied = getattr(reader, "tied", None)
+    if parts:
+        selection = dataclasses.replace(selection, parts=frozenset(parts))
+    if tied:
+        selection = dataclasses.replace(selection, tied=dict(tied))
+    return selection
+
+
+def _overlap_groups(reader: Reader, selection: Selection) -> list[tuple[str, ...]]:
+    """Groups of counted tensors (two or more) whose values overlap in part: views of one
+    storage (clipcli.logical.pytorch)."""
+    groups = getattr(reader, "overlapping", None) if _is_logical(reader) else None
+    found = []
+    for group in groups or ():
+        counted = tuple(n for n in group if selection(n) and selection.left_out(n) is None)
+        if len(counted) > 1:
+            found.append(counted)
+    return found
+
+
+def _listed_names(names: tuple[str, ...], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_ties(reader: Reader, selection: Selection) -> None:
+    """A tied tensor is written with its first one's bytes: both are acted on or neither
+    (exit 2, before any data is read), or the copy would untie them."""
+    for name, first in (getattr(reader, "tied", None) or {}).items():
+        acted = [selection(n) and selection.left_out(n) is None for n in (name, first)]
+        if acted[0] != acted[1]:
+            chosen, other = (name, first) if acted[0] else (first, name)
+            raise UsageError(
+                f"{name} is tied to {first} (the same values, one storage): the selection "
+                f"acts on {chosen} but not on {other}; select both or neither"
+            )
 
 
 def _execute(
@@ -531,7 +669,8 @@ def _execute(
     from clipcli.jobs import lowering
 
     lowered = lowering.lower(made, logical)
-    outcomes = execution.execute(lowered, reader, writer, progress, label)
+    scalers = lowering.stored_scalers(made, logical)
+    outcomes = execution.execute(lowered, reader, writer, progress, label, scalers)
     return lowering.lift(made, lowered, outcomes, logical)
 
 

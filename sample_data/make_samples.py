@@ -59,6 +59,45 @@ def write_keras_like_h5(path: Path, tensors: dict[str, np.ndarray]) -> None:
         f.create_dataset("optimizer_weights/iterations:0", data=tensors["step"])
 
 
+def gptq_int4(weight: np.ndarray, group: int) -> dict[str, np.ndarray]:
+    """A Linear weight [out, in] as GPTQ v1 stores it (AutoGPTQ's layout): codes of the
+    transpose packed 8 to an int32 down each column, float16 scales per group of inputs
+    and output, zero points 8 (stored as 7: v1 adds one), W = scale * (q - 8)."""
+    out, inputs = weight.shape
+    transposed = weight.T.astype(np.float64)  # [in, out]
+    groups = inputs // group
+    by_group = np.abs(transposed).reshape(groups, group, out).max(axis=1)
+    scales = (by_group / 7).astype(np.float16)
+    full = np.repeat(scales.astype(np.float64), group, axis=0)
+    q = np.clip(np.rint(transposed / full) + 8, 0, 15).astype(np.uint32)
+    qweight = np.zeros((inputs // 8, out), dtype=np.uint32)
+    for k in range(8):  # input 8r + k in bits 4k..4k+3 of row r
+        qweight |= q[k::8] << np.uint32(4 * k)
+    zeros = np.full((groups, out), 7, dtype=np.uint32)
+    qzeros = np.zeros((groups, out // 8), dtype=np.uint32)
+    for k in range(8):
+        qzeros |= zeros[:, k::8] << np.uint32(4 * k)
+    return {
+        "qweight": qweight.view(np.int32),
+        "qzeros": qzeros.view(np.int32),
+        "scales": scales,
+        "g_idx": (np.arange(inputs) // group).astype(np.int32),
+    }
+
+
+def tiny_mlp_gptq(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """tiny_mlp with its two layers' weights in GPTQ int4 (groups of 16 inputs)."""
+    quantized: dict[str, np.ndarray] = {}
+    for name, array in tensors.items():
+        if name.startswith("layers.") and name.endswith(".weight"):
+            module = name[: -len(".weight")]
+            for part, packed in gptq_int4(array, 16).items():
+                quantized[f"{module}.{part}"] = packed
+        else:
+            quantized[name] = array
+    return quantized
+
+
 def main() -> None:
     rng = np.random.default_rng(20261122)
     tensors = tiny_mlp(rng)
@@ -71,6 +110,7 @@ def main() -> None:
     write_safetensors(HERE / "tiny_mlp_bf16.safetensors", bf16, meta)
     np.savez_compressed(HERE / "tiny_mlp.npz", **tensors)
     write_keras_like_h5(HERE / "tiny_mlp_keras.h5", tensors)
+    write_safetensors(HERE / "tiny_mlp_gptq.safetensors", tiny_mlp_gptq(tensors), meta)
 
 
 if __name__ == "__main__":

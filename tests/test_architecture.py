@@ -141,10 +141,10 @@ def broken(edges: dict[str, set[str]]) -> list[str]:
     return problems
 
 
-# Typer is for what the quick parser declines (clipcli/cli/quick_args.py): only these two
-# import it, and only main() reaches them (__main__.py preloads them by name, for the
-# same command lines).
-TYPER_APP = frozenset({"clipcli.cli.options", "clipcli.cli.typer_app"})
+# Typer is for what the quick parser declines (clipcli/cli/quick_args.py): only the app
+# generated from the declarations imports it, and only main() reaches it (__main__.py
+# preloads it by name, for the same command lines).
+TYPER_APP = frozenset({"clipcli.cli.typer_app"})
 REACHES_TYPER = frozenset({"clipcli.cli.entry"})
 
 

@@ -446,47 +446,6 @@ def test_hdf5_structure_is_not_carried_through_a_cast(tmp_path: Path) -> None:
     assert data.tolist() == [1.0, 3.0]
 
 
-def test_a_transposed_scheme_is_refused_not_written_in_the_wrong_order() -> None:
-    """GPTQ/AWQ decode rows of the transpose; until the view writes C order of the real
-    shape, convert --dtype refuses them (the schemes are not registered yet: a view is
-    built here with a stand-in recognised weight)."""
-    from clipcli.errors import InputError
-    from clipcli.formats.base import TensorInfo
-    from clipcli.logical.cast import CastReader
-    from clipcli.logical.quantized.scheme import Recognised
-    from clipcli.logical.reader import LogicalReader
-    from clipcli.logical.view import Part
-
-    codes = TensorInfo("l.qweight", np.dtype(np.int32), (2, 8), 64)
-
-    class Transposed:
-        NAMES = ("toy",)
-
-        def recognise(self, *_: Any) -> list[Recognised]:
-            return [
-                Recognised(
-                    "l.weight",
-                    "toy",
-                    (8, 16),
-                    "l.qweight",
-                    (Part("l.qweight", "codes"),),
-                    transposed=True,
-                )
-            ]
-
-    class Stored:
-        path = Path("toy")
-        format_name = "toy"
-        infos = [codes]
-
-    from clipcli.logical.quantized.view import QuantizedView
-
-    view = QuantizedView([codes], None, (Transposed(),))  # type: ignore[arg-type]
-    reader = LogicalReader(Stored(), view)  # type: ignore[arg-type]
-    with pytest.raises(InputError, match="stored transposed"):
-        CastReader(reader, np.dtype(np.float32), allow_overflow=False)
-
-
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize(("rows", "columns", "block"), [(130, 260, (128, 128)), (20, 23, (3, 5))])
 def test_block_fp8_tables_equal_decode_then_cast(

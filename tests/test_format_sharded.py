@@ -32,6 +32,7 @@ from clipcli.formats.sharded import (
     resolve_sharded,
     validate_sharded,
 )
+from clipcli.formats.sharded.layout import SAFETENSORS_NAMES
 from clipcli.jobs.pipeline import write_tensors
 from clipcli.output.target import DirectoryTarget, choose_target
 from clipcli.system.footprint import InputFootprint
@@ -223,12 +224,16 @@ def entries(directory: Path) -> list[str]:
 
 
 def test_resolve_directory_and_index_file(model: ModelDir) -> None:
-    assert resolve_sharded(model.path) == (model.path, model.index)
-    assert resolve_sharded(model.index) == (model.path, model.index)
+    assert resolve_sharded(model.path) == (model.path, model.index, SAFETENSORS_NAMES)
+    assert resolve_sharded(model.index) == (model.path, model.index, SAFETENSORS_NAMES)
 
 
 def test_resolve_single_file_directory(single_file_model: ModelDir) -> None:
-    assert resolve_sharded(single_file_model.path) == (single_file_model.path, None)
+    assert resolve_sharded(single_file_model.path) == (
+        single_file_model.path,
+        None,
+        SAFETENSORS_NAMES,
+    )
 
 
 def test_resolve_plain_files_are_not_sharded(model: ModelDir, tmp_path: Path) -> None:
@@ -240,12 +245,12 @@ def test_resolve_plain_files_are_not_sharded(model: ModelDir, tmp_path: Path) ->
 def test_resolve_other_index_name(model: ModelDir) -> None:
     renamed = model.path / "diffusion_pytorch_model.safetensors.index.json"
     model.index.rename(renamed)
-    assert resolve_sharded(model.path) == (model.path, renamed)
+    assert resolve_sharded(model.path) == (model.path, renamed, SAFETENSORS_NAMES)
 
 
 def test_resolve_prefers_model_index(model: ModelDir) -> None:
     (model.path / "other.safetensors.index.json").write_text("{}")
-    assert resolve_sharded(model.path) == (model.path, model.index)
+    assert resolve_sharded(model.path) == (model.path, model.index, SAFETENSORS_NAMES)
 
 
 def test_resolve_refuses_two_indexes_without_model_index(model: ModelDir) -> None:

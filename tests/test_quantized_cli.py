@@ -25,7 +25,10 @@ def test_norms_rows_are_the_real_weights(tmp_path: Path, run_main: Any) -> None:
     stored, values = finite_fp8_weight(1, 130, 260, (128, 128))
     plain = [Fraction(1), Fraction(2), Fraction(-3)]
     stored["norm.weight"] = ("F32", [3], f32_payload([0x3F800000, 0x40000000, 0xC0400000]))
-    path = write_raw_safetensors(tmp_path / "m.safetensors", stored)
+    # issue 21: [2, 3] scales fit other blocks than 128 x 128 too: the config says which
+    path = write_model_directory(
+        tmp_path / "m", {"model.safetensors": stored}, fp8_config([128, 128])
+    )
     result = run_main("norms", path, "--format", "json")
     assert result.code == 0, result.stderr
     assert not result.stderr

@@ -22,6 +22,7 @@ from quant_reference import (
     write_raw_safetensors,
 )
 from test_quantized_cli import finite_fp8_weight
+from test_quantized_fp8_block import fp8_config
 from test_quantized_fp8_scaled import ct_config, tiled_fp8
 
 
@@ -65,7 +66,10 @@ def test_block_fp8_global_clip_through_the_scales(
     tmp_path: Path, run_main: Any, where: str
 ) -> None:
     stored, values = finite_fp8_weight(1, 130, 260, (128, 128))
-    src = write_raw_safetensors(tmp_path / "in.safetensors", stored)
+    # issue 21: [2, 3] scales fit other blocks than 128 x 128 too: the config says which
+    src = write_model_directory(
+        tmp_path / "in", {"model.safetensors": stored}, fp8_config([128, 128])
+    )
     exact = Stats(values).sumsq
     norm_up = math.nextafter(Stats(values).norm, math.inf)
     while Fraction(norm_up) ** 2 < exact:  # the least float64 at or above the exact norm
@@ -76,9 +80,9 @@ def test_block_fp8_global_clip_through_the_scales(
         "just-below": next_down(next_down(norm_up)),
         "far-below": norm_up / 1000,
     }[where]
-    out = tmp_path / "out.safetensors"
+    out = tmp_path / "out"
     clip(run_main, src, out, "--global", repr(limit))
-    written = read_raw_safetensors(out)
+    written = read_raw_safetensors(out / "model.safetensors")
     assert written["layer.weight"] == stored["layer.weight"]  # the codes, byte for byte
     after = Stats(dequantized(written, "layer.weight_scale_inv", (128, 128))).sumsq
     assert after <= Fraction(limit) ** 2  # the promise, exactly

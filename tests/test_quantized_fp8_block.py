@@ -115,10 +115,17 @@ def fp8_config(block: Sequence[Any] | None) -> dict[str, Any]:
 def test_single_file_default_block_every_code_edge_blocks(
     tmp_path: Path, rows: int, columns: int
 ) -> None:
-    """No config.json: DeepSeek's 128 x 128 blocks, partial edge blocks, all 256 codes
-    (0x7F and 0xFF are NaN: counted non-finite, never in the sum)."""
+    """DeepSeek's 128 x 128 blocks, partial edge blocks, all 256 codes (0x7F and 0xFF are
+    NaN: counted non-finite, never in the sum). Issue 21: a file alone is read only where
+    its shapes leave one block size (here [128, 128]: one scale); the others, whose scale
+    shapes other block sizes fit too, are refused alone and read beside their config.json."""
     stored, values = block_fp8(np.random.default_rng(rows), rows, columns, (128, 128))
     path = write_raw_safetensors(tmp_path / "m.safetensors", stored)
+    if (rows, columns) != (128, 128):
+        assert "block size cannot be told" in refused(path)
+        path = write_model_directory(
+            tmp_path / "m", {"model.safetensors": stored}, fp8_config([128, 128])
+        )
     stats = measured(path)
     assert list(stats) == ["layer.weight"]  # the scale is a part, not a tensor of its own
     assert_exact(stats["layer.weight"], values)
@@ -171,7 +178,10 @@ def test_e5m2_codes_and_bfloat16_scales(tmp_path: Path) -> None:
     stored, values = block_fp8(
         np.random.default_rng(2), 129, 131, (128, 128), code_dtype="F8_E5M2", scale_dtype="BF16"
     )
-    path = write_raw_safetensors(tmp_path / "m.safetensors", stored)
+    # issue 21: [2, 2] scales fit other blocks than 128 x 128 too: the config says which
+    path = write_model_directory(
+        tmp_path / "m", {"model.safetensors": stored}, fp8_config([128, 128])
+    )
     assert_exact(measured(path)["layer.weight"], values)
 
 

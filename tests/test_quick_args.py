@@ -1,14 +1,15 @@
 """The quick parser (clipcli/cli/quick_args.py) against the parser of record, Typer.
 
 Ordinary command lines skip Typer for start-up time (issue 12, item 7). That is only safe
-if the quick parser never gives a command's body values Typer would not: here its option
-table is checked against Typer's own parameters, random command lines are parsed both
-ways, and real runs are compared through both paths.
+if the quick parser never gives a command's body a request Typer would not. Both read the
+one table (clipcli/cli/declarations.py): here Typer's own parameters, generated from it,
+are checked against what the table says the quick parser takes, random command lines are
+parsed both ways into requests, and real runs are compared through both paths.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -25,7 +26,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from clipcli.cli import boundary, quick_args, typer_app
-from clipcli.cli.entry import BODIES, body_of, main
+from clipcli.cli.declarations import COMMANDS, Spelling, parameters, request, spellings
+from clipcli.cli.entry import main
 from clipcli.report import ListingSortKey, OutputFormat, SortKey
 
 Click = Any  # typer vendors click; its classes are recognised by name below
@@ -67,18 +69,33 @@ def kind_of(param: Click) -> str:
     raise AssertionError(f"{param.name}: no quick kind for {type_name}")
 
 
-def quick_kind(option: quick_args.Option) -> str:
+# The quick parser's kind of value, by the type the table declares (its choices, if fewer).
+KINDS = {
+    float: "float",
+    int: "count",
+    str: "str",
+    Path: "path",
+    OutputFormat: "format",
+    SortKey: "sort",
+    ListingSortKey: "listing-sort",
+}
+
+
+def quick_kind(option: Spelling) -> str:
     if option.flag is not None:
-        return option.flag
-    assert option.convert is not None
-    kinds = {convert: kind for kind, convert in quick_args._OPTION_KINDS.items()}
-    return kinds[option.convert] + ("*" if option.many else "")
+        return "on" if option.flag else "off"
+    parameter = option.parameter
+    choices = getattr(parameter.declared, "choices", None)
+    kind = KINDS[choices or parameter.value_type]
+    if kind == "count":
+        assert parameter.declared.minimum == 1  # type: ignore[union-attr]
+    return kind + ("*" if parameter.many else "")
 
 
-@pytest.mark.parametrize("name", sorted(BODIES))
+@pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_the_quick_table_is_typers_table(name: str) -> None:
     command = click_command(name)
-    quick = quick_args.COMMANDS[name]
+    options = spellings(name)
     expected: dict[str, tuple[str, str]] = {}
     arguments: list[tuple[str, str]] = []
     for param in command.params:
@@ -95,47 +112,43 @@ def test_the_quick_table_is_typers_table(name: str) -> None:
             assert param.nargs == 1
             assert not param.secondary_opts
             expected.update({spelling: (param.name, kind_of(param)) for spelling in param.opts})
-    actual = {spelling: (o.param, quick_kind(o)) for spelling, o in quick.options.items()}
+    actual = {spelling: (o.parameter.name, quick_kind(o)) for spelling, o in options.items()}
     assert actual == expected
-    kinds = {Path: "path", quick_args._string: "str"}
-    assert [(p, kinds[c]) for p, c in quick.positionals] == arguments
+    positionals = [p for p in parameters(name) if p.positional]
+    assert [(p.name, KINDS[p.value_type]) for p in positionals] == arguments
 
 
-@pytest.mark.parametrize("name", sorted(BODIES))
-def test_bodies_default_to_typers_defaults(name: str) -> None:
-    """The quick parser leaves out what is not given; the body's own defaults must then be
-    what Typer would have passed."""
-    body = inspect.signature(body_of(name)).parameters
-    params = {p.name: p for p in click_command(name).params}
-    assert list(body) == list(params)  # same parameters, same order
-    for param in params.values():
-        if type(param).__name__ == "TyperArgument":
-            assert body[param.name].default is inspect.Parameter.empty
-        else:
-            assert body[param.name].default == param.default, param.name
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_requests_default_to_typers_defaults(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quick parser leaves out what is not given; the request's own defaults must then
+    be what Typer would have passed, and its fields are Typer's parameters, in order."""
+    fields = [f.name for f in dataclasses.fields(COMMANDS[name].request)]
+    assert fields == [p.name for p in click_command(name).params]
+    positionals = [p for p in parameters(name) if p.positional]
+    from_typer = request_from_typer([name, *("a" for _ in positionals)], monkeypatch)
+    assert text_of(from_typer) == text_of(
+        request(name, {p.name: p.parse("a") for p in positionals})
+    )
 
 
 # ------------------------------------------------------------------ random command lines
 
 
-def values_from_typer(args: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """What Typer hands the body for `args` (raises Click's error if it refuses them)."""
-    seen: dict[str, Any] = {}
-    module, function = BODIES[args[0]]
-    monkeypatch.setattr(f"{module}.{function}", lambda **values: seen.update(values))
+def request_from_typer(args: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The request Typer hands the body for `args` (raises Click's error if it refuses
+    them)."""
+    seen: list[Any] = []
+    module, function = COMMANDS[args[0]].body
+    monkeypatch.setattr(f"{module}.{function}", seen.append)
     typer_app.run(args)
-    return seen
+    (built,) = seen
+    return built
 
 
-# The bodies' parameters, taken before any test replaces a body with a recorder.
-PARAMETERS = {name: inspect.signature(body_of(name)).parameters for name in BODIES}
-
-
-def with_defaults(name: str, values: dict[str, Any]) -> str:
-    """Every parameter's value, as text to compare: a NaN equals a NaN, -0.0 is not 0.0,
-    and a tuple is not a list."""
-    parameters = PARAMETERS[name]
-    return repr({p: values.get(p, parameters[p].default) for p in parameters})
+def text_of(built: Any) -> str:
+    """A request as text to compare: a NaN equals a NaN, -0.0 is not 0.0, a tuple is not
+    a list, and an enum says which it is."""
+    return repr(built)
 
 
 TRICKY = ["-", "--", "-x", "-q", "=", "a=b", "--force", "--help", "-1", "1e3", "nan", "inf"]
@@ -156,19 +169,19 @@ def command_lines(draw: st.DrawFn, ordinary: bool = False) -> list[str]:
     """A command with options in any order among its positionals. Ordinary lines spell
     every option out with a plain value; others mix in '=' forms, strange values, a
     missing value, a positional too many or too few."""
-    name = draw(st.sampled_from(sorted(BODIES)))
-    command = quick_args.COMMANDS[name]
+    name = draw(st.sampled_from(sorted(COMMANDS)))
+    options = spellings(name)
     plain = st.text(alphabet="abcXYZ019._/", min_size=1, max_size=8)
     # Positionals keep their order; '-' is OUT on stdout (`clip IN -`).
-    units = [[draw(st.one_of(plain, st.just("-")))] for _ in command.positionals]
+    positionals = [p for p in parameters(name) if p.positional]
+    units = [[draw(st.one_of(plain, st.just("-")))] for _ in positionals]
     if not ordinary and draw(st.booleans()):
         units = units[: draw(st.integers(0, len(units)))] + [
             [t] for t in draw(st.lists(TEXT, max_size=1))
         ]
-    spellings = sorted(command.options)
     last: list[str] = []  # an option with no value after it, only ever at the end
-    for spelling in draw(st.lists(st.sampled_from(spellings), max_size=5)):
-        option = command.options[spelling]
+    for spelling in draw(st.lists(st.sampled_from(sorted(options)), max_size=5)):
+        option = options[spelling]
         at = draw(st.integers(0, len(units)))
         if option.flag is not None:
             units.insert(at, [spelling])
@@ -201,16 +214,16 @@ def test_what_the_quick_parser_takes_typer_parses_alike(args: list[str]) -> None
     parsed = quick_args.parse(args)
     with pytest.MonkeyPatch.context() as monkeypatch:
         try:
-            typer_values = values_from_typer(args, monkeypatch)
+            from_typer = request_from_typer(args, monkeypatch)
         except Exception:  # Click refused the line: the quick parser must not take it
-            typer_values = None
-    if typer_values is None:
+            from_typer = None
+    if from_typer is None:
         assert parsed is None, f"Typer refused {args}, the quick parser took it"
         return
     if parsed is not None:
-        name, values = parsed
+        name, built = parsed
         assert name == args[0]
-        assert with_defaults(name, values) == with_defaults(name, typer_values), args
+        assert text_of(built) == text_of(from_typer), args
 
 
 @pytest.mark.parametrize(
@@ -231,8 +244,8 @@ def test_what_the_quick_parser_takes_typer_parses_alike(args: list[str]) -> None
 def test_known_command_lines_parse_alike(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     parsed = quick_args.parse(args)
     assert parsed is not None
-    name, values = parsed
-    assert with_defaults(name, values) == with_defaults(name, values_from_typer(args, monkeypatch))
+    _, built = parsed
+    assert text_of(built) == text_of(request_from_typer(args, monkeypatch))
 
 
 @given(args=command_lines(ordinary=True))

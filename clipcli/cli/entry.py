@@ -1,44 +1,29 @@
 """The program: main() runs one command line and returns its exit code.
 
-An ordinary command line (a command, its paths, options spelled out) is parsed by
-clipcli/cli/quick_args.py and goes straight to the command's body in clipcli/cli/commands/;
-anything else (--help, completion, a usage error) goes to the Typer app (typer_app.py),
-whose import alone would cost a shell loop ~30 ms. Either way every failure passes the one
-boundary (boundary.py): one stderr line `clipcli: error: ...` and a documented exit code.
+Commands and options are declared once, in declarations.py. An ordinary command line (a
+command, its paths, options spelled out) is parsed by quick_args.py into the command's
+request, which goes straight to its body in clipcli/cli/commands/; anything else (--help,
+completion, a usage error) goes to the Typer app generated from the same declarations
+(typer_app.py), whose import alone would cost a shell loop ~30 ms. Either way every
+failure passes the one boundary (boundary.py): one stderr line `clipcli: error: ...` and a
+documented exit code.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 
 from clipcli import __version__
 from clipcli.cli import boundary, quick_args
 from clipcli.cli.commands.common import Stdout, emit, escape_unencodable
+from clipcli.cli.declarations import body_of
 from clipcli.errors import ExitCode
 from clipcli.system import interrupts
 from clipcli.system.blas import single_threaded_blas
-
-# Each command's body, by name: (module, function). Imported for the command run only.
-BODIES = {
-    "ls": ("clipcli.cli.commands.inspect", "ls"),
-    "norms": ("clipcli.cli.commands.inspect", "norms"),
-    "clip": ("clipcli.cli.commands.write", "clip"),
-    "convert": ("clipcli.cli.commands.write", "convert"),
-    "diff": ("clipcli.cli.commands.compare", "diff"),
-}
-
-
-def body_of(command: str) -> Callable[..., None]:
-    module, function = BODIES[command]
-    body: Callable[..., None] = getattr(importlib.import_module(module), function)
-    return body
-
 
 # ------------------------------------------------------------------ the program
 
@@ -131,8 +116,8 @@ def _run(args: list[str]) -> object:
         return ExitCode.OK
     parsed = quick_args.parse(args)
     if parsed is not None:
-        command, values = parsed
-        return boundary.run_command(lambda: body_of(command)(**values))
+        command, request = parsed
+        return boundary.run_command(lambda: body_of(command)(request))
     from clipcli.cli import typer_app
 
     result = typer_app.run(args)

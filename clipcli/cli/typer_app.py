@@ -1,6 +1,7 @@
 """The Typer app, for `--help`, shell completion, Click's usage errors, and every command
-line that clipcli/cli/quick_args.py does not take: the commands declared in options.py,
-reporting their failures through the one boundary (boundary.py).
+line that clipcli/cli/quick_args.py does not take: generated from the commands and options
+declared in clipcli/cli/declarations.py, reporting failures through the one boundary
+(boundary.py).
 
 Ordinary command lines skip Typer altogether (its import alone costs ~30 ms of a shell
 loop's `clipcli ls`); cli.main() chooses.
@@ -8,16 +9,26 @@ loop's `clipcli ls`); cli.main() chooses.
 
 from __future__ import annotations
 
-import functools
+import inspect
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
+from typer._click.types import StringParamType
 from typer.core import TyperCommand
+from typer.main import TyperPath  # type: ignore[attr-defined]  # typer's own Path type
 
 from clipcli import __version__
 from clipcli.cli.boundary import run_command
-from clipcli.cli.options import COMMANDS
+from clipcli.cli.declarations import (
+    COMMANDS,
+    Option,
+    Parameter,
+    body_of,
+    parameters,
+    request,
+)
 from clipcli.errors import ExitCode, WriteError
 from clipcli.formats.registry import readable_suffixes_text
 
@@ -50,8 +61,6 @@ _APP_SETTINGS: dict[str, Any] = {
     "context_settings": {"help_option_names": ["-h", "--help"]},
 }
 app = typer.Typer(**_APP_SETTINGS)
-
-F = TypeVar("F", bound=Callable[..., None])
 
 
 class _Command(TyperCommand):
@@ -87,17 +96,104 @@ def _options(version: VersionOpt = False) -> None:
     """(the group's own options: --version, which its callback answers before any command)"""
 
 
-def _within_boundary(command: F) -> F:
-    """A command run by Typer directly (tests' CliRunner) reports its failures through the
-    same boundary as main(), handing Click only the exit code."""
+# ------------------------------------------------------------------ the commands, generated
 
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> None:
-        code = run_command(lambda: command(*args, **kwargs))
+# An empty argument is refused (exit 2) before Path('') turns it into '.', the current
+# directory: `clipcli norms "$CKPT"` with CKPT unset must not read whatever is here.
+EMPTY_PATH = "an empty path (is a variable unset?)"
+
+
+class _GivenPath(TyperPath):
+    """Typer's path type (nothing checked on the file system), refusing ''."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value == "":
+            self.fail(EMPTY_PATH, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class _GivenText(StringParamType):
+    """Click's text type, refusing '' (OUT is text: its trailing '/' must survive)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value == "":
+            self.fail(EMPTY_PATH, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def _typer_parameter(parameter: Parameter) -> inspect.Parameter:
+    """The declaration as Typer takes it: `name: Annotated[type, typer.Option(...)] = default`."""
+    declared = parameter.declared
+    value_type = parameter.value_type
+    # Paths are taken as given. readable=False turns off Click's own `os.access` check,
+    # which would call an unreadable input a usage error (exit 2) and an unreadable --plot
+    # FILE (an output) unusable; the readers say why they cannot open an input (exit 3).
+    given_path = {"readable": False, "click_type": _GivenPath(readable=False)}
+    if not isinstance(declared, Option):  # a positional argument: required, never empty
+        checked = given_path if value_type is Path else {"click_type": _GivenText()}
+        info = typer.Argument(
+            metavar=declared.metavar, help=declared.help, show_default=False, **checked
+        )
+        return inspect.Parameter(
+            parameter.name,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            annotation=Annotated[value_type, info],
+        )
+    details: dict[str, Any] = {"help": declared.help}
+    if declared.metavar is not None:
+        details["metavar"] = declared.metavar
+    if declared.minimum is not None:
+        details["min"] = declared.minimum
+    if not declared.show_default:
+        details["show_default"] = False
+    if value_type is Path:
+        details.update(given_path)
+    default = declared.default
+    if parameter.many:  # Typer gathers a repeatable option into a list, None if not given
+        value_type, default = list[value_type], None  # type: ignore[valid-type]
+    elif declared.choices is not None:
+        value_type = declared.choices
+        default = None if default is None else declared.choices(default.value)
+    annotation = value_type | None if parameter.optional or parameter.many else value_type
+    return inspect.Parameter(
+        parameter.name,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        default=default,
+        annotation=Annotated[annotation, typer.Option(*declared.names, **details)],
+    )
+
+
+def _from_typer(parameter: Parameter, value: Any) -> Any:
+    """What Typer parsed, as the request holds it."""
+    if parameter.many:
+        return tuple(value or ())
+    choices = getattr(parameter.declared, "choices", None)
+    if choices is not None and value is not None:
+        return parameter.value_type(value.value)
+    return value
+
+
+def _callback(name: str) -> Callable[..., None]:
+    """The command as Typer calls it: the parsed values become the request, which the
+    body gets inside the same boundary as main()'s (its failures: one line, an exit code;
+    Click gets only the code)."""
+    declared = parameters(name)
+
+    def command(**values: Any) -> None:
+        def body() -> None:
+            built = {p.name: _from_typer(p, values[p.name]) for p in declared}
+            body_of(name)(request(name, built))
+
+        code = run_command(body)
         if code != ExitCode.OK:
             raise typer.Exit(code)
 
-    return wrapper  # type: ignore[return-value]
+    command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [_typer_parameter(p) for p in declared]
+    )
+    command.__doc__ = COMMANDS[name].help
+    command.__name__ = command.__qualname__ = f"{name}_command"
+    return command
 
 
 # ------------------------------------------------------------------ the app
@@ -105,8 +201,7 @@ def _within_boundary(command: F) -> F:
 
 def _register(target: typer.Typer, names: list[str]) -> typer.Typer:
     for name in names:
-        declaration, epilog = COMMANDS[name]
-        target.command(name, epilog=epilog, cls=_Command)(_within_boundary(declaration))
+        target.command(name, epilog=COMMANDS[name].epilog, cls=_Command)(_callback(name))
     return target
 
 

@@ -6,15 +6,15 @@ newcomers reach for (issue 23, item 8): `clipcli version` was told to try
 or an option to type, built from what the user typed. Command lines are quoted for a POSIX
 shell (shlex); the boundary escapes control characters when it prints the line.
 
-The option tables are quick_args.COMMANDS, which tests/test_quick_args.py holds to Typer's
-own declarations: no Typer import is needed to know which command has which option.
+Which command has which option is read from the declarations (clipcli/cli/declarations.py),
+which the Typer app is generated from: no Typer import is needed to know it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from clipcli.cli.quick_args import COMMANDS, Command
+from clipcli.cli.declarations import COMMANDS, Spelling, spellings
 from clipcli.report import OutputFormat
 
 CLI = "clipcli"
@@ -80,17 +80,17 @@ def _no_such_command(args: Sequence[str]) -> str:
 
 
 def _option_hint(command: str, option: str, args: Sequence[str]) -> str:
-    table = COMMANDS[command]
+    table = spellings(command)
     bare = option.lstrip("-")
     if option in ("-V", "--version"):
         return f"the version is clipcli's own option: {CLI} --version"
     if option in OUT_OPTIONS or option.startswith("--output="):
         return _out_hint(command, option, args)
     if bare in {f.value for f in OutputFormat} and option.startswith("--"):
-        if "--format" in table.options:
+        if "--format" in table:
             return f"type --format {bare}"
         return f"{command} prints one line, no report to format"
-    others = [name for name, other in COMMANDS.items() if option in other.options]
+    others = [name for name in COMMANDS if option in spellings(name)]
     if others:
         return f"{command} has no {option}; {_joined(others)} {_have(others)} it"
     close = _close_options(table, option)
@@ -104,7 +104,7 @@ def _out_hint(command: str, option: str, args: Sequence[str]) -> str:
     OUT in its place; for a report, a redirection."""
     value, rest = _without_option(args, option)
     if command in ("clip", "convert"):
-        positionals = _positionals(COMMANDS[command], rest[1:])
+        positionals = _positionals(spellings(command), rest[1:])
         if value is not None and len(positionals) == 1:
             at = rest.index(positionals[0], 1)
             line = _line([*rest[: at + 1], value, *rest[at + 1 :]])
@@ -117,12 +117,12 @@ def _out_hint(command: str, option: str, args: Sequence[str]) -> str:
     )
 
 
-def _close_options(table: Command, option: str) -> list[str]:
+def _close_options(table: dict[str, Spelling], option: str) -> list[str]:
     import difflib
 
     if not option.startswith("--"):
         return []
-    spelled = [s for s in table.options if s.startswith("--")]
+    spelled = [s for s in table if s.startswith("--")]
     return difflib.get_close_matches(option, spelled, n=2, cutoff=0.6)
 
 
@@ -132,7 +132,7 @@ def _close_options(table: Command, option: str) -> list[str]:
 def _extra_argument_hint(command: str, args: Sequence[str]) -> str:
     if "--axes" in args and command == "clip":
         return "--axes takes one comma-separated list, e.g. --axes 0,1"
-    paths = _positionals(COMMANDS[command], list(args[1:]))
+    paths = _positionals(spellings(command), list(args[1:]))
     if command in ONE_PATH:
         shown = " ".join(_line([p], bare=True) for p in paths)
         options = [a for a in args[1:] if a not in paths]
@@ -200,7 +200,7 @@ def _without_option(args: Sequence[str], option: str) -> tuple[str | None, list[
     return value, rest
 
 
-def _positionals(table: Command, args: Sequence[str]) -> list[str]:
+def _positionals(table: dict[str, Spelling], args: Sequence[str]) -> list[str]:
     """The positional arguments among `args`: what is neither an option nor its value."""
     found: list[str] = []
     tokens = iter(args)
@@ -210,7 +210,7 @@ def _positionals(table: Command, args: Sequence[str]) -> list[str]:
         elif token == "-" or not token.startswith("-"):
             found.append(token)
         else:
-            option = table.options.get(token)
+            option = table.get(token)
             if option is not None and option.flag is None:
                 next(tokens, None)  # its value
     return found

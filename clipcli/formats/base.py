@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple, Self
 
 from clipcli.errors import InputError
 from clipcli.formats.structure_record import Structure
@@ -169,7 +169,11 @@ class Checkpoint:
         return self.source.directory_layout() if self.source is not None else None
 
 
-class Reader(ABC):
+class ReaderCore(ABC):
+    """What every format implements: its tensors listed without reading data, their
+    chunks, and the identities of the files it opened. The rest of Reader is optional
+    capabilities, each with a default that fits a plain one-file format."""
+
     format_name: ClassVar[str]
 
     def __init__(self, path: Path) -> None:
@@ -194,6 +198,59 @@ class Reader(ABC):
     @abstractmethod
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         """Consecutive 1-D C-order pieces of the tensor, each at most chunk_elems long."""
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        """The whole tensor, shaped. Costs memory equal to the tensor."""
+        import numpy as np
+
+        out = np.empty(info.numel, dtype=info.dtype)
+        pos = 0
+        for piece in self.chunks(info):
+            out[pos : pos + piece.size] = piece
+            pos += piece.size
+        return out.reshape(info.shape)
+
+    def warnings(self) -> list[str]:
+        """What a measurement of this file leaves out or reads otherwise than asked (one
+        warning line each): GGUF block types that cannot be dequantized."""
+        return []
+
+    def source_files(self) -> list[Path]:
+        """Every file this reader takes data from (checked for changes during a clip)."""
+        return [self.path]
+
+    def source_identities(self) -> dict[Path, FileIdentity]:
+        """Each of source_files() with the identity of the file the reader really opened:
+        fstat of its own descriptor, taken at the open. The input guard compares the names
+        with these, so a file renamed over IN after the open (while the old one is still
+        read) is caught; an identity taken by name later would watch the newcomer. A
+        reader that cannot say fails loudly rather than leave its files unwatched."""
+        raise NotImplementedError(f"{type(self).__name__} records no source identities")
+
+    def joined_metadata(self) -> dict[str, str]:
+        """The metadata for one file that holds every tensor (a directory's shards joined
+        keep their own metadata, not the index's)."""
+        return dict(self.metadata)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class FastReading:
+    """Optional: faster ways to the same values (random access for worker threads, many
+    small tensors in one read, a constant tensor without its data, a kernel copy of the
+    stored bytes)."""
 
     def chunk_loaders(
         self,
@@ -225,39 +282,15 @@ class Reader(ABC):
         `constant`) charges them now, refusing before anything is written."""
         return None  # the default: every element was counted at opening
 
-    def warnings(self) -> list[str]:
-        """What a measurement of this file leaves out or reads otherwise than asked (one
-        warning line each): GGUF block types that cannot be dequantized."""
-        return []
+    def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:  # noqa: ARG002 - interface
+        """Where the tensor's bytes lie as safetensors stores them, for a kernel copy;
+        None when they are not stored so."""
+        return None
 
-    def read(self, info: TensorInfo) -> np.ndarray:
-        """The whole tensor, shaped. Costs memory equal to the tensor."""
-        import numpy as np
 
-        out = np.empty(info.numel, dtype=info.dtype)
-        pos = 0
-        for piece in self.chunks(info):
-            out[pos : pos + piece.size] = piece
-            pos += piece.size
-        return out.reshape(info.shape)
-
-    def source_files(self) -> list[Path]:
-        """Every file this reader takes data from (checked for changes during a clip)."""
-        return [self.path]
-
-    def source_identities(self) -> dict[Path, FileIdentity]:
-        """Each of source_files() with the identity of the file the reader really opened:
-        fstat of its own descriptor, taken at the open. The input guard compares the names
-        with these, so a file renamed over IN after the open (while the old one is still
-        read) is caught; an identity taken by name later would watch the newcomer. A
-        reader that cannot say fails loudly rather than leave its files unwatched."""
-        raise NotImplementedError(f"{type(self).__name__} records no source identities")
-
-    def archive_members(self) -> dict[str, str]:
-        """Members of a container that only a writer of the same format keeps (a .keras
-        archive's config.json, metadata.json, assets), each with a summary of its content
-        (size and CRC) for `diff`; empty for formats that are one file of tensors."""
-        return {}
+class HoldsStructure:
+    """Optional: what a file holds beyond its tensors (HDF5 groups and attributes, the
+    other members of a .keras archive), and whether its tensors were compressed."""
 
     def structure(self) -> Structure | None:
         """The file's structure beyond its tensors (HDF5 groups, attributes, non-tensor
@@ -269,6 +302,30 @@ class Reader(ABC):
         """Stored objects that are not tensors, in file order (HDF5 only, so far)."""
         return []
 
+    def archive_members(self) -> dict[str, str]:
+        """Members of a container that only a writer of the same format keeps (a .keras
+        archive's config.json, metadata.json, assets), each with a summary of its content
+        (size and CRC) for `diff`; empty for formats that are one file of tensors."""
+        return {}
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the tensors were stored compressed (a copy should be too)."""
+        return False
+
+
+class ModelDirectoryLayout:
+    """Optional: a Hugging Face model directory (shards, an index, side files)."""
+
+    @property
+    def model_directory(self) -> Path | None:
+        """The Hugging Face model directory being read, where a config.json may live."""
+        return None
+
+    def directory_layout(self) -> DirectoryLayout | None:
+        """The model directory's layout, for an output directory like it; None for a file."""
+        return None
+
     def side_files(self) -> list[Path]:
         """Files that are not tensors but belong with them in an output directory."""
         return []
@@ -278,32 +335,6 @@ class Reader(ABC):
         with its link count (never copied: their content could be any file)."""
         return []
 
-    # -- format extras: what a writer or a job may ask of any reader
-
-    @property
-    def compressed(self) -> bool:
-        """Whether the tensors were stored compressed (a copy should be too)."""
-        return False
-
-    @property
-    def model_directory(self) -> Path | None:
-        """The Hugging Face model directory being read, where a config.json may live."""
-        return None
-
-    def joined_metadata(self) -> dict[str, str]:
-        """The metadata for one file that holds every tensor (a directory's shards joined
-        keep their own metadata, not the index's)."""
-        return dict(self.metadata)
-
-    def join_losses(self) -> list[str]:
-        """What joining into one file drops of the metadata (a model directory's index
-        metadata and the __metadata__ its shards do not share); empty for a file."""
-        return []
-
-    def directory_layout(self) -> DirectoryLayout | None:
-        """The model directory's layout, for an output directory like it; None for a file."""
-        return None
-
     def left_out_entries(self) -> list[tuple[str, str]]:
         """(relative path, why) of each entry a copy of the directory leaves out."""
         return []
@@ -312,24 +343,15 @@ class Reader(ABC):
         """The file of a model directory that holds the tensor, None for one file."""
         return None
 
-    def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:  # noqa: ARG002 - interface
-        """Where the tensor's bytes lie as safetensors stores them, for a kernel copy;
-        None when they are not stored so."""
-        return None
+    def join_losses(self) -> list[str]:
+        """What joining into one file drops of the metadata (a model directory's index
+        metadata and the __metadata__ its shards do not share); empty for a file."""
+        return []
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        pass
 
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+class Reader(ReaderCore, FastReading, HoldsStructure, ModelDirectoryLayout):
+    """A format's reader: the core, plus every optional capability's default (a new
+    format overrides only what it has)."""
 
 
 class Writer(ABC):

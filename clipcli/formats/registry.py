@@ -278,6 +278,10 @@ FORMATS: tuple[Format, ...] = (
         recognise=lambda probe: _pytorch_zip(probe) or probe.head.startswith(PICKLE_PROTOCOLS),
         late=_tar,
         reader="clipcli.formats.pytorch:PyTorchReader",
+        # A state dict in the zip layout, as torch.save writes it (the pickle written by
+        # us over the same globals): torch.load(weights_only=True) accepts it.
+        writer="clipcli.formats.pytorch:PyTorchWriter",
+        output=True,
         preload=("clipcli.formats.pytorch",),
     ),
     Format(
@@ -286,6 +290,8 @@ FORMATS: tuple[Format, ...] = (
         suffixes=(".gguf",),
         recognise=_starts(GGUF_MAGIC),
         reader="clipcli.formats.gguf:GgufReader",
+        writer="clipcli.formats.gguf.writer:GgufWriter",
+        output=True,
         preload=("clipcli.formats.gguf",),
     ),
 )
@@ -303,7 +309,19 @@ MODEL_DIRECTORY = Format(
     shards="safetensors",
 )
 
-BY_NAME = {f.name: f for f in (*FORMATS, MODEL_DIRECTORY)}
+# A model directory of PyTorch shards (pytorch_model.bin, or pytorch_model-0000N-of-0000M.bin
+# and pytorch_model.bin.index.json), read as one checkpoint; written as MODEL_DIRECTORY
+# (safetensors shards and index). Where both are present, MODEL_DIRECTORY's files are read.
+PYTORCH_DIRECTORY = Format(
+    "pytorch-sharded",
+    label="model directory of PyTorch shards",
+    reader="clipcli.formats.sharded:ShardedReader",
+    directory=True,
+    preload=("clipcli.formats.sharded", "clipcli.formats.pytorch"),
+    shards="pytorch",
+)
+
+BY_NAME = {f.name: f for f in (*FORMATS, MODEL_DIRECTORY, PYTORCH_DIRECTORY)}
 # The readable formats by suffix (a refused one's suffixes decide nothing: a `.bin` that
 # holds safetensors is read as safetensors).
 BY_SUFFIX = {suffix: f for f in FORMATS if f.readable for suffix in f.suffixes}

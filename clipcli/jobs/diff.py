@@ -64,6 +64,9 @@ class TensorDiff:
     # A model weight by name (training state only with --all-tensors), floating point in A
     # and compared: counts in global_diff_norm, as `clipcli norms` counts it in the global norm
     in_global: bool = False
+    # A part of a logical tensor on a side that has it (a quantized weight's scale): listed
+    # apart, compared through its weight, out of the counts, `identical` and the figures
+    part: bool = False
 
     @property
     def compared(self) -> bool:
@@ -99,7 +102,7 @@ class DiffResult:
     def largest_change(self) -> TensorDiff | None:
         """The compared tensor with the largest rel_change (a nan one wins)."""
         best: TensorDiff | None = None
-        for t in self.tensors:
+        for t in self.counted:
             if t.rel_change is None:
                 continue
             if math.isnan(t.rel_change):
@@ -109,36 +112,47 @@ class DiffResult:
         return best
 
     @property
+    def counted(self) -> list[TensorDiff]:
+        """The tensors the counts and verdicts are about: every one but parts."""
+        return [t for t in self.tensors if not t.part]
+
+    @property
+    def n_parts(self) -> int:
+        """Parts of logical tensors (quantized weights' scales), listed apart."""
+        return sum(t.part for t in self.tensors)
+
+    @property
     def counts(self) -> dict[Status, int]:
-        """Tensors per status; every status is a key."""
+        """Tensors per status (parts aside); every status is a key."""
         result: dict[Status, int] = dict.fromkeys(STATUSES, 0)
-        for t in self.tensors:
+        for t in self.counted:
             result[t.status] += 1
         return result
 
     @property
     def n_same(self) -> int:
-        return sum(t.status == SAME for t in self.tensors)
+        return sum(t.status == SAME for t in self.counted)
 
     @property
     def n_changed(self) -> int:
         """Compared tensors whose bits differ (status changed or dtype changed)."""
-        return sum(t.status in (CHANGED, DTYPE_CHANGED) for t in self.tensors)
+        return sum(t.status in (CHANGED, DTYPE_CHANGED) for t in self.counted)
 
     @property
     def n_structural(self) -> int:
         """Tensors missing on one side or reshaped."""
-        return sum(t.structural for t in self.tensors)
+        return sum(t.structural for t in self.counted)
 
     @property
     def n_dtype_changed(self) -> int:
         """Tensors stored in another dtype (a change a value comparison may not show)."""
-        return sum(t.status == DTYPE_CHANGED for t in self.tensors)
+        return sum(t.status == DTYPE_CHANGED for t in self.counted)
 
     @property
     def identical(self) -> bool:
-        """Every tensor bit-identical and no metadata change."""
-        return not self.metadata_changes and all(t.status == SAME for t in self.tensors)
+        """Every tensor bit-identical (a logical one: the same values) and no metadata
+        change; parts are compared through their logical tensors."""
+        return not self.metadata_changes and all(t.status == SAME for t in self.counted)
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,19 +177,48 @@ def metadata_changes(
 
 
 def pair_tensors(a: Reader, b: Reader, keep: Callable[[str], bool]) -> list[Pair]:
-    """The tensors to compare, matched by name: A's order, then those only B has."""
+    """The tensors to compare, matched by name: A's order, then those only B has. A
+    logical tensor made of parts (a quantized weight) has no bits of its own: it is
+    compared by value; its parts are marked, listed apart from the figures."""
     infos_a = [info for info in a.infos if keep(info.name)]
     infos_b = [info for info in b.infos if keep(info.name)]
     by_name_b = {info.name: info for info in infos_b}
     names_a = {info.name for info in infos_a}
-    pairs = [Pair(info, by_name_b.get(info.name)) for info in infos_a]
-    return pairs + [Pair(None, info) for info in infos_b if info.name not in names_a]
+    parts = set(_parts(a)) | set(_parts(b))
+
+    def pair(info_a: TensorInfo | None, info_b: TensorInfo | None) -> Pair:
+        by_value = _made_of_parts(a, info_a) or _made_of_parts(b, info_b)
+        name = (info_a or info_b).name  # type: ignore[union-attr]  # one side at least
+        return Pair(info_a, info_b, part=name in parts, by_value=by_value)
+
+    pairs = [pair(info, by_name_b.get(info.name)) for info in infos_a]
+    return pairs + [pair(None, info) for info in infos_b if info.name not in names_a]
+
+
+def _parts(reader: Reader) -> Mapping[str, str]:
+    """A logical reader's parts listed beside its logical tensors (name -> role)."""
+    from clipcli.logical.reader import LogicalReader
+
+    return reader.part_roles if isinstance(reader, LogicalReader) else {}
+
+
+def _made_of_parts(reader: Reader, info: TensorInfo | None) -> bool:
+    from clipcli.logical.reader import LogicalReader
+
+    return (
+        info is not None
+        and isinstance(reader, LogicalReader)
+        and info.name in reader.by_name
+        and not reader.stored_as_is(info)
+    )
 
 
 @dataclass(frozen=True)
 class Pair:
     info_a: TensorInfo | None
     info_b: TensorInfo | None
+    part: bool = False  # a part of a logical tensor (listed apart)
+    by_value: bool = False  # a logical tensor on a side: equal values are the same
 
     @property
     def name(self) -> str:
@@ -214,6 +257,7 @@ class PieceWork:
     b: np.ndarray | None
     same_dtype: bool = False
     as_complex: bool = False
+    by_value: bool = False
 
 
 def piece_work(
@@ -232,7 +276,9 @@ def piece_work(
             try:
                 for piece_a, piece_b in pieces:
                     count += piece_a.size
-                    yield PieceWork(index, piece_a, piece_b, job.same_dtype, job.as_complex)
+                    yield PieceWork(
+                        index, piece_a, piece_b, job.same_dtype, job.as_complex, job.by_value
+                    )
             except ValueError as exc:
                 raise InputError(f"{a.path} vs {b.path}", str(exc), info_a.name) from None
             if count != info_a.numel:

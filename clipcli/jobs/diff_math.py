@@ -102,13 +102,21 @@ def reduce_piece(item: PieceWork) -> tuple[int, Partial]:
         if item.a is not None:
             return item.index, Partial(acc_a=stats, nbytes=piece.nbytes)
         return item.index, Partial(acc_b=stats, nbytes=piece.nbytes)
-    return item.index, _compare(item.a, item.b, item.same_dtype, item.as_complex)
+    return item.index, _compare(item.a, item.b, item.same_dtype, item.as_complex, item.by_value)
 
 
-def _compare(a: np.ndarray, b: np.ndarray, same_dtype: bool, as_complex: bool) -> Partial:
+def _compare(
+    a: np.ndarray, b: np.ndarray, same_dtype: bool, as_complex: bool, by_value: bool = False
+) -> Partial:
     nbytes = a.nbytes + b.nbytes
     acc_a = accumulate([a])
-    if same_dtype and np.array_equal(_bits(a), _bits(b)):
+    if same_dtype and by_value:
+        # A logical tensor's values are decoded, not stored: equal values (NaN as NaN, -0.0
+        # as 0.0: a negative-zero code times a scale) are the same tensor.
+        if np.array_equal(a, b, equal_nan=True):
+            dot = (acc_a.ssq, 2 * acc_a.exp) if not acc_a.nonfinite else (0.0, 0)
+            return Partial(acc_a, copy.copy(acc_a), NormAccumulator(), dot, True, nbytes)
+    elif same_dtype and np.array_equal(_bits(a), _bits(b)):
         # Bit-identical: B's statistics are A's, the difference is zero, A·B = ‖A‖².
         dot = (acc_a.ssq, 2 * acc_a.exp) if not acc_a.nonfinite else (0.0, 0)
         return Partial(acc_a, copy.copy(acc_a), NormAccumulator(), dot, True, nbytes)
@@ -187,6 +195,7 @@ def finish(job: Pair, run: Running, weight: bool = True) -> TensorDiff:
         "norm_b": norm_b,
         "nonfinite_a": run.acc_a.nonfinite,
         "nonfinite_b": run.acc_b.nonfinite,
+        "part": job.part,
     }
     if not job.paired:
         status: Status = (
@@ -218,7 +227,7 @@ def finish(job: Pair, run: Running, weight: bool = True) -> TensorDiff:
         max_abs_diff=_max_abs(run.acc_d),
         cosine=_cosine(run, norm_a, norm_b, status == SAME),
         norm_ratio=norm_b / norm_a if norm_a != 0 else None,
-        in_global=weight and is_floating(info_a.dtype),
+        in_global=weight and is_floating(info_a.dtype) and not job.part,
         **common,
     )
 
@@ -290,7 +299,7 @@ def result(
     on their side: the selection `clipcli norms` makes of each file."""
     norms_a, norms_b = [], []
     for job, t, weight in zip(jobs, tensors, weights, strict=True):
-        if not weight:
+        if not weight or job.part:
             continue
         if job.info_a is not None and t.norm_a is not None and is_floating(job.info_a.dtype):
             norms_a.append(t.norm_a)
@@ -310,5 +319,5 @@ def result(
         global_norm_b=global_norm(norms_b),
         global_diff_norm=global_diff,
         global_rel_change=relative(global_diff, global_a),
-        training_state=sum(not weight for weight in weights),
+        training_state=sum(not w and not job.part for job, w in zip(jobs, weights, strict=True)),
     )

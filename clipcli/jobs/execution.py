@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
+from clipcli.jobs.factor import OutputCheck
 from clipcli.jobs.measurement import TensorStats
 from clipcli.jobs.pipeline import map_chunks, write_tensors
 from clipcli.jobs.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
@@ -46,11 +47,22 @@ def copy_ahead_hook(
     return on_measured
 
 
-def output_check(reader: Reader) -> Callable[[Sequence[TensorInfo], float, int], CertainSumsq]:
+def output_check(reader: Reader) -> OutputCheck:
     """The factor search's data pass: the certain sum of squares of the tensors scaled by
     mantissa * 2**exponent and rounded (clipcli.jobs.factor.OutputCheck)."""
+    return _OutputCheck(reader)
 
-    def check(infos: Sequence[TensorInfo], mantissa: float, exponent: int) -> CertainSumsq:
+
+class _OutputCheck:
+    def __init__(self, reader: Reader) -> None:
+        self._reader = reader
+
+    def rounded_elsewhere(self, info: TensorInfo) -> bool:
+        """A logical tensor made of parts: the rounding is of its stored scales."""
+        reader = self._reader
+        return isinstance(reader, LogicalReader) and not reader.stored_as_is(info)
+
+    def __call__(self, infos: Sequence[TensorInfo], mantissa: float, exponent: int) -> CertainSumsq:
         def scaled(chunk: np.ndarray) -> CertainSumsq:
             partial = CertainSumsq()
             partial.add(rounding.scale_chunk(chunk, mantissa, exponent))
@@ -58,16 +70,14 @@ def output_check(reader: Reader) -> Callable[[Sequence[TensorInfo], float, int],
 
         total = CertainSumsq()
         for info in infos:
-            if isinstance(reader, LogicalReader) and not reader.stored_as_is(info):
-                # A logical tensor made of parts: the rounding is of its stored scales.
-                for chunk in reader.scaled_chunks(info, mantissa, exponent):
+            if self.rounded_elsewhere(info):
+                assert isinstance(self._reader, LogicalReader)
+                for chunk in self._reader.scaled_chunks(info, mantissa, exponent):
                     total.add(chunk)
                 continue
-            for partial in map_chunks(reader, info, scaled):
+            for partial in map_chunks(self._reader, info, scaled):
                 total.merge(partial)
         return total
-
-    return check
 
 
 # ---------------------------------------------------------------- executing
@@ -97,11 +107,18 @@ class DiscardingWriter(Writer):
 
 
 def execute(
-    plan: Plan, reader: Reader, writer: Writer, progress: Progress = SILENT, label: str = "writing"
+    plan: Plan,
+    reader: Reader,
+    writer: Writer,
+    progress: Progress = SILENT,
+    label: str = "writing",
+    scalers: Mapping[str, Callable[[np.ndarray], np.ndarray]] | None = None,
 ) -> list[Outcome]:
     """Carry the plan out into the writer (closed at the end); what happened to each
-    tensor, in plan order. The plan is not touched."""
+    tensor, in plan order. The plan is not touched. `scalers`: stored tensors whose SCALE
+    rewrites fields inside their bytes (clipcli.jobs.lowering.stored_scalers), by name."""
     by_name = {p.info.name: p for p in plan.tensors}
+    scalers = scalers or {}
     outcomes: dict[str, Outcome] = {}
 
     def chunks_of(info: TensorInfo) -> Iterable[np.ndarray] | None:
@@ -119,11 +136,13 @@ def execute(
             return None
         outcome = outcomes[info.name] = Outcome(NormAccumulator(), changed=True)
         count = tensor.action is Action.SCALE
+        if tensor.action is Action.SCALE and info.name in scalers:
+            transform, count = scalers[info.name], False  # bytes, not values
         pairs = map_chunks(reader, info, functools.partial(_with_stats, transform, count))
         return _measured(pairs, outcome, progress)
 
     def joins(info: TensorInfo) -> bool:  # --axes reads each tensor whole, on its own
-        return by_name[info.name].action is not Action.AXES
+        return by_name[info.name].action is not Action.AXES and info.name not in scalers
 
     def kept(info: TensorInfo) -> bool:
         return by_name[info.name].action is Action.KEEP

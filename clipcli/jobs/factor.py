@@ -23,7 +23,10 @@ from clipcli.numerics.scaling import Factor
 __all__ = ["Factor", "OutputCheck", "search_factor", "tf_factor"]
 
 # The sum of squares of these tensors with every value scaled by mantissa * 2**exponent
-# and rounded to its dtype, with a certain error bound.
+# and rounded to its dtype, with a certain error bound. A check may also have a method
+# `rounded_elsewhere(info) -> bool` (clipcli.jobs.execution.output_check: a logical tensor
+# whose factor is rounded in its stored scales): the search then verifies every factor
+# for a group that holds such a tensor (scaling.Member.rounded_elsewhere).
 OutputCheck = Callable[[Sequence[TensorInfo], float, int], CertainSumsq]
 
 
@@ -36,7 +39,17 @@ def search_factor(
     """The factor for `members` together, None when they are within the limit already.
     It applies to the members with a nonzero sum of squares only: a zero tensor is left
     bit-identical. Refuses (exit 4) a limit that a dtype without zero cannot reach."""
-    as_members = [scaling.Member(m.info.name, m.info.dtype, m.info.numel, m.stats) for m in members]
+    elsewhere = getattr(check, "rounded_elsewhere", None)
+    as_members = [
+        scaling.Member(
+            m.info.name,
+            m.info.dtype,
+            m.info.numel,
+            m.stats,
+            elsewhere is not None and bool(elsewhere(m.info)),
+        )
+        for m in members
+    ]
 
     def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
         return check([members[i].info for i in which], factor.mantissa, factor.exponent)

@@ -5,19 +5,29 @@ A plain logical tensor is its stored tensor: its TensorPlan is carried over as i
 logical tensor made of several stored ones (a quantized weight, a toy "two halves"):
 - KEEP: every part kept byte for byte;
 - SCALE by f: the view's scaled_parts() scaled by f (each rounded once, as the factor
-  search's check assumed), the other parts (codes, zero points) kept byte for byte;
+  search's check assumed), the other parts (codes, zero points) kept byte for byte; a
+  part whose scales are fields inside its bytes (GGUF blocks) is rewritten by the view's
+  stored_scaler (stored_scalers), the rest of its bytes kept;
 - anything else (CLAMP, AXES) cannot act through the parts: refused, exit 4, before
   anything is written.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from clipcli.errors import DataRefusedError
 from clipcli.jobs.plan import Action, Outcome, Plan, TensorPlan
 from clipcli.logical.reader import LogicalReader
 from clipcli.numerics.norms import NormAccumulator, accumulate
+
+if TYPE_CHECKING:
+    import numpy as np
+
+ChunkScaler = Callable[["np.ndarray", float, int], "np.ndarray"]
+ChunkFunction = Callable[["np.ndarray"], "np.ndarray"]
 
 
 def check_lowerable(plan: Plan, reader: LogicalReader) -> None:
@@ -41,6 +51,9 @@ def lower(plan: Plan, reader: LogicalReader) -> Plan:
     # A side tensor may also be a part (a quantized weight's scale, listed with its role):
     # the logical tensor's action on it wins over the listing's KEEP, in either order.
     parts = {part.name for t in reader.logical if not t.plain for part in t.parts}
+    # A part listed as a side tensor was measured as stored: a part kept byte for byte is
+    # reported with those figures before and after, never with an empty measurement.
+    measured = {p.info.name: p.before for p in plan.tensors if p.info.name in parts}
     for p in plan.tensors:
         t = reader.by_name.get(p.info.name)
         if t is None:  # a side tensor: stored as it is listed
@@ -53,14 +66,35 @@ def lower(plan: Plan, reader: LogicalReader) -> Plan:
         scaled = set(reader.view.scaled_parts(t)) if p.action is Action.SCALE else set()
         for part in t.parts:
             info = stored[part.name]
+            before = measured.get(part.name, empty)
             if part.name in scaled:
-                lowered[part.name] = replace(p, info=info, before=empty, group=None)
+                lowered[part.name] = replace(p, info=info, before=before, group=None)
             else:
-                lowered[part.name] = TensorPlan(info, empty, Action.KEEP, p.reason, p.role)
+                lowered[part.name] = TensorPlan(info, before, Action.KEEP, p.reason, p.role)
     missing = [name for name in stored if name not in lowered]
     if missing:  # a view that forgot a stored tensor would drop it from OUT
         raise AssertionError(f"the view left stored tensors out: {missing[:3]}")
     return Plan(plan.spec, tuple(lowered[name] for name in stored), plan.used_norm)
+
+
+def stored_scalers(plan: Plan, reader: LogicalReader) -> dict[str, ChunkFunction]:
+    """The stored tensors of the lowered `plan` whose SCALE rewrites fields inside their
+    bytes (View.stored_scaler: GGUF's block scales), each with its chunk function; every
+    other scaled stored tensor is scaled value by value."""
+    scalers: dict[str, ChunkFunction] = {}
+    for p in plan.tensors:
+        t = reader.by_name.get(p.info.name)
+        if t is None or t.plain or p.action is not Action.SCALE or p.factor is None:
+            continue
+        for part in reader.view.scaled_parts(t):
+            scale = reader.view.stored_scaler(t, part)
+            if scale is not None:
+                scalers[part] = _bound(scale, p.factor, p.exponent)
+    return scalers
+
+
+def _bound(scale: ChunkScaler, mantissa: float, exponent: int) -> ChunkFunction:
+    return lambda chunk: scale(chunk, mantissa, exponent)
 
 
 def lift(

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from clipcli.formats.base import TensorInfo
 from clipcli.jobs import roles
 from clipcli.jobs.groups import compile_group_by, group_key, group_order
 from clipcli.numerics.norms import NormAccumulator, global_norm
+
+if TYPE_CHECKING:
+    from clipcli.logical.view import QuantizedRows
 
 
 # A NamedTuple, not a frozen dataclass: as immutable, and cheaper to define at import
@@ -23,6 +26,7 @@ class TensorStats(NamedTuple):
     in_global: bool  # selected, a model weight (or --all-tensors) and floating point
     role: roles.Role = roles.Role.WEIGHT
     selected: bool = True  # by --include/--exclude
+    tied_to: str | None = None  # the same values as this earlier tensor: not in_global
 
     @property
     def norm(self) -> float:
@@ -41,6 +45,7 @@ class Measurement(NamedTuple):
     format: str
     metadata: dict[str, str]
     tensors: list[TensorStats]
+    quantized: QuantizedRows | None = None  # what rows say of quantized weights
 
     @property
     def global_norm(self) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from clipcli.dtypes import is_floating
@@ -70,11 +70,17 @@ class TensorPlan:
     exponent: int = 0
     axes: tuple[int, ...] = ()  # AXES: resolved against this tensor's rank
     group: str | None = None  # --group-by: the group whose norm decided
+    tied_to: str | None = None  # the plan of this earlier tensor, whose values it shares
 
     @property
     def in_global(self) -> bool:
-        """Counted in the global norm (and in the factor of --global)."""
-        return self.reason not in _OUTSIDE and self.reason is not Reason.NONFINITE_SKIPPED
+        """Counted in the global norm (and in the factor of --global); a tied tensor is
+        counted once, as the tensor it is tied to."""
+        return (
+            self.reason not in _OUTSIDE
+            and self.reason is not Reason.NONFINITE_SKIPPED
+            and self.tied_to is None
+        )
 
     @property
     def unchanged(self) -> bool:
@@ -157,7 +163,12 @@ def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
     non-finite values where a norm is needed, axes that do not fit, unreachable limits."""
     decided: dict[int, TensorPlan] = {}
     counted: list[tuple[int, TensorStats]] = []
+    position = {t.info.name: index for index, t in enumerate(measurement.tensors)}
+    tied: list[tuple[int, TensorStats, int]] = []  # follow the plan of the tensor tied to
     for index, t in enumerate(measurement.tensors):
+        if t.tied_to is not None and t.tied_to in position:
+            tied.append((index, t, position[t.tied_to]))
+            continue
         reason = outside_reason(t)
         if reason is None:
             counted.append((index, t))
@@ -189,6 +200,9 @@ def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
         factor = search_factor(members, spec.limit, check)
         made = [_scaled(t, factor if t.stats.ssq > 0 else None) for t in members]
     decided.update(zip((index for index, _ in counted), made, strict=True))
+    for index, t, first in tied:
+        # The same values as `first`: the same action and factor, so the same bytes out.
+        decided[index] = replace(decided[first], info=t.info, before=t.stats, tied_to=t.tied_to)
     tensors = tuple(decided[index] for index in range(len(measurement.tensors)))
     used = None
     if spec.mode is Mode.GLOBAL and spec.group_by is None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from clipcli.jobs import roles, scope
@@ -38,6 +38,9 @@ class Selection:
     # Stored tensors that are parts of a logical tensor without being values (scales):
     # kept apart whatever the flags (clipcli.logical).
     parts: frozenset[str] = frozenset()
+    # Tied tensors (clipcli.logical: one view of one storage under two names) -> the first
+    # name: measured and acted on as selected, but counted once, as the first.
+    tied: Mapping[str, str] = field(default_factory=dict)
 
     def __call__(self, name: str) -> bool:
         if self.include and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
@@ -78,9 +81,10 @@ class Selection:
         selected = self(info.name)
         floating = is_floating(info.dtype)
         kept_out = self.left_out(info.name) if selected else None
-        counts = selected and kept_out is None and floating
+        tied_to = self.tied.get(info.name)
+        counts = selected and kept_out is None and floating and tied_to is None
         role = kept_out or (roles.Role.WEIGHT if floating else roles.Role.NON_FLOAT)
-        return TensorStats(info, stats, counts, role, selected)
+        return TensorStats(info, stats, counts, role, selected, tied_to)
 
 
 @functools.cache

@@ -76,7 +76,6 @@ class CastReader(Reader):
         stored_position = {info.name: i for i, info in enumerate(self._stored.infos)}
         outputs = []
         if isinstance(self.source, LogicalReader):
-            self._refuse_transposed(self.source)
             items = [
                 (t.info, t.parts[0].name, t.plain and len(t.parts) == 1)
                 for t in self.source.logical
@@ -96,23 +95,6 @@ class CastReader(Reader):
         # whose scale sits in an earlier shard is still written with its codes' shard.
         outputs.sort(key=lambda o: stored_position[o.anchor])
         return outputs
-
-    @staticmethod
-    def _refuse_transposed(source: LogicalReader) -> None:
-        """A scheme whose codes hold the weight's transpose (GPTQ, AWQ) decodes rows of the
-        transpose, not the C order a written tensor needs: refused, never written wrong."""
-        from clipcli.logical.quantized.view import QuantizedView
-
-        view = source.view
-        if not isinstance(view, QuantizedView):
-            return
-        for t in source.logical:
-            if not t.plain and view.recognised(t).transposed:
-                raise InputError(
-                    source.path,
-                    f"{t.info.name}: convert --dtype of a {t.scheme} weight (stored "
-                    "transposed) is not supported yet",
-                )
 
     # ------------------------------------------------------------ tensors
 

@@ -3,18 +3,23 @@ view over its blocks (one stored uint8 tensor of rows of blocks, role "blocks"),
 values float32 from gguf.quants, streamed a bounded run of blocks at a time
 (clipcli.formats.gguf.blocks). Plain tensors are their own logical tensors.
 
-Until the GGUF reader's stored tensors are its `stored_infos` for every job (it presents
-the dequantized values itself today, so that `convert` writes them dequantized), this view
-is the same mapping for the LogicalReader: registered, it replaces that presentation.
+A clip scales a block tensor through the float16 scales inside its blocks
+(blocks.SCALE_FIELDS: `d`; Q4_1/Q5_1 `m`, K-quants `dmin` too), each rounded once to
+float16; every other byte of every block is kept. The factor search checks the values
+that scaled blocks dequantize to (scaled_chunks), and the write pass rewrites the same
+fields with the same function (stored_scaler), so the promise holds for what is written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from clipcli.formats.base import Reader
+from clipcli.formats.base import Reader, default_chunk_elems
 from clipcli.formats.gguf import GgufReader
+from clipcli.formats.gguf.blocks import SCALE_FIELDS, SCHEME_PREFIX, dequantize_blocks
+from clipcli.formats.gguf.header import GGML_TYPES
 from clipcli.logical.view import LogicalTensor, Part, View
 
 if TYPE_CHECKING:
@@ -24,8 +29,11 @@ if TYPE_CHECKING:
 class GGUFView(View):
     """The logical tensors of one GGUF file, in file order."""
 
+    stored_format = "gguf"
+
     def __init__(self, reader: GgufReader) -> None:
         self._reader = reader
+        self._stored = {info.name: info for info in reader.stored_infos}
         self._tensors = [
             LogicalTensor(
                 tensor.info,
@@ -44,7 +52,7 @@ class GGUFView(View):
         tensor: LogicalTensor,
         chunk_elems: int | None = None,
     ) -> Iterator[np.ndarray]:
-        return self._reader.chunks(tensor.info, chunk_elems)
+        return self._reader.values(tensor.info, chunk_elems)
 
     def warnings(self) -> list[str]:
         return self._reader.blocks.warnings()
@@ -52,10 +60,78 @@ class GGUFView(View):
     def lowerable(self, tensor: LogicalTensor) -> str | None:
         if tensor.plain:
             return None
-        return (
-            f"{tensor.info.name}: clipping GGUF {tensor.scheme} blocks (rescaling their "
-            "scales) is not supported yet"
-        )
+        type_name = _type_name(tensor)
+        if type_name in SCALE_FIELDS:
+            return None
+        why = {
+            "MXFP4": "its block scales are E8M0 exponents, powers of two only",
+            "NVFP4": "its sub-block scales are 8-bit UE4M3 floats",
+            "IQ1_M": "its scale is packed into the high bits of the sub-block scales",
+        }.get(type_name, "it has no float16 block scale that all its values are linear in")
+        return f"{tensor.info.name}: clipping GGUF {type_name} blocks is not supported ({why})"
+
+    def scaled_parts(self, tensor: LogicalTensor) -> list[str]:
+        return [tensor.parts[0].name]
+
+    def stored_scaler(
+        self, tensor: LogicalTensor, part: str
+    ) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+        """A block tensor: its blocks' float16 scales scaled (scale_fields)."""
+        if tensor.plain:
+            return super().stored_scaler(tensor, part)
+        return functools.partial(scale_fields, _type_name(tensor))
+
+    def scaled_chunks(
+        self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
+    ) -> Iterator[np.ndarray]:
+        """The values the scaled blocks dequantize to (float32, as gguf.quants gives them):
+        the blocks as the write pass writes them (scale_fields), then dequantized."""
+        if tensor.plain:
+            yield from super().scaled_chunks(reader, tensor, mantissa, exponent)
+            return
+        import numpy as np
+
+        type_name = _type_name(tensor)
+        ggml_type, block, type_size = _block_type(type_name)
+        step = max(1, default_chunk_elems(np.dtype(np.float32)) // block) * type_size
+        for raw in self._reader.chunks(self._stored[tensor.parts[0].name], step):
+            scaled = scale_fields(type_name, raw, mantissa, exponent)
+            yield dequantize_blocks(ggml_type, scaled)
+
+
+def scale_fields(type_name: str, raw: np.ndarray, mantissa: float, exponent: int) -> np.ndarray:
+    """Whole blocks of `type_name` (flat uint8) with their float16 scale fields
+    (SCALE_FIELDS) multiplied by mantissa * 2**exponent, each rounded once to float16 as a
+    float16 tensor's values are (rounding.scale_chunk); every other byte as it was."""
+    import numpy as np
+
+    from clipcli.numerics import rounding
+
+    _, _, type_size = _block_type(type_name)
+    if raw.size % type_size:  # the reader cuts block tensors at whole blocks
+        raise AssertionError(f"{raw.size} bytes are not whole {type_name} blocks")
+    blocks = raw.reshape(-1, type_size).copy()
+    little = np.dtype("<f2")
+    for offset in SCALE_FIELDS[type_name]:
+        field = np.ascontiguousarray(blocks[:, offset : offset + 2]).view(little).reshape(-1)
+        scaled = rounding.scale_chunk(field.astype(np.float16), mantissa, exponent)
+        blocks[:, offset : offset + 2] = scaled.astype(little).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(-1)
+
+
+def _type_name(tensor: LogicalTensor) -> str:
+    assert tensor.scheme is not None
+    assert tensor.scheme.startswith(SCHEME_PREFIX)
+    return tensor.scheme[len(SCHEME_PREFIX) :]
+
+
+@functools.cache
+def _block_type(type_name: str) -> tuple[int, int, int]:
+    """(ggml type code, elements per block, bytes per block)."""
+    for code, (name, block, type_size) in GGML_TYPES.items():
+        if name == type_name:
+            return code, block, type_size
+    raise KeyError(type_name)
 
 
 def gguf_view(reader: Reader) -> View | None:

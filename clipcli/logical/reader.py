@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clipcli.formats.base import Listed, Reader, TensorInfo
-from clipcli.logical.view import LogicalTensor, View
+from clipcli.logical.view import LogicalTensor, Quantization, QuantizedRows, View
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,6 +36,10 @@ class LogicalReader(Reader):
         self._side = {info.name: info for info, _ in view.side_tensors()}
         self._infos = self._ordered()
         self._stored_infos = {info.name: info for info in stored.infos}
+        # Tied tensors (the same values under a second name) -> the first name: counted
+        # once in a global norm, given the first one's action (clipcli.jobs.plan).
+        self.tied = {t.info.name: first for t in self.logical if (first := view.shared_with(t))}
+        self.overlapping = view.overlapping()
 
     def _plain_part(self, info: TensorInfo) -> TensorInfo | None:
         """The stored tensor a plain logical tensor is (or a side tensor), else None."""
@@ -66,7 +70,41 @@ class LogicalReader(Reader):
 
     @property
     def listing(self) -> list[Listed]:
-        return [Listed(i.name, i.dtype_name, i.shape, i.nbytes) for i in self._infos]
+        """What `ls` shows: a quantized weight with its real shape, the dtype its row
+        shows and the bytes of its codes (its scales have rows of their own)."""
+        listed = []
+        quantized = self.quantization()
+        for i in self._infos:
+            q = quantized.get(i.name)
+            if q is None:
+                listed.append(Listed(i.name, i.dtype_name, i.shape, i.nbytes))
+            else:
+                codes = self._stored_infos[q.stored[0]]
+                listed.append(Listed(i.name, q.dtype, i.shape, codes.nbytes))
+        return listed
+
+    def quantization(self) -> dict[str, Quantization]:
+        """Each quantized weight's name -> what its row says of it."""
+        found = {}
+        for t in self.logical:
+            q = self.view.quantization(t)
+            if q is not None:
+                found[t.info.name] = q
+        return found
+
+    def quantized_rows(self) -> QuantizedRows | None:
+        """What the rows say of quantized weights and their parts; None when none."""
+        weights = self.quantization()
+        if not weights:
+            return None
+        owner = {p.name: t.info.name for t in self.logical if not t.plain for p in t.parts}
+        parts = {name: (role, owner.get(name)) for name, role in self.part_roles.items()}
+        return QuantizedRows(weights, parts)
+
+    def shard_of(self, name: str) -> str | None:
+        t = self.by_name.get(name)
+        stored = t.parts[0].name if t is not None else name
+        return self.stored.shard_of(stored)
 
     @property
     def metadata(self) -> Mapping[str, str]:
@@ -96,6 +134,9 @@ class LogicalReader(Reader):
         """The real values once the view's scaled parts are scaled and rounded (the factor
         search's check: what the write pass will make of the lowered plan)."""
         return self.view.scaled_chunks(self.stored, self.by_name[info.name], mantissa, exponent)
+
+    def warnings(self) -> list[str]:
+        return self.stored.warnings()
 
     def source_files(self) -> list[Path]:
         return self.stored.source_files()

@@ -20,7 +20,7 @@ Nothing here reads a file on its own: every method gets the stored Reader it map
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -35,6 +35,41 @@ class Part(NamedTuple):
 
     name: str  # the stored tensor's name
     role: str  # e.g. "values", "codes", "scale", "zero_point", "global_scale", "half"
+
+
+class Quantization(NamedTuple):
+    """What the row of a quantized weight says of it (norms, ls): its scheme, the stored
+    tensors it is made of (codes first), and the dtype its row shows: the dtype a
+    framework dequantizes it to (its float16/bfloat16/float32 scales' dtype, or the one
+    its quant state names; float32 where the scales are 8-bit). Its values themselves are
+    measured exactly, in float64, whatever that dtype."""
+
+    scheme: str
+    stored: tuple[str, ...]
+    dtype: str
+
+
+class QuantizedRows(NamedTuple):
+    """What the rows of a checkpoint with quantized weights say of them: each weight's
+    Quantization, and each stored tensor listed with a role (a scale, a zero point) ->
+    (its role, the weight it belongs to or None)."""
+
+    weights: Mapping[str, Quantization]
+    parts: Mapping[str, tuple[str, str | None]]
+
+    def cell(self, name: str) -> dict[str, Any] | None:
+        """The `quantization` object of a row (JSON), None for a plain tensor."""
+        q = self.weights.get(name)
+        if q is not None:
+            return {"scheme": q.scheme, "stored": list(q.stored)}
+        part = self.parts.get(name)
+        if part is not None:
+            return {"role": part[0], "of": part[1]}
+        return None
+
+    def dtype(self, name: str, stored: str) -> str:
+        q = self.weights.get(name)
+        return stored if q is None else q.dtype
 
 
 class LogicalTensor(NamedTuple):
@@ -57,6 +92,11 @@ class LogicalTensor(NamedTuple):
 
 class View(ABC):
     """How the stored tensors of one checkpoint make its logical tensors."""
+
+    # The format whose files alone give the stored parts their meaning (GGUF: rows of
+    # blocks), None when they are tensors any format holds. Into another format, convert
+    # writes the logical tensors (dequantized) and a clip is refused.
+    stored_format: str | None = None
 
     @abstractmethod
     def tensors(self) -> list[LogicalTensor]:
@@ -103,6 +143,20 @@ class View(ABC):
         with the weight), never its codes or zero points."""
         return [p.name for p in tensor.parts]
 
+    def stored_scaler(
+        self,
+        tensor: LogicalTensor,  # noqa: ARG002 - interface
+        part: str,  # noqa: ARG002 - interface
+    ) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+        """Lowering a SCALE onto the stored part `part` (one of scaled_parts()) when the
+        factor multiplies fields inside the part's bytes rather than its values (GGUF: the
+        float16 scales inside every block of a uint8 tensor of blocks): the function
+        (chunk, mantissa, exponent) -> the chunk with those fields scaled and rounded, every
+        other byte kept. The stored reader's chunks of such a part hold whole blocks.
+        None (the default): the part is a float tensor, scaled and rounded value by value
+        (clipcli.numerics.rounding.scale_chunk)."""
+        return None
+
     def scaled_chunks(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
     ) -> Iterator[np.ndarray]:
@@ -115,6 +169,10 @@ class View(ABC):
         for chunk in self.chunks(reader, tensor):
             yield rounding.scale_chunk(chunk, mantissa, exponent)
 
+    def quantization(self, tensor: LogicalTensor) -> Quantization | None:  # noqa: ARG002 - interface
+        """What the row of a quantized weight says of it; None for any other tensor."""
+        return None
+
     def power_of_two_factors(self, tensor: LogicalTensor) -> bool:  # noqa: ARG002 - interface
         """True when the stored scales hold only powers of two (E8M0): a factor is then
         rounded down to a power of two."""
@@ -124,6 +182,12 @@ class View(ABC):
         """The name of an earlier logical tensor whose values `tensor` shares exactly
         (tied weights: counted once in a global norm), or None."""
         return None
+
+    def overlapping(self) -> list[tuple[str, ...]]:
+        """Groups of logical tensors whose values overlap in part without being the same
+        (views of one storage at other offsets or strides): each counts on its own, and a
+        global norm counts their shared values once per tensor."""
+        return []
 
     def stored_names(self, tensors: Sequence[LogicalTensor]) -> list[str]:
         """The stored tensors behind `tensors`, each once, in order."""

@@ -20,7 +20,23 @@ def _quantized(reader: Reader) -> View | None:
     return quantized_view(reader)
 
 
-VIEW_FACTORIES: list[ViewFactory] = [_quantized]
+def _storages(reader: Reader) -> View | None:
+    if not reader.format_name.startswith("pytorch"):  # a file or a directory of PyTorch shards
+        return None  # (other formats never import the PyTorch reader)
+    from clipcli.logical.pytorch import storage_view  # PyTorch tensors sharing storages
+
+    return storage_view(reader)
+
+
+def _gguf(reader: Reader) -> View | None:
+    if reader.format_name != "gguf":
+        return None
+    from clipcli.logical.gguf import gguf_view  # with data, not for ls
+
+    return gguf_view(reader)
+
+
+VIEW_FACTORIES: list[ViewFactory] = [_gguf, _quantized, _storages]
 
 
 def view_for(reader: Reader) -> View | None:

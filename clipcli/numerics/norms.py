@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -22,6 +23,25 @@ from clipcli.numerics.widening import widen_real
 
 # Elements per piece inside NormAccumulator.add: 2 MiB of float64.
 CACHE_BLOCK = 1 << 18
+
+# Each thread's float64 buffer for the hot path's widening: a fresh 2 MiB array per block
+# is a malloc and free in the one arena every thread shares (system.parallel: lock traffic
+# that grows with the thread count) and a buffer that is cold in this core's cache.
+_SCRATCH = threading.local()
+
+
+def _widened(chunk: np.ndarray) -> np.ndarray:
+    """chunk as float64, exactly (the same values astype gives), in this thread's buffer
+    when it fits: valid until this thread's next call."""
+    if chunk.ndim != 1 or chunk.size > CACHE_BLOCK:
+        return chunk.astype(np.float64)
+    buffer = getattr(_SCRATCH, "wide", None)
+    if buffer is None:
+        buffer = _SCRATCH.wide = np.empty(CACHE_BLOCK, np.float64)
+    wide: np.ndarray = buffer[: chunk.size]
+    np.copyto(wide, chunk)
+    return wide
+
 
 # ---------------------------------------------------------------- the one scaled sum
 #
@@ -195,7 +215,7 @@ class NormAccumulator:
         if chunk.dtype.kind == "f" and chunk.dtype.itemsize == 4:
             high, low = float(chunk.max()), float(chunk.min())
             if -bound < low and high < bound:  # also False for NaN
-                wide = chunk.astype(np.float64)
+                wide = _widened(chunk)
                 self.add_sumsq(float(wide @ wide), 0)
                 self.numel += chunk.size
                 self.max_value = max(self.max_value, high)

@@ -73,6 +73,10 @@ class Member:
     dtype: np.dtype[Any]
     numel: int
     stats: NormAccumulator  # finished (NormAccumulator.finish), histogram kept if 8/16-bit
+    # Its output is not its values rounded to `dtype` (a quantized weight: its stored
+    # scales are rounded, each to its own dtype): no bound of `dtype`'s rounding holds, so
+    # every factor for a group that holds it is checked by a pass over the output.
+    rounded_elsewhere: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,11 @@ def group_factor(
     elif not ratio < 1.0:
         return None
     dtypes = [m.dtype for m in live_members]
-    if ratio < TINY_RATIO or all(mantissa_digits(d) == 53 for d in dtypes):
+    if (
+        ratio < TINY_RATIO
+        or all(mantissa_digits(d) == 53 for d in dtypes)
+        or any(m.rounded_elsewhere for m in live_members)
+    ):
         factor = _verified_factor(live, members, together, limit, output_sumsq)
     else:
         chosen = _histogram_factor(
@@ -241,43 +249,117 @@ def _verified_factor(
     limit: float,
     output_sumsq: OutputSumsq,
 ) -> Factor:
-    """float64 (and factors below 2**-900): TF's factor, checked by a pass over the rounded
-    output with a certain bound on its norm (CertainSumsq), shrunk by the measured overshoot
-    once if needed, else the factor the rounding bound guarantees."""
+    """float64, members rounded elsewhere (Member.rounded_elsewhere) and factors below
+    2**-900: TF's
+    factor, checked by a pass over the rounded output with a certain bound on its norm
+    (CertainSumsq), then moved as the checks say (_apart_factor), or shrunk by the
+    measured overshoot once, else the factor the rounding bound guarantees. Only a factor
+    whose check passed is returned."""
+    live_members = [members[i] for i in live]
+    apart = any(m.rounded_elsewhere for m in live_members)
+    # A member rounded apart may be decoded with one rounding per value (NVFP4's division
+    # by its global scale, relative error <= 2**-53): checked against a hair less than C,
+    # its exact values stay within C.
+    target = Fraction(limit) * (1 - Fraction(1, 2**50)) if apart else Fraction(limit)
+
+    def checked(mantissa: float, exponent: int) -> tuple[bool, float]:
+        """Whether the rounded output is certainly within, and its norm / limit."""
+        check = output_sumsq(live, Factor(mantissa, exponent))
+        return check.at_most(target), check.over(limit)
+
     ratio = together.limit_ratio(limit)
     if ratio >= TINY_RATIO:
         mantissa, exponent = ratio, 0
     else:
         mantissa, exponent = together.limit_ratio_parts(limit)
+    if apart:
+        unit = max(COARSEST_SCALE_UNIT, *(unit_roundoff(m.dtype) for m in live_members))
+        found = _apart_factor(mantissa, exponent, unit, checked)
+        if found is not None:
+            return Factor(found, exponent)
+        return _shrinking(mantissa, exponent, checked, limit)
     first = mantissa
     for _ in range(2):
-        check = output_sumsq(live, Factor(mantissa, exponent))
-        if check.at_most(limit):
+        ok, over = checked(mantissa, exponent)
+        if ok:
             return Factor(mantissa, exponent)
-        over = check.over(limit)
         if not math.isfinite(over) or over <= 0:
             break
         mantissa = mantissa / over * (1 - 2.0**-51)
     bound = WideBound.of(1.0, [members[i].dtype for i in live], together.numel)
     headroom = 1 - math.sqrt(bound.numel) * bound.step / 2 / limit
     safe = first * bound.ratio * max(headroom, 0.0) / (1 + bound.unit) * (1 - 2.0**-50)
-    if output_sumsq(live, Factor(safe, exponent)).at_most(limit):
+    if checked(safe, exponent)[0]:
         return Factor(safe, exponent)
-    # The bound above holds for values rounded in their own float64 dtype. A logical
-    # tensor whose factor is rounded elsewhere (a quantized weight's float32/bfloat16/fp8
-    # scales, clipcli.logical) can overshoot it: shrink with margins wider than those
-    # dtypes' roundings, each one verified, never returning an unchecked factor.
-    mantissa = safe
+    return _shrinking(safe, exponent, checked, limit)
+
+
+# Checks one factor (mantissa, exponent) by a pass over the rounded output: whether its
+# norm is certainly within the limit, and norm / limit.
+Checked = Callable[[float, int], tuple[bool, float]]
+
+
+def _shrinking(mantissa: float, exponent: int, checked: Checked, limit: float) -> Factor:
+    """The last resort: shrink with margins wider than any dtype's rounding (a quantized
+    weight's scales falling to subnormals, clipcli.logical), each one verified, never
+    returning an unchecked factor."""
     for margin in (2.0**-40, 2.0**-22, 2.0**-16, 2.0**-12, 2.0**-10, 2.0**-8, 2.0**-6, 2.0**-3):
-        check = output_sumsq(live, Factor(mantissa, exponent))
-        over = check.over(limit)
+        _, over = checked(mantissa, exponent)
         if math.isfinite(over) and over > 0:
             mantissa = mantissa / max(over, 1.0) * (1 - margin)
         else:
             mantissa *= 1 - margin
-        if output_sumsq(live, Factor(mantissa, exponent)).at_most(limit):
+        if checked(mantissa, exponent)[0]:
             return Factor(mantissa, exponent)
     raise DataRefusedError(f"no factor found whose rounded output stays within the limit {limit:g}")
+
+
+# The largest unit roundoff of a stored scale a factor is rounded in: fp8 e4m3's (NVFP4's
+# block scales, 3 mantissa bits); bfloat16, float16 and float32 scales round finer.
+COARSEST_SCALE_UNIT = 2.0**-4
+
+# Verified passes spent on a group with members rounded elsewhere (a quantized weight's
+# scales): the rounding of every scale moves with the factor, so no bound makes the search
+# exact; each pass is a certain check of what the write pass will make of one factor.
+APART_PASSES = 10
+# Margins below the measured overshoot, one more per check still over: as fine as a
+# float32 scale's rounding first, as coarse as an fp8 one's last (never below the bound
+# first / (1 + u), which holds unless scales fall to subnormals).
+APART_MARGINS = (2.0**-50, 2.0**-30, 2.0**-22, 2.0**-16, 2.0**-12, 2.0**-8, 2.0**-5, 2.0**-3)
+
+
+def _apart_factor(first: float, exponent: int, unit: float, checked: Checked) -> float | None:
+    """The largest factor found within the limit in APART_PASSES checks, from TF's
+    `first`: moved by the measured norm / limit while every check is on one side (by at
+    most 1 + u, the rounding unit: round(f * s) is within f * s * (1 + u) for normal
+    results), then halving the gap between a factor within and one over. None when no
+    check passed (scales falling to subnormals: _shrinking takes over)."""
+    low, high = 0.0, math.inf  # the largest factor within, the least over
+    guess = first
+    misses = 0  # checks over the limit before one within
+    for _ in range(APART_PASSES):
+        ok, over = checked(guess, exponent)
+        if ok:
+            low = guess
+        else:
+            high = guess
+        measured = over if math.isfinite(over) and over > 0 else None
+        if math.isinf(high):  # none over yet: up by the room measured
+            step = min(1 / measured, 1 + unit) if measured is not None else 1 + unit
+            following = low * step * (1 + 2.0**-52)
+        elif low == 0.0:  # none within yet: down by the overshoot and a growing margin
+            step = max(measured, 1.0) if measured is not None else 1 + unit
+            margin = APART_MARGINS[min(misses, len(APART_MARGINS) - 1)]
+            following = max(high / step * (1 - margin), first / (1 + unit) * (1 - 2.0**-50))
+            if following >= high:  # the rounding bound itself was over: subnormal scales
+                following = high * (1 - margin)
+            misses += 1
+        else:
+            following = low + (high - low) / 2
+        if not low < following < high:
+            break
+        guess = following
+    return low if low > 0.0 else None
 
 
 # ---------------------------------------------------------------- margins for the search

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
     from clipcli.formats.base import Listed, NonTensorInfo
     from clipcli.jobs.diff import DiffResult
     from clipcli.jobs.measurement import Measurement, TensorStats
+    from clipcli.logical.view import QuantizedRows
 
 
 def _natural_key(name: str) -> Any:
@@ -79,6 +80,9 @@ LS_COLUMNS = (
     Column("bytes", "bytes", numeric=True),
 )
 SHARD_COLUMN = Column("shard", "shard")
+# Only where a checkpoint has quantized weights: a weight's scheme (JSON: {"scheme",
+# "stored": its stored tensors}), a scale's or zero point's role (JSON: {"role", "of"}).
+QUANTIZATION_COLUMN = Column("quantization", "quantized")
 
 
 NON_TENSOR_LINES = 10  # footer lines naming non-tensors; JSON lists every one
@@ -93,6 +97,7 @@ def ls_report(
     shards: Mapping[str, str] | None = None,
     listed_of: int | None = None,
     non_tensors: Sequence[NonTensorInfo] = (),
+    quantized: QuantizedRows | None = None,
 ) -> Report:
     """`shards` (tensor -> shard file) adds a shard column for model directories;
     `listed_of` is the tensor count before --include/--exclude; `non_tensors` (an HDF5
@@ -101,9 +106,11 @@ def ls_report(
         infos, sort, None, lambda i: i.name, lambda _: None, lambda _: True, lambda i: i.nbytes
     )
     columns = LS_COLUMNS + ((SHARD_COLUMN,) if shards is not None else ())
+    columns += () if quantized is None else (QUANTIZATION_COLUMN,)
     rows = tuple(
         (i.name, i.dtype_name, list(i.shape), i.numel, i.nbytes)
         + ((shards[i.name],) if shards is not None else ())
+        + (() if quantized is None else (quantized.cell(i.name),))
         for i in order
     )
     total = sum(i.nbytes for i in infos)
@@ -112,8 +119,14 @@ def ls_report(
     # integer or bool tensors (position_ids, a step counter) no parameters: said apart.
     from clipcli.jobs.roles import Role, classify, is_floating_name
 
+    # A quantized weight counts its real elements; its scales, zero points and maps are
+    # counted apart, as norms leaves them out of the global norm.
     elements = dict.fromkeys(Role, 0)
+    quantization = 0
     for i in infos:
+        if quantized is not None and i.name in quantized.parts:
+            quantization += i.numel
+            continue
         elements[classify(i.name, is_floating_name(i.dtype_name))] += i.numel
     parameters = elements[Role.WEIGHT]
     training_state = elements[Role.OPTIMIZER] + elements[Role.BUFFER]
@@ -124,6 +137,7 @@ def ls_report(
     counted = count_number(parameters, "parameter")
     apart = [f"+{training_state:,} in training state"] if training_state else []
     apart += [f"+{non_float:,} non-float"] if non_float else []
+    apart += [f"+{quantization:,} in quantization tensors"] if quantization else []
     if apart:
         counted += f" ({', '.join(apart)})"
     footer = [f"{listed}, {counted}, {count_number(total, 'byte')}"]
@@ -140,6 +154,7 @@ def ls_report(
         ("total_parameters", parameters),
         ("training_state_parameters", training_state),
         ("non_float_elements", non_float),
+        *((("quantization_elements", quantization),) if quantized is not None else ()),
         (
             "non_tensors",
             [
@@ -198,18 +213,20 @@ def ranked_tensors(
 
 
 def norms_report(m: Measurement, sort: SortKey = SortKey.NAME, top: int | None = None) -> Report:
+    q = m.quantized
     rows = tuple(
         (
             t.info.name,
-            t.info.dtype_name,
+            t.info.dtype_name if q is None else q.dtype(t.info.name, t.info.dtype_name),
             list(t.info.shape),
             t.info.numel,
             t.norm,
             t.stats.largest_magnitude,
             t.stats.nonfinite,
             t.in_global,
-            t.role.value,
+            t.role.value if t.tied_to is None else f"tied to {t.tied_to}",
         )
+        + (() if q is None else (q.cell(t.info.name),))
         for t in ranked_tensors(m, sort, top)
     )
     g = m.global_norm
@@ -218,12 +235,12 @@ def norms_report(m: Measurement, sort: SortKey = SortKey.NAME, top: int | None =
     footer += showing_line(len(rows), len(m.tensors), "tensor", top)
     return Report(
         f"{m.path} ({m.format})",
-        NORM_COLUMNS,
+        NORM_COLUMNS + (() if q is None else (QUANTIZATION_COLUMN,)),
         rows,
         (("path", str(m.path)), ("format", m.format), ("global_norm", g)),
         tuple(footer),
         drop_order=NORM_DROP_ORDER,
-        drop_late=("max_abs", "dtype"),
+        drop_late=("max_abs", "dtype", "quantization"),
         kept=("norm", "numel") if sort is SortKey.SIZE else ("norm",),
     )
 
@@ -326,6 +343,8 @@ def clip_note(row: ClipRow) -> str:
         clipped=row.outcome.slices_clipped,
         slices=count(row.outcome.slices, "slice"),
     )
+    if row.plan.tied_to is not None:  # counted once, as the tensor it shares values with
+        text = f"tied to {row.plan.tied_to}, {text}" if text else f"tied to {row.plan.tied_to}"
     if row.plan.group is None:
         return text
     return f"{text}, group {row.plan.group}" if text else f"group {row.plan.group}"
@@ -458,8 +477,8 @@ def diff_report(
         for t in listed
     )
     counts = {status: n for status, n in result.counts.items() if n}
-    shared = any(t.compared for t in result.tensors)
-    unpaired = not all(t.compared for t in result.tensors)
+    shared = any(t.compared for t in result.counted)
+    unpaired = not all(t.compared for t in result.counted)
     difference = (
         f"‖A−B‖ {result.global_diff_norm:.6g} (relative {result.global_rel_change:.6g})"
         + (" over the tensors both hold" if unpaired else "")
@@ -470,6 +489,11 @@ def diff_report(
         f"global norm A {result.global_norm_a:.6g}, B {result.global_norm_b:.6g}, {difference}",
         ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensor",
     ]
+    if result.n_parts:  # a quantized weight's scales: compared through their weight
+        footer.append(
+            f"{count(result.n_parts, 'quantization part')} (scales, zero points) listed "
+            "apart: compared through their weights, not in the counts or global figures"
+        )
     if result.training_state:  # as in `norms`: the global figures are of model weights
         footer.append(
             f"{count(result.training_state, 'training-state tensor')} compared, not in the "
@@ -486,6 +510,7 @@ def diff_report(
         ("global_diff_norm", result.global_diff_norm),
         ("global_rel_change", result.global_rel_change),
         ("training_state", result.training_state),
+        ("parts", result.n_parts),
         ("max_rel_change", result.max_rel_change),
         ("identical", result.identical),
         ("counts", dict(result.counts)),

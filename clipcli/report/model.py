@@ -34,7 +34,8 @@ class ListingSortKey(str, Enum):
     SIZE = "size"
 
 
-Value = str | int | float | bool | list[int] | None
+# A dict: a row's `quantization` object (JSON), shown by its scheme or role elsewhere.
+Value = str | int | float | bool | list[int] | dict[str, Any] | None
 
 
 # Column and Report are NamedTuples rather than frozen dataclasses: immutable all the same,
@@ -80,3 +81,8 @@ def json_number(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def object_text(value: dict[str, Any]) -> str:
+    """A row's `quantization` object in a table or CSV cell: its scheme, or a part's role."""
+    return str(value.get("scheme") or value.get("role") or "")

@@ -7,7 +7,7 @@ import json
 from typing import Any, TextIO
 
 from clipcli.errors import printable
-from clipcli.report.model import Report, Value, json_number
+from clipcli.report.model import Report, Value, json_number, object_text
 
 # Rows turned into JSON at a time: 200,000 rows made into dicts at once held ~80 MB more.
 JSON_ROWS_AT_ONCE = 4096
@@ -89,6 +89,8 @@ def csv_value(value: Value) -> str:
         return "true" if value else "false"
     if isinstance(value, list):
         return "x".join(map(str, value))
+    if isinstance(value, dict):
+        return csv_text(object_text(value))
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, int):

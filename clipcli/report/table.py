@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, TextIO
 
 from clipcli.errors import printable
-from clipcli.report.model import Report, Value
+from clipcli.report.model import Report, Value, object_text
 
 PLAIN_TABLE_ROWS = 2000  # rich lays out big tables slowly (50,000 rows: seconds)
 METADATA_VALUE_CHARS = 200  # a longer metadata value is shortened in the table (JSON has it all)
@@ -91,6 +91,8 @@ def cell_text(value: Value) -> str:
         return f"{value:.6g}"
     if isinstance(value, list):
         return "[" + ",".join(map(str, value)) + "]"
+    if isinstance(value, dict):
+        return printable(object_text(value))
     return printable(str(value))
 
 

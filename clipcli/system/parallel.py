@@ -6,21 +6,30 @@ so threads use both cores without copying data between processes.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 
+# Where a cgroup (v2) limits the CPU time of this process: "max 100000" or "QUOTA PERIOD".
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
 def worker_count() -> int:
-    """CLIPCLI_THREADS if set, else the usable cores (at most 8: memory bandwidth saturates)."""
+    """CLIPCLI_THREADS if set, else the cores this process may use: the CPUs it may run on
+    (sched_getaffinity: taskset, cpusets), fewer where a cgroup CPU quota allows less
+    (a container given 4 CPUs of a 64-core host). No fixed cap: each chunk holds the GIL
+    for a few microseconds against ~200 us of numpy work that releases it (~3%), so
+    throughput grows with cores until memory bandwidth is reached, and threads past that
+    only wait (benchmarks/RESULTS.md, issue 20)."""
     configured = os.environ.get("CLIPCLI_THREADS")
     if configured and configured.isdigit() and int(configured) > 0:
         return int(configured)
@@ -28,52 +37,81 @@ def worker_count() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(cores, 8))
+    quota = cgroup_cpu_quota(CGROUP_CPU_MAX)
+    if quota is not None:
+        cores = min(cores, quota)
+    return max(1, cores)
+
+
+def cgroup_cpu_quota(path: Path) -> int | None:
+    """The whole CPUs a cgroup v2 cpu.max allows (its quota / its period, rounded up), or
+    None where there is no such file, no quota ("max") or the file is not understood."""
+    try:
+        text = path.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError):
+        return None
+    fields = text.split()
+    if len(fields) != 2 or not all(f.isdigit() for f in fields):
+        return None  # "max 100000" (no quota) or malformed
+    quota, period = int(fields[0]), int(fields[1])
+    if quota <= 0 or period <= 0:
+        return None
+    return -(-quota // period)
 
 
 _NOTHING: Any = object()
 
 
 class _Task(Generic[R]):
-    """One item's work: run by a worker thread, or cancelled before it starts."""
+    """One item's work: run by a worker thread, or cancelled before it starts.
 
-    __slots__ = ("_fn", "_done", "_lock", "_state", "_value", "_error")
+    Two plain locks, not an Event: an Event's wait and set run a Condition in Python
+    (several microseconds under the GIL per chunk, a serial cost that grows with the
+    thread count); acquiring a lock is one C call. `_claim` is taken by whichever of run()
+    and cancel() comes first; `_finished` is held from creation until the task is done or
+    cancelled, so waiting for it is acquiring it."""
 
-    def __init__(self, fn: Callable[[], R]) -> None:
-        self._fn = fn
-        self._done = threading.Event()
-        self._lock = threading.Lock()
-        self._state = "pending"  # -> running -> done, or -> cancelled
+    __slots__ = ("_fn", "_item", "_claim", "_finished", "_cancelled", "_value", "_error")
+
+    def __init__(self, fn: Callable[[Any], R], item: Any) -> None:
+        self._fn: Callable[[Any], R] | None = fn
+        self._item = item
+        self._claim = threading.Lock()
+        self._finished = threading.Lock()
+        self._finished.acquire()
+        self._cancelled = False
         self._value: Any = None
         self._error: BaseException | None = None
 
     def run(self) -> None:
-        with self._lock:
-            if self._state != "pending":
-                return
-            self._state = "running"
+        if not self._claim.acquire(blocking=False):  # cancelled
+            return
+        fn, item = self._fn, self._item
+        self._fn = self._item = None  # what they hold can go once done
         try:
-            self._value = self._fn()
+            assert fn is not None
+            self._value = fn(item)
         except BaseException as exc:  # handed to the caller, in order, by result()
             self._error = exc
         finally:
-            self._state = "done"
-            self._fn = None  # type: ignore[assignment]  # what it holds can go now
-            self._done.set()
+            self._finished.release()
 
     def cancel(self) -> bool:
         """Cancel it if no thread has started it; False if one has (wait() for it)."""
-        with self._lock:
-            if self._state == "pending":
-                self._state = "cancelled"
-                self._done.set()
-            return self._state == "cancelled"
+        if self._cancelled or self._claim.acquire(blocking=False):
+            if not self._cancelled:
+                self._cancelled = True
+                self._fn = self._item = None
+                self._finished.release()
+            return True
+        return False
 
     def wait(self) -> None:
-        self._done.wait()
+        with self._finished:
+            pass
 
     def result(self) -> R:
-        self._done.wait()
+        self.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -158,7 +196,7 @@ def ordered_map(
     pending: deque[_Task[R]] = deque()
     try:
         for item in everything:
-            task: _Task[R] = _Task(functools.partial(fn, item))
+            task: _Task[R] = _Task(fn, item)
             pool.submit(task)
             pending.append(task)
             if len(pending) >= 2 * workers:

@@ -1,5 +1,6 @@
-"""The commands' bodies: parse results in, a call to the library, a report out.
+"""The commands' bodies: a request in (declared in clipcli/cli/declarations.py), a call to
+the library, a report out.
 
-cli.py registers them on the Typer app and holds the one error boundary; nothing here
-turns an exception into an exit code.
+clipcli/cli/entry.py runs them inside the one error boundary; nothing here turns an
+exception into an exit code.
 """

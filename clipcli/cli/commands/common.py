@@ -3,7 +3,7 @@
 import contextlib
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import UsageError, WriteError, printable
@@ -15,11 +15,11 @@ if TYPE_CHECKING:
 
 
 def selection(
-    include: list[str] | None, exclude: list[str] | None, all_tensors: bool = False
+    include: Sequence[str], exclude: Sequence[str], all_tensors: bool = False
 ) -> "Selection":
     from clipcli.jobs.selection import Selection
 
-    return Selection(tuple(include or ()), tuple(exclude or ()), all_tensors)
+    return Selection(tuple(include), tuple(exclude), all_tensors)
 
 
 def notify(level: str, text: str) -> None:

@@ -2,7 +2,6 @@
 
 import math
 import sys
-from pathlib import Path
 
 from clipcli.cli.commands.common import (
     check_threshold,
@@ -13,49 +12,41 @@ from clipcli.cli.commands.common import (
     report_format,
     selection,
 )
+from clipcli.cli.declarations import DiffRequest
 from clipcli.errors import ExitCode, Verdict, printable
-from clipcli.report import OutputFormat, SortKey
 
 
-def diff(
-    path_a: Path,
-    path_b: Path,
-    fmt: OutputFormat = OutputFormat.TABLE,
-    as_json: bool = False,
-    quiet: bool = False,
-    include: list[str] | None = None,
-    exclude: list[str] | None = None,
-    changed_only: bool = False,
-    sort: SortKey = SortKey.NAME,
-    top: int | None = None,
-    fail_above: float | None = None,
-    all_tensors: bool = False,
-) -> None:
-    fmt = report_format(fmt, as_json, quiet)
-    check_threshold("--fail-above", fail_above)
+def diff(request: DiffRequest) -> None:
+    fmt = report_format(request.fmt, request.as_json, request.quiet)
+    check_threshold("--fail-above", request.fail_above)
     from clipcli import api
     from clipcli.report.builders import diff_report
 
     result = api.diff(
-        path_a,
-        path_b,
-        selection(include, exclude, all_tensors),
-        progress=progress(quiet),
+        request.path_a,
+        request.path_b,
+        selection(request.include, request.exclude, request.all_tensors),
+        progress=progress(request.quiet),
         notify=notify,
     )
-    if not quiet:
-        emit(lambda: print_report(diff_report(result, changed_only, sort, top), fmt))
-    if fail_above is not None:
+    if not request.quiet:
+        emit(
+            lambda: print_report(
+                diff_report(result, request.changed_only, request.sort, request.top), fmt
+            )
+        )
+    limit = request.fail_above
+    if limit is not None:
         largest = result.largest_change
         change = None if largest is None else largest.rel_change
         over = None
-        if largest is not None and change is not None and not change <= fail_above:  # nan too
+        if largest is not None and change is not None and not change <= limit:  # nan too
             over = (largest.name, change)
         # Structure counts as much as values: a missing tensor, a changed shape or dtype,
         # and a changed metadata key, attribute, group or non-tensor dataset all fail it.
         other = result.n_structural + result.n_dtype_changed + len(result.metadata_changes)
         if other or over:
-            print(fail_above_message(over, other, fail_above), file=sys.stderr)
+            print(fail_above_message(over, other, limit), file=sys.stderr)
             raise Verdict(ExitCode.CONDITION)
 
 

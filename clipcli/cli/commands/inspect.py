@@ -15,144 +15,128 @@ from clipcli.cli.commands.common import (
     report_format,
     selection,
 )
+from clipcli.cli.declarations import LsRequest, NormsRequest
 from clipcli.errors import ExitCode, UsageError, Verdict, printable
 from clipcli.report import OutputFormat, SortKey
 
 if TYPE_CHECKING:
     from clipcli.system.footprint import InputFootprint
 
-NORMS_EPILOG = (
-    "\b\nExamples:\n"
-    "  clipcli norms model.safetensors\n"
-    "  clipcli norms model.safetensors --sort norm --top 5 --format json\n"
-    "  clipcli norms m.safetensors --fail-above 5 ||\n"
-    "      clipcli clip --global 5 m.safetensors o.safetensors"
-)
 
-
-def ls(
-    path: Path,
-    fmt: OutputFormat = OutputFormat.TABLE,
-    as_json: bool = False,
-    quiet: bool = False,
-    include: list[str] | None = None,
-    exclude: list[str] | None = None,
-    sort: SortKey = SortKey.NAME,
-) -> None:
-    fmt = report_format(fmt, as_json, quiet)
-    if sort is SortKey.NORM:
+def ls(request: LsRequest) -> None:
+    fmt = report_format(request.fmt, request.as_json, request.quiet)
+    if request.sort is SortKey.NORM:
         raise UsageError(
             "ls reads no tensor data, so it cannot sort by norm; use norms --sort norm"
         )
     from clipcli import api  # imports no numpy and no measuring or writing module
     from clipcli.report.builders import ls_report
 
-    listed = api.listing(path)
+    listed = api.listing(request.path, request.stored)
     chosen = list(listed.tensors)
-    if include or exclude:
-        chosen = selection(include, exclude).check(listed.tensors, notify)
+    if request.include or request.exclude:
+        chosen = selection(request.include, request.exclude).check(listed.tensors, notify)
     report = ls_report(
-        str(path),
+        str(request.path),
         listed.format_name,
         listed.metadata,
         chosen,
-        sort,
+        request.sort,
         listed.shards,
         listed_of=len(listed.tensors),
         non_tensors=listed.non_tensors,
+        quantized=listed.quantized,
     )
-    if not quiet:  # the listing was still read and checked: exit 3 for a malformed file
+    if not request.quiet:  # the listing was still read and checked: exit 3 for a malformed file
         emit(lambda: print_report(report, fmt))
 
 
-def norms(
-    path: Path,
-    fmt: OutputFormat | None = None,
-    as_json: bool = False,
-    quiet: bool = False,
-    include: list[str] | None = None,
-    exclude: list[str] | None = None,
-    sort: SortKey = SortKey.NAME,
-    top: int | None = None,
-    fail_above: float | None = None,
-    group_by: str | None = None,
-    chart: bool = False,
-    limit: float | None = None,
-    plot: Path | None = None,
-    force: bool = False,
-    all_tensors: bool = False,
-) -> None:
+def norms(request: NormsRequest) -> None:
+    fmt = request.fmt
     # Every option acts or is refused here, before any data is read.
-    if fmt is not None or as_json:  # none given: a table, or with --plot alone no report
-        fmt = report_format(fmt or OutputFormat.TABLE, as_json, quiet)
-    if chart and quiet:
+    if fmt is not None or request.as_json:  # none given: a table, or with --plot alone no report
+        fmt = report_format(fmt or OutputFormat.TABLE, request.as_json, request.quiet)
+    if request.chart and request.quiet:
         raise UsageError("--quiet prints no report; it cannot be --chart")
-    if chart and fmt not in (None, OutputFormat.TABLE):
+    if request.chart and fmt not in (None, OutputFormat.TABLE):
         raise UsageError(f"--chart draws for the terminal; it cannot be --format {fmt.value}")
-    if limit is not None and not (chart or plot is not None):
+    if request.limit is not None and not (request.chart or request.plot is not None):
         raise UsageError("--limit marks a norm on --chart or --plot; give one of them")
-    check_threshold("--limit", limit)
-    if limit is not None and not (math.isfinite(limit) and limit > 0):
-        raise UsageError(f"--limit {limit:g}: a norm to mark must be positive and finite")
-    check_threshold("--fail-above", fail_above)
-    if force and plot is None:
+    check_threshold("--limit", request.limit)
+    if request.limit is not None and not (math.isfinite(request.limit) and request.limit > 0):
+        raise UsageError(f"--limit {request.limit:g}: a norm to mark must be positive and finite")
+    check_threshold("--fail-above", request.fail_above)
+    if request.force and request.plot is None:
         raise UsageError("--force replaces an existing --plot FILE; give --plot")
-    if group_by is not None:
+    if request.group_by is not None:
         from clipcli.jobs.groups import compile_group_by
 
-        compile_group_by(group_by)
-        if sort is SortKey.SIZE:  # groups have no size of their own to sort by
+        compile_group_by(request.group_by)
+        if request.sort is SortKey.SIZE:  # groups have no size of their own to sort by
             raise UsageError("--sort size orders tensors; groups sort by name or norm")
-    if plot is not None:
+    if request.plot is not None:
         from clipcli.report.plot import check_plot_target
 
-        check_plot_target(plot, force)
-        overlap = _input_footprint(path).overlap(plot)
+        check_plot_target(request.plot, request.force)
+        overlap = _input_footprint(request.path).overlap(request.plot)
         if overlap is not None:  # the input is never written over, --force or not
-            raise UsageError(f"--plot {plot} {overlap}; choose another file")
+            raise UsageError(f"--plot {request.plot} {overlap}; choose another file")
 
     from clipcli.api import measure
     from clipcli.report.builders import bars_of, groups_report, norms_report
 
+    chosen = selection(request.include, request.exclude, request.all_tensors)
     measurement = measure(
-        path, selection(include, exclude, all_tensors), progress(quiet), notify, group_by
+        request.path, chosen, progress(request.quiet), notify, request.group_by, request.stored
     )
-    if group_by is not None:
-        report = groups_report(measurement, group_by, sort, top)
+    if request.group_by is not None:
+        report = groups_report(measurement, request.group_by, request.sort, request.top)
     else:
-        report = norms_report(measurement, sort, top)
+        report = norms_report(measurement, request.sort, request.top)
     bars = bars_of(report)  # the chart and the plot draw exactly the rows listed
-    if chart:
+    if request.chart:
         from clipcli.report.chart import render_chart
         from clipcli.report.table import output_width
 
         width = output_width(sys.stdout)
         emit(
             lambda: render_chart(
-                report.title, bars.labels, bars.norms, limit, sys.stdout, width, bars.counted
+                report.title,
+                bars.labels,
+                bars.norms,
+                request.limit,
+                sys.stdout,
+                width,
+                bars.counted,
             )
         )
-    elif not quiet and (fmt is not None or plot is None):  # --plot alone: the picture
+    elif not request.quiet and (
+        fmt is not None or request.plot is None
+    ):  # --plot alone: the picture
         emit(lambda: print_report(report, fmt or OutputFormat.TABLE))
-    if plot is not None:
+    if request.plot is not None:
         from clipcli.output.target import NewFileTarget
         from clipcli.report.plot import render_plot
 
-        picture = render_plot(bars, limit, group_by is not None, plot.suffix)
-        target = NewFileTarget(plot, force=force, durable=False)  # a picture, not a copy
-        target.check(_input_footprint(path))
+        picture = render_plot(
+            bars, request.limit, request.group_by is not None, request.plot.suffix
+        )
+        target = NewFileTarget(
+            request.plot, force=request.force, durable=False
+        )  # a picture, not a copy
+        target.check(_input_footprint(request.path))
         with target.stage() as staged:  # whole or not at all; no-clobber without --force
             staged.write_bytes(picture)
-        if not quiet and fmt in (None, OutputFormat.TABLE):
+        if not request.quiet and fmt in (None, OutputFormat.TABLE):
             # The report for people says what was written, as clip's and convert's do;
             # JSON, JSONL and CSV stay data only.
-            line = f"wrote {printable(str(plot))}"
+            line = f"wrote {printable(str(request.plot))}"
             emit(lambda: print(line))
-    if fail_above is not None:
+    if request.fail_above is not None:
         g = measurement.global_norm
-        if math.isnan(g) or g > fail_above:
+        if math.isnan(g) or g > request.fail_above:
             print(
-                f"clipcli: global norm {g:.6g} exceeds --fail-above {fail_above:g}",
+                f"clipcli: global norm {g:.6g} exceeds --fail-above {request.fail_above:g}",
                 file=sys.stderr,
             )
             raise Verdict(ExitCode.CONDITION)

@@ -24,6 +24,37 @@ if TYPE_CHECKING:
 
 SCHEME_PREFIX = "gguf-"  # a logical tensor's scheme: "gguf-Q4_0"
 
+# Where each block type keeps the float16 scales its values are linear in: byte offsets
+# inside one block (ggml-common.h's block_* structs; gguf.quants splits blocks the same
+# way). Every value of a block is d * f(payload) (Q4_1, Q5_1: + m; the K-quants Q2_K,
+# Q4_K, Q5_K: - dmin * g(payload)), so multiplying these fields by s multiplies every
+# value by s before the fields' own float16 rounding; the payload is left as it is.
+# Not here (a clip of them is refused): IQ1_M (its scale is packed into the high bits of
+# the sub-block scales), MXFP4 (an E8M0 exponent: powers of two only), NVFP4 (fp8 UE4M3
+# sub-block scales), and the types gguf.quants cannot dequantize (Q8_1, Q8_K, Q1_0).
+SCALE_FIELDS: dict[str, tuple[int, ...]] = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),  # d, m
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),  # d, m
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),  # after scales[16], qs[64]: d, dmin
+    "Q3_K": (108,),  # after hmask[32], qs[64], scales[12]
+    "Q4_K": (0, 2),  # d, dmin
+    "Q5_K": (0, 2),  # d, dmin
+    "Q6_K": (208,),  # after ql[128], qh[64], scales[16]
+    "TQ1_0": (52,),  # after qs[48], qh[4]
+    "TQ2_0": (64,),  # after qs[64]
+    "IQ2_XXS": (0,),
+    "IQ2_XS": (0,),
+    "IQ2_S": (0,),
+    "IQ3_XXS": (0,),
+    "IQ3_S": (0,),
+    "IQ1_S": (0,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+
 
 @functools.cache
 def can_dequantize(type_name: str) -> bool:

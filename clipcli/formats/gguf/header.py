@@ -216,6 +216,34 @@ class _Cursor:
             )
         self.pos += count
 
+    def skip_strings(self, count: int, what: str) -> None:
+        """Skip `count` strings (u64 length, then its bytes), each length checked against
+        the bytes left after it, as string_length does: the same walk in one tight loop
+        over the window (a 256k-token vocabulary's is most of a GGUF header's cost)."""
+        length_at = struct.Struct(self.order + "Q").unpack_from
+        while count:
+            if self.left() < 8:
+                self.take(8, f"{what}: a string's length")  # raises: past the end
+            start = self.pos - self._window_start
+            if start < 0 or start + 8 > len(self._window):
+                self._window = self._read_at(self.pos, min(_WINDOW, self.left()))
+                self._window_start, start = self.pos, 0
+                self._check_got(self._window, 8)
+            window, end, base = self._window, len(self._window), self._window_start
+            at = start
+            while count and at + 8 <= end:
+                (length,) = length_at(window, at)
+                at += 8
+                if length > self.size - (base + at):
+                    self.pos = base + at
+                    raise MalformedGGUF(
+                        f"{what}: a string claims {length} bytes at offset {self.pos}; the "
+                        f"file has {self.left()} left"
+                    )
+                at += length
+                count -= 1
+            self.pos = base + at
+
     def unpack(self, fmt: str, what: str) -> int | float:
         code = self.order + fmt
         (value,) = struct.unpack(code, self.take(struct.calcsize(code), what))
@@ -335,13 +363,13 @@ def _array(cursor: _Cursor, key: str, depth: int) -> tuple[str, str, None, int]:
     else:
         for index in range(count):
             if item_type == STRING:
+                if index == SHOWN_ITEMS:  # the rest: lengths walked, bytes skipped
+                    cursor.skip_strings(count - index, what)
+                    break
                 length = cursor.string_length(f"{what}[{index}]")
-                if index < SHOWN_ITEMS:
-                    raw = cursor.take(min(length, 64), what)
-                    cursor.skip(length - len(raw), what)
-                    shown.append(repr(raw.decode("utf-8", "replace")))
-                else:
-                    cursor.skip(length, what)
+                raw = cursor.take(min(length, 64), what)
+                cursor.skip(length - len(raw), what)
+                shown.append(repr(raw.decode("utf-8", "replace")))
             else:
                 item_type_name, text, _, _ = _value(cursor, ARRAY, key, depth + 1)
                 if index < SHOWN_ITEMS:

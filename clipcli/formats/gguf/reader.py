@@ -1,10 +1,11 @@
 """The GGUF reader: clipcli's own header parser (header.py) validates the file, then tensor
 bytes are read with pread and block-quantized ones dequantized with `gguf.quants`.
 
-Stored tensors (`stored_infos`): F32/F16/BF16/F64/I8..I64 as their numpy dtypes, block
-types as uint8 rows of blocks, all in numpy order (ggml's `ne` reversed). What jobs see
-(`infos`) are the value tensors of BlockTypes: block-quantized tensors as float32, the
-real values, dequantized a bounded run of blocks at a time (blocks.py).
+The reader's tensors (`infos`, `stored_infos`) are the stored ones: F32/F16/BF16/F64/I8..I64
+as their numpy dtypes, block types as uint8 rows of whole blocks, all in numpy order
+(ggml's `ne` reversed). The block-quantized tensors' real values (float32, dequantized a
+bounded run of blocks at a time: blocks.py, `values`) are what jobs measure, through
+clipcli.logical.gguf's GGUFView.
 
 The `gguf` package is imported only here, only when a quantized tensor is dequantized (it
 loads yaml, ~60 ms): `ls` of a GGUF file needs neither it nor numpy.
@@ -117,7 +118,7 @@ class GgufReader(Reader):
 
         digest = hashlib.blake2b(digest_size=16)
         for start in range(begin, end, 1 << 20):
-            chunk = self._read_at(start, min(1 << 20, end - start))
+            chunk = self.read_at(start, min(1 << 20, end - start))
             if len(chunk) != min(1 << 20, end - start):
                 raise self._fail("file shrank while its metadata was read")
             digest.update(chunk)
@@ -148,7 +149,7 @@ class GgufReader(Reader):
                     dropped.append(key)  # a string over header.MAX_KEPT_STRING, or a big array
                     continue
                 try:
-                    values = array_values(self._read_at, self.header, begin, end)
+                    values = array_values(self.read_at, self.header, begin, end)
                 except MalformedGGUF:  # not UTF-8
                     dropped.append(key)
                     continue
@@ -156,7 +157,8 @@ class GgufReader(Reader):
             self._carried = carried, dropped
         return self._carried
 
-    def _read_at(self, offset: int, count: int) -> bytes:
+    def read_at(self, offset: int, count: int) -> bytes:
+        """Up to `count` bytes of the file at `offset` (the header's spans: checked)."""
         return os.pread(self._file.fileno(), count, offset)
 
     # -- stored and logical tensors
@@ -168,22 +170,21 @@ class GgufReader(Reader):
     def stored_infos(self) -> list[TensorInfo]:
         """The tensors as stored: plain types typed, block types as uint8 rows of blocks."""
         if self._stored is None:
-            import numpy as np
-
-            from clipcli.dtypes import dtype_named
-
-            stored = []
-            for e in self.header.tensors:
-                if e.plain:
-                    stored.append(
-                        TensorInfo(e.name, dtype_named(PLAIN_TYPES[e.type_name]), e.shape, e.nbytes)
-                    )
-                else:
-                    _, block, type_size = GGML_TYPES[e.ggml_type]
-                    shape = (*e.shape[:-1], e.ne[0] // block * type_size)
-                    stored.append(TensorInfo(e.name, np.dtype(np.uint8), shape, e.nbytes))
-            self._stored = stored
+            self._stored = [self.stored_info(e) for e in self.header.tensors]
         return self._stored
+
+    @staticmethod
+    def stored_info(entry: TensorEntry) -> TensorInfo:
+        import numpy as np
+
+        from clipcli.dtypes import dtype_named
+
+        if entry.plain:
+            dtype = dtype_named(PLAIN_TYPES[entry.type_name])
+            return TensorInfo(entry.name, dtype, entry.shape, entry.nbytes)
+        _, block, type_size = GGML_TYPES[entry.ggml_type]
+        shape = (*entry.shape[:-1], entry.ne[0] // block * type_size)
+        return TensorInfo(entry.name, np.dtype(np.uint8), shape, entry.nbytes)
 
     @property
     def blocks(self) -> BlockTypes:
@@ -195,15 +196,32 @@ class GgufReader(Reader):
 
     @property
     def infos(self) -> list[TensorInfo]:
-        """The tensors as values: block-quantized ones as float32 (blocks.BlockTypes)."""
-        return [tensor.info for tensor in self.blocks.tensors()]
+        """The stored tensors (stored_infos): block types as uint8 rows of whole blocks.
+        Their values (float32) are clipcli.logical.gguf's GGUFView, through `values`."""
+        return self.stored_infos
 
     def warnings(self) -> list[str]:
         """What a measurement leaves out: block types gguf.quants cannot dequantize."""
         return self.blocks.warnings()
 
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
-        for load in self._loaders(info, chunk_elems):
+        """The stored bytes or elements; a block type's chunks hold whole blocks (but one
+        block cut to `chunk_elems` when that is shorter)."""
+        return self._cut(self._loaders(info, chunk_elems, decoded=False), chunk_elems)
+
+    def values(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
+        """The values of the value tensor `info` (blocks.BlockTypes: float32, dequantized a
+        bounded run of blocks at a time; a plain tensor's are its stored ones)."""
+        return self._cut(self._loaders(info, chunk_elems, decoded=True), chunk_elems)
+
+    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:
+        return self._loaders(info, None, decoded=False)
+
+    @staticmethod
+    def _cut(
+        loaders: Iterator[Callable[[], np.ndarray]], chunk_elems: int | None
+    ) -> Iterator[np.ndarray]:
+        for load in loaders:
             piece = load()
             if chunk_elems is None or piece.size <= chunk_elems:
                 yield piece
@@ -211,22 +229,21 @@ class GgufReader(Reader):
                 for start in range(0, piece.size, chunk_elems):
                     yield piece[start : start + chunk_elems]
 
-    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:
-        return self._loaders(info, None)
-
     def _loaders(
-        self, info: TensorInfo, chunk_elems: int | None
+        self, info: TensorInfo, chunk_elems: int | None, *, decoded: bool
     ) -> Iterator[Callable[[], np.ndarray]]:
         entry = self._entries[info.name]
         begin = self.header.data_start + entry.offset
         end = begin + entry.nbytes
-        decode = self.blocks.decoder(entry, info)
-        if decode is None:  # as stored: plain, or blocks left as bytes
+        decode = self.blocks.decoder(entry, info) if decoded else None
+        _, block, type_size = GGML_TYPES[entry.ggml_type]
+        if decode is None:  # as stored: plain, or blocks as bytes
             step = (chunk_elems or default_chunk_elems(info.dtype)) * info.dtype.itemsize
+            if block > 1:  # whole blocks: what GGUFView rescales field by field
+                step = max(type_size, step // type_size * type_size)
             for start in range(begin, end, step):
                 yield functools.partial(self._read_as, info.dtype, start, min(start + step, end))
             return
-        _, block, type_size = GGML_TYPES[entry.ggml_type]
         blocks = max(1, (chunk_elems or default_chunk_elems(info.dtype)) // block)
         step = blocks * type_size
         for start in range(begin, end, step):

@@ -12,12 +12,14 @@ tensor an exactly identical view belongs to, so a global norm counts it once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import mmap
 import os
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from clipcli.errors import InputError
 from clipcli.formats.base import (
@@ -137,7 +139,12 @@ class PyTorchReader(Reader):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
-        self._handle = open_input(path)  # closed by close()
+        self._handle: BinaryIO | None = open_input(path)  # closed by close() or release()
+        self._closed = False
+        # Reads in progress (worker threads' loaders): release() waits for them to end.
+        self._lock = threading.Lock()
+        self._users = 0
+        self._close_when_idle = False
         try:
             self._fd = self._handle.fileno()
             self._identity = FileIdentity.of_stat(os.fstat(self._fd))
@@ -148,11 +155,55 @@ class PyTorchReader(Reader):
             self._handle.close()
             raise
 
+    def _descriptor(self) -> int:
+        """The open descriptor, reopened (and checked to be the same file) after release():
+        a directory of many shards keeps only some open (clipcli.formats.sharded)."""
+        if self._handle is None:
+            if self._closed:
+                raise ValueError(f"{self.path}: reader is closed")
+            handle = open_input(self.path)
+            if FileIdentity.of_stat(os.fstat(handle.fileno())) != self._identity:
+                handle.close()
+                raise InputError(self.path, "file changed since it was opened")
+            self._handle = handle
+        return self._handle.fileno()
+
+    def fileno(self) -> int:
+        with self._lock:
+            return self._descriptor()
+
+    def release(self) -> None:
+        """Close the descriptor until the next read needs it (once the reads in progress
+        are done)."""
+        with self._lock:
+            if self._users:
+                self._close_when_idle = True
+            elif self._handle is not None:
+                self._handle.close()
+                self._handle = None
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[int]:
+        """The descriptor, held open for one read."""
+        with self._lock:
+            self._close_when_idle = False
+            fd = self._descriptor()
+            self._users += 1
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users and self._close_when_idle and self._handle is not None:
+                    self._handle.close()
+                    self._handle = None
+
     def _parse(self) -> layouts.Parsed:
         try:
             head = os.pread(self._fd, 16, 0)
         except OSError as exc:
             raise InputError(self.path, f"cannot read: {exc.strerror}") from None
+        assert self._handle is not None
         if head.startswith(b"PK\x03\x04"):
             return layouts.parse_zip(self.path, self._handle)
         if layouts.is_legacy_stream(head):
@@ -200,13 +251,39 @@ class PyTorchReader(Reader):
         tied = [f"{name} = {first}" for name, first in self._shared.items()]
         if tied:
             self._metadata["pytorch.tied"] = _value_text("; ".join(tied))
-        overlapping = [
+        shared = [
             ", ".join(names)
             for names in self._storage_mates.values()
             if len({self._shared.get(n, n) for n in names}) > 1
         ]
-        if overlapping:
-            self._metadata["pytorch.shared_storage"] = _value_text("; ".join(overlapping))
+        if shared:
+            self._metadata["pytorch.shared_storage"] = _value_text("; ".join(shared))
+        self._overlapping = self._overlaps()
+
+    def _overlaps(self) -> list[tuple[str, ...]]:
+        """Groups of tensors (tied ones stand for their first) whose byte ranges in one
+        storage intersect, found by a sweep over each storage's ranges sorted by start.
+        Judged by ranges, not elements: two strided views that interleave (even and odd
+        columns) count as overlapping, which errs on the side of refusing a clip."""
+        groups: list[tuple[str, ...]] = []
+        for names in self._storage_mates.values():
+            ranges = sorted(
+                (located.begin + located.first, located.begin + located.first + located.span, n)
+                for n in names
+                if n not in self._shared and (located := self._located[n]).span > 0
+            )
+            current: list[str] = []
+            reach = -1
+            for start, end, name in ranges:
+                if current and start >= reach:
+                    if len(current) > 1:
+                        groups.append(tuple(current))
+                    current = []
+                current.append(name)
+                reach = max(reach, end) if len(current) > 1 else end
+            if len(current) > 1:
+                groups.append(tuple(current))
+        return groups
 
     def _locate(self, name: str, tensor: Tensor, spans: Mapping[str, layouts.Span]) -> _Located:
         storage = tensor.storage
@@ -252,6 +329,14 @@ class PyTorchReader(Reader):
         """The earlier tensor whose view `name` repeats exactly (tied weights), or None."""
         return self._shared.get(name)
 
+    def tied(self) -> dict[str, str]:
+        """Every tied tensor -> the first tensor of its identical view."""
+        return dict(self._shared)
+
+    def overlapping_views(self) -> list[tuple[str, ...]]:
+        """Groups of tensors (not tied) whose bytes in one storage overlap in part."""
+        return list(self._overlapping)
+
     def tensor_layout(self, name: str) -> tuple[str, int, tuple[int, ...], tuple[int, ...]]:
         """(storage key, storage offset, sizes, strides) of a tensor, as the pickle says."""
         tensor = self._located[name].tensor
@@ -283,26 +368,54 @@ class PyTorchReader(Reader):
             return array.byteswap().view(dtype)
         return array.astype(dtype)
 
-    def _pread(self, count: int, offset: int) -> bytes:
-        try:
-            data = os.pread(self._fd, count, offset)
-        except OSError as exc:
-            raise InputError(self.path, f"cannot read: {exc.strerror}") from None
-        if len(data) != count:
-            raise InputError(self.path, "file is truncated (it changed while being read?)")
-        return data
-
-    def _contiguous(self, info: TensorInfo, located: _Located, elems: int) -> Iterator[np.ndarray]:
+    def _pread(self, count: int, offset: int) -> np.ndarray:
+        """`count` bytes at `offset`, read with preadv into a fresh array (no bytes object
+        to copy from, and the resident set stays bounded)."""
         import numpy as np
 
+        raw = np.empty(count, dtype=np.uint8)
+        view = memoryview(raw)  # type: ignore[arg-type]
+        done = 0
+        with self._reading() as fd:
+            while done < count:
+                try:
+                    got = os.preadv(fd, [view[done:]], offset + done)
+                except OSError as exc:
+                    raise InputError(self.path, f"cannot read: {exc.strerror}") from None
+                if got == 0:
+                    raise InputError(self.path, "file is truncated (it changed while being read?)")
+                done += got
+        return raw
+
+    def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]] | None:
+        """Thread-safe loaders of a contiguous tensor's chunks (pread needs no shared file
+        position); None for a strided view, read in order through its map."""
+        located = self._located[info.name]
+        if not located.contiguous or located.span == 0:
+            return None
+        return self._loaders(info, located, default_chunk_elems(info.dtype))
+
+    def _loaders(
+        self, info: TensorInfo, located: _Located, elems: int
+    ) -> Iterator[Callable[[], np.ndarray]]:
         itemsize = info.dtype.itemsize
         start = located.begin + located.first
         file_dtype = self._file_dtype(info.dtype)
         numel = info.numel
         for position in range(0, numel, elems):
             count = min(elems, numel - position)
-            raw = self._pread(count * itemsize, start + position * itemsize)
-            yield self._native(np.frombuffer(raw, dtype=file_dtype), info.dtype)
+            yield functools.partial(
+                self._load, count * itemsize, start + position * itemsize, file_dtype, info.dtype
+            )
+
+    def _load(
+        self, count: int, offset: int, file_dtype: np.dtype[Any], dtype: np.dtype[Any]
+    ) -> np.ndarray:
+        return self._native(self._pread(count, offset).view(file_dtype), dtype)
+
+    def _contiguous(self, info: TensorInfo, located: _Located, elems: int) -> Iterator[np.ndarray]:
+        for load in self._loaders(info, located, elems):
+            yield load()
 
     def _strided(self, info: TensorInfo, located: _Located, elems: int) -> Iterator[np.ndarray]:
         """A strided view read through an mmap of just its span, copied out in C order a
@@ -315,7 +428,8 @@ class PyTorchReader(Reader):
         aligned = begin - begin % mmap.ALLOCATIONGRANULARITY
         length = begin - aligned + located.span
         try:
-            window = mmap.mmap(self._fd, length, access=mmap.ACCESS_READ, offset=aligned)
+            with self._reading() as fd:  # the map holds its own reference to the file
+                window = mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=aligned)
         except (OSError, ValueError) as exc:
             raise InputError(self.path, f"cannot map: {exc}", info.name) from None
         view: np.ndarray | None = None
@@ -345,7 +459,8 @@ class PyTorchReader(Reader):
         return {self.path: self._identity}
 
     def close(self) -> None:
-        self._handle.close()
+        self._closed = True
+        self.release()
 
 
 def _c_contiguous(tensor: Tensor) -> bool:

@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from clipcli.errors import InputError
 from clipcli.formats import registry
@@ -25,6 +25,67 @@ SHARD_SUFFIX = SHARD_FORMAT.suffixes[0]
 INDEX_SUFFIX = SHARD_SUFFIX + ".index.json"
 DEFAULT_INDEX_NAME = "model" + INDEX_SUFFIX
 SINGLE_FILE_NAME = "model" + SHARD_SUFFIX
+
+
+class DirectoryNames(NamedTuple):
+    """How one kind of model directory names its files (transformers' names)."""
+
+    format: registry.Format  # the directory's registry entry
+    shard_suffix: str
+    index_suffix: str
+    default_index: str
+    single_file: str
+    # A directory without an index: its one file of shard_suffix (safetensors), or only
+    # the file named single_file (PyTorch: a `.bin` beside it may be training_args.bin).
+    single_by_suffix: bool
+
+    @property
+    def shard_format(self) -> registry.Format:
+        return registry.shard_format(self.format)
+
+    @property
+    def label(self) -> str:
+        return self.shard_format.label
+
+
+SAFETENSORS_NAMES = DirectoryNames(
+    registry.MODEL_DIRECTORY,
+    SHARD_SUFFIX,
+    INDEX_SUFFIX,
+    DEFAULT_INDEX_NAME,
+    SINGLE_FILE_NAME,
+    single_by_suffix=True,
+)
+PYTORCH_NAMES = DirectoryNames(
+    registry.PYTORCH_DIRECTORY,
+    ".bin",
+    ".bin.index.json",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+    single_by_suffix=False,
+)
+# In the order a directory is searched: safetensors first, where a model has both.
+DIRECTORY_KINDS = (SAFETENSORS_NAMES, PYTORCH_NAMES)
+_PYTORCH_STEM = "pytorch_model"
+
+
+def as_safetensors_name(name: str) -> str:
+    """The name transformers gives the safetensors twin of a PyTorch shard or index
+    (pytorch_model-00001-of-00002.bin -> model-00001-of-00002.safetensors,
+    pytorch_model.bin.index.json -> model.safetensors.index.json); other names as they are.
+    A directory written out is always safetensors (the model directory's writer)."""
+    for suffix, new_suffix in (
+        (PYTORCH_NAMES.index_suffix, INDEX_SUFFIX),
+        (PYTORCH_NAMES.shard_suffix, SHARD_SUFFIX),
+    ):
+        if name.endswith(suffix):
+            stem = name[: -len(suffix)]
+            if stem.startswith(_PYTORCH_STEM):
+                stem = "model" + stem[len(_PYTORCH_STEM) :]
+            return stem + new_suffix
+    return name
+
+
 MAX_INDEX_BYTES = MAX_HEADER_BYTES  # an index is smaller than the headers it summarises
 # Index metadata that only summarises the tensors (transformers writes total_size, and
 # since 5.x total_parameters): one joined file loses nothing without it, and diff does not
@@ -78,21 +139,27 @@ MAX_SIDE_DEPTH = 16
 # ---------------------------------------------------------------- finding a model directory
 
 
-def resolve_sharded(path: Path) -> tuple[Path, Path | None] | None:
-    """(directory, index) for a sharded checkpoint, (directory, None) for a single-file
-    model directory, None when PATH is not a directory or an index (an ordinary file).
+def resolve_sharded(path: Path) -> tuple[Path, Path | None, DirectoryNames] | None:
+    """(directory, index, names) for a sharded checkpoint, (directory, None, names) for a
+    single-file model directory, None when PATH is not a directory or an index (an
+    ordinary file). Safetensors files are looked for first, then PyTorch's
+    (pytorch_model.bin.index.json, pytorch_model.bin): a model saved both ways is read
+    from its safetensors, and the `.bin` files are left out (ShardedReader says so).
 
     A directory is always a model directory or an error: there is nothing else to read.
     """
     if path.is_dir():
         _check_listable(path)
-        index = find_index(path)
-        if index is not None:
-            return path, index
-        single_model_file(path)  # raises unless there is exactly one
-        return path, None
-    if path.name.endswith(INDEX_SUFFIX) and os.path.lexists(path):
-        return path.parent, path  # a FIFO or device here is refused when it is opened
+        for names in DIRECTORY_KINDS:
+            index = find_index(path, names)
+            if index is not None:
+                return path, index, names
+            if single_model_file(path, names, required=False) is not None:
+                return path, None, names
+        single_model_file(path, SAFETENSORS_NAMES)  # raises: none of either
+    for names in DIRECTORY_KINDS:
+        if path.name.endswith(names.index_suffix) and os.path.lexists(path):
+            return path.parent, path, names  # a FIFO or device is refused when it is opened
     return None
 
 
@@ -117,27 +184,40 @@ def not_a_directory(path: Path) -> bool:
     return os.path.lexists(path) and not path.is_dir()
 
 
-def find_index(directory: Path) -> Path | None:
-    """model.safetensors.index.json, else the one *.safetensors.index.json present."""
-    default = directory / DEFAULT_INDEX_NAME
+def find_index(directory: Path, names: DirectoryNames = SAFETENSORS_NAMES) -> Path | None:
+    """model.safetensors.index.json, else the one *.safetensors.index.json present (and
+    PyTorch's pytorch_model.bin.index.json, *.bin.index.json likewise)."""
+    default = directory / names.default_index
     if os.path.lexists(default):
         return default
-    found = sorted(p for p in directory.glob("*" + INDEX_SUFFIX) if not_a_directory(p))
+    found = sorted(p for p in directory.glob("*" + names.index_suffix) if not_a_directory(p))
     if len(found) > 1:
-        names = ", ".join(p.name for p in found)
-        raise InputError(directory, f"several safetensors indexes ({names}); pass the one to use")
+        listed = ", ".join(p.name for p in found)
+        raise InputError(
+            directory, f"several {names.label} indexes ({listed}); pass the one to use"
+        )
     return found[0] if found else None
 
 
-def single_model_file(directory: Path) -> Path:
-    """The directory's one *.safetensors file, for a model saved without shards."""
-    found = sorted(p for p in directory.glob("*" + SHARD_SUFFIX) if not_a_directory(p))
+def single_model_file(
+    directory: Path, names: DirectoryNames = SAFETENSORS_NAMES, required: bool = True
+) -> Path | None:
+    """The directory's one *.safetensors file (or its pytorch_model.bin), for a model saved
+    without shards; None when there is none and none is `required`."""
+    pattern = "*" + names.shard_suffix if names.single_by_suffix else names.single_file
+    found = sorted(p for p in directory.glob(pattern) if not_a_directory(p))
     if not found:
-        raise InputError(directory, "no safetensors index or model file in this directory")
-    if len(found) > 1:
-        names = ", ".join(p.name for p in found)
+        if not required:
+            return None
         raise InputError(
-            directory, f"{len(found)} safetensors files ({names}) but no index to join them"
+            directory,
+            "no safetensors index or model file in this directory "
+            f"(nor {PYTORCH_NAMES.single_file} or {PYTORCH_NAMES.default_index})",
+        )
+    if len(found) > 1:
+        listed = ", ".join(p.name for p in found)
+        raise InputError(
+            directory, f"{len(found)} {names.label} files ({listed}) but no index to join them"
         )
     return found[0]
 
@@ -201,15 +281,16 @@ def real_path_inside(entry: Path, roots: Iterable[Path]) -> Path:
     return real
 
 
-def check_shard_name(index_path: Path, tensor: str, shard: object) -> str:
-    """A shard must be a plain *.safetensors file name: no path may leave the directory."""
+def check_shard_name(
+    index_path: Path, tensor: str, shard: object, suffix: str = SHARD_SUFFIX
+) -> str:
+    """A shard must be a plain *.safetensors (*.bin) file name: no path may leave the
+    directory."""
     if not isinstance(shard, str):
         raise InputError(index_path, f"shard {shard!r} is not a string", tensor)
     plain = shard not in ("", ".", "..") and not any(c in shard for c in "/\\\0")
-    if not plain or not shard.endswith(SHARD_SUFFIX):
-        raise InputError(
-            index_path, f"shard {shard!r} is not a plain *{SHARD_SUFFIX} file name", tensor
-        )
+    if not plain or not shard.endswith(suffix):
+        raise InputError(index_path, f"shard {shard!r} is not a plain *{suffix} file name", tensor)
     return shard
 
 
@@ -217,7 +298,7 @@ def check_shard_name(index_path: Path, tensor: str, shard: object) -> str:
 
 
 def load_index(
-    index_path: Path, real: Path | None = None
+    index_path: Path, real: Path | None = None, names: DirectoryNames = SAFETENSORS_NAMES
 ) -> tuple[dict[str, Any], dict[str, str], FileIdentity]:
     """The index document, its weight map, with every structural check done, and the
     identity of the file read."""
@@ -235,7 +316,8 @@ def load_index(
     metadata = document.get("metadata", {})
     if not isinstance(metadata, dict):
         raise InputError(index_path, 'index "metadata" is not an object')
-    checked = {tensor: check_shard_name(index_path, tensor, s) for tensor, s in weight_map.items()}
+    suffix = names.shard_suffix
+    checked = {t: check_shard_name(index_path, t, s, suffix) for t, s in weight_map.items()}
     return document, checked, identity
 
 

@@ -20,7 +20,9 @@ from clipcli.formats.sharded.layout import (
     LEFT_OUT_FOLDERS,
     MAX_SIDE_DEPTH,
     MAX_SIDE_ENTRIES,
-    SHARD_FORMAT,
+    PYTORCH_NAMES,
+    SAFETENSORS_NAMES,
+    DirectoryNames,
     allowed_roots,
     flatten,
     holds_weights,
@@ -37,9 +39,13 @@ from clipcli.system.inputs import open_input, out_of_descriptors
 if TYPE_CHECKING:
     import numpy as np
 
-# The shards' reader, as the registry names it. The shards' interface beyond Reader
-# (fileno, release, byte ranges) is the safetensors reader's: the type says so.
-_SHARD_READER = cast("type[SafetensorsReader]", SHARD_FORMAT.reader_class())
+
+def _shard_reader_class(names: DirectoryNames) -> type[SafetensorsReader]:
+    """The shards' reader, as the registry names it. The shards' interface beyond Reader
+    (fileno, release) is the safetensors reader's, which the PyTorch reader has too: the
+    type says so."""
+    return cast("type[SafetensorsReader]", names.shard_format.reader_class())
+
 
 # Shard descriptors kept open at once; the others are reopened on demand (and checked to be
 # the same file). Far below the usual `ulimit -n` of 1024, which 2,000 shards would exceed.
@@ -55,10 +61,18 @@ class ShardedReader(Reader):
 
     format_name = FORMAT_NAME
 
-    def __init__(self, directory: Path, index_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        index_path: Path | None = None,
+        names: DirectoryNames = SAFETENSORS_NAMES,
+    ) -> None:
         super().__init__(directory)
         self.directory = directory
         self.index_path = index_path
+        self.names = names
+        self.format_name = names.format.name  # type: ignore[misc]  # per instance, on purpose
+        self._shard_class = _shard_reader_class(names)
         self._readers: dict[str, SafetensorsReader] = {}
         # Shards whose descriptor is open, least recently used first (at most MAX_OPEN_SHARDS).
         self._open_lru: OrderedDict[str, None] = OrderedDict()
@@ -80,10 +94,14 @@ class ShardedReader(Reader):
     def _open(self, index_path: Path | None) -> None:
         weight_map: dict[str, str] | None = None
         if index_path is None:
-            names = [single_model_file(self.directory).name]
+            single = single_model_file(self.directory, self.names)
+            assert single is not None  # required: raised otherwise
+            names = [single.name]
         else:
             real = real_path_inside(index_path, self._roots)
-            self._index, weight_map, self._identities[index_path] = load_index(index_path, real)
+            self._index, weight_map, self._identities[index_path] = load_index(
+                index_path, real, self.names
+            )
             names = sorted(set(weight_map.values()))
         for name in names:
             self._readers[name] = self._open_shard(name)
@@ -102,7 +120,7 @@ class ShardedReader(Reader):
             raise InputError(path, f"shard listed in {listed_in} does not exist")
         real_path_inside(path, self._roots)
         try:
-            reader = _SHARD_READER(path)
+            reader = self._shard_class(path)
         except OSError as exc:
             raise InputError(path, f"cannot read: {exc.strerror}") from None
         try:
@@ -259,6 +277,27 @@ class ShardedReader(Reader):
             handle.close()
             raise
         return handle
+
+    def warnings(self) -> list[str]:
+        """Which weights were read, where a directory holds the model in safetensors and
+        as PyTorch `.bin` files too (the safetensors are read, the others left out)."""
+        if self.names is not SAFETENSORS_NAMES:
+            return []
+        other = PYTORCH_NAMES
+        beside = [
+            p.name
+            for p in (self.directory / other.default_index, self.directory / other.single_file)
+            if os.path.lexists(p)
+        ] or sorted(p.name for p in self.directory.glob("pytorch_model-*" + other.shard_suffix))
+        if not beside:
+            return []
+        shown = ", ".join(beside[:3]) + (f" and {len(beside) - 3} more" if len(beside) > 3 else "")
+        read = self.index_path.name if self.index_path is not None else self.shard_names[0]
+        return [f"read {read}; the PyTorch weights beside it ({shown}) are left out"]
+
+    def shard_readers(self) -> list[Reader]:
+        """The shards' readers, in file-name order (what a view of their tensors needs)."""
+        return list(self._readers.values())
 
     # -- the Reader interface
 
@@ -420,9 +459,7 @@ class ShardedReader(Reader):
         grouped: dict[str, list[TensorInfo]] = {}
         for info in self.infos:
             grouped.setdefault(self._shard_of[info.name], []).append(info)
-        shards = [
-            Shard(name, infos, self._readers[name].metadata) for name, infos in grouped.items()
-        ]
+        shards = [Shard(name, infos, self._shard_metadata(name)) for name, infos in grouped.items()]
         return DirectoryLayout(
             root=self.directory,
             shards=shards,
@@ -432,6 +469,14 @@ class ShardedReader(Reader):
             side_files=self.side_files(),
             open_side_file=self.open_other_file,
         )
+
+    def _shard_metadata(self, shard: str) -> Mapping[str, str]:
+        """A shard's __metadata__ as it is written out (as safetensors): its own, or for a
+        PyTorch shard the tag transformers looks for (what the PyTorch reader derived of
+        the file, its layout and ties, describes the .bin, not the copy)."""
+        if self.names is PYTORCH_NAMES:
+            return {"format": "pt"}
+        return self._readers[shard].metadata
 
     def _reader_of(self, info: TensorInfo) -> SafetensorsReader:
         return self.shard_reader(self._shard_of[info.name])

@@ -19,6 +19,7 @@ from clipcli.formats.sharded.layout import (
     SHARD_FORMAT,
     SHARD_SUFFIX,
     SINGLE_FILE_NAME,
+    as_safetensors_name,
 )
 from clipcli.system.filecopy import copy_side_file
 
@@ -44,7 +45,11 @@ def plan_shards(checkpoint: Checkpoint) -> list[Shard]:
             raise ValueError(f"tensor {info.name!r}: tensors of shard {shard!r} are not adjacent")
         grouped.setdefault(shard, []).append(info)
         previous = shard
-    return [Shard(shard, infos, metadata[shard]) for shard, infos in grouped.items()]
+    # PyTorch shards are written as safetensors, under transformers' names for them.
+    return [
+        Shard(as_safetensors_name(shard), infos, metadata[shard])
+        for shard, infos in grouped.items()
+    ]
 
 
 def output_names(source: Reader | None) -> frozenset[str]:
@@ -53,7 +58,13 @@ def output_names(source: Reader | None) -> frozenset[str]:
     checkpoint = Checkpoint(list(source.infos) if source else [], {}, source)
     names = {shard.name for shard in plan_shards(checkpoint)}
     layout = checkpoint.layout
-    return frozenset(names) | (layout.output_names() if layout is not None else frozenset())
+    if layout is None:
+        return frozenset(names)
+    if layout.index_name is not None:
+        names.add(as_safetensors_name(layout.index_name))
+    for path in [*layout.side_folders, *layout.side_files]:
+        names.add(path.relative_to(layout.root).as_posix())
+    return frozenset(names)
 
 
 class ShardedWriter(Writer):
@@ -144,7 +155,8 @@ class ShardedWriter(Writer):
         layout = self.checkpoint.layout
         if layout is not None:
             if layout.index_name is not None:
-                self._write_index(layout.index_document or {}, layout.index_name)
+                index_name = as_safetensors_name(layout.index_name)
+                self._write_index(layout.index_document or {}, index_name)
             for folder in layout.side_folders:
                 # cp -r: the source folder's bits (owner rwx to fill it), umask and the
                 # setgid a setgid parent passes on applied by mkdir, never setuid/setgid

@@ -13,10 +13,10 @@ a config the group size is in / groups. The GEMV, Marlin and other layouts are r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from clipcli.logical.quantized import intcodes
+from clipcli.logical.quantized import intcodes, rules
 from clipcli.logical.quantized.scheme import ReadSmall, Recognised
 from clipcli.logical.view import Part
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import TensorInfo
 
-NAMES = ("awq",)
+NAMES: Sequence[str] = ("awq",)
 METHOD = "awq"
 BITS = 4
 PER_WORD = 8
@@ -40,14 +40,12 @@ def _declared(config: Mapping[str, Any]) -> int | None:
     where = "config.json"
     version = config.get("version", "gemm")
     if not isinstance(version, str) or version.lower() != "gemm":
-        raise intcodes.refuse(
-            where, f"AWQ version {version!r} is not one clipcli decodes (only gemm)"
-        )
+        raise rules.refuse(where, f"AWQ version {version!r} is not one clipcli decodes (only gemm)")
     bits = config.get("bits", config.get("w_bit", BITS))
     if bits != BITS or type(bits) is not int:
-        raise intcodes.refuse(where, f"AWQ bits {bits!r}: only 4-bit GEMM is defined")
+        raise rules.refuse(where, f"AWQ bits {bits!r}: only 4-bit GEMM is defined")
     if config.get("zero_point", True) is not True:
-        raise intcodes.refuse(where, "AWQ without zero points is not one clipcli decodes")
+        raise rules.refuse(where, "AWQ without zero points is not one clipcli decodes")
     group = config.get("group_size", config.get("q_group_size", -1))
     if group == -1 and type(group) is int:
         return None
@@ -59,7 +57,7 @@ def recognise(
     config: Mapping[str, Any] | None,
     read: ReadSmall | None = None,  # noqa: ARG001 - interface: every shape is in headers
 ) -> list[Recognised]:
-    if config is not None and intcodes.method_of(config) != METHOD:
+    if config is not None and rules.method_of(config) != METHOD:
         return []
     declared = _declared(config) if config is not None else None
     found = []
@@ -72,7 +70,7 @@ def recognise(
         if qzeros is None or scales is None:
             if config is not None:
                 missing = module + (".qzeros" if qzeros is None else ".scales")
-                raise intcodes.refuse(
+                raise rules.refuse(
                     name, f"AWQ codes without their {missing}: the real values are unknown"
                 )
             continue
@@ -103,32 +101,32 @@ def _recognised(
     for info, role in ((qweight, "AWQ qweight"), (qzeros, "AWQ qzeros")):
         intcodes.check_dtype(info, intcodes.WORD_DTYPES, role)
         if len(info.shape) != 2:
-            raise intcodes.refuse(info.name, f"{role} of rank {len(info.shape)}, not 2")
-    intcodes.check_dtype(scales, intcodes.EXACT_SCALE_DTYPES, "AWQ scale")
+            raise rules.refuse(info.name, f"{role} of rank {len(info.shape)}, not 2")
+    intcodes.check_dtype(scales, intcodes.FLOAT_SCALE_DTYPES, "AWQ scale")
     if len(scales.shape) != 2:
-        raise intcodes.refuse(scales.name, f"AWQ scales of rank {len(scales.shape)}, not 2")
+        raise rules.refuse(scales.name, f"AWQ scales of rank {len(scales.shape)}, not 2")
     groups, out = scales.shape
     inputs = qweight.shape[0]
     weight = module + ".weight"
     if out % PER_WORD:
-        raise intcodes.refuse(
+        raise rules.refuse(
             scales.name, f"{out} outputs are not whole words of {PER_WORD} AWQ codes"
         )
-    intcodes.check_shape(qweight, (inputs, out // PER_WORD), weight, "qweight")
+    rules.check_shape(qweight, (inputs, out // PER_WORD), weight, "qweight")
     if configured:
         group = declared if declared is not None else max(inputs, 1)
     elif groups and inputs % groups == 0:
         group = inputs // groups
     else:
-        raise intcodes.refuse(
+        raise rules.refuse(
             weight, f"{groups} AWQ groups do not divide {inputs} inputs into whole groups"
         )
     if inputs % group or inputs // group != groups:
-        raise intcodes.refuse(
+        raise rules.refuse(
             scales.name,
             f"{groups} groups of scales do not fit {inputs} inputs in groups of {group}",
         )
-    intcodes.check_shape(qzeros, (groups, out // PER_WORD), weight, "qzeros")
+    rules.check_shape(qzeros, (groups, out // PER_WORD), weight, "qzeros")
     return Recognised(
         name=weight,
         scheme="awq-int4",

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from clipcli.logical.quantized import intcodes
+from clipcli.logical.quantized import intcodes, rules
 from clipcli.logical.quantized.scheme import ReadSmall, Recognised
 from clipcli.logical.view import Part
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import TensorInfo
 
-NAMES = ("bnb-nf4", "bnb-fp4", "bnb-int8")
+NAMES: Sequence[str] = ("bnb-nf4", "bnb-fp4", "bnb-int8")
 METHOD = "bitsandbytes"
 STATE = ".quant_state.bitsandbytes__"
 QUANT_TYPES = ("nf4", "fp4")
@@ -48,14 +48,14 @@ def recognise(
     config: Mapping[str, Any] | None,
     read: ReadSmall | None = None,
 ) -> list[Recognised]:
-    if config is not None and intcodes.method_of(config) != METHOD:
+    if config is not None and rules.method_of(config) != METHOD:
         return []
     found = []
     for name, info in stored.items():
         head, sep, kind = name.rpartition(STATE)
         if sep and head.endswith(".weight"):
             if read is None:
-                raise intcodes.refuse(name, "the real shape is stored as data and was not read")
+                raise rules.refuse(name, "the real shape is stored as data and was not read")
             found.append(_four_bit(head, kind, info, stored, read))
         elif name.endswith(".weight") and name[: -len(".weight")] + ".SCB" in stored:
             found.append(_int8(name, info, stored, read))
@@ -65,20 +65,20 @@ def recognise(
 def _state(info: TensorInfo, kind: str, read: ReadSmall) -> dict[str, Any]:
     """The JSON quant state, size-checked before it is read, type-checked after."""
     if kind not in QUANT_TYPES:
-        raise intcodes.refuse(info.name, f"bitsandbytes quant type {kind!r} is not nf4 or fp4")
+        raise rules.refuse(info.name, f"bitsandbytes quant type {kind!r} is not nf4 or fp4")
     intcodes.check_dtype(info, frozenset({"uint8"}), "bitsandbytes quant state")
     if info.nbytes > MAX_STATE_BYTES:
-        raise intcodes.refuse(
+        raise rules.refuse(
             info.name, f"a quant state of {info.nbytes} bytes (more than {MAX_STATE_BYTES})"
         )
     try:
         state = json.loads(read(info.name).tobytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise intcodes.refuse(info.name, f"the quant state is not JSON ({error})") from None
+        raise rules.refuse(info.name, f"the quant state is not JSON ({error})") from None
     if not isinstance(state, dict):
-        raise intcodes.refuse(info.name, "the quant state is not a JSON object")
+        raise rules.refuse(info.name, "the quant state is not a JSON object")
     if state.get("quant_type") != kind:
-        raise intcodes.refuse(
+        raise rules.refuse(
             info.name, f"quant_type {state.get('quant_type')!r} in a {kind} quant state"
         )
     return state
@@ -91,14 +91,14 @@ def _shape(state: Mapping[str, Any], where: str) -> tuple[int, ...]:
         or not 1 <= len(shape) <= MAX_RANK
         or any(type(d) is not int or not 0 <= d <= MAX_DIM for d in shape)
     ):
-        raise intcodes.refuse(where, f"quant state shape {shape!r} is no real shape")
+        raise rules.refuse(where, f"quant state shape {shape!r} is no real shape")
     return tuple(shape)
 
 
 def _companion(stored: Mapping[str, TensorInfo], name: str, where: str) -> TensorInfo:
     info = stored.get(name)
     if info is None:
-        raise intcodes.refuse(where, f"a quant state without its {name}")
+        raise rules.refuse(where, f"a quant state without its {name}")
     return info
 
 
@@ -117,21 +117,21 @@ def _four_bit(
     codes = _companion(stored, weight, where)
     absmax = _companion(stored, weight + ".absmax", where)
     quant_map = _companion(stored, weight + ".quant_map", where)
-    packed = intcodes.ceil_div(count, 2)
+    packed = rules.ceil_div(count, 2)
     item = codes.dtype.itemsize
     if (
-        codes.nbytes != intcodes.ceil_div(packed, item) * item
+        codes.nbytes != rules.ceil_div(packed, item) * item
         or len(codes.shape) > 2
         or (len(codes.shape) == 2 and codes.shape[1] != 1)
     ):
-        raise intcodes.refuse(
+        raise rules.refuse(
             weight,
-            f"codes of shape {intcodes.shown(codes.shape)} ({codes.nbytes} bytes) do not hold "
+            f"codes of shape {rules.shown(codes.shape)} ({codes.nbytes} bytes) do not hold "
             f"{count} 4-bit values ({packed} bytes) as [n, 1]",
         )
-    blocks = intcodes.ceil_div(count, block)
+    blocks = rules.ceil_div(count, block)
     intcodes.check_dtype(quant_map, FLOAT32, "quant map")
-    intcodes.check_shape(quant_map, (16,), weight, "quant map")
+    rules.check_shape(quant_map, (16,), weight, "quant map")
     parts = [Part(weight, "codes"), Part(absmax.name, "scale"), Part(quant_map.name, "quant_map")]
     params: dict[str, Any] = {
         "block": block,
@@ -145,30 +145,37 @@ def _four_bit(
     nested_absmax = stored.get(weight + ".nested_absmax")
     if nested_absmax is None:
         intcodes.check_dtype(absmax, FLOAT32, "absmax")
-        intcodes.check_shape(absmax, (blocks,), weight, f"absmax for blocks of {block}")
+        rules.check_shape(absmax, (blocks,), weight, f"absmax for blocks of {block}")
     else:
         nested_map = stored.get(weight + ".nested_quant_map")
         if nested_map is None:
-            raise intcodes.refuse(where, "a nested absmax without its .nested_quant_map")
+            raise rules.refuse(where, "a nested absmax without its .nested_quant_map")
         nested_block = intcodes.whole_number(
             state.get("nested_blocksize"), where, "nested_blocksize", 1, intcodes.MAX_GROUP
         )
         offset = state.get("nested_offset")
         if not isinstance(offset, (int, float)) or isinstance(offset, bool):
-            raise intcodes.refuse(where, f"nested_offset {offset!r} is not a number")
+            raise rules.refuse(where, f"nested_offset {offset!r} is not a number")
         if not math.isfinite(offset):
-            raise intcodes.refuse(where, f"nested_offset {offset!r} is not finite")
+            raise rules.refuse(where, f"nested_offset {offset!r} is not finite")
         intcodes.check_dtype(absmax, frozenset({"uint8"}), "nested absmax codes")
-        intcodes.check_shape(absmax, (blocks,), weight, f"absmax for blocks of {block}")
+        rules.check_shape(absmax, (blocks,), weight, f"absmax for blocks of {block}")
         intcodes.check_dtype(nested_absmax, FLOAT32, "nested absmax")
-        intcodes.check_shape(
-            nested_absmax, (intcodes.ceil_div(blocks, nested_block),), weight, "nested absmax"
+        rules.check_shape(
+            nested_absmax, (rules.ceil_div(blocks, nested_block),), weight, "nested absmax"
         )
         intcodes.check_dtype(nested_map, FLOAT32, "nested quant map")
-        intcodes.check_shape(nested_map, (256,), weight, "nested quant map")
+        rules.check_shape(nested_map, (256,), weight, "nested quant map")
         parts += [Part(nested_absmax.name, "scale"), Part(nested_map.name, "quant_map")]
         params["nested"] = (nested_absmax.name, nested_map.name, nested_block, float(offset))
-        scaled = [nested_absmax.name, state_info.name]  # the offset in the JSON scales too
+        scaled = [nested_absmax.name]
+        if offset != 0:
+            # absmax = map[q] * nested_absmax + offset: a factor must scale the offset too,
+            # and it is a number inside JSON text, not a tensor a clip rounds and writes.
+            params["clip_refused"] = (
+                f"{weight}: its absmax is nested with nested_offset {offset!r} in the JSON "
+                f"quant state {state_info.name}, which a clip would have to rewrite"
+            )
     parts.append(Part(state_info.name, "quant_state"))
     params["scaled"] = scaled
     return Recognised(
@@ -188,14 +195,14 @@ def _int8(
     scb = stored[module + ".SCB"]
     intcodes.check_dtype(info, frozenset({"int8"}), "LLM.int8 weight")
     if len(info.shape) != 2:
-        raise intcodes.refuse(name, f"LLM.int8 weight of rank {len(info.shape)}, not 2")
+        raise rules.refuse(name, f"LLM.int8 weight of rank {len(info.shape)}, not 2")
     intcodes.check_dtype(scb, FLOAT32, "SCB")
-    intcodes.check_shape(scb, (info.shape[0],), name, "SCB")
+    rules.check_shape(scb, (info.shape[0],), name, "SCB")
     parts = [Part(name, "codes"), Part(scb.name, "scale")]
     layout = stored.get(module + ".weight_format")
     if layout is not None:
         if layout.numel != 1 or read is None or int(read(layout.name).reshape(-1)[0]) != 0:
-            raise intcodes.refuse(
+            raise rules.refuse(
                 layout.name, "an LLM.int8 weight_format other than 0 (row-major) is not decoded"
             )
         parts.append(Part(layout.name, "format"))
@@ -215,8 +222,8 @@ def code_rows(weight: Recognised, start: int, stop: int) -> tuple[int, int]:
     columns = weight.shape[-1]
     item = weight.params["item"]
     first_byte = start * columns // 2
-    end_byte = intcodes.ceil_div(stop * columns, 2)
-    return first_byte // item, intcodes.ceil_div(end_byte, item)
+    end_byte = rules.ceil_div(stop * columns, 2)
+    return first_byte // item, rules.ceil_div(end_byte, item)
 
 
 def decode_rows(

@@ -2,9 +2,13 @@
 
 `X.weight` F8_E4M3 [M, N] + `X.weight_scale_inv` [ceil(M/bh), ceil(N/bw)] (float32 in
 practice); weight[i, j] = code[i, j] x scale[i // bh, j // bw] (multiplied, despite the
-name). Edge blocks are partial. Without a config.json, the block is DeepSeek's 128 x 128
-when the scale's shape fits it, one scale for the whole tensor when the scale has one
-element, and anything else is refused: the block size cannot be told from the shapes alone.
+name). Edge blocks are partial. Without a weight_block_size in config.json, the block is
+read from the shapes only where they leave one reading: along each dimension of n
+elements with s scales, every block b with ceil(n / b) == s must place every element in
+the same block (always so for s <= 1; for s >= 2 only when exactly one b fits). One scale
+element covers the whole tensor. Anything else is refused (exit 3), never guessed: a
+[300, 200] weight with a [3, 2] scale fits blocks of 100..149 x 100..199, 128 x 128 among
+them, and each gives other values (issue 21).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ if TYPE_CHECKING:
 
 NAMES: Sequence[str] = ("fp8-block",)
 METHOD = "fp8"
-DEFAULT_BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -82,22 +85,49 @@ def _block_from_shapes(info: TensorInfo, scale: TensorInfo, configured: bool) ->
     rows, columns = info.shape
     if scale.numel == 1:  # one scale for the whole tensor (quant_method fp8 without blocks)
         return (max(1, rows), max(1, columns))
-    if configured:
-        raise rules.refuse(
-            info.name,
-            f"config.json gives no weight_block_size and the scale {scale.name} has "
-            f"{scale.numel} elements",
-        )
-    expected = (rules.ceil_div(rows, DEFAULT_BLOCK[0]), rules.ceil_div(columns, DEFAULT_BLOCK[1]))
-    if tuple(scale.shape) != expected:
-        raise rules.refuse(
-            scale.name,
-            f"scale of shape {rules.shown(scale.shape)} for weight {rules.shown(info.shape)}: "
-            "the block size cannot be told from the shapes (128 x 128 would need "
-            f"{rules.shown(expected)}); a config.json with quantization_config."
-            "weight_block_size says it",
-        )
-    return DEFAULT_BLOCK
+    if len(scale.shape) == 2:
+        fits = [_only_block(n, s) for n, s in zip(info.shape, scale.shape, strict=True)]
+        if fits[0] is not None and fits[1] is not None:
+            return (fits[0], fits[1])
+    said = "config.json gives no weight_block_size" if configured else "no config.json"
+    raise rules.refuse(
+        scale.name,
+        f"{said}, and the scale's shape {rules.shown(scale.shape)} for weight "
+        f"{rules.shown(info.shape)} fits {_fitting(info.shape, scale.shape)}: the block size "
+        "cannot be told from the shapes; a config.json beside the file with "
+        "quantization_config.weight_block_size says it",
+    )
+
+
+def consistent_blocks(extent: int, scales: int) -> tuple[int, int] | None:
+    """The block sizes b (from 1 up) with ceil(extent / b) == scales, as the range [low,
+    high] (high = extent for every b from extent up, which all read alike), or None."""
+    if extent == 0:
+        return (1, 1) if scales == 0 else None
+    if not 1 <= scales <= extent:
+        return None
+    if scales == 1:
+        return (extent, extent)
+    low = rules.ceil_div(extent, scales)
+    high = rules.ceil_div(extent, scales - 1) - 1
+    return (low, high) if low <= high else None
+
+
+def _only_block(extent: int, scales: int) -> int | None:
+    """The block size when the shapes leave exactly one reading of this dimension."""
+    fit = consistent_blocks(extent, scales)
+    return fit[0] if fit is not None and fit[0] == fit[1] else None
+
+
+def _fitting(shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> str:
+    if len(scale_shape) != 2:
+        return "no block layout (a block scale has two dimensions)"
+    fits = [consistent_blocks(n, s) for n, s in zip(shape, scale_shape, strict=True)]
+    if fits[0] is None or fits[1] is None:
+        return "no block size"
+    return " x ".join(
+        str(low) if low == high else f"{low}..{high}" for low, high in (fits[0], fits[1])
+    )
 
 
 def code_rows(weight: Recognised, start: int, stop: int) -> tuple[int, int]:  # noqa: ARG001

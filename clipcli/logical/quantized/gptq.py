@@ -20,10 +20,10 @@ input is its g_idx (or one group): a group size cannot be told from shapes alone
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from clipcli.logical.quantized import intcodes
+from clipcli.logical.quantized import intcodes, rules
 from clipcli.logical.quantized.scheme import ReadSmall, Recognised
 from clipcli.logical.view import Part
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import TensorInfo
 
-NAMES = ("gptq",)
+NAMES: Sequence[str] = ("gptq",)
 METHOD = "gptq"
 BITS = (2, 3, 4, 8)
 FORMATS = {"gptq": 1, "gptq_v2": 2}
@@ -46,7 +46,7 @@ class _Declared:
         where = "config.json"
         bits = config.get("bits")
         if bits not in BITS or type(bits) is not int:
-            raise intcodes.refuse(where, f"GPTQ bits {bits!r} is not one of {list(BITS)}")
+            raise rules.refuse(where, f"GPTQ bits {bits!r} is not one of {list(BITS)}")
         self.bits: int = bits
         group = config.get("group_size", -1)
         self.group: int | None = (
@@ -56,13 +56,13 @@ class _Declared:
         )
         layout = config.get("checkpoint_format", "gptq")
         if layout not in FORMATS:
-            raise intcodes.refuse(
+            raise rules.refuse(
                 where,
                 f"GPTQ checkpoint_format {layout!r} is not one clipcli decodes "
                 f"({', '.join(FORMATS)})",
             )
         if config.get("is_marlin_format") is True:
-            raise intcodes.refuse(where, "GPTQ in Marlin's layout is not one clipcli decodes")
+            raise rules.refuse(where, "GPTQ in Marlin's layout is not one clipcli decodes")
         self.version = FORMATS[layout]
 
 
@@ -71,7 +71,7 @@ def recognise(
     config: Mapping[str, Any] | None,
     read: ReadSmall | None = None,  # noqa: ARG001 - interface: every shape is in headers
 ) -> list[Recognised]:
-    method = intcodes.method_of(config)
+    method = rules.method_of(config)
     if config is not None and method != METHOD:
         return []
     declared = _Declared(config) if config is not None else None
@@ -85,7 +85,7 @@ def recognise(
         if qzeros is None or scales is None:
             if declared is not None:
                 missing = module + (".qzeros" if qzeros is None else ".scales")
-                raise intcodes.refuse(
+                raise rules.refuse(
                     name, f"GPTQ codes without their {missing}: the real values are unknown"
                 )
             continue
@@ -112,17 +112,17 @@ def _recognised(
     for info, role in ((qweight, "GPTQ qweight"), (qzeros, "GPTQ qzeros")):
         intcodes.check_dtype(info, intcodes.WORD_DTYPES, role)
         if len(info.shape) != 2:
-            raise intcodes.refuse(info.name, f"{role} of rank {len(info.shape)}, not 2")
-    intcodes.check_dtype(scales, intcodes.EXACT_SCALE_DTYPES, "GPTQ scale")
+            raise rules.refuse(info.name, f"{role} of rank {len(info.shape)}, not 2")
+    intcodes.check_dtype(scales, intcodes.FLOAT_SCALE_DTYPES, "GPTQ scale")
     if len(scales.shape) != 2:
-        raise intcodes.refuse(scales.name, f"GPTQ scales of rank {len(scales.shape)}, not 2")
+        raise rules.refuse(scales.name, f"GPTQ scales of rank {len(scales.shape)}, not 2")
     groups, out = scales.shape
     g_idx = stored.get(module + ".g_idx")
     bits = declared.bits if declared is not None else _bits_from_shapes(qweight, qzeros, g_idx, out)
     inputs = _inputs(qweight, g_idx, bits)
     weight = module + ".weight"
-    intcodes.check_shape(qweight, (intcodes.words_for(inputs, bits, True), out), weight, "qweight")
-    intcodes.check_shape(qzeros, (groups, intcodes.words_for(out, bits, True)), weight, "qzeros")
+    rules.check_shape(qweight, (intcodes.words_for(inputs, bits, True), out), weight, "qweight")
+    rules.check_shape(qzeros, (groups, intcodes.words_for(out, bits, True)), weight, "qzeros")
     group = _group(declared, g_idx, groups, inputs, weight)
     parts = [Part(qweight.name, "codes"), Part(scales.name, "scale")]
     parts.append(Part(qzeros.name, "zero_point"))
@@ -165,7 +165,7 @@ def _bits_from_shapes(
         )
     ]
     if len(fits) != 1:
-        raise intcodes.refuse(
+        raise rules.refuse(
             qweight.name,
             "the GPTQ bit width cannot be told from the shapes (they fit "
             f"{fits or 'none'} of {list(BITS)}); give the model directory with its config.json",
@@ -179,13 +179,13 @@ def _inputs(qweight: TensorInfo, g_idx: TensorInfo | None, bits: int) -> int:
     if g_idx is not None:
         intcodes.check_dtype(g_idx, intcodes.INDEX_DTYPES, "GPTQ g_idx")
         if len(g_idx.shape) != 1:
-            raise intcodes.refuse(
-                g_idx.name, f"GPTQ g_idx of shape {intcodes.shown(g_idx.shape)}, not 1-D"
+            raise rules.refuse(
+                g_idx.name, f"GPTQ g_idx of shape {rules.shown(g_idx.shape)}, not 1-D"
             )
         return g_idx.shape[0]
     total = qweight.shape[0] * intcodes.WORD_BITS
     if total % bits:
-        raise intcodes.refuse(
+        raise rules.refuse(
             qweight.name,
             f"{qweight.shape[0]} packed rows do not hold a whole number of {bits}-bit inputs "
             "and no g_idx says how many there are",
@@ -203,15 +203,15 @@ def _group(
     elif declared is not None or groups == 1:
         group = max(inputs, 1)  # group_size -1: one group over every input
     elif g_idx is not None:
-        return intcodes.ceil_div(inputs, groups)
+        return rules.ceil_div(inputs, groups)
     else:
-        raise intcodes.refuse(
+        raise rules.refuse(
             weight,
             f"{groups} GPTQ groups over {inputs} inputs without a g_idx: the group size "
             "cannot be told from the shapes; give the model directory with its config.json",
         )
-    if g_idx is None and intcodes.ceil_div(inputs, group) != groups:
-        raise intcodes.refuse(
+    if g_idx is None and rules.ceil_div(inputs, group) != groups:
+        raise rules.refuse(
             weight,
             f"{groups} groups of scales do not fit {inputs} inputs in groups of {group}",
         )

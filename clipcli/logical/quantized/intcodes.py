@@ -1,4 +1,5 @@
-"""Integer codes packed into 32-bit words, and the checks the integer schemes share.
+"""Integer codes packed into 32-bit words, and the checks only the integer schemes make
+(the ones every scheme makes are clipcli.logical.quantized.rules).
 
 A packed tensor holds one bit stream per row (or per column): word k holds bits
 [32k, 32k + 32) of it, and element e's b bits start at bit position p(e), least
@@ -14,10 +15,9 @@ For b = 1, 2, 4, 8 the two are the same. Pure numpy: no file is read here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from clipcli.errors import InputError
+from clipcli.logical.quantized import rules
 
 if TYPE_CHECKING:
     import numpy as np
@@ -28,25 +28,12 @@ WORD_BITS = 32
 
 # A group larger than this is no real layout (real ones are 32 to 128): refused before it
 # decides a read or an allocation.
-MAX_GROUP = 1 << 24
+MAX_GROUP = rules.MAX_BLOCK
 
 # Scale dtypes whose product with a small integer is a float64 exactly.
-EXACT_SCALE_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+FLOAT_SCALE_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 WORD_DTYPES = frozenset({"int32", "uint32"})
 INDEX_DTYPES = frozenset({"int32", "int64"})
-
-
-def refuse(where: str, problem: str) -> InputError:
-    """The one-line refusal (exit 3) for a quantized weight whose layout does not hold."""
-    return InputError(where, problem)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def shown(shape: Sequence[int]) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def per_word(bits: int) -> int:
@@ -56,8 +43,8 @@ def per_word(bits: int) -> int:
 def words_for(count: int, bits: int, dense: bool) -> int:
     """Words one stream of `count` elements takes."""
     if dense:
-        return ceil_div(count * bits, WORD_BITS)
-    return ceil_div(count, per_word(bits))
+        return rules.ceil_div(count * bits, WORD_BITS)
+    return rules.ceil_div(count, per_word(bits))
 
 
 def first_word(index: int, bits: int, dense: bool) -> int:
@@ -97,40 +84,19 @@ def extract(words: np.ndarray, positions: np.ndarray, bits: int, axis: int) -> n
     return ((both >> shift) & np.uint64((1 << bits) - 1)).astype(np.uint16)
 
 
-def dtype_name(info: TensorInfo) -> str:
-    return info.dtype.name
-
-
 def check_dtype(info: TensorInfo, allowed: frozenset[str], role: str) -> None:
-    if dtype_name(info) not in allowed:
-        raise refuse(
+    if rules.dtype_name(info) not in allowed:
+        raise rules.refuse(
             info.name,
-            f"{role} of dtype {dtype_name(info)} is not one clipcli decodes "
+            f"{role} of dtype {rules.dtype_name(info)} is not one clipcli decodes "
             f"({', '.join(sorted(allowed))})",
         )
-
-
-def check_shape(info: TensorInfo, expected: Sequence[int], weight: str, role: str) -> None:
-    if tuple(info.shape) != tuple(expected):
-        raise refuse(
-            info.name,
-            f"{role} of shape {shown(info.shape)} does not fit {weight} "
-            f"(expected {shown(expected)})",
-        )
-
-
-def method_of(config: Mapping[str, Any] | None) -> str | None:
-    """quantization_config's quant_method, or None."""
-    if config is None:
-        return None
-    method = config.get("quant_method")
-    return method if isinstance(method, str) else None
 
 
 def whole_number(value: object, where: str, what: str, low: int, high: int) -> int:
     """An int from a config in [low, high] (bool is no int here)."""
     if type(value) is not int or not low <= value <= high:
-        raise refuse(where, f"{what} {value!r} is not a whole number from {low} to {high}")
+        raise rules.refuse(where, f"{what} {value!r} is not a whole number from {low} to {high}")
     return value
 
 
@@ -146,7 +112,7 @@ def group_of_rows(
     chosen = g_idx.reshape(-1)[start:stop].astype(np.int64)
     if chosen.size and (int(chosen.min()) < 0 or int(chosen.max()) >= groups):
         bad = int(chosen[(chosen < 0) | (chosen >= groups)][0])
-        raise refuse(where, f"g_idx holds group {bad}, outside the {groups} groups stored")
+        raise rules.refuse(where, f"g_idx holds group {bad}, outside the {groups} groups stored")
     return chosen
 
 

@@ -18,10 +18,10 @@ guessed, the weight is refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from clipcli.logical.quantized import intcodes
+from clipcli.logical.quantized import intcodes, rules
 from clipcli.logical.quantized.scheme import ReadSmall, Recognised
 from clipcli.logical.view import Part
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import TensorInfo
 
-NAMES = ("pack-quantized",)
+NAMES: Sequence[str] = ("pack-quantized",)
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
 SUFFIX = ".weight_packed"
@@ -65,11 +65,11 @@ def _declared(config: Mapping[str, Any]) -> list[Args]:
     top = config.get("format")
     groups = config.get("config_groups")
     if not isinstance(groups, dict):
-        raise intcodes.refuse(where, "compressed-tensors config_groups is not a mapping")
+        raise rules.refuse(where, "compressed-tensors config_groups is not a mapping")
     found: list[Args] = []
     for key, group in groups.items():
         if not isinstance(group, dict):
-            raise intcodes.refuse(where, f"config group {key!r} is not a mapping")
+            raise rules.refuse(where, f"config group {key!r} is not a mapping")
         if group.get("format", top) != FORMAT:
             continue
         weights = group.get("weights")
@@ -79,7 +79,7 @@ def _declared(config: Mapping[str, Any]) -> list[Args]:
         bits = intcodes.whole_number(weights.get("num_bits"), where, f"{what} num_bits", 1, 8)
         strategy = weights.get("strategy")
         if strategy not in ("tensor", "channel", "group"):
-            raise intcodes.refuse(
+            raise rules.refuse(
                 where,
                 f"{what} strategy {strategy!r} is not one clipcli decodes for packed integers",
             )
@@ -97,28 +97,28 @@ def recognise(
     config: Mapping[str, Any] | None,
     read: ReadSmall | None = None,
 ) -> list[Recognised]:
-    if config is not None and intcodes.method_of(config) != METHOD:
+    if config is not None and rules.method_of(config) != METHOD:
         return []
     declared = _declared(config) if config is not None else None
     version = _version(config) if config is not None else None
     found = []
     for name, info in stored.items():
-        if not name.endswith(SUFFIX) or intcodes.dtype_name(info) not in intcodes.WORD_DTYPES:
+        if not name.endswith(SUFFIX) or rules.dtype_name(info) not in intcodes.WORD_DTYPES:
             continue
         module = name[: -len(SUFFIX)]
         scale = stored.get(module + ".weight_scale")
         shape_info = stored.get(module + ".weight_shape")
         if scale is None or shape_info is None:
             missing = module + (".weight_scale" if scale is None else ".weight_shape")
-            raise intcodes.refuse(
+            raise rules.refuse(
                 name, f"packed integer codes without their {missing}: the real values are unknown"
             )
         if declared is not None and not declared:
-            raise intcodes.refuse(
+            raise rules.refuse(
                 name, "packed integer codes, but config.json declares no pack-quantized int group"
             )
         if read is None:
-            raise intcodes.refuse(name, "the real shape is stored as data and was not read")
+            raise rules.refuse(name, "the real shape is stored as data and was not read")
         real = _real_shape(shape_info, info, read)
         found.append(_recognised(module, info, scale, real, stored, declared, version))
     return found
@@ -128,19 +128,19 @@ def _real_shape(shape_info: TensorInfo, packed: TensorInfo, read: ReadSmall) -> 
     """weight_shape's values, checked against the packed tensor before they size anything."""
     intcodes.check_dtype(shape_info, SHAPE_DTYPES, "weight_shape")
     if len(shape_info.shape) != 1 or not 2 <= shape_info.shape[0] <= MAX_RANK:
-        raise intcodes.refuse(
+        raise rules.refuse(
             shape_info.name,
-            f"weight_shape of shape {intcodes.shown(shape_info.shape)} is no real shape "
+            f"weight_shape of shape {rules.shown(shape_info.shape)} is no real shape "
             f"(rank 2 to {MAX_RANK})",
         )
     values = [int(v) for v in read(shape_info.name).reshape(-1)]
     if len(values) != shape_info.shape[0] or any(not 0 <= v <= MAX_DIM for v in values):
-        raise intcodes.refuse(shape_info.name, f"weight_shape {values} is no real shape")
+        raise rules.refuse(shape_info.name, f"weight_shape {values} is no real shape")
     if len(packed.shape) != len(values) or tuple(packed.shape[:-1]) != tuple(values[:-1]):
-        raise intcodes.refuse(
+        raise rules.refuse(
             packed.name,
-            f"packed codes of shape {intcodes.shown(packed.shape)} do not hold a weight of "
-            f"shape {intcodes.shown(values)}",
+            f"packed codes of shape {rules.shown(packed.shape)} do not hold a weight of "
+            f"shape {rules.shown(values)}",
         )
     return tuple(values)
 
@@ -164,7 +164,7 @@ def _recognised(
     version: tuple[int, int] | None,
 ) -> Recognised:
     weight = module + ".weight"
-    intcodes.check_dtype(scale, intcodes.EXACT_SCALE_DTYPES, "weight scale")
+    intcodes.check_dtype(scale, intcodes.FLOAT_SCALE_DTYPES, "weight scale")
     rows_shape, columns = real[:-1], real[-1]
     zero = stored.get(module + ".weight_zero_point")
     g_idx = stored.get(module + ".weight_g_idx")
@@ -177,7 +177,7 @@ def _recognised(
     }
     if len(fits) != 1:
         told = sorted({(a.bits, "dense" if d else "per word") for a, d in fits})
-        raise intcodes.refuse(
+        raise rules.refuse(
             packed.name,
             f"packed width {packed.shape[-1]} for {columns} inputs fits "
             f"{told or 'no'} (bits, layout) of the {'config' if declared else 'possible'} ones"
@@ -189,10 +189,10 @@ def _recognised(
     parts = [Part(packed.name, "codes"), Part(scale.name, "scale")]
     if zero is not None:
         if groups == 0:
-            raise intcodes.refuse(zero.name, "a zero point beside one scale for the whole tensor")
+            raise rules.refuse(zero.name, "a zero point beside one scale for the whole tensor")
         intcodes.check_dtype(zero, intcodes.WORD_DTYPES, "weight zero point")
         expected = (*rows_shape[:-1], intcodes.words_for(rows_shape[-1], args.bits, dense), groups)
-        intcodes.check_shape(zero, expected, weight, "zero point")
+        rules.check_shape(zero, expected, weight, "zero point")
         parts.append(Part(zero.name, "zero_point"))
     if g_idx is not None:
         parts.append(Part(g_idx.name, "group_index"))
@@ -221,10 +221,10 @@ def _groups(scale: TensorInfo, rows_shape: tuple[int, ...], weight: str) -> int:
     if scale.numel == 1 and len(scale.shape) <= 1:
         return 0
     if len(scale.shape) != len(rows_shape) + 1 or tuple(scale.shape[:-1]) != rows_shape:
-        raise intcodes.refuse(
+        raise rules.refuse(
             scale.name,
-            f"scale of shape {intcodes.shown(scale.shape)} does not fit {weight} "
-            f"(rows {intcodes.shown(rows_shape)})",
+            f"scale of shape {rules.shown(scale.shape)} does not fit {weight} "
+            f"(rows {rules.shown(rows_shape)})",
         )
     return scale.shape[-1]
 
@@ -232,25 +232,25 @@ def _groups(scale: TensorInfo, rows_shape: tuple[int, ...], weight: str) -> int:
 def _group(args: Args, g_idx: TensorInfo | None, groups: int, columns: int, weight: str) -> int:
     """Inputs per group (with a g_idx stored, g_idx decides and this is only informative)."""
     if args.strategy == "tensor" and groups != 0:
-        raise intcodes.refuse(weight, "tensor strategy, but the scale has more than one value")
+        raise rules.refuse(weight, "tensor strategy, but the scale has more than one value")
     if groups <= 1:
         if g_idx is not None and groups == 0:
-            raise intcodes.refuse(weight, "a g_idx beside one scale for the whole tensor")
+            raise rules.refuse(weight, "a g_idx beside one scale for the whole tensor")
         return max(columns, 1)
     if args.strategy == "channel":
-        raise intcodes.refuse(weight, f"channel strategy, but the scale has {groups} groups")
+        raise rules.refuse(weight, f"channel strategy, but the scale has {groups} groups")
     if g_idx is not None:
         intcodes.check_dtype(g_idx, intcodes.INDEX_DTYPES, "weight g_idx")
-        intcodes.check_shape(g_idx, (columns,), weight, "g_idx")
-        return intcodes.ceil_div(columns, groups)
+        rules.check_shape(g_idx, (columns,), weight, "g_idx")
+        return rules.ceil_div(columns, groups)
     if args.group is None:
-        raise intcodes.refuse(
+        raise rules.refuse(
             weight,
             f"{groups} groups over {columns} inputs without a g_idx: the group size cannot be "
             "told from the shapes; give the model directory with its config.json",
         )
-    if intcodes.ceil_div(columns, args.group) != groups:
-        raise intcodes.refuse(
+    if rules.ceil_div(columns, args.group) != groups:
+        raise rules.refuse(
             weight,
             f"{groups} groups of scales do not fit {columns} inputs in groups of {args.group}",
         )

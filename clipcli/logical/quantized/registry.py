@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from clipcli.logical.quantized import fp8_block, fp8_scaled, mxfp4, nvfp4
+from clipcli.logical.quantized import (
+    awq,
+    bnb,
+    fp8_block,
+    fp8_scaled,
+    gptq,
+    mxfp4,
+    nvfp4,
+    packed_int,
+)
 
 if TYPE_CHECKING:
     from clipcli.logical.quantized.scheme import Scheme
 
-SCHEMES: tuple[Scheme, ...] = (fp8_block, fp8_scaled, mxfp4, nvfp4)
+SCHEMES: tuple[Scheme, ...] = (fp8_block, fp8_scaled, mxfp4, nvfp4, gptq, awq, packed_int, bnb)
+
+# A stored name holding one of these is a companion some scheme recognises its weights by
+# (a scale, packed codes, a quant state). Without any, and without a quantization_config,
+# no scheme claims anything: `ls` lists such a checkpoint from its header alone, without
+# numpy (tests/test_startup.py). Every scheme's recognise() needs one of them.
+MARKERS = (
+    "_scale_inv",  # fp8_block
+    ".weight_scale",  # fp8_scaled, nvfp4, packed_int
+    ".scale_weight",  # fp8_scaled (ComfyUI)
+    "_scales",  # mxfp4 (gpt-oss)
+    ".weight_packed",  # mxfp4, nvfp4, packed_int
+    ".qweight",  # gptq, awq
+    ".quant_state.bitsandbytes__",  # bnb 4-bit
+    ".SCB",  # bnb LLM.int8
+)
+
+
+def may_hold_quantized(names: Iterable[str]) -> bool:
+    """False when no scheme can recognise a weight among `names` without a config."""
+    return any(marker in name for name in names for marker in MARKERS)

@@ -11,6 +11,7 @@ chunk size whatever the weight's size.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,19 +19,24 @@ from typing import TYPE_CHECKING, Any
 from clipcli.errors import InputError
 from clipcli.formats.base import TensorInfo, default_chunk_elems
 from clipcli.logical.quantized.registry import SCHEMES
-from clipcli.logical.view import LogicalTensor, Part, View
+from clipcli.logical.view import LogicalTensor, Part, Quantization, View
 
 if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import Reader
-    from clipcli.logical.quantized.scheme import Recognised, Scheme
+    from clipcli.logical.quantized.scheme import ReadSmall, Recognised, Scheme
     from clipcli.numerics.casting import Cast
 
 CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge one
 # The small parts of one weight are read whole: more than this is no real layout's scales
 # (DeepSeek's largest: ~32 KB; a group-32 scale of a 1 GiB weight: ~64 MiB).
 SMALL_PARTS_LIMIT = 1 << 30
+# The dtypes a quantized weight's row may show (Quantization.dtype).
+SHOWN_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+# Real values held at once to put a transposed weight (GPTQ, AWQ) in C order: 32 MiB of
+# float64, twice (the block and its transpose); a 4096 x 4096 weight takes 4 passes.
+TRANSPOSE_ELEMENTS = 1 << 22
 
 
 def quantization_config(directory: Path | None) -> Mapping[str, Any] | None:
@@ -58,7 +64,32 @@ def quantization_config(directory: Path | None) -> Mapping[str, Any] | None:
         return None
     if not isinstance(quant, dict):
         raise InputError(path, "quantization_config is not an object")
+    method = quant.get("quant_method")
+    if method is not None and not isinstance(method, str):
+        raise InputError(path, f"quantization_config.quant_method {method!r} is not a string")
     return quant
+
+
+def small_reader(reader: Reader) -> ReadSmall:
+    """What recognise() reads small stored tensors whole with (compressed-tensors'
+    `weight_shape`, bitsandbytes' JSON quant state): at most SMALL_PARTS_LIMIT bytes of
+    them in all, whatever a file's names claim, each refused before it is read."""
+    stored = {info.name: info for info in reader.infos}
+    spent = 0
+
+    def read(name: str) -> np.ndarray:
+        nonlocal spent
+        info = stored[name]
+        if spent + info.nbytes > SMALL_PARTS_LIMIT:
+            raise InputError(
+                name,
+                f"reading it to recognise a quantized weight would read more than "
+                f"{SMALL_PARTS_LIMIT} bytes of small tensors",
+            )
+        spent += info.nbytes
+        return reader.read(info)
+
+    return read
 
 
 class QuantizedView(View):
@@ -69,6 +100,7 @@ class QuantizedView(View):
         infos: Sequence[TensorInfo],
         config: Mapping[str, Any] | None,
         schemes: Sequence[Scheme] = SCHEMES,
+        read: ReadSmall | None = None,
     ) -> None:
         stored = {info.name: info for info in infos}
         self._stored = stored
@@ -76,7 +108,7 @@ class QuantizedView(View):
         self._weights: dict[str, tuple[Scheme, Recognised]] = {}
         owner: dict[str, tuple[str, str]] = {}  # stored name -> (weight, scheme)
         for scheme in schemes:
-            for found in scheme.recognise(stored, config):
+            for found in scheme.recognise(stored, config, read):
                 for part in (*found.parts, *found.side):
                     if part.name not in stored:
                         raise InputError(part.name, f"named by {found.name} but not stored")
@@ -93,41 +125,74 @@ class QuantizedView(View):
                 ):
                     raise InputError(found.name, "names two quantized weights: ambiguous")
                 self._weights[found.name] = (scheme, found)
+        if config is not None:
+            _refuse_undescribed(stored, owner, config, schemes)
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
         self._owner = owner
-        self._side: list[tuple[TensorInfo, str]] = []
-        self._tensors: list[LogicalTensor] = []
+        self._infos = infos
+        # Laid out on first use: a plain checkpoint (no weight recognised) never needs them,
+        # and 200,000 tensors' records cost a second.
+        self._layout: tuple[list[LogicalTensor], list[tuple[TensorInfo, str]]] | None = None
+
+    def _laid_out(self) -> tuple[list[LogicalTensor], list[tuple[TensorInfo, str]]]:
+        if self._layout is not None:
+            return self._layout
+        side: list[tuple[TensorInfo, str]] = []
+        tensors: list[LogicalTensor] = []
         roles = {
             p.name: p.role
             for _, rec in self._weights.values()
             for p in (*rec.parts[1:], *rec.side)
             if p.name != rec.codes
         }
-        for info in infos:
+        for info in self._infos:
             weight = self._by_codes.get(info.name)
             if weight is not None:
                 _, rec = self._weights[weight]
-                self._tensors.append(_logical(rec))
+                tensors.append(_logical(rec))
             elif info.name in roles:
-                self._side.append((info, roles[info.name]))
-            elif info.name not in owner:
-                self._tensors.append(LogicalTensor(info, (Part(info.name, "values"),)))
+                side.append((info, roles[info.name]))
+            elif info.name not in self._owner:
+                tensors.append(LogicalTensor(info, (Part(info.name, "values"),)))
+        self._layout = tensors, side
+        return self._layout
 
     @classmethod
     def of(cls, reader: Reader) -> QuantizedView:
-        return cls(reader.infos, quantization_config(reader.model_directory))
+        return cls(
+            reader.infos,
+            quantization_config(reader.model_directory),
+            read=small_reader(reader),
+        )
 
     # ------------------------------------------------------------ what is there
 
     def tensors(self) -> list[LogicalTensor]:
-        return list(self._tensors)
+        return list(self._laid_out()[0])
 
     def side_tensors(self) -> list[tuple[TensorInfo, str]]:
-        return list(self._side)
+        return list(self._laid_out()[1])
 
     @property
     def identity(self) -> bool:
         return not self._weights
+
+    def quantization(self, tensor: LogicalTensor) -> Quantization | None:
+        if tensor.plain:
+            return None
+        rec = self._weights[tensor.info.name][1]
+        return Quantization(rec.scheme, tuple(p.name for p in rec.parts), self._shown_dtype(rec))
+
+    def _shown_dtype(self, rec: Recognised) -> str:
+        """The dtype a framework dequantizes `rec` to (Quantization.dtype)."""
+        declared = rec.params.get("dtype")
+        if isinstance(declared, str) and declared.removeprefix("torch.") in SHOWN_DTYPES:
+            return declared.removeprefix("torch.")
+        for part in rec.parts:
+            dtype = self._stored[part.name].dtype.name
+            if part.role == "scale" and dtype in SHOWN_DTYPES:
+                return dtype
+        return "float32"
 
     def recognised(self, tensor: LogicalTensor) -> Recognised:
         return self._weights[tensor.info.name][1]
@@ -141,26 +206,6 @@ class QuantizedView(View):
             yield from reader.chunks(self._stored[tensor.parts[0].name], chunk_elems)
             return
         yield from self._decoded(reader, tensor, chunk_elems, None)
-
-    def cast_chunks(
-        self, reader: Reader, tensor: LogicalTensor, target: np.dtype[Any]
-    ) -> Iterator[Cast]:
-        """A scheme with cast_rows (256-entry tables per scale) gives each run of rows in
-        `target` directly; else (and where its tables overflow) decode, then cast."""
-        from clipcli.numerics.casting import Cast, cast_chunk
-
-        if tensor.plain or not hasattr(self._weights[tensor.info.name][0], "cast_rows"):
-            yield from super().cast_chunks(reader, tensor, target)
-            return
-        scheme, rec = self._weights[tensor.info.name]
-        cast_rows = scheme.cast_rows  # type: ignore[attr-defined]  # optional, as checked
-        for start, stop, codes, small in self._code_runs(reader, tensor, None, None):
-            values = cast_rows(rec, codes, start, stop, small, target)
-            if values is None:
-                decoded = scheme.decode_rows(rec, codes, start, stop, small)
-                yield cast_chunk(decoded.reshape(-1), target)
-            else:
-                yield Cast(values.reshape(-1), 0, 0.0)
 
     def scaled_chunks(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
@@ -198,38 +243,111 @@ class QuantizedView(View):
         chunk_elems: int | None,
         factor: tuple[float, int] | None,
     ) -> Iterator[np.ndarray]:
-        scheme, rec = self._weights[tensor.info.name]
-        columns = rec.shape[-1] if rec.shape else 1
-        for start, stop, codes, small in self._code_runs(reader, tensor, chunk_elems, factor):
-            values = scheme.decode_rows(rec, codes, start, stop, small)
-            if values.shape != (stop - start, columns):
-                raise AssertionError(f"{rec.scheme} decoded {values.shape} for rows {start}:{stop}")
-            yield values.reshape(-1)
-
-    def _code_runs(
-        self,
-        reader: Reader,
-        tensor: LogicalTensor,
-        chunk_elems: int | None,
-        factor: tuple[float, int] | None,
-    ) -> Iterator[tuple[int, int, np.ndarray, dict[str, np.ndarray]]]:
-        """(start, stop, the code rows that hold real rows [start, stop), the small parts),
-        a bounded run of rows at a time."""
         import numpy as np
 
         scheme, rec = self._weights[tensor.info.name]
         small = self._small_parts(reader, rec, factor, scheme)
-        columns = rec.shape[-1] if rec.shape else 1
-        rows = tensor.info.numel // columns if columns else 0
+        budget = chunk_elems or default_chunk_elems(np.dtype(np.float64))
+        if rec.transposed:
+            yield from self._transposed(reader, scheme, rec, small, budget)
+            return
+        for _, _, values in self._decoded_rows(reader, scheme, rec, small, rec.shape, budget):
+            yield values.reshape(-1)
+
+    def _decoded_rows(
+        self,
+        reader: Reader,
+        scheme: Scheme,
+        rec: Recognised,
+        small: Mapping[str, np.ndarray],
+        shape: tuple[int, ...],
+        budget: int,
+    ) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(start, stop, rows [start, stop) as float64) of `shape` seen as 2-D, the shape
+        the scheme decodes (the real one, or its transpose), about `budget` values each."""
+        columns = shape[-1] if shape else 1
+        for start, stop, codes in self._code_runs(reader, scheme, rec, shape, budget):
+            values = scheme.decode_rows(rec, codes, start, stop, small)
+            if values.shape != (stop - start, columns):
+                raise AssertionError(f"{rec.scheme} decoded {values.shape} for rows {start}:{stop}")
+            yield start, stop, values
+
+    def _code_runs(
+        self,
+        reader: Reader,
+        scheme: Scheme,
+        rec: Recognised,
+        shape: tuple[int, ...],
+        budget: int,
+    ) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(start, stop, the code rows that hold rows [start, stop) of `shape`)."""
+        columns = shape[-1] if shape else 1
+        rows = math.prod(shape) // columns if columns else 0
         if rows == 0 or columns == 0:
             return
-        budget = chunk_elems or default_chunk_elems(np.dtype(np.float64))
         step = max(1, budget // columns)
         cursor = _RowCursor(reader, self._stored[rec.codes])
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             first, last = scheme.code_rows(rec, start, stop)
-            yield start, stop, cursor.rows(first, last), small
+            yield start, stop, cursor.rows(first, last)
+
+    def cast_chunks(
+        self, reader: Reader, tensor: LogicalTensor, target: np.dtype[Any]
+    ) -> Iterator[Cast]:
+        """A scheme with cast_rows (a 256-entry table per scale) gives each run of rows in
+        `target` directly; else (and where its tables overflow) decode, then cast."""
+        import numpy as np
+
+        from clipcli.numerics.casting import Cast, cast_chunk
+
+        if tensor.plain or not hasattr(self._weights[tensor.info.name][0], "cast_rows"):
+            yield from super().cast_chunks(reader, tensor, target)
+            return
+        scheme, rec = self._weights[tensor.info.name]
+        if rec.transposed:
+            yield from super().cast_chunks(reader, tensor, target)
+            return
+        cast_rows = scheme.cast_rows  # type: ignore[attr-defined]  # optional, as checked
+        small = self._small_parts(reader, rec, None, scheme)
+        budget = default_chunk_elems(np.dtype(np.float64))
+        for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
+            values = cast_rows(rec, codes, start, stop, small, target)
+            if values is None:
+                decoded = scheme.decode_rows(rec, codes, start, stop, small)
+                yield cast_chunk(decoded.reshape(-1), target)
+            else:
+                yield Cast(values.reshape(-1), 0, 0.0)
+
+    def _transposed(
+        self,
+        reader: Reader,
+        scheme: Scheme,
+        rec: Recognised,
+        small: Mapping[str, np.ndarray],
+        budget: int,
+    ) -> Iterator[np.ndarray]:
+        """C order of the real [out, in] weight from codes of its transpose [in, out]
+        (GPTQ, AWQ): real rows [r0, r1) are columns [r0, r1) of the transpose, gathered
+        over one pass through the codes into a block of at most TRANSPOSE_ELEMENTS
+        values; a weight larger than that takes ceil(size / TRANSPOSE_ELEMENTS) passes."""
+        import numpy as np
+
+        out, inputs = rec.shape
+        if out == 0 or inputs == 0:
+            return
+        width = max(1, TRANSPOSE_ELEMENTS // inputs)
+        for r0 in range(0, out, width):
+            r1 = min(out, r0 + width)
+            block = np.empty((inputs, r1 - r0), dtype=np.float64)
+            for start, stop, values in self._decoded_rows(
+                reader, scheme, rec, small, (inputs, out), budget
+            ):
+                block[start:stop] = values[:, r0:r1]
+            rows = np.ascontiguousarray(block.T).reshape(-1)
+            del block
+            for first in range(0, rows.size, budget):
+                yield rows[first : first + budget]
 
     # ------------------------------------------------------------ clipping hooks
 
@@ -239,6 +357,9 @@ class QuantizedView(View):
         exponents (MXFP4) would need a power-of-two step of the exponent instead: refused."""
         if tensor.plain:
             return None
+        refused = self._weights[tensor.info.name][1].params.get("clip_refused")
+        if isinstance(refused, str):
+            return refused
         from clipcli.dtypes import is_floating
 
         for name in self.scaled_parts(tensor):
@@ -260,6 +381,35 @@ class QuantizedView(View):
         if tensor.plain:
             return False
         return bool(self._weights[tensor.info.name][1].params.get("power_of_two", False))
+
+
+def _refuse_undescribed(
+    stored: Mapping[str, TensorInfo],
+    owner: Mapping[str, tuple[str, str]],
+    config: Mapping[str, Any],
+    schemes: Sequence[Scheme],
+) -> None:
+    """A config.json that does not describe the tensors (another quant_method, a layout
+    it does not declare) must not turn them into plain ones: codes read raw, a scale
+    counted as a weight. What the config left unclaimed is read again by names and
+    dtypes alone; a quantized weight found there, or one refused there, is refused."""
+    rest = {name: info for name, info in stored.items() if name not in owner}
+    method = config.get("quant_method")
+    for scheme in schemes:
+        try:
+            found = scheme.recognise(rest, None)
+        except InputError as exc:  # a layout only a config could settle: still quantized
+            tensor = str(exc).split(": ", 1)[0]
+            problem = f"{tensor} is a part of a quantized weight ({scheme.NAMES[0]})"
+        else:
+            if not found:
+                continue
+            problem = f"{found[0].name} is a quantized weight ({found[0].scheme})"
+        raise InputError(
+            "config.json",
+            f"quantization_config (quant_method {method!r}) does not describe the tensors: "
+            f"by names and dtypes, {problem}; refusing to read it as plain tensors",
+        )
 
 
 def _logical(rec: Recognised) -> LogicalTensor:
