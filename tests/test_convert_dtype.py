@@ -99,7 +99,9 @@ def _single(stored: dict[str, Any], tmp: Path) -> Path:
 
 def fp8_block_every_code(tmp: Path) -> Any:
     stored, values = block_fp8(np.random.default_rng(1), 130, 260, (128, 128))
-    return _single(stored, tmp), "layer.weight", values, list(stored)
+    config = fp8_config([128, 128])
+    directory = write_model_directory(tmp / "m", {"model.safetensors": stored}, config)
+    return directory, "layer.weight", values, list(stored)
 
 
 def fp8_block_declared_e5m2_bf16(tmp: Path) -> Any:
