@@ -171,7 +171,34 @@ def nvfp4_with_nan_scales(tmp: Path) -> Any:
     return directory, "layer.weight", values, list(stored)
 
 
+def _transposed_reference(reference: list[list[Fraction]]) -> list[Fraction | None]:
+    """The codes hold [in, out]; the weight written is [out, in], row-major."""
+    return [reference[i][j] for j in range(len(reference[0])) for i in range(len(reference))]
+
+
+def gptq_act_order(tmp: Path) -> Any:
+    from safetensors.numpy import save_file
+    from test_quant_gptq_awq import gptq_arrays, gptq_reference
+
+    arrays, g_idx, q, z = gptq_arrays(96, 40, 4, 3, seed=4, act_order=True)
+    del arrays["m.bias"]
+    save_file(arrays, str(tmp / "m.safetensors"))
+    values = _transposed_reference(gptq_reference(arrays, g_idx, q, z, plus=1))
+    return tmp / "m.safetensors", "m.weight", values, list(arrays)
+
+
+def awq_gemm(tmp: Path) -> Any:
+    from safetensors.numpy import save_file
+    from test_quant_gptq_awq import awq_arrays
+
+    arrays, reference = awq_arrays(64, 24, 16, seed=3)
+    save_file(arrays, str(tmp / "m.safetensors"))
+    return tmp / "m.safetensors", "m.weight", _transposed_reference(reference), list(arrays)
+
+
 SCHEMES: dict[str, Fixture] = {
+    "gptq-int4-act-order (stored transposed)": gptq_act_order,
+    "awq-int4 (stored transposed)": awq_gemm,
     "fp8-block": fp8_block_every_code,
     "fp8-block-e5m2-bf16-scale": fp8_block_declared_e5m2_bf16,
     "ct-fp8-tensor": compressed_tensors({"strategy": "tensor"}, (21, 40), [1]),
@@ -187,6 +214,12 @@ SCHEMES: dict[str, Fixture] = {
 }
 
 
+SHAPES = {
+    "gptq-int4-act-order (stored transposed)": (40, 96),
+    "awq-int4 (stored transposed)": (24, 64),
+}
+
+
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_every_scheme_dequantized_to_every_target(tmp_path: Path, scheme: str, target: str) -> None:
@@ -196,6 +229,7 @@ def test_every_scheme_dequantized_to_every_target(tmp_path: Path, scheme: str, t
     tensors = read_back(out)
     assert list(tensors) == [weight]  # scales, zero points, input scales: not written
     assert weight not in stored_names or scheme.startswith(("fp8", "ct", "fbgemm"))
+    assert tensors[weight].shape == SHAPES.get(scheme, tensors[weight].shape)
     assert_values(tensors[weight], values, target)
 
 
