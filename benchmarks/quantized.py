@@ -33,6 +33,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 CLIPCLI = [sys.executable, "-m", "clipcli"]
 ROWS, COLUMNS, BLOCK = 8192, 16384, 128  # one weight: 128 MiB of codes
+CONFIG = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}}
 
 FLOOR = r"""
 import json, os, struct, sys
@@ -154,7 +155,13 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="clipcli-quant-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     weights = max(1, round(args.gib * 8))  # 128 MiB of codes each
-    big, small = workdir / "fp8_block.safetensors", workdir / "fp8_block_small.safetensors"
+    # Model directories: the block size comes from config.json (the shapes alone fit
+    # 128..130, which clipcli refuses to guess between).
+    big_dir, small_dir = workdir / "fp8_block", workdir / "fp8_block_small"
+    for directory in (big_dir, small_dir):
+        directory.mkdir(exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(CONFIG))
+    big, small = big_dir / "model.safetensors", small_dir / "model.safetensors"
     out, copy = workdir / "out.safetensors", workdir / "copy.safetensors"
     floor_script = workdir / "floor_fp8.py"
     floor_script.write_text(FLOOR)
@@ -184,7 +191,7 @@ def main() -> None:
     # (table of the 256 codes, scales repeated over their blocks, float64 sums)
     report = json.loads(
         subprocess.run(
-            [*CLIPCLI, "norms", "--format", "json", str(big)],
+            [*CLIPCLI, "norms", "--format", "json", str(big_dir)],
             check=True,
             capture_output=True,
             text=True,
@@ -203,7 +210,7 @@ def main() -> None:
     )
     assert floor_value > 0
 
-    norms = [*CLIPCLI, "norms", "--format", "json", str(big)]
+    norms = [*CLIPCLI, "norms", "--format", "json", str(big_dir)]
     floor = [sys.executable, str(floor_script), str(big)]
     ours = median_of(args.runs, norms)
     row(
@@ -219,7 +226,7 @@ def main() -> None:
         out.unlink(missing_ok=True)
         os.sync()
 
-    convert = [*CLIPCLI, "convert", "--dtype", "bfloat16", str(big), str(out)]
+    convert = [*CLIPCLI, "convert", "--dtype", "bfloat16", str(big_dir), str(out)]
     ours = median_of(args.runs, convert, fresh_out)
     shutil.copyfile(out, workdir / "cp_source.safetensors")
 
@@ -240,7 +247,7 @@ def main() -> None:
     (workdir / "cp_source.safetensors").unlink()
     copy.unlink(missing_ok=True)
 
-    small_norms = median_of(args.runs, [*CLIPCLI, "norms", "--format", "json", str(small)])
+    small_norms = median_of(args.runs, [*CLIPCLI, "norms", "--format", "json", str(small_dir)])
     big_norms = median_of(1, norms)
     rows.append(
         (
@@ -255,7 +262,9 @@ def main() -> None:
     )
     small_out = workdir / "out_small.safetensors"
     small_out.unlink(missing_ok=True)
-    small_convert = timed([*CLIPCLI, "convert", "--dtype", "bfloat16", str(small), str(small_out)])
+    small_convert = timed(
+        [*CLIPCLI, "convert", "--dtype", "bfloat16", str(small_dir), str(small_out)]
+    )
     small_out.unlink()
     fresh_out()
     big_convert = timed(convert)
