@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import (
@@ -32,6 +32,8 @@ from clipcli.system import interrupts, scratch
 from clipcli.system.identity import InputGuard
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from clipcli.jobs.diff import DiffResult  # diff's modules load when a diff runs
     from clipcli.jobs.measurement import Measurement
     from clipcli.jobs.plan import Outcome, Plan, Reason, TensorPlan
@@ -473,21 +475,30 @@ def convert(
     allow_large_side_files: bool = False,
     notify: scope.Notify = scope.ignore,
     allow_lossy: bool = False,
+    dtype: str | None = None,
 ) -> list[TensorInfo]:
-    """A lossless copy into OUT's format, metadata carried over where OUT can hold it."""
+    """A lossless copy into OUT's format, metadata carried over where OUT can hold it.
+    With `dtype` (bfloat16, float16, float32): the logical tensors instead, quantized
+    weights dequantized and every real float tensor cast to it (clipcli.logical.cast);
+    a cast that overflows is refused (exit 4) unless allow_lossy."""
     from clipcli.jobs.plan import copy_plan  # WRITING_MODULES
 
+    target_dtype = _cast_target(dtype)
     target = policy.target_for(src, out, force, durable)
     with (
         interrupts.deferred(writes=True),
         scratch.keeping_clear_of([src, out]),  # a sweep in $TMPDIR spares OUT's folder
         open_reader(src) as stored,
     ):
-        reader = _converted(stored, target.writer_class())
+        if target_dtype is None:
+            reader = _converted(stored, target.writer_class())
+        else:
+            reader = _cast_reader(stored, target_dtype, allow_lossy)
         writer_cls = policy.check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
         losses += _join_losses(reader, writer_cls, target)
+        losses += _cast_losses(reader) if target_dtype is not None else []
         policy.check_losses(losses, allow_lossy, notify, target.out)
         notes = writer_cls.structure_notes(reader)  # said once OUT is written, as in clip
         copying = copy_plan(reader.infos)
@@ -502,6 +513,8 @@ def convert(
         )
         for note in notes:
             notify("note", note)
+        if target_dtype is not None:
+            _cast_notes(reader, notify)
         return list(reader.infos)
 
 
@@ -539,6 +552,47 @@ def _refuse_format_bound_parts(reader: Reader, writer_cls: type[Writer], out: ob
             f"{out}: a clip of {reader.format_name} block-quantized tensors writes "
             f"{reader.format_name} only (their block scales are rescaled); to clip their "
             "values in another format, convert to it first (which dequantizes them)"
+        )
+
+
+def _cast_target(name: str | None) -> np.dtype[Any] | None:
+    """convert --dtype NAME's dtype; a name convert does not write is a usage error."""
+    if name is None:
+        return None
+    from clipcli.numerics.casting import CAST_TARGETS, cast_target
+
+    found = cast_target(name)
+    if found is None:
+        choices = ", ".join(sorted(set(CAST_TARGETS.values())))
+        raise UsageError(f"--dtype {name!r}: convert writes one of {choices}")
+    return found
+
+
+def _cast_reader(stored: Reader, dtype: np.dtype[Any], allow_lossy: bool) -> Reader:
+    from clipcli.logical import views
+    from clipcli.logical.cast import CastReader
+
+    return CastReader(views.logical(stored), dtype, allow_overflow=allow_lossy)
+
+
+def _cast_losses(reader: Reader) -> list[str]:
+    from clipcli.logical.cast import CastReader
+
+    assert isinstance(reader, CastReader)
+    return reader.losses()
+
+
+def _cast_notes(reader: Reader, notify: scope.Notify) -> None:
+    from clipcli.logical.cast import CastReader
+
+    assert isinstance(reader, CastReader)
+    if reader.rewritten_config() is not None:
+        notify("note", "config.json written without its quantization_config (weights dequantized)")
+    for over in reader.overflows:
+        notify(
+            "warning",
+            f"{over.name}: {over.values} values overflowed {reader.target.name} (|x| up to "
+            f"{over.largest:.6g}) and were written as +-inf (--allow-lossy)",
         )
 
 

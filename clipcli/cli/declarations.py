@@ -273,6 +273,14 @@ class ConvertRequest:
     )
     allow_large_side_files: bool = ALLOW_LARGE_SIDE_FILES.field()
     allow_lossy: bool = ALLOW_LOSSY.field()
+    dtype: str | None = option(
+        "--dtype",
+        help="Write the real weights as bfloat16, float16 or float32: quantized weights "
+        "dequantized (named as the weight, scales not written; config.json loses its "
+        "quantization_config), other float tensors cast, rounded to nearest even. A cast "
+        "that overflows to inf is refused (exit 4) unless --allow-lossy.",
+        metavar="DTYPE",
+    )
 
 
 @dataclass(frozen=True)

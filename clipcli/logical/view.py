@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import Reader, TensorInfo
+    from clipcli.numerics.casting import Cast
 
 
 class Part(NamedTuple):
@@ -112,6 +113,16 @@ class View(ABC):
         self, reader: Reader, tensor: LogicalTensor, chunk_elems: int | None = None
     ) -> Iterator[np.ndarray]:
         """The real values of `tensor`, flat, in C order, in chunks (bounded memory)."""
+
+    def cast_chunks(
+        self, reader: Reader, tensor: LogicalTensor, target: np.dtype[Any]
+    ) -> Iterator[Cast]:
+        """The real values of `tensor` cast to `target` (clipcli.numerics.casting), in
+        chunks: what `convert --dtype` writes. A view may compute them faster (tables)."""
+        from clipcli.numerics.casting import cast_chunk
+
+        for chunk in self.chunks(reader, tensor):
+            yield cast_chunk(chunk, target)
 
     @property
     def identity(self) -> bool:

@@ -85,6 +85,7 @@ def convert(request: ConvertRequest) -> None:
             allow_large_side_files=request.allow_large_side_files,
             notify=notify,
             allow_lossy=request.allow_lossy,
+            dtype=request.dtype,
         )
         if not request.quiet:
             total = sum(i.nbytes for i in infos)

@@ -148,20 +148,65 @@ def decode_rows(
     flat = rules.widened(small[weight.parts[1].name]).reshape(-1)
     scale_columns = rules.ceil_div(columns, block_columns) if flat.size > 1 else 1
     scale = flat.reshape(-1, scale_columns)
-    row_of = (
-        np.arange(start, stop) // block_rows
-        if scale.shape[0] > 1
-        else np.zeros(stop - start, dtype=np.intp)
-    )
-    column_of = (
-        np.arange(columns) // block_columns
-        if scale_columns > 1
-        else np.zeros(columns, dtype=np.intp)
-    )
     values = rules.code_values(codes.reshape(stop - start, columns))
-    with np.errstate(invalid="ignore", over="ignore"):
-        values *= scale[row_of][:, column_of]
+    # One row of block scales spread over the columns per run of rows in one row block,
+    # multiplied in place: no scale matrix the size of the chunk.
+    first = start
+    while first < stop:
+        block = first // block_rows if scale.shape[0] > 1 else 0
+        last = min(stop, (first // block_rows + 1) * block_rows)
+        spread = (
+            np.repeat(scale[block], block_columns)[:columns] if scale_columns > 1 else scale[block]
+        )
+        with np.errstate(invalid="ignore", over="ignore"):
+            values[first - start : last - start] *= spread
+        first = last
     return values
+
+
+def cast_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+    target: np.dtype[Any],
+) -> np.ndarray | None:
+    """Real rows [start, stop) in `target`, each value rounded once: what decode_rows then
+    a cast gives, through one 256-entry table per block (every code x the block's scale,
+    rounded), so each element costs one lookup. None when a table holds a value the cast
+    overflows (the caller then decodes and casts, counting them)."""
+    import numpy as np
+
+    from clipcli.dtypes import float64_values
+    from clipcli.numerics.rounding import narrow_round
+
+    block_rows, block_columns = weight.params["block"]
+    columns = weight.shape[1]
+    flat = rules.widened(small[weight.parts[1].name]).reshape(-1)
+    scale_columns = rules.ceil_div(columns, block_columns) if flat.size > 1 else 1
+    scale = flat.reshape(-1, scale_columns)
+    code_table = float64_values(codes.dtype)
+    raw = codes.reshape(stop - start, columns).view(np.uint8)
+    table_of_column = (np.arange(columns) // block_columns) * 256 if scale_columns > 1 else 0
+    out = np.empty((stop - start, columns), dtype=target)
+    first = start
+    while first < stop:
+        block = first // block_rows if scale.shape[0] > 1 else 0
+        last = min(stop, (first // block_rows + 1) * block_rows)
+        with np.errstate(invalid="ignore", over="ignore"):
+            products = (scale[block][:, None] * code_table[None, :]).reshape(-1)
+        tables = narrow_round(products, target)
+        if np.any(np.isinf(tables.astype(np.float32)) & np.isfinite(products)):
+            return None
+        rows = raw[first - start : last - start]
+        np.take(
+            tables,
+            rows + table_of_column if scale_columns > 1 else rows,
+            out=out[first - start : last - start],
+        )
+        first = last
+    return out
 
 
 def scaled_parts(weight: Recognised) -> list[str]:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import Reader
     from clipcli.logical.quantized.scheme import ReadSmall, Recognised, Scheme
+    from clipcli.numerics.casting import Cast
 
 CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge one
 # The small parts of one weight are read whole: more than this is no real layout's scales
@@ -265,6 +266,22 @@ class QuantizedView(View):
         """(start, stop, rows [start, stop) as float64) of `shape` seen as 2-D, the shape
         the scheme decodes (the real one, or its transpose), about `budget` values each."""
         columns = shape[-1] if shape else 1
+        for start, stop, codes in self._code_runs(reader, scheme, rec, shape, budget):
+            values = scheme.decode_rows(rec, codes, start, stop, small)
+            if values.shape != (stop - start, columns):
+                raise AssertionError(f"{rec.scheme} decoded {values.shape} for rows {start}:{stop}")
+            yield start, stop, values
+
+    def _code_runs(
+        self,
+        reader: Reader,
+        scheme: Scheme,
+        rec: Recognised,
+        shape: tuple[int, ...],
+        budget: int,
+    ) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(start, stop, the code rows that hold rows [start, stop) of `shape`)."""
+        columns = shape[-1] if shape else 1
         rows = math.prod(shape) // columns if columns else 0
         if rows == 0 or columns == 0:
             return
@@ -273,10 +290,34 @@ class QuantizedView(View):
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             first, last = scheme.code_rows(rec, start, stop)
-            values = scheme.decode_rows(rec, cursor.rows(first, last), start, stop, small)
-            if values.shape != (stop - start, columns):
-                raise AssertionError(f"{rec.scheme} decoded {values.shape} for rows {start}:{stop}")
-            yield start, stop, values
+            yield start, stop, cursor.rows(first, last)
+
+    def cast_chunks(
+        self, reader: Reader, tensor: LogicalTensor, target: np.dtype[Any]
+    ) -> Iterator[Cast]:
+        """A scheme with cast_rows (a 256-entry table per scale) gives each run of rows in
+        `target` directly; else (and where its tables overflow) decode, then cast."""
+        import numpy as np
+
+        from clipcli.numerics.casting import Cast, cast_chunk
+
+        if tensor.plain or not hasattr(self._weights[tensor.info.name][0], "cast_rows"):
+            yield from super().cast_chunks(reader, tensor, target)
+            return
+        scheme, rec = self._weights[tensor.info.name]
+        if rec.transposed:
+            yield from super().cast_chunks(reader, tensor, target)
+            return
+        cast_rows = scheme.cast_rows  # type: ignore[attr-defined]  # optional, as checked
+        small = self._small_parts(reader, rec, None, scheme)
+        budget = default_chunk_elems(np.dtype(np.float64))
+        for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
+            values = cast_rows(rec, codes, start, stop, small, target)
+            if values is None:
+                decoded = scheme.decode_rows(rec, codes, start, stop, small)
+                yield cast_chunk(decoded.reshape(-1), target)
+            else:
+                yield Cast(values.reshape(-1), 0, 0.0)
 
     def _transposed(
         self,
