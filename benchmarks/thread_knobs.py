@@ -170,7 +170,7 @@ def main() -> None:
         }
         results.append(row)
         print(
-            f"| {label} | {row['wall']:.3f} s | {row['cpu']:.2f} | {row['rss_mib']:.0f} MiB |",
+            f"| {label} | {row['wall']:.3f} s | {row['cpu']:.2f} |",
             flush=True,
         )
         (out / "thread_knobs.json").write_text(
