@@ -76,6 +76,20 @@ def _write(path: Path, tensors: dict[str, np.ndarray]) -> Path:
     elif fmt == "npy":  # one array, no name
         (array,) = tensors.values()
         np.save(path, array)
+    elif fmt == "gguf":  # llama.cpp's own gguf package
+        import gguf
+
+        writer = gguf.GGUFWriter(str(path), "test")
+        for name, array in tensors.items():
+            writer.add_tensor(name, array)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    elif fmt == "pytorch":  # torch itself, where it installs (CI has no torch: the
+        # torch-free round trips are tests/test_pytorch_writer.py's)
+        torch = pytest.importorskip("torch")
+        torch.save({name: torch.from_numpy(array) for name, array in tensors.items()}, path)
     else:
         raise AssertionError(f"no official writer known to the test for {fmt!r}")
     return path
@@ -100,6 +114,14 @@ def _read(path: Path) -> dict[str, np.ndarray]:
         from clipcli.formats.npy import TENSOR_NAME
 
         return {TENSOR_NAME: np.load(path, allow_pickle=False)}
+    if fmt == "gguf":
+        import gguf
+
+        return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
+    if fmt == "pytorch":
+        torch = pytest.importorskip("torch")
+        loaded = torch.load(path, weights_only=True)
+        return {name: tensor.numpy() for name, tensor in loaded.items()}
     raise AssertionError(f"no official reader known to the test for {fmt!r}")
 
 
