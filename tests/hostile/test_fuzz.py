@@ -54,6 +54,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from clipcli.cli.entry import main
+from clipcli.jobs import roles
 
 
 def _preload_clipcli() -> None:
@@ -131,7 +132,11 @@ class ValidCase:
 
 @st.composite
 def valid_cases(draw: st.DrawFn) -> ValidCase:
-    names = draw(st.lists(NAMES, min_size=1, max_size=5, unique=True))
+    # Names of model weights: a name that says optimizer state or a BatchNorm statistic
+    # ("running_mean", found by this test) is kept out of every clip with a note, and a
+    # checkpoint of nothing else is refused (exit 2): tests/test_checkpoint_scope.py.
+    weights = NAMES.filter(lambda name: roles.classify(name) is roles.Role.WEIGHT)
+    names = draw(st.lists(weights, min_size=1, max_size=5, unique=True))
     tensors = {name: draw(arrays()) for name in names}
     floats = [a for a in tensors.values() if a.dtype.kind == "f"]
     mode = draw(st.sampled_from(["--global", "--norm"]))
