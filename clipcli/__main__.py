@@ -59,7 +59,9 @@ def _guard_start_up() -> None:
 # the import and run()'s first line would otherwise be a KeyboardInterrupt traceback from
 # our own frames. Imported by anything else (a test), the process's handlers stay as
 # they are.
-if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "clipcli":
+# (str methods, not os.path.basename: its Python frames in posixpath widened the window a
+# signal can land in before the guard is up; a full test run caught one there.)
+if __name__ == "__main__" or (sys.argv and sys.argv[0].rpartition("/")[2] == "clipcli"):
     _guard_start_up()
 
 import errno  # noqa: E402 - after the guard: built in, like os and sys
