@@ -34,6 +34,7 @@ class LogicalReader(Reader):
         self.by_name: dict[str, LogicalTensor] = {t.info.name: t for t in self.logical}
         self.part_roles: dict[str, str] = {info.name: role for info, role in view.side_tensors()}
         self._side = {info.name: info for info, _ in view.side_tensors()}
+        _refuse_one_name_twice(stored, [*self.logical, *(info for info, _ in view.side_tensors())])
         self._infos = self._ordered()
         self._stored_infos = {info.name: info for info in stored.infos}
         # Tied tensors (the same values under a second name) -> the first name: counted
@@ -172,3 +173,17 @@ class LogicalReader(Reader):
 
     def close(self) -> None:
         self.stored.close()
+
+
+def _refuse_one_name_twice(stored: Reader, tensors: list[LogicalTensor | TensorInfo]) -> None:
+    """Any view's tensors (logical and side) each under its own name: two claiming one
+    (a view's weight beside a stored tensor of that name) would leave one unread, and a
+    write would drop it. Refused (exit 3), whichever view made them."""
+    from clipcli.errors import InputError
+
+    seen: set[str] = set()
+    for tensor in tensors:
+        name = tensor.info.name if isinstance(tensor, LogicalTensor) else tensor.name
+        if name in seen:
+            raise InputError(stored.path, f"two tensors claim the name {name!r}")
+        seen.add(name)

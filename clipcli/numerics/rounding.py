@@ -37,7 +37,8 @@ def narrow_round(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     then set the last bit if anything was cut off) keeps enough information that the
     second rounding, to any format at least two bits narrower, is the correct one."""
     if dtype.kind == "c" or dtype.itemsize >= 4:
-        narrowed: np.ndarray = wide.astype(dtype)
+        with np.errstate(over="ignore", invalid="ignore"):  # past the range: +-inf, counted
+            narrowed: np.ndarray = wide.astype(dtype)
         return narrowed
     if dtype == np.float16 and wide.dtype == np.float64:
         # Cheaper on the bits: cut the float64 mantissa to float32's 23 bits, keeping a
@@ -48,6 +49,10 @@ def narrow_round(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
         cut = (bits64 & ~np.uint64(0x1FFFFFFF)).view(np.float64)
         with np.errstate(over="ignore", under="ignore", invalid="ignore"):
             single = cut.astype(np.float32)
+        if not np.isfinite(single).all():
+            # Past float32's range (|x| >= 2**128) the cut became +-inf, which float16
+            # keeps; a sticky bit there would make it NaN. A NaN cut to inf keeps its bit.
+            sticky &= ~(np.isinf(single) & np.isfinite(wide))
         single.view(np.uint32)[...] |= sticky
         return float16.from_float32(single)
     with np.errstate(over="ignore", invalid="ignore"):

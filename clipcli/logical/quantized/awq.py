@@ -98,6 +98,7 @@ def _recognised(
     declared: int | None,
     configured: bool,
 ) -> Recognised:
+    rules.check_not_empty(module + ".weight", qweight, qzeros, scales)
     for info, role in ((qweight, "AWQ qweight"), (qzeros, "AWQ qzeros")):
         intcodes.check_dtype(info, intcodes.WORD_DTYPES, role)
         if len(info.shape) != 2:

@@ -41,6 +41,8 @@ MAX_STATE_BYTES = 1 << 16  # the JSON is ~200 bytes; a larger one is not read
 MAX_RANK = 8
 MAX_DIM = 1 << 40
 FLOAT32 = frozenset({"float32"})
+# The dtypes a bitsandbytes quant state names (its QuantState.as_dict: str(torch dtype)).
+STATE_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 
 
 def recognise(
@@ -95,6 +97,21 @@ def _shape(state: Mapping[str, Any], where: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _dtype(state: Mapping[str, Any], where: str) -> str | None:
+    """The dtype bitsandbytes dequantizes to, as its quant state says (None when it says
+    none): only one it writes, never a guess reported as float32."""
+    dtype = state.get("dtype")
+    if dtype is None:
+        return None
+    if not isinstance(dtype, str) or dtype.removeprefix("torch.") not in STATE_DTYPES:
+        raise rules.refuse(
+            where,
+            f"quant state dtype {dtype!r} is not one bitsandbytes writes "
+            f"({', '.join(sorted(STATE_DTYPES))})",
+        )
+    return dtype.removeprefix("torch.")
+
+
 def _companion(stored: Mapping[str, TensorInfo], name: str, where: str) -> TensorInfo:
     info = stored.get(name)
     if info is None:
@@ -117,6 +134,7 @@ def _four_bit(
     codes = _companion(stored, weight, where)
     absmax = _companion(stored, weight + ".absmax", where)
     quant_map = _companion(stored, weight + ".quant_map", where)
+    rules.check_not_empty(weight, codes, absmax, shape=shape)
     packed = rules.ceil_div(count, 2)
     item = codes.dtype.itemsize
     if (
@@ -137,7 +155,7 @@ def _four_bit(
         "block": block,
         "absmax": absmax.name,
         "quant_map": quant_map.name,
-        "dtype": state.get("dtype") if isinstance(state.get("dtype"), str) else None,
+        "dtype": _dtype(state, where),
         "nested": None,
         "item": item,
     }
@@ -193,6 +211,7 @@ def _int8(
 ) -> Recognised:
     module = name[: -len(".weight")]
     scb = stored[module + ".SCB"]
+    rules.check_not_empty(name, info, scb)
     intcodes.check_dtype(info, frozenset({"int8"}), "LLM.int8 weight")
     if len(info.shape) != 2:
         raise rules.refuse(name, f"LLM.int8 weight of rank {len(info.shape)}, not 2")

@@ -63,6 +63,7 @@ def recognise(
 def _recognised(
     info: TensorInfo, scale: TensorInfo, declared: tuple[int, ...] | None, configured: bool
 ) -> Recognised:
+    rules.check_not_empty(info.name, info, scale)
     if len(info.shape) != 2:
         raise rules.refuse(info.name, f"block-scaled fp8 weight of rank {len(info.shape)}, not 2")
     rules.check_scale_dtype(scale)

@@ -123,6 +123,7 @@ def _recognised(
     candidates: list[tuple[str, Tile]],
     stem: str,
 ) -> Recognised:
+    rules.check_not_empty(info.name, info, scale)
     if len(info.shape) != 2:
         raise rules.refuse(info.name, f"scaled fp8 weight of rank {len(info.shape)}, not 2")
     rules.check_scale_dtype(scale)

@@ -109,6 +109,9 @@ def _recognised(
     stored: Mapping[str, TensorInfo],
     declared: _Declared | None,
 ) -> Recognised:
+    g_idx = stored.get(module + ".g_idx")
+    stored_parts = [qweight, qzeros, scales] + ([] if g_idx is None else [g_idx])
+    rules.check_not_empty(module + ".weight", *stored_parts)
     for info, role in ((qweight, "GPTQ qweight"), (qzeros, "GPTQ qzeros")):
         intcodes.check_dtype(info, intcodes.WORD_DTYPES, role)
         if len(info.shape) != 2:
@@ -117,7 +120,6 @@ def _recognised(
     if len(scales.shape) != 2:
         raise rules.refuse(scales.name, f"GPTQ scales of rank {len(scales.shape)}, not 2")
     groups, out = scales.shape
-    g_idx = stored.get(module + ".g_idx")
     bits = declared.bits if declared is not None else _bits_from_shapes(qweight, qzeros, g_idx, out)
     inputs = _inputs(qweight, g_idx, bits)
     weight = module + ".weight"
@@ -210,10 +212,16 @@ def _group(
             f"{groups} GPTQ groups over {inputs} inputs without a g_idx: the group size "
             "cannot be told from the shapes; give the model directory with its config.json",
         )
-    if g_idx is None and rules.ceil_div(inputs, group) != groups:
+    if rules.ceil_div(inputs, group) != groups:
+        # With a g_idx stored it still decides each input's group, but a config whose
+        # group_size disagrees with the stored groups is a record that does not hold (R5).
+        source = ""
+        if declared is not None:
+            size = -1 if declared.group is None else declared.group
+            source = f" (config.json's group_size is {size})"
         raise rules.refuse(
             weight,
-            f"{groups} groups of scales do not fit {inputs} inputs in groups of {group}",
+            f"{groups} groups of scales do not fit {inputs} inputs in groups of {group}{source}",
         )
     return group
 

@@ -66,6 +66,7 @@ def recognise(
 
 
 def _gpt_oss(blocks: TensorInfo, scales: TensorInfo) -> Recognised:
+    rules.check_not_empty(blocks.name, blocks, scales)
     if len(blocks.shape) < 2 or blocks.shape[-1] != BLOCK // 2:
         raise rules.refuse(
             blocks.name, f"MXFP4 blocks of shape {rules.shown(blocks.shape)}: the last is not 16"
@@ -86,6 +87,7 @@ def _gpt_oss(blocks: TensorInfo, scales: TensorInfo) -> Recognised:
 
 
 def _packed(packed: TensorInfo, scale: TensorInfo, stem: str) -> Recognised:
+    rules.check_not_empty(packed.name, packed, scale)
     if len(packed.shape) != 2:
         raise rules.refuse(packed.name, f"packed MXFP4 weight of rank {len(packed.shape)}, not 2")
     rows, columns = packed.shape[0], packed.shape[1] * 2

@@ -68,6 +68,7 @@ def _recognised(
     global_scale: TensorInfo,
     stem: str,
 ) -> Recognised:
+    rules.check_not_empty(packed.name, packed, scale, global_scale)
     if len(packed.shape) != 2:
         raise rules.refuse(packed.name, f"NVFP4 weight of rank {len(packed.shape)}, not 2")
     rows, columns = packed.shape[0], packed.shape[1] * 2

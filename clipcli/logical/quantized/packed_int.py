@@ -163,6 +163,7 @@ def _recognised(
     declared: list[Args] | None,
     version: tuple[int, int] | None,
 ) -> Recognised:
+    rules.check_not_empty(module + ".weight", packed, scale, shape=real)
     weight = module + ".weight"
     intcodes.check_dtype(scale, intcodes.FLOAT_SCALE_DTYPES, "weight scale")
     rows_shape, columns = real[:-1], real[-1]
@@ -242,6 +243,14 @@ def _group(args: Args, g_idx: TensorInfo | None, groups: int, columns: int, weig
     if g_idx is not None:
         intcodes.check_dtype(g_idx, intcodes.INDEX_DTYPES, "weight g_idx")
         rules.check_shape(g_idx, (columns,), weight, "g_idx")
+        if args.group is not None and rules.ceil_div(columns, args.group) != groups:
+            # g_idx decides each input's group, but a declared group_size that disagrees
+            # with the stored groups is a record that does not hold (R5): refused.
+            raise rules.refuse(
+                weight,
+                f"{groups} groups of scales do not fit {columns} inputs in groups of "
+                f"{args.group} (config.json's group_size)",
+            )
         return rules.ceil_div(columns, groups)
     if args.group is None:
         raise rules.refuse(

@@ -35,6 +35,17 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def check_not_empty(weight: str, *parts: TensorInfo, shape: Sequence[int] = (1,)) -> None:
+    """A quantized weight with a zero dimension (in any stored part, or in the real shape
+    a record gives) is refused before its sizes divide anything: no quantizer writes one,
+    and a group or block count of 0 has no meaning."""
+    for info in parts:
+        if 0 in tuple(info.shape):
+            raise refuse(info.name, f"a part of {weight} of shape {shown(info.shape)}: empty")
+    if 0 in tuple(shape):
+        raise refuse(weight, f"a quantized weight of shape {shown(shape)}: empty")
+
+
 def block_size(value: object, where: str, what: str) -> int:
     """A block or group size from a config: an int in [1, MAX_BLOCK] (bool is no int here)."""
     if type(value) is not int or not 1 <= value <= MAX_BLOCK:

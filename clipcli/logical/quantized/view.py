@@ -120,11 +120,18 @@ class QuantizedView(View):
                             f"({found.scheme}): ambiguous, refusing to guess",
                         )
                     owner[part.name] = (found.name, found.scheme)
-                if found.name in self._weights or (
-                    found.name in stored and owner.get(found.name, (found.name,))[0] != found.name
-                ):
+                if found.name in self._weights:
                     raise InputError(found.name, "names two quantized weights: ambiguous")
                 self._weights[found.name] = (scheme, found)
+        for name, (_, found) in self._weights.items():
+            # A stored tensor of the weight's own name that is not one of its parts (a
+            # plain X.weight beside X.qweight): two tensors would claim one logical name.
+            if name in stored and owner.get(name, ("",))[0] != name:
+                raise InputError(
+                    name,
+                    f"stored as a tensor and as a quantized weight ({found.scheme}, from "
+                    f"{found.codes}): two tensors claim one name, refusing to guess",
+                )
         if config is not None:
             _refuse_undescribed(stored, owner, config, schemes)
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
@@ -228,12 +235,14 @@ class QuantizedView(View):
             )
         small = {info.name: reader.read(info) for info in small_infos}
         if factor is not None:
+            import numpy as np
+
             from clipcli.numerics import rounding
 
             for name in scheme.scaled_parts(rec):
-                small[name] = rounding.scale_chunk(small[name], factor[0], factor[1]).reshape(
-                    small[name].shape
-                )
+                with np.errstate(all="ignore"):  # an inf or NaN scale stays one
+                    scaled = rounding.scale_chunk(small[name], factor[0], factor[1])
+                small[name] = scaled.reshape(small[name].shape)
         return small
 
     def _decoded(
@@ -267,7 +276,7 @@ class QuantizedView(View):
         the scheme decodes (the real one, or its transpose), about `budget` values each."""
         columns = shape[-1] if shape else 1
         for start, stop, codes in self._code_runs(reader, scheme, rec, shape, budget):
-            values = scheme.decode_rows(rec, codes, start, stop, small)
+            values = _decode(scheme, rec, codes, start, stop, small)
             if values.shape != (stop - start, columns):
                 raise AssertionError(f"{rec.scheme} decoded {values.shape} for rows {start}:{stop}")
             yield start, stop, values
@@ -312,9 +321,10 @@ class QuantizedView(View):
         small = self._small_parts(reader, rec, None, scheme)
         budget = default_chunk_elems(np.dtype(np.float64))
         for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
-            values = cast_rows(rec, codes, start, stop, small, target)
+            with np.errstate(all="ignore"):  # as _decode: hostile scales are data
+                values = cast_rows(rec, codes, start, stop, small, target)
             if values is None:
-                decoded = scheme.decode_rows(rec, codes, start, stop, small)
+                decoded = _decode(scheme, rec, codes, start, stop, small)
                 yield cast_chunk(decoded.reshape(-1), target)
             else:
                 yield Cast(values.reshape(-1), 0, 0.0)
@@ -410,6 +420,23 @@ def _refuse_undescribed(
             f"quantization_config (quant_method {method!r}) does not describe the tensors: "
             f"by names and dtypes, {problem}; refusing to read it as plain tensors",
         )
+
+
+def _decode(
+    scheme: Scheme,
+    rec: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> np.ndarray:
+    """scheme.decode_rows with numpy's floating-point warnings off: an inf or NaN scale or
+    zero point in a file is data (inf * 0 is NaN, counted as non-finite where it matters),
+    not a RuntimeWarning on stderr beside the one-line report."""
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        return scheme.decode_rows(rec, codes, start, stop, small)
 
 
 def _logical(rec: Recognised) -> LogicalTensor:
