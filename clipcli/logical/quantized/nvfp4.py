@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import rules
-from clipcli.logical.quantized.scheme import ReadSmall, Recognised
+from clipcli.logical.quantized.scheme import ReadSmall, Recognised, row_for_row
 from clipcli.logical.view import Part
 
 if TYPE_CHECKING:
@@ -94,8 +94,7 @@ def _recognised(
     )
 
 
-def code_rows(weight: Recognised, start: int, stop: int) -> tuple[int, int]:  # noqa: ARG001
-    return start, stop
+code_rows = row_for_row  # one real row per stored row of codes
 
 
 def decode_rows(

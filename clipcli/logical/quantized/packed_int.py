@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from clipcli.logical.quantized import intcodes, rules
-from clipcli.logical.quantized.scheme import ReadSmall, Recognised
+from clipcli.logical.quantized.scheme import ReadSmall, Recognised, row_for_row
 from clipcli.logical.view import Part
 
 if TYPE_CHECKING:
@@ -266,8 +266,7 @@ def _group(args: Args, g_idx: TensorInfo | None, groups: int, columns: int, weig
     return args.group
 
 
-def code_rows(weight: Recognised, start: int, stop: int) -> tuple[int, int]:  # noqa: ARG001
-    return start, stop
+code_rows = row_for_row  # one real row per stored row of codes
 
 
 def decode_rows(

@@ -86,3 +86,8 @@ class Scheme(Protocol):
         """What a clip multiplies: the scales (and offsets that scale with the weight),
         never the codes or zero points."""
         ...
+
+
+def row_for_row(weight: Recognised, start: int, stop: int) -> tuple[int, int]:  # noqa: ARG001
+    """code_rows for the schemes whose codes hold one real row per stored row."""
+    return start, stop
