@@ -18,7 +18,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, byte_view, rank_problem
+from clipcli.formats.base import (
+    Checkpoint,
+    Reader,
+    TensorInfo,
+    Writer,
+    ordered_bytes,
+    rank_problem,
+)
 from clipcli.formats.gguf.header import (
     DEFAULT_ALIGNMENT,
     GGML_TYPES,
@@ -202,16 +209,12 @@ class GgufWriter(Writer):
         if planned.name != info.name.encode("utf-8"):
             raise ValueError(f"{info.name!r} written out of order")
         self._next += 1
-        swap = self._order == ">" and info.dtype.itemsize > 1
         done = 0
         for chunk in chunks:
-            if swap:  # as unsigned ints of the same width: bfloat16 too
-                size = info.dtype.itemsize
-                chunk = chunk.view(f"<u{size}").astype(f">u{size}")
-                self._file.write(chunk.tobytes())
-            else:
-                self._file.write(byte_view(chunk, info.dtype))
-            done += chunk.nbytes
+            # The header's byte order, whatever order the source stored the values in.
+            data = ordered_bytes(chunk, info.dtype, self._order)
+            self._file.write(data)
+            done += data.nbytes
         if done != planned.nbytes:
             raise ValueError(f"{info.name!r}: {done} bytes written, {planned.nbytes} expected")
         self._file.write(bytes(pad(done, self._alignment) - done))
