@@ -165,11 +165,10 @@ class PyTorchWriter(Writer):
 
     @classmethod
     def structure_losses(cls, source: Reader) -> list[str]:
-        """A state dict of tensors holds no file metadata; what a PyTorch reader derived
-        from the file it read (`pytorch.layout`, `pytorch.tied`, ...) is no loss."""
+        """A state dict of tensors holds no file metadata. (What a PyTorch reader found
+        about the file it read, `pytorch.layout` and the like, is not in joined_metadata.)"""
         losses = super().structure_losses(source)
-        metadata = source.joined_metadata()
-        lost, _ = metadata_loss({k: v for k, v in metadata.items() if not k.startswith("pytorch.")})
+        lost, _ = metadata_loss(source.joined_metadata())
         if lost:
             losses.append(metadata_loss_text(lost))
         return losses
