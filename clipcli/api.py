@@ -9,7 +9,7 @@ then executes the plan into OUT's target (clipcli.output.target: one commit poin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -400,13 +400,14 @@ def check_clip_scope(
 
     selection = _with_parts(selection, reader)
     selected = selection.check(reader.infos, notify)
+    if _is_logical(reader):
+        _check_ties(reader, selection)  # before the note on training state: one line
     selection.check_weights(selected, notify, writes=True)
     targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
     acted_on = [i for i in selected if selection.left_out(i.name) is None]
     scope.refuse_quantized(reader.infos, acted_on, _declaring_directory(reader))
     if _is_logical(reader):
         _refuse_unlowerable(reader, acted_on, spec.mode is Mode.VALUE)
-        _check_ties(reader, selection)
         overlaps = _overlap_groups(reader, selection) if spec.mode is Mode.GLOBAL else []
         if overlaps:
             raise DataRefusedError(
@@ -617,8 +618,25 @@ def _with_parts(selection: Selection, reader: Reader) -> Selection:
     if parts:
         selection = dataclasses.replace(selection, parts=frozenset(parts))
     if tied:
-        selection = dataclasses.replace(selection, tied=dict(tied))
+        selection = dataclasses.replace(selection, tied=_counted_ties(selection, tied))
     return selection
+
+
+def _counted_ties(selection: Selection, tied: Mapping[str, str]) -> dict[str, str]:
+    """Each tie counted once among the names that count: of a tied group (a first name
+    and the names tied to it, in file order), the first that is selected and not training
+    state stands for the others that count. A name that does not count stands for none:
+    a weight tied to an optimizer tensor before it, or the lm_head.weight that
+    `--include 'lm_head*'` selects of a tied pair, is counted itself, not zero times."""
+    groups: dict[str, list[str]] = {}
+    for name, first in tied.items():
+        groups.setdefault(first, [first]).append(name)
+    counted_ties: dict[str, str] = {}
+    for members in groups.values():
+        counted = [n for n in members if selection(n) and selection.left_out(n) is None]
+        if len(counted) > 1:
+            counted_ties.update(dict.fromkeys(counted[1:], counted[0]))
+    return counted_ties
 
 
 def _overlap_groups(reader: Reader, selection: Selection) -> list[tuple[str, ...]]:

@@ -94,6 +94,32 @@ def byte_view(array: np.ndarray, dtype: np.dtype[Any]) -> memoryview:
     return memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
 
 
+def _byte_order(dtype: np.dtype[Any]) -> str:
+    """'<' or '>': where a dtype's multi-byte units keep their low byte."""
+    import sys
+
+    if dtype.byteorder in "<>":
+        return dtype.byteorder
+    return "<" if sys.byteorder == "little" else ">"
+
+
+def ordered_bytes(array: np.ndarray, dtype: np.dtype[Any], order: str) -> memoryview:
+    """The array's values as `dtype`, laid out in byte order `order` ('<' or '>'),
+    C-contiguous. A format that declares one byte order (PyTorch's `byteorder` record,
+    a GGUF header, safetensors) must get the values in that order whatever order the
+    source stored them in (a '>f4' npz member, a big-endian HDF5 dataset): writing the
+    source's bytes as they are would make every value another one."""
+    import numpy as np
+
+    same_values = name_of_dtype(array.dtype) == name_of_dtype(dtype)
+    data = np.ascontiguousarray(array if same_values else array.astype(dtype))
+    # A complex value is two floats, each swapped on its own.
+    unit = data.dtype.itemsize // 2 if data.dtype.kind == "c" else data.dtype.itemsize
+    if unit > 1 and _byte_order(data.dtype) != order:
+        data = data.view(f"u{unit}").byteswap()  # bfloat16 and fp8 too: numpy has no '>'
+    return memoryview(data.view(np.uint8))  # type: ignore[arg-type]
+
+
 def default_chunk_elems(dtype: np.dtype[Any]) -> int:
     return max(1, CHUNK_BYTES // max(1, dtype.itemsize))
 

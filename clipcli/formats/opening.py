@@ -40,9 +40,7 @@ def _recognise(path: Path) -> Format:
     with open_input(path) as handle:
         try:
             probe = Probe(handle)
-            found = next((f for f in registry.FORMATS if f.recognise and f.recognise(probe)), None)
-            if found is None:
-                found = next((f for f in registry.FORMATS if f.late and f.late(probe)), None)
+            found = registry.recognised(probe)
         except OSError as exc:
             raise InputError(path, f"cannot read: {exc.strerror}") from None
     if probe.zip_problem is not None:  # which format it is depends on whom one asks

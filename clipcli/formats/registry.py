@@ -340,6 +340,15 @@ def by_suffix(name: str) -> Format | None:
     return BY_SUFFIX.get(os.path.splitext(name)[1].lower())
 
 
+def recognised(probe: Probe) -> Format | None:
+    """The entry the file's content names: the first whose `recognise` matches, else the
+    first whose costlier `late` test does (a refused format's entry included)."""
+    found = next((f for f in FORMATS if f.recognise and f.recognise(probe)), None)
+    if found is None:
+        found = next((f for f in FORMATS if f.late and f.late(probe)), None)
+    return found
+
+
 def output_format(name: str) -> Format | None:
     """The format of an OUT file of this name (by its suffix), or None."""
     return OUTPUT_SUFFIXES.get(os.path.splitext(name)[1].lower())

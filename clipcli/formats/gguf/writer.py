@@ -18,7 +18,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, byte_view, rank_problem
+from clipcli.formats.base import (
+    Checkpoint,
+    Reader,
+    TensorInfo,
+    Writer,
+    ordered_bytes,
+    rank_problem,
+)
 from clipcli.formats.gguf.header import (
     DEFAULT_ALIGNMENT,
     GGML_TYPES,
@@ -41,6 +48,10 @@ _PLAIN_CODES = {
     dtype: next(code for code, (n, _, _) in GGML_TYPES.items() if n == name)
     for name, dtype in PLAIN_TYPES.items()
 }
+# gguf.GGUFReader files the header's own fields as metadata keys GGUF.version,
+# GGUF.tensor_count and GGUF.kv_count, and refuses a file whose metadata names one again:
+# the namespace is the reader's, so no key in it is written.
+READER_NAMESPACE = "GGUF."
 _KV_START = 4 + 4 + 8 + 8  # magic, version, tensor count, KV count
 _COPY_STEP = 1 << 20
 
@@ -106,12 +117,20 @@ class GgufWriter(Writer):
     @classmethod
     def check_metadata(cls, metadata: Mapping[str, str], source: Reader) -> str | None:
         """A GGUF source's metadata is copied as stored. Any other source: its keys become
-        string values, but never `general.alignment` (GGUF's own, a uint32); and it cannot
+        string values, but never `general.alignment` (GGUF's own, a uint32) nor a key in
+        READER_NAMESPACE, which gguf's reader would refuse; and it cannot
         have uint8 tensors (GGUF has no such type: only a GGUF source's blocks are)."""
         if isinstance(source, GgufReader):
             return None
         if "general.alignment" in metadata:
             return "metadata key 'general.alignment' is GGUF's own (a uint32), not a string"
+        for key in metadata:
+            if key.startswith(READER_NAMESPACE):
+                return (
+                    f"metadata key {key!r} is in GGUF's own namespace ({READER_NAMESPACE}*: "
+                    "gguf's reader names the header's version and counts so, and refuses "
+                    "a file whose metadata repeats them)"
+                )
         for info in source.infos:
             if info.dtype.name == "uint8":
                 return f"tensor {info.name!r}: GGUF has no uint8 type"
@@ -202,16 +221,12 @@ class GgufWriter(Writer):
         if planned.name != info.name.encode("utf-8"):
             raise ValueError(f"{info.name!r} written out of order")
         self._next += 1
-        swap = self._order == ">" and info.dtype.itemsize > 1
         done = 0
         for chunk in chunks:
-            if swap:  # as unsigned ints of the same width: bfloat16 too
-                size = info.dtype.itemsize
-                chunk = chunk.view(f"<u{size}").astype(f">u{size}")
-                self._file.write(chunk.tobytes())
-            else:
-                self._file.write(byte_view(chunk, info.dtype))
-            done += chunk.nbytes
+            # The header's byte order, whatever order the source stored the values in.
+            data = ordered_bytes(chunk, info.dtype, self._order)
+            self._file.write(data)
+            done += data.nbytes
         if done != planned.nbytes:
             raise ValueError(f"{info.name!r}: {done} bytes written, {planned.nbytes} expected")
         self._file.write(bytes(pad(done, self._alignment) - done))

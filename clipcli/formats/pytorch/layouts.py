@@ -107,9 +107,12 @@ class _Storages:
 
 
 def _unpickle(
-    data: bytes, position: int = 0, storages: _Storages | None = None
+    data: bytes, position: int = 0, storages: _Storages | None = None, file_size: int | None = None
 ) -> tuple[object, int]:
-    machine = Interpreter(data, position, storages.load if storages is not None else None)
+    """One pickle from `position`; its memory budget is measured against `file_size` where
+    the pickle was inflated from a compressed record."""
+    load = storages.load if storages is not None else None
+    machine = Interpreter(data, position, load, file_size=file_size)
     value = machine.load()
     return value, machine.position
 
@@ -151,7 +154,9 @@ def parse_zip(path: Path, handle: BinaryIO) -> Parsed:
             byteorder = text.decode()
         storages = _Storages(legacy=False)
         try:
-            tree, _ = _unpickle(data, 0, storages)
+            # Budgets are per file: a deflated pickle's memory is measured against the
+            # file's size, not against what it inflated to.
+            tree, _ = _unpickle(data, 0, storages, file_size=os.fstat(fd).st_size)
         except PickleProblem as exc:
             raise _pickle_problem(path, exc) from None
         spans = {}

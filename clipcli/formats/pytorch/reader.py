@@ -323,20 +323,25 @@ class PyTorchReader(Reader):
             else:
                 first_of_view[view] = name
             self._storage_mates.setdefault(tensor.storage.key, []).append(name)
-        self._metadata = dict(values)
-        self._metadata.update(parsed.extras)
+        # The file's own values (what a writer carries) apart from what this reader says
+        # about the file (its layout, byte order, ties: shown by `ls`, carried nowhere,
+        # since they describe this file and not the checkpoint: a joined or converted
+        # file would otherwise count them as metadata it cannot hold).
+        self._values = dict(values)
+        described = dict(parsed.extras)
         if self._big:
-            self._metadata["pytorch.byteorder"] = "big"
+            described["pytorch.byteorder"] = "big"
         tied = [f"{name} = {first}" for name, first in self._shared.items()]
         if tied:
-            self._metadata["pytorch.tied"] = _value_text("; ".join(tied))
+            described["pytorch.tied"] = _value_text("; ".join(tied))
         shared = [
             ", ".join(names)
             for names in self._storage_mates.values()
             if len({self._shared.get(n, n) for n in names}) > 1
         ]
         if shared:
-            self._metadata["pytorch.shared_storage"] = _value_text("; ".join(shared))
+            described["pytorch.shared_storage"] = _value_text("; ".join(shared))
+        self._metadata = {**self._values, **described}
         self._overlapping = self._overlaps()
 
     def _overlaps(self) -> list[tuple[str, ...]]:
@@ -402,7 +407,14 @@ class PyTorchReader(Reader):
 
     @property
     def metadata(self) -> Mapping[str, str]:
+        """The file's non-tensor values, and what the reader found about the file
+        (`pytorch.layout`, `pytorch.byteorder`, `pytorch.tied`, `pytorch.shared_storage`)."""
         return self._metadata
+
+    def joined_metadata(self) -> dict[str, str]:
+        """The file's own values only: the reader's descriptions of this file are no
+        metadata of the checkpoint (a join of shards, a conversion, does not carry them)."""
+        return dict(self._values)
 
     def shared_with(self, name: str) -> str | None:
         """The earlier tensor whose view `name` repeats exactly (tied weights), or None."""

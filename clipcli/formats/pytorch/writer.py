@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, byte_view
+from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, ordered_bytes
 from clipcli.formats.npz.metadata import metadata_loss, metadata_loss_text
 
 if TYPE_CHECKING:
@@ -165,11 +165,10 @@ class PyTorchWriter(Writer):
 
     @classmethod
     def structure_losses(cls, source: Reader) -> list[str]:
-        """A state dict of tensors holds no file metadata; what a PyTorch reader derived
-        from the file it read (`pytorch.layout`, `pytorch.tied`, ...) is no loss."""
+        """A state dict of tensors holds no file metadata. (What a PyTorch reader found
+        about the file it read, `pytorch.layout` and the like, is not in joined_metadata.)"""
         losses = super().structure_losses(source)
-        metadata = source.joined_metadata()
-        lost, _ = metadata_loss({k: v for k, v in metadata.items() if not k.startswith("pytorch.")})
+        lost, _ = metadata_loss(source.joined_metadata())
         if lost:
             losses.append(metadata_loss_text(lost))
         return losses
@@ -203,7 +202,7 @@ class PyTorchWriter(Writer):
         digest = hashlib.sha256() if info.name in self._firsts else None
         with self._zip.open(entry, "w", force_zip64=zip64) as record:
             for chunk in chunks:
-                data = byte_view(chunk, info.dtype)
+                data = ordered_bytes(chunk, info.dtype, "<")  # the `byteorder` record says little
                 record.write(data)
                 if digest is not None:
                     digest.update(data)
@@ -217,7 +216,7 @@ class PyTorchWriter(Writer):
         """A tied tensor names its first one's storage; its bytes must be that storage's."""
         digest = hashlib.sha256()
         for chunk in chunks:
-            digest.update(byte_view(chunk, info.dtype))
+            digest.update(ordered_bytes(chunk, info.dtype, "<"))
         if digest.digest() != self._digests[first]:
             raise AssertionError(f"{info.name}: tied to {first} but written with other bytes")
         self._keys[info.name] = self._keys[first]

@@ -19,7 +19,7 @@ from clipcli.formats.base import (
     TensorInfo,
     WritebackStarter,
     Writer,
-    byte_view,
+    ordered_bytes,
 )
 from clipcli.formats.safetensors.header import (
     CODES,
@@ -178,9 +178,8 @@ class SafetensorsWriter(Writer):
 
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         self._settle(info)  # a copy made ahead must not land on top of what we write now
-        little = info.dtype.newbyteorder("<") if info.dtype.byteorder == ">" else info.dtype
         for chunk in chunks:
-            self._file.write(byte_view(chunk, little))
+            self._file.write(ordered_bytes(chunk, info.dtype, "<"))  # safetensors: little
             self._written()
 
     def copy_unchanged_many(self, source: Reader, infos: Sequence[TensorInfo]) -> bool:

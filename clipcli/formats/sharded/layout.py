@@ -94,7 +94,8 @@ DERIVED_INDEX_KEYS = frozenset({"total_size", "total_parameters"})
 
 # Files (at any depth) that hold the model's weights in another form, by suffix: never
 # copied beside clipped weights, which they would ship again unclipped. Files of no known
-# suffix are also judged by content (weights_by_content).
+# suffix are also judged by content (weights_by_content). Every suffix a reader of the
+# registry claims is one, whatever this list says.
 OTHER_WEIGHT_SUFFIXES = frozenset(
     {
         SHARD_SUFFIX,
@@ -125,7 +126,7 @@ OTHER_WEIGHT_SUFFIXES = frozenset(
         ".distcp",  # torch.distributed checkpoints
         ".llamafile",
     }
-)
+) | {suffix for fmt in registry.FORMATS if fmt.readable for suffix in fmt.suffixes}
 # TensorFlow checkpoints: variables.data-00000-of-00001 and its variables.index.
 _TF_CHECKPOINT = re.compile(r"\.data-\d+-of-\d+$|\.index$")
 
@@ -432,4 +433,18 @@ def weights_by_content(fd: int, size: int) -> str | None:
         if os.pread(fd, len(_HDF5_SIGNATURE), offset) == _HDF5_SIGNATURE:
             return "an HDF5 file"
         offset = max(512, offset * 2)
-    return None
+    return _readable_by_content(fd)
+
+
+def _readable_by_content(fd: int) -> str | None:
+    """What format of the registry recognises the file (as formats.opening would choose
+    one), or None: whatever clipcli itself reads (a PyTorch legacy tar, a format added
+    later) is weights, without a second list here to keep in step. A format with no magic
+    of its own (safetensors: one '{' at byte 8) is judged by the stricter test above
+    instead, so that a JSON or text file is still copied."""
+    with open(fd, "rb", closefd=False) as handle:  # the caller's descriptor stays open
+        handle.seek(0)
+        found = registry.recognised(registry.Probe(handle))
+    if found is None or found.claims_without_magic:
+        return None
+    return f"a {found.label} file"

@@ -367,9 +367,12 @@ class ShardedReader(Reader):
         """The __metadata__ entries that every shard shares (typically {"format": "pt"}),
         for joining the shards into one file: `metadata` is the index's, and transformers
         refuses a safetensors file whose __metadata__ lacks "format"."""
-        shared = dict(self._readers[self.shard_names[0]].metadata)
-        for reader in self._readers.values():
-            shared = {k: v for k, v in shared.items() if reader.metadata.get(k) == v}
+        # Each shard's joined_metadata: its own metadata, not what its reader found about
+        # the file (a PyTorch shard's `pytorch.layout`), which no joined file carries.
+        joined = {name: reader.joined_metadata() for name, reader in self._readers.items()}
+        shared = joined[self.shard_names[0]]
+        for metadata in joined.values():
+            shared = {k: v for k, v in shared.items() if metadata.get(k) == v}
         return shared
 
     def index_document(self) -> dict[str, Any] | None:
@@ -436,7 +439,12 @@ class ShardedReader(Reader):
         ]
         index = [k for k in index if joined.get(k) != self.metadata[k]]
         shards = sorted(
-            {k for reader in self._readers.values() for k in reader.metadata if k not in joined}
+            {
+                k
+                for reader in self._readers.values()
+                for k in reader.joined_metadata()
+                if k not in joined
+            }
         )
         losses = []
         if index:
