@@ -31,7 +31,6 @@ BITS = 4
 PER_WORD = 8
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k holds output ORDER[k] of its 8
 REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # output e sits in nibble REVERSE[e]
-SUFFIX = ".qweight"
 
 
 def _declared(config: Mapping[str, Any]) -> int | None:
@@ -61,19 +60,7 @@ def recognise(
         return []
     declared = _declared(config) if config is not None else None
     found = []
-    for name, info in stored.items():
-        if not name.endswith(SUFFIX):
-            continue
-        module = name[: -len(SUFFIX)]
-        qzeros = stored.get(module + ".qzeros")
-        scales = stored.get(module + ".scales")
-        if qzeros is None or scales is None:
-            if config is not None:
-                missing = module + (".qzeros" if qzeros is None else ".scales")
-                raise rules.refuse(
-                    name, f"AWQ codes without their {missing}: the real values are unknown"
-                )
-            continue
+    for module, info, qzeros, scales in intcodes.qweight_sets(stored, config is not None, "AWQ"):
         if config is None and not _awq_shaped(info, qzeros, scales):
             continue  # GPTQ's layout, or not a quantized weight at all
         found.append(_recognised(module, info, qzeros, scales, declared, config is not None))

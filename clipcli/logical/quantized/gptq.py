@@ -36,7 +36,6 @@ NAMES: Sequence[str] = ("gptq",)
 METHOD = "gptq"
 BITS = (2, 3, 4, 8)
 FORMATS = {"gptq": 1, "gptq_v2": 2}
-SUFFIX = ".qweight"
 
 
 class _Declared:
@@ -76,19 +75,8 @@ def recognise(
         return []
     declared = _Declared(config) if config is not None else None
     found = []
-    for name, info in stored.items():
-        if not name.endswith(SUFFIX):
-            continue
-        module = name[: -len(SUFFIX)]
-        qzeros = stored.get(module + ".qzeros")
-        scales = stored.get(module + ".scales")
-        if qzeros is None or scales is None:
-            if declared is not None:
-                missing = module + (".qzeros" if qzeros is None else ".scales")
-                raise rules.refuse(
-                    name, f"GPTQ codes without their {missing}: the real values are unknown"
-                )
-            continue
+    sets = intcodes.qweight_sets(stored, declared is not None, "GPTQ")
+    for module, info, qzeros, scales in sets:
         if declared is None and not _gptq_shaped(info, scales):
             continue  # AWQ's layout, or not a quantized weight at all
         found.append(_recognised(module, info, qzeros, scales, stored, declared))

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 from clipcli.logical.quantized import rules
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
+
     import numpy as np
 
     from clipcli.formats.base import TensorInfo
@@ -121,3 +123,25 @@ def float64(array: np.ndarray) -> np.ndarray:
     import numpy as np
 
     return np.asarray(array).astype(np.float64)
+
+
+def qweight_sets(
+    stored: Mapping[str, TensorInfo], declared: bool, label: str
+) -> Iterator[tuple[str, TensorInfo, TensorInfo, TensorInfo]]:
+    """(module, qweight, qzeros, scales) of every `<module>.qweight` stored with both its
+    companions (GPTQ and AWQ name them alike). A qweight missing one is refused where a
+    config declares the scheme (its real values are unknown), else passed over."""
+    for name, info in stored.items():
+        if not name.endswith(".qweight"):
+            continue
+        module = name[: -len(".qweight")]
+        qzeros = stored.get(module + ".qzeros")
+        scales = stored.get(module + ".scales")
+        if qzeros is None or scales is None:
+            if declared:
+                missing = module + (".qzeros" if qzeros is None else ".scales")
+                raise rules.refuse(
+                    name, f"{label} codes without their {missing}: the real values are unknown"
+                )
+            continue
+        yield module, info, qzeros, scales
