@@ -29,15 +29,6 @@ BLOCK = 32
 SCALE_DTYPES = frozenset({"uint8", "float8_e8m0fnu"})
 
 
-def _declares_pack(config: Mapping[str, Any]) -> bool:
-    if config.get("format") == PACK_FORMAT:
-        return True
-    groups = config.get("config_groups")
-    return isinstance(groups, dict) and any(
-        isinstance(g, dict) and g.get("format") == PACK_FORMAT for g in groups.values()
-    )
-
-
 def recognise(
     stored: Mapping[str, TensorInfo],
     config: Mapping[str, Any] | None,
@@ -45,7 +36,9 @@ def recognise(
 ) -> list[Recognised]:
     method = rules.method_of(config)
     gpt_oss = config is None or method == METHOD
-    pack = config is None or (method == "compressed-tensors" and _declares_pack(config))
+    pack = config is None or (
+        method == "compressed-tensors" and rules.declares_format(config, PACK_FORMAT)
+    )
     found = []
     for name, info in stored.items():
         if gpt_oss and name.endswith("_blocks") and rules.dtype_name(info) == "uint8":

@@ -29,14 +29,7 @@ ACTIVATION_SCALES = (".input_global_scale", ".input_scale")
 
 
 def _declared(config: Mapping[str, Any]) -> bool:
-    if rules.method_of(config) != "compressed-tensors":
-        return False
-    if config.get("format") == FORMAT:
-        return True
-    groups = config.get("config_groups")
-    return isinstance(groups, dict) and any(
-        isinstance(g, dict) and g.get("format") == FORMAT for g in groups.values()
-    )
+    return rules.method_of(config) == "compressed-tensors" and rules.declares_format(config, FORMAT)
 
 
 def recognise(

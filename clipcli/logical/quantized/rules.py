@@ -95,6 +95,17 @@ def method_of(config: Mapping[str, Any] | None) -> str | None:
     return method if isinstance(method, str) else None
 
 
+def declares_format(config: Mapping[str, Any], fmt: str) -> bool:
+    """Whether a compressed-tensors config stores some weights as `fmt`: its own `format`,
+    or that of one of its config_groups."""
+    if config.get("format") == fmt:
+        return True
+    groups = config.get("config_groups")
+    return isinstance(groups, dict) and any(
+        isinstance(g, dict) and g.get("format") == fmt for g in groups.values()
+    )
+
+
 def widened(array: np.ndarray) -> np.ndarray:
     """A scale array as float64, exactly (an fp8 or E8M0 scale through its value table)."""
     import numpy as np
