@@ -21,14 +21,10 @@ from quant_reference import (
     write_model_directory,
     write_raw_safetensors,
 )
-from test_quantized_fp8_block import assert_exact, measured, refused
+from test_quantized_fp8_block import assert_exact, ceil_div, measured, refused
 
 from clipcli.formats.opening import open_reader
 from clipcli.logical.quantized.view import QuantizedView
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def tiled_fp8(
