@@ -10,7 +10,7 @@ import numpy as np
 
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer, byte_view
 from clipcli.formats.npy.reader import TENSOR_NAME
-from clipcli.formats.npz.metadata import FRAMEWORK_KEY, metadata_loss, metadata_loss_text
+from clipcli.formats.npz.metadata import framework_tag_notes, metadata_losses
 from clipcli.formats.npz.npyheader import _npy_header
 from clipcli.formats.npz.writer import NpzWriter
 
@@ -45,11 +45,7 @@ class NpyWriter(Writer):
     @classmethod
     def structure_losses(cls, source: Reader) -> list[str]:
         """A .npy file holds one array: file metadata and any structure are lost."""
-        losses = super().structure_losses(source)
-        lost, _ = metadata_loss(source.joined_metadata())
-        if lost:
-            losses.append(metadata_loss_text(lost))
-        return losses
+        return super().structure_losses(source) + metadata_losses(source.joined_metadata())
 
     @classmethod
     def structure_notes(cls, source: Reader) -> list[str]:
@@ -58,13 +54,7 @@ class NpyWriter(Writer):
             for info in source.infos[:1]
             if info.name != TENSOR_NAME
         ]
-        _, tag = metadata_loss(source.joined_metadata())
-        if tag is not None:
-            notes.append(
-                f"npy holds no file metadata: {FRAMEWORK_KEY}={tag!r}, which only names the "
-                "framework that wrote the file, is left out"
-            )
-        return notes
+        return notes + framework_tag_notes(source.joined_metadata(), "npy")
 
     def write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
         self._file.write(_npy_header(info))

@@ -28,3 +28,20 @@ def metadata_loss_text(keys: Sequence[str]) -> str:
     shown = ", ".join(repr(key) for key in sorted(keys)[:3])
     more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
     return f"file metadata ({len(keys)} key{'' if len(keys) == 1 else 's'}: {shown}{more})"
+
+
+def metadata_losses(metadata: Mapping[str, str]) -> list[str]:
+    """The loss line for a format that holds no file metadata (structure_losses), if any."""
+    lost, _ = metadata_loss(metadata)
+    return [metadata_loss_text(lost)] if lost else []
+
+
+def framework_tag_notes(metadata: Mapping[str, str], format_name: str) -> list[str]:
+    """The note that a lone framework tag is left out (structure_notes), if one is."""
+    _, tag = metadata_loss(metadata)
+    if tag is None:
+        return []
+    return [
+        f"{format_name} holds no file metadata: {FRAMEWORK_KEY}={tag!r}, which only names "
+        "the framework that wrote the file, is left out"
+    ]

@@ -18,7 +18,7 @@ from clipcli.formats.base import (
     byte_view,
     numpy_size_overflows,
 )
-from clipcli.formats.npz.metadata import FRAMEWORK_KEY, metadata_loss, metadata_loss_text
+from clipcli.formats.npz.metadata import framework_tag_notes, metadata_losses
 from clipcli.formats.npz.npyheader import _npy_header
 from clipcli.formats.zipsafe import member_key, member_name_problem
 
@@ -42,21 +42,11 @@ class NpzWriter(Writer):
         The metadata is what one file would hold (a model directory's shards joined: its
         index's derived total_size and total_parameters are no loss; join_losses names the
         rest of the index's)."""
-        losses = super().structure_losses(source)
-        lost, _ = metadata_loss(source.joined_metadata())
-        if lost:
-            losses.append(metadata_loss_text(lost))
-        return losses
+        return super().structure_losses(source) + metadata_losses(source.joined_metadata())
 
     @classmethod
     def structure_notes(cls, source: Reader) -> list[str]:
-        _, tag = metadata_loss(source.joined_metadata())
-        if tag is None:
-            return []
-        return [
-            f"npz holds no file metadata: {FRAMEWORK_KEY}={tag!r}, which only names the "
-            "framework that wrote the file, is left out"
-        ]
+        return framework_tag_notes(source.joined_metadata(), "npz")
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
