@@ -27,6 +27,9 @@ __all__ = ["Factor", "OutputCheck", "search_factor", "tf_factor"]
 # `rounded_elsewhere(info) -> bool` (clipcli.jobs.execution.output_check: a logical tensor
 # whose factor is rounded in its stored scales): the search then verifies every factor
 # for a group that holds such a tensor (scaling.Member.rounded_elsewhere).
+# A check may also have `power_of_two(info) -> bool` (a logical tensor whose stored
+# scales are E8M0 exponents): its checks and its write take the factor rounded down to a
+# power of two, which the plan then records as its factor (clipcli.jobs.plan).
 OutputCheck = Callable[[Sequence[TensorInfo], float, int], CertainSumsq]
 
 
@@ -40,6 +43,7 @@ def search_factor(
     It applies to the members with a nonzero sum of squares only: a zero tensor is left
     bit-identical. Refuses (exit 4) a limit that a dtype without zero cannot reach."""
     elsewhere = getattr(check, "rounded_elsewhere", None)
+    power = getattr(check, "power_of_two", None)
     as_members = [
         scaling.Member(
             m.info.name,
@@ -47,6 +51,7 @@ def search_factor(
             m.info.numel,
             m.stats,
             elsewhere is not None and bool(elsewhere(m.info)),
+            power is not None and bool(power(m.info)),
         )
         for m in members
     ]
