@@ -437,3 +437,80 @@ def test_average_clip_rounds_per_tensor(tmp_path: Path, run_main: Any) -> None:
     assert k > 1
     assert written[SCALES][2] == bytes(s - k for s in stored[SCALES][2])
     assert sumsq(weight_values(written)) <= limit**2
+
+
+# ---------------------------------------------------------------- GGUF's MXFP4 blocks
+
+
+def gguf_mxfp4_blocks(exponents: list[int], codes: list[int]) -> np.ndarray:
+    """GGUF MXFP4 blocks of 17 bytes: the E8M0 exponent, then 16 bytes whose low nibbles
+    are elements 0-15 and high nibbles elements 16-31 (ggml's block_mxfp4)."""
+    out = bytearray()
+    for b, e in enumerate(exponents):
+        block = codes[b * BLOCK : (b + 1) * BLOCK]
+        out.append(e)
+        out += bytes(block[j] | block[16 + j] << 4 for j in range(16))
+    return np.frombuffer(bytes(out), np.uint8).reshape(2, -1)
+
+
+def gguf_mxfp4_values(raw: bytes) -> list[Fraction]:
+    values = []
+    for start in range(0, len(raw), 17):
+        scale = e8m0(raw[start])
+        qs = raw[start + 1 : start + 17]
+        codes = [q & 0xF for q in qs] + [q >> 4 for q in qs]
+        values += [e2m1(c) * scale for c in codes]
+    return values
+
+
+def test_gguf_mxfp4_blocks_take_a_power_of_two(tmp_path: Path, run_main: Any) -> None:
+    """GGUF's MXFP4 (issue 21's sibling): each block's exponent byte e -> e - k, its code
+    bytes kept; checked with our decoder and with gguf.quants' own."""
+    pytest.importorskip("gguf")
+    from test_gguf_writer import read_back, write_gguf
+
+    rng = np.random.default_rng(10)
+    exponents = [int(e) for e in rng.integers(115, 135, 4)]
+    codes = [int(c) for c in rng.integers(0, 16, 4 * BLOCK)]
+    raw = gguf_mxfp4_blocks(exponents, codes)
+    src = write_gguf(tmp_path / "m.gguf", {"mx": (raw, "MXFP4")})
+    exact = sumsq(gguf_mxfp4_values(raw.tobytes()))
+    limit = math.sqrt(float(exact)) / 6
+    out = tmp_path / "o.gguf"
+    rows = clip(run_main, src, out, "--norm", repr(limit))
+    kind, written, values = read_back(out)["mx"]
+    assert kind == "MXFP4"
+    k = steps_needed(exact, limit)
+    assert k == 3
+    blocks, before = written.reshape(-1, 17), raw.reshape(-1, 17)
+    assert (blocks[:, 1:] == before[:, 1:]).all()  # the codes, byte for byte
+    assert blocks[:, 0].tolist() == [e - k for e in exponents]
+    after = sumsq(gguf_mxfp4_values(written.tobytes()))
+    assert after <= Fraction(limit) ** 2
+    assert after == exact / 4**k
+    assert sumsq([Fraction(float(v)) for v in values.ravel()]) == after  # gguf agrees
+    assert rows["mx"]["scale"] == 2.0**-k
+    assert NOTE in rows["mx"]["note"]
+
+
+def test_gguf_mxfp4_exponent_below_k_is_refused(tmp_path: Path, run_main: Any) -> None:
+    pytest.importorskip("gguf")
+    from test_gguf_writer import write_gguf
+
+    # block 0: 32 ones at 2**0 (norm sqrt(32): a limit of 1 takes k = 3); the others at
+    # exponents 3, 0 (zero codes: kept) and 2 (one nonzero code: refused)
+    codes = [0x2] * 32 + [0x7] * 32 + [0x0] * 16 + [0x8] * 16 + [0x0] * 31 + [0x1]
+    raw = gguf_mxfp4_blocks([127, 3, 0, 2], codes)
+    src = write_gguf(tmp_path / "m.gguf", {"mx": (raw, "MXFP4")})
+    line = refused(run_main, src, tmp_path / "o.gguf", "--norm", "1")
+    assert "mx: scaling by 2**-3" in line
+    assert "exponent 2 at block 3" in line
+    # without the last block, the clip goes through: 127 -> 124, 3 -> 0, 0 kept
+    raw = gguf_mxfp4_blocks([127, 3, 0, 5], codes)
+    src = write_gguf(tmp_path / "ok.gguf", {"mx": (raw, "MXFP4")})
+    out = tmp_path / "ok-out.gguf"
+    clip(run_main, src, out, "--norm", "1")
+    from test_gguf_writer import read_back
+
+    _, written, _ = read_back(out)["mx"]
+    assert written.reshape(-1, 17)[:, 0].tolist() == [124, 0, 0, 2]
