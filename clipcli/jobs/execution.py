@@ -71,6 +71,18 @@ class _OutputCheck:
         t = reader.by_name.get(info.name)
         return t is not None and reader.view.power_of_two_factors(t)
 
+    def as_values(
+        self, infos: Sequence[TensorInfo], mantissa: float, exponent: int
+    ) -> CertainSumsq:
+        """The tensors' real values (float64) scaled and rounded as a float64 tensor's
+        are: how a power-of-two tensor counts in a group with other tensors
+        (clipcli.jobs.factor.search_factor)."""
+        total = CertainSumsq()
+        for info in infos:
+            for chunk in self._reader.chunks(info):
+                total.add(rounding.scale_chunk(chunk, mantissa, exponent))
+        return total
+
     def __call__(self, infos: Sequence[TensorInfo], mantissa: float, exponent: int) -> CertainSumsq:
         def scaled(chunk: np.ndarray) -> CertainSumsq:
             partial = CertainSumsq()
