@@ -315,6 +315,19 @@ def test_a_scale_byte_below_k_under_nonzero_codes_is_refused(tmp_path: Path, run
     assert "byte 2 at block 1" in line
 
 
+def test_a_limit_no_byte_can_reach_is_refused_naming_the_weight(
+    tmp_path: Path, run_main: Any
+) -> None:
+    """Every byte below the k the limit needs: the factor search sees the values that k
+    would give (not the blocks left unscaled), so the refusal names the weight and the
+    byte, never a bare 'no factor found'."""
+    stored = gpt_oss(np.random.default_rng(11), 2, 2, exponents=[5, 6, 7, 8])
+    src = write_safetensors(tmp_path / "in.safetensors", stored)
+    line = refused(run_main, src, tmp_path / "out.safetensors", "--norm", "1e-40")
+    assert f"{WEIGHT}: scaling by 2**-" in line
+    assert "byte 5 at block 0" in line
+
+
 def test_a_zero_block_below_k_keeps_its_byte(tmp_path: Path, run_main: Any) -> None:
     """A block whose codes are all +-0 is zero whatever its scale (quantizers give such
     blocks the least exponent, byte 0): it keeps its byte, and the rest is scaled."""
@@ -508,6 +521,9 @@ def test_gguf_mxfp4_exponent_below_k_is_refused(tmp_path: Path, run_main: Any) -
     line = refused(run_main, src, tmp_path / "o.gguf", "--norm", "1")
     assert "mx: scaling by 2**-3" in line
     assert "exponent 2 at block 3" in line
+    # a limit every exponent is too low for: named, never a bare "no factor found"
+    line = refused(run_main, src, tmp_path / "o2.gguf", "--norm", "1e-40")
+    assert "mx: scaling by 2**-" in line
     # without the last block, the clip goes through: 127 -> 124, 3 -> 0, 0 kept
     raw = gguf_mxfp4_blocks([127, 3, 0, 5], codes)
     src = write_gguf(tmp_path / "ok.gguf", {"mx": (raw, "MXFP4")})

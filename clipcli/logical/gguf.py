@@ -135,6 +135,17 @@ class GGUFView(View):
         type_name = _type_name(tensor)
         ggml_type, block, type_size = _block_type(type_name)
         step = max(1, default_chunk_elems(np.dtype(np.float32)) // block) * type_size
+        if type_name == POWER_OF_TWO_TYPE:
+            # The values times 2**-k, exactly in float64: what the lowered exponents decode
+            # to, and for a block whose exponent cannot take the step (refused_factor
+            # refuses the clip) the value it would need, never the block left unscaled.
+            from clipcli.numerics.rounding import power_of_two_steps
+
+            steps = power_of_two_steps(mantissa, exponent)
+            for raw in self._reader.chunks(self._stored[tensor.parts[0].name], step):
+                values = dequantize_blocks(ggml_type, raw).astype(np.float64)
+                yield np.ldexp(values, -steps)
+            return
         for raw in self._reader.chunks(self._stored[tensor.parts[0].name], step):
             scaled = scale_fields(type_name, raw, mantissa, exponent)
             yield dequantize_blocks(ggml_type, scaled)

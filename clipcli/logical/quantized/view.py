@@ -241,12 +241,8 @@ class QuantizedView(View):
             from clipcli.numerics import rounding
 
             for name in scheme.scaled_parts(rec):
-                bytewise = _scheme_scaler(scheme, rec, name)
                 with np.errstate(all="ignore"):  # an inf or NaN scale stays one
-                    if bytewise is not None:  # as the write pass rewrites them
-                        scaled = bytewise(small[name], factor[0], factor[1])
-                    else:
-                        scaled = rounding.scale_chunk(small[name], factor[0], factor[1])
+                    scaled = rounding.scale_chunk(small[name], factor[0], factor[1])
                 small[name] = scaled.reshape(small[name].shape)
         return small
 
@@ -260,13 +256,25 @@ class QuantizedView(View):
         import numpy as np
 
         scheme, rec = self._weights[tensor.info.name]
+        steps = None  # E8M0 scales: the values times 2**-k, exactly (see below)
+        if factor is not None and rec.params.get("power_of_two", False):
+            from clipcli.numerics.rounding import power_of_two_steps
+
+            steps, factor = power_of_two_steps(*factor), None
         small = self._small_parts(reader, rec, factor, scheme)
         budget = chunk_elems or default_chunk_elems(np.dtype(np.float64))
         if rec.transposed:
             yield from self._transposed(reader, scheme, rec, small, budget)
             return
         for _, _, values in self._decoded_rows(reader, scheme, rec, small, rec.shape, budget):
-            yield values.reshape(-1)
+            if steps is None:
+                yield values.reshape(-1)
+            else:
+                # What the rewritten bytes (stored_scaler) decode to wherever a byte can
+                # take the step; a block whose byte cannot (below k, nonzero codes) shows
+                # the value it would need, and refused_factor refuses the clip before any
+                # write, so the search never takes it for a block left unscaled.
+                yield np.ldexp(values, -steps).reshape(-1)
 
     def _decoded_rows(
         self,
