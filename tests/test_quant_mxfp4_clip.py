@@ -533,3 +533,32 @@ def test_gguf_mxfp4_exponent_below_k_is_refused(tmp_path: Path, run_main: Any) -
 
     _, written, _ = read_back(out)["mx"]
     assert written.reshape(-1, 17)[:, 0].tolist() == [124, 0, 0, 2]
+
+
+def test_scales_in_another_shard_than_their_blocks(tmp_path: Path, run_main: Any) -> None:
+    """A gpt-oss model directory whose X_scales sit in the second shard: the bytes are
+    rewritten there, the blocks in the first shard kept."""
+    stored = gpt_oss(np.random.default_rng(12), 2, 3)
+    directory = tmp_path / "m"
+    directory.mkdir()
+    shards = {
+        "model-00001-of-00002.safetensors": BLOCKS,
+        "model-00002-of-00002.safetensors": SCALES,
+    }
+    for shard, name in shards.items():
+        write_safetensors(directory / shard, {name: stored[name]})
+    index = {"metadata": {}, "weight_map": {name: shard for shard, name in shards.items()}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "mxfp4"}})
+    )
+    exact = sumsq(weight_values(stored))
+    limit = math.sqrt(float(exact)) / 3
+    out = tmp_path / "out"
+    clip(run_main, directory, out, "--norm", repr(limit))
+    k = steps_needed(exact, limit)
+    first = read_safetensors(out / "model-00001-of-00002.safetensors")
+    second = read_safetensors(out / "model-00002-of-00002.safetensors")
+    assert first == {BLOCKS: stored[BLOCKS]}
+    assert second[SCALES][2] == bytes(s - k for s in stored[SCALES][2])
+    assert sumsq(weight_values({**first, **second})) <= Fraction(limit) ** 2
