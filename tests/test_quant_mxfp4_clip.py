@@ -562,3 +562,45 @@ def test_scales_in_another_shard_than_their_blocks(tmp_path: Path, run_main: Any
     assert first == {BLOCKS: stored[BLOCKS]}
     assert second[SCALES][2] == bytes(s - k for s in stored[SCALES][2])
     assert sumsq(weight_values({**first, **second})) <= Fraction(limit) ** 2
+
+
+def test_gguf_global_clip_beside_other_block_types_keeps_the_bound(
+    tmp_path: Path, run_main: Any
+) -> None:
+    """--global over GGUF MXFP4 beside Q8_0 blocks and a float32 tensor: the global norm
+    of what gguf dequantizes from OUT stays within C, summed exactly; MXFP4 took 2**-k at
+    or below the factor the others took."""
+    pytest.importorskip("gguf")
+    from test_gguf_writer import read_back, write_gguf
+
+    rng = np.random.default_rng(13)
+    exponents = [int(e) for e in rng.integers(120, 130, 4)]
+    raw = gguf_mxfp4_blocks(exponents, [int(c) for c in rng.integers(0, 16, 4 * BLOCK)])
+    src = write_gguf(
+        tmp_path / "m.gguf",
+        {
+            "mx": (raw, "MXFP4"),
+            "q": (rng.standard_normal((2, 64)).astype(np.float32), "Q8_0"),
+            "f": rng.standard_normal(8).astype(np.float32),
+        },
+    )
+    before = read_back(src)
+    total = sum(
+        (sumsq([Fraction(float(v)) for v in values.ravel()]) for _, _, values in before.values()),
+        Fraction(0),
+    )
+    limit = math.sqrt(float(total)) / 5
+    out = tmp_path / "o.gguf"
+    rows = clip(run_main, src, out, "--global", repr(limit))
+    after = read_back(out)
+    written = sum(
+        (sumsq([Fraction(float(v)) for v in values.ravel()]) for _, _, values in after.values()),
+        Fraction(0),
+    )
+    assert written <= Fraction(limit) ** 2
+    f = rows["f"]["scale"]
+    k = 1 - math.frexp(f)[1]
+    assert rows["mx"]["scale"] == 2.0**-k
+    blocks = after["mx"][1].reshape(-1, 17)
+    assert blocks[:, 0].tolist() == [e - k for e in exponents]
+    assert (blocks[:, 1:] == raw.reshape(-1, 17)[:, 1:]).all()
