@@ -115,7 +115,7 @@ def _dtype(state: Mapping[str, Any], where: str) -> str | None:
 def _companion(stored: Mapping[str, TensorInfo], name: str, where: str) -> TensorInfo:
     info = stored.get(name)
     if info is None:
-        raise rules.refuse(where, f"a quant state without its {name}")
+        raise rules.incomplete(where, f"a quant state without its {name}")
     return info
 
 
@@ -167,7 +167,9 @@ def _four_bit(
     else:
         nested_map = stored.get(weight + ".nested_quant_map")
         if nested_map is None:
-            raise rules.refuse(where, "a nested absmax without its .nested_quant_map")
+            raise rules.incomplete(
+                where, f"a nested absmax without its .nested_quant_map ({weight}.nested_quant_map)"
+            )
         nested_block = intcodes.whole_number(
             state.get("nested_blocksize"), where, "nested_blocksize", 1, intcodes.MAX_GROUP
         )

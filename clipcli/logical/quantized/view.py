@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import InputError
 from clipcli.formats.base import TensorInfo, default_chunk_elems
+from clipcli.logical.quantized.incomplete import refuse_incomplete
 from clipcli.logical.quantized.registry import SCHEMES
 from clipcli.logical.view import LogicalTensor, Part, Quantization, View
 
@@ -134,6 +135,9 @@ class QuantizedView(View):
                 )
         if config is not None:
             _refuse_undescribed(stored, owner, config, schemes)
+        # A set missing a part is recognised by no scheme: refused, never read as plain
+        # tensors (its codes measured as a weight, its scales in the global norm).
+        refuse_incomplete(stored, owner, config, {rec.scheme for _, rec in self._weights.values()})
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
         self._owner = owner
         self._infos = infos
