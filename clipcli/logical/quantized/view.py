@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -244,8 +244,11 @@ class QuantizedView(View):
             from clipcli.numerics import rounding
 
             for name in scheme.scaled_parts(rec):
+                # A part whose bytes hold a scale (bitsandbytes' JSON nested_offset) is
+                # rewritten by the same function the write pass applies (stored_scaler).
+                rewrite = _stored_scaler(scheme, rec, name) or rounding.scale_chunk
                 with np.errstate(all="ignore"):  # an inf or NaN scale stays one
-                    scaled = rounding.scale_chunk(small[name], factor[0], factor[1])
+                    scaled = rewrite(small[name], factor[0], factor[1])
                 small[name] = scaled.reshape(small[name].shape)
         return small
 
@@ -376,7 +379,10 @@ class QuantizedView(View):
             return refused
         from clipcli.dtypes import is_floating
 
+        scheme, rec = self._weights[tensor.info.name]
         for name in self.scaled_parts(tensor):
+            if _stored_scaler(scheme, rec, name) is not None:
+                continue  # its bytes hold the scale (a JSON number): rewritten, not rounded
             dtype = self._stored[name].dtype
             if not is_floating(dtype) or dtype.name == "float8_e8m0fnu":
                 return (
@@ -390,6 +396,14 @@ class QuantizedView(View):
             return [tensor.parts[0].name]
         scheme, rec = self._weights[tensor.info.name]
         return scheme.scaled_parts(rec)
+
+    def stored_scaler(
+        self, tensor: LogicalTensor, part: str
+    ) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+        if tensor.plain:
+            return None
+        scheme, rec = self._weights[tensor.info.name]
+        return _stored_scaler(scheme, rec, part)
 
     def power_of_two_factors(self, tensor: LogicalTensor) -> bool:
         if tensor.plain:
@@ -424,6 +438,18 @@ def _refuse_undescribed(
             f"quantization_config (quant_method {method!r}) does not describe the tensors: "
             f"by names and dtypes, {problem}; refusing to read it as plain tensors",
         )
+
+
+def _stored_scaler(
+    scheme: Scheme, rec: Recognised, part: str
+) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+    """The scheme's rewrite of a part whose bytes hold a scale (scheme.stored_scaler, an
+    optional hook: bitsandbytes' quant state), or None: the part is a float tensor."""
+    hook = getattr(scheme, "stored_scaler", None)
+    if hook is None:
+        return None
+    scaler: Callable[[np.ndarray, float, int], np.ndarray] | None = hook(rec, part)
+    return scaler
 
 
 def _decode(
