@@ -70,6 +70,9 @@ COMPANIONS = (
     Companion(".scale_weight", (".weight",), "weight scale", ("fp8-",)),
     Companion("_scales", ("_blocks",), "MXFP4 scale", ("mxfp4",)),
 )
+# Every name a check below may refuse ends in one of these (".weight": LLM.int8 codes,
+# checked only under a bitsandbytes config).
+SUFFIXES = (".qweight", ".weight_packed", "_blocks", *(c.suffix for c in COMPANIONS))
 BNB_PARTS = frozenset(
     {".weight.absmax", ".weight.quant_map", ".weight.nested_absmax", ".weight.nested_quant_map"}
 )
@@ -86,8 +89,10 @@ def refuse_incomplete(
     scheme's weight is made of; `schemes`: the schemes of the weights recognised."""
     method = rules.method_of(config)
     families = {*schemes, *([method] if method is not None else [])}
+    # One C-level test per name first: 200,000 plain names cost milliseconds, not a second.
+    suffixes = SUFFIXES + ((".weight",) if method == "bitsandbytes" else ())
     for name, info in stored.items():
-        if name in claimed:
+        if not name.endswith(suffixes) or name in claimed:
             continue
         problem = _codes_missing(name, info, stored, config) or _companion_missing(
             name, info, stored, families
