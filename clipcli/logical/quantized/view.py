@@ -424,14 +424,6 @@ class QuantizedView(View):
             return False
         return bool(self._weights[tensor.info.name][1].params.get("power_of_two", False))
 
-    def stored_scaler(
-        self, tensor: LogicalTensor, part: str
-    ) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
-        if tensor.plain:
-            return None
-        scheme, rec = self._weights[tensor.info.name]
-        return _scheme_scaler(scheme, rec, part)
-
     def refused_factor(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
     ) -> str | None:
