@@ -368,7 +368,9 @@ def compare(
         diff_math.finish(p, run, weight)
         for p, run, weight in zip(pairs, running, weights, strict=True)
     ]
-    return diff_math.result(a, b, pairs, tensors, weights)
+    # Tied tensors (one storage: PyTorch's tied weights) count once, as in `norms`.
+    tied_a, tied_b = (getattr(r, "tied", None) or {} for r in (a, b))
+    return diff_math.result(a, b, pairs, tensors, weights, tied_a, tied_b)
 
 
 def _everything(_name: str) -> bool:

@@ -494,6 +494,12 @@ def diff_report(
             f"{count(result.n_parts, 'quantization part')} (scales, zero points) listed "
             "apart: compared through their weights, not in the counts or global figures"
         )
+    tied = len(set(result.tied_a) | set(result.tied_b))
+    if tied:  # as in `norms`: a tensor sharing one storage with another is counted once
+        footer.append(
+            f"{count(tied, 'tied tensor')} (one storage with an earlier one) counted once in "
+            "the global figures"
+        )
     if result.training_state:  # as in `norms`: the global figures are of model weights
         footer.append(
             f"{count(result.training_state, 'training-state tensor')} compared, not in the "
@@ -511,6 +517,8 @@ def diff_report(
         ("global_rel_change", result.global_rel_change),
         ("training_state", result.training_state),
         ("parts", result.n_parts),
+        ("tied_a", dict(result.tied_a)),
+        ("tied_b", dict(result.tied_b)),
         ("max_rel_change", result.max_rel_change),
         ("identical", result.identical),
         ("counts", dict(result.counts)),
