@@ -30,7 +30,14 @@ from typing import Any, NamedTuple
 
 # Budgets, per pickle. A real state dict costs about 10 objects per tensor; the reader
 # caps tensors at 200,000, so these leave room for that and for bulky metadata.
-MAX_OBJECTS = 4_000_000  # values made + stack slots + memo entries, all together
+# Objects: values made + stack slots + memo entries, all together, at most MAX_OBJECTS or
+# one per PICKLE_BYTES_PER_OBJECT bytes of the pickle, whichever is more, so the cap follows
+# what the user gave (a 7B model's pytorch_model.bin with a large vocabulary dict passes 4
+# million). Real pickles make one object per 3-10 bytes (torch.save measured: a state dict
+# 3.1, lists of ints 3.7, a str->int dict 6.2, floats 9); a stream of one-byte NONE or
+# NEWTRUE opcodes makes one per byte, which is what the cap stops.
+MAX_OBJECTS = 4_000_000
+PICKLE_BYTES_PER_OBJECT = 2
 MAX_MARK_DEPTH = 1_000  # MARKs open at once
 MAX_LONG_BYTES = 32  # LONG1/LONG4 payload (the legacy magic number is 10 bytes)
 MAX_LINE = 512  # GLOBAL's module and name lines, PUT/GET's text index
@@ -246,6 +253,7 @@ class Interpreter:
         # inflates to 26 MB, whose own size would allow 850 MB of objects.
         self._basis = len(self._data) if file_size is None else min(len(self._data), file_size)
         self._memory_budget = MEMORY_RATIO * self._basis + MEMORY_FREE_BYTES
+        self.object_budget = max(MAX_OBJECTS, self._basis // PICKLE_BYTES_PER_OBJECT)
 
     @property
     def position(self) -> int:
@@ -255,9 +263,11 @@ class Interpreter:
     def _count(self, made: object = None) -> None:
         """One more object (or stack slot, memo entry): `made`, whose memory is charged."""
         self._made += 1
-        if self._made > MAX_OBJECTS:
+        if self._made > self.object_budget:
             raise PickleProblem(
-                f"pickle makes more than {MAX_OBJECTS} objects; refusing it (budget)"
+                f"pickle makes more than {self.object_budget} objects ({MAX_OBJECTS}, or one "
+                f"per {PICKLE_BYTES_PER_OBJECT} of its {self._basis} bytes if more); refusing "
+                "it (budget)"
             )
         self._charge(_REFERENCE + (sys.getsizeof(made) if made is not None else 0))
 
@@ -509,8 +519,8 @@ class Interpreter:
                 count(stack[-1])
             else:
                 raise PickleProblem(_refused_opcode(code))
-            if len(stack) > MAX_OBJECTS:
-                raise PickleProblem(f"pickle's stack grows past {MAX_OBJECTS}; refusing it")
+            if len(stack) > self.object_budget:
+                raise PickleProblem(f"pickle's stack grows past {self.object_budget}; refusing it")
 
     # ---- helpers
 
