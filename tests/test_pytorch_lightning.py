@@ -263,6 +263,12 @@ def test_a_hand_written_lightning_checkpoint_measures_and_converts(
     rows = {row["name"]: row for row in norms["tensors"]}
     assert rows["state_dict.layer.weight"]["norm"] == pytest.approx(math.sqrt(30), rel=1e-15)
     assert rows["optimizer_states.0.state.0.exp_avg"]["role"] == "optimizer"
+    # the trainer's state is training state too: ModelCheckpoint's score is a loss value
+    score = "callbacks.ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min'}.best_model_score"
+    assert rows[score]["role"] == "optimizer"
+    assert rows[score]["in_global"] is False
+    # the global norm is the model's: [1, 2, 3, 4] and four 0.5s
+    assert norms["global_norm"] == pytest.approx(math.sqrt(31), rel=1e-15)
     out = tmp_path / "model.safetensors"
     run = clipcli("convert", path, out)
     assert run.returncode == 0, run.stderr
