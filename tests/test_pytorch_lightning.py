@@ -77,15 +77,15 @@ def attribute_dict_class() -> Iterator[type[dict[str, Any]]]:
                 sys.modules[name] = old
 
 
-def opcodes(value: object) -> bytes:
-    """`value` as Python's pickler writes it at protocol 2 (torch.save's), without memo,
-    PROTO or STOP: to splice into a pickle written opcode by opcode."""
+def opcodes(value: object, protocol: int = 2) -> bytes:
+    """`value` as Python's pickler writes it (protocol 2: torch.save's default), without
+    memo, PROTO or STOP: to splice into a pickle written opcode by opcode."""
     buffer = io.BytesIO()
-    pickler = pickle.Pickler(buffer, 2)
+    pickler = pickle.Pickler(buffer, protocol)
     pickler.fast = True  # no memo: the pieces can be joined
     pickler.dump(value)
     data = buffer.getvalue()
-    assert data[:2] == b"\x80\x02"
+    assert data[:2] == b"\x80" + bytes([protocol])
     assert data[-1:] == STOP
     return data[2:-1]
 
@@ -165,11 +165,11 @@ def expected_metadata() -> dict[str, str]:
     }
 
 
-def hand_written_checkpoint(path: Path) -> Path:
+def hand_written_checkpoint(path: Path, protocol: int = 2) -> Path:
     """dump_checkpoint's layout: tensors by our own opcodes (storages 0-4), every other
-    value by Python's pickler from the real object."""
+    value by Python's pickler from the real object (`torch.save(pickle_protocol=)`)."""
     with attribute_dict_class() as attribute_dict:
-        hparams = opcodes(hyper_parameters(attribute_dict))
+        hparams = opcodes(hyper_parameters(attribute_dict), protocol)
     score = tensor(key="2", size=(), stride=(), numel=1)
     pickled = (
         b"\x80\x02"
@@ -231,10 +231,11 @@ def _json(clipcli: Callable[..., MainRun], *args: str | Path) -> dict[str, Any]:
     return json.loads(run.stdout)  # type: ignore[no-any-return]
 
 
+@pytest.mark.parametrize("protocol", [2, 4])
 def test_a_hand_written_lightning_checkpoint_lists_its_values(
-    clipcli: Callable[..., MainRun], tmp_path: Path
+    protocol: int, clipcli: Callable[..., MainRun], tmp_path: Path
 ) -> None:
-    path = hand_written_checkpoint(tmp_path / "epoch=2.ckpt")
+    path = hand_written_checkpoint(tmp_path / "epoch=2.ckpt", protocol)
     listing = _json(clipcli, "ls", path)
     metadata = listing["metadata"]
     for key, value in expected_metadata().items():
