@@ -54,6 +54,20 @@ def test_a_tie_counts_once_in_every_global_figure(
     rows = {row["name"]: row for row in report["tensors"]}
     assert rows["lm_head.weight"]["diff_norm"] == pytest.approx(1.0)
     assert rows["embed.weight"]["status"] == rows["lm_head.weight"]["status"] == "changed"
+    # each row says what it is tied to, as `norms` does in its role column
+    assert rows["lm_head.weight"]["tied_to"] == "embed.weight"
+    assert rows["embed.weight"]["tied_to"] is None
+
+
+def test_without_ties_there_is_no_tied_to_column(
+    clipcli: Callable[..., MainRun], tmp_path: Path
+) -> None:
+    a = _tied(tmp_path / "a.pt", A_VALUES, "embed.weight")
+    b = _tied(tmp_path / "b.pt", B_VALUES, "embed.weight")
+    report = _json(clipcli, "diff", a, b)
+    assert "tied_to" not in report["tensors"][0]
+    assert report["tied_a"] == report["tied_b"] == {}
+    assert "tied" not in clipcli("diff", a, b).stdout
 
 
 def test_three_names_of_one_storage_count_once(

@@ -124,6 +124,11 @@ class DiffResult:
         return [t for t in self.tensors if not t.part]
 
     @property
+    def tied(self) -> set[str]:
+        """Names tied (one storage with an earlier tensor) on either side."""
+        return set(self.tied_a) | set(self.tied_b)
+
+    @property
     def n_parts(self) -> int:
         """Parts of logical tensors (quantized weights' scales), listed apart."""
         return sum(t.part for t in self.tensors)
