@@ -62,6 +62,27 @@ class _OutputCheck:
         reader = self._reader
         return isinstance(reader, LogicalReader) and not reader.stored_as_is(info)
 
+    def power_of_two(self, info: TensorInfo) -> bool:
+        """A logical tensor whose stored scales hold powers of two only (E8M0): it takes
+        the factor rounded down to a power of two (View.power_of_two_factors)."""
+        reader = self._reader
+        if not isinstance(reader, LogicalReader):
+            return False
+        t = reader.by_name.get(info.name)
+        return t is not None and reader.view.power_of_two_factors(t)
+
+    def as_values(
+        self, infos: Sequence[TensorInfo], mantissa: float, exponent: int
+    ) -> CertainSumsq:
+        """The tensors' real values (float64) scaled and rounded as a float64 tensor's
+        are: how a power-of-two tensor counts in a group with other tensors
+        (clipcli.jobs.factor.search_factor)."""
+        total = CertainSumsq()
+        for info in infos:
+            for chunk in self._reader.chunks(info):
+                total.add(rounding.scale_chunk(chunk, mantissa, exponent))
+        return total
+
     def __call__(self, infos: Sequence[TensorInfo], mantissa: float, exponent: int) -> CertainSumsq:
         def scaled(chunk: np.ndarray) -> CertainSumsq:
             partial = CertainSumsq()

@@ -79,6 +79,17 @@ def narrow_round(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     return result
 
 
+def power_of_two_steps(mantissa: float, exponent: int) -> int:
+    """k >= 0 such that 2**-k is the largest power of two at or below the factor
+    mantissa * 2**exponent (0 for a factor of 1 or more): the step a power-of-two scale
+    (E8M0: MXFP4) takes, rounded down so that the scaled values never exceed the exact
+    factor's. Exact: frexp splits the mantissa without rounding."""
+    if not mantissa > 0 or not math.isfinite(mantissa):
+        raise ValueError(f"a factor of {mantissa!r} * 2**{exponent} has no power of two")
+    _, shift = math.frexp(mantissa)  # mantissa = fraction * 2**shift, fraction in [0.5, 1)
+    return max(0, 1 - shift - exponent)
+
+
 def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0) -> np.ndarray:
     """chunk * scale * 2**exponent, computed wide and rounded once to the chunk's dtype.
     The exponent carries factors too small for a float64 (C / ||t|| below 1e-308)."""

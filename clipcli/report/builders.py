@@ -333,6 +333,11 @@ REASON_TEXT = {
 }
 
 
+# The note of a tensor whose factor was rounded down to a power of two (MXFP4's E8M0
+# scales), in the table and in JSON's `note`.
+POWER_OF_TWO_NOTE = "scale rounded down to a power of two"
+
+
 def clip_note(row: ClipRow) -> str:
     """The note for one tensor of a clip: its plan's reason, with its group if any."""
     reason = row.reason.value
@@ -343,6 +348,8 @@ def clip_note(row: ClipRow) -> str:
         clipped=row.outcome.slices_clipped,
         slices=count(row.outcome.slices, "slice"),
     )
+    if row.plan.power_of_two:  # E8M0 scales (MXFP4): the factor is 2**-k, not the plan's
+        text = f"{POWER_OF_TWO_NOTE}, {text}" if text else POWER_OF_TWO_NOTE
     if row.plan.tied_to is not None:  # counted once, as the tensor it shares values with
         text = f"tied to {row.plan.tied_to}, {text}" if text else f"tied to {row.plan.tied_to}"
     if row.plan.group is None:

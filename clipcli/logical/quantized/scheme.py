@@ -87,6 +87,12 @@ class Scheme(Protocol):
         never the codes or zero points."""
         ...
 
+    # Optional (looked up with getattr): `stored_scaler(weight, part)`, the function
+    # (chunk, mantissa, exponent) -> chunk for a scaled part whose bytes are not float
+    # values a factor rounds into (MXFP4's E8M0 exponents: mxfp4.lower_exponents), or
+    # None; and `power_of_two` in Recognised.params when that function takes the factor
+    # rounded down to a power of two (View.power_of_two_factors).
+
 
 def row_for_row(weight: Recognised, start: int, stop: int) -> tuple[int, int]:  # noqa: ARG001
     """code_rows for the schemes whose codes hold one real row per stored row."""
