@@ -52,7 +52,10 @@ def recognise(
             if scales is not None:
                 found.append(_gpt_oss(info, scales))
             elif config is not None:
-                raise rules.refuse(name, "MXFP4 blocks without their _scales")
+                missing = name[: -len("_blocks")] + "_scales"
+                raise rules.incomplete(
+                    name, f"MXFP4 blocks without their {missing}: the real values are unknown"
+                )
         elif pack and name.endswith(".weight_packed") and rules.dtype_name(info) == "uint8":
             stem = name[: -len(".weight_packed")]
             scale = stored.get(stem + ".weight_scale")

@@ -84,7 +84,10 @@ class Scheme(Protocol):
 
     def scaled_parts(self, weight: Recognised) -> list[str]:
         """What a clip multiplies: the scales (and offsets that scale with the weight),
-        never the codes or zero points."""
+        never the codes or zero points. A scheme may also define
+        `stored_scaler(weight, part) -> (chunk, mantissa, exponent) -> chunk | None` for a
+        part whose bytes hold a scale (bitsandbytes' JSON nested_offset): the view and the
+        write pass then rewrite that part with it instead of scaling its values."""
         ...
 
     # Optional (looked up with getattr): `stored_scaler(weight, part)`, the function

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from clipcli.errors import InputError
 from clipcli.formats.base import TensorInfo, default_chunk_elems
 from clipcli.logical.quantized import rules
+from clipcli.logical.quantized.incomplete import refuse_incomplete
 from clipcli.logical.quantized.registry import SCHEMES
 from clipcli.logical.view import LogicalTensor, Part, Quantization, View
 
@@ -135,6 +136,9 @@ class QuantizedView(View):
                 )
         if config is not None:
             _refuse_undescribed(stored, owner, config, schemes)
+        # A set missing a part is recognised by no scheme: refused, never read as plain
+        # tensors (its codes measured as a weight, its scales in the global norm).
+        refuse_incomplete(stored, owner, config, {rec.scheme for _, rec in self._weights.values()})
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
         self._owner = owner
         self._infos = infos
@@ -241,8 +245,11 @@ class QuantizedView(View):
             from clipcli.numerics import rounding
 
             for name in scheme.scaled_parts(rec):
+                # A part whose bytes hold a scale (bitsandbytes' JSON nested_offset) is
+                # rewritten by the same function the write pass applies (stored_scaler).
+                rewrite = _scheme_scaler(scheme, rec, name) or rounding.scale_chunk
                 with np.errstate(all="ignore"):  # an inf or NaN scale stays one
-                    scaled = rounding.scale_chunk(small[name], factor[0], factor[1])
+                    scaled = rewrite(small[name], factor[0], factor[1])
                 small[name] = scaled.reshape(small[name].shape)
         return small
 
@@ -404,11 +411,6 @@ class QuantizedView(View):
         scheme, rec = self._weights[tensor.info.name]
         return scheme.scaled_parts(rec)
 
-    def power_of_two_factors(self, tensor: LogicalTensor) -> bool:
-        if tensor.plain:
-            return False
-        return bool(self._weights[tensor.info.name][1].params.get("power_of_two", False))
-
     def stored_scaler(
         self, tensor: LogicalTensor, part: str
     ) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
@@ -416,6 +418,11 @@ class QuantizedView(View):
             return None
         scheme, rec = self._weights[tensor.info.name]
         return _scheme_scaler(scheme, rec, part)
+
+    def power_of_two_factors(self, tensor: LogicalTensor) -> bool:
+        if tensor.plain:
+            return False
+        return bool(self._weights[tensor.info.name][1].params.get("power_of_two", False))
 
     def refused_factor(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
