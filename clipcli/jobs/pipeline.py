@@ -10,7 +10,7 @@ through it (kept apart so that measuring imports no plan or rounding module).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -368,7 +368,16 @@ def compare(
         diff_math.finish(p, run, weight)
         for p, run, weight in zip(pairs, running, weights, strict=True)
     ]
-    return diff_math.result(a, b, pairs, tensors, weights)
+    # Tied tensors (one storage: PyTorch's tied weights) count once, as in `norms`: a
+    # logical reader's `tied` map (a bare PyTorchReader has a method of that name, and no
+    # view over it because it has no ties).
+    tied_a, tied_b = (_tied(r) for r in (a, b))
+    return diff_math.result(a, b, pairs, tensors, weights, tied_a, tied_b)
+
+
+def _tied(reader: Reader) -> Mapping[str, str]:
+    tied = getattr(reader, "tied", None)
+    return tied if isinstance(tied, Mapping) else {}
 
 
 def _everything(_name: str) -> bool:
