@@ -22,7 +22,7 @@ from clipcli.jobs.factor import OutputCheck
 from clipcli.jobs.measurement import TensorStats
 from clipcli.jobs.pipeline import map_chunks, write_tensors
 from clipcli.jobs.plan import Action, EarlyVerdict, Outcome, Plan, TensorPlan
-from clipcli.jobs.progress import SILENT, Progress
+from clipcli.jobs.progress import SILENT, LockedProgress, Progress
 from clipcli.jobs.spec import ClipSpec
 from clipcli.logical.reader import LogicalReader
 from clipcli.numerics import rounding, slices
@@ -119,6 +119,8 @@ def execute(
     rewrites fields inside their bytes (clipcli.jobs.lowering.stored_scalers), by name."""
     by_name = {p.info.name: p for p in plan.tensors}
     scalers = scalers or {}
+    if writer.parts() is not None:  # told from the threads that write the parts
+        progress = LockedProgress(progress)
     outcomes: dict[str, Outcome] = {}
 
     def chunks_of(info: TensorInfo) -> Iterable[np.ndarray] | None:
