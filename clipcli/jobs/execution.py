@@ -136,6 +136,10 @@ def execute(
         if transform is None:
             outcomes[info.name] = Outcome(tensor.before, changed=False)
             return None
+        known = _scaled_outcome(tensor) if info.name not in scalers else None
+        if known is not None:  # its statistics known already: the pass only scales
+            outcomes[info.name] = known
+            return _counted_out(map_chunks(reader, info, transform), progress)
         outcome = outcomes[info.name] = Outcome(NormAccumulator(), changed=True)
         count = tensor.action is Action.SCALE
         if tensor.action is Action.SCALE and info.name in scalers:
@@ -215,8 +219,34 @@ def _split(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
 
 def _counted_out(chunks: Iterator[np.ndarray], progress: Progress) -> Iterator[np.ndarray]:
     for chunk in chunks:
+        interrupts.check()
         progress.advance(chunk.nbytes)
         yield chunk
+
+
+# Elements from which a scaled tensor's outcome is read off its histogram: the work is a
+# few passes over the 65,536 patterns of a 16-bit float, a fraction of a pass over the
+# tensor from here on (and nothing to 200,000 tiny tensors, which go together anyway).
+HISTOGRAM_OUTCOME_MIN = 1 << 18
+
+
+def _scaled_outcome(tensor: TensorPlan) -> Outcome | None:
+    """A SCALE of an 8- or 16-bit float tensor whose histogram the measuring pass kept:
+    its outcome (statistics, flushes) from the histogram (rounding.scaled_statistics),
+    sparing the write pass a statistics pass and a flush pass over every chunk (0.7 of
+    its ~2.5 ns/element for bfloat16). None: counted from the data as it is written."""
+    if tensor.action is not Action.SCALE or tensor.info.numel < HISTOGRAM_OUTCOME_MIN:
+        return None
+    assert tensor.factor is not None
+    known = rounding.scaled_statistics(
+        tensor.before, tensor.info.dtype, tensor.factor, tensor.exponent
+    )
+    if known is None:
+        return None
+    after, (to_zero, to_subnormal) = known
+    outcome = Outcome(after, changed=True)
+    outcome.flushes.add(to_zero, to_subnormal)
+    return outcome
 
 
 def _transform(
