@@ -81,7 +81,7 @@ def test_statistics_and_flushes_from_the_histogram_are_those_of_the_data(
     # Flushes, from the bit patterns (sign bit off): nonzero -> zero, -> newly subnormal.
     bits = np.dtype(f"u{dtype.itemsize}")
     sign = 1 << (8 * dtype.itemsize - 1)
-    nmant = int(ml_dtypes.finfo(dtype).nmant)
+    nmant = int(ml_dtypes.finfo(dtype).nmant)  # type: ignore[no-untyped-call]
     old = values.view(bits).astype(np.int64) & (sign - 1)
     new = out.view(bits).astype(np.int64) & (sign - 1)
     old_subnormal = (old != 0) & (old < (1 << nmant))
