@@ -181,6 +181,16 @@ def flatten(path: Path, root: object) -> tuple[list[tuple[str, Tensor]], dict[st
     return tensors, metadata
 
 
+def _first_nested(root: object, named: list[tuple[str, Tensor]]) -> str | None:
+    """The first tensor that is not a value of the top-level dict (a state dict inside
+    `{"state_dict": ...}`, a list, a bare tensor), or None: a file whose tree a flat dict
+    of dotted names (what the .pt writer makes) would not give back."""
+    if not isinstance(root, dict):
+        return named[0][0] if named else None
+    direct = {_key_text(key) for key, value in root.items() if isinstance(value, Tensor)}
+    return next((name for name, _ in named if name not in direct), None)
+
+
 class _Generated:
     """The bytes a file's tensors present beyond the bytes of the storages they view,
     charged, tensor by tensor, to the expansion budget of the file's size (plus what its
@@ -344,6 +354,11 @@ class PyTorchReader(Reader):
         ]
         if shared:
             described["pytorch.shared_storage"] = _value_text("; ".join(shared))
+        nested = _first_nested(parsed.root, named)
+        if nested is not None:
+            described["pytorch.nested"] = _value_text(
+                f"tensors inside nested containers, e.g. {nested}"
+            )
         self._metadata = {**self._values, **described}
         self._overlapping = self._overlaps()
 
