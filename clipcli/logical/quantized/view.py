@@ -327,8 +327,9 @@ class QuantizedView(View):
         small = self._small_parts(reader, rec, None, scheme)
         budget = MEASURED_RUN_ELEMENTS
         for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
-            # A copy: the worker measures it after this generator has read on.
-            yield functools.partial(_measured, scheme, rec, codes.copy(), start, stop, small)
+            # Measured in a worker after this generator has read on: as every chunk the
+            # measuring pipeline hands to workers, the reader's arrays are never reused.
+            yield functools.partial(_measured, scheme, rec, codes, start, stop, small)
 
     def cast_chunks(
         self, reader: Reader, tensor: LogicalTensor, target: np.dtype[Any]
