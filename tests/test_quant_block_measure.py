@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -30,10 +30,14 @@ from quant_reference import (
     random_float32_bits,
     sqrt_fraction,
     write_model_directory,
+    write_raw_safetensors,
 )
+from test_quantized_fp4 import NVFP4_CONFIG, gpt_oss_mxfp4, nvfp4
 
 from clipcli import api
 from clipcli.logical.quantized import fp8_block, fp8_scaled
+from clipcli.logical.quantized import mxfp4 as mxfp4_scheme
+from clipcli.logical.quantized import nvfp4 as nvfp4_scheme
 from clipcli.logical.quantized.scheme import Recognised
 from clipcli.logical.view import Part
 from clipcli.numerics import coded
@@ -475,3 +479,80 @@ def test_measure_rows_matches_decoding_every_run(seed: int) -> None:
             expected.min_value,
         )
         assert math.isclose(got.finite_norm, expected.finite_norm, rel_tol=1e-14)
+
+
+# ------------------------------------------------------------------ MXFP4 and NVFP4
+
+
+@pytest.fixture
+def fp4_tables_used(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """As tables_used, for mxfp4 and nvfp4: their blocks of 32 and 16 values share one
+    table per scale code (256 x 16 entries), not one per block."""
+    calls: list[bool] = []
+    for module in (mxfp4_scheme, nvfp4_scheme):
+        real = module.measure_rows
+
+        def spy(
+            *args: Any, real: Callable[..., NormAccumulator | None] = real
+        ) -> NormAccumulator | None:
+            result = real(*args)
+            calls.append(result is not None)
+            return result
+
+        monkeypatch.setattr(module, "measure_rows", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("rows", "blocks", "tables"), [(128, 1, True), (127, 1, False), (64, 4, True)]
+)
+def test_mxfp4_through_scale_code_tables(
+    tmp_path: Path, rows: int, blocks: int, tables: bool, fp4_tables_used: list[bool]
+) -> None:
+    """gpt-oss MXFP4, every e2m1 code, E8M0 scales including 0xFF (NaN) and the extremes
+    2**-127 and 2**127: exact. 128 x 32 = 4,096 values is exactly one table's size (tables
+    pay); 127 x 32 is one row short (decoded)."""
+    rng = np.random.default_rng(rows + blocks)
+    exponents = [int(e) for e in rng.integers(0, 256, rows * blocks)]
+    exponents[:3] = [0, 0xFE, 0xFF]
+    stored, _, _, values = gpt_oss_mxfp4(rng, (rows,), blocks, exponents)
+    path = write_raw_safetensors(tmp_path / "m.safetensors", stored)
+    rows_found = {row.info.name: row for row in api.measure(path).tensors}
+    acc = rows_found["mlp.experts.down_proj"].stats
+    stats = Stats(values)
+    assert acc.numel == stats.count
+    assert acc.nan_count == acc.nonfinite == stats.nonfinite >= 32
+    assert Fraction(acc.max_abs) == stats.max_abs
+    assert close(acc.finite_norm, stats.norm)
+    assert fp4_tables_used == [tables]
+
+
+@pytest.mark.parametrize(("rows", "tables"), [(64, True), (63, False)])
+@pytest.mark.parametrize("global_scale", [1.0, 3.0, 1e-30, 3e38])
+def test_nvfp4_through_scale_code_tables(
+    tmp_path: Path, rows: int, tables: bool, global_scale: float, fp4_tables_used: list[bool]
+) -> None:
+    """NVFP4: fp4 x fp8 scale / global scale, each value rounded once by the division as
+    decode_rows rounds it: NaN scale codes counted, the norm within the ulps the decoded
+    path is held to (tests/test_quantized_fp4.py). 64 x 64 = 4,096 values: tables."""
+    stored, _, _, values = nvfp4(np.random.default_rng(rows), rows, 64, global_scale)
+    directory = write_model_directory(tmp_path / "m", {"model.safetensors": stored}, NVFP4_CONFIG)
+    acc = measured(directory)
+    stats = Stats(values)
+    assert acc.numel == stats.count
+    assert acc.nan_count == acc.nonfinite == stats.nonfinite >= 16
+    assert close(float(Fraction(acc.max_abs)), float(stats.max_abs), 1)
+    assert close(acc.finite_norm, stats.norm, 4)
+    assert fp4_tables_used == [tables]
+
+
+def test_nibble_counts_against_a_loop() -> None:
+    rng = np.random.default_rng(0)
+    packed = rng.integers(0, 256, (5, 40), dtype=np.uint8)  # 80 codes a row
+    scale_codes = rng.integers(0, 256, (5, 3), dtype=np.uint8)  # blocks of 32: 32 + 32 + 16
+    expected = np.zeros((256, 16), dtype=np.int64)
+    for r in range(5):
+        for k in range(40):
+            for element, code in ((2 * k, packed[r, k] & 0xF), (2 * k + 1, packed[r, k] >> 4)):
+                expected[scale_codes[r, element // 32], code] += 1
+    assert np.array_equal(coded.nibble_counts(packed, scale_codes, 32), expected)

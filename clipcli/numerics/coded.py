@@ -61,6 +61,24 @@ def block_code_counts(
     return counts.reshape(row_blocks, column_blocks, CODES)
 
 
+def nibble_counts(packed: np.ndarray, scale_codes: np.ndarray, block: int) -> np.ndarray:
+    """How often each (scale code, 4-bit code) pair occurs: int64 [CODES, 16]. `packed`
+    is uint8 [rows, n], two codes a byte (both counted), `scale_codes` uint8 [rows,
+    ceil(2n / block)], the 8-bit scale of each block of `block` codes (even: a byte's two
+    codes share a block). Blocks of one scale code share their table, so a run of any
+    size needs one table of CODES x 16 values, whatever its block size."""
+    width = packed.shape[1]
+    per_block = block // 2  # bytes per block
+    scale_of_byte = np.repeat(scale_codes.astype(np.uint16) << 4, per_block, axis=1)
+    scale_of_byte = scale_of_byte[:, :width]
+    counts = np.zeros(CODES * 16, dtype=np.int64)
+    for nibble in (packed & 0x0F, packed >> 4):
+        index = np.bitwise_or(scale_of_byte, nibble, dtype=np.uint16).reshape(-1)
+        for begin in range(0, index.size, COUNT_PIECE):
+            counts += np.bincount(index[begin : begin + COUNT_PIECE], minlength=CODES * 16)
+    return counts.reshape(CODES, 16)
+
+
 def table_statistics(counts: np.ndarray, values: np.ndarray) -> NormAccumulator:
     """The statistics NormAccumulator.add gives for a chunk holding counts[i] copies of
     values[i] (any shapes of equal size; float64 values, NaN and inf included)."""
