@@ -7,6 +7,9 @@ codes, offset by their block) and a 256-entry table of values per block: the sam
 products a decoder makes, so every value, NaN and infinity (inf x 0 = NaN, an overflowing
 product = inf) is the decoder's. No float64 array of the run's size is made: one pass
 over the codes instead of a widening, a multiply and NormAccumulator.add's three passes.
+Packed 4-bit codes under 8-bit scale codes (MXFP4, NVFP4: blocks of 32 or 16 values, too
+few for a table each) are counted per (scale code, code) pair instead: blocks of one scale
+code share their 16 values, so one table of 256 x 16 serves a run (nibble_counts).
 
 The sum of squares is count x value**2 summed over the distinct values, scaled by the one
 rule (norms.rescale_exponent) of the run's largest finite magnitude, as NormAccumulator

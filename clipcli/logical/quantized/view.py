@@ -36,9 +36,9 @@ CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge 
 SMALL_PARTS_LIMIT = 1 << 30
 # The dtypes a quantized weight's row may show (Quantization.dtype).
 SHOWN_DTYPES = frozenset({"float16", "bfloat16", "float32"})
-# Elements per run of rows measured through per-block tables (measured_loaders): 1 MiB of
-# 8-bit codes, so that each run's tables and counts (256 entries per block) are few
-# against its codes (a 128 x 128 block of a 16384-column weight: 64 rows, 1/64).
+# Elements per run of rows measured through tables (measured_loaders): 1 MiB of 8-bit
+# codes, so that each run's tables and counts (256 entries per block) are few against its
+# values (128 x 128 blocks of a 16384-column weight: 64 rows, 1/64 of them).
 MEASURED_RUN_ELEMENTS = 1 << 20
 # Real values held at once to put a transposed weight (GPTQ, AWQ) in C order: 32 MiB of
 # float64, twice (the block and its transpose); a 4096 x 4096 weight takes 4 passes.
@@ -310,9 +310,10 @@ class QuantizedView(View):
     def measured_loaders(
         self, reader: Reader, tensor: LogicalTensor
     ) -> Iterator[Callable[[], NormAccumulator]] | None:
-        """A scheme with measure_rows (counts of each code per block, a 256-entry table per
-        block) measures each run of rows without decoding it: loaders of those runs'
-        statistics, for worker threads. None for the others (their chunks are measured)."""
+        """A scheme with measure_rows (counts of each code per block and a 256-entry table
+        per block; fp4: per scale code) measures each run of rows without decoding it:
+        loaders of those runs' statistics, for worker threads. None for the others (their
+        chunks are measured)."""
         if tensor.plain or not hasattr(self._weights[tensor.info.name][0], "measure_rows"):
             return None
         scheme, rec = self._weights[tensor.info.name]
@@ -323,7 +324,6 @@ class QuantizedView(View):
     def _measured_runs(
         self, reader: Reader, scheme: Scheme, rec: Recognised
     ) -> Iterator[Callable[[], NormAccumulator]]:
-
         small = self._small_parts(reader, rec, None, scheme)
         budget = MEASURED_RUN_ELEMENTS
         for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
