@@ -543,6 +543,20 @@ class Writer(ABC):
         be unchanged: a writer that knows where it goes may start copying it now, in the
         background. write() or copy_unchanged() for it must still follow, in order."""
 
+    def parts(self) -> list[list[TensorInfo]] | None:
+        """The tensors, in checkpoint order, cut into parts that go to separate files (a
+        model directory's shards), each written by part_writer() apart from the others and
+        in any order relative to them; None where the output is one stream."""
+        return None
+
+    def part_writer(self, number: int) -> Writer:
+        """The writer of part `number` of parts(): its tensors in order, then close_part."""
+        raise NotImplementedError(f"{type(self).__name__} has no parts")
+
+    def close_part(self, number: int) -> None:
+        """Finish part `number`; close() follows once every part is finished."""
+        raise NotImplementedError(f"{type(self).__name__} has no parts")
+
     @abstractmethod
     def close(self) -> None:
         """Finish the file. Called only when every tensor was written."""

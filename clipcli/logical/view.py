@@ -168,6 +168,19 @@ class View(ABC):
         (clipcli.numerics.rounding.scale_chunk)."""
         return None
 
+    def refused_factor(
+        self,
+        reader: Reader,  # noqa: ARG002 - interface
+        tensor: LogicalTensor,  # noqa: ARG002 - interface
+        mantissa: float,  # noqa: ARG002 - interface
+        exponent: int,  # noqa: ARG002 - interface
+    ) -> str | None:
+        """Why the stored tensors cannot carry a SCALE of `tensor` by this very factor (one
+        line naming it), None when they can: checked once the plan is made, before
+        anything is written (clipcli.jobs.lowering.check_lowerable). MXFP4: an E8M0 scale
+        byte that would have to go below 0 under nonzero codes, or a NaN scale byte."""
+        return None
+
     def scaled_chunks(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
     ) -> Iterator[np.ndarray]:

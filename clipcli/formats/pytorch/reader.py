@@ -31,6 +31,7 @@ from clipcli.formats.base import (
     numpy_shape_problem,
 )
 from clipcli.formats.pytorch import layouts
+from clipcli.formats.pytorch.inert import Described
 from clipcli.formats.pytorch.unpickler import (
     Device,
     Storage,
@@ -86,7 +87,9 @@ def _key_text(key: object) -> str:
 
 
 def _value_text(value: object) -> str:
-    if isinstance(value, (list, tuple, set, frozenset)):
+    if isinstance(value, Described):  # a numpy array or dtype, a date's parts (inert.py)
+        text = value.text()
+    elif isinstance(value, (list, tuple, set, frozenset)):
         # the first 8 items only: a set of a million is not copied to show 8
         shown = ", ".join(_value_text(v) for v in itertools.islice(value, 8))
         more = f", ... ({len(value)} items)" if len(value) > 8 else ""

@@ -51,7 +51,7 @@ def recognise(
         scale = stored.get(name + SCALE_SUFFIX)
         if scale is None:
             if config is not None:
-                raise rules.refuse(
+                raise rules.incomplete(
                     name,
                     f"fp8 codes without their {name + SCALE_SUFFIX} (config.json declares "
                     'quant_method "fp8"): its real values cannot be known',

@@ -49,7 +49,13 @@ def recognise(
         global_scale = stored.get(stem + ".weight_global_scale")
         if scale is None or global_scale is None:
             if config is not None:
-                raise rules.refuse(name, "NVFP4 codes without weight_scale and weight_global_scale")
+                parts = ((".weight_scale", scale), (".weight_global_scale", global_scale))
+                missing = [stem + s for s, part in parts if part is None]
+                raise rules.incomplete(
+                    name,
+                    f"NVFP4 codes without their {' and '.join(missing)}: the real values are "
+                    "unknown",
+                )
             continue
         found.append(_recognised(stored, info, scale, global_scale, stem))
     return found

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import InputError
 from clipcli.formats.base import TensorInfo, default_chunk_elems
+from clipcli.logical.quantized import rules
+from clipcli.logical.quantized.incomplete import refuse_incomplete
 from clipcli.logical.quantized.registry import SCHEMES
 from clipcli.logical.view import LogicalTensor, Part, Quantization, View
 
@@ -140,6 +142,9 @@ class QuantizedView(View):
                 )
         if config is not None:
             _refuse_undescribed(stored, owner, config, schemes)
+        # A set missing a part is recognised by no scheme: refused, never read as plain
+        # tensors (its codes measured as a weight, its scales in the global norm).
+        refuse_incomplete(stored, owner, config, {rec.scheme for _, rec in self._weights.values()})
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
         self._owner = owner
         self._infos = infos
@@ -246,8 +251,11 @@ class QuantizedView(View):
             from clipcli.numerics import rounding
 
             for name in scheme.scaled_parts(rec):
+                # A part whose bytes hold a scale (bitsandbytes' JSON nested_offset) is
+                # rewritten by the same function the write pass applies (stored_scaler).
+                rewrite = _scheme_scaler(scheme, rec, name) or rounding.scale_chunk
                 with np.errstate(all="ignore"):  # an inf or NaN scale stays one
-                    scaled = rounding.scale_chunk(small[name], factor[0], factor[1])
+                    scaled = rewrite(small[name], factor[0], factor[1])
                 small[name] = scaled.reshape(small[name].shape)
         return small
 
@@ -261,13 +269,25 @@ class QuantizedView(View):
         import numpy as np
 
         scheme, rec = self._weights[tensor.info.name]
+        steps = None  # E8M0 scales: the values times 2**-k, exactly (see below)
+        if factor is not None and rec.params.get("power_of_two", False):
+            from clipcli.numerics.rounding import power_of_two_steps
+
+            steps, factor = power_of_two_steps(*factor), None
         small = self._small_parts(reader, rec, factor, scheme)
         budget = chunk_elems or default_chunk_elems(np.dtype(np.float64))
         if rec.transposed:
             yield from self._transposed(reader, scheme, rec, small, budget)
             return
         for _, _, values in self._decoded_rows(reader, scheme, rec, small, rec.shape, budget):
-            yield values.reshape(-1)
+            if steps is None:
+                yield values.reshape(-1)
+            else:
+                # What the rewritten bytes (stored_scaler) decode to wherever a byte can
+                # take the step; a block whose byte cannot (below k, nonzero codes) shows
+                # the value it would need, and refused_factor refuses the clip before any
+                # write, so the search never takes it for a block left unscaled.
+                yield np.ldexp(values, -steps).reshape(-1)
 
     def _decoded_rows(
         self,
@@ -393,8 +413,9 @@ class QuantizedView(View):
 
     def lowerable(self, tensor: LogicalTensor) -> str | None:
         """A factor is carried by the scales when they are floats that round as any float
-        tensor does (float32, bfloat16, float16, fp8 e4m3/e5m2). Integer-stored or E8M0
-        exponents (MXFP4) would need a power-of-two step of the exponent instead: refused."""
+        tensor does (float32, bfloat16, float16, fp8 e4m3/e5m2), or when the scheme
+        rewrites their bytes itself (stored_scaler: MXFP4's E8M0 exponents take the
+        factor rounded down to a power of two). Other integer scales: refused."""
         if tensor.plain:
             return None
         refused = self._weights[tensor.info.name][1].params.get("clip_refused")
@@ -402,7 +423,10 @@ class QuantizedView(View):
             return refused
         from clipcli.dtypes import is_floating
 
+        scheme, rec = self._weights[tensor.info.name]
         for name in self.scaled_parts(tensor):
+            if _scheme_scaler(scheme, rec, name) is not None:
+                continue  # its bytes take the factor their own way (E8M0: a power of two)
             dtype = self._stored[name].dtype
             if not is_floating(dtype) or dtype.name == "float8_e8m0fnu":
                 return (
@@ -417,10 +441,66 @@ class QuantizedView(View):
         scheme, rec = self._weights[tensor.info.name]
         return scheme.scaled_parts(rec)
 
+    def stored_scaler(
+        self, tensor: LogicalTensor, part: str
+    ) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+        if tensor.plain:
+            return None
+        scheme, rec = self._weights[tensor.info.name]
+        return _scheme_scaler(scheme, rec, part)
+
     def power_of_two_factors(self, tensor: LogicalTensor) -> bool:
         if tensor.plain:
             return False
         return bool(self._weights[tensor.info.name][1].params.get("power_of_two", False))
+
+    def refused_factor(
+        self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
+    ) -> str | None:
+        """A power-of-two (E8M0) weight: refused for a NaN scale byte (0xFF: its block is
+        NaN, and no factor acts on it), and for a block whose byte s is below the k of
+        2**-k with any nonzero code (2**(s - k - 127) is below E8M0's least value, and
+        keeping s would leave the block unscaled). A block of zero codes below k keeps
+        its byte: its values are zero whatever the scale."""
+        if tensor.plain or not self.power_of_two_factors(tensor):
+            return None
+        import numpy as np
+
+        from clipcli.numerics.rounding import power_of_two_steps
+
+        scheme, rec = self._weights[tensor.info.name]
+        name = tensor.info.name
+        small = self._small_parts(reader, rec, None, scheme)
+        scale_name = scheme.scaled_parts(rec)[0]
+        raw = small[scale_name].view(np.uint8).reshape(-1)
+        nan = np.flatnonzero(raw == 0xFF)
+        if nan.size:
+            return (
+                f"{name}: its E8M0 scale {scale_name} holds the NaN byte 0xFF "
+                f"({nan.size} of {raw.size} blocks, the first at block {int(nan[0])}): "
+                "no factor can rescale a NaN block"
+            )
+        steps = power_of_two_steps(mantissa, exponent)
+        if not steps or int(raw.min()) >= steps:
+            return None
+        low = raw < steps
+        block: int = rec.params["scale_block"]  # values per scale byte, along the last axis
+        per_row = rules.ceil_div(rec.shape[-1], block)
+        budget = max(per_row * block, default_chunk_elems(np.dtype(np.float64)))
+        rows = self._decoded_rows(reader, scheme, rec, small, rec.shape, budget)
+        for start, stop, values in rows:
+            padded = np.zeros((stop - start, per_row * block))
+            padded[:, : values.shape[1]] = values
+            nonzero = (padded.reshape(-1, block) != 0).any(axis=1)
+            hit = np.flatnonzero(nonzero & low[start * per_row : stop * per_row])
+            if hit.size:
+                first = start * per_row + int(hit[0])
+                return (
+                    f"{name}: scaling by 2**-{steps} would take its E8M0 scale byte "
+                    f"{int(raw[first])} at block {first} below 0 (2**-127 is E8M0's least "
+                    "value) under nonzero codes"
+                )
+        return None
 
 
 def _refuse_undescribed(
@@ -450,6 +530,18 @@ def _refuse_undescribed(
             f"quantization_config (quant_method {method!r}) does not describe the tensors: "
             f"by names and dtypes, {problem}; refusing to read it as plain tensors",
         )
+
+
+def _scheme_scaler(
+    scheme: Scheme, rec: Recognised, part: str
+) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+    """The scheme's own function for a scaled part's bytes (scheme.py: the optional
+    stored_scaler), or None: the part is a float tensor, scaled value by value."""
+    own = getattr(scheme, "stored_scaler", None)
+    if own is None:
+        return None
+    scaler: Callable[[np.ndarray, float, int], np.ndarray] | None = own(rec, part)
+    return scaler
 
 
 def _decode(
