@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     # file lists its header (Reader.listing) without loading numpy at all.
     import numpy as np
 
+    from clipcli.numerics.norms import NormAccumulator
     from clipcli.system.identity import FileIdentity
 
 # numpy's dtype.name is computed in Python on every call (~2 us): a checkpoint of 200,000
@@ -302,6 +303,15 @@ class FastReading:
         given, for a reader that reads them in one go (small tensors stored near each other
         in one file: one read instead of one per tensor); None where it cannot, and the
         caller reads them one by one. Asked for small tensors only (a few MiB in all)."""
+        return None
+
+    def measured_loaders(
+        self,
+        info: TensorInfo,  # noqa: ARG002 - default of an interface method
+    ) -> Iterator[Callable[[], NormAccumulator]] | None:
+        """Thread-safe loaders of the statistics of the tensor's pieces, measured without
+        making its values (clipcli.logical: a quantized weight through per-block tables);
+        None (stored readers): measuring reads chunks."""
         return None
 
     def constant(self, info: TensorInfo) -> np.ndarray | None:  # noqa: ARG002 - interface

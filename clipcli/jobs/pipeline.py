@@ -121,6 +121,9 @@ def measure(
 
             arrays = load()
             return index, accumulate_each(arrays), sum(a.nbytes for a in arrays)
+        if repeat == _MEASURED:  # statistics measured by the loader itself
+            measured: NormAccumulator = load()
+            return index, measured, measured.numel * infos[index].dtype.itemsize
         chunk = load()
         partial = NormAccumulator(keep_histogram=histograms)
         if repeat:
@@ -164,9 +167,11 @@ def measure(
 
 
 # (tensor index, loader, repeat): repeat 0 is a chunk of the tensor, a positive repeat a
-# constant tensor's one value, _MANY whole tensors from the index on (a list of arrays).
+# constant tensor's one value, _MANY whole tensors from the index on (a list of arrays),
+# _MEASURED a piece's statistics (a NormAccumulator, from Reader.measured_loaders).
 _Piece = tuple[int, Callable[[], Any], int]
 _MANY = -1
+_MEASURED = -2
 # Tensors of at most SMALL_TENSOR_BYTES are read and measured MANY_TENSORS at a time (at
 # most MANY_BYTES): per tensor, a read, a task and a NormAccumulator.add cost ~30 us,
 # which 200,000 one-element tensors turned into most of a minute.
@@ -219,18 +224,22 @@ def _measure_work(
                 yield index, piece_load, repeat
 
 
-def _measured_pieces(
-    reader: Reader, info: TensorInfo
-) -> Iterator[tuple[Callable[[], np.ndarray], int]]:
+def _measured_pieces(reader: Reader, info: TensorInfo) -> Iterator[tuple[Callable[[], Any], int]]:
     """(loader, repeat) for each piece to measure: a tensor the reader knows to hold one
     value throughout (an unallocated HDF5 dataset) is that value repeated numel times,
-    measured without reading or making its elements; otherwise its chunks (repeat 0)."""
+    measured without reading or making its elements; a tensor the reader measures itself
+    (a quantized weight) its pieces' statistics (_MEASURED); otherwise its chunks."""
     value = reader.constant(info) if info.numel else None
     if value is not None:
         yield functools.partial(_identity, value.reshape(1)), info.numel
         return
-    for load in chunk_sources(reader, info):
-        yield load, 0
+    measured = reader.measured_loaders(info)
+    if measured is not None:
+        for load in measured:
+            yield load, _MEASURED
+        return
+    for chunk_load in chunk_sources(reader, info):
+        yield chunk_load, 0
 
 
 # ---------------------------------------------------------------- writing

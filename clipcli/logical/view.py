@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import Reader, TensorInfo
     from clipcli.numerics.casting import Cast
+    from clipcli.numerics.norms import NormAccumulator
 
 
 class Part(NamedTuple):
@@ -123,6 +124,16 @@ class View(ABC):
 
         for chunk in self.chunks(reader, tensor):
             yield cast_chunk(chunk, target)
+
+    def measured_loaders(
+        self,
+        reader: Reader,  # noqa: ARG002 - interface
+        tensor: LogicalTensor,  # noqa: ARG002 - interface
+    ) -> Iterator[Callable[[], NormAccumulator]] | None:
+        """Thread-safe loaders of the statistics of `tensor`'s values, piece by piece (a
+        quantized weight measured through per-block tables, without its values), whose
+        merge is what measuring chunks() gives; None (the default): measure chunks()."""
+        return None
 
     @property
     def identity(self) -> bool:

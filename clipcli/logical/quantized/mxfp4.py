@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import TensorInfo
+    from clipcli.numerics.norms import NormAccumulator
 
 NAMES: Sequence[str] = ("mxfp4",)
 METHOD = "mxfp4"
@@ -126,6 +127,34 @@ def decode_rows(
     with np.errstate(invalid="ignore"):
         values *= np.repeat(scales[start:stop], BLOCK, axis=1)[:, :columns]
     return values
+
+
+def measure_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> NormAccumulator | None:
+    """The statistics of real rows [start, stop) as NormAccumulator.add gives them for
+    decode_rows' values, from how often each (E8M0 scale code, e2m1 code) pair occurs and
+    one table of their 256 x 16 products (decode_rows' own). None where the run holds
+    fewer values than the table (the caller decodes)."""
+    import numpy as np
+
+    from clipcli.numerics import coded
+
+    columns = weight.shape[-1]
+    packed = codes.reshape(stop - start, -1).view(np.uint8)
+    if packed.shape[1] * 2 != columns or not coded.tables_pay(16, (stop - start) * columns):
+        return None
+    scale_codes = small[weight.parts[1].name].view(np.uint8)
+    scale_codes = scale_codes.reshape(-1, rules.ceil_div(columns, BLOCK))[start:stop]
+    counts = coded.nibble_counts(packed, scale_codes, BLOCK)
+    scales = rules.e8m0_values(np.arange(coded.CODES, dtype=np.uint8))
+    with np.errstate(invalid="ignore"):
+        tables = scales[:, None] * np.array(rules.E2M1, dtype=np.float64)
+    return coded.table_statistics(counts, tables)
 
 
 def scaled_parts(weight: Recognised) -> list[str]:

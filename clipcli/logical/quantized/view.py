@@ -10,6 +10,7 @@ chunk size whatever the weight's size.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from clipcli.formats.base import Reader
     from clipcli.logical.quantized.scheme import ReadSmall, Recognised, Scheme
     from clipcli.numerics.casting import Cast
+    from clipcli.numerics.norms import NormAccumulator
 
 CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge one
 # The small parts of one weight are read whole: more than this is no real layout's scales
@@ -36,6 +38,10 @@ CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge 
 SMALL_PARTS_LIMIT = 1 << 30
 # The dtypes a quantized weight's row may show (Quantization.dtype).
 SHOWN_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+# Elements per run of rows measured through tables (measured_loaders): 1 MiB of 8-bit
+# codes, so that each run's tables and counts (256 entries per block) are few against its
+# values (128 x 128 blocks of a 16384-column weight: 64 rows, 1/64 of them).
+MEASURED_RUN_ELEMENTS = 1 << 20
 # Real values held at once to put a transposed weight (GPTQ, AWQ) in C order: 32 MiB of
 # float64, twice (the block and its transpose); a 4096 x 4096 weight takes 4 passes.
 TRANSPOSE_ELEMENTS = 1 << 22
@@ -321,6 +327,30 @@ class QuantizedView(View):
             first, last = scheme.code_rows(rec, start, stop)
             yield start, stop, cursor.rows(first, last)
 
+    def measured_loaders(
+        self, reader: Reader, tensor: LogicalTensor
+    ) -> Iterator[Callable[[], NormAccumulator]] | None:
+        """A scheme with measure_rows (counts of each code per block and a 256-entry table
+        per block; fp4: per scale code) measures each run of rows without decoding it:
+        loaders of those runs' statistics, for worker threads. None for the others (their
+        chunks are measured)."""
+        if tensor.plain or not hasattr(self._weights[tensor.info.name][0], "measure_rows"):
+            return None
+        scheme, rec = self._weights[tensor.info.name]
+        if rec.transposed:
+            return None
+        return self._measured_runs(reader, scheme, rec)
+
+    def _measured_runs(
+        self, reader: Reader, scheme: Scheme, rec: Recognised
+    ) -> Iterator[Callable[[], NormAccumulator]]:
+        small = self._small_parts(reader, rec, None, scheme)
+        budget = MEASURED_RUN_ELEMENTS
+        for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
+            # Measured in a worker after this generator has read on: as every chunk the
+            # measuring pipeline hands to workers, the reader's arrays are never reused.
+            yield functools.partial(_measured, scheme, rec, codes, start, stop, small)
+
     def cast_chunks(
         self, reader: Reader, tensor: LogicalTensor, target: np.dtype[Any]
     ) -> Iterator[Cast]:
@@ -529,6 +559,29 @@ def _decode(
 
     with np.errstate(all="ignore"):
         return scheme.decode_rows(rec, codes, start, stop, small)
+
+
+def _measured(
+    scheme: Scheme,
+    rec: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> NormAccumulator:
+    """The statistics of real rows [start, stop): the scheme's measure_rows where its
+    tables pay, else those of the decoded rows. Floating-point warnings off, as _decode."""
+    import numpy as np
+
+    from clipcli.numerics.norms import NormAccumulator
+
+    with np.errstate(all="ignore"):
+        measured = scheme.measure_rows(rec, codes, start, stop, small)  # type: ignore[attr-defined]
+    if isinstance(measured, NormAccumulator):
+        return measured
+    acc = NormAccumulator()
+    acc.add(_decode(scheme, rec, codes, start, stop, small).reshape(-1))
+    return acc
 
 
 def _logical(rec: Recognised) -> LogicalTensor:
