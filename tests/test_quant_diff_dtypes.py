@@ -68,6 +68,7 @@ def diff_json(run_main: Any, a: Path, b: Path) -> dict[str, Any]:
 
 def row(document: dict[str, Any], name: str) -> dict[str, Any]:
     (found,) = [r for r in document["tensors"] if r["name"] == name]
+    assert isinstance(found, dict)
     return found
 
 
