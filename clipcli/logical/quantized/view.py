@@ -39,6 +39,18 @@ SHOWN_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 # Real values held at once to put a transposed weight (GPTQ, AWQ) in C order: 32 MiB of
 # float64, twice (the block and its transpose); a 4096 x 4096 weight takes 4 passes.
 TRANSPOSE_ELEMENTS = 1 << 22
+# Quantization parameters of activations a quantized checkpoint stores beside its weights
+# (compressed-tensors' input/output activations and kv_cache_scheme, vLLM's and ModelOpt's
+# FP8 KV-cache scales: `X.k_scale`, `X.self_attn.v_scale`, `X.k_proj.output_scale`): no
+# weight, never in a norm, copied byte for byte. Read so only where the checkpoint is
+# quantized (a quantization_config, or a quantized weight recognised): a plain model's own
+# parameter of such a name stays a weight.
+ACTIVATION_SUFFIXES = (
+    *(f".{what}_scale" for what in ("input", "output", "q", "k", "v", "kv")),
+    *(f".{what}_global_scale" for what in ("input", "output")),
+    *(f".{what}_zero_point" for what in ("input", "output", "q", "k", "v")),
+)
+ACTIVATION_ROLE = "activation_scale"
 
 
 def quantization_config(directory: Path | None) -> Mapping[str, Any] | None:
@@ -141,6 +153,11 @@ class QuantizedView(View):
         refuse_incomplete(stored, owner, config, {rec.scheme for _, rec in self._weights.values()})
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
         self._owner = owner
+        self._activation = (
+            [name for name in stored if name not in owner and name.endswith(ACTIVATION_SUFFIXES)]
+            if config is not None or self._weights
+            else []
+        )
         self._infos = infos
         # Laid out on first use: a plain checkpoint (no weight recognised) never needs them,
         # and 200,000 tensors' records cost a second.
@@ -157,6 +174,7 @@ class QuantizedView(View):
             for p in (*rec.parts[1:], *rec.side)
             if p.name != rec.codes
         }
+        roles.update(dict.fromkeys(self._activation, ACTIVATION_ROLE))
         for info in self._infos:
             weight = self._by_codes.get(info.name)
             if weight is not None:
@@ -187,7 +205,7 @@ class QuantizedView(View):
 
     @property
     def identity(self) -> bool:
-        return not self._weights
+        return not self._weights and not self._activation
 
     def quantization(self, tensor: LogicalTensor) -> Quantization | None:
         if tensor.plain:
