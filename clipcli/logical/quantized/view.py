@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import InputError
 from clipcli.formats.base import TensorInfo, default_chunk_elems
-from clipcli.logical.quantized import rules
+from clipcli.logical.quantized import rules, targets
 from clipcli.logical.quantized.incomplete import refuse_incomplete
 from clipcli.logical.quantized.registry import SCHEMES
 from clipcli.logical.view import LogicalTensor, Part, Quantization, View
@@ -121,8 +121,10 @@ class QuantizedView(View):
         self.config = config
         self._weights: dict[str, tuple[Scheme, Recognised]] = {}
         owner: dict[str, tuple[str, str]] = {}  # stored name -> (weight, scheme)
-        for scheme in schemes:
-            for found in scheme.recognise(stored, config, read):
+        assigned = targets.assign(stored, config) if config is not None else None
+        units = [(stored, config)] if assigned is None else list(assigned.by_group.values())
+        for scheme, (unit, unit_config) in ((s, u) for u in units for s in schemes):
+            for found in scheme.recognise(unit, unit_config, read):
                 for part in (*found.parts, *found.side):
                     if part.name not in stored:
                         raise InputError(part.name, f"named by {found.name} but not stored")
@@ -146,6 +148,9 @@ class QuantizedView(View):
                     f"stored as a tensor and as a quantized weight ({found.scheme}, from "
                     f"{found.codes}): two tensors claim one name, refusing to guess",
                 )
+        if assigned is not None and config is not None:
+            for module, (tensors, why) in assigned.undecided.items():
+                _refuse_undecided(module, tensors, why, config, schemes)
         if config is not None:
             _refuse_undescribed(stored, owner, config, schemes)
         # A set missing a part is recognised by no scheme: refused, never read as plain
@@ -489,6 +494,29 @@ class QuantizedView(View):
                     "value) under nonzero codes"
                 )
         return None
+
+
+def _refuse_undecided(
+    module: str,
+    tensors: Mapping[str, TensorInfo],
+    why: str,
+    config: Mapping[str, Any],
+    schemes: Sequence[Scheme],
+) -> None:
+    """A module whose config group is not known (targets.assign: none or two match it, or
+    `ignore` names it) must hold no quantized codes: whatever a scheme would make of its
+    tensors, by the config or by names and dtypes, is refused rather than guessed."""
+    for scheme in schemes:
+        for said in (config, None):
+            try:
+                found = scheme.recognise(tensors, said)
+            except InputError as exc:
+                problem = f"holds a part of a quantized weight ({exc})"
+            else:
+                if not found:
+                    continue
+                problem = f"holds a quantized weight ({found[0].scheme}, from {found[0].codes})"
+            raise InputError(module or "(root module)", f"{why}, yet it {problem}")
 
 
 def _refuse_undescribed(
