@@ -62,12 +62,9 @@ def module(scheme: str, stem: str) -> tuple[dict[str, Any], list[Fraction]]:
             stem + ".weight_packed": ("U8", [ROWS, COLUMNS // 2], packed),
             stem + ".weight_scale": ("U8", [ROWS, 1], scales),
         }
-        return tensors, [
-            v * s
-            for v, s in zip(
-                values, [e8m0_value(b) for b in scales for _ in range(COLUMNS)], strict=True
-            )
-        ]
+        row_scales = [e8m0_value(b) for b in scales]
+        assert None not in row_scales
+        return tensors, [v * Fraction(row_scales[i // COLUMNS] or 0) for i, v in enumerate(values)]
     if scheme == "nvfp4":
         packed, values = fp4_bytes()
         scales = bytes([0x38, 0x40, 0x30, 0x44])  # e4m3: 1, 2, 0.5, 3; one per 16 values
