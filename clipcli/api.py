@@ -188,18 +188,21 @@ def _shown_dtypes(
     result: DiffResult, rows_a: QuantizedRows | None, rows_b: QuantizedRows | None
 ) -> DiffResult:
     """A quantized weight's dtype in a diff row is the one its norms row shows (the dtype
-    it dequantizes to, not the float64 it is compared in); `dtype changed` follows it."""
+    it dequantizes to, not the float64 it is compared in); `dtype changed` follows it,
+    equal values or not."""
     if rows_a is None and rows_b is None:
         return result
-    from clipcli.jobs.diff import CHANGED, DTYPE_CHANGED
+    from clipcli.jobs.diff import CHANGED, DTYPE_CHANGED, SAME
 
     tensors = []
     for t in result.tensors:
         a = t.dtype_a if rows_a is None or t.dtype_a is None else rows_a.dtype(t.name, t.dtype_a)
         b = t.dtype_b if rows_b is None or t.dtype_b is None else rows_b.dtype(t.name, t.dtype_b)
         status = t.status
-        if status in (CHANGED, DTYPE_CHANGED):
-            status = CHANGED if a == b else DTYPE_CHANGED
+        if status in (SAME, CHANGED, DTYPE_CHANGED) and a != b:
+            status = DTYPE_CHANGED  # equal values or not, as for two plain tensors
+        elif status == DTYPE_CHANGED:
+            status = CHANGED
         tensors.append(dataclasses.replace(t, dtype_a=a, dtype_b=b, status=status))
     return dataclasses.replace(result, tensors=tensors)
 

@@ -111,9 +111,11 @@ def _compare(
 ) -> Partial:
     nbytes = a.nbytes + b.nbytes
     acc_a = accumulate([a])
-    if same_dtype and by_value:
+    if by_value:
         # A logical tensor's values are decoded, not stored: equal values (NaN as NaN, -0.0
-        # as 0.0: a negative-zero code times a scale) are the same tensor.
+        # as 0.0: a negative-zero code times a scale) are the same tensor, whatever dtype
+        # the other side stores them in (a plain float32 copy of a quantized weight). A
+        # dtype change is told from the dtypes its rows show (api._shown_dtypes).
         if np.array_equal(a, b, equal_nan=True):
             dot = (acc_a.ssq, 2 * acc_a.exp) if not acc_a.nonfinite else (0.0, 0)
             return Partial(acc_a, copy.copy(acc_a), NormAccumulator(), dot, True, nbytes)
@@ -214,7 +216,10 @@ def finish(job: Pair, run: Running, weight: bool = True) -> TensorDiff:
     assert info_a is not None
     assert norm_a is not None
     assert norm_b is not None
-    status = DTYPE_CHANGED if not job.same_dtype else SAME if run.identical else CHANGED
+    if job.by_value:  # compared in float64: the dtypes its rows show decide a dtype change
+        status = SAME if run.identical else CHANGED
+    else:
+        status = DTYPE_CHANGED if not job.same_dtype else SAME if run.identical else CHANGED
     diff_norm = run.acc_d.norm
     rel_change = _relative_change(run.acc_d, run.acc_a)
     if status == CHANGED and rel_change == 0.0:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import InputError
 from clipcli.formats.base import TensorInfo, default_chunk_elems
-from clipcli.logical.quantized import rules
+from clipcli.logical.quantized import rules, targets
 from clipcli.logical.quantized.incomplete import refuse_incomplete
 from clipcli.logical.quantized.registry import SCHEMES
 from clipcli.logical.view import LogicalTensor, Part, Quantization, View
@@ -45,6 +45,18 @@ MEASURED_RUN_ELEMENTS = 1 << 20
 # Real values held at once to put a transposed weight (GPTQ, AWQ) in C order: 32 MiB of
 # float64, twice (the block and its transpose); a 4096 x 4096 weight takes 4 passes.
 TRANSPOSE_ELEMENTS = 1 << 22
+# Quantization parameters of activations a quantized checkpoint stores beside its weights
+# (compressed-tensors' input/output activations and kv_cache_scheme, vLLM's and ModelOpt's
+# FP8 KV-cache scales: `X.k_scale`, `X.self_attn.v_scale`, `X.k_proj.output_scale`): no
+# weight, never in a norm, copied byte for byte. Read so only where the checkpoint is
+# quantized (a quantization_config, or a quantized weight recognised): a plain model's own
+# parameter of such a name stays a weight.
+ACTIVATION_SUFFIXES = (
+    *(f".{what}_scale" for what in ("input", "output", "q", "k", "v", "kv")),
+    *(f".{what}_global_scale" for what in ("input", "output")),
+    *(f".{what}_zero_point" for what in ("input", "output", "q", "k", "v")),
+)
+ACTIVATION_ROLE = "activation_scale"
 
 
 def quantization_config(directory: Path | None) -> Mapping[str, Any] | None:
@@ -115,8 +127,10 @@ class QuantizedView(View):
         self.config = config
         self._weights: dict[str, tuple[Scheme, Recognised]] = {}
         owner: dict[str, tuple[str, str]] = {}  # stored name -> (weight, scheme)
-        for scheme in schemes:
-            for found in scheme.recognise(stored, config, read):
+        assigned = targets.assign(stored, config) if config is not None else None
+        units = [(stored, config)] if assigned is None else list(assigned.by_group.values())
+        for scheme, (unit, unit_config) in ((s, u) for u in units for s in schemes):
+            for found in scheme.recognise(unit, unit_config, read):
                 for part in (*found.parts, *found.side):
                     if part.name not in stored:
                         raise InputError(part.name, f"named by {found.name} but not stored")
@@ -140,6 +154,9 @@ class QuantizedView(View):
                     f"stored as a tensor and as a quantized weight ({found.scheme}, from "
                     f"{found.codes}): two tensors claim one name, refusing to guess",
                 )
+        if assigned is not None and config is not None:
+            for module, (tensors, why) in assigned.undecided.items():
+                _refuse_undecided(module, tensors, why, config, schemes)
         if config is not None:
             _refuse_undescribed(stored, owner, config, schemes)
         # A set missing a part is recognised by no scheme: refused, never read as plain
@@ -147,6 +164,11 @@ class QuantizedView(View):
         refuse_incomplete(stored, owner, config, {rec.scheme for _, rec in self._weights.values()})
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
         self._owner = owner
+        self._activation = (
+            [name for name in stored if name not in owner and name.endswith(ACTIVATION_SUFFIXES)]
+            if config is not None or self._weights
+            else []
+        )
         self._infos = infos
         # Laid out on first use: a plain checkpoint (no weight recognised) never needs them,
         # and 200,000 tensors' records cost a second.
@@ -163,6 +185,7 @@ class QuantizedView(View):
             for p in (*rec.parts[1:], *rec.side)
             if p.name != rec.codes
         }
+        roles.update(dict.fromkeys(self._activation, ACTIVATION_ROLE))
         for info in self._infos:
             weight = self._by_codes.get(info.name)
             if weight is not None:
@@ -193,7 +216,7 @@ class QuantizedView(View):
 
     @property
     def identity(self) -> bool:
-        return not self._weights
+        return not self._weights and not self._activation
 
     def quantization(self, tensor: LogicalTensor) -> Quantization | None:
         if tensor.plain:
@@ -501,6 +524,29 @@ class QuantizedView(View):
                     "value) under nonzero codes"
                 )
         return None
+
+
+def _refuse_undecided(
+    module: str,
+    tensors: Mapping[str, TensorInfo],
+    why: str,
+    config: Mapping[str, Any],
+    schemes: Sequence[Scheme],
+) -> None:
+    """A module whose config group is not known (targets.assign: none or two match it, or
+    `ignore` names it) must hold no quantized codes: whatever a scheme would make of its
+    tensors, by the config or by names and dtypes, is refused rather than guessed."""
+    for scheme in schemes:
+        for said in (config, None):
+            try:
+                found = scheme.recognise(tensors, said)
+            except InputError as exc:
+                problem = f"holds a part of a quantized weight ({exc})"
+            else:
+                if not found:
+                    continue
+                problem = f"holds a quantized weight ({found[0].scheme}, from {found[0].codes})"
+            raise InputError(module or "(root module)", f"{why}, yet it {problem}")
 
 
 def _refuse_undescribed(
