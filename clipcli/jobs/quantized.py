@@ -10,6 +10,7 @@ Conventions recognised, by name and dtype:
 - block-scaled FP8 (DeepSeek-V3, Qwen3-FP8): `X.weight` (8-bit) + `X.weight_scale_inv`;
 - per-tensor / per-channel FP8 (compressed-tensors, fbgemm_fp8): `X.weight` (8-bit) +
   `X.weight_scale`, with `X.input_scale` / `X.input_scale_ub` for activations;
+- int8 codes + `X.weight_scale` (compressed-tensors int-quantized);
 - MXFP4 (gpt-oss): `X_blocks` (uint8) + `X_scales` (uint8).
 A model directory whose config.json has a `quantization_config` is quantized as a whole.
 """
@@ -25,6 +26,9 @@ from clipcli.formats.base import TensorInfo
 
 BLOCK_FP8 = "block-scaled fp8"
 CHANNEL_FP8 = "per-tensor/channel fp8"
+# compressed-tensors int-quantized (its naive compressor): int8 codes + `X.weight_scale`
+# (+ zero point), per tensor, channel or group; not fp8, so the message must not say fp8.
+SCALED_INT8 = "int8 codes with scales"
 MXFP4 = "mxfp4"
 
 CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge one
@@ -57,7 +61,8 @@ def detect(infos: Sequence[TensorInfo]) -> list[QuantizedWeight]:
             continue
         if not _is_8bit_or_less(info):
             continue
-        for suffix, scheme in (("_scale_inv", BLOCK_FP8), ("_scale", CHANNEL_FP8)):
+        scaled = SCALED_INT8 if info.dtype.kind in "iu" else CHANNEL_FP8
+        for suffix, scheme in (("_scale_inv", BLOCK_FP8), ("_scale", scaled)):
             if name + suffix in by_name:
                 stem = name.rsplit(".", 1)[0] if "." in name else name
                 extra = tuple(
