@@ -1,7 +1,7 @@
 """The quantization projects' own code as a second reference for clipcli's quantized view.
 
-tests/data/quant_reference/ holds small model directories that compressed-tensors and
-bitsandbytes wrote themselves (their own scale computation and compressors), with the
+tests/data/quant_reference/ holds small model directories that compressed-tensors,
+bitsandbytes and AutoAWQ wrote themselves (their own scale computation and compressors), with the
 norms and max |x| their own decompression gives in float64 (reference.json; how they were
 made: make_reference.py there and docs/DEVELOPMENT.md). These tests share no code with
 clipcli's decoders:
@@ -9,7 +9,7 @@ clipcli's decoders:
 - always: clipcli's norms of the pinned files against the pinned reference (rel 1e-12,
   max |x| exact), and a `clip --global` of them whose codes, zero points, maps and global
   scales stay byte for byte (read by a raw safetensors parser here);
-- where torch with compressed-tensors / bitsandbytes is importable (a throwaway venv, see
+- where torch with compressed-tensors / bitsandbytes / AutoAWQ is importable (a throwaway venv, see
   docs/DEVELOPMENT.md): fresh files written by the projects, clipcli's norms against their
   own decompression, and clipcli's clip output decompressed by the projects' own code to
   check the bound and its tightness.
@@ -41,6 +41,11 @@ DECODED = sorted(name for name, case in CASES.items() if case["decoded_by_clipcl
 UNDECODED = sorted(name for name, case in CASES.items() if not case["decoded_by_clipcli"])
 PLAIN = "model.norm.weight"
 REL = 1e-12
+IMPORT_NAMES = {
+    "compressed-tensors": "compressed_tensors",
+    "bitsandbytes": "bitsandbytes",
+    "autoawq": "awq",
+}
 
 
 def raw_tensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
@@ -113,7 +118,8 @@ def test_pinned_files_are_small_and_unchanged() -> None:
         assert len(blob) < 100_000, name
         total += len(blob) + (REFERENCE_DIR / name / "config.json").stat().st_size
     assert total < 1_000_000
-    assert {"compressed-tensors", "bitsandbytes", "torch"} <= REFERENCE["versions"].keys()
+    assert {*IMPORT_NAMES, "torch"} <= REFERENCE["versions"].keys()
+    assert {case["producer"] for case in CASES.values()} == IMPORT_NAMES.keys()
 
 
 @pytest.mark.parametrize("case", DECODED)
@@ -188,7 +194,7 @@ def projects_for(case: str) -> ModuleType:
     """make_reference.py where torch and the case's producer import, else a skip that says
     why (the project's own environment has neither; docs/DEVELOPMENT.md says how)."""
     producer = CASES[case]["producer"]
-    for package in ("torch", "safetensors", producer.replace("-", "_")):
+    for package in ("torch", "safetensors", IMPORT_NAMES[producer]):
         if importlib.util.find_spec(package) is None:
             pytest.skip(
                 f"{package} is not importable: the {producer} cross-check runs in a throwaway "
@@ -255,8 +261,9 @@ def test_clip_global_checked_by_the_projects_own_decompression(
         for name, (dtype, _, _) in raw_tensors(directory / "model.safetensors").items()
         if name in changed and ".quant_state." not in name  # the JSON whose offset moved
     }
-    # the coarsest scale step: E8M0 (U8 MXFP4 scales) halves, fp8 e4m3 steps by 1/8
-    slack = {"U8": 0.5, "F8_E4M3": 0.125}
+    # the coarsest scale step: E8M0 (U8 MXFP4 scales) halves, fp8 e4m3 steps by 1/8,
+    # float16 by 2**-10 (AWQ); float32 scales are tight to rounding
+    slack = {"U8": 0.5, "F8_E4M3": 0.125, "F16": 2**-10}
     tightest = 1 - max((slack.get(d, 1e-6) for d in scale_dtypes), default=1e-6)
     assert norm_after >= limit * tightest, (norm_after, limit, scale_dtypes)
 

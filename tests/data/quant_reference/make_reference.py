@@ -13,7 +13,7 @@ Run it in a throwaway virtual environment that has torch, numpy, safetensors,
 compressed-tensors and bitsandbytes (never the project's .venv):
 
     python3 -m venv /tmp/refvenv
-    /tmp/refvenv/bin/pip install torch numpy safetensors compressed-tensors bitsandbytes
+    /tmp/refvenv/bin/pip install torch numpy safetensors compressed-tensors bitsandbytes autoawq
     /tmp/refvenv/bin/python tests/data/quant_reference/make_reference.py
 
 It rewrites the case directories beside it and reference.json (versions, norms, max |x|).
@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ MODULES = ("model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj")
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "compressed-tensors" or "bitsandbytes"
+    kind: str  # the producer: "compressed-tensors", "bitsandbytes" or "autoawq"
     shapes: tuple[tuple[int, int], ...]
     options: dict[str, Any]
 
@@ -292,6 +293,73 @@ def bnb_dequantize(directory: Path, path: Path | None = None) -> dict[str, np.nd
     return weights
 
 
+# ---------------------------------------------------------------- AutoAWQ
+
+
+def awq_write(case: Case, directory: Path, seed: int) -> None:
+    """AutoAWQ's own path for a linear layer: `AwqQuantizer.pseudo_quantize_tensor` for
+    the scales and zero points, then `WQLinear_GEMM.from_linear` packs the codes (GEMM
+    order) and zero points, as its `_apply_quant` does."""
+    from types import SimpleNamespace
+
+    with warnings.catch_warnings():  # AutoAWQ announces its deprecation on import
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from awq.modules.linear.gemm import WQLinear_GEMM
+        from awq.quantize.quantizer import AwqQuantizer
+
+    group_size = case.options["group_size"]
+    settings = SimpleNamespace(w_bit=4, group_size=group_size, zero_point=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for module, weight in zip(MODULES, weights_for(case.shapes, seed), strict=True):
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        fake, scales, zeros = AwqQuantizer.pseudo_quantize_tensor(settings, weight)
+        linear.weight.data = fake
+        packed = WQLinear_GEMM.from_linear(
+            linear, 4, group_size, False, scales.t().contiguous(), zeros.t().contiguous()
+        )
+        for key in ("qweight", "qzeros", "scales"):
+            tensors[f"{module}.{key}"] = getattr(packed, key).contiguous()
+    tensors["model.norm.weight"] = torch.ones(8, dtype=torch.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+    }
+    (directory / "config.json").write_text(
+        json.dumps({"model_type": "llama", "quantization_config": config}, indent=2)
+    )
+
+
+def awq_dequantize(directory: Path, path: Path | None = None) -> dict[str, np.ndarray]:
+    """AutoAWQ's own `dequantize_gemm` (unpack, reverse the GEMM order, (q - z) x s) with
+    the float16 scales widened to float64 (exact)."""
+    from safetensors.torch import load_file
+
+    with warnings.catch_warnings():  # AutoAWQ announces its deprecation on import
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from awq.utils.packing_utils import dequantize_gemm
+
+    group_size = json.loads((directory / "config.json").read_text())["quantization_config"][
+        "group_size"
+    ]
+    stored = load_file(str(path or directory / "model.safetensors"))
+    weights = {}
+    for module in MODULES:
+        values = dequantize_gemm(
+            stored[f"{module}.qweight"],
+            stored[f"{module}.qzeros"],
+            stored[f"{module}.scales"].to(torch.float64),
+            4,
+            group_size,
+        )
+        weights[f"{module}.weight"] = values.t().contiguous().numpy()
+    return weights
+
+
 # ---------------------------------------------------------------- the cases
 
 CT_INT = "pack-quantized"
@@ -408,6 +476,8 @@ CASES = (
         {"quant_type": "nf4", "blocksize": 64, "nested": True, "dtype": torch.bfloat16},
     ),
     Case("bnb_int8", "bitsandbytes", ((24, 40), (16, 24)), {"quant_type": "int8"}),
+    # AutoAWQ packs out_features // 32 * 4 words per row: out_features a multiple of 32
+    Case("awq_gemm_int4", "autoawq", ((32, 64), (64, 96)), {"group_size": 32}),
 )
 
 # Layouts clipcli recognises but does not decode (FORMATS.md: warned for norms, refused by
@@ -432,15 +502,24 @@ RESCALED = {
         "weight.quant_state.bitsandbytes__fp4",
         "SCB",
     ),
+    "autoawq": ("scales",),
+}
+
+
+WRITERS = {"compressed-tensors": ct_write, "bitsandbytes": bnb_write, "autoawq": awq_write}
+READERS = {
+    "compressed-tensors": ct_dequantize,
+    "bitsandbytes": bnb_dequantize,
+    "autoawq": awq_dequantize,
 }
 
 
 def write_case(case: Case, directory: Path, seed: int = 0) -> None:
-    (ct_write if case.kind == "compressed-tensors" else bnb_write)(case, directory, seed)
+    WRITERS[case.kind](case, directory, seed)
 
 
 def dequantize_case(case: Case, directory: Path, path: Path | None = None) -> dict[str, np.ndarray]:
-    return (ct_dequantize if case.kind == "compressed-tensors" else bnb_dequantize)(directory, path)
+    return READERS[case.kind](directory, path)
 
 
 def stats(values: np.ndarray) -> dict[str, float | int]:
@@ -454,7 +533,7 @@ def stats(values: np.ndarray) -> dict[str, float | int]:
 def versions() -> dict[str, str]:
     import importlib.metadata
 
-    names = ("compressed-tensors", "bitsandbytes", "torch", "safetensors", "numpy")
+    names = ("compressed-tensors", "bitsandbytes", "autoawq", "torch", "safetensors", "numpy")
     return {name: importlib.metadata.version(name) for name in names}
 
 
