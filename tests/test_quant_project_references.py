@@ -1,18 +1,19 @@
 """The quantization projects' own code as a second reference for clipcli's quantized view.
 
 tests/data/quant_reference/ holds small model directories that compressed-tensors,
-bitsandbytes and AutoAWQ wrote themselves (their own scale computation and compressors), with the
-norms and max |x| their own decompression gives in float64 (reference.json; how they were
-made: make_reference.py there and docs/DEVELOPMENT.md). These tests share no code with
-clipcli's decoders:
+bitsandbytes, AutoAWQ and AutoGPTQ wrote themselves (their own scale computation and
+packing), with the norms and max |x| their own decompression gives in float64
+(reference.json; how they were made: make_reference.py there and docs/DEVELOPMENT.md).
+These tests share no code with clipcli's decoders:
 
 - always: clipcli's norms of the pinned files against the pinned reference (rel 1e-12,
-  max |x| exact), and a `clip --global` of them whose codes, zero points, maps and global
-  scales stay byte for byte (read by a raw safetensors parser here);
-- where torch with compressed-tensors / bitsandbytes / AutoAWQ is importable (a throwaway venv, see
-  docs/DEVELOPMENT.md): fresh files written by the projects, clipcli's norms against their
-  own decompression, and clipcli's clip output decompressed by the projects' own code to
-  check the bound and its tightness.
+  max |x| exact but for NVFP4's one ulp, see assert_matches), and a `clip --global` of
+  them whose codes, zero points, maps and global scales stay byte for byte (read by a raw
+  safetensors parser here);
+- where torch and the producing project import (a throwaway venv, docs/DEVELOPMENT.md):
+  fresh files written by the projects, clipcli's norms against their own decompression,
+  and clipcli's clip output decompressed by the projects' own code to check the bound and
+  its tightness.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ IMPORT_NAMES = {
     "compressed-tensors": "compressed_tensors",
     "bitsandbytes": "bitsandbytes",
     "autoawq": "awq",
+    "auto-gptq": "auto_gptq",
 }
 
 
@@ -262,7 +264,7 @@ def test_clip_global_checked_by_the_projects_own_decompression(
         if name in changed and ".quant_state." not in name  # the JSON whose offset moved
     }
     # the coarsest scale step: E8M0 (U8 MXFP4 scales) halves, fp8 e4m3 steps by 1/8,
-    # float16 by 2**-10 (AWQ); float32 scales are tight to rounding
+    # float16 by 2**-10 (AWQ, GPTQ); float32 scales are tight to rounding
     slack = {"U8": 0.5, "F8_E4M3": 0.125, "F16": 2**-10}
     tightest = 1 - max((slack.get(d, 1e-6) for d in scale_dtypes), default=1e-6)
     assert norm_after >= limit * tightest, (norm_after, limit, scale_dtypes)

@@ -14,6 +14,7 @@ compressed-tensors and bitsandbytes (never the project's .venv):
 
     python3 -m venv /tmp/refvenv
     /tmp/refvenv/bin/pip install torch numpy safetensors compressed-tensors bitsandbytes autoawq
+    /tmp/refvenv/bin/pip install auto-gptq  # a wheel; its packing layer needs no CUDA
     /tmp/refvenv/bin/python tests/data/quant_reference/make_reference.py
 
 It rewrites the case directories beside it and reference.json (versions, norms, max |x|).
@@ -28,6 +29,7 @@ import json
 import math
 import sys
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ MODULES = ("model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj")
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # the producer: "compressed-tensors", "bitsandbytes" or "autoawq"
+    kind: str  # the producer: "compressed-tensors", "bitsandbytes", "autoawq", "auto-gptq"
     shapes: tuple[tuple[int, int], ...]
     options: dict[str, Any]
 
@@ -360,6 +362,108 @@ def awq_dequantize(directory: Path, path: Path | None = None) -> dict[str, np.nd
     return weights
 
 
+# ---------------------------------------------------------------- AutoGPTQ
+
+
+def gptq_module(relative: str) -> Any:
+    """One AutoGPTQ source file, loaded by path: its package __init__ imports its model
+    classes, which no longer import against transformers 5; the packing layer and the
+    quantizer import only torch, numpy and transformers."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("auto_gptq")
+    assert spec is not None
+    assert spec.submodule_search_locations
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    name = "auto_gptq_" + relative.replace("/", "_").removesuffix(".py")
+    if name not in sys.modules:
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def gptq_write(case: Case, directory: Path, seed: int) -> None:
+    """AutoGPTQ's own `Quantizer` (asymmetric, per output row of each group) for scales and
+    zero points, its `quantize` for the fake-quantized weight, and `QuantLinear.pack`
+    (GPTQ v1: zero points stored minus one) for qweight/qzeros; act order permutes g_idx."""
+    quantizer_module = gptq_module("quantization/quantizer.py")
+    quant_linear = gptq_module("nn_modules/qlinear/qlinear_cuda.py").QuantLinear
+    bits, group_size = case.options["bits"], case.options["group_size"]
+    tensors: dict[str, torch.Tensor] = {}
+    generator = torch.Generator().manual_seed(seed)
+    for module, weight in zip(MODULES, weights_for(case.shapes, seed), strict=True):
+        rows, cols = weight.shape
+        order = (
+            torch.randperm(cols, generator=generator)
+            if case.options["act_order"]
+            else torch.arange(cols)
+        )
+        g_idx = torch.empty(cols, dtype=torch.int32)
+        g_idx[order] = torch.arange(cols, dtype=torch.int32) // group_size
+        groups = -(-cols // group_size)
+        scales = torch.empty(rows, groups)
+        zeros = torch.empty(rows, groups)
+        fake = torch.empty_like(weight)
+        for group in range(groups):
+            columns = (g_idx == group).nonzero().flatten()
+            quantizer = quantizer_module.Quantizer()
+            quantizer.configure(bits, perchannel=True, sym=False)
+            quantizer.find_params(weight[:, columns], weight=True)
+            scales[:, group] = quantizer.scale.flatten()
+            zeros[:, group] = quantizer.zero.flatten()
+            fake[:, columns] = quantizer_module.quantize(
+                weight[:, columns], quantizer.scale, quantizer.zero, quantizer.maxq
+            )
+        linear = torch.nn.Linear(cols, rows, bias=False)
+        linear.weight.data = fake.to(torch.float16)
+        packed = quant_linear(bits, group_size, cols, rows, False)
+        packed.pack(linear, scales.to(torch.float16), zeros, g_idx)
+        for key in ("qweight", "qzeros", "scales", "g_idx"):
+            tensors[f"{module}.{key}"] = getattr(packed, key).contiguous()
+    tensors["model.norm.weight"] = torch.ones(8, dtype=torch.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size,
+        "desc_act": case.options["act_order"],
+        "sym": False,
+        "checkpoint_format": "gptq",
+    }
+    (directory / "config.json").write_text(
+        json.dumps({"model_type": "llama", "quantization_config": config}, indent=2)
+    )
+
+
+def gptq_dequantize(directory: Path, path: Path | None = None) -> dict[str, np.ndarray]:
+    """AutoGPTQ's own CPU dequantization, the pure-torch branch of `QuantLinear.forward`
+    (scales[g_idx] * (q - (z + 1))), run on an identity input with float64 scales: its
+    output is the weight's transpose, exact."""
+    from safetensors.torch import load_file
+
+    quant_linear = gptq_module("nn_modules/qlinear/qlinear_cuda.py").QuantLinear
+    config = json.loads((directory / "config.json").read_text())["quantization_config"]
+    stored = load_file(str(path or directory / "model.safetensors"))
+    weights = {}
+    for module in MODULES:
+        scales = stored[f"{module}.scales"].to(torch.float64)
+        cols = stored[f"{module}.g_idx"].numel()
+        rows = scales.shape[1]
+        layer = quant_linear(config["bits"], config["group_size"], cols, rows, False)
+        layer.autogptq_cuda_available = False
+        layer.qweight = stored[f"{module}.qweight"]
+        layer.qzeros = stored[f"{module}.qzeros"]
+        layer.g_idx = stored[f"{module}.g_idx"]
+        layer.scales = scales
+        with torch.no_grad():
+            transposed = layer(torch.eye(cols, dtype=torch.float64))
+        weights[f"{module}.weight"] = transposed.t().contiguous().numpy()
+    return weights
+
+
 # ---------------------------------------------------------------- the cases
 
 CT_INT = "pack-quantized"
@@ -478,6 +582,30 @@ CASES = (
     Case("bnb_int8", "bitsandbytes", ((24, 40), (16, 24)), {"quant_type": "int8"}),
     # AutoAWQ packs out_features // 32 * 4 words per row: out_features a multiple of 32
     Case("awq_gemm_int4", "autoawq", ((32, 64), (64, 96)), {"group_size": 32}),
+    Case(
+        "gptq_int4",
+        "auto-gptq",
+        ((32, 64), (64, 96)),
+        {"bits": 4, "group_size": 32, "act_order": False},
+    ),
+    Case(
+        "gptq_int4_act_order",
+        "auto-gptq",
+        ((32, 64), (64, 96)),
+        {"bits": 4, "group_size": 32, "act_order": True},
+    ),
+    Case(
+        "gptq_int3",
+        "auto-gptq",
+        ((32, 64), (64, 96)),
+        {"bits": 3, "group_size": 32, "act_order": False},
+    ),
+    Case(
+        "gptq_int8",
+        "auto-gptq",
+        ((32, 64), (64, 96)),
+        {"bits": 8, "group_size": 32, "act_order": False},
+    ),
 )
 
 # Layouts clipcli recognises but does not decode (FORMATS.md: warned for norms, refused by
@@ -503,11 +631,18 @@ RESCALED = {
         "SCB",
     ),
     "autoawq": ("scales",),
+    "auto-gptq": ("scales",),
 }
 
 
-WRITERS = {"compressed-tensors": ct_write, "bitsandbytes": bnb_write, "autoawq": awq_write}
+WRITERS = {
+    "compressed-tensors": ct_write,
+    "bitsandbytes": bnb_write,
+    "autoawq": awq_write,
+    "auto-gptq": gptq_write,
+}
 READERS = {
+    "auto-gptq": gptq_dequantize,
     "compressed-tensors": ct_dequantize,
     "bitsandbytes": bnb_dequantize,
     "autoawq": awq_dequantize,
@@ -533,7 +668,15 @@ def stats(values: np.ndarray) -> dict[str, float | int]:
 def versions() -> dict[str, str]:
     import importlib.metadata
 
-    names = ("compressed-tensors", "bitsandbytes", "autoawq", "torch", "safetensors", "numpy")
+    names = (
+        "compressed-tensors",
+        "bitsandbytes",
+        "autoawq",
+        "auto-gptq",
+        "torch",
+        "safetensors",
+        "numpy",
+    )
     return {name: importlib.metadata.version(name) for name in names}
 
 
@@ -543,9 +686,9 @@ def main() -> int:
         "python": sys.version.split()[0],
         "cases": {},
     }
-    for seed, case in enumerate((*CASES, *UNDECODED_CASES)):
+    for case in (*CASES, *UNDECODED_CASES):
         directory = HERE / case.name
-        write_case(case, directory, seed)
+        write_case(case, directory, zlib.crc32(case.name.encode()))  # a case added moves no other
         weights = dequantize_case(case, directory)
         stored = (directory / "model.safetensors").read_bytes()
         reference["cases"][case.name] = {
