@@ -1,7 +1,7 @@
 """The quantization projects' own code as a second reference for clipcli's quantized view.
 
 tests/data/quant_reference/ holds small model directories that compressed-tensors,
-bitsandbytes, AutoAWQ and AutoGPTQ wrote themselves (their own scale computation and
+bitsandbytes, AutoAWQ, AutoGPTQ and transformers wrote themselves (their own scale computation and
 packing), with the norms and max |x| their own decompression gives in float64
 (reference.json; how they were made: make_reference.py there and docs/DEVELOPMENT.md).
 These tests share no code with clipcli's decoders:
@@ -42,11 +42,15 @@ DECODED = sorted(name for name, case in CASES.items() if case["decoded_by_clipcl
 UNDECODED = sorted(name for name, case in CASES.items() if not case["decoded_by_clipcli"])
 PLAIN = "model.norm.weight"
 REL = 1e-12
+# Layouts clipcli reads but does not clip yet (exit 4, one line, nothing written): block FP8
+# whose scales are E8M0 (transformers' scale_fmt "ue8m0", as DeepSeek-V3.1 ships).
+CLIP_REFUSED = {"hf_fp8_block_ue8m0": "through its float8_e8m0fnu scales is not supported"}
 IMPORT_NAMES = {
     "compressed-tensors": "compressed_tensors",
     "bitsandbytes": "bitsandbytes",
     "autoawq": "awq",
     "auto-gptq": "auto_gptq",
+    "transformers": "transformers",
 }
 
 
@@ -146,6 +150,11 @@ def test_pinned_clip_global_rewrites_only_scales(
     limit = global_norm(CASES[case]) / 2
     out = tmp_path / "out"
     run = run_main("clip", REFERENCE_DIR / case, out, "--global", repr(limit))
+    if case in CLIP_REFUSED:
+        assert run.code == 4
+        assert CLIP_REFUSED[case] in run.stderr
+        assert not out.exists()
+        return
     assert run.code == 0, run.stderr
     changed = assert_only_scales_changed(
         REFERENCE_DIR / case / "model.safetensors",
@@ -248,6 +257,10 @@ def test_clip_global_checked_by_the_projects_own_decompression(
     limit = norm_before * fraction
     out = tmp_path / "out"
     run = run_main("clip", directory, out, "--global", repr(limit))
+    if case in CLIP_REFUSED:
+        assert run.code == 4
+        assert CLIP_REFUSED[case] in run.stderr
+        return
     assert run.code == 0, run.stderr
     assert (out / "config.json").read_bytes() == (directory / "config.json").read_bytes()
     changed = assert_only_scales_changed(
@@ -263,9 +276,9 @@ def test_clip_global_checked_by_the_projects_own_decompression(
         for name, (dtype, _, _) in raw_tensors(directory / "model.safetensors").items()
         if name in changed and ".quant_state." not in name  # the JSON whose offset moved
     }
-    # the coarsest scale step: E8M0 (U8 MXFP4 scales) halves, fp8 e4m3 steps by 1/8,
+    # the coarsest scale step: E8M0 (MXFP4's U8, ue8m0 F8_E8M0) halves, fp8 e4m3 steps by 1/8,
     # float16 by 2**-10 (AWQ, GPTQ); float32 scales are tight to rounding
-    slack = {"U8": 0.5, "F8_E4M3": 0.125, "F16": 2**-10}
+    slack = {"U8": 0.5, "F8_E8M0": 0.5, "F8_E4M3": 0.125, "F16": 2**-10}
     tightest = 1 - max((slack.get(d, 1e-6) for d in scale_dtypes), default=1e-6)
     assert norm_after >= limit * tightest, (norm_after, limit, scale_dtypes)
 

@@ -464,6 +464,59 @@ def gptq_dequantize(directory: Path, path: Path | None = None) -> dict[str, np.n
     return weights
 
 
+# ---------------------------------------------------------------- transformers' FP8
+
+
+def hf_fp8_write(case: Case, directory: Path, seed: int) -> None:
+    """transformers' own block-FP8 quantizer (`Fp8Quantize._quantize_one`, what it runs to
+    save a model quantized with `FineGrainedFP8Config`): `X.weight` e4m3 + float32 (or,
+    with scale_fmt ue8m0, F8_E8M0) `X.weight_scale_inv`. It quantizes whole blocks only."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    block = case.options["block"]
+    settings = SimpleNamespace(weight_block_size=block, scale_fmt=case.options["scale_fmt"])
+    quantize = Fp8Quantize(SimpleNamespace(quantization_config=settings))
+    tensors: dict[str, torch.Tensor] = {}
+    for module, weight in zip(MODULES, weights_for(case.shapes, seed), strict=True):
+        tensors.update(quantize._quantize_one(f"{module}.weight", weight))
+    tensors["model.norm.weight"] = torch.ones(8, dtype=torch.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    config = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": block,
+    }
+    if case.options["scale_fmt"] is not None:
+        config["scale_fmt"] = case.options["scale_fmt"]
+    (directory / "config.json").write_text(
+        json.dumps({"model_type": "llama", "quantization_config": config}, indent=2)
+    )
+
+
+def hf_fp8_dequantize(directory: Path, path: Path | None = None) -> dict[str, np.ndarray]:
+    """transformers' own `_dequantize_fp8_weight` (its FP8 backward pass: code x the scale
+    of its block, partial edge blocks included) in float64, which makes it exact."""
+    from safetensors.torch import load_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    config = json.loads((directory / "config.json").read_text())["quantization_config"]
+    stored = load_file(str(path or directory / "model.safetensors"))
+    weights = {}
+    for module in MODULES:
+        scale = stored[f"{module}.weight_scale_inv"]
+        if scale.dtype != torch.float32:  # E8M0: 2**(byte - 127), exact in float64
+            scale = torch.exp2(scale.view(torch.uint8).to(torch.float64) - 127)
+        values = _dequantize_fp8_weight(
+            stored[f"{module}.weight"], scale, config["weight_block_size"], torch.float64
+        )
+        weights[f"{module}.weight"] = values.numpy()
+    return weights
+
+
 # ---------------------------------------------------------------- the cases
 
 CT_INT = "pack-quantized"
@@ -583,6 +636,18 @@ CASES = (
     # AutoAWQ packs out_features // 32 * 4 words per row: out_features a multiple of 32
     Case("awq_gemm_int4", "autoawq", ((32, 64), (64, 96)), {"group_size": 32}),
     Case(
+        "hf_fp8_block",
+        "transformers",
+        ((32, 64), (64, 96)),
+        {"block": [16, 32], "scale_fmt": None},
+    ),
+    Case(
+        "hf_fp8_block_ue8m0",
+        "transformers",
+        ((32, 64), (64, 96)),
+        {"block": [16, 32], "scale_fmt": "ue8m0"},
+    ),
+    Case(
         "gptq_int4",
         "auto-gptq",
         ((32, 64), (64, 96)),
@@ -632,6 +697,7 @@ RESCALED = {
     ),
     "autoawq": ("scales",),
     "auto-gptq": ("scales",),
+    "transformers": ("weight_scale_inv",),
 }
 
 
@@ -640,9 +706,11 @@ WRITERS = {
     "bitsandbytes": bnb_write,
     "autoawq": awq_write,
     "auto-gptq": gptq_write,
+    "transformers": hf_fp8_write,
 }
 READERS = {
     "auto-gptq": gptq_dequantize,
+    "transformers": hf_fp8_dequantize,
     "compressed-tensors": ct_dequantize,
     "bitsandbytes": bnb_dequantize,
     "autoawq": awq_dequantize,
@@ -673,6 +741,7 @@ def versions() -> dict[str, str]:
         "bitsandbytes",
         "autoawq",
         "auto-gptq",
+        "transformers",
         "torch",
         "safetensors",
         "numpy",
