@@ -293,3 +293,30 @@ def test_fresh_undecoded_layout_is_refused_for_clip(
     assert run.code == 4
     assert "int8 codes with scales" in run.stderr
     shutil.rmtree(tmp_path / "in")
+
+
+@pytest.mark.parametrize("case", DECODED)
+def test_every_value_equals_the_projects_own_decompression(
+    case: str, run_main: Callable[..., Run], tmp_path: Path
+) -> None:
+    """Element by element, not only norms: the projects' float64 decompression written as a
+    plain float64 file, then `clipcli diff` of the quantized directory against it."""
+    module = projects_for(case)
+    from safetensors.numpy import save_file
+
+    directory = tmp_path / "in"
+    spec = fresh_case(module, case, directory, 505)
+    values = module.dequantize_case(spec, directory)
+    plain = tmp_path / "plain.safetensors"
+    # C order first: safetensors 0.8.0's numpy save_file writes a strided view's underlying
+    # buffer as is (compressed-tensors' block decompress returns a slice of a padded tensor)
+    contiguous = {name: np.ascontiguousarray(array) for name, array in values.items()}
+    save_file({**contiguous, PLAIN: np.ones(8, dtype=np.float32)}, str(plain))
+    run = run_main("diff", directory, plain, "--json")
+    assert run.code == 0, run.stderr
+    rows = {row["name"]: row for row in run.json()["tensors"]}
+    for name, expected in values.items():
+        peak = float(np.max(np.abs(expected)))
+        # NVFP4: one ulp apart at most (assert_matches says why); the rest bit for bit
+        tolerance = math.ulp(peak) if rows[name]["norm_a"] and "nvfp4" in case else 0.0
+        assert rows[name]["max_abs_diff"] <= tolerance, (name, rows[name])
