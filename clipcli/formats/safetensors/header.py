@@ -4,6 +4,7 @@ header the writer builds (the reader validates headers: reader.py)."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -126,6 +127,67 @@ def header_object(pairs: list[tuple[str, Any]]) -> dict[str, Any] | Entry:
     ):
         return Entry(_CODE_OF[code], tuple(shape), offsets[0], offsets[1])
     return result
+
+
+# The compact spelling of a header that every common writer uses (the official Rust
+# writer, json.dumps with separators=(",", ":"), clipcli's build_header): no whitespace, no
+# escape in a name, each entry's keys in this order, integers without sign, fraction or
+# leading zero. Such a header is read by two regular expressions (~3x faster than json.loads
+# with header_object for 200,000 entries); anything else goes through json.loads.
+# At most 20 digits (2**64 has 20): a longer number is json.loads's (int() limits digits).
+_INT = "(?:0|[1-9][0-9]{0,19})"
+# One entry; each G opens a field's group. JSON refuses control characters in a string.
+_ENTRY_FORM = (
+    r'"G[^"\\\x00-\x1f]*)":\{"dtype":"G[A-Z0-9_]+)","shape":\[G(?:I(?:,I)*)?)\],'
+    r'"data_offsets":\[GI),GI)\]\}'
+).replace("I", _INT)
+_ENTRY_AND_COMMA = re.compile(_ENTRY_FORM.replace("G", "(") + ",")
+_METADATA_KEY = '"__metadata__":'
+_JSON_SPACE = " \t\n\r"
+
+
+class CompactHeader(NamedTuple):
+    """A compactly spelled header: its metadata as json.loads with header_object gives it,
+    and its entries' fields in columns, in the header's order, as the text spells them
+    ("w", "F32", "2,3", "0", "24"): each a JSON string or non-negative integers."""
+
+    metadata: Any
+    names: list[str]  # distinct, none of them __metadata__
+    codes: list[str]
+    dims: list[str]
+    begins: list[str]
+    ends: list[str]
+
+
+def compact_header(text: str) -> CompactHeader | None:
+    """The header when it is spelled compactly; None for any other (json.loads decides
+    then, and words the errors): whitespace between tokens, escapes in names, __metadata__
+    anywhere but first, a duplicate, other keys or values, no tensor."""
+    text = text.rstrip(_JSON_SPACE)
+    if not text.startswith("{") or not text.endswith("}"):
+        return None
+    position = 1
+    metadata: Any = None
+    if text.startswith(_METADATA_KEY, 1):
+        try:
+            metadata, position = _METADATA_DECODER.raw_decode(text, 1 + len(_METADATA_KEY))
+        except (ValueError, RecursionError):
+            return None
+        if text[position : position + 1] != ",":
+            return None
+        position += 1
+    # Split at every entry followed by a comma: the text is entries alone when every piece
+    # between two of them is empty. Fields come out in groups of 5 after each piece.
+    pieces = _ENTRY_AND_COMMA.split(text[position:-1] + ",")
+    if len(pieces) < 6 or any(pieces[0::6]):
+        return None
+    names = pieces[1::6]
+    if len(set(names)) != len(names) or "__metadata__" in names:
+        return None
+    return CompactHeader(metadata, names, pieces[2::6], pieces[3::6], pieces[4::6], pieces[5::6])
+
+
+_METADATA_DECODER = json.JSONDecoder(object_pairs_hook=header_object)
 
 
 def as_json_value(value: Any) -> Any:

@@ -39,4 +39,7 @@ MARKERS = (
 
 def may_hold_quantized(names: Iterable[str]) -> bool:
     """False when no scheme can recognise a weight among `names` without a config."""
-    return any(marker in name for name in names for marker in MARKERS)
+    # One search per marker through all names at once (200,000 names: ms, not 0.1 s); no
+    # marker holds the newline, so none is found across two names.
+    joined = "\n".join(names)
+    return any(marker in joined for marker in MARKERS)
