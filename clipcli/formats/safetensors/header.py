@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from json.encoder import encode_basestring
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -147,23 +147,34 @@ _METADATA_KEY = '"__metadata__":'
 _JSON_SPACE = " \t\n\r"
 
 
-class CompactHeader(NamedTuple):
-    """A compactly spelled header: its metadata as json.loads with header_object gives it,
-    and its entries' fields in columns, in the header's order, as the text spells them
-    ("w", "F32", "2,3", "0", "24"): each a JSON string or non-negative integers."""
+class CompactBlock(NamedTuple):
+    """Consecutive entries of a compactly spelled header, their fields in columns, in the
+    header's order, as the text spells them ("w", "F32", "2,3", "0", "24")."""
 
-    metadata: Any
-    names: list[str]  # distinct, none of them __metadata__
+    names: list[str]  # distinct across the header, none of them __metadata__
     codes: list[str]
     dims: list[str]
     begins: list[str]
     ends: list[str]
 
 
+class NotCompact(Exception):
+    """The header turned out not to be spelled compactly: json.loads reads it."""
+
+
+class CompactHeader(NamedTuple):
+    """A compactly spelled header: its metadata as json.loads with header_object gives it,
+    and its entries a block at a time (blocks(): NotCompact where a block is not)."""
+
+    metadata: Any
+    blocks: Callable[[], Iterator[CompactBlock]]
+
+
 def compact_header(text: str) -> CompactHeader | None:
-    """The header when it is spelled compactly; None for any other (json.loads decides
-    then, and words the errors): whitespace between tokens, escapes in names, __metadata__
-    anywhere but first, a duplicate, other keys or values, no tensor."""
+    """The header when it may be spelled compactly; None for one that is not (json.loads
+    decides then, and words the errors): whitespace between tokens, escapes in names,
+    __metadata__ anywhere but first, a duplicate, other keys or values, no tensor. Some
+    of this is found only a block at a time (NotCompact from blocks())."""
     text = text.rstrip(_JSON_SPACE)
     if not text.startswith("{") or not text.endswith("}"):
         return None
@@ -177,15 +188,37 @@ def compact_header(text: str) -> CompactHeader | None:
         if text[position : position + 1] != ",":
             return None
         position += 1
-    # Split at every entry followed by a comma: the text is entries alone when every piece
-    # between two of them is empty. Fields come out in groups of 5 after each piece.
-    pieces = _ENTRY_AND_COMMA.split(text[position:-1] + ",")
-    if len(pieces) < 6 or any(pieces[0::6]):
-        return None
-    names = pieces[1::6]
-    if len(set(names)) != len(names) or "__metadata__" in names:
-        return None
-    return CompactHeader(metadata, names, pieces[2::6], pieces[3::6], pieces[4::6], pieces[5::6])
+    if position >= len(text) - 1:
+        return None  # no tensor
+    return CompactHeader(metadata, lambda: _blocks(text, position, len(text) - 1))
+
+
+# Entries split at a time: all 200,000 entries' fields at once held ~60 MB of strings.
+_BLOCK_CHARS = 1 << 18
+# How an entry ends and the next begins in a compact header: nowhere else (a name holds no
+# '"', and a shape's "]" is followed by ',"').
+_BETWEEN_ENTRIES = ']},"'
+
+
+def _blocks(text: str, start: int, stop: int) -> Iterator[CompactBlock]:
+    """text[start:stop] as blocks of entries, each cut after an entry's comma; NotCompact
+    as soon as a block is not entries alone, or repeats a name."""
+    seen: set[str] = set()
+    while start < stop:
+        cut = text.find(_BETWEEN_ENTRIES, start + _BLOCK_CHARS, stop)
+        end = stop if cut < 0 else cut + len(_BETWEEN_ENTRIES) - 1  # after the comma
+        # Split at every entry followed by a comma: the block is entries alone when every
+        # piece between two of them is empty. Fields come in groups of 5 after each piece.
+        pieces = _ENTRY_AND_COMMA.split(text[start:end] + ("," if end == stop else ""))
+        if len(pieces) < 6 or any(pieces[0::6]):
+            raise NotCompact
+        names = pieces[1::6]
+        before = len(seen)
+        seen.update(names)
+        if len(seen) - before != len(names) or "__metadata__" in names:
+            raise NotCompact
+        yield CompactBlock(names, pieces[2::6], pieces[3::6], pieces[4::6], pieces[5::6])
+        start = end
 
 
 _METADATA_DECODER = json.JSONDecoder(object_pairs_hook=header_object)

@@ -32,8 +32,10 @@ from clipcli.formats.safetensors.header import (
     ITEMSIZES,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
+    CompactBlock,
     CompactHeader,
     Entry,
+    NotCompact,
     _is_int,
     as_json_value,
     buffer_size_overflows,
@@ -195,11 +197,10 @@ class SafetensorsReader(Reader):
         # header without one needs no look at each of its names.
         escapes_surrogate = b"\\ud" in raw or b"\\uD" in raw
         compact = None if escapes_surrogate else compact_header(text)
-        if compact is not None and len(compact.names) <= MAX_TENSORS:
-            del text, raw
-            metadata = self._parse_metadata(as_json_value(compact.metadata))
-            entries = self._parse_compact_entries(compact)
-            del compact
+        parsed = None if compact is None else self._parse_compact(compact)
+        if parsed is not None:
+            del text, raw, compact
+            metadata, entries = parsed
             return self._laid_out(entries, header_len, file_size, metadata)
         try:
             header = json.loads(text, object_pairs_hook=header_object)
@@ -307,7 +308,37 @@ class SafetensorsReader(Reader):
             return Listed(name, DTYPE_NAMES[code], shape, numel * itemsize), begin, end
         return self._parse_entry(name, entry.as_dict())  # says which check fails
 
-    def _parse_compact_entries(self, found: CompactHeader) -> list[tuple[Listed, int, int]]:
+    def _parse_compact(
+        self, compact: CompactHeader
+    ) -> tuple[dict[str, str], list[tuple[Listed, int, int]]] | None:
+        """The metadata and entries of a compact header, as the JSON route would give them
+        or with the error it would raise; None when a block turns out not to be compact
+        (the JSON route reads the header then: a problem it finds comes first, so the
+        first entry's error waits until every block is known to be compact)."""
+        failure: InputError | None = None
+        entries: list[tuple[Listed, int, int]] = []
+        try:
+            metadata = self._parse_metadata(as_json_value(compact.metadata))
+        except InputError as exc:
+            failure, metadata = exc, {}
+        count = 0
+        try:
+            for block in compact.blocks():
+                count += len(block.names)
+                if count > MAX_TENSORS:
+                    return None  # the JSON route refuses it, in its words
+                if failure is None:
+                    try:
+                        entries += self._parse_compact_entries(block)
+                    except InputError as exc:
+                        failure = exc
+        except NotCompact:
+            return None
+        if failure is not None:
+            raise failure
+        return metadata, entries
+
+    def _parse_compact_entries(self, found: CompactBlock) -> list[tuple[Listed, int, int]]:
         """_parse_plain_entry over compact_header's columns, each dtype and shape worked out
         once: an entry that is not plainly typed, or fails a check, goes to _parse_entry as
         the JSON parser gives it."""
