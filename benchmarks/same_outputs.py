@@ -65,7 +65,7 @@ def write_mixed(path: Path, count: int, seed: int) -> None:
         if code == "BF16":
             data = (values.astype("<f4").view("<u4") >> 16).astype("<u2").tobytes()
         elif code in ("I32", "I8"):
-            data = np.clip(values, -100, 100).astype(_DTYPES[code]).tobytes()
+            data = np.clip(np.nan_to_num(values), -100, 100).astype(_DTYPES[code]).tobytes()
         elif code in ("U8", "BOOL"):
             data = (np.abs(np.nan_to_num(values)) % 2).astype(_DTYPES[code]).tobytes()
         else:
@@ -126,6 +126,27 @@ def run(checkout: Path, job: list[str], scratch: Path) -> tuple[int, bytes, byte
     return done.returncode, stdout, stderr, written
 
 
+def _show_difference(
+    mine: tuple[int, bytes, bytes, bytes], theirs: tuple[int, bytes, bytes, bytes]
+) -> None:
+    import difflib
+
+    for what, a, b in zip(("rc", "stdout", "stderr", "OUT"), mine, theirs, strict=True):
+        if a == b:
+            continue
+        if what in ("stdout", "stderr"):
+            lines = difflib.unified_diff(
+                b.decode(errors="replace").splitlines(),
+                a.decode(errors="replace").splitlines(),
+                "other",
+                "this",
+                lineterm="",
+            )
+            print("\n".join(list(lines)[:40]))
+        else:
+            print(f"  {what} differs ({len(a)} vs {len(b)} bytes)" if what == "OUT" else a, b)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("other", type=Path)
@@ -156,6 +177,8 @@ def main() -> None:
                 differ += not same
                 shown = " ".join(job).replace(str(scratch) + "/", "")
                 print(f"{'same' if same else 'DIFFERENT'}  rc={mine[0]}  {shown}", flush=True)
+                if not same:
+                    _show_difference(mine, theirs)
     print(f"{differ} command(s) differ")
     sys.exit(1 if differ else 0)
 
