@@ -84,6 +84,8 @@ def commands(path: Path, big: bool) -> list[list[str]]:
     p = str(path)
     jobs = [
         ["norms", p],
+        [NO_COLUMNS, "norms", p],  # a pipe with no COLUMNS: no width to fit
+        [NO_COLUMNS, "clip", "--global", "1", "--force", p, "OUT"],
         ["norms", "--format", "json", p],
         ["ls", p],
         ["clip", "--global", "1", "--force", p, "OUT"],
@@ -112,11 +114,16 @@ def commands(path: Path, big: bool) -> list[list[str]]:
     return jobs
 
 
+NO_COLUMNS = "(no COLUMNS)"
+
+
 def run(checkout: Path, job: list[str], scratch: Path) -> tuple[int, bytes, bytes, bytes]:
     out = scratch / f"out-{checkout.name}.safetensors"
     out.unlink(missing_ok=True)
-    args = [str(out) if a == "OUT" else a for a in job]
+    args = [str(out) if a == "OUT" else a for a in job if a != NO_COLUMNS]
     env = dict(os.environ, PYTHONPATH=str(checkout), COLUMNS="100")
+    if NO_COLUMNS in job:
+        del env["COLUMNS"]
     done = subprocess.run(
         [sys.executable, "-m", "clipcli", *args], env=env, cwd=scratch, capture_output=True
     )
