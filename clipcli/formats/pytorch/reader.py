@@ -342,6 +342,7 @@ class PyTorchReader(Reader):
         if shared:
             described["pytorch.shared_storage"] = _value_text("; ".join(shared))
         self._metadata = {**self._values, **described}
+        self._described = frozenset(described)
         self._overlapping = self._overlaps()
 
     def _overlaps(self) -> list[tuple[str, ...]]:
@@ -415,6 +416,9 @@ class PyTorchReader(Reader):
         """The file's own values only: the reader's descriptions of this file are no
         metadata of the checkpoint (a join of shards, a conversion, does not carry them)."""
         return dict(self._values)
+
+    def descriptions(self) -> frozenset[str]:
+        return self._described
 
     def shared_with(self, name: str) -> str | None:
         """The earlier tensor whose view `name` repeats exactly (tied weights), or None."""
