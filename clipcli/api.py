@@ -303,6 +303,11 @@ def clip(
     from clipcli.jobs import execution  # WRITING_MODULES
     from clipcli.logical import views
 
+    # Every line the job says (a note on training state, a pattern's warning, a loss
+    # accepted) is held until it has succeeded: a refused or failed clip's stderr is its
+    # one error line, whichever check refuses it (overlapping views, NaN/Inf, --axes).
+    held = _HeldLines(notify)
+    notify = held
     target = policy.target_for(src, out, force, durable)
     with (
         interrupts.deferred(writes=True),
@@ -349,7 +354,24 @@ def clip(
             )
         for note in notes:
             notify("note", note)
+    held.release()
     return ClipResult(src, target.out, spec, dry_run, made, tuple(outcomes))
+
+
+class _HeldLines:
+    """A Notify that keeps its lines until release(), in order; dropped if never released."""
+
+    def __init__(self, notify: scope.Notify) -> None:
+        self._notify = notify
+        self._lines: list[tuple[str, str]] = []
+
+    def __call__(self, level: str, text: str) -> None:
+        self._lines.append((level, text))
+
+    def release(self) -> None:
+        lines, self._lines = self._lines, []
+        for level, text in lines:
+            self._notify(level, text)
 
 
 def plan_clip(
