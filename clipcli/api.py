@@ -506,6 +506,8 @@ def convert(
     a cast that overflows is refused (exit 4) unless allow_lossy."""
     from clipcli.jobs.plan import copy_plan  # WRITING_MODULES
 
+    held = _HeldLines(notify)  # as in clip: a failed convert's stderr is its one error line
+    notify = held
     target_dtype = _cast_target(dtype)
     target = policy.target_for(src, out, force, durable)
     with (
@@ -538,7 +540,9 @@ def convert(
             notify("note", note)
         if target_dtype is not None:
             _cast_notes(reader, notify)
-        return list(reader.infos)
+        converted = list(reader.infos)
+    held.release()
+    return converted
 
 
 def _join_losses(reader: Reader, writer_cls: type[Writer], target: Target) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -115,3 +116,23 @@ def test_the_held_lines_are_said_once_the_clip_succeeds(
     assert any("training state left unchanged" in line for line in lines), run.stderr
     assert any("nothing*" in line for line in lines), run.stderr
     assert out.exists()
+
+
+@pytest.mark.parametrize("command", ["clip", "convert"])
+def test_a_full_disk_after_a_note_or_warning_is_one_line(
+    clipcli: Callable[..., MainRun], tmp_path: Path, mount_tmpfs: Any, command: str
+) -> None:
+    """A write that fails (exit 5) after the job had a line to say (clip's note on training
+    state; convert's warning for metadata --allow-lossy drops) prints only its error."""
+    source = tmp_path / "in.safetensors"
+    weights = {"w": np.ones((1024, 1024), np.float32), **TRAINING_STATE}
+    save_file(weights, source, metadata={"author": "someone"})
+    full = mount_tmpfs("full", size="1m")
+    if command == "clip":
+        run = clipcli("clip", "--global", "1", source, full / "out.npz", "--allow-lossy")
+    else:
+        run = clipcli("convert", "--allow-lossy", source, full / "out.npz")
+    assert run.returncode == 5, run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr
+    assert "disk full" in run.stderr
+    assert list(full.iterdir()) == []
