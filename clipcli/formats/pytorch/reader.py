@@ -57,7 +57,7 @@ MAX_VALUE_TEXT = 200
 MAX_NAME_CHARS = 64_000_000
 # A strided view is read through maps of at most this much of the file, one at a time
 # (its pages leave the resident set as each is unmapped), into blocks of this much output.
-_WINDOW_BYTES = 64 << 20
+_WINDOW_BYTES = 16 << 20
 _BLOCK_BYTES = 16 << 20
 # The one expansion policy (formats.expansion) for what views generate: a stride of 0
 # (torch's `expand`) or overlapping strides make more elements than the storage holds. Read
