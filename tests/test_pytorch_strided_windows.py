@@ -165,8 +165,9 @@ def test_a_transposed_view_of_a_512_mib_storage_reads_under_350_mib(
 
 
 def test_a_map_the_address_space_refuses_is_out_of_memory(tmp_path: Path) -> None:
-    """Under a limit that leaves room for everything but one window's map, the read ends
-    with exit 5 and one line (mmap's ENOMEM), as an allocation would, not exit 3."""
+    """Under a limit that leaves room for everything but one window's map (64 MiB here),
+    the read ends with exit 5 and one line (mmap's ENOMEM), as an allocation would, not
+    exit 3."""
     path, _ = _big(tmp_path, transposed=True)
     script = (
         "import os, resource, sys\n"
@@ -175,6 +176,7 @@ def test_a_map_the_address_space_refuses_is_out_of_memory(tmp_path: Path) -> Non
         "from clipcli.formats.pytorch import reader\n"
         "status = open(f'/proc/{os.getpid()}/status').read()\n"
         "used = int(status.split('VmSize:')[1].split()[0]) * 1024\n"
+        "reader._WINDOW_BYTES = 64 * 2**20  # a window larger than the room left\n"
         "room = reader._BLOCK_BYTES + 24 * 2**20  # one block, not one window\n"
         "resource.setrlimit(resource.RLIMIT_AS, (used + room, resource.RLIM_INFINITY))\n"
         "sys.exit(main(sys.argv[1:]))\n"
