@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     # file lists its header (Reader.listing) without loading numpy at all.
     import numpy as np
 
+    from clipcli.numerics.norms import NormAccumulator
     from clipcli.system.identity import FileIdentity
 
 # numpy's dtype.name is computed in Python on every call (~2 us): a checkpoint of 200,000
@@ -310,6 +311,15 @@ class FastReading:
         caller reads them one by one. Asked for small tensors only (a few MiB in all)."""
         return None
 
+    def measured_loaders(
+        self,
+        info: TensorInfo,  # noqa: ARG002 - default of an interface method
+    ) -> Iterator[Callable[[], NormAccumulator]] | None:
+        """Thread-safe loaders of the statistics of the tensor's pieces, measured without
+        making its values (clipcli.logical: a quantized weight through per-block tables);
+        None (stored readers): measuring reads chunks."""
+        return None
+
     def constant(self, info: TensorInfo) -> np.ndarray | None:  # noqa: ARG002 - interface
         """The one value every element of the tensor holds, when the format says so without
         reading them (an unallocated HDF5 dataset: its fill value), as a 0-d array of the
@@ -538,6 +548,20 @@ class Writer(ABC):
         """A hint, given while tensors are still being measured, that `info` will probably
         be unchanged: a writer that knows where it goes may start copying it now, in the
         background. write() or copy_unchanged() for it must still follow, in order."""
+
+    def parts(self) -> list[list[TensorInfo]] | None:
+        """The tensors, in checkpoint order, cut into parts that go to separate files (a
+        model directory's shards), each written by part_writer() apart from the others and
+        in any order relative to them; None where the output is one stream."""
+        return None
+
+    def part_writer(self, number: int) -> Writer:
+        """The writer of part `number` of parts(): its tensors in order, then close_part."""
+        raise NotImplementedError(f"{type(self).__name__} has no parts")
+
+    def close_part(self, number: int) -> None:
+        """Finish part `number`; close() follows once every part is finished."""
+        raise NotImplementedError(f"{type(self).__name__} has no parts")
 
     @abstractmethod
     def close(self) -> None:

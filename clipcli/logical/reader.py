@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import DirectoryLayout, NonTensorInfo
+    from clipcli.numerics.norms import NormAccumulator
     from clipcli.system.identity import FileIdentity
 
 
@@ -120,6 +121,11 @@ class LogicalReader(Reader):
     def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]] | None:
         part = self._plain_part(info)
         return None if part is None else self.stored.chunk_loaders(part)
+
+    def measured_loaders(self, info: TensorInfo) -> Iterator[Callable[[], NormAccumulator]] | None:
+        if self._plain_part(info) is not None:
+            return None
+        return self.view.measured_loaders(self.stored, self.by_name[info.name])
 
     def constant(self, info: TensorInfo) -> np.ndarray | None:
         part = self._plain_part(info)

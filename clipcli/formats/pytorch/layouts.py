@@ -143,6 +143,16 @@ def parse_zip(path: Path, handle: BinaryIO) -> Parsed:
             kind = unix_file_type(record)  # as for .keras: what an unzip would not make a file
             if kind is not None:
                 raise InputError(path, f"record {name!r} is a {kind}, not a file")
+        if f"{root}/constants.pkl" in entries or any(
+            name.startswith(f"{root}/code/") for name in entries
+        ):
+            # torch.jit.save's archive: its data.pkl names the module's own classes
+            # (__torch__.*), which no allow-list can hold; say what the file is instead.
+            raise InputError(
+                path,
+                "is a TorchScript module (torch.jit.save: a program with its code), "
+                "not a checkpoint; save its state_dict() with torch.save to read it",
+            )
         pickle_entry = entries.get(f"{root}/data.pkl")
         if pickle_entry is None:
             raise InputError(path, f"no {root}/data.pkl: not a PyTorch checkpoint")

@@ -31,6 +31,7 @@ from clipcli.formats.base import (
     numpy_shape_problem,
 )
 from clipcli.formats.pytorch import layouts
+from clipcli.formats.pytorch.inert import Described
 from clipcli.formats.pytorch.unpickler import (
     Device,
     Storage,
@@ -90,7 +91,9 @@ def _key_text(key: object) -> str:
 
 
 def _value_text(value: object) -> str:
-    if isinstance(value, (list, tuple, set, frozenset)):
+    if isinstance(value, Described):  # a numpy array or dtype, a date's parts (inert.py)
+        text = value.text()
+    elif isinstance(value, (list, tuple, set, frozenset)):
         # the first 8 items only: a set of a million is not copied to show 8
         shown = ", ".join(_value_text(v) for v in itertools.islice(value, 8))
         more = f", ... ({len(value)} items)" if len(value) > 8 else ""
@@ -180,6 +183,16 @@ def flatten(path: Path, root: object) -> tuple[list[tuple[str, Tensor]], dict[st
     if omitted:
         metadata["pytorch.more_values"] = f"{omitted} more values not listed"
     return tensors, metadata
+
+
+def _first_nested(root: object, named: list[tuple[str, Tensor]]) -> str | None:
+    """The first tensor that is not a value of the top-level dict (a state dict inside
+    `{"state_dict": ...}`, a list, a bare tensor), or None: a file whose tree a flat dict
+    of dotted names (what the .pt writer makes) would not give back."""
+    if not isinstance(root, dict):
+        return named[0][0] if named else None
+    direct = {_key_text(key) for key, value in root.items() if isinstance(value, Tensor)}
+    return next((name for name, _ in named if name not in direct), None)
 
 
 class _Generated:
@@ -345,6 +358,11 @@ class PyTorchReader(Reader):
         ]
         if shared:
             described["pytorch.shared_storage"] = _value_text("; ".join(shared))
+        nested = _first_nested(parsed.root, named)
+        if nested is not None:
+            described["pytorch.nested"] = _value_text(
+                f"tensors inside nested containers, e.g. {nested}"
+            )
         self._metadata = {**self._values, **described}
         self._described = frozenset(described)
         self._overlapping = self._overlaps()

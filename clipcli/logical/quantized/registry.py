@@ -34,9 +34,23 @@ MARKERS = (
     ".qweight",  # gptq, awq
     ".quant_state.bitsandbytes__",  # bnb 4-bit
     ".SCB",  # bnb LLM.int8
+    # parts of a set that may lack the marker above (incomplete.py refuses such a set)
+    ".qzeros",
+    ".weight_global_scale",
+    ".weight_shape",
+    ".weight_zero_point",
+    ".weight_g_idx",
+    ".weight.absmax",
+    ".weight.quant_map",
+    ".weight.nested_",
 )
+# Matched at the end of a name only: "_blocks" is in diffusers' "down_blocks.0.…".
+END_MARKERS = ("_blocks",)
 
 
 def may_hold_quantized(names: Iterable[str]) -> bool:
-    """False when no scheme can recognise a weight among `names` without a config."""
-    return any(marker in name for name in names for marker in MARKERS)
+    """False when no scheme can recognise a weight (or a set missing a part) among
+    `names` without a config."""
+    return any(
+        any(marker in name for marker in MARKERS) or name.endswith(END_MARKERS) for name in names
+    )
