@@ -108,6 +108,21 @@ def test_bounded_views_fit_their_window_and_cover_the_view_once() -> None:
         assert (seen == 1).all()
 
 
+def test_a_view_whose_span_is_the_window_is_one_map_and_one_more_element_splits() -> None:
+    shape, strides = (6, 4, 5), (1, 30, 6)
+    span = 1 + 5 * 1 + 3 * 30 + 4 * 6  # 120 elements
+    assert len(list(pytorch_reader._bounded_views(0, shape, strides, span))) == 1
+    assert len(list(pytorch_reader._bounded_views(0, shape, strides, span - 1))) > 1
+
+
+def test_a_view_of_the_block_size_is_one_block_and_one_element_more_is_two() -> None:
+    shape, strides = (3, 4), (1, 3)  # a transposed 4 x 3
+    one = list(pytorch_reader._c_order_blocks(0, shape, strides, 4, 12))
+    assert one == [(0, shape, strides)]
+    two = list(pytorch_reader._c_order_blocks(0, shape, strides, 4, 11))
+    assert two == [(0, (2, 4), strides), (2, (1, 4), strides)]
+
+
 # ------------------------------------------------------------------ real limits
 
 ROWS, COLUMNS = 8192, 16384  # a 512 MiB storage, all but its first row a hole
