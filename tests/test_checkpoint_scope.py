@@ -506,10 +506,15 @@ def test_quantized_weights_are_read_by_norms_and_refused_by_clip(
     # issue 21: every layout here is measured as its real values now, nothing to warn of
     assert not stderr_lines(norms.stderr, "warning")
     assert not stderr_lines(diff.stderr, "warning")
-    # issue 21: a factor goes through float scales (tests/test_quantized_clip.py); MXFP4's
-    # uint8 exponents take no factor yet, and --value is never linear in the scales
+    # issue 21: a factor goes through float scales (tests/test_quantized_clip.py) and, as
+    # a power of two, through MXFP4's E8M0 exponents (tests/test_quant_mxfp4_clip.py);
+    # --value is never linear in the scales
+    for mode in (["--global", "1"], ["--norm", "1"], ["--average", "1"]):
+        out = tmp_path / "scaled.safetensors"
+        clip = run_main("clip", *mode, path, out, "-q")
+        assert clip.code == 0, (mode, clip.stderr)
+        out.unlink()
     refused = [["--value", "1"]]
-    refused += [["--global", "1"], ["--norm", "1"], ["--average", "1"]] if scheme == "mxfp4" else []
     for mode in refused:
         out = tmp_path / "out.safetensors"
         clip = run_main("clip", *mode, path, out)

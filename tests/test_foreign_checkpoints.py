@@ -7,6 +7,7 @@ import json
 import pickle
 import struct
 import zipfile
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,9 @@ def pytorch_zip(path: Path) -> Path:
     """The layout torch.save has written since 1.6: one top folder, data.pkl, storages."""
     with zipfile.ZipFile(path, "w") as archive:
         # PyTorch files are read now (test_format_pytorch.py); this one's pickle names a
-        # global off the allow-list, refused by name without importing or calling it.
-        archive.writestr("archive/data.pkl", pickle.dumps({"w": Path("x")}, protocol=2))
+        # global off the allow-list, refused by name without importing or calling it (a
+        # pathlib path was that global until Lightning checkpoints made paths inert data).
+        archive.writestr("archive/data.pkl", pickle.dumps({"w": Fraction(1, 3)}, protocol=2))
         archive.writestr("archive/data/0", b"\x00" * 16)
         archive.writestr("archive/version", "3\n")
     return path
@@ -39,8 +41,8 @@ def keras_archive(path: Path) -> Path:
 @pytest.mark.parametrize(
     ("make", "name", "says"),
     [
-        (pytorch_zip, "pytorch_model.bin", "PosixPath, which is not on the allow-list"),
-        (pytorch_zip, "model.pt", "PosixPath, which is not on the allow-list"),
+        (pytorch_zip, "pytorch_model.bin", "fractions.Fraction, which is not on the allow-list"),
+        (pytorch_zip, "model.pt", "fractions.Fraction, which is not on the allow-list"),
         # .keras archives are read now (test_keras_archive.py); this one's weights are
         # a bare HDF5 signature, refused as what they are, inside the archive.
         (keras_archive, "model.keras", "model.keras[model.weights.h5]: cannot open as HDF5"),

@@ -337,8 +337,10 @@ def test_the_gguf_view_maps_every_stored_tensor_once(fixture_file: Path) -> None
             quantized = name in {k.lower() for k in QUANTIZED[1:]}
             assert tensor.plain != quantized, name
             refusal = view.lowerable(tensor)
-            # Clipped through their float16 block scales; MXFP4's are E8M0 exponents.
-            assert (refusal is None) == (name != "mxfp4"), name
+            # Clipped through their float16 block scales; MXFP4 through its E8M0 exponents,
+            # by a power of two (issue 21).
+            assert refusal is None, name
+            assert view.power_of_two_factors(tensor) == (name == "mxfp4"), name
             values = np.concatenate(list(view.chunks(reader, tensor, 100)))
             np.testing.assert_array_equal(values.astype(np.float64), expected[name].ravel())
     finally:

@@ -122,10 +122,13 @@ def test_fp4_any_quant_storage(storage: Any, step: int) -> None:
 def test_nested_absmax(step: int) -> None:
     arrays, reference = four_bit((6, 10), 4, nested_block=3, seed=2)
     weight = found(arrays)
-    # A clip never scales the JSON quant state as numbers: its nested_offset would have to
-    # be rewritten, so such a weight's clip is refused (tests/test_quantized_int_cli.py).
-    assert bnb.scaled_parts(weight) == ["m.weight.nested_absmax"]
-    assert "nested_offset 0.0371" in weight.params["clip_refused"]
+    # A clip scales nested_absmax and rewrites nested_offset inside the JSON quant state
+    # (tests/test_quant_bnb_nested_clip.py).
+    assert bnb.scaled_parts(weight) == [
+        "m.weight.nested_absmax",
+        "m.weight.quant_state.bitsandbytes__nf4",
+    ]
+    assert "clip_refused" not in weight.params
     assert_exact(decode_all(bnb, weight, arrays, step), reference)
 
 

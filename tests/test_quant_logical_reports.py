@@ -69,9 +69,10 @@ def test_quantized_weight_against_its_exact_dequantization_is_the_same(
     stored, values = mxfp4(11)
     assert any(v == 0 for v in values)
     a = write_model_directory(tmp_path / "a", {"model.safetensors": stored}, MXFP4_CONFIG)
-    b = write_model_directory(
-        tmp_path / "b", {"model.safetensors": {"p": float64_tensor(values, [4, 64])}}, None
-    )
+    # float32, the dtype MXFP4's row shows: float64 would be a dtype change, as between two
+    # plain tensors (tests/test_quant_diff_dtypes.py)
+    exact32 = ("F32", [4, 64], struct.pack(f"<{len(values)}f", *(float(v) for v in values)))
+    b = write_model_directory(tmp_path / "b", {"model.safetensors": {"p": exact32}}, None)
     document = diff_json(run_main, a, b)
     rows = {row["name"]: row for row in document["tensors"]}
     assert rows["p"]["status"] == "same"

@@ -172,8 +172,8 @@ def test_two_groups_that_both_fit_are_ambiguous(tmp_path: Path) -> None:
     stored, _ = tiled_fp8(np.random.default_rng(9), 2, 256, (1, 128), [2, 2])
     config = ct_config(strategy="group", group_size=128)
     groups = config["quantization_config"]["config_groups"]
-    groups["group_1"] = {
-        "targets": ["re:.*mlp.*"],
+    groups["group_1"] = {  # both groups target the module (Linear): ambiguous
+        "targets": ["Linear"],
         "weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 200},
     }
     directory = write_model_directory(tmp_path / "m", {"model.safetensors": stored}, config)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     # file lists its header (Reader.listing) without loading numpy at all.
     import numpy as np
 
+    from clipcli.numerics.norms import NormAccumulator
     from clipcli.system.identity import FileIdentity
 
 # numpy's dtype.name is computed in Python on every call (~2 us): a checkpoint of 200,000
@@ -266,6 +267,12 @@ class ReaderCore(ABC):
         keep their own metadata, not the index's)."""
         return dict(self.metadata)
 
+    def descriptions(self) -> frozenset[str]:
+        """The keys of `metadata` that are the reader's own description of this file (its
+        layout, version, byte order, ties: shown by `ls`), not metadata the file holds:
+        no writer carries them and `diff` does not compare them."""
+        return frozenset()
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -302,6 +309,15 @@ class FastReading:
         given, for a reader that reads them in one go (small tensors stored near each other
         in one file: one read instead of one per tensor); None where it cannot, and the
         caller reads them one by one. Asked for small tensors only (a few MiB in all)."""
+        return None
+
+    def measured_loaders(
+        self,
+        info: TensorInfo,  # noqa: ARG002 - default of an interface method
+    ) -> Iterator[Callable[[], NormAccumulator]] | None:
+        """Thread-safe loaders of the statistics of the tensor's pieces, measured without
+        making its values (clipcli.logical: a quantized weight through per-block tables);
+        None (stored readers): measuring reads chunks."""
         return None
 
     def constant(self, info: TensorInfo) -> np.ndarray | None:  # noqa: ARG002 - interface
@@ -532,6 +548,20 @@ class Writer(ABC):
         """A hint, given while tensors are still being measured, that `info` will probably
         be unchanged: a writer that knows where it goes may start copying it now, in the
         background. write() or copy_unchanged() for it must still follow, in order."""
+
+    def parts(self) -> list[list[TensorInfo]] | None:
+        """The tensors, in checkpoint order, cut into parts that go to separate files (a
+        model directory's shards), each written by part_writer() apart from the others and
+        in any order relative to them; None where the output is one stream."""
+        return None
+
+    def part_writer(self, number: int) -> Writer:
+        """The writer of part `number` of parts(): its tensors in order, then close_part."""
+        raise NotImplementedError(f"{type(self).__name__} has no parts")
+
+    def close_part(self, number: int) -> None:
+        """Finish part `number`; close() follows once every part is finished."""
+        raise NotImplementedError(f"{type(self).__name__} has no parts")
 
     @abstractmethod
     def close(self) -> None:

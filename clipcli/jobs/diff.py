@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -67,6 +67,9 @@ class TensorDiff:
     # A part of a logical tensor on a side that has it (a quantized weight's scale): listed
     # apart, compared through its weight, out of the counts, `identical` and the figures
     part: bool = False
+    # Tied on both sides to this earlier tensor (one storage, as `norms` shows "tied to"):
+    # its difference is its first one's, counted once in the global figures
+    tied_to: str | None = None
 
     @property
     def compared(self) -> bool:
@@ -91,6 +94,10 @@ class DiffResult:
     global_diff_norm: float  # sqrt(Σ ‖A−B‖²) over compared tensors that are floating in A
     global_rel_change: float  # global_diff_norm / global_norm_a (0 if nothing changed)
     training_state: int = 0  # tensors compared but left out of the global figures by role
+    # name -> the earlier tensor it shares one storage with, per side: counted once in that
+    # side's global norm (and in global_diff_norm where tied alike on both sides), as `norms`
+    tied_a: Mapping[str, str] = field(default_factory=dict)
+    tied_b: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def max_rel_change(self) -> float | None:
@@ -115,6 +122,11 @@ class DiffResult:
     def counted(self) -> list[TensorDiff]:
         """The tensors the counts and verdicts are about: every one but parts."""
         return [t for t in self.tensors if not t.part]
+
+    @property
+    def tied(self) -> set[str]:
+        """Names tied (one storage with an earlier tensor) on either side."""
+        return set(self.tied_a) | set(self.tied_b)
 
     @property
     def n_parts(self) -> int:

@@ -28,8 +28,9 @@ Numerics
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,9 +111,11 @@ def _compare(
 ) -> Partial:
     nbytes = a.nbytes + b.nbytes
     acc_a = accumulate([a])
-    if same_dtype and by_value:
+    if by_value:
         # A logical tensor's values are decoded, not stored: equal values (NaN as NaN, -0.0
-        # as 0.0: a negative-zero code times a scale) are the same tensor.
+        # as 0.0: a negative-zero code times a scale) are the same tensor, whatever dtype
+        # the other side stores them in (a plain float32 copy of a quantized weight). A
+        # dtype change is told from the dtypes its rows show (api._shown_dtypes).
         if np.array_equal(a, b, equal_nan=True):
             dot = (acc_a.ssq, 2 * acc_a.exp) if not acc_a.nonfinite else (0.0, 0)
             return Partial(acc_a, copy.copy(acc_a), NormAccumulator(), dot, True, nbytes)
@@ -213,7 +216,10 @@ def finish(job: Pair, run: Running, weight: bool = True) -> TensorDiff:
     assert info_a is not None
     assert norm_a is not None
     assert norm_b is not None
-    status = DTYPE_CHANGED if not job.same_dtype else SAME if run.identical else CHANGED
+    if job.by_value:  # compared in float64: the dtypes its rows show decide a dtype change
+        status = SAME if run.identical else CHANGED
+    else:
+        status = DTYPE_CHANGED if not job.same_dtype else SAME if run.identical else CHANGED
     diff_norm = run.acc_d.norm
     rel_change = _relative_change(run.acc_d, run.acc_a)
     if status == CHANGED and rel_change == 0.0:
@@ -292,20 +298,56 @@ def _cosine(run: Running, norm_a: float, norm_b: float, identical: bool) -> floa
     return max(-1.0, min(1.0, cosine))
 
 
+def counted_once(tied: Mapping[str, str], counts: Container[str]) -> dict[str, str]:
+    """Of each tied group (a first name and the names tied to it: one storage), the names
+    that count but are left out, each mapped to the one that counts for the group: the
+    first member that counts (as `norms` does, api._counted_ties), so a group whose first
+    name is not counted is still counted once, never zero times."""
+    groups: dict[str, list[str]] = {}
+    for name, first in tied.items():
+        groups.setdefault(first, [first]).append(name)
+    left_out: dict[str, str] = {}
+    for members in groups.values():
+        counted = [n for n in members if n in counts]
+        left_out.update(dict.fromkeys(counted[1:], counted[0]) if counted else {})
+    return left_out
+
+
 def result(
-    a: Reader, b: Reader, jobs: Sequence[Pair], tensors: list[TensorDiff], weights: Sequence[bool]
+    a: Reader,
+    b: Reader,
+    jobs: Sequence[Pair],
+    tensors: list[TensorDiff],
+    weights: Sequence[bool],
+    tied_a: Mapping[str, str] | None = None,
+    tied_b: Mapping[str, str] | None = None,
 ) -> DiffResult:
     """The global figures over the tensors that are `weights` (by name) and floating point
-    on their side: the selection `clipcli norms` makes of each file."""
-    norms_a, norms_b = [], []
+    on their side: the selection `clipcli norms` makes of each file. `tied_a`/`tied_b`:
+    each side's tied tensors (name -> the first of its storage), counted once in that
+    side's norm; a tensor tied alike on both sides has its first one's difference, so it
+    counts once in ‖A−B‖ too (and says `tied_to`)."""
+    tied_a, tied_b = tied_a or {}, tied_b or {}
+    norms_a: dict[str, float] = {}
+    norms_b: dict[str, float] = {}
     for job, t, weight in zip(jobs, tensors, weights, strict=True):
         if not weight or job.part:
             continue
         if job.info_a is not None and t.norm_a is not None and is_floating(job.info_a.dtype):
-            norms_a.append(t.norm_a)
+            norms_a[job.name] = t.norm_a
         if job.info_b is not None and t.norm_b is not None and is_floating(job.info_b.dtype):
-            norms_b.append(t.norm_b)
-    global_a = global_norm(norms_a)
+            norms_b[job.name] = t.norm_b
+    once_a, once_b = counted_once(tied_a, norms_a), counted_once(tied_b, norms_b)
+    global_a = global_norm(v for n, v in norms_a.items() if n not in once_a)
+    tied_alike = {n: first for n, first in tied_a.items() if tied_b.get(n) == first}
+    in_diff = {t.name for t in tensors if t.in_global and t.diff_norm is not None}
+    once_diff = counted_once(tied_alike, in_diff)
+    tensors = [
+        dataclasses.replace(t, in_global=False, tied_to=once_diff[t.name])
+        if t.name in once_diff
+        else t
+        for t in tensors
+    ]
     diffs = [t.diff_norm for t in tensors if t.in_global and t.diff_norm is not None]
     global_diff = global_norm(diffs)
     return DiffResult(
@@ -316,8 +358,10 @@ def result(
         tensors=tensors,
         metadata_changes=file_changes(a, b),  # metadata, then HDF5 structure
         global_norm_a=global_a,
-        global_norm_b=global_norm(norms_b),
+        global_norm_b=global_norm(v for n, v in norms_b.items() if n not in once_b),
         global_diff_norm=global_diff,
         global_rel_change=relative(global_diff, global_a),
         training_state=sum(not w and not job.part for job, w in zip(jobs, weights, strict=True)),
+        tied_a=once_a,
+        tied_b=once_b,
     )

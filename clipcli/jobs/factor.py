@@ -27,6 +27,15 @@ __all__ = ["Factor", "OutputCheck", "search_factor", "tf_factor"]
 # `rounded_elsewhere(info) -> bool` (clipcli.jobs.execution.output_check: a logical tensor
 # whose factor is rounded in its stored scales): the search then verifies every factor
 # for a group that holds such a tensor (scaling.Member.rounded_elsewhere).
+# A check may also have `power_of_two(info) -> bool` (a logical tensor whose stored
+# scales are E8M0 exponents) and `as_values(infos, mantissa, exponent)` (the same sum of
+# squares with those tensors' real values scaled as float64): such a tensor's write takes
+# the factor f rounded down to a power of two 2**-k, which the plan then records as its
+# factor (clipcli.jobs.plan). In a group of such tensors alone the search checks them at
+# 2**-k (the tightest power of two); in a group with other tensors it counts them as
+# float64 values scaled by f, so that the others take the factor a plain checkpoint would
+# give them, and each written value |2**-k x| <= |round(f x)| (rounding is monotone and
+# 2**-k x is exact): the group's bound holds for what is written.
 OutputCheck = Callable[[Sequence[TensorInfo], float, int], CertainSumsq]
 
 
@@ -40,19 +49,30 @@ def search_factor(
     It applies to the members with a nonzero sum of squares only: a zero tensor is left
     bit-identical. Refuses (exit 4) a limit that a dtype without zero cannot reach."""
     elsewhere = getattr(check, "rounded_elsewhere", None)
+    power = getattr(check, "power_of_two", None)
+    powers = [power is not None and bool(power(m.info)) for m in members]
+    live = [p for p, m in zip(powers, members, strict=True) if m.stats.ssq > 0]
+    as_values = any(live) and not all(live)  # power-of-two tensors beside others
     as_members = [
         scaling.Member(
             m.info.name,
             m.info.dtype,
             m.info.numel,
             m.stats,
-            elsewhere is not None and bool(elsewhere(m.info)),
+            not (as_values and p) and elsewhere is not None and bool(elsewhere(m.info)),
+            p and not as_values,
         )
-        for m in members
+        for m, p in zip(members, powers, strict=True)
     ]
 
     def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
-        return check([members[i].info for i in which], factor.mantissa, factor.exponent)
+        if not as_values:
+            return check([members[i].info for i in which], factor.mantissa, factor.exponent)
+        others = [members[i].info for i in which if not powers[i]]
+        total = check(others, factor.mantissa, factor.exponent)
+        values = [members[i].info for i in which if powers[i]]
+        total.merge(check.as_values(values, factor.mantissa, factor.exponent))  # type: ignore[attr-defined]
+        return total
 
     return scaling.group_factor(as_members, limit, output_sumsq, exact_limit)
 

@@ -34,7 +34,16 @@ def check_lowerable(plan: Plan, reader: LogicalReader) -> None:
     """Refuse (exit 4) an action no stored tensor can carry out, before OUT exists."""
     for p in plan.tensors:
         t = reader.by_name.get(p.info.name)
-        if t is None or t.plain or p.action in (Action.KEEP, Action.SCALE):
+        if t is None or t.plain or p.action is Action.KEEP:
+            continue
+        if p.action is Action.SCALE:
+            assert p.factor is not None
+            why = reader.view.refused_factor(reader.stored, t, p.factor, p.exponent)
+            if why is not None:
+                raise DataRefusedError(
+                    f"{why}; nothing was written: choose a larger limit, or leave the weight "
+                    "out with --exclude"
+                )
             continue
         raise DataRefusedError(
             f"{p.info.name}: a {t.scheme} weight cannot be clipped by {p.action.value}"

@@ -10,7 +10,8 @@ through it (kept apart so that measuring imports no plan or rounding module).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -19,11 +20,11 @@ from clipcli.dtypes import is_small_float
 from clipcli.errors import UsageError
 from clipcli.formats.base import Reader, TensorInfo, Writer
 from clipcli.jobs.measurement import Measurement, TensorStats
-from clipcli.jobs.progress import SILENT, Progress
+from clipcli.jobs.progress import SILENT, LockedProgress, Progress
 from clipcli.jobs.selection import EVERY_TENSOR, Selection
 from clipcli.numerics.norms import NormAccumulator
 from clipcli.system import interrupts
-from clipcli.system.parallel import ordered_map
+from clipcli.system.parallel import ordered_map, sharing, start_threads, worker_count
 
 if TYPE_CHECKING:  # the comparison is imported by compare() only
     from clipcli.jobs import diff
@@ -120,6 +121,9 @@ def measure(
 
             arrays = load()
             return index, accumulate_each(arrays), sum(a.nbytes for a in arrays)
+        if repeat == _MEASURED:  # statistics measured by the loader itself
+            measured: NormAccumulator = load()
+            return index, measured, measured.numel * infos[index].dtype.itemsize
         chunk = load()
         partial = NormAccumulator(keep_histogram=histograms)
         if repeat:
@@ -163,9 +167,11 @@ def measure(
 
 
 # (tensor index, loader, repeat): repeat 0 is a chunk of the tensor, a positive repeat a
-# constant tensor's one value, _MANY whole tensors from the index on (a list of arrays).
+# constant tensor's one value, _MANY whole tensors from the index on (a list of arrays),
+# _MEASURED a piece's statistics (a NormAccumulator, from Reader.measured_loaders).
 _Piece = tuple[int, Callable[[], Any], int]
 _MANY = -1
+_MEASURED = -2
 # Tensors of at most SMALL_TENSOR_BYTES are read and measured MANY_TENSORS at a time (at
 # most MANY_BYTES): per tensor, a read, a task and a NormAccumulator.add cost ~30 us,
 # which 200,000 one-element tensors turned into most of a minute.
@@ -218,18 +224,22 @@ def _measure_work(
                 yield index, piece_load, repeat
 
 
-def _measured_pieces(
-    reader: Reader, info: TensorInfo
-) -> Iterator[tuple[Callable[[], np.ndarray], int]]:
+def _measured_pieces(reader: Reader, info: TensorInfo) -> Iterator[tuple[Callable[[], Any], int]]:
     """(loader, repeat) for each piece to measure: a tensor the reader knows to hold one
     value throughout (an unallocated HDF5 dataset) is that value repeated numel times,
-    measured without reading or making its elements; otherwise its chunks (repeat 0)."""
+    measured without reading or making its elements; a tensor the reader measures itself
+    (a quantized weight) its pieces' statistics (_MEASURED); otherwise its chunks."""
     value = reader.constant(info) if info.numel else None
     if value is not None:
         yield functools.partial(_identity, value.reshape(1)), info.numel
         return
-    for load in chunk_sources(reader, info):
-        yield load, 0
+    measured = reader.measured_loaders(info)
+    if measured is not None:
+        for load in measured:
+            yield load, _MEASURED
+        return
+    for chunk_load in chunk_sources(reader, info):
+        yield chunk_load, 0
 
 
 # ---------------------------------------------------------------- writing
@@ -262,32 +272,123 @@ def write_tensors(
     go when every one is kept as it is and the writer can (Writer.copy_unchanged_many),
     else read together where the reader can (small_runs, Reader.loader_of_many), and
     outputs(infos, arrays) gives what to write of them, whole, handed to the writer
-    together (Writer.write_many); outputs(infos, []) for tensors copied."""
-    infos = reader.infos
-    runs = small_runs(infos, many[0]) if many is not None else ([i] for i in range(len(infos)))
+    together (Writer.write_many); outputs(infos, []) for tensors copied.
+
+    A writer with parts (a model directory's shards, Writer.parts) has them written side
+    by side, up to one per worker thread (_write_parts): chunks_of and outputs are then
+    called from several threads, each part's tensors in order."""
     try:
-        for run in runs:
-            interrupts.check()
-            together = [infos[i] for i in run]
-            if many is not None and len(run) > 1:
-                joins, kept, outputs = many
-                nbytes = sum(info.nbytes for info in together)
-                if all(map(kept, together)) and writer.copy_unchanged_many(reader, together):
-                    outputs(together, [])  # (their outcomes: unchanged)
-                    progress.advance(nbytes)
-                    continue
-                load = reader.loader_of_many(together)
-                if load is not None:
-                    writer.write_many(together, outputs(together, load()))
-                    progress.advance(nbytes)
-                    continue
-            for index in run:
-                _write_one(reader, writer, infos[index], chunks_of, progress, chunk_elems)
+        parts = writer.parts()
+        slots = _part_slots(reader, parts)
+        if parts is not None and slots > 1:
+            _write_parts(reader, writer, parts, slots, chunks_of, progress, chunk_elems, many)
+        else:
+            _write_in_order(reader, writer, reader.infos, chunks_of, progress, chunk_elems, many)
         interrupts.check()
         writer.close()
     except BaseException:
         writer.abort()
         raise
+
+
+# Parts written at once, at most: each holds a shard of the reader open, which keeps at
+# most MAX_OPEN_SHARDS (64) descriptors and must never release one that is being read.
+MAX_PARALLEL_PARTS = 16
+
+
+def _part_slots(reader: Reader, parts: list[list[TensorInfo]] | None) -> int:
+    """How many parts to write at once: one per worker thread, at most one per part and
+    MAX_PARALLEL_PARTS; 1 (in order) where the parts are not the reader's tensors in
+    order (the writer then refuses the first one out of order, as it always has)."""
+    if parts is None or len(parts) < 2:
+        return 1
+    names = [info.name for part in parts for info in part]
+    if names != [info.name for info in reader.infos]:
+        return 1
+    return min(worker_count(), len(parts), MAX_PARALLEL_PARTS)
+
+
+def _write_parts(
+    reader: Reader,
+    writer: Writer,
+    parts: list[list[TensorInfo]],
+    slots: int,
+    chunks_of: Callable[[TensorInfo], Iterable[np.ndarray] | None],
+    progress: Progress,
+    chunk_elems: int | None,
+    many: Many | None,
+) -> None:
+    """The writer's parts written by `slots` threads (this one among them), each taking the
+    next part not yet begun, in order. The threads share the workers (parallel.sharing):
+    all of them together keep at most 2 chunks per worker in flight, as one stream does,
+    whatever the number of parts. Each part's file is made exactly as in order (its own
+    writer, the same tensors, the same bytes). On the first failure, the other threads
+    stop at their next chunk (interrupts.halting) and are waited for before the failure
+    is raised, so nothing is written after the caller's abort() and cleanup."""
+    lock = threading.Lock()
+    numbers = iter(range(len(parts)))
+    failures: list[BaseException] = []
+    halt = threading.Event()
+    shared_progress = LockedProgress(progress)
+
+    def slot() -> None:
+        with sharing(slots):
+            while not halt.is_set():
+                with lock:
+                    number = next(numbers, None)
+                if number is None:
+                    return
+                try:
+                    part = writer.part_writer(number)
+                    _write_in_order(
+                        reader, part, parts[number], chunks_of, shared_progress, chunk_elems, many
+                    )
+                    interrupts.check()
+                    writer.close_part(number)
+                except BaseException as exc:  # raised by the caller, below
+                    with lock:
+                        if not failures:
+                            failures.append(exc)
+                        halt.set()
+                    return
+
+    with interrupts.halting(halt):
+        helpers = start_threads(slot, slots - 1, "clipcli_part")
+        slot()
+        for helper in helpers:
+            helper.join()
+    if failures:
+        raise failures[0]
+
+
+def _write_in_order(
+    reader: Reader,
+    writer: Writer,
+    infos: Sequence[TensorInfo],
+    chunks_of: Callable[[TensorInfo], Iterable[np.ndarray] | None],
+    progress: Progress,
+    chunk_elems: int | None,
+    many: Many | None,
+) -> None:
+    """`infos` (the writer's tensors, in order) into the writer, which is left open."""
+    runs = small_runs(infos, many[0]) if many is not None else ([i] for i in range(len(infos)))
+    for run in runs:
+        interrupts.check()
+        together = [infos[i] for i in run]
+        if many is not None and len(run) > 1:
+            _, kept, outputs = many
+            nbytes = sum(info.nbytes for info in together)
+            if all(map(kept, together)) and writer.copy_unchanged_many(reader, together):
+                outputs(together, [])  # (their outcomes: unchanged)
+                progress.advance(nbytes)
+                continue
+            load = reader.loader_of_many(together)
+            if load is not None:
+                writer.write_many(together, outputs(together, load()))
+                progress.advance(nbytes)
+                continue
+        for index in run:
+            _write_one(reader, writer, infos[index], chunks_of, progress, chunk_elems)
 
 
 def _write_one(
@@ -368,7 +469,16 @@ def compare(
         diff_math.finish(p, run, weight)
         for p, run, weight in zip(pairs, running, weights, strict=True)
     ]
-    return diff_math.result(a, b, pairs, tensors, weights)
+    # Tied tensors (one storage: PyTorch's tied weights) count once, as in `norms`: a
+    # logical reader's `tied` map (a bare PyTorchReader has a method of that name, and no
+    # view over it because it has no ties).
+    tied_a, tied_b = (_tied(r) for r in (a, b))
+    return diff_math.result(a, b, pairs, tensors, weights, tied_a, tied_b)
+
+
+def _tied(reader: Reader) -> Mapping[str, str]:
+    tied = getattr(reader, "tied", None)
+    return tied if isinstance(tied, Mapping) else {}
 
 
 def _everything(_name: str) -> bool:

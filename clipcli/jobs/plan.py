@@ -70,6 +70,8 @@ class TensorPlan:
     exponent: int = 0
     axes: tuple[int, ...] = ()  # AXES: resolved against this tensor's rank
     group: str | None = None  # --group-by: the group whose norm decided
+    # SCALE: the factor was rounded down to a power of two (E8M0 scales: MXFP4)
+    power_of_two: bool = False
     tied_to: str | None = None  # the plan of this earlier tensor, whose values it shares
 
     @property
@@ -199,6 +201,7 @@ def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
     else:
         factor = search_factor(members, spec.limit, check)
         made = [_scaled(t, factor if t.stats.ssq > 0 else None) for t in members]
+    made = _powers_of_two(made, check)
     decided.update(zip((index for index, _ in counted), made, strict=True))
     for index, t, first in tied:
         # The same values as `first`: the same action and factor, so the same bytes out.
@@ -231,6 +234,24 @@ def _skip_nonfinite(
     for index, t in bad:
         decided[index] = TensorPlan(t.info, t.stats, Action.KEEP, Reason.NONFINITE_SKIPPED)
     return [(index, t) for index, t in counted if not t.stats.nonfinite]
+
+
+def _powers_of_two(made: list[TensorPlan], check: OutputCheck) -> list[TensorPlan]:
+    """Each scaled tensor whose stored scales hold powers of two only (the check's
+    optional power_of_two: MXFP4) with its factor f as it is applied: 2**-k <= f, the
+    largest power of two at or below it. The factor search checked the output at that
+    very step (the view scales by it), so a group's bound holds; the tensor's own part
+    of it is at or below the plan's, since 2**-k <= f and its scaling is exact."""
+    is_power = getattr(check, "power_of_two", None)
+    if is_power is None:
+        return made
+    rounded = []
+    for p in made:
+        if p.action is Action.SCALE and p.factor is not None and is_power(p.info):
+            steps = rounding.power_of_two_steps(p.factor, p.exponent)
+            p = replace(p, factor=1.0, exponent=-steps, power_of_two=True)
+        rounded.append(p)
+    return rounded
 
 
 def _scaled(t: TensorStats, factor: Factor | None, group: str | None = None) -> TensorPlan:

@@ -33,6 +33,9 @@ OPTIMIZER_ROOTS = frozenset(
         "optimizer_state",
         "optimizer_state_dict",
         "optimizer_states",  # Lightning checkpoints: a list of optimizer state dicts
+        # Lightning's trainer state beside them (checkpoint_connector.dump_checkpoint):
+        # ModelCheckpoint's best_model_score tensor is a loss value, no weight to clip
+        *("callbacks", "lr_schedulers", "loops"),
     }
 )
 BUFFER_NAMES = frozenset(
@@ -93,10 +96,11 @@ def is_floating_name(dtype_name: str) -> bool:
     return dtype_name.startswith(_FLOATING_PREFIXES)
 
 
-# Every name in OPTIMIZER_ROOTS holds "optim", and every one in BUFFER_NAMES one of these:
-# a name holding none of them is not training state, known without splitting it (a
-# checkpoint of 200,000 tensors asks this of each, several times).
+# Every name in OPTIMIZER_ROOTS holds "optim" or starts with one of LIGHTNING_ROOTS, and every
+# one in BUFFER_NAMES one of these: a name holding none of them is not training state, known
+# without splitting it (a checkpoint of 200,000 tensors asks this of each, several times).
 BUFFER_MARKS = ("moving_", "running_", "num_batches_tracked")
+LIGHTNING_ROOTS = ("callbacks", "lr_schedulers", "loops")
 
 
 def classify(name: str, floating: bool = True) -> Role:
@@ -107,6 +111,7 @@ def classify(name: str, floating: bool = True) -> Role:
         and "moving_" not in name
         and "running_" not in name
         and "num_batches_tracked" not in name
+        and not name.startswith(LIGHTNING_ROOTS)
     ):
         return Role.WEIGHT if floating else Role.NON_FLOAT
     parts = [part for part in _SEPARATORS.split(name) if part]

@@ -8,6 +8,10 @@ A clip scales a block tensor through the float16 scales inside its blocks
 float16; every other byte of every block is kept. The factor search checks the values
 that scaled blocks dequantize to (scaled_chunks), and the write pass rewrites the same
 fields with the same function (stored_scaler), so the promise holds for what is written.
+MXFP4 blocks (an E8M0 exponent byte e, then 16 bytes of e2m1 codes; gguf reads every e as
+2**(e - 127), 0xFF included) take the factor rounded down to 2**-k (power_of_two_factors):
+e -> e - k, exactly; a block whose e is below k under nonzero codes refuses the clip
+(refused_factor), one of zero codes keeps its byte.
 """
 
 from __future__ import annotations
@@ -61,10 +65,9 @@ class GGUFView(View):
         if tensor.plain:
             return None
         type_name = _type_name(tensor)
-        if type_name in SCALE_FIELDS:
+        if type_name in SCALE_FIELDS or type_name == POWER_OF_TWO_TYPE:
             return None
         why = {
-            "MXFP4": "its block scales are E8M0 exponents, powers of two only",
             "NVFP4": "its sub-block scales are 8-bit UE4M3 floats",
             "IQ1_M": "its scale is packed into the high bits of the sub-block scales",
         }.get(type_name, "it has no float16 block scale that all its values are linear in")
@@ -72,6 +75,44 @@ class GGUFView(View):
 
     def scaled_parts(self, tensor: LogicalTensor) -> list[str]:
         return [tensor.parts[0].name]
+
+    def power_of_two_factors(self, tensor: LogicalTensor) -> bool:
+        return not tensor.plain and _type_name(tensor) == POWER_OF_TWO_TYPE
+
+    def refused_factor(
+        self,
+        reader: Reader,  # noqa: ARG002 - the GGUF reader it was made for reads the blocks
+        tensor: LogicalTensor,
+        mantissa: float,
+        exponent: int,
+    ) -> str | None:
+        """MXFP4: a block whose exponent byte is below k under a nonzero code (its values
+        would need an exponent below 0): refused, naming the tensor, the byte, the block."""
+        if not self.power_of_two_factors(tensor):
+            return None
+        import numpy as np
+
+        from clipcli.numerics.rounding import power_of_two_steps
+
+        steps = power_of_two_steps(mantissa, exponent)
+        _, block_values, type_size = _block_type(POWER_OF_TWO_TYPE)
+        stored = self._stored[tensor.parts[0].name]
+        first_block = 0
+        step = max(1, default_chunk_elems(np.dtype(np.float32)) // block_values) * type_size
+        for raw in self._reader.chunks(stored, step):
+            blocks = raw.reshape(-1, type_size)
+            exponents = blocks[:, 0]
+            nonzero = (blocks[:, 1:] & 0x77).any(axis=1)  # a code other than +-0
+            hit = np.flatnonzero((exponents < steps) & nonzero)
+            if hit.size:
+                block = first_block + int(hit[0])
+                return (
+                    f"{tensor.info.name}: scaling by 2**-{steps} would take its E8M0 block "
+                    f"exponent {int(exponents[hit[0]])} at block {block} below 0 under "
+                    "nonzero codes"
+                )
+            first_block += blocks.shape[0]
+        return None
 
     def stored_scaler(
         self, tensor: LogicalTensor, part: str
@@ -94,15 +135,31 @@ class GGUFView(View):
         type_name = _type_name(tensor)
         ggml_type, block, type_size = _block_type(type_name)
         step = max(1, default_chunk_elems(np.dtype(np.float32)) // block) * type_size
+        if type_name == POWER_OF_TWO_TYPE:
+            # The values times 2**-k, exactly in float64: what the lowered exponents decode
+            # to, and for a block whose exponent cannot take the step (refused_factor
+            # refuses the clip) the value it would need, never the block left unscaled.
+            from clipcli.numerics.rounding import power_of_two_steps
+
+            steps = power_of_two_steps(mantissa, exponent)
+            for raw in self._reader.chunks(self._stored[tensor.parts[0].name], step):
+                values = dequantize_blocks(ggml_type, raw).astype(np.float64)
+                yield np.ldexp(values, -steps)
+            return
         for raw in self._reader.chunks(self._stored[tensor.parts[0].name], step):
             scaled = scale_fields(type_name, raw, mantissa, exponent)
             yield dequantize_blocks(ggml_type, scaled)
 
 
+# The block type whose scale is an E8M0 exponent byte (the first of each block).
+POWER_OF_TWO_TYPE = "MXFP4"
+
+
 def scale_fields(type_name: str, raw: np.ndarray, mantissa: float, exponent: int) -> np.ndarray:
     """Whole blocks of `type_name` (flat uint8) with their float16 scale fields
     (SCALE_FIELDS) multiplied by mantissa * 2**exponent, each rounded once to float16 as a
-    float16 tensor's values are (rounding.scale_chunk); every other byte as it was."""
+    float16 tensor's values are (rounding.scale_chunk); every other byte as it was. MXFP4:
+    the exponent byte lowered by k, the factor rounded down to 2**-k."""
     import numpy as np
 
     from clipcli.numerics import rounding
@@ -111,6 +168,11 @@ def scale_fields(type_name: str, raw: np.ndarray, mantissa: float, exponent: int
     if raw.size % type_size:  # the reader cuts block tensors at whole blocks
         raise AssertionError(f"{raw.size} bytes are not whole {type_name} blocks")
     blocks = raw.reshape(-1, type_size).copy()
+    if type_name == POWER_OF_TWO_TYPE:  # the E8M0 byte: e -> e - k where e >= k
+        steps = rounding.power_of_two_steps(mantissa, exponent)
+        e = blocks[:, 0].astype(np.int64)
+        blocks[:, 0] = np.where(e >= steps, e - steps, e).astype(np.uint8)
+        return blocks.reshape(-1)
     little = np.dtype("<f2")
     for offset in SCALE_FIELDS[type_name]:
         field = np.ascontiguousarray(blocks[:, offset : offset + 2]).view(little).reshape(-1)

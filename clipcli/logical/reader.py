@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import DirectoryLayout, NonTensorInfo
+    from clipcli.numerics.norms import NormAccumulator
     from clipcli.system.identity import FileIdentity
 
 
@@ -121,6 +122,11 @@ class LogicalReader(Reader):
         part = self._plain_part(info)
         return None if part is None else self.stored.chunk_loaders(part)
 
+    def measured_loaders(self, info: TensorInfo) -> Iterator[Callable[[], NormAccumulator]] | None:
+        if self._plain_part(info) is not None:
+            return None
+        return self.view.measured_loaders(self.stored, self.by_name[info.name])
+
     def constant(self, info: TensorInfo) -> np.ndarray | None:
         part = self._plain_part(info)
         return None if part is None else self.stored.constant(part)
@@ -161,6 +167,9 @@ class LogicalReader(Reader):
 
     def joined_metadata(self) -> dict[str, str]:
         return self.stored.joined_metadata()
+
+    def descriptions(self) -> frozenset[str]:
+        return self.stored.descriptions()
 
     def join_losses(self) -> list[str]:
         return self.stored.join_losses()

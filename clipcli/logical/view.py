@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from clipcli.formats.base import Reader, TensorInfo
     from clipcli.numerics.casting import Cast
+    from clipcli.numerics.norms import NormAccumulator
 
 
 class Part(NamedTuple):
@@ -124,6 +125,16 @@ class View(ABC):
         for chunk in self.chunks(reader, tensor):
             yield cast_chunk(chunk, target)
 
+    def measured_loaders(
+        self,
+        reader: Reader,  # noqa: ARG002 - interface
+        tensor: LogicalTensor,  # noqa: ARG002 - interface
+    ) -> Iterator[Callable[[], NormAccumulator]] | None:
+        """Thread-safe loaders of the statistics of `tensor`'s values, piece by piece (a
+        quantized weight measured through per-block tables, without its values), whose
+        merge is what measuring chunks() gives; None (the default): measure chunks()."""
+        return None
+
     @property
     def identity(self) -> bool:
         """True when every logical tensor is one stored tensor, unchanged."""
@@ -155,6 +166,19 @@ class View(ABC):
         other byte kept. The stored reader's chunks of such a part hold whole blocks.
         None (the default): the part is a float tensor, scaled and rounded value by value
         (clipcli.numerics.rounding.scale_chunk)."""
+        return None
+
+    def refused_factor(
+        self,
+        reader: Reader,  # noqa: ARG002 - interface
+        tensor: LogicalTensor,  # noqa: ARG002 - interface
+        mantissa: float,  # noqa: ARG002 - interface
+        exponent: int,  # noqa: ARG002 - interface
+    ) -> str | None:
+        """Why the stored tensors cannot carry a SCALE of `tensor` by this very factor (one
+        line naming it), None when they can: checked once the plan is made, before
+        anything is written (clipcli.jobs.lowering.check_lowerable). MXFP4: an E8M0 scale
+        byte that would have to go below 0 under nonzero codes, or a NaN scale byte."""
         return None
 
     def scaled_chunks(

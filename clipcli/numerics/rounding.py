@@ -26,6 +26,7 @@ from clipcli.dtypes import (
 )
 from clipcli.errors import DataRefusedError
 from clipcli.numerics import float16, lookup
+from clipcli.numerics.norms import NormAccumulator
 from clipcli.numerics.widening import widen
 
 
@@ -77,6 +78,17 @@ def narrow_round(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         result: np.ndarray = single.astype(dtype)
     return result
+
+
+def power_of_two_steps(mantissa: float, exponent: int) -> int:
+    """k >= 0 such that 2**-k is the largest power of two at or below the factor
+    mantissa * 2**exponent (0 for a factor of 1 or more): the step a power-of-two scale
+    (E8M0: MXFP4) takes, rounded down so that the scaled values never exceed the exact
+    factor's. Exact: frexp splits the mantissa without rounding."""
+    if not mantissa > 0 or not math.isfinite(mantissa):
+        raise ValueError(f"a factor of {mantissa!r} * 2**{exponent} has no power of two")
+    _, shift = math.frexp(mantissa)  # mantissa = fraction * 2**shift, fraction in [0.5, 1)
+    return max(0, 1 - shift - exponent)
 
 
 def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0) -> np.ndarray:
@@ -382,4 +394,59 @@ def flushes(before: np.ndarray, after: np.ndarray) -> tuple[int, int]:
     to_zero = int(np.count_nonzero((new == 0) & (old != 0)))
     old_subnormal = (old != 0) & (old < subnormal_below)
     to_subnormal = int(np.count_nonzero((new != 0) & ~old_subnormal))
+    return to_zero, to_subnormal
+
+
+def scaled_statistics(
+    before: NormAccumulator, dtype: np.dtype[Any], scale: float, exponent: int
+) -> tuple[NormAccumulator, tuple[int, int]] | None:
+    """The statistics of an 8- or 16-bit float tensor scaled by scale * 2**exponent (as
+    scale_chunk scales it) and what the rounding flushed (as flushes counts it), read off
+    the tensor's bit-pattern histogram (NormAccumulator.histogram) instead of a pass over
+    the written data: every occurrence of a pattern becomes the same pattern. None where
+    the tensor has no histogram. The sum of squares is that of finish(): the exact
+    count * v**2 of each pattern summed in float64 (a pass over the data sums float64
+    squares chunk by chunk: the two may differ in the last bits)."""
+    if before.histogram is None or not is_small_float(dtype) or before.numel >= 2**53:
+        return None
+    bits, counts = before.histogram  # the finite nonzero patterns and their counts
+    unsigned = bits_dtype(dtype)
+    inputs = bits.astype(unsigned).view(dtype)
+    outputs = scale_chunk(inputs, scale, exponent).view(unsigned)
+    dense = np.zeros(256**dtype.itemsize, np.int64)
+    np.add.at(dense, outputs.astype(np.intp), counts.astype(np.int64))
+    # Zeros, NaN and infinities are not in the histogram; scaling keeps each what it is.
+    zeros = before.numel - int(counts.sum(dtype=np.int64)) - before.nan_count - before.inf_count
+    values = np.zeros(1, dtype)
+    dense[int(values.view(unsigned)[0])] += zeros
+    if before.nan_count:
+        values[0] = np.nan
+        dense[int(values.view(unsigned)[0])] += before.nan_count
+    if before.inf_count:  # how many of each sign is not kept: only that each is there
+        minus = before.min_value == -math.inf
+        plus = before.inf_count - minus if before.max_value == math.inf else 0
+        for value, count in ((np.inf, plus), (-np.inf, before.inf_count - plus)):
+            values[0] = value
+            dense[int(values.view(unsigned)[0])] += count
+    after = NormAccumulator(keep_histogram=True)
+    after.counts, after.numel, after.hist_dtype = dense, before.numel, dtype
+    after.finish()
+    after.histogram = None  # not needed past this point
+    return after, _counted_flushes(inputs, outputs.view(dtype), counts)
+
+
+def _counted_flushes(before: np.ndarray, after: np.ndarray, counts: np.ndarray) -> tuple[int, int]:
+    """flushes() of distinct values, each standing for `counts` occurrences."""
+    if smallest_without_zero(after.dtype) is not None:
+        return 0, 0
+    nmant = int(finfo(after.dtype).nmant)
+    unsigned = bits_dtype(after.dtype)
+    mask = unsigned.type((1 << (8 * after.dtype.itemsize - 1)) - 1)
+    subnormal_below = unsigned.type(1 << nmant)
+    new = np.bitwise_and(after.view(unsigned), mask)
+    old = np.bitwise_and(before.view(unsigned), mask)
+    weights = counts.astype(np.int64)
+    to_zero = int(weights[(new == 0) & (old != 0)].sum())
+    old_subnormal = (old != 0) & (old < subnormal_below)
+    to_subnormal = int(weights[(new != 0) & (new < subnormal_below) & ~old_subnormal].sum())
     return to_zero, to_subnormal

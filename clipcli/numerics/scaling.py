@@ -77,6 +77,9 @@ class Member:
     # scales are rounded, each to its own dtype): no bound of `dtype`'s rounding holds, so
     # every factor for a group that holds it is checked by a pass over the output.
     rounded_elsewhere: bool = False
+    # Its output takes the factor rounded down to a power of two and is decoded exactly
+    # (E8M0 scales: MXFP4): no decoding rounding to leave room for.
+    power_of_two: bool = False
 
 
 @dataclass(frozen=True)
@@ -260,7 +263,9 @@ def _verified_factor(
     # A member rounded apart may be decoded with one rounding per value (NVFP4's division
     # by its global scale, relative error <= 2**-53): checked against a hair less than C,
     # its exact values stay within C.
-    target = Fraction(limit) * (1 - Fraction(1, 2**50)) if apart else Fraction(limit)
+    # Power-of-two members decode exactly: a group of those alone is checked against C.
+    inexact = any(m.rounded_elsewhere and not m.power_of_two for m in live_members)
+    target = Fraction(limit) * (1 - Fraction(1, 2**50)) if inexact else Fraction(limit)
 
     def checked(mantissa: float, exponent: int) -> tuple[bool, float]:
         """Whether the rounded output is certainly within, and its norm / limit."""

@@ -330,6 +330,11 @@ REASON_TEXT = {
 }
 
 
+# The note of a tensor whose factor was rounded down to a power of two (MXFP4's E8M0
+# scales), in the table and in JSON's `note`.
+POWER_OF_TWO_NOTE = "scale rounded down to a power of two"
+
+
 def clip_note(row: ClipRow) -> str:
     """The note for one tensor of a clip: its plan's reason, with its group if any."""
     reason = row.reason.value
@@ -340,6 +345,8 @@ def clip_note(row: ClipRow) -> str:
         clipped=row.outcome.slices_clipped,
         slices=count(row.outcome.slices, "slice"),
     )
+    if row.plan.power_of_two:  # E8M0 scales (MXFP4): the factor is 2**-k, not the plan's
+        text = f"{POWER_OF_TWO_NOTE}, {text}" if text else POWER_OF_TWO_NOTE
     if row.plan.tied_to is not None:  # counted once, as the tensor it shares values with
         text = f"tied to {row.plan.tied_to}, {text}" if text else f"tied to {row.plan.tied_to}"
     if row.plan.group is None:
@@ -471,6 +478,8 @@ def diff_report(
             t.cosine,
             t.norm_ratio,
         )
+        # a `tied to` column only where a side has ties, as `norms` says it in `role`
+        + ((result.tied_a.get(t.name) or result.tied_b.get(t.name),) if result.tied else ())
         for t in listed
     )
     counts = {status: n for status, n in result.counts.items() if n}
@@ -491,6 +500,11 @@ def diff_report(
             f"{count(result.n_parts, 'quantization part')} (scales, zero points) listed "
             "apart: compared through their weights, not in the counts or global figures"
         )
+    if result.tied:  # as in `norms`: a tensor sharing one storage with another counts once
+        footer.append(
+            f"{count(len(result.tied), 'tied tensor')} (one storage with an earlier one) "
+            "counted once in the global figures"
+        )
     if result.training_state:  # as in `norms`: the global figures are of model weights
         footer.append(
             f"{count(result.training_state, 'training-state tensor')} compared, not in the "
@@ -508,6 +522,8 @@ def diff_report(
         ("global_rel_change", result.global_rel_change),
         ("training_state", result.training_state),
         ("parts", result.n_parts),
+        ("tied_a", dict(result.tied_a)),
+        ("tied_b", dict(result.tied_b)),
         ("max_rel_change", result.max_rel_change),
         ("identical", result.identical),
         ("counts", dict(result.counts)),
@@ -518,11 +534,11 @@ def diff_report(
     )
     return Report(
         f"diff {result.path_a} ({result.format_a}) -> {result.path_b} ({result.format_b})",
-        DIFF_COLUMNS,
+        DIFF_COLUMNS + ((Column("tied_to", "tied to"),) if result.tied else ()),
         rows,
         summary,
         tuple(footer),
-        drop_order=DIFF_DROP_ORDER,
+        drop_order=("tied_to", *DIFF_DROP_ORDER),
         drop_late=("norm_b", "norm_ratio", "diff_norm", "norm_a"),
         kept=("rel_change", "diff_norm") if sort is SortKey.NORM else ("rel_change",),
         metadata_changes=tuple(result.metadata_changes),

@@ -40,6 +40,13 @@ HANDLED = tuple(getattr(signal, name) for name in _CATCHABLE_ENDINGS if hasattr(
 _pending: list[int] = []  # signals received while deferred, oldest first
 _deferring: list[bool] = []  # one per open deferred() block: True where it writes output
 _settled: list[bool] = []  # non-empty once the result is out: later signals are moot
+_halts: list[threading.Event] = []  # one per open halting() block: set, check() stops work
+
+
+class Halted(BaseException):
+    """Work stopped at check() because work beside it, in another thread, failed: never the
+    run's own failure (halting()'s caller raises the failure that set the event). A
+    BaseException, so that no `except Exception` turns it into an error of its own."""
 
 
 def _record(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001 - handler signature
@@ -55,6 +62,19 @@ def check() -> None:
     """Raise Interrupted if a signal arrived; cheap enough to call for every chunk."""
     if _pending and not _settled:
         raise interrupted(_pending[0])
+    if _halts and _halts[-1].is_set():
+        raise Halted
+
+
+@contextlib.contextmanager
+def halting(event: threading.Event) -> Iterator[None]:
+    """While the block runs, check() in any thread raises Halted once `event` is set: the
+    other shards written beside a failed one stop at their next chunk."""
+    _halts.append(event)
+    try:
+        yield
+    finally:
+        _halts.remove(event)
 
 
 def settle() -> None:

@@ -6,6 +6,7 @@ so threads use both cores without copying data between processes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import queue
@@ -23,7 +24,31 @@ R = TypeVar("R")
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
+# Set in threads that share the workers with others (sharing()): how many share them.
+_sharing = threading.local()
+
+
 def worker_count() -> int:
+    """The threads one ordered_map may keep busy: all of them (machine_worker_count), or,
+    in a thread that shares them with others (sharing()), its share, at least one."""
+    return max(1, machine_worker_count() // getattr(_sharing, "slots", 1))
+
+
+@contextlib.contextmanager
+def sharing(slots: int) -> Iterator[None]:
+    """In this thread, one of `slots` threads that share the workers (a model directory's
+    shards written side by side): its ordered_map keeps at most its share of items in
+    flight, 2 * (workers // slots), so that all of them together hold no more than one
+    stream does; with a share of one it runs inline. The threads that do the work are
+    still the one pool of all the workers, shared."""
+    _sharing.slots = slots
+    try:
+        yield
+    finally:
+        del _sharing.slots
+
+
+def machine_worker_count() -> int:
     """CLIPCLI_THREADS if set, else the cores this process may use: the CPUs it may run on
     (sched_getaffinity: taskset, cpusets), fewer where a cgroup CPU quota allows less
     (a container given 4 CPUs of a 64-core host). No fixed cap: each chunk holds the GIL
@@ -189,7 +214,7 @@ def ordered_map(
         yield fn(first)
         return
     everything = itertools.chain((first, second), iterator)
-    pool = _pool(workers)
+    pool = _pool(machine_worker_count() if hasattr(_sharing, "slots") else workers)
     if not pool.size:  # not one thread could be started: this one does the work
         yield from map(fn, everything)
         return
@@ -207,3 +232,17 @@ def ordered_map(
         for task in pending:
             if not task.cancel():
                 task.wait()
+
+
+def start_threads(target: Callable[[], None], count: int, name: str) -> list[threading.Thread]:
+    """Up to `count` threads running target(), started now; fewer where no more can be
+    started (RLIMIT_NPROC): the caller, which runs target() too, does their share."""
+    started = []
+    for index in range(count):
+        thread = threading.Thread(target=target, name=f"{name}_{index}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # "can't start new thread"
+            break
+        started.append(thread)
+    return started

@@ -28,6 +28,7 @@ from clipcli.formats.pytorch.unpickler import (
     Tensor,
     storage_from_pid,
 )
+from clipcli.formats.registry import TAR_BLOCK, is_tar_header
 from clipcli.formats.zipsafe import check_zip_layout, open_member, unix_file_type
 
 # The pickle that describes the checkpoint (data.pkl, the legacy object) is read whole:
@@ -66,7 +67,8 @@ def is_legacy_stream(head: bytes) -> bool:
 
 
 def is_tar(fd: int) -> bool:
-    return os.pread(fd, 5, 257) == b"ustar"
+    # the registry's recognition (ustar and V7 alike, by the header checksum)
+    return is_tar_header(os.pread(fd, TAR_BLOCK, 0))
 
 
 class _Storages:
@@ -141,6 +143,16 @@ def parse_zip(path: Path, handle: BinaryIO) -> Parsed:
             kind = unix_file_type(record)  # as for .keras: what an unzip would not make a file
             if kind is not None:
                 raise InputError(path, f"record {name!r} is a {kind}, not a file")
+        if f"{root}/constants.pkl" in entries or any(
+            name.startswith(f"{root}/code/") for name in entries
+        ):
+            # torch.jit.save's archive: its data.pkl names the module's own classes
+            # (__torch__.*), which no allow-list can hold; say what the file is instead.
+            raise InputError(
+                path,
+                "is a TorchScript module (torch.jit.save: a program with its code), "
+                "not a checkpoint; save its state_dict() with torch.save to read it",
+            )
         pickle_entry = entries.get(f"{root}/data.pkl")
         if pickle_entry is None:
             raise InputError(path, f"no {root}/data.pkl: not a PyTorch checkpoint")

@@ -18,7 +18,10 @@ state uses; torch's own `weights_only` list is the model):
   torch.storage.UntypedStorage (with a dtype from _rebuild_tensor_v3)
 - collections.OrderedDict; _codecs.encode (bytes in protocol 2);
   builtins set, frozenset, bytearray, complex (py2's __builtin__ too)
-- plain containers and atoms: dict, list, tuple, str, bytes, int, float, bool, None.
+- plain containers and atoms: dict, list, tuple, str, bytes, int, float, bool, None;
+- the inert data of Lightning and research checkpoints (numpy scalars, dtypes and arrays,
+  argparse.Namespace, Lightning's AttributeDict, defaultdict, pathlib paths, datetime,
+  slice): constructors of inert.py, the only classes NEWOBJ may make.
 """
 
 from __future__ import annotations
@@ -28,9 +31,19 @@ import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from clipcli.formats.pytorch import inert
+from clipcli.formats.pytorch.problem import PickleProblem as PickleProblem
+
 # Budgets, per pickle. A real state dict costs about 10 objects per tensor; the reader
 # caps tensors at 200,000, so these leave room for that and for bulky metadata.
-MAX_OBJECTS = 4_000_000  # values made + stack slots + memo entries, all together
+# Objects: values made + stack slots + memo entries, all together, at most MAX_OBJECTS or
+# one per PICKLE_BYTES_PER_OBJECT bytes of the pickle, whichever is more, so the cap follows
+# what the user gave (a 7B model's pytorch_model.bin with a large vocabulary dict passes 4
+# million). Real pickles make one object per 3-10 bytes (torch.save measured: a state dict
+# 3.1, lists of ints 3.7, a str->int dict 6.2, floats 9); a stream of one-byte NONE or
+# NEWTRUE opcodes makes one per byte, which is what the cap stops.
+MAX_OBJECTS = 4_000_000
+PICKLE_BYTES_PER_OBJECT = 2
 MAX_MARK_DEPTH = 1_000  # MARKs open at once
 MAX_LONG_BYTES = 32  # LONG1/LONG4 payload (the legacy magic number is 10 bytes)
 MAX_LINE = 512  # GLOBAL's module and name lines, PUT/GET's text index
@@ -41,10 +54,6 @@ MAX_LINE = 512  # GLOBAL's module and name lines, PUT/GET's text index
 MEMORY_RATIO = 32
 MEMORY_FREE_BYTES = 16 << 20
 _REFERENCE = 8  # a slot on the stack, in a container or in the memo
-
-
-class PickleProblem(Exception):
-    """The pickle is malformed, exceeds a budget, or asks for something not allowed."""
 
 
 # ------------------------------------------------------------------ the stand-ins
@@ -194,6 +203,15 @@ def resolve_global(module: str, name: str) -> object:
         return _Callable("encode", "_codecs.encode")
     if module in ("builtins", "__builtin__") and name in _BUILTINS:
         return _Callable(_BUILTINS[name], f"builtins.{name}")
+    # The inert data of Lightning and research checkpoints (inert.py): constructors of
+    # ours, and classes named only as their arguments.
+    if module == "__builtin__":  # protocol 2 names int and str by their Python 2 names
+        module, name = "builtins", inert.PYTHON2_NAMES.get(name, name)
+    key = (module, name)
+    if key in inert.GLOBALS:
+        return _Callable(inert.GLOBALS[key], f"{key[0]}.{name}")
+    if key in inert.CLASSES:
+        return inert.InertClass(f"{key[0]}.{name}")
     raise PickleProblem(f"pickle names the global {module}.{name}, which is not on the allow-list")
 
 
@@ -246,6 +264,7 @@ class Interpreter:
         # inflates to 26 MB, whose own size would allow 850 MB of objects.
         self._basis = len(self._data) if file_size is None else min(len(self._data), file_size)
         self._memory_budget = MEMORY_RATIO * self._basis + MEMORY_FREE_BYTES
+        self.object_budget = max(MAX_OBJECTS, self._basis // PICKLE_BYTES_PER_OBJECT)
 
     @property
     def position(self) -> int:
@@ -255,9 +274,11 @@ class Interpreter:
     def _count(self, made: object = None) -> None:
         """One more object (or stack slot, memo entry): `made`, whose memory is charged."""
         self._made += 1
-        if self._made > MAX_OBJECTS:
+        if self._made > self.object_budget:
             raise PickleProblem(
-                f"pickle makes more than {MAX_OBJECTS} objects; refusing it (budget)"
+                f"pickle makes more than {self.object_budget} objects ({MAX_OBJECTS}, or one "
+                f"per {PICKLE_BYTES_PER_OBJECT} of its {self._basis} bytes if more); refusing "
+                "it (budget)"
             )
         self._charge(_REFERENCE + (sys.getsizeof(made) if made is not None else 0))
 
@@ -498,6 +519,11 @@ class Interpreter:
                 function = self._pop(stack)
                 stack.append(self._reduce(function, args))
                 count(stack[-1])
+            elif code == 0x81:  # NEWOBJ: cls.__new__(cls, *args), for inert classes only
+                args = self._pop(stack)
+                cls = self._pop(stack)
+                stack.append(self._newobj(cls, args))
+                count(stack[-1])
             elif code == 0x62:  # BUILD
                 state = self._pop(stack)
                 self._build(self._top(stack), state)
@@ -509,8 +535,8 @@ class Interpreter:
                 count(stack[-1])
             else:
                 raise PickleProblem(_refused_opcode(code))
-            if len(stack) > MAX_OBJECTS:
-                raise PickleProblem(f"pickle's stack grows past {MAX_OBJECTS}; refusing it")
+            if len(stack) > self.object_budget:
+                raise PickleProblem(f"pickle's stack grows past {self.object_budget}; refusing it")
 
     # ---- helpers
 
@@ -560,7 +586,7 @@ class Interpreter:
 
     @staticmethod
     def _dict_of(target: object) -> dict[Any, Any]:
-        if type(target) not in (dict, _OrderedDict):
+        if type(target) not in (dict, _OrderedDict, inert.AttributeDict, inert.DefaultDict):
             raise PickleProblem(f"pickle sets items of {_short(target)}, not a dict")
         assert isinstance(target, dict)
         return target
@@ -587,12 +613,26 @@ class Interpreter:
         if type(function) is not _Callable:
             # Only our allow-listed callables are callable: a storage class, a dtype, a
             # container or any value REDUCE'd is refused by what it is, never called.
-            raise PickleProblem(f"pickle calls {_short(function)}, which is not allowed")
+            what = function.name if type(function) is inert.InertClass else _short(function)
+            raise PickleProblem(f"pickle calls {what}, which is not allowed")
         if type(args) is not tuple:
             raise PickleProblem(f"pickle calls {function.name} with {_short(args)}")
         return _CALLS[function.kind](function.name, args)
 
+    @staticmethod
+    def _newobj(cls: object, args: object) -> object:
+        if type(cls) is not _Callable or cls.kind not in inert.NEWOBJ_KINDS:
+            raise PickleProblem(f"pickle opcode NEWOBJ is not allowed on {_short(cls)}")
+        if type(args) is not tuple:
+            raise PickleProblem(f"pickle makes a {cls.name} with {_short(args)}")
+        return _CALLS[cls.kind](cls.name, args)
+
     def _build(self, target: object, state: object) -> None:
+        if inert.buildable(target):  # a numpy dtype or array, a Namespace: inert.py checks
+            before = sys.getsizeof(target)
+            inert.build(target, state)
+            self._grown(target, before)
+            return
         # BUILD sets attributes (or calls __setstate__): only an OrderedDict's attributes
         # (a state dict's _metadata) are accepted, kept aside, never applied to anything.
         if type(target) is _OrderedDict and (state is None or type(state) is dict):
@@ -606,7 +646,6 @@ class Interpreter:
 _OPCODE_NAMES = {
     0x69: "INST",
     0x6F: "OBJ",
-    0x81: "NEWOBJ",
     0x92: "NEWOBJ_EX",
     0x82: "EXT1",
     0x83: "EXT2",
@@ -793,6 +832,7 @@ _CALLS: dict[str, Callable[[str, tuple[object, ...]], object]] = {
     "frozenset": _frozenset,
     "bytearray": _bytearray,
     "complex": _complex,
+    **inert.CALLS,
 }
 
 

@@ -171,6 +171,12 @@ class PyTorchWriter(Writer):
         lost, _ = metadata_loss(source.joined_metadata())
         if lost:
             losses.append(metadata_loss_text(lost))
+        nested = source.metadata.get("pytorch.nested")
+        if nested:  # the reader's description of a nested PyTorch file
+            losses.append(
+                f"the nesting of the checkpoint's containers ({nested}): "
+                "this .pt holds one flat dict of the dotted names"
+            )
         return losses
 
     def _aligned(self, name: str, nbytes: int) -> tuple[zipfile.ZipInfo, bool]:

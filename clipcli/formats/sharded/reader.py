@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import stat
+import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -76,6 +77,7 @@ class ShardedReader(Reader):
         self._readers: dict[str, SafetensorsReader] = {}
         # Shards whose descriptor is open, least recently used first (at most MAX_OPEN_SHARDS).
         self._open_lru: OrderedDict[str, None] = OrderedDict()
+        self._lru_lock = threading.Lock()  # shards are read from several threads at once
         self._index: dict[str, Any] | None = None
         # Identities of the files read or to be copied, as first seen (clipcli.system.identity).
         self._identities: dict[Path, FileIdentity] = {}
@@ -343,11 +345,12 @@ class ShardedReader(Reader):
 
     def _used(self, shard: str) -> None:
         """Mark a shard as just used; release the least recently used one past the cap."""
-        self._open_lru[shard] = None
-        self._open_lru.move_to_end(shard)
-        while len(self._open_lru) > MAX_OPEN_SHARDS:
-            oldest, _ = self._open_lru.popitem(last=False)
-            self._readers[oldest].release()
+        with self._lru_lock:
+            self._open_lru[shard] = None
+            self._open_lru.move_to_end(shard)
+            while len(self._open_lru) > MAX_OPEN_SHARDS:
+                oldest, _ = self._open_lru.popitem(last=False)
+                self._readers[oldest].release()
 
     # -- the directory
 
@@ -429,6 +432,12 @@ class ShardedReader(Reader):
 
     def joined_metadata(self) -> dict[str, str]:
         return self.common_shard_metadata()
+
+    def descriptions(self) -> frozenset[str]:
+        """Without an index, `metadata` is the one shard's, descriptions included."""
+        if self._index is None:
+            return self._readers[self.shard_names[0]].descriptions()
+        return frozenset()
 
     def join_losses(self) -> list[str]:
         """The index's metadata (but DERIVED_INDEX_KEYS, which the one file does not need)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import stat
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -72,7 +73,8 @@ class ShardedWriter(Writer):
     directory's other files; or one model.safetensors when the source is a single file.
 
     Each shard is a SafetensorsWriter, opened when its first tensor arrives and closed when
-    the next shard starts, so one output file is open at a time.
+    the next shard starts, so one output file is open at a time; or, through parts(), the
+    shards are written apart, several at once, each by its own writer (one per thread).
     """
 
     format_name = FORMAT_NAME
@@ -90,6 +92,10 @@ class ShardedWriter(Writer):
         self._written = 0  # tensors done, in arrival order
         self._open_number = -1  # the shard being written
         self._current: SafetensorsWriter | None = None
+        # Shards written apart (parts()): those open, and how many were finished.
+        self._apart: dict[int, SafetensorsWriter] = {}
+        self._parts_finished = 0
+        self._parts_lock = threading.Lock()
 
     @classmethod
     def check_dtype(cls, info: TensorInfo) -> str | None:
@@ -146,12 +152,42 @@ class ShardedWriter(Writer):
             self._written += 1
         return copied
 
+    def parts(self) -> list[list[TensorInfo]] | None:
+        """The shards' tensors, shard by shard, before any tensor was written in order."""
+        if self._written or self._current is not None:
+            return None
+        return [list(plan.infos) for plan in self._plans]
+
+    def part_writer(self, number: int) -> Writer:
+        """Shard `number`'s own writer: the file that writing in order would make, with the
+        same bytes (the same header and tensors), written by one thread."""
+        plan = self._plans[number]
+        shard_checkpoint = Checkpoint(plan.infos, plan.metadata, self.checkpoint.source)
+        writer = _SHARD_WRITER(self.path / plan.name, shard_checkpoint, self.durable)
+        with self._parts_lock:
+            self._apart[number] = writer
+        return writer
+
+    def close_part(self, number: int) -> None:
+        with self._parts_lock:
+            writer = self._apart[number]
+        writer.close()
+        with self._parts_lock:
+            del self._apart[number]
+            self._parts_finished += 1
+            self._written += len(self._plans[number].infos)
+
     def close(self) -> None:
         if self._written != len(self._order):
             raise ValueError(f"close() after {self._written} of {len(self._order)} tensors")
-        while self._open_number < len(self._plans) - 1:  # a checkpoint without tensors
-            self._start_shard(self._open_number + 1)
-        self._finish_shard()
+        if self._parts_finished:  # written apart: every shard is done
+            if self._parts_finished != len(self._plans):
+                shards = f"{self._parts_finished} of {len(self._plans)} shards"
+                raise ValueError(f"close() after {shards}")
+        else:
+            while self._open_number < len(self._plans) - 1:  # a checkpoint without tensors
+                self._start_shard(self._open_number + 1)
+            self._finish_shard()
         layout = self.checkpoint.layout
         if layout is not None:
             if layout.index_name is not None:
@@ -171,6 +207,10 @@ class ShardedWriter(Writer):
         if self._current is not None:
             self._current.abort()
             self._current = None
+        with self._parts_lock:
+            apart, self._apart = list(self._apart.values()), {}
+        for writer in apart:
+            writer.abort()
 
     def _shard_writer(self, info: TensorInfo) -> SafetensorsWriter:
         """The writer of the shard that holds `info`, which must be the next tensor."""

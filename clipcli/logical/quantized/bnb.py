@@ -10,7 +10,16 @@ absmax nested_blocksize and nested_offset); `X.weight.absmax` [ceil(n / blocksiz
 float64 exactly. Nested: `absmax` is U8 codes with `X.weight.nested_absmax` F32 and
 `X.weight.nested_quant_map` F32 [256], absmax[b] = nested_map[a[b]] *
 nested_absmax[b // nested_blocksize] + nested_offset, computed in float32 as bitsandbytes
-computes it (the absmax its kernels use), then widened exactly.
+computes it (the absmax its kernels use), then widened exactly. The offset is read from
+the quant state's bytes each time they are decoded (QuantState.from_dict: float(...) as a
+float32 tensor), so the values checked after a clip are those of the bytes written.
+
+A clip by f scales nested_absmax (rounded in float32, as any scale) and nested_offset,
+whose number is rewritten inside the JSON in place (stored_scaler): the same key order and
+every other byte kept, the new number padded with JSON whitespace to the old length (json
+.loads, bitsandbytes' own parser, reads it alike). Its text is the shortest that reads
+back as f * offset rounded to float32; where even that is longer than the old number, the
+nearest shorter decimal is written, and the factor search checks the values it gives.
 
 LLM.int8: `X.weight` I8 [out, in] + `X.SCB` F32 [out]; W = q * SCB[row] / 127, rounded
 once to float64 (the one value here that is not a float64 exactly: a relative error of
@@ -21,7 +30,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import intcodes, rules
@@ -43,6 +53,14 @@ MAX_DIM = 1 << 40
 FLOAT32 = frozenset({"float32"})
 # The dtypes a bitsandbytes quant state names (its QuantState.as_dict: str(torch dtype)).
 STATE_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+OFFSET_KEY = '"nested_offset"'
+# The key, the colon, and a JSON number (RFC 8259), then the whitespace after it: the span
+# a clip rewrites. Only where the key's text occurs exactly once.
+OFFSET_FIELD = re.compile(
+    r'"nested_offset"[ \t\n\r]*:[ \t\n\r]*'
+    r"(?P<number>-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)(?P<space>[ \t\n\r]*)"
+)
+JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 
 def recognise(
@@ -115,7 +133,7 @@ def _dtype(state: Mapping[str, Any], where: str) -> str | None:
 def _companion(stored: Mapping[str, TensorInfo], name: str, where: str) -> TensorInfo:
     info = stored.get(name)
     if info is None:
-        raise rules.refuse(where, f"a quant state without its {name}")
+        raise rules.incomplete(where, f"a quant state without its {name}")
     return info
 
 
@@ -167,7 +185,9 @@ def _four_bit(
     else:
         nested_map = stored.get(weight + ".nested_quant_map")
         if nested_map is None:
-            raise rules.refuse(where, "a nested absmax without its .nested_quant_map")
+            raise rules.incomplete(
+                where, f"a nested absmax without its .nested_quant_map ({weight}.nested_quant_map)"
+            )
         nested_block = intcodes.whole_number(
             state.get("nested_blocksize"), where, "nested_blocksize", 1, intcodes.MAX_GROUP
         )
@@ -185,15 +205,19 @@ def _four_bit(
         intcodes.check_dtype(nested_map, FLOAT32, "nested quant map")
         rules.check_shape(nested_map, (256,), weight, "nested quant map")
         parts += [Part(nested_absmax.name, "scale"), Part(nested_map.name, "quant_map")]
-        params["nested"] = (nested_absmax.name, nested_map.name, nested_block, float(offset))
+        params["nested"] = (nested_absmax.name, nested_map.name, nested_block, state_info.name)
         scaled = [nested_absmax.name]
         if offset != 0:
-            # absmax = map[q] * nested_absmax + offset: a factor must scale the offset too,
-            # and it is a number inside JSON text, not a tensor a clip rounds and writes.
-            params["clip_refused"] = (
-                f"{weight}: its absmax is nested with nested_offset {offset!r} in the JSON "
-                f"quant state {state_info.name}, which a clip would have to rewrite"
-            )
+            # absmax = map[q] * nested_absmax + offset: a factor scales the offset too, a
+            # number rewritten inside the JSON text (stored_scaler), where it can be found.
+            why = _offset_unwritable(read(state_info.name).tobytes().decode("utf-8"), offset)
+            if why is None:
+                scaled.append(state_info.name)
+            else:
+                params["clip_refused"] = (
+                    f"{weight}: its absmax is nested with nested_offset {offset!r} in the JSON "
+                    f"quant state {state_info.name}, which a clip cannot rewrite: {why}"
+                )
     parts.append(Part(state_info.name, "quant_state"))
     params["scaled"] = scaled
     return Recognised(
@@ -280,7 +304,8 @@ def _absmax(params: Mapping[str, Any], small: Mapping[str, np.ndarray]) -> np.nd
     absmax = small[params["absmax"]].reshape(-1)
     if params["nested"] is None:
         return absmax.astype(np.float64)
-    nested_absmax, nested_map, nested_block, offset = params["nested"]
+    nested_absmax, nested_map, nested_block, state = params["nested"]
+    offset = _offset_of(small[state])
     blocks = np.arange(absmax.size, dtype=np.int64)
     scaled = (
         small[nested_map].astype(np.float32)[absmax]
@@ -294,3 +319,113 @@ def scaled_parts(weight: Recognised) -> list[str]:
     if weight.scheme == "bnb-int8":
         return [weight.params["scb"]]
     return list(weight.params["scaled"])
+
+
+def stored_scaler(
+    weight: Recognised, part: str
+) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+    """The quant state of a nested absmax with a nonzero offset: its nested_offset scaled
+    in place inside the JSON bytes (scale_offset); None for every other part."""
+    nested = weight.params.get("nested")
+    if nested is not None and part == nested[3] and part in weight.params["scaled"]:
+        return scale_offset
+    return None
+
+
+def _offset_of(state: np.ndarray) -> float:
+    """nested_offset as bitsandbytes reads it: the JSON number as a float64, then a float32
+    tensor (QuantState.from_dict), widened exactly."""
+    import numpy as np
+
+    document = json.loads(np.ascontiguousarray(state).view(np.uint8).tobytes().decode("utf-8"))
+    return float(np.float32(float(document["nested_offset"])))
+
+
+def _offset_unwritable(text: str, offset: float) -> str | None:
+    """Why nested_offset's number cannot be rewritten in place in `text`, or None."""
+    if text.count(OFFSET_KEY) != 1:
+        return f"its key's text occurs {text.count(OFFSET_KEY)} times, not once"
+    found = OFFSET_FIELD.search(text)
+    if found is None or float(found["number"]) != offset:
+        return "its value is not a plain JSON number after the key"
+    return None
+
+
+def scale_offset(chunk: np.ndarray, mantissa: float, exponent: int) -> np.ndarray:
+    """The JSON quant state `chunk` (its whole bytes) with nested_offset multiplied by
+    mantissa * 2**exponent, rounded to float32 as a scale is (rounding.scale_chunk), and
+    written in the old number's place: every other byte as it was, the length too."""
+    import numpy as np
+
+    from clipcli.numerics import rounding
+
+    raw = np.ascontiguousarray(chunk).view(np.uint8)
+    text = raw.tobytes().decode("utf-8")
+    before = json.loads(text)
+    # The chunk is the whole state: at most MAX_STATE_BYTES, less than a chunk's bytes.
+    if _offset_unwritable(text, before.get("nested_offset")) is not None:
+        raise AssertionError("a quant state recognise() found rewritable is not")
+    found = OFFSET_FIELD.search(text)
+    assert found is not None
+    start, end = found.start("number"), found.end("space")
+    old = np.array([_offset_of(raw)], np.float32)
+    with np.errstate(all="ignore"):
+        target = rounding.scale_chunk(old, mantissa, exponent)[0]
+    number = _number_within(float(target), end - start)
+    rewritten = text[:start] + number.ljust(end - start) + text[end:]
+    after = json.loads(rewritten)
+    if list(after) != list(before) or {**before, "nested_offset": after["nested_offset"]} != after:
+        raise AssertionError("rewriting nested_offset changed more than its value")
+    out = np.frombuffer(rewritten.encode("utf-8"), np.uint8)
+    if out.size != raw.size:
+        raise AssertionError("rewriting nested_offset changed the quant state's length")
+    return out.view(chunk.dtype).reshape(chunk.shape).copy()
+
+
+def _number_within(value: float, room: int) -> str:
+    """A JSON number of at most `room` characters that bitsandbytes reads as `value` (a
+    float32; read as a float64, then rounded to float32), the shortest such; else the
+    closest one with fewer significant digits that reads as a finite float32 of the same
+    sign (the factor search checks the values it gives)."""
+    import numpy as np
+
+    def reads_as(text: str) -> float:
+        return float(np.float32(float(text)))
+
+    def fits(text: str) -> bool:
+        if len(text) > room or not JSON_NUMBER.fullmatch(text):
+            return False
+        read = reads_as(text)
+        return math.isfinite(read) and math.copysign(1.0, read) == math.copysign(1.0, value)
+
+    exact = [
+        text
+        for digits in range(1, 10)
+        for text in _decimals(value, digits)
+        if JSON_NUMBER.fullmatch(text) and reads_as(text) == value
+    ]
+    exact += [str(np.float32(value)), repr(value)]
+    shortest = min((t for t in exact if JSON_NUMBER.fullmatch(t)), key=len)
+    if len(shortest) <= room:
+        return shortest
+    for digits in range(8, 0, -1):
+        for text in _decimals(value, digits):
+            if fits(text):
+                return text
+    from clipcli.errors import DataRefusedError
+
+    raise DataRefusedError(
+        f"nested_offset {value!r} does not fit the {room} characters its JSON quant state "
+        "holds, and clipcli keeps a stored tensor's length; leave the weight out with --exclude"
+    )
+
+
+def _decimals(value: float, digits: int) -> tuple[str, ...]:
+    """`value` rounded to `digits` significant digits, positional and with a compact
+    exponent (no '+', no leading zeros: 2.5e-4), each a JSON number."""
+    positional = f"{value:.{digits}g}"
+    mantissa, _, exponent = f"{value:.{digits - 1}e}".partition("e")
+    if "." in mantissa:
+        mantissa = mantissa.rstrip("0").rstrip(".")
+    compact = f"{mantissa}e{int(exponent)}"
+    return (positional, compact) if "e" not in positional else (compact,)

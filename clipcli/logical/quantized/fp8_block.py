@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import TensorInfo
+    from clipcli.numerics.norms import NormAccumulator
 
 NAMES: Sequence[str] = ("fp8-block",)
 METHOD = "fp8"
@@ -50,7 +51,7 @@ def recognise(
         scale = stored.get(name + SCALE_SUFFIX)
         if scale is None:
             if config is not None:
-                raise rules.refuse(
+                raise rules.incomplete(
                     name,
                     f"fp8 codes without their {name + SCALE_SUFFIX} (config.json declares "
                     'quant_method "fp8"): its real values cannot be known',
@@ -162,6 +163,42 @@ def decode_rows(
             values[first - start : last - start] *= spread
         first = last
     return values
+
+
+def measure_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> NormAccumulator | None:
+    """The statistics of real rows [start, stop), as NormAccumulator.add gives them for
+    decode_rows' values, from how often each code occurs per block and a 256-entry table
+    per block (every code x the block's scale, the products decode_rows makes). None when
+    the blocks are too small for tables to pay (the caller decodes)."""
+    import numpy as np
+
+    from clipcli.dtypes import float64_values
+    from clipcli.numerics import coded
+
+    block_rows, block_columns = weight.params["block"]
+    columns = weight.shape[1]
+    flat = rules.widened(small[weight.parts[1].name]).reshape(-1)
+    scale_columns = rules.ceil_div(columns, block_columns) if flat.size > 1 else 1
+    scale = flat.reshape(-1, scale_columns)
+    # As decode_rows: one row of scales covers every row, one column every column.
+    rows_per_block = block_rows if scale.shape[0] > 1 else max(1, stop)
+    columns_per_block = block_columns if scale_columns > 1 else max(1, columns)
+    first_block = start // rows_per_block
+    last_block = (stop - 1) // rows_per_block
+    blocks = (last_block - first_block + 1) * scale_columns
+    if not coded.tables_pay(blocks, (stop - start) * columns):
+        return None
+    raw = codes.reshape(stop - start, columns).view(np.uint8)
+    counts = coded.block_code_counts(raw, start, rows_per_block, columns_per_block)
+    with np.errstate(invalid="ignore", over="ignore"):
+        tables = scale[first_block : last_block + 1, :, None] * float64_values(codes.dtype)
+    return coded.table_statistics(counts, tables)
 
 
 def cast_rows(

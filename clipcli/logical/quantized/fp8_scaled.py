@@ -96,7 +96,7 @@ def recognise(
         scales = [stored[stem + s] for s in SCALE_NAMES if stem + s in stored]
         if not scales:
             if config is not None:
-                raise rules.refuse(
+                raise rules.incomplete(
                     name,
                     f"fp8 codes without their {stem}.weight_scale (config.json declares "
                     f"quant_method {method!r}): its real values cannot be known",
@@ -169,4 +169,5 @@ def _block(shape: tuple[int, ...], tile: Tile) -> tuple[int, int]:
 
 code_rows = fp8_block.code_rows
 decode_rows = fp8_block.decode_rows
+measure_rows = fp8_block.measure_rows
 scaled_parts = fp8_block.scaled_parts

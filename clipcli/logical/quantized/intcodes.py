@@ -140,7 +140,7 @@ def qweight_sets(
         if qzeros is None or scales is None:
             if declared:
                 missing = module + (".qzeros" if qzeros is None else ".scales")
-                raise rules.refuse(
+                raise rules.incomplete(
                     name, f"{label} codes without their {missing}: the real values are unknown"
                 )
             continue

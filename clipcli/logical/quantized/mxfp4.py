@@ -6,11 +6,17 @@
 - compressed-tensors `mxfp4-pack-quantized`: `X.weight_packed` U8 [out, in/2] and
   `X.weight_scale` U8 (or F8_E8M0) [out, ceil(in/32)], low nibble = even element.
 Every value is an e2m1 code times a power of two: a float64 exactly. Scale 0xFF is NaN.
+
+A clip multiplies by a power of two 2**-k only (the factor rounded down,
+rounding.power_of_two_steps): every scale byte s becomes s - k, exactly, and the codes stay
+byte for byte. A byte below k has no E8M0 value to go to (2**(s - k - 127) is below
+2**-127): such a block is left as it is, which changes nothing only when its codes are all
+zero; the view refuses the clip otherwise (QuantizedView.refused_factor).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import rules
@@ -21,6 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import TensorInfo
+    from clipcli.numerics.norms import NormAccumulator
 
 NAMES: Sequence[str] = ("mxfp4",)
 METHOD = "mxfp4"
@@ -46,7 +53,10 @@ def recognise(
             if scales is not None:
                 found.append(_gpt_oss(info, scales))
             elif config is not None:
-                raise rules.refuse(name, "MXFP4 blocks without their _scales")
+                missing = name[: -len("_blocks")] + "_scales"
+                raise rules.incomplete(
+                    name, f"MXFP4 blocks without their {missing}: the real values are unknown"
+                )
         elif pack and name.endswith(".weight_packed") and rules.dtype_name(info) == "uint8":
             stem = name[: -len(".weight_packed")]
             scale = stored.get(stem + ".weight_scale")
@@ -75,7 +85,7 @@ def _gpt_oss(blocks: TensorInfo, scales: TensorInfo) -> Recognised:
         shape=shape,
         codes=blocks.name,
         parts=(Part(blocks.name, "codes"), Part(scales.name, "scale")),
-        params={"power_of_two": True, "codes_per_row": blocks.shape[-2]},
+        params={"power_of_two": True, "scale_block": BLOCK, "codes_per_row": blocks.shape[-2]},
     )
 
 
@@ -91,7 +101,7 @@ def _packed(packed: TensorInfo, scale: TensorInfo, stem: str) -> Recognised:
         shape=(rows, columns),
         codes=packed.name,
         parts=(Part(packed.name, "codes"), Part(scale.name, "scale")),
-        params={"power_of_two": True, "codes_per_row": 1},
+        params={"power_of_two": True, "scale_block": BLOCK, "codes_per_row": 1},
     )
 
 
@@ -119,5 +129,59 @@ def decode_rows(
     return values
 
 
+def measure_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> NormAccumulator | None:
+    """The statistics of real rows [start, stop) as NormAccumulator.add gives them for
+    decode_rows' values, from how often each (E8M0 scale code, e2m1 code) pair occurs and
+    one table of their 256 x 16 products (decode_rows' own). None where the run holds
+    fewer values than the table (the caller decodes)."""
+    import numpy as np
+
+    from clipcli.numerics import coded
+
+    columns = weight.shape[-1]
+    packed = codes.reshape(stop - start, -1).view(np.uint8)
+    if packed.shape[1] * 2 != columns or not coded.tables_pay(16, (stop - start) * columns):
+        return None
+    scale_codes = small[weight.parts[1].name].view(np.uint8)
+    scale_codes = scale_codes.reshape(-1, rules.ceil_div(columns, BLOCK))[start:stop]
+    counts = coded.nibble_counts(packed, scale_codes, BLOCK)
+    scales = rules.e8m0_values(np.arange(coded.CODES, dtype=np.uint8))
+    with np.errstate(invalid="ignore"):
+        tables = scales[:, None] * np.array(rules.E2M1, dtype=np.float64)
+    return coded.table_statistics(counts, tables)
+
+
 def scaled_parts(weight: Recognised) -> list[str]:
     return [weight.parts[1].name]
+
+
+NAN_EXPONENT = 0xFF
+
+
+def lower_exponents(chunk: np.ndarray, mantissa: float, exponent: int) -> np.ndarray:
+    """E8M0 scale bytes (uint8 or float8_e8m0fnu) for the factor mantissa * 2**exponent
+    rounded down to 2**-k: each byte s >= k becomes s - k (its value times 2**-k, exactly);
+    a byte below k and the NaN byte 0xFF stay as they are (see the module's note)."""
+    import numpy as np
+
+    from clipcli.numerics.rounding import power_of_two_steps
+
+    steps = power_of_two_steps(mantissa, exponent)
+    raw = np.ascontiguousarray(chunk).view(np.uint8)
+    movable = (raw >= steps) & (raw != NAN_EXPONENT)
+    lowered = np.where(movable, raw.astype(np.int64) - steps, raw).astype(np.uint8)
+    return lowered.view(chunk.dtype).reshape(chunk.shape)
+
+
+def stored_scaler(
+    weight: Recognised, part: str
+) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+    """The optional scheme hook (scheme.Scheme): a scale part's bytes are E8M0 exponents,
+    scaled by lower_exponents, never value by value."""
+    return lower_exponents if part == weight.parts[1].name else None

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import TensorInfo
+    from clipcli.numerics.norms import NormAccumulator
 
 NAMES: Sequence[str] = ("nvfp4",)
 FORMAT = "nvfp4-pack-quantized"
@@ -48,7 +49,13 @@ def recognise(
         global_scale = stored.get(stem + ".weight_global_scale")
         if scale is None or global_scale is None:
             if config is not None:
-                raise rules.refuse(name, "NVFP4 codes without weight_scale and weight_global_scale")
+                parts = ((".weight_scale", scale), (".weight_global_scale", global_scale))
+                missing = [stem + s for s, part in parts if part is None]
+                raise rules.incomplete(
+                    name,
+                    f"NVFP4 codes without their {' and '.join(missing)}: the real values are "
+                    "unknown",
+                )
             continue
         found.append(_recognised(stored, info, scale, global_scale, stem))
     return found
@@ -107,6 +114,36 @@ def decode_rows(
         values *= np.repeat(scales[start:stop], GROUP, axis=1)[:, :columns]
         values /= global_scale
     return values
+
+
+def measure_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> NormAccumulator | None:
+    """The statistics of real rows [start, stop) as NormAccumulator.add gives them for
+    decode_rows' values, from how often each (fp8 scale code, e2m1 code) pair occurs and
+    one table of their 256 x 16 values, each fp4 x scale / global scale as decode_rows
+    divides it. None where the run holds fewer values than the table (decoded)."""
+    import numpy as np
+
+    from clipcli.dtypes import float64_values
+    from clipcli.numerics import coded
+
+    columns = weight.shape[1]
+    packed = codes.reshape(stop - start, -1).view(np.uint8)
+    if packed.shape[1] * 2 != columns or not coded.tables_pay(16, (stop - start) * columns):
+        return None
+    stored_scales = small[weight.parts[1].name]
+    scale_codes = stored_scales.view(np.uint8).reshape(-1, rules.ceil_div(columns, GROUP))
+    counts = coded.nibble_counts(packed, scale_codes[start:stop], GROUP)
+    global_scale = float(rules.widened(small[weight.parts[2].name]).reshape(-1)[0])
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        tables = float64_values(stored_scales.dtype)[:, None] * np.array(rules.E2M1)
+        tables /= global_scale
+    return coded.table_statistics(counts, tables)
 
 
 def scaled_parts(weight: Recognised) -> list[str]:

@@ -110,7 +110,7 @@ def recognise(
         shape_info = stored.get(module + ".weight_shape")
         if scale is None or shape_info is None:
             missing = module + (".weight_scale" if scale is None else ".weight_shape")
-            raise rules.refuse(
+            raise rules.incomplete(
                 name, f"packed integer codes without their {missing}: the real values are unknown"
             )
         if declared is not None and not declared:

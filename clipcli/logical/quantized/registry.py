@@ -34,12 +34,27 @@ MARKERS = (
     ".qweight",  # gptq, awq
     ".quant_state.bitsandbytes__",  # bnb 4-bit
     ".SCB",  # bnb LLM.int8
+    # parts of a set that may lack the marker above (incomplete.py refuses such a set)
+    ".qzeros",
+    ".weight_global_scale",
+    ".weight_shape",
+    ".weight_zero_point",
+    ".weight_g_idx",
+    ".weight.absmax",
+    ".weight.quant_map",
+    ".weight.nested_",
 )
+# Matched at the end of a name only: "_blocks" is in diffusers' "down_blocks.0.…".
+END_MARKERS = ("_blocks",)
 
 
 def may_hold_quantized(names: Iterable[str]) -> bool:
-    """False when no scheme can recognise a weight among `names` without a config."""
-    # One search per marker through all names at once (200,000 names: ms, not 0.1 s); no
-    # marker holds the newline, so none is found across two names.
-    joined = "\n".join(names)
-    return any(marker in joined for marker in MARKERS)
+    """False when no scheme can recognise a weight (or a set missing a part) among
+    `names` without a config."""
+    # One search per marker through all names at once (200,000 names: ms, not 0.1 s): no
+    # marker holds the newline, so none is found across two names, and a name's end is
+    # where a newline follows it.
+    joined = "\n".join(names) + "\n"
+    return any(marker in joined for marker in MARKERS) or any(
+        marker + "\n" in joined for marker in END_MARKERS
+    )

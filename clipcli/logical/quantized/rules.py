@@ -26,9 +26,19 @@ EXACT_SCALE_DTYPES = frozenset(
 FP8_CODE_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 
+# What a refusal of a quantized set missing a part suggests: the stored tensors as they are.
+STORED_HINT = "`ls --stored` and `norms --stored` show the stored tensors as they are"
+
+
 def refuse(where: str, problem: str) -> InputError:
     """The one-line refusal (exit 3) for a quantized weight whose layout does not hold."""
     return InputError(where, problem)
+
+
+def incomplete(where: str, problem: str) -> InputError:
+    """The refusal (exit 3) of a quantized set missing a part (`problem` names the weight
+    and the part): its real values are unknown, and the stored tensors are not it."""
+    return InputError(where, f"{problem}; {STORED_HINT}")
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -84,8 +84,17 @@ class Scheme(Protocol):
 
     def scaled_parts(self, weight: Recognised) -> list[str]:
         """What a clip multiplies: the scales (and offsets that scale with the weight),
-        never the codes or zero points."""
+        never the codes or zero points. A scheme may also define
+        `stored_scaler(weight, part) -> (chunk, mantissa, exponent) -> chunk | None` for a
+        part whose bytes hold a scale (bitsandbytes' JSON nested_offset): the view and the
+        write pass then rewrite that part with it instead of scaling its values."""
         ...
+
+    # Optional (looked up with getattr): `stored_scaler(weight, part)`, the function
+    # (chunk, mantissa, exponent) -> chunk for a scaled part whose bytes are not float
+    # values a factor rounds into (MXFP4's E8M0 exponents: mxfp4.lower_exponents), or
+    # None; and `power_of_two` in Recognised.params when that function takes the factor
+    # rounded down to a power of two (View.power_of_two_factors).
 
 
 def row_for_row(weight: Recognised, start: int, stop: int) -> tuple[int, int]:  # noqa: ARG001

@@ -10,14 +10,17 @@ chunk size whatever the weight's size.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import InputError
 from clipcli.formats.base import TensorInfo, default_chunk_elems
+from clipcli.logical.quantized import rules, targets
+from clipcli.logical.quantized.incomplete import refuse_incomplete
 from clipcli.logical.quantized.registry import SCHEMES, may_hold_quantized
 from clipcli.logical.view import LogicalTensor, Part, Quantization, View
 
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from clipcli.formats.base import Reader
     from clipcli.logical.quantized.scheme import ReadSmall, Recognised, Scheme
     from clipcli.numerics.casting import Cast
+    from clipcli.numerics.norms import NormAccumulator
 
 CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge one
 # The small parts of one weight are read whole: more than this is no real layout's scales
@@ -34,9 +38,25 @@ CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge 
 SMALL_PARTS_LIMIT = 1 << 30
 # The dtypes a quantized weight's row may show (Quantization.dtype).
 SHOWN_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+# Elements per run of rows measured through tables (measured_loaders): 1 MiB of 8-bit
+# codes, so that each run's tables and counts (256 entries per block) are few against its
+# values (128 x 128 blocks of a 16384-column weight: 64 rows, 1/64 of them).
+MEASURED_RUN_ELEMENTS = 1 << 20
 # Real values held at once to put a transposed weight (GPTQ, AWQ) in C order: 32 MiB of
 # float64, twice (the block and its transpose); a 4096 x 4096 weight takes 4 passes.
 TRANSPOSE_ELEMENTS = 1 << 22
+# Quantization parameters of activations a quantized checkpoint stores beside its weights
+# (compressed-tensors' input/output activations and kv_cache_scheme, vLLM's and ModelOpt's
+# FP8 KV-cache scales: `X.k_scale`, `X.self_attn.v_scale`, `X.k_proj.output_scale`): no
+# weight, never in a norm, copied byte for byte. Read so only where the checkpoint is
+# quantized (a quantization_config, or a quantized weight recognised): a plain model's own
+# parameter of such a name stays a weight.
+ACTIVATION_SUFFIXES = (
+    *(f".{what}_scale" for what in ("input", "output", "q", "k", "v", "kv")),
+    *(f".{what}_global_scale" for what in ("input", "output")),
+    *(f".{what}_zero_point" for what in ("input", "output", "q", "k", "v")),
+)
+ACTIVATION_ROLE = "activation_scale"
 
 
 def quantization_config(directory: Path | None) -> Mapping[str, Any] | None:
@@ -107,8 +127,10 @@ class QuantizedView(View):
         self.config = config
         self._weights: dict[str, tuple[Scheme, Recognised]] = {}
         owner: dict[str, tuple[str, str]] = {}  # stored name -> (weight, scheme)
-        for scheme in schemes:
-            for found in scheme.recognise(stored, config, read):
+        assigned = targets.assign(stored, config) if config is not None else None
+        units = [(stored, config)] if assigned is None else list(assigned.by_group.values())
+        for scheme, (unit, unit_config) in ((s, u) for u in units for s in schemes):
+            for found in scheme.recognise(unit, unit_config, read):
                 for part in (*found.parts, *found.side):
                     if part.name not in stored:
                         raise InputError(part.name, f"named by {found.name} but not stored")
@@ -132,10 +154,21 @@ class QuantizedView(View):
                     f"stored as a tensor and as a quantized weight ({found.scheme}, from "
                     f"{found.codes}): two tensors claim one name, refusing to guess",
                 )
+        if assigned is not None and config is not None:
+            for module, (tensors, why) in assigned.undecided.items():
+                _refuse_undecided(module, tensors, why, config, schemes)
         if config is not None:
             _refuse_undescribed(stored, owner, config, schemes)
+        # A set missing a part is recognised by no scheme: refused, never read as plain
+        # tensors (its codes measured as a weight, its scales in the global norm).
+        refuse_incomplete(stored, owner, config, {rec.scheme for _, rec in self._weights.values()})
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
         self._owner = owner
+        self._activation = (
+            [name for name in stored if name not in owner and name.endswith(ACTIVATION_SUFFIXES)]
+            if config is not None or self._weights
+            else []
+        )
         self._infos = infos
         # Laid out on first use: a plain checkpoint (no weight recognised) never needs them,
         # and 200,000 tensors' records cost a second.
@@ -152,6 +185,7 @@ class QuantizedView(View):
             for p in (*rec.parts[1:], *rec.side)
             if p.name != rec.codes
         }
+        roles.update(dict.fromkeys(self._activation, ACTIVATION_ROLE))
         for info in self._infos:
             weight = self._by_codes.get(info.name)
             if weight is not None:
@@ -182,7 +216,7 @@ class QuantizedView(View):
 
     @property
     def identity(self) -> bool:
-        return not self._weights
+        return not self._weights and not self._activation
 
     def quantization(self, tensor: LogicalTensor) -> Quantization | None:
         if tensor.plain:
@@ -240,8 +274,11 @@ class QuantizedView(View):
             from clipcli.numerics import rounding
 
             for name in scheme.scaled_parts(rec):
+                # A part whose bytes hold a scale (bitsandbytes' JSON nested_offset) is
+                # rewritten by the same function the write pass applies (stored_scaler).
+                rewrite = _scheme_scaler(scheme, rec, name) or rounding.scale_chunk
                 with np.errstate(all="ignore"):  # an inf or NaN scale stays one
-                    scaled = rounding.scale_chunk(small[name], factor[0], factor[1])
+                    scaled = rewrite(small[name], factor[0], factor[1])
                 small[name] = scaled.reshape(small[name].shape)
         return small
 
@@ -255,13 +292,25 @@ class QuantizedView(View):
         import numpy as np
 
         scheme, rec = self._weights[tensor.info.name]
+        steps = None  # E8M0 scales: the values times 2**-k, exactly (see below)
+        if factor is not None and rec.params.get("power_of_two", False):
+            from clipcli.numerics.rounding import power_of_two_steps
+
+            steps, factor = power_of_two_steps(*factor), None
         small = self._small_parts(reader, rec, factor, scheme)
         budget = chunk_elems or default_chunk_elems(np.dtype(np.float64))
         if rec.transposed:
             yield from self._transposed(reader, scheme, rec, small, budget)
             return
         for _, _, values in self._decoded_rows(reader, scheme, rec, small, rec.shape, budget):
-            yield values.reshape(-1)
+            if steps is None:
+                yield values.reshape(-1)
+            else:
+                # What the rewritten bytes (stored_scaler) decode to wherever a byte can
+                # take the step; a block whose byte cannot (below k, nonzero codes) shows
+                # the value it would need, and refused_factor refuses the clip before any
+                # write, so the search never takes it for a block left unscaled.
+                yield np.ldexp(values, -steps).reshape(-1)
 
     def _decoded_rows(
         self,
@@ -300,6 +349,30 @@ class QuantizedView(View):
             stop = min(rows, start + step)
             first, last = scheme.code_rows(rec, start, stop)
             yield start, stop, cursor.rows(first, last)
+
+    def measured_loaders(
+        self, reader: Reader, tensor: LogicalTensor
+    ) -> Iterator[Callable[[], NormAccumulator]] | None:
+        """A scheme with measure_rows (counts of each code per block and a 256-entry table
+        per block; fp4: per scale code) measures each run of rows without decoding it:
+        loaders of those runs' statistics, for worker threads. None for the others (their
+        chunks are measured)."""
+        if tensor.plain or not hasattr(self._weights[tensor.info.name][0], "measure_rows"):
+            return None
+        scheme, rec = self._weights[tensor.info.name]
+        if rec.transposed:
+            return None
+        return self._measured_runs(reader, scheme, rec)
+
+    def _measured_runs(
+        self, reader: Reader, scheme: Scheme, rec: Recognised
+    ) -> Iterator[Callable[[], NormAccumulator]]:
+        small = self._small_parts(reader, rec, None, scheme)
+        budget = MEASURED_RUN_ELEMENTS
+        for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
+            # Measured in a worker after this generator has read on: as every chunk the
+            # measuring pipeline hands to workers, the reader's arrays are never reused.
+            yield functools.partial(_measured, scheme, rec, codes, start, stop, small)
 
     def cast_chunks(
         self, reader: Reader, tensor: LogicalTensor, target: np.dtype[Any]
@@ -363,8 +436,9 @@ class QuantizedView(View):
 
     def lowerable(self, tensor: LogicalTensor) -> str | None:
         """A factor is carried by the scales when they are floats that round as any float
-        tensor does (float32, bfloat16, float16, fp8 e4m3/e5m2). Integer-stored or E8M0
-        exponents (MXFP4) would need a power-of-two step of the exponent instead: refused."""
+        tensor does (float32, bfloat16, float16, fp8 e4m3/e5m2), or when the scheme
+        rewrites their bytes itself (stored_scaler: MXFP4's E8M0 exponents take the
+        factor rounded down to a power of two). Other integer scales: refused."""
         if tensor.plain:
             return None
         refused = self._weights[tensor.info.name][1].params.get("clip_refused")
@@ -372,7 +446,10 @@ class QuantizedView(View):
             return refused
         from clipcli.dtypes import is_floating
 
+        scheme, rec = self._weights[tensor.info.name]
         for name in self.scaled_parts(tensor):
+            if _scheme_scaler(scheme, rec, name) is not None:
+                continue  # its bytes take the factor their own way (E8M0: a power of two)
             dtype = self._stored[name].dtype
             if not is_floating(dtype) or dtype.name == "float8_e8m0fnu":
                 return (
@@ -387,10 +464,89 @@ class QuantizedView(View):
         scheme, rec = self._weights[tensor.info.name]
         return scheme.scaled_parts(rec)
 
+    def stored_scaler(
+        self, tensor: LogicalTensor, part: str
+    ) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+        if tensor.plain:
+            return None
+        scheme, rec = self._weights[tensor.info.name]
+        return _scheme_scaler(scheme, rec, part)
+
     def power_of_two_factors(self, tensor: LogicalTensor) -> bool:
         if tensor.plain:
             return False
         return bool(self._weights[tensor.info.name][1].params.get("power_of_two", False))
+
+    def refused_factor(
+        self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
+    ) -> str | None:
+        """A power-of-two (E8M0) weight: refused for a NaN scale byte (0xFF: its block is
+        NaN, and no factor acts on it), and for a block whose byte s is below the k of
+        2**-k with any nonzero code (2**(s - k - 127) is below E8M0's least value, and
+        keeping s would leave the block unscaled). A block of zero codes below k keeps
+        its byte: its values are zero whatever the scale."""
+        if tensor.plain or not self.power_of_two_factors(tensor):
+            return None
+        import numpy as np
+
+        from clipcli.numerics.rounding import power_of_two_steps
+
+        scheme, rec = self._weights[tensor.info.name]
+        name = tensor.info.name
+        small = self._small_parts(reader, rec, None, scheme)
+        scale_name = scheme.scaled_parts(rec)[0]
+        raw = small[scale_name].view(np.uint8).reshape(-1)
+        nan = np.flatnonzero(raw == 0xFF)
+        if nan.size:
+            return (
+                f"{name}: its E8M0 scale {scale_name} holds the NaN byte 0xFF "
+                f"({nan.size} of {raw.size} blocks, the first at block {int(nan[0])}): "
+                "no factor can rescale a NaN block"
+            )
+        steps = power_of_two_steps(mantissa, exponent)
+        if not steps or int(raw.min()) >= steps:
+            return None
+        low = raw < steps
+        block: int = rec.params["scale_block"]  # values per scale byte, along the last axis
+        per_row = rules.ceil_div(rec.shape[-1], block)
+        budget = max(per_row * block, default_chunk_elems(np.dtype(np.float64)))
+        rows = self._decoded_rows(reader, scheme, rec, small, rec.shape, budget)
+        for start, stop, values in rows:
+            padded = np.zeros((stop - start, per_row * block))
+            padded[:, : values.shape[1]] = values
+            nonzero = (padded.reshape(-1, block) != 0).any(axis=1)
+            hit = np.flatnonzero(nonzero & low[start * per_row : stop * per_row])
+            if hit.size:
+                first = start * per_row + int(hit[0])
+                return (
+                    f"{name}: scaling by 2**-{steps} would take its E8M0 scale byte "
+                    f"{int(raw[first])} at block {first} below 0 (2**-127 is E8M0's least "
+                    "value) under nonzero codes"
+                )
+        return None
+
+
+def _refuse_undecided(
+    module: str,
+    tensors: Mapping[str, TensorInfo],
+    why: str,
+    config: Mapping[str, Any],
+    schemes: Sequence[Scheme],
+) -> None:
+    """A module whose config group is not known (targets.assign: none or two match it, or
+    `ignore` names it) must hold no quantized codes: whatever a scheme would make of its
+    tensors, by the config or by names and dtypes, is refused rather than guessed."""
+    for scheme in schemes:
+        for said in (config, None):
+            try:
+                found = scheme.recognise(tensors, said)
+            except InputError as exc:
+                problem = f"holds a part of a quantized weight ({exc})"
+            else:
+                if not found:
+                    continue
+                problem = f"holds a quantized weight ({found[0].scheme}, from {found[0].codes})"
+            raise InputError(module or "(root module)", f"{why}, yet it {problem}")
 
 
 def _refuse_undescribed(
@@ -422,6 +578,18 @@ def _refuse_undescribed(
         )
 
 
+def _scheme_scaler(
+    scheme: Scheme, rec: Recognised, part: str
+) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+    """The scheme's own function for a scaled part's bytes (scheme.py: the optional
+    stored_scaler), or None: the part is a float tensor, scaled value by value."""
+    own = getattr(scheme, "stored_scaler", None)
+    if own is None:
+        return None
+    scaler: Callable[[np.ndarray, float, int], np.ndarray] | None = own(rec, part)
+    return scaler
+
+
 def _decode(
     scheme: Scheme,
     rec: Recognised,
@@ -437,6 +605,29 @@ def _decode(
 
     with np.errstate(all="ignore"):
         return scheme.decode_rows(rec, codes, start, stop, small)
+
+
+def _measured(
+    scheme: Scheme,
+    rec: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> NormAccumulator:
+    """The statistics of real rows [start, stop): the scheme's measure_rows where its
+    tables pay, else those of the decoded rows. Floating-point warnings off, as _decode."""
+    import numpy as np
+
+    from clipcli.numerics.norms import NormAccumulator
+
+    with np.errstate(all="ignore"):
+        measured = scheme.measure_rows(rec, codes, start, stop, small)  # type: ignore[attr-defined]
+    if isinstance(measured, NormAccumulator):
+        return measured
+    acc = NormAccumulator()
+    acc.add(_decode(scheme, rec, codes, start, stop, small).reshape(-1))
+    return acc
 
 
 def _logical(rec: Recognised) -> LogicalTensor:
