@@ -306,6 +306,11 @@ def clip(
     from clipcli.jobs import execution  # WRITING_MODULES
     from clipcli.logical import views
 
+    # Every line the job says (a note on training state, a pattern's warning, a loss
+    # accepted) is held until it has succeeded: a refused or failed clip's stderr is its
+    # one error line, whichever check refuses it (overlapping views, NaN/Inf, --axes).
+    held = _HeldLines(notify)
+    notify = held
     target = policy.target_for(src, out, force, durable)
     with (
         interrupts.deferred(writes=True),
@@ -352,7 +357,24 @@ def clip(
             )
         for note in notes:
             notify("note", note)
+    held.release()
     return ClipResult(src, target.out, spec, dry_run, made, tuple(outcomes))
+
+
+class _HeldLines:
+    """A Notify that keeps its lines until release(), in order; dropped if never released."""
+
+    def __init__(self, notify: scope.Notify) -> None:
+        self._notify = notify
+        self._lines: list[tuple[str, str]] = []
+
+    def __call__(self, level: str, text: str) -> None:
+        self._lines.append((level, text))
+
+    def release(self) -> None:
+        lines, self._lines = self._lines, []
+        for level, text in lines:
+            self._notify(level, text)
 
 
 def plan_clip(
@@ -487,6 +509,8 @@ def convert(
     a cast that overflows is refused (exit 4) unless allow_lossy."""
     from clipcli.jobs.plan import copy_plan  # WRITING_MODULES
 
+    held = _HeldLines(notify)  # as in clip: a failed convert's stderr is its one error line
+    notify = held
     target_dtype = _cast_target(dtype)
     target = policy.target_for(src, out, force, durable)
     with (
@@ -519,7 +543,9 @@ def convert(
             notify("note", note)
         if target_dtype is not None:
             _cast_notes(reader, notify)
-        return list(reader.infos)
+        converted = list(reader.infos)
+    held.release()
+    return converted
 
 
 def _join_losses(reader: Reader, writer_cls: type[Writer], target: Target) -> list[str]:

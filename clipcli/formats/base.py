@@ -267,6 +267,12 @@ class ReaderCore(ABC):
         keep their own metadata, not the index's)."""
         return dict(self.metadata)
 
+    def descriptions(self) -> frozenset[str]:
+        """The keys of `metadata` that are the reader's own description of this file (its
+        layout, version, byte order, ties: shown by `ls`), not metadata the file holds:
+        no writer carries them and `diff` does not compare them."""
+        return frozenset()
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 

@@ -204,9 +204,30 @@ def _starts(*magics: bytes) -> Recognise:
     return lambda probe: probe.head.startswith(magics)
 
 
+TAR_BLOCK = 512
+_TAR_CHECKSUM = slice(148, 156)
+
+
+def is_tar_header(block: bytes) -> bool:
+    """A tar's first header block, ustar or the older V7 (torch's legacy tar layout; V7 has
+    no 'ustar' magic at 257, and Python's tarfile and torch.load read it): recognised by
+    its checksum, the octal number at 148..156 that equals the sum of the block's bytes
+    with those 8 counted as spaces, as unsigned or as signed bytes (tarfile accepts both)."""
+    if len(block) < TAR_BLOCK:
+        return False
+    field = block[_TAR_CHECKSUM].split(b"\0", 1)[0].strip(b" ")
+    if not field or any(digit not in b"01234567" for digit in field):
+        return False
+    stored = int(field, 8)
+    header = bytearray(block[:TAR_BLOCK])
+    header[_TAR_CHECKSUM] = b" " * 8
+    unsigned = sum(header)
+    signed = unsigned - 256 * sum(1 for byte in header if byte >= 0x80)
+    return stored in (unsigned, signed)
+
+
 def _tar(probe: Probe) -> bool:
-    """A POSIX tar (torch's legacy tar layout): 'ustar' at byte 257."""
-    return os.pread(probe.handle.fileno(), 5, 257) == b"ustar"
+    return is_tar_header(os.pread(probe.handle.fileno(), TAR_BLOCK, 0))
 
 
 def _hdf5_user_block(probe: Probe) -> bool:

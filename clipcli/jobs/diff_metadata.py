@@ -20,8 +20,11 @@ with another value is shown as `index KEY`.
 Metadata is compared by meaning, once. A file's metadata is the key -> text mapping its
 reader gives (safetensors `__metadata__`; for HDF5 the root attributes that hold one
 string, as h5py reads them: variable or fixed length, ASCII or UTF-8, the padding its
-type declares stripped, decoded as UTF-8). Two values are the same when their texts are
-equal. A root attribute whose name is a metadata key on its side is that key, so it is
+type declares stripped, decoded as UTF-8), less the reader's own descriptions of the file
+(Reader.descriptions: a PyTorch file's layout, byte order and ties, a GGUF header's
+version and byte order), which describe this file, not the checkpoint: two torch.save of
+one dict, or a file and its conversion, are the same. Two values are the same when their
+texts are equal. A root attribute whose name is a metadata key on its side is that key, so it is
 not compared again as `/ @name` with its HDF5 string type: safetensors `format=pt` and an
 HDF5 root attribute `format` holding "pt" in any string type are the same, and an edited
 value is reported once. Every other root attribute (numbers, arrays, text that is not
@@ -58,11 +61,12 @@ def file_changes(a: Reader, b: Reader) -> list[Change]:
 
 def compared_metadata(reader: Reader) -> dict[str, str]:
     """The file metadata a reader stands for (see the module's docstring)."""
+    described = reader.descriptions()  # the reader's words about the file, not its metadata
     if reader.model_directory is None:
-        return dict(reader.metadata)
+        return {k: v for k, v in reader.metadata.items() if k not in described}
     metadata = reader.joined_metadata()
     for key, value in reader.metadata.items():  # the index's (the one shard's, without one)
-        if key in DERIVED_INDEX_KEYS or metadata.get(key) == value:
+        if key in DERIVED_INDEX_KEYS or key in described or metadata.get(key) == value:
             continue
         metadata[key if key not in metadata else f"index {key}"] = value
     return metadata

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from clipcli.errors import UsageError
 
@@ -53,13 +54,11 @@ def natural_key(name: str) -> NaturalKey:
     ASCII digits form runs; '²' or '٣' stay text. split() with one group alternates text
     (even positions) and runs (odd positions), so equal positions always hold equal types.
     """
-    key: list[str | tuple[int, str, int]] = []
-    for position, part in enumerate(_DIGITS.split(name)):
-        if position % 2:
-            digits = part.lstrip("0")
-            key.append((len(digits), digits, len(part)))
-        else:
-            key.append(part)
+    key: list[Any] = _DIGITS.split(name)
+    for position in range(1, len(key), 2):  # the runs, replaced in place
+        run = key[position]
+        digits = run.lstrip("0")
+        key[position] = (len(digits), digits, len(run))
     return tuple(key)
 
 

@@ -239,6 +239,9 @@ class CastReader(Reader):
     def joined_metadata(self) -> dict[str, str]:
         return self._stored.joined_metadata()
 
+    def descriptions(self) -> frozenset[str]:
+        return self._stored.descriptions()
+
     def join_losses(self) -> list[str]:
         return self._stored.join_losses()
 

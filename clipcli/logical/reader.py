@@ -168,6 +168,9 @@ class LogicalReader(Reader):
     def joined_metadata(self) -> dict[str, str]:
         return self.stored.joined_metadata()
 
+    def descriptions(self) -> frozenset[str]:
+        return self.stored.descriptions()
+
     def join_losses(self) -> list[str]:
         return self.stored.join_losses()
 

@@ -20,13 +20,6 @@ if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
     from clipcli.logical.view import QuantizedRows
 
 
-def _natural_key(name: str) -> Any:
-    # Imported here: groups.py is pure but sits with the jobs; --help need not load it.
-    from clipcli.jobs.groups import natural_key
-
-    return natural_key(name)
-
-
 def _norm_first(norm: float | None) -> float:
     """Largest first, NaN (and a figure that does not apply) after every number."""
     return -norm if norm is not None and not math.isnan(norm) else math.inf
@@ -50,7 +43,11 @@ def ordered(
     largest first, and lists the rest after it, each part in name order."""
     rows = list(items)
     if sort is not SortKey.FILE:
-        rows.sort(key=lambda r: _natural_key(name(r)))  # also the tie-break of the others
+        # Imported here (once, not per row): groups.py is pure but sits with the jobs;
+        # --help need not load it.
+        from clipcli.jobs.groups import natural_key
+
+        rows.sort(key=lambda r: natural_key(name(r)))  # also the tie-break of the others
     if sort is SortKey.NORM:
         rows.sort(key=lambda r: (not counted(r), _norm_first(norm(r))))
     elif sort is SortKey.SIZE:

@@ -124,6 +124,12 @@ class GgufReader(Reader):
             digest.update(chunk)
         return digest.hexdigest()
 
+    def descriptions(self) -> frozenset[str]:
+        """The header's version and byte order, unless a key of the file has the name."""
+        return frozenset(
+            key for key in ("gguf.version", "gguf.byte_order") if key not in self.header.kvs
+        ) & frozenset(self.metadata)
+
     def joined_metadata(self) -> dict[str, str]:
         """For another format's metadata: scalars as text, arrays as JSON (exact values)."""
         return dict(self._carried_metadata()[0])

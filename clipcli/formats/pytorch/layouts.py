@@ -28,6 +28,7 @@ from clipcli.formats.pytorch.unpickler import (
     Tensor,
     storage_from_pid,
 )
+from clipcli.formats.registry import TAR_BLOCK, is_tar_header
 from clipcli.formats.zipsafe import check_zip_layout, open_member, unix_file_type
 
 # The pickle that describes the checkpoint (data.pkl, the legacy object) is read whole:
@@ -66,7 +67,8 @@ def is_legacy_stream(head: bytes) -> bool:
 
 
 def is_tar(fd: int) -> bool:
-    return os.pread(fd, 5, 257) == b"ustar"
+    # the registry's recognition (ustar and V7 alike, by the header checksum)
+    return is_tar_header(os.pread(fd, TAR_BLOCK, 0))
 
 
 class _Storages:

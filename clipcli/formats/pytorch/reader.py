@@ -41,6 +41,7 @@ from clipcli.formats.pytorch.unpickler import (
     TorchDtype,
     _OrderedDict,
 )
+from clipcli.system.file_map import map_read_only
 from clipcli.system.identity import FileIdentity
 from clipcli.system.inputs import open_input
 
@@ -55,7 +56,10 @@ MAX_VALUE_TEXT = 200
 # Tensor and metadata names together (a memo reference may repeat a long key under many
 # tensors): 200,000 names of 300 characters.
 MAX_NAME_CHARS = 64_000_000
-_MMAP_RELEASE_BYTES = 64 << 20  # pages of a strided read dropped from memory this often
+# A strided view is read through maps of at most this much of the file, one at a time
+# (its pages leave the resident set as each is unmapped), into blocks of this much output.
+_WINDOW_BYTES = 16 << 20
+_BLOCK_BYTES = 16 << 20
 # The one expansion policy (formats.expansion) for what views generate: a stride of 0
 # (torch's `expand`) or overlapping strides make more elements than the storage holds. Read
 # at each call: a test moves the PyTorch limit here.
@@ -360,6 +364,7 @@ class PyTorchReader(Reader):
                 f"tensors inside nested containers, e.g. {nested}"
             )
         self._metadata = {**self._values, **described}
+        self._described = frozenset(described)
         self._overlapping = self._overlaps()
 
     def _overlaps(self) -> list[tuple[str, ...]]:
@@ -433,6 +438,9 @@ class PyTorchReader(Reader):
         """The file's own values only: the reader's descriptions of this file are no
         metadata of the checkpoint (a join of shards, a conversion, does not carry them)."""
         return dict(self._values)
+
+    def descriptions(self) -> frozenset[str]:
+        return self._described
 
     def shared_with(self, name: str) -> str | None:
         """The earlier tensor whose view `name` repeats exactly (tied weights), or None."""
@@ -527,42 +535,63 @@ class PyTorchReader(Reader):
             yield load()
 
     def _strided(self, info: TensorInfo, located: _Located, elems: int) -> Iterator[np.ndarray]:
-        """A strided view read through an mmap of just its span, copied out in C order a
-        bounded piece at a time; the pages read are dropped as it goes."""
+        """A strided view, copied out in C order a block of rows at a time; each block is
+        gathered through maps of at most _WINDOW_BYTES of the file, each unmapped before
+        the next (a transposed view's block touches its whole span: mapped a window at a
+        time, never whole). The chunks are those _c_order_pieces gives the whole view."""
         import numpy as np
 
         tensor = located.tensor
         itemsize = info.dtype.itemsize
-        begin = located.begin + located.first
-        aligned = begin - begin % mmap.ALLOCATIONGRANULARITY
-        length = begin - aligned + located.span
+        file_dtype = self._file_dtype(info.dtype)
+        start = located.begin + located.first
+        block_elems = max(elems, _BLOCK_BYTES // itemsize)
+        window_elems = max(1, _WINDOW_BYTES // itemsize)
+        blocks = _c_order_blocks(0, tensor.shape, tensor.stride, elems, block_elems)
+        for block_offset, shape, strides in blocks:
+            block = np.empty(shape, dtype=file_dtype)
+            for index, offset, sub_shape in _bounded_views(
+                block_offset, shape, strides, window_elems
+            ):
+                self._copy_window(
+                    info, block[index], start + offset * itemsize, sub_shape, strides, file_dtype
+                )
+            for piece in _c_order_pieces(block, elems):
+                yield self._native(piece.reshape(-1), info.dtype)
+
+    def _copy_window(
+        self,
+        info: TensorInfo,
+        target: np.ndarray,
+        position: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        file_dtype: np.dtype[Any],
+    ) -> None:
+        """Copy the view at file offset `position` into `target` through a map of just its
+        span (unmapped on return, so its pages leave the resident set)."""
+        import numpy as np
+
+        itemsize = file_dtype.itemsize
+        span = (1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))) * itemsize
+        aligned = position - position % mmap.ALLOCATIONGRANULARITY
         try:
             with self._reading() as fd:  # the map holds its own reference to the file
-                window = mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=aligned)
+                window = map_read_only(fd, position - aligned + span, aligned)
         except (OSError, ValueError) as exc:
             raise InputError(self.path, f"cannot map: {exc}", info.name) from None
-        view: np.ndarray | None = None
-        piece: np.ndarray | None = None
         try:
-            view = np.ndarray(
-                tensor.shape,
-                dtype=self._file_dtype(info.dtype),
+            source = np.ndarray(
+                shape,
+                dtype=file_dtype,
                 buffer=window,
-                offset=begin - aligned,
-                strides=tuple(s * itemsize for s in tensor.stride),
+                offset=position - aligned,
+                strides=tuple(s * itemsize for s in strides),
             )
-            released = 0
-            for piece in _c_order_pieces(view, elems):
-                flat = piece.flatten()  # a copy: nothing handed out points into the map
-                yield self._native(flat, info.dtype)
-                released += flat.nbytes
-                if released >= _MMAP_RELEASE_BYTES and hasattr(window, "madvise"):
-                    window.madvise(mmap.MADV_DONTNEED)
-                    released = 0
+            target[...] = source
+            del source  # no array may point into the map when it closes
         finally:
-            view = piece = None  # no array may point into the map when it closes
-            with contextlib.suppress(BufferError):  # a piece still held: the map goes with it
-                window.close()
+            window.close()
 
     def source_identities(self) -> dict[Path, FileIdentity]:
         return {self.path: self._identity}
@@ -579,6 +608,58 @@ def _c_contiguous(tensor: Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+Strided = tuple[int, tuple[int, ...], tuple[int, ...]]  # offset, sizes, strides (elements)
+
+
+def _c_order_blocks(
+    offset: int, shape: tuple[int, ...], strides: tuple[int, ...], elems: int, block_elems: int
+) -> Iterator[Strided]:
+    """Sub-views that together are the view's elements in C order, each at most
+    `block_elems` (>= `elems`) elements, cut where _c_order_pieces(view, elems) cuts: a
+    block split by _c_order_pieces gives the pieces the whole view would."""
+    size = math.prod(shape)
+    if size <= block_elems or not shape:
+        yield offset, shape, strides
+        return
+    row = size // shape[0]
+    if row == 0:
+        return
+    if row > block_elems:  # one leading index is too large: _c_order_pieces goes into it
+        for index in range(shape[0]):
+            yield from _c_order_blocks(
+                offset + index * strides[0], shape[1:], strides[1:], elems, block_elems
+            )
+        return
+    rows = max(1, elems // row)  # what _c_order_pieces takes at once
+    step = rows * max(1, block_elems // (rows * row))
+    for first in range(0, shape[0], step):
+        count = min(step, shape[0] - first)
+        yield offset + first * strides[0], (count, *shape[1:]), strides
+
+
+def _bounded_views(
+    offset: int, shape: tuple[int, ...], strides: tuple[int, ...], limit: int
+) -> Iterator[tuple[tuple[slice, ...], int, tuple[int, ...]]]:
+    """Sub-views of a view (strides unchanged) whose spans are at most `limit` elements,
+    with where each sits in the view: the axis that spans most is cut, into as few parts
+    as fit (each axis is cut at most once, so the recursion is as deep as the view)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    if span <= limit:
+        yield (slice(None),) * len(shape), offset, shape
+        return
+    axis = max(range(len(shape)), key=lambda a: (shape[a] - 1) * strides[a])
+    rest = span - (shape[axis] - 1) * strides[axis]
+    step = (limit - rest) // strides[axis] + 1 if rest <= limit else 1
+    for first in range(0, shape[axis], step):
+        count = min(step, shape[axis] - first)
+        sub_shape = (*shape[:axis], count, *shape[axis + 1 :])
+        for index, sub_offset, inner in _bounded_views(
+            offset + first * strides[axis], sub_shape, strides, limit
+        ):
+            placed = (*index[:axis], slice(first, first + count), *index[axis + 1 :])
+            yield placed, sub_offset, inner
 
 
 def _c_order_pieces(array: np.ndarray, elems: int) -> Iterator[np.ndarray]:

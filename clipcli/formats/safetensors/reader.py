@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from clipcli.errors import InputError
 from clipcli.formats.base import (
     NUMPY_MAX_BYTES,
+    NUMPY_MAX_RANK,
     Listed,
     Reader,
     StoredBytes,
@@ -31,10 +32,14 @@ from clipcli.formats.safetensors.header import (
     ITEMSIZES,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
+    CompactBlock,
+    CompactHeader,
     Entry,
+    NotCompact,
     _is_int,
     as_json_value,
     buffer_size_overflows,
+    compact_header,
     dtype_of,
     header_object,
 )
@@ -55,6 +60,18 @@ _U64_MAX = 2**64 - 1
 # an unselected big one between them are read one by one).
 MANY_SPAN_BYTES = 4 << 20
 _BYTE_RANGE = operator.itemgetter(1, 2)  # of (Listed, begin, end): a stable sort keeps ties
+
+
+def _plain_kind(code: str, dims: str) -> tuple[str, tuple[int, ...], int] | None:
+    """(dtype name, shape, nbytes) of a compact entry's dtype code and dimensions when
+    _parse_plain_entry would take them as they are (a known code, rank and size within the
+    limits, no 0 dimension: none exceeds NUMPY_MAX_BYTES then); None otherwise."""
+    itemsize = ITEMSIZES.get(code)
+    shape = tuple(map(int, dims.split(","))) if dims else ()
+    if itemsize is None or len(shape) > NUMPY_MAX_RANK or 0 in shape:
+        return None
+    nbytes = math.prod(shape) * itemsize
+    return (DTYPE_NAMES[code], shape, nbytes) if nbytes * 8 <= _U64_MAX else None
 
 
 def _shown(value: object, limit: int = 200) -> str:
@@ -176,6 +193,15 @@ class SafetensorsReader(Reader):
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise self._fail("header is not valid UTF-8") from None
+        # A lone surrogate can only be spelled as an escape from \uD800 to \uDFFF: a
+        # header without one needs no look at each of its names.
+        escapes_surrogate = b"\\ud" in raw or b"\\uD" in raw
+        compact = None if escapes_surrogate else compact_header(text)
+        parsed = None if compact is None else self._parse_compact(compact)
+        if parsed is not None:
+            del text, raw, compact
+            metadata, entries = parsed
+            return self._laid_out(entries, header_len, file_size, metadata)
         try:
             header = json.loads(text, object_pairs_hook=header_object)
         except RecursionError:
@@ -186,9 +212,7 @@ class SafetensorsReader(Reader):
         header = as_json_value(header)
         if not isinstance(header, dict):
             raise self._fail("header is not a JSON object")
-        # A lone surrogate can only be spelled as an escape from \uD800 to \uDFFF: a
-        # header without one needs no look at each of its names.
-        if b"\\ud" in raw or b"\\uD" in raw:
+        if escapes_surrogate:
             _refuse_surrogates(self, header)
         del raw
         metadata = self._parse_metadata(as_json_value(header.pop("__metadata__", None)))
@@ -196,6 +220,16 @@ class SafetensorsReader(Reader):
             raise self._fail(f"header lists {len(header)} tensors; the limit is {MAX_TENSORS}")
         entries = [self._parse_entry(name, entry) for name, entry in header.items()]
         del header
+        return self._laid_out(entries, header_len, file_size, metadata)
+
+    def _laid_out(
+        self,
+        entries: list[tuple[Listed, int, int]],
+        header_len: int,
+        file_size: int,
+        metadata: dict[str, str],
+    ) -> tuple[list[Listed], dict[str, int], dict[str, str]]:
+        """The entries checked to tile the data section exactly, in file order."""
         entries.sort(key=_BYTE_RANGE)
         expected = 0
         for info, begin, end in entries:
@@ -273,6 +307,56 @@ class SafetensorsReader(Reader):
         if fits and max(shape, default=0) <= NUMPY_MAX_BYTES and end - begin == numel * itemsize:
             return Listed(name, DTYPE_NAMES[code], shape, numel * itemsize), begin, end
         return self._parse_entry(name, entry.as_dict())  # says which check fails
+
+    def _parse_compact(
+        self, compact: CompactHeader
+    ) -> tuple[dict[str, str], list[tuple[Listed, int, int]]] | None:
+        """The metadata and entries of a compact header, as the JSON route would give them
+        or with the error it would raise; None when a block turns out not to be compact
+        (the JSON route reads the header then: a problem it finds comes first, so the
+        first entry's error waits until every block is known to be compact)."""
+        failure: InputError | None = None
+        entries: list[tuple[Listed, int, int]] = []
+        try:
+            metadata = self._parse_metadata(as_json_value(compact.metadata))
+        except InputError as exc:
+            failure, metadata = exc, {}
+        count = 0
+        try:
+            for block in compact.blocks():
+                count += len(block.names)
+                if count > MAX_TENSORS:
+                    return None  # the JSON route refuses it, in its words
+                if failure is None:
+                    try:
+                        entries += self._parse_compact_entries(block)
+                    except InputError as exc:
+                        failure = exc
+        except NotCompact:
+            return None
+        if failure is not None:
+            raise failure
+        return metadata, entries
+
+    def _parse_compact_entries(self, found: CompactBlock) -> list[tuple[Listed, int, int]]:
+        """_parse_plain_entry over compact_header's columns, each dtype and shape worked out
+        once: an entry that is not plainly typed, or fails a check, goes to _parse_entry as
+        the JSON parser gives it."""
+        entries: list[tuple[Listed, int, int]] = []
+        append, make = entries.append, Listed._make
+        kinds: dict[tuple[str, str], tuple[str, tuple[int, ...], int] | None] = {}
+        columns = zip(found.names, found.codes, found.dims, found.begins, found.ends, strict=True)
+        for name, code, dims, first, last in columns:
+            begin, end = int(first), int(last)
+            key = (code, dims)
+            kind = kinds[key] if key in kinds else kinds.setdefault(key, _plain_kind(code, dims))
+            if kind is not None and end - begin == kind[2]:
+                append((make((name, *kind)), begin, end))
+                continue
+            shape = [int(d) for d in dims.split(",")] if dims else []
+            entry = {"dtype": code, "shape": shape, "data_offsets": [begin, end]}
+            append(self._parse_entry(name, entry))
+        return entries
 
     @property
     def listing(self) -> list[Listed]:

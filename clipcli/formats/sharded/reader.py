@@ -433,6 +433,12 @@ class ShardedReader(Reader):
     def joined_metadata(self) -> dict[str, str]:
         return self.common_shard_metadata()
 
+    def descriptions(self) -> frozenset[str]:
+        """Without an index, `metadata` is the one shard's, descriptions included."""
+        if self._index is None:
+            return self._readers[self.shard_names[0]].descriptions()
+        return frozenset()
+
     def join_losses(self) -> list[str]:
         """The index's metadata (but DERIVED_INDEX_KEYS, which the one file does not need)
         and the shard __metadata__ entries that not every shard shares with the same value."""

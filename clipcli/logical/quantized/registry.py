@@ -51,6 +51,10 @@ END_MARKERS = ("_blocks",)
 def may_hold_quantized(names: Iterable[str]) -> bool:
     """False when no scheme can recognise a weight (or a set missing a part) among
     `names` without a config."""
-    return any(
-        any(marker in name for marker in MARKERS) or name.endswith(END_MARKERS) for name in names
+    # One search per marker through all names at once (200,000 names: ms, not 0.1 s): no
+    # marker holds the newline, so none is found across two names, and a name's end is
+    # where a newline follows it.
+    joined = "\n".join(names) + "\n"
+    return any(marker in joined for marker in MARKERS) or any(
+        marker + "\n" in joined for marker in END_MARKERS
     )
