@@ -32,10 +32,29 @@ def binary_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+class _Erased:
+    """Whether a bar was erased since the last start_clean_line(): the cursor then sits at
+    the start of the bar's row, after the codes that erased it (rich's transient stop)."""
+
+    row = False
+
+
 def close_all() -> None:
     """Finish every bar's line (the error boundary calls this before it prints)."""
     for bar in list(_open_bars):
         bar.close()
+
+
+def start_clean_line() -> None:
+    """After an erased bar, what stderr says next starts a line of its own in the byte
+    stream too (a terminal log, `script`, a test reading the terminal), not after the
+    erasing codes: up one row and down again with a newline puts the cursor back at the
+    start of the bar's row, so no blank row is left on screen."""
+    if _Erased.row:
+        _Erased.row = False
+        import sys
+
+        sys.stderr.write("\x1b[1A\n")
 
 
 class TerminalProgress(Progress):
@@ -80,6 +99,7 @@ class TerminalProgress(Progress):
             bar, self._bar = self._bar, None
             _open_bars.discard(self)
             bar.stop()
+            _Erased.row = True
 
     def _open(self) -> None:
         from rich.console import Console
