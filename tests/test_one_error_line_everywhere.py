@@ -311,3 +311,53 @@ def test_convert_success_still_warns(tmp_path: Path) -> None:
     lines = done.stderr.splitlines()
     assert len(lines) == 1
     assert lines[0].startswith("clipcli: warning: dropped from ")
+
+
+# ------------------------------------------------------------------ the library face
+
+
+def _truncated_first(monkeypatch: pytest.MonkeyPatch, function: str, path: Path) -> None:
+    """`clipcli.jobs.pipeline.FUNCTION` finds `path` truncated to its header when it runs."""
+    from clipcli.jobs import pipeline
+
+    original = getattr(pipeline, function)
+    end = _header_end(path)
+
+    def truncated(*args: object, **kwargs: object) -> object:
+        os.truncate(path, end)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, function, truncated)
+
+
+def test_api_measure_and_diff_say_nothing_when_they_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As clip and convert: a library caller's notify hears a job's lines only once it
+    has succeeded."""
+    from clipcli import api
+    from clipcli.errors import ClipcliError
+    from clipcli.jobs.selection import Selection
+
+    chosen = Selection(("layers.*", NOTHING), ())
+    a = _model(tmp_path / "a.safetensors")
+    b = _model(tmp_path / "b.safetensors", 3.0)
+    said: list[tuple[str, str]] = []
+
+    def heard(level: str, text: str) -> None:
+        said.append((level, text))
+
+    api.measure(a, chosen, notify=heard)
+    api.diff(a, b, chosen, notify=heard)
+    assert len(said) == 2
+    assert all(level == "warning" and NOTHING in text for level, text in said)
+
+    said.clear()
+    _truncated_first(monkeypatch, "measure", a)
+    with pytest.raises(ClipcliError) as measured:
+        api.measure(a, chosen, notify=heard)
+    _truncated_first(monkeypatch, "compare", b)
+    with pytest.raises(ClipcliError) as compared:
+        api.diff(_model(tmp_path / "c.safetensors"), b, chosen, notify=heard)
+    assert measured.value.exit_code == compared.value.exit_code == 3
+    assert said == []
