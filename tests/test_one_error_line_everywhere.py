@@ -12,6 +12,8 @@ nothing depends on timing.
 from __future__ import annotations
 
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
@@ -361,3 +363,49 @@ def test_api_measure_and_diff_say_nothing_when_they_fail(
         api.diff(_model(tmp_path / "c.safetensors"), b, chosen, notify=heard)
     assert measured.value.exit_code == compared.value.exit_code == 3
     assert said == []
+
+
+# ------------------------------------------------------------------ on a terminal
+
+
+def _terminal_lines(args: list[str], stdout: int) -> tuple[int, list[str]]:
+    """`python -m clipcli ARGS` with stderr on a real pseudo-terminal (the progress bar
+    drawn): its exit code and the lines the terminal received that hold no control code."""
+    primary, secondary = pty.openpty()
+    with subprocess.Popen(
+        [sys.executable, "-m", "clipcli", *args], stdout=stdout, stderr=secondary, env=_env()
+    ) as child:
+        os.close(secondary)
+        received = b""
+        while True:
+            ready, _, _ = select.select([primary], [], [], 120)
+            assert ready, "no output from the child in 120 s"
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            received += chunk
+        code = child.wait()
+    os.close(primary)
+    text = received.decode("utf-8").replace("\r\n", "\n")
+    return code, [line for line in text.split("\n") if line and "\x1b" not in line]
+
+
+def test_on_a_terminal_a_failure_is_its_error_line_alone(tmp_path: Path) -> None:
+    """The bar is drawn and erased; the warning is dropped; the error line starts a line of
+    its own, after the codes that erased the bar."""
+    src = _model(tmp_path / "m.safetensors")
+    with open("/dev/full", "w") as full:
+        code, lines = _terminal_lines(["norms", str(src), *_include()], full.fileno())
+    assert code == 5
+    assert len(lines) == 1
+    assert lines[0].startswith("clipcli: error: standard output")
+
+
+def test_on_a_terminal_a_success_warns_after_the_bar(tmp_path: Path) -> None:
+    src = _model(tmp_path / "m.safetensors")
+    code, lines = _terminal_lines(["norms", str(src), *_include()], subprocess.DEVNULL)
+    assert code == 0
+    assert lines == [WARNED]

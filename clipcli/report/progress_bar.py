@@ -52,9 +52,12 @@ def start_clean_line() -> None:
     start of the bar's row, so no blank row is left on screen."""
     if _Erased.row:
         _Erased.row = False
+        import contextlib
         import sys
 
-        sys.stderr.write("\x1b[1A\n")
+        with contextlib.suppress(OSError, ValueError):  # stderr gone: the exit code tells
+            sys.stderr.write("\x1b[1A\n")
+            sys.stderr.flush()
 
 
 class TerminalProgress(Progress):

@@ -38,15 +38,10 @@ def notify(level: str, text: str) -> None:
 
 def release_notes() -> None:
     """Print the held lines: the command succeeded (or reached its --fail-above verdict).
-    The progress bar is finished first, and on a terminal the lines start a row of their
-    own (where the bar was), not after the codes that erased it."""
+    The progress bar is finished first: on a terminal the lines start a row of their own
+    (where the bar was), not after the codes that erased it."""
     lines, _Held.lines = _Held.lines, []
     finish_progress()
-    if not lines:
-        return
-    bars = sys.modules.get("clipcli.report.progress_bar")
-    if bars is not None:
-        bars.start_clean_line()
     for level, text in lines:
         _print_note(level, text)
 
@@ -183,10 +178,12 @@ def print_report(report: Any, fmt: OutputFormat) -> None:
 
 
 def finish_progress() -> None:
-    """End the progress bar's line, if one was ever drawn (never imports rich for it)."""
+    """End the progress bar's line, if one was ever drawn (never imports rich for it): what
+    comes next (notes, the error line, the report) starts a line of its own."""
     bars = sys.modules.get("clipcli.report.progress_bar")
     if bars is not None:
         bars.close_all()
+        bars.start_clean_line()
 
 
 def reader_went_away() -> int:
