@@ -91,6 +91,7 @@ def run_command(body: Callable[[], None]) -> int:
     cli.main() runs what the quick parser took through here, the Typer app its commands.
     Signals are recorded for the whole command (clipcli.system.interrupts): acted on between
     chunks, they unwind through the readers, which remove their temps."""
+    drop_notes()  # none from an earlier command in this process (the Typer app in tests)
     try:
         with interrupts.deferred():
             interrupts.check()  # one that came while the command line was parsed
