@@ -11,6 +11,7 @@ nothing depends on timing.
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
@@ -409,3 +410,38 @@ def test_on_a_terminal_a_success_warns_after_the_bar(tmp_path: Path) -> None:
     code, lines = _terminal_lines(["norms", str(src), *_include()], subprocess.DEVNULL)
     assert code == 0
     assert lines == [WARNED]
+
+
+# ------------------------------------------------------------------ a model directory
+
+
+def _quantized_config_directory(root: Path) -> Path:
+    """Two shards, and a config.json declaring a quantization no scheme reads (a warning:
+    norms are of the stored tensors)."""
+    root.mkdir()
+    weight_map = {}
+    for i in (1, 2):
+        shard = f"model-0000{i}-of-00002.safetensors"
+        tensors = {f"layers.{i}.w": np.full((64, 64), float(i), np.float32)}
+        write_safetensors(root / shard, tensors)
+        weight_map[f"layers.{i}.w"] = shard
+    index = {"metadata": {}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = {"quantization_config": {"quant_method": "hqq"}}
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+QUANTIZED_WARNING = "clipcli: warning: config.json declares quantization_config"
+
+
+def test_directory_warning_then_last_shard_truncated_is_one_line(tmp_path: Path) -> None:
+    model = _quantized_config_directory(tmp_path / "model")
+    last = model / "model-00002-of-00002.safetensors"
+    done = _stopped_at(MEASURING, ["norms", str(model)], _truncate(last))
+    assert done.code == 3
+    assert_one_error_line(done.stderr, "model-00002-of-00002.safetensors")
+    ok = _run(["norms", str(_quantized_config_directory(tmp_path / "again"))])
+    assert ok.code == 0
+    assert len(ok.stderr.splitlines()) == 1
+    assert ok.stderr.startswith(QUANTIZED_WARNING)
