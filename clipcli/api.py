@@ -118,10 +118,13 @@ def measure(
     every stored tensor as it is."""
     from clipcli.logical import views
 
+    held = _HeldLines(notify)  # as in clip: a failed measure says nothing before its error
     with scratch.keeping_clear_of([path]), open_reader(path) as reader:
-        return measure_reader(
-            reader if stored else views.logical(reader), selection, progress, notify, group_by
+        measured = measure_reader(
+            reader if stored else views.logical(reader), selection, progress, held, group_by
         )
+    held.release()
+    return measured
 
 
 def measure_reader(
@@ -166,13 +169,14 @@ def diff(
     from clipcli.jobs import pipeline
     from clipcli.logical import views
 
+    held = _HeldLines(notify)  # as in clip: a failed diff says nothing before its error
     with (
         scratch.keeping_clear_of([path_a, path_b]),  # one reader's sweep spares the other
         open_reader(path_a) as reader_a,
         open_reader(path_b) as reader_b,
     ):
         logical_a, logical_b = views.logical(reader_a), views.logical(reader_b)
-        check_diff_scope(logical_a, logical_b, selection, notify)
+        check_diff_scope(logical_a, logical_b, selection, held)
         result = pipeline.compare(
             logical_a,
             logical_b,
@@ -181,7 +185,9 @@ def diff(
             progress=progress,
             workers=workers,
         )
-        return _shown_dtypes(result, _quantized_rows(logical_a), _quantized_rows(logical_b))
+        shown = _shown_dtypes(result, _quantized_rows(logical_a), _quantized_rows(logical_b))
+    held.release()
+    return shown
 
 
 def _shown_dtypes(

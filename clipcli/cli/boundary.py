@@ -14,7 +14,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from clipcli.cli.commands.common import finish_progress, reader_went_away
+from clipcli.cli.commands.common import (
+    drop_notes,
+    finish_progress,
+    reader_went_away,
+    release_notes,
+)
 from clipcli.errors import ClipcliError, ExitCode, Verdict, printable
 from clipcli.system import interrupts
 from clipcli.system.address_space import refused_memory
@@ -29,6 +34,7 @@ class _Reported:
 
 def reset() -> None:
     _Reported.failure = False
+    drop_notes()  # a run before this one in the same process (tests) left them
 
 
 def failure_reported() -> bool:
@@ -41,17 +47,20 @@ def exit_code_for(exc: BaseException, args: list[str] | None = None) -> int:
     `args` are the command-line arguments when the exception comes from main() (option
     parsing included), None when it comes from inside a command."""
     finish_progress()  # the bar's line ends first, so the message starts a line of its own
-    if isinstance(exc, Verdict):  # --fail-above: the command has said why
+    if isinstance(exc, Verdict):  # --fail-above: the command has said why (notes first)
         return int(exc.exit_code)
+    if isinstance(exc, BrokenPipeError):
+        # The reader of our stdout went away (`| head -1`): not an error, as for any Unix
+        # tool (Click would make it exit 1); the notes of the run still come.
+        with contextlib.suppress(OSError):
+            release_notes()
+        return reader_went_away()
+    drop_notes()  # a failure's stderr is its one line, whatever was said before it
     typer: Any = sys.modules.get("typer")
     if typer is not None:
         code = _click_exit_code(typer, exc, args)
         if code is not None:
             return code
-    if isinstance(exc, BrokenPipeError):
-        # The reader of our stdout went away (`| head -1`): not an error, as for any Unix
-        # tool (Click would make it exit 1).
-        return reader_went_away()
     if isinstance(exc, ClipcliError):
         return fail(str(exc), exc.exit_code)
     if refused_memory(exc):
@@ -82,11 +91,13 @@ def run_command(body: Callable[[], None]) -> int:
     cli.main() runs what the quick parser took through here, the Typer app its commands.
     Signals are recorded for the whole command (clipcli.system.interrupts): acted on between
     chunks, they unwind through the readers, which remove their temps."""
+    drop_notes()  # none from an earlier command in this process (the Typer app in tests)
     try:
         with interrupts.deferred():
             interrupts.check()  # one that came while the command line was parsed
             body()
             sys.stdout.flush()  # a closed pipe must show here, not at interpreter exit
+            release_notes()  # the command succeeded: now its notes and warnings
     except BaseException as exc:  # the boundary: every failure, one line
         return exit_code_for(exc)
     return ExitCode.OK

@@ -32,10 +32,34 @@ def binary_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+class _Erased:
+    """The terminal a bar was erased on since the last start_clean_line(), if any: the
+    cursor then sits at the start of the bar's row, after the codes that erased it (rich's
+    transient stop)."""
+
+    on: Any = None
+
+
 def close_all() -> None:
     """Finish every bar's line (the error boundary calls this before it prints)."""
     for bar in list(_open_bars):
         bar.close()
+
+
+def start_clean_line() -> None:
+    """After an erased bar, what stderr says next starts a line of its own in the byte
+    stream too (a terminal log, `script`, a test reading the terminal), not after the
+    erasing codes: up one row and down again with a newline puts the cursor back at the
+    start of the bar's row, so no blank row is left on screen."""
+    import contextlib
+    import sys
+
+    erased_on, _Erased.on = _Erased.on, None
+    if erased_on is None or erased_on is not sys.stderr:  # stderr is another stream now
+        return
+    with contextlib.suppress(OSError, ValueError):  # stderr gone: the exit code tells
+        sys.stderr.write("\x1b[1A\n")
+        sys.stderr.flush()
 
 
 class TerminalProgress(Progress):
@@ -51,6 +75,7 @@ class TerminalProgress(Progress):
         self._total = 0
         self._done = 0
         self._started = 0.0
+        self._stream: Any = None  # the terminal the bar is drawn on
 
     def start(self, label: str, total_bytes: int) -> None:
         self.close()
@@ -80,6 +105,7 @@ class TerminalProgress(Progress):
             bar, self._bar = self._bar, None
             _open_bars.discard(self)
             bar.stop()
+            _Erased.on = self._stream
 
     def _open(self) -> None:
         from rich.console import Console
@@ -87,6 +113,7 @@ class TerminalProgress(Progress):
         from rich.text import Text
 
         console = Console(stderr=True)
+        self._stream = console.file if console.is_terminal else None  # before rich wraps it
         glyphs = bar_glyphs(
             console.color_system is not None and not console.no_color, console.encoding
         )

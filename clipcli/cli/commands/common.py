@@ -4,9 +4,9 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from clipcli.errors import UsageError, WriteError, printable
+from clipcli.errors import ExitCode, UsageError, Verdict, WriteError, printable
 from clipcli.report import OutputFormat
 from clipcli.system import interrupts
 
@@ -22,10 +22,46 @@ def selection(
     return Selection(tuple(include), tuple(exclude), all_tensors)
 
 
+class _Held:
+    """The notes and warnings of the command running now, in the order they were said."""
+
+    lines: list[tuple[str, str]] = []
+
+
 def notify(level: str, text: str) -> None:
-    """A warning or note from the library: one line on stderr, stdout stays the report. On
-    a terminal a line too long for it is broken between words (continued two spaces in),
-    so that the terminal does not break it inside one."""
+    """A warning or note from the library (any command, the CLI's own checks too): held
+    until the command has succeeded (release_notes), so that a failed run's stderr is its
+    one `clipcli: error:` line, whichever step fails (a read error, a NaN refusal, a full
+    stdout, a signal). A --fail-above verdict is no failure: the lines come before it."""
+    _Held.lines.append((level, text))
+
+
+def release_notes() -> None:
+    """Print the held lines: the command succeeded (or reached its --fail-above verdict).
+    The progress bar is finished first: on a terminal the lines start a row of their own
+    (where the bar was), not after the codes that erased it."""
+    lines, _Held.lines = _Held.lines, []
+    finish_progress()
+    for level, text in lines:
+        _print_note(level, text)
+
+
+def drop_notes() -> None:
+    """Forget the held lines: the command failed, its one error line says why."""
+    _Held.lines = []
+
+
+def verdict(line: str) -> NoReturn:
+    """A --fail-above verdict (exit 1): the held lines, then its own line on stderr."""
+    release_notes()
+    print(line, file=sys.stderr)
+    raise Verdict(ExitCode.CONDITION)
+
+
+def _print_note(level: str, text: str) -> None:
+    """One note: one line on stderr, stdout stays the report. On a terminal a line too
+    long for it is broken between words (continued two spaces in), so that the terminal
+    does not break it inside one."""
     line = f"clipcli: {level}: {printable(text)}"
     width = terminal_width(sys.stderr)
     if width is not None:
@@ -142,10 +178,12 @@ def print_report(report: Any, fmt: OutputFormat) -> None:
 
 
 def finish_progress() -> None:
-    """End the progress bar's line, if one was ever drawn (never imports rich for it)."""
+    """End the progress bar's line, if one was ever drawn (never imports rich for it): what
+    comes next (notes, the error line, the report) starts a line of its own."""
     bars = sys.modules.get("clipcli.report.progress_bar")
     if bars is not None:
         bars.close_all()
+        bars.start_clean_line()
 
 
 def reader_went_away() -> int:

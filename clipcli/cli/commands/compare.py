@@ -1,7 +1,6 @@
 """`clipcli diff`: compare two checkpoints tensor by tensor."""
 
 import math
-import sys
 
 from clipcli.cli.commands.common import (
     check_threshold,
@@ -11,9 +10,10 @@ from clipcli.cli.commands.common import (
     progress,
     report_format,
     selection,
+    verdict,
 )
 from clipcli.cli.declarations import DiffRequest
-from clipcli.errors import ExitCode, Verdict, printable
+from clipcli.errors import printable
 
 
 def diff(request: DiffRequest) -> None:
@@ -46,8 +46,7 @@ def diff(request: DiffRequest) -> None:
         # and a changed metadata key, attribute, group or non-tensor dataset all fail it.
         other = result.n_structural + result.n_dtype_changed + len(result.metadata_changes)
         if other or over:
-            print(fail_above_message(over, other, limit), file=sys.stderr)
-            raise Verdict(ExitCode.CONDITION)
+            verdict(fail_above_message(over, other, limit))
 
 
 def fail_above_message(over: tuple[str, float] | None, other: int, limit: float) -> str:

@@ -14,9 +14,10 @@ from clipcli.cli.commands.common import (
     progress,
     report_format,
     selection,
+    verdict,
 )
 from clipcli.cli.declarations import LsRequest, NormsRequest
-from clipcli.errors import ExitCode, UsageError, Verdict, printable
+from clipcli.errors import UsageError, printable
 from clipcli.report import OutputFormat, SortKey
 
 if TYPE_CHECKING:
@@ -135,11 +136,7 @@ def norms(request: NormsRequest) -> None:
     if request.fail_above is not None:
         g = measurement.global_norm
         if math.isnan(g) or g > request.fail_above:
-            print(
-                f"clipcli: global norm {g:.6g} exceeds --fail-above {request.fail_above:g}",
-                file=sys.stderr,
-            )
-            raise Verdict(ExitCode.CONDITION)
+            verdict(f"clipcli: global norm {g:.6g} exceeds --fail-above {request.fail_above:g}")
 
 
 def _input_footprint(path: Path) -> "InputFootprint":
