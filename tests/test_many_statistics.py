@@ -31,6 +31,13 @@ def _one_by_one(parts: list[NormAccumulator]) -> NormAccumulator:
     return together
 
 
+def _plain(parts: list[NormAccumulator]) -> bool:
+    """Whether merged() sums these parts as plain float64."""
+    return norms._plain_sum(
+        [p.sumsq.mant for p in parts], [p.sumsq.exp for p in parts], ScaledSum()
+    )
+
+
 def _bits(value: float) -> str:
     return float(value).hex() if not math.isnan(value) else "nan"
 
@@ -81,7 +88,7 @@ def test_merged_is_the_one_by_one_merge_of_measured_tensors(seed: int) -> None:
 def test_merged_is_the_one_by_one_merge_across_exponents(spread: int) -> None:
     rng = random.Random(spread)
     parts = [_part(*_normalised(rng, -spread, spread), rng) for _ in range(2000)]
-    assert norms._plain_sum(parts, NormAccumulator())
+    assert _plain(parts)
     assert _fields(merged(parts)) == _fields(_one_by_one(parts))
 
 
@@ -89,7 +96,7 @@ def test_merged_is_the_one_by_one_merge_across_exponents(spread: int) -> None:
 def test_plain_sum_up_to_its_exponent_limit_and_not_past_it(exp: int, plain: bool) -> None:
     rng = random.Random(exp)
     parts = [_part(0.75, 0, rng), _part(0.625, exp, rng), _part(0.5, 3, rng)]
-    assert norms._plain_sum(parts, NormAccumulator()) is plain
+    assert _plain(parts) is plain
     assert _fields(merged(parts)) == _fields(_one_by_one(parts))
 
 
@@ -105,7 +112,7 @@ def test_merged_takes_the_loop_for_terms_the_plain_sum_cannot_carry(odd: ScaledS
     rng = random.Random(1)
     parts = [_part(0.75, 4, rng), _part(0.5, 1, rng), _part(0.5, 2, rng)]
     parts[1].sumsq = odd
-    assert not norms._plain_sum(parts, NormAccumulator())
+    assert not _plain(parts)
     assert _fields(merged(parts)) == _fields(_one_by_one(parts))
 
 
@@ -113,7 +120,8 @@ def test_merged_takes_the_loop_for_a_nan_extreme_and_for_histograms() -> None:
     rng = random.Random(2)
     parts = [_part(0.75, 4, rng), _part(0.5, 1, rng)]
     parts[0].max_value = math.nan  # builtin max would depend on where it stands
-    assert not norms._plain_sum(parts, NormAccumulator())
+    parts[1].max_value = 2.0  # one by one: max(-inf, nan) keeps -inf, then 2.0
+    assert merged(parts).max_value == 2.0
     assert _fields(merged(parts)) == _fields(_one_by_one(parts))
     counting = NormAccumulator(keep_histogram=True)
     counting.add(np.array([1.0, 2.0], np.float16))

@@ -430,40 +430,44 @@ def merged(parts: Sequence[NormAccumulator]) -> NormAccumulator:
     """A fresh NormAccumulator into which every part was merged, in order: the same
     statistics, bit for bit, as NormAccumulator().merge(part) for each part in turn."""
     together = NormAccumulator()
-    if any(part.counts is not None for part in parts) or not _plain_sum(parts, together):
-        for part in parts:
-            together.merge(part)
-        return together
-    together.max_abs = max((part.max_abs for part in parts), default=0.0)
-    together.max_abs = max(0.0, together.max_abs)
+    if any(part.counts is not None for part in parts):
+        return _merged_one_by_one(parts, together)
+    peaks = [part.max_abs for part in parts]
+    lows = [part.min_value for part in parts]
+    highs = [part.max_value for part in parts]
+    # A NaN extreme would make the builtin max and min depend on where it stands.
+    if np.isnan(np.array([peaks, lows, highs], np.float64)).any():
+        return _merged_one_by_one(parts, together)
+    sums = [part.sumsq for part in parts]
+    if not _plain_sum([s.mant for s in sums], [s.exp for s in sums], together.sumsq):
+        return _merged_one_by_one(parts, together)
+    # max(so_far, x) one by one keeps the first of equal values (0.0 before -0.0), as the
+    # builtin max and min over the whole list do, the fresh accumulator's value first.
+    together.max_abs = max(0.0, max(peaks, default=0.0))
+    together.min_value = min(math.inf, min(lows, default=math.inf))
+    together.max_value = max(-math.inf, max(highs, default=-math.inf))
     together.nonfinite = sum(part.nonfinite for part in parts)
     together.nan_count = sum(part.nan_count for part in parts)
     together.inf_count = sum(part.inf_count for part in parts)
     together.numel = sum(part.numel for part in parts)
-    together.min_value = min((part.min_value for part in parts), default=math.inf)
-    together.min_value = min(math.inf, together.min_value)
-    together.max_value = max((part.max_value for part in parts), default=-math.inf)
-    together.max_value = max(-math.inf, together.max_value)
     return together
 
 
-def _plain_sum(parts: Sequence[NormAccumulator], into: NormAccumulator) -> bool:
-    """The parts' sums of squares added in order as plain float64 (see _PLAIN_EXP) into
-    `into`'s ScaledSum; False, leaving it alone, where that could differ from ScaledSum.add
-    one by one (extreme exponents, negative or non-finite terms) or a NaN extreme would make
-    the builtin max and min order-dependent."""
-    count = len(parts)
-    mants = np.fromiter((part.sumsq.mant for part in parts), np.float64, count)
-    exps = np.fromiter((part.sumsq.exp for part in parts), np.int64, count)
-    extremes = np.fromiter(
-        (x for part in parts for x in (part.max_abs, part.min_value, part.max_value)),
-        np.float64,
-        3 * count,
-    )
+def _merged_one_by_one(parts: Sequence[NormAccumulator], into: NormAccumulator) -> NormAccumulator:
+    for part in parts:
+        into.merge(part)
+    return into
+
+
+def _plain_sum(mant_list: list[float], exp_list: list[int], into: ScaledSum) -> bool:
+    """The terms mant * 2**exp added in order as plain float64 (see _PLAIN_EXP) into the
+    fresh `into`; False, leaving it alone, where that could differ from ScaledSum.add one
+    by one (extreme exponents, negative or non-finite terms)."""
+    mants = np.array(mant_list, np.float64)
+    exps = np.array(exp_list, np.int64)
     live = mants != 0
     if (
-        count >= 2**100
-        or np.isnan(extremes).any()
+        len(mant_list) >= 2**100
         or not np.all(np.isfinite(mants) & (mants >= 0))
         or np.any(np.abs(exps[live]) > _PLAIN_EXP)
     ):
@@ -471,6 +475,5 @@ def _plain_sum(parts: Sequence[NormAccumulator], into: NormAccumulator) -> bool:
     terms = np.ldexp(mants[live], exps[live])
     if terms.size:
         total = float(np.cumsum(terms)[-1])
-        frac, shift = math.frexp(total)
-        into.sumsq.mant, into.sumsq.exp = frac, shift
+        into.mant, into.exp = math.frexp(total)
     return True
