@@ -434,8 +434,8 @@ def check_clip_scope(
     if _is_logical(reader):
         _check_ties(reader, selection)  # before the note on training state: one line
     selection.check_weights(selected, notify, writes=True)
-    targets = [i for i in scope.floating(selected) if selection.left_out(i.name) is None]
     acted_on = [i for i in selected if selection.left_out(i.name) is None]
+    targets = scope.floating(acted_on)  # a filter in order: the floating ones acted on
     scope.refuse_quantized(reader.infos, acted_on, _declaring_directory(reader))
     if _is_logical(reader):
         _refuse_unlowerable(reader, acted_on, spec.mode is Mode.VALUE)

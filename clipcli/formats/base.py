@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -95,13 +96,14 @@ def byte_view(array: np.ndarray, dtype: np.dtype[Any]) -> memoryview:
     return memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
 
 
+# '<' or '>': this machine's byte order (what a dtype's '=' and '|' mean).
+_NATIVE_ORDER = "<" if sys.byteorder == "little" else ">"
+
+
 def _byte_order(dtype: np.dtype[Any]) -> str:
     """'<' or '>': where a dtype's multi-byte units keep their low byte."""
-    import sys
-
-    if dtype.byteorder in "<>":
-        return dtype.byteorder
-    return "<" if sys.byteorder == "little" else ">"
+    order: str = dtype.byteorder
+    return order if order in "<>" else _NATIVE_ORDER
 
 
 def ordered_bytes(array: np.ndarray, dtype: np.dtype[Any], order: str) -> memoryview:

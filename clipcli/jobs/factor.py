@@ -50,20 +50,27 @@ def search_factor(
     bit-identical. Refuses (exit 4) a limit that a dtype without zero cannot reach."""
     elsewhere = getattr(check, "rounded_elsewhere", None)
     power = getattr(check, "power_of_two", None)
-    powers = [power is not None and bool(power(m.info)) for m in members]
-    live = [p for p, m in zip(powers, members, strict=True) if m.stats.ssq > 0]
-    as_values = any(live) and not all(live)  # power-of-two tensors beside others
-    as_members = [
-        scaling.Member(
-            m.info.name,
-            m.info.dtype,
-            m.info.numel,
-            m.stats,
-            not (as_values and p) and elsewhere is not None and bool(elsewhere(m.info)),
-            p and not as_values,
-        )
-        for m, p in zip(members, powers, strict=True)
-    ]
+    if power is None and elsewhere is None:  # a plain checkpoint: one record per member
+        powers = [False] * len(members)
+        as_values = False
+        as_members = [
+            scaling.Member(m.info.name, m.info.dtype, m.info.numel, m.stats) for m in members
+        ]
+    else:
+        powers = [power is not None and bool(power(m.info)) for m in members]
+        live = [p for p, m in zip(powers, members, strict=True) if m.stats.ssq > 0]
+        as_values = any(live) and not all(live)  # power-of-two tensors beside others
+        as_members = [
+            scaling.Member(
+                m.info.name,
+                m.info.dtype,
+                m.info.numel,
+                m.stats,
+                not (as_values and p) and elsewhere is not None and bool(elsewhere(m.info)),
+                p and not as_values,
+            )
+            for m, p in zip(members, powers, strict=True)
+        ]
 
     def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
         if not as_values:

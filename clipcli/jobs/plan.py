@@ -59,7 +59,7 @@ class Reason(str, Enum):
 _OUTSIDE = frozenset({Reason.NOT_SELECTED, Reason.LEFT_OUT, Reason.NOT_FLOATING})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one per tensor, 200,000 of them
 class TensorPlan:
     info: TensorInfo
     before: NormAccumulator
@@ -106,7 +106,7 @@ class Plan:
         return global_norm(p.before.norm for p in self.tensors if p.in_global)
 
 
-@dataclass
+@dataclass(slots=True)
 class Flushes:
     """Values the rounding of a scaled tensor took to zero, or newly to a subnormal (filled
     in while the tensor streams, as Outcome.after is)."""
@@ -119,7 +119,7 @@ class Flushes:
         self.to_subnormal += to_subnormal
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Outcome:
     """What the write pass did to one tensor."""
 
@@ -197,7 +197,7 @@ def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
         made = _plan_groups(members, spec, check)
     elif spec.use_norm is not None:
         factor = tf_factor(spec.use_norm, spec.limit)
-        made = [_scaled(t, factor if t.stats.norm > 0 else None) for t in members]
+        made = [_scaled(t, factor if t.norm > 0 else None) for t in members]
     else:
         factor = search_factor(members, spec.limit, check)
         made = [_scaled(t, factor if t.stats.ssq > 0 else None) for t in members]
@@ -209,7 +209,9 @@ def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
     tensors = tuple(decided[index] for index in range(len(measurement.tensors)))
     used = None
     if spec.mode is Mode.GLOBAL and spec.group_by is None:
-        counts = (p.before.norm for p in tensors if p.in_global)
+        # The plans in the global norm are those of `members`, in the same order (each
+        # counted tensor's plan comes from _scaled; tied and skipped ones are outside).
+        counts = (t.norm for t in members)
         used = spec.use_norm if spec.use_norm is not None else global_norm(counts)
     return Plan(spec, tensors, used)
 
@@ -265,7 +267,7 @@ def _scaled(t: TensorStats, factor: Factor | None, group: str | None = None) -> 
             exponent=factor.exponent,
             group=group,
         )
-    reason = Reason.ZERO_TENSOR if t.stats.norm == 0 else Reason.WITHIN_LIMIT
+    reason = Reason.ZERO_TENSOR if t.norm == 0 else Reason.WITHIN_LIMIT
     return TensorPlan(t.info, t.stats, Action.KEEP, reason, group=group)
 
 

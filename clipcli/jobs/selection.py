@@ -84,7 +84,7 @@ class Selection:
         tied_to = self.tied.get(info.name)
         counts = selected and kept_out is None and floating and tied_to is None
         role = kept_out or (roles.Role.WEIGHT if floating else roles.Role.NON_FLOAT)
-        return TensorStats(info, stats, counts, role, selected, tied_to)
+        return TensorStats(info, stats, stats.norm, counts, role, selected, tied_to)
 
 
 @functools.cache

@@ -13,6 +13,7 @@ dot product, so they are left to add.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,23 +21,27 @@ import numpy as np
 
 from clipcli.dtypes import is_bfloat16, is_float8
 from clipcli.numerics import float16, lookup
-from clipcli.numerics.norms import NormAccumulator
+from clipcli.numerics.norms import NormAccumulator, ScaledSum
 
 SHORT = 2  # elements
 
 
 def accumulate_each(arrays: Sequence[np.ndarray]) -> list[NormAccumulator]:
     """A finished NormAccumulator for each flat array, as add() would make it."""
-    accumulators = [NormAccumulator() for _ in arrays]
+    accumulators: list[NormAccumulator | None] = [None] * len(arrays)
     short: dict[np.dtype[Any], list[int]] = {}
     for index, array in enumerate(arrays):
         if 0 < array.size <= SHORT and _widening(array.dtype) is not None:
             short.setdefault(array.dtype, []).append(index)
-        elif array.size:
-            accumulators[index].add(array)
+        else:
+            accumulators[index] = acc = NormAccumulator()
+            if array.size:
+                acc.add(array)
     for dtype, indices in short.items():
-        _measure_short(dtype, [arrays[i] for i in indices], [accumulators[i] for i in indices])
-    return accumulators
+        made = _measure_short(dtype, [arrays[i] for i in indices])
+        for index, acc in zip(indices, made, strict=True):
+            accumulators[index] = acc
+    return accumulators  # type: ignore[return-value]  # every index was filled above
 
 
 def _widening(dtype: np.dtype[Any]) -> float | None:
@@ -60,9 +65,7 @@ def _as_float32(flat: np.ndarray) -> np.ndarray:
     return flat.astype(np.float32)
 
 
-def _measure_short(
-    dtype: np.dtype[Any], arrays: list[np.ndarray], accumulators: list[NormAccumulator]
-) -> None:
+def _measure_short(dtype: np.dtype[Any], arrays: list[np.ndarray]) -> list[NormAccumulator]:
     bound = _widening(dtype)
     assert bound is not None
     sizes = np.fromiter((a.size for a in arrays), np.intp, len(arrays))
@@ -75,22 +78,24 @@ def _measure_short(
     sums = np.add.reduceat(wide * wide, starts)
     with np.errstate(invalid="ignore"):  # NaN compares False: add() takes those
         fast = (-bound < lows) & (highs < bound)
-    rows = zip(
-        arrays,
-        accumulators,
-        fast.tolist(),
-        highs.tolist(),
-        lows.tolist(),
-        sums.tolist(),
-        strict=True,
-    )
-    for array, acc, on_fast_path, high, low, sumsq in rows:
+    rows = zip(arrays, fast.tolist(), highs.tolist(), lows.tolist(), sums.tolist(), strict=True)
+    made = []
+    for array, on_fast_path, high, low, sumsq in rows:
         if not on_fast_path:
+            acc = NormAccumulator()
             acc.add(array)
+            made.append(acc)
             continue
-        # What add() does with a finite chunk of a fresh accumulator, in its order.
-        acc.add_sumsq(sumsq, 0)
-        acc.numel += array.size
-        acc.max_value = max(acc.max_value, high)
-        acc.min_value = min(acc.min_value, low)
-        acc.max_abs = max(acc.max_abs, high, -low)
+        # What add() makes of one finite chunk in a fresh accumulator, built at once: the
+        # sum as ScaledSum.add(sumsq, 0) carries it, the extremes as max/min against the
+        # fresh ones keep them (a finite high is > -inf, a finite low < inf).
+        made.append(
+            NormAccumulator(
+                ScaledSum(*math.frexp(sumsq)) if sumsq else ScaledSum(),
+                max(0.0, high, -low),
+                numel=array.size,
+                min_value=low,
+                max_value=high,
+            )
+        )
+    return made

@@ -6,7 +6,7 @@ No arithmetic on tensors here: the numbers come measured; ordering keys come fro
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from clipcli.report.model import Column, Report, SortKey, Value
@@ -209,23 +209,42 @@ def ranked_tensors(
     )
 
 
+def _norm_rows(
+    tensors: Sequence[TensorStats], q: QuantizedRows | None
+) -> Iterator[tuple[Value, ...]]:
+    """The norms table's row of each tensor (one per tensor of 200,000: each dtype's name
+    and each role's text looked up once, not asked of numpy and the enum per row); with
+    `q`, a quantized weight's dtype and its quantization cell."""
+    dtype_names: dict[Any, str] = {}
+    role_texts: dict[Any, str] = {}
+    for t in tensors:
+        info, stats = t.info, t.stats
+        dtype_name = dtype_names.get(info.dtype)
+        if dtype_name is None:
+            dtype_name = dtype_names[info.dtype] = info.dtype_name
+        if t.tied_to is None:
+            role = role_texts.get(t.role)
+            if role is None:
+                role = role_texts[t.role] = t.role.value
+        else:
+            role = f"tied to {t.tied_to}"
+        row: tuple[Value, ...] = (
+            info.name,
+            dtype_name if q is None else q.dtype(info.name, dtype_name),
+            list(info.shape),
+            info.numel,
+            t.norm,
+            stats.largest_magnitude,
+            stats.nonfinite,
+            t.in_global,
+            role,
+        )
+        yield row if q is None else (*row, q.cell(info.name))
+
+
 def norms_report(m: Measurement, sort: SortKey = SortKey.NAME, top: int | None = None) -> Report:
     q = m.quantized
-    rows = tuple(
-        (
-            t.info.name,
-            t.info.dtype_name if q is None else q.dtype(t.info.name, t.info.dtype_name),
-            list(t.info.shape),
-            t.info.numel,
-            t.norm,
-            t.stats.largest_magnitude,
-            t.stats.nonfinite,
-            t.in_global,
-            t.role.value if t.tied_to is None else f"tied to {t.tied_to}",
-        )
-        + (() if q is None else (q.cell(t.info.name),))
-        for t in ranked_tensors(m, sort, top)
-    )
+    rows = tuple(_norm_rows(ranked_tensors(m, sort, top), q))
     g = m.global_norm
     counted = sum(t.in_global for t in m.tensors)
     footer = [f"global L2 norm {g:.6g} over {count(counted, 'floating-point tensor')}"]
