@@ -42,9 +42,9 @@ DECODED = sorted(name for name, case in CASES.items() if case["decoded_by_clipcl
 UNDECODED = sorted(name for name, case in CASES.items() if not case["decoded_by_clipcli"])
 PLAIN = "model.norm.weight"
 REL = 1e-12
-# Layouts clipcli reads but does not clip yet (exit 4, one line, nothing written): block FP8
-# whose scales are E8M0 (transformers' scale_fmt "ue8m0", as DeepSeek-V3.1 ships).
-CLIP_REFUSED = {"hf_fp8_block_ue8m0": "through its float8_e8m0fnu scales is not supported"}
+# Layouts clipcli reads but does not clip (exit 4, one line, nothing written): none now. Block
+# FP8 with E8M0 scales (transformers' scale_fmt "ue8m0") was one; it clips by powers of two.
+CLIP_REFUSED: dict[str, str] = {}
 IMPORT_NAMES = {
     "compressed-tensors": "compressed_tensors",
     "bitsandbytes": "bitsandbytes",

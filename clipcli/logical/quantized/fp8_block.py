@@ -9,11 +9,17 @@ the same block (always so for s <= 1; for s >= 2 only when exactly one b fits). 
 element covers the whole tensor. Anything else is refused (exit 3), never guessed: a
 [300, 200] weight with a [3, 2] scale fits blocks of 100..149 x 100..199, 128 x 128 among
 them, and each gives other values (issue 21).
+
+Scales that are powers of two (F8_E8M0 bytes, or float32 under config.json's scale_fmt
+"ue8m0", as DeepSeek-V3.1 ships: the kernels that serve them keep only the exponent) take a
+clip's factor rounded down to a power of two 2**-k, as MXFP4's do: each E8M0 byte s becomes
+s - k, each float scale is multiplied by 2**-k exactly, the codes stay byte for byte
+(params["power_of_two"]; the view refuses a factor a scale cannot take: refused_factor).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import rules
@@ -29,6 +35,8 @@ if TYPE_CHECKING:
 NAMES: Sequence[str] = ("fp8-block",)
 METHOD = "fp8"
 SCALE_SUFFIX = "_scale_inv"
+E8M0 = "float8_e8m0fnu"
+POWER_OF_TWO_FORMAT = "ue8m0"  # quantization_config.scale_fmt
 
 
 def recognise(
@@ -57,18 +65,24 @@ def recognise(
                     'quant_method "fp8"): its real values cannot be known',
                 )
             continue
-        found.append(_recognised(info, scale, declared, config is not None))
+        power_of_two = config is not None and config.get("scale_fmt") == POWER_OF_TWO_FORMAT
+        found.append(_recognised(info, scale, declared, config is not None, power_of_two))
     return found
 
 
 def _recognised(
-    info: TensorInfo, scale: TensorInfo, declared: tuple[int, ...] | None, configured: bool
+    info: TensorInfo,
+    scale: TensorInfo,
+    declared: tuple[int, ...] | None,
+    configured: bool,
+    power_of_two: bool,
 ) -> Recognised:
     rules.check_not_empty(info.name, info, scale)
     if len(info.shape) != 2:
         raise rules.refuse(info.name, f"block-scaled fp8 weight of rank {len(info.shape)}, not 2")
     rules.check_scale_dtype(scale)
     rows, columns = info.shape
+    e8m0 = rules.dtype_name(scale) == E8M0
     block = _block_from_shapes(info, scale, configured) if declared is None else declared
     expected = (rules.ceil_div(rows, block[0]), rules.ceil_div(columns, block[1]))
     if declared is not None or scale.numel != 1:  # one scale of any shape: the whole tensor
@@ -79,7 +93,11 @@ def _recognised(
         shape=tuple(info.shape),
         codes=info.name,
         parts=(Part(info.name, "codes"), Part(scale.name, "scale")),
-        params={"block": block},
+        params={
+            "block": block,
+            "e8m0": e8m0,
+            "power_of_two": power_of_two or e8m0,
+        },
     )
 
 
@@ -248,3 +266,15 @@ def cast_rows(
 
 def scaled_parts(weight: Recognised) -> list[str]:
     return [weight.parts[1].name]
+
+
+def stored_scaler(
+    weight: Recognised, part: str
+) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
+    """The optional scheme hook (scheme.Scheme): power-of-two scales take the factor
+    rounded down to 2**-k, E8M0 bytes by their exponent, float ones exactly."""
+    if part != weight.parts[1].name or not weight.params.get("power_of_two", False):
+        return None
+    if weight.params.get("e8m0", False):
+        return rules.lower_e8m0_exponents
+    return rules.halve_float_scales

@@ -161,27 +161,9 @@ def scaled_parts(weight: Recognised) -> list[str]:
     return [weight.parts[1].name]
 
 
-NAN_EXPONENT = 0xFF
-
-
-def lower_exponents(chunk: np.ndarray, mantissa: float, exponent: int) -> np.ndarray:
-    """E8M0 scale bytes (uint8 or float8_e8m0fnu) for the factor mantissa * 2**exponent
-    rounded down to 2**-k: each byte s >= k becomes s - k (its value times 2**-k, exactly);
-    a byte below k and the NaN byte 0xFF stay as they are (see the module's note)."""
-    import numpy as np
-
-    from clipcli.numerics.rounding import power_of_two_steps
-
-    steps = power_of_two_steps(mantissa, exponent)
-    raw = np.ascontiguousarray(chunk).view(np.uint8)
-    movable = (raw >= steps) & (raw != NAN_EXPONENT)
-    lowered = np.where(movable, raw.astype(np.int64) - steps, raw).astype(np.uint8)
-    return lowered.view(chunk.dtype).reshape(chunk.shape)
-
-
 def stored_scaler(
     weight: Recognised, part: str
 ) -> Callable[[np.ndarray, float, int], np.ndarray] | None:
     """The optional scheme hook (scheme.Scheme): a scale part's bytes are E8M0 exponents,
-    scaled by lower_exponents, never value by value."""
-    return lower_exponents if part == weight.parts[1].name else None
+    scaled by rules.lower_e8m0_exponents, never value by value."""
+    return rules.lower_e8m0_exponents if part == weight.parts[1].name else None

@@ -163,3 +163,37 @@ def e8m0_values(codes: np.ndarray) -> np.ndarray:
     values = np.ldexp(1.0, raw - 127)
     values[raw == 0xFF] = np.nan
     return values
+
+
+E8M0_NAN = 0xFF
+
+
+def lower_e8m0_exponents(chunk: np.ndarray, mantissa: float, exponent: int) -> np.ndarray:
+    """E8M0 scale bytes (uint8 or float8_e8m0fnu) for the factor mantissa * 2**exponent
+    rounded down to 2**-k: each byte s >= k becomes s - k (its value times 2**-k, exactly);
+    a byte below k and the NaN byte 0xFF stay as they are: the view refuses a clip that
+    would need them moved (QuantizedView.refused_factor)."""
+    import numpy as np
+
+    from clipcli.numerics.rounding import power_of_two_steps
+
+    steps = power_of_two_steps(mantissa, exponent)
+    raw = np.ascontiguousarray(chunk).view(np.uint8)
+    movable = (raw >= steps) & (raw != E8M0_NAN)
+    lowered = np.where(movable, raw.astype(np.int64) - steps, raw).astype(np.uint8)
+    return lowered.view(chunk.dtype).reshape(chunk.shape)
+
+
+def halve_float_scales(chunk: np.ndarray, mantissa: float, exponent: int) -> np.ndarray:
+    """Float scales that must stay powers of two (block FP8 with scale_fmt "ue8m0" in
+    float32: the kernels that run them read only the exponent) times the factor rounded
+    down to 2**-k, exactly wherever the result is a normal number of the chunk's dtype
+    (the view refuses a clip that would leave one that is not: refused_factor)."""
+    import numpy as np
+
+    from clipcli.numerics.rounding import power_of_two_steps
+
+    steps = power_of_two_steps(mantissa, exponent)
+    with np.errstate(all="ignore"):
+        moved: np.ndarray = np.ldexp(chunk, -steps).astype(chunk.dtype)
+    return moved

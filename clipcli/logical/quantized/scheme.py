@@ -92,7 +92,7 @@ class Scheme(Protocol):
 
     # Optional (looked up with getattr): `stored_scaler(weight, part)`, the function
     # (chunk, mantissa, exponent) -> chunk for a scaled part whose bytes are not float
-    # values a factor rounds into (MXFP4's E8M0 exponents: mxfp4.lower_exponents), or
+    # values a factor rounds into (E8M0 exponents: rules.lower_e8m0_exponents), or
     # None; and `power_of_two` in Recognised.params when that function takes the factor
     # rounded down to a power of two (View.power_of_two_factors).
 

@@ -480,7 +480,9 @@ class QuantizedView(View):
     def refused_factor(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
     ) -> str | None:
-        """A power-of-two (E8M0) weight: refused for a NaN scale byte (0xFF: its block is
+        """A power-of-two weight (E8M0 scales; block FP8's float "ue8m0" scales: refused
+        where one would leave float's normal range, _inexact_power_of_two): refused for a
+        NaN scale byte (0xFF: its block is
         NaN, and no factor acts on it), and for a block whose byte s is below the k of
         2**-k with any nonzero code (2**(s - k - 127) is below E8M0's least value, and
         keeping s would leave the block unscaled). A block of zero codes below k keeps
@@ -495,6 +497,8 @@ class QuantizedView(View):
         name = tensor.info.name
         small = self._small_parts(reader, rec, None, scheme)
         scale_name = scheme.scaled_parts(rec)[0]
+        if small[scale_name].dtype.itemsize != 1:  # float scales kept powers of two
+            return _inexact_power_of_two(name, scale_name, small[scale_name], mantissa, exponent)
         raw = small[scale_name].view(np.uint8).reshape(-1)
         nan = np.flatnonzero(raw == 0xFF)
         if nan.size:
@@ -507,6 +511,12 @@ class QuantizedView(View):
         if not steps or int(raw.min()) >= steps:
             return None
         low = raw < steps
+        if "scale_block" not in rec.params:  # blocks of rows and columns (block FP8)
+            first = int(np.flatnonzero(low)[0])
+            return (
+                f"{name}: scaling by 2**-{steps} would take its E8M0 scale byte "
+                f"{int(raw[first])} at block {first} below 0 (2**-127 is E8M0's least value)"
+            )
         block: int = rec.params["scale_block"]  # values per scale byte, along the last axis
         per_row = rules.ceil_div(rec.shape[-1], block)
         budget = max(per_row * block, default_chunk_elems(np.dtype(np.float64)))
@@ -524,6 +534,33 @@ class QuantizedView(View):
                     "value) under nonzero codes"
                 )
         return None
+
+
+def _inexact_power_of_two(
+    name: str, scale_name: str, scales: np.ndarray, mantissa: float, exponent: int
+) -> str | None:
+    """Why float scales cannot take 2**-k exactly (rules.halve_float_scales), or None:
+    a finite nonzero scale whose product would fall below its dtype's normal range."""
+    import numpy as np
+
+    from clipcli.logical.quantized.rules import halve_float_scales
+    from clipcli.numerics.rounding import power_of_two_steps
+
+    values = scales.reshape(-1)
+    moved = halve_float_scales(values, mantissa, exponent)
+    steps = power_of_two_steps(mantissa, exponent)
+    with np.errstate(all="ignore"):
+        wide = values.astype(np.float64)
+        exact = np.ldexp(moved.astype(np.float64), steps) == wide
+        tiny = np.abs(moved.astype(np.float64)) < np.finfo(values.dtype).tiny
+    bad = np.flatnonzero(np.isfinite(wide) & (wide != 0) & (~exact | tiny))
+    if not bad.size:
+        return None
+    first = int(bad[0])
+    return (
+        f"{name}: scaling its power-of-two scale {scale_name} by 2**-{steps} would take "
+        f"{float(wide[first])!r} at block {first} out of {values.dtype.name}'s normal range"
+    )
 
 
 def _refuse_undecided(
