@@ -271,6 +271,7 @@ class ClipResult(NamedTuple):
     dry_run: bool
     plan: Plan
     outcomes: tuple[Outcome, ...]
+    quantized: QuantizedRows | None = None  # the dtypes quantized weights dequantize to
 
     @property
     def rows(self) -> list[ClipRow]:
@@ -364,7 +365,8 @@ def clip(
         for note in notes:
             notify("note", note)
     held.release()
-    return ClipResult(src, target.out, spec, dry_run, made, tuple(outcomes))
+    shown = _quantized_rows(logical)
+    return ClipResult(src, target.out, spec, dry_run, made, tuple(outcomes), shown)
 
 
 class _HeldLines:

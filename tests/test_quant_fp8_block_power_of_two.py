@@ -231,3 +231,18 @@ def test_float32_power_of_two_scale_at_the_normal_edge(
         assert run.stderr.count("\n") == 1
         assert "normal range" in run.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_clip_shows_the_dtype_norms_shows(run_main: Callable[..., Run], tmp_path: Path) -> None:
+    """A quantized weight's row says the dtype it dequantizes to, in clip as in norms (clip
+    used to show its float64 decoding)."""
+    directory = model(tmp_path, "F8_E8M0", bytes([127, 120, 130, 127]), None)
+    norms = {
+        row["name"]: row["dtype"]
+        for row in run_main("norms", directory, "--json").json()["tensors"]
+    }
+    run = run_main("clip", "--global", "1", "--json", directory, tmp_path / "out")
+    assert run.code == 0, run.stderr
+    clip = {row["name"]: row["dtype"] for row in run.json()["tensors"]}
+    assert clip == norms
+    assert clip[WEIGHT] != "float64"

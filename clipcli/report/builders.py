@@ -385,10 +385,11 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
         lambda r: r.plan.in_global,
         lambda r: r.info.nbytes,
     )
+    q = result.quantized
     rows = tuple(
         (
             r.info.name,
-            r.info.dtype_name,
+            r.info.dtype_name if q is None else q.dtype(r.info.name, r.info.dtype_name),
             r.before.norm,
             r.after.norm,
             r.plan.scale,
