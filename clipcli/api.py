@@ -530,6 +530,7 @@ def convert(
             reader = _converted(stored, target.writer_class())
         else:
             reader = _cast_reader(stored, target_dtype, allow_lossy)
+        _refuse_undecoded(stored, reader, dtype)
         writer_cls = policy.check_writable(reader, target)
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
@@ -554,6 +555,27 @@ def convert(
         converted = list(reader.infos)
     held.release()
     return converted
+
+
+def _refuse_undecoded(stored: Reader, reader: Reader, dtype: str | None) -> None:
+    """Exit 4 where convert would write real values (--dtype, or a GGUF file's logical
+    tensors into another format) and some quantized weight is not decoded (scope)."""
+    from clipcli.logical.cast import CastReader
+    from clipcli.logical.reader import LogicalReader
+
+    source = reader.source if isinstance(reader, CastReader) else reader
+    if source is stored:
+        if dtype is None:
+            return  # the stored tensors, config.json as it is: lossless
+        undecoded: list[tuple[str, str]] = []
+        decoded = False
+    else:
+        assert isinstance(source, LogicalReader)
+        undecoded = source.view.undecoded()
+        decoded = any(not t.plain for t in source.logical)
+    doing = f"convert --dtype {dtype}" if dtype is not None else "this convert"
+    directory = None if decoded else stored.model_directory
+    scope.refuse_undecoded(source.infos, undecoded, directory, doing)
 
 
 def _join_losses(reader: Reader, writer_cls: type[Writer], target: Target) -> list[str]:

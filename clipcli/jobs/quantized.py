@@ -64,9 +64,10 @@ def detect(infos: Sequence[TensorInfo]) -> list[QuantizedWeight]:
         scaled = SCALED_INT8 if info.dtype.kind in "iu" else CHANNEL_FP8
         for suffix, scheme in (("_scale_inv", BLOCK_FP8), ("_scale", scaled)):
             if name + suffix in by_name:
-                stem = name.rsplit(".", 1)[0] if "." in name else name
+                # the module's prefix with its dot; "" for the root module's bare "weight"
+                module = name[: name.rfind(".") + 1]
                 extra = tuple(
-                    n for n in (f"{stem}.input_scale", f"{stem}.input_scale_ub") if n in by_name
+                    n for n in (f"{module}input_scale", f"{module}input_scale_ub") if n in by_name
                 )
                 found.append(QuantizedWeight(name, scheme, (name, name + suffix, *extra)))
                 break

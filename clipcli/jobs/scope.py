@@ -188,6 +188,38 @@ def refuse_quantized(
         )
 
 
+def refuse_undecoded(
+    infos: Sequence[TensorInfo],
+    undecoded: Sequence[tuple[str, str]],
+    directory: Path | None,
+    doing: str,
+) -> None:
+    """convert writing real values (--dtype; GGUF into another format): exit 4, nothing
+    written, when a quantized weight is stored in a layout clipcli does not decode. Its
+    codes and scales would be written as plain tensors (cast, config.json without its
+    quantization_config: "dequantized"), which they are not. `undecoded`: the view's own
+    (View.undecoded); `directory`: where config.json's quantization_config is read, None
+    when the view decoded a weight (it read the config and claimed what it names)."""
+    found, _ = _quantized_in(infos)
+    layouts = [(q.codes, q.scheme) for q in found] + list(undecoded)
+    if layouts:
+        schemes = ", ".join(sorted({layout for _, layout in layouts}))
+        raise DataRefusedError(
+            f"{count(len(layouts), 'quantized weight')} in a layout clipcli does not decode "
+            f"({schemes}: {first_few([name for name, _ in layouts])}): {doing} would write "
+            "the stored codes as if they were the weights; nothing written. convert without "
+            "--dtype into the same format copies them as stored"
+        )
+    method = quantized.declared_method(directory) if directory is not None else None
+    if method is not None:
+        raise DataRefusedError(
+            f"{directory}/config.json declares quantization_config (quant_method {method!r}) "
+            f"in a layout clipcli does not recognise: {doing} would write the stored tensors "
+            "as the weights and drop the config; nothing written. convert without --dtype "
+            "copies them as stored"
+        )
+
+
 def axes_fit(axes: Sequence[int], shape: Sequence[int]) -> bool:
     rank = len(shape)
     return all(-rank <= axis < rank for axis in axes)

@@ -61,6 +61,9 @@ class GGUFView(View):
     def warnings(self) -> list[str]:
         return self._reader.blocks.warnings()
 
+    def undecoded(self) -> list[tuple[str, str]]:
+        return self._reader.blocks.undecodable()
+
     def lowerable(self, tensor: LogicalTensor) -> str | None:
         if tensor.plain:
             return None
@@ -197,8 +200,10 @@ def _block_type(type_name: str) -> tuple[int, int, int]:
 
 
 def gguf_view(reader: Reader) -> View | None:
-    """The VIEW_FACTORIES entry: a GGUFView for a GGUF file with block-quantized tensors."""
+    """The VIEW_FACTORIES entry: a GGUFView for a GGUF file with block-quantized tensors,
+    those gguf cannot dequantize included (their bytes mean something only in GGUF:
+    View.stored_format keeps them from being written into another format as they are)."""
     if not isinstance(reader, GgufReader):
         return None
     view = GGUFView(reader)
-    return None if all(t.plain for t in view.tensors()) else view
+    return None if all(t.plain for t in view.tensors()) and not view.undecoded() else view

@@ -104,6 +104,12 @@ class View(ABC):
         """Every logical tensor, in the order of the stored tensors they start at. Every
         stored tensor appears in exactly one logical tensor's parts or in side_tensors()."""
 
+    def undecoded(self) -> list[tuple[str, str]]:
+        """(stored tensor, layout) of each quantized tensor this view reads as its stored
+        bytes, its real values not decoded (GGUF block types gguf cannot dequantize): a
+        convert that writes real values refuses them (clipcli.jobs.scope.refuse_undecoded)."""
+        return []
+
     def side_tensors(self) -> list[tuple[TensorInfo, str]]:
         """Stored tensors that are part of a logical tensor without being values (scales,
         zero points, activation scales), each with its role: listed, never in a norm."""

@@ -123,6 +123,11 @@ class BlockTypes:
     def tensors(self) -> list[BlockTensor]:
         return self._tensors
 
+    def undecodable(self) -> list[tuple[str, str]]:
+        """(tensor, "GGUF <type>") of each block tensor read as its stored bytes."""
+        order = " (big-endian)" if self._header.big_endian else ""
+        return [(e.name, f"GGUF {e.type_name}{order}") for e in self._undecodable]
+
     def warnings(self) -> list[str]:
         if not self._undecodable:
             return []

@@ -85,7 +85,7 @@ def _recognised(
     declared: int | None,
     configured: bool,
 ) -> Recognised:
-    rules.check_not_empty(module + ".weight", qweight, qzeros, scales)
+    rules.check_not_empty(module + "weight", qweight, qzeros, scales)
     for info, role in ((qweight, "AWQ qweight"), (qzeros, "AWQ qzeros")):
         intcodes.check_dtype(info, intcodes.WORD_DTYPES, role)
         if len(info.shape) != 2:
@@ -95,7 +95,7 @@ def _recognised(
         raise rules.refuse(scales.name, f"AWQ scales of rank {len(scales.shape)}, not 2")
     groups, out = scales.shape
     inputs = qweight.shape[0]
-    weight = module + ".weight"
+    weight = module + "weight"
     if out % PER_WORD:
         raise rules.refuse(
             scales.name, f"{out} outputs are not whole words of {PER_WORD} AWQ codes"

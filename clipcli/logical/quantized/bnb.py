@@ -73,12 +73,15 @@ def recognise(
     found = []
     for name, info in stored.items():
         head, sep, kind = name.rpartition(STATE)
-        if sep and head.endswith(".weight"):
+        # "X.weight" or the root module's "weight" (rules.module_prefix)
+        if sep and rules.module_prefix(head, "weight") is not None:
             if read is None:
                 raise rules.refuse(name, "the real shape is stored as data and was not read")
             found.append(_four_bit(head, kind, info, stored, read))
-        elif name.endswith(".weight") and name[: -len(".weight")] + ".SCB" in stored:
-            found.append(_int8(name, info, stored, read))
+            continue
+        module = rules.module_prefix(name, "weight")
+        if module is not None and module + "SCB" in stored:
+            found.append(_int8(name, module, info, stored, read))
     return found
 
 
@@ -231,10 +234,13 @@ def _four_bit(
 
 
 def _int8(
-    name: str, info: TensorInfo, stored: Mapping[str, TensorInfo], read: ReadSmall | None
+    name: str,
+    module: str,
+    info: TensorInfo,
+    stored: Mapping[str, TensorInfo],
+    read: ReadSmall | None,
 ) -> Recognised:
-    module = name[: -len(".weight")]
-    scb = stored[module + ".SCB"]
+    scb = stored[module + "SCB"]
     rules.check_not_empty(name, info, scb)
     intcodes.check_dtype(info, frozenset({"int8"}), "LLM.int8 weight")
     if len(info.shape) != 2:
@@ -242,7 +248,7 @@ def _int8(
     intcodes.check_dtype(scb, FLOAT32, "SCB")
     rules.check_shape(scb, (info.shape[0],), name, "SCB")
     parts = [Part(name, "codes"), Part(scb.name, "scale")]
-    layout = stored.get(module + ".weight_format")
+    layout = stored.get(module + "weight_format")
     if layout is not None:
         if layout.numel != 1 or read is None or int(read(layout.name).reshape(-1)[0]) != 0:
             raise rules.refuse(

@@ -54,7 +54,9 @@ def recognise(
             declared = rules.block_sizes(raw, "config.json", "weight_block_size", 2)
     found = []
     for name, info in stored.items():
-        if rules.dtype_name(info) not in rules.FP8_CODE_DTYPES or not name.endswith(".weight"):
+        if rules.dtype_name(info) not in rules.FP8_CODE_DTYPES:
+            continue
+        if rules.module_prefix(name, "weight") is None:  # "X.weight", or the root's "weight"
             continue
         scale = stored.get(name + SCALE_SUFFIX)
         if scale is None:

@@ -27,8 +27,9 @@ NAMES: Sequence[str] = ("fp8-tensor", "fp8-channel", "fp8-group", "fp8-block", "
 COMPRESSED_TENSORS = "compressed-tensors"
 FBGEMM = "fbgemm_fp8"
 FLOAT_FORMATS = frozenset({"float-quantized", "naive-quantized"})
-SCALE_NAMES = (".weight_scale", ".scale_weight")  # compressed-tensors/fbgemm, ComfyUI
-ACTIVATION_SCALES = (".input_scale", ".input_scale_ub", ".scale_input")
+# Parts of the weight's module (rules.module_prefix: "X." or "" for the root module).
+SCALE_NAMES = ("weight_scale", "scale_weight")  # compressed-tensors/fbgemm, ComfyUI
+ACTIVATION_SCALES = ("input_scale", "input_scale_ub", "scale_input")
 
 # A tile: rows x columns of the weight one scale covers; None stands for the whole extent.
 Tile = tuple[int | None, int | None]
@@ -90,15 +91,17 @@ def recognise(
         candidates = [("fp8-tensor", (None, None)), ("fp8-channel", (1, None))]
     found = []
     for name, info in stored.items():
-        if rules.dtype_name(info) not in rules.FP8_CODE_DTYPES or not name.endswith(".weight"):
+        if rules.dtype_name(info) not in rules.FP8_CODE_DTYPES:
             continue
-        stem = name[: -len(".weight")]
+        stem = rules.module_prefix(name, "weight")  # "X." for X.weight, "" for the root's
+        if stem is None:
+            continue
         scales = [stored[stem + s] for s in SCALE_NAMES if stem + s in stored]
         if not scales:
             if config is not None:
                 raise rules.incomplete(
                     name,
-                    f"fp8 codes without their {stem}.weight_scale (config.json declares "
+                    f"fp8 codes without their {stem}weight_scale (config.json declares "
                     f"quant_method {method!r}): its real values cannot be known",
                 )
             continue

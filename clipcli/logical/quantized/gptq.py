@@ -97,9 +97,9 @@ def _recognised(
     stored: Mapping[str, TensorInfo],
     declared: _Declared | None,
 ) -> Recognised:
-    g_idx = stored.get(module + ".g_idx")
+    g_idx = stored.get(module + "g_idx")
     stored_parts = [qweight, qzeros, scales] + ([] if g_idx is None else [g_idx])
-    rules.check_not_empty(module + ".weight", *stored_parts)
+    rules.check_not_empty(module + "weight", *stored_parts)
     for info, role in ((qweight, "GPTQ qweight"), (qzeros, "GPTQ qzeros")):
         intcodes.check_dtype(info, intcodes.WORD_DTYPES, role)
         if len(info.shape) != 2:
@@ -110,7 +110,7 @@ def _recognised(
     groups, out = scales.shape
     bits = declared.bits if declared is not None else _bits_from_shapes(qweight, qzeros, g_idx, out)
     inputs = _inputs(qweight, g_idx, bits)
-    weight = module + ".weight"
+    weight = module + "weight"
     rules.check_shape(qweight, (intcodes.words_for(inputs, bits, True), out), weight, "qweight")
     rules.check_shape(qzeros, (groups, intcodes.words_for(out, bits, True)), weight, "qzeros")
     group = _group(declared, g_idx, groups, inputs, weight)

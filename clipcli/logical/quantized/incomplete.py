@@ -34,7 +34,9 @@ BNB_STATES = (".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4"
 
 
 class Companion(NamedTuple):
-    """A part named `<module><suffix>` that belongs to codes named `<module><codes>`."""
+    """A part named `<module><suffix>` that belongs to codes named `<module><codes>`. A
+    dotted suffix (".qzeros") is a part of a module, the root module's included: its bare
+    name ("qzeros") is that part too (rules.module_prefix, _prefix)."""
 
     suffix: str
     codes: tuple[str, ...]  # the codes' suffixes it may belong to (any one of them)
@@ -73,6 +75,9 @@ COMPANIONS = (
 # Every name a check below may refuse ends in one of these (".weight": LLM.int8 codes,
 # checked only under a bitsandbytes config).
 SUFFIXES = (".qweight", ".weight_packed", "_blocks", *(c.suffix for c in COMPANIONS))
+# The same parts of the root module: their names have no prefix ("qzeros", "SCB").
+BARE = rules.bare_parts(SUFFIXES)
+BARE_WEIGHT = rules.bare_parts((".weight",))
 BNB_PARTS = frozenset(
     {".weight.absmax", ".weight.quant_map", ".weight.nested_absmax", ".weight.nested_quant_map"}
 )
@@ -90,9 +95,11 @@ def refuse_incomplete(
     method = rules.method_of(config)
     families = {*schemes, *([method] if method is not None else [])}
     # One C-level test per name first: 200,000 plain names cost milliseconds, not a second.
-    suffixes = SUFFIXES + ((".weight",) if method == "bitsandbytes" else ())
+    bnb = method == "bitsandbytes"
+    suffixes = SUFFIXES + ((".weight",) if bnb else ())
+    bare = BARE | BARE_WEIGHT if bnb else BARE
     for name, info in stored.items():
-        if not name.endswith(suffixes) or name in claimed:
+        if not rules.ends_in_part(name, suffixes, bare) or name in claimed:
             continue
         problem = _codes_missing(name, info, stored, config) or _companion_missing(
             name, info, stored, families
@@ -108,50 +115,51 @@ def _codes_missing(
     """(weight, what is wrong) when `name` holds a quantized weight's codes that no scheme
     claimed, else None."""
     dtype = rules.dtype_name(info)
-    if name.endswith(".qweight") and dtype in intcodes.WORD_DTYPES:
-        module = name[: -len(".qweight")]
-        missing = [module + s for s in (".qzeros", ".scales") if module + s not in stored]
+    module = rules.module_prefix(name, "qweight")  # "X.", or "" for the root module
+    if module is not None and dtype in intcodes.WORD_DTYPES:
+        missing = [module + s for s in ("qzeros", "scales") if module + s not in stored]
         if missing:
-            return module + ".weight", f"GPTQ/AWQ codes {name} stored without {_and(missing)}"
-        return module + ".weight", (
-            f"GPTQ/AWQ codes {name} {rules.shown(info.shape)} with {module}.qzeros "
-            f"{rules.shown(stored[module + '.qzeros'].shape)} and {module}.scales "
-            f"{rules.shown(stored[module + '.scales'].shape)} fit neither GPTQ's layout nor AWQ's"
+            return module + "weight", f"GPTQ/AWQ codes {name} stored without {_and(missing)}"
+        return module + "weight", (
+            f"GPTQ/AWQ codes {name} {rules.shown(info.shape)} with {module}qzeros "
+            f"{rules.shown(stored[module + 'qzeros'].shape)} and {module}scales "
+            f"{rules.shown(stored[module + 'scales'].shape)} fit neither GPTQ's layout nor AWQ's"
         )
-    if name.endswith(".weight_packed") and dtype in ("uint8", *intcodes.WORD_DTYPES):
-        return _packed_missing(name, dtype, stored)
+    module = rules.module_prefix(name, "weight_packed")
+    if module is not None and dtype in ("uint8", *intcodes.WORD_DTYPES):
+        return _packed_missing(name, module, dtype, stored)
     if name.endswith("_blocks") and dtype == "uint8" and _mxfp4_blocks(info):
         scales = name[: -len("_blocks")] + "_scales"
         if scales not in stored:
             return name[: -len("_blocks")], f"MXFP4 blocks {name} stored without {scales}"
+    module = rules.module_prefix(name, "weight")
     if (
-        name.endswith(".weight")
+        module is not None
         and dtype == "int8"
         and rules.method_of(config) == "bitsandbytes"
         and config is not None
         and config.get("load_in_8bit") is True
-        and name[: -len(".weight")] + ".SCB" not in stored
+        and module + "SCB" not in stored
     ):
-        scb = name[: -len(".weight")] + ".SCB"
+        scb = module + "SCB"
         return name, f"LLM.int8 codes {name} stored without {scb} (config.json: load_in_8bit)"
     return None
 
 
 def _packed_missing(
-    name: str, dtype: str, stored: Mapping[str, TensorInfo]
+    name: str, module: str, dtype: str, stored: Mapping[str, TensorInfo]
 ) -> tuple[str, str] | None:
-    module = name[: -len(".weight_packed")]
-    weight = module + ".weight"
-    scale = stored.get(module + ".weight_scale")
+    weight = module + "weight"
+    scale = stored.get(module + "weight_scale")
     if dtype != "uint8":  # compressed-tensors pack-quantized integers
-        needed = (".weight_scale", ".weight_shape")
+        needed = ("weight_scale", "weight_shape")
         missing = [module + s for s in needed if module + s not in stored]
         if missing:
             return weight, f"packed integer codes {name} stored without {_and(missing)}"
         return None  # complete: packed_int decides (and refuses what it cannot read)
-    global_scale = module + ".weight_global_scale"
+    global_scale = module + "weight_global_scale"
     if scale is None:
-        return weight, f"4-bit codes {name} stored without {module}.weight_scale"
+        return weight, f"4-bit codes {name} stored without {module}weight_scale"
     if rules.dtype_name(scale) in rules.FP8_CODE_DTYPES and global_scale not in stored:
         return weight, (
             f"NVFP4 codes {name} with an {rules.dtype_name(scale)} {scale.name} stored "
@@ -176,16 +184,16 @@ def _companion_missing(
     """(weight, what is missing) when `name` is a part of a quantized set whose codes (or,
     for bitsandbytes, quant state) are not stored, else None."""
     for companion in COMPANIONS:
-        if not name.endswith(companion.suffix):
+        module = _prefix(name, companion.suffix)
+        if module is None:
             continue
         family = companion.family
         if family is not None and not any(f.startswith(family) for f in families):
             return None
         if companion.suffix == "_scales" and rules.dtype_name(info) != "uint8":
             return None  # MXFP4 scales are E8M0 bytes; another "_scales" is no such part
-        module = name[: -len(companion.suffix)]
-        codes = [module + c for c in companion.codes]
-        weight = module + ("" if companion.codes == ("_blocks",) else ".weight")
+        codes = [_named(module, c) for c in companion.codes]
+        weight = module + ("" if companion.codes == ("_blocks",) else "weight")
         if not any(c in stored for c in codes):
             return weight, (
                 f"a {companion.scheme} {name} stored without its codes {' or '.join(codes)}"
@@ -197,6 +205,20 @@ def _companion_missing(
             )
         return None
     return None
+
+
+def _prefix(name: str, suffix: str) -> str | None:
+    """`name` as <prefix><suffix>, or None: for a dotted suffix the module's prefix with its
+    dot, "" for the root module's bare part (rules.module_prefix); for gpt-oss's "_scales"
+    the weight's name."""
+    if suffix.startswith("."):
+        return rules.module_prefix(name, suffix[1:])
+    return name[: -len(suffix)] if name.endswith(suffix) else None
+
+
+def _named(prefix: str, suffix: str) -> str:
+    """The name _prefix read: prefix + the suffix (without its dot for a module's part)."""
+    return prefix + (suffix[1:] if suffix.startswith(".") else suffix)
 
 
 def _and(names: list[str]) -> str:

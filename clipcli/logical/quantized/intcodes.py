@@ -128,18 +128,20 @@ def float64(array: np.ndarray) -> np.ndarray:
 def qweight_sets(
     stored: Mapping[str, TensorInfo], declared: bool, label: str
 ) -> Iterator[tuple[str, TensorInfo, TensorInfo, TensorInfo]]:
-    """(module, qweight, qzeros, scales) of every `<module>.qweight` stored with both its
-    companions (GPTQ and AWQ name them alike). A qweight missing one is refused where a
-    config declares the scheme (its real values are unknown), else passed over."""
+    """(module, qweight, qzeros, scales) of every `<module>qweight` stored with both its
+    companions (GPTQ and AWQ name them alike); `module` is the prefix with its dot ("X.",
+    "" for the root module's bare qweight: rules.module_prefix). A qweight missing one is
+    refused where a config declares the scheme (its real values are unknown), else passed
+    over."""
     for name, info in stored.items():
-        if not name.endswith(".qweight"):
+        module = rules.module_prefix(name, "qweight")
+        if module is None:
             continue
-        module = name[: -len(".qweight")]
-        qzeros = stored.get(module + ".qzeros")
-        scales = stored.get(module + ".scales")
+        qzeros = stored.get(module + "qzeros")
+        scales = stored.get(module + "scales")
         if qzeros is None or scales is None:
             if declared:
-                missing = module + (".qzeros" if qzeros is None else ".scales")
+                missing = module + ("qzeros" if qzeros is None else "scales")
                 raise rules.incomplete(
                     name, f"{label} codes without their {missing}: the real values are unknown"
                 )

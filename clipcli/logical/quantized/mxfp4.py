@@ -57,12 +57,14 @@ def recognise(
                 raise rules.incomplete(
                     name, f"MXFP4 blocks without their {missing}: the real values are unknown"
                 )
-        elif pack and name.endswith(".weight_packed") and rules.dtype_name(info) == "uint8":
-            stem = name[: -len(".weight_packed")]
-            scale = stored.get(stem + ".weight_scale")
+        elif pack and rules.dtype_name(info) == "uint8":
+            stem = rules.module_prefix(name, "weight_packed")  # "X.", or "" for the root
+            if stem is None:
+                continue
+            scale = stored.get(stem + "weight_scale")
             if scale is None or rules.dtype_name(scale) not in SCALE_DTYPES:
                 continue  # another scheme's (NVFP4: an fp8 scale)
-            if stem + ".weight_global_scale" in stored:
+            if stem + "weight_global_scale" in stored:
                 continue
             found.append(_packed(info, scale, stem))
     return found
@@ -96,7 +98,7 @@ def _packed(packed: TensorInfo, scale: TensorInfo, stem: str) -> Recognised:
     rows, columns = packed.shape[0], packed.shape[1] * 2
     rules.check_shape(scale, (rows, rules.ceil_div(columns, BLOCK)), packed.name, "scale")
     return Recognised(
-        name=stem + ".weight",
+        name=stem + "weight",
         scheme=NAMES[0],
         shape=(rows, columns),
         codes=packed.name,

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 NAMES: Sequence[str] = ("nvfp4",)
 FORMAT = "nvfp4-pack-quantized"
 GROUP = 16
-ACTIVATION_SCALES = (".input_global_scale", ".input_scale")
+# Parts of the weight's module (rules.module_prefix: "X." or "" for the root module).
+ACTIVATION_SCALES = ("input_global_scale", "input_scale")
 
 
 def _declared(config: Mapping[str, Any]) -> bool:
@@ -42,14 +43,16 @@ def recognise(
         return []
     found = []
     for name, info in stored.items():
-        if not name.endswith(".weight_packed") or rules.dtype_name(info) != "uint8":
+        if rules.dtype_name(info) != "uint8":
             continue
-        stem = name[: -len(".weight_packed")]
-        scale = stored.get(stem + ".weight_scale")
-        global_scale = stored.get(stem + ".weight_global_scale")
+        stem = rules.module_prefix(name, "weight_packed")  # "X.", or "" for the root
+        if stem is None:
+            continue
+        scale = stored.get(stem + "weight_scale")
+        global_scale = stored.get(stem + "weight_global_scale")
         if scale is None or global_scale is None:
             if config is not None:
-                parts = ((".weight_scale", scale), (".weight_global_scale", global_scale))
+                parts = (("weight_scale", scale), ("weight_global_scale", global_scale))
                 missing = [stem + s for s, part in parts if part is None]
                 raise rules.incomplete(
                     name,
@@ -81,7 +84,7 @@ def _recognised(
         )
     side = tuple(Part(stem + s, "input_scale") for s in ACTIVATION_SCALES if stem + s in stored)
     return Recognised(
-        name=stem + ".weight",
+        name=stem + "weight",
         scheme=NAMES[0],
         shape=(rows, columns),
         codes=packed.name,

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 NAMES: Sequence[str] = ("pack-quantized",)
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
-SUFFIX = ".weight_packed"
+PART = "weight_packed"  # of module "X." (or "" for the root: rules.module_prefix)
 DENSE_FROM = (0, 17)  # compressed-tensors version from which 3/5/6/7 bits pack densely
 MAX_RANK = 3
 MAX_DIM = 1 << 40  # no real dimension is near this; checked before any product is taken
@@ -103,13 +103,15 @@ def recognise(
     version = _version(config) if config is not None else None
     found = []
     for name, info in stored.items():
-        if not name.endswith(SUFFIX) or rules.dtype_name(info) not in intcodes.WORD_DTYPES:
+        if rules.dtype_name(info) not in intcodes.WORD_DTYPES:
             continue
-        module = name[: -len(SUFFIX)]
-        scale = stored.get(module + ".weight_scale")
-        shape_info = stored.get(module + ".weight_shape")
+        module = rules.module_prefix(name, PART)
+        if module is None:
+            continue
+        scale = stored.get(module + "weight_scale")
+        shape_info = stored.get(module + "weight_shape")
         if scale is None or shape_info is None:
-            missing = module + (".weight_scale" if scale is None else ".weight_shape")
+            missing = module + ("weight_scale" if scale is None else "weight_shape")
             raise rules.incomplete(
                 name, f"packed integer codes without their {missing}: the real values are unknown"
             )
@@ -163,12 +165,12 @@ def _recognised(
     declared: list[Args] | None,
     version: tuple[int, int] | None,
 ) -> Recognised:
-    rules.check_not_empty(module + ".weight", packed, scale, shape=real)
-    weight = module + ".weight"
+    rules.check_not_empty(module + "weight", packed, scale, shape=real)
+    weight = module + "weight"
     intcodes.check_dtype(scale, intcodes.FLOAT_SCALE_DTYPES, "weight scale")
     rows_shape, columns = real[:-1], real[-1]
-    zero = stored.get(module + ".weight_zero_point")
-    g_idx = stored.get(module + ".weight_g_idx")
+    zero = stored.get(module + "weight_zero_point")
+    g_idx = stored.get(module + "weight_g_idx")
     candidates = declared or [Args(b, None, None) for b in range(1, 9)]
     fits = {
         (args, dense)
@@ -197,7 +199,7 @@ def _recognised(
         parts.append(Part(zero.name, "zero_point"))
     if g_idx is not None:
         parts.append(Part(g_idx.name, "group_index"))
-    parts.append(Part(module + ".weight_shape", "shape"))
+    parts.append(Part(module + "weight_shape", "shape"))
     return Recognised(
         name=weight,
         scheme=f"pack-quantized-int{args.bits}",

@@ -46,6 +46,9 @@ MARKERS = (
 )
 # Matched at the end of a name only: "_blocks" is in diffusers' "down_blocks.0.…".
 END_MARKERS = ("_blocks",)
+# The dotted markers as the root module's names begin ("qweight", "SCB": a part without a
+# prefix is a part like any other), matched after the newline that starts a name.
+BARE_MARKERS = tuple("\n" + marker[1:] for marker in MARKERS if marker.startswith("."))
 
 
 def may_hold_quantized(names: Iterable[str]) -> bool:
@@ -54,7 +57,9 @@ def may_hold_quantized(names: Iterable[str]) -> bool:
     # One search per marker through all names at once (200,000 names: ms, not 0.1 s): no
     # marker holds the newline, so none is found across two names, and a name's end is
     # where a newline follows it.
-    joined = "\n".join(names) + "\n"
-    return any(marker in joined for marker in MARKERS) or any(
-        marker + "\n" in joined for marker in END_MARKERS
+    joined = "\n" + "\n".join(names) + "\n"
+    return (
+        any(marker in joined for marker in MARKERS)
+        or any(marker in joined for marker in BARE_MARKERS)
+        or any(marker + "\n" in joined for marker in END_MARKERS)
     )

@@ -41,6 +41,30 @@ def incomplete(where: str, problem: str) -> InputError:
     return InputError(where, f"{problem}; {STORED_HINT}")
 
 
+def module_prefix(name: str, part: str) -> str | None:
+    """`name` read as the part `part` ("qweight", "weight_scale_inv", "weight.absmax") of a
+    module: the module's prefix with its dot ("model.layers.0.q_proj."), "" for a part of
+    the root module (a bare "qweight": a checkpoint of one layer stores its parts without
+    a prefix, and they are a quantized set like any other), None when `name` is not that
+    part. Companions are then `prefix + "qzeros"`, the weight `prefix + "weight"`."""
+    if name == part:
+        return ""
+    if name.endswith(part) and name[-len(part) - 1 : -len(part)] == ".":
+        return name[: -len(part)]
+    return None
+
+
+def ends_in_part(name: str, dotted: tuple[str, ...], bare: frozenset[str]) -> bool:
+    """Whether `name` ends in one of the `dotted` parts (".qweight", ...) or is one of them
+    bare (`bare`: the same parts without their dot: the root module's)."""
+    return name.endswith(dotted) or name in bare
+
+
+def bare_parts(dotted: tuple[str, ...]) -> frozenset[str]:
+    """The root module's names of the `dotted` parts: ".qweight" -> "qweight"."""
+    return frozenset(s[1:] for s in dotted if s.startswith("."))
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -56,6 +56,8 @@ ACTIVATION_SUFFIXES = (
     *(f".{what}_global_scale" for what in ("input", "output")),
     *(f".{what}_zero_point" for what in ("input", "output", "q", "k", "v")),
 )
+# The same parameters of the root module (names without a prefix: rules.module_prefix).
+ACTIVATION_BARE = rules.bare_parts(ACTIVATION_SUFFIXES)
 ACTIVATION_ROLE = "activation_scale"
 
 
@@ -165,7 +167,12 @@ class QuantizedView(View):
         self._by_codes = {rec.codes: rec.name for _, rec in self._weights.values()}
         self._owner = owner
         self._activation = (
-            [name for name in stored if name not in owner and name.endswith(ACTIVATION_SUFFIXES)]
+            [
+                name
+                for name in stored
+                if name not in owner
+                and rules.ends_in_part(name, ACTIVATION_SUFFIXES, ACTIVATION_BARE)
+            ]
             if config is not None or self._weights
             else []
         )
