@@ -445,7 +445,13 @@ def test_config_read_up_to_its_limit(tmp_path: Path, extra: int) -> None:
 
     directory = tmp_path / "m"
     directory.mkdir()
-    plain_file(directory / "model.safetensors", {"w": np.ones(2, np.float32)})
+    # an fp8 set the config describes (a config declaring what no tensor is: exit 4,
+    # tests/test_quant_convert_undecoded.py)
+    stored = {
+        "w.weight": ("F8_E4M3", [1, 2], bytes([0x38, 0x40])),
+        "w.weight_scale_inv": ("F32", [1, 1], f32_payload(float32_bits([0.5]))),
+    }
+    write_raw_safetensors(directory / "model.safetensors", stored)
     text = json.dumps({"quantization_config": {"quant_method": "fp8"}, "pad": ""})
     text = text[:-1] + " " * (CONFIG_LIMIT + extra - len(text)) + "}"  # JSON whitespace
     assert len(text.encode()) == CONFIG_LIMIT + extra

@@ -99,7 +99,8 @@ def refuse_incomplete(
     suffixes = SUFFIXES + ((".weight",) if bnb else ())
     bare = BARE | BARE_WEIGHT if bnb else BARE
     for name, info in stored.items():
-        if not rules.ends_in_part(name, suffixes, bare) or name in claimed:
+        # a module's part, or the root module's bare one (rules.bare_parts)
+        if not (name.endswith(suffixes) or name in bare) or name in claimed:
             continue
         problem = _codes_missing(name, info, stored, config) or _companion_missing(
             name, info, stored, families

@@ -54,14 +54,10 @@ def module_prefix(name: str, part: str) -> str | None:
     return None
 
 
-def ends_in_part(name: str, dotted: tuple[str, ...], bare: frozenset[str]) -> bool:
-    """Whether `name` ends in one of the `dotted` parts (".qweight", ...) or is one of them
-    bare (`bare`: the same parts without their dot: the root module's)."""
-    return name.endswith(dotted) or name in bare
-
-
 def bare_parts(dotted: tuple[str, ...]) -> frozenset[str]:
-    """The root module's names of the `dotted` parts: ".qweight" -> "qweight"."""
+    """The root module's names of the `dotted` parts: ".qweight" -> "qweight". A name is
+    one of those parts when `name.endswith(dotted) or name in bare_parts(dotted)` (tested
+    inline where 200,000 names pass: a call per name costs tens of ms)."""
     return frozenset(s[1:] for s in dotted if s.startswith("."))
 
 

@@ -171,7 +171,8 @@ class QuantizedView(View):
                 name
                 for name in stored
                 if name not in owner
-                and rules.ends_in_part(name, ACTIVATION_SUFFIXES, ACTIVATION_BARE)
+                # a module's, or the root module's bare one (rules.bare_parts)
+                and (name.endswith(ACTIVATION_SUFFIXES) or name in ACTIVATION_BARE)
             ]
             if config is not None or self._weights
             else []
