@@ -10,11 +10,13 @@ whose codes are stored was quantized, so it is of the class a group quantized.
 
 Where two groups match a module at the same rank, or none does, the module's scheme is
 not known: a module that holds quantized codes there is refused (exit 3, naming it and the
-groups), never read with a guessed scheme.
+groups), never read with a guessed scheme. One group is matched as several are.
 
 The regular expressions come from a file: they are run by a small automaton here (a
 subset of Python's syntax, linear in the name's length), never by Python's backtracking
-`re`, whose worst case a hostile pattern could make take hours.
+`re`, whose worst case a hostile pattern could make take hours. What the automaton accepts
+matches exactly as Python's `re` does on any str (tests/test_quant_targets_python_re.py
+compares the two); the rest is refused.
 """
 
 from __future__ import annotations
