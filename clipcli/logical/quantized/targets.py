@@ -10,11 +10,13 @@ whose codes are stored was quantized, so it is of the class a group quantized.
 
 Where two groups match a module at the same rank, or none does, the module's scheme is
 not known: a module that holds quantized codes there is refused (exit 3, naming it and the
-groups), never read with a guessed scheme.
+groups), never read with a guessed scheme. One group is matched as several are.
 
 The regular expressions come from a file: they are run by a small automaton here (a
 subset of Python's syntax, linear in the name's length), never by Python's backtracking
-`re`, whose worst case a hostile pattern could make take hours.
+`re`, whose worst case a hostile pattern could make take hours. What the automaton accepts
+matches exactly as Python's `re` does on any str (tests/test_quant_targets_python_re.py
+compares the two); the rest is refused.
 """
 
 from __future__ import annotations
@@ -30,54 +32,75 @@ if TYPE_CHECKING:
 MAX_PATTERN = 1000  # characters of one `re:` target
 MAX_PROGRAM = 5000  # automaton states of one pattern (counted repeats expand)
 MAX_REPEAT = 100  # the largest count of {m,n}
+MAX_NESTING = 32  # groups inside groups: the parser recurses once per level
 MAX_CACHED = 4096  # state sets remembered per pattern (a lazy DFA); past it, computed again
 
 EXACT, REGEX, CLASS = 0, 1, 2  # match ranks: lower wins (compressed-tensors' order)
 
 
 # ------------------------------------------------------------------ regular expressions
+#
+# What Python 3's `re` (re._parser) makes of a str pattern without flags, for the subset
+# read here; anything else is refused, never read another way:
+#   \d: str.isdecimal (Unicode Nd)  \w: str.isalnum or "_"  \s: str.isspace  (\D \W \S not)
+#   . : any character but "\n"      $ : at the end, or before a "\n" that ends the name
+#   ^ : at the start only           [..]: code point ranges, "]" first is a literal
+#   {m,n} {m,} {,n} {m}: ASCII digits only; a "{" that is not one of them is a literal.
 
 
 class _Nfa:
     """A Thompson automaton: `edges[s]` (test, next) consume one character, `eps[s]` the
-    states reached without one; `end_only[s]`: `$`, passed only at the end."""
+    states reached without one; `assertion[s]` ("^" or "$", next): passed without a
+    character where the position allows it."""
 
     def __init__(self) -> None:
-        self.edges: list[tuple[Any, int] | None] = []
+        self.edges: list[tuple[Test, int] | None] = []
         self.eps: list[list[int]] = []
-        self.end_only: list[int | None] = []
+        self.assertion: list[tuple[str, int] | None] = []
 
     def state(self) -> int:
         if len(self.edges) >= MAX_PROGRAM:
             raise ValueError(f"more than {MAX_PROGRAM} states")
         self.edges.append(None)
         self.eps.append([])
-        self.end_only.append(None)
+        self.assertion.append(None)
         return len(self.edges) - 1
 
 
 Test = Callable[[str], bool]  # does one character pass
 
 
-def _digit(c: str) -> bool:
-    return c.isdigit() and c.isascii()
-
-
 def _word(c: str) -> bool:
-    return (c.isalnum() and c.isascii()) or c == "_"
+    return c.isalnum() or c == "_"
 
 
-def _space(c: str) -> bool:
-    return c in " \t\n\r\f\v"
+# Python's CATEGORY_UNI_DIGIT / _WORD / _SPACE: Py_UNICODE_ISDECIMAL, ISALNUM or "_",
+# ISSPACE, which str.isdecimal, str.isalnum and str.isspace test.
+_CLASSES: dict[str, Test] = {"d": str.isdecimal, "w": _word, "s": str.isspace}
+# re._parser.ESCAPES: control characters; "\b" is one only inside [...] (else a boundary).
+_CONTROL = {"a": "\a", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"}
+_ASCII_DIGITS = "0123456789"
+_ALL = "all"  # an atom that consumes characters
+_ASSERT = "assert"  # ^ or $: Python refuses to repeat it
 
 
-_CLASSES: dict[str, Test] = {"d": _digit, "w": _word, "s": _space}
+def _negated(test: Test) -> Test:
+    return lambda x: not test(x)
+
+
+def _literal(c: str) -> Test:
+    return lambda x: x == c
+
+
+def _in_range(low: str, high: str) -> Test:
+    return lambda x: low <= x <= high  # code points, as Python's RANGE
 
 
 class _Parser:
     def __init__(self, pattern: str) -> None:
         self.p = pattern
         self.i = 0
+        self.depth = 0
         self.nfa = _Nfa()
 
     def peek(self) -> str | None:
@@ -90,7 +113,7 @@ class _Parser:
         self.i += 1
         return c
 
-    # Each parse_* returns a fragment (start, end) of states; end has no edges yet.
+    # Each fragment is (start, end) of states; end has no edges yet.
     def alternation(self) -> tuple[int, int]:
         branches = [self.sequence()]
         while self.peek() == "|":
@@ -108,120 +131,149 @@ class _Parser:
         start = end = self.nfa.state()
         while self.peek() not in (None, "|", ")"):
             begin = self.i
-            f_start, f_end = self.atom()
-            f_start, f_end = self.quantified(begin, f_start, f_end)
-            self.nfa.eps[end].append(f_start)
-            end = f_end
+            if self.count_at(begin) is not None:
+                raise ValueError(f"nothing to repeat at {begin}")
+            fragment, kind = self.atom()
+            count = self.count_at(self.i)
+            if count is not None:
+                if kind == _ASSERT:
+                    raise ValueError(f"nothing to repeat at {self.i}")
+                low, high, self.i = count
+                if self.peek() == "?":  # lazy: the same matches, for a yes/no answer
+                    self.i += 1
+                fragment = self.repeat(begin, fragment, low, high)
+                if self.count_at(self.i) is not None:  # also a possessive "+"
+                    raise ValueError(f"multiple repeat at {self.i}")
+            self.nfa.eps[end].append(fragment[0])
+            end = fragment[1]
         return start, end
 
-    def atom(self) -> tuple[int, int]:
+    def count_at(self, i: int) -> tuple[int, int | None, int] | None:
+        """The repeat (low, high or None, where it ends) that starts at `i`, if one does:
+        `* + ?`, or `{m,n}` `{m,}` `{,n}` `{,}` `{m}` of ASCII digits (else "{" is a
+        literal, as in Python)."""
+        c = self.p[i] if i < len(self.p) else None
+        if c in ("*", "+", "?"):
+            low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            return low, high, i + 1
+        if c != "{":
+            return None
+        j = i + 1
+        while j < len(self.p) and self.p[j] in _ASCII_DIGITS:
+            j += 1
+        low_text, high_text, comma = self.p[i + 1 : j], None, False
+        if j < len(self.p) and self.p[j] == ",":
+            comma = True
+            k = j + 1
+            while k < len(self.p) and self.p[k] in _ASCII_DIGITS:
+                k += 1
+            high_text, j = self.p[j + 1 : k], k
+        if j >= len(self.p) or self.p[j] != "}" or (not low_text and not comma):
+            return None  # "{", "{}", "{x": literal
+        if len(low_text) > 3 or len(high_text or "") > 3:
+            raise ValueError(f"{self.p[i : j + 1]}: counts up to {MAX_REPEAT}")
+        low = int(low_text) if low_text else 0
+        high = None if comma and not high_text else int(high_text or low_text)
+        if high is not None and high < low:
+            raise ValueError(f"{self.p[i : j + 1]}: min repeat greater than max repeat")
+        if low > MAX_REPEAT or (high is not None and high > MAX_REPEAT):
+            raise ValueError(f"{self.p[i : j + 1]}: counts up to {MAX_REPEAT}")
+        return low, high, j + 1
+
+    def atom(self) -> tuple[tuple[int, int], str]:
         c = self.take()
         if c == "(":
             if self.p.startswith("?:", self.i):
                 self.i += 2
             elif self.peek() == "?":
                 raise ValueError("only (...) and (?:...) groups")
+            self.depth += 1
+            if self.depth > MAX_NESTING:
+                raise ValueError(f"groups nested deeper than {MAX_NESTING}")
             inner = self.alternation()
-            if self.take() != ")":
-                raise ValueError("unbalanced parenthesis")
-            return inner
-        if c == "$":
+            self.depth -= 1
+            if self.peek() != ")":
+                raise ValueError("missing ), unterminated subpattern")
+            self.i += 1
+            return inner, _ALL
+        if c in "^$":
             start, end = self.nfa.state(), self.nfa.state()
-            self.nfa.end_only[start] = end
-            return start, end
-        if c == "^":
-            if self.i != 1:
-                raise ValueError("^ only at the start")
-            s = self.nfa.state()
-            return s, s
-        if c in "*+?{":
-            raise ValueError(f"nothing to repeat at {self.i - 1}")
-        if c in ")]":
-            raise ValueError(f"unbalanced {c}")
-        return self.edge(self.char_test(c))
+            self.nfa.assertion[start] = (c, end)
+            return (start, end), _ASSERT
+        return self.edge(self.char_test(c)), _ALL
 
-    def edge(self, test: Any) -> tuple[int, int]:
+    def edge(self, test: Test) -> tuple[int, int]:
         start, end = self.nfa.state(), self.nfa.state()
         self.nfa.edges[start] = (test, end)
         return start, end
 
-    def char_test(self, c: str) -> Any:
+    def char_test(self, c: str) -> Test:
         if c == ".":
             return lambda x: x != "\n"
         if c == "[":
             return self.bracket()
         if c == "\\":
-            return self.escape()
-        return c.__eq__
+            return self.escape(in_class=False)[0]
+        return _literal(c)
 
-    def escape(self) -> Any:
+    def escape(self, in_class: bool) -> tuple[Test, str | None]:
+        """After a backslash: its test, and the one character it stands for (None: a
+        class such as \\d, which cannot end a range)."""
+        if self.i >= len(self.p):
+            raise ValueError("bad escape (end of pattern)")
         e = self.take()
         if e.lower() in _CLASSES:
             test = _CLASSES[e.lower()]
-            return test if e.islower() else (lambda x: not test(x))
-        if e.isalnum():
+            return (test if e.islower() else _negated(test)), None
+        if e in _CONTROL:
+            return _literal(_CONTROL[e]), _CONTROL[e]
+        if e == "b" and in_class:
+            return _literal("\b"), "\b"
+        if e.isascii() and e.isalnum():  # \b \A \Z, \x \u, octal, backreferences
             raise ValueError(f"escape \\{e} is not supported")
-        return e.__eq__
+        return _literal(e), e  # Python: any other escaped character is itself
 
-    def bracket(self) -> Any:
+    def class_item(self, c: str) -> tuple[Test, str | None]:
+        return self.escape(in_class=True) if c == "\\" else (_literal(c), c)
+
+    def bracket(self) -> Test:
+        """[...] as re._parser reads it; what Python warns may change meaning is refused."""
+        if self.peek() == "[":
+            raise ValueError("'[' at the start of [...] (Python warns: a nested set)")
         negate = self.peek() == "^"
         if negate:
             self.i += 1
-        tests: list[Any] = []
-        first = True
+        tests: list[Test] = []
         while True:
+            if self.i >= len(self.p):
+                raise ValueError("unterminated character set")
             c = self.take()
-            if c == "]" and not first:
+            if c == "]" and tests:
                 break
-            first = False
-            if c == "\\":
-                tests.append(self.escape())
+            if c != "\\" and tests and c in "-&~|" and self.peek() == c:
+                raise ValueError(f"{c + c!r} in [...] (Python warns: a set operation)")
+            low_test, low = self.class_item(c)
+            if self.peek() != "-" or self.i + 1 >= len(self.p):
+                tests.append(low_test)
                 continue
-            if self.peek() == "-" and self.i + 1 < len(self.p) and self.p[self.i + 1] != "]":
-                self.i += 1
-                high = self.take()
-                if high == "\\":
-                    high = self.take()
-                low = c
-                tests.append(lambda x, lo=low, hi=high: lo <= x <= hi)
-            else:
-                tests.append(c.__eq__)
+            self.i += 1  # "-"
+            that = self.take()
+            if that == "]":
+                tests += [low_test, _literal("-")]
+                break
+            if that == "-":
+                raise ValueError("'--' in [...] (Python warns: a set difference)")
+            _, high = self.class_item(that)
+            if low is None or high is None or high < low:
+                raise ValueError(f"bad character range at {self.i}")
+            tests.append(_in_range(low, high))
         return lambda x: any(t(x) for t in tests) != negate
-
-    def quantified(self, begin: int, start: int, end: int) -> tuple[int, int]:
-        c = self.peek()
-        if c is None or c not in "*+?{":
-            return start, end
-        if c == "{":
-            low, high = self.counts()
-        else:
-            self.i += 1
-            low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-        if self.peek() == "?":  # lazy: the same matches, for a yes/no answer
-            self.i += 1
-        return self.repeat(begin, (start, end), low, high)
-
-    def counts(self) -> tuple[int, int | None]:
-        close = self.p.find("}", self.i)
-        if close < 0:
-            raise ValueError("unclosed {")
-        body = self.p[self.i + 1 : close]
-        self.i = close + 1
-        low_text, comma, high_text = body.partition(",")
-        try:
-            low = int(low_text)
-            high = low if not comma else (int(high_text) if high_text else None)
-        except ValueError:
-            raise ValueError(f"{{{body}}} is not a count") from None
-        if low > MAX_REPEAT or (high is not None and not low <= high <= MAX_REPEAT):
-            raise ValueError(f"{{{body}}}: counts up to {MAX_REPEAT}")
-        return low, high
 
     def copy(self, begin: int) -> tuple[int, int]:
         """A fresh fragment for the atom at pattern position `begin` (counted repeats)."""
         saved = self.i
         self.i = begin
-        fragment = self.atom()
+        fragment, _ = self.atom()
         self.i = saved
         return fragment
 
@@ -268,18 +320,21 @@ class Pattern:
         if parser.i != len(pattern):
             raise ValueError(f"unbalanced ) at {parser.i}")
         self._nfa = parser.nfa
-        self._start = self._closure({start}, at_end=False)
-        self._start_end = self._closure({start}, at_end=True)
+        # At the start "^" passes; "$" too where the name is "" or "\n".
+        self._starts = {
+            at_end: self._closure({start}, at_start=True, at_end=at_end) for at_end in (False, True)
+        }
         self._steps: dict[tuple[frozenset[int], str, bool], frozenset[int]] = {}
 
-    def _closure(self, states: set[int], at_end: bool) -> frozenset[int]:
+    def _closure(self, states: set[int], at_start: bool, at_end: bool) -> frozenset[int]:
         seen = set(states)
         todo = list(states)
         while todo:
             s = todo.pop()
             nxt = list(self._nfa.eps[s])
-            if at_end and self._nfa.end_only[s] is not None:
-                nxt.append(self._nfa.end_only[s])  # type: ignore[arg-type]
+            assertion = self._nfa.assertion[s]
+            if assertion is not None and (at_start if assertion[0] == "^" else at_end):
+                nxt.append(assertion[1])
             for t in nxt:
                 if t not in seen:
                     seen.add(t)
@@ -287,12 +342,17 @@ class Pattern:
         return frozenset(seen)
 
     def match(self, name: str) -> bool:
-        current = self._start_end if not name else self._start
-        last = len(name) - 1
+        size = len(name)
+
+        def at_end(position: int) -> bool:  # where Python's "$" (no MULTILINE) passes
+            return position == size or (position == size - 1 and name[position] == "\n")
+
+        current = self._starts[at_end(0)]
         for index, c in enumerate(name):
             if self._accept in current:
                 return True
-            key = (current, c, index == last)
+            end = at_end(index + 1)
+            key = (current, c, end)
             step = self._steps.get(key)
             if step is None:
                 moved = set()
@@ -300,7 +360,7 @@ class Pattern:
                     edge = self._nfa.edges[state]
                     if edge is not None and edge[0](c):
                         moved.add(edge[1])
-                step = self._closure(moved, at_end=index == last)
+                step = self._closure(moved, at_start=False, at_end=end)
                 if len(self._steps) < MAX_CACHED:
                     self._steps[key] = step
             current = step
@@ -359,12 +419,13 @@ class Assignment(NamedTuple):
 
 def assign(stored: Mapping[str, TensorInfo], config: Mapping[str, Any]) -> Assignment | None:
     """The tensors of each config group's modules with a config of that group alone, or
-    None where the config has fewer than two groups (every module then takes the one
-    group's scheme, as it always did) or is not compressed-tensors'."""
+    None where the config is not compressed-tensors' or names no group (the top-level
+    `format` then describes every tensor). One group is matched as two are: compressed-
+    tensors quantizes no module that `ignore` names or no group targets."""
     groups = config.get("config_groups")
     if rules.method_of(config) != "compressed-tensors" or not isinstance(groups, dict):
         return None
-    if len(groups) < 2 or not all(isinstance(g, dict) for g in groups.values()):
+    if not groups or not all(isinstance(g, dict) for g in groups.values()):
         return None  # a malformed group: the schemes' own checks refuse it
     targets: list[_Target] = []
     for key, group in groups.items():
