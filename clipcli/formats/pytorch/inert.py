@@ -103,6 +103,18 @@ def text_cost(length: int, ascii_only: bool, made: type[str] = str) -> int:
     return sys.getsizeof(made()) + length * (1 if ascii_only else 4)
 
 
+# Upper bounds on what a set or dict made item by item takes per item (sys.getsizeof,
+# CPython 3.11-3.13): a set's table grows 4x at 60% full, up to 8 slots of 16 bytes per
+# item; a dict's entries and indices, measured at most 60 bytes per item.
+SET_ITEM_BYTES = 128
+DICT_ITEM_BYTES = 64
+
+
+def container_cost(empty: object, items: int, per_item: int) -> int:
+    """An upper bound on sys.getsizeof of `empty`'s kind once it holds `items` items."""
+    return sys.getsizeof(empty) + per_item * items
+
+
 class Described:
     """A stand-in that `ls` shows by its text."""
 
@@ -373,7 +385,10 @@ def _build_namespace(target: Namespace, state: object, room: Room) -> None:
     # reference may repeat for many Namespaces: each copy is reserved before it is made.
     if type(state) is not dict:
         raise PickleProblem("argparse.Namespace: its state is not a dict")
-    room.reserve(sys.getsizeof(state), f"argparse.Namespace of {len(state)} attributes")
+    room.reserve(
+        container_cost(Namespace(), len(state), DICT_ITEM_BYTES),
+        f"argparse.Namespace of {len(state)} attributes",
+    )
     room.work(len(state))
     target.update(state)
 
@@ -419,18 +434,20 @@ def _path_text(separator: str, parts: list[str]) -> str:
         if part[:1] == separator or windows and (part[:1] == "/" or part[1:2] == ":"):
             restart = index
     joined = separator.join(parts[restart:])
+    first = parts[restart][:3] if parts else ""  # the root is the first part's own
     if windows:
         joined = joined.replace("/", separator)  # both are separators on Windows
+        first = first.replace("/", separator)
     double = separator * 2
     root = (
         double
-        if joined.startswith(double) and not joined.startswith(separator * 3)
+        if first.startswith(double) and not first.startswith(separator * 3)
         else separator
-        if joined.startswith(separator)
+        if first.startswith(separator)
         else ""
     )
     body = _DOT_COMPONENT[separator].sub("", joined)
-    body = _SEPARATOR_RUN[separator].sub(separator, body).strip(separator)
+    body = _SEPARATOR_RUN[separator].sub(re.escape(separator), body).strip(separator)
     return root + body or "."
 
 

@@ -334,8 +334,7 @@ class Interpreter:
 
     def _reserve_references(self, count: int, what: str) -> None:
         """A container of `count` references, reserved before it is made or grown."""
-        if count > 16:  # small ones are charged once made, as every object is
-            self.reserve(count * _REFERENCE, what)
+        self.reserve(count * _REFERENCE, what)
 
     def _grown(self, target: object, before: int) -> None:
         """Charge what a container took on since it measured `before` bytes."""
@@ -832,7 +831,7 @@ def _ordered_dict(name: str, args: tuple[object, ...], room: inert.Room) -> _Ord
         assert isinstance(pairs, list | tuple)
         # A memo reference may repeat a long list of pairs: each dict is reserved first.
         room.reserve(
-            sys.getsizeof(dict.fromkeys(range(min(len(pairs), 8)))) + 24 * len(pairs),
+            inert.container_cost(_OrderedDict(), len(pairs), inert.DICT_ITEM_BYTES),
             f"{name} of {len(pairs)} items",
         )
         room.work(len(pairs))
@@ -871,7 +870,8 @@ def _set(name: str, args: tuple[object, ...], room: inert.Room) -> set[object]:
     assert isinstance(items, list | tuple)
     # A memo reference may repeat a long list: the set's table is reserved first.
     room.reserve(
-        sys.getsizeof(set()) + 2 * _REFERENCE * len(items), f"{name} of {len(items)} items"
+        inert.container_cost(set(), len(items), inert.SET_ITEM_BYTES),
+        f"{name} of {len(items)} items",
     )
     return set(Interpreter._set_items(items, room))
 
