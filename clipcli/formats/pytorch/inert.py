@@ -481,7 +481,8 @@ def _slice(name: str, args: tuple[object, ...], _room: Room) -> SliceText:
     _arity(name, args, 1, 3)
     if any(a is not None and type(a) is not int for a in args):
         raise PickleProblem(f"{name}: made from something other than integers")
-    return SliceText(f"slice({', '.join(repr(a) for a in args)})")
+    start, stop, step = (None, args[0], None) if len(args) == 1 else (*args, None)[:3]
+    return SliceText(f"slice({start!r}, {stop!r}, {step!r})")  # as Python's repr shows it
 
 
 def _zone_of(name: str, args: tuple[object, ...], index: int) -> str:
