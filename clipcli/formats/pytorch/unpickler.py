@@ -48,7 +48,7 @@ PICKLE_BYTES_PER_OBJECT = 2
 MAX_MARK_DEPTH = 1_000  # MARKs open at once
 MAX_LONG_BYTES = 32  # LONG1/LONG4 payload (the legacy magic number is 10 bytes)
 MAX_LINE = 512  # GLOBAL's module and name lines, PUT/GET's text index
-WORK_BETWEEN_CHECKS = 1 << 16  # opcodes or steps of work between looks for a signal
+WORK_BETWEEN_CHECKS = 1 << 16  # objects made or steps of work between looks for a signal
 # Memory: what the objects made take (sys.getsizeof, plus a reference to each), at most
 # MEMORY_RATIO bytes per byte of pickle plus MEMORY_FREE_BYTES. One byte of pickle can
 # make a 216-byte empty set: counting objects alone let a 3.9 MB pickle take 1 GB. A
@@ -291,6 +291,8 @@ class Interpreter:
     def _count(self, made: object = None) -> None:
         """One more object (or stack slot, memo entry): `made`, whose memory is charged."""
         self._made += 1
+        if not self._made & (WORK_BETWEEN_CHECKS - 1):  # a power of two
+            interrupts.check()  # a long pickle: a signal must not wait for its end
         if self._made > self.object_budget:
             raise PickleProblem(
                 f"pickle makes more than {self.object_budget} objects ({MAX_OBJECTS}, or one "
@@ -333,7 +335,10 @@ class Interpreter:
             interrupts.check()
 
     def _reserve_references(self, count: int, what: str) -> None:
-        """A container of `count` references, reserved before it is made or grown."""
+        """A tuple or list of `count` references (the stack's items), reserved before it is
+        made: no more than it takes. Dicts, sets and what APPENDS/SETITEMS/ADDITEMS add
+        hold items already charged on the stack, a few times their references at most,
+        and are charged at once by what they take (equal items may take nothing)."""
         self.reserve(count * _REFERENCE, what)
 
     def _grown(self, target: object, before: int) -> None:
@@ -364,12 +369,8 @@ class Interpreter:
         memo: dict[int, object] = {}
         count = self._count
         take = self._take
-        opcodes = 0
         while True:
             code = take(1)[0]
-            opcodes += 1
-            if not opcodes % WORK_BETWEEN_CHECKS:
-                interrupts.check()  # a long pickle: a signal must not wait for its end
             if code == 0x80:  # PROTO
                 if take(1)[0] > 5:
                     raise PickleProblem("pickle protocol is above 5")
@@ -485,13 +486,11 @@ class Interpreter:
                 stack.append(items_list)
                 count(stack[-1])
             elif code == 0x64:  # DICT
-                self._reserve_references(len(stack), "a dict")
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 stack.append(self._dict_from(items, {}, self))
                 count(stack[-1])
             elif code == 0x91:  # FROZENSET
-                self._reserve_references(len(stack), "a frozenset")
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 stack.append(frozenset(self._set_items(items, self)))
@@ -503,7 +502,6 @@ class Interpreter:
                 target_list.append(value)
                 self._grown(target_list, before)
             elif code == 0x65:  # APPENDS
-                self._reserve_references(len(stack), "a list's items")
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 target_list = self._list_of(self._top(stack))
@@ -518,7 +516,6 @@ class Interpreter:
                 self._dict_from((key, value), target_dict, self)
                 self._grown(target_dict, before)
             elif code == 0x75:  # SETITEMS
-                self._reserve_references(len(stack), "a dict's items")
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 target_dict = self._dict_of(self._top(stack))
@@ -526,7 +523,6 @@ class Interpreter:
                 self._dict_from(items, target_dict, self)
                 self._grown(target_dict, before)
             elif code == 0x90:  # ADDITEMS
-                self._reserve_references(len(stack), "a set's items")
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 target = self._top(stack)
