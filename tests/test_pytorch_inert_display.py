@@ -7,17 +7,19 @@
    Offsets Python refuses (a day or more either way) stay refused: at the limit and past.
 2. A global is named in messages as the file spells it: REDUCE on `__builtin__.long`
    (protocol 2, Python 2 pickles) said `builtins.int`.
+3. A path's parts are joined as Python's pathlib joins them (now in linear passes).
 """
 
 from __future__ import annotations
 
 import datetime
+import pathlib
 import pickle
 from pathlib import Path
 
 import pytest
 from expect import one_error_line
-from test_pytorch_hostile import call, glob, integer, state, tensor, torch_zip
+from test_pytorch_hostile import call, glob, integer, state, tensor, text, torch_zip
 from test_pytorch_lightning import EMPTY_TUPLE
 
 from clipcli.cli.entry import main
@@ -104,3 +106,29 @@ def test_a_python2_factory_is_still_known_by_what_it_is() -> None:
     data = b"\x80\x02" + call(glob("collections", "defaultdict"), glob("__builtin__", "long"))
     made = unpickler.Interpreter(data + b".").load()
     assert made.factory == "builtins.int"  # type: ignore[attr-defined]
+
+
+PATHS = [
+    ("/", "data", "train"), ("//", "a"), ("a", "//b", "c"), ("///", "x"), ("a", "/", "b"),
+    ("a/./b", ".", "./c/."), (".", "./.", "/./"), ("a//", "//"), ("a/././././b",),
+    ("a//////b/",), ("",), (), ("a/..", ".x/"), ("/./a",),
+]  # fmt: skip
+WINDOWS_PATHS = [("C:\\", "x"), ("\\", "a"), ("\\\\srv\\share\\", "x"), ("a\\.\\b", "c/d")]
+
+
+@pytest.mark.parametrize("parts", PATHS)
+def test_a_posix_path_is_joined_as_pathlib_joins_it(parts: tuple[str, ...]) -> None:
+    """Joined in a few linear passes (a memo'd part may repeat 500,000 times), with
+    pathlib's result: the last absolute part restarts, `.` and empty components go."""
+    data = call(glob("pathlib", "PurePosixPath"), *map(text, parts))
+    assert unpickler.Interpreter(b"\x80\x02" + data + b".").load() == str(
+        pathlib.PurePosixPath(*parts)
+    )
+
+
+@pytest.mark.parametrize("parts", WINDOWS_PATHS)
+def test_a_windows_path_is_joined_as_pathlib_joins_it(parts: tuple[str, ...]) -> None:
+    data = call(glob("pathlib", "PureWindowsPath"), *map(text, parts))
+    assert unpickler.Interpreter(b"\x80\x02" + data + b".").load() == str(
+        pathlib.PureWindowsPath(*parts)
+    )

@@ -33,7 +33,6 @@ Everything else stays refused by the interpreter (unpickler.resolve_global).
 from __future__ import annotations
 
 import math
-import re
 import struct
 import sys
 from collections.abc import Callable
@@ -419,10 +418,14 @@ def _default_dict(name: str, args: tuple[object, ...], _room: Room) -> DefaultDi
 
 # A path's text as pathlib shows it: the last absolute part starts it over, empty and `.`
 # components go, separators collapse (a leading `//` stays on POSIX, as pathlib keeps it).
-_DOT_COMPONENT = {
-    sep: re.compile(rf"(?:(?<={re.escape(sep)})|^)\.(?={re.escape(sep)}|$)") for sep in "/\\"
-}
-_SEPARATOR_RUN = {sep: re.compile(rf"{re.escape(sep)}+") for sep in "/\\"}
+
+
+def _collapsed(text: str, piece: str, into: str) -> str:
+    """`text` with every `piece` replaced by `into` until none is left: str.replace passes,
+    each at least halving what is left to replace (a run of 2**k separators: k passes)."""
+    while piece in text:
+        text = text.replace(piece, into)
+    return text
 
 
 def _path_text(separator: str, parts: list[str]) -> str:
@@ -446,8 +449,8 @@ def _path_text(separator: str, parts: list[str]) -> str:
         if first.startswith(separator)
         else ""
     )
-    body = _DOT_COMPONENT[separator].sub("", joined)
-    body = _SEPARATOR_RUN[separator].sub(re.escape(separator), body).strip(separator)
+    body = _collapsed(separator + joined + separator, double, separator)
+    body = _collapsed(body, separator + "." + separator, separator).strip(separator)
     return root + body or "."
 
 
