@@ -436,10 +436,12 @@ def _path_text(separator: str, parts: list[str]) -> str:
     for index, part in enumerate(parts):
         if part[:1] == separator or windows and (part[:1] == "/" or part[1:2] == ":"):
             restart = index
-    joined = separator.join(parts[restart:])
     first = parts[restart][:3] if parts else ""  # the root is the first part's own
+    # One name for the text as it goes: each pass frees the one before (the result may be
+    # most of the memory budget; two copies alive at once, not five).
+    body = separator.join(["", *parts[restart:], ""])
     if windows:
-        joined = joined.replace("/", separator)  # both are separators on Windows
+        body = body.replace("/", separator)  # both are separators on Windows
         first = first.replace("/", separator)
     double = separator * 2
     root = (
@@ -449,9 +451,9 @@ def _path_text(separator: str, parts: list[str]) -> str:
         if first.startswith(separator)
         else ""
     )
-    body = _collapsed(separator + joined + separator, double, separator)
+    body = _collapsed(body, double, separator)
     body = _collapsed(body, separator + "." + separator, separator).strip(separator)
-    return root + body or "."
+    return root + body if root else body or "."
 
 
 def _path(
