@@ -394,7 +394,10 @@ REFUSED: dict[str, tuple[bytes, str]] = {
         call(glob("numpy", "ndarray"), tup(integer(10**9))),
         "calls numpy.ndarray",
     ),
-    "reduce_on_a_factory": (call(glob("__builtin__", "list"), EMPTY_TUPLE), "calls builtins.list"),
+    "reduce_on_a_factory": (
+        call(glob("__builtin__", "list"), EMPTY_TUPLE),
+        "calls __builtin__.list",
+    ),
     "numpy_type_object": (glob("numpy", "float32"), "global numpy.float32, which is not on"),
     "masked_array": (
         glob("numpy.ma.core", "_mareconstruct"),

@@ -17,9 +17,15 @@ checks its arguments (types, sizes, byte counts) and makes plain Python values:
   its first values, shown by `ls` as metadata (not a tensor: it has no storage in the file
   to read lazily, measure or clip in place, and research code keeps such arrays for
   bookkeeping: seeds, label maps, sample indices);
-- `pathlib.PosixPath`/`WindowsPath`/`PurePosixPath`/`PureWindowsPath` -> text;
-- `datetime.datetime`/`date`/`time`/`timedelta`/`timezone`, `builtins.slice` -> text (or a
-  small Duration/Zone value while they are arguments of another).
+- `pathlib.PosixPath`/`WindowsPath`/`PurePosixPath`/`PureWindowsPath` -> PathText;
+- `datetime.datetime`/`date`/`time` -> StampText, `builtins.slice` -> SliceText (text
+  of a type of its own, so that a constructor taking text refuses it as the real one
+  refuses a path, a date or a slice), `timedelta`/`timezone` -> Duration/Zone.
+
+Every constructor gets the interpreter's budgets (`Room`): it computes the size of what it
+will make from its arguments' sizes and reserves it before making it (a memo reference
+costs 2 bytes of pickle, however big the value it repeats), and counts long work, which
+also acts on a pending signal.
 
 Everything else stays refused by the interpreter (unpickler.resolve_global).
 """
@@ -28,13 +34,84 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from clipcli.formats.pytorch.problem import PickleProblem
 
 MAX_ARRAY_RANK = 64
 SHOWN_ITEMS = 8  # values of an array kept for `ls`; the rest only counted
+
+
+class Room(Protocol):
+    """The interpreter's budgets, as a constructor spends them."""
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Refuse (PickleProblem) unless `nbytes` more of memory fit; charges nothing (what
+        is made is charged once made)."""
+
+    def work(self, steps: int) -> None:
+        """Count `steps` of work (parts joined, items hashed); acts on a pending signal."""
+
+
+class InertText(str):
+    """Text a stand-in shows, of a type of its own: the constructors that take text take
+    `str` exactly, so a path, a date or a slice passed where text goes is refused, as the
+    real constructor refuses it (TypeError) and torch.load would fail."""
+
+    __slots__ = ()
+    kind = "text"
+
+
+class PathText(InertText):
+    """pathlib.PosixPath/PurePosixPath: the path's text."""
+
+    __slots__ = ()
+    kind = "pathlib path"
+
+
+class WindowsPathText(PathText):
+    """pathlib.WindowsPath/PureWindowsPath: the path's text."""
+
+    __slots__ = ()
+
+
+class StampText(InertText):
+    """datetime.datetime/date/time: its ISO text."""
+
+    __slots__ = ()
+    kind = "datetime value"
+
+
+class SliceText(InertText):
+    """builtins.slice: `slice(start, stop, step)`."""
+
+    __slots__ = ()
+    kind = "slice"
+
+
+def kind_of(value: object) -> str:
+    """What a value is, in a message: a stand-in by what it stands for."""
+    return value.kind if isinstance(value, InertText) else type(value).__name__
+
+
+def text_cost(length: int, ascii_only: bool, made: type[str] = str) -> int:
+    """sys.getsizeof of a text of `length` characters (4 bytes each unless ASCII: an upper
+    bound, without reading the characters)."""
+    return sys.getsizeof(made()) + length * (1 if ascii_only else 4)
+
+
+# Upper bounds on what a set or dict made item by item takes per item (sys.getsizeof,
+# CPython 3.11-3.13): a set's table grows 4x at 60% full, up to 8 slots of 16 bytes per
+# item; a dict's entries and indices, measured at most 60 bytes per item.
+SET_ITEM_BYTES = 128
+DICT_ITEM_BYTES = 64
+
+
+def container_cost(empty: object, items: int, per_item: int) -> int:
+    """An upper bound on sys.getsizeof of `empty`'s kind once it holds `items` items."""
+    return sys.getsizeof(empty) + per_item * items
 
 
 class Described:
@@ -48,10 +125,11 @@ class InertClass(Described):
     """A class named only as an argument (`numpy.ndarray` for `_reconstruct`, `builtins.list`
     as a defaultdict's factory): never called, never built."""
 
-    __slots__ = ("name",)
+    __slots__ = ("key", "name")
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, key: str | None = None) -> None:
+        self.name = name  # as the file spells it (`__builtin__.long`), for messages
+        self.key = name if key is None else key  # what it is (`builtins.int`), for checks
 
     def text(self) -> str:
         return self.name
@@ -176,16 +254,26 @@ def _arity(name: str, args: tuple[object, ...], low: int, high: int | None = Non
         raise PickleProblem(f"{name} called with {len(args)} arguments")
 
 
-def _raw_bytes(name: str, value: object, what: str) -> bytes:
-    """Bytes as protocol 2 spells them (`_codecs.encode` made bytes) or Python 2's str."""
-    if isinstance(value, bytes):
-        return value
-    if type(value) is str:
-        try:
-            return value.encode("latin-1")
-        except UnicodeEncodeError:
-            raise PickleProblem(f"{name}: {what} is text, not bytes") from None
-    raise PickleProblem(f"{name}: {what} is a {type(value).__name__}, not bytes")
+def _raw_length(name: str, value: object, what: str) -> int:
+    """The byte count of bytes as protocol 2 spells them (`_codecs.encode` made bytes) or
+    Python 2's str (latin-1 text: one byte per character), read without copying them."""
+    if type(value) is bytes or type(value) is str:
+        return len(value)
+    raise PickleProblem(f"{name}: {what} is a {kind_of(value)}, not bytes")
+
+
+def _raw_bytes(name: str, value: object, what: str, length: int | None = None) -> bytes:
+    """The first `length` bytes (all of them if None) of bytes or Python 2's str: a memo
+    reference may hand a huge string where a few bytes are read, so only those are copied."""
+    _raw_length(name, value, what)
+    assert isinstance(value, bytes | str)
+    piece = value if length is None else value[:length]
+    if isinstance(piece, bytes):
+        return piece
+    try:
+        return piece.encode("latin-1")
+    except UnicodeEncodeError:
+        raise PickleProblem(f"{name}: {what} is text, not bytes") from None
 
 
 def _small_int(name: str, value: object, what: str, low: int, high: int) -> int:
@@ -197,18 +285,18 @@ def _small_int(name: str, value: object, what: str, low: int, high: int) -> int:
 # ------------------------------------------------------------------ the constructors
 
 
-def _numpy_dtype(name: str, args: tuple[object, ...]) -> NumpyDtype:
+def _numpy_dtype(name: str, args: tuple[object, ...], _room: Room) -> NumpyDtype:
     _arity(name, args, 1, 3)
     code = args[0]
     if type(code) is not str or code not in _NUMPY_CODES:
-        shown = code if type(code) is str and len(code) <= 16 else type(code).__name__
+        shown = code if type(code) is str and len(code) <= 16 else kind_of(code)
         raise PickleProblem(f"{name}: type {shown!r} is not a plain numeric numpy dtype")
     if any(type(flag) not in (bool, int) for flag in args[1:]):
         raise PickleProblem(f"{name}: its flags are not booleans")
     return NumpyDtype(code)
 
 
-def _build_dtype(target: NumpyDtype, state: object) -> None:
+def _build_dtype(target: NumpyDtype, state: object, _room: Room) -> None:
     # numpy's state: (version, byte order, subarray, names, fields, elsize, alignment,
     # flags); a plain numeric dtype has no subarray, names nor fields.
     if target.order is not None:
@@ -217,6 +305,7 @@ def _build_dtype(target: NumpyDtype, state: object) -> None:
         type(state) is not tuple
         or len(state) != 8
         or state[0] not in (3, 4)
+        or type(state[1]) is not str
         or state[1] not in ("<", ">", "|")
         or state[2:5] != (None, None, None)
         or any(type(v) is not int for v in state[5:])
@@ -229,31 +318,31 @@ def _build_dtype(target: NumpyDtype, state: object) -> None:
 
 def _built_dtype(name: str, dtype: object) -> NumpyDtype:
     if type(dtype) is not NumpyDtype:
-        raise PickleProblem(f"{name}: the dtype is a {type(dtype).__name__}, not a numpy.dtype")
+        raise PickleProblem(f"{name}: the dtype is a {kind_of(dtype)}, not a numpy.dtype")
     return dtype
 
 
-def _numpy_scalar(name: str, args: tuple[object, ...]) -> object:
+def _numpy_scalar(name: str, args: tuple[object, ...], _room: Room) -> object:
     _arity(name, args, 2)
     dtype = _built_dtype(name, args[0])
-    raw = _raw_bytes(name, args[1], "the value")
-    if len(raw) != dtype.itemsize:
-        raise PickleProblem(f"{name}: {len(raw)} bytes for a {dtype.name} of {dtype.itemsize}")
-    return dtype.decode(raw, 1)[0]
+    length = _raw_length(name, args[1], "the value")
+    if length != dtype.itemsize:
+        raise PickleProblem(f"{name}: {length} bytes for a {dtype.name} of {dtype.itemsize}")
+    return dtype.decode(_raw_bytes(name, args[1], "the value"), 1)[0]
 
 
-def _numpy_reconstruct(name: str, args: tuple[object, ...]) -> NumpyArray:
+def _numpy_reconstruct(name: str, args: tuple[object, ...], _room: Room) -> NumpyArray:
     _arity(name, args, 3)
     subtype, shape, typecode = args
-    if type(subtype) is not InertClass or subtype.name != "numpy.ndarray":
+    if type(subtype) is not InertClass or subtype.key != "numpy.ndarray":
         raise PickleProblem(f"{name}: only numpy.ndarray is rebuilt")
     if type(shape) is not tuple or any(type(d) is not int for d in shape):
         raise PickleProblem(f"{name}: malformed arguments")
-    _raw_bytes(name, typecode, "the type code")
+    _raw_length(name, typecode, "the type code")
     return NumpyArray()
 
 
-def _build_array(target: NumpyArray, state: object) -> None:
+def _build_array(target: NumpyArray, state: object, _room: Room) -> None:
     # ndarray.__setstate__((version, shape, dtype, is_fortran, raw bytes)); a list instead
     # of bytes is an object array: refused.
     if target.dtype is not None:
@@ -269,32 +358,41 @@ def _build_array(target: NumpyArray, state: object) -> None:
     built = _built_dtype(where, dtype)
     if type(fortran) is not bool:
         raise PickleProblem(f"{where}: its order flag is not a boolean")
-    data = _raw_bytes(where, raw, "its data")
+    length = _raw_length(where, raw, "its data")
     numel = math.prod(shape)  # Python ints: no overflow; each dimension < 2**63
-    if numel * built.itemsize != len(data):
+    if numel * built.itemsize != length:
         raise PickleProblem(
-            f"{where}: {len(data)} bytes of data for {numel} values of {built.itemsize} bytes"
+            f"{where}: {length} bytes of data for {numel} values of {built.itemsize} bytes"
         )
+    shown = min(numel, SHOWN_ITEMS)
     target.dtype, target.shape, target.fortran = built, shape, fortran
-    target.shown = built.decode(data, min(numel, SHOWN_ITEMS))
+    target.shown = built.decode(_raw_bytes(where, raw, "its data", shown * built.itemsize), shown)
 
 
-def _empty_instance(kind: type[dict[Any, Any]]) -> Callable[[str, tuple[object, ...]], object]:
-    def make(name: str, args: tuple[object, ...]) -> object:
+def _empty_instance(
+    kind: type[dict[Any, Any]],
+) -> Callable[[str, tuple[object, ...], Room], object]:
+    def make(name: str, args: tuple[object, ...], _room: Room) -> object:
         _arity(name, args, 0)
         return kind()
 
     return make
 
 
-def _build_namespace(target: Namespace, state: object) -> None:
-    # Namespace's attributes are its __dict__: BUILD hands them as a dict.
+def _build_namespace(target: Namespace, state: object, room: Room) -> None:
+    # Namespace's attributes are its __dict__: BUILD hands them as a dict, which a memo
+    # reference may repeat for many Namespaces: each copy is reserved before it is made.
     if type(state) is not dict:
         raise PickleProblem("argparse.Namespace: its state is not a dict")
+    room.reserve(
+        container_cost(Namespace(), len(state), DICT_ITEM_BYTES),
+        f"argparse.Namespace of {len(state)} attributes",
+    )
+    room.work(len(state))
     target.update(state)
 
 
-def _build_kept_aside(target: dict[Any, Any], state: object) -> None:
+def _build_kept_aside(target: dict[Any, Any], state: object, _room: Room) -> None:
     # A dict subclass's own attributes (none, for Lightning's AttributeDict): not applied.
     if state is not None and type(state) is not dict:
         raise PickleProblem(f"{type(target).__name__}: its state is not a dict")
@@ -306,36 +404,90 @@ _FACTORIES = frozenset(
 )
 
 
-def _default_dict(name: str, args: tuple[object, ...]) -> DefaultDict:
+def _default_dict(name: str, args: tuple[object, ...], _room: Room) -> DefaultDict:
     _arity(name, args, 0, 1)
     made = DefaultDict()
     if args and args[0] is not None:
         factory = args[0]
-        factory_name = getattr(factory, "name", None) if not isinstance(factory, str) else None
+        factory_name = factory.key if type(factory) is InertClass else None
         if factory_name not in _FACTORIES:
             raise PickleProblem(f"{name}: a factory other than a builtin container or number")
         made.factory = factory_name
     return made
 
 
-def _path(separator: str) -> Callable[[str, tuple[object, ...]], str]:
-    def make(name: str, args: tuple[object, ...]) -> str:
-        if any(type(part) is not str for part in args):
-            raise PickleProblem(f"{name}: a part that is not text")
-        text = ""
+# A path's text as pathlib shows it: the last absolute part starts it over, empty and `.`
+# components go, separators collapse (a leading `//` stays on POSIX, as pathlib keeps it).
+
+
+def _collapsed(text: str, piece: str, into: str) -> str:
+    """`text` with every `piece` replaced by `into` until none is left: str.replace passes,
+    each at least halving what is left to replace (a run of 2**k separators: k passes)."""
+    while piece in text:
+        text = text.replace(piece, into)
+    return text
+
+
+def _path_text(separator: str, parts: list[str]) -> str:
+    """The joined text in a few passes over it (each part is read once: linear in the
+    result, whatever the number of parts)."""
+    windows = separator == "\\"
+    restart = 0
+    for index, part in enumerate(parts):
+        if part[:1] == separator or windows and (part[:1] == "/" or part[1:2] == ":"):
+            restart = index
+    first = parts[restart][:3] if parts else ""  # the root is the first part's own
+    # One name for the text as it goes: each pass frees the one before (the result may be
+    # most of the memory budget; two copies alive at once, not five).
+    body = separator.join(["", *parts[restart:], ""])
+    if windows:
+        body = body.replace("/", separator)  # both are separators on Windows
+        first = first.replace("/", separator)
+    double = separator * 2
+    root = (
+        double
+        if first.startswith(double) and not first.startswith(separator * 3)
+        else separator
+        if first.startswith(separator)
+        else ""
+    )
+    body = _collapsed(body, double, separator)
+    body = _collapsed(body, separator + "." + separator, separator).strip(separator)
+    return root + body if root else body or "."
+
+
+def _path(
+    separator: str, made: type[PathText]
+) -> Callable[[str, tuple[object, ...], Room], PathText]:
+    def make(name: str, args: tuple[object, ...], room: Room) -> PathText:
+        room.work(len(args))
+        texts: list[str] = []
         for part in args:
-            assert isinstance(part, str)
-            text = part if not text else text.rstrip(separator) + separator + part
-        return text or "."
+            # A part is text or a path (os.PathLike), as pathlib takes them; a date, a
+            # slice or bytes is a TypeError there, refused here.
+            if type(part) is not str and not isinstance(part, PathText):
+                raise PickleProblem(f"{name}: a part that is not text ({kind_of(part)})")
+            texts.append(part)
+        # The result is at most the parts and a separator between each: reserved before
+        # anything is copied (a memo reference repeats a long part for 2 bytes of pickle).
+        length = max(1, sum(len(text) for text in texts) + len(texts) - 1)
+        ascii_only = all(text.isascii() for text in texts)  # O(1) each: CPython's flag
+        room.reserve(text_cost(length, ascii_only, made), f"{name} of {length} characters")
+        if separator == "/":  # a Windows path among POSIX parts: its separators are `/`
+            texts = [
+                text.replace("\\", "/") if type(text) is WindowsPathText else text for text in texts
+            ]
+        return made(_path_text(separator, texts))
 
     return make
 
 
-def _slice(name: str, args: tuple[object, ...]) -> str:
+def _slice(name: str, args: tuple[object, ...], _room: Room) -> SliceText:
     _arity(name, args, 1, 3)
     if any(a is not None and type(a) is not int for a in args):
         raise PickleProblem(f"{name}: made from something other than integers")
-    return f"slice({', '.join(repr(a) for a in args)})"
+    start, stop, step = (None, args[0], None) if len(args) == 1 else (*args, None)[:3]
+    return SliceText(f"slice({start!r}, {stop!r}, {step!r})")  # as Python's repr shows it
 
 
 def _zone_of(name: str, args: tuple[object, ...], index: int) -> str:
@@ -362,13 +514,16 @@ def _day(name: str, raw: bytes) -> str:
     return f"{year:04d}-{month:02d}-{day:02d}"
 
 
-def _stamp(length: int, make: Callable[[str, bytes], str]) -> Callable[..., str]:
-    def construct(name: str, args: tuple[object, ...]) -> str:
+def _stamp(
+    length: int, make: Callable[[str, bytes], str]
+) -> Callable[[str, tuple[object, ...], Room], StampText]:
+    def construct(name: str, args: tuple[object, ...], _room: Room) -> StampText:
         _arity(name, args, 1, 2 if length != 4 else 1)
+        given = _raw_length(name, args[0], "its state")
+        if given != length:
+            raise PickleProblem(f"{name}: a state of {given} bytes, not {length}")
         raw = _raw_bytes(name, args[0], "its state")
-        if len(raw) != length:
-            raise PickleProblem(f"{name}: a state of {len(raw)} bytes, not {length}")
-        return make(name, raw) + _zone_of(name, args, 1)
+        return StampText(make(name, raw) + _zone_of(name, args, 1))
 
     return construct
 
@@ -377,7 +532,7 @@ def _datetime(name: str, raw: bytes) -> str:
     return _day(name, raw[:4]) + "T" + _clock(name, raw[4:])
 
 
-def _timedelta(name: str, args: tuple[object, ...]) -> Duration:
+def _timedelta(name: str, args: tuple[object, ...], _room: Room) -> Duration:
     _arity(name, args, 3)
     days = _small_int(name, args[0], "the days", -999_999_999, 999_999_999)
     seconds = _small_int(name, args[1], "the seconds", 0, 86_399)
@@ -385,31 +540,42 @@ def _timedelta(name: str, args: tuple[object, ...]) -> Duration:
     return Duration(days, seconds, micro)
 
 
-def _timezone(name: str, args: tuple[object, ...]) -> Zone:
+def offset_text(microseconds: int) -> str:
+    """A UTC offset as datetime's isoformat() writes it: ±HH:MM, then :SS and .ffffff only
+    where they are not zero (the sign is the offset's; the rest is its magnitude)."""
+    sign = "-" if microseconds < 0 else "+"
+    hours, rest = divmod(abs(microseconds), 3_600_000_000)
+    minutes, rest = divmod(rest, 60_000_000)
+    seconds, micro = divmod(rest, 1_000_000)
+    text = f"{sign}{hours:02d}:{minutes:02d}"
+    if seconds or micro:
+        text += f":{seconds:02d}" + (f".{micro:06d}" if micro else "")
+    return text
+
+
+def _timezone(name: str, args: tuple[object, ...], _room: Room) -> Zone:
     _arity(name, args, 1, 2)
     offset = args[0]
     if type(offset) is not Duration or len(args) == 2 and type(args[1]) is not str:
         raise PickleProblem(f"{name}: an offset that is not a timedelta")
     total = (offset.days * 86_400 + offset.seconds) * 1_000_000 + offset.microseconds
-    if not -86_400_000_000 < total < 86_400_000_000:
+    if not -86_400_000_000 < total < 86_400_000_000:  # what datetime.timezone refuses
         raise PickleProblem(f"{name}: an offset of a day or more")
-    sign = "-" if total < 0 else "+"
-    minutes, micro = divmod(abs(total), 60_000_000)
-    text = f"{sign}{minutes // 60:02d}:{minutes % 60:02d}" + (f"+{micro}us" if micro else "")
-    return Zone(text)
+    return Zone(offset_text(total))
 
 
 # ------------------------------------------------------------------ the tables
 
-CALLS: dict[str, Callable[[str, tuple[object, ...]], object]] = {
+Constructor = Callable[[str, tuple[object, ...], Room], object]
+CALLS: dict[str, Constructor] = {
     "numpy_dtype": _numpy_dtype,
     "numpy_scalar": _numpy_scalar,
     "numpy_reconstruct": _numpy_reconstruct,
     "namespace": _empty_instance(Namespace),
     "attribute_dict": _empty_instance(AttributeDict),
     "default_dict": _default_dict,
-    "posix_path": _path("/"),
-    "windows_path": _path("\\"),
+    "posix_path": _path("/", PathText),
+    "windows_path": _path("\\", WindowsPathText),
     "slice": _slice,
     "datetime": _stamp(10, _datetime),
     "date": _stamp(4, _day),
@@ -460,11 +626,11 @@ def buildable(target: object) -> bool:
     return type(target) in _BUILDS
 
 
-def build(target: object, state: object) -> None:
-    _BUILDS[type(target)](target, state)
+def build(target: object, state: object, room: Room) -> None:
+    _BUILDS[type(target)](target, state, room)
 
 
-_BUILDS: dict[type, Callable[[Any, object], None]] = {
+_BUILDS: dict[type, Callable[[Any, object, Room], None]] = {
     NumpyDtype: _build_dtype,
     NumpyArray: _build_array,
     Namespace: _build_namespace,

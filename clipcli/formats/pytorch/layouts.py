@@ -30,6 +30,7 @@ from clipcli.formats.pytorch.unpickler import (
 )
 from clipcli.formats.registry import TAR_BLOCK, is_tar_header
 from clipcli.formats.zipsafe import check_zip_layout, open_member, unix_file_type
+from clipcli.system import interrupts
 
 # The pickle that describes the checkpoint (data.pkl, the legacy object) is read whole:
 # a state dict of 200,000 tensors pickles to about 30 MB.
@@ -120,6 +121,9 @@ def _unpickle(
 
 
 def _pickle_problem(path: Path, exc: PickleProblem) -> InputError:
+    # A signal that arrived while the pickle was read ends the run as a signal does (143),
+    # not as the refusal it may have cut short.
+    interrupts.check()
     return InputError(path, str(exc))
 
 

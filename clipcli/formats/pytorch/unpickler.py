@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 from clipcli.formats.pytorch import inert
 from clipcli.formats.pytorch.problem import PickleProblem as PickleProblem
+from clipcli.system import interrupts
 
 # Budgets, per pickle. A real state dict costs about 10 objects per tensor; the reader
 # caps tensors at 200,000, so these leave room for that and for bulky metadata.
@@ -47,6 +48,7 @@ PICKLE_BYTES_PER_OBJECT = 2
 MAX_MARK_DEPTH = 1_000  # MARKs open at once
 MAX_LONG_BYTES = 32  # LONG1/LONG4 payload (the legacy magic number is 10 bytes)
 MAX_LINE = 512  # GLOBAL's module and name lines, PUT/GET's text index
+WORK_BETWEEN_CHECKS = 1 << 16  # objects made or steps of work between looks for a signal
 # Memory: what the objects made take (sys.getsizeof, plus a reference to each), at most
 # MEMORY_RATIO bytes per byte of pickle plus MEMORY_FREE_BYTES. One byte of pickle can
 # make a 216-byte empty set: counting objects alone let a 3.9 MB pickle take 1 GB. A
@@ -201,17 +203,19 @@ def resolve_global(module: str, name: str) -> object:
         return _Callable("ordered_dict", "collections.OrderedDict")
     if (module, name) == ("_codecs", "encode"):
         return _Callable("encode", "_codecs.encode")
+    # Named in messages as the file spells it (`__builtin__.long`), known by what it is.
+    spelled = f"{module}.{name}"
     if module in ("builtins", "__builtin__") and name in _BUILTINS:
-        return _Callable(_BUILTINS[name], f"builtins.{name}")
+        return _Callable(_BUILTINS[name], spelled)
     # The inert data of Lightning and research checkpoints (inert.py): constructors of
     # ours, and classes named only as their arguments.
     if module == "__builtin__":  # protocol 2 names int and str by their Python 2 names
         module, name = "builtins", inert.PYTHON2_NAMES.get(name, name)
     key = (module, name)
     if key in inert.GLOBALS:
-        return _Callable(inert.GLOBALS[key], f"{key[0]}.{name}")
+        return _Callable(inert.GLOBALS[key], spelled)
     if key in inert.CLASSES:
-        return inert.InertClass(f"{key[0]}.{name}")
+        return inert.InertClass(spelled, f"{module}.{name}")
     raise PickleProblem(f"pickle names the global {module}.{name}, which is not on the allow-list")
 
 
@@ -235,10 +239,22 @@ def _index(value: object, what: str) -> int:
 
 def _short(value: object) -> str:
     """A value named in a message without walking it (it may be huge or deep)."""
+    if isinstance(value, inert.InertText):
+        return f"a {value.kind}"
     if isinstance(value, _ATOMS):
-        text = repr(value)
+        text = repr(value[:40] if isinstance(value, str | bytes) else value)
         return text if len(text) <= 40 else text[:37] + "..."
     return f"a {type(value).__name__}"
+
+
+def _key_weight(key: object) -> int:
+    """Work to hash or compare a dict key or set item once (_hashable checked it): a
+    tuple's hash is not cached (one step per item), an equal key is compared in full."""
+    if isinstance(key, str | bytes):
+        return max(1, len(key) >> 12)  # a compare reads 4 KiB in about a step's time
+    if type(key) is tuple:
+        return len(key) + sum(_key_weight(item) for item in key)
+    return 1
 
 
 class Interpreter:
@@ -260,6 +276,7 @@ class Interpreter:
         self._persistent_load = persistent_load
         self._made = 0
         self._memory = 0
+        self._steps = 0  # work counted: parts joined, key items hashed, equal keys compared
         # Measured against the bytes the file really holds: a deflated data.pkl of 13 KB
         # inflates to 26 MB, whose own size would allow 850 MB of objects.
         self._basis = len(self._data) if file_size is None else min(len(self._data), file_size)
@@ -274,6 +291,8 @@ class Interpreter:
     def _count(self, made: object = None) -> None:
         """One more object (or stack slot, memo entry): `made`, whose memory is charged."""
         self._made += 1
+        if not self._made & (WORK_BETWEEN_CHECKS - 1):  # a power of two
+            interrupts.check()  # a long pickle: a signal must not wait for its end
         if self._made > self.object_budget:
             raise PickleProblem(
                 f"pickle makes more than {self.object_budget} objects ({MAX_OBJECTS}, or one "
@@ -285,11 +304,42 @@ class Interpreter:
     def _charge(self, nbytes: int) -> None:
         self._memory += nbytes
         if self._memory > self._memory_budget:
+            raise PickleProblem(self._over_budget("take"))
+
+    def _over_budget(self, verb: str) -> str:
+        return (
+            f"pickle's objects {verb} more than {self._memory_budget} bytes of memory "
+            f"({MEMORY_RATIO} times its {self._basis} bytes in the file plus "
+            f"{MEMORY_FREE_BYTES >> 20} MiB); refusing it (budget)"
+        )
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Refuse, before it is made, a value of `nbytes` (sys.getsizeof's measure, its slot
+        added here) that would not fit the memory budget: a small pickle referencing one
+        big memo'd value many times asks for a value far bigger than itself. Nothing is
+        charged: the value is, once made, by what it really takes."""
+        if self._memory + nbytes + _REFERENCE > self._memory_budget:
+            raise PickleProblem(f"{what}: " + self._over_budget("would take"))
+
+    def work(self, steps: int) -> None:
+        """Count `steps` of work against the object budget (each step is about as costly as
+        making an object), acting on a signal at every WORK_BETWEEN_CHECKS steps."""
+        before = self._steps
+        self._steps += steps
+        if self._steps > self.object_budget:
             raise PickleProblem(
-                f"pickle's objects take more than {self._memory_budget} bytes of memory "
-                f"({MEMORY_RATIO} times its {self._basis} bytes in the file plus "
-                f"{MEMORY_FREE_BYTES >> 20} MiB); refusing it (budget)"
+                f"pickle asks for more than {self.object_budget} steps of work (parts "
+                "joined, key items hashed or compared); refusing it (budget)"
             )
+        if (before ^ self._steps) >= WORK_BETWEEN_CHECKS or steps >= WORK_BETWEEN_CHECKS:
+            interrupts.check()
+
+    def _reserve_references(self, count: int, what: str) -> None:
+        """A tuple or list of `count` references (the stack's items), reserved before it is
+        made: no more than it takes. Dicts, sets and what APPENDS/SETITEMS/ADDITEMS add
+        hold items already charged on the stack, a few times their references at most,
+        and are charged at once by what they take (equal items may take nothing)."""
+        self.reserve(count * _REFERENCE, what)
 
     def _grown(self, target: object, before: int) -> None:
         """Charge what a container took on since it measured `before` bytes."""
@@ -424,11 +474,13 @@ class Interpreter:
                 stack.append(items)
                 count(stack[-1])
             elif code == 0x74:  # TUPLE
+                self._reserve_references(len(stack), "a tuple")
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 stack.append(items)
                 count(stack[-1])
             elif code == 0x6C:  # LIST
+                self._reserve_references(len(stack), "a list")
                 items_list = list(stack)
                 stack = self._pop_mark(marks)
                 stack.append(items_list)
@@ -436,12 +488,12 @@ class Interpreter:
             elif code == 0x64:  # DICT
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
-                stack.append(self._dict_from(items, {}))
+                stack.append(self._dict_from(items, {}, self))
                 count(stack[-1])
             elif code == 0x91:  # FROZENSET
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
-                stack.append(frozenset(self._set_items(items)))
+                stack.append(frozenset(self._set_items(items, self)))
                 count(stack[-1])
             elif code == 0x61:  # APPEND
                 value = self._pop(stack)
@@ -461,14 +513,14 @@ class Interpreter:
                 key = self._pop(stack)
                 target_dict = self._dict_of(self._top(stack))
                 before = sys.getsizeof(target_dict)
-                self._dict_from((key, value), target_dict)
+                self._dict_from((key, value), target_dict, self)
                 self._grown(target_dict, before)
             elif code == 0x75:  # SETITEMS
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
                 target_dict = self._dict_of(self._top(stack))
                 before = sys.getsizeof(target_dict)
-                self._dict_from(items, target_dict)
+                self._dict_from(items, target_dict, self)
                 self._grown(target_dict, before)
             elif code == 0x90:  # ADDITEMS
                 items = tuple(stack)
@@ -477,7 +529,7 @@ class Interpreter:
                 if type(target) is not set:
                     raise PickleProblem(f"pickle adds set items to {_short(target)}")
                 before = sys.getsizeof(target)
-                target.update(self._set_items(items))
+                target.update(self._set_items(items, self))
                 self._grown(target, before)
             # ---- memo
             elif code in (0x71, 0x72, 0x70):  # BINPUT, LONG_BINPUT, PUT
@@ -592,21 +644,31 @@ class Interpreter:
         return target
 
     @staticmethod
-    def _dict_from(items: tuple[object, ...], target: dict[Any, Any]) -> dict[Any, Any]:
+    def _dict_from(
+        items: tuple[object, ...], target: dict[Any, Any], room: inert.Room
+    ) -> dict[Any, Any]:
         if len(items) % 2:
             raise PickleProblem("pickle sets dict items from an odd number of values")
         for index in range(0, len(items), 2):
             key = items[index]
             if not _hashable(key):
                 raise PickleProblem(f"pickle uses {_short(key)} as a dict key")
+            if type(key) is tuple:  # its hash is not cached: computed again each time
+                room.work(len(key))
+            size = len(target)
             target[key] = items[index + 1]
+            if len(target) == size:  # an equal key was there: compared in full
+                room.work(_key_weight(key))
         return target
 
     @staticmethod
-    def _set_items(items: tuple[object, ...] | list[object]) -> list[object]:
+    def _set_items(items: tuple[object, ...] | list[object], room: inert.Room) -> list[object]:
+        room.work(len(items))
         for item in items:
             if not _hashable(item):
                 raise PickleProblem(f"pickle puts {_short(item)} in a set")
+            if type(item) is tuple:
+                room.work(_key_weight(item))
         return list(items)
 
     def _reduce(self, function: object, args: object) -> object:
@@ -617,20 +679,19 @@ class Interpreter:
             raise PickleProblem(f"pickle calls {what}, which is not allowed")
         if type(args) is not tuple:
             raise PickleProblem(f"pickle calls {function.name} with {_short(args)}")
-        return _CALLS[function.kind](function.name, args)
+        return _CALLS[function.kind](function.name, args, self)
 
-    @staticmethod
-    def _newobj(cls: object, args: object) -> object:
+    def _newobj(self, cls: object, args: object) -> object:
         if type(cls) is not _Callable or cls.kind not in inert.NEWOBJ_KINDS:
             raise PickleProblem(f"pickle opcode NEWOBJ is not allowed on {_short(cls)}")
         if type(args) is not tuple:
             raise PickleProblem(f"pickle makes a {cls.name} with {_short(args)}")
-        return _CALLS[cls.kind](cls.name, args)
+        return _CALLS[cls.kind](cls.name, args, self)
 
     def _build(self, target: object, state: object) -> None:
         if inert.buildable(target):  # a numpy dtype or array, a Namespace: inert.py checks
             before = sys.getsizeof(target)
-            inert.build(target, state)
+            inert.build(target, state, self)
             self._grown(target, before)
             return
         # BUILD sets attributes (or calls __setstate__): only an OrderedDict's attributes
@@ -706,20 +767,20 @@ def _empty_hooks(name: str, hooks: object) -> None:
         raise PickleProblem(f"{name}: backward hooks are not allowed")
 
 
-def _rebuild_v1(name: str, args: tuple[object, ...]) -> Tensor:
+def _rebuild_v1(name: str, args: tuple[object, ...], _room: inert.Room) -> Tensor:
     _arity(name, args, 4)
     storage = args[0]
     dtype = storage.dtype if type(storage) is Storage else None
     return _tensor(name, args[0], args[1], args[2], args[3], dtype)
 
 
-def _rebuild_v2(name: str, args: tuple[object, ...]) -> Tensor:
+def _rebuild_v2(name: str, args: tuple[object, ...], room: inert.Room) -> Tensor:
     _arity(name, args, 6, 7)
     _empty_hooks(name, args[5])
-    return _rebuild_v1(name, args[:4])
+    return _rebuild_v1(name, args[:4], room)
 
 
-def _rebuild_v3(name: str, args: tuple[object, ...]) -> Tensor:
+def _rebuild_v3(name: str, args: tuple[object, ...], _room: inert.Room) -> Tensor:
     _arity(name, args, 7, 8)
     _empty_hooks(name, args[5])
     storage = args[0]
@@ -728,7 +789,7 @@ def _rebuild_v3(name: str, args: tuple[object, ...]) -> Tensor:
     return _tensor(name, storage, args[1], args[2], args[3], args[6])
 
 
-def _parameter(name: str, args: tuple[object, ...]) -> Tensor:
+def _parameter(name: str, args: tuple[object, ...], _room: inert.Room) -> Tensor:
     _arity(name, args, 3)
     _empty_hooks(name, args[2])
     if type(args[0]) is not Tensor:
@@ -736,19 +797,19 @@ def _parameter(name: str, args: tuple[object, ...]) -> Tensor:
     return args[0]._replace(parameter=True)
 
 
-def _parameter_with_state(name: str, args: tuple[object, ...]) -> Tensor:
+def _parameter_with_state(name: str, args: tuple[object, ...], room: inert.Room) -> Tensor:
     _arity(name, args, 4)
     if not (args[3] is None or (isinstance(args[3], dict | tuple) and not args[3])):
         raise PickleProblem(f"{name}: a parameter's extra state is not allowed")
-    return _parameter(name, args[:3])
+    return _parameter(name, args[:3], room)
 
 
-def _size(name: str, args: tuple[object, ...]) -> tuple[int, ...]:
+def _size(name: str, args: tuple[object, ...], _room: inert.Room) -> tuple[int, ...]:
     _arity(name, args, 0, 1)
     return _ints(name, args[0] if args else (), "size")
 
 
-def _device(name: str, args: tuple[object, ...]) -> Device:
+def _device(name: str, args: tuple[object, ...], _room: inert.Room) -> Device:
     _arity(name, args, 1, 2)
     kind, *index = args
     if type(kind) is not str or len(kind) > 64 or any(type(i) is not int for i in index):
@@ -756,7 +817,7 @@ def _device(name: str, args: tuple[object, ...]) -> Device:
     return Device(kind if not index else f"{kind}:{index[0]}")
 
 
-def _ordered_dict(name: str, args: tuple[object, ...]) -> _OrderedDict:
+def _ordered_dict(name: str, args: tuple[object, ...], room: inert.Room) -> _OrderedDict:
     _arity(name, args, 0, 1)
     made = _OrderedDict()
     if args:
@@ -764,52 +825,74 @@ def _ordered_dict(name: str, args: tuple[object, ...]) -> _OrderedDict:
         if type(pairs) not in (list, tuple):
             raise PickleProblem(f"{name}: made from {_short(pairs)}")
         assert isinstance(pairs, list | tuple)
+        # A memo reference may repeat a long list of pairs: each dict is reserved first.
+        room.reserve(
+            inert.container_cost(_OrderedDict(), len(pairs), inert.DICT_ITEM_BYTES),
+            f"{name} of {len(pairs)} items",
+        )
+        room.work(len(pairs))
         for pair in pairs:
             if type(pair) not in (list, tuple) or len(pair) != 2:
                 raise PickleProblem(f"{name}: an item that is not a pair")
-            Interpreter._dict_from(tuple(pair), made)
+            Interpreter._dict_from(tuple(pair), made, room)
     return made
 
 
-def _encode(name: str, args: tuple[object, ...]) -> bytes:
+def _encode(name: str, args: tuple[object, ...], room: inert.Room) -> bytes:
     # Protocol 2 spells bytes as _codecs.encode(text, 'latin1').
     _arity(name, args, 1, 2)
     text = args[0]
     encoding = args[1] if len(args) == 2 else "utf-8"
-    if type(text) is not str or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+    if type(text) is not str or type(encoding) is not str:
+        # `_codecs.encode` of a path, a date or bytes is a TypeError in Python
+        raise PickleProblem(f"{name}: made from {_short(text)}, not text")
+    if encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
         raise PickleProblem(f"{name}: only text to latin1 or utf-8 is allowed")
-    assert isinstance(encoding, str)
+    # A memo reference may repeat a long text for 2 bytes of pickle: what the bytes take is
+    # reserved before they are made (a character is 1 byte in latin-1 or ASCII, <= 4).
+    width = 1 if text.isascii() or encoding.startswith("latin") else 4
+    room.reserve(sys.getsizeof(b"") + width * len(text), f"{name} of {len(text)} characters")
     try:
         return text.encode(encoding)
     except UnicodeEncodeError:
         raise PickleProblem(f"{name}: text not encodable as {encoding}") from None
 
 
-def _set(name: str, args: tuple[object, ...]) -> set[object]:
+def _set_items_of(name: str, args: tuple[object, ...], room: inert.Room) -> list[object]:
     _arity(name, args, 0, 1)
     items = args[0] if args else []
     if type(items) not in (list, tuple):
         raise PickleProblem(f"{name}: made from {_short(items)}")
     assert isinstance(items, list | tuple)
-    return set(Interpreter._set_items(items))
+    # A memo reference may repeat a long list: the set's table is reserved first.
+    room.reserve(
+        inert.container_cost(set(), len(items), inert.SET_ITEM_BYTES),
+        f"{name} of {len(items)} items",
+    )
+    return Interpreter._set_items(items, room)
 
 
-def _frozenset(name: str, args: tuple[object, ...]) -> frozenset[object]:
-    return frozenset(_set(name, args))
+def _set(name: str, args: tuple[object, ...], room: inert.Room) -> set[object]:
+    return set(_set_items_of(name, args, room))
 
 
-def _bytearray(name: str, args: tuple[object, ...]) -> bytes:
+def _frozenset(name: str, args: tuple[object, ...], room: inert.Room) -> frozenset[object]:
+    return frozenset(_set_items_of(name, args, room))
+
+
+def _bytearray(name: str, args: tuple[object, ...], _room: inert.Room) -> bytes:
     _arity(name, args, 0, 1)
     if not args:
         return b""
     data = args[0]
-    if not isinstance(data, bytes):
-        # bytearray(int) would allocate that many bytes: only bytes are accepted.
+    if type(data) is not bytes:
+        # bytearray(int) would allocate that many bytes: only bytes are accepted (kept,
+        # not copied: a memo reference repeating them costs nothing more).
         raise PickleProblem(f"{name}: made from {_short(data)}")
     return data
 
 
-def _complex(name: str, args: tuple[object, ...]) -> complex:
+def _complex(name: str, args: tuple[object, ...], _room: inert.Room) -> complex:
     _arity(name, args, 1, 2)
     if any(type(a) not in (int, float) for a in args):
         raise PickleProblem(f"{name}: made from something other than numbers")
@@ -818,7 +901,7 @@ def _complex(name: str, args: tuple[object, ...]) -> complex:
     return complex(real, imag)
 
 
-_CALLS: dict[str, Callable[[str, tuple[object, ...]], object]] = {
+_CALLS: dict[str, inert.Constructor] = {
     "rebuild_v1": _rebuild_v1,
     "rebuild_v2": _rebuild_v2,
     "rebuild_v3": _rebuild_v3,
