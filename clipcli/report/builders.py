@@ -377,11 +377,14 @@ def clip_note(row: ClipRow) -> str:
 _PLAIN_REASONS = frozenset(REASON_TEXT) - {"left out", "per slice"}
 
 
-def _clip_rows(listed: Iterable[ClipRow], q: QuantizedRows | None) -> Iterator[tuple[Value, ...]]:
-    """The table's cells of each row (200,000 rows: each field read once, and the common
-    note, a reason's fixed text, without clip_note's questions)."""
-    for row in listed:
-        plan, outcome = row
+def _clip_rows(
+    result: ClipResult, listed: Iterable[int], before: Sequence[float], after: Sequence[float]
+) -> Iterator[tuple[Value, ...]]:
+    """The table's cells of the rows listed (by position), each field read once, and the
+    common note (a reason's fixed text) without clip_note's questions: 200,000 rows."""
+    tensors, outcomes, q = result.plan.tensors, result.outcomes, result.quantized
+    for k in listed:
+        plan = tensors[k]
         info = plan.info
         reason = plan.reason.value
         if (
@@ -392,32 +395,33 @@ def _clip_rows(listed: Iterable[ClipRow], q: QuantizedRows | None) -> Iterator[t
         ):
             note = REASON_TEXT[reason]
         else:
-            note = clip_note(row)
+            note = clip_note(result.row(k))
         factor = plan.factor
         yield (
             info.name,
             info.dtype_name if q is None else q.dtype(info.name, info.dtype_name),
-            plan.before.norm,
-            outcome.after.norm,
+            before[k],
+            after[k],
             None if factor is None else math.ldexp(factor, plan.exponent),
-            outcome.changed,
+            outcomes[k].changed,
             note,
         )
 
 
 def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | None = None) -> Report:
-    every = result.rows  # built once: a checkpoint may hold 200,000 tensors
-    global_before, global_after = result.global_before, result.global_after
+    # Rows by position, each norm worked out once: a checkpoint may hold 200,000 tensors.
+    every = result.plan.tensors
+    before, after, global_before, global_after = result.norms()
     listed = ordered(
-        every,
+        range(len(every)),
         sort,
         top,
-        lambda r: r.info.name,
-        lambda r: r.before.norm,  # --sort norm: the norm each tensor had before the clip
-        lambda r: r.plan.in_global,
-        lambda r: r.info.nbytes,
+        lambda k: every[k].info.name,
+        lambda k: before[k],  # --sort norm: the norm each tensor had before the clip
+        lambda k: every[k].in_global,
+        lambda k: every[k].info.nbytes,
     )
-    rows = tuple(_clip_rows(listed, result.quantized))
+    rows = tuple(_clip_rows(result, listed, before, after))
     spec = result.spec
     outcomes = result.outcomes
     changed = sum(o.changed for o in outcomes)
