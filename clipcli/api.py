@@ -292,6 +292,30 @@ class ClipResult(NamedTuple):
         pairs = zip(self.plan.tensors, self.outcomes, strict=True)
         return global_norm(outcome.after.norm for p, outcome in pairs if p.in_global)
 
+    def row(self, index: int) -> ClipRow:
+        """rows[index], without making the others."""
+        return ClipRow(self.plan.tensors[index], self.outcomes[index])
+
+    def norms(self) -> tuple[list[float], list[float], float, float]:
+        """Each tensor's norm before and after, then global_before and global_after: each
+        norm worked out once for the report, which reads all four (200,000 tensors)."""
+        from itertools import compress
+
+        from clipcli.numerics.norms import global_norm
+
+        tensors = self.plan.tensors
+        before = [p.before.norm for p in tensors]
+        after = [outcome.after.norm for outcome in self.outcomes]
+        if len(after) != len(before):
+            raise ValueError("a clip result with an outcome for every planned tensor expected")
+        counted = [p.in_global for p in tensors]
+        return (
+            before,
+            after,
+            global_norm(compress(before, counted)),
+            global_norm(compress(after, counted)),
+        )
+
 
 def clip(
     src: Path,

@@ -13,7 +13,6 @@ dot product, so they are left to add.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,26 +75,32 @@ def _measure_short(dtype: np.dtype[Any], arrays: list[np.ndarray]) -> list[NormA
     lows = np.minimum.reduceat(values, starts)
     wide = values.astype(np.float64)
     sums = np.add.reduceat(wide * wide, starts)
+    # frexp of each sum at once: (0.0, 0) for a zero sum, which is ScaledSum()'s own state.
+    mants, exps = np.frexp(sums)
     with np.errstate(invalid="ignore"):  # NaN compares False: add() takes those
         fast = (-bound < lows) & (highs < bound)
-    rows = zip(arrays, fast.tolist(), highs.tolist(), lows.tolist(), sums.tolist(), strict=True)
+    rows = zip(
+        arrays,
+        fast.tolist(),
+        highs.tolist(),
+        lows.tolist(),
+        mants.tolist(),
+        exps.tolist(),
+        sizes.tolist(),
+        strict=True,
+    )
     made = []
-    for array, on_fast_path, high, low, sumsq in rows:
+    for array, on_fast_path, high, low, mant, exp, numel in rows:
         if not on_fast_path:
             acc = NormAccumulator()
             acc.add(array)
             made.append(acc)
             continue
-        # What add() makes of one finite chunk in a fresh accumulator, built at once: the
-        # sum as ScaledSum.add(sumsq, 0) carries it, the extremes as max/min against the
-        # fresh ones keep them (a finite high is > -inf, a finite low < inf).
+        # What add() makes of one finite chunk in a fresh accumulator, built at once (every
+        # field up to max_value given: 200,000 tensors): the sum as ScaledSum.add(sumsq, 0)
+        # carries it, the extremes as max/min against the fresh ones keep them (a finite
+        # high is > -inf, a finite low < inf); no infinity, NaN nor non-finite value.
         made.append(
-            NormAccumulator(
-                ScaledSum(*math.frexp(sumsq)) if sumsq else ScaledSum(),
-                max(0.0, high, -low),
-                numel=array.size,
-                min_value=low,
-                max_value=high,
-            )
+            NormAccumulator(ScaledSum(mant, exp), max(0.0, high, -low), 0, 0, 0, numel, low, high)
         )
     return made

@@ -6,7 +6,7 @@ No arithmetic on tensors here: the numbers come measured; ordering keys come fro
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from clipcli.report.model import Column, Report, SortKey, Value
@@ -373,41 +373,66 @@ def clip_note(row: ClipRow) -> str:
     return f"{text}, group {row.plan.group}" if text else f"group {row.plan.group}"
 
 
+# Reasons whose note is REASON_TEXT's text as it stands, whatever the outcome.
+_PLAIN_REASONS = frozenset(REASON_TEXT) - {"left out", "per slice"}
+
+
+def _clip_rows(
+    result: ClipResult, listed: Iterable[int], before: Sequence[float], after: Sequence[float]
+) -> Iterator[tuple[Value, ...]]:
+    """The table's cells of the rows listed (by position), each field read once, and the
+    common note (a reason's fixed text) without clip_note's questions: 200,000 rows."""
+    tensors, outcomes, q = result.plan.tensors, result.outcomes, result.quantized
+    for k in listed:
+        plan = tensors[k]
+        info = plan.info
+        reason = plan.reason.value
+        if (
+            reason in _PLAIN_REASONS
+            and plan.group is None
+            and plan.tied_to is None
+            and not plan.power_of_two
+        ):
+            note = REASON_TEXT[reason]
+        else:
+            note = clip_note(result.row(k))
+        factor = plan.factor
+        yield (
+            info.name,
+            info.dtype_name if q is None else q.dtype(info.name, info.dtype_name),
+            before[k],
+            after[k],
+            None if factor is None else math.ldexp(factor, plan.exponent),
+            outcomes[k].changed,
+            note,
+        )
+
+
 def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | None = None) -> Report:
-    every = result.rows  # built once: a checkpoint may hold 200,000 tensors
-    global_before, global_after = result.global_before, result.global_after
+    # Rows by position, each norm worked out once: a checkpoint may hold 200,000 tensors.
+    every = result.plan.tensors
+    before, after, global_before, global_after = result.norms()
     listed = ordered(
-        every,
+        range(len(every)),
         sort,
         top,
-        lambda r: r.info.name,
-        lambda r: r.before.norm,  # --sort norm: the norm each tensor had before the clip
-        lambda r: r.plan.in_global,
-        lambda r: r.info.nbytes,
+        lambda k: every[k].info.name,
+        lambda k: before[k],  # --sort norm: the norm each tensor had before the clip
+        lambda k: every[k].in_global,
+        lambda k: every[k].info.nbytes,
     )
-    q = result.quantized
-    rows = tuple(
-        (
-            r.info.name,
-            r.info.dtype_name if q is None else q.dtype(r.info.name, r.info.dtype_name),
-            r.before.norm,
-            r.after.norm,
-            r.plan.scale,
-            r.changed,
-            clip_note(r),
-        )
-        for r in listed
-    )
+    rows = tuple(_clip_rows(result, listed, before, after))
     spec = result.spec
-    changed = sum(r.changed for r in every)
+    outcomes = result.outcomes
+    changed = sum(o.changed for o in outcomes)
     verb = "would change" if result.dry_run else "changed"
     footer = [
         f"global L2 norm {global_before:.6g} -> {global_after:.6g}",
         f"{verb} {changed} of {count(len(every), 'tensor')}"
         + ("" if result.dry_run else f"; wrote {written_to(str(result.out))}"),
     ]
-    to_zero = sum(r.outcome.flushes.to_zero for r in every)
-    to_subnormal = sum(r.outcome.flushes.to_subnormal for r in every)
+    to_zero = sum(o.flushes.to_zero for o in outcomes)
+    to_subnormal = sum(o.flushes.to_subnormal for o in outcomes)
     footer += showing_line(len(rows), len(every), "tensor", top)
     if to_zero or to_subnormal:  # the dtype's range, not a bug: said, never silent
         footer.append(
