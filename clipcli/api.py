@@ -575,7 +575,7 @@ def convert(
         for note in notes:
             notify("note", note)
         if target_dtype is not None:
-            _cast_notes(reader, notify)
+            _cast_notes(reader, notify, target.is_directory)
         converted = list(reader.infos)
     held.release()
     return converted
@@ -666,11 +666,12 @@ def _cast_losses(reader: Reader) -> list[str]:
     return reader.losses()
 
 
-def _cast_notes(reader: Reader, notify: scope.Notify) -> None:
+def _cast_notes(reader: Reader, notify: scope.Notify, wrote_directory: bool) -> None:
     from clipcli.logical.cast import CastReader
 
     assert isinstance(reader, CastReader)
-    if reader.rewritten_config() is not None:
+    # Only a directory OUT gets the config.json (one file leaves it out, and says so).
+    if wrote_directory and reader.rewritten_config() is not None:
         notify("note", "config.json written without its quantization_config (weights dequantized)")
     for over in reader.overflows:
         notify(

@@ -246,3 +246,36 @@ def test_clip_shows_the_dtype_norms_shows(run_main: Callable[..., Run], tmp_path
     clip = {row["name"]: row["dtype"] for row in run.json()["tensors"]}
     assert clip == norms
     assert clip[WEIGHT] != "float64"
+
+
+@pytest.mark.parametrize(
+    "said", ["UE8M0", " ue8m0", "ue8m0 ", "ue8m0\u0000", "e8m0", 8, True, ["ue8m0"], {"a": 1}]
+)
+def test_a_scale_fmt_loaders_may_read_either_way_is_refused(
+    run_main: Callable[..., Run], tmp_path: Path, said: Any
+) -> None:
+    """Only the exact "ue8m0" (as loaders compare it) makes the scales powers of two; a near
+    miss or a value that is no string is exit 3 in one line, for norms and clip alike."""
+    directory = model(tmp_path, "F32", f32(1.5, 3.0, 0.75, 1.0), None)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"]["scale_fmt"] = said
+    (directory / "config.json").write_text(json.dumps(config))
+    for command in (("norms", directory), ("clip", "--global", "1", directory, tmp_path / "o")):
+        run = run_main(*command)
+        assert run.code == 3, run.stderr
+        assert run.stderr.count("\n") == 1
+        assert "scale_fmt" in run.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("said", [None, "float32"])
+def test_a_scale_fmt_that_says_nothing_of_e8m0_reads_plain_scales(
+    run_main: Callable[..., Run], tmp_path: Path, said: str | None
+) -> None:
+    directory = model(tmp_path, "F32", f32(1.5, 3.0, 0.75, 1.0), None)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"]["scale_fmt"] = said
+    (directory / "config.json").write_text(json.dumps(config))
+    run = clipped(run_main, directory, tmp_path / "out", 7.5)
+    assert run.code == 0, run.stderr
+    assert NOTE not in run.stdout

@@ -83,7 +83,9 @@ class CastReader(Reader):
         else:
             items = [(info, info.name, True) for info in self.source.infos]
         for info, anchor, as_stored in items:
-            if castable(info.dtype) and info.dtype != self.target:
+            # A tensor of parts (GGUF blocks, a quantized weight) is decoded and cast even
+            # when its values are already the target dtype: its stored bytes are not them.
+            if castable(info.dtype) and (info.dtype != self.target or not as_stored):
                 size = info.numel * self.target.itemsize
                 written = TensorInfo(info.name, self.target, info.shape, size)
                 outputs.append(_Output(written, info, None, anchor))

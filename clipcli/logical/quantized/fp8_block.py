@@ -67,9 +67,32 @@ def recognise(
                     'quant_method "fp8"): its real values cannot be known',
                 )
             continue
-        power_of_two = config is not None and config.get("scale_fmt") == POWER_OF_TWO_FORMAT
+        power_of_two = _power_of_two_scales(config)
         found.append(_recognised(info, scale, declared, config is not None, power_of_two))
     return found
+
+
+def _power_of_two_scales(config: Mapping[str, Any] | None) -> bool:
+    """Whether config.json's scale_fmt says the scales are powers of two ("ue8m0", as the
+    loaders compare it). A scale_fmt that is not a string, or a near miss of "ue8m0" (case,
+    spaces: one loader may read it as ue8m0 and another not), is refused (exit 3): the clip
+    it decides would differ."""
+    if config is None or config.get("scale_fmt") is None:
+        return False
+    said = config["scale_fmt"]
+    if said == POWER_OF_TWO_FORMAT:
+        return True
+    if not isinstance(said, str) or "e8m0" in said.strip().lower():
+        import json
+
+        text = json.dumps(said)  # control characters escaped: one line
+        raise rules.refuse(
+            "config.json",
+            f"quantization_config.scale_fmt {text[:60]}{'...' if len(text) > 60 else ''} "
+            "is neither absent nor "
+            f'"{POWER_OF_TWO_FORMAT}": whether the scales are powers of two cannot be told',
+        )
+    return False
 
 
 def _recognised(
