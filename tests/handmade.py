@@ -74,3 +74,42 @@ def small_model(tmp_path: Path, name: str = "m.safetensors") -> Path:
     path = tmp_path / name
     save_file({"layers.0.w": np.ones((2, 2), np.float32)}, str(path))
     return path
+
+
+# A tensor as the file holds it: (safetensors dtype code, shape, payload bytes), so that tests
+# of layouts numpy cannot express (packed fp4, E8M0 bytes) write and read exactly what they mean.
+RawTensors = dict[str, tuple[str, list[int], bytes]]
+
+
+def write_raw_safetensors(path: Path, tensors: RawTensors) -> Path:
+    header: dict[str, object] = {}
+    offset = 0
+    for name, (dtype, shape, payload) in tensors.items():
+        header[name] = {
+            "dtype": dtype,
+            "shape": shape,
+            "data_offsets": [offset, offset + len(payload)],
+        }
+        offset += len(payload)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(t[2] for t in tensors.values()))
+    return path
+
+
+def read_raw_safetensors(path: Path) -> RawTensors:
+    """Every tensor of a safetensors file as (dtype code, shape, payload bytes), parsed from
+    the format's definition: 8-byte little-endian header length, JSON header, data."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header.pop("__metadata__", None)
+    base = 8 + length
+    return {
+        name: (
+            e["dtype"],
+            e["shape"],
+            data[base + e["data_offsets"][0] : base + e["data_offsets"][1]],
+        )
+        for name, e in header.items()
+    }

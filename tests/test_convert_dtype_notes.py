@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import Run
+from handmade import RawTensors, write_raw_safetensors
 
 gguf = pytest.importorskip("gguf")
 
@@ -58,19 +59,9 @@ def quantized_directory(tmp_path: Path) -> Path:
     directory.mkdir()
     config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [2, 2]}}
     (directory / "config.json").write_text(json.dumps(config))
-    tensors = {"l.weight": ("F8_E4M3", [2, 2], bytes([0x38] * 4))}
+    tensors: RawTensors = {"l.weight": ("F8_E4M3", [2, 2], bytes([0x38] * 4))}
     tensors["l.weight_scale_inv"] = ("F32", [1, 1], struct.pack("<f", 0.5))
-    header, offset = {}, 0
-    for name, (dt, shape, payload) in tensors.items():
-        header[name] = {
-            "dtype": dt,
-            "shape": shape,
-            "data_offsets": [offset, offset + len(payload)],
-        }
-        offset += len(payload)
-    text = json.dumps(header).encode()
-    blob = struct.pack("<Q", len(text)) + text + b"".join(t[2] for t in tensors.values())
-    (directory / "model.safetensors").write_bytes(blob)
+    write_raw_safetensors(directory / "model.safetensors", tensors)
     return directory
 
 

@@ -24,13 +24,14 @@ from typing import Any
 
 import pytest
 from conftest import Run
+from handmade import RawTensors, read_raw_safetensors, write_raw_safetensors
 
 BLOCK = (2, 4)  # rows x columns per scale
 SHAPE = (3, 6)  # partial edge blocks both ways: scales [2, 2]
 WEIGHT, SCALE = "layers.0.mlp.down_proj.weight", "layers.0.mlp.down_proj.weight_scale_inv"
 NOTE = "scale rounded down to a power of two"
 
-Stored = dict[str, tuple[str, list[int], bytes]]
+Stored = RawTensors
 
 
 def e4m3(code: int) -> Fraction:
@@ -64,30 +65,8 @@ def sumsq(values: list[Fraction]) -> Fraction:
     return sum((v * v for v in values), Fraction(0))
 
 
-def write_safetensors(path: Path, tensors: Stored) -> None:
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, (dtype, shape, payload) in tensors.items():
-        header[name] = {
-            "dtype": dtype,
-            "shape": shape,
-            "data_offsets": [offset, offset + len(payload)],
-        }
-        offset += len(payload)
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(t[2] for t in tensors.values()))
-
-
-def read_safetensors(path: Path) -> Stored:
-    blob = path.read_bytes()
-    (length,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + length])
-    data = blob[8 + length :]
-    return {
-        name: (e["dtype"], e["shape"], data[e["data_offsets"][0] : e["data_offsets"][1]])
-        for name, e in header.items()
-        if name != "__metadata__"
-    }
+write_safetensors = write_raw_safetensors
+read_safetensors = read_raw_safetensors
 
 
 # fp8 codes 0x38 = 1.0, 0x40 = 2.0, 0xC8 = -4.0, 0x01 = the least subnormal, 0x00 = 0

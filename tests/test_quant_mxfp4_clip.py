@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from handmade import RawTensors, read_raw_safetensors, write_raw_safetensors
 
 BLOCK = 32
 E2M1 = [Fraction(m) for m in ("0", "1/2", "1", "3/2", "2", "3", "4", "6")]
@@ -26,7 +27,7 @@ BLOCKS, SCALES = "mlp.experts.down_proj_blocks", "mlp.experts.down_proj_scales"
 WEIGHT = "mlp.experts.down_proj"
 NOTE = "scale rounded down to a power of two"
 
-Stored = dict[str, tuple[str, list[int], bytes]]
+Stored = RawTensors
 
 
 # ---------------------------------------------------------------- our own reference
@@ -67,38 +68,8 @@ def pack(codes: list[int]) -> bytes:
     return bytes(codes[i] | codes[i + 1] << 4 for i in range(0, len(codes), 2))
 
 
-def write_safetensors(path: Path, tensors: Stored) -> Path:
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, (dtype, shape, payload) in tensors.items():
-        header[name] = {
-            "dtype": dtype,
-            "shape": shape,
-            "data_offsets": [offset, offset + len(payload)],
-        }
-        offset += len(payload)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(
-        struct.pack("<Q", len(text)) + text + b"".join(p for _, _, p in tensors.values())
-    )
-    return path
-
-
-def read_safetensors(path: Path) -> Stored:
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + length])
-    header.pop("__metadata__", None)
-    base = 8 + length
-    return {
-        name: (
-            e["dtype"],
-            e["shape"],
-            data[base + e["data_offsets"][0] : base + e["data_offsets"][1]],
-        )
-        for name, e in header.items()
-    }
+write_safetensors = write_raw_safetensors
+read_safetensors = read_raw_safetensors
 
 
 def gpt_oss(
