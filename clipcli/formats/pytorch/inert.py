@@ -54,6 +54,13 @@ class Room(Protocol):
     def work(self, steps: int) -> None:
         """Count `steps` of work (parts joined, items hashed); acts on a pending signal."""
 
+    def insert(self, target: dict[Any, Any] | set[Any], key: object, value: object = None) -> None:
+        """Put `key` (and `value`) into a dict or set, its compares counted as work first:
+        every insertion into a hashed container goes through this one rule."""
+
+    def forget(self, target: object) -> None:
+        """`target` takes no more keys (a set about to be frozen)."""
+
 
 class InertText(str):
     """Text a stand-in shows, of a type of its own: the constructors that take text take
@@ -388,8 +395,8 @@ def _build_namespace(target: Namespace, state: object, room: Room) -> None:
         container_cost(Namespace(), len(state), DICT_ITEM_BYTES),
         f"argparse.Namespace of {len(state)} attributes",
     )
-    room.work(len(state))
-    target.update(state)
+    for key, value in state.items():
+        room.insert(target, key, value)
 
 
 def _build_kept_aside(target: dict[Any, Any], state: object, _room: Room) -> None:
