@@ -37,10 +37,8 @@ from test_pytorch_hostile import (
     EMPTY_DICT,
     EMPTY_LIST,
     MARK,
-    REDUCE,
     SETITEMS,
     STOP,
-    TUPLE,
     call,
     glob,
     integer,
@@ -82,9 +80,9 @@ N = 300
 KEYS: dict[str, list[object]] = {
     "ints": [j * M for j in range(N)],
     "tuples": [(j * M, (N - j) * M) for j in range(N)],
-    "floats_and_ints": [2.0 ** (61 * k) for k in range(-16, 17)] + [1 + j * M for j in range(N)],
-    "bools_ints_floats": [True, 1, 1.0, complex(1, 0)] + [1 + j * M for j in range(1, N)]
-    + [1.0, True, 1],
+    "floats_and_ints": [*(2.0 ** (61 * k) for k in range(-16, 17)), *(1 + j * M for j in range(N))],
+    "bools_ints_floats": [True, 1, 1.0, complex(1, 0), *(1 + j * M for j in range(1, N)), 1.0,
+                          True, 1],
 }  # fmt: skip
 
 
@@ -280,9 +278,7 @@ def _checkpoint(path: Path, value: bytes) -> Path:
 def test_the_repro_files_are_refused_with_one_line(case: str, tmp_path: Path) -> None:
     """The attacker's files (smaller): exit 3 with the budget's line, not minutes of CPU."""
     path = _checkpoint(tmp_path / "m.pt", ATTACKS[case])
-    done = subprocess.run(
-        [*CLIPCLI, "ls", str(path)], capture_output=True, text=True, timeout=300
-    )
+    done = subprocess.run([*CLIPCLI, "ls", str(path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 3, done.stderr
     assert "steps of work" in one_error_line(done.stderr)
 

@@ -26,6 +26,7 @@ state uses; torch's own `weights_only` list is the model):
 
 from __future__ import annotations
 
+import re
 import struct
 import sys
 from collections.abc import Callable
@@ -864,12 +865,40 @@ def _size(name: str, args: tuple[object, ...], _room: inert.Room) -> tuple[int, 
     return _ints(name, args[0] if args else (), "size")
 
 
+# torch.device as c10/core/Device.cpp takes it (torch 2.x): a type of its list, then
+# optionally ':' and an index written without sign or leading zero; an index passed apart
+# must be an int (not a bool), not negative, and not come with one in the text. Its
+# DeviceIndex is an int8: torch wraps a larger index (cuda:128 is not cuda:128), so an
+# index past DEVICE_INDEX_MAX is refused.
+_DEVICE_TYPES = frozenset({
+    "cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
+    "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone",
+})  # fmt: skip
+_DEVICE_TEXT = re.compile(r"([a-zA-Z_]+)(?::([1-9][0-9]*|0))?")
+DEVICE_INDEX_MAX = 127
+
+
 def _device(name: str, args: tuple[object, ...], _room: inert.Room) -> Device:
     _arity(name, args, 1, 2)
     kind, *index = args
-    if type(kind) is not str or len(kind) > 64 or any(type(i) is not int for i in index):
+    if type(kind) is not str or any(i is not None and type(i) is not int for i in index):
         raise PickleProblem(f"{name}: malformed device")
-    return Device(kind if not index else f"{kind}:{index[0]}")
+    parsed = _DEVICE_TEXT.fullmatch(kind) if len(kind) <= 64 else None
+    if parsed is None:
+        raise PickleProblem(f"{name}: {_short(kind)} is not a device (torch refuses it)")
+    device_type, written = parsed.groups()
+    if device_type not in _DEVICE_TYPES:
+        raise PickleProblem(f"{name}: {_short(device_type)} is not a device type torch knows")
+    if index and written is not None:
+        raise PickleProblem(f"{name}: an index in the text and one apart (torch refuses it)")
+    number = index[0] if index else None if written is None else int(written)
+    if not isinstance(number, int):
+        return Device(device_type)
+    if not 0 <= number <= DEVICE_INDEX_MAX:
+        raise PickleProblem(
+            f"{name}: device index {_short(number)} is not from 0 to {DEVICE_INDEX_MAX}"
+        )
+    return Device(f"{device_type}:{number}")
 
 
 def _ordered_dict(name: str, args: tuple[object, ...], room: inert.Room) -> _OrderedDict:
