@@ -49,6 +49,7 @@ from test_pytorch_hostile import (
     tup,
 )
 
+from clipcli.formats.opening import open_reader
 from clipcli.formats.pytorch import unpickler
 
 M = 2**61 - 1  # CPython's hash modulus: j*M hashes to 0 for every j
@@ -353,3 +354,49 @@ def test_an_optimizer_state_of_200000_parameters_is_charged_linearly() -> None:
     keys = TENSORS * 4 + 3
     assert machine._steps <= keys + 10
     assert machine._steps < machine.object_budget // 4
+
+
+# ------------------------------------------------------------------ the reader's own tables
+
+
+class _CollidingSize(int):
+    """A size whose hash collides with every other's, counting the compares made with it:
+    what ints j*(2**61-1) in an empty tensor's shape do to a table keyed by the shape."""
+
+    compares = 0
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __eq__(self, other: object) -> bool:
+        _CollidingSize.compares += 1
+        return int(self) == other
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+
+def test_the_readers_table_of_views_does_not_compare_colliding_shapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader finds identical views (shared storage) by a table: keyed by the view's
+    tuple, 16,000 empty tensors of shapes (0, j*(2**61-1), ...) took 13 s (quadratic in
+    the tensors; 200,000 would take most of an hour). Keyed by a digest of the view, a
+    shape is compared only with an equal view's. Sizes that collide and count their
+    compares stand in for such ints (the interpreter's shapes are wrapped)."""
+    sizes = unpickler._ints
+
+    def colliding(name: str, value: object, what: str) -> tuple[int, ...]:
+        return tuple(_CollidingSize(v) for v in sizes(name, value, what))
+
+    monkeypatch.setattr(unpickler, "_ints", colliding)
+    count = 400
+    body = b"".join(
+        text(f"t{j}") + tensor(size=(0, j), stride=(1, 1)) for j in range(count)
+    ) + text("same") + tensor(size=(0, 7), stride=(1, 1))  # fmt: skip
+    path = torch_zip(tmp_path / "m.pt", b"\x80\x02" + EMPTY_DICT + MARK + body + SETITEMS + STOP)
+    _CollidingSize.compares = 0
+    with open_reader(path) as opened:
+        assert len(opened.infos) == count + 1
+        assert opened.metadata["pytorch.shared_storage"].startswith("t0, t1")
+    assert _CollidingSize.compares < 10 * count  # not count**2 / 2
