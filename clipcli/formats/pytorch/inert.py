@@ -33,6 +33,7 @@ Everything else stays refused by the interpreter (unpickler.resolve_global).
 from __future__ import annotations
 
 import math
+import pathlib
 import struct
 import sys
 from collections.abc import Callable
@@ -53,6 +54,13 @@ class Room(Protocol):
 
     def work(self, steps: int) -> None:
         """Count `steps` of work (parts joined, items hashed); acts on a pending signal."""
+
+    def insert(self, target: dict[Any, Any] | set[Any], key: object, value: object = None) -> None:
+        """Put `key` (and `value`) into a dict or set, its compares counted as work first:
+        every insertion into a hashed container goes through this one rule."""
+
+    def forget(self, target: object) -> None:
+        """`target` takes no more keys (a set about to be frozen)."""
 
 
 class InertText(str):
@@ -220,15 +228,17 @@ class Duration(Described):
 
 
 class Zone(Described):
-    """datetime.timezone: a fixed offset, kept as its ISO text (`+01:00`)."""
+    """datetime.timezone: a fixed offset, kept as its ISO text (`+01:00`), and its name
+    if it was given one (`timezone(timedelta(hours=1), 'CET')`), shown as str() shows it."""
 
-    __slots__ = ("offset",)
+    __slots__ = ("name", "offset")
 
-    def __init__(self, offset: str) -> None:
+    def __init__(self, offset: str, name: str | None = None) -> None:
         self.offset = offset
+        self.name = name
 
     def text(self) -> str:
-        return f"timezone {self.offset}"
+        return f"timezone {self.offset if self.name is None else self.name}"
 
 
 class Namespace(dict[Any, Any]):
@@ -388,14 +398,24 @@ def _build_namespace(target: Namespace, state: object, room: Room) -> None:
         container_cost(Namespace(), len(state), DICT_ITEM_BYTES),
         f"argparse.Namespace of {len(state)} attributes",
     )
-    room.work(len(state))
-    target.update(state)
+    for key, value in state.items():
+        room.insert(target, key, value)
 
 
 def _build_kept_aside(target: dict[Any, Any], state: object, _room: Room) -> None:
     # A dict subclass's own attributes (none, for Lightning's AttributeDict): not applied.
     if state is not None and type(state) is not dict:
         raise PickleProblem(f"{type(target).__name__}: its state is not a dict")
+
+
+def _build_default_dict(_target: DefaultDict, state: object, _room: Room) -> None:
+    # A defaultdict has no attributes (no __dict__): pickle's BUILD of a dict state fails
+    # with AttributeError, even an empty one (the C unpickler torch uses); None does nothing.
+    if state is not None:
+        raise PickleProblem(
+            "collections.defaultdict: its state is set (BUILD), which Python refuses (it has "
+            "no attributes)"
+        )
 
 
 # defaultdict factories named by their name only: what `defaultdict(list)` & co. write
@@ -416,49 +436,35 @@ def _default_dict(name: str, args: tuple[object, ...], _room: Room) -> DefaultDi
     return made
 
 
-# A path's text as pathlib shows it: the last absolute part starts it over, empty and `.`
-# components go, separators collapse (a leading `//` stays on POSIX, as pathlib keeps it).
+# A path is made by Python's own pure classes (pathlib.PurePosixPath, PureWindowsPath: string
+# manipulation only, no I/O, nothing of the file imported or called) from parts checked to
+# be text or paths of ours, once the result's size is reserved: its text is pathlib's
+# however odd the parts (drives, UNC shares, roots, '.', '..', both slashes). pathlib works
+# component by component, in Python, with no look for a signal and an object for each:
+# a path of more than MAX_PATH_COMPONENTS components (Linux's PATH_MAX is 4096 bytes) is
+# refused before it starts.
+MAX_PATH_COMPONENTS = 1 << 16
+_PURE_CLASSES: dict[type[PathText], type[pathlib.PurePath]] = {
+    PathText: pathlib.PurePosixPath,
+    WindowsPathText: pathlib.PureWindowsPath,
+}
 
 
-def _collapsed(text: str, piece: str, into: str) -> str:
-    """`text` with every `piece` replaced by `into` until none is left: str.replace passes,
-    each at least halving what is left to replace (a run of 2**k separators: k passes)."""
-    while piece in text:
-        text = text.replace(piece, into)
-    return text
+def path_length_bound(parts: list[str], windows: bool) -> int:
+    """An upper bound on the length of the path pathlib makes of `parts`: their characters
+    and a separator between each; one more after a path given as a part (Python 3.11 joins
+    its drive and root to the rest with a separator: 'C:\\' '/' 'a'), and one more for a
+    Windows UNC share alone (pathlib ends '\\\\server\\share' with a separator; with
+    more parts, the separator between two pays for it). tests/test_pytorch_inert_fidelity.py
+    checks it against pathlib over many combinations of parts."""
+    paths = sum(1 for part in parts if type(part) is not str)
+    unc_alone = int(windows and len(parts) == 1)
+    return max(1, sum(len(part) for part in parts) + len(parts) - 1 + paths + unc_alone)
 
 
-def _path_text(separator: str, parts: list[str]) -> str:
-    """The joined text in a few passes over it (each part is read once: linear in the
-    result, whatever the number of parts)."""
-    windows = separator == "\\"
-    restart = 0
-    for index, part in enumerate(parts):
-        if part[:1] == separator or windows and (part[:1] == "/" or part[1:2] == ":"):
-            restart = index
-    first = parts[restart][:3] if parts else ""  # the root is the first part's own
-    # One name for the text as it goes: each pass frees the one before (the result may be
-    # most of the memory budget; two copies alive at once, not five).
-    body = separator.join(["", *parts[restart:], ""])
-    if windows:
-        body = body.replace("/", separator)  # both are separators on Windows
-        first = first.replace("/", separator)
-    double = separator * 2
-    root = (
-        double
-        if first.startswith(double) and not first.startswith(separator * 3)
-        else separator
-        if first.startswith(separator)
-        else ""
-    )
-    body = _collapsed(body, double, separator)
-    body = _collapsed(body, separator + "." + separator, separator).strip(separator)
-    return root + body if root else body or "."
+def _path(made: type[PathText]) -> Callable[[str, tuple[object, ...], Room], PathText]:
+    pure = _PURE_CLASSES[made]
 
-
-def _path(
-    separator: str, made: type[PathText]
-) -> Callable[[str, tuple[object, ...], Room], PathText]:
     def make(name: str, args: tuple[object, ...], room: Room) -> PathText:
         room.work(len(args))
         texts: list[str] = []
@@ -468,16 +474,24 @@ def _path(
             if type(part) is not str and not isinstance(part, PathText):
                 raise PickleProblem(f"{name}: a part that is not text ({kind_of(part)})")
             texts.append(part)
-        # The result is at most the parts and a separator between each: reserved before
-        # anything is copied (a memo reference repeats a long part for 2 bytes of pickle).
-        length = max(1, sum(len(text) for text in texts) + len(texts) - 1)
+        # The result is reserved before anything is copied (a memo reference repeats a
+        # long part for 2 bytes of pickle).
+        length = path_length_bound(texts, pure is pathlib.PureWindowsPath)
         ascii_only = all(text.isascii() for text in texts)  # O(1) each: CPython's flag
         room.reserve(text_cost(length, ascii_only, made), f"{name} of {length} characters")
-        if separator == "/":  # a Windows path among POSIX parts: its separators are `/`
-            texts = [
-                text.replace("\\", "/") if type(text) is WindowsPathText else text for text in texts
-            ]
-        return made(_path_text(separator, texts))
+        components = sum(text.count("/") + text.count("\\") + 1 for text in texts)
+        room.work(components)
+        if components > MAX_PATH_COMPONENTS:
+            raise PickleProblem(
+                f"{name}: a path of more than {MAX_PATH_COMPONENTS} components; refusing it"
+            )
+        # A path given as a part is a path again (pathlib takes a path's parts, not only
+        # its text: its own flavour's rules apply), made of its text, which pathlib wrote.
+        pieces = [t if type(t) is str else _PURE_CLASSES[type(t)](t) for t in texts]  # type: ignore[index]
+        result = str(pure(*pieces))
+        if len(result) > length:  # path_length_bound is wrong: refused, never over budget
+            raise PickleProblem(f"{name}: a path longer than its parts allow")
+        return made(result)
 
     return make
 
@@ -561,7 +575,9 @@ def _timezone(name: str, args: tuple[object, ...], _room: Room) -> Zone:
     total = (offset.days * 86_400 + offset.seconds) * 1_000_000 + offset.microseconds
     if not -86_400_000_000 < total < 86_400_000_000:  # what datetime.timezone refuses
         raise PickleProblem(f"{name}: an offset of a day or more")
-    return Zone(offset_text(total))
+    name_given = args[1] if len(args) == 2 else None
+    assert name_given is None or isinstance(name_given, str)
+    return Zone(offset_text(total), name_given)
 
 
 # ------------------------------------------------------------------ the tables
@@ -574,8 +590,8 @@ CALLS: dict[str, Constructor] = {
     "namespace": _empty_instance(Namespace),
     "attribute_dict": _empty_instance(AttributeDict),
     "default_dict": _default_dict,
-    "posix_path": _path("/", PathText),
-    "windows_path": _path("\\", WindowsPathText),
+    "posix_path": _path(PathText),
+    "windows_path": _path(WindowsPathText),
     "slice": _slice,
     "datetime": _stamp(10, _datetime),
     "date": _stamp(4, _day),
@@ -635,5 +651,5 @@ _BUILDS: dict[type, Callable[[Any, object, Room], None]] = {
     NumpyArray: _build_array,
     Namespace: _build_namespace,
     AttributeDict: _build_kept_aside,
-    DefaultDict: _build_kept_aside,
+    DefaultDict: _build_default_dict,
 }

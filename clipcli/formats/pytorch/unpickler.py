@@ -26,6 +26,7 @@ state uses; torch's own `weights_only` list is the model):
 
 from __future__ import annotations
 
+import re
 import struct
 import sys
 from collections.abc import Callable
@@ -56,6 +57,9 @@ WORK_BETWEEN_CHECKS = 1 << 16  # objects made or steps of work between looks for
 MEMORY_RATIO = 32
 MEMORY_FREE_BYTES = 16 << 20
 _REFERENCE = 8  # a slot on the stack, in a container or in the memo
+# What counting a hashed container's keys by hash takes (Interpreter.insert), besides its
+# entries (charged as they come): the table, its entry in the interpreter's, their slots.
+_HASH_TABLE_BYTES = sys.getsizeof({}) + sys.getsizeof((None, None)) + 64
 
 
 # ------------------------------------------------------------------ the stand-ins
@@ -248,8 +252,8 @@ def _short(value: object) -> str:
 
 
 def _key_weight(key: object) -> int:
-    """Work to hash or compare a dict key or set item once (_hashable checked it): a
-    tuple's hash is not cached (one step per item), an equal key is compared in full."""
+    """Work to compare a dict key or set item with another of the same hash once
+    (_hashable checked it): text in full, a tuple item by item."""
     if isinstance(key, str | bytes):
         return max(1, len(key) >> 12)  # a compare reads 4 KiB in about a step's time
     if type(key) is tuple:
@@ -282,6 +286,9 @@ class Interpreter:
         self._basis = len(self._data) if file_size is None else min(len(self._data), file_size)
         self._memory_budget = MEMORY_RATIO * self._basis + MEMORY_FREE_BYTES
         self.object_budget = max(MAX_OBJECTS, self._basis // PICKLE_BYTES_PER_OBJECT)
+        # Per hashed container given a key whose hash the file chooses (insert): its id ->
+        # (the container, kept so that the id stays its own; hash -> its keys of that hash).
+        self._same_hash: dict[int, tuple[object, dict[int, int]]] = {}
 
     @property
     def position(self) -> int:
@@ -334,6 +341,64 @@ class Interpreter:
         if (before ^ self._steps) >= WORK_BETWEEN_CHECKS or steps >= WORK_BETWEEN_CHECKS:
             interrupts.check()
 
+    def insert(self, target: dict[Any, Any] | set[Any], key: object, value: object = None) -> None:
+        """Put `key` into `target` (with `value` for a dict), its cost counted as work first.
+
+        Every key a pickle puts in a dict, set or frozenset comes here. CPython compares a
+        key with each key already in the container whose hash is the same: text and bytes
+        hash at random (per process), so for them only an equal key is the same hash, and
+        is compared in full. Every other key's hash is the file's choice (the ints
+        j*(2**61-1) all hash to 0, so do tuples of them; 1, 1.0 and True are one): for
+        those the container's keys are counted by hash, and the keys already there with
+        this key's hash are charged, before the insertion makes those compares. A run of
+        colliding keys is quadratic work, which the budget then refuses; the work counted
+        also acts on a pending signal."""
+        if not _hashable(key):
+            if isinstance(target, dict):
+                raise PickleProblem(f"pickle uses {_short(key)} as a dict key")
+            raise PickleProblem(f"pickle puts {_short(key)} in a set")
+        if isinstance(key, str | bytes):
+            self.work(1)
+            size = len(target)
+            self._put(target, key, value)
+            if len(target) == size:  # an equal key was there: compared in full
+                self.work(_key_weight(key))
+            return
+        if type(key) is tuple:  # its hash is not cached: computed again each time
+            self.work(len(key))
+        digest = hash(key)
+        counts = self._hash_counts(target)
+        same = counts.get(digest, 0)
+        self.work(1 + (same * _key_weight(key) if same else 0))
+        size = len(target)
+        self._put(target, key, value)
+        if len(target) != size:
+            before = sys.getsizeof(counts)
+            counts[digest] = same + 1
+            # the table's growth, the hash kept (new) and its count (an int past 256)
+            kept = sys.getsizeof(digest) if not same else 0
+            kept += sys.getsizeof(same + 1) if same >= 256 else 0
+            self._charge(sys.getsizeof(counts) - before + kept)
+
+    @staticmethod
+    def _put(target: dict[Any, Any] | set[Any], key: object, value: object) -> None:
+        if isinstance(target, dict):
+            target[key] = value
+        else:
+            target.add(key)
+
+    def _hash_counts(self, target: object) -> dict[int, int]:
+        """`target`'s keys counted by hash, made when its first key of a chosen hash comes."""
+        entry = self._same_hash.get(id(target))
+        if entry is None:
+            entry = self._same_hash[id(target)] = (target, {})
+            self._charge(_HASH_TABLE_BYTES)
+        return entry[1]
+
+    def forget(self, target: object) -> None:
+        """`target` (a set copied into a frozenset) takes no more keys: its counts go."""
+        self._same_hash.pop(id(target), None)
+
     def _reserve_references(self, count: int, what: str) -> None:
         """A tuple or list of `count` references (the stack's items), reserved before it is
         made: no more than it takes. Dicts, sets and what APPENDS/SETITEMS/ADDITEMS add
@@ -379,6 +444,7 @@ class Interpreter:
             elif code == 0x2E:  # STOP
                 if len(stack) != 1 or marks:
                     raise PickleProblem("pickle stops with a malformed stack")
+                self._same_hash.clear()  # no container of this pickle takes keys now
                 return stack[0]
             elif code == 0x28:  # MARK
                 if len(marks) >= MAX_MARK_DEPTH:
@@ -493,7 +559,7 @@ class Interpreter:
             elif code == 0x91:  # FROZENSET
                 items = tuple(stack)
                 stack = self._pop_mark(marks)
-                stack.append(frozenset(self._set_items(items, self)))
+                stack.append(_frozen(self._set_from(items, set(), self), self))
                 count(stack[-1])
             elif code == 0x61:  # APPEND
                 value = self._pop(stack)
@@ -529,7 +595,7 @@ class Interpreter:
                 if type(target) is not set:
                     raise PickleProblem(f"pickle adds set items to {_short(target)}")
                 before = sys.getsizeof(target)
-                target.update(self._set_items(items, self))
+                self._set_from(items, target, self)
                 self._grown(target, before)
             # ---- memo
             elif code in (0x71, 0x72, 0x70):  # BINPUT, LONG_BINPUT, PUT
@@ -650,26 +716,16 @@ class Interpreter:
         if len(items) % 2:
             raise PickleProblem("pickle sets dict items from an odd number of values")
         for index in range(0, len(items), 2):
-            key = items[index]
-            if not _hashable(key):
-                raise PickleProblem(f"pickle uses {_short(key)} as a dict key")
-            if type(key) is tuple:  # its hash is not cached: computed again each time
-                room.work(len(key))
-            size = len(target)
-            target[key] = items[index + 1]
-            if len(target) == size:  # an equal key was there: compared in full
-                room.work(_key_weight(key))
+            room.insert(target, items[index], items[index + 1])
         return target
 
     @staticmethod
-    def _set_items(items: tuple[object, ...] | list[object], room: inert.Room) -> list[object]:
-        room.work(len(items))
+    def _set_from(
+        items: tuple[object, ...] | list[object], target: set[object], room: inert.Room
+    ) -> set[object]:
         for item in items:
-            if not _hashable(item):
-                raise PickleProblem(f"pickle puts {_short(item)} in a set")
-            if type(item) is tuple:
-                room.work(_key_weight(item))
-        return list(items)
+            room.insert(target, item)
+        return target
 
     def _reduce(self, function: object, args: object) -> object:
         if type(function) is not _Callable:
@@ -809,12 +865,40 @@ def _size(name: str, args: tuple[object, ...], _room: inert.Room) -> tuple[int, 
     return _ints(name, args[0] if args else (), "size")
 
 
+# torch.device as c10/core/Device.cpp takes it (torch 2.x): a type of its list, then
+# optionally ':' and an index written without sign or leading zero; an index passed apart
+# must be an int (not a bool), not negative, and not come with one in the text. Its
+# DeviceIndex is an int8: torch wraps a larger index (cuda:128 is not cuda:128), so an
+# index past DEVICE_INDEX_MAX is refused.
+_DEVICE_TYPES = frozenset({
+    "cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
+    "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone",
+})  # fmt: skip
+_DEVICE_TEXT = re.compile(r"([a-zA-Z_]+)(?::([1-9][0-9]*|0))?")
+DEVICE_INDEX_MAX = 127
+
+
 def _device(name: str, args: tuple[object, ...], _room: inert.Room) -> Device:
     _arity(name, args, 1, 2)
     kind, *index = args
-    if type(kind) is not str or len(kind) > 64 or any(type(i) is not int for i in index):
+    if type(kind) is not str or any(i is not None and type(i) is not int for i in index):
         raise PickleProblem(f"{name}: malformed device")
-    return Device(kind if not index else f"{kind}:{index[0]}")
+    parsed = _DEVICE_TEXT.fullmatch(kind) if len(kind) <= 64 else None
+    if parsed is None:
+        raise PickleProblem(f"{name}: {_short(kind)} is not a device (torch refuses it)")
+    device_type, written = parsed.groups()
+    if device_type not in _DEVICE_TYPES:
+        raise PickleProblem(f"{name}: {_short(device_type)} is not a device type torch knows")
+    if index and written is not None:
+        raise PickleProblem(f"{name}: an index in the text and one apart (torch refuses it)")
+    number = index[0] if index else None if written is None else int(written)
+    if not isinstance(number, int):
+        return Device(device_type)
+    if not 0 <= number <= DEVICE_INDEX_MAX:
+        raise PickleProblem(
+            f"{name}: device index {_short(number)} is not from 0 to {DEVICE_INDEX_MAX}"
+        )
+    return Device(f"{device_type}:{number}")
 
 
 def _ordered_dict(name: str, args: tuple[object, ...], room: inert.Room) -> _OrderedDict:
@@ -858,7 +942,7 @@ def _encode(name: str, args: tuple[object, ...], room: inert.Room) -> bytes:
         raise PickleProblem(f"{name}: text not encodable as {encoding}") from None
 
 
-def _set_items_of(name: str, args: tuple[object, ...], room: inert.Room) -> list[object]:
+def _set_items_of(name: str, args: tuple[object, ...], room: inert.Room) -> set[object]:
     _arity(name, args, 0, 1)
     items = args[0] if args else []
     if type(items) not in (list, tuple):
@@ -869,15 +953,22 @@ def _set_items_of(name: str, args: tuple[object, ...], room: inert.Room) -> list
         inert.container_cost(set(), len(items), inert.SET_ITEM_BYTES),
         f"{name} of {len(items)} items",
     )
-    return Interpreter._set_items(items, room)
+    return Interpreter._set_from(items, set(), room)
+
+
+def _frozen(made: set[object], room: inert.Room) -> frozenset[object]:
+    """A frozenset of the set `made` (copied with its hashes: no compares), reserved first."""
+    room.forget(made)
+    room.reserve(sys.getsizeof(made), f"a frozenset of {len(made)} items")
+    return frozenset(made)
 
 
 def _set(name: str, args: tuple[object, ...], room: inert.Room) -> set[object]:
-    return set(_set_items_of(name, args, room))
+    return _set_items_of(name, args, room)
 
 
 def _frozenset(name: str, args: tuple[object, ...], room: inert.Room) -> frozenset[object]:
-    return frozenset(_set_items_of(name, args, room))
+    return _frozen(_set_items_of(name, args, room), room)
 
 
 def _bytearray(name: str, args: tuple[object, ...], _room: inert.Room) -> bytes:
