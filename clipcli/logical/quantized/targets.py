@@ -33,7 +33,17 @@ MAX_PATTERN = 1000  # characters of one `re:` target
 MAX_PROGRAM = 5000  # automaton states of one pattern (counted repeats expand)
 MAX_REPEAT = 100  # the largest count of {m,n}
 MAX_NESTING = 32  # groups inside groups: the parser recurses once per level
-MAX_CACHED = 4096  # state sets remembered per pattern (a lazy DFA); past it, computed again
+# Steps remembered per pattern (a lazy DFA), counted in the states the remembered sets
+# hold (a set of a 5000-state pattern is ~200 KiB); past it a step is computed again.
+MAX_CACHED_STATES = 1 << 18
+# The matching work one config may ask for, in units: a character of a module name read
+# against one `re:` target is one unit, a step not remembered costs the states it touches.
+# An ordinary target reads a name's characters once, about a unit each (4 million for
+# 100,000 expert modules), ~0.1 to 0.3 µs a unit. Past the budget the file is refused
+# (exit 3), never matched for minutes. The budget grows with the text it is asked about
+# (~2 to 5 s, plus 2 to 5 s per MB of names), as the other budgets grow with the input.
+WORK_BASE = 20_000_000
+WORK_PER_CHARACTER = 16  # per character of the module names and of the targets
 
 EXACT, REGEX, CLASS = 0, 1, 2  # match ranks: lower wins (compressed-tensors' order)
 
@@ -325,6 +335,7 @@ class Pattern:
             at_end: self._closure({start}, at_start=True, at_end=at_end) for at_end in (False, True)
         }
         self._steps: dict[tuple[frozenset[int], str, bool], frozenset[int]] = {}
+        self._cached_states = 0
 
     def _closure(self, states: set[int], at_start: bool, at_end: bool) -> frozenset[int]:
         seen = set(states)
@@ -341,7 +352,18 @@ class Pattern:
                     todo.append(t)
         return frozenset(seen)
 
-    def match(self, name: str) -> bool:
+    def match(self, name: str, budget: Budget | None = None) -> bool:
+        """re.match(pattern, name) is not None. Charged to `budget`: a unit per call and
+        per character read, and the states each step not remembered touches (charged as
+        it is taken, so a costly pattern stops at the budget, not after the name)."""
+        matched, read = self._run(name, budget)
+        if budget is not None:
+            budget.spend(read + 1)
+        return matched
+
+    def _run(self, name: str, budget: Budget | None) -> tuple[bool, int]:
+        """Whether the pattern matches at the start of `name`, and how many characters
+        that took."""
         size = len(name)
 
         def at_end(position: int) -> bool:  # where Python's "$" (no MULTILINE) passes
@@ -350,7 +372,7 @@ class Pattern:
         current = self._starts[at_end(0)]
         for index, c in enumerate(name):
             if self._accept in current:
-                return True
+                return True, index
             end = at_end(index + 1)
             key = (current, c, end)
             step = self._steps.get(key)
@@ -361,12 +383,33 @@ class Pattern:
                     if edge is not None and edge[0](c):
                         moved.add(edge[1])
                 step = self._closure(moved, at_start=False, at_end=end)
-                if len(self._steps) < MAX_CACHED:
+                if budget is not None:
+                    budget.spend(len(current) + len(step))
+                if self._cached_states + len(step) <= MAX_CACHED_STATES:
                     self._steps[key] = step
+                    self._cached_states += len(step)
             current = step
             if not current:
-                return False
-        return self._accept in current
+                return False, index + 1
+        return self._accept in current, size
+
+
+class OverBudget(Exception):
+    """Matching asked for more work than the budget allows."""
+
+
+class Budget:
+    """Units of matching work left (see WORK_BASE); spending past them raises OverBudget,
+    spending exactly all of them does not."""
+
+    def __init__(self, units: int) -> None:
+        self.limit = units
+        self.left = units
+
+    def spend(self, units: int) -> None:
+        self.left -= units
+        if self.left < 0:
+            raise OverBudget
 
 
 # ------------------------------------------------------------------ groups
@@ -377,6 +420,7 @@ class _Target(NamedTuple):
     rank: int  # EXACT, REGEX or CLASS
     text: str
     pattern: Pattern | None
+    where: str  # the config field it came from
 
 
 def _is_class(target: str) -> bool:
@@ -396,17 +440,65 @@ def _targets(value: object, where: str, group: str) -> list[_Target]:
     found = []
     for text in value:
         if text.startswith("re:"):
-            found.append(_Target(group, REGEX, text, _compiled(text[3:], where)))
+            found.append(_Target(group, REGEX, text, _compiled(text[3:], where), where))
         else:
-            found.append(_Target(group, CLASS if _is_class(text) else EXACT, text, None))
+            rank = CLASS if _is_class(text) else EXACT
+            found.append(_Target(group, rank, text, None, where))
     return found
 
 
-def _matches(target: _Target, module: str) -> bool:
-    if target.rank == REGEX:
+class _Matcher:
+    """Which of `targets` match a module: exact names by one lookup (an `ignore` list of
+    thousands of names costs no more per module than one), `re:` targets by the automaton
+    within `budget`, class targets always."""
+
+    def __init__(self, targets: list[_Target], budget: Budget) -> None:
+        self._targets = targets
+        self._exact: dict[str, list[int]] = {}
+        for index, target in enumerate(targets):
+            if target.rank == EXACT:
+                self._exact.setdefault(target.text, []).append(index)
+        self._others = [i for i, t in enumerate(targets) if t.rank != EXACT]
+        self._budget = budget
+
+    def _hits(self, index: int, module: str) -> bool:
+        target = self._targets[index]
+        if target.rank == CLASS:
+            return True
         assert target.pattern is not None
-        return target.pattern.match(module)
-    return target.rank == CLASS or target.text == module
+        try:
+            return target.pattern.match(module, self._budget)
+        except OverBudget:
+            raise rules.refuse(
+                target.where,
+                f"target {target.text!r}: matching the module names needs more than "
+                f"{self._budget.limit:,} steps, the budget for this config and these names",
+            ) from None
+
+    def first(self, module: str) -> _Target | None:
+        """The first target, in the list's order, that matches `module`."""
+        exact = self._exact.get(module, [len(self._targets)])[0]
+        for index in self._others:
+            if index > exact:
+                break
+            if self._hits(index, module):
+                return self._targets[index]
+        return self._targets[exact] if exact < len(self._targets) else None
+
+    def all(self, module: str) -> list[_Target]:
+        """Every target that matches `module`, in the list's order; `re:` targets are not
+        run where an exact name, which outranks them, matches."""
+        exact = self._exact.get(module)
+        if exact:
+            return [self._targets[i] for i in exact]
+        return [self._targets[i] for i in self._others if self._hits(i, module)]
+
+
+def work_budget(modules: list[str], targets: list[_Target]) -> Budget:
+    """WORK_BASE, plus WORK_PER_CHARACTER for each character of the module names and of
+    the targets: the text the matching is asked about."""
+    characters = sum(len(m) for m in modules) + sum(len(t.text) for t in targets)
+    return Budget(WORK_BASE + WORK_PER_CHARACTER * characters)
 
 
 class Assignment(NamedTuple):
@@ -417,11 +509,14 @@ class Assignment(NamedTuple):
     undecided: dict[str, tuple[dict[str, TensorInfo], str]]  # module -> (tensors, why)
 
 
-def assign(stored: Mapping[str, TensorInfo], config: Mapping[str, Any]) -> Assignment | None:
+def assign(
+    stored: Mapping[str, TensorInfo], config: Mapping[str, Any], budget: Budget | None = None
+) -> Assignment | None:
     """The tensors of each config group's modules with a config of that group alone, or
     None where the config is not compressed-tensors' or names no group (the top-level
     `format` then describes every tensor). One group is matched as two are: compressed-
-    tensors quantizes no module that `ignore` names or no group targets."""
+    tensors quantizes no module that `ignore` names or no group targets. Matching that
+    would need more than `budget` (default: work_budget) is refused, exit 3."""
     groups = config.get("config_groups")
     if rules.method_of(config) != "compressed-tensors" or not isinstance(groups, dict):
         return None
@@ -438,6 +533,9 @@ def assign(stored: Mapping[str, TensorInfo], config: Mapping[str, Any]) -> Assig
     by_module: dict[str, dict[str, TensorInfo]] = {}
     for name, info in stored.items():
         by_module.setdefault(name.rpartition(".")[0], {})[name] = info
+    if budget is None:
+        budget = work_budget(list(by_module), targets + ignored)
+    ignore_matcher, target_matcher = _Matcher(ignored, budget), _Matcher(targets, budget)
     top = config.get("format")
     out = Assignment(
         {
@@ -447,11 +545,11 @@ def assign(stored: Mapping[str, TensorInfo], config: Mapping[str, Any]) -> Assig
         {},
     )
     for module, tensors in by_module.items():
-        hit = next((t for t in ignored if _matches(t, module)), None)
+        hit = ignore_matcher.first(module)
         if hit is not None:
             out.undecided[module] = (tensors, f"config.json's ignore entry {hit.text!r} names it")
             continue
-        matched = [t for t in targets if _matches(t, module)]
+        matched = target_matcher.all(module)
         if not matched:
             out.undecided[module] = (tensors, "no config group of config.json targets it")
             continue

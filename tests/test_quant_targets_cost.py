@@ -1,0 +1,188 @@
+"""Issue 21, fifth attack round, break 1: `re:` targets within every limit on a pattern
+(1000 characters, 5000 states, counts 100, nesting 32) took minutes and gigabytes on long
+module names: `(?:(?:a{2})*|(?:a{3})*|...|(?:a{97})*)` twice, then `x`, against a name of
+100,000 a's, keeps hundreds of states alive at each character, and a lazy DFA cache of
+4096 such sets held ~0.5 GB per pattern.
+
+The matching work a config asks for is now counted (targets.Budget: a unit per character
+read, the states of each step not remembered) and refused past a budget that grows with
+the names and targets (exit 3, one line, naming the target); the remembered steps are
+capped by the states they hold. These tests count work and states, never time.
+
+References: Python's `re.match` for every answer that is given.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from quant_reference import write_model_directory
+from test_quant_config_groups import assert_norm, config, module, norms
+
+from clipcli.errors import InputError
+from clipcli.formats.base import TensorInfo
+from clipcli.logical.quantized import targets
+
+PRIMES = [p for p in range(2, 101) if all(p % q for q in range(2, int(p**0.5) + 1))]
+ALTERNATION = "(?:" + "|".join(f"(?:a{{{p}}})*" for p in PRIMES) + ")"
+HOSTILE = ALTERNATION + ALTERNATION + "x"  # the attacker's pattern, 549 characters
+
+
+def used(pattern: str, names: list[str]) -> tuple[int, list[bool]]:
+    """The work a fresh automaton spends matching `names`, and its answers."""
+    compiled, budget = targets.Pattern(pattern), targets.Budget(10**12)
+    answers = [compiled.match(name, budget) for name in names]
+    return budget.limit - budget.left, answers
+
+
+def test_the_hostile_pattern_is_within_the_pattern_limits() -> None:
+    """The attack needs no limit broken: the budget, not a pattern limit, stops it."""
+    assert len(HOSTILE) <= targets.MAX_PATTERN
+    targets.Pattern(HOSTILE)  # read
+
+
+# Python's `re` would backtrack for hours on the hostile pattern without an "x": its
+# answers are worked out (299 = 13 x 23 a's, 6 = 2 x 3) and checked by `re` where short.
+@pytest.mark.parametrize(
+    ("pattern", "names", "answers"),
+    [
+        (HOSTILE, ["a" * 300, "a" * 299 + "x", "a" * 6 + "x"], [False, True, True]),
+        (r".*q_proj", ["model.layers.0.self_attn.q_proj", "x" * 500], [True, False]),
+        (r"(a+)+$", ["a" * 200, "ab"], [True, False]),
+    ],
+)
+def test_a_budget_of_exactly_the_work_answers_and_one_less_refuses(
+    pattern: str, names: list[str], answers: list[bool]
+) -> None:
+    for name, answer in zip(names, answers, strict=True):
+        assert "x" not in name or answer is (re.match(pattern, name) is not None)
+    work, given = used(pattern, names)
+    assert given == answers
+    compiled, exact = targets.Pattern(pattern), targets.Budget(work)
+    assert [compiled.match(n, exact) for n in names] == answers
+    assert exact.left == 0
+    compiled, short = targets.Pattern(pattern), targets.Budget(work - 1)
+    for name in names[:-1]:
+        compiled.match(name, short)
+    with pytest.raises(targets.OverBudget):
+        compiled.match(names[-1], short)
+
+
+def test_the_hostile_pattern_costs_what_its_states_cost_and_stops_at_the_budget() -> None:
+    """Each step not remembered is charged as it is taken: a budget far below the name's
+    work stops after that much work, not at the end of the name."""
+    compiled, budget = targets.Pattern(HOSTILE), targets.Budget(100_000)
+    with pytest.raises(targets.OverBudget):
+        compiled.match("a" * 100_000, budget)
+    states = len(compiled._nfa.edges)  # the most one step can charge is twice this
+    assert -budget.left <= 2 * states + 100_000 + 1
+
+
+def test_remembered_steps_are_capped_by_their_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the cap a step is computed again, not remembered; the answers do not change."""
+    monkeypatch.setattr(targets, "MAX_CACHED_STATES", 5_000)
+    name = "a" * 400  # no "x": no match (Python's `re` backtracks for hours here)
+    compiled = targets.Pattern(HOSTILE)
+    assert compiled.match(name) is False
+    assert compiled.match(name + "x") is (re.match(HOSTILE, name + "x") is not None)
+    assert 0 < compiled._cached_states <= 5_000
+    assert sum(len(s) for s in compiled._steps.values()) == compiled._cached_states
+
+
+def test_long_ordinary_names_are_matched_as_python_does() -> None:
+    """A 100,000-character name and an ordinary pattern: read once, as Python answers."""
+    name = "m" * 100_000 + ".self_attn.q_proj"
+    for pattern in (r".*q_proj", r".*k_proj", r"m+\.self_attn\.(q|k)_proj$", r"m{100}"):
+        work, [answer] = used(pattern, [name])
+        assert answer is (re.match(pattern, name) is not None)
+        assert work <= 2 * len(name) + 1_000
+
+
+def infos(names: list[str]) -> dict[str, TensorInfo]:
+    return {n: TensorInfo(n, np.dtype(np.uint8), (1,), 1) for n in names}
+
+
+CT = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+
+
+def test_exact_names_cost_no_matching_work() -> None:
+    """An `ignore` list of 5,000 exact names and 2,000 modules: a lookup each, no work."""
+    modules = [f"model.layers.{i}.mlp.experts.0.down_proj" for i in range(2_000)]
+    ignore = [f"model.layers.{i}.mlp.gate" for i in range(5_000)] + [modules[7]]
+    conf = {**CT, "ignore": ignore, "config_groups": {"g": {"targets": ["Linear"]}}}
+    stored = infos([m + ".weight_packed" for m in modules])
+    assigned = targets.assign(stored, conf, targets.Budget(0))
+    assert assigned is not None
+    assert list(assigned.undecided) == [modules[7]]
+    assert len(assigned.by_group["g"][0]) == 1_999
+
+
+def test_the_first_ignore_entry_in_order_is_named() -> None:
+    """An exact entry after a matching `re:` entry: the `re:` entry, first, is named."""
+    name = "model.layers.0.mlp.gate"
+    for ignore, named in (
+        (["re:.*gate$", name], "re:.*gate$"),
+        ([name, "re:.*gate$"], name),
+    ):
+        conf = {**CT, "ignore": ignore, "config_groups": {"g": {"targets": ["Linear"]}}}
+        assigned = targets.assign(infos([name + ".weight"]), conf)
+        assert assigned is not None
+        assert assigned.undecided[name][1] == f"config.json's ignore entry {named!r} names it"
+
+
+def test_the_budget_at_exactly_a_configs_work_and_one_less() -> None:
+    modules = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(50) for p in "qkvo"]
+    conf = {
+        **CT,
+        "ignore": ["re:.*o_proj$"],
+        "config_groups": {"g": {"targets": ["re:.*(q|k)_proj"]}, "h": {"targets": ["re:.*v_"]}},
+    }
+    stored = infos([m + ".weight_packed" for m in modules])
+    full = targets.Budget(10**12)
+    assigned = targets.assign(stored, conf, full)
+    work = full.limit - full.left
+    assert assigned is not None
+    assert len(assigned.by_group["g"][0]) == 100
+    assert len(assigned.by_group["h"][0]) == 50
+    assert targets.assign(stored, conf, targets.Budget(work)) == assigned
+    with pytest.raises(InputError, match="budget"):
+        targets.assign(stored, conf, targets.Budget(work - 1))
+
+
+def test_the_default_budget_grows_with_the_names_and_targets() -> None:
+    plain = targets._targets(["re:a"], "w", "g")
+    small = targets.work_budget(["m"], plain).limit
+    assert small == targets.WORK_BASE + targets.WORK_PER_CHARACTER * (1 + len("re:a"))
+    bigger = targets.work_budget(["m" * 1001], plain).limit
+    assert bigger - small == targets.WORK_PER_CHARACTER * 1000
+
+
+def test_the_attack_through_the_cli_is_one_line_exit_3(
+    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attacker's file (a quantized module of 20,000 a's, the hostile target): refused
+    with one line naming the target and the budget. WORK_BASE is lowered so the refusal
+    comes after less work; the default refuses the same file after ~20 million units."""
+    monkeypatch.setattr(targets, "WORK_BASE", 200_000)
+    stem = "a" * 20_000
+    stored, _ = module("int4", stem)
+    conf = config({"group_0": (["re:" + HOSTILE], "int4"), "group_1": (["Linear"], "int4")})
+    directory = write_model_directory(tmp_path / "m", {"model.safetensors": stored}, conf)
+    result = run_main("norms", directory)
+    assert result.code == 3, result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "config_groups['group_0'].targets" in result.stderr
+    assert "budget" in result.stderr
+    assert "re:(?:(?:a{2})*" in result.stderr
+
+
+def test_an_ordinary_config_on_a_long_name_is_read(tmp_path: Path, run_main: Any) -> None:
+    stem = "model." + "m" * 50_000 + ".mlp.down_proj"
+    stored, values = module("mxfp4", stem)
+    conf = config({"group_0": (["re:.*down_proj"], "mxfp4"), "group_1": (["re:.*up_proj"], "fp8")})
+    directory = write_model_directory(tmp_path / "m", {"model.safetensors": stored}, conf)
+    assert_norm(norms(run_main, directory)[stem + ".weight"], values)
