@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from handmade import read_raw_safetensors as read_raw_safetensors  # shared by the tests
 
 NAN = None  # a code whose value is NaN (or an infinity: non-finite either way)
 
@@ -178,20 +179,3 @@ def write_model_directory(
     if config is not None:
         (directory / "config.json").write_text(json.dumps(config))
     return directory
-
-
-def read_raw_safetensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
-    """Every tensor of a safetensors file as (dtype code, shape, payload bytes)."""
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + length])
-    header.pop("__metadata__", None)
-    base = 8 + length
-    return {
-        name: (
-            e["dtype"],
-            e["shape"],
-            data[base + e["data_offsets"][0] : base + e["data_offsets"][1]],
-        )
-        for name, e in header.items()
-    }
