@@ -154,7 +154,7 @@ def test_the_budget_at_exactly_a_configs_work_and_one_less() -> None:
 
 
 def test_the_default_budget_grows_with_the_names_and_targets() -> None:
-    plain = targets._targets(["re:a"], "w", "g")
+    plain = targets._targets(["re:a"], "w", "g", targets.Budget(10))
     small = targets.work_budget(["m"], plain).limit
     assert small == targets.WORK_BASE + targets.WORK_PER_CHARACTER * (1 + len("re:a"))
     bigger = targets.work_budget(["m" * 1001], plain).limit
@@ -186,3 +186,30 @@ def test_an_ordinary_config_on_a_long_name_is_read(tmp_path: Path, run_main: Any
     conf = config({"group_0": (["re:.*down_proj"], "mxfp4"), "group_1": (["re:.*up_proj"], "fp8")})
     directory = write_model_directory(tmp_path / "m", {"model.safetensors": stored}, conf)
     assert_norm(norms(run_main, directory)[stem + ".weight"], values)
+
+
+def test_the_automata_of_one_config_are_bounded_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each pattern within its own limit, many of them: their states are counted together
+    (a 16 MB config.json of 5000-state patterns would otherwise build ~100 GB). Exactly at
+    the bound read, one state past refused, naming the target that crossed it."""
+    heavy = "re:" + ".{100}" * 24  # 144 characters
+    per = targets.Pattern(heavy[3:]).states
+    assert 4_000 < per <= targets.MAX_PROGRAM
+    light = targets.Pattern("ab").states
+    stored = infos(["model.layers.0.mlp.down_proj.weight_packed"])
+
+    def conf(count: int, extra: list[str]) -> dict[str, Any]:
+        groups = {"g": {"targets": [heavy] * count + ["Linear"]}}
+        return {**CT, "ignore": extra, "config_groups": groups}
+
+    monkeypatch.setattr(targets, "MAX_CONFIG_STATES", 3 * per + light)
+    assert targets.assign(stored, conf(3, ["re:ab"])) is not None
+    monkeypatch.setattr(targets, "MAX_CONFIG_STATES", 3 * per + light - 1)
+    with pytest.raises(InputError, match=r"ignore.*'re:ab'.*automaton states together"):
+        targets.assign(stored, conf(3, ["re:ab"]))
+    monkeypatch.undo()
+    count = targets.MAX_CONFIG_STATES // per + 1
+    with pytest.raises(InputError, match="100,000 automaton states"):
+        targets.assign(stored, conf(count, []))

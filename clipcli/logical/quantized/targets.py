@@ -33,6 +33,9 @@ MAX_PATTERN = 1000  # characters of one `re:` target
 MAX_PROGRAM = 5000  # automaton states of one pattern (counted repeats expand)
 MAX_REPEAT = 100  # the largest count of {m,n}
 MAX_NESTING = 32  # groups inside groups: the parser recurses once per level
+# Automaton states of all the `re:` targets of one config (~220 bytes each): without it a
+# 16 MB config.json of 5000-state patterns would build ~100 GB of automata.
+MAX_CONFIG_STATES = 100_000
 # Steps remembered per pattern (a lazy DFA), counted in the states the remembered sets
 # hold (a set of a 5000-state pattern is ~200 KiB); past it a step is computed again.
 MAX_CACHED_STATES = 1 << 18
@@ -330,6 +333,7 @@ class Pattern:
         if parser.i != len(pattern):
             raise ValueError(f"unbalanced ) at {parser.i}")
         self._nfa = parser.nfa
+        self.states = len(parser.nfa.edges)
         # At the start "^" passes; "$" too where the name is "" or "\n".
         self._starts = {
             at_end: self._closure({start}, at_start=True, at_end=at_end) for at_end in (False, True)
@@ -399,8 +403,8 @@ class OverBudget(Exception):
 
 
 class Budget:
-    """Units of matching work left (see WORK_BASE); spending past them raises OverBudget,
-    spending exactly all of them does not."""
+    """Units left of matching work (WORK_BASE) or of automaton states (MAX_CONFIG_STATES):
+    spending past them raises OverBudget, spending exactly all of them does not."""
 
     def __init__(self, units: int) -> None:
         self.limit = units
@@ -434,13 +438,24 @@ def _compiled(text: str, where: str) -> Pattern:
         raise rules.refuse(where, f"target {'re:' + text!r}: {exc}") from None
 
 
-def _targets(value: object, where: str, group: str) -> list[_Target]:
+def _targets(value: object, where: str, group: str, states: Budget) -> list[_Target]:
+    """The targets of one config field; each `re:` target's automaton states charged to
+    `states` (refused past it)."""
     if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
         raise rules.refuse(where, "is not a list of strings")
     found = []
     for text in value:
         if text.startswith("re:"):
-            found.append(_Target(group, REGEX, text, _compiled(text[3:], where), where))
+            pattern = _compiled(text[3:], where)
+            try:
+                states.spend(pattern.states)
+            except OverBudget:
+                raise rules.refuse(
+                    where,
+                    f"target {text!r}: the `re:` targets of config.json need more than "
+                    f"{states.limit:,} automaton states together",
+                ) from None
+            found.append(_Target(group, REGEX, text, pattern, where))
         else:
             rank = CLASS if _is_class(text) else EXACT
             found.append(_Target(group, rank, text, None, where))
@@ -522,13 +537,15 @@ def assign(
         return None
     if not groups or not all(isinstance(g, dict) for g in groups.values()):
         return None  # a malformed group: the schemes' own checks refuse it
+    states = Budget(MAX_CONFIG_STATES)
     targets: list[_Target] = []
     for key, group in groups.items():
         targets += _targets(
-            group.get("targets"), f"config.json: config_groups[{key!r}].targets", key
+            group.get("targets"), f"config.json: config_groups[{key!r}].targets", key, states
         )
     ignore_value = config.get("ignore", [])
-    ignored = _targets([] if ignore_value is None else ignore_value, "config.json: ignore", "")
+    ignore_list = [] if ignore_value is None else ignore_value
+    ignored = _targets(ignore_list, "config.json: ignore", "", states)
     ignored = [t for t in ignored if t.rank != CLASS]  # a quantized module is no ignored class
     by_module: dict[str, dict[str, TensorInfo]] = {}
     for name, info in stored.items():
