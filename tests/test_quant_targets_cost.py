@@ -93,6 +93,55 @@ def test_remembered_steps_are_capped_by_their_states(monkeypatch: pytest.MonkeyP
     assert sum(len(s) for s in compiled._steps.values()) == compiled._cached_states
 
 
+def test_the_remembered_steps_of_one_config_share_one_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many hostile patterns in one config: their remembered steps together stay within
+    MAX_CACHED_STATES (each its own cap let 80 patterns hold ~8 MB each)."""
+    monkeypatch.setattr(targets, "MAX_CACHED_STATES", 6_000)
+    made: list[targets.Pattern] = []
+
+    class Recorded(targets.Pattern):
+        def __init__(self, pattern: str, remembered: targets.Budget | None = None) -> None:
+            super().__init__(pattern, remembered)
+            made.append(self)
+
+    monkeypatch.setattr(targets, "Pattern", Recorded)
+    hostile = ["re:" + HOSTILE[:-1] + end for end in "xyzvw"]
+    conf = {**CT, "config_groups": {"g": {"targets": hostile}, "h": {"targets": ["Linear"]}}}
+    assigned = targets.assign(infos(["a" * 300 + ".weight_packed"]), conf)
+    assert assigned is not None
+    assert len(made) == 5
+    assert all(p._cached_states > 0 for p in made[:1])
+    assert sum(p._cached_states for p in made) <= 6_000
+
+
+def test_every_pair_costs_its_fixed_units() -> None:
+    """A name against a target costs PAIR_UNITS however soon it stops: 4,500 one-letter
+    patterns x 4,500 short names (~1 µs a pair) are not nearly free."""
+    work, answers = used("c", ["m"] * 1_000)
+    assert not any(answers)
+    assert work >= 1_000 * (targets.PAIR_UNITS + 1)
+    assert targets.PAIR_UNITS >= 8
+
+
+def test_a_large_character_set_costs_what_a_small_one_does() -> None:
+    """[^...] of 990 characters against names of distinct characters: each test a set
+    lookup and a bisection, not one comparison per item; answers as Python's."""
+    members = "".join(chr(0x4E00 + 2 * i) for i in range(990))
+    ranges = "".join(chr(0x4E00 + 4 * i) + "-" + chr(0x4E01 + 4 * i) for i in range(330))
+    name = "".join(chr(0x4E01 + 2 * i) for i in range(3_000))
+    for body in (members, ranges, "\\d\\D\\w" * 50 + "a-c"):
+        for negate in ("", "^"):
+            pattern = f"[{negate}{body}]*z"
+            compiled = targets.Pattern(pattern)
+            test = compiled._nfa.edges[next(i for i, e in enumerate(compiled._nfa.edges) if e)]
+            assert test is not None
+            assert len(getattr(test[0], "_classes", [])) <= 6
+            for probe in (name, name[:50] + "z", "z", "\u4e00z", "5z"):
+                assert compiled.match(probe) is (re.match(pattern, probe) is not None)
+
+
 def test_long_ordinary_names_are_matched_as_python_does() -> None:
     """A 100,000-character name and an ordinary pattern: read once, as Python answers."""
     name = "m" * 100_000 + ".self_attn.q_proj"
@@ -154,7 +203,7 @@ def test_the_budget_at_exactly_a_configs_work_and_one_less() -> None:
 
 
 def test_the_default_budget_grows_with_the_names_and_targets() -> None:
-    plain = targets._targets(["re:a"], "w", "g", targets.Budget(10))
+    plain = targets._targets(["re:a"], "w", "g", targets.Budget(10), targets.Budget(10))
     small = targets.work_budget(["m"], plain).limit
     assert small == targets.WORK_BASE + targets.WORK_PER_CHARACTER * (1 + len("re:a"))
     bigger = targets.work_budget(["m" * 1001], plain).limit
@@ -166,7 +215,7 @@ def test_the_attack_through_the_cli_is_one_line_exit_3(
 ) -> None:
     """The attacker's file (a quantized module of 20,000 a's, the hostile target): refused
     with one line naming the target and the budget. WORK_BASE is lowered so the refusal
-    comes after less work; the default refuses the same file after ~20 million units."""
+    comes after less work; the default refuses the same file after ~10 million units."""
     monkeypatch.setattr(targets, "WORK_BASE", 200_000)
     stem = "a" * 20_000
     stored, _ = module("int4", stem)

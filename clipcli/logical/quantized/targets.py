@@ -21,6 +21,7 @@ compares the two); the rest is refused.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -36,17 +37,19 @@ MAX_NESTING = 32  # groups inside groups: the parser recurses once per level
 # Automaton states of all the `re:` targets of one config (~220 bytes each): without it a
 # 16 MB config.json of 5000-state patterns would build ~100 GB of automata.
 MAX_CONFIG_STATES = 100_000
-# Steps remembered per pattern (a lazy DFA), counted in the states the remembered sets
-# hold (a set of a 5000-state pattern is ~200 KiB); past it a step is computed again.
+# Steps remembered (a lazy DFA) by all the patterns of one config together, counted in
+# the states the remembered sets hold (~40 bytes each: ~10 MB); past it a step is computed
+# again, each time charged to the work budget.
 MAX_CACHED_STATES = 1 << 18
 # The matching work one config may ask for, in units: a character of a module name read
 # against one `re:` target is one unit, a step not remembered costs the states it touches.
 # An ordinary target reads a name's characters once, about a unit each (4 million for
 # 100,000 expert modules), ~0.1 to 0.3 µs a unit. Past the budget the file is refused
 # (exit 3), never matched for minutes. The budget grows with the text it is asked about
-# (~2 to 5 s, plus 2 to 5 s per MB of names), as the other budgets grow with the input.
-WORK_BASE = 20_000_000
+# (~1 to 3 s, plus 2 to 5 s per MB of names), as the other budgets grow with the input.
+WORK_BASE = 10_000_000
 WORK_PER_CHARACTER = 16  # per character of the module names and of the targets
+PAIR_UNITS = 8  # the fixed cost of matching one name against one target, ~1 µs
 
 EXACT, REGEX, CLASS = 0, 1, 2  # match ranks: lower wins (compressed-tensors' order)
 
@@ -105,8 +108,37 @@ def _literal(c: str) -> Test:
     return lambda x: x == c
 
 
-def _in_range(low: str, high: str) -> Test:
-    return lambda x: low <= x <= high  # code points, as Python's RANGE
+class _CharSet:
+    """The test of a [...]: its characters in a set, its ranges merged into disjoint
+    intervals found by bisection, its classes (\\d \\W ...) one by one, at most six. A
+    character costs about the same against a set of 1000 items as of 1, so a step's work
+    is the states it touches (what the budget charges), not the sizes of their sets."""
+
+    def __init__(
+        self, singles: set[str], ranges: list[tuple[int, int]], classes: list[Test], negate: bool
+    ) -> None:
+        merged: list[list[int]] = []
+        for low, high in sorted(ranges):
+            if merged and low <= merged[-1][1] + 1:
+                merged[-1][1] = max(merged[-1][1], high)
+            else:
+                merged.append([low, high])
+        self._singles = frozenset(singles)
+        self._starts = [low for low, _ in merged]
+        self._ends = [high for _, high in merged]
+        self._classes = classes
+        self._negate = negate
+
+    def __call__(self, x: str) -> bool:
+        return self._admits(x) != self._negate
+
+    def _admits(self, x: str) -> bool:
+        if x in self._singles:
+            return True
+        at = bisect.bisect_right(self._starts, ord(x)) - 1
+        if at >= 0 and ord(x) <= self._ends[at]:
+            return True
+        return any(test(x) for test in self._classes)
 
 
 class _Parser:
@@ -256,31 +288,43 @@ class _Parser:
         negate = self.peek() == "^"
         if negate:
             self.i += 1
-        tests: list[Test] = []
+        singles: set[str] = set()
+        ranges: list[tuple[int, int]] = []
+        classes: dict[str, Test] = {}  # "d", "W", ...: at most six, however often written
+        items = 0
         while True:
             if self.i >= len(self.p):
                 raise ValueError("unterminated character set")
             c = self.take()
-            if c == "]" and tests:
+            if c == "]" and items:
                 break
-            if c != "\\" and tests and c in "-&~|" and self.peek() == c:
+            if c != "\\" and items and c in "-&~|" and self.peek() == c:
                 raise ValueError(f"{c + c!r} in [...] (Python warns: a set operation)")
+            items += 1
+            letter = self.peek() if c == "\\" else None
             low_test, low = self.class_item(c)
             if self.peek() != "-" or self.i + 1 >= len(self.p):
-                tests.append(low_test)
+                if low is None:
+                    classes[letter or ""] = low_test
+                else:
+                    singles.add(low)
                 continue
             self.i += 1  # "-"
             that = self.take()
             if that == "]":
-                tests += [low_test, _literal("-")]
+                if low is None:
+                    classes[letter or ""] = low_test
+                else:
+                    singles.add(low)
+                singles.add("-")
                 break
             if that == "-":
                 raise ValueError("'--' in [...] (Python warns: a set difference)")
             _, high = self.class_item(that)
             if low is None or high is None or high < low:
                 raise ValueError(f"bad character range at {self.i}")
-            tests.append(_in_range(low, high))
-        return lambda x: any(t(x) for t in tests) != negate
+            ranges.append((ord(low), ord(high)))
+        return _CharSet(singles, ranges, list(classes.values()), negate)
 
     def copy(self, begin: int) -> tuple[int, int]:
         """A fresh fragment for the atom at pattern position `begin` (counted repeats)."""
@@ -325,7 +369,9 @@ class _Parser:
 class Pattern:
     """A `re:` target, matched like Python's re.match (at the start, not to the end)."""
 
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, remembered: Budget | None = None) -> None:
+        """`remembered`: the states its remembered steps may hold, shared by the patterns
+        of one config (default: MAX_CACHED_STATES of its own)."""
         if len(pattern) > MAX_PATTERN:
             raise ValueError(f"longer than {MAX_PATTERN} characters")
         parser = _Parser(pattern)
@@ -340,6 +386,7 @@ class Pattern:
         }
         self._steps: dict[tuple[frozenset[int], str, bool], frozenset[int]] = {}
         self._cached_states = 0
+        self._remembered = Budget(MAX_CACHED_STATES) if remembered is None else remembered
 
     def _closure(self, states: set[int], at_start: bool, at_end: bool) -> frozenset[int]:
         seen = set(states)
@@ -357,12 +404,12 @@ class Pattern:
         return frozenset(seen)
 
     def match(self, name: str, budget: Budget | None = None) -> bool:
-        """re.match(pattern, name) is not None. Charged to `budget`: a unit per call and
-        per character read, and the states each step not remembered touches (charged as
+        """re.match(pattern, name) is not None. Charged to `budget`: PAIR_UNITS a call, a
+        unit per character read, and the states each step not remembered touches (charged as
         it is taken, so a costly pattern stops at the budget, not after the name)."""
         matched, read = self._run(name, budget)
         if budget is not None:
-            budget.spend(read + 1)
+            budget.spend(read + PAIR_UNITS)
         return matched
 
     def _run(self, name: str, budget: Budget | None) -> tuple[bool, int]:
@@ -389,7 +436,8 @@ class Pattern:
                 step = self._closure(moved, at_start=False, at_end=end)
                 if budget is not None:
                     budget.spend(len(current) + len(step))
-                if self._cached_states + len(step) <= MAX_CACHED_STATES:
+                if len(step) <= self._remembered.left:
+                    self._remembered.left -= len(step)
                     self._steps[key] = step
                     self._cached_states += len(step)
             current = step
@@ -431,22 +479,24 @@ def _is_class(target: str) -> bool:
     return "." not in target and target[:1].isupper() and target.isidentifier()
 
 
-def _compiled(text: str, where: str) -> Pattern:
+def _compiled(text: str, where: str, remembered: Budget) -> Pattern:
     try:
-        return Pattern(text)
+        return Pattern(text, remembered)
     except ValueError as exc:
         raise rules.refuse(where, f"target {'re:' + text!r}: {exc}") from None
 
 
-def _targets(value: object, where: str, group: str, states: Budget) -> list[_Target]:
+def _targets(
+    value: object, where: str, group: str, states: Budget, remembered: Budget
+) -> list[_Target]:
     """The targets of one config field; each `re:` target's automaton states charged to
-    `states` (refused past it)."""
+    `states` (refused past it), its remembered steps to `remembered`."""
     if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
         raise rules.refuse(where, "is not a list of strings")
     found = []
     for text in value:
         if text.startswith("re:"):
-            pattern = _compiled(text[3:], where)
+            pattern = _compiled(text[3:], where, remembered)
             try:
                 states.spend(pattern.states)
             except OverBudget:
@@ -537,15 +587,14 @@ def assign(
         return None
     if not groups or not all(isinstance(g, dict) for g in groups.values()):
         return None  # a malformed group: the schemes' own checks refuse it
-    states = Budget(MAX_CONFIG_STATES)
+    states, remembered = Budget(MAX_CONFIG_STATES), Budget(MAX_CACHED_STATES)
     targets: list[_Target] = []
     for key, group in groups.items():
-        targets += _targets(
-            group.get("targets"), f"config.json: config_groups[{key!r}].targets", key, states
-        )
+        where = f"config.json: config_groups[{key!r}].targets"
+        targets += _targets(group.get("targets"), where, key, states, remembered)
     ignore_value = config.get("ignore", [])
     ignore_list = [] if ignore_value is None else ignore_value
-    ignored = _targets(ignore_list, "config.json: ignore", "", states)
+    ignored = _targets(ignore_list, "config.json: ignore", "", states, remembered)
     ignored = [t for t in ignored if t.rank != CLASS]  # a quantized module is no ignored class
     by_module: dict[str, dict[str, TensorInfo]] = {}
     for name, info in stored.items():
