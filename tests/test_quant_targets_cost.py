@@ -244,21 +244,51 @@ def test_the_automata_of_one_config_are_bounded_together(
     (a 16 MB config.json of 5000-state patterns would otherwise build ~100 GB). Exactly at
     the bound read, one state past refused, naming the target that crossed it."""
     heavy = "re:" + ".{100}" * 24  # 144 characters
-    per = targets.Pattern(heavy[3:]).states
+    per = targets.Pattern(heavy[3:]).size
     assert 4_000 < per <= targets.MAX_PROGRAM
-    light = targets.Pattern("ab").states
+    light = targets.Pattern("ab").size
     stored = infos(["model.layers.0.mlp.down_proj.weight_packed"])
 
     def conf(count: int, extra: list[str]) -> dict[str, Any]:
         groups = {"g": {"targets": [heavy] * count + ["Linear"]}}
         return {**CT, "ignore": extra, "config_groups": groups}
 
-    monkeypatch.setattr(targets, "MAX_CONFIG_STATES", 3 * per + light)
+    monkeypatch.setattr(targets, "MAX_CONFIG_SIZE", 3 * per + light)
     assert targets.assign(stored, conf(3, ["re:ab"])) is not None
-    monkeypatch.setattr(targets, "MAX_CONFIG_STATES", 3 * per + light - 1)
-    with pytest.raises(InputError, match=r"ignore.*'re:ab'.*automaton states together"):
+    monkeypatch.setattr(targets, "MAX_CONFIG_SIZE", 3 * per + light - 1)
+    with pytest.raises(InputError, match=r"ignore.*'re:ab'.*states and set items together"):
         targets.assign(stored, conf(3, ["re:ab"]))
     monkeypatch.undo()
-    count = targets.MAX_CONFIG_STATES // per + 1
+    count = targets.MAX_CONFIG_SIZE // per + 1
     with pytest.raises(InputError, match="100,000 automaton states"):
         targets.assign(stored, conf(count, []))
+
+
+def test_the_items_of_character_sets_count_toward_the_configs_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A [...] of 990 characters is 2 states but ~110 KB (seventh attack: 7,900 of them,
+    0.9 GB, from a 16 MB config.json): each item counts, in every copy a counted repeat
+    makes; at the bound read, one item past refused."""
+    body = "".join(chr(0x100 + i) for i in range(990))
+    alone = targets.Pattern("[" + body + "]")
+    assert alone.size == targets.Pattern("a").size + 990
+    assert targets.Pattern("[a-z\\d" + body + "]").size == alone.size + 2
+    repeated = targets.Pattern("[" + body + "]{3}")
+    assert repeated.size > 3 * 990
+    stored = infos(["b.weight_packed"])
+
+    def conf(patterns: list[str]) -> dict[str, Any]:
+        groups = {"g": {"targets": patterns}, "h": {"targets": ["Linear"]}}
+        return {**CT, "config_groups": groups}
+
+    sets = ["re:[" + body[i:] + body[:i] + "]" for i in range(3)]
+    monkeypatch.setattr(targets, "MAX_CONFIG_SIZE", 3 * alone.size)
+    assert targets.assign(stored, conf(sets)) is not None
+    monkeypatch.setattr(targets, "MAX_CONFIG_SIZE", 3 * alone.size - 1)
+    with pytest.raises(InputError, match="states and set items together"):
+        targets.assign(stored, conf(sets))
+    monkeypatch.undo()
+    many = ["re:[" + body[i % 990 :] + body[: i % 990] + "]" for i in range(102)]
+    with pytest.raises(InputError, match="100,000 automaton states and set items"):
+        targets.assign(stored, conf(many))

@@ -34,9 +34,11 @@ MAX_PATTERN = 1000  # characters of one `re:` target
 MAX_PROGRAM = 5000  # automaton states of one pattern (counted repeats expand)
 MAX_REPEAT = 100  # the largest count of {m,n}
 MAX_NESTING = 32  # groups inside groups: the parser recurses once per level
-# Automaton states of all the `re:` targets of one config (~220 bytes each): without it a
-# 16 MB config.json of 5000-state patterns would build ~100 GB of automata.
-MAX_CONFIG_STATES = 100_000
+# The size of all the `re:` targets of one config: automaton states (~220 bytes each) and
+# the items of their [...] sets (a character ~110 bytes), each copy of a counted repeat
+# counted. Without it a 16 MB config.json of 5000-state patterns built ~100 GB of automata,
+# and one of 990-character sets ~0.9 GB.
+MAX_CONFIG_SIZE = 100_000
 # Steps remembered (a lazy DFA) by all the patterns of one config together, counted in
 # the states the remembered sets hold (~40 bytes each: ~10 MB); past it a step is computed
 # again, each time charged to the work budget.
@@ -147,6 +149,7 @@ class _Parser:
         self.i = 0
         self.depth = 0
         self.nfa = _Nfa()
+        self.set_items = 0  # items of the [...] sets built, every copy counted
 
     def peek(self) -> str | None:
         return self.p[self.i] if self.i < len(self.p) else None
@@ -324,6 +327,7 @@ class _Parser:
             if low is None or high is None or high < low:
                 raise ValueError(f"bad character range at {self.i}")
             ranges.append((ord(low), ord(high)))
+        self.set_items += items
         return _CharSet(singles, ranges, list(classes.values()), negate)
 
     def copy(self, begin: int) -> tuple[int, int]:
@@ -379,7 +383,7 @@ class Pattern:
         if parser.i != len(pattern):
             raise ValueError(f"unbalanced ) at {parser.i}")
         self._nfa = parser.nfa
-        self.states = len(parser.nfa.edges)
+        self.size = len(parser.nfa.edges) + parser.set_items  # what MAX_CONFIG_SIZE counts
         # At the start "^" passes; "$" too where the name is "" or "\n".
         self._starts = {
             at_end: self._closure({start}, at_start=True, at_end=at_end) for at_end in (False, True)
@@ -451,7 +455,7 @@ class OverBudget(Exception):
 
 
 class Budget:
-    """Units left of matching work (WORK_BASE) or of automaton states (MAX_CONFIG_STATES):
+    """Units left of matching work (WORK_BASE) or of patterns' size (MAX_CONFIG_SIZE):
     spending past them raises OverBudget, spending exactly all of them does not."""
 
     def __init__(self, units: int) -> None:
@@ -487,10 +491,10 @@ def _compiled(text: str, where: str, remembered: Budget) -> Pattern:
 
 
 def _targets(
-    value: object, where: str, group: str, states: Budget, remembered: Budget
+    value: object, where: str, group: str, sizes: Budget, remembered: Budget
 ) -> list[_Target]:
-    """The targets of one config field; each `re:` target's automaton states charged to
-    `states` (refused past it), its remembered steps to `remembered`."""
+    """The targets of one config field; each `re:` target's size charged to `sizes`
+    (refused past it), its remembered steps to `remembered`."""
     if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
         raise rules.refuse(where, "is not a list of strings")
     found = []
@@ -498,12 +502,12 @@ def _targets(
         if text.startswith("re:"):
             pattern = _compiled(text[3:], where, remembered)
             try:
-                states.spend(pattern.states)
+                sizes.spend(pattern.size)
             except OverBudget:
                 raise rules.refuse(
                     where,
                     f"target {text!r}: the `re:` targets of config.json need more than "
-                    f"{states.limit:,} automaton states together",
+                    f"{sizes.limit:,} automaton states and set items together",
                 ) from None
             found.append(_Target(group, REGEX, text, pattern, where))
         else:
@@ -587,14 +591,14 @@ def assign(
         return None
     if not groups or not all(isinstance(g, dict) for g in groups.values()):
         return None  # a malformed group: the schemes' own checks refuse it
-    states, remembered = Budget(MAX_CONFIG_STATES), Budget(MAX_CACHED_STATES)
+    sizes, remembered = Budget(MAX_CONFIG_SIZE), Budget(MAX_CACHED_STATES)
     targets: list[_Target] = []
     for key, group in groups.items():
         where = f"config.json: config_groups[{key!r}].targets"
-        targets += _targets(group.get("targets"), where, key, states, remembered)
+        targets += _targets(group.get("targets"), where, key, sizes, remembered)
     ignore_value = config.get("ignore", [])
     ignore_list = [] if ignore_value is None else ignore_value
-    ignored = _targets(ignore_list, "config.json: ignore", "", states, remembered)
+    ignored = _targets(ignore_list, "config.json: ignore", "", sizes, remembered)
     ignored = [t for t in ignored if t.rank != CLASS]  # a quantized module is no ignored class
     by_module: dict[str, dict[str, TensorInfo]] = {}
     for name, info in stored.items():
