@@ -295,6 +295,13 @@ class _Parser:
         ranges: list[tuple[int, int]] = []
         classes: dict[str, Test] = {}  # "d", "W", ...: at most six, however often written
         items = 0
+
+        def add(test: Test, char: str | None, letter: str | None) -> None:
+            if char is None:  # a class: \d \W ...
+                classes[letter or ""] = test
+            else:
+                singles.add(char)
+
         while True:
             if self.i >= len(self.p):
                 raise ValueError("unterminated character set")
@@ -307,18 +314,12 @@ class _Parser:
             letter = self.peek() if c == "\\" else None
             low_test, low = self.class_item(c)
             if self.peek() != "-" or self.i + 1 >= len(self.p):
-                if low is None:
-                    classes[letter or ""] = low_test
-                else:
-                    singles.add(low)
+                add(low_test, low, letter)
                 continue
             self.i += 1  # "-"
             that = self.take()
             if that == "]":
-                if low is None:
-                    classes[letter or ""] = low_test
-                else:
-                    singles.add(low)
+                add(low_test, low, letter)
                 singles.add("-")
                 break
             if that == "-":
