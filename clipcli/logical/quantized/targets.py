@@ -520,7 +520,7 @@ def _targets(
 class _Matcher:
     """Which of `targets` match a module: exact names by one lookup (an `ignore` list of
     thousands of names costs no more per module than one), `re:` targets by the automaton
-    within `budget`, class targets always."""
+    within `budget`, class targets always (worked out once, not per module)."""
 
     def __init__(self, targets: list[_Target], budget: Budget) -> None:
         self._targets = targets
@@ -529,21 +529,13 @@ class _Matcher:
             if target.rank == EXACT:
                 self._exact.setdefault(target.text, []).append(index)
         self._others = [i for i, t in enumerate(targets) if t.rank != EXACT]
+        self._regexes = [t for t in targets if t.rank == REGEX]
+        self.classes = [t for t in targets if t.rank == CLASS]
         self._budget = budget
 
     def _hits(self, index: int, module: str) -> bool:
         target = self._targets[index]
-        if target.rank == CLASS:
-            return True
-        assert target.pattern is not None
-        try:
-            return target.pattern.match(module, self._budget)
-        except OverBudget:
-            raise rules.refuse(
-                target.where,
-                f"target {target.text!r}: matching the module names needs more than "
-                f"{self._budget.limit:,} steps, the budget for this config and these names",
-            ) from None
+        return target.rank == CLASS or self._matches(target, module)
 
     def first(self, module: str) -> _Target | None:
         """The first target, in the list's order, that matches `module`."""
@@ -555,13 +547,45 @@ class _Matcher:
                 return self._targets[index]
         return self._targets[exact] if exact < len(self._targets) else None
 
-    def all(self, module: str) -> list[_Target]:
-        """Every target that matches `module`, in the list's order; `re:` targets are not
-        run where an exact name, which outranks them, matches."""
+    def best(self, module: str) -> tuple[int, list[_Target]]:
+        """The best rank at which targets match `module` and those targets, in the list's
+        order: the exact names, else the `re:` targets (not run where an exact name, which
+        outranks them, matches), else the class names (`self.classes`, for every module)."""
         exact = self._exact.get(module)
         if exact:
-            return [self._targets[i] for i in exact]
-        return [self._targets[i] for i in self._others if self._hits(i, module)]
+            return EXACT, [self._targets[i] for i in exact]
+        hits = [t for t in self._regexes if self._matches(t, module)]
+        return (REGEX, hits) if hits else (CLASS, self.classes)
+
+    def _matches(self, target: _Target, module: str) -> bool:
+        assert target.pattern is not None
+        try:
+            return target.pattern.match(module, self._budget)
+        except OverBudget:
+            raise rules.refuse(
+                target.where,
+                f"target {target.text!r}: matching the module names needs more than "
+                f"{self._budget.limit:,} steps, the budget for this config and these names",
+            ) from None
+
+
+SHOWN_GROUPS = 3  # groups an ambiguity names; the rest counted (one line, however many)
+
+
+def _decide(matched: list[_Target]) -> tuple[str | None, str]:
+    """The group that targets at one rank decide, or None and why: none, or two or more
+    (named by their first target at that rank)."""
+    if not matched:
+        return None, "no config group of config.json targets it"
+    first_text: dict[str, str] = {}
+    for target in matched:
+        first_text.setdefault(target.group, target.text)
+    if len(first_text) == 1:
+        return next(iter(first_text)), ""
+    said = " and ".join(f"{g!r} ({t!r})" for g, t in list(first_text.items())[:SHOWN_GROUPS])
+    if len(first_text) > SHOWN_GROUPS:
+        said += f" and {len(first_text) - SHOWN_GROUPS:,} more"
+    return None, f"config groups {said} both target it: ambiguous"
 
 
 def work_budget(modules: list[str], targets: list[_Target]) -> Budget:
@@ -615,23 +639,21 @@ def assign(
         },
         {},
     )
+    by_class: tuple[str | None, str] | None = None
     for module, tensors in by_module.items():
         hit = ignore_matcher.first(module)
         if hit is not None:
             out.undecided[module] = (tensors, f"config.json's ignore entry {hit.text!r} names it")
             continue
-        matched = target_matcher.all(module)
-        if not matched:
-            out.undecided[module] = (tensors, "no config group of config.json targets it")
+        rank, matched = target_matcher.best(module)
+        if rank == CLASS:  # the same targets for every module: decided once
+            if by_class is None:
+                by_class = _decide(matched)
+            winner, why = by_class
+        else:
+            winner, why = _decide(matched)
+        if winner is None:
+            out.undecided[module] = (tensors, why)
             continue
-        best = min(t.rank for t in matched)
-        winners = list(dict.fromkeys(t.group for t in matched if t.rank == best))
-        if len(winners) > 1:
-            said = " and ".join(
-                f"{g!r} ({next(t.text for t in matched if t.group == g and t.rank == best)!r})"
-                for g in winners
-            )
-            out.undecided[module] = (tensors, f"config groups {said} both target it: ambiguous")
-            continue
-        out.by_group[winners[0]][0].update(tensors)
+        out.by_group[winner][0].update(tensors)
     return out
