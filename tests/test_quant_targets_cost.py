@@ -292,3 +292,59 @@ def test_the_items_of_character_sets_count_toward_the_configs_size(
     many = ["re:[" + body[i % 990 :] + body[: i % 990] + "]" for i in range(102)]
     with pytest.raises(InputError, match="100,000 automaton states and set items"):
         targets.assign(stored, conf(many))
+
+
+def test_class_targets_are_decided_once_for_every_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eighth attack: 1,000 groups of a class name each x 1,000 modules took 14 s (the
+    ambiguity text looked each group up again, quadratic). A module matched only by class
+    names is decided once for all of them, in one pass over the targets."""
+    calls: list[int] = []
+    decide = targets._decide
+
+    def counted(matched: list[Any]) -> tuple[str | None, str]:
+        calls.append(len(matched))
+        return decide(matched)
+
+    monkeypatch.setattr(targets, "_decide", counted)
+    groups = {f"group_{i}": {"targets": [f"C{i}"]} for i in range(1_000)}
+    stored = infos([f"m{i}.weight_packed" for i in range(1_000)])
+    assigned = targets.assign(stored, {**CT, "config_groups": groups})
+    assert assigned is not None
+    assert calls == [1_000]
+    why = assigned.undecided["m7"][1]
+    assert why == (
+        "config groups 'group_0' ('C0') and 'group_1' ('C1') and 'group_2' ('C2') and 997 more"
+        " both target it: ambiguous"
+    )
+    assert all(w == why for _, w in assigned.undecided.values())
+
+
+def test_an_ambiguity_names_three_groups_and_counts_the_rest() -> None:
+    """Exactly three groups are all named; a fourth is counted, never a line per group."""
+    for count, tail in ((2, ""), (3, ""), (4, " and 1 more")):
+        groups = {f"g{i}": {"targets": ["re:m", "re:.*"]} for i in range(count)}
+        assigned = targets.assign(infos(["m.weight_packed"]), {**CT, "config_groups": groups})
+        assert assigned is not None
+        named = " and ".join(f"'g{i}' ('re:m')" for i in range(min(count, 3)))
+        assert assigned.undecided["m"][1] == (
+            f"config groups {named}{tail} both target it: ambiguous"
+        )
+
+
+def test_one_group_among_class_names_still_wins_by_rank() -> None:
+    """The shortcut keeps the ranks: an exact name over a `re:` target over class names."""
+    groups = {
+        "by_class": {"targets": ["Linear"]},
+        "by_regex": {"targets": ["re:.*q_proj"]},
+        "by_name": {"targets": ["a.k_proj"]},
+    }
+    names = ["a.q_proj", "a.k_proj", "a.v_proj"]
+    assigned = targets.assign(infos([n + ".w" for n in names]), {**CT, "config_groups": groups})
+    assert assigned is not None
+    assert {g: sorted(t) for g, (t, _) in assigned.by_group.items()} == {
+        "by_class": ["a.v_proj.w"],
+        "by_regex": ["a.q_proj.w"],
+        "by_name": ["a.k_proj.w"],
+    }
