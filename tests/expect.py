@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -39,3 +42,23 @@ def tree(root: Path) -> dict[str, bytes | str]:
 # The repository, found from this file, so that tests pass from any working directory.
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO_ROOT / "sample_data"
+
+
+def signalled_where_it_stops(script: str, args: list[str], signum: int) -> tuple[int, str]:
+    """Run `python -c script *args`, which stops itself (SIGSTOP) at a known point; send it
+    `signum` there, let it go on, and return its exit status and stderr."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _, status = os.waitpid(child.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
+        os.kill(child.pid, signum)
+        os.kill(child.pid, signal.SIGCONT)
+        _, err = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return child.returncode, err

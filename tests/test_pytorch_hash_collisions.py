@@ -21,7 +21,6 @@ are compared with Python's pickle.loads of the same bytes.
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
 import signal
 import struct
@@ -31,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from expect import one_error_line
+from expect import one_error_line, signalled_where_it_stops
 from test_pytorch_hostile import (
     BUILD,
     EMPTY_DICT,
@@ -175,6 +174,16 @@ def test_colliding_keys_are_charged_their_compares(container: str, family: str) 
         assert made == _python(data)
 
 
+def _assert_read_at_its_work_and_refused_past(data: bytes, slack: int, refused: bool) -> None:
+    """A work budget of the steps `data` needs plus `slack`: read at 0, refused at -1."""
+    needed, _ = _steps(data)
+    if refused:
+        with pytest.raises(unpickler.PickleProblem, match="steps of work"):
+            _steps(data, needed + slack)
+    else:
+        assert _steps(data, needed + slack)[0] == needed
+
+
 @pytest.mark.parametrize("container", sorted(CONTAINERS))
 @pytest.mark.parametrize(("slack", "refused"), [(0, False), (-1, True)])
 def test_colliding_keys_exactly_at_the_work_budget_and_one_past(
@@ -182,13 +191,9 @@ def test_colliding_keys_exactly_at_the_work_budget_and_one_past(
 ) -> None:
     """A work budget of exactly what the run counts makes the container; one step less is
     refused (PickleProblem: exit 3 in the CLI) before the last key's compares."""
-    data = _pickle(CONTAINERS[container](KEYS["ints"]))
-    needed, _ = _steps(data)
-    if refused:
-        with pytest.raises(unpickler.PickleProblem, match="steps of work"):
-            _steps(data, needed + slack)
-    else:
-        assert _steps(data, needed + slack)[0] == needed
+    _assert_read_at_its_work_and_refused_past(
+        _pickle(CONTAINERS[container](KEYS["ints"])), slack, refused
+    )
 
 
 def test_one_memo_list_of_colliding_keys_made_into_many_sets_is_charged_each_time() -> None:
@@ -251,13 +256,7 @@ def test_an_equal_text_put_in_a_set_is_charged_as_in_a_dict(container: str) -> N
 def test_equal_texts_in_a_set_exactly_at_the_work_budget_and_one_past(
     container: str, slack: int, refused: bool
 ) -> None:
-    data = _equal_texts(container, 100)
-    needed, _ = _steps(data)
-    if refused:
-        with pytest.raises(unpickler.PickleProblem, match="steps of work"):
-            _steps(data, needed + slack)
-    else:
-        assert _steps(data, needed + slack)[0] == needed
+    _assert_read_at_its_work_and_refused_past(_equal_texts(container, 100), slack, refused)
 
 
 # ------------------------------------------------------------------ the CLI, end to end
@@ -315,21 +314,8 @@ def test_a_signal_inside_the_insertion_loop_ends_the_run_as_that_signal(
     case: str, signum: int, code: int, says: str, tmp_path: Path
 ) -> None:
     path = _checkpoint(tmp_path / "m.pt", ATTACKS[case])
-    child = subprocess.Popen(
-        [sys.executable, "-c", _STOPPED_IN_THE_LOOP, "ls", str(path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        _, status = os.waitpid(child.pid, os.WUNTRACED)
-        assert os.WIFSTOPPED(status), status
-        os.kill(child.pid, signum)
-        os.kill(child.pid, signal.SIGCONT)
-        _, err = child.communicate(timeout=300)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    assert child.returncode == code, err
+    returncode, err = signalled_where_it_stops(_STOPPED_IN_THE_LOOP, ["ls", str(path)], signum)
+    assert returncode == code, err
     assert says in one_error_line(err)
 
 

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from expect import one_error_line
+from expect import one_error_line, signalled_where_it_stops
 from test_pytorch_hostile import (
     BUILD,
     EMPTY_DICT,
@@ -297,19 +297,8 @@ def test_a_signal_inside_the_path_constructor_ends_the_run_as_that_signal(
         tmp_path / "m.pt", part + glob("pathlib", "PosixPath") + many(GET1, 300_000) + TUPLE
         + REDUCE,
     )  # fmt: skip
-    child = subprocess.Popen(
-        [sys.executable, "-c", _STOPPED_IN_THE_CONSTRUCTOR, "ls", str(path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        _, status = os.waitpid(child.pid, os.WUNTRACED)
-        assert os.WIFSTOPPED(status), status
-        os.kill(child.pid, signum)
-        os.kill(child.pid, signal.SIGCONT)
-        _, err = child.communicate(timeout=300)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    assert child.returncode == code, err
+    returncode, err = signalled_where_it_stops(
+        _STOPPED_IN_THE_CONSTRUCTOR, ["ls", str(path)], signum
+    )
+    assert returncode == code, err
     assert says in one_error_line(err)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +15,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
-from handmade import write_safetensors
+from handmade import read_raw_safetensors, write_safetensors
 from hostile_cli import (
     assert_refused,
     check_error_line,
@@ -414,17 +413,9 @@ def read_safetensors_raw(path: Path) -> dict[str, np.ndarray]:
     dtypes = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64}
     with safe_open(str(path), framework="np"):
         pass
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + length])
-    header.pop("__metadata__", None)
-    base = 8 + length
     return {
-        name: np.frombuffer(
-            data[base + e["data_offsets"][0] : base + e["data_offsets"][1]],
-            dtype=dtypes[e["dtype"]],
-        ).reshape(e["shape"])
-        for name, e in header.items()
+        name: np.frombuffer(payload, dtype=dtypes[code]).reshape(shape)
+        for name, (code, shape, payload) in read_raw_safetensors(path).items()
     }
 
 
