@@ -390,7 +390,6 @@ class Pattern:
             at_end: self._closure({start}, at_start=True, at_end=at_end) for at_end in (False, True)
         }
         self._steps: dict[tuple[frozenset[int], str, bool], frozenset[int]] = {}
-        self._cached_states = 0
         self._remembered = Budget(MAX_CACHED_STATES) if remembered is None else remembered
 
     def _closure(self, states: set[int], at_start: bool, at_end: bool) -> frozenset[int]:
@@ -444,7 +443,6 @@ class Pattern:
                 if len(step) <= self._remembered.left:
                     self._remembered.left -= len(step)
                     self._steps[key] = step
-                    self._cached_states += len(step)
             current = step
             if not current:
                 return False, index + 1
