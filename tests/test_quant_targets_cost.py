@@ -352,3 +352,18 @@ def test_one_group_among_class_names_still_wins_by_rank() -> None:
         "by_regex": ["a.q_proj.w"],
         "by_name": ["a.k_proj.w"],
     }
+
+
+def test_the_remembered_steps_at_exactly_the_cap_and_one_state_short() -> None:
+    """A cap of exactly the states a match remembers keeps every step; one state less
+    leaves a step out (computed again, charged again), and the answer is the same."""
+    name = "a" * 40 + "x"
+    full = targets.Pattern(HOSTILE, targets.Budget(10**9))
+    assert full.match(name) is (re.match(HOSTILE, name) is not None)
+    needed = remembered(full)
+    at = targets.Pattern(HOSTILE, targets.Budget(needed))
+    assert at.match(name) is full.match(name)
+    assert remembered(at) == needed
+    short = targets.Pattern(HOSTILE, targets.Budget(needed - 1))
+    assert short.match(name) is full.match(name)
+    assert remembered(short) < needed
