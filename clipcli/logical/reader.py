@@ -18,6 +18,8 @@ from clipcli.formats.base import Listed, Reader, TensorInfo
 from clipcli.logical.view import LogicalTensor, Quantization, QuantizedRows, View
 
 if TYPE_CHECKING:
+    from fractions import Fraction
+
     import numpy as np
 
     from clipcli.formats.base import DirectoryLayout, NonTensorInfo
@@ -141,6 +143,14 @@ class LogicalReader(Reader):
         """The real values once the view's scaled parts are scaled and rounded (the factor
         search's check: what the write pass will make of the lowered plan)."""
         return self.view.scaled_chunks(self.stored, self.by_name[info.name], mantissa, exponent)
+
+    def scaled_sumsq_loaders(
+        self, info: TensorInfo, mantissa: float, exponent: int
+    ) -> Iterator[Callable[[], tuple[Fraction, Fraction] | None]] | None:
+        """Loaders of the sum of squares of scaled_chunks()' values, piece by piece, within
+        a bound (View.scaled_sumsq_loaders), or None: sum scaled_chunks()."""
+        tensor = self.by_name[info.name]
+        return self.view.scaled_sumsq_loaders(self.stored, tensor, mantissa, exponent)
 
     def warnings(self) -> list[str]:
         return self.stored.warnings()

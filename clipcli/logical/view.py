@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    from fractions import Fraction
+
     import numpy as np
 
     from clipcli.formats.base import Reader, TensorInfo
@@ -198,6 +200,20 @@ class View(ABC):
 
         for chunk in self.chunks(reader, tensor):
             yield rounding.scale_chunk(chunk, mantissa, exponent)
+
+    def scaled_sumsq_loaders(
+        self,
+        reader: Reader,  # noqa: ARG002 - interface
+        tensor: LogicalTensor,  # noqa: ARG002 - interface
+        mantissa: float,  # noqa: ARG002 - interface
+        exponent: int,  # noqa: ARG002 - interface
+    ) -> Iterator[Callable[[], tuple[Fraction, Fraction] | None]] | None:
+        """Thread-safe loaders of the sum of squares of scaled_chunks()' values, piece by
+        piece, each (sum, a bound of its error on either side), or None for a piece whose
+        values hold NaN or infinity: the factor search's check of a quantized weight from
+        its code counts, without decoding it (clipcli.numerics.coded.bounded_table_sumsq).
+        None (the default): the check sums scaled_chunks() itself."""
+        return None
 
     def quantization(self, tensor: LogicalTensor) -> Quantization | None:  # noqa: ARG002 - interface
         """What the row of a quantized weight says of it; None for any other tensor."""

@@ -8,6 +8,7 @@ in plain float64, with their error bounded; small sets of them exactly, as fract
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from fractions import Fraction
 
 import numpy as np
@@ -69,11 +70,17 @@ class CertainSumsq:
     of the norm). Each square is split exactly into two float64s (Dekker), the high parts
     are added pairwise with each addition's exact error kept (TwoSum), and only those tiny
     errors are added in plain float64, with their error bounded. Chunks combine exactly,
-    as fractions. About 20 ns per element."""
+    as fractions. About 20 ns per element.
+
+    A part may also come with a wider bound and the way to work it out as add() would
+    (add_bounded: the sum of squares of a quantized weight from its code counts): at_most
+    then works that part out only when the wider bound cannot decide."""
 
     def __init__(self) -> None:
         self.total = Fraction(0)
         self.bound = Fraction(0)
+        # (total, bound, how to work the part out) of each part added with add_bounded
+        self._loose: list[tuple[Fraction, Fraction, Callable[[], CertainSumsq]]] = []
 
     def add(self, chunk: np.ndarray) -> None:
         magnitudes = np.abs(widen_real(chunk)).reshape(-1)
@@ -93,13 +100,40 @@ class CertainSumsq:
         self.total += (Fraction(float(main[0])) + exact) * weight
         self.bound += Fraction(error) * weight
 
+    def add_bounded(
+        self, total: Fraction, bound: Fraction, exact: Callable[[], CertainSumsq]
+    ) -> None:
+        """A part whose sum of squares is within `bound` of `total` (either side), and
+        `exact()`, the same part summed as add() sums it, asked for only when a decision
+        falls within the bound."""
+        self.total += total
+        self.bound += bound
+        self._loose.append((total, bound, exact))
+
     def merge(self, other: CertainSumsq) -> None:
         self.total += other.total
         self.bound += other.bound
+        self._loose.extend(other._loose)
 
     def at_most(self, limit: float | Fraction) -> bool:
         """Whether the norm is certainly <= limit."""
-        return self.total + self.bound <= Fraction(limit) ** 2
+        square = Fraction(limit) ** 2
+        if self.total + self.bound <= square:
+            return True
+        # Certainly over: each bound holds on either side, and add()'s bound of a part
+        # worked out again is an upper bound too, so that would decide the same.
+        if not self._loose or self.total - self.bound > square:
+            return False
+        self._work_out_loose()
+        return self.total + self.bound <= square
+
+    def _work_out_loose(self) -> None:
+        loose, self._loose = self._loose, []
+        for total, bound, exact in loose:
+            part = exact()
+            part._work_out_loose()
+            self.total += part.total - total
+            self.bound += part.bound - bound
 
     def over(self, limit: float) -> float:
         """norm / limit (the bound aside), computed exactly before the last rounding."""

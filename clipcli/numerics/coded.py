@@ -18,6 +18,9 @@ scales a chunk: the same float64 sum with rescaling, grouped by value.
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import numpy as np
 
 from clipcli.numerics.norms import NormAccumulator, rescale_exponent
@@ -116,3 +119,46 @@ def table_statistics(counts: np.ndarray, values: np.ndarray) -> NormAccumulator:
     terms *= held[finite]
     acc.add_sumsq(float(np.sum(terms)), exp)
     return acc
+
+
+# Terms summed by one np.sum in bounded_table_sumsq: its error is then at most 7 float64
+# roundings of their sum, whatever order numpy adds them in.
+_PIECE = 8
+
+
+def bounded_table_sumsq(counts: np.ndarray, values: np.ndarray) -> tuple[Fraction, Fraction] | None:
+    """The sum of squares of a run holding counts[i] copies of values[i], and a bound of
+    its error on either side (about 2**-48 of it): the factor search's check of a quantized
+    weight from its code counts (clipcli.numerics.certain.CertainSumsq.add_bounded). None
+    when a counted value is NaN or infinite (the caller decodes).
+
+    Each term count x v**2 (v scaled by the power of two of the largest, so at most 1)
+    rounds twice; pieces of _PIECE terms are added by np.sum (at most 7 roundings of a
+    sum of nonnegative terms) and the pieces by math.fsum (correctly rounded): the sum is
+    within 2 + 7 + 1 roundings of the exact one, bounded by 16. A value below 2**-400
+    of the largest (its square may leave float64's normal range) is counted in the bound
+    instead, as its largest possible square."""
+    counts = counts.reshape(-1)
+    present = np.flatnonzero(counts)
+    magnitudes = np.abs(values.reshape(-1)[present])
+    if not np.isfinite(magnitudes).all():
+        return None
+    peak = float(magnitudes.max()) if magnitudes.size else 0.0
+    if peak == 0.0:
+        return Fraction(0), Fraction(0)
+    exp = math.frexp(peak)[1]
+    scaled = np.ldexp(magnitudes, -exp)  # exact: every value kept is 2**-400 or more
+    held = counts[present].astype(np.float64)  # exact: below 2**53
+    tiny = scaled < 2.0**-400
+    tiny_count = int(counts[present][tiny].sum()) if tiny.any() else 0
+    if tiny_count:
+        scaled, held = scaled[~tiny], held[~tiny]
+    terms = scaled * scaled
+    terms *= held
+    pad = -terms.size % _PIECE
+    if pad:
+        terms = np.concatenate([terms, np.zeros(pad)])
+    total = math.fsum(terms.reshape(-1, _PIECE).sum(axis=1).tolist())
+    weight = Fraction(4) ** exp
+    bound = Fraction(total) * Fraction(1, 2**48) + tiny_count * Fraction(1, 2**800)
+    return Fraction(total) * weight, bound * weight

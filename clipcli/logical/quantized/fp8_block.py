@@ -208,17 +208,17 @@ def decode_rows(
     return values
 
 
-def measure_rows(
+def code_tables(
     weight: Recognised,
     codes: np.ndarray,
     start: int,
     stop: int,
     small: Mapping[str, np.ndarray],
-) -> NormAccumulator | None:
-    """The statistics of real rows [start, stop), as NormAccumulator.add gives them for
-    decode_rows' values, from how often each code occurs per block and a 256-entry table
-    per block (every code x the block's scale, the products decode_rows makes). None when
-    the blocks are too small for tables to pay (the caller decodes)."""
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Real rows [start, stop) as how often each code occurs per block and a 256-entry
+    table per block (every code x the block's scale, the products decode_rows makes):
+    (counts, values) of equal shapes. None when the blocks are too small for tables to
+    pay (the caller decodes)."""
     import numpy as np
 
     from clipcli.dtypes import float64_values
@@ -241,7 +241,22 @@ def measure_rows(
     counts = coded.block_code_counts(raw, start, rows_per_block, columns_per_block)
     with np.errstate(invalid="ignore", over="ignore"):
         tables = scale[first_block : last_block + 1, :, None] * float64_values(codes.dtype)
-    return coded.table_statistics(counts, tables)
+    return counts, tables
+
+
+def measure_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> NormAccumulator | None:
+    """The statistics of real rows [start, stop), as NormAccumulator.add gives them for
+    decode_rows' values, through code_tables; None where they do not pay (decoded)."""
+    from clipcli.numerics import coded
+
+    tables = code_tables(weight, codes, start, stop, small)
+    return None if tables is None else coded.table_statistics(*tables)
 
 
 def cast_rows(

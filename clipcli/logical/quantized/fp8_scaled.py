@@ -173,4 +173,5 @@ def _block(shape: tuple[int, ...], tile: Tile) -> tuple[int, int]:
 code_rows = fp8_block.code_rows
 decode_rows = fp8_block.decode_rows
 measure_rows = fp8_block.measure_rows
+code_tables = fp8_block.code_tables
 scaled_parts = fp8_block.scaled_parts

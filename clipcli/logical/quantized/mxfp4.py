@@ -131,17 +131,16 @@ def decode_rows(
     return values
 
 
-def measure_rows(
+def code_tables(
     weight: Recognised,
     codes: np.ndarray,
     start: int,
     stop: int,
     small: Mapping[str, np.ndarray],
-) -> NormAccumulator | None:
-    """The statistics of real rows [start, stop) as NormAccumulator.add gives them for
-    decode_rows' values, from how often each (E8M0 scale code, e2m1 code) pair occurs and
-    one table of their 256 x 16 products (decode_rows' own). None where the run holds
-    fewer values than the table (the caller decodes)."""
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Real rows [start, stop) as how often each (E8M0 scale code, e2m1 code) pair occurs
+    and one table of their 256 x 16 products (decode_rows' own): (counts, values). None
+    where the run holds fewer values than the table (the caller decodes)."""
     import numpy as np
 
     from clipcli.numerics import coded
@@ -156,7 +155,22 @@ def measure_rows(
     scales = rules.e8m0_values(np.arange(coded.CODES, dtype=np.uint8))
     with np.errstate(invalid="ignore"):
         tables = scales[:, None] * np.array(rules.E2M1, dtype=np.float64)
-    return coded.table_statistics(counts, tables)
+    return counts, tables
+
+
+def measure_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> NormAccumulator | None:
+    """The statistics of real rows [start, stop), as NormAccumulator.add gives them for
+    decode_rows' values, through code_tables; None where they do not pay (decoded)."""
+    from clipcli.numerics import coded
+
+    tables = code_tables(weight, codes, start, stop, small)
+    return None if tables is None else coded.table_statistics(*tables)
 
 
 def scaled_parts(weight: Recognised) -> list[str]:

@@ -119,17 +119,17 @@ def decode_rows(
     return values
 
 
-def measure_rows(
+def code_tables(
     weight: Recognised,
     codes: np.ndarray,
     start: int,
     stop: int,
     small: Mapping[str, np.ndarray],
-) -> NormAccumulator | None:
-    """The statistics of real rows [start, stop) as NormAccumulator.add gives them for
-    decode_rows' values, from how often each (fp8 scale code, e2m1 code) pair occurs and
-    one table of their 256 x 16 values, each fp4 x scale / global scale as decode_rows
-    divides it. None where the run holds fewer values than the table (decoded)."""
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Real rows [start, stop) as how often each (fp8 scale code, e2m1 code) pair occurs
+    and one table of their 256 x 16 values, each fp4 x scale / global scale as decode_rows
+    divides it: (counts, values). None where the run holds fewer values than the table
+    (decoded)."""
     import numpy as np
 
     from clipcli.dtypes import float64_values
@@ -146,7 +146,22 @@ def measure_rows(
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         tables = float64_values(stored_scales.dtype)[:, None] * np.array(rules.E2M1)
         tables /= global_scale
-    return coded.table_statistics(counts, tables)
+    return counts, tables
+
+
+def measure_rows(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> NormAccumulator | None:
+    """The statistics of real rows [start, stop), as NormAccumulator.add gives them for
+    decode_rows' values, through code_tables; None where they do not pay (decoded)."""
+    from clipcli.numerics import coded
+
+    tables = code_tables(weight, codes, start, stop, small)
+    return None if tables is None else coded.table_statistics(*tables)
 
 
 def scaled_parts(weight: Recognised) -> list[str]:

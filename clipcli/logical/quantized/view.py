@@ -25,6 +25,8 @@ from clipcli.logical.quantized.registry import SCHEMES, may_hold_quantized
 from clipcli.logical.view import LogicalTensor, Part, Quantization, View
 
 if TYPE_CHECKING:
+    from fractions import Fraction
+
     import numpy as np
 
     from clipcli.formats.base import Reader
@@ -382,6 +384,34 @@ class QuantizedView(View):
             # measuring pipeline hands to workers, the reader's arrays are never reused.
             yield functools.partial(_measured, scheme, rec, codes, start, stop, small)
 
+    def scaled_sumsq_loaders(
+        self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
+    ) -> Iterator[Callable[[], tuple[Fraction, Fraction] | None]] | None:
+        """A scheme with code_tables: each run of rows counted under the scales as the
+        write pass will have scaled them (the factor search's check, ten or so per clip),
+        instead of decoding the weight and summing its squares exactly each time. None
+        for the other schemes and transposed weights (the check decodes)."""
+        if tensor.plain:
+            return None
+        scheme, rec = self._weights[tensor.info.name]
+        if rec.transposed or not hasattr(scheme, "code_tables"):
+            return None
+        return self._bounded_runs(reader, scheme, rec, mantissa, exponent)
+
+    def _bounded_runs(
+        self, reader: Reader, scheme: Scheme, rec: Recognised, mantissa: float, exponent: int
+    ) -> Iterator[Callable[[], tuple[Fraction, Fraction] | None]]:
+        factor: tuple[float, int] | None = (mantissa, exponent)
+        steps = None  # E8M0 scales: the values times 2**-k, as _decoded checks them
+        if rec.params.get("power_of_two", False):
+            from clipcli.numerics.rounding import power_of_two_steps
+
+            steps, factor = power_of_two_steps(mantissa, exponent), None
+        small = self._small_parts(reader, rec, factor, scheme)
+        budget = MEASURED_RUN_ELEMENTS
+        for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
+            yield functools.partial(_bounded_sumsq, scheme, rec, codes, start, stop, small, steps)
+
     def cast_chunks(
         self, reader: Reader, tensor: LogicalTensor, target: np.dtype[Any]
     ) -> Iterator[Cast]:
@@ -673,6 +703,41 @@ def _measured(
     acc = NormAccumulator()
     acc.add(_decode(scheme, rec, codes, start, stop, small).reshape(-1))
     return acc
+
+
+def _bounded_sumsq(
+    scheme: Scheme,
+    rec: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+    steps: int | None,
+) -> tuple[Fraction, Fraction] | None:
+    """The sum of squares of real rows [start, stop) under `small`'s scales (times
+    2**-steps), within a bound: through the scheme's code tables where they pay, else of
+    the decoded rows (CertainSumsq, whose bound is tighter still). None where a value is
+    NaN or infinite (the check decodes the weight, as before)."""
+    import numpy as np
+
+    from clipcli.numerics import coded
+    from clipcli.numerics.certain import CertainSumsq
+
+    with np.errstate(all="ignore"):  # as _decode: hostile scales are data
+        tables = scheme.code_tables(rec, codes, start, stop, small)  # type: ignore[attr-defined]
+        if tables is not None:
+            counts, values = tables
+            if steps is not None:
+                values = np.ldexp(values, -steps)
+            return coded.bounded_table_sumsq(counts, values)
+        values = _decode(scheme, rec, codes, start, stop, small)
+        if steps is not None:
+            values = np.ldexp(values, -steps)
+    if not np.isfinite(values).all():
+        return None
+    total = CertainSumsq()
+    total.add(values.reshape(-1))
+    return total.total, total.bound
 
 
 def _logical(rec: Recognised) -> LogicalTensor:
