@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ import numpy as np
 import pytest
 from handmade import read_raw_safetensors
 from quant_reference import (
+    e2m1_value,
     e4m3fn_value,
+    e8m0_value,
     f32_payload,
     float32_bits,
     write_model_directory,
@@ -35,6 +38,8 @@ from quant_reference import (
 from test_quantized_fp4 import NVFP4_CONFIG, gpt_oss_mxfp4, nvfp4
 
 from clipcli.jobs import execution
+from clipcli.logical.quantized import fp8_block
+from clipcli.logical.quantized import view as view_module
 from clipcli.logical.quantized.view import QuantizedView
 from clipcli.numerics import coded
 from clipcli.numerics.certain import CertainSumsq
@@ -239,20 +244,81 @@ def written(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
 
 
+def squares_by_block(
+    codes: bytes, width: int, block: tuple[int, int], value: Any
+) -> dict[tuple[int, int], Fraction]:
+    """(row block, column block) -> sum of value(code)**2 over the block's codes."""
+    counts: dict[tuple[int, int], Counter[int]] = {}
+    for i, code in enumerate(codes):
+        row, column = divmod(i, width)
+        counts.setdefault((row // block[0], column // block[1]), Counter())[code] += 1
+    return {
+        key: sum((n * value(code) ** 2 for code, n in counter.items()), Fraction(0))
+        for key, counter in counts.items()
+    }
+
+
+def finite(value: Fraction | None) -> Fraction:
+    assert value is not None  # the fixtures hold no NaN scale
+    return value
+
+
+def low_first(packed: bytes) -> bytes:
+    return bytes(c for byte in packed for c in (byte & 0x0F, byte >> 4))
+
+
+def real_sumsq(kind: str, out: Path) -> Fraction:
+    """The exact sum of squares of the written weight's real values, decoded from the
+    formats' definitions (tests/quant_reference): the bound a clip promises."""
+    stored = read_raw_safetensors(out if out.is_file() else out / "model.safetensors")
+    if kind == "fp8-block":
+        _, (rows, columns), codes = stored["layer.weight"]
+        scale_shape, payload = stored["layer.weight_scale_inv"][1:]
+        scales = struct.unpack(f"<{len(payload) // 4}f", payload)
+        energies = squares_by_block(codes, columns, (128, 128), e4m3fn_value)
+        return sum(
+            (e * Fraction(scales[r * scale_shape[1] + c]) ** 2 for (r, c), e in energies.items()),
+            Fraction(0),
+        )
+    if kind == "mxfp4":
+        _, (rows, blocks, _), packed = stored["mlp.experts.down_proj_blocks"]
+        exponents = stored["mlp.experts.down_proj_scales"][2]
+        energies = squares_by_block(low_first(packed), blocks * 32, (1, 32), e2m1_value)
+        return sum(
+            (
+                e * finite(e8m0_value(exponents[r * blocks + c])) ** 2
+                for (r, c), e in energies.items()
+            ),
+            Fraction(0),
+        )
+    _, (rows, half), packed = stored["layer.weight_packed"]
+    scale_codes = stored["layer.weight_scale"][2]
+    (global_scale,) = struct.unpack("<f", stored["layer.weight_global_scale"][2])
+    energies = squares_by_block(low_first(packed), half * 2, (1, 16), e2m1_value)
+    groups = half * 2 // 16
+    return sum(
+        (
+            e * (finite(e4m3fn_value(scale_codes[r * groups + c])) / Fraction(global_scale)) ** 2
+            for (r, c), e in energies.items()
+        ),
+        Fraction(0),
+    )
+
+
 @pytest.mark.parametrize("kind", ["fp8-block", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("mode", [("--global", "0.37"), ("--norm", "0.2")])
-def test_counted_checks_write_what_decoded_checks_wrote(
+def test_counted_checks_agree_with_decoded_checks(
     tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch, kind: str, mode: tuple[str, str]
 ) -> None:
     """The same clip with every check decoding (the view's counted loaders turned off):
-    byte-identical files and the same report; the counted one never decoded to check."""
+    each written weight's exact norm is within C and as close to it as the decoding
+    checks got; the factors agree to 2**-40 (the search steers by each check's sum, and
+    the counted sum may differ from the decoded one in its last bits); the codes are
+    the input's, byte for byte. The counted clip never decoded to check."""
     src = fixture(kind, tmp_path / "in")
-    norm = run_main("norms", src, "--format", "json")
-    assert norm.code == 0, norm.stderr
-    rows = json.loads(norm.stdout)["tensors"]
-    weights = [row["norm"] for row in rows if row["role"] == "weight"]
-    assert weights
-    assert min(weights) > 1.0  # each weight is clipped
+    limit = Fraction(float(mode[1]))
+    before = real_sumsq(kind, src)
+    assert before > limit**2  # the weight is clipped
     suffix = ".safetensors" if src.is_file() else ""
     spies = Spies(monkeypatch)
     counted = clip_json(run_main, src, tmp_path / f"counted{suffix}", *mode)
@@ -261,8 +327,24 @@ def test_counted_checks_write_what_decoded_checks_wrote(
     monkeypatch.setattr(QuantizedView, "scaled_sumsq_loaders", lambda *_: None)
     decoded = clip_json(run_main, src, tmp_path / f"decoded{suffix}", *mode)
     assert spies.decoded > 0
-    assert counted == decoded
-    assert written(tmp_path / f"counted{suffix}") == written(tmp_path / f"decoded{suffix}")
+    after = {how: real_sumsq(kind, tmp_path / f"{how}{suffix}") for how in ("counted", "decoded")}
+    assert after["counted"] <= limit**2
+    assert after["decoded"] <= limit**2
+    assert after["counted"] >= min(after["decoded"], limit**2 * (1 - Fraction(1, 2**30)))
+    rows = {how: report["tensors"] for how, report in (("counted", counted), ("decoded", decoded))}
+    for got, want in zip(rows["counted"], rows["decoded"], strict=True):
+        assert got["changed"] == want["changed"]
+        if want.get("scale") is not None:
+            assert abs(got["scale"] / want["scale"] - 1) <= 2.0**-40
+    codes = {
+        how: read_raw_safetensors(
+            tmp_path / f"{how}{suffix}" if suffix else tmp_path / how / "model.safetensors"
+        )
+        for how in ("counted", "decoded")
+    }
+    for name, (dtype, _, payload) in codes["decoded"].items():
+        if dtype in ("U8", "F8_E4M3") and "scale" not in name:
+            assert codes["counted"][name][2] == payload
 
 
 def ones_at_norm_512(directory: Path) -> Path:
@@ -273,27 +355,6 @@ def ones_at_norm_512(directory: Path) -> Path:
         "layer.weight_scale_inv": ("F32", [4, 4], f32_payload([one] * 16)),
     }
     return write_model_directory(directory, {"model.safetensors": stored}, FP8_CONFIG)
-
-
-def written_sumsq(out: Path) -> Fraction:
-    stored = read_raw_safetensors(out / "model.safetensors")
-    codes = stored["layer.weight"][2]
-    scales = struct.unpack("<16f", stored["layer.weight_scale_inv"][2])
-    total = Fraction(0)
-    for block in range(16):
-        row_block, column_block = divmod(block, 4)
-        scale = Fraction(scales[block])
-        for r in range(row_block * 128, row_block * 128 + 128):
-            for code in set(
-                codes[r * 512 + column_block * 128 : r * 512 + column_block * 128 + 128]
-            ):
-                count = codes[
-                    r * 512 + column_block * 128 : r * 512 + column_block * 128 + 128
-                ].count(code)
-                value = e4m3fn_value(code)
-                assert value is not None
-                total += count * (value * scale) ** 2
-    return total
 
 
 def test_a_norm_exactly_at_the_limit_is_decided_exactly(
@@ -309,4 +370,112 @@ def test_a_norm_exactly_at_the_limit_is_decided_exactly(
     assert written(tmp_path / "at") == written(src)
     below = math.nextafter(512.0, 0.0)
     clip_json(run_main, src, tmp_path / "below", "--global", repr(below))
-    assert written_sumsq(tmp_path / "below") <= Fraction(below) ** 2
+    assert real_sumsq("fp8-block", tmp_path / "below") <= Fraction(below) ** 2
+
+
+# ---------------------------------------------------------------- block FP8: energies kept
+
+
+def test_e4m3_squares_are_exact_integers_and_the_block_limit_cannot_overflow() -> None:
+    """code_energies sums squares in units of 2**-18 as int64: every e4m3 square is an
+    integer there, and ENERGY_BLOCK_LIMIT codes of the largest stay below 2**63."""
+    squares = [e4m3fn_value(c) for c in range(256)]
+    units = [v**2 * 2**fp8_block.E4M3_SQUARE_UNIT for v in squares if v is not None]
+    assert all(u.denominator == 1 for u in units)
+    assert max(units) * fp8_block.ENERGY_BLOCK_LIMIT < 2**63
+
+
+def energy_reference(codes: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    rows, columns = codes.shape
+    out = np.zeros((-(-rows // block[0]), -(-columns // block[1])), dtype=object)
+    for (r, c), code in np.ndenumerate(codes):
+        value = e4m3fn_value(int(code))
+        assert value is not None
+        out[r // block[0], c // block[1]] += value**2 * 2**18
+    return out
+
+
+@pytest.mark.parametrize(("rows", "columns", "block"), [(300, 520, (128, 128)), (5, 9, (2, 4))])
+def test_code_energies_over_runs_that_split_blocks(
+    rows: int, columns: int, block: tuple[int, int]
+) -> None:
+    """Runs of rows starting and stopping inside row blocks, summed as the view sums them:
+    each block's energy exactly (Fraction reference)."""
+    rng = np.random.default_rng(rows)
+    codes = rng.integers(0, 256, (rows, columns)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38
+    scale_shape = (-(-rows // block[0]), -(-columns // block[1]))
+    weight = fp8_block_recognised(rows, columns, block)
+    small = {"s": np.ones(scale_shape, dtype=np.float32)}
+    total = np.zeros(scale_shape, dtype=np.int64)
+    for start, stop in ((0, 1), (1, 130 % rows or 2), (130 % rows or 2, rows)):
+        found = fp8_block.code_energies(weight, as_e4m3(codes[start:stop]), start, stop, small)
+        assert found is not None
+        first, partial = found
+        total[first : first + partial.shape[0]] += partial
+    assert (total.astype(object) == energy_reference(codes, block)).all()
+
+
+def as_e4m3(codes: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return codes.view(ml_dtypes.float8_e4m3fn)
+
+
+def fp8_block_recognised(rows: int, columns: int, block: tuple[int, int]) -> Any:
+    from clipcli.logical.quantized.scheme import Recognised
+    from clipcli.logical.view import Part
+
+    parts = (Part("w", "codes"), Part("s", "scale"))
+    return Recognised("w", "fp8-block", (rows, columns), "w", parts, params={"block": block})
+
+
+def test_nan_codes_and_e5m2_codes_have_no_energies() -> None:
+    weight = fp8_block_recognised(4, 4, (2, 2))
+    small = {"s": np.ones((2, 2), dtype=np.float32)}
+    codes = np.full((4, 4), 0x38, dtype=np.uint8)
+    assert fp8_block.code_energies(weight, as_e4m3(codes), 0, 4, small) is not None
+    codes[3, 3] = 0xFF  # NaN
+    assert fp8_block.code_energies(weight, as_e4m3(codes), 0, 4, small) is None
+    import ml_dtypes
+
+    e5m2 = np.full((4, 4), 0x3C, dtype=np.uint8).view(ml_dtypes.float8_e5m2)
+    assert fp8_block.code_energies(weight, e5m2, 0, 4, small) is None
+
+
+@pytest.mark.parametrize(("limit", "kept"), [(4, True), (3, False)])
+def test_the_block_limit_exactly(monkeypatch: pytest.MonkeyPatch, limit: int, kept: bool) -> None:
+    """Blocks of 2 x 2 codes: energies at a limit of 4 codes, none at 3."""
+    monkeypatch.setattr(fp8_block, "ENERGY_BLOCK_LIMIT", limit)
+    weight = fp8_block_recognised(4, 4, (2, 2))
+    small = {"s": np.ones((2, 2), dtype=np.float32)}
+    codes = as_e4m3(np.full((4, 4), 0x38, dtype=np.uint8))
+    assert (fp8_block.code_energies(weight, codes, 0, 4, small) is not None) == kept
+
+
+@pytest.mark.parametrize(("spare", "kept"), [(0, True), (-1, False)])
+def test_the_energy_budget_exactly(
+    tmp_path: Path,
+    run_main: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    spare: int,
+    kept: bool,
+) -> None:
+    """A budget of exactly the weight's 15 scales x 8 bytes keeps its energies (the codes
+    counted once for every check); one byte less, each check counts them again."""
+    src = fixture("fp8-block", tmp_path / "in")
+    monkeypatch.setattr(view_module, "ENERGY_BUDGET_BYTES", 15 * 8 + spare)
+    calls = {"energies": 0, "tables": 0}
+    for name, real in (("energies", fp8_block.code_energies), ("tables", fp8_block.code_tables)):
+
+        def spy(*args: Any, name: str = name, real: Any = real) -> Any:
+            calls[name] += 1
+            return real(*args)
+
+        monkeypatch.setattr(fp8_block, f"code_{name}", spy)
+    clip_json(run_main, src, tmp_path / "out", "--global", "0.37")
+    if kept:
+        assert calls["energies"] == 1  # one run of rows, counted once
+    else:
+        assert calls["energies"] == 0
+        assert calls["tables"] > 2  # measured, then counted at every check

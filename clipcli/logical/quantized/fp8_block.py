@@ -20,6 +20,7 @@ s - k, each float scale is multiplied by 2**-k exactly, the codes stay byte for 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import rules
@@ -224,14 +225,9 @@ def code_tables(
     from clipcli.dtypes import float64_values
     from clipcli.numerics import coded
 
-    block_rows, block_columns = weight.params["block"]
     columns = weight.shape[1]
-    flat = rules.widened(small[weight.parts[1].name]).reshape(-1)
-    scale_columns = rules.ceil_div(columns, block_columns) if flat.size > 1 else 1
-    scale = flat.reshape(-1, scale_columns)
-    # As decode_rows: one row of scales covers every row, one column every column.
-    rows_per_block = block_rows if scale.shape[0] > 1 else max(1, stop)
-    columns_per_block = block_columns if scale_columns > 1 else max(1, columns)
+    rows_per_block, columns_per_block, scale_columns = _block_layout(weight, small, stop)
+    scale = rules.widened(small[weight.parts[1].name]).reshape(-1, scale_columns)
     first_block = start // rows_per_block
     last_block = (stop - 1) // rows_per_block
     blocks = (last_block - first_block + 1) * scale_columns
@@ -242,6 +238,90 @@ def code_tables(
     with np.errstate(invalid="ignore", over="ignore"):
         tables = scale[first_block : last_block + 1, :, None] * float64_values(codes.dtype)
     return counts, tables
+
+
+# Every e4m3 value squared is a multiple of 2**-18 (the least subnormal is 2**-9) below
+# 2**18 (448**2): code_energies sums them as integers, exact in int64 for blocks of up to
+# 2**26 codes (2**26 x 2**36 < 2**63).
+E4M3_SQUARE_UNIT = 18
+ENERGY_BLOCK_LIMIT = 1 << 26
+_E4M3_NAN = (0x7F, 0xFF)
+
+
+def code_energies(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> tuple[int, np.ndarray] | None:
+    """The sum of the squares of the codes' values in each block of real rows [start,
+    stop), as exact integers in units of 2**-18, with the first row block they start in:
+    what every check of a factor needs of the codes (energy_sumsq), whatever the scales.
+    None for e5m2 codes, NaN codes or blocks over ENERGY_BLOCK_LIMIT codes (the checks
+    count codes under each factor's scales instead)."""
+    import numpy as np
+
+    from clipcli.dtypes import float64_values
+    from clipcli.numerics import coded
+
+    if codes.dtype.name != "float8_e4m3fn":
+        return None
+    rows_per_block, columns_per_block, _ = _block_layout(weight, small, stop)
+    whole_block_rows = _block_layout(weight, small, weight.shape[0])[0]
+    if whole_block_rows * columns_per_block > ENERGY_BLOCK_LIMIT:
+        return None
+    columns = weight.shape[1]
+    raw = codes.reshape(stop - start, columns).view(np.uint8)
+    counts = coded.block_code_counts(raw, start, rows_per_block, columns_per_block)
+    if counts[..., _E4M3_NAN].any():
+        return None
+    values = float64_values(codes.dtype).copy()  # shared, read-only
+    values[list(_E4M3_NAN)] = 0.0
+    units = np.ldexp(values * values, E4M3_SQUARE_UNIT).astype(np.int64)  # exact integers
+    return start // rows_per_block, counts @ units
+
+
+def energy_sumsq(
+    weight: Recognised,
+    energies: np.ndarray,
+    small: Mapping[str, np.ndarray],
+    steps: int | None,
+) -> tuple[Fraction, Fraction] | None:
+    """The sum of squares of the weight's values under `small`'s scales (times 2**-steps)
+    from its blocks' code energies (code_energies, every row block), within a bound
+    (coded.bounded_table_sumsq): sum of energy x scale**2. None when a scale is NaN or
+    infinite (decoding makes NaN of it, zero codes included)."""
+    import numpy as np
+
+    from clipcli.numerics import coded
+
+    _, _, scale_columns = _block_layout(weight, small, weight.shape[0])
+    scale = rules.widened(small[weight.parts[1].name]).reshape(-1, scale_columns)
+    if steps is not None:
+        scale = np.ldexp(scale, -steps)
+    if scale.shape != energies.shape or not np.isfinite(scale).all():
+        return None
+    bounded = coded.bounded_table_sumsq(energies, scale)
+    if bounded is None:
+        return None
+    unit = Fraction(1, 2**E4M3_SQUARE_UNIT)
+    return bounded[0] * unit, bounded[1] * unit
+
+
+def _block_layout(
+    weight: Recognised, small: Mapping[str, np.ndarray], stop: int
+) -> tuple[int, int, int]:
+    """(rows per block, columns per block, scale columns) as decode_rows reads the scales:
+    one row of scales covers every row, one column every column."""
+    block_rows, block_columns = weight.params["block"]
+    columns = weight.shape[1]
+    flat_size = small[weight.parts[1].name].size
+    scale_columns = rules.ceil_div(columns, block_columns) if flat_size > 1 else 1
+    scale_rows = flat_size // scale_columns if scale_columns else 0
+    rows_per_block = block_rows if scale_rows > 1 else max(1, stop)
+    columns_per_block = block_columns if scale_columns > 1 else max(1, columns)
+    return rows_per_block, columns_per_block, scale_columns
 
 
 def measure_rows(

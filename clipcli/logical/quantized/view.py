@@ -44,6 +44,10 @@ SHOWN_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 # codes, so that each run's tables and counts (256 entries per block) are few against its
 # values (128 x 128 blocks of a 16384-column weight: 64 rows, 1/64 of them).
 MEASURED_RUN_ELEMENTS = 1 << 20
+# Code energies kept between the factor search's checks (QuantizedView._code_energies): one
+# int64 per block scale, 8 MiB per 64 GiB of 128 x 128-block FP8 codes; weights past it
+# are counted again at each check.
+ENERGY_BUDGET_BYTES = 64 << 20
 # Real values held at once to put a transposed weight (GPTQ, AWQ) in C order: 32 MiB of
 # float64, twice (the block and its transpose); a 4096 x 4096 weight takes 4 passes.
 TRANSPOSE_ELEMENTS = 1 << 22
@@ -130,6 +134,8 @@ class QuantizedView(View):
         self._stored = stored
         self.config = config
         self._weights: dict[str, tuple[Scheme, Recognised]] = {}
+        self._energies: dict[str, np.ndarray | None] = {}  # see _code_energies
+        self._energy_bytes = 0
         owner: dict[str, tuple[str, str]] = {}  # stored name -> (weight, scheme)
         assigned = targets.assign(stored, config) if config is not None else None
         units = [(stored, config)] if assigned is None else list(assigned.by_group.values())
@@ -387,20 +393,16 @@ class QuantizedView(View):
     def scaled_sumsq_loaders(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
     ) -> Iterator[Callable[[], tuple[Fraction, Fraction] | None]] | None:
-        """A scheme with code_tables: each run of rows counted under the scales as the
+        """A scheme with code_tables: the weight's code counts under the scales as the
         write pass will have scaled them (the factor search's check, ten or so per clip),
-        instead of decoding the weight and summing its squares exactly each time. None
-        for the other schemes and transposed weights (the check decodes)."""
+        instead of decoding the weight and summing its squares exactly each time; with
+        code_energies, the codes are counted once for every check. None for the other
+        schemes and transposed weights (the check decodes)."""
         if tensor.plain:
             return None
         scheme, rec = self._weights[tensor.info.name]
         if rec.transposed or not hasattr(scheme, "code_tables"):
             return None
-        return self._bounded_runs(reader, scheme, rec, mantissa, exponent)
-
-    def _bounded_runs(
-        self, reader: Reader, scheme: Scheme, rec: Recognised, mantissa: float, exponent: int
-    ) -> Iterator[Callable[[], tuple[Fraction, Fraction] | None]]:
         factor: tuple[float, int] | None = (mantissa, exponent)
         steps = None  # E8M0 scales: the values times 2**-k, as _decoded checks them
         if rec.params.get("power_of_two", False):
@@ -408,9 +410,56 @@ class QuantizedView(View):
 
             steps, factor = power_of_two_steps(mantissa, exponent), None
         small = self._small_parts(reader, rec, factor, scheme)
+        energies = self._code_energies(reader, scheme, rec)
+        if energies is not None:
+            energy_sumsq = scheme.energy_sumsq  # type: ignore[attr-defined]  # as checked
+            return iter([functools.partial(energy_sumsq, rec, energies, small, steps)])
+        return self._bounded_runs(reader, scheme, rec, small, steps)
+
+    def _bounded_runs(
+        self,
+        reader: Reader,
+        scheme: Scheme,
+        rec: Recognised,
+        small: Mapping[str, np.ndarray],
+        steps: int | None,
+    ) -> Iterator[Callable[[], tuple[Fraction, Fraction] | None]]:
         budget = MEASURED_RUN_ELEMENTS
         for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
             yield functools.partial(_bounded_sumsq, scheme, rec, codes, start, stop, small, steps)
+
+    def _code_energies(self, reader: Reader, scheme: Scheme, rec: Recognised) -> np.ndarray | None:
+        """The weight's code energies per block (a scheme's code_energies, every run of
+        rows), counted at its first check and kept for the others while all the weights'
+        energies stay within ENERGY_BUDGET_BYTES (one int64 per stored scale); None where
+        the scheme has none, declines, or the budget is spent (each check counts)."""
+        if rec.name in self._energies:
+            return self._energies[rec.name]
+        import numpy as np
+
+        code_energies = getattr(scheme, "code_energies", None)
+        size = 8 * self._stored[rec.parts[1].name].numel
+        energies = None
+        if code_energies is not None and self._energy_bytes + size <= ENERGY_BUDGET_BYTES:
+            small = self._small_parts(reader, rec, None, scheme)
+            rows: dict[int, np.ndarray] = {}
+            budget = MEASURED_RUN_ELEMENTS
+            for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
+                found = code_energies(rec, codes, start, stop, small)
+                if found is None:
+                    break
+                first, partial = found
+                for offset, row in enumerate(partial):
+                    rows[first + offset] = (
+                        rows[first + offset] + row if first + offset in rows else row
+                    )
+            else:
+                if rows and sorted(rows) == list(range(len(rows))):
+                    energies = np.stack([rows[i] for i in range(len(rows))])
+        if energies is not None:
+            self._energy_bytes += energies.nbytes
+        self._energies[rec.name] = energies
+        return energies
 
     def cast_chunks(
         self, reader: Reader, tensor: LogicalTensor, target: np.dtype[Any]
