@@ -133,9 +133,10 @@ def bounded_table_sumsq(counts: np.ndarray, values: np.ndarray) -> tuple[Fractio
     when a counted value is NaN or infinite (the caller decodes).
 
     Each term count x v**2 (v scaled by the power of two of the largest, so at most 1)
-    rounds twice; pieces of _PIECE terms are added by np.sum (at most 7 roundings of a
-    sum of nonnegative terms) and the pieces by math.fsum (correctly rounded): the sum is
-    within 2 + 7 + 1 roundings of the exact one, bounded by 16. A value below 2**-400
+    rounds at most three times (a count of 2**53 or more, as code energies are, once to
+    float64); pieces of _PIECE terms are added by np.sum (at most 7 roundings of a sum of
+    nonnegative terms) and the pieces by math.fsum (correctly rounded): the sum is within
+    3 + 7 + 1 roundings of the exact one, bounded by 32. A value below 2**-400
     of the largest (its square may leave float64's normal range) is counted in the bound
     instead, as its largest possible square."""
     counts = counts.reshape(-1)
@@ -148,7 +149,7 @@ def bounded_table_sumsq(counts: np.ndarray, values: np.ndarray) -> tuple[Fractio
         return Fraction(0), Fraction(0)
     exp = math.frexp(peak)[1]
     scaled = np.ldexp(magnitudes, -exp)  # exact: every value kept is 2**-400 or more
-    held = counts[present].astype(np.float64)  # exact: below 2**53
+    held = counts[present].astype(np.float64)  # exact below 2**53, else rounded once
     tiny = scaled < 2.0**-400
     tiny_count = int(counts[present][tiny].sum()) if tiny.any() else 0
     if tiny_count:
