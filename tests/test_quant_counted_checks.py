@@ -80,6 +80,19 @@ def test_the_bounded_sum_holds_the_exact_one(seed: int) -> None:
     assert bound <= exact * Fraction(1, 2**47)
 
 
+def test_counts_past_2_to_the_53_round_within_the_bound() -> None:
+    """Code energies are int64 up to 2**62: their conversion to float64 rounds, and the
+    bound still holds the exact sum."""
+    rng = np.random.default_rng(3)
+    counts = rng.integers(2**53, 2**62, 500) | 1  # odd: not a float64
+    values = np.ldexp(rng.random(500) + 0.5, rng.integers(-60, 0, 500))
+    got = coded.bounded_table_sumsq(counts, values)
+    assert got is not None
+    exact = exact_sumsq(counts, values)
+    assert abs(got[0] - exact) <= got[1]
+    assert got[0] != exact  # the counts did round
+
+
 def test_values_far_below_the_largest_are_bounded_not_summed() -> None:
     """Values are scaled so that the largest is in [0.5, 1): one then below 2**-400 (its
     square could leave float64's normal range) is counted in the bound as its largest
