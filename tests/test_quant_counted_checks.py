@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from handmade import read_raw_safetensors
+from handmade import read_raw_safetensors, write_safetensors
+from quant_int_reference import dense_stream
 from quant_reference import (
     e2m1_value,
     e4m3fn_value,
@@ -35,8 +36,12 @@ from quant_reference import (
     write_model_directory,
     write_raw_safetensors,
 )
+from test_quant_gptq_awq import awq_arrays, gptq_arrays
+from test_quant_packed_int import config
+from test_quant_packed_int import layer as packed_layer
 from test_quantized_fp4 import NVFP4_CONFIG, gpt_oss_mxfp4, nvfp4
 
+from clipcli.formats.opening import open_reader
 from clipcli.jobs import execution
 from clipcli.logical.quantized import fp8_block
 from clipcli.logical.quantized import view as view_module
@@ -220,8 +225,20 @@ def fixture(kind: str, directory: Path) -> Path:
         stored = gpt_oss_mxfp4(rng, (256,), 4, exponents)[0]
         directory.mkdir()
         return write_raw_safetensors(directory / "m.safetensors", stored)
-    stored = nvfp4(rng, 128, 64, 3.0, positive=True)[0]
-    return write_model_directory(directory, {"model.safetensors": stored}, NVFP4_CONFIG)
+    if kind == "nvfp4":
+        stored = nvfp4(rng, 128, 64, 3.0, positive=True)[0]
+        return write_model_directory(directory, {"model.safetensors": stored}, NVFP4_CONFIG)
+    directory.mkdir()
+    if kind == "gptq":  # act-order: each input's group from a shuffled g_idx
+        arrays = gptq_arrays(256, 48, 4, 8, seed=3, act_order=True)[0]
+    elif kind == "awq":
+        arrays = awq_arrays(256, 48, 32, seed=3)[0]
+    else:  # compressed-tensors pack-quantized, asymmetric groups of 16
+        arrays = packed_layer((48, 256), 4, 16, dense_stream, group=16)[0]
+        (directory / "config.json").write_text(json.dumps({"quantization_config": config(4)}))
+        write_safetensors(directory / "model.safetensors", arrays)
+        return directory
+    return write_safetensors(directory / "m.safetensors", arrays)
 
 
 class Spies:
@@ -280,9 +297,25 @@ def low_first(packed: bytes) -> bytes:
     return bytes(c for byte in packed for c in (byte & 0x0F, byte >> 4))
 
 
+def decoded_sumsq(out: Path) -> Fraction:
+    """The exact sum of squares (Fractions) of every quantized weight's values as
+    clipcli's decoders give them (exact products, pinned against Fraction references by
+    tests/test_quant_gptq_awq.py and tests/test_quant_packed_int.py)."""
+    total = Fraction(0)
+    with open_reader(out) as reader:
+        view = QuantizedView.of(reader)
+        for tensor in view.tensors():
+            if not tensor.plain:
+                for chunk in view.chunks(reader, tensor):
+                    total += sum((Fraction(v) ** 2 for v in chunk.tolist()), Fraction(0))
+    return total
+
+
 def real_sumsq(kind: str, out: Path) -> Fraction:
     """The exact sum of squares of the written weight's real values, decoded from the
     formats' definitions (tests/quant_reference): the bound a clip promises."""
+    if kind in ("gptq", "awq", "packed-int"):
+        return decoded_sumsq(out)
     stored = read_raw_safetensors(out if out.is_file() else out / "model.safetensors")
     if kind == "fp8-block":
         _, (rows, columns), codes = stored["layer.weight"]
@@ -318,7 +351,7 @@ def real_sumsq(kind: str, out: Path) -> Fraction:
     )
 
 
-@pytest.mark.parametrize("kind", ["fp8-block", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("kind", ["fp8-block", "mxfp4", "nvfp4", "gptq", "awq", "packed-int"])
 @pytest.mark.parametrize("mode", [("--global", "0.37"), ("--norm", "0.2")])
 def test_counted_checks_agree_with_decoded_checks(
     tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch, kind: str, mode: tuple[str, str]
@@ -356,7 +389,7 @@ def test_counted_checks_agree_with_decoded_checks(
         for how in ("counted", "decoded")
     }
     for name, (dtype, _, payload) in codes["decoded"].items():
-        if dtype in ("U8", "F8_E4M3") and "scale" not in name:
+        if dtype in ("U8", "F8_E4M3", "I32") and "scale" not in name:
             assert codes["counted"][name][2] == payload
 
 
@@ -393,7 +426,7 @@ def test_e4m3_squares_are_exact_integers_and_the_block_limit_cannot_overflow() -
     """code_energies sums squares in units of 2**-18 as int64: every e4m3 square is an
     integer there, and ENERGY_BLOCK_LIMIT codes of the largest stay below 2**63."""
     squares = [e4m3fn_value(c) for c in range(256)]
-    units = [v**2 * 2**fp8_block.E4M3_SQUARE_UNIT for v in squares if v is not None]
+    units = [v**2 * 2**fp8_block.ENERGY_UNIT for v in squares if v is not None]
     assert all(u.denominator == 1 for u in units)
     assert max(units) * fp8_block.ENERGY_BLOCK_LIMIT < 2**63
 
@@ -420,13 +453,13 @@ def test_code_energies_over_runs_that_split_blocks(
     scale_shape = (-(-rows // block[0]), -(-columns // block[1]))
     weight = fp8_block_recognised(rows, columns, block)
     small = {"s": np.ones(scale_shape, dtype=np.float32)}
-    total = np.zeros(scale_shape, dtype=np.int64)
+    total = np.zeros(scale_shape[0] * scale_shape[1], dtype=np.int64)
     for start, stop in ((0, 1), (1, 130 % rows or 2), (130 % rows or 2, rows)):
         found = fp8_block.code_energies(weight, as_e4m3(codes[start:stop]), start, stop, small)
         assert found is not None
-        first, partial = found
-        total[first : first + partial.shape[0]] += partial
-    assert (total.astype(object) == energy_reference(codes, block)).all()
+        first, partial = found  # the run's blocks in the flattened scales
+        total[first : first + partial.size] += partial
+    assert (total.reshape(scale_shape).astype(object) == energy_reference(codes, block)).all()
 
 
 def as_e4m3(codes: np.ndarray) -> np.ndarray:

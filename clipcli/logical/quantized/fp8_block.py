@@ -20,7 +20,6 @@ s - k, each float scale is multiplied by 2**-k exactly, the codes stay byte for 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from clipcli.logical.quantized import rules
@@ -241,9 +240,9 @@ def code_tables(
 
 
 # Every e4m3 value squared is a multiple of 2**-18 (the least subnormal is 2**-9) below
-# 2**18 (448**2): code_energies sums them as integers, exact in int64 for blocks of up to
-# 2**26 codes (2**26 x 2**36 < 2**63).
-E4M3_SQUARE_UNIT = 18
+# 2**18 (448**2): code_energies sums them as integers in units of 2**-ENERGY_UNIT, exact
+# in int64 for blocks of up to 2**26 codes (2**26 x 2**36 < 2**63).
+ENERGY_UNIT = 18
 ENERGY_BLOCK_LIMIT = 1 << 26
 _E4M3_NAN = (0x7F, 0xFF)
 
@@ -256,10 +255,11 @@ def code_energies(
     small: Mapping[str, np.ndarray],
 ) -> tuple[int, np.ndarray] | None:
     """The sum of the squares of the codes' values in each block of real rows [start,
-    stop), as exact integers in units of 2**-18, with the first row block they start in:
-    what every check of a factor needs of the codes (energy_sumsq), whatever the scales.
-    None for e5m2 codes, NaN codes or blocks over ENERGY_BLOCK_LIMIT codes (the checks
-    count codes under each factor's scales instead)."""
+    stop), as exact integers in units of 2**-ENERGY_UNIT: what every check of a factor
+    needs of the codes (the view sums energy x scale**2), whatever the scales. Returns
+    (the index of the run's first block in the flattened scales, the run's blocks'
+    energies, flattened). None for e5m2 codes, NaN codes or blocks over
+    ENERGY_BLOCK_LIMIT codes (the checks count codes under each factor's scales)."""
     import numpy as np
 
     from clipcli.dtypes import float64_values
@@ -278,35 +278,9 @@ def code_energies(
         return None
     values = float64_values(codes.dtype).copy()  # shared, read-only
     values[list(_E4M3_NAN)] = 0.0
-    units = np.ldexp(values * values, E4M3_SQUARE_UNIT).astype(np.int64)  # exact integers
-    return start // rows_per_block, counts @ units
-
-
-def energy_sumsq(
-    weight: Recognised,
-    energies: np.ndarray,
-    small: Mapping[str, np.ndarray],
-    steps: int | None,
-) -> tuple[Fraction, Fraction] | None:
-    """The sum of squares of the weight's values under `small`'s scales (times 2**-steps)
-    from its blocks' code energies (code_energies, every row block), within a bound
-    (coded.bounded_table_sumsq): sum of energy x scale**2. None when a scale is NaN or
-    infinite (decoding makes NaN of it, zero codes included)."""
-    import numpy as np
-
-    from clipcli.numerics import coded
-
-    _, _, scale_columns = _block_layout(weight, small, weight.shape[0])
-    scale = rules.widened(small[weight.parts[1].name]).reshape(-1, scale_columns)
-    if steps is not None:
-        scale = np.ldexp(scale, -steps)
-    if scale.shape != energies.shape or not np.isfinite(scale).all():
-        return None
-    bounded = coded.bounded_table_sumsq(energies, scale)
-    if bounded is None:
-        return None
-    unit = Fraction(1, 2**E4M3_SQUARE_UNIT)
-    return bounded[0] * unit, bounded[1] * unit
+    units = np.ldexp(values * values, ENERGY_UNIT).astype(np.int64)  # exact integers
+    energies = counts @ units  # [row blocks of the run, scale columns]
+    return start // rows_per_block * energies.shape[1], energies.reshape(-1)
 
 
 def _block_layout(

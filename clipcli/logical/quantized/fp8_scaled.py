@@ -175,5 +175,5 @@ decode_rows = fp8_block.decode_rows
 measure_rows = fp8_block.measure_rows
 code_tables = fp8_block.code_tables
 code_energies = fp8_block.code_energies
-energy_sumsq = fp8_block.energy_sumsq
+ENERGY_UNIT = fp8_block.ENERGY_UNIT
 scaled_parts = fp8_block.scaled_parts

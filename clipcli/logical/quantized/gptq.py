@@ -227,6 +227,48 @@ def decode_rows(
     small: Mapping[str, np.ndarray],
 ) -> np.ndarray:
     """Inputs [start, stop) (rows of the transpose) as float64 [stop - start, out]."""
+    found = _terms(weight, codes, start, stop, small)
+    return intcodes.decoded(found, small[weight.params["scales"]])
+
+
+def scale_energies(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Inputs [start, stop) as the energy under each scale and the scales (the optional
+    scheme hook: the factor search's check without decoding)."""
+    found = _terms(weight, codes, start, stop, small)
+    return intcodes.scale_energies(found, small[weight.params["scales"]])
+
+
+# Energies are the integer sums of (code - zero point)**2 (code_energies).
+ENERGY_UNIT = 0
+
+
+def code_energies(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> tuple[int, np.ndarray] | None:
+    """Rows [start, stop)'s energy under each scale (the optional scheme hook: kept by
+    the view for every check of the factor search)."""
+    return intcodes.code_energies(_terms(weight, codes, start, stop, small))
+
+
+def _terms(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> intcodes.CodeTerms:
+    """Inputs [start, stop) as code - zero point (v1: zero point + 1), and each one's
+    scale: its input's group (g_idx, else input // group size), its output."""
     import numpy as np
 
     params = weight.params
@@ -242,9 +284,8 @@ def decode_rows(
         g_idx, start, stop, params["group"], params["groups"], weight.name
     )
     offset = zeros[group].astype(np.int64) + (1 if params["version"] == 1 else 0)
-    scales = intcodes.float64(small[params["scales"]].reshape(params["groups"], out))
-    decoded: np.ndarray = scales[group] * (q.astype(np.int64) - offset)
-    return decoded
+    scale_at = group[:, None] * out + np.arange(out, dtype=np.int64)[None, :]
+    return intcodes.CodeTerms(q.astype(np.int64) - offset, scale_at)
 
 
 def scaled_parts(weight: Recognised) -> list[str]:

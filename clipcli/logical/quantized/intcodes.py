@@ -15,7 +15,7 @@ For b = 1, 2, 4, 8 the two are the same. Pure numpy: no file is read here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from clipcli.logical.quantized import rules
 
@@ -147,3 +147,53 @@ def qweight_sets(
                 )
             continue
         yield module, info, qzeros, scales
+
+
+class CodeTerms(NamedTuple):
+    """Rows of an integer-coded weight as (code - zero point), each with the index of its
+    scale in the flattened scale tensor: decoded = terms x scales.flat[index], exact."""
+
+    terms: np.ndarray  # int64
+    scale_at: np.ndarray  # int64, the shape of terms
+
+
+def decoded(found: CodeTerms, scales: np.ndarray) -> np.ndarray:
+    """The real values: each term times its scale (a float64 product, exact)."""
+    values: np.ndarray = found.terms * float64(scales).reshape(-1)[found.scale_at]
+    return values
+
+
+def scale_energies(found: CodeTerms, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(sum of terms**2 under each scale the rows use, those scales as float64): the rows'
+    sum of squares is sum(energy x scale**2), whatever the scales are scaled to (the
+    factor search's check, clipcli.numerics.coded.bounded_table_sumsq). The energies are
+    exact: squares of terms below 2**9 summed in float64, fewer than 2**35 of them. None
+    when a scale the rows use is NaN or infinite (decoding makes NaN of it)."""
+    import numpy as np
+
+    index = found.scale_at.reshape(-1)
+    if index.size == 0:
+        return np.zeros(0), np.zeros(0)
+    low, high = int(index.min()), int(index.max())
+    used = np.bincount(index - low, minlength=high - low + 1) > 0
+    squares = found.terms.reshape(-1).astype(np.float64) ** 2
+    energies = np.bincount(index - low, weights=squares, minlength=high - low + 1)
+    values = float64(scales).reshape(-1)[low : high + 1]
+    if not np.isfinite(values[used]).all():
+        return None
+    return energies[used], values[used]
+
+
+def code_energies(found: CodeTerms) -> tuple[int, np.ndarray]:
+    """The sum of terms**2 under each scale from the least index the rows use to the
+    largest (zero for one they do not): (that least index, the sums as int64), exact
+    (squares below 2**18 summed in float64, fewer than 2**35 of them)."""
+    import numpy as np
+
+    index = found.scale_at.reshape(-1)
+    if index.size == 0:
+        return 0, np.zeros(0, dtype=np.int64)
+    low, high = int(index.min()), int(index.max())
+    squares = found.terms.reshape(-1).astype(np.float64) ** 2
+    sums = np.bincount(index - low, weights=squares, minlength=high - low + 1)
+    return low, sums.astype(np.int64)

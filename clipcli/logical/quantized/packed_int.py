@@ -279,6 +279,47 @@ def decode_rows(
     small: Mapping[str, np.ndarray],
 ) -> np.ndarray:
     """Real rows [start, stop) (every dimension but the last flattened) as float64."""
+    found = _terms(weight, codes, start, stop, small)
+    return intcodes.decoded(found, small[weight.params["scale"]])
+
+
+def scale_energies(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Real rows [start, stop) as the energy under each scale and the scales (the optional
+    scheme hook: the factor search's check without decoding)."""
+    found = _terms(weight, codes, start, stop, small)
+    return intcodes.scale_energies(found, small[weight.params["scale"]])
+
+
+# Energies are the integer sums of (code - zero point)**2 (code_energies).
+ENERGY_UNIT = 0
+
+
+def code_energies(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> tuple[int, np.ndarray] | None:
+    """Rows [start, stop)'s energy under each scale (the optional scheme hook: kept by
+    the view for every check of the factor search)."""
+    return intcodes.code_energies(_terms(weight, codes, start, stop, small))
+
+
+def _terms(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> intcodes.CodeTerms:
+    """Real rows [start, stop) as code - zero point, and each one's scale."""
     import numpy as np
 
     params = weight.params
@@ -287,23 +328,22 @@ def decode_rows(
     count = stop - start
     positions = intcodes.bit_positions(np.arange(columns, dtype=np.int64), bits, dense)
     q = intcodes.extract(codes.reshape(count, -1), positions, bits, axis=1).astype(np.int64)
-    scale = intcodes.float64(small[params["scale"]])
     if groups == 0:
         column_group = np.zeros(columns, dtype=np.int64)
-        row_scales = np.broadcast_to(scale.reshape(1, 1), (count, 1))
+        index = np.zeros((count, columns), dtype=np.int64)  # one scale for the tensor
     else:
         g_idx = small[params["g_idx"]] if params["g_idx"] is not None else None
         column_group = intcodes.group_of_rows(
             g_idx, 0, columns, params["group"], groups, weight.name
         )
-        row_scales = scale.reshape(-1, groups)[start:stop]
+        rows = np.arange(start, stop, dtype=np.int64)[:, None]
+        index = rows * groups + column_group[None, :]
     if params["zero_point"] is None:
         zeros = np.full((count, 1), 1 << (bits - 1), dtype=np.int64)
     else:
         zeros = _zero_rows(weight, small[params["zero_point"]], start, stop)
     centred = q - zeros[:, column_group if zeros.shape[1] > 1 else np.zeros_like(column_group)]
-    decoded: np.ndarray = centred * row_scales[:, column_group]
-    return decoded
+    return intcodes.CodeTerms(centred, index)
 
 
 def _zero_rows(weight: Recognised, packed: np.ndarray, start: int, stop: int) -> np.ndarray:

@@ -273,9 +273,20 @@ class QuantizedView(View):
         yield from self._decoded(reader, tensor, None, (mantissa, exponent))
 
     def _small_parts(
-        self, reader: Reader, rec: Recognised, factor: tuple[float, int] | None, scheme: Scheme
+        self,
+        reader: Reader,
+        rec: Recognised,
+        factor: tuple[float, int] | None,
+        scheme: Scheme,
+        only: str | None = None,
     ) -> dict[str, np.ndarray]:
-        small_infos = [self._stored[p.name] for p in rec.parts if p.name != rec.codes]
+        """The weight's parts but its codes (or the one named `only`), read whole, with
+        the scaled ones scaled by `factor` as the write pass scales them."""
+        small_infos = [
+            self._stored[p.name]
+            for p in rec.parts
+            if p.name != rec.codes and (only is None or p.name == only)
+        ]
         total = sum(info.nbytes for info in small_infos)
         if total > SMALL_PARTS_LIMIT:
             raise InputError(
@@ -289,7 +300,7 @@ class QuantizedView(View):
 
             from clipcli.numerics import rounding
 
-            for name in scheme.scaled_parts(rec):
+            for name in (n for n in scheme.scaled_parts(rec) if n in small):
                 # A part whose bytes hold a scale (bitsandbytes' JSON nested_offset) is
                 # rewritten by the same function the write pass applies (stored_scaler).
                 rewrite = _scheme_scaler(scheme, rec, name) or rounding.scale_chunk
@@ -393,15 +404,18 @@ class QuantizedView(View):
     def scaled_sumsq_loaders(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
     ) -> Iterator[Callable[[], tuple[Fraction, Fraction] | None]] | None:
-        """A scheme with code_tables: the weight's code counts under the scales as the
-        write pass will have scaled them (the factor search's check, ten or so per clip),
-        instead of decoding the weight and summing its squares exactly each time; with
-        code_energies, the codes are counted once for every check. None for the other
-        schemes and transposed weights (the check decodes)."""
+        """The factor search's check (ten or so per clip) without decoding the weight and
+        summing its squares exactly each time: a scheme with scale_energies (integer
+        codes) sums the energy under each scale times the scale as the write pass will
+        have scaled it; one with code_tables counts its codes under those scales, and
+        with code_energies counts them once for every check. None for the other schemes
+        (bitsandbytes) and transposed weights without scale_energies (the check decodes)."""
         if tensor.plain:
             return None
         scheme, rec = self._weights[tensor.info.name]
-        if rec.transposed or not hasattr(scheme, "code_tables"):
+        if not hasattr(scheme, "scale_energies") and (
+            rec.transposed or not hasattr(scheme, "code_tables")
+        ):
             return None
         factor: tuple[float, int] | None = (mantissa, exponent)
         steps = None  # E8M0 scales: the values times 2**-k, as _decoded checks them
@@ -409,11 +423,13 @@ class QuantizedView(View):
             from clipcli.numerics.rounding import power_of_two_steps
 
             steps, factor = power_of_two_steps(mantissa, exponent), None
-        small = self._small_parts(reader, rec, factor, scheme)
         energies = self._code_energies(reader, scheme, rec)
-        if energies is not None:
-            energy_sumsq = scheme.energy_sumsq  # type: ignore[attr-defined]  # as checked
-            return iter([functools.partial(energy_sumsq, rec, energies, small, steps)])
+        if energies is not None:  # only the scales are read for this check
+            (part,) = scheme.scaled_parts(rec)
+            scales = self._small_parts(reader, rec, factor, scheme, only=part)[part]
+            unit = scheme.ENERGY_UNIT  # type: ignore[attr-defined]  # with code_energies
+            return iter([functools.partial(_energy_sumsq, energies, scales, steps, unit)])
+        small = self._small_parts(reader, rec, factor, scheme)
         return self._bounded_runs(reader, scheme, rec, small, steps)
 
     def _bounded_runs(
@@ -425,37 +441,40 @@ class QuantizedView(View):
         steps: int | None,
     ) -> Iterator[Callable[[], tuple[Fraction, Fraction] | None]]:
         budget = MEASURED_RUN_ELEMENTS
-        for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
+        shape = rec.shape[::-1] if rec.transposed else rec.shape  # rows as decoded
+        for start, stop, codes in self._code_runs(reader, scheme, rec, shape, budget):
             yield functools.partial(_bounded_sumsq, scheme, rec, codes, start, stop, small, steps)
 
     def _code_energies(self, reader: Reader, scheme: Scheme, rec: Recognised) -> np.ndarray | None:
-        """The weight's code energies per block (a scheme's code_energies, every run of
-        rows), counted at its first check and kept for the others while all the weights'
-        energies stay within ENERGY_BUDGET_BYTES (one int64 per stored scale); None where
-        the scheme has none, declines, or the budget is spent (each check counts)."""
+        """The weight's energies under each of its (flattened) scales, from its scheme's
+        code_energies over every run of rows: counted at its first check and kept for
+        the others while all the weights' energies stay within ENERGY_BUDGET_BYTES (one
+        int64 per scale); None where the scheme has none, declines, a run's energies fall
+        outside the scales, or the budget is spent (each check counts)."""
         if rec.name in self._energies:
             return self._energies[rec.name]
         import numpy as np
 
         code_energies = getattr(scheme, "code_energies", None)
-        size = 8 * self._stored[rec.parts[1].name].numel
-        energies = None
-        if code_energies is not None and self._energy_bytes + size <= ENERGY_BUDGET_BYTES:
+        scaled = scheme.scaled_parts(rec)
+        size = self._stored[scaled[0]].numel if len(scaled) == 1 else 0
+        energies: np.ndarray | None = None
+        if (
+            code_energies is not None
+            and size
+            and self._energy_bytes + 8 * size <= ENERGY_BUDGET_BYTES
+        ):
             small = self._small_parts(reader, rec, None, scheme)
-            rows: dict[int, np.ndarray] = {}
+            energies = np.zeros(size, dtype=np.int64)
+            shape = rec.shape[::-1] if rec.transposed else rec.shape  # rows as decoded
             budget = MEASURED_RUN_ELEMENTS
-            for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
+            for start, stop, codes in self._code_runs(reader, scheme, rec, shape, budget):
                 found = code_energies(rec, codes, start, stop, small)
-                if found is None:
+                if found is None or not 0 <= found[0] <= size - found[1].size:
+                    energies = None
                     break
                 first, partial = found
-                for offset, row in enumerate(partial):
-                    rows[first + offset] = (
-                        rows[first + offset] + row if first + offset in rows else row
-                    )
-            else:
-                if rows and sorted(rows) == list(range(len(rows))):
-                    energies = np.stack([rows[i] for i in range(len(rows))])
+                energies[first : first + partial.size] += partial
         if energies is not None:
             self._energy_bytes += energies.nbytes
         self._energies[rec.name] = energies
@@ -763,16 +782,25 @@ def _bounded_sumsq(
     small: Mapping[str, np.ndarray],
     steps: int | None,
 ) -> tuple[Fraction, Fraction] | None:
-    """The sum of squares of real rows [start, stop) under `small`'s scales (times
-    2**-steps), within a bound: through the scheme's code tables where they pay, else of
-    the decoded rows (CertainSumsq, whose bound is tighter still). None where a value is
-    NaN or infinite (the check decodes the weight, as before)."""
+    """The sum of squares of rows [start, stop) (as the scheme decodes them) under
+    `small`'s scales (times 2**-steps), within a bound: from the energy under each scale
+    (integer codes), through the scheme's code tables where they pay, else of the decoded
+    rows (CertainSumsq, whose bound is tighter still). None where a value is NaN or
+    infinite (the check decodes the weight, as before)."""
     import numpy as np
 
     from clipcli.numerics import coded
     from clipcli.numerics.certain import CertainSumsq
 
     with np.errstate(all="ignore"):  # as _decode: hostile scales are data
+        energies = getattr(scheme, "scale_energies", None)
+        if energies is not None:  # integer codes: the energy under each scale
+            found = energies(rec, codes, start, stop, small)
+            if found is None:  # a NaN or infinite scale: decoded, as before
+                return None
+            if steps is not None:
+                found = (found[0], np.ldexp(found[1], -steps))
+            return coded.bounded_table_sumsq(*found)
         tables = scheme.code_tables(rec, codes, start, stop, small)  # type: ignore[attr-defined]
         if tables is not None:
             counts, values = tables
@@ -787,6 +815,27 @@ def _bounded_sumsq(
     total = CertainSumsq()
     total.add(values.reshape(-1))
     return total.total, total.bound
+
+
+def _energy_sumsq(
+    energies: np.ndarray, scales: np.ndarray, steps: int | None, unit: int
+) -> tuple[Fraction, Fraction] | None:
+    """sum(energy x scale**2) over a weight's scales as this check scales them (times
+    2**-steps), energies in units of 2**-unit, within a bound (bounded_table_sumsq).
+    None when a scale is NaN or infinite (decoding makes NaN of it, zero codes too)."""
+    import numpy as np
+
+    from clipcli.numerics import coded
+
+    values = rules.widened(scales).reshape(-1)
+    if steps is not None:
+        values = np.ldexp(values, -steps)
+    if values.size != energies.size or not np.isfinite(values).all():
+        return None
+    bounded = coded.bounded_table_sumsq(energies, values)
+    if bounded is None:
+        return None
+    return bounded[0] / 2**unit, bounded[1] / 2**unit
 
 
 def _logical(rec: Recognised) -> LogicalTensor:
