@@ -259,6 +259,12 @@ class Spies:
         monkeypatch.setattr(execution, "_decoded_sumsq", decoded)
 
 
+def decode_every_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks as they were: no energies summed together, no counted runs."""
+    monkeypatch.setattr(QuantizedView, "energy_sumsq_together", lambda *_: (frozenset(), None))
+    monkeypatch.setattr(QuantizedView, "scaled_sumsq_loaders", lambda *_: None)
+
+
 def clip_json(run_main: Any, src: Path, out: Path, *mode: str) -> dict[str, Any]:
     result = run_main("clip", *mode, src, out, "--format", "json")
     assert result.code == 0, result.stderr
@@ -370,7 +376,7 @@ def test_counted_checks_agree_with_decoded_checks(
     counted = clip_json(run_main, src, tmp_path / f"counted{suffix}", *mode)
     assert spies.counted > 0
     assert spies.decoded == 0
-    monkeypatch.setattr(QuantizedView, "scaled_sumsq_loaders", lambda *_: None)
+    decode_every_check(monkeypatch)
     decoded = clip_json(run_main, src, tmp_path / f"decoded{suffix}", *mode)
     assert spies.decoded > 0
     after = {how: real_sumsq(kind, tmp_path / f"{how}{suffix}") for how in ("counted", "decoded")}
@@ -507,10 +513,11 @@ def test_the_energy_budget_exactly(
     spare: int,
     kept: bool,
 ) -> None:
-    """A budget of exactly the weight's 15 scales x 8 bytes keeps its energies (the codes
-    counted once for every check); one byte less, each check counts them again."""
+    """A budget of exactly the weight's 15 float32 scales' energies and the scales kept
+    (15 x 8 + 15 x 4 bytes) keeps them (the codes counted once for every check); one
+    byte less, each check counts them again."""
     src = fixture("fp8-block", tmp_path / "in")
-    monkeypatch.setattr(view_module, "ENERGY_BUDGET_BYTES", 15 * 8 + spare)
+    monkeypatch.setattr(view_module, "ENERGY_BUDGET_BYTES", 15 * 8 + 15 * 4 + spare)
     calls = {"energies": 0, "tables": 0}
     for name, real in (("energies", fp8_block.code_energies), ("tables", fp8_block.code_tables)):
 

@@ -73,10 +73,22 @@ class _OutputCheck:
             return partial
 
         total = CertainSumsq()
+        reader = self._reader
+        together: frozenset[str] = frozenset()
+        rounded = [info for info in infos if self._rounded_elsewhere(info)]
+        if rounded:  # the weights whose code energies are kept: one sum for them all
+            assert isinstance(reader, LogicalReader)
+            together, part = reader.energy_sumsq_together(rounded, mantissa, exponent)
+            if part is not None:
+                each = [info for info in rounded if info.name in together]
+                exactly = functools.partial(_decoded_sumsq_of, reader, each, mantissa, exponent)
+                total.add_bounded(part[0], part[1], exactly)
         for info in infos:
+            if info.name in together:
+                continue
             if self._rounded_elsewhere(info):
-                assert isinstance(self._reader, LogicalReader)
-                total.merge(_scaled_sumsq(self._reader, info, mantissa, exponent))
+                assert isinstance(reader, LogicalReader)
+                total.merge(_scaled_sumsq(reader, info, mantissa, exponent))
                 continue
             for partial in map_chunks(self._reader, info, scaled):
                 total.merge(partial)
@@ -119,6 +131,15 @@ def _decoded_sumsq(
     total = CertainSumsq()
     for chunk in reader.scaled_chunks(info, mantissa, exponent):
         total.add(chunk)
+    return total
+
+
+def _decoded_sumsq_of(
+    reader: LogicalReader, infos: Sequence[TensorInfo], mantissa: float, exponent: int
+) -> CertainSumsq:
+    total = CertainSumsq()
+    for info in infos:
+        total.merge(_decoded_sumsq(reader, info, mantissa, exponent))
     return total
 
 

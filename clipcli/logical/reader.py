@@ -10,7 +10,7 @@ tensors first (clipcli.logical.lowering).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -143,6 +143,13 @@ class LogicalReader(Reader):
         """The real values once the view's scaled parts are scaled and rounded (the factor
         search's check: what the write pass will make of the lowered plan)."""
         return self.view.scaled_chunks(self.stored, self.by_name[info.name], mantissa, exponent)
+
+    def energy_sumsq_together(
+        self, infos: Sequence[TensorInfo], mantissa: float, exponent: int
+    ) -> tuple[frozenset[str], tuple[Fraction, Fraction] | None]:
+        """View.energy_sumsq_together of these tensors."""
+        tensors = [self.by_name[info.name] for info in infos]
+        return self.view.energy_sumsq_together(self.stored, tensors, mantissa, exponent)
 
     def scaled_sumsq_loaders(
         self, info: TensorInfo, mantissa: float, exponent: int

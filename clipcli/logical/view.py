@@ -201,6 +201,19 @@ class View(ABC):
         for chunk in self.chunks(reader, tensor):
             yield rounding.scale_chunk(chunk, mantissa, exponent)
 
+    def energy_sumsq_together(
+        self,
+        reader: Reader,  # noqa: ARG002 - interface
+        tensors: Sequence[LogicalTensor],  # noqa: ARG002 - interface
+        mantissa: float,  # noqa: ARG002 - interface
+        exponent: int,  # noqa: ARG002 - interface
+    ) -> tuple[frozenset[str], tuple[Fraction, Fraction] | None]:
+        """The sum of squares of scaled_chunks()' values of as many of `tensors` as the
+        view can give at once, within a bound of about 2**-48 of it on either side (a
+        quantized view: the weights whose code energies it keeps): (their names, (sum,
+        bound)). Default: none of them, (empty, None)."""
+        return frozenset(), None
+
     def scaled_sumsq_loaders(
         self,
         reader: Reader,  # noqa: ARG002 - interface

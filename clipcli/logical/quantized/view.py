@@ -45,8 +45,8 @@ SHOWN_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 # values (128 x 128 blocks of a 16384-column weight: 64 rows, 1/64 of them).
 MEASURED_RUN_ELEMENTS = 1 << 20
 # Code energies kept between the factor search's checks (QuantizedView._code_energies): one
-# int64 per block scale, 8 MiB per 64 GiB of 128 x 128-block FP8 codes; weights past it
-# are counted again at each check.
+# int64 per scale and the scale itself, 12 MiB per 64 GiB of 128 x 128-block FP8 codes,
+# 10 bytes per 64 of group-128 int4 codes; weights past it are counted at each check.
 ENERGY_BUDGET_BYTES = 64 << 20
 # Real values held at once to put a transposed weight (GPTQ, AWQ) in C order: 32 MiB of
 # float64, twice (the block and its transpose); a 4096 x 4096 weight takes 4 passes.
@@ -135,6 +135,7 @@ class QuantizedView(View):
         self.config = config
         self._weights: dict[str, tuple[Scheme, Recognised]] = {}
         self._energies: dict[str, np.ndarray | None] = {}  # see _code_energies
+        self._kept_scales: dict[str, np.ndarray] = {}
         self._energy_bytes = 0
         owner: dict[str, tuple[str, str]] = {}  # stored name -> (weight, scheme)
         assigned = targets.assign(stored, config) if config is not None else None
@@ -273,20 +274,9 @@ class QuantizedView(View):
         yield from self._decoded(reader, tensor, None, (mantissa, exponent))
 
     def _small_parts(
-        self,
-        reader: Reader,
-        rec: Recognised,
-        factor: tuple[float, int] | None,
-        scheme: Scheme,
-        only: str | None = None,
+        self, reader: Reader, rec: Recognised, factor: tuple[float, int] | None, scheme: Scheme
     ) -> dict[str, np.ndarray]:
-        """The weight's parts but its codes (or the one named `only`), read whole, with
-        the scaled ones scaled by `factor` as the write pass scales them."""
-        small_infos = [
-            self._stored[p.name]
-            for p in rec.parts
-            if p.name != rec.codes and (only is None or p.name == only)
-        ]
+        small_infos = [self._stored[p.name] for p in rec.parts if p.name != rec.codes]
         total = sum(info.nbytes for info in small_infos)
         if total > SMALL_PARTS_LIMIT:
             raise InputError(
@@ -300,7 +290,7 @@ class QuantizedView(View):
 
             from clipcli.numerics import rounding
 
-            for name in (n for n in scheme.scaled_parts(rec) if n in small):
+            for name in scheme.scaled_parts(rec):
                 # A part whose bytes hold a scale (bitsandbytes' JSON nested_offset) is
                 # rewritten by the same function the write pass applies (stored_scaler).
                 rewrite = _scheme_scaler(scheme, rec, name) or rounding.scale_chunk
@@ -423,12 +413,6 @@ class QuantizedView(View):
             from clipcli.numerics.rounding import power_of_two_steps
 
             steps, factor = power_of_two_steps(mantissa, exponent), None
-        energies = self._code_energies(reader, scheme, rec)
-        if energies is not None:  # only the scales are read for this check
-            (part,) = scheme.scaled_parts(rec)
-            scales = self._small_parts(reader, rec, factor, scheme, only=part)[part]
-            unit = scheme.ENERGY_UNIT  # type: ignore[attr-defined]  # with code_energies
-            return iter([functools.partial(_energy_sumsq, energies, scales, steps, unit)])
         small = self._small_parts(reader, rec, factor, scheme)
         return self._bounded_runs(reader, scheme, rec, small, steps)
 
@@ -445,6 +429,64 @@ class QuantizedView(View):
         for start, stop, codes in self._code_runs(reader, scheme, rec, shape, budget):
             yield functools.partial(_bounded_sumsq, scheme, rec, codes, start, stop, small, steps)
 
+    def energy_sumsq_together(
+        self,
+        reader: Reader,
+        tensors: Sequence[LogicalTensor],
+        mantissa: float,
+        exponent: int,
+    ) -> tuple[frozenset[str], tuple[Fraction, Fraction] | None]:
+        """The factor search's check of the weights whose code energies are kept
+        (_code_energies): sum(energy x scale**2) over all their scales at once, the scales
+        scaled as the write pass scales them, each kind of scale in one array, within a
+        bound (bounded_table_sumsq): a check of 100,000 expert weights is a few array
+        operations, not 100,000 passes. (the names summed, the sum), or (no names, None)
+        where a scale is NaN or infinite (each weight is then checked on its own)."""
+        from fractions import Fraction
+
+        import numpy as np
+
+        from clipcli.numerics import coded, rounding
+
+        kinds: dict[tuple[Any, ...], list[tuple[np.ndarray, np.ndarray]]] = {}
+        names = []
+        for tensor in tensors:
+            if tensor.plain:
+                continue
+            scheme, rec = self._weights[tensor.info.name]
+            energies = self._code_energies(reader, scheme, rec)
+            if energies is None:
+                continue
+            scales = self._kept_scales[rec.name]
+            power_of_two = bool(rec.params.get("power_of_two", False))
+            part = scheme.scaled_parts(rec)[0]
+            scaler = None if power_of_two else _scheme_scaler(scheme, rec, part)
+            unit = scheme.ENERGY_UNIT  # type: ignore[attr-defined]  # with code_energies
+            kind = (scales.dtype, power_of_two, scaler, unit)
+            kinds.setdefault(kind, []).append((energies, scales))
+            names.append(rec.name)
+        if not names:
+            return frozenset(), None
+        total, bound = Fraction(0), Fraction(0)
+        for (_, power_of_two, scaler, unit), parts in kinds.items():
+            energies = np.concatenate([e for e, _ in parts])
+            scales = np.concatenate([s.reshape(-1) for _, s in parts])
+            with np.errstate(all="ignore"):  # an inf or NaN scale stays one
+                if power_of_two:  # the values times 2**-k, as _decoded checks them
+                    steps = rounding.power_of_two_steps(mantissa, exponent)
+                    values = np.ldexp(rules.widened(scales), -steps)
+                else:
+                    rewrite = scaler or rounding.scale_chunk
+                    values = rules.widened(rewrite(scales, mantissa, exponent))
+            if not np.isfinite(values).all():
+                return frozenset(), None
+            bounded = coded.bounded_table_sumsq(energies, values)
+            if bounded is None:
+                return frozenset(), None
+            total += bounded[0] / 2**unit
+            bound += bounded[1] / 2**unit
+        return frozenset(names), (total, bound)
+
     def _code_energies(self, reader: Reader, scheme: Scheme, rec: Recognised) -> np.ndarray | None:
         """The weight's energies under each of its (flattened) scales, from its scheme's
         code_energies over every run of rows: counted at its first check and kept for
@@ -457,13 +499,12 @@ class QuantizedView(View):
 
         code_energies = getattr(scheme, "code_energies", None)
         scaled = scheme.scaled_parts(rec)
-        size = self._stored[scaled[0]].numel if len(scaled) == 1 else 0
+        scale_info = self._stored[scaled[0]] if len(scaled) == 1 else None
+        size = scale_info.numel if scale_info is not None else 0
+        cost = 8 * size + (scale_info.nbytes if scale_info is not None else 0)
         energies: np.ndarray | None = None
-        if (
-            code_energies is not None
-            and size
-            and self._energy_bytes + 8 * size <= ENERGY_BUDGET_BYTES
-        ):
+        affordable = self._energy_bytes + cost <= ENERGY_BUDGET_BYTES
+        if code_energies is not None and scale_info is not None and size and affordable:
             small = self._small_parts(reader, rec, None, scheme)
             energies = np.zeros(size, dtype=np.int64)
             shape = rec.shape[::-1] if rec.transposed else rec.shape  # rows as decoded
@@ -476,7 +517,9 @@ class QuantizedView(View):
                 first, partial = found
                 energies[first : first + partial.size] += partial
         if energies is not None:
-            self._energy_bytes += energies.nbytes
+            assert scale_info is not None
+            self._kept_scales[rec.name] = reader.read(scale_info)  # read once, as stored
+            self._energy_bytes += cost
         self._energies[rec.name] = energies
         return energies
 
@@ -815,27 +858,6 @@ def _bounded_sumsq(
     total = CertainSumsq()
     total.add(values.reshape(-1))
     return total.total, total.bound
-
-
-def _energy_sumsq(
-    energies: np.ndarray, scales: np.ndarray, steps: int | None, unit: int
-) -> tuple[Fraction, Fraction] | None:
-    """sum(energy x scale**2) over a weight's scales as this check scales them (times
-    2**-steps), energies in units of 2**-unit, within a bound (bounded_table_sumsq).
-    None when a scale is NaN or infinite (decoding makes NaN of it, zero codes too)."""
-    import numpy as np
-
-    from clipcli.numerics import coded
-
-    values = rules.widened(scales).reshape(-1)
-    if steps is not None:
-        values = np.ldexp(values, -steps)
-    if values.size != energies.size or not np.isfinite(values).all():
-        return None
-    bounded = coded.bounded_table_sumsq(energies, values)
-    if bounded is None:
-        return None
-    return bounded[0] / 2**unit, bounded[1] / 2**unit
 
 
 def _logical(rec: Recognised) -> LogicalTensor:
