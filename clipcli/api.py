@@ -435,7 +435,9 @@ def plan_clip(
         list(reader.infos),
         selection.describe,
         progress,
-        histograms=spec.mode is not Mode.VALUE and spec.axes is None,
+        histograms=_may_scale(selection)
+        if spec.mode is not Mode.VALUE and spec.axes is None
+        else None,
         on_measured=hook,
     )
     made = plan(measurement, spec, execution.output_check(reader))
@@ -690,6 +692,17 @@ def _is_logical(reader: Reader) -> bool:
     from clipcli.logical.reader import LogicalReader
 
     return isinstance(reader, LogicalReader)
+
+
+def _may_scale(selection: Selection) -> Callable[[TensorInfo], bool]:
+    """The tensors a clip may scale (selected, not kept apart: no scales, no training
+    state): only they need the bit-pattern histograms of the factor search and of the
+    outcome; thousands of float16 scales of a quantized model would each count 65,536."""
+
+    def may_scale(info: TensorInfo) -> bool:
+        return selection(info.name) and selection.left_out(info.name) is None
+
+    return may_scale
 
 
 def _with_parts(selection: Selection, reader: Reader) -> Selection:

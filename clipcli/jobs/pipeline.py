@@ -103,16 +103,22 @@ def measure(
     describe: Callable[[TensorInfo, NormAccumulator], TensorStats],
     progress: Progress = SILENT,
     *,
-    histograms: bool = False,
+    histograms: Callable[[TensorInfo], bool] | None = None,
     on_measured: Callable[[TensorStats], None] | None = None,
 ) -> Measurement:
     """Statistics of `infos`, chunks measured in worker threads across tensor bounds;
     describe() says how each tensor counts (clipcli.jobs.selection). on_measured is told of
-    each tensor, in order, as soon as it is done. With `histograms`, 8- and 16-bit float
-    tensors also count their bit patterns (for the factor search). Small tensors that the
-    reader reads together are measured together (clipcli.numerics.many)."""
+    each tensor, in order, as soon as it is done. The 8- and 16-bit float tensors for
+    which `histograms` holds (those a clip may scale) also count their bit patterns (for
+    the factor search). Small tensors that the reader reads together are measured
+    together (clipcli.numerics.many)."""
     stats: list[NormAccumulator | None] = [None] * len(infos)
     rows: list[TensorStats] = []
+    counted = frozenset(
+        index
+        for index, info in enumerate(infos)
+        if histograms is not None and is_small_float(info.dtype) and histograms(info)
+    )
 
     def reduce(item: _Piece) -> tuple[int, NormAccumulator | list[NormAccumulator], int]:
         index, load, repeat = item
@@ -125,7 +131,7 @@ def measure(
             measured: NormAccumulator = load()
             return index, measured, measured.numel * infos[index].dtype.itemsize
         chunk = load()
-        partial = NormAccumulator(keep_histogram=histograms)
+        partial = NormAccumulator(keep_histogram=index in counted)
         if repeat:
             partial.add_repeated(chunk, repeat)
         else:
@@ -153,7 +159,7 @@ def measure(
 
     total = sum(info.nbytes for info in infos)
     reduce_stream(
-        _measure_work(reader, infos, histograms),
+        _measure_work(reader, infos, counted),
         reduce,
         merge,
         len(infos),
@@ -205,14 +211,16 @@ def small_runs(
 
 
 def _measure_work(
-    reader: Reader, infos: Sequence[TensorInfo], histograms: bool
+    reader: Reader, infos: Sequence[TensorInfo], counted: frozenset[int]
 ) -> Iterator[_Piece]:
     """The pieces to measure, in order: runs of small tensors together where the reader
-    can read them so, every other tensor as _measured_pieces gives it. 8- and 16-bit
-    floats counted into histograms stay apart (each needs its bit-pattern counts)."""
+    can read them so, every other tensor as _measured_pieces gives it. The tensors
+    counted into histograms (their indices) stay apart (each needs its bit-pattern
+    counts)."""
+    apart = {id(infos[index]) for index in counted}
 
     def joins(info: TensorInfo) -> bool:
-        return not (histograms and is_small_float(info.dtype))
+        return id(info) not in apart
 
     for run in small_runs(infos, joins):
         load = reader.loader_of_many([infos[i] for i in run]) if len(run) > 1 else None
