@@ -371,13 +371,16 @@ class QuantizedView(View):
         self, reader: Reader, tensor: LogicalTensor
     ) -> Iterator[Callable[[], NormAccumulator]] | None:
         """A scheme with measure_rows (counts of each code per block and a 256-entry table
-        per block; fp4: per scale code) measures each run of rows without decoding it:
-        loaders of those runs' statistics, for worker threads. None for the others (their
+        per block; fp4: per scale code) measures each run of rows without decoding it; a
+        weight stored transposed (GPTQ, AWQ) is measured as its codes hold it, each run of
+        rows of the transpose decoded once (its values in C order would take a pass over
+        the codes per TRANSPOSE_ELEMENTS values: statistics do not depend on the order).
+        Loaders of those runs' statistics, for worker threads. None for the others (their
         chunks are measured)."""
-        if tensor.plain or not hasattr(self._weights[tensor.info.name][0], "measure_rows"):
+        if tensor.plain:
             return None
         scheme, rec = self._weights[tensor.info.name]
-        if rec.transposed:
+        if not rec.transposed and not hasattr(scheme, "measure_rows"):
             return None
         return self._measured_runs(reader, scheme, rec)
 
@@ -386,7 +389,8 @@ class QuantizedView(View):
     ) -> Iterator[Callable[[], NormAccumulator]]:
         small = self._small_parts(reader, rec, None, scheme)
         budget = MEASURED_RUN_ELEMENTS
-        for start, stop, codes in self._code_runs(reader, scheme, rec, rec.shape, budget):
+        shape = rec.shape[::-1] if rec.transposed else rec.shape  # rows as decoded
+        for start, stop, codes in self._code_runs(reader, scheme, rec, shape, budget):
             # Measured in a worker after this generator has read on: as every chunk the
             # measuring pipeline hands to workers, the reader's arrays are never reused.
             yield functools.partial(_measured, scheme, rec, codes, start, stop, small)
@@ -801,16 +805,19 @@ def _measured(
     stop: int,
     small: Mapping[str, np.ndarray],
 ) -> NormAccumulator:
-    """The statistics of real rows [start, stop): the scheme's measure_rows where its
-    tables pay, else those of the decoded rows. Floating-point warnings off, as _decode."""
+    """The statistics of rows [start, stop) as the scheme decodes them: its measure_rows
+    where it has one and its tables pay, else those of the decoded rows. Floating-point
+    warnings off, as _decode."""
     import numpy as np
 
     from clipcli.numerics.norms import NormAccumulator
 
-    with np.errstate(all="ignore"):
-        measured = scheme.measure_rows(rec, codes, start, stop, small)  # type: ignore[attr-defined]
-    if isinstance(measured, NormAccumulator):
-        return measured
+    measure_rows = getattr(scheme, "measure_rows", None)
+    if measure_rows is not None:
+        with np.errstate(all="ignore"):
+            measured = measure_rows(rec, codes, start, stop, small)
+        if isinstance(measured, NormAccumulator):
+            return measured
     acc = NormAccumulator()
     acc.add(_decode(scheme, rec, codes, start, stop, small).reshape(-1))
     return acc
