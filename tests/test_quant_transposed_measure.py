@@ -62,20 +62,37 @@ def test_a_transposed_weight_is_decoded_once_for_its_norm(
     assert abs(row["norm"] - exact) <= math.ulp(exact)
 
 
-def test_values_in_c_order_are_still_gathered(
-    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kind", ["gptq", "awq"])
+def test_values_in_c_order_decode_each_value_once(
+    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    """convert --dtype writes the real [out, in] weight in C order: the gathering passes
-    remain there, and the values are the reference's, transposed."""
-    arrays, g_idx, q, z = gptq_arrays(64, 16, 4, 4, seed=2)
-    reference = gptq_reference(arrays, g_idx, q, z, 1)  # [in, out]
+    """convert --dtype writes the real [out, in] weight in C order, gathered a block of
+    outputs at a time: each block's pass decodes its own outputs only (decode_columns),
+    so the values decoded add up to the weight's size, not to size x passes; the values
+    are the reference's, transposed."""
+    if kind == "gptq":
+        arrays, g_idx, q, z = gptq_arrays(64, 16, 4, 4, seed=2, act_order=True)
+        reference = gptq_reference(arrays, g_idx, q, z, 1)  # [in, out]
+        module: Any = gptq
+    else:
+        arrays, reference = awq_arrays(64, 16, 16, seed=2)
+        module = awq
     path = write_safetensors(tmp_path / "m.safetensors", arrays)
     monkeypatch.setattr(view_module, "TRANSPOSE_ELEMENTS", 256)  # 4 outputs a pass
-    calls = decode_calls(monkeypatch, gptq)
+    decoded: list[int] = []
+    real = module.decode_columns
+
+    def spy(*args: Any) -> Any:
+        values = real(*args)
+        decoded.append(values.size)
+        return values
+
+    monkeypatch.setattr(module, "decode_columns", spy)
     out = tmp_path / "out.safetensors"
     result = run_main("convert", "--dtype", "float32", path, out)
     assert result.code == 0, result.stderr
-    assert sum(calls) == 64 * 4  # 4 passes of every input
+    assert len(decoded) == 4  # one pass per block of 4 outputs
+    assert sum(decoded) == 64 * 16  # every value once
     from safetensors.numpy import load_file
 
     written = load_file(str(out))["m.weight"]

@@ -190,26 +190,47 @@ def code_energies(
     return intcodes.code_energies(_terms(weight, codes, start, stop, small))
 
 
+def decode_columns(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+    columns: tuple[int, int],
+) -> np.ndarray:
+    """Inputs [start, stop), outputs [first, last) only: what the view gathers into the
+    real weight's C order a block of outputs at a time (the optional scheme hook)."""
+    found = _terms(weight, codes, start, stop, small, columns)
+    return intcodes.decoded(found, small[weight.params["scales"]])
+
+
 def _terms(
     weight: Recognised,
     codes: np.ndarray,
     start: int,
     stop: int,
     small: Mapping[str, np.ndarray],
+    columns: tuple[int, int] | None = None,
 ) -> intcodes.CodeTerms:
-    """Inputs [start, stop) as code - zero point, and each one's scale: its input's group
-    (input // group size), its output."""
+    """Inputs [start, stop) (of outputs [first, last) when given) as code - zero point,
+    and each one's scale: its input's group (input // group size), its output."""
     import numpy as np
 
     params = weight.params
     out = weight.shape[0]
-    positions = _positions(out)
-    q = intcodes.extract(codes.reshape(stop - start, -1), positions, BITS, axis=1)
-    zero_words = small[params["zeros"]].reshape(params["groups"], -1)
+    first, last = columns if columns is not None else (0, out)
+    positions = _positions(out)[first:last]
+    # only the words that hold these outputs (4-bit fields never straddle two words)
+    low = int(positions.min()) // intcodes.WORD_BITS if positions.size else 0
+    high = int(positions.max()) // intcodes.WORD_BITS + 1 if positions.size else 0
+    positions = positions - low * intcodes.WORD_BITS
+    words = codes.reshape(stop - start, -1)[:, low:high]
+    q = intcodes.extract(words, positions, BITS, axis=1)
+    zero_words = small[params["zeros"]].reshape(params["groups"], -1)[:, low:high]
     group = np.arange(start, stop, dtype=np.int64) // params["group"]
     zeros = intcodes.extract(zero_words[np.unique(group)], positions, BITS, axis=1)
     local = group - group[0] if group.size else group
-    scale_at = group[:, None] * out + np.arange(out, dtype=np.int64)[None, :]
+    scale_at = group[:, None] * out + np.arange(first, last, dtype=np.int64)[None, :]
     return intcodes.CodeTerms(q.astype(np.int64) - zeros[local].astype(np.int64), scale_at)
 
 

@@ -260,31 +260,50 @@ def code_energies(
     return intcodes.code_energies(_terms(weight, codes, start, stop, small))
 
 
+def decode_columns(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+    columns: tuple[int, int],
+) -> np.ndarray:
+    """Inputs [start, stop), outputs [first, last) only: what the view gathers into the
+    real weight's C order a block of outputs at a time (the optional scheme hook)."""
+    found = _terms(weight, codes, start, stop, small, columns)
+    return intcodes.decoded(found, small[weight.params["scales"]])
+
+
 def _terms(
     weight: Recognised,
     codes: np.ndarray,
     start: int,
     stop: int,
     small: Mapping[str, np.ndarray],
+    columns: tuple[int, int] | None = None,
 ) -> intcodes.CodeTerms:
-    """Inputs [start, stop) as code - zero point (v1: zero point + 1), and each one's
-    scale: its input's group (g_idx, else input // group size), its output."""
+    """Inputs [start, stop) (of outputs [first, last) when given) as code - zero point
+    (v1: zero point + 1), and each one's scale: its input's group (g_idx, else input //
+    group size), its output."""
     import numpy as np
 
     params = weight.params
     bits = params["bits"]
     out = weight.shape[0]
+    first, last = columns if columns is not None else (0, out)
+    outputs = np.arange(first, last, dtype=np.int64)
     rows = np.arange(start, stop, dtype=np.int64)
     base = intcodes.first_word(start, bits, True) * intcodes.WORD_BITS
-    q = intcodes.extract(codes.reshape(-1, out), rows * bits - base, bits, axis=0)
+    words = codes.reshape(-1, out)[:, first:last]
+    q = intcodes.extract(words, rows * bits - base, bits, axis=0)
     zero_words = small[params["zeros"]].reshape(params["groups"], -1)
-    zeros = intcodes.extract(zero_words, np.arange(out, dtype=np.int64) * bits, bits, axis=1)
+    zeros = intcodes.extract(zero_words, outputs * bits, bits, axis=1)
     g_idx = small[params["g_idx"]] if params["g_idx"] is not None else None
     group = intcodes.group_of_rows(
         g_idx, start, stop, params["group"], params["groups"], weight.name
     )
     offset = zeros[group].astype(np.int64) + (1 if params["version"] == 1 else 0)
-    scale_at = group[:, None] * out + np.arange(out, dtype=np.int64)[None, :]
+    scale_at = group[:, None] * out + outputs[None, :]
     return intcodes.CodeTerms(q.astype(np.int64) - offset, scale_at)
 
 

@@ -566,20 +566,29 @@ class QuantizedView(View):
         """C order of the real [out, in] weight from codes of its transpose [in, out]
         (GPTQ, AWQ): real rows [r0, r1) are columns [r0, r1) of the transpose, gathered
         over one pass through the codes into a block of at most TRANSPOSE_ELEMENTS
-        values; a weight larger than that takes ceil(size / TRANSPOSE_ELEMENTS) passes."""
+        values; a weight larger than that takes ceil(size / TRANSPOSE_ELEMENTS) passes,
+        each decoding only its columns where the scheme can (decode_columns)."""
         import numpy as np
 
         out, inputs = rec.shape
         if out == 0 or inputs == 0:
             return
         width = max(1, TRANSPOSE_ELEMENTS // inputs)
+        decode_columns = getattr(scheme, "decode_columns", None)
         for r0 in range(0, out, width):
             r1 = min(out, r0 + width)
             block = np.empty((inputs, r1 - r0), dtype=np.float64)
-            for start, stop, values in self._decoded_rows(
-                reader, scheme, rec, small, (inputs, out), budget
-            ):
-                block[start:stop] = values[:, r0:r1]
+            if decode_columns is not None:  # each pass decodes its own outputs only
+                for start, stop, codes in self._code_runs(
+                    reader, scheme, rec, (inputs, out), budget
+                ):
+                    with np.errstate(all="ignore"):  # as _decode: hostile scales are data
+                        block[start:stop] = decode_columns(rec, codes, start, stop, small, (r0, r1))
+            else:
+                for start, stop, values in self._decoded_rows(
+                    reader, scheme, rec, small, (inputs, out), budget
+                ):
+                    block[start:stop] = values[:, r0:r1]
             rows = np.ascontiguousarray(block.T).reshape(-1)
             del block
             for first in range(0, rows.size, budget):
