@@ -38,6 +38,7 @@ def main() -> None:
         "float32": samples,
         "bfloat16": (samples.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16),
         "float16": samples.astype(np.float16),
+        "float8_e4m3fn": samples.astype(ml_dtypes.float8_e4m3fn),
     }
     steps = {
         "norms: NormAccumulator.add": lambda c: NormAccumulator().add(c),

@@ -190,10 +190,7 @@ class NormAccumulator:
     def add(self, chunk: np.ndarray) -> None:
         """Accumulate one chunk of any numeric dtype."""
         if self.keep_histogram and is_small_float(chunk.dtype):
-            counts = np.bincount(
-                chunk.reshape(-1).view(bits_dtype(chunk.dtype)),
-                minlength=256**chunk.dtype.itemsize,
-            )
+            counts = lookup.bit_pattern_counts(chunk)
             if self.counts is None:
                 self.counts = counts
             else:
