@@ -149,61 +149,6 @@ def _positions(count: int) -> np.ndarray:
 code_rows = row_for_row  # one real row per stored row of codes
 
 
-def decode_rows(
-    weight: Recognised,
-    codes: np.ndarray,
-    start: int,
-    stop: int,
-    small: Mapping[str, np.ndarray],
-) -> np.ndarray:
-    """Inputs [start, stop) (rows of the transpose) as float64 [stop - start, out]."""
-    found = _terms(weight, codes, start, stop, small)
-    return intcodes.decoded(found, small[weight.params["scales"]])
-
-
-def scale_energies(
-    weight: Recognised,
-    codes: np.ndarray,
-    start: int,
-    stop: int,
-    small: Mapping[str, np.ndarray],
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Inputs [start, stop) as the energy under each scale and the scales (the optional
-    scheme hook: the factor search's check without decoding)."""
-    found = _terms(weight, codes, start, stop, small)
-    return intcodes.scale_energies(found, small[weight.params["scales"]])
-
-
-# Energies are the integer sums of (code - zero point)**2 (code_energies).
-ENERGY_UNIT = 0
-
-
-def code_energies(
-    weight: Recognised,
-    codes: np.ndarray,
-    start: int,
-    stop: int,
-    small: Mapping[str, np.ndarray],
-) -> tuple[int, np.ndarray] | None:
-    """Rows [start, stop)'s energy under each scale (the optional scheme hook: kept by
-    the view for every check of the factor search)."""
-    return intcodes.code_energies(_terms(weight, codes, start, stop, small))
-
-
-def decode_columns(
-    weight: Recognised,
-    codes: np.ndarray,
-    start: int,
-    stop: int,
-    small: Mapping[str, np.ndarray],
-    columns: tuple[int, int],
-) -> np.ndarray:
-    """Inputs [start, stop), outputs [first, last) only: what the view gathers into the
-    real weight's C order a block of outputs at a time (the optional scheme hook)."""
-    found = _terms(weight, codes, start, stop, small, columns)
-    return intcodes.decoded(found, small[weight.params["scales"]])
-
-
 def _terms(
     weight: Recognised,
     codes: np.ndarray,
@@ -232,6 +177,10 @@ def _terms(
     local = group - group[0] if group.size else group
     scale_at = group[:, None] * out + np.arange(first, last, dtype=np.int64)[None, :]
     return intcodes.CodeTerms(q.astype(np.int64) - zeros[local].astype(np.int64), scale_at)
+
+
+decode_rows, decode_columns, scale_energies, code_energies = intcodes.term_hooks(_terms, "scales")
+ENERGY_UNIT = intcodes.ENERGY_UNIT
 
 
 def scaled_parts(weight: Recognised) -> list[str]:

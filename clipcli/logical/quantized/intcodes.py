@@ -15,6 +15,7 @@ For b = 1, 2, 4, 8 the two are the same. Pure numpy: no file is read here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from clipcli.logical.quantized import rules
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import TensorInfo
+    from clipcli.logical.quantized.scheme import Recognised
 
 WORD_BITS = 32
 
@@ -197,3 +199,71 @@ def code_energies(found: CodeTerms) -> tuple[int, np.ndarray]:
     squares = found.terms.reshape(-1).astype(np.float64) ** 2
     sums = np.bincount(index - low, weights=squares, minlength=high - low + 1)
     return low, sums.astype(np.int64)
+
+
+# Energies of integer codes are the integer sums of (code - zero point)**2 (code_energies).
+ENERGY_UNIT = 0
+
+# A scheme's rows as CodeTerms: (weight, codes, start, stop, small, columns) -> CodeTerms.
+Terms = Callable[..., CodeTerms]
+
+
+class TermHooks(NamedTuple):
+    """The scheme hooks an integer scheme makes of its CodeTerms (scheme.py)."""
+
+    decode_rows: Callable[..., np.ndarray]
+    decode_columns: Callable[..., np.ndarray]
+    scale_energies: Callable[..., tuple[np.ndarray, np.ndarray] | None]
+    code_energies: Callable[..., tuple[int, np.ndarray]]
+
+
+def term_hooks(terms: Terms, scale: str) -> TermHooks:
+    """decode_rows, decode_columns, scale_energies and code_energies of a scheme whose
+    rows are `terms` and whose scales are the part named by weight.params[scale]."""
+
+    def decode_rows(
+        weight: Recognised,
+        codes: np.ndarray,
+        start: int,
+        stop: int,
+        small: Mapping[str, np.ndarray],
+    ) -> np.ndarray:
+        """Rows [start, stop) as decoded (of the transpose where the weight is stored so)."""
+        return decoded(terms(weight, codes, start, stop, small), small[weight.params[scale]])
+
+    def decode_columns(
+        weight: Recognised,
+        codes: np.ndarray,
+        start: int,
+        stop: int,
+        small: Mapping[str, np.ndarray],
+        columns: tuple[int, int],
+    ) -> np.ndarray:
+        """Rows [start, stop), columns [first, last) only: what the view gathers into a
+        transposed weight's C order a block of outputs at a time."""
+        found = terms(weight, codes, start, stop, small, columns)
+        return decoded(found, small[weight.params[scale]])
+
+    def rows_scale_energies(
+        weight: Recognised,
+        codes: np.ndarray,
+        start: int,
+        stop: int,
+        small: Mapping[str, np.ndarray],
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Rows [start, stop) as the energy under each scale and the scales: the factor
+        search's check without decoding."""
+        found = terms(weight, codes, start, stop, small)
+        return scale_energies(found, small[weight.params[scale]])
+
+    def rows_code_energies(
+        weight: Recognised,
+        codes: np.ndarray,
+        start: int,
+        stop: int,
+        small: Mapping[str, np.ndarray],
+    ) -> tuple[int, np.ndarray]:
+        """Rows [start, stop)'s energy under each scale, kept by the view for every check."""
+        return code_energies(terms(weight, codes, start, stop, small))
+
+    return TermHooks(decode_rows, decode_columns, rows_scale_energies, rows_code_energies)

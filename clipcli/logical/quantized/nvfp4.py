@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import TensorInfo
-    from clipcli.numerics.norms import NormAccumulator
 
 NAMES: Sequence[str] = ("nvfp4",)
 FORMAT = "nvfp4-pack-quantized"
@@ -149,19 +148,7 @@ def code_tables(
     return counts, tables
 
 
-def measure_rows(
-    weight: Recognised,
-    codes: np.ndarray,
-    start: int,
-    stop: int,
-    small: Mapping[str, np.ndarray],
-) -> NormAccumulator | None:
-    """The statistics of real rows [start, stop), as NormAccumulator.add gives them for
-    decode_rows' values, through code_tables; None where they do not pay (decoded)."""
-    from clipcli.numerics import coded
-
-    tables = code_tables(weight, codes, start, stop, small)
-    return None if tables is None else coded.table_statistics(*tables)
+measure_rows = rules.measured_through(code_tables)
 
 
 def scaled_parts(weight: Recognised) -> list[str]:

@@ -271,47 +271,6 @@ def _group(args: Args, g_idx: TensorInfo | None, groups: int, columns: int, weig
 code_rows = row_for_row  # one real row per stored row of codes
 
 
-def decode_rows(
-    weight: Recognised,
-    codes: np.ndarray,
-    start: int,
-    stop: int,
-    small: Mapping[str, np.ndarray],
-) -> np.ndarray:
-    """Real rows [start, stop) (every dimension but the last flattened) as float64."""
-    found = _terms(weight, codes, start, stop, small)
-    return intcodes.decoded(found, small[weight.params["scale"]])
-
-
-def scale_energies(
-    weight: Recognised,
-    codes: np.ndarray,
-    start: int,
-    stop: int,
-    small: Mapping[str, np.ndarray],
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Real rows [start, stop) as the energy under each scale and the scales (the optional
-    scheme hook: the factor search's check without decoding)."""
-    found = _terms(weight, codes, start, stop, small)
-    return intcodes.scale_energies(found, small[weight.params["scale"]])
-
-
-# Energies are the integer sums of (code - zero point)**2 (code_energies).
-ENERGY_UNIT = 0
-
-
-def code_energies(
-    weight: Recognised,
-    codes: np.ndarray,
-    start: int,
-    stop: int,
-    small: Mapping[str, np.ndarray],
-) -> tuple[int, np.ndarray] | None:
-    """Rows [start, stop)'s energy under each scale (the optional scheme hook: kept by
-    the view for every check of the factor search)."""
-    return intcodes.code_energies(_terms(weight, codes, start, stop, small))
-
-
 def _terms(
     weight: Recognised,
     codes: np.ndarray,
@@ -344,6 +303,10 @@ def _terms(
         zeros = _zero_rows(weight, small[params["zero_point"]], start, stop)
     centred = q - zeros[:, column_group if zeros.shape[1] > 1 else np.zeros_like(column_group)]
     return intcodes.CodeTerms(centred, index)
+
+
+decode_rows, _, scale_energies, code_energies = intcodes.term_hooks(_terms, "scale")
+ENERGY_UNIT = intcodes.ENERGY_UNIT
 
 
 def _zero_rows(weight: Recognised, packed: np.ndarray, start: int, stop: int) -> np.ndarray:

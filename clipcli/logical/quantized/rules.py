@@ -4,7 +4,7 @@ and the names are input)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import InputError
@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clipcli.formats.base import TensorInfo
+    from clipcli.logical.quantized.scheme import Recognised
+    from clipcli.numerics.norms import NormAccumulator
 
 # A block or group larger than this is no real layout (real ones are 16 to 128): refused
 # before it sizes anything.
@@ -217,3 +219,25 @@ def halve_float_scales(chunk: np.ndarray, mantissa: float, exponent: int) -> np.
     with np.errstate(all="ignore"):
         moved: np.ndarray = np.ldexp(chunk, -steps).astype(chunk.dtype)
     return moved
+
+
+def measured_through(
+    code_tables: Callable[..., tuple[np.ndarray, np.ndarray] | None],
+) -> Callable[..., NormAccumulator | None]:
+    """A scheme's measure_rows from its code_tables: the statistics of real rows [start,
+    stop), as NormAccumulator.add gives them for decode_rows' values, through the
+    scheme's tables; None where they do not pay (decoded)."""
+
+    def measure_rows(
+        weight: Recognised,
+        codes: np.ndarray,
+        start: int,
+        stop: int,
+        small: Mapping[str, np.ndarray],
+    ) -> NormAccumulator | None:
+        from clipcli.numerics import coded
+
+        tables = code_tables(weight, codes, start, stop, small)
+        return None if tables is None else coded.table_statistics(*tables)
+
+    return measure_rows

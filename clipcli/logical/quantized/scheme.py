@@ -95,6 +95,20 @@ class Scheme(Protocol):
     # values a factor rounds into (E8M0 exponents: rules.lower_e8m0_exponents), or
     # None; and `power_of_two` in Recognised.params when that function takes the factor
     # rounded down to a power of two (View.power_of_two_factors).
+    #
+    # Faster paths, each optional and each giving what decoding gives:
+    # - `code_tables(weight, codes, start, stop, small)` -> (counts, values) | None: how
+    #   often each code occurs per block and the values it stands for (block FP8, MXFP4,
+    #   NVFP4); `measure_rows` (rules.measured_through) measures a run through them, and
+    #   the factor search counts a run under each factor's scales through them.
+    # - `code_energies(weight, codes, start, stop, small)` -> (first scale, energies) |
+    #   None, with ENERGY_UNIT: the exact sums of the codes' squared values under each
+    #   scale (in units of 2**-ENERGY_UNIT), kept by the view for every check of a clip.
+    # - `scale_energies(...)` -> (energies, scales) | None: the same per run, for a check
+    #   where the weight's energies are not kept (integer codes).
+    # - `decode_columns(weight, codes, start, stop, small, (first, last))`: a transposed
+    #   weight's rows restricted to some columns (the view's gathering into C order).
+    # The integer schemes make theirs from their CodeTerms (intcodes.term_hooks).
 
 
 def row_for_row(weight: Recognised, start: int, stop: int) -> tuple[int, int]:  # noqa: ARG001
