@@ -447,7 +447,16 @@ def energy_reference(codes: np.ndarray, block: tuple[int, int]) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize(("rows", "columns", "block"), [(300, 520, (128, 128)), (5, 9, (2, 4))])
+@pytest.mark.parametrize(
+    ("rows", "columns", "block"),
+    [
+        (300, 520, (128, 128)),  # counted per block (256 counts a block pay)
+        (5, 9, (2, 4)),  # summed code by code: 8 codes a block
+        (40, 64, (1, 1)),  # one scale a code
+        (16, 256, (16, 16)),  # exactly 256 codes a block: counted
+        (15, 255, (15, 17)),  # 255 codes a block: summed
+    ],
+)
 def test_code_energies_over_runs_that_split_blocks(
     rows: int, columns: int, block: tuple[int, int]
 ) -> None:
@@ -466,6 +475,28 @@ def test_code_energies_over_runs_that_split_blocks(
         first, partial = found  # the run's blocks in the flattened scales
         total[first : first + partial.size] += partial
     assert (total.reshape(scale_shape).astype(object) == energy_reference(codes, block)).all()
+
+
+def test_small_blocks_never_count_256_codes_a_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 1 x 1 codes (one scale each): 256 counts a block would take 2 KiB a code
+    (an attack held 2.7 GB for a 3 MB checkpoint); the energies are summed code by code,
+    in the run's own size, and equal the reference."""
+    from clipcli.numerics import coded as coded_module
+
+    def refuse(*_: Any) -> Any:
+        raise AssertionError("counted 256 codes a block")
+
+    monkeypatch.setattr(coded_module, "block_code_counts", refuse)
+    rng = np.random.default_rng(9)
+    codes = rng.integers(0, 0x7F, (32, 48)).astype(np.uint8)
+    weight = fp8_block_recognised(32, 48, (1, 1))
+    small = {"s": np.ones((32, 48), dtype=np.float32)}
+    found = fp8_block.code_energies(weight, as_e4m3(codes[3:20]), 3, 20, small)
+    assert found is not None
+    first, partial = found
+    assert first == 3 * 48
+    want = energy_reference(codes, (1, 1))[3:20].reshape(-1)
+    assert (partial.astype(object) == want).all()
 
 
 def as_e4m3(codes: np.ndarray) -> np.ndarray:
@@ -532,3 +563,35 @@ def test_the_energy_budget_exactly(
     else:
         assert calls["energies"] == 0
         assert calls["tables"] > 2  # measured, then counted at every check
+
+
+@pytest.mark.parametrize(
+    ("sizes", "most", "pieces"),
+    [((3, 2), 5, [5]), ((3, 3), 5, [3, 3]), ((11,), 5, [5, 5, 1]), ((2, 2, 2), 4, [4, 2])],
+)
+def test_a_check_works_through_the_kept_scales_in_pieces(
+    sizes: tuple[int, ...], most: int, pieces: list[int]
+) -> None:
+    """Parts joined up to `most` scales a piece (exactly `most` is one piece), a part
+    larger than that cut; every energy beside its own scale, in order."""
+    parts = [
+        (np.arange(n, dtype=np.int64) + 100 * i, (np.arange(n) + 100 * i).astype(np.float32))
+        for i, n in enumerate(sizes)
+    ]
+    got = list(view_module._pieces(parts, most))
+    assert [e.size for e, _ in got] == pieces
+    energies = np.concatenate([e for e, _ in got])
+    scales = np.concatenate([s for _, s in got])
+    assert (energies == scales).all()
+    assert energies.tolist() == [v for e, _ in parts for v in e.tolist()]
+
+
+def test_the_check_does_not_depend_on_its_piece_size(
+    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = fixture("fp8-block", tmp_path / "in")
+    whole = clip_json(run_main, src, tmp_path / "whole", "--global", "0.37")
+    monkeypatch.setattr(view_module, "CHECK_PIECE", 4)  # 15 scales: 4 pieces
+    pieces = clip_json(run_main, src, tmp_path / "pieces", "--global", "0.37")
+    assert whole == pieces
+    assert written(tmp_path / "whole") == written(tmp_path / "pieces")

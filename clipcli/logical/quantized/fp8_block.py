@@ -272,14 +272,30 @@ def code_energies(
         return None
     columns = weight.shape[1]
     raw = codes.reshape(stop - start, columns).view(np.uint8)
-    counts = coded.block_code_counts(raw, start, rows_per_block, columns_per_block)
-    if counts[..., _E4M3_NAN].any():
-        return None
     values = float64_values(codes.dtype).copy()  # shared, read-only
     values[list(_E4M3_NAN)] = 0.0
     units = np.ldexp(values * values, ENERGY_UNIT).astype(np.int64)  # exact integers
-    energies = counts @ units  # [row blocks of the run, scale columns]
-    return start // rows_per_block * energies.shape[1], energies.reshape(-1)
+    first_block = start // rows_per_block
+    row_blocks = (stop - 1) // rows_per_block - first_block + 1
+    scale_columns = rules.ceil_div(columns, columns_per_block)
+    if coded.tables_pay(row_blocks * scale_columns, raw.size):
+        counts = coded.block_code_counts(raw, start, rows_per_block, columns_per_block)
+        if counts[..., _E4M3_NAN].any():
+            return None
+        energies = counts @ units  # [row blocks of the run, scale columns]
+    else:  # small blocks: 256 counts a block would outnumber the codes; sum each one
+        if np.isin(raw, _E4M3_NAN).any():
+            return None
+        squares = units[raw]  # int64, the run's own size
+        row_starts = [
+            0,
+            *range(
+                first_block * rows_per_block + rows_per_block - start, stop - start, rows_per_block
+            ),
+        ]
+        by_rows = np.add.reduceat(squares, row_starts, axis=0)
+        energies = np.add.reduceat(by_rows, list(range(0, columns, columns_per_block)), axis=1)
+    return first_block * scale_columns, energies.reshape(-1)
 
 
 def _block_layout(

@@ -48,6 +48,9 @@ MEASURED_RUN_ELEMENTS = 1 << 20
 # int64 per scale and the scale itself, 12 MiB per 64 GiB of 128 x 128-block FP8 codes,
 # 10 bytes per 64 of group-128 int4 codes; weights past it are counted at each check.
 ENERGY_BUDGET_BYTES = 64 << 20
+# Scales a check works through at once (QuantizedView.energy_sumsq_together): its arrays
+# are a few times this many float64 whatever the number of scales kept.
+CHECK_PIECE = 1 << 20
 # Real values held at once to put a transposed weight (GPTQ, AWQ) in C order: 32 MiB of
 # float64, twice (the block and its transpose); a 4096 x 4096 weight takes 4 passes.
 TRANSPOSE_ELEMENTS = 1 << 22
@@ -473,22 +476,21 @@ class QuantizedView(View):
             return frozenset(), None
         total, bound = Fraction(0), Fraction(0)
         for (_, power_of_two, scaler, unit), parts in kinds.items():
-            energies = np.concatenate([e for e, _ in parts])
-            scales = np.concatenate([s.reshape(-1) for _, s in parts])
-            with np.errstate(all="ignore"):  # an inf or NaN scale stays one
-                if power_of_two:  # the values times 2**-k, as _decoded checks them
-                    steps = rounding.power_of_two_steps(mantissa, exponent)
-                    values = np.ldexp(rules.widened(scales), -steps)
-                else:
-                    rewrite = scaler or rounding.scale_chunk
-                    values = rules.widened(rewrite(scales, mantissa, exponent))
-            if not np.isfinite(values).all():
-                return frozenset(), None
-            bounded = coded.bounded_table_sumsq(energies, values)
-            if bounded is None:
-                return frozenset(), None
-            total += bounded[0] / 2**unit
-            bound += bounded[1] / 2**unit
+            for energies, scales in _pieces(parts, CHECK_PIECE):
+                with np.errstate(all="ignore"):  # an inf or NaN scale stays one
+                    if power_of_two:  # the values times 2**-k, as _decoded checks them
+                        steps = rounding.power_of_two_steps(mantissa, exponent)
+                        values = np.ldexp(rules.widened(scales), -steps)
+                    else:
+                        rewrite = scaler or rounding.scale_chunk
+                        values = rules.widened(rewrite(scales, mantissa, exponent))
+                if not np.isfinite(values).all():
+                    return frozenset(), None
+                bounded = coded.bounded_table_sumsq(energies, values)
+                if bounded is None:
+                    return frozenset(), None
+                total += bounded[0] / 2**unit
+                bound += bounded[1] / 2**unit
         return frozenset(names), (total, bound)
 
     def _code_energies(self, reader: Reader, scheme: Scheme, rec: Recognised) -> np.ndarray | None:
@@ -830,6 +832,28 @@ def _measured(
     acc = NormAccumulator()
     acc.add(_decode(scheme, rec, codes, start, stop, small).reshape(-1))
     return acc
+
+
+def _pieces(
+    parts: Sequence[tuple[np.ndarray, np.ndarray]], most: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(energies, scales flattened) of consecutive parts, joined or cut into pieces of at
+    most `most` scales: a check's arrays stay that small, however many scales are kept."""
+    import numpy as np
+
+    held: list[tuple[np.ndarray, np.ndarray]] = []
+    size = 0
+    for energies, scales in parts:
+        flat = scales.reshape(-1)
+        for begin in range(0, energies.size, most):
+            piece = (energies[begin : begin + most], flat[begin : begin + most])
+            if size + piece[0].size > most:
+                yield np.concatenate([e for e, _ in held]), np.concatenate([f for _, f in held])
+                held, size = [], 0
+            held.append(piece)
+            size += piece[0].size
+    if held:
+        yield np.concatenate([e for e, _ in held]), np.concatenate([f for _, f in held])
 
 
 def _bounded_sumsq(
