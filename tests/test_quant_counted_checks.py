@@ -595,3 +595,42 @@ def test_the_check_does_not_depend_on_its_piece_size(
     pieces = clip_json(run_main, src, tmp_path / "pieces", "--global", "0.37")
     assert whole == pieces
     assert written(tmp_path / "whole") == written(tmp_path / "pieces")
+
+
+# ---------------------------------------------------------------- MXFP4: energies per scale code
+
+
+def test_mxfp4_energies_are_per_scale_code_and_exact() -> None:
+    """gpt-oss MXFP4: the sum of e2m1 values squared (units of 1/4) under each of the 255
+    finite scale codes, whatever the weight's size; a NaN scale code (0xFF) gives none."""
+    from clipcli.logical.quantized import mxfp4
+
+    rng = np.random.default_rng(4)
+    stored, codes, exponents, _ = gpt_oss_mxfp4(
+        rng, (6,), 2, [int(e) for e in rng.integers(0, 255, 12)]
+    )
+    weight = mxfp4.recognise(infos_of(stored), None)[0]
+    packed = np.frombuffer(stored["mlp.experts.down_proj_blocks"][2], np.uint8)
+    small = {"mlp.experts.down_proj_scales": np.array(exponents, dtype=np.uint8)}
+    found = mxfp4.code_energies(weight, packed, 0, 6, small)
+    assert found is not None
+    first, energies = found
+    assert first == 0
+    assert mxfp4.energy_slots(weight).size == energies.size == 255
+    want = [Fraction(0)] * 255
+    for row in range(6):
+        for j, code in enumerate(codes[row]):
+            want[exponents[row * 2 + j // 32]] += e2m1_value(code) ** 2 * 4
+    assert energies.tolist() == want
+    small["mlp.experts.down_proj_scales"][5] = 0xFF
+    assert mxfp4.code_energies(weight, packed, 0, 6, small) is None
+
+
+def infos_of(stored: dict[str, tuple[str, list[int], bytes]]) -> dict[str, Any]:
+    from clipcli.formats.base import TensorInfo
+    from clipcli.formats.safetensors.header import dtype_of
+
+    return {
+        name: TensorInfo(name, dtype_of(code), tuple(shape), len(payload))
+        for name, (code, shape, payload) in stored.items()
+    }

@@ -121,9 +121,28 @@ def lift(
         elif t.plain and len(t.parts) == 1:
             lifted.append(by_stored[t.parts[0].name])
         elif p.action is Action.SCALE and p.factor is not None:
-            chunks = reader.scaled_chunks(p.info, p.factor, p.exponent)
             changed = any(by_stored[part.name].changed for part in t.parts)
-            lifted.append(Outcome(accumulate(chunks), changed=changed))
+            lifted.append(Outcome(_scaled_statistics(reader, p), changed=changed))
         else:
             lifted.append(Outcome(p.before, changed=False))
     return lifted
+
+
+def _scaled_statistics(reader: LogicalReader, p: TensorPlan) -> NormAccumulator:
+    """The statistics of a scaled logical tensor's values as written: its view's
+    measured pieces under the factor (code tables, one decoding pass) in worker threads
+    where it has them, else its scaled chunks."""
+    from clipcli.system.parallel import ordered_map
+
+    assert p.factor is not None
+    loaders = reader.scaled_measured_loaders(p.info, p.factor, p.exponent)
+    if loaders is None:
+        return accumulate(reader.scaled_chunks(p.info, p.factor, p.exponent))
+    total = NormAccumulator()
+    for piece in ordered_map(_load, loaders):
+        total.merge(piece)
+    return total
+
+
+def _load(loader: Callable[[], NormAccumulator]) -> NormAccumulator:
+    return loader()

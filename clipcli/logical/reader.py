@@ -144,6 +144,13 @@ class LogicalReader(Reader):
         search's check: what the write pass will make of the lowered plan)."""
         return self.view.scaled_chunks(self.stored, self.by_name[info.name], mantissa, exponent)
 
+    def scaled_measured_loaders(
+        self, info: TensorInfo, mantissa: float, exponent: int
+    ) -> Iterator[Callable[[], NormAccumulator]] | None:
+        """View.scaled_measured_loaders of this tensor."""
+        tensor = self.by_name[info.name]
+        return self.view.scaled_measured_loaders(self.stored, tensor, mantissa, exponent)
+
     def energy_sumsq_together(
         self, infos: Sequence[TensorInfo], mantissa: float, exponent: int
     ) -> tuple[frozenset[str], tuple[Fraction, Fraction] | None]:

@@ -201,6 +201,18 @@ class View(ABC):
         for chunk in self.chunks(reader, tensor):
             yield rounding.scale_chunk(chunk, mantissa, exponent)
 
+    def scaled_measured_loaders(
+        self,
+        reader: Reader,  # noqa: ARG002 - interface
+        tensor: LogicalTensor,  # noqa: ARG002 - interface
+        mantissa: float,  # noqa: ARG002 - interface
+        exponent: int,  # noqa: ARG002 - interface
+    ) -> Iterator[Callable[[], NormAccumulator]] | None:
+        """As measured_loaders, of the values scaled_chunks() gives (what a clip wrote:
+        the report's norm after), piece by piece in any order; None (the default):
+        measure scaled_chunks()."""
+        return None
+
     def energy_sumsq_together(
         self,
         reader: Reader,  # noqa: ARG002 - interface

@@ -122,11 +122,10 @@ def decode_rows(
 
     columns = weight.shape[-1]
     values = rules.fp4_low_first(codes.reshape(stop - start, -1))[:, :columns]
-    scales = rules.e8m0_values(small[weight.parts[1].name]).reshape(
-        -1, rules.ceil_div(columns, BLOCK)
-    )
+    stored = small[weight.parts[1].name].reshape(-1, rules.ceil_div(columns, BLOCK))
+    scales = rules.e8m0_values(stored[start:stop])  # these rows' only
     with np.errstate(invalid="ignore"):
-        values *= np.repeat(scales[start:stop], BLOCK, axis=1)[:, :columns]
+        values *= np.repeat(scales, BLOCK, axis=1)[:, :columns]
     return values
 
 
@@ -158,6 +157,48 @@ def code_tables(
 
 
 measure_rows = rules.measured_through(code_tables)
+
+
+# e2m1 values are multiples of 1/2: their squares, in units of 2**-2, are integers.
+ENERGY_UNIT = 2
+
+
+def energy_slots(weight: Recognised) -> np.ndarray:  # noqa: ARG001 - the hook's signature
+    """The scale each energy of code_energies stands under: one slot per finite E8M0 code
+    (0 to 254), as float8_e8m0fnu (the view reads it as 2**(code - 127)). A weight's
+    energies are per scale code, not per block: 255 integers whatever its size."""
+    import ml_dtypes
+    import numpy as np
+
+    return np.arange(255, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+def code_energies(
+    weight: Recognised,
+    codes: np.ndarray,
+    start: int,
+    stop: int,
+    small: Mapping[str, np.ndarray],
+) -> tuple[int, np.ndarray] | None:
+    """Real rows [start, stop) as the sum of their e2m1 values squared (units of 2**-2)
+    under each scale code (energy_slots): what every check of a factor 2**-k needs, as
+    the scale bytes are lowered by k and the codes kept. None for a run with a NaN scale
+    (0xFF) or a layout code_tables does not read."""
+    import numpy as np
+
+    from clipcli.numerics import coded
+
+    columns = weight.shape[-1]
+    packed = codes.reshape(stop - start, -1).view(np.uint8)
+    if packed.shape[1] * 2 != columns:
+        return None
+    scale_codes = small[weight.parts[1].name].view(np.uint8)
+    scale_codes = scale_codes.reshape(-1, rules.ceil_div(columns, BLOCK))[start:stop]
+    counts = coded.nibble_counts(packed, scale_codes, BLOCK)
+    if counts[rules.E8M0_NAN].any():
+        return None
+    units = (np.array(rules.E2M1, dtype=np.float64) * 2) ** 2  # exact small integers
+    return 0, counts[: rules.E8M0_NAN] @ units.astype(np.int64)
 
 
 def scaled_parts(weight: Recognised) -> list[str]:

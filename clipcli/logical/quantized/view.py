@@ -387,16 +387,39 @@ class QuantizedView(View):
             return None
         return self._measured_runs(reader, scheme, rec)
 
+    def scaled_measured_loaders(
+        self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
+    ) -> Iterator[Callable[[], NormAccumulator]] | None:
+        """The statistics of what a clip wrote (the scales scaled by the factor, or the
+        values times 2**-k where the scales are E8M0), measured as measured_loaders
+        measures: through code tables where the scheme has them, else decoded once, run
+        by run of the rows as the codes hold them (a transposed weight is not gathered)."""
+        if tensor.plain:
+            return None
+        scheme, rec = self._weights[tensor.info.name]
+        factor: tuple[float, int] | None = (mantissa, exponent)
+        steps = None
+        if rec.params.get("power_of_two", False):
+            from clipcli.numerics.rounding import power_of_two_steps
+
+            steps, factor = power_of_two_steps(mantissa, exponent), None
+        return self._measured_runs(reader, scheme, rec, factor, steps)
+
     def _measured_runs(
-        self, reader: Reader, scheme: Scheme, rec: Recognised
+        self,
+        reader: Reader,
+        scheme: Scheme,
+        rec: Recognised,
+        factor: tuple[float, int] | None = None,
+        steps: int | None = None,
     ) -> Iterator[Callable[[], NormAccumulator]]:
-        small = self._small_parts(reader, rec, None, scheme)
+        small = self._small_parts(reader, rec, factor, scheme)
         budget = MEASURED_RUN_ELEMENTS
         shape = rec.shape[::-1] if rec.transposed else rec.shape  # rows as decoded
         for start, stop, codes in self._code_runs(reader, scheme, rec, shape, budget):
             # Measured in a worker after this generator has read on: as every chunk the
             # measuring pipeline hands to workers, the reader's arrays are never reused.
-            yield functools.partial(_measured, scheme, rec, codes, start, stop, small)
+            yield functools.partial(_measured, scheme, rec, codes, start, stop, small, steps)
 
     def scaled_sumsq_loaders(
         self, reader: Reader, tensor: LogicalTensor, mantissa: float, exponent: int
@@ -504,10 +527,15 @@ class QuantizedView(View):
         import numpy as np
 
         code_energies = getattr(scheme, "code_energies", None)
+        energy_slots = getattr(scheme, "energy_slots", None)
         scaled = scheme.scaled_parts(rec)
         scale_info = self._stored[scaled[0]] if len(scaled) == 1 else None
-        size = scale_info.numel if scale_info is not None else 0
-        cost = 8 * size + (scale_info.nbytes if scale_info is not None else 0)
+        # An energy per stored scale, or per slot where the scheme has slots (MXFP4: one
+        # per scale code).
+        slots = energy_slots(rec) if energy_slots is not None else None
+        size = slots.size if slots is not None else scale_info.numel if scale_info else 0
+        kept_bytes = slots.nbytes if slots is not None else scale_info.nbytes if scale_info else 0
+        cost = 8 * size + kept_bytes
         energies: np.ndarray | None = None
         affordable = self._energy_bytes + cost <= ENERGY_BUDGET_BYTES
         if code_energies is not None and scale_info is not None and size and affordable:
@@ -524,7 +552,8 @@ class QuantizedView(View):
                 energies[first : first + partial.size] += partial
         if energies is not None:
             assert scale_info is not None
-            self._kept_scales[rec.name] = reader.read(scale_info)  # read once, as stored
+            # the scales as stored, read once (or the slots)
+            self._kept_scales[rec.name] = slots if slots is not None else reader.read(scale_info)
             self._energy_bytes += cost
         self._energies[rec.name] = energies
         return energies
@@ -815,6 +844,7 @@ def _measured(
     start: int,
     stop: int,
     small: Mapping[str, np.ndarray],
+    steps: int | None = None,
 ) -> NormAccumulator:
     """The statistics of rows [start, stop) as the scheme decodes them: its measure_rows
     where it has one and its tables pay, else those of the decoded rows. Floating-point
@@ -823,6 +853,19 @@ def _measured(
 
     from clipcli.numerics.norms import NormAccumulator
 
+    if steps is not None:  # the values times 2**-steps (E8M0 scales lowered by steps)
+        from clipcli.numerics import coded
+
+        tables = getattr(scheme, "code_tables", None)
+        with np.errstate(all="ignore"):
+            found = tables(rec, codes, start, stop, small) if tables is not None else None
+        if found is not None:
+            return coded.table_statistics(found[0], np.ldexp(found[1], -steps))
+        acc = NormAccumulator()
+        with np.errstate(all="ignore"):
+            values = np.ldexp(_decode(scheme, rec, codes, start, stop, small), -steps)
+        acc.add(values.reshape(-1))
+        return acc
     measure_rows = getattr(scheme, "measure_rows", None)
     if measure_rows is not None:
         with np.errstate(all="ignore"):
