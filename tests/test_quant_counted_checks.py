@@ -323,11 +323,15 @@ def real_sumsq(kind: str, out: Path) -> Fraction:
     if kind in ("gptq", "awq", "packed-int"):
         return decoded_sumsq(out)
     stored = read_raw_safetensors(out if out.is_file() else out / "model.safetensors")
-    if kind == "fp8-block":
+    if kind.startswith("fp8-block"):
         _, (rows, columns), codes = stored["layer.weight"]
         scale_shape, payload = stored["layer.weight_scale_inv"][1:]
         scales = struct.unpack(f"<{len(payload) // 4}f", payload)
-        energies = squares_by_block(codes, columns, (128, 128), e4m3fn_value)
+        block = (128, 128)
+        if kind == "fp8-block-any":  # the declared block, from config.json
+            config = json.loads((out / "config.json").read_text())
+            block = tuple(config["quantization_config"]["weight_block_size"])
+        energies = squares_by_block(codes, columns, block, e4m3fn_value)
         return sum(
             (e * Fraction(scales[r * scale_shape[1] + c]) ** 2 for (r, c), e in energies.items()),
             Fraction(0),
@@ -634,3 +638,43 @@ def infos_of(stored: dict[str, tuple[str, list[int], bytes]]) -> dict[str, Any]:
         name: TensorInfo(name, dtype_of(code), tuple(shape), len(payload))
         for name, (code, shape, payload) in stored.items()
     }
+
+
+@pytest.mark.parametrize(
+    ("shape", "block", "kept"),
+    [((16, 16), (4, 4), True), ((17, 15), (5, 4), False), ((16, 16), (1, 1), False)],
+)
+def test_energies_are_kept_where_a_scale_stands_for_16_codes(
+    tmp_path: Path,
+    run_main: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, int],
+    block: tuple[int, int],
+    kept: bool,
+) -> None:
+    """16 x 16 codes under 16 scales (16 codes a scale): energies kept; 17 x 15 under 16
+    scales (255 codes, one short of 16 a scale) and 1 x 1 blocks: each check counts
+    instead (a kept scale costs a check more than decoding its one code would)."""
+    rng = np.random.default_rng(11)
+    rows, columns = shape
+    codes = rng.integers(0, 0x7F, rows * columns).astype(np.uint8)
+    scale_shape = [-(-rows // block[0]), -(-columns // block[1])]
+    scales = np.ldexp(rng.random(scale_shape) + 1, -4).astype(np.float32)
+    stored = {
+        "layer.weight": ("F8_E4M3", [rows, columns], codes.tobytes()),
+        "layer.weight_scale_inv": ("F32", scale_shape, scales.tobytes()),
+    }
+    config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(block)}}
+    src = write_model_directory(tmp_path / "in", {"model.safetensors": stored}, config)
+    calls: list[int] = []
+    real = fp8_block.code_energies
+
+    def spy(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(fp8_block, "code_energies", spy)
+    report = clip_json(run_main, src, tmp_path / "out", "--global", "0.01")
+    assert report["tensors"][0]["changed"]
+    assert bool(calls) == kept
+    assert real_sumsq("fp8-block-any", tmp_path / "out") <= Fraction(0.01) ** 2

@@ -48,6 +48,11 @@ MEASURED_RUN_ELEMENTS = 1 << 20
 # int64 per scale and the scale itself, 12 MiB per 64 GiB of 128 x 128-block FP8 codes,
 # 10 bytes per 64 of group-128 int4 codes; weights past it are counted at each check.
 ENERGY_BUDGET_BYTES = 64 << 20
+# Codes a kept energy must stand for on average (QuantizedView._code_energies): a check
+# costs ~40 ns a kept scale and decoding ~25 ns a value, so a weight of one scale for every
+# code or two (1 x 1 blocks, groups of 1) is checked run by run instead (attack checks9att:
+# 40 such weights clipped 10% slower than by decoding).
+ENERGY_MIN_CODES = 16
 # Scales a check works through at once (QuantizedView.energy_sumsq_together): its arrays
 # are a few times this many float64 whatever the number of scales kept.
 CHECK_PIECE = 1 << 20
@@ -520,8 +525,9 @@ class QuantizedView(View):
         """The weight's energies under each of its (flattened) scales, from its scheme's
         code_energies over every run of rows: counted at its first check and kept for
         the others while all the weights' energies stay within ENERGY_BUDGET_BYTES (one
-        int64 per scale); None where the scheme has none, declines, a run's energies fall
-        outside the scales, or the budget is spent (each check counts)."""
+        int64 per scale) and stand for ENERGY_MIN_CODES codes each on average; None where
+        the scheme has none, declines, a run's energies fall outside the scales, or
+        either rule says no (each check counts runs as it goes)."""
         if rec.name in self._energies:
             return self._energies[rec.name]
         import numpy as np
@@ -538,7 +544,8 @@ class QuantizedView(View):
         cost = 8 * size + kept_bytes
         energies: np.ndarray | None = None
         affordable = self._energy_bytes + cost <= ENERGY_BUDGET_BYTES
-        if code_energies is not None and scale_info is not None and size and affordable:
+        pays = math.prod(rec.shape) >= ENERGY_MIN_CODES * size
+        if code_energies is not None and scale_info is not None and size and affordable and pays:
             small = self._small_parts(reader, rec, None, scheme)
             energies = np.zeros(size, dtype=np.int64)
             shape = rec.shape[::-1] if rec.transposed else rec.shape  # rows as decoded
@@ -936,10 +943,13 @@ def _bounded_sumsq(
         values = _decode(scheme, rec, codes, start, stop, small)
         if steps is not None:
             values = np.ldexp(values, -steps)
-    if not np.isfinite(values).all():
+    flat = values.reshape(-1)
+    if not np.isfinite(flat).all():
         return None
     total = CertainSumsq()
-    total.add(values.reshape(-1))
+    step = default_chunk_elems(flat.dtype)  # as scaled_chunks: its temporaries stay cached
+    for begin in range(0, flat.size, step):
+        total.add(flat[begin : begin + step])
     return total.total, total.bound
 
 
