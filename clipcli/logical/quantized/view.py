@@ -546,12 +546,17 @@ class QuantizedView(View):
         affordable = self._energy_bytes + cost <= ENERGY_BUDGET_BYTES
         pays = math.prod(rec.shape) >= ENERGY_MIN_CODES * size
         if code_energies is not None and scale_info is not None and size and affordable and pays:
+            from clipcli.system.parallel import ordered_map
+
             small = self._small_parts(reader, rec, None, scheme)
             energies = np.zeros(size, dtype=np.int64)
             shape = rec.shape[::-1] if rec.transposed else rec.shape  # rows as decoded
             budget = MEASURED_RUN_ELEMENTS
-            for start, stop, codes in self._code_runs(reader, scheme, rec, shape, budget):
-                found = code_energies(rec, codes, start, stop, small)
+            runs = self._code_runs(reader, scheme, rec, shape, budget)
+            # counted in worker threads, as the measuring pass counts (the reader's arrays
+            # are never reused), summed here in order
+            counted = (functools.partial(code_energies, rec, c, a, b, small) for a, b, c in runs)
+            for found in ordered_map(_call, counted):
                 if found is None or not 0 <= found[0] <= size - found[1].size:
                     energies = None
                     break
@@ -882,6 +887,10 @@ def _measured(
     acc = NormAccumulator()
     acc.add(_decode(scheme, rec, codes, start, stop, small).reshape(-1))
     return acc
+
+
+def _call(work: Callable[[], Any]) -> Any:
+    return work()
 
 
 def _pieces(
