@@ -15,7 +15,6 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 
@@ -32,9 +31,7 @@ from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.many import accumulate_each
 from clipcli.numerics.norms import NormAccumulator, accumulate, accumulate_array
 from clipcli.system import interrupts
-from clipcli.system.parallel import ordered_map
-
-R = TypeVar("R")
+from clipcli.system.parallel import loaded
 
 # ---------------------------------------------------------------- while measuring
 
@@ -111,7 +108,7 @@ def _scaled_sumsq(
     if loaders is None:
         return exactly()
     total, bound = Fraction(0), Fraction(0)
-    for piece in ordered_map(_load, loaders):
+    for piece in loaded(loaders):
         if piece is None:  # NaN or infinity: as before, from the decoded values
             return exactly()
         total += piece[0]
@@ -119,10 +116,6 @@ def _scaled_sumsq(
     result = CertainSumsq()
     result.add_bounded(total, bound, exactly)
     return result
-
-
-def _load(loader: Callable[[], R]) -> R:
-    return loader()
 
 
 def _decoded_sumsq(

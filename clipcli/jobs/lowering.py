@@ -132,17 +132,13 @@ def _scaled_statistics(reader: LogicalReader, p: TensorPlan) -> NormAccumulator:
     """The statistics of a scaled logical tensor's values as written: its view's
     measured pieces under the factor (code tables, one decoding pass) in worker threads
     where it has them, else its scaled chunks."""
-    from clipcli.system.parallel import ordered_map
+    from clipcli.system.parallel import loaded
 
     assert p.factor is not None
     loaders = reader.scaled_measured_loaders(p.info, p.factor, p.exponent)
     if loaders is None:
         return accumulate(reader.scaled_chunks(p.info, p.factor, p.exponent))
     total = NormAccumulator()
-    for piece in ordered_map(_load, loaders):
+    for piece in loaded(loaders):
         total.merge(piece)
     return total
-
-
-def _load(loader: Callable[[], NormAccumulator]) -> NormAccumulator:
-    return loader()

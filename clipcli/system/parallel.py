@@ -234,6 +234,15 @@ def ordered_map(
                 task.wait()
 
 
+def loaded(loaders: Iterable[Callable[[], R]], workers: int | None = None) -> Iterator[R]:
+    """Each loader called in worker threads, results in order (ordered_map of calls)."""
+    return ordered_map(_called, loaders, workers)
+
+
+def _called(loader: Callable[[], R]) -> R:
+    return loader()
+
+
 def start_threads(target: Callable[[], None], count: int, name: str) -> list[threading.Thread]:
     """Up to `count` threads running target(), started now; fewer where no more can be
     started (RLIMIT_NPROC): the caller, which runs target() too, does their share."""

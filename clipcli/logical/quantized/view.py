@@ -318,10 +318,8 @@ class QuantizedView(View):
 
         scheme, rec = self._weights[tensor.info.name]
         steps = None  # E8M0 scales: the values times 2**-k, exactly (see below)
-        if factor is not None and rec.params.get("power_of_two", False):
-            from clipcli.numerics.rounding import power_of_two_steps
-
-            steps, factor = power_of_two_steps(*factor), None
+        if factor is not None:
+            factor, steps = _factor_or_steps(rec, *factor)
         small = self._small_parts(reader, rec, factor, scheme)
         budget = chunk_elems or default_chunk_elems(np.dtype(np.float64))
         if rec.transposed:
@@ -402,12 +400,7 @@ class QuantizedView(View):
         if tensor.plain:
             return None
         scheme, rec = self._weights[tensor.info.name]
-        factor: tuple[float, int] | None = (mantissa, exponent)
-        steps = None
-        if rec.params.get("power_of_two", False):
-            from clipcli.numerics.rounding import power_of_two_steps
-
-            steps, factor = power_of_two_steps(mantissa, exponent), None
+        factor, steps = _factor_or_steps(rec, mantissa, exponent)
         return self._measured_runs(reader, scheme, rec, factor, steps)
 
     def _measured_runs(
@@ -442,12 +435,7 @@ class QuantizedView(View):
             rec.transposed or not hasattr(scheme, "code_tables")
         ):
             return None
-        factor: tuple[float, int] | None = (mantissa, exponent)
-        steps = None  # E8M0 scales: the values times 2**-k, as _decoded checks them
-        if rec.params.get("power_of_two", False):
-            from clipcli.numerics.rounding import power_of_two_steps
-
-            steps, factor = power_of_two_steps(mantissa, exponent), None
+        factor, steps = _factor_or_steps(rec, mantissa, exponent)
         small = self._small_parts(reader, rec, factor, scheme)
         return self._bounded_runs(reader, scheme, rec, small, steps)
 
@@ -503,11 +491,11 @@ class QuantizedView(View):
         if not names:
             return frozenset(), None
         total, bound = Fraction(0), Fraction(0)
+        steps = rounding.power_of_two_steps(mantissa, exponent)
         for (_, power_of_two, scaler, unit), parts in kinds.items():
             for energies, scales in _pieces(parts, CHECK_PIECE):
                 with np.errstate(all="ignore"):  # an inf or NaN scale stays one
                     if power_of_two:  # the values times 2**-k, as _decoded checks them
-                        steps = rounding.power_of_two_steps(mantissa, exponent)
                         values = np.ldexp(rules.widened(scales), -steps)
                     else:
                         rewrite = scaler or rounding.scale_chunk
@@ -546,7 +534,7 @@ class QuantizedView(View):
         affordable = self._energy_bytes + cost <= ENERGY_BUDGET_BYTES
         pays = math.prod(rec.shape) >= ENERGY_MIN_CODES * size
         if code_energies is not None and scale_info is not None and size and affordable and pays:
-            from clipcli.system.parallel import ordered_map
+            from clipcli.system.parallel import loaded
 
             small = self._small_parts(reader, rec, None, scheme)
             energies = np.zeros(size, dtype=np.int64)
@@ -556,7 +544,7 @@ class QuantizedView(View):
             # counted in worker threads, as the measuring pass counts (the reader's arrays
             # are never reused), summed here in order
             counted = (functools.partial(code_energies, rec, c, a, b, small) for a, b, c in runs)
-            for found in ordered_map(_call, counted):
+            for found in loaded(counted):
                 if found is None or not 0 <= found[0] <= size - found[1].size:
                     energies = None
                     break
@@ -889,8 +877,16 @@ def _measured(
     return acc
 
 
-def _call(work: Callable[[], Any]) -> Any:
-    return work()
+def _factor_or_steps(
+    rec: Recognised, mantissa: float, exponent: int
+) -> tuple[tuple[float, int] | None, int | None]:
+    """How a factor reaches the weight's values: its scales scaled by it, (factor, None);
+    or, E8M0 scales (power_of_two), the values times 2**-k, (None, k)."""
+    if rec.params.get("power_of_two", False):
+        from clipcli.numerics.rounding import power_of_two_steps
+
+        return None, power_of_two_steps(mantissa, exponent)
+    return (mantissa, exponent), None
 
 
 def _pieces(
