@@ -47,6 +47,26 @@ if [ "$cores" -gt 16 ]; then threads="$threads,$cores"; fi
 head -8 "$out/machine.txt"
 
 cd "$root" || exit 1
+# Pre-flight: clipcli must run with this machine's Python. Where its image lacks a dependency
+# (or has one the CLI cannot use), the wheels carried in .whl (pure-Python ones) are tried.
+preflight() {
+    "$python" - <<'PY'
+import sys, tempfile, subprocess, numpy as np
+from pathlib import Path
+d = Path(tempfile.mkdtemp())
+np.savez(d / "t.npz", a=np.arange(4, dtype=np.float32))
+r = subprocess.run([sys.executable, "-m", "clipcli", "norms", "--format", "json", str(d / "t.npz")],
+                   capture_output=True, text=True)
+print("preflight:", r.returncode, r.stdout[:80].replace("\n", " "), r.stderr[-300:])
+sys.exit(r.returncode)
+PY
+}
+if ! preflight && [ -d .whl ]; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/clipcli-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/clipcli-site"
+    preflight || { echo "clipcli does not run here"; exit 1; }
+fi
+command -v /usr/bin/time >/dev/null || echo "no /usr/bin/time here: peak RSS is an upper bound"
 timeout -k 10 450 "$python" benchmarks/scale.py \
     --size "$size" --runs "$runs" --shards 4 --threads "$threads" --default-threads \
     --jobs norms-fp32,norms-bf16,clip-dir --keep "$work/files" --json "$out/scale.json" \

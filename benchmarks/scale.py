@@ -4,7 +4,8 @@ Generates seeded fp32 and bf16 checkpoints of --size GiB each (a single .safeten
 and a model directory of --shards shards), then times, in one interleaved run (A B C A B C
 ...), clipcli at CLIPCLI_THREADS = 1, 2, 4 ... up to the usable cores against:
 
-- the floor (`floor_norms.py`: memmap + float64 dot, one thread) on the fp32 file,
+- the floor (`floor_norms.py`: memmap + float64 dot) on the fp32 file, with one thread and
+  with as many threads as cores,
 - `cp IN OUT && sync OUT`, `cp -r` + sync for the directory, `dd bs=8M conv=fsync`,
 - a plain PyTorch script (safe_open + vector_norm; load, mul_, save_file, fsync) when torch
   is installed.
@@ -130,16 +131,24 @@ def write_directory(path: Path, tensors: int, shards: int) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+GNU_TIME = Path("/usr/bin/time")
+
+
 def timed(
     argv: list[str], env: dict[str, str], before: list[str] | None
 ) -> tuple[float, float, int]:
-    """(wall s, CPU s of the process and its waited-for children, peak RSS KiB)."""
+    """(wall s, CPU s of the process and its waited-for children, peak RSS KiB).
+
+    Peak RSS comes from GNU time where it is installed: a forked child's ru_maxrss starts at
+    this process's own. Without it (a bare image), wait4's ru_maxrss is used, an upper bound.
+    """
     if before:
         subprocess.run(before, check=True)
         os.sync()
-    # Peak RSS from GNU time: a forked child's ru_maxrss starts at this process's own.
     with tempfile.NamedTemporaryFile("r") as peak:
-        wrapped = ["/usr/bin/time", "-o", peak.name, "-f", "%M", *argv]
+        wrapped = [str(GNU_TIME), "-o", peak.name, "-f", "%M", *argv]
+        if not GNU_TIME.exists():
+            wrapped = argv
         start = time.perf_counter()
         child = subprocess.Popen(
             wrapped, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -150,7 +159,7 @@ def timed(
         error = child.stderr.read().decode() if child.stderr else ""
         if code not in (0, 1):
             raise SystemExit(f"{' '.join(argv)} failed ({code}): {error}")
-        rss = int(peak.read().split()[-1])
+        rss = int(peak.read().split()[-1]) if GNU_TIME.exists() else usage.ru_maxrss
     return wall, usage.ru_utime + usage.ru_stime, rss
 
 
@@ -218,10 +227,15 @@ def main() -> int:
             rows.append((f"{label}, default threads", argv, unset, before))
         return rows
 
+    many = [*FLOOR, str(f32), "--threads", str(cores)]
+    floor_threaded = (f"floor ({cores} thr)", many, base, None)
     groups.append(
         (
             "norms, fp32 file",
-            [("floor (1 thread)", [*FLOOR, str(f32)], base, None)]
+            [
+                ("floor (1 thread)", [*FLOOR, str(f32)], base, None),
+                floor_threaded,
+            ]
             + threaded("clipcli norms", clipcli("norms", "--format", "json", str(f32))),
         )
     )
@@ -268,7 +282,10 @@ def main() -> int:
     groups = [group for group in groups if group[0] in titles]
     everything: list[dict[str, object]] = []
     print(f"# scale benchmark: {cores} cores, {args.size:g} GiB per checkpoint, {args.runs} runs")
-    print(f"load average before: {os.getloadavg()}, torch: {'yes' if torch else 'not installed'}\n")
+    print(f"load average before: {os.getloadavg()}, torch: {'yes' if torch else 'not installed'}")
+    if not GNU_TIME.exists():
+        print("no /usr/bin/time: peak RSS is wait4's, which counts this script's own at fork")
+    print()
     print("| job | command | wall (median) | CPU s (median) | peak RSS | vs first row |")
     print("|---|---|---|---|---|---|")
     for title, commands in groups:
