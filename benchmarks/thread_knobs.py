@@ -7,8 +7,11 @@ Writes a 2 GiB float32 and a 2 GiB bfloat16 safetensors file under $TMPDIR, then
 `clipcli norms FILE -q` (whole processes, median wall and CPU of --runs after a warm-up)
 for CLIPCLI_THREADS x (CLIPCLI_CHUNK_BYTES, CLIPCLI_CACHE_BLOCK) x
 CLIPCLI_SWITCH_INTERVAL_US, beside two floors on the same bytes: one thread (memmap,
-float64 blocks, dot) and every core (the same in a thread pool). Prints a markdown table
-and writes it, with every run as JSON, under $OUT.
+float64 blocks, dot) and every core (the same in a thread pool). First come the fixed
+costs (a bare interpreter, `import numpy`, clipcli on a 16-byte file), which a whole-process
+time on a small file includes at every thread count, and the page cache's own pread
+bandwidth at 1, 4 and every thread (2 MiB reads into one reused buffer per thread, no
+arithmetic). Prints a markdown table and writes it, with every run as JSON, under $OUT.
 """
 
 from __future__ import annotations
@@ -43,6 +46,20 @@ step = -(-step // block) * block
 with ThreadPoolExecutor(threads) as pool:
     parts = list(pool.map(lambda lo: part(lo, min(lo + step, count)), range(0, count, step)))
 print(sum(parts) ** 0.5)
+"""
+
+PREAD = r"""
+import os, sys, numpy as np
+from concurrent.futures import ThreadPoolExecutor
+path, threads = sys.argv[1], int(sys.argv[2])
+size, piece = os.path.getsize(path), 1 << 21
+fd = os.open(path, os.O_RDONLY)
+def part(k):
+    buffer = np.empty(piece, np.uint8)
+    for at in range(k * piece, size, threads * piece):
+        os.preadv(fd, [buffer[: min(piece, size - at)]], at)
+with ThreadPoolExecutor(threads) as pool:
+    list(pool.map(part, range(threads)))
 """
 
 
@@ -102,6 +119,19 @@ def main() -> None:
         base.pop(name, None)
     clipcli = [sys.executable, "-m", "clipcli", "norms"]
     cases: list[tuple[str, list[str], dict[str, str]]] = []
+    tiny = work / "tiny.npz"
+    np.savez(tiny, w=np.arange(4, dtype=np.float32))
+    cases.append(("start-up: python -c pass", [sys.executable, "-c", "pass"], {}))
+    cases.append(("start-up: import numpy", [sys.executable, "-c", "import numpy"], {}))
+    cases.append(("start-up: clipcli norms of a 16-byte npz", [*clipcli, str(tiny), "-q"], {}))
+    for threads in sorted({1, 4, cores}):
+        cases.append(
+            (
+                f"pread only, {threads} thr",
+                [sys.executable, "-c", PREAD, str(fp32), str(threads)],
+                {},
+            )
+        )
     for threads in (1, cores):
         cases.append(
             (
