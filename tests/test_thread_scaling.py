@@ -1,5 +1,6 @@
 """Issue 20, threads that scale: the default thread count follows the machine (affinity and
-a cgroup CPU quota, no fixed cap), and the task hand-off stays correct."""
+a cgroup CPU quota) up to the measured ceiling of DEFAULT_MAX_THREADS, CLIPCLI_THREADS sets
+any count, and the task hand-off stays correct."""
 
 from __future__ import annotations
 
@@ -41,15 +42,17 @@ def test_no_cgroup_file_means_no_quota(tmp_path: Path) -> None:
     assert parallel.cgroup_cpu_quota(tmp_path / "absent") is None
 
 
-def test_default_follows_the_cores_without_a_cap_of_8(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize(("cores", "expected"), [(1, 1), (3, 3), (4, 4), (5, 4), (16, 4), (64, 4)])
+def test_default_follows_the_cores_up_to_the_measured_ceiling(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cores: int, expected: int
 ) -> None:
+    """Up to DEFAULT_MAX_THREADS (4: the fastest count on two 16-core machines for norms
+    and clip, benchmarks/RESULTS.md), then no more: at, below and just past the ceiling."""
+    assert parallel.DEFAULT_MAX_THREADS == 4
     monkeypatch.delenv("CLIPCLI_THREADS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
     monkeypatch.setattr(parallel, "CGROUP_CPU_MAX", tmp_path / "absent")
-    assert parallel.worker_count() == 16
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)))
-    assert parallel.worker_count() == 64
+    assert parallel.worker_count() == expected
 
 
 def test_default_is_bounded_by_the_cgroup_quota(
@@ -58,16 +61,20 @@ def test_default_is_bounded_by_the_cgroup_quota(
     monkeypatch.delenv("CLIPCLI_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)))
     cpu_max = tmp_path / "cpu.max"
-    cpu_max.write_text("400000 100000\n")
+    cpu_max.write_text("200000 100000\n")
     monkeypatch.setattr(parallel, "CGROUP_CPU_MAX", cpu_max)
-    assert parallel.worker_count() == 4
+    assert parallel.worker_count() == 2
+    cpu_max.write_text("300000 100000\n")
+    assert parallel.worker_count() == 3
     cpu_max.write_text("max 100000\n")
-    assert parallel.worker_count() == 64
+    assert parallel.worker_count() == 4
 
 
 def test_the_variable_still_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLIPCLI_THREADS", "3")
     assert parallel.worker_count() == 3
+    monkeypatch.setenv("CLIPCLI_THREADS", "16")  # past the default's ceiling: as asked
+    assert parallel.worker_count() == 16
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")

@@ -1,7 +1,8 @@
 """An order-preserving, bounded-lookahead thread map.
 
 numpy releases the GIL in casts, reductions and dot products, and pread releases it too,
-so threads use both cores without copying data between processes.
+so threads use several cores without copying data between processes; the hand-overs of
+the GIL between numpy calls limit it to about four (DEFAULT_MAX_THREADS).
 """
 
 from __future__ import annotations
@@ -48,13 +49,22 @@ def sharing(slots: int) -> Iterator[None]:
         del _sharing.slots
 
 
+# The default's ceiling, measured: numpy releases the GIL for each call, but every chunk
+# still takes it back several times (a read, max, min, a widening copy and a dot per 256 Ki
+# elements, each a hand-over between threads). Past about four threads those hand-overs
+# queue: on two 16-core machines every job was fastest at 4 threads and slower at 8 and 16
+# (norms of a 2 GiB fp32 file 0.85 s at 4, 0.95 s at 16; a bf16 model directory's clip
+# 3.4 s at 4, 3.9 s at 16, with 50% more CPU), and even the bare floor (astype + dot in a
+# thread pool) only gained 2.1x from 16 threads (benchmarks/RESULTS.md, issue 20, device
+# run). CLIPCLI_THREADS still sets any count.
+DEFAULT_MAX_THREADS = 4
+
+
 def machine_worker_count() -> int:
-    """CLIPCLI_THREADS if set, else the cores this process may use: the CPUs it may run on
-    (sched_getaffinity: taskset, cpusets), fewer where a cgroup CPU quota allows less
-    (a container given 4 CPUs of a 64-core host). No fixed cap: each chunk holds the GIL
-    for a few microseconds against ~200 us of numpy work that releases it (~3%), so
-    throughput grows with cores until memory bandwidth is reached, and threads past that
-    only wait (benchmarks/RESULTS.md, issue 20)."""
+    """CLIPCLI_THREADS if set, else the cores this process may use, at most
+    DEFAULT_MAX_THREADS: the CPUs it may run on (sched_getaffinity: taskset, cpusets),
+    fewer where a cgroup CPU quota allows less (a container given 2 CPUs of a 64-core
+    host)."""
     configured = os.environ.get("CLIPCLI_THREADS")
     if configured and configured.isdigit() and int(configured) > 0:
         return int(configured)
@@ -65,7 +75,7 @@ def machine_worker_count() -> int:
     quota = cgroup_cpu_quota(CGROUP_CPU_MAX)
     if quota is not None:
         cores = min(cores, quota)
-    return max(1, cores)
+    return max(1, min(cores, DEFAULT_MAX_THREADS))
 
 
 def cgroup_cpu_quota(path: Path) -> int | None:
