@@ -359,3 +359,61 @@ def test_version_loads_no_cli_module() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip().endswith("[]"), done.stdout
+
+
+# The quantized view and its schemes (~35 ms of imports): only where markers.py says a
+# scheme may claim a weight (a name's marker, or a config.json quantization_config).
+SCHEME_MODULES = (
+    "clipcli.logical.quantized.view",
+    "clipcli.logical.quantized.registry",
+    "clipcli.logical.quantized.fp8_block",
+    "clipcli.logical.quantized.gptq",
+)
+
+
+@pytest.mark.parametrize("command", ["ls", "norms", "clip"])
+@pytest.mark.parametrize("fmt", ["safetensors", "npz", "hdf5"])
+def test_a_plain_checkpoint_imports_no_quantized_scheme(
+    tmp_path: Path, command: str, fmt: str
+) -> None:
+    path = _float32_files(tmp_path)[fmt]
+    argv = [command, str(path)]
+    if command == "clip":
+        argv = [command, "--global", "1", str(path), str(tmp_path / f"out{path.suffix}")]
+    modules = _modules_after(argv)
+    assert "clipcli.formats.opening" in modules  # the run did read the file
+    assert "clipcli.logical.quantized.markers" in modules  # and asked whether it might be
+    assert [m for m in SCHEME_MODULES if m in modules] == []
+
+
+def test_a_name_with_a_scheme_marker_still_imports_the_view(tmp_path: Path) -> None:
+    """The other side: one companion name (an fp8 scale) and the view is asked."""
+    path = write_safetensors(
+        tmp_path / "m.safetensors",
+        {"w.weight": np.ones(4, np.float32), "w.weight_scale": np.ones(1, np.float32)},
+    )
+    modules = _modules_after(["norms", str(path)])
+    assert "clipcli.logical.quantized.view" in modules
+
+
+def test_a_config_with_quantization_config_still_imports_the_view(tmp_path: Path) -> None:
+    """The other door: no marker in any name, but config.json says the model is quantized."""
+    model = tmp_path / "model"
+    model.mkdir()
+    write_safetensors(model / "model.safetensors", {"w.weight": np.ones(4, np.float32)})
+    (model / "config.json").write_text('{"quantization_config": {"quant_method": "fp8"}}')
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys\nsys.argv = ['clipcli', 'norms', sys.argv[1]]\n"
+            "from clipcli.__main__ import run\n"
+            "try:\n    run()\nexcept SystemExit:\n    pass\n"
+            "print('clipcli.logical.quantized.view' in sys.modules, file=sys.stderr)\n",
+            str(model),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stderr.strip().splitlines()[-1] == "True", done.stderr

@@ -15,6 +15,12 @@ ViewFactory = Callable[[Reader], View | None]
 
 
 def _quantized(reader: Reader) -> View | None:
+    from clipcli.logical.quantized.markers import may_hold_quantized, quantization_config
+
+    if quantization_config(reader.model_directory) is None and not may_hold_quantized(
+        t.name for t in reader.listing
+    ):
+        return None  # no scheme can claim a weight: none of them is even imported
     from clipcli.logical.quantized.view import quantized_view  # with data, not for ls
 
     return quantized_view(reader)

@@ -11,17 +11,16 @@ chunk size whatever the weight's size.
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import InputError
 from clipcli.formats.base import TensorInfo, default_chunk_elems
 from clipcli.logical.quantized import rules, targets
 from clipcli.logical.quantized.incomplete import refuse_incomplete
-from clipcli.logical.quantized.registry import SCHEMES, may_hold_quantized
+from clipcli.logical.quantized.markers import quantization_config
+from clipcli.logical.quantized.registry import SCHEMES
 from clipcli.logical.view import LogicalTensor, Part, Quantization, View
 
 if TYPE_CHECKING:
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
     from clipcli.numerics.casting import Cast
     from clipcli.numerics.norms import NormAccumulator
 
-CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge one
 # The small parts of one weight are read whole: more than this is no real layout's scales
 # (DeepSeek's largest: ~32 KB; a group-32 scale of a 1 GiB weight: ~64 MiB).
 SMALL_PARTS_LIMIT = 1 << 30
@@ -73,37 +71,6 @@ ACTIVATION_SUFFIXES = (
 # The same parameters of the root module (names without a prefix: rules.module_prefix).
 ACTIVATION_BARE = rules.bare_parts(ACTIVATION_SUFFIXES)
 ACTIVATION_ROLE = "activation_scale"
-
-
-def quantization_config(directory: Path | None) -> Mapping[str, Any] | None:
-    """config.json's quantization_config, or None when there is none. A config.json that is
-    there but cannot be read as one object, or whose quantization_config is not an object,
-    is refused: its scheme would otherwise be guessed from names."""
-    if directory is None:
-        return None
-    from clipcli.formats.sharded.layout import allowed_roots, real_path_inside
-    from clipcli.system.inputs import read_input
-
-    path = directory / "config.json"
-    if not path.exists() and not path.is_symlink():
-        return None
-    real = real_path_inside(path, allowed_roots(directory))
-    raw, _ = read_input(path, CONFIG_LIMIT, real)
-    try:
-        document = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(path, f"is not readable JSON ({type(exc).__name__})") from None
-    if not isinstance(document, dict):
-        return None  # not a Hugging Face config: says nothing about quantization
-    quant = document.get("quantization_config")
-    if quant is None:
-        return None
-    if not isinstance(quant, dict):
-        raise InputError(path, "quantization_config is not an object")
-    method = quant.get("quant_method")
-    if method is not None and not isinstance(method, str):
-        raise InputError(path, f"quantization_config.quant_method {method!r} is not a string")
-    return quant
 
 
 def small_reader(reader: Reader) -> ReadSmall:
@@ -1004,11 +971,8 @@ class _RowCursor:
 
 
 def quantized_view(reader: Reader) -> QuantizedView | None:
-    """The view factory (clipcli.logical.views): a QuantizedView when some scheme claims a
-    weight, else None (the identity view: the stored reader as it is)."""
-    if quantization_config(reader.model_directory) is None and not may_hold_quantized(
-        t.name for t in reader.listing
-    ):
-        return None  # no scheme claims a weight (registry.MARKERS): 200,000 tensors, 0.3 s
+    """The view factory (clipcli.logical.views, which imports this module only where
+    markers.py says a scheme may claim a weight): a QuantizedView when some scheme claims
+    one, else None (the identity view: the stored reader as it is)."""
     view = QuantizedView.of(reader)
     return None if view.identity else view
