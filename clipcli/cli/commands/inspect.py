@@ -94,8 +94,10 @@ def norms(request: NormsRequest) -> None:
         report = groups_report(measurement, request.group_by, request.sort, request.top)
     else:
         report = norms_report(measurement, request.sort, request.top)
-    bars = bars_of(report)  # the chart and the plot draw exactly the rows listed
-    if request.chart:
+    # The chart and the plot draw exactly the rows listed (three tuples of every row: made
+    # only for them).
+    bars = bars_of(report) if request.chart or request.plot is not None else None
+    if bars is not None and request.chart:
         from clipcli.report.chart import render_chart
         from clipcli.report.table import output_width
 
@@ -115,7 +117,7 @@ def norms(request: NormsRequest) -> None:
         fmt is not None or request.plot is None
     ):  # --plot alone: the picture
         emit(lambda: print_report(report, fmt or OutputFormat.TABLE))
-    if request.plot is not None:
+    if bars is not None and request.plot is not None:
         from clipcli.output.target import NewFileTarget
         from clipcli.report.plot import render_plot
 
