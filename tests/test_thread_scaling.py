@@ -4,11 +4,12 @@ any count, and the task hand-off stays correct."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import cast
 
@@ -161,3 +162,150 @@ def test_norms_in_threads_are_the_sequential_ones_bit_for_bit() -> None:
         got = Fraction(mant) * Fraction(2) ** exp
         assert abs(got - exact) <= exact * Fraction(1, 2**40)
         assert (high, low) == (float(chunk.max()), float(chunk.min()))
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1", 1),
+        ("16", 16),
+        ("63", 63),
+        ("64", 64),  # MAX_THREADS: as asked
+        ("65", 64),  # one past: the most
+        ("100", 64),
+        ("99999999999999999999999", 64),  # never thousands of threads, a file in memory
+        ("0" * 5000 + "5", 5),  # leading zeros past int()'s 4,300 digits
+        ("9" * 5000, 64),
+    ],
+)
+def test_the_variable_is_capped_at_max_threads(
+    monkeypatch: pytest.MonkeyPatch, value: str, expected: int
+) -> None:
+    assert parallel.MAX_THREADS == 64
+    monkeypatch.setenv("CLIPCLI_THREADS", value)
+    assert parallel.worker_count() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "000", "-1", "", " 4", "4 ", "4.0", "abc", "²", "٣", "４"])
+def test_a_variable_that_is_not_a_count_leaves_the_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str
+) -> None:
+    """Not ASCII digits, or zero: the default ('²' and '٣' pass isdigit() and int()
+    refuses or reads them; neither may decide anything)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(2)))  # no digit's value
+    monkeypatch.setattr(parallel, "CGROUP_CPU_MAX", tmp_path / "absent")
+    monkeypatch.setenv("CLIPCLI_THREADS", value)
+    assert parallel.worker_count() == 2
+
+
+def test_a_huge_or_unicode_count_runs_a_real_job(tmp_path: Path) -> None:
+    """Whole processes on a file measured in threads (past the inline size): the same
+    report with every value, exit 0."""
+    import numpy as np
+    from handmade import write_safetensors
+
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": np.ones(5 << 20, np.float32)})
+    reports = set()
+    for value in ("1", "99999999999999999999999", "²", "0" * 5000 + "7"):
+        env = {**os.environ, "CLIPCLI_THREADS": value}
+        done = subprocess.run(
+            [sys.executable, "-m", "clipcli", "norms", "--format", "json", str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, (value, done.stderr)
+        assert done.stderr == ""
+        reports.add(done.stdout)
+    assert len(reports) == 1
+
+
+def test_items_in_flight_follow_the_threads_that_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Asked for 50 workers where only 3 threads can start: at most 2 * 3 items are read
+    ahead of the consumer, not 2 * 50."""
+    started: list[int] = []
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("clipcli_") and len(started) >= 3:
+            raise RuntimeError("can't start new thread")
+        if self.name.startswith("clipcli_"):
+            started.append(1)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(parallel, "_POOLS", {})
+    pulled = 0
+    ahead: list[int] = []
+
+    def items() -> Iterator[int]:
+        nonlocal pulled
+        for i in range(200):
+            pulled += 1
+            yield i
+
+    for consumed, value in enumerate(parallel.ordered_map(lambda i: i * 2, items(), 50), 1):
+        assert value == 2 * (consumed - 1)
+        ahead.append(pulled - consumed)
+    assert parallel._POOLS[(os.getpid(), 50)].size == 3
+    assert max(ahead) <= 2 * 3
+
+
+def test_cpu_max_read_up_to_its_limit(tmp_path: Path) -> None:
+    """A valid line padded to exactly CPU_MAX_BYTES is read; one byte more is not cpu.max."""
+    cpu_max = tmp_path / "cpu.max"
+    line = "300000 100000"
+    cpu_max.write_text(line + " " * (parallel.CPU_MAX_BYTES - len(line) - 1) + "\n")
+    assert cpu_max.stat().st_size == parallel.CPU_MAX_BYTES
+    assert parallel.cgroup_cpu_quota(cpu_max) == 3
+    cpu_max.write_text(line + " " * (parallel.CPU_MAX_BYTES - len(line)) + "\n")
+    assert parallel.cgroup_cpu_quota(cpu_max) is None
+
+
+def test_cpu_max_that_is_not_a_small_regular_file_is_ignored(tmp_path: Path) -> None:
+    """A FIFO (opening it would block with no writer, and no signal ends that wait), a
+    character device without end (/dev/zero), a directory, non-ASCII digits: no quota."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    answers: list[int | None] = []
+    reader = threading.Thread(target=lambda: answers.append(parallel.cgroup_cpu_quota(fifo)))
+    reader.start()
+    reader.join(60)  # a guard against a hang, not a timing: the open does not block
+    if reader.is_alive():  # unblock the thread before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("cgroup_cpu_quota blocked on a FIFO")
+    assert answers == [None]
+    assert parallel.cgroup_cpu_quota(Path("/dev/zero")) is None
+    assert parallel.cgroup_cpu_quota(tmp_path) is None
+    odd = tmp_path / "cpu.max"
+    odd.write_text("٣00000 100000\n")
+    assert parallel.cgroup_cpu_quota(odd) is None
+
+
+def test_a_fifo_at_cpu_max_never_holds_a_real_job(tmp_path: Path) -> None:
+    """Whole process, default thread count, on a file measured in threads: a FIFO where
+    cpu.max would be is no quota, and the job ends on its own."""
+    import numpy as np
+    from handmade import write_safetensors
+
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": np.ones(5 << 20, np.float32)})
+    fifo = tmp_path / "cpu.max"
+    os.mkfifo(fifo)
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom clipcli.system import parallel\n"
+        f"parallel.CGROUP_CPU_MAX = Path({str(fifo)!r})\n"
+        f"sys.argv = ['clipcli', 'norms', '-q', {str(path)!r}]\n"
+        "from clipcli.__main__ import run\nrun()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CLIPCLI_THREADS"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:  # whatever happened, leave no reader blocked on the FIFO
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert done.returncode == 0, done.stderr

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import os
 import queue
+import stat
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -58,16 +59,27 @@ def sharing(slots: int) -> Iterator[None]:
 # thread pool) only gained 2.1x from 16 threads (benchmarks/RESULTS.md, issue 20, device
 # run). CLIPCLI_THREADS still sets any count.
 DEFAULT_MAX_THREADS = 4
+# The most CLIPCLI_THREADS gives: each worker keeps up to two chunks in flight (a few MiB
+# each), so a count of 10**23 would try to start threads until the kernel refused and then
+# read a whole file into memory at once. 64 is 16 times the fastest count measured.
+MAX_THREADS = 64
 
 
 def machine_worker_count() -> int:
-    """CLIPCLI_THREADS if set, else the cores this process may use, at most
-    DEFAULT_MAX_THREADS: the CPUs it may run on (sched_getaffinity: taskset, cpusets),
-    fewer where a cgroup CPU quota allows less (a container given 2 CPUs of a 64-core
-    host)."""
-    configured = os.environ.get("CLIPCLI_THREADS")
-    if configured and configured.isdigit() and int(configured) > 0:
-        return int(configured)
+    """CLIPCLI_THREADS if set to a whole number of ASCII digits, at least 1 and at most
+    MAX_THREADS (a larger one is MAX_THREADS; anything else is ignored); else the cores
+    this process may use, at most DEFAULT_MAX_THREADS: the CPUs it may run on
+    (sched_getaffinity: taskset, cpusets), fewer where a cgroup CPU quota allows less (a
+    container given 2 CPUs of a 64-core host)."""
+    configured = os.environ.get("CLIPCLI_THREADS", "")
+    # isdigit() alone also holds for '²' and other digits int() refuses; and a count of
+    # thousands of digits is a huge number, never converted.
+    if configured.isascii() and configured.isdigit():
+        digits = configured.lstrip("0")  # int() refuses 4,301 digits, leading zeros too
+        if len(digits) > len(str(MAX_THREADS)):
+            return MAX_THREADS
+        if digits:
+            return min(int(digits), MAX_THREADS)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -78,14 +90,32 @@ def machine_worker_count() -> int:
     return max(1, min(cores, DEFAULT_MAX_THREADS))
 
 
+# cpu.max holds "max PERIOD" or "QUOTA PERIOD": a few bytes. More is not such a file.
+CPU_MAX_BYTES = 64
+
+
 def cgroup_cpu_quota(path: Path) -> int | None:
     """The whole CPUs a cgroup v2 cpu.max allows (its quota / its period, rounded up), or
-    None where there is no such file, no quota ("max") or the file is not understood."""
+    None where there is no such file, no quota ("max") or the file is not understood.
+
+    Opened without blocking and read only as a regular file of at most CPU_MAX_BYTES: the
+    path is outside clipcli's inputs, and a FIFO there would block the open (no signal
+    ends that wait), /dev/zero an unbounded read."""
     try:
-        text = path.read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
         return None
-    fields = text.split()
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, CPU_MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) > CPU_MAX_BYTES or not raw.isascii():
+        return None
+    fields = raw.decode("ascii").split()
     if len(fields) != 2 or not all(f.isdigit() for f in fields):
         return None  # "max 100000" (no quota) or malformed
     quota, period = int(fields[0]), int(fields[1])
@@ -228,13 +258,16 @@ def ordered_map(
     if not pool.size:  # not one thread could be started: this one does the work
         yield from map(fn, everything)
         return
+    # Two items per worker, of the threads that are there: where fewer could be started
+    # than asked for (RLIMIT_NPROC), no more is read ahead than they can work on.
+    in_flight = 2 * min(workers, pool.size)
     pending: deque[_Task[R]] = deque()
     try:
         for item in everything:
             task: _Task[R] = _Task(fn, item)
             pool.submit(task)
             pending.append(task)
-            if len(pending) >= 2 * workers:
+            if len(pending) >= in_flight:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
