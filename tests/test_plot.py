@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +213,47 @@ def test_a_replaced_plot_keeps_its_own_mode_less_set_id(tmp_path: Path, run_main
     done = run_main("norms", model, "--plot", plot, "--force")
     assert done.code == 0, done.stderr
     assert stat.S_IMODE(plot.stat().st_mode) == 0o640
+
+
+# Norms matplotlib's log axes cannot draw as they are (its ticks overflow past ~1e250; no
+# floor fits under a subnormal): drawn at the edge of report/plot.DRAWABLE, never exit 70,
+# never a warning on stderr (found by the attack of 2026-11-27).
+EXTREME_NORMS = [
+    [1e300, 1.0],
+    [1.7e308],
+    [1e300, 5e-324],
+    [5e-324, 1.0],
+    [1e200, 1e-200],  # exactly at DRAWABLE's edges: drawn as they are
+]
+
+
+@pytest.mark.parametrize("values", EXTREME_NORMS, ids=str)
+@pytest.mark.parametrize("count", [2, 200])  # bars; many rows (a ranked line)
+def test_extreme_norms_are_drawn_without_warnings(
+    tmp_path: Path, run_main: RunCli, values: list[float], count: int
+) -> None:
+    tensors = {f"t{i}": np.array([values[i % len(values)]]) for i in range(count)}
+    model = tmp_path / "m.safetensors"
+    save_file(tensors, str(model))
+    picture = tmp_path / "p.png"
+    with warnings.catch_warnings(record=True) as warned:  # in-process: pytest would take them
+        warnings.simplefilter("always")
+        result = run_main("norms", model, "--plot", picture, "-q")
+    assert (result.code, result.stderr) == (0, "")
+    assert [str(w.message) for w in warned] == []
+    assert _png_size(picture)[0] > 0
+
+
+def test_drawable_keeps_norms_inside_and_clamps_those_beyond() -> None:
+    from clipcli.report.builders import Bars
+    from clipcli.report.plot import DRAWABLE, _drawable
+
+    low, high = DRAWABLE
+    inside = Bars("t", ("a", "b", "c", "d"), (low, high, 0.0, float("inf")), (True,) * 4)
+    assert _drawable(inside, high) == (inside, high)  # at the edges: as they are
+    beyond = inside._replace(norms=(low / 2, high * 2, 0.0, float("nan")))
+    drawn, limit = _drawable(beyond, 5e-324)
+    assert drawn.norms[:3] == (low, high, 0.0)
+    assert drawn.norms[3] != drawn.norms[3]  # NaN as it was
+    assert limit == low
+    assert "drawn at its edge" in drawn.title

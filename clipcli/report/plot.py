@@ -20,6 +20,7 @@ check of --plot FILE, the choice of picture, and writing it.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from pathlib import Path
@@ -103,17 +104,41 @@ def render_plot(bars: Bars, limit: float | None, grouped: bool, suffix: str) -> 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig = _figure(plt, bars, limit, grouped)
-    try:
-        buffer = io.BytesIO()
-        with warnings.catch_warnings():
-            # A name in a script the font lacks draws as boxes; that is not worth a warning
-            # on stderr, which holds errors only.
-            warnings.filterwarnings("ignore", message="Glyph .* missing from", category=UserWarning)
+    bars, limit = _drawable(bars, limit)
+    # stderr holds errors only: what matplotlib warns about while drawing (a name in a
+    # script the font lacks drawn as boxes, an axis it adjusted) stays out of it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fig = _figure(plt, bars, limit, grouped)
+        try:
+            buffer = io.BytesIO()
             fig.savefig(buffer, format=suffix.lower().lstrip("."), dpi=100)
-        return buffer.getvalue()
-    finally:
-        plt.close(fig)
+            return buffer.getvalue()
+        finally:
+            plt.close(fig)
+
+
+# What matplotlib's log axes can draw: past about 1e250 their ticks overflow (exit 70), and
+# under a subnormal norm no floor fits (a tenth of it is 0). Real norms never come near.
+DRAWABLE = (1e-200, 1e200)
+
+
+def _drawable(bars: Bars, limit: float | None) -> tuple[Bars, float | None]:
+    """The bars (and limit) with every finite nonzero norm inside DRAWABLE: one beyond is
+    drawn at its edge, and the title says so. Zero, inf and NaN are drawn as before."""
+    low, high = DRAWABLE
+
+    def inside(value: float) -> float:
+        if value > 0 and math.isfinite(value):
+            return min(max(value, low), high)
+        return value
+
+    norms = tuple(inside(v) for v in bars.norms)
+    inside_limit = None if limit is None else inside(limit)
+    if norms == bars.norms and inside_limit == limit:
+        return bars, limit
+    title = f"{bars.title} (values beyond {low:g}..{high:g} drawn at its edge)"
+    return bars._replace(title=title, norms=norms), inside_limit
 
 
 def _figure(plt: Any, bars: Bars, limit: float | None, grouped: bool) -> Any:
