@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -48,12 +49,31 @@ def reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+# How the HDF5 library says an allocation failed ("memory allocation failed for chunk",
+# H5E_CANTALLOC's "unable to allocate", H5E_NOSPACE's "no space available for allocation").
+# Chunks are at most limits.MAX_CHUNK_BYTES before any read, so a file cannot make HDF5 ask
+# for more than that: where it is still refused, the environment refused it (ulimit -v).
+_REFUSED_MEMORY = re.compile(
+    r"memory allocation failed|unable to allocate|can't allocate|"
+    r"no space available for allocation|out of memory",
+    re.IGNORECASE,
+)
+
+
 @contextlib.contextmanager
-def input_errors(path: Path, doing: str, tensor: str | None = None) -> Iterator[None]:
-    """Turn h5py's exceptions into an InputError that says what we were doing."""
+def input_errors(
+    path: Path, doing: str, tensor: str | None = None, *, reading_data: bool = False
+) -> Iterator[None]:
+    """Turn h5py's exceptions into an InputError that says what we were doing. While
+    `reading_data` (chunks, whose errors name no object of the file), HDF5 failing to
+    allocate memory is a MemoryError instead (exit 5: the environment, not the input);
+    elsewhere a message may quote a name from the file, which must not decide that."""
     try:
         yield
     except H5PY_ERRORS as exc:
+        if reading_data and _REFUSED_MEMORY.search(reason(exc)):
+            where = f"{path}: {doing}" + (f" of tensor {tensor!r}" if tensor else "")
+            raise MemoryError(f"{where}: {reason(exc)}") from None
         no_descriptor = out_of_descriptors(exc, path)  # HDF5 opening by name: ulimit -n
         raise no_descriptor or InputError(path, f"{doing}: {reason(exc)}", tensor) from None
 

@@ -357,7 +357,9 @@ class Hdf5Reader(Reader):
         dataset = self.dataset(info.name)
         for start in range(0, info.numel, step):
             stop = min(start + step, info.numel)
-            with input_errors(self.path, f"cannot read elements [{start}, {stop})", info.name):
+            with input_errors(
+                self.path, f"cannot read elements [{start}, {stop})", info.name, reading_data=True
+            ):
                 piece = self._read_range(dataset, info, start, stop)
             yield piece
 
@@ -383,7 +385,7 @@ class Hdf5Reader(Reader):
         dataset = self.dataset(info.name)
         out = np.empty(info.shape, dtype=info.dtype)
         if out.size:
-            with input_errors(self.path, "cannot read data", info.name):
+            with input_errors(self.path, "cannot read data", info.name, reading_data=True):
                 dataset.read_direct(out)
         return out
 
