@@ -257,3 +257,50 @@ def test_drawable_keeps_norms_inside_and_clamps_those_beyond() -> None:
     assert drawn.norms[3] != drawn.norms[3]  # NaN as it was
     assert limit == low
     assert "drawn at its edge" in drawn.title
+
+
+def _annotations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every text the figures annotate (value labels, the named largest), as drawn."""
+    import matplotlib.axes
+
+    texts: list[str] = []
+    real = matplotlib.axes.Axes.annotate
+
+    def annotate(self: Any, text: str, *args: Any, **kwargs: Any) -> Any:
+        texts.append(text)
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "annotate", annotate)
+    return texts
+
+
+def test_a_norm_drawn_at_the_edge_is_labelled_with_itself(
+    tmp_path: Path, run_main: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    texts = _annotations(monkeypatch)
+    model = tmp_path / "m.safetensors"
+    save_file({"a": np.array([5e-324]), "b": np.array([np.finfo(np.float64).max])}, str(model))
+    result = run_main("norms", model, "--plot", tmp_path / "p.svg", "-q")
+    assert (result.code, result.stderr) == (0, "")
+    assert f"{5e-324:.4g}" in texts  # not 1e-200, where it is drawn
+    assert f"{np.finfo(np.float64).max:.4g}" in texts  # not 1e+200
+
+
+def test_the_largest_named_are_the_largest_norms_not_the_edge(
+    tmp_path: Path, run_main: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2,000 rows (a ranking, its largest named beside it): norms from 1e-300 to 1e300,
+    many beyond the drawable range; the named ones are the true largest, in order."""
+    texts = _annotations(monkeypatch)
+    exponents = np.linspace(-300, 300, 2000)
+    rng = np.random.default_rng(5)
+    rng.shuffle(exponents)
+    tensors = {f"blk{i}.w": np.array([10.0**e]) for i, e in enumerate(exponents)}
+    model = tmp_path / "m.safetensors"
+    save_file(tensors, str(model))
+    result = run_main("norms", model, "--plot", tmp_path / "p.png", "-q")
+    assert (result.code, result.stderr) == (0, "")
+    largest = sorted(tensors, key=lambda name: -float(tensors[name][0]))[:3]
+    shown = [f"{float(tensors[name][0]):.4g}" for name in largest]
+    assert all(text in texts for text in shown), (shown, texts[:20])
+    assert "1e+200" not in texts

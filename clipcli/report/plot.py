@@ -44,6 +44,7 @@ from clipcli.report.plot_layout import (
     PLOT_SUFFIXES,
     ROLES_MAX,
     WITHIN,
+    Drawn,
 )
 
 if TYPE_CHECKING:
@@ -125,17 +126,18 @@ DRAWABLE = (1e-200, 1e200)
 
 def _drawable(bars: Bars, limit: float | None) -> tuple[Bars, float | None]:
     """The bars (and limit) with every finite nonzero norm inside DRAWABLE: one beyond is
-    drawn at its edge, and the title says so. Zero, inf and NaN are drawn as before."""
+    drawn at its edge (a Drawn: its labels and its rank are still its own), and the title
+    says so. Zero, inf and NaN are drawn as before."""
     low, high = DRAWABLE
 
     def inside(value: float) -> float:
-        if value > 0 and math.isfinite(value):
-            return min(max(value, low), high)
+        if value > 0 and math.isfinite(value) and not low <= value <= high:
+            return Drawn(min(max(value, low), high), value)  # labelled and ranked as itself
         return value
 
     norms = tuple(inside(v) for v in bars.norms)
     inside_limit = None if limit is None else inside(limit)
-    if norms == bars.norms and inside_limit == limit:
+    if not any(isinstance(v, Drawn) for v in (*norms, inside_limit)):
         return bars, limit
     title = f"{bars.title} (values beyond {low:g}..{high:g} drawn at its edge)"
     return bars._replace(title=title, norms=norms), inside_limit

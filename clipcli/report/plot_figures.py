@@ -26,6 +26,7 @@ from clipcli.report.plot_layout import (
     _log_scale,
     _plain,
     _rank,
+    true_norm,
 )
 from clipcli.words import count
 
@@ -185,7 +186,7 @@ def _profile_figure(plt: Any, bars: Bars, limit: float | None, layered: Sequence
             ax.plot(xs, ys, linewidth=0.8, color=APART)
     peaks = [(y, x, r) for r in roles for x, y in series[r].items() if math.isfinite(y)]
     if peaks:  # name the largest point: the outlier is what one looks for
-        norm, layer, role = max(peaks)
+        norm, layer, role = max(peaks, key=lambda p: (true_norm(p[0]), p[1], p[2]))
         right_half = layer > (min(x for _, x, _ in peaks) + max(x for _, x, _ in peaks)) / 2
         ax.annotate(
             f"layer {layer} {_label(role)}: {norm:.4g}",

@@ -57,5 +57,31 @@ def _finite(values: Any) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
+class Drawn(float):
+    """A norm beyond what the axes can draw (plot.DRAWABLE): drawn as this float, at the
+    edge, but printed and ranked as `true`, the norm itself (a label, the largest named)."""
+
+    true: float
+
+    def __new__(cls, drawn: float, true: float) -> Drawn:
+        made = super().__new__(cls, drawn)
+        made.true = true
+        return made
+
+    def __format__(self, spec: str) -> str:
+        return format(self.true, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.true)
+
+    __str__ = __repr__
+
+
+def true_norm(value: float) -> float:
+    """The norm itself, also for one drawn at the edge (Drawn)."""
+    return value.true if isinstance(value, Drawn) else value
+
+
 def _rank(norm: float) -> float:
+    norm = true_norm(norm)
     return -norm if not math.isnan(norm) else -math.inf
