@@ -309,3 +309,32 @@ def test_a_fifo_at_cpu_max_never_holds_a_real_job(tmp_path: Path) -> None:
         with contextlib.suppress(OSError):
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     assert done.returncode == 0, done.stderr
+
+
+def test_no_thread_is_started_without_room_for_it() -> None:
+    """A real address-space limit just above what the process uses: no room for a thread
+    (THREAD_ROOM), so none is started and the work runs in the calling thread, whole.
+    (A thread started there could die of MemoryError before it says it has started, and
+    Thread.start() would wait for it forever, through SIGTERM: found by the attack.)"""
+    code = (
+        "import resource\n"
+        "from clipcli.system import parallel\n"
+        "status = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+        "used = int(status['VmSize'].split()[0]) << 10\n"
+        "limit = used + parallel.THREAD_ROOM - (4 << 20)\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+        "print(parallel._Workers(4).size, len(parallel.start_threads(lambda: None, 3, 't')))\n"
+        "print(sum(parallel.ordered_map(lambda i: i, range(1000), 4)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CLIPCLI_THREADS"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "0", str(sum(range(1000)))]
+
+
+def test_threads_start_where_there_is_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other side: with room (no limit), the threads asked for are started."""
+    monkeypatch.setattr(parallel, "_POOLS", {})
+    assert parallel._Workers(3).size == 3

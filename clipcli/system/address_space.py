@@ -39,6 +39,16 @@ def check_room(needed: int, what: str) -> None:
         raise MemoryError(problem)
 
 
+def has_room(needed: int) -> bool:
+    """Whether the address-space limit, if any, leaves `needed` bytes (True where there is
+    no limit or it cannot be told)."""
+    try:
+        check_room(needed, "")
+    except MemoryError:
+        return False
+    return True
+
+
 def _limited() -> bool:
     """Whether an address-space (or data segment) limit is set for this process."""
     try:

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
+from clipcli.system.address_space import has_room
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -193,9 +195,7 @@ class _Workers:
         self.size = 0
         for index in range(count):
             thread = threading.Thread(target=self._serve, name=f"clipcli_{index}", daemon=True)
-            try:
-                thread.start()
-            except RuntimeError:  # "can't start new thread"
+            if not _started(thread):
                 break
             self.size += 1
 
@@ -292,9 +292,25 @@ def start_threads(target: Callable[[], None], count: int, name: str) -> list[thr
     started = []
     for index in range(count):
         thread = threading.Thread(target=target, name=f"{name}_{index}", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:  # "can't start new thread"
+        if not _started(thread):
             break
         started.append(thread)
     return started
+
+
+# Address space a new thread needs: its stack (8 MiB by default) and its first chunks.
+THREAD_ROOM = 24 << 20
+
+
+def _started(thread: threading.Thread) -> bool:
+    """Start `thread`; False where it cannot be: the kernel refuses it (RLIMIT_NPROC), or
+    an address-space limit leaves less than THREAD_ROOM. The second is checked first: a
+    thread whose own start-up then fails for memory dies before it says it has started,
+    and Thread.start() waits for that forever (no signal ends the wait)."""
+    if not has_room(THREAD_ROOM):
+        return False
+    try:
+        thread.start()
+    except RuntimeError:  # "can't start new thread"
+        return False
+    return True
