@@ -59,7 +59,7 @@ def sharing(slots: int) -> Iterator[None]:
 # (norms of a 2 GiB fp32 file 0.85 s at 4, 0.95 s at 16; a bf16 model directory's clip
 # 3.4 s at 4, 3.9 s at 16, with 50% more CPU), and even the bare floor (astype + dot in a
 # thread pool) only gained 2.1x from 16 threads (benchmarks/RESULTS.md, issue 20, device
-# run). CLIPCLI_THREADS still sets any count.
+# run). CLIPCLI_THREADS still sets any count up to MAX_THREADS.
 DEFAULT_MAX_THREADS = 4
 # The most CLIPCLI_THREADS gives: each worker keeps up to two chunks in flight (a few MiB
 # each), so a count of 10**23 would try to start threads until the kernel refused and then
@@ -192,12 +192,7 @@ class _Workers:
 
     def __init__(self, count: int) -> None:
         self._queue: queue.SimpleQueue[_Task[Any]] = queue.SimpleQueue()
-        self.size = 0
-        for index in range(count):
-            thread = threading.Thread(target=self._serve, name=f"clipcli_{index}", daemon=True)
-            if not _started(thread):
-                break
-            self.size += 1
+        self.size = len(start_threads(self._serve, count, "clipcli"))
 
     def submit(self, task: _Task[Any]) -> None:
         self._queue.put(task)
@@ -232,9 +227,10 @@ def ordered_map(
 ) -> Iterator[R]:
     """fn over items in worker threads, yielding results in input order.
 
-    At most 2 * workers items are in flight, so memory stays bounded however long the
-    input is. With one worker it runs inline, with no threads at all; where no thread can
-    be started (RLIMIT_NPROC), too. The threads are shared by every call (fn must not
+    At most 2 items per worker thread that could be started (at most `workers`) are in
+    flight, so memory stays bounded however long the input is. With one worker it runs
+    inline, with no threads at all; where no thread can be started (RLIMIT_NPROC, no
+    address space for one), too. The threads are shared by every call (fn must not
     itself wait on ordered_map). When the caller stops early, items not started are
     cancelled and the running ones are waited for, so no work on this call's items
     outlives it.
