@@ -95,10 +95,9 @@ def _quantized_rows(reader: Reader) -> QuantizedRows | None:
 def _listed_through(reader: Reader) -> Reader:
     """The reader `ls` lists: the logical one where some scheme may claim a weight (that
     view reads small tensors, with numpy), else the stored one, from headers alone."""
-    from clipcli.logical.quantized.markers import may_hold_quantized, quantization_config
+    from clipcli.logical.quantized.markers import may_be_quantized
 
-    names = [t.name for t in reader.listing]
-    if not may_hold_quantized(names) and quantization_config(reader.model_directory) is None:
+    if not may_be_quantized(reader):
         return reader
     from clipcli.logical import views
 

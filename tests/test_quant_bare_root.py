@@ -29,7 +29,7 @@ from test_quant_packed_int import config as packed_config
 from test_quant_packed_int import layer
 from test_quantized_fp4 import gpt_oss_mxfp4, nvfp4, pack_low_first
 
-from clipcli.logical.quantized.registry import may_hold_quantized
+from clipcli.logical.quantized.markers import may_hold_quantized
 
 Raw = dict[str, tuple[str, list[int], bytes]]
 CODES = {

@@ -1,4 +1,4 @@
-"""registry.may_hold_quantized searches every marker once through all names joined (a
+"""markers.may_hold_quantized searches every marker once through all names joined (a
 checkpoint of 200,000 names: milliseconds): it must answer as a name-by-name search does,
 and never say no where that one says yes (a name holding a newline may only make it say
 yes more often, which costs a look, never a missed quantized weight)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from clipcli.logical.quantized.registry import END_MARKERS, MARKERS, may_hold_quantized
+from clipcli.logical.quantized.markers import END_MARKERS, MARKERS, may_hold_quantized
 
 
 def one_by_one(names: list[str]) -> bool:

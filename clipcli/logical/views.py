@@ -15,11 +15,9 @@ ViewFactory = Callable[[Reader], View | None]
 
 
 def _quantized(reader: Reader) -> View | None:
-    from clipcli.logical.quantized.markers import may_hold_quantized, quantization_config
+    from clipcli.logical.quantized.markers import may_be_quantized
 
-    if quantization_config(reader.model_directory) is None and not may_hold_quantized(
-        t.name for t in reader.listing
-    ):
+    if not may_be_quantized(reader):
         return None  # no scheme can claim a weight: none of them is even imported
     from clipcli.logical.quantized.view import quantized_view  # with data, not for ls
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import InputError
+
+if TYPE_CHECKING:
+    from clipcli.formats.base import Reader
 
 CONFIG_LIMIT = 16 << 20  # bytes: a config.json is a few KB; never slurp a huge one
 
@@ -55,6 +58,15 @@ def may_hold_quantized(names: Iterable[str]) -> bool:
         any(marker in joined for marker in MARKERS)
         or any(marker in joined for marker in BARE_MARKERS)
         or any(marker + "\n" in joined for marker in END_MARKERS)
+    )
+
+
+def may_be_quantized(reader: Reader) -> bool:
+    """Whether any scheme may claim a weight of `reader`'s checkpoint: its config.json has a
+    quantization_config (a config.json that cannot be read is refused here, exit 3), or a
+    stored name holds a marker. False: it is read as stored, and no scheme is imported."""
+    return quantization_config(reader.model_directory) is not None or may_hold_quantized(
+        t.name for t in reader.listing
     )
 
 

@@ -1,4 +1,6 @@
-"""Every scheme module the quantized view asks, in order (each implements scheme.Scheme)."""
+"""Every scheme module the quantized view asks, in order (each implements scheme.Scheme).
+The names' markers each scheme's recognise() needs are in markers.py, which a plain
+checkpoint reads without importing any scheme."""
 
 from __future__ import annotations
 
@@ -14,13 +16,6 @@ from clipcli.logical.quantized import (
     nvfp4,
     packed_int,
 )
-
-# The names' markers live in markers.py (a plain checkpoint imports no scheme); they are
-# named here too, beside the schemes whose recognise() needs one of them.
-from clipcli.logical.quantized.markers import BARE_MARKERS as BARE_MARKERS
-from clipcli.logical.quantized.markers import END_MARKERS as END_MARKERS
-from clipcli.logical.quantized.markers import MARKERS as MARKERS
-from clipcli.logical.quantized.markers import may_hold_quantized as may_hold_quantized
 
 if TYPE_CHECKING:
     from clipcli.logical.quantized.scheme import Scheme
