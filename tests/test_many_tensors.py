@@ -85,6 +85,24 @@ def test_measured_together_is_measured_one_at_a_time_bit_for_bit(dtype: np.dtype
         assert same_stats(acc, one_at_a_time(array)), (array, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("longest", [1, 2])  # every array of one element, and one of two
+def test_one_element_each_is_measured_one_at_a_time_bit_for_bit(
+    dtype: np.dtype, longest: int
+) -> None:
+    """Arrays of one element each take no reductions (their one value is the extremes and
+    its square the sum): the same statistics as add() and as the reductions give."""
+    rng = np.random.default_rng(11)
+    values = np.concatenate([SPECIAL, rng.standard_normal(200) * 1e3, [-1e-40, 7e-46]])
+    with np.errstate(all="ignore"):
+        arrays = [np.array([v]).astype(dtype) for v in values]
+        if longest == 2:
+            arrays.insert(5, np.array([-2.5, 4.0]).astype(dtype))
+    together = accumulate_each(arrays)
+    for array, acc in zip(arrays, together, strict=True):
+        assert same_stats(acc, one_at_a_time(array)), (array, dtype)
+
+
 def test_a_norm_accumulator_holds_no_dict() -> None:
     """Slots: ~300 bytes less per tensor, 60 MB on 200,000 tensors."""
     assert not hasattr(NormAccumulator(), "__dict__")

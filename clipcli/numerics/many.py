@@ -71,19 +71,26 @@ def _measure_short(dtype: np.dtype[Any], arrays: list[np.ndarray]) -> list[NormA
     starts = np.zeros(len(arrays), np.intp)
     np.cumsum(sizes[:-1], out=starts[1:])
     values = _as_float32(np.concatenate(arrays))
-    highs = np.maximum.reduceat(values, starts)
-    lows = np.minimum.reduceat(values, starts)
     wide = values.astype(np.float64)
-    sums = np.add.reduceat(wide * wide, starts)
+    if len(values) == len(arrays):  # one element each (200,000 of them): no reductions
+        highs = lows = values
+        sums = wide * wide
+    else:
+        highs = np.maximum.reduceat(values, starts)
+        lows = np.minimum.reduceat(values, starts)
+        sums = np.add.reduceat(wide * wide, starts)
     # frexp of each sum at once: (0.0, 0) for a zero sum, which is ScaledSum()'s own state.
     mants, exps = np.frexp(sums)
     with np.errstate(invalid="ignore"):  # NaN compares False: add() takes those
         fast = (-bound < lows) & (highs < bound)
+    high_list = highs.tolist()
+    # One element each: the same floats, held once (~5 MB for 200,000 tensors).
+    low_list = high_list if lows is highs else lows.tolist()
     rows = zip(
         arrays,
         fast.tolist(),
-        highs.tolist(),
-        lows.tolist(),
+        high_list,
+        low_list,
         mants.tolist(),
         exps.tolist(),
         sizes.tolist(),

@@ -105,7 +105,7 @@ def ls_report(
     columns = LS_COLUMNS + ((SHARD_COLUMN,) if shards is not None else ())
     columns += () if quantized is None else (QUANTIZATION_COLUMN,)
     rows = tuple(
-        (i.name, i.dtype_name, list(i.shape), i.numel, i.nbytes)
+        (i.name, i.dtype_name, i.shape, i.numel, i.nbytes)
         + ((shards[i.name],) if shards is not None else ())
         + (() if quantized is None else (quantized.cell(i.name),))
         for i in order
@@ -231,7 +231,7 @@ def _norm_rows(
         row: tuple[Value, ...] = (
             info.name,
             dtype_name if q is None else q.dtype(info.name, dtype_name),
-            list(info.shape),
+            info.shape,
             info.numel,
             t.norm,
             stats.largest_magnitude,

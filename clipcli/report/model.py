@@ -35,7 +35,9 @@ class ListingSortKey(str, Enum):
 
 
 # A dict: a row's `quantization` object (JSON), shown by its scheme or role elsewhere.
-Value = str | int | float | bool | list[int] | dict[str, Any] | None
+# A tuple or list of ints: a shape (the rows hold the TensorInfo's own tuple: a list made
+# per row of 200,000 held ~14 MB).
+Value = str | int | float | bool | tuple[int, ...] | list[int] | dict[str, Any] | None
 
 
 # Column and Report are NamedTuples rather than frozen dataclasses: immutable all the same,

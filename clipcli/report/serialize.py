@@ -87,7 +87,7 @@ def csv_value(value: Value) -> str:
     # Only str cells are text: numbers (a norm of -1.5 included) stay numbers.
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, list):
+    if isinstance(value, (tuple, list)):
         return "x".join(map(str, value))
     if isinstance(value, dict):
         return csv_text(object_text(value))

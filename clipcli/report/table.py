@@ -89,7 +89,7 @@ def cell_text(value: Value) -> str:
         return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:.6g}"
-    if isinstance(value, list):
+    if isinstance(value, (tuple, list)):
         return "[" + ",".join(map(str, value)) + "]"
     if isinstance(value, dict):
         return printable(object_text(value))
@@ -101,8 +101,11 @@ def _column_texts(values: list[Value]) -> list[str]:
     kinds = set(map(type, values))
     if kinds == {float}:
         return list(map("{:.6g}".format, values))
-    if kinds == {int}:
-        return list(map(str, values))
+    if kinds == {int} or kinds == {tuple}:
+        # Numbers of elements and shapes repeat (a mixture of experts' 100,000 tensors
+        # have a few shapes): each text is made once and shared, not held once per row.
+        texts: dict[Value, str] = {}
+        return [texts.get(v) or texts.setdefault(v, cell_text(v)) for v in values]
     if kinds == {str}:
         return list(map(printable, values))  # type: ignore[arg-type]
     if kinds == {bool}:
