@@ -252,3 +252,36 @@ def test_early_writeback_leaves_the_output_exact(
         assert calls[-1][1] == os.path.getsize(tmp_path / "clipped.safetensors")
     else:
         assert calls == []
+
+
+@pytest.mark.parametrize("limit", ["1e30", "1.0", "0.5"])
+def test_the_writers_position_is_the_files_after_every_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str
+) -> None:
+    """The safetensors writer keeps where its next byte goes instead of asking the file
+    (tell() is an lseek per tensor); after every write and every kernel copy, with early
+    writeback on every chunk, the kept position is the file's."""
+    import clipcli.formats.base as base
+
+    checked: list[int] = []
+    original = SafetensorsWriter._written
+
+    def checking(self: SafetensorsWriter) -> None:
+        assert self._position == self._file.tell()
+        checked.append(self._position)
+        original(self)
+
+    monkeypatch.setattr(base, "WRITEBACK_STEP", 1)
+    monkeypatch.setattr(SafetensorsWriter, "_written", checking)
+    rng = np.random.default_rng(5)
+    tensors = {f"small.{i}": rng.standard_normal(3).astype(np.float32) for i in range(300)}
+    tensors["big"] = rng.standard_normal(1 << 19).astype(np.float32)  # copied, or in chunks
+    tensors["zero"] = np.zeros(5, np.float32)
+    tensors |= {f"late.{i}": np.full(2, i, np.float16) for i in range(50)}
+    src = tmp_path / "in.safetensors"
+    save_file(tensors, str(src))
+    out = tmp_path / "out.safetensors"
+    assert main(["clip", "--global", limit, "-q", str(src), str(out)]) == 0
+    assert checked
+    assert checked[-1] == os.path.getsize(out)
+    assert set(load_file(str(out))) == set(tensors)
