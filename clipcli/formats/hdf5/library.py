@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import numpy as np
 
 from clipcli.dtypes import is_numeric
 from clipcli.errors import InputError
+from clipcli.system import address_space
 from clipcli.system.inputs import out_of_descriptors
 
 # What h5py raises for malformed or unsupported content (UnicodeDecodeError is a ValueError).
@@ -60,22 +62,53 @@ _REFUSED_MEMORY = re.compile(
 )
 
 
+# How HDF5 says a filter (gzip, lzf, szip) gave up on a chunk. The words are the same for a
+# corrupt chunk and for a filter whose buffer the environment refused (`ulimit -v`).
+_FILTER_FAILED = re.compile(r"filter returned failure", re.IGNORECASE)
+
+
 @contextlib.contextmanager
 def input_errors(
-    path: Path, doing: str, tensor: str | None = None, *, reading_data: bool = False
+    path: Path,
+    doing: str,
+    tensor: str | None = None,
+    *,
+    reading_data: bool = False,
+    filter_room: int = 0,
 ) -> Iterator[None]:
     """Turn h5py's exceptions into an InputError that says what we were doing. While
     `reading_data` (chunks, whose errors name no object of the file), HDF5 failing to
     allocate memory is a MemoryError instead (exit 5: the environment, not the input);
-    elsewhere a message may quote a name from the file, which must not decide that."""
+    elsewhere a message may quote a name from the file, which must not decide that.
+    `filter_room`: the bytes a filter needs to decode one chunk of the dataset; a filter
+    that failed where the address-space limit leaves less than that is taken to have
+    been refused its buffer (exit 5), else the chunk is blamed (exit 3)."""
     try:
         yield
     except H5PY_ERRORS as exc:
-        if reading_data and _REFUSED_MEMORY.search(reason(exc)):
+        refused = reading_data and (
+            _REFUSED_MEMORY.search(reason(exc)) is not None
+            or (
+                filter_room > 0
+                and _FILTER_FAILED.search(reason(exc)) is not None
+                and not address_space.has_room(filter_room)
+            )
+        )
+        if refused:
             where = f"{path}: {doing}" + (f" of tensor {tensor!r}" if tensor else "")
             raise MemoryError(f"{where}: {reason(exc)}") from None
         no_descriptor = out_of_descriptors(exc, path)  # HDF5 opening by name: ulimit -n
         raise no_descriptor or InputError(path, f"{doing}: {reason(exc)}", tensor) from None
+
+
+def filter_room(dataset: Any, info: Any) -> int:
+    """The bytes a filter needs to decode one chunk of `dataset` (a TensorInfo's): the
+    stored chunk, and an output buffer that grows by doubling (gzip's) to up to twice the
+    chunk. 0 for a dataset read without filters."""
+    chunks: tuple[int, ...] | None = dataset.chunks
+    if chunks is None or dataset.id.get_create_plist().get_nfilters() == 0:
+        return 0
+    return 3 * math.prod(chunks) * int(info.dtype.itemsize)
 
 
 def unsupported_dtype(dtype: np.dtype[Any]) -> str | None:

@@ -20,6 +20,7 @@ from clipcli.formats.hdf5.geometry import aligned_step, block_shape, flat_range_
 from clipcli.formats.hdf5.heap import check_global_heaps
 from clipcli.formats.hdf5.library import (
     NodeKind,
+    filter_room,
     input_errors,
     link_name_problem,
     load_h5py,
@@ -355,10 +356,15 @@ class Hdf5Reader(Reader):
                 yield np.full(min(step, info.numel - start), value, dtype=info.dtype)
             return
         dataset = self.dataset(info.name)
+        room = filter_room(dataset, info)
         for start in range(0, info.numel, step):
             stop = min(start + step, info.numel)
             with input_errors(
-                self.path, f"cannot read elements [{start}, {stop})", info.name, reading_data=True
+                self.path,
+                f"cannot read elements [{start}, {stop})",
+                info.name,
+                reading_data=True,
+                filter_room=room,
             ):
                 piece = self._read_range(dataset, info, start, stop)
             yield piece
@@ -385,7 +391,10 @@ class Hdf5Reader(Reader):
         dataset = self.dataset(info.name)
         out = np.empty(info.shape, dtype=info.dtype)
         if out.size:
-            with input_errors(self.path, "cannot read data", info.name, reading_data=True):
+            room = filter_room(dataset, info)
+            with input_errors(
+                self.path, "cannot read data", info.name, reading_data=True, filter_room=room
+            ):
                 dataset.read_direct(out)
         return out
 
