@@ -163,14 +163,18 @@ def value_decision(spec: ClipSpec, t: TensorStats) -> tuple[Action, Reason]:
 def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
     """Decide what happens to every tensor. Raises (exit 4) before anything is written:
     non-finite values where a norm is needed, axes that do not fit, unreachable limits."""
-    decided: dict[int, TensorPlan] = {}
+    # By position (a list, not a dict: 200,000 tensors), filled in below.
+    decided: list[TensorPlan | None] = [None] * len(measurement.tensors)
     counted: list[tuple[int, TensorStats]] = []
-    position = {t.info.name: index for index, t in enumerate(measurement.tensors)}
+    position: dict[str, int] | None = None  # name -> index, made once a tie is met
     tied: list[tuple[int, TensorStats, int]] = []  # follow the plan of the tensor tied to
     for index, t in enumerate(measurement.tensors):
-        if t.tied_to is not None and t.tied_to in position:
-            tied.append((index, t, position[t.tied_to]))
-            continue
+        if t.tied_to is not None:
+            if position is None:
+                position = {u.info.name: k for k, u in enumerate(measurement.tensors)}
+            if t.tied_to in position:
+                tied.append((index, t, position[t.tied_to]))
+                continue
         reason = outside_reason(t)
         if reason is None:
             counted.append((index, t))
@@ -202,11 +206,14 @@ def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
         factor = search_factor(members, spec.limit, check)
         made = [_scaled(t, factor if t.stats.ssq > 0 else None) for t in members]
     made = _powers_of_two(made, check)
-    decided.update(zip((index for index, _ in counted), made, strict=True))
+    for (index, _), made_plan in zip(counted, made, strict=True):
+        decided[index] = made_plan
     for index, t, first in tied:
         # The same values as `first`: the same action and factor, so the same bytes out.
-        decided[index] = replace(decided[first], info=t.info, before=t.stats, tied_to=t.tied_to)
-    tensors = tuple(decided[index] for index in range(len(measurement.tensors)))
+        first_plan = decided[first]
+        assert first_plan is not None  # a tie names an untied tensor, planned above
+        decided[index] = replace(first_plan, info=t.info, before=t.stats, tied_to=t.tied_to)
+    tensors = tuple(_every_one(decided))
     used = None
     if spec.mode is Mode.GLOBAL and spec.group_by is None:
         # The plans in the global norm are those of `members`, in the same order (each
@@ -216,11 +223,18 @@ def plan(measurement: Measurement, spec: ClipSpec, check: OutputCheck) -> Plan:
     return Plan(spec, tensors, used)
 
 
+def _every_one(decided: list[TensorPlan | None]) -> list[TensorPlan]:
+    """The plans, every position filled (each tensor is outside, counted or tied)."""
+    if any(p is None for p in decided):  # `is`: `None in` would call each plan's __eq__
+        raise AssertionError("a tensor was left without a plan")
+    return decided  # type: ignore[return-value]  # no None, checked above
+
+
 def _skip_nonfinite(
     measurement: Measurement,
     counted: list[tuple[int, TensorStats]],
     spec: ClipSpec,
-    decided: dict[int, TensorPlan],
+    decided: list[TensorPlan | None],
 ) -> list[tuple[int, TensorStats]]:
     """Tensors with NaN/Inf cannot be measured against a norm: refused (exit 4), or with
     --skip-nonfinite left unchanged and out of the global norm."""
@@ -258,17 +272,20 @@ def _powers_of_two(made: list[TensorPlan], check: OutputCheck) -> list[TensorPla
 
 def _scaled(t: TensorStats, factor: Factor | None, group: str | None = None) -> TensorPlan:
     if factor is not None:
+        # Positional: one per tensor of 200,000, keywords cost more to pass.
         return TensorPlan(
             t.info,
             t.stats,
             Action.SCALE,
             Reason.OVER_LIMIT,
-            factor=factor.mantissa,
-            exponent=factor.exponent,
-            group=group,
+            roles.Role.WEIGHT,
+            factor.mantissa,
+            factor.exponent,
+            (),
+            group,
         )
     reason = Reason.ZERO_TENSOR if t.norm == 0 else Reason.WITHIN_LIMIT
-    return TensorPlan(t.info, t.stats, Action.KEEP, reason, group=group)
+    return TensorPlan(t.info, t.stats, Action.KEEP, reason, roles.Role.WEIGHT, None, 0, (), group)
 
 
 def _plan_value(
