@@ -459,8 +459,7 @@ def check_clip_scope(
     selected = selection.check(reader.infos, notify)
     if _is_logical(reader):
         _check_ties(reader, selection)  # before the note on training state: one line
-    selection.check_weights(selected, notify, writes=True)
-    acted_on = [i for i in selected if selection.left_out(i.name) is None]
+    acted_on = selection.check_weights(selected, notify, writes=True)
     targets = scope.floating(acted_on)  # a filter in order: the floating ones acted on
     scope.refuse_quantized(reader.infos, acted_on, _declaring_directory(reader))
     if _is_logical(reader):

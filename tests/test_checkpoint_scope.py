@@ -714,3 +714,29 @@ def test_skip_low_rank_with_one_tensor_at_the_rank_clips_it(
     assert done.code == 0, done.stderr
     written = load_file(out)
     assert sum(not np.array_equal(written[n], a) for n, a in load_file(source).items()) == 1
+
+
+@pytest.mark.parametrize("all_tensors", [False, True])
+def test_the_weights_acted_on_are_those_left_out_lets_through(all_tensors: bool) -> None:
+    """check_weights classifies each name once and gives the tensors a clip acts on: the
+    same as asking left_out() of each (optimizer state, buffers, quantization parts)."""
+    from clipcli.jobs.selection import Selection
+
+    names = [
+        "model.w",
+        "optimizer.state.0.exp_avg",
+        "bn.running_mean",
+        "bn.num_batches_tracked",
+        "layers.0.weight_scale_inv",
+        "callbacks.x",
+        "loops.y",
+        "moving_mean_like.w",
+        "decoder.optim_w",
+        "z",
+    ]
+    infos = [TensorInfo(n, np.dtype(np.float32), (2,), 8) for n in names]
+    selection = Selection(all_tensors=all_tensors, parts=frozenset({"layers.0.weight_scale_inv"}))
+    acted_on = selection.check_weights(infos, lambda *_: None, writes=True)
+    assert acted_on == [i for i in infos if selection.left_out(i.name) is None]
+    assert "model.w" in [i.name for i in acted_on]
+    assert len(acted_on) < len(infos)
