@@ -21,7 +21,8 @@ import numpy as np
 import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, TensorInfo, numpy_size_overflows
-from clipcli.formats.hdf5.filters import DEFLATE, FLETCHER32, lossy_filters, name_of
+from clipcli.formats.hdf5 import decoding
+from clipcli.formats.hdf5.filters import lossy_filters, name_of
 from clipcli.formats.hdf5.library import (
     holds_references,
     holds_vlen,
@@ -216,8 +217,14 @@ class DatasetChecks:
                 (chunk.byte_offset, chunk.size, chunk.filter_mask, chunk.chunk_offset)
             )
         )
-        inflating = inflate_limit(self.file_size)
-        pipeline = [int(create_plist.get_filter(i)[0]) for i in range(create_plist.get_nfilters())]
+        filters = [create_plist.get_filter(i) for i in range(create_plist.get_nfilters())]
+        codes = [int(f[0]) for f in filters]
+        values = [[int(v) for v in f[2]] for f in filters]
+        chunk_elements = math.prod(create_plist.get_chunk())
+        problem = decoding.pipeline_problem(codes, values, chunk_elements, element_bytes)
+        if problem is not None:
+            raise self._fail(f"{problem}; refusing it", name)
+        limit = decoding.decode_limit(self.file_size)
         for offset, size, mask, where in chunks:
             # A stored chunk of 0 bytes, or one past the end, makes the library's
             # filters read nothing or garbage: fletcher32 on an empty chunk segfaults.
@@ -228,43 +235,41 @@ class DatasetChecks:
                     name,
                 )
             self.data_ranges.append((offset, offset + size))
-            if size > inflating and DEFLATE in _applied(pipeline, mask):
-                self._check_inflation(dataset, pipeline, mask, where, size, chunk_bytes, name)
+            through = decoding.applied(codes, mask)
+            decompressor = next((c for c in through if c in decoding.DECOMPRESSORS), None)
+            if decompressor is not None and decoding.worst_output(decompressor, size) > limit:
+                kept = [i for i in range(len(codes)) if not mask >> i & 1]
+                self._check_decoding(
+                    dataset,
+                    where,
+                    size,
+                    [codes[i] for i in kept],
+                    [values[i] for i in kept],
+                    chunk_bytes,
+                    name,
+                )
 
-    def _check_inflation(
+    def _check_decoding(
         self,
         dataset: Any,
-        pipeline: list[int],
-        mask: int,
         where: tuple[int, ...],
         size: int,
+        codes: list[int],
+        values: list[list[int]],
         chunk_bytes: int,
         name: str,
     ) -> None:
-        """A deflated chunk big enough to inflate past the file's memory budget: the
-        library's gzip filter grows its buffer to whatever the stream gives (a 1 MB chunk
-        can inflate to 1 GB), so the stream is inflated here first, a piece at a time, and
-        refused if it gives more than the chunk holds. Only a stream read as stored can be
-        inflated here: gzip written last (a fletcher32 checksum after it is left in the
-        stream's unused tail), once."""
-        applied = _applied(pipeline, mask)
-        if applied.count(DEFLATE) > 1 or any(
-            code != FLETCHER32 for code in applied[applied.index(DEFLATE) + 1 :]
-        ):
-            raise self._fail(
-                f"a stored chunk of {size} bytes goes through gzip then "
-                f"{', '.join(name_of(code) for code in applied[applied.index(DEFLATE) + 1 :])}"
-                ", which could inflate past the memory budget unchecked; refusing it",
-                name,
-            )
+        """Decode a stored chunk's stream here first (clipcli.formats.hdf5.decoding) and
+        refuse it when it gives more than its chunk holds: a decompression bomb."""
         with input_errors(self.path, name, reading_data=True):
             _, raw = dataset.id.read_direct_chunk(where)
-        allowed = chunk_bytes + INFLATE_SLACK
-        inflated = _inflated_bytes(raw, allowed + 1)
-        if inflated > allowed:
+        allowed = chunk_bytes + decoding.DECODE_SLACK
+        if decoding.decoded_bytes(raw, codes, values, allowed + 1) > allowed:
+            decompressor = next(c for c in codes if c in decoding.DECOMPRESSORS)
             raise self._fail(
-                f"a stored chunk of {size} bytes inflates past {allowed} bytes, more than its "
-                f"{chunk_bytes}-byte chunk holds (a gzip bomb)",
+                f"a stored chunk of {size} bytes decodes ({name_of(decompressor)}) past "
+                f"{allowed} bytes, more than its {chunk_bytes}-byte chunk holds (a "
+                "decompression bomb)",
                 name,
             )
 
@@ -354,49 +359,6 @@ def attribute_budget_problem(elements: int, largest_heap_object: int) -> str | N
         f"{largest_heap_object} bytes ({worst} in all, over the "
         f"{limits.MAX_ATTRIBUTE_BYTES >> 20} MiB limit for attributes)"
     )
-
-
-# Deflate gives at most ~1032 bytes per stored byte (a 258-byte match in 2 bits), and the
-# library's buffer grows by doubling: up to twice what a stream inflates to.
-DEFLATE_MAX_RATIO = 1032
-# A chunk's stream may give a little more than the chunk when another filter came first
-# (a checksum's 4 bytes); anything past this is not a chunk of this dataset.
-INFLATE_SLACK = 4096
-_INFLATE_PIECE = 4 << 20
-
-
-def inflate_limit(file_size: int) -> int:
-    """The stored size past which a gzip chunk could, at deflate's greatest ratio, grow the
-    library's buffer past half the file's memory budget (limits.expansion_budget): such
-    chunks are inflated here first. A file holds at most ~20 of them."""
-    return limits.expansion_budget(file_size) // (4 * DEFLATE_MAX_RATIO)
-
-
-def _applied(pipeline: list[int], mask: int) -> list[int]:
-    """The filters a chunk was stored through, in write order: bit i of its filter mask
-    set means filter i was skipped for it."""
-    return [code for i, code in enumerate(pipeline) if not mask >> i & 1]
-
-
-def _inflated_bytes(raw: bytes, most: int) -> int:
-    """How many bytes the zlib stream at the start of `raw` inflates to, counted up to
-    `most` only (a piece at a time: memory stays one piece). A stream that does not
-    decode counts what it gave: the library then refuses it as a corrupt chunk."""
-    import zlib
-
-    inflater = zlib.decompressobj()
-    total = 0
-    data = raw
-    try:
-        while total < most and not inflater.eof:
-            piece = inflater.decompress(data, min(_INFLATE_PIECE, most - total))
-            total += len(piece)
-            data = inflater.unconsumed_tail
-            if not piece and not data:
-                break
-    except zlib.error:
-        pass
-    return total
 
 
 def chunk_count(shape: Sequence[int] | None, chunks: Sequence[int]) -> int:

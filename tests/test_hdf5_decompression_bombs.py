@@ -1,0 +1,289 @@
+"""Decompression bombs in HDF5 chunks (THREAT_MODEL, "decompressed chunks"; open item 13
+until 2026-11-27). The library's decompressors size their buffers from the data: a 1 MB
+file whose 4 KB gzip chunk was replaced by a stream inflating to 1 GiB ran at 1.16 GB, and
+the first fix let two gzips, or LZF and gzip, through (attack bomb13att). Now a pipeline
+holds one decompressor, only size-keeping filters after it, and a chunk that could decode
+past a third of the file's budget is decoded here first and refused when it gives more
+than its chunk holds."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from clipcli.api import measure
+from clipcli.errors import InputError
+from clipcli.formats.hdf5 import decoding
+from clipcli.formats.hdf5.filters import DEFLATE, FLETCHER32, LZF, NBIT, SCALEOFFSET, SHUFFLE
+from clipcli.formats.opening import open_reader
+
+CHUNK = 1024  # float32 elements: a 4096-byte chunk
+CHUNK_BYTES = 4 * CHUNK
+ALLOWED = CHUNK_BYTES + decoding.DECODE_SLACK
+
+
+def zeros_stream(inflated: int) -> bytes:
+    made = zlib.compressobj(9)
+    return made.compress(bytes(inflated)) + made.flush()
+
+
+def shuffled(data: bytes, size: int) -> bytes:
+    """HDF5's shuffle, from its definition: byte i of every element together, in turn."""
+    count = len(data) // size
+    whole = np.frombuffer(data, np.uint8, count * size).reshape(count, size)
+    return whole.T.tobytes() + data[count * size :]
+
+
+def with_pipeline(path: Path, add: Callable[[object], None], stream: bytes | None) -> Path:
+    """A float32 dataset of one chunk through the filters `add` sets (write order),
+    written by the library; then its stored chunk replaced by `stream`, if given."""
+    with h5py.File(path, "w") as f:
+        plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        plist.set_chunk((CHUNK,))
+        add(plist)
+        space = h5py.h5s.create_simple((CHUNK,))
+        h5py.h5d.create(f.id, b"w", h5py.h5t.IEEE_F32LE, space, dcpl=plist)
+        f["w"][...] = np.arange(CHUNK, dtype="f4")
+        if stream is not None:
+            f["w"].id.write_direct_chunk((0,), stream)
+    return path
+
+
+def gzip(plist: object) -> None:
+    plist.set_deflate(4)  # type: ignore[attr-defined]
+
+
+def checking_every_chunk(patch: pytest.MonkeyPatch) -> None:
+    patch.setattr(decoding, "decode_limit", lambda _: 0)
+
+
+def test_a_gzip_bomb_is_refused_before_any_read(tmp_path: Path) -> None:
+    bomb = zeros_stream(64 << 20)  # ~64 KB stored: 1032 x that is past this file's limit
+    path = with_pipeline(tmp_path / "bomb.h5", gzip, bomb)
+    assert decoding.worst_output(DEFLATE, len(bomb)) > decoding.decode_limit(path.stat().st_size)
+    with pytest.raises(InputError, match=f"decodes \\(gzip\\) past {ALLOWED} bytes.*bomb"):
+        measure(path)
+
+
+def test_the_decoded_bound_exactly_at_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream giving the chunk and DECODE_SLACK bytes more passes; one byte more not."""
+    at = with_pipeline(tmp_path / "at.h5", gzip, zeros_stream(ALLOWED))
+    past = with_pipeline(tmp_path / "past.h5", gzip, zeros_stream(ALLOWED + 1))
+    checking_every_chunk(monkeypatch)
+    with open_reader(at):
+        pass
+    with pytest.raises(InputError, match=f"past {ALLOWED} bytes"), open_reader(past):
+        pass
+
+
+@pytest.mark.parametrize("below", [0, 1])
+def test_the_worst_output_exactly_at_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, below: int
+) -> None:
+    """A chunk whose worst output is exactly decode_limit is left to the library; a limit
+    one byte lower has it decoded here (and this one is a bomb)."""
+    bomb = zeros_stream(1 << 20)
+    path = with_pipeline(tmp_path / "b.h5", gzip, bomb)
+    worst = decoding.worst_output(DEFLATE, len(bomb))
+    monkeypatch.setattr(decoding, "decode_limit", lambda _: worst - below)
+    if below:
+        with pytest.raises(InputError, match="bomb"), open_reader(path):
+            pass
+    else:
+        with open_reader(path):
+            pass
+
+
+def _shuffle_gzip_fletcher(plist: object) -> None:
+    plist.set_shuffle()  # type: ignore[attr-defined]
+    plist.set_deflate(4)  # type: ignore[attr-defined]
+    plist.set_fletcher32()  # type: ignore[attr-defined]
+
+
+def _gzip_then_shuffle(plist: object) -> None:
+    plist.set_deflate(4)  # type: ignore[attr-defined]
+    plist.set_shuffle()  # type: ignore[attr-defined]
+
+
+def _gzip_shuffle_fletcher(plist: object) -> None:
+    _gzip_then_shuffle(plist)
+    plist.set_fletcher32()  # type: ignore[attr-defined]
+
+
+def _lzf(plist: object) -> None:
+    plist.set_filter(LZF, h5py.h5z.FLAG_OPTIONAL, ())  # type: ignore[attr-defined]
+
+
+def _shuffle_lzf(plist: object) -> None:
+    plist.set_shuffle()  # type: ignore[attr-defined]
+    _lzf(plist)
+
+
+def _szip(plist: object) -> None:
+    plist.set_szip(h5py.h5z.SZIP_NN_OPTION_MASK, 8)  # type: ignore[attr-defined]
+
+
+def _fletcher_then_gzip(plist: object) -> None:
+    plist.set_fletcher32()  # type: ignore[attr-defined]
+    gzip(plist)
+
+
+PIPELINES = {
+    "gzip": gzip,
+    "shuffle,gzip,fletcher32": _shuffle_gzip_fletcher,
+    "gzip,shuffle": _gzip_then_shuffle,
+    "gzip,shuffle,fletcher32": _gzip_shuffle_fletcher,
+    "fletcher32,gzip": _fletcher_then_gzip,
+    "lzf": _lzf,
+    "shuffle,lzf": _shuffle_lzf,
+    "szip": _szip,
+}
+
+
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+@pytest.mark.parametrize("fill", ["noise", "zeros", "steps"])
+def test_real_chunks_decoded_here_read_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pipeline: str, fill: str
+) -> None:
+    """Chunks as the library writes them, every one decoded here first, read back with
+    the values written."""
+    rng = np.random.default_rng(3)
+    values = {
+        "noise": rng.standard_normal(CHUNK).astype("f4"),
+        "zeros": np.zeros(CHUNK, "f4"),
+        "steps": np.repeat(np.arange(CHUNK // 64, dtype="f4"), 64),
+    }[fill]
+    path = with_pipeline(tmp_path / "real.h5", PIPELINES[pipeline], None)
+    with h5py.File(path, "r+") as f:
+        f["w"][...] = values
+    checking_every_chunk(monkeypatch)
+    m = measure(path)
+    exact = np.sqrt(np.sum(values.astype(np.float64) ** 2))
+    assert m.tensors[0].norm == pytest.approx(exact, rel=1e-12)
+
+
+@pytest.mark.parametrize("pipeline", ["gzip,shuffle", "gzip,shuffle,fletcher32"])
+def test_a_bomb_behind_a_shuffle_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pipeline: str
+) -> None:
+    """Shuffle written after gzip: the stored bytes are the stream shuffled; put back,
+    it is the bomb it is."""
+    stream = shuffled(zeros_stream(1 << 20), 4)
+    if pipeline.endswith("fletcher32"):
+        stream += b"\0\0\0\0"  # the checksum's place
+    path = with_pipeline(tmp_path / "b.h5", PIPELINES[pipeline], stream)
+    checking_every_chunk(monkeypatch)
+    with pytest.raises(InputError, match="decodes \\(gzip\\) past"), open_reader(path):
+        pass
+
+
+def test_an_lzf_bomb_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "zeros.h5"
+    with h5py.File(source, "w") as f:
+        d = f.create_dataset(
+            "z", data=np.zeros(1 << 20, "f4"), chunks=(1 << 20,), compression="lzf"
+        )
+        stream = d.id.read_direct_chunk((0,))[1]
+    assert decoding.lzf_bytes(stream, 1 << 30) == 4 << 20  # the counter against h5py's LZF
+    path = with_pipeline(tmp_path / "b.h5", _lzf, stream)
+    checking_every_chunk(monkeypatch)
+    with pytest.raises(InputError, match="decodes \\(lzf\\) past"), open_reader(path):
+        pass
+
+
+def test_an_szip_header_declaring_gigabytes_is_refused(tmp_path: Path) -> None:
+    """szip allocates what the stream's first four bytes declare; every szip chunk is
+    looked at, whatever the file's size."""
+    path = with_pipeline(tmp_path / "s.h5", _szip, None)
+    with h5py.File(path, "r+") as f:
+        stream = f["w"].id.read_direct_chunk((0,))[1]
+        assert int.from_bytes(stream[:4], "little") == CHUNK_BYTES
+        f["w"].id.write_direct_chunk((0,), (0xFFFF0000).to_bytes(4, "little") + stream[4:])
+    with pytest.raises(InputError, match="decodes \\(szip\\) past"), open_reader(path):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(DEFLATE, DEFLATE), (DEFLATE, LZF), (LZF, DEFLATE), (DEFLATE, NBIT), (DEFLATE, SCALEOFFSET)],
+)
+def test_pipelines_that_cannot_be_bounded_are_refused_at_any_size(
+    tmp_path: Path, first: int, second: int
+) -> None:
+    """Two decompressors (a bomb behind a second gzip or an LZF passed the first fix at
+    1.15-4.3 GB), or a filter after the decompressor that changes sizes: refused when the
+    file is opened, small chunks too."""
+
+    def add(plist: object) -> None:
+        for code in (first, second):
+            parameters = (4,) if code == DEFLATE else (2, 0) if code == SCALEOFFSET else ()
+            plist.set_filter(code, 0, parameters)  # type: ignore[attr-defined]
+
+    with h5py.File(tmp_path / "p.h5", "w") as f:
+        plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        plist.set_chunk((CHUNK,))
+        add(plist)
+        space = h5py.h5s.create_simple((CHUNK,))
+        h5py.h5d.create(f.id, b"w", h5py.h5t.STD_I32LE, space, dcpl=plist)
+        f["w"][...] = np.arange(CHUNK, dtype="i4")
+    with pytest.raises(InputError, match="cannot be bounded"), open_reader(tmp_path / "p.h5"):
+        pass
+
+
+def test_n_bit_and_scale_offset_must_declare_the_chunks_own_size() -> None:
+    ok = decoding.pipeline_problem([SCALEOFFSET], [[2, 0, 100, 0, 4, 1]], 100, 4)
+    assert ok is None
+    assert decoding.pipeline_problem([NBIT], [[8, 1, 100, 1, 2, 0, 16, 0]], 100, 2) is None
+    for forged in ([8, 1, 10**9, 1, 2, 0, 16, 0], [8, 1, 100, 1, 8, 0, 16, 0], [8, 1]):
+        assert "declares chunks other than its own" in str(
+            decoding.pipeline_problem([NBIT], [forged], 100, 2)
+        )
+    assert decoding.pipeline_problem([SHUFFLE, DEFLATE, FLETCHER32], [[4], [4], []], 9, 4) is None
+
+
+def test_a_chunk_stored_without_its_decompressor_is_not_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bit 0 of a chunk's filter mask set: gzip was skipped for it; its bytes are the
+    values themselves."""
+    path = with_pipeline(tmp_path / "skipped.h5", gzip, None)
+    with h5py.File(path, "r+") as f:
+        raw = np.arange(CHUNK, dtype="<f4").tobytes()
+        f["w"].id.write_direct_chunk((0,), raw, filter_mask=1)
+    checking_every_chunk(monkeypatch)
+    m = measure(path)
+    assert m.tensors[0].norm == pytest.approx(np.sqrt(np.sum(np.arange(CHUNK) ** 2.0)))
+
+
+@pytest.mark.parametrize(
+    ("stream", "gives"),
+    [
+        (zeros_stream(5000), 5000),
+        (zeros_stream(5000)[:20], None),  # truncated: what it gave so far
+        (b"not a zlib stream at all", 0),
+        (b"", 0),
+        (zeros_stream(5000) + b"tail", 5000),  # a checksum's bytes after the stream
+    ],
+)
+def test_inflated_bytes_counts_without_raising(stream: bytes, gives: int | None) -> None:
+    counted = decoding.inflated_bytes(stream, 1 << 20)
+    assert counted == gives if gives is not None else 0 <= counted <= 5000
+
+
+def test_counting_stops_at_the_most_asked() -> None:
+    assert decoding.inflated_bytes(zeros_stream(10 << 20), 12345) == 12345
+    assert decoding.lzf_bytes(bytes([0xE0, 255, 0]) * 1000, 999) == 999
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+@pytest.mark.parametrize("length", [0, 3, 64, 67])
+def test_unshuffled_undoes_hdf5s_shuffle(size: int, length: int) -> None:
+    data = bytes(np.random.default_rng(length).integers(0, 256, length, dtype=np.uint8))
+    assert decoding.unshuffled(shuffled(data, size), size) == data
