@@ -39,16 +39,19 @@ def shuffled(data: bytes, size: int) -> bytes:
     return whole.T.tobytes() + data[count * size :]
 
 
-def with_pipeline(path: Path, add: Callable[[object], None], stream: bytes | None) -> Path:
-    """A float32 dataset of one chunk through the filters `add` sets (write order),
-    written by the library; then its stored chunk replaced by `stream`, if given."""
+def with_pipeline(
+    path: Path, add: Callable[[object], None], stream: bytes | None, integers: bool = False
+) -> Path:
+    """A float32 (or int32) dataset of one chunk through the filters `add` sets (write
+    order), written by the library; then its stored chunk replaced by `stream`, if given."""
     with h5py.File(path, "w") as f:
         plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         plist.set_chunk((CHUNK,))
         add(plist)
         space = h5py.h5s.create_simple((CHUNK,))
-        h5py.h5d.create(f.id, b"w", h5py.h5t.IEEE_F32LE, space, dcpl=plist)
-        f["w"][...] = np.arange(CHUNK, dtype="f4")
+        kind = h5py.h5t.STD_I32LE if integers else h5py.h5t.IEEE_F32LE
+        h5py.h5d.create(f.id, b"w", kind, space, dcpl=plist)
+        f["w"][...] = np.arange(CHUNK, dtype="i4" if integers else "f4")
         if stream is not None:
             f["w"].id.write_direct_chunk((0,), stream)
     return path
@@ -226,14 +229,8 @@ def test_pipelines_that_cannot_be_bounded_are_refused_at_any_size(
             parameters = (4,) if code == DEFLATE else (2, 0) if code == SCALEOFFSET else ()
             plist.set_filter(code, 0, parameters)  # type: ignore[attr-defined]
 
-    with h5py.File(tmp_path / "p.h5", "w") as f:
-        plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        plist.set_chunk((CHUNK,))
-        add(plist)
-        space = h5py.h5s.create_simple((CHUNK,))
-        h5py.h5d.create(f.id, b"w", h5py.h5t.STD_I32LE, space, dcpl=plist)
-        f["w"][...] = np.arange(CHUNK, dtype="i4")
-    with pytest.raises(InputError, match="cannot be bounded"), open_reader(tmp_path / "p.h5"):
+    path = with_pipeline(tmp_path / "p.h5", add, None, integers=True)
+    with pytest.raises(InputError, match="cannot be bounded"), open_reader(path):
         pass
 
 
