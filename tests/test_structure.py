@@ -418,6 +418,8 @@ def test_root_string_attributes_travel_as_metadata(clipcli: Cli, tmp_path: Path)
         "dotdot_name",
         "orphan_path",
         "unknown_filter",
+        "two_decompressors",
+        "n_bit_after_gzip",
         "huge_chunk",
         "bad_base64",
     ],
@@ -444,6 +446,10 @@ def test_hostile_structure_edits_are_exit_3_and_write_nothing(
         dataset["path"] = "/nowhere/w"
     elif edit == "unknown_filter":
         dataset["filters"] = [[32001, 0, []]]
+    elif edit == "two_decompressors":  # what the reader refuses in OUT (hdf5/decoding)
+        dataset["filters"] = [[1, 0, [4]], [32000, 1, []]]
+    elif edit == "n_bit_after_gzip":
+        dataset["filters"] = [[1, 0, [4]], [5, 0, []]]
     elif edit == "huge_chunk":
         dataset["chunks"] = [1 << 20, 1 << 20]
     else:
@@ -458,6 +464,8 @@ def test_hostile_structure_edits_are_exit_3_and_write_nothing(
     run = clipcli("convert", "--allow-lossy", bad, tmp_path / "o.h5")
     assert run.returncode == 3, run.stderr
     assert "malformed" in run.stderr
+    if edit in ("two_decompressors", "n_bit_after_gzip"):
+        assert "cannot be bounded" in run.stderr
     assert not (tmp_path / "o.h5").exists()
 
 

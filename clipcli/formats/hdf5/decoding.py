@@ -58,6 +58,25 @@ def pipeline_problem(
 ) -> str | None:
     """Why a dataset's filter pipeline (codes and parameters, in write order) could decode
     a chunk to more than it holds, unchecked; None when it cannot."""
+    problem = order_problem(codes)
+    if problem is not None:
+        return problem
+    for code, parameters in zip(codes, values, strict=True):
+        if code not in (NBIT, SCALEOFFSET):
+            continue
+        declared = tuple(parameters[2:5:2]) if len(parameters) >= 5 else None
+        if declared != (chunk_elements, element_bytes):
+            return (
+                f"its {name_of(code)} filter declares chunks other than its own "
+                f"(parameters {list(parameters[:5])}, chunks of {chunk_elements} elements of "
+                f"{element_bytes} bytes)"
+            )
+    return None
+
+
+def order_problem(codes: Sequence[int]) -> str | None:
+    """Why filters in this write order could decode a chunk past any bound checked here:
+    two decompressors, or a filter after the decompressor that does not keep sizes."""
     found = [code for code in codes if code in DECOMPRESSORS]
     if len(found) > 1:
         shown = ", then ".join(name_of(code) for code in found)
@@ -68,16 +87,6 @@ def pipeline_problem(
             return (
                 f"its filters apply {name_of(after[0])} after {name_of(found[0])}: what a "
                 "chunk decodes to cannot be bounded"
-            )
-    for code, parameters in zip(codes, values, strict=True):
-        if code not in (NBIT, SCALEOFFSET):
-            continue
-        declared = tuple(parameters[2:5:2]) if len(parameters) >= 5 else None
-        if declared != (chunk_elements, element_bytes):
-            return (
-                f"its {name_of(code)} filter declares chunks other than its own "
-                f"(parameters {list(parameters[:5])}, chunks of {chunk_elements} elements of "
-                f"{element_bytes} bytes)"
             )
     return None
 

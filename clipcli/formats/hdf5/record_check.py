@@ -19,6 +19,7 @@ import numpy as np
 import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
 from clipcli.formats.base import TensorInfo, numpy_size_overflows, utf8_encodable
+from clipcli.formats.hdf5 import decoding
 from clipcli.formats.hdf5.filters import DEFLATE, SZIP, is_lossless, name_of
 from clipcli.formats.hdf5.library import load_h5py
 from clipcli.formats.hdf5.portable import (
@@ -368,8 +369,12 @@ def _dataset_plist(node: Json, type_id: Any, space: Any) -> Any:
     if len(filters) > MAX_FILTERS:
         raise Malformed(f"{len(filters)} filters; HDF5 holds at most {MAX_FILTERS}")
     integer = node["type"].get("class") == "int"
-    for entry in filters:
-        code, flags, values = _filter(entry, chunks, integer)
+    made = [_filter(entry, chunks, integer) for entry in filters]
+    # What the reader would refuse in OUT (hdf5/decoding), refused in the record first.
+    problem = decoding.order_problem([code for code, _, _ in made])
+    if problem is not None:
+        raise Malformed(f"a dataset whose {problem.removeprefix('its ')}")
+    for code, flags, values in made:
         plist.set_filter(code, flags, values)
     if node.get("fill") is not None:
         dtype = _numeric_dtype(node["type"])
