@@ -201,6 +201,20 @@ def test_an_lzf_bomb_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         pass
 
 
+def test_an_lzf_bomb_over_the_limit_is_refused_unpatched(tmp_path: Path) -> None:
+    """Attack bomb14att: the 100 MiB that h5py's LZF was thought to stop at does not hold
+    (a 12 MB file's 4 KiB chunk decoded to 1 GB, exit 0); LZF's worst is 88 x the stored
+    bytes, and a chunk over the limit is counted here. One literal, then back references
+    of 264 bytes at distance 1: ~116 MB from a 1.3 MB chunk (past 100 MiB + its size)."""
+    stream = b"\x00\x00" + b"\xe0\xff\x00" * 440_000
+    assert decoding.lzf_bytes(stream, 1 << 30) == 1 + 264 * 440_000
+    path = with_pipeline(tmp_path / "b.h5", _lzf, stream)
+    limit = decoding.decode_limit(path.stat().st_size)
+    assert decoding.worst_output(LZF, len(stream)) > limit
+    with pytest.raises(InputError, match="decodes \\(lzf\\) past"), open_reader(path):
+        pass
+
+
 def test_an_szip_header_declaring_gigabytes_is_refused(tmp_path: Path) -> None:
     """szip allocates what the stream's first four bytes declare; every szip chunk is
     looked at, whatever the file's size."""
