@@ -209,6 +209,13 @@ class DatasetChecks:
         if name not in self.fill_only:
             self.declared_chunks += chunk_count(dataset.shape, create_plist.get_chunk())
             self.check_chunk_count()
+        filters = [create_plist.get_filter(i) for i in range(create_plist.get_nfilters())]
+        codes = [int(f[0]) for f in filters]
+        values = [[int(v) for v in f[2]] for f in filters]
+        chunk_elements = math.prod(create_plist.get_chunk())
+        problem = decoding.pipeline_problem(codes, values, chunk_elements, element_bytes)
+        if problem is not None:
+            raise self._fail(f"{problem}; refusing it", name)
         if not hasattr(dataset.id, "chunk_iter"):
             return  # HDF5 < 1.14: the library scans the chunks itself
         chunks: list[tuple[int, int, int, tuple[int, ...]]] = []
@@ -217,13 +224,6 @@ class DatasetChecks:
                 (chunk.byte_offset, chunk.size, chunk.filter_mask, chunk.chunk_offset)
             )
         )
-        filters = [create_plist.get_filter(i) for i in range(create_plist.get_nfilters())]
-        codes = [int(f[0]) for f in filters]
-        values = [[int(v) for v in f[2]] for f in filters]
-        chunk_elements = math.prod(create_plist.get_chunk())
-        problem = decoding.pipeline_problem(codes, values, chunk_elements, element_bytes)
-        if problem is not None:
-            raise self._fail(f"{problem}; refusing it", name)
         limit = decoding.decode_limit(self.file_size)
         for offset, size, mask, where in chunks:
             # A stored chunk of 0 bytes, or one past the end, makes the library's
@@ -235,19 +235,12 @@ class DatasetChecks:
                     name,
                 )
             self.data_ranges.append((offset, offset + size))
-            through = decoding.applied(codes, mask)
+            kept = decoding.applied(range(len(codes)), mask)  # the filters it went through
+            through = [codes[i] for i in kept]
             decompressor = next((c for c in through if c in decoding.DECOMPRESSORS), None)
             if decompressor is not None and decoding.worst_output(decompressor, size) > limit:
-                kept = [i for i in range(len(codes)) if not mask >> i & 1]
-                self._check_decoding(
-                    dataset,
-                    where,
-                    size,
-                    [codes[i] for i in kept],
-                    [values[i] for i in kept],
-                    chunk_bytes,
-                    name,
-                )
+                stored_with = [values[i] for i in kept]
+                self._check_decoding(dataset, where, size, through, stored_with, chunk_bytes, name)
 
     def _check_decoding(
         self,
@@ -261,7 +254,7 @@ class DatasetChecks:
     ) -> None:
         """Decode a stored chunk's stream here first (clipcli.formats.hdf5.decoding) and
         refuse it when it gives more than its chunk holds: a decompression bomb."""
-        with input_errors(self.path, name, reading_data=True):
+        with input_errors(self.path, "cannot read a stored chunk", name, reading_data=True):
             _, raw = dataset.id.read_direct_chunk(where)
         allowed = chunk_bytes + decoding.DECODE_SLACK
         if decoding.decoded_bytes(raw, codes, values, allowed + 1) > allowed:
