@@ -298,3 +298,67 @@ def test_counting_stops_at_the_most_asked() -> None:
 def test_unshuffled_undoes_hdf5s_shuffle(size: int, length: int) -> None:
     data = bytes(np.random.default_rng(length).integers(0, 256, length, dtype=np.uint8))
     assert decoding.unshuffled(shuffled(data, size), size) == data
+
+
+def test_small_bombs_under_the_limit_do_not_add_up(tmp_path: Path) -> None:
+    """Attack bomb14att (open item 14 until 2026-11-27): 200 chunks of 4 KiB, each a 4 KB
+    stream inflating to 4 MiB and under the limit on its own, ran at 868 MB: the library's
+    64 MiB chunk cache counts a chunk by its nominal size and kept every decoded buffer at
+    its real one. A dataset is now read with a cache of the chunks its reads need kept
+    (two, along one axis)."""
+    from test_hdf5_chunk_budget import RSS_BUDGET, _peak
+
+    chunks = 120
+    stream = zeros_stream(4 << 20)
+    path = tmp_path / "many.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset(
+            "w", shape=(chunks * CHUNK,), chunks=(CHUNK,), dtype="f4", compression="gzip"
+        )
+        d[...] = np.ones(chunks * CHUNK, "f4")
+        for k in range(chunks):
+            d.id.write_direct_chunk((k * CHUNK,), stream)
+    limit = decoding.decode_limit(path.stat().st_size)
+    assert decoding.worst_output(DEFLATE, len(stream)) <= limit // 2  # none decoded here
+    assert chunks * (4 << 20) > RSS_BUDGET  # what the old cache held
+    code, peak, stderr = _peak("norms", "-q", path)
+    assert code == 0, stderr
+    assert peak < RSS_BUDGET, peak
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunks", "band"),
+    [
+        ((), (), 2),
+        ((1000,), (64,), 2),
+        ((4096, 4096), (64, 256), 2 * 16),
+        ((4096, 4097), (64, 256), 2 * 17),  # a partial chunk at the end of each row
+        ((3000, 700), (3000, 1), 2 * 700),
+        ((8, 6, 10), (2, 3, 4), 2 * 2 * 3),
+        ((5, 0), (1, 4), 2),  # no chunk along an axis: still one band of one
+    ],
+)
+def test_the_chunks_a_read_keeps_are_two_bands(
+    shape: tuple[int, ...], chunks: tuple[int, ...], band: int
+) -> None:
+    from clipcli.formats.hdf5.geometry import band_chunks
+
+    assert band_chunks(shape, chunks) == band
+
+
+def test_a_datasets_cache_is_its_bands_and_at_most_the_files(tmp_path: Path) -> None:
+    from clipcli.formats.hdf5 import limits
+
+    path = tmp_path / "c.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("one", data=np.ones(4096, "f4"), chunks=(256,), compression="gzip")
+        f.create_dataset("two", data=np.ones((64, 4096), "f4"), chunks=(8, 512))
+        f.create_dataset("wide", shape=(4, 1 << 24), dtype="f4", chunks=(1, 1 << 16))
+    with open_reader(path) as reader:
+        checks = reader._checks  # type: ignore[attr-defined]
+        assert checks.cache_bytes["one"] == 2 * 256 * 4
+        assert checks.cache_bytes["two"] == 2 * 8 * 8 * 512 * 4
+        assert checks.cache_bytes["wide"] == limits.CHUNK_CACHE_BYTES  # not 2 x 256 x 256 KiB
+        dataset = reader.dataset("two")  # type: ignore[attr-defined]
+        cache = dataset.id.get_access_plist().get_chunk_cache()
+        assert cache[1] == checks.cache_bytes["two"]

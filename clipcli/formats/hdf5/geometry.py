@@ -59,3 +59,13 @@ def aligned_step(shape: tuple[int, ...], chunk_elems: int) -> int:
 
 def block_shape(block: tuple[slice, ...]) -> tuple[int, ...]:
     return tuple(part.stop - part.start for part in block)
+
+
+def band_chunks(shape: Sequence[int], chunks: Sequence[int]) -> int:
+    """The chunks that reading `shape` in C-order pieces may need kept decoded at once:
+    every chunk of two bands along the first axis (a piece may end inside one band, whose
+    chunks the next piece goes on with, and begin the next); two for rank 0 and 1."""
+    if len(shape) <= 1:
+        return 2
+    per_band = math.prod(-(-dim // chunk) for dim, chunk in zip(shape[1:], chunks[1:], strict=True))
+    return 2 * max(1, per_band)

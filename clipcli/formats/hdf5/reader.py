@@ -246,8 +246,7 @@ class Hdf5Reader(Reader):
 
     def non_tensor_rows(self, item: NonTensorInfo) -> Iterator[RowSlice]:
         """A non-tensor dataset's values, a bounded slice of rows at a time."""
-        with input_errors(self.path, "cannot open dataset", item.name):
-            dataset = self.file["/" + item.name]
+        dataset = self._opened(item.name)
         rows = read_rows(dataset, item, self.largest_heap_object, self._vlen_budget)
         while True:
             with input_errors(self.path, "cannot read the non-tensor dataset", item.name):
@@ -339,8 +338,21 @@ class Hdf5Reader(Reader):
         """The h5py Dataset of a tensor (its path was checked to be hard links only)."""
         if name not in self._by_name:
             raise KeyError(name)
+        return self._opened(name)
+
+    def _opened(self, name: str) -> Any:
+        """A checked dataset, opened with a chunk cache of what its reads need kept
+        decoded (DatasetChecks.cache_bytes), not the file's 64 MiB: the library holds a
+        decoded chunk at its real size while counting its chunk's, so a cache of many
+        small chunks that each decode to megabytes held gigabytes."""
+        h5py = load_h5py()
         with input_errors(self.path, "cannot open dataset", name):
-            return self.file["/" + name]
+            cache = self._checks.cache_bytes.get(name)
+            if cache is None:
+                return self.file["/" + name]
+            access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+            access.set_chunk_cache(limits.CHUNK_CACHE_SLOTS, cache, limits.CHUNK_CACHE_W0)
+            return h5py.Dataset(h5py.h5d.open(self.file.id, ("/" + name).encode(), dapl=access))
 
     def chunks(self, info: TensorInfo, chunk_elems: int | None = None) -> Iterator[np.ndarray]:
         if chunk_elems is None:

@@ -23,6 +23,7 @@ from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, TensorInfo, numpy_size_overflows
 from clipcli.formats.hdf5 import decoding
 from clipcli.formats.hdf5.filters import lossy_filters, name_of
+from clipcli.formats.hdf5.geometry import band_chunks
 from clipcli.formats.hdf5.library import (
     holds_references,
     holds_vlen,
@@ -58,6 +59,10 @@ class DatasetChecks:
         # never written with them again.
         self.lossy: dict[str, list[int]] = {}
         self.declared_total = 0
+        # Chunked datasets: the chunk cache each is read with (bytes), no more than the
+        # chunks its C-order pieces need kept decoded (the library keeps a decoded buffer
+        # at its real size, counting only its chunk's: small bombs added up to 4 GB).
+        self.cache_bytes: dict[str, int] = {}
         self.declared_chunks = 0  # every chunk of every chunked dataset's shape
 
     def _fail(self, problem: str, tensor: str | None = None) -> InputError:
@@ -216,6 +221,11 @@ class DatasetChecks:
         problem = decoding.pipeline_problem(codes, values, chunk_elements, element_bytes)
         if problem is not None:
             raise self._fail(f"{problem}; refusing it", name)
+        band = band_chunks(dataset.shape or (), create_plist.get_chunk())
+        self.cache_bytes[name] = min(limits.CHUNK_CACHE_BYTES, band * chunk_bytes)
+        # At most this many chunks are held decoded at once: each may take its share of
+        # the limit.
+        held = max(1, min(band, limits.CHUNK_CACHE_BYTES // chunk_bytes))
         if not hasattr(dataset.id, "chunk_iter"):
             return  # HDF5 < 1.14: the library scans the chunks itself
         chunks: list[tuple[int, int, int, tuple[int, ...]]] = []
@@ -224,7 +234,7 @@ class DatasetChecks:
                 (chunk.byte_offset, chunk.size, chunk.filter_mask, chunk.chunk_offset)
             )
         )
-        limit = decoding.decode_limit(self.file_size)
+        limit = decoding.decode_limit(self.file_size) // max(1, min(held, len(chunks)))
         for offset, size, mask, where in chunks:
             # A stored chunk of 0 bytes, or one past the end, makes the library's
             # filters read nothing or garbage: fletcher32 on an empty chunk segfaults.
