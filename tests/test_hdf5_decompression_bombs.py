@@ -347,6 +347,8 @@ def test_the_chunks_a_read_keeps_are_two_bands(
 
 
 def test_a_datasets_cache_is_its_bands_and_at_most_the_files(tmp_path: Path) -> None:
+    """Uncompressed: two bands of chunks (at most the file's 64 MiB). Compressed tensors
+    of rank 2 and more: read a band at a time, with a cache of two chunks."""
     from clipcli.formats.hdf5 import limits
 
     path = tmp_path / "c.h5"
@@ -354,11 +356,63 @@ def test_a_datasets_cache_is_its_bands_and_at_most_the_files(tmp_path: Path) -> 
         f.create_dataset("one", data=np.ones(4096, "f4"), chunks=(256,), compression="gzip")
         f.create_dataset("two", data=np.ones((64, 4096), "f4"), chunks=(8, 512))
         f.create_dataset("wide", shape=(4, 1 << 24), dtype="f4", chunks=(1, 1 << 16))
+        f.create_dataset("gz", data=np.ones((64, 4096), "f4"), chunks=(8, 512), compression="gzip")
     with open_reader(path) as reader:
         checks = reader._checks  # type: ignore[attr-defined]
         assert checks.cache_bytes["one"] == 2 * 256 * 4
         assert checks.cache_bytes["two"] == 2 * 8 * 8 * 512 * 4
         assert checks.cache_bytes["wide"] == limits.CHUNK_CACHE_BYTES  # not 2 x 256 x 256 KiB
-        dataset = reader.dataset("two")  # type: ignore[attr-defined]
-        cache = dataset.id.get_access_plist().get_chunk_cache()
-        assert cache[1] == checks.cache_bytes["two"]
+        assert checks.cache_bytes["gz"] == 2 * 8 * 512 * 4
+        assert checks.band_rows == {"gz": 8}
+        for name in ("two", "gz"):
+            dataset = reader.dataset(name)  # type: ignore[attr-defined]
+            cache = dataset.id.get_access_plist().get_chunk_cache()
+            assert cache[1] == checks.cache_bytes[name]
+
+
+class _Array:
+    """A dataset standing in for h5py's: read_direct of a first-axis slice."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+        self.reads: list[slice] = []
+
+    def read_direct(self, dest: np.ndarray, source_sel: slice) -> None:
+        self.reads.append(source_sel)
+        dest[...] = self.values[source_sel]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_band_pieces_are_the_c_order_pieces(seed: int) -> None:
+    """Pieces cut from bands are the tensor's C-order ranges, for any shape, band height
+    and step; each band is read once, in order."""
+    from clipcli.formats.hdf5.geometry import BandReader
+
+    rng = np.random.default_rng(seed)
+    shape = tuple(int(d) for d in rng.integers(1, 9, int(rng.integers(2, 5))))
+    values = rng.standard_normal(shape).astype("f4")
+    rows = int(rng.integers(1, shape[0] + 3))
+    step = int(rng.integers(1, values.size + 2))
+    array = _Array(values)
+    bands = BandReader(array, shape, values.dtype, rows)
+    flat = values.reshape(-1)
+    for start in range(0, values.size, step):
+        stop = min(start + step, values.size)
+        assert np.array_equal(bands.piece(start, stop), flat[start:stop])
+    firsts = [s.start for s in array.reads]
+    assert firsts == sorted(set(firsts))
+    assert all(s.stop - s.start <= rows for s in array.reads)
+
+
+def test_band_reading_gives_the_librarys_values(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    values = rng.standard_normal((37, 19, 11)).astype("f4")
+    path = tmp_path / "b.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", data=values, chunks=(4, 5, 3), compression="gzip", shuffle=True)
+    with open_reader(path) as reader:
+        info = reader.infos[0]
+        assert reader._checks.band_rows == {"w": 4}  # type: ignore[attr-defined]
+        for step in (1, 7, 11 * 19, 1000, values.size):
+            got = np.concatenate(list(reader.chunks(info, step)))
+            assert np.array_equal(got, values.reshape(-1))

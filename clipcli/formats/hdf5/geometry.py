@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
 
 
 def flat_range_blocks(shape: Sequence[int], start: int, stop: int) -> Iterator[tuple[slice, ...]]:
@@ -69,3 +72,41 @@ def band_chunks(shape: Sequence[int], chunks: Sequence[int]) -> int:
         return 2
     per_band = math.prod(-(-dim // chunk) for dim, chunk in zip(shape[1:], chunks[1:], strict=True))
     return 2 * max(1, per_band)
+
+
+class BandReader:
+    """C-order pieces of a chunked dataset cut from bands of whole chunks along its first
+    axis (`rows` rows each), read one band at a time. The library then decodes each
+    chunk once and can let it go, whatever the pieces; the pieces keep their bounds, so
+    sums over them associate as before."""
+
+    def __init__(self, dataset: Any, shape: tuple[int, ...], dtype: Any, rows: int) -> None:
+        self._dataset = dataset
+        self._shape = shape
+        self._dtype = dtype
+        self._rows = rows
+        self._row_size = math.prod(shape[1:])
+        self._first = -1  # the band held: its first row, and its values in C order
+        self._values: np.ndarray | None = None
+
+    def piece(self, start: int, stop: int) -> np.ndarray:
+        """Elements [start, stop) of the dataset in C order."""
+        out = np.empty(stop - start, dtype=self._dtype)
+        at = start
+        while at < stop:
+            first = at // self._row_size // self._rows * self._rows
+            values = self._band(first)
+            begin = first * self._row_size
+            take = min(stop, begin + values.size) - at
+            out[at - start : at - start + take] = values[at - begin : at - begin + take]
+            at += take
+        return out
+
+    def _band(self, first: int) -> np.ndarray:
+        if first != self._first or self._values is None:
+            self._values = None  # the last band let go before the next is read
+            last = min(first + self._rows, self._shape[0])
+            band = np.empty((last - first, *self._shape[1:]), dtype=self._dtype)
+            self._dataset.read_direct(band, source_sel=np.s_[first:last])
+            self._first, self._values = first, band.reshape(-1)
+        return self._values

@@ -16,7 +16,7 @@ import numpy as np
 import clipcli.formats.hdf5.limits as limits
 from clipcli.errors import InputError
 from clipcli.formats.base import NonTensorInfo, Reader, TensorInfo, default_chunk_elems
-from clipcli.formats.hdf5.geometry import aligned_step, block_shape, flat_range_blocks
+from clipcli.formats.hdf5.geometry import BandReader, aligned_step, block_shape, flat_range_blocks
 from clipcli.formats.hdf5.heap import check_global_heaps
 from clipcli.formats.hdf5.library import (
     NodeKind,
@@ -369,6 +369,8 @@ class Hdf5Reader(Reader):
             return
         dataset = self.dataset(info.name)
         room = filter_room(dataset, info)
+        rows = self._checks.band_rows.get(info.name)
+        bands = None if rows is None else BandReader(dataset, info.shape, info.dtype, rows)
         for start in range(0, info.numel, step):
             stop = min(start + step, info.numel)
             with input_errors(
@@ -378,7 +380,10 @@ class Hdf5Reader(Reader):
                 reading_data=True,
                 filter_room=room,
             ):
-                piece = self._read_range(dataset, info, start, stop)
+                if bands is not None:
+                    piece = bands.piece(start, stop)
+                else:
+                    piece = self._read_range(dataset, info, start, stop)
             yield piece
 
     @staticmethod

@@ -63,6 +63,9 @@ class DatasetChecks:
         # chunks its C-order pieces need kept decoded (the library keeps a decoded buffer
         # at its real size, counting only its chunk's: small bombs added up to 4 GB).
         self.cache_bytes: dict[str, int] = {}
+        # Compressed tensors of rank 2 and more read a band of chunks (rows along the first
+        # axis) at a time, by this many rows, where a band fits the chunk cache's bytes.
+        self.band_rows: dict[str, int] = {}
         self.declared_chunks = 0  # every chunk of every chunked dataset's shape
 
     def _fail(self, problem: str, tensor: str | None = None) -> InputError:
@@ -196,9 +199,11 @@ class DatasetChecks:
                     info.name,
                 )
         if layout == h5d.CHUNKED:
-            self._check_chunks(dataset, create_plist, info.name, element_bytes)
+            self._check_chunks(dataset, create_plist, info.name, element_bytes, tensor)
 
-    def _check_chunks(self, dataset: Any, create_plist: Any, name: str, element_bytes: int) -> None:
+    def _check_chunks(
+        self, dataset: Any, create_plist: Any, name: str, element_bytes: int, tensor: bool
+    ) -> None:
         # The library decodes a whole chunk to read any element of it: memory per read
         # is one chunk, whatever our 2 MiB pieces ask for.
         chunk_bytes = math.prod(create_plist.get_chunk()) * element_bytes
@@ -221,7 +226,16 @@ class DatasetChecks:
         problem = decoding.pipeline_problem(codes, values, chunk_elements, element_bytes)
         if problem is not None:
             raise self._fail(f"{problem}; refusing it", name)
-        band = band_chunks(dataset.shape or (), create_plist.get_chunk())
+        shape: tuple[int, ...] = tuple(dataset.shape or ())
+        chunk_shape: tuple[int, ...] = tuple(create_plist.get_chunk())
+        band = band_chunks(shape, chunk_shape)
+        if tensor and band > 2 and any(c in decoding.DECOMPRESSORS for c in codes):
+            rows = min(chunk_shape[0], shape[0])
+            if rows * math.prod(shape[1:]) * element_bytes <= limits.CHUNK_CACHE_BYTES:
+                # Read a band of chunks at a time (Hdf5Reader.chunks): each chunk decoded
+                # once, then let go; the library holds at most two.
+                self.band_rows[name] = int(chunk_shape[0])
+                band = 2
         self.cache_bytes[name] = min(limits.CHUNK_CACHE_BYTES, band * chunk_bytes)
         # At most this many chunks are held decoded at once: each may take its share of
         # the limit.
