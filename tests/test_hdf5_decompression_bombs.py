@@ -405,14 +405,19 @@ def test_band_pieces_are_the_c_order_pieces(seed: int) -> None:
 
 
 def test_band_reading_gives_the_librarys_values(tmp_path: Path) -> None:
+    """Bands of chunk height, and of the whole dataset where a chunk is taller than it
+    (an extensible dataset)."""
     rng = np.random.default_rng(4)
     values = rng.standard_normal((37, 19, 11)).astype("f4")
     path = tmp_path / "b.h5"
     with h5py.File(path, "w") as f:
         f.create_dataset("w", data=values, chunks=(4, 5, 3), compression="gzip", shuffle=True)
+        f.create_dataset(
+            "x", data=values, chunks=(64, 5, 3), maxshape=(None, 19, 11), compression="gzip"
+        )
     with open_reader(path) as reader:
-        info = reader.infos[0]
-        assert reader._checks.band_rows == {"w": 4}  # type: ignore[attr-defined]
-        for step in (1, 7, 11 * 19, 1000, values.size):
-            got = np.concatenate(list(reader.chunks(info, step)))
-            assert np.array_equal(got, values.reshape(-1))
+        assert reader._checks.band_rows == {"w": 4, "x": 37}  # type: ignore[attr-defined]
+        for info in reader.infos:
+            for step in (1, 7, 11 * 19, 1000, values.size):
+                got = np.concatenate(list(reader.chunks(info, step)))
+                assert np.array_equal(got, values.reshape(-1))

@@ -88,6 +88,7 @@ class BandReader:
         self._row_size = math.prod(shape[1:])
         self._first = -1  # the band held: its first row, and its values in C order
         self._values: np.ndarray | None = None
+        self._buffer: np.ndarray | None = None
 
     def piece(self, start: int, stop: int) -> np.ndarray:
         """Elements [start, stop) of the dataset in C order."""
@@ -104,9 +105,11 @@ class BandReader:
 
     def _band(self, first: int) -> np.ndarray:
         if first != self._first or self._values is None:
-            self._values = None  # the last band let go before the next is read
             last = min(first + self._rows, self._shape[0])
-            band = np.empty((last - first, *self._shape[1:]), dtype=self._dtype)
+            if self._buffer is None:  # one buffer for every band: no fresh pages each time
+                self._buffer = np.empty((self._rows, *self._shape[1:]), dtype=self._dtype)
+            band = self._buffer[: last - first]
+            self._first = -1  # the buffer is being overwritten: no band held until read
             self._dataset.read_direct(band, source_sel=np.s_[first:last])
             self._first, self._values = first, band.reshape(-1)
         return self._values

@@ -231,10 +231,11 @@ class DatasetChecks:
         band = band_chunks(shape, chunk_shape)
         if tensor and band > 2 and any(c in decoding.DECOMPRESSORS for c in codes):
             rows = min(chunk_shape[0], shape[0])
-            if rows * math.prod(shape[1:]) * element_bytes <= limits.CHUNK_CACHE_BYTES:
+            band_bytes = rows * math.prod(shape[1:]) * element_bytes
+            if 0 < band_bytes <= limits.CHUNK_CACHE_BYTES:
                 # Read a band of chunks at a time (Hdf5Reader.chunks): each chunk decoded
                 # once, then let go; the library holds at most two.
-                self.band_rows[name] = int(chunk_shape[0])
+                self.band_rows[name] = int(rows)
                 band = 2
         self.cache_bytes[name] = min(limits.CHUNK_CACHE_BYTES, band * chunk_bytes)
         # At most this many chunks are held decoded at once: each may take its share of
