@@ -421,3 +421,45 @@ def test_band_reading_gives_the_librarys_values(tmp_path: Path) -> None:
             for step in (1, 7, 11 * 19, 1000, values.size):
                 got = np.concatenate(list(reader.chunks(info, step)))
                 assert np.array_equal(got, values.reshape(-1))
+
+
+def test_small_bombs_in_a_non_tensor_are_refused(tmp_path: Path) -> None:
+    """Attack bomb15att: a non-tensor is read a 16 MiB slice at a time and the library
+    kept every chunk a slice decodes (200 small bombs in a compound dataset: 3.4 GB at
+    exit 0); its chunks share the limit as a slice's many, and each is looked at."""
+    kind = np.dtype([("a", "<f4"), ("b", "<i4")])
+    stream = zeros_stream(1 << 20)
+    path = tmp_path / "n.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", data=np.ones((4, 4), "f4"))
+        d = f.create_dataset(
+            "table", shape=(60 * 256,), chunks=(256,), dtype=kind, compression="gzip"
+        )
+        d[...] = np.zeros(60 * 256, kind)
+        for k in range(60):
+            d.id.write_direct_chunk((k * 256,), stream)
+    with pytest.raises(InputError, match="table.*decompression bomb"), open_reader(path):
+        pass
+
+
+def test_a_compressed_non_tensor_still_reads(tmp_path: Path) -> None:
+    kind = np.dtype([("a", "<f4"), ("b", "<i4")])
+    values = np.zeros(5000, kind)
+    values["a"] = np.arange(5000)
+    path = tmp_path / "n.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", data=np.ones((4, 4), "f4"))
+        f.create_dataset("table", data=values, chunks=(256,), compression="gzip")
+        f.create_dataset(
+            "words",
+            data=np.array([b"w%d" % i for i in range(3000)]),
+            chunks=(100,),
+            compression="gzip",
+        )
+    from clipcli.cli.entry import main
+
+    out = tmp_path / "o.h5"
+    assert main(["convert", "-q", str(path), str(out)]) == 0
+    with h5py.File(out) as f:
+        assert np.array_equal(f["table"][...], values)
+        assert np.array_equal(f["words"][...], np.array([b"w%d" % i for i in range(3000)]))

@@ -241,6 +241,11 @@ class DatasetChecks:
         # At most this many chunks are held decoded at once: each may take its share of
         # the limit.
         held = max(1, min(band, limits.CHUNK_CACHE_BYTES // chunk_bytes))
+        if not tensor:
+            # A non-tensor is read a slice of NON_TENSOR_SLICE_BYTES at a time, and the
+            # library kept every chunk such a slice decodes (attack bomb15att: 200 small
+            # bombs in a compound dataset held 3.4 GB): each may be held.
+            held = max(held, limits.NON_TENSOR_SLICE_BYTES // chunk_bytes + 2)
         if not hasattr(dataset.id, "chunk_iter"):
             return  # HDF5 < 1.14: the library scans the chunks itself
         chunks: list[tuple[int, int, int, tuple[int, ...]]] = []
