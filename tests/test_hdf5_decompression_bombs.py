@@ -463,3 +463,21 @@ def test_a_compressed_non_tensor_still_reads(tmp_path: Path) -> None:
     with h5py.File(out) as f:
         assert np.array_equal(f["table"][...], values)
         assert np.array_equal(f["words"][...], np.array([b"w%d" % i for i in range(3000)]))
+
+
+@pytest.mark.parametrize(("columns", "banded"), [(8 << 20, True), ((8 << 20) + 1, False)])
+def test_a_band_of_exactly_the_cache_bytes_is_read_by_bands(
+    tmp_path: Path, columns: int, banded: bool
+) -> None:
+    """A band (two rows of float32 here) of exactly CHUNK_CACHE_BYTES is read a band at a
+    time; one element more is left to the chunk cache."""
+    from clipcli.formats.hdf5 import limits
+
+    assert limits.CHUNK_CACHE_BYTES == 2 * (8 << 20) * 4
+    path = tmp_path / "band.h5"
+    with h5py.File(path, "w") as f:  # unallocated: nothing stored, nothing to decode
+        f.create_dataset(
+            "w", shape=(3, columns), chunks=(2, 1 << 20), dtype="f4", compression="gzip"
+        )
+    with open_reader(path) as reader:
+        assert reader._checks.band_rows == ({"w": 2} if banded else {})  # type: ignore[attr-defined]
