@@ -42,8 +42,8 @@ def write_every_code(path: Path, prefix: str = "") -> Path:
 
 
 def test_a_listing_is_the_same_before_and_after_the_infos(tmp_path: Path) -> None:
-    """The header's records are given up once the infos (with numpy dtypes) exist: the
-    listing made from the infos is the header's own, for every dtype code."""
+    """The listing is the header's own, for every dtype code, before and after the numpy
+    infos are built, and the infos carry the same records."""
     with SafetensorsReader(write_every_code(tmp_path / "m.safetensors")) as reader:
         before = list(reader.listing)
         assert all(type(t) is Listed for t in before)

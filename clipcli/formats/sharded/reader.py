@@ -109,6 +109,8 @@ class ShardedReader(Reader):
             self._readers[name] = self._open_shard(name)
             self._used(name)
         self._shard_of = self._tensor_owners(weight_map)
+        # Listed from the headers alone (no numpy: `ls model_dir/`); `infos` on first use.
+        self._listing = [t for name in names for t in self._readers[name].listing]
         self._infos: list[TensorInfo] | None = None
         self._content_kinds: dict[Path, str] = {}  # files left out for their content
         self._other_files, self._side_folders, self._skipped_files = self._scan_directory()
@@ -303,9 +305,7 @@ class ShardedReader(Reader):
 
     @property
     def listing(self) -> list[Listed]:
-        """The shards' listings in turn (from the headers alone, no numpy: `ls model_dir/`),
-        not kept: a shard gives its own up once its infos are built."""
-        return [t for reader in self._readers.values() for t in reader.listing]
+        return self._listing
 
     @property
     def infos(self) -> list[TensorInfo]:
