@@ -92,10 +92,10 @@ def order_problem(codes: Sequence[int]) -> str | None:
     return None
 
 
-def applied(codes: Sequence[int], mask: int) -> list[int]:
-    """The filters a chunk was stored through, in write order: bit i of its filter mask
-    set means filter i was skipped for it."""
-    return [code for i, code in enumerate(codes) if not mask >> i & 1]
+def applied(count: int, mask: int) -> list[int]:
+    """The positions (of `count` filters, in write order) of the filters a chunk was
+    stored through: bit i of its filter mask set means filter i was skipped for it."""
+    return [i for i in range(count) if not mask >> i & 1]
 
 
 def decode_limit(file_size: int) -> int:

@@ -206,7 +206,9 @@ class DatasetChecks:
     ) -> None:
         # The library decodes a whole chunk to read any element of it: memory per read
         # is one chunk, whatever our 2 MiB pieces ask for.
-        chunk_bytes = math.prod(create_plist.get_chunk()) * element_bytes
+        chunk_shape: tuple[int, ...] = tuple(create_plist.get_chunk())
+        chunk_elements = math.prod(chunk_shape)
+        chunk_bytes = chunk_elements * element_bytes
         if chunk_bytes > limits.MAX_CHUNK_BYTES:
             raise self._fail(
                 f"HDF5 chunks of {chunk_bytes} bytes exceed the "
@@ -217,17 +219,15 @@ class DatasetChecks:
         # Counted before the chunk index is walked: listing 10**8 chunks costs too. An
         # unallocated tensor has no chunk to list and is never read through the library.
         if name not in self.fill_only:
-            self.declared_chunks += chunk_count(dataset.shape, create_plist.get_chunk())
+            self.declared_chunks += chunk_count(dataset.shape, chunk_shape)
             self.check_chunk_count()
         filters = [create_plist.get_filter(i) for i in range(create_plist.get_nfilters())]
         codes = [int(f[0]) for f in filters]
         values = [[int(v) for v in f[2]] for f in filters]
-        chunk_elements = math.prod(create_plist.get_chunk())
         problem = decoding.pipeline_problem(codes, values, chunk_elements, element_bytes)
         if problem is not None:
             raise self._fail(f"{problem}; refusing it", name)
         shape: tuple[int, ...] = tuple(dataset.shape or ())
-        chunk_shape: tuple[int, ...] = tuple(create_plist.get_chunk())
         band = band_chunks(shape, chunk_shape)
         if tensor and band > 2 and any(c in decoding.DECOMPRESSORS for c in codes):
             rows = min(chunk_shape[0], shape[0])
@@ -265,7 +265,7 @@ class DatasetChecks:
                     name,
                 )
             self.data_ranges.append((offset, offset + size))
-            kept = decoding.applied(range(len(codes)), mask)  # the filters it went through
+            kept = decoding.applied(len(codes), mask)
             through = [codes[i] for i in kept]
             decompressor = next((c for c in through if c in decoding.DECOMPRESSORS), None)
             if decompressor is not None and decoding.worst_output(decompressor, size) > limit:
