@@ -1,7 +1,7 @@
 """Issue 20, "Many tensors" and "--axes in bounded memory": CPU seconds and peak RSS.
 
-    python benchmarks/many_tiny_tensors.py [--tensors N] [--axes-mib M] [--runs R]
-                                           [--other NAME=CHECKOUT ...] [--dir DIR]
+    python benchmarks/many_tiny_tensors.py [--tensors N] [--axes-mib M] [--slices-mib S]
+                                           [--runs R] [--other NAME=CHECKOUT ...] [--dir DIR]
 
 Rows (each a whole `python -m clipcli` process, timed with /usr/bin/time: CPU = user +
 system seconds, the figure to trust on a shared machine; peak RSS = %M):
@@ -9,12 +9,16 @@ system seconds, the figure to trust on a shared machine; peak RSS = %M):
 - norms (table), norms --format json, clip --global 1 (durable, as users run it) on a
   safetensors file of N one-element float32 tensors (default 200,000: 14 MB);
 - clip --norm 1 --axes 0 --no-fsync on one float32 tensor of M MiB (default 1024:
-  [M * 256, 1024]), every column clipped.
+  [M * 256, 1024]), every column clipped; and --axes 1 on it (M * 256 rows);
+- clip --norm 1 --axes 1 on a float32 tensor of S MiB of two-element rows (default 100:
+  [S * 131072, 2], 13 million slices, each box holding whole ones), and --axes 0 on one of
+  two rows ([2, S * 131072]: the boxes cut every slice), most slices clipped.
 
 `--other NAME=CHECKOUT` runs the same commands with another checkout's clipcli (its
 directory on PYTHONPATH, run from outside any checkout), interleaved with this one, e.g.
 `--other main=/work/main` for a before/after table. Targets (issue 20, 2 cores): norms
-<= 3 s and clip --global <= 5 s of CPU at <= 200 MiB; --axes <= 200 MiB.
+<= 3 s and clip --global <= 5 s of CPU at <= 200 MiB; --axes <= 200 MiB (on a 1 GiB tensor;
+the slices rows show how memory grows with the number of slices).
 The generated files are kept in --dir (default: a temporary directory, removed).
 """
 
@@ -62,6 +66,21 @@ def write_single(path: Path, mib: int) -> None:
             out.write(rng.standard_normal((step, 1024), dtype=np.float32).tobytes())
 
 
+def write_pairs(path: Path, mib: int, rows: bool) -> None:
+    """A float32 tensor of mib MiB of seeded standard normals: [n, 2] (rows) or [2, n]."""
+    count = mib * 131072
+    shape = [count, 2] if rows else [2, count]
+    header = {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, count * 8]}}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    rng = np.random.default_rng(1)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text)
+        for start in range(0, 2 * count, 1 << 22):
+            step = min(1 << 22, 2 * count - start)
+            out.write(rng.standard_normal(step, dtype=np.float32).tobytes())
+
+
 def run(checkout: Path, args: list[str], scratch: Path) -> tuple[float, float, int]:
     """(CPU s, wall s, peak RSS KiB) of one `python -m clipcli ARGS` with that checkout."""
     env = dict(os.environ, PYTHONPATH=str(checkout))
@@ -76,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tensors", type=int, default=200_000)
     parser.add_argument("--axes-mib", type=int, default=1024)
+    parser.add_argument("--slices-mib", type=int, default=100)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--other", action="append", default=[], metavar="NAME=CHECKOUT")
     parser.add_argument("--dir", type=Path, default=None)
@@ -92,6 +112,14 @@ def main() -> None:
             write_tiny(tiny, args.tensors)
         if args.axes_mib and not single.exists():
             write_single(single, args.axes_mib)
+        pairs = {
+            rows: scratch
+            / f"pairs-{'rows' if rows else 'columns'}-{args.slices_mib}mib.safetensors"
+            for rows in (True, False)
+        }
+        for rows, path in pairs.items():
+            if args.slices_mib and not path.exists():
+                write_pairs(path, args.slices_mib, rows)
         out = str(scratch / "out.safetensors")
         jobs = [
             (f"norms, {args.tensors:,} one-element tensors", ["norms", str(tiny)]),
@@ -107,6 +135,28 @@ def main() -> None:
                 (
                     f"clip --norm 1 --axes 0, one {args.axes_mib} MiB tensor",
                     [*axes, str(single), out],
+                )
+            )
+            axes_1 = [*axes[:3], "--axes", "1", *axes[5:]]
+            jobs.append(
+                (
+                    f"clip --norm 1 --axes 1, one {args.axes_mib} MiB tensor",
+                    [*axes_1, str(single), out],
+                )
+            )
+        if args.slices_mib:
+            n = args.slices_mib * 131072
+            axes = ["clip", "--norm", "1", "--quiet", "--force", "--no-fsync"]
+            jobs.append(
+                (
+                    f"clip --norm 1 --axes 1, [{n:,}, 2] float32",
+                    [*axes, "--axes", "1", str(pairs[True]), out],
+                )
+            )
+            jobs.append(
+                (
+                    f"clip --norm 1 --axes 0, [2, {n:,}] float32",
+                    [*axes, "--axes", "0", str(pairs[False]), out],
                 )
             )
         results: dict[tuple[str, str], list[tuple[float, float, int]]] = {}

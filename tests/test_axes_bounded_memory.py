@@ -103,7 +103,7 @@ def test_streamed_scales_are_the_in_memory_ones(dtype: type) -> None:
                 _, whole = slices.axes_scales(array, axes, 1.5)
                 for budget in [1, 4, 7, 1000]:
                     boxes = boxes_of(array, budget)
-                    _, streamed = slices.streamed_axes_scales(
+                    streamed = slices.streamed_axes_scales(
                         boxes, array.shape, axes, array.dtype, 1.5
                     )
                     assert np.array_equal(whole, streamed), (shape, axes, budget)
@@ -117,11 +117,9 @@ def test_streamed_scales_are_the_in_memory_ones(dtype: type) -> None:
 def test_a_slice_whose_norm_is_the_limit_exactly_stays() -> None:
     """The near-the-limit check gathers the slices in question across boxes (3-4-5)."""
     array = np.array([[3.0, 1.0], [4.0, 1.0]], np.float32)  # columns: norm 5, norm sqrt 2
-    _, scales = slices.streamed_axes_scales(boxes_of(array, 1), array.shape, (0,), array.dtype, 5.0)
+    scales = slices.streamed_axes_scales(boxes_of(array, 1), array.shape, (0,), array.dtype, 5.0)
     assert scales.reshape(-1).tolist() == [1.0, 1.0]
-    _, scales = slices.streamed_axes_scales(
-        boxes_of(array, 1), array.shape, (0,), array.dtype, 4.999
-    )
+    scales = slices.streamed_axes_scales(boxes_of(array, 1), array.shape, (0,), array.dtype, 4.999)
     assert scales.reshape(-1)[0] < 1.0
     assert scales.reshape(-1)[1] == 1.0
 

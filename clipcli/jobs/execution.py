@@ -9,6 +9,7 @@ what it runs (issue 12, item 7).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -213,7 +214,9 @@ def execute(
         tensor = by_name[info.name]
         if tensor.action is Action.AXES:
             if len(slices.box_indices(info.shape, slices.STREAM_BOX_ELEMENTS)) > 1:
-                outcomes[info.name], scaled = _clip_slices_streamed(reader, tensor, plan.spec)
+                outcomes[info.name], scaled = _clip_slices_streamed(
+                    reader, tensor, plan.spec, functools.partial(outcomes.__setitem__, info.name)
+                )
                 return None if scaled is None else _counted_out(scaled, progress)
             array, outcomes[info.name] = _clip_slices(reader, tensor, plan.spec)
             progress.advance(info.nbytes)
@@ -352,21 +355,67 @@ def _transform(
 
 
 def _clip_slices_streamed(
-    reader: Reader, tensor: TensorPlan, spec: ClipSpec | None
+    reader: Reader, tensor: TensorPlan, spec: ClipSpec | None, settle: Callable[[Outcome], None]
 ) -> tuple[Outcome, Iterator[np.ndarray] | None]:
     """--axes on a tensor read box by box (numerics.slices: a pass for the slices' norms,
     then one that scales): memory stays flat whatever its size. The outcome, and the
     scaled chunks (None if no slice changes: the tensor is copied as it is), which fill in
-    the outcome's statistics as they go."""
+    the outcome's statistics as they go; where the count of clipped slices is known only
+    at the end, the chunks hand the finished outcome to `settle`."""
     assert spec is not None
     info = tensor.info
     boxes = _boxes_of(reader, info)
-    _, scales = slices.streamed_axes_scales(boxes, info.shape, tensor.axes, info.dtype, spec.limit)
+    if slices.boxes_hold_whole_slices(info.shape, tensor.axes, slices.STREAM_BOX_ELEMENTS):
+        return _clip_slices_box_by_box(boxes, tensor, spec.limit, settle)
+    scales = slices.streamed_axes_scales(boxes, info.shape, tensor.axes, info.dtype, spec.limit)
     clipped = int(np.count_nonzero(scales != 1.0))
     if not clipped:
         return Outcome(tensor.before, False, 0, int(scales.size)), None
     outcome = Outcome(NormAccumulator(), True, clipped, int(scales.size))
     return outcome, _scaled_boxes(boxes, scales, tensor.axes, outcome)
+
+
+def _clip_slices_box_by_box(
+    boxes: slices.Boxes, tensor: TensorPlan, limit: float, settle: Callable[[Outcome], None]
+) -> tuple[Outcome, Iterator[np.ndarray] | None]:
+    """_clip_slices_streamed where each box holds whole slices: a box's factors are found
+    from the box alone and used at once, so no per-slice array outlives its box. A first
+    pass stops at the first box with a slice over the limit (none: the tensor is copied as
+    it is) and keeps that box's factors; the writing pass finds the factors of the boxes
+    after it (those before are all 1), counts the clipped slices and settles the outcome
+    with their number once the last box is out. Each box's factors are searched once."""
+    info, axes = tensor.info, tensor.axes
+    slice_count = info.numel // math.prod(info.shape[a] for a in axes)
+
+    def factors(box: np.ndarray) -> np.ndarray:
+        return slices.box_axes_scales(box, axes, info.dtype, limit)
+
+    first: tuple[int, np.ndarray] | None = None  # the first box with a clipped slice
+    for k, (box, _) in enumerate(boxes()):
+        scales = factors(box)
+        if np.any(scales != 1.0):
+            first = k, scales
+            break
+    if first is None:
+        return Outcome(tensor.before, False, 0, slice_count), None
+    outcome = Outcome(NormAccumulator(), True, 0, slice_count)
+
+    def scaled_boxes(first_clipped: int, its_scales: np.ndarray) -> Iterator[np.ndarray]:
+        clipped = 0
+        for k, (box, _) in enumerate(boxes()):
+            if k < first_clipped:
+                scales = np.ones(slices.keepdims_shape(box.shape, axes))
+            else:
+                scales = its_scales if k == first_clipped else factors(box)
+            clipped += int(np.count_nonzero(scales != 1.0))
+            scaled = rounding.scale_chunk(box, scales)
+            outcome.flushes.add(*rounding.flushes(box, scaled))
+            flat = scaled.reshape(-1)
+            outcome.after.add(flat)
+            yield flat
+        settle(dataclasses.replace(outcome, slices_clipped=clipped))
+
+    return outcome, scaled_boxes(*first)
 
 
 def _scaled_boxes(

@@ -58,7 +58,7 @@ def slice_sumsq(array: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, n
     """(sums, exps) with keepdims: each slice's norm is sqrt(sums) * 2**exps, kept apart so
     that norms beyond float64's range still give exact ratios. Computed over blocks of rows
     so the float64 working copy stays bounded."""
-    keep_shape = [1 if i in axes else n for i, n in enumerate(array.shape)]
+    keep_shape = list(keepdims_shape(array.shape, axes))
     if array.size == 0:
         return np.zeros(keep_shape), np.zeros(keep_shape, dtype=np.int64)
     if len(axes) == array.ndim:
@@ -274,6 +274,10 @@ def _scale_index(block: tuple[slice, ...], axes: tuple[int, ...]) -> tuple[slice
 # over the tensor (`Boxes`, called once per pass) visits the boxes in order; the slices'
 # sums of squares add up over them, then a last pass scales box by box. Memory: the
 # per-slice arrays and one box with its float64 copies, whatever the tensor's size.
+# Where each box holds whole slices (boxes_hold_whole_slices: most --axes uses), the
+# per-slice arrays are a box's too: its factors are found and used box by box, so the
+# memory stays flat however many slices the tensor has (25 million slices of a 100 MB
+# float16 tensor took 4.4 GB with whole-tensor arrays).
 
 STREAM_BOX_ELEMENTS = 1 << 20
 
@@ -287,12 +291,9 @@ def box_indices(shape: tuple[int, ...], budget: int) -> list[tuple[int | slice, 
     axis longer than the budget is itself cut into ranges)."""
     if math.prod(shape) == 0:
         return []
-    depth = len(shape)  # the axis cut into ranges: the first whose rows fit the budget
-    while depth > 0 and math.prod(shape[depth - 1 :]) <= budget:
-        depth -= 1
-    if depth == 0:
+    axis = cut_axis(shape, budget)
+    if axis < 0:
         return [tuple(slice(None) for _ in shape)]
-    axis = depth - 1
     row = math.prod(shape[axis + 1 :])
     step = max(1, budget // row)
     rest = tuple(slice(None) for _ in shape[axis + 1 :])
@@ -301,6 +302,24 @@ def box_indices(shape: tuple[int, ...], budget: int) -> list[tuple[int | slice, 
         for lead in itertools.product(*(range(n) for n in shape[:axis]))
         for start in range(0, shape[axis], step)
     ]
+
+
+def cut_axis(shape: tuple[int, ...], budget: int) -> int:
+    """The axis box_indices cuts into ranges (the last whose rows, with the axes after
+    it, exceed the budget; never one of length 1), -1 when the whole array is one box."""
+    depth = len(shape)
+    while depth > 0 and math.prod(shape[depth - 1 :]) <= budget:
+        depth -= 1
+    return depth - 1
+
+
+def boxes_hold_whole_slices(shape: tuple[int, ...], axes: tuple[int, ...], budget: int) -> bool:
+    """Whether each box of `shape` holds whole slices for `axes`: the boxes cut an axis
+    before every reduced one (rows of a matrix for --axes 1, filters for --axes 1 2 3),
+    so the slices' factors can be found box by box, in the memory of one box. A reduced
+    axis of length 1 is whole in any box."""
+    cut = cut_axis(shape, budget)
+    return all(a > cut or shape[a] == 1 for a in axes)
 
 
 def box_shape(shape: tuple[int, ...], index: tuple[int | slice, ...]) -> tuple[int, ...]:
@@ -325,8 +344,8 @@ def streamed_sumsq(
     """slice_sumsq of the tensor the boxes hold. Only float64 data (real part) can need
     rescaling: its slices' peaks take a pass of their own first; narrower data cannot
     overflow or underflow float64 squares, and its exponents are all 0."""
-    keep_shape = tuple(1 if i in axes else n for i, n in enumerate(shape))
-    exps = np.zeros(keep_shape, dtype=np.int64)
+    keep_shape = keepdims_shape(shape, axes)
+    exps = np.zeros(keep_shape, dtype=np.int8)  # all 0 (one byte a slice: there may be 10**8)
     if real_dtype(dtype).itemsize >= 8:
         peak = np.zeros(keep_shape)
         for box, index in boxes():
@@ -377,27 +396,85 @@ def _raveled(ranges: list[range], shape: list[int]) -> np.ndarray:
     return flat
 
 
+# Slices whose factors are worked out together (scales_from_sums), at most: its temporaries
+# are ~12 float64 arrays of this many, and 8/16-bit floats and float64 gather the values of
+# the slices over the limit: at most SLICE_PIECE_VALUES of them, a pass over the tensor each.
+SLICE_PIECE = 1 << 19
+SLICE_PIECE_VALUES = 1 << 22
+
+
+def slice_pieces(slice_count: int, slice_numel: int) -> list[slice]:
+    """Ranges of slices (in C order) small enough for one scales_from_sums: its factors
+    are each slice's own, so any cut gives the same ones."""
+    step = max(1, min(SLICE_PIECE, SLICE_PIECE_VALUES // max(1, slice_numel)))
+    return [slice(start, min(start + step, slice_count)) for start in range(0, slice_count, step)]
+
+
 def streamed_axes_scales(
     boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any], limit: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """axes_scales of the tensor the boxes hold, one pass for the sums (two for float64),
-    one more for the few slices within rounding error of the limit, and for 8/16-bit floats
-    and float64 one gathering the slices over it (their margin needs the values)."""
+) -> np.ndarray:
+    """axes_scales' factors of the tensor the boxes hold (keepdims), one pass for the sums
+    (two for float64), and, for each piece of slices (slice_pieces) that needs it, one for
+    the few slices within rounding error of the limit, and for 8/16-bit floats and float64
+    one gathering the slices over it (their margin needs the values). Memory beyond a box:
+    9 bytes a slice (the sums, whose array each piece's factors then take over; float64:
+    17), and what one piece needs."""
     sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
+    all_sums, all_exps = sums.reshape(-1), exps.reshape(-1)
+    slice_numel = math.prod(shape[a] for a in axes)
+
+    for piece in slice_pieces(all_sums.size, slice_numel):
+        picked = _piece_picker(boxes, shape, axes, dtype, piece)
+        _, factors = scales_from_sums(
+            all_sums[piece],
+            all_exps[piece],
+            limit,
+            dtype,
+            shape,
+            axes,
+            _exact_check(picked, limit),
+            picked,
+        )
+        all_sums[piece] = factors  # this piece's sums are used up
+    return sums  # now the factors
+
+
+def _piece_picker(
+    boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any], piece: slice
+) -> Callable[[np.ndarray], np.ndarray]:
+    """picked(which) for scales_from_sums on a piece of the slices: `which` marks slices
+    of the piece; their values as rows, gathered in a pass over the tensor."""
+    keep_shape = keepdims_shape(shape, axes)
 
     def picked(which: np.ndarray) -> np.ndarray:
-        return streamed_picked(boxes, shape, axes, dtype, which)
+        marked = np.zeros(math.prod(keep_shape), bool)
+        marked[piece] = which
+        return streamed_picked(boxes, shape, axes, dtype, marked.reshape(keep_shape))
 
-    return scales_from_sums(
-        sums,
-        exps,
-        limit,
-        dtype,
-        shape,
-        axes,
-        lambda near: _rows_within_exactly(widen_real(picked(near)), limit),
-        picked,
-    )
+    return picked
+
+
+def _exact_check(
+    picked: Callable[[np.ndarray], np.ndarray], limit: float
+) -> Callable[[np.ndarray], np.ndarray]:
+    """within_exactly(near) for scales_from_sums, from the slices' values."""
+    return lambda near: _rows_within_exactly(widen_real(picked(near)), limit)
+
+
+def keepdims_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
+    """The keepdims shape of per-slice results: 1 along the reduced axes."""
+    return tuple(1 if i in axes else n for i, n in enumerate(shape))
+
+
+def box_axes_scales(
+    box: np.ndarray, axes: tuple[int, ...], dtype: np.dtype[Any], limit: float
+) -> np.ndarray:
+    """The factors of a box that holds whole slices (boxes_hold_whole_slices), keepdims
+    on the box: the ones streamed_axes_scales gives these slices over the whole tensor,
+    bit for bit (each slice's sum of squares comes from its own box alone, added to 0, and
+    each slice's factor is searched for on its own)."""
+    whole = tuple(slice(None) for _ in box.shape)
+    return streamed_axes_scales(lambda: iter([(box, whole)]), box.shape, axes, dtype, limit)
 
 
 def scale_box(

@@ -1,0 +1,267 @@
+"""`clip --norm C --axes ...` on tensors of millions of slices (issue 20, "--axes in bounded
+memory"): per-slice arrays of the whole tensor (norms, ratios, masks, factors, the values
+of every slice over the limit widened to float64) took 4.4 GB for a 100 MB float16 tensor of
+25 million two-element slices.
+
+- Where each box holds whole slices (the boxes cut an axis before every reduced one), a
+  box's factors come from the box alone: memory is one box's.
+- Otherwise the slices' sums are kept (9 bytes a slice) and their factors are worked out a
+  piece of slices at a time, each piece's sums giving way to its factors.
+
+Either way each slice's factor must be the one the whole tensor gives it, bit for bit: the
+references are the in-memory path (numerics.slices.axes_scales on the whole array), exact
+sums of squares as Fractions, and the old whole-tensor streamed path's output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from fractions import Fraction
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from handmade import read_safetensors, write_safetensors
+
+from clipcli.cli.entry import main
+from clipcli.numerics import slices
+
+
+def boxes_of(array: np.ndarray, budget: int) -> slices.Boxes:
+    indices = slices.box_indices(array.shape, budget)
+
+    def one_pass() -> Iterator[slices.Box]:
+        for index in indices:
+            yield array[index].reshape(slices.box_shape(array.shape, index)), index
+
+    return one_pass
+
+
+def holds_whole_slices(shape: tuple[int, ...], axes: tuple[int, ...], budget: int) -> bool:
+    """From the boxes themselves: every reduced axis whole in every box."""
+
+    def whole(part: int | slice, n: int) -> bool:
+        return isinstance(part, slice) and part.indices(n) == (0, n, 1)
+
+    return all(
+        whole(index[a], shape[a]) or shape[a] == 1 and index[a] == 0
+        for index in slices.box_indices(shape, budget)
+        for a in axes
+    )
+
+
+@pytest.mark.parametrize("shape", [(6,), (4, 5), (3, 4, 5), (2, 3, 1, 4)])
+@pytest.mark.parametrize("budget", [1, 3, 4, 5, 19, 20, 21, 60, 120, 121])
+def test_boxes_hold_whole_slices_as_the_boxes_show(shape: tuple[int, ...], budget: int) -> None:
+    for r in range(1, len(shape) + 1):
+        for axes in itertools.combinations(range(len(shape)), r):
+            expected = holds_whole_slices(shape, axes, budget)
+            assert slices.boxes_hold_whole_slices(shape, axes, budget) == expected, axes
+
+
+def test_whole_slices_exactly_at_the_budget() -> None:
+    # (4, 5): one box at 20 elements, so every slice is whole; at 19 rows are cut apart.
+    assert slices.boxes_hold_whole_slices((4, 5), (0,), 20)
+    assert not slices.boxes_hold_whole_slices((4, 5), (0,), 19)
+    assert slices.boxes_hold_whole_slices((4, 5), (1,), 19)
+    # rows of 5 exactly at the budget stay whole; one element less cuts the row.
+    assert slices.boxes_hold_whole_slices((4, 5), (1,), 5)
+    assert not slices.boxes_hold_whole_slices((4, 5), (1,), 4)
+
+
+DTYPES = [
+    np.float32,
+    np.float64,
+    np.float16,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    np.complex64,
+]
+
+
+def random_array(shape: tuple[int, ...], dtype: type, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape) * 3
+    if np.dtype(dtype).kind == "c":
+        values = values + 1j * rng.standard_normal(shape)
+    array: np.ndarray = values.astype(dtype)
+    return array
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_a_boxs_own_factors_are_the_whole_tensors(dtype: type) -> None:
+    for shape in [(7, 5, 3), (9, 4), (3, 2, 4, 5)]:
+        array = random_array(shape, dtype, 11)
+        for r in range(1, len(shape)):
+            for axes in itertools.combinations(range(1, len(shape)), r):
+                _, whole = slices.axes_scales(array, axes, 1.5)
+                for budget in [1, 4, 7, 30]:
+                    if not slices.boxes_hold_whole_slices(shape, axes, budget):
+                        continue
+                    for box, index in boxes_of(array, budget)():
+                        own = slices.box_axes_scales(box, axes, array.dtype, 1.5)
+                        region = slices.box_region(index, axes)
+                        assert np.array_equal(own, whole[region]), (shape, axes, budget)
+
+
+@pytest.mark.parametrize("slice_count", [1, 2, 3, 4, 5, 6])
+def test_slice_pieces_cover_every_slice_once_exactly_at_the_step(
+    slice_count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slices, "SLICE_PIECE", 3)
+    pieces = slices.slice_pieces(slice_count, 1)
+    covered = [i for piece in pieces for i in range(slice_count)[piece]]
+    assert covered == list(range(slice_count))
+    assert len(pieces) == (1 if slice_count <= 3 else 2)  # 3 slices: one piece; 4: two
+
+
+def test_slice_pieces_hold_at_most_the_values_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slices, "SLICE_PIECE_VALUES", 12)
+    assert [p.stop - p.start for p in slices.slice_pieces(8, 4)] == [3, 3, 2]  # 12 values
+    assert [p.stop - p.start for p in slices.slice_pieces(8, 13)] == [1] * 8  # one at least
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("piece", [1, 2, 5])
+def test_factors_worked_out_by_pieces_are_the_whole_tensors(
+    dtype: type, piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slices, "SLICE_PIECE", piece)
+    for shape in [(7, 5, 3), (4, 9), (2, 3, 4, 5)]:
+        array = random_array(shape, dtype, 3)
+        for r in range(1, len(shape) + 1):
+            for axes in itertools.permutations(range(len(shape)), r):
+                _, whole = slices.axes_scales(array, axes, 1.5)
+                for budget in [1, 7, 1000]:
+                    got = slices.streamed_axes_scales(
+                        boxes_of(array, budget), array.shape, axes, array.dtype, 1.5
+                    )
+                    assert np.array_equal(got, whole), (shape, axes, budget)
+
+
+def test_a_slice_at_the_limit_exactly_stays_in_any_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exact check gathers a piece's near slices only; 3-4-5 columns in three pieces."""
+    monkeypatch.setattr(slices, "SLICE_PIECE", 1)
+    array = np.array([[3.0, 1.0, 4.0], [4.0, 1.0, 3.0]], np.float32)  # norms 5, sqrt 2, 5
+    scales = slices.streamed_axes_scales(boxes_of(array, 1), array.shape, (0,), array.dtype, 5.0)
+    assert scales.reshape(-1).tolist() == [1.0, 1.0, 1.0]
+    scales = slices.streamed_axes_scales(boxes_of(array, 1), array.shape, (0,), array.dtype, 4.999)
+    factors = scales.reshape(-1)
+    assert factors[0] < 1.0
+    assert factors[1] == 1.0
+    assert factors[2] < 1.0
+
+
+def exact_sumsq(values: np.ndarray) -> Fraction:
+    return sum((Fraction(float(v)) ** 2 for v in values.reshape(-1)), Fraction(0))
+
+
+def clip_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    capsys.readouterr()
+    assert main(["clip", *args, "--format", "json"]) == 0
+    report: dict[str, object] = json.loads(capsys.readouterr().out)
+    return report
+
+
+@pytest.mark.parametrize("axes", ["1", "0", "-1"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=str)
+def test_streamed_clip_reports_and_writes_what_the_in_memory_clip_does(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    axes: str,
+    dtype: type,
+) -> None:
+    """Slices that clip only in some boxes (the first box has none): the count of clipped
+    slices, the norms after, the flushes and every byte are those of the whole tensor held
+    in memory."""
+    rng = np.random.default_rng(9)
+    values = rng.standard_normal((40, 12)) * 0.1
+    values[25:, :] *= 40  # rows 25 and on are over the limit in --axes 1; columns in all
+    original: np.ndarray = values.astype(dtype)
+    src = write_safetensors(tmp_path / "in.safetensors", {"w": original})
+    limit = "2.5"
+    reports, outputs = [], []
+    for budget in [1 << 20, 36]:  # the whole tensor in one box; boxes of three rows
+        monkeypatch.setattr(slices, "STREAM_BOX_ELEMENTS", budget)
+        out = tmp_path / f"out{budget}.safetensors"
+        reports.append(clip_json(["--norm", limit, "--axes", axes, str(src), str(out)], capsys))
+        outputs.append(out.read_bytes())
+        reports[-1].pop("out")
+    assert outputs[0] == outputs[1]
+    clipped = read_safetensors(tmp_path / "out36.safetensors")["w"]
+    exact_after = math.sqrt(exact_sumsq(clipped))
+    # The norm after is summed box by box when streamed (as every chunked tensor's is): it
+    # may differ from the whole array's in the last bit; both are within 2**-50 of exact.
+    for report in reports:
+        tensor = report["tensors"][0]  # type: ignore[index]
+        assert math.isclose(tensor.pop("norm_after"), exact_after, rel_tol=2.0**-50)
+        assert math.isclose(report.pop("global_norm_after"), exact_after, rel_tol=2.0**-50)  # type: ignore[arg-type]
+        assert "slices clipped" in tensor["note"]
+    assert reports[0] == reports[1]
+    axis = int(axes) % 2
+    rows = np.moveaxis(clipped, axis, 1).reshape(-1, clipped.shape[axis])
+    assert all(exact_sumsq(row) <= Fraction(2.5) ** 2 for row in rows)
+
+
+def test_box_by_box_within_the_limit_copies_the_tensor_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slices, "STREAM_BOX_ELEMENTS", 36)
+    original = (np.random.default_rng(2).standard_normal((30, 12)) / 100).astype(np.float32)
+    src = write_safetensors(tmp_path / "in.safetensors", {"w": original})
+    out = tmp_path / "out.safetensors"
+    assert slices.boxes_hold_whole_slices(original.shape, (1,), 36)
+    assert main(["clip", "--norm", "1", "--axes", "1", "-q", str(src), str(out)]) == 0
+    assert out.read_bytes() == src.read_bytes()
+
+
+# Runs the command as its only child and prints that child's peak RSS (KiB) last.
+_PEAK_PROBE = (
+    "import resource, subprocess, sys\n"
+    "done = subprocess.run(sys.argv[1:], stdin=subprocess.DEVNULL, capture_output=True,"
+    " text=True)\n"
+    "sys.stderr.write(done.stderr)\n"
+    "print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+)
+
+
+def peak_rss(*args: str | Path) -> tuple[int, int, str]:
+    """(exit code, peak RSS in bytes, stderr) of `python -m clipcli args` in a child."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _PEAK_PROBE, sys.executable, "-m", "clipcli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    code, kib = probe.stdout.split()
+    return int(code), int(kib) * 1024, probe.stderr
+
+
+@pytest.mark.parametrize(("shape", "axes"), [((4_000_000, 2), "1"), ((2, 4_000_000), "0")])
+def test_four_million_slices_are_clipped_in_bounded_memory(
+    tmp_path: Path, shape: tuple[int, int], axes: str
+) -> None:
+    """A 32 MB float32 tensor of 4 million two-element slices: 660 MB with whole-tensor
+    per-slice arrays; now ~140 MB (whole slices in each box) and ~165 MB (slices cut by the
+    boxes: their sums stay, 9 bytes a slice). The bound is what is left over a budget of
+    200 MiB for the tensor's own size, as issue 20 sets for --axes."""
+    original: np.ndarray = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    src = write_safetensors(tmp_path / "in.safetensors", {"w": original})
+    out = tmp_path / "out.safetensors"
+    code, peak, stderr = peak_rss(
+        "clip", "--norm", "1", "--axes", axes, "-q", "--no-fsync", src, out
+    )
+    assert code == 0, stderr
+    assert peak < 200 << 20, peak
+    clipped = read_safetensors(out)["w"]
+    axis = int(axes)
+    norms = np.sqrt(np.sum(clipped.astype(np.float64) ** 2, axis=axis))
+    assert np.all(norms <= 1.0)
+    assert math.isclose(float(norms.max()), 1.0, rel_tol=1e-6)
