@@ -106,6 +106,10 @@ class KerasArchiveReader(Reader):
         /proc/self/fd. Without /proc (no name reopens an unnamed file) it goes to a private
         temp directory, removed by close(). A temp directory that is missing or full is
         exit 5 naming it (clipcli.system.scratch), not a fault of the archive."""
+        # The HDF5 budgets are the archive's: the zip rules let the member unpack to 200
+        # times the archive, and budgets taken from the member would allow 200 times that
+        # again (THREAT_MODEL item 17: a 61 KB archive's gzip chunk inflated to 1 GiB).
+        archive_size = os.fstat(self._handle.fileno()).st_size
         fd, nameable = scratch.unnamed_file(SCRATCH_PREFIX)
         if not nameable or fd_path(fd) is None:  # no O_TMPFILE, or no /proc to name it by
             os.close(fd)
@@ -115,7 +119,7 @@ class KerasArchiveReader(Reader):
                 self._unpack_into(fd)
             finally:
                 os.close(fd)
-            return Hdf5Reader(target, shown_as=self.weights_name)
+            return Hdf5Reader(target, shown_as=self.weights_name, budget_size=archive_size)
         try:
             self._unpack_into(fd)
             # HDF5 opens files by name only (and not /proc/self/fd/N of an unnamed file:
@@ -124,7 +128,7 @@ class KerasArchiveReader(Reader):
             self._private_directory()
             assert self._scratch is not None
             target = scratch.name_unnamed(fd, self._scratch, WEIGHTS_MEMBER)
-            reader = Hdf5Reader(target, shown_as=self.weights_name)
+            reader = Hdf5Reader(target, shown_as=self.weights_name, budget_size=archive_size)
         finally:
             os.close(fd)
         self._remove_scratch()  # HDF5 reads through its own descriptor from here on

@@ -62,9 +62,15 @@ class Hdf5Reader(Reader):
 
     format_name = "hdf5"
 
-    def __init__(self, path: Path, shown_as: Path | None = None) -> None:
+    def __init__(
+        self, path: Path, shown_as: Path | None = None, budget_size: int | None = None
+    ) -> None:
         """shown_as: the name messages give the file (a weights file unpacked from a
-        .keras archive is named after the archive, not after its temp copy)."""
+        .keras archive is named after the archive, not after its temp copy). budget_size:
+        the size its budgets (expansion, chunks, decoding, variable-length data) are taken
+        from where smaller than the file: a .keras archive's, since the zip rules already
+        let the unpacked member be 200 times the archive, and budgets taken from the
+        member would allow 200 times that again (a 61 KB archive held 1.2 GB)."""
         super().__init__(shown_as or path)
         h5py = load_h5py()
         # Our own descriptor, opened without blocking and checked to be a regular file;
@@ -81,7 +87,7 @@ class Hdf5Reader(Reader):
         try:
             self._check_library_opened_ours()
             self._file_size = os.fstat(self._fd).st_size
-            self._checks = DatasetChecks(self.path, self._file_size)
+            self._checks = DatasetChecks(self.path, self._file_size, budget_size)
             self._non_tensors: list[NonTensorInfo] = []
             with input_errors(self.path, "cannot read the file's structure"):
                 self.nodes, self._infos = self._walk()
@@ -99,7 +105,7 @@ class Hdf5Reader(Reader):
             self.close()
             raise
         self._by_name = {info.name: info for info in self._infos}
-        self._vlen_budget = VlenBudget(self.path, self._file_size)
+        self._vlen_budget = VlenBudget(self.path, self._checks.budget_size)
         self._expanded: set[str] = set()  # unallocated tensors whose elements were made
         self._expanded_bytes = 0
         self._structure: Structure | None = None
@@ -277,13 +283,13 @@ class Hdf5Reader(Reader):
         value = self.constant(info)
         if value is None or info.name in self._expanded:
             return value
-        budget = limits.expansion_budget(self._file_size)
+        budget = limits.expansion_budget(self._checks.budget_size)
         total = self._checks.declared_total + self._expanded_bytes + info.nbytes
         if total > budget:
             raise self._fail(
                 f"its unallocated datasets would expand to more than {budget} bytes in all "
-                f"with the stored ones ({limits.MAX_EXPANSION} times the {self._file_size}-byte "
-                f"file plus {limits.SPARSE_CHECK_BYTES >> 20} MiB); refusing to expand them "
+                f"with the stored ones ({limits.MAX_EXPANSION} times {self._checks.budget_words} "
+                f"plus {limits.SPARSE_CHECK_BYTES >> 20} MiB); refusing to expand them "
                 "(they are measured from their fill value, and copied to HDF5 unallocated "
                 "when unchanged)",
                 info.name,

@@ -46,9 +46,17 @@ class DatasetChecks:
     """Checks each dataset of one file and collects what the file-wide checks need: the
     byte ranges holding dataset storage, and the datasets with no storage at all."""
 
-    def __init__(self, path: Path, file_size: int) -> None:
+    def __init__(self, path: Path, file_size: int, budget_size: int | None = None) -> None:
+        """budget_size: the size the budgets are taken from, where smaller than the file
+        (Hdf5Reader's budget_size: a .keras archive's)."""
         self.path = path
-        self.file_size = file_size
+        self.file_size = file_size  # where stored bytes may lie
+        self.budget_size = file_size if budget_size is None else min(budget_size, file_size)
+        self.budget_words = (
+            f"the {file_size}-byte file"
+            if self.budget_size == file_size
+            else f"the {self.budget_size}-byte archive it came from"
+        )
         self.data_ranges: list[tuple[int, int]] = []
         self.unallocated: set[str] = set()  # datasets with no storage: all fill value
         # Unallocated tensors with a defined fill value: measured from that value and never
@@ -254,7 +262,7 @@ class DatasetChecks:
                 (chunk.byte_offset, chunk.size, chunk.filter_mask, chunk.chunk_offset)
             )
         )
-        limit = decoding.decode_limit(self.file_size) // max(1, min(held, len(chunks)))
+        limit = decoding.decode_limit(self.budget_size) // max(1, min(held, len(chunks)))
         for offset, size, mask, where in chunks:
             # A stored chunk of 0 bytes, or one past the end, makes the library's
             # filters read nothing or garbage: fletcher32 on an empty chunk segfaults.
@@ -303,23 +311,23 @@ class DatasetChecks:
         each through from a 3 MB file. Unallocated tensors (fill_only) are not read: they
         count only once their elements are asked for (Hdf5Reader.constant_elements)."""
         total = self.declared_total
-        budget = limits.expansion_budget(self.file_size)
+        budget = limits.expansion_budget(self.budget_size)
         if total > budget:
             raise self._fail(
                 f"datasets declare {total} bytes in all, more than {limits.MAX_EXPANSION} "
-                f"times the {self.file_size}-byte file plus "
+                f"times {self.budget_words} plus "
                 f"{limits.SPARSE_CHECK_BYTES >> 20} MiB ({budget}); refusing to expand it"
             )
 
     def check_chunk_count(self) -> None:
         """The whole file's chunk budget (limits.chunk_budget): the library's memory and
         work grow with the number of chunks, which bytes alone do not bound."""
-        budget = limits.chunk_budget(self.file_size)
+        budget = limits.chunk_budget(self.budget_size)
         if self.declared_chunks > budget:
             raise self._fail(
                 f"datasets declare more than {budget} HDF5 chunks in all ({self.declared_chunks}"
-                f" so far), over the budget of one per {limits.BYTES_PER_CHUNK} bytes of the "
-                f"{self.file_size}-byte file plus {limits.FREE_CHUNKS}; refusing it (every "
+                f" so far), over the budget of one per {limits.BYTES_PER_CHUNK} bytes of "
+                f"{self.budget_words} plus {limits.FREE_CHUNKS}; refusing it (every "
                 "chunk costs memory and time to read)"
             )
 

@@ -1,0 +1,119 @@
+"""A `.keras` archive's HDF5 budgets are the archive's (THREAT_MODEL item 17): the zip rules
+let `model.weights.h5` unpack to 200 times the archive plus 64 MiB, and HDF5 budgets taken
+from the unpacked member allowed 200 times that again. A 67 KB archive whose member holds
+gzip chunks of zeros (each under the per-dataset 200-fold rule, thanks to bytes after the
+deflate stream that the zip compresses away) ran for 346 s at 375 MB, exit 0; a 61 KB one
+held 1.2 GB.
+
+The archive's size is what the user gave, so the budgets are those of a plain HDF5 file of
+that size: exactly at the budget reads, one byte past it is exit 3, and the same member
+given as a plain file (its own, larger, size) still reads."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+import zlib
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from clipcli.cli.entry import main
+from clipcli.formats.hdf5 import limits
+
+
+def write_keras(path: Path, weights: bytes) -> int:
+    """A .keras archive holding `weights` as model.weights.h5 (deflated); its size."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as archive:
+        archive.writestr("metadata.json", json.dumps({"keras_version": "3.5.0"}))
+        archive.writestr("config.json", json.dumps({"class_name": "Sequential", "config": {}}))
+        archive.writestr("model.weights.h5", weights)
+    return path.stat().st_size
+
+
+def zeros_weights(elements: int) -> tuple[bytes, int]:
+    """An HDF5 file of one contiguous float32 dataset of zeros; its bytes and the bytes
+    its datasets declare."""
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as f:
+        f.create_dataset("layers/dense/vars/0", data=np.zeros(elements, np.float32))
+    return buffer.getvalue(), elements * 4
+
+
+@pytest.mark.parametrize("past", [0, 1])
+def test_the_expansion_budget_is_the_archives_exactly_at_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], past: int
+) -> None:
+    weights, declared = zeros_weights(1_000_000)
+    archive = tmp_path / "m.keras"
+    size = write_keras(archive, weights)
+    free = declared - limits.MAX_EXPANSION * size - past  # the budget: exactly, or 1 short
+    assert free > 0
+    monkeypatch.setattr(limits, "SPARSE_CHECK_BYTES", free)
+    code = main(["norms", "-q", str(archive)])
+    err = capsys.readouterr().err
+    if past:
+        assert code == 3
+        assert err.count("\n") == 1
+        assert f"200 times the {size}-byte archive it came from" in err
+    else:
+        assert code == 0, err
+    # The member as a plain file has budgets of its own size, which it is within.
+    plain = tmp_path / "model.weights.h5"
+    plain.write_bytes(weights)
+    assert main(["norms", "-q", str(plain)]) == 0
+
+
+def test_the_chunk_budget_is_the_archives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Chunks of zeros: 300 of them, over a chunk budget of 200 for the archive and
+    within the member's (which the contiguous padding makes large)."""
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as f:
+        f.create_dataset("layers/pad/vars/0", data=np.zeros(1_000_000, np.float32))
+        f.create_dataset(
+            "layers/dense/vars/0", data=np.zeros((300, 16), np.float32), chunks=(1, 16)
+        )
+    archive = tmp_path / "m.keras"
+    size = write_keras(archive, buffer.getvalue())
+    member_chunks = len(buffer.getvalue()) // limits.BYTES_PER_CHUNK
+    archive_chunks = size // limits.BYTES_PER_CHUNK
+    monkeypatch.setattr(limits, "FREE_CHUNKS", 300 - archive_chunks - 1)  # one chunk short
+    assert member_chunks + limits.FREE_CHUNKS >= 300  # within the member's
+    assert main(["norms", "-q", str(archive)]) == 3
+    err = capsys.readouterr().err
+    assert f"of the {size}-byte archive it came from" in err
+    monkeypatch.setattr(limits, "FREE_CHUNKS", 300 - archive_chunks)  # exactly at it
+    assert main(["norms", "-q", str(archive)]) == 0
+
+
+def test_zero_chunks_padded_past_their_stream_are_refused_in_an_archive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The attack's shape at a quarter of its size: four 64 MiB gzip chunks of zeros,
+    each stream followed by 340 KB of zero bytes (so each dataset stores more than a
+    200th of what it declares), in an archive of a few KB."""
+    stream = zlib.compress(bytes(64 << 20), 9)
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as f:
+        dataset = f.create_dataset(
+            "layers/dense/vars/0",
+            shape=(4, 16 << 20),
+            dtype=np.float32,
+            chunks=(1, 16 << 20),
+            compression="gzip",
+        )
+        for row in range(4):
+            dataset.id.write_direct_chunk((row, 0), stream + bytes(340_000))
+    archive = tmp_path / "m.keras"
+    size = write_keras(archive, buffer.getvalue())
+    assert size < 20_000
+    assert main(["norms", "-q", str(archive)]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("clipcli: error: ")
+    assert err.count("\n") == 1
+    assert "archive it came from" in err
