@@ -12,7 +12,9 @@ system seconds, the figure to trust on a shared machine; peak RSS = %M):
   [M * 256, 1024]), every column clipped; and --axes 1 on it (M * 256 rows);
 - clip --norm 1 --axes 1 on a float32 tensor of S MiB of two-element rows (default 100:
   [S * 131072, 2], 13 million slices, each box holding whole ones), and --axes 0 on one of
-  two rows ([2, S * 131072]: the boxes cut every slice), most slices clipped.
+  two rows ([2, S * 131072]: the boxes cut every slice), most slices clipped;
+- clip --norm 0.5 --axes 1 on one bfloat16 [4096, 11008] tensor (an MLP matrix of a 7B
+  model, 90 MB; `--no-bf16`: left out), every row clipped, and --global 0.5 on it.
 
 `--other NAME=CHECKOUT` runs the same commands with another checkout's clipcli (its
 directory on PYTHONPATH, run from outside any checkout), interleaved with this one, e.g.
@@ -81,6 +83,19 @@ def write_pairs(path: Path, mib: int, rows: bool) -> None:
             out.write(rng.standard_normal(step, dtype=np.float32).tobytes())
 
 
+def write_bf16_matrix(path: Path) -> None:
+    """One bfloat16 tensor of [4096, 11008], seeded normals of standard deviation 0.02."""
+    header = {"w": {"dtype": "BF16", "shape": [4096, 11008], "data_offsets": [0, 4096 * 11008 * 2]}}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    rng = np.random.default_rng(2)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text)
+        for _ in range(0, 4096, 256):
+            rows = (rng.standard_normal((256, 11008)) * 0.02).astype(np.float32)
+            out.write((rows.view(np.uint32) >> 16).astype("<u2").tobytes())  # truncated
+
+
 def run(checkout: Path, args: list[str], scratch: Path) -> tuple[float, float, int]:
     """(CPU s, wall s, peak RSS KiB) of one `python -m clipcli ARGS` with that checkout."""
     env = dict(os.environ, PYTHONPATH=str(checkout))
@@ -96,6 +111,7 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=200_000)
     parser.add_argument("--axes-mib", type=int, default=1024)
     parser.add_argument("--slices-mib", type=int, default=100)
+    parser.add_argument("--no-bf16", action="store_true")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--other", action="append", default=[], metavar="NAME=CHECKOUT")
     parser.add_argument("--dir", type=Path, default=None)
@@ -120,6 +136,9 @@ def main() -> None:
         for rows, path in pairs.items():
             if args.slices_mib and not path.exists():
                 write_pairs(path, args.slices_mib, rows)
+        matrix = scratch / "bf16-4096x11008.safetensors"
+        if not args.no_bf16 and not matrix.exists():
+            write_bf16_matrix(matrix)
         out = str(scratch / "out.safetensors")
         jobs = [
             (f"norms, {args.tensors:,} one-element tensors", ["norms", str(tiny)]),
@@ -157,6 +176,20 @@ def main() -> None:
                 (
                     f"clip --norm 1 --axes 0, [2, {n:,}] float32",
                     [*axes, "--axes", "0", str(pairs[False]), out],
+                )
+            )
+        if not args.no_bf16:
+            flags = ["--quiet", "--force", "--no-fsync"]
+            jobs.append(
+                (
+                    "clip --norm 0.5 --axes 1, bfloat16 [4096, 11008]",
+                    ["clip", "--norm", "0.5", "--axes", "1", *flags, str(matrix), out],
+                )
+            )
+            jobs.append(
+                (
+                    "clip --global 0.5, bfloat16 [4096, 11008]",
+                    ["clip", "--global", "0.5", *flags, str(matrix), out],
                 )
             )
         results: dict[tuple[str, str], list[tuple[float, float, int]]] = {}

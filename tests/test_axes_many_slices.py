@@ -265,3 +265,56 @@ def test_four_million_slices_are_clipped_in_bounded_memory(
     norms = np.sqrt(np.sum(clipped.astype(np.float64) ** 2, axis=axis))
     assert np.all(norms <= 1.0)
     assert math.isclose(float(norms.max()), 1.0, rel_tol=1e-6)
+
+
+def round_exactly(q: Fraction, dtype: type) -> Fraction:
+    """q rounded to nearest, ties to even, into dtype's significand and exponent range,
+    from its definition (ml_dtypes.finfo for the precision and smallest normal exponent);
+    past the largest finite value: infinite (as a huge Fraction, over any limit)."""
+    info = ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+    digits, min_exp = int(info.nmant) + 1, int(info.minexp)
+    if q == 0:
+        return Fraction(0)
+    magnitude = abs(q)
+    exp = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exp > magnitude:
+        exp -= 1
+    spacing = Fraction(2) ** (max(exp, min_exp) - digits + 1)
+    rounded = round(magnitude / spacing) * spacing  # Fraction rounds half to even
+    if rounded > Fraction(float(info.max)):
+        return Fraction(10) ** 400
+    return rounded
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2],
+    ids=lambda d: np.dtype(d).name,
+)
+def test_small_float_slice_factors_are_within_the_limit_and_the_largest(dtype: type) -> None:
+    """Each clipped slice's factor s: the exact sum of its rounded products is <= C**2, and
+    at the next factor of the search's grid it is over C**2 (less the margin's own rounding
+    bound). The slices' histograms, narrowing and jumps are checked from the outside."""
+    from clipcli.numerics.search import exact_product_bits
+
+    rng = np.random.default_rng(21)
+    values = rng.standard_normal((24, 60)) * rng.choice([0.01, 1.0, 20.0], size=(24, 1))
+    values[rng.random(values.shape) < 0.2] = 0.0
+    array: np.ndarray = values.astype(dtype)
+    wide = array.astype(np.float64)
+    norms = np.sqrt((wide * wide).sum(axis=1))
+    bits = exact_product_bits([array.dtype])
+    for limit in [float(np.median(norms)), float(norms.min()) * 0.5]:
+        _, scales = slices.axes_scales(array, (1,), limit)
+        bound = Fraction(limit) ** 2
+        slack = Fraction(1) - Fraction(64 + 8, 2**53)  # terms per slice and 8: generous
+        for row, factor in zip(array, scales.reshape(-1), strict=True):
+            exact = [Fraction(float(v)) for v in row.astype(np.float64)]
+            if factor == 1.0:
+                assert sum(v * v for v in exact) <= bound  # within: left as it is
+                continue
+            s = Fraction(float(factor))
+            assert sum(round_exactly(v * s, dtype) ** 2 for v in exact) <= bound
+            step = Fraction(2) ** (math.frexp(float(factor))[1] - 1 - bits + 1)
+            above = sum(round_exactly(v * (s + step), dtype) ** 2 for v in exact)
+            assert above > bound * slack, (factor, float(above / bound))
