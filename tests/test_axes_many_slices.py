@@ -18,9 +18,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import subprocess
-import sys
-from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -28,19 +25,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from handmade import read_safetensors, write_safetensors
+from peak_memory import peak_rss
+from test_axes_bounded_memory import boxes_of, exact_sumsq
 
 from clipcli.cli.entry import main
 from clipcli.numerics import slices
-
-
-def boxes_of(array: np.ndarray, budget: int) -> slices.Boxes:
-    indices = slices.box_indices(array.shape, budget)
-
-    def one_pass() -> Iterator[slices.Box]:
-        for index in indices:
-            yield array[index].reshape(slices.box_shape(array.shape, index)), index
-
-    return one_pass
 
 
 def holds_whole_slices(shape: tuple[int, ...], axes: tuple[int, ...], budget: int) -> bool:
@@ -158,10 +147,6 @@ def test_a_slice_at_the_limit_exactly_stays_in_any_piece(monkeypatch: pytest.Mon
     assert factors[2] < 1.0
 
 
-def exact_sumsq(values: np.ndarray) -> Fraction:
-    return sum((Fraction(float(v)) ** 2 for v in values.reshape(-1)), Fraction(0))
-
-
 def clip_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
     capsys.readouterr()
     assert main(["clip", *args, "--format", "json"]) == 0
@@ -220,28 +205,6 @@ def test_box_by_box_within_the_limit_copies_the_tensor_bit_for_bit(
     assert slices.boxes_hold_whole_slices(original.shape, (1,), 36)
     assert main(["clip", "--norm", "1", "--axes", "1", "-q", str(src), str(out)]) == 0
     assert out.read_bytes() == src.read_bytes()
-
-
-# Runs the command as its only child and prints that child's peak RSS (KiB) last.
-_PEAK_PROBE = (
-    "import resource, subprocess, sys\n"
-    "done = subprocess.run(sys.argv[1:], stdin=subprocess.DEVNULL, capture_output=True,"
-    " text=True)\n"
-    "sys.stderr.write(done.stderr)\n"
-    "print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
-)
-
-
-def peak_rss(*args: str | Path) -> tuple[int, int, str]:
-    """(exit code, peak RSS in bytes, stderr) of `python -m clipcli args` in a child."""
-    probe = subprocess.run(
-        [sys.executable, "-c", _PEAK_PROBE, sys.executable, "-m", "clipcli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    code, kib = probe.stdout.split()
-    return int(code), int(kib) * 1024, probe.stderr
 
 
 @pytest.mark.parametrize(("shape", "axes"), [((4_000_000, 2), "1"), ((2, 4_000_000), "0")])

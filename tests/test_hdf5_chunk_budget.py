@@ -9,40 +9,18 @@ Peak memory is measured in a child process (resource.getrusage of its only child
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+from peak_memory import peak_rss as _peak
 
 from clipcli.errors import InputError
 from clipcli.formats import hdf5 as hdf5_module
 from clipcli.formats.hdf5 import limits
 
 RSS_BUDGET = 300 << 20  # bytes, as tests/hostile/test_resource_budgets.py
-
-# Runs the command as its only child and prints that child's peak RSS (KiB) last.
-_PEAK_PROBE = (
-    "import resource, subprocess, sys\n"
-    "done = subprocess.run(sys.argv[1:], stdin=subprocess.DEVNULL, capture_output=True,"
-    " text=True)\n"
-    "sys.stderr.write(done.stderr)\n"
-    "print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
-)
-
-
-def _peak(*args: str | Path) -> tuple[int, int, str]:
-    """(exit code, peak RSS in bytes, stderr) of `python -m clipcli args` in a child."""
-    probe = subprocess.run(
-        [sys.executable, "-c", _PEAK_PROBE, sys.executable, "-m", "clipcli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    code, kib = probe.stdout.split()
-    return int(code), int(kib) * 1024, probe.stderr
 
 
 def _one_element_chunks(path: Path, counts: list[int]) -> int:

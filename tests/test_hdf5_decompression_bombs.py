@@ -306,7 +306,8 @@ def test_small_bombs_under_the_limit_do_not_add_up(tmp_path: Path) -> None:
     64 MiB chunk cache counts a chunk by its nominal size and kept every decoded buffer at
     its real one. A dataset is now read with a cache of the chunks its reads need kept
     (two, along one axis)."""
-    from test_hdf5_chunk_budget import RSS_BUDGET, _peak
+    from peak_memory import peak_rss as _peak
+    from test_hdf5_chunk_budget import RSS_BUDGET
 
     chunks = 120
     stream = zeros_stream(4 << 20)
