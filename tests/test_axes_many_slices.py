@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -117,11 +118,14 @@ def test_slice_pieces_hold_at_most_the_values_budget(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("piece", [1, 2, 5])
+@pytest.mark.parametrize(("piece", "window_bytes"), [(1, 1), (2, 64), (5, 1 << 20)])
 def test_factors_worked_out_by_pieces_are_the_whole_tensors(
-    dtype: type, piece: int, monkeypatch: pytest.MonkeyPatch
+    dtype: type, piece: int, window_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Pieces of 1, 2 and 5 slices; their values gathered a piece at a time, a few
+    pieces at a time, and all at once."""
     monkeypatch.setattr(slices, "SLICE_PIECE", piece)
+    monkeypatch.setattr(slices, "SLICE_WINDOW_BYTES", window_bytes)
     for shape in [(7, 5, 3), (4, 9), (2, 3, 4, 5)]:
         array = random_array(shape, dtype, 3)
         for r in range(1, len(shape) + 1):
@@ -132,6 +136,41 @@ def test_factors_worked_out_by_pieces_are_the_whole_tensors(
                         boxes_of(array, budget), array.shape, axes, array.dtype, 1.5
                     )
                     assert np.array_equal(got, whole), (shape, axes, budget)
+
+
+@pytest.mark.parametrize("pieces", [1, 5, 6, 7, 12])
+def test_windows_group_pieces_up_to_the_window_exactly(pieces: int) -> None:
+    """Pieces of 2 slices in windows of 6 slices: 3 pieces a window, a 4th starts the next."""
+    ranges = [slice(2 * k, 2 * k + 2) for k in range(pieces)]
+    windows = slices._windows(ranges, 6)
+    assert [piece for window in windows for piece in window] == ranges
+    assert [len(window) for window in windows] == [
+        min(3, pieces - 3 * k) for k in range(len(windows))
+    ]
+    assert all(window[-1].stop - window[0].start <= 6 for window in windows)
+    assert slices._windows([slice(0, 9)], 6) == [[slice(0, 9)]]  # a piece over it: alone
+
+
+def test_one_pass_gathers_a_windows_values_not_one_per_piece(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """24 float16 columns, all over the limit, in pieces of 2: a window of 6 columns
+    (6 x 5 values x 2 bytes) takes one pass for its 3 pieces. Passes: the sums' and 4."""
+    monkeypatch.setattr(slices, "SLICE_PIECE", 2)
+    monkeypatch.setattr(slices, "SLICE_WINDOW_BYTES", 60)
+    array = random_array((5, 24), np.float16, 8)
+    boxes = boxes_of(array, 7)
+    passes: list[int] = []
+
+    def counted() -> Iterator[slices.Box]:
+        passes.append(1)
+        return boxes()
+
+    got = slices.streamed_axes_scales(counted, array.shape, (0,), array.dtype, 0.5)
+    assert np.all(got < 1.0)
+    assert len(passes) == 1 + 24 // 6
+    _, whole = slices.axes_scales(array, (0,), 0.5)
+    assert np.array_equal(got, whole)
 
 
 def test_a_slice_at_the_limit_exactly_stays_in_any_piece(monkeypatch: pytest.MonkeyPatch) -> None:

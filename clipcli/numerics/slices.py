@@ -7,6 +7,7 @@ block of rows, so memory stays bounded by the tensor plus SLICE_BLOCK_BYTES.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -231,7 +232,14 @@ class _SliceRounding:
     their slice's bracket (the same all through: rounding is monotone) once into `fixed`;
     each later step rounds only the others. A bfloat16 [4096, 11008] clipped with --axes 1
     took 25 s rounding every value of every slice some 40 times; its slices hold ~1,000
-    distinct magnitudes each."""
+    distinct magnitudes each.
+
+    fixed + the moving values' sum adds a slice's terms in another order than its whole
+    histogram does, so where a margin is close enough to 0 for the order to decide its
+    sign, it is taken again over the slice's whole histogram, in histogram order: each
+    slice's factor then depends on the slice alone, not on the search's history or on the
+    slices searched beside it (an attack found a float16 slice whose factor moved one step
+    with the narrowing)."""
 
     dtype: np.dtype[Any]  # the dtype the products round to
     limit: float
@@ -241,6 +249,7 @@ class _SliceRounding:
     counts: np.ndarray  # float64: how many times each is in its slice
     owner: np.ndarray  # the slice of each (nondecreasing)
     fixed: np.ndarray  # per slice: sum of count * (round(v * s) / limit)**2, settled values
+    whole: tuple[np.ndarray, np.ndarray, np.ndarray]  # magnitudes, counts, each slice's start
 
     @staticmethod
     def of(picked: np.ndarray, limit: float) -> _SliceRounding:
@@ -258,15 +267,22 @@ class _SliceRounding:
         counts = np.diff(np.append(starts, flat.size)).astype(np.float64)
         magnitudes = flat[starts].view(picked.dtype).astype(np.float64)
         nonzero = magnitudes > 0
+        magnitudes, counts, owner = (
+            magnitudes[nonzero],
+            counts[nonzero],
+            (starts // per_slice)[nonzero],
+        )
+        begins = np.searchsorted(owner, np.arange(slices + 1))
         return _SliceRounding(
             picked.dtype,
             limit,
             slices,
             per_slice + 4,
-            magnitudes[nonzero],
-            counts[nonzero],
-            (starts // per_slice)[nonzero],
+            magnitudes,
+            counts,
+            owner,
             np.zeros(slices),
+            (magnitudes, counts, begins),
         )
 
     def guesses(self, ratios: np.ndarray, unit: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -306,6 +322,24 @@ class _SliceRounding:
         squares = rounded * rounded * self.counts  # exact: a count times a square
         sums = self.fixed + np.bincount(self.owner, squares, minlength=self.slices)
         result: np.ndarray = 1.0 - 2 * U64 - sums * (1 + self.terms * U64)
+        # Two orders of adding a slice's terms differ by at most ~terms roundings of it.
+        close = np.flatnonzero(np.abs(result) <= 4 * self.terms * U64)
+        if close.size:
+            result[close] = self._whole_margin(factors, close)
+        return result
+
+    def _whole_margin(self, factors: np.ndarray, which: np.ndarray) -> np.ndarray:
+        """margin of the slices `which` over their whole histograms, in histogram order."""
+        magnitudes, counts, begins = self.whole
+        lengths = begins[which + 1] - begins[which]
+        local = np.repeat(np.arange(which.size), lengths)
+        at = np.repeat(begins[which], lengths) + (
+            np.arange(local.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        )
+        products = magnitudes[at] * factors[which][local]
+        rounded = narrow_round(products, self.dtype).astype(np.float64) / self.limit
+        sums = np.bincount(local, rounded * rounded * counts[at], minlength=which.size)
+        result: np.ndarray = 1.0 - 2 * U64 - sums * (1 + self.terms * U64)
         return result
 
     def next_change(self, factors: np.ndarray) -> np.ndarray:
@@ -343,6 +377,7 @@ class _SliceRounding:
             self.counts[moving],
             self.owner[moving],
             fixed,
+            self.whole,
         )
         return narrowed.margin, narrowed.next_change, narrowed.within
 
@@ -500,27 +535,33 @@ def streamed_picked(
     shape: tuple[int, ...],
     axes: tuple[int, ...],
     dtype: np.dtype[Any],
-    which: np.ndarray,
+    span: slice,
+    which: np.ndarray | None = None,
 ) -> np.ndarray:
-    """_picked_slices of the tensor the boxes hold: the slices marked in `which`
-    (keepdims) as rows, in the same order, gathered in one pass (memory: those slices)."""
+    """The slices numbered span.start to span.stop - 1 (in C order) of the tensor the boxes
+    hold, those marked in `which` (one flag each; None: all), as rows in the same order,
+    gathered in one pass (memory: those slices and a row number per slice of the span)."""
     rest = [i for i in range(len(shape)) if i not in axes]
-    marked = which.reshape(-1)
-    row_of = np.cumsum(marked) - 1  # each marked slice's row in the result
-    picked = np.empty((int(np.count_nonzero(marked)), math.prod(shape[a] for a in axes)), dtype)
+    count = span.stop - span.start if which is None else int(np.count_nonzero(which))
+    row_of = None if which is None else np.cumsum(which) - 1  # each marked slice's row
+    picked = np.empty((count, math.prod(shape[a] for a in axes)), dtype)
     for box, index in boxes():
         ranges = [
             range(part, part + 1) if isinstance(part, int) else range(*part.indices(n))
             for part, n in zip(index, shape, strict=True)
         ]
         slice_ids = _raveled([ranges[i] for i in rest], [shape[i] for i in rest])
-        inside = marked[slice_ids]
+        inside = (slice_ids >= span.start) & (slice_ids < span.stop)
+        if which is not None:
+            inside[inside] = which[slice_ids[inside] - span.start]
         if not np.any(inside):
             continue
         columns = _raveled([ranges[a] for a in axes], [shape[a] for a in axes])
         moved = np.moveaxis(box, list(axes), list(range(box.ndim - len(axes), box.ndim)))
         rows = moved.reshape(len(slice_ids), -1)[inside]
-        picked[row_of[slice_ids[inside]][:, None], columns[None, :]] = rows
+        numbers = slice_ids[inside] - span.start
+        at = numbers if row_of is None else row_of[numbers]
+        picked[at[:, None], columns[None, :]] = rows
     return picked
 
 
@@ -533,10 +574,14 @@ def _raveled(ranges: list[range], shape: list[int]) -> np.ndarray:
 
 
 # Slices whose factors are worked out together (scales_from_sums), at most: its temporaries
-# are ~12 float64 arrays of this many, and 8/16-bit floats and float64 gather the values of
-# the slices over the limit: at most SLICE_PIECE_VALUES of them, a pass over the tensor each.
-SLICE_PIECE = 1 << 19
-SLICE_PIECE_VALUES = 1 << 22
+# are ~12 float64 arrays of this many, and 8/16-bit floats and float64 search the values of
+# the slices over the limit: at most SLICE_PIECE_VALUES of them.
+SLICE_PIECE = 1 << 18
+SLICE_PIECE_VALUES = 1 << 20
+# The values of consecutive pieces' slices are gathered together, in one pass over the
+# tensor, at most this many bytes of them: a pass per piece made [2, 32M] float16 with
+# --axes 0 take 213 s, growing with the square of the slices.
+SLICE_WINDOW_BYTES = 64 << 20
 
 
 def slice_pieces(slice_count: int, slice_numel: int) -> list[slice]:
@@ -549,45 +594,77 @@ def slice_pieces(slice_count: int, slice_numel: int) -> list[slice]:
 def streamed_axes_scales(
     boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any], limit: float
 ) -> np.ndarray:
-    """axes_scales' factors of the tensor the boxes hold (keepdims), one pass for the sums
-    (two for float64), and, for each piece of slices (slice_pieces) that needs it, one for
-    the few slices within rounding error of the limit, and for 8/16-bit floats and float64
-    one gathering the slices over it (their margin needs the values). Memory beyond a box:
-    9 bytes a slice (the sums, whose array each piece's factors then take over; float64:
-    17), and what one piece needs."""
+    """axes_scales' factors of the tensor the boxes hold (keepdims): one pass for the
+    sums (two for float64), then the factors a piece of slices (slice_pieces) at a time.
+    Where a piece needs its slices' values (those within rounding error of the limit; for
+    8/16-bit floats and float64, every slice over it), one pass gathers the values of a
+    window of pieces (SLICE_WINDOW_BYTES). Memory beyond a box: 9 bytes a slice kept (the
+    sums, whose array each piece's factors then take over; float64: 17; 13 at the peak,
+    measured), a window's values and what one piece needs."""
     sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
     all_sums, all_exps = sums.reshape(-1), exps.reshape(-1)
     slice_numel = math.prod(shape[a] for a in axes)
 
-    for piece in slice_pieces(all_sums.size, slice_numel):
-        picked = _piece_picker(boxes, shape, axes, dtype, piece)
-        _, factors = scales_from_sums(
-            all_sums[piece],
-            all_exps[piece],
-            limit,
-            dtype,
-            shape,
-            axes,
-            _exact_check(picked, limit),
-            picked,
-        )
-        all_sums[piece] = factors  # this piece's sums are used up
+    pieces = slice_pieces(all_sums.size, slice_numel)
+    window_slices = max(1, SLICE_WINDOW_BYTES // max(1, slice_numel * dtype.itemsize))
+    for window in _windows(pieces, window_slices):
+        gathered = _Gathered(boxes, shape, axes, dtype, slice(window[0].start, window[-1].stop))
+        for piece in window:
+            picked = gathered.picker(piece)
+            _, factors = scales_from_sums(
+                all_sums[piece],
+                all_exps[piece],
+                limit,
+                dtype,
+                shape,
+                axes,
+                _exact_check(picked, limit),
+                picked,
+            )
+            all_sums[piece] = factors  # this piece's sums are used up
     return sums  # now the factors
 
 
-def _piece_picker(
-    boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any], piece: slice
-) -> Callable[[np.ndarray], np.ndarray]:
-    """picked(which) for scales_from_sums on a piece of the slices: `which` marks slices
-    of the piece; their values as rows, gathered in a pass over the tensor."""
-    keep_shape = keepdims_shape(shape, axes)
+def _windows(pieces: list[slice], window_slices: int) -> list[list[slice]]:
+    """Consecutive pieces grouped so that each group spans at most window_slices slices
+    (one piece at least)."""
+    windows: list[list[slice]] = []
+    for piece in pieces:
+        if windows and piece.stop - windows[-1][0].start <= window_slices:
+            windows[-1].append(piece)
+        else:
+            windows.append([piece])
+    return windows
 
-    def picked(which: np.ndarray) -> np.ndarray:
-        marked = np.zeros(math.prod(keep_shape), bool)
-        marked[piece] = which
-        return streamed_picked(boxes, shape, axes, dtype, marked.reshape(keep_shape))
 
-    return picked
+class _Gathered:
+    """The values of a span of slices as rows, gathered in one pass the first time a piece
+    of the span asks for some (most pieces of float32 data never do)."""
+
+    def __init__(
+        self,
+        boxes: Boxes,
+        shape: tuple[int, ...],
+        axes: tuple[int, ...],
+        dtype: np.dtype[Any],
+        span: slice,
+    ) -> None:
+        self._gather = functools.partial(streamed_picked, boxes, shape, axes, dtype, span)
+        self._span = span
+        self._rows: np.ndarray | None = None
+
+    def picker(self, piece: slice) -> Callable[[np.ndarray], np.ndarray]:
+        """picked(which) for scales_from_sums on a piece of the span: `which` marks
+        slices of the piece; their values as rows."""
+
+        def picked(which: np.ndarray) -> np.ndarray:
+            if self._rows is None:
+                self._rows = self._gather()
+            start = piece.start - self._span.start
+            rows: np.ndarray = self._rows[start : start + piece.stop - piece.start][which]
+            return rows
+
+        return picked
 
 
 def _exact_check(
