@@ -234,12 +234,12 @@ class _SliceRounding:
     took 25 s rounding every value of every slice some 40 times; its slices hold ~1,000
     distinct magnitudes each.
 
-    fixed + the moving values' sum adds a slice's terms in another order than its whole
-    histogram does, so where a margin is close enough to 0 for the order to decide its
-    sign, it is taken again over the slice's whole histogram, in histogram order: each
-    slice's factor then depends on the slice alone, not on the search's history or on the
-    slices searched beside it (an attack found a float16 slice whose factor moved one step
-    with the narrowing)."""
+    Where a margin is close enough to 0 for the float64 sum's rounding to decide its sign
+    (fixed + the moving values' sum adds a slice's terms in another order than the whole
+    histogram does), the sign is decided exactly (_whole_margin). Each slice's factor is
+    then the largest on the search's grid whose output's exact norm is <= limit: it
+    depends on the slice alone, not on the search's history or the slices searched beside
+    it (an attack found a float16 slice whose factor moved a step with the narrowing)."""
 
     dtype: np.dtype[Any]  # the dtype the products round to
     limit: float
@@ -329,7 +329,31 @@ class _SliceRounding:
         return result
 
     def _whole_margin(self, factors: np.ndarray, which: np.ndarray) -> np.ndarray:
-        """margin of the slices `which` over their whole histograms, in histogram order."""
+        """The margin of the slices `which`, its sign decided exactly: each one's whole
+        histogram's rounded products are summed as fractions and compared with limit**2
+        (the float64 sum can put either sign within its error bound)."""
+        magnitudes, counts, begins = self.whole
+        approximate = 1.0 - 2 * U64 - self._sums(factors, which) * (1 + self.terms * U64)
+        bound = Fraction(self.limit) ** 2
+        result = np.empty(which.size)
+        for k, (slice_index, m) in enumerate(
+            zip(which.tolist(), approximate.tolist(), strict=True)
+        ):
+            part = slice(begins[slice_index], begins[slice_index + 1])
+            products = magnitudes[part] * factors[slice_index]
+            rounded = narrow_round(products, self.dtype).astype(np.float64)
+            exact = sum(
+                (
+                    Fraction(r) ** 2 * int(c)
+                    for r, c in zip(rounded.tolist(), counts[part].tolist(), strict=True)
+                ),
+                Fraction(0),
+            )
+            result[k] = max(m, 0.0) if exact <= bound else min(m, -U64 * U64)
+        return result
+
+    def _sums(self, factors: np.ndarray, which: np.ndarray) -> np.ndarray:
+        """The float64 sums of the slices `which` over their whole histograms."""
         magnitudes, counts, begins = self.whole
         lengths = begins[which + 1] - begins[which]
         local = np.repeat(np.arange(which.size), lengths)
@@ -338,9 +362,8 @@ class _SliceRounding:
         )
         products = magnitudes[at] * factors[which][local]
         rounded = narrow_round(products, self.dtype).astype(np.float64) / self.limit
-        sums = np.bincount(local, rounded * rounded * counts[at], minlength=which.size)
-        result: np.ndarray = 1.0 - 2 * U64 - sums * (1 + self.terms * U64)
-        return result
+        sums: np.ndarray = np.bincount(local, rounded * rounded * counts[at], minlength=which.size)
+        return sums
 
     def next_change(self, factors: np.ndarray) -> np.ndarray:
         """Per slice, a lower bound of the smallest factor above its own at which any of
