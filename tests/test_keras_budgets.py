@@ -117,3 +117,73 @@ def test_zero_chunks_padded_past_their_stream_are_refused_in_an_archive(
     assert err.startswith("clipcli: error: ")
     assert err.count("\n") == 1
     assert "archive it came from" in err
+
+
+def many_groups(groups: int, per_group: int) -> bytes:
+    """An HDF5 file of `groups` groups of `per_group` empty groups each, and one dataset."""
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as f:
+        f.create_dataset("layers/dense/vars/0", data=np.ones(8, np.float32))
+        for g in range(groups):
+            group = f.create_group(f"g{g}")
+            for k in range(per_group):
+                group.create_group(f"k{k}")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("past", [0, 1])
+def test_the_object_budget_exactly_at_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], past: int
+) -> None:
+    """Objects: the root, /layers, /layers/dense, .../vars, the dataset, 3 groups of 4
+    empty groups: 5 + 3 + 12 = 20. A budget of 20 reads it; 19 refuses it, exit 3."""
+    path = tmp_path / "m.h5"
+    path.write_bytes(many_groups(3, 4))
+    monkeypatch.setattr(limits, "BYTES_PER_OBJECT", 1 << 40)  # the size gives none
+    monkeypatch.setattr(limits, "FREE_OBJECTS", 20 - past)
+    code = main(["norms", "-q", str(path)])
+    err = capsys.readouterr().err
+    if past:
+        assert code == 3
+        assert err.count("\n") == 1
+        assert "objects" in err
+    else:
+        assert code == 0, err
+
+
+def test_a_group_of_more_links_than_the_budget_is_refused_before_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "m.h5"
+    path.write_bytes(many_groups(1, 30))
+    monkeypatch.setattr(limits, "BYTES_PER_OBJECT", 1 << 40)
+    monkeypatch.setattr(limits, "FREE_OBJECTS", 29)
+    listed: list[int] = []
+    real = h5py.Group.__iter__
+
+    def spy(self: h5py.Group) -> object:
+        listed.append(len(self))
+        return real(self)
+
+    monkeypatch.setattr(h5py.Group, "__iter__", spy)
+    assert main(["norms", "-q", str(path)]) == 3
+    assert "holds 30 links" in capsys.readouterr().err
+    assert 30 not in listed  # refused from the count, not the list
+
+
+def test_an_archive_of_many_small_objects_is_held_to_the_archives_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """100 groups of 100 empty groups deflate to a small archive: the archive's budget
+    (one object per 128 bytes of it, plus 4,096) refuses it; the member given as a plain
+    file holds about 160 bytes per object and reads."""
+    weights = many_groups(100, 100)
+    archive = tmp_path / "m.keras"
+    size = write_keras(archive, weights)
+    assert size // limits.BYTES_PER_OBJECT + limits.FREE_OBJECTS < 10_000
+    assert main(["norms", "-q", str(archive)]) == 3
+    err = capsys.readouterr().err
+    assert "archive it came from" in err
+    plain = tmp_path / "model.weights.h5"
+    plain.write_bytes(weights)
+    assert main(["norms", "-q", str(plain)]) == 0

@@ -162,12 +162,19 @@ class Hdf5Reader(Reader):
         first_path = {root_key: "/"}
         # An explicit stack: a hostile file may nest groups deeper than Python recursion.
         stack: list[tuple[str, Any, Iterator[Any]]] = [("/", root, self._member_names(root, "/"))]
+        budget = limits.object_budget(self._checks.budget_size)
         while stack:
             parent_path, group, names = stack[-1]
             name = next(names, None)
             if name is None:
                 stack.pop()
                 continue
+            if len(nodes) >= budget:
+                raise self._fail(
+                    f"holds more than {budget} objects, over the budget of one per "
+                    f"{limits.BYTES_PER_OBJECT} bytes of {self._checks.budget_words} plus "
+                    f"{limits.FREE_OBJECTS}; refusing it (every object costs time to read)"
+                )
             path = _join(parent_path, name)
             obj = self._open_hard_link(group, name, path)
             with input_errors(self.path, f"cannot inspect object {path!r}"):
@@ -207,6 +214,14 @@ class Hdf5Reader(Reader):
         each checked to be one plain path component before anything is opened through it:
         the library reads any name as a path (library.link_name_problem)."""
         with input_errors(self.path, f"cannot list group {path!r}"):
+            count = len(group)
+            budget = limits.object_budget(self._checks.budget_size)
+            if count > budget:  # more links than the file may have objects: not listed
+                raise self._fail(
+                    f"group {path!r} holds {count} links, over the file's budget of "
+                    f"{budget} objects (one per {limits.BYTES_PER_OBJECT} bytes of "
+                    f"{self._checks.budget_words} plus {limits.FREE_OBJECTS})"
+                )
             names = list(group)
         seen: set[str] = set()
         for name in names:
