@@ -66,15 +66,50 @@ class Hdf5Source(Protocol):
 # ---------------------------------------------------------------------- reading
 
 
+class _OverCap(Exception):
+    pass
+
+
+class _Recorded:
+    """What the record's values will take encoded, at least, so far: past the cap the
+    record can never be kept, so reading stops there rather than after encoding all of it
+    (six 40 MiB attributes of zeros in a 1.2 MB .keras took 1.44 GB to encode first)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def add(self, encoded: int) -> None:
+        self.bytes += encoded
+        if self.bytes > MAX_STRUCTURE_BYTES:
+            raise _OverCap
+
+    def add_raw(self, raw: int) -> None:
+        """raw bytes, recorded in base64: 4 characters per 3 bytes."""
+        self.add(raw * 4 // 3)
+
+
 def read_structure(reader: Hdf5Source) -> Structure:
     """Every node of the reader's file, with what could not be described listed apart."""
     dropped: list[str] = []
     non_tensors = {item.name: item for item in reader.non_tensors}
     nodes: list[Json] = []
+    recorded = _Recorded()
     for node in reader.nodes:
         with input_errors(reader.path, f"cannot read object {node.path!r}"):
             obj = reader.file[node.path]
-            described = _describe_node(reader, obj, node.path, node.kind, non_tensors, dropped)
+            try:
+                described = _describe_node(
+                    reader, obj, node.path, node.kind, non_tensors, dropped, recorded
+                )
+            except _OverCap:
+                return Structure(
+                    None,
+                    [
+                        f"the HDF5 structure (its values alone over the {MAX_STRUCTURE_BYTES}"
+                        "-byte cap, encoded)"
+                    ],
+                    origin=reader,
+                )
         if described is not None:
             nodes.append(described)
     document = {"format": STRUCTURE_FORMAT, "version": STRUCTURE_VERSION, "nodes": nodes}
@@ -96,6 +131,7 @@ def _describe_node(
     kind: str,
     non_tensors: dict[str, NonTensorInfo],
     dropped: list[str],
+    recorded: _Recorded,
 ) -> Json | None:
     node: Json = {"path": path, "kind": kind, "cset": _link_cset(reader, path)}
     if kind == "group":
@@ -113,12 +149,12 @@ def _describe_node(
         try:
             node.update(_describe_dataset(obj))
             if item is not None:
-                node["data"] = _dataset_data(reader, item, node["type"])
+                node["data"] = _dataset_data(reader, item, node["type"], recorded)
         except Unportable as exc:
             dropped.append(f"dataset {path!r} ({exc})")
             return None
         node["tensor"] = item is None
-    node["attrs"] = _describe_attributes(obj, path, dropped)
+    node["attrs"] = _describe_attributes(obj, path, dropped, recorded)
     return node
 
 
@@ -166,7 +202,9 @@ def _describe_dataset(dataset: Any) -> Json:
     }
 
 
-def _dataset_data(reader: Hdf5Source, item: NonTensorInfo, desc: Json) -> Json | None:
+def _dataset_data(
+    reader: Hdf5Source, item: NonTensorInfo, desc: Json, recorded: _Recorded
+) -> Json | None:
     if item.shape is None:
         return None
     if item.variable_length and not holds_variable_string(desc):
@@ -179,10 +217,13 @@ def _dataset_data(reader: Hdf5Source, item: NonTensorInfo, desc: Json) -> Json |
     for piece in reader.non_tensor_rows(item):
         if item.variable_length:
             strings.extend(_string(v) for v in piece.values.reshape(-1))
-            size += sum(len(v) for v in piece.values.reshape(-1))
+            grown = sum(len(v) for v in piece.values.reshape(-1))
+            recorded.add(grown)
         else:
             raw.append(piece.values.tobytes())
-            size += piece.values.nbytes
+            grown = piece.values.nbytes
+            recorded.add_raw(grown)
+        size += grown
         if size > MAX_STRUCTURE_BYTES:  # stop reading: it could never be recorded
             raise Unportable(f"over {MAX_STRUCTURE_BYTES} bytes, the recorded structure's cap")
     if item.variable_length:
@@ -198,7 +239,9 @@ def _string(value: object) -> Any:
         return {"b64": base64.b64encode(raw).decode("ascii")}
 
 
-def _describe_attributes(obj: Any, path: str, dropped: list[str]) -> list[Json]:
+def _describe_attributes(
+    obj: Any, path: str, dropped: list[str], recorded: _Recorded
+) -> list[Json]:
     h5py = load_h5py()
     attributes = []
     for name in list(obj.attrs):
@@ -222,8 +265,11 @@ def _describe_attributes(obj: Any, path: str, dropped: list[str]) -> list[Json]:
             if holds_variable_string(desc):
                 values = np.empty(shape, dtype=attr.dtype)
                 attr.read(values, mtype=h5py.h5t.py_create(attr.dtype))
-                data = {"strings": [_string(v) for v in values.reshape(-1)]}
+                strings = [_string(v) for v in values.reshape(-1)]
+                recorded.add(sum(len(v) for v in values.reshape(-1)))
+                data = {"strings": strings}
             else:
+                recorded.add_raw(raw_size)  # before reading it
                 type_id = attr.get_type()
                 raw = np.zeros((*shape, int(type_id.get_size())), dtype=np.uint8)
                 attr.read(raw, mtype=type_id.copy())
