@@ -208,3 +208,60 @@ def test_values_over_the_record_cap_stop_the_reading_before_they_are_encoded(
     assert code == 0, stderr
     assert "over the 50000000-byte cap" in stderr
     assert peak < 330 << 20, peak
+
+
+def stored_headers(path: Path) -> int:
+    """Every object's header and attribute storage, from the library's object info."""
+    total = 0
+    with h5py.File(path, "r") as f:
+        objects = [f]
+        f.visititems(lambda _name, obj: objects.append(obj))
+        for obj in objects:
+            info = h5py.h5o.get_info(obj.id)
+            attributes = info.meta_size.attr
+            total += info.hdr.space.total + attributes.heap_size + attributes.index_size
+    return int(total)
+
+
+@pytest.mark.parametrize("past", [0, 1])
+def test_the_header_budget_exactly_at_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], past: int
+) -> None:
+    path = tmp_path / "m.h5"
+    with h5py.File(path, "w", libver="latest") as f:
+        f.create_dataset("layers/dense/vars/0", data=np.ones(8, np.float32))
+        f.attrs.create("big", np.zeros(100_000))  # dense storage: outside the header
+        f["layers"].attrs["small"] = "x"
+    total = stored_headers(path)
+    assert total > 800_000
+    monkeypatch.setattr(limits, "header_budget", lambda _size: total - past)
+    code = main(["norms", "-q", str(path)])
+    err = capsys.readouterr().err
+    if past:
+        assert code == 3
+        assert "headers and attributes" in err
+    else:
+        assert code == 0, err
+
+
+def test_an_archive_of_large_attributes_is_refused_before_they_are_listed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two 35 MiB attributes of zeros in a ~70 KB archive (within the zip's 200-fold
+    rule): the library would load both to list their names; the archive's header budget
+    (its size plus 64 MiB) refuses them first. The member as a plain file reads."""
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w", libver="latest") as f:
+        f.create_dataset("layers/dense/vars/0", data=np.ones(8, np.float32))
+        for k in range(2):
+            f.attrs.create(f"a{k}", np.zeros((35 << 20) // 8))
+    archive = tmp_path / "m.keras"
+    size = write_keras(archive, buffer.getvalue())
+    assert len(buffer.getvalue()) > size + (64 << 20)
+    assert main(["norms", "-q", str(archive)]) == 3
+    err = capsys.readouterr().err
+    assert "headers and attributes" in err
+    assert "archive it came from" in err
+    plain = tmp_path / "model.weights.h5"
+    plain.write_bytes(buffer.getvalue())
+    assert main(["norms", "-q", str(plain)]) == 0

@@ -31,6 +31,11 @@ FREE_CHUNKS = 8192
 # (Hdf5Reader's budget_size), plus 4,096.
 BYTES_PER_OBJECT = 128
 FREE_OBJECTS = 4096
+# Object headers and attributes (stored bytes, read from each header before any attribute
+# is listed: the library loads all of an object's attributes to list their names). A plain
+# file's are part of it; a .keras member's zeros deflate ~1,000-fold: at most the budget's
+# size plus 64 MiB.
+FREE_HEADER_BYTES = 64 << 20
 # Variable-length attribute data (strings) read in all: Keras' names take kilobytes.
 MAX_ATTRIBUTE_BYTES = 64 << 20
 # Non-tensor datasets (a vocabulary of strings, a compound table) are copied, or encoded
@@ -63,3 +68,8 @@ def object_budget(file_size: int) -> int:
     """The most objects (groups, datasets, named datatypes, the root included) a file of
     this size may hold."""
     return file_size // BYTES_PER_OBJECT + FREE_OBJECTS
+
+
+def header_budget(file_size: int) -> int:
+    """The most bytes all objects' headers and attributes of a file of this size may take."""
+    return file_size + FREE_HEADER_BYTES
