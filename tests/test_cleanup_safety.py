@@ -627,7 +627,13 @@ def _tracee(strace: subprocess.Popen[bytes]) -> int | None:
 
 
 def _stopped(pid: int) -> bool:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """Whether the process is stopped; a child that has already exited (strace's first
+    child can be a short-lived one under load) is not."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    for line in status.splitlines():
         if line.startswith("State:"):
             return line.split()[1] in ("t", "T")
     return False
