@@ -350,3 +350,24 @@ def test_an_attacks_float16_row_gets_the_same_factor_alone_and_among_others(
     out = [Fraction(float(v)) for v in wide.astype(np.float16).reshape(-1)]
     assert sum(v * v for v in out) <= Fraction(limit) ** 2
     assert alone == 0.7000364697300938  # the largest: the one the previous version found
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2],
+    ids=lambda d: np.dtype(d).name,
+)
+def test_ties_land_exactly_on_the_limit(dtype: type) -> None:
+    """Rows of four +-2 and one-element slices: their best outputs (+-0.5 each, norm 1;
+    +-0.5) have norm exactly C. Every slice must reach it (a float64 margin rejects the
+    tie; the exact check takes it, as one subtraction per slice: attack s32att2 found the
+    fractions it first took 60-200x slower than the old search)."""
+    rng = np.random.default_rng(12)
+    rows: np.ndarray = rng.choice([-2.0, 2.0], size=(1000, 4)).astype(dtype)
+    _, factors = slices.axes_scales(rows, (1,), 1.0)
+    out = (rows.astype(np.float64) * factors).astype(dtype).astype(np.float64)
+    assert np.all(np.sum(out * out, axis=1) == 1.0)
+    singles: np.ndarray = rng.choice([-3.0, 1.5, 6.0], size=(1, 1000)).astype(dtype)
+    _, factors = slices.axes_scales(singles, (0,), 0.5)
+    out = (singles.astype(np.float64) * factors).astype(dtype).astype(np.float64)
+    assert np.all(np.abs(out) == 0.5)

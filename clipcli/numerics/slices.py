@@ -329,28 +329,48 @@ class _SliceRounding:
         return result
 
     def _whole_margin(self, factors: np.ndarray, which: np.ndarray) -> np.ndarray:
-        """The margin of the slices `which`, its sign decided exactly: each one's whole
-        histogram's rounded products are summed as fractions and compared with limit**2
-        (the float64 sum can put either sign within its error bound)."""
+        """The margin of the slices `which`, its sign decided exactly over each one's whole
+        histogram (the float64 sum can put either sign within its error bound). Each term
+        count * round(v * s)**2 is an exact float64 (a square of at most 11 significant
+        bits, times a count), and limit**2 is split exactly in two (Dekker): one term
+        against them is a subtraction (slices of one magnitude: one element, or equal
+        ones, whose best output often lands exactly on the limit), more go through
+        math.fsum, whose correctly rounded sum has the exact sum's sign. A limit too far
+        out for the split (or a count past 2**31, whose term could round) is summed as
+        fractions."""
         magnitudes, counts, begins = self.whole
         approximate = 1.0 - 2 * U64 - self._sums(factors, which) * (1 + self.terms * U64)
-        bound = Fraction(self.limit) ** 2
-        result = np.empty(which.size)
-        for k, (slice_index, m) in enumerate(
-            zip(which.tolist(), approximate.tolist(), strict=True)
-        ):
-            part = slice(begins[slice_index], begins[slice_index + 1])
-            products = magnitudes[part] * factors[slice_index]
-            rounded = narrow_round(products, self.dtype).astype(np.float64)
-            exact = sum(
-                (
-                    Fraction(r) ** 2 * int(c)
-                    for r, c in zip(rounded.tolist(), counts[part].tolist(), strict=True)
-                ),
-                Fraction(0),
+        lengths = begins[which + 1] - begins[which]
+        local = np.repeat(np.arange(which.size), lengths)
+        at = np.repeat(begins[which], lengths) + (
+            np.arange(local.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        )
+        rounded = narrow_round(magnitudes[at] * factors[which][local], self.dtype)
+        wide = rounded.astype(np.float64)
+        terms = counts[at] * wide * wide
+        if not 1e-140 < self.limit < 1e140 or counts.size and counts.max() > 2.0**31:
+            bound = Fraction(self.limit) ** 2
+            fits = np.array(
+                [
+                    sum(map(Fraction, terms[local == k].tolist()), Fraction(0)) <= bound
+                    for k in range(which.size)
+                ],
+                dtype=bool,
             )
-            result[k] = max(m, 0.0) if exact <= bound else min(m, -U64 * U64)
-        return result
+        else:
+            high, low = two_square(np.asarray(self.limit))
+            c_high, c_low = float(high), float(low)
+            fits = np.empty(which.size, bool)
+            single = lengths == 1
+            if np.any(single):
+                t = terms[np.cumsum(lengths)[single] - 1]
+                near = (t >= c_high / 2) & (t <= 2 * c_high)  # t - c_high is then exact
+                fits[single] = np.where(near, (t - c_high) <= c_low, t <= c_high)
+            ends = np.cumsum(lengths)
+            for k in np.flatnonzero(~single).tolist():
+                part = terms[ends[k] - lengths[k] : ends[k]].tolist()
+                fits[k] = math.fsum([*part, -c_high, -c_low]) <= 0.0
+        return np.where(fits, np.maximum(approximate, 0.0), np.minimum(approximate, -U64 * U64))
 
     def _sums(self, factors: np.ndarray, which: np.ndarray) -> np.ndarray:
         """The float64 sums of the slices `which` over their whole histograms."""

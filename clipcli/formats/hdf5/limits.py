@@ -24,12 +24,13 @@ MAX_CHUNK_BYTES = 256 << 20
 BYTES_PER_CHUNK = 4096
 FREE_CHUNKS = 8192
 # Objects (groups, datasets, named datatypes): walking one costs ~0.5 ms of CPU, and the
-# smallest object HDF5 writes takes ~160 bytes of file (an empty group in the latest
-# format; 300-800 bytes otherwise), so a plain file's own bytes bound its objects. The
-# member of a .keras archive does not bound them: 100,000 scalar datasets deflate to a
-# 1.65 MB archive (56 s to walk). At most one object per 128 bytes of the budget's size
-# (Hdf5Reader's budget_size), plus 4,096.
-BYTES_PER_OBJECT = 128
+# smallest object HDF5 writes takes ~81 bytes of file (a named datatype in the latest
+# format; an empty group ~160, datasets ~300, 300-800 bytes in the earliest format), so a
+# plain file's own bytes bound its objects. The member of a .keras archive does not bound
+# them: 100,000 scalar datasets deflate to a 1.65 MB archive (56 s to walk). At most one
+# object per 64 bytes of the budget's size (Hdf5Reader's budget_size), plus 4,096 (128
+# refused a plain file of 12,000 named datatypes: attack s32att2).
+BYTES_PER_OBJECT = 64
 FREE_OBJECTS = 4096
 # Object headers and attributes (stored bytes, read from each header before any attribute
 # is listed: the library loads all of an object's attributes to list their names). A plain
