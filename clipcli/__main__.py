@@ -16,55 +16,62 @@ behaviour. This module imports nothing that the interpreter has not already load
 """
 
 # The guard goes up first, before anything else this module does: every statement before
-# it is a moment where Ctrl-C is a KeyboardInterrupt traceback from our own frame.
+# it is a moment where Ctrl-C would be a KeyboardInterrupt traceback from our own frame.
 # _signal, not signal: the signal module imports enum, which alone takes milliseconds.
-# os and sys are loaded by the interpreter's own start-up.
-import _signal  # type: ignore[import-not-found]  # no stub; same API as signal
 import os
 import sys
 
-INTERRUPTED_LINE = b"clipcli: error: interrupted\n"
-# The signals whose default action ends the process and that can be caught: those that
-# clipcli.system.interrupts.HANDLED records during a command (SIGPIPE and SIGXFSZ are ignored by
-# CPython itself). Their names are spelt out: the signal module's enum is not loaded yet.
-# SIGINT first: it is the one a person sends.
-_ENDING_NAMES = (
-    "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGXCPU",
-    "SIGVTALRM", "SIGPROF",
-)  # fmt: skip
+# A signal that lands in this module's own first moments, before the guard is up, is
+# raised by Python's handler in our frame as KeyboardInterrupt: caught here, it is the
+# guard's one line and exit code too (a full test run caught one on the line that decides
+# whether to guard). os and sys were loaded by the interpreter: binding them calls nothing.
+try:
+    import _signal  # type: ignore[import-not-found]  # no stub; same API as signal
 
+    INTERRUPTED_LINE = b"clipcli: error: interrupted\n"
+    # The signals whose default action ends the process and that can be caught: those that
+    # clipcli.system.interrupts.HANDLED records during a command (SIGPIPE and SIGXFSZ are ignored by
+    # CPython itself). Their names are spelt out: the signal module's enum is not loaded yet.
+    # SIGINT first: it is the one a person sends.
+    _ENDING_NAMES = (
+        "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGXCPU",
+        "SIGVTALRM", "SIGPROF",
+    )  # fmt: skip
 
-def _exit_during_start_up(signum: int, _frame: object) -> None:
-    if signum == _signal.SIGINT:
-        os.write(2, INTERRUPTED_LINE)
-    else:
-        name = next((n for n in _ENDING_NAMES if getattr(_signal, n, None) == signum), "")
-        os.write(2, f"clipcli: error: terminated by {name or signum}\n".encode())
-    os._exit(128 + signum)
+    def _exit_during_start_up(signum: int, _frame: object) -> None:
+        if signum == _signal.SIGINT:
+            os.write(2, INTERRUPTED_LINE)
+        else:
+            name = next((n for n in _ENDING_NAMES if getattr(_signal, n, None) == signum), "")
+            os.write(2, f"clipcli: error: terminated by {name or signum}\n".encode())
+        os._exit(128 + signum)
 
+    def _guard_start_up() -> None:
+        """Guard every ending signal, except one ignored when the process started: the parent
+        asked for it to be ignored (`nohup`, a shell running a background job), and the check
+        is made before anything is installed, so later checks (clipcli.system.interrupts.ignored)
+        still see the inherited SIG_IGN."""
+        for name in _ENDING_NAMES:
+            signum = getattr(_signal, name, None)
+            if signum is not None and _signal.getsignal(signum) != _signal.SIG_IGN:
+                _signal.signal(signum, _exit_during_start_up)
 
-def _guard_start_up() -> None:
-    """Guard every ending signal, except one ignored when the process started: the parent
-    asked for it to be ignored (`nohup`, a shell running a background job), and the check
-    is made before anything is installed, so later checks (clipcli.system.interrupts.ignored)
-    still see the inherited SIG_IGN."""
-    for name in _ENDING_NAMES:
-        signum = getattr(_signal, name, None)
-        if signum is not None and _signal.getsignal(signum) != _signal.SIG_IGN:
-            _signal.signal(signum, _exit_during_start_up)
+    # As a program (`python -m clipcli`, or the `clipcli` console script, which imports this
+    # module and then calls run()), the guard goes up as this module loads: a signal between
+    # the import and run()'s first line would otherwise be a KeyboardInterrupt traceback from
+    # our own frames. Imported by anything else (a test), the process's handlers stay as
+    # they are.
+    # (str methods, not os.path.basename: its Python frames in posixpath widened the window a
+    # signal can land in before the guard is up; a full test run caught one there.)
+    if __name__ == "__main__" or (sys.argv and sys.argv[0].rpartition("/")[2] == "clipcli"):
+        _guard_start_up()
+except KeyboardInterrupt:
+    if not (__name__ == "__main__" or (sys.argv and sys.argv[0].rpartition("/")[2] == "clipcli")):
+        raise
+    os.write(2, b"clipcli: error: interrupted\n")
+    os._exit(130)
 
-
-# As a program (`python -m clipcli`, or the `clipcli` console script, which imports this
-# module and then calls run()), the guard goes up as this module loads: a signal between
-# the import and run()'s first line would otherwise be a KeyboardInterrupt traceback from
-# our own frames. Imported by anything else (a test), the process's handlers stay as
-# they are.
-# (str methods, not os.path.basename: its Python frames in posixpath widened the window a
-# signal can land in before the guard is up; a full test run caught one there.)
-if __name__ == "__main__" or (sys.argv and sys.argv[0].rpartition("/")[2] == "clipcli"):
-    _guard_start_up()
-
-import errno  # noqa: E402 - after the guard: built in, like os and sys
+import errno  # after the guard: built in, like os and sys
 
 GUARDED = tuple(getattr(_signal, n) for n in _ENDING_NAMES if hasattr(_signal, n))
 
