@@ -278,3 +278,24 @@ def test_a_plain_file_of_12000_named_datatypes_reads(tmp_path: Path) -> None:
             f[f"t{k}"] = np.dtype("f4")
     assert path.stat().st_size // 12_000 < 128
     assert main(["norms", "-q", str(path)]) == 0
+
+
+def test_a_dataset_over_the_record_cap_on_its_own_is_dropped_and_the_record_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The early stop counts only what is kept: a variable-length dataset over the cap on
+    its own is dropped from the record (as before it), and the rest of the record stays.
+    The first version of the stop dropped the whole record for it."""
+    from clipcli.formats.hdf5 import record_read
+
+    monkeypatch.setattr(record_read, "MAX_STRUCTURE_BYTES", 200_000)
+    path = tmp_path / "vocab.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", data=np.ones((8, 8), np.float32))
+        f.attrs["note"] = "kept"
+        f.create_dataset("vocab", data=["x" * 1000] * 300, dtype=h5py.string_dtype())
+    out = tmp_path / "out.safetensors"
+    assert main(["convert", "--allow-lossy", "-q", str(path), str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "dataset '/vocab'" in err
+    assert "the HDF5 structure" not in err

@@ -217,17 +217,17 @@ def _dataset_data(
     for piece in reader.non_tensor_rows(item):
         if item.variable_length:
             strings.extend(_string(v) for v in piece.values.reshape(-1))
-            grown = sum(len(v) for v in piece.values.reshape(-1))
-            recorded.add(grown)
+            size += sum(len(v) for v in piece.values.reshape(-1))
         else:
             raw.append(piece.values.tobytes())
-            grown = piece.values.nbytes
-            recorded.add_raw(grown)
-        size += grown
+            size += piece.values.nbytes
         if size > MAX_STRUCTURE_BYTES:  # stop reading: it could never be recorded
             raise Unportable(f"over {MAX_STRUCTURE_BYTES} bytes, the recorded structure's cap")
+    # Charged once kept: a dataset over the cap on its own is dropped, the record kept.
     if item.variable_length:
+        recorded.add(size)
         return {"strings": strings}
+    recorded.add_raw(size)
     return {"raw": base64.b64encode(b"".join(raw)).decode("ascii")}
 
 
