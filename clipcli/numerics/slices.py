@@ -339,14 +339,17 @@ class _SliceRounding:
         out for the split (or a count past 2**31, whose term could round) is summed as
         fractions."""
         magnitudes, counts, begins = self.whole
-        approximate = 1.0 - 2 * U64 - self._sums(factors, which) * (1 + self.terms * U64)
         lengths = begins[which + 1] - begins[which]
+        ends = np.cumsum(lengths)
         local = np.repeat(np.arange(which.size), lengths)
         at = np.repeat(begins[which], lengths) + (
-            np.arange(local.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            np.arange(local.size) - np.repeat(ends - lengths, lengths)
         )
         rounded = narrow_round(magnitudes[at] * factors[which][local], self.dtype)
         wide = rounded.astype(np.float64)
+        scaled = wide / self.limit
+        sums: np.ndarray = np.bincount(local, scaled * scaled * counts[at], minlength=which.size)
+        approximate = 1.0 - 2 * U64 - sums * (1 + self.terms * U64)
         terms = counts[at] * wide * wide
         if not 1e-140 < self.limit < 1e140 or counts.size and counts.max() > 2.0**31:
             bound = Fraction(self.limit) ** 2
@@ -363,27 +366,13 @@ class _SliceRounding:
             fits = np.empty(which.size, bool)
             single = lengths == 1
             if np.any(single):
-                t = terms[np.cumsum(lengths)[single] - 1]
+                t = terms[ends[single] - 1]
                 near = (t >= c_high / 2) & (t <= 2 * c_high)  # t - c_high is then exact
                 fits[single] = np.where(near, (t - c_high) <= c_low, t <= c_high)
-            ends = np.cumsum(lengths)
             for k in np.flatnonzero(~single).tolist():
                 part = terms[ends[k] - lengths[k] : ends[k]].tolist()
                 fits[k] = math.fsum([*part, -c_high, -c_low]) <= 0.0
         return np.where(fits, np.maximum(approximate, 0.0), np.minimum(approximate, -U64 * U64))
-
-    def _sums(self, factors: np.ndarray, which: np.ndarray) -> np.ndarray:
-        """The float64 sums of the slices `which` over their whole histograms."""
-        magnitudes, counts, begins = self.whole
-        lengths = begins[which + 1] - begins[which]
-        local = np.repeat(np.arange(which.size), lengths)
-        at = np.repeat(begins[which], lengths) + (
-            np.arange(local.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        )
-        products = magnitudes[at] * factors[which][local]
-        rounded = narrow_round(products, self.dtype).astype(np.float64) / self.limit
-        sums: np.ndarray = np.bincount(local, rounded * rounded * counts[at], minlength=which.size)
-        return sums
 
     def next_change(self, factors: np.ndarray) -> np.ndarray:
         """Per slice, a lower bound of the smallest factor above its own at which any of
@@ -579,15 +568,11 @@ def streamed_picked(
     axes: tuple[int, ...],
     dtype: np.dtype[Any],
     span: slice,
-    which: np.ndarray | None = None,
 ) -> np.ndarray:
     """The slices numbered span.start to span.stop - 1 (in C order) of the tensor the boxes
-    hold, those marked in `which` (one flag each; None: all), as rows in the same order,
-    gathered in one pass (memory: those slices and a row number per slice of the span)."""
+    hold, as rows in the same order, gathered in one pass (memory: those slices)."""
     rest = [i for i in range(len(shape)) if i not in axes]
-    count = span.stop - span.start if which is None else int(np.count_nonzero(which))
-    row_of = None if which is None else np.cumsum(which) - 1  # each marked slice's row
-    picked = np.empty((count, math.prod(shape[a] for a in axes)), dtype)
+    picked = np.empty((span.stop - span.start, math.prod(shape[a] for a in axes)), dtype)
     for box, index in boxes():
         ranges = [
             range(part, part + 1) if isinstance(part, int) else range(*part.indices(n))
@@ -595,16 +580,12 @@ def streamed_picked(
         ]
         slice_ids = _raveled([ranges[i] for i in rest], [shape[i] for i in rest])
         inside = (slice_ids >= span.start) & (slice_ids < span.stop)
-        if which is not None:
-            inside[inside] = which[slice_ids[inside] - span.start]
         if not np.any(inside):
             continue
         columns = _raveled([ranges[a] for a in axes], [shape[a] for a in axes])
         moved = np.moveaxis(box, list(axes), list(range(box.ndim - len(axes), box.ndim)))
         rows = moved.reshape(len(slice_ids), -1)[inside]
-        numbers = slice_ids[inside] - span.start
-        at = numbers if row_of is None else row_of[numbers]
-        picked[at[:, None], columns[None, :]] = rows
+        picked[(slice_ids[inside] - span.start)[:, None], columns[None, :]] = rows
     return picked
 
 
