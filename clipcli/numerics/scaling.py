@@ -38,7 +38,7 @@ from clipcli.dtypes import (
     unit_roundoff,
 )
 from clipcli.errors import DataRefusedError
-from clipcli.numerics.certain import CertainSumsq
+from clipcli.numerics.certain import CertainSumsq, counted_squares_within
 from clipcli.numerics.norms import CACHE_BLOCK, NormAccumulator, merged
 from clipcli.numerics.rounding import narrow_round
 from clipcli.numerics.search import (
@@ -415,12 +415,19 @@ class _HistogramBound:
     any histogram value's rounded product changes (the product reaching the midpoint to the
     next larger magnitude). within(low, high) is the same for factors in [low, high] only:
     values whose rounded product is the same at both ends (monotone: the same all through)
-    are summed once into `fixed`, and each later step rounds the few others alone."""
+    are summed once into `fixed`, and each later step rounds the few others alone.
+
+    Without wide members, a margin close enough to 0 for the float64 sums' rounding to
+    decide its sign is decided exactly over the whole histograms (`whole`), as each
+    slice's is with --axes (slices._SliceRounding): the factor is the largest on the
+    search's grid whose output's exact norm is <= limit, ties included ([6, 8] in float16
+    at C = 5 is written [3, 4], not [3, 3.998])."""
 
     limit: float
     histograms: tuple[Histogram, ...]
     wide: WideBound | None
     terms: int  # distinct values in the whole group: the float64 sum's error bound
+    whole: tuple[Histogram, ...]  # the histograms before any narrowing
     fixed: float = 0.0  # sum of count * (round(v * s) / limit)**2 over settled values
     recent: dict[tuple[int, float], np.ndarray] = field(default_factory=dict, compare=False)
 
@@ -435,7 +442,19 @@ class _HistogramBound:
         if self.wide is not None:
             w = float(self.wide.relative_norm(np.asarray([s]), self.limit)[0])
             upper = (upper + w * w) * (1 + 4 * U64)
-        return np.asarray([1.0 - 2 * U64 - upper])
+        result = 1.0 - 2 * U64 - upper
+        # fixed and the moving values' sums add the terms in another order than the whole
+        # histograms: within this band either sign is possible, so it is decided exactly.
+        if self.wide is None and abs(result) <= 4 * (self.terms + 8) * U64:
+            result = max(result, 0.0) if self._exactly_within(s) else min(result, -U64 * U64)
+        return np.asarray([result])
+
+    def _exactly_within(self, s: float) -> bool:
+        """Whether the output of factor s over the whole histograms has norm <= limit."""
+        rounded = [self._rounded(hist, s) for hist in self.whole]
+        return counted_squares_within(
+            np.concatenate(rounded), np.concatenate([h.counts for h in self.whole]), self.limit
+        )
 
     def _squares(self, hist: Histogram, s: float) -> np.ndarray:
         rounded = self._rounded(hist, s) / self.limit
@@ -481,7 +500,9 @@ class _HistogramBound:
             rounded = at_low[settled] / self.limit
             fixed += float(np.sum(hist.counts[settled] * (rounded * rounded)))
             moving.append(Histogram(hist.dtype, hist.values[~settled], hist.counts[~settled]))
-        narrowed = _HistogramBound(self.limit, tuple(moving), self.wide, self.terms, fixed)
+        narrowed = _HistogramBound(
+            self.limit, tuple(moving), self.wide, self.terms, self.whole, fixed
+        )
         changes = narrowed.next_change if self.wide is None else None
         return narrowed.margin, changes, narrowed.within
 
@@ -500,7 +521,7 @@ def _histogram_factor(
         return None
     bits = exact_product_bits(dtypes)
     terms = sum(hist.values.size for hist in histograms)
-    bound = _HistogramBound(limit, tuple(histograms), wide, terms)
+    bound = _HistogramBound(limit, tuple(histograms), wide, terms, tuple(histograms))
     lows, highs = guesses(np.asarray([ratio]), worst_unit(dtypes), fine=True)
     changes = bound.next_change if wide is None and histograms else None
     narrow = bound.within if histograms else None

@@ -24,7 +24,12 @@ from clipcli.dtypes import (
     real_dtype,
     smallest_subnormal,
 )
-from clipcli.numerics.certain import split_sumsq, sumsq_error_bound, two_square
+from clipcli.numerics.certain import (
+    counted_squares_within,
+    split_sumsq,
+    sumsq_error_bound,
+    two_square,
+)
 from clipcli.numerics.norms import accumulate_array, rescale_exponents
 from clipcli.numerics.rounding import narrow_round, scale_chunk
 from clipcli.numerics.scaling import WideBound
@@ -335,9 +340,8 @@ class _SliceRounding:
         bits, times a count), and limit**2 is split exactly in two (Dekker): one term
         against them is a subtraction (slices of one magnitude: one element, or equal
         ones, whose best output often lands exactly on the limit), more go through
-        math.fsum, whose correctly rounded sum has the exact sum's sign. A limit too far
-        out for the split (or a count past 2**31, whose term could round) is summed as
-        fractions."""
+        math.fsum (certain.counted_squares_within, which also takes the limits too far out
+        for the split and counts past 2**31, whose single term could round)."""
         magnitudes, counts, begins = self.whole
         lengths = begins[which + 1] - begins[which]
         ends = np.cumsum(lengths)
@@ -348,30 +352,25 @@ class _SliceRounding:
         rounded = narrow_round(magnitudes[at] * factors[which][local], self.dtype)
         wide = rounded.astype(np.float64)
         scaled = wide / self.limit
-        sums: np.ndarray = np.bincount(local, scaled * scaled * counts[at], minlength=which.size)
+        counted = counts[at]
+        sums: np.ndarray = np.bincount(local, scaled * scaled * counted, minlength=which.size)
         approximate = 1.0 - 2 * U64 - sums * (1 + self.terms * U64)
-        terms = counts[at] * wide * wide
-        if not 1e-140 < self.limit < 1e140 or counts.size and counts.max() > 2.0**31:
-            bound = Fraction(self.limit) ** 2
-            fits = np.array(
-                [
-                    sum(map(Fraction, terms[local == k].tolist()), Fraction(0)) <= bound
-                    for k in range(which.size)
-                ],
-                dtype=bool,
-            )
-        else:
+        fits = np.empty(which.size, bool)
+        rest = np.ones(which.size, bool)
+        if 1e-140 < self.limit < 1e140 and not (counts.size and counts.max() > 2.0**31):
+            # One term, count * round(v * s)**2, is an exact float64 here (a square of at
+            # most 11 significant bits times a count below 2**31): one subtraction.
             high, low = two_square(np.asarray(self.limit))
             c_high, c_low = float(high), float(low)
-            fits = np.empty(which.size, bool)
             single = lengths == 1
-            if np.any(single):
-                t = terms[ends[single] - 1]
-                near = (t >= c_high / 2) & (t <= 2 * c_high)  # t - c_high is then exact
-                fits[single] = np.where(near, (t - c_high) <= c_low, t <= c_high)
-            for k in np.flatnonzero(~single).tolist():
-                part = terms[ends[k] - lengths[k] : ends[k]].tolist()
-                fits[k] = math.fsum([*part, -c_high, -c_low]) <= 0.0
+            last = ends[single] - 1
+            t = counted[last] * wide[last] * wide[last]
+            near = (t >= c_high / 2) & (t <= 2 * c_high)  # t - c_high is then exact
+            fits[single] = np.where(near, (t - c_high) <= c_low, t <= c_high)
+            rest = ~single
+        for k in np.flatnonzero(rest).tolist():
+            part = slice(ends[k] - lengths[k], ends[k])
+            fits[k] = counted_squares_within(wide[part], counted[part], self.limit)
         return np.where(fits, np.maximum(approximate, 0.0), np.minimum(approximate, -U64 * U64))
 
     def next_change(self, factors: np.ndarray) -> np.ndarray:

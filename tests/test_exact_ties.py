@@ -1,0 +1,178 @@
+"""8- and 16-bit floats clipped as whole tensors (--norm, --average, --global): the factor
+is the largest on the search's grid whose output's exact norm is <= C, ties included.
+
+The float64 margin of the histogram search rejected an output exactly at C (and a few
+roundings under it): float16 [6, 8] at C = 5 was written [3, 3.998] where [3, 4] is
+exactly within, while --axes (whose slices were already decided exactly) wrote [3, 4].
+References: sums of squares as Fractions and rounding from ml_dtypes.finfo's definition
+(test_axes_many_slices.round_exactly), nothing of clipcli's arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import Run
+from test_axes_many_slices import round_exactly
+
+from clipcli.numerics import scaling
+from clipcli.numerics.certain import CertainSumsq, counted_squares_within
+from clipcli.numerics.norms import NormAccumulator
+from clipcli.numerics.search import exact_product_bits
+
+SMALL_FLOATS = [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+
+
+def _no_pass(_which: Sequence[int], _factor: scaling.Factor) -> CertainSumsq:
+    raise AssertionError("8/16-bit members need no pass over the data: histograms decide")
+
+
+def _member(name: str, array: np.ndarray) -> scaling.Member:
+    stats = NormAccumulator(keep_histogram=True)
+    stats.add(array.reshape(-1))
+    stats.finish()
+    return scaling.Member(name, array.dtype, array.size, stats)
+
+
+def _output_sumsq(arrays: Sequence[np.ndarray], s: Fraction) -> Fraction:
+    return sum(
+        (
+            round_exactly(Fraction(float(v)) * s, array.dtype.type) ** 2
+            for array in arrays
+            for v in array.astype(np.float64).reshape(-1)
+        ),
+        Fraction(0),
+    )
+
+
+def _assert_largest(arrays: Sequence[np.ndarray], limit: float) -> float:
+    """group_factor's factor for the arrays together: within C exactly, the next grid
+    factor over it exactly. Returns the factor (1.0: left alone)."""
+    members = [_member(f"t{i}", a) for i, a in enumerate(arrays)]
+    factor = scaling.group_factor(members, limit, _no_pass)
+    bound = Fraction(limit) ** 2
+    if factor is None:
+        assert _output_sumsq(arrays, Fraction(1)) <= bound
+        return 1.0
+    assert factor.exponent == 0
+    s = Fraction(factor.mantissa)
+    assert _output_sumsq(arrays, s) <= bound
+    bits = exact_product_bits([a.dtype for a in arrays])
+    step = Fraction(2) ** (math.frexp(factor.mantissa)[1] - bits)
+    assert _output_sumsq(arrays, s + step) > bound, factor.mantissa
+    return factor.mantissa
+
+
+@pytest.mark.parametrize("dtype", SMALL_FLOATS, ids=lambda d: np.dtype(d).name)
+def test_pythagorean_tensors_land_exactly_on_the_limit(dtype: type) -> None:
+    """6s and 8s in equal numbers m (m a square): the norm is 10 * sqrt(m), and at
+    C = 5 * sqrt(m) factors from 1/2 up to the next rounding change give 3s and 4s,
+    exactly C. Every such tensor gets the largest of them."""
+    rng = np.random.default_rng(3)
+    for m in (1, 4, 9, 25):
+        values = np.array([6.0, 8.0] * m) * rng.choice([-1.0, 1.0], size=2 * m)
+        array: np.ndarray = rng.permutation(values).astype(dtype)
+        limit = 5.0 * math.isqrt(m)
+        factor = Fraction(_assert_largest([array], limit))
+        assert _output_sumsq([array], factor) == Fraction(limit) ** 2
+
+
+@pytest.mark.parametrize("dtype", SMALL_FLOATS, ids=lambda d: np.dtype(d).name)
+def test_whole_tensor_factors_are_within_the_limit_and_the_largest(dtype: type) -> None:
+    """Random tensors, limits at a rounded output's own norm (where it is a float: one
+    element, or equal magnitudes), a hair around it, and ordinary ones."""
+    rng = np.random.default_rng(8)
+    for trial in range(6):
+        values = rng.standard_normal(40) * [0.01, 1.0, 20.0][trial % 3]
+        values[rng.random(40) < 0.2] = 0.0
+        array: np.ndarray = values.astype(dtype)
+        norm = float(np.sqrt(np.sum(array.astype(np.float64) ** 2)))
+        if norm == 0.0:
+            continue
+        limits = [norm * 0.7, norm * 0.31, math.nextafter(norm * 0.7, 0.0)]
+        for limit in limits:
+            _assert_largest([array], limit)
+    for count in (1, 4, 16):  # equal magnitudes: the best output often lands exactly on C
+        array = rng.choice([-2.0, 2.0], size=count).astype(dtype)
+        for limit in (0.5 * math.sqrt(count), 0.75 * math.sqrt(count), 1.0):
+            _assert_largest([array], limit)
+            _assert_largest([array], math.nextafter(limit, 0.0))
+            _assert_largest([array], math.nextafter(limit, math.inf))
+
+
+def test_a_global_group_of_two_dtypes_lands_exactly_on_the_limit() -> None:
+    """float16 and bfloat16 [6, 8, -6, -8] together: norm 20, at C = 10 factor 1/2 writes
+    3s and 4s in both, exactly C (one histogram per dtype, decided together)."""
+    a = np.array([6, 8, -6, -8], np.float16)
+    b = np.array([-8, 6, 8, -6], ml_dtypes.bfloat16)
+    factor = Fraction(_assert_largest([a, b], 10.0))
+    assert _output_sumsq([a, b], factor) == 100
+    assert _assert_largest([a, b], math.nextafter(10.0, 0.0)) < 0.5
+
+
+def test_counted_squares_within_against_fractions() -> None:
+    """Counts around the split (2**26) and up to 2**53 - 1, limits at the exact sum's
+    rounding and one ulp either side, and limits at and past the Dekker range's ends
+    (1e-140, 1e140: exclusive, fractions there)."""
+    rng = np.random.default_rng(5)
+    split = 2**26
+    for _ in range(40):
+        values = rng.standard_normal(6).astype(np.float16).astype(np.float64)
+        counts = rng.choice(
+            [1, split - 1, split, split + 1, 2**53 - 1, 2**40 + 3, 7], size=6
+        ).astype(np.float64)
+        exact = sum(
+            (
+                Fraction(v) ** 2 * int(c)
+                for v, c in zip(values.tolist(), counts.tolist(), strict=True)
+            ),
+            Fraction(0),
+        )
+        if exact == 0:
+            continue
+        near = math.sqrt(float(exact))
+        for limit in (near, math.nextafter(near, 0.0), math.nextafter(near, math.inf)):
+            assert counted_squares_within(values, counts, limit) == (exact <= Fraction(limit) ** 2)
+    # A sum exactly equal to C**2: one value 3 and one 4, C = 5; and with counts past the
+    # split (each count 2**52: norm 5 * 2**26).
+    three_four = np.array([3.0, 4.0])
+    assert counted_squares_within(three_four, np.array([1.0, 1.0]), 5.0)
+    assert not counted_squares_within(three_four, np.array([1.0, 1.0]), math.nextafter(5.0, 0))
+    big = np.array([2.0**52, 2.0**52])
+    assert counted_squares_within(three_four, big, 5.0 * 2**26)
+    assert not counted_squares_within(three_four, big, math.nextafter(5.0 * 2**26, 0))
+    # At the ends of the split's range and past them: the same answers.
+    for limit in (1e-140, 1e140, math.nextafter(1e-140, 0), math.nextafter(1e140, math.inf)):
+        for scale in (limit / 5, math.nextafter(limit / 5, math.inf)):
+            values = three_four * scale
+            exact = Fraction(values[0]) ** 2 + Fraction(values[1]) ** 2
+            expected = exact <= Fraction(limit) ** 2
+            assert counted_squares_within(values, np.array([1.0, 1.0]), limit) == expected
+
+
+def test_clip_writes_the_tie_through_every_whole_tensor_mode(
+    tmp_path: Path, run_main: Callable[..., Run]
+) -> None:
+    """Through the CLI: float16 [6, 8] at --norm 5, --average 2.5 and --global 5 is written
+    [3, 4]; --axes 0 wrote it so before; clipping the output again leaves it alone."""
+    src = tmp_path / "in.npz"
+    np.savez(src, a=np.array([6.0, 8.0], np.float16))
+    for mode in (
+        ["--norm", "5"],
+        ["--average", "2.5"],
+        ["--global", "5"],
+        ["--norm", "5", "--axes", "0"],
+    ):
+        out = tmp_path / "out.npz"
+        again = tmp_path / "again.npz"
+        assert run_main("clip", *mode, "-q", "--force", src, out).code == 0
+        written = np.load(out)["a"]
+        assert written.tolist() == [3.0, 4.0], mode
+        assert run_main("clip", *mode, "-q", "--force", out, again).code == 0
+        assert np.load(again)["a"].tobytes() == written.tobytes()
