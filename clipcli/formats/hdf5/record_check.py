@@ -79,29 +79,62 @@ def prepare(
     (input_bytes: the size of the files it was read from)."""
     nodes = structure.nodes
     try:
-        _check_tree(nodes)
-        ready = [_prepare_node(node) for node in nodes]
-        _check_chunk_budget(nodes, infos)
-        _check_allocation(nodes, ready, input_bytes)
-    except (Malformed, KeyError, TypeError, ValueError, binascii.Error) as exc:
+        ready = _prepared(nodes, infos, input_bytes)
+    except REFUSALS as exc:
         raise _malformed(source, exc) from None
     return _check_fit(nodes, ready, infos) or ready
+
+
+def record_problem(
+    structure: Structure, infos: Sequence[TensorInfo], input_bytes: int
+) -> str | None:
+    """Why prepare() would refuse this record as malformed, or None: for the side that
+    writes a record (clipcli.formats.hdf5.record_read), which must never write one that it
+    then refuses to read. The same checks, each node's library objects freed once it has
+    passed (all of them at once held ~13 KB a node: 100 MB for a Keras file of 8,000)."""
+    nodes = structure.nodes
+    try:
+        _check_tree(nodes)
+        sizes = [_element_size(prepare_node(node)) for node in nodes]
+        _check_chunk_budget(nodes, infos)
+        _check_allocation(nodes, sizes, input_bytes)
+    except REFUSALS as exc:
+        return str(exc)
+    return None
+
+
+# What a malformed record raises while it is checked.
+REFUSALS = (Malformed, KeyError, TypeError, ValueError, binascii.Error)
+
+
+def _prepared(
+    nodes: Sequence[Json], infos: Sequence[TensorInfo], input_bytes: int
+) -> list[ReadyNode]:
+    _check_tree(nodes)
+    ready = [prepare_node(node) for node in nodes]
+    _check_chunk_budget(nodes, infos)
+    _check_allocation(nodes, [_element_size(node) for node in ready], input_bytes)
+    return ready
+
+
+def _element_size(node: ReadyNode) -> int:
+    """A dataset's bytes per element in the file; 0 for other nodes."""
+    return int(node.type_id.get_size()) if node.kind == "dataset" else 0
 
 
 def _malformed(source: Path, exc: BaseException | str) -> InputError:
     return InputError(source, f"the HDF5 structure recorded in __metadata__ is malformed: {exc}")
 
 
-def _check_allocation(nodes: Sequence[Json], ready: Sequence[ReadyNode], input_bytes: int) -> None:
+def _check_allocation(nodes: Sequence[Json], sizes: Sequence[int], input_bytes: int) -> None:
     """The bytes OUT's datasets allocate, charged to the readers' expansion budget
     (limits.expansion_budget of the input's size) before anything is written: a chunked
     dataset allocates every chunk its extent touches in full (a one-element tensor in a
     256 MiB chunk is 256 MiB on disk), any other its elements."""
     allocated = 0
-    for node, prepared in zip(nodes, ready, strict=True):
-        if prepared.kind != "dataset":
+    for node, element in zip(nodes, sizes, strict=True):
+        if node["kind"] != "dataset":
             continue
-        element = int(prepared.type_id.get_size())
         if holds_variable_string(node["type"]):
             element = VLEN_STORED_BYTES  # the in-memory size is a pointer's
         if node["layout"] == "chunked":
@@ -264,13 +297,13 @@ def _short(desc: Json) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _prepare_node(node: Json) -> ReadyNode:
+def prepare_node(node: Json) -> ReadyNode:
     h5p = load_h5py().h5p
     kind, path = node["kind"], node["path"]
     cset = node.get("cset", 0)
     if not _is_int(cset) or cset not in (0, 1):
         raise Malformed(f"character set {cset!r}")
-    attributes = [_prepare_attribute(a) for a in node["attrs"]]
+    attributes = [prepare_attribute(a) for a in node["attrs"]]
     if len(attributes) > 65535:
         raise Malformed("more than 65,535 attributes on one object")
     if len({attr.name for attr in attributes}) != len(attributes):
@@ -462,7 +495,7 @@ def _numeric_dtype(desc: Json) -> np.dtype[Any]:
     return np.dtype(f"{desc['order']}{kind}{desc['size']}")
 
 
-def _prepare_attribute(attr: Json) -> ReadyAttribute:
+def prepare_attribute(attr: Json) -> ReadyAttribute:
     name = attr["name"]
     if (
         not isinstance(name, str)

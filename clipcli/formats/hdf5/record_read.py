@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 import clipcli.formats.hdf5.limits as limits
-from clipcli.formats.base import NonTensorInfo
+from clipcli.formats.base import NonTensorInfo, TensorInfo
 from clipcli.formats.hdf5.filters import is_lossless
 from clipcli.formats.hdf5.library import input_errors, load_h5py
 from clipcli.formats.hdf5.nontensor import RowSlice
@@ -59,6 +59,9 @@ class Hdf5Source(Protocol):
 
     @property
     def non_tensors(self) -> list[NonTensorInfo]: ...
+
+    @property
+    def infos(self) -> list[TensorInfo]: ...
 
     def non_tensor_rows(self, item: NonTensorInfo) -> Iterator[RowSlice]: ...
 
@@ -121,7 +124,87 @@ def read_structure(reader: Hdf5Source) -> Structure:
             [f"the HDF5 structure ({size} bytes encoded, over the {MAX_STRUCTURE_BYTES}-byte cap)"],
             origin=reader,
         )
+    if _whole_record_problem(structure, reader, size) is None:
+        return structure
+    # Some part breaks a reading rule: each is checked alone, those outside are dropped.
+    nodes = _within_the_rules(nodes, dropped)
+    document = {"format": STRUCTURE_FORMAT, "version": STRUCTURE_VERSION, "nodes": nodes}
+    structure = Structure(document, dropped, origin=reader)
+    problem = _whole_record_problem(structure, reader, len(structure.to_text().encode("utf-8")))
+    if problem is not None:
+        return Structure(None, [f"the HDF5 structure ({problem})"], origin=reader)
     return structure
+
+
+# ---------------------------------------------------------------------- the reading rules
+#
+# A record is read back by clipcli.formats.hdf5.record_check, which refuses one that breaks
+# any of its rules (a forged record is malformed). So a record is checked by those same
+# rules before it is kept: whole first (what reading it back will do), and where that
+# fails each node and attribute alone, dropping and naming those outside the rules as any
+# other part that cannot be recorded, then whole again (the budgets: past them, the whole
+# record is dropped). An .h5 with a 2 MB fixed-length string attribute had clipped to
+# safetensors with exit 0 and no word, and converting that OUT back was then exit 3
+# (THREAT_MODEL item 22).
+
+
+def _within_the_rules(nodes: list[Json], dropped: list[str]) -> list[Json]:
+    """The nodes and attributes that record_check takes one by one; the others named in
+    `dropped`. A group's own fields are flags any record may hold (and its children
+    need it): a failing group is left for the whole record's check to refuse."""
+    kept = []
+    for node in nodes:
+        path = node["path"]
+        attributes = []
+        for attribute in node["attrs"]:
+            problem = _attribute_problem(attribute)
+            if problem is None:
+                attributes.append(attribute)
+            else:
+                dropped.append(f"attribute {attribute['name']!r} of {path!r} ({problem})")
+        node = {**node, "attrs": attributes}
+        problem = None if node["kind"] == "group" else _node_problem(node)
+        if problem is None:
+            kept.append(node)
+        else:
+            what = "named datatype" if node["kind"] == "datatype" else node["kind"]
+            dropped.append(f"{what} {path!r} ({problem})")
+    return kept
+
+
+def _attribute_problem(attribute: Json) -> str | None:
+    """Why record_check would refuse this attribute of a record, or None."""
+    from clipcli.formats.hdf5 import record_check
+
+    try:
+        record_check.prepare_attribute(attribute)
+    except record_check.REFUSALS as exc:
+        return f"outside what a structure record may hold: {exc}"
+    return None
+
+
+def _node_problem(node: Json) -> str | None:
+    """The same for a node's own fields (its attributes are checked one by one)."""
+    from clipcli.formats.hdf5 import record_check
+
+    try:
+        record_check.prepare_node({**node, "attrs": []})
+    except record_check.REFUSALS as exc:
+        return f"outside what a structure record may hold: {exc}"
+    return None
+
+
+def _whole_record_problem(structure: Structure, reader: Hdf5Source, size: int) -> str | None:
+    """The rules over the whole record (the tree, the chunk and allocation budgets), taken
+    against the smallest OUT that can hold it, the tensors' bytes and the record itself:
+    its budgets grow with the size of the file it is read back from."""
+    from clipcli.formats.hdf5 import record_check
+
+    infos = reader.infos
+    problem = record_check.record_problem(
+        structure, infos, size + sum(info.nbytes for info in infos)
+    )
+    return None if problem is None else f"outside what a structure record may hold: {problem}"
 
 
 def _describe_node(
