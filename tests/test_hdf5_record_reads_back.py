@@ -119,3 +119,118 @@ def test_a_record_over_a_budget_of_what_it_describes_is_dropped_whole(
     with h5py.File(back, "r") as f:
         values = f["w"][()].astype(np.float64)
         assert abs(float(np.sqrt(np.sum(values**2))) - 1.0) < 1e-6
+
+
+# ---------------------------------------------------------------------- attack s33rec
+# The first version checked the record with prepare()'s malformed rules only. What the HDF5
+# writer also checks on reading it back: that the record is these tensors' (the fit rule),
+# and the attribute budget with the root's attributes as the metadata beside the record
+# leaves them (an edited value is written as a plain variable-length string).
+
+
+def _raw_attribute(obj: h5py.HLObject, name: str) -> tuple[int, int, bytes]:
+    """A fixed-length string attribute's size, padding and bytes as stored."""
+    attr = h5py.h5a.open(obj.id, name.encode())
+    file_type = attr.get_type()
+    raw = np.zeros((), dtype=f"V{file_type.get_size()}")
+    attr.read(raw, mtype=file_type)
+    return file_type.get_size(), file_type.get_strpad(), raw.tobytes()
+
+
+def _fixed_string_attribute(obj: h5py.HLObject, name: str, raw: bytes, pad: int) -> None:
+    file_type = h5py.h5t.C_S1.copy()
+    file_type.set_size(len(raw))
+    file_type.set_strpad(pad)
+    attr = h5py.h5a.create(obj.id, name.encode(), file_type, h5py.h5s.create(h5py.h5s.SCALAR))
+    attr.write(np.frombuffer(raw, dtype=f"S{len(raw)}").reshape(()), mtype=file_type)
+
+
+PADS = {
+    "nullterm": h5py.h5t.STR_NULLTERM,
+    "nullpad": h5py.h5t.STR_NULLPAD,
+    "spacepad": h5py.h5t.STR_SPACEPAD,
+}
+
+
+def test_fixed_string_root_attributes_keep_their_type_and_bytes_whatever_the_padding(
+    clipcli: Cli, tmp_path: Path
+) -> None:
+    """A root string attribute is metadata too; its metadata value is what h5py reads
+    (padding converted, trailing NULs dropped). Compared with the record's bytes taken
+    otherwise, a space-padded one never matched and came back a variable-length string."""
+    src, out, back = tmp_path / "a.h5", tmp_path / "o.safetensors", tmp_path / "back.h5"
+    contents = [b"ab  ", b"a\x00b\x00", b"ab\x00\x00", b"abcd", b"a \x00 "]
+    with h5py.File(src, "w") as f:
+        f.create_dataset("w", data=np.ones(3, np.float32))
+        for pad_name, pad in PADS.items():
+            for k, raw in enumerate(contents):
+                _fixed_string_attribute(f, f"{pad_name}{k}", raw, pad)
+    assert clipcli("convert", "-q", src, out).returncode == 0
+    run = clipcli("convert", "-q", out, back)
+    assert run.returncode == 0, run
+    with h5py.File(src, "r") as before, h5py.File(back, "r") as after:
+        for name in before.attrs:
+            assert _raw_attribute(after, name) == _raw_attribute(before, name), name
+
+
+def test_a_large_space_padded_attribute_beside_variable_length_ones_reads_back(
+    clipcli: Cli, tmp_path: Path
+) -> None:
+    """The attack's F3: 1,000,000 bytes, space-padded, and 70 variable-length elements on a
+    dataset: kept in the record, no loss, and clipcli reads its own OUT back."""
+    src, out, back = tmp_path / "a.h5", tmp_path / "o.safetensors", tmp_path / "back.h5"
+    with h5py.File(src, "w", libver="latest") as f:
+        f.create_dataset("w", data=np.arange(16, dtype=np.float32))
+        f["w"].attrs.create("vl", ["a"] * 70, dtype=h5py.string_dtype())
+        _fixed_string_attribute(f, "desc", b"x" * 999_992 + b" " * 8, h5py.h5t.STR_SPACEPAD)
+    run = clipcli("clip", "--global", "1", "-q", src, out)
+    assert run.returncode == 0, run
+    assert run.stderr == ""
+    back_run = clipcli("convert", "-q", out, back)
+    assert back_run.returncode == 0, back_run
+    with h5py.File(src, "r") as before, h5py.File(back, "r") as after:
+        assert _raw_attribute(after, "desc") == _raw_attribute(before, "desc")
+
+
+def test_metadata_left_beside_a_dropped_attribute_counts_in_the_budget(
+    clipcli: Cli, tmp_path: Path
+) -> None:
+    """The attack's F1: a 2 MB fixed-length root string (over the type rule: dropped from
+    the record) stays in __metadata__, and reading back writes it as a variable-length
+    root attribute; with 40 variable-length elements on a dataset that breaks the
+    attribute budget. The record is dropped whole (named), and OUT reads back."""
+    src, out, back = tmp_path / "a.h5", tmp_path / "o.safetensors", tmp_path / "back.h5"
+    with h5py.File(src, "w", libver="latest") as f:
+        f.create_dataset("w", data=np.arange(16, dtype=np.float32))
+        f["w"].attrs.create("vl", ["a"] * 40, dtype=h5py.string_dtype())
+        f.attrs.create("big", np.array(b"x" * 2_000_000, dtype="S2000000"))
+    refused = clipcli("convert", "-q", src, out)
+    assert refused.returncode == 2, refused
+    assert "attribute budget" in refused.stderr or "64 MiB limit" in refused.stderr
+    run = clipcli("convert", "-q", "--allow-lossy", src, out)
+    assert run.returncode == 0, run
+    back_run = clipcli("convert", "-q", out, back)
+    assert back_run.returncode == 0, back_run
+    with h5py.File(back, "r") as f:
+        assert f.attrs["big"] == "x" * 2_000_000  # as metadata: a plain string
+
+
+def test_a_record_that_is_not_the_tensors_own_is_a_loss(clipcli: Cli, tmp_path: Path) -> None:
+    """The attack's F2: an enum {FALSE, TRUE} over int32 reads as a bool tensor, but a bool
+    tensor's dataset must have h5py's own bool type (the fit rule, on reading back). The
+    record is a named loss, not a file clipcli then refuses to convert back."""
+    src, out, back = tmp_path / "a.h5", tmp_path / "o.safetensors", tmp_path / "back.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("w", data=np.arange(16, dtype=np.float32))
+        f["w"].attrs["scale"] = np.int32(3)
+        wide_bool = h5py.enum_dtype({"FALSE": 0, "TRUE": 1}, basetype="i4")
+        f.create_dataset("mask", data=np.array([0, 1, 1, 0], dtype="i4"), dtype=wide_bool)
+    refused = clipcli("convert", "-q", src, out)
+    assert refused.returncode == 2, refused
+    assert "dataset 'mask'" in refused.stderr
+    assert not out.exists()
+    assert clipcli("convert", "-q", "--allow-lossy", src, out).returncode == 0
+    back_run = clipcli("convert", "-q", out, back)
+    assert back_run.returncode == 0, back_run
+    with h5py.File(back, "r") as f:
+        assert f["mask"][()].tolist() == [False, True, True, False]

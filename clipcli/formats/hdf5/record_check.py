@@ -9,7 +9,7 @@ import base64
 import binascii
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,21 +86,38 @@ def prepare(
 
 
 def record_problem(
-    structure: Structure, infos: Sequence[TensorInfo], input_bytes: int
+    structure: Structure,
+    infos: Sequence[TensorInfo],
+    input_bytes: int,
+    follow_root: Callable[[ReadyNode], dict[str, str]],
 ) -> str | None:
-    """Why prepare() would refuse this record as malformed, or None: for the side that
+    """Why reading this record back into HDF5 would refuse it, or None: for the side that
     writes a record (clipcli.formats.hdf5.record_read), which must never write one that it
-    then refuses to read. The same checks, each node's library objects freed once it has
-    passed (all of them at once held ~13 KB a node: 100 MB for a Keras file of 8,000)."""
+    then refuses to read. Every check the HDF5 writer makes of it: prepare() (malformed,
+    or not these tensors' record) and the attribute budget, with the root's attributes
+    as follow_root(root) leaves them (the metadata beside the record: edited values win,
+    and it returns the metadata added as root attributes). Each node's library objects are
+    freed once it has passed (all of them at once held ~13 KB a node: 100 MB for a Keras
+    file of 8,000)."""
     nodes = structure.nodes
+    added: dict[str, str] = {}
     try:
         _check_tree(nodes)
-        sizes = [_element_size(prepare_node(node)) for node in nodes]
+        sizes: list[int] = []
+        shapes: list[tuple[int, ...] | None] = []
+        uses: list[tuple[int, int]] = []
+        for index, node in enumerate(nodes):
+            prepared = prepare_node(node)
+            if index == 0:
+                added = follow_root(prepared)
+            sizes.append(_element_size(prepared))
+            shapes.append(_space_shape(prepared))
+            uses.append(_heap_use(prepared))
         _check_chunk_budget(nodes, infos)
         _check_allocation(nodes, sizes, input_bytes)
     except REFUSALS as exc:
         return str(exc)
-    return None
+    return _fit_problem(nodes, shapes, infos) or _attribute_budget_problem(uses, added.values())
 
 
 # What a malformed record raises while it is checked.
@@ -120,6 +137,11 @@ def _prepared(
 def _element_size(node: ReadyNode) -> int:
     """A dataset's bytes per element in the file; 0 for other nodes."""
     return int(node.type_id.get_size()) if node.kind == "dataset" else 0
+
+
+def _space_shape(node: ReadyNode) -> tuple[int, ...] | None:
+    """A tensor dataset's dataspace shape (() for a scalar); None for other nodes."""
+    return tuple(node.space.shape or ()) if node.tensor else None
 
 
 def _malformed(source: Path, exc: BaseException | str) -> InputError:
@@ -159,21 +181,37 @@ def check_attribute_budget(
     counts it, times the largest variable-length string OUT's global heap will hold (those
     of attributes, of non-tensor datasets and the metadata values written as root
     attributes, added_metadata). Past it, OUT would be a file clipcli refuses to read."""
+    problem = _attribute_budget_problem(map(_heap_use, ready), added_metadata)
+    if problem is not None:
+        raise _malformed(source, problem)
+
+
+def _heap_use(node: ReadyNode) -> tuple[int, int]:
+    """A node's variable-length attribute elements, and the longest variable-length string
+    among its attributes and values."""
     elements = 0
     largest = 0
-    for node in ready:
-        values = [node.data] if node.data is not None else []
-        for item in [*node.attributes, *values]:
-            if not item.raw and item.values is not None:
-                largest = max([largest, *(len(v) for v in item.values.reshape(-1))])
-        for attr in node.attributes:
-            elements += vlen_attribute_elements(attr.type_id, attr.space)
+    values = [node.data] if node.data is not None else []
+    for item in [*node.attributes, *values]:
+        if not item.raw and item.values is not None:
+            largest = max([largest, *(len(v) for v in item.values.reshape(-1))])
+    for attr in node.attributes:
+        elements += vlen_attribute_elements(attr.type_id, attr.space)
+    return elements, largest
+
+
+def _attribute_budget_problem(
+    uses: Iterable[tuple[int, int]], added_metadata: Iterable[str]
+) -> str | None:
+    elements = 0
+    largest = 0
+    for node_elements, node_largest in uses:
+        elements += node_elements
+        largest = max(largest, node_largest)
     for value in added_metadata:  # each a scalar variable-length string
         elements += 1
         largest = max(largest, len(value.encode("utf-8")))
-    problem = attribute_budget_problem(elements, largest)
-    if problem is not None:
-        raise _malformed(source, problem)
+    return attribute_budget_problem(elements, largest)
 
 
 def _check_chunk_budget(nodes: Sequence[Json], infos: Sequence[TensorInfo]) -> None:
@@ -232,18 +270,29 @@ def _check_tree(nodes: Sequence[Json]) -> None:
 def _check_fit(
     nodes: Sequence[Json], ready: list[ReadyNode], infos: Sequence[TensorInfo]
 ) -> str | None:
+    return _fit_problem(nodes, [_space_shape(r) for r in ready], infos)
+
+
+def _fit_problem(
+    nodes: Sequence[Json], shapes: Sequence[tuple[int, ...] | None], infos: Sequence[TensorInfo]
+) -> str | None:
     """Why the record does not describe these tensors as they are, or None. A tensor's
     dataset must hold exactly its values: its dataspace is the tensor's shape and its
     type is the tensor's own (tensor_type_problem). Any other difference would change
-    values on the way into OUT (int32 for uint32, an int compound for complex64)."""
-    tensors = {r.path[1:]: (n, r) for n, r in zip(nodes, ready, strict=True) if r.tensor}
+    values on the way into OUT (int32 for uint32, an int compound for complex64).
+    shapes: each tensor dataset's dataspace shape, None for every other node."""
+    tensors = {
+        n["path"][1:]: (n, shape)
+        for n, shape in zip(nodes, shapes, strict=True)
+        if shape is not None
+    }
     if set(tensors) != {info.name for info in infos}:
         return "its datasets are not the checkpoint's tensors"
     for info in infos:
-        node, prepared = tensors[info.name]
+        node, shape = tensors[info.name]
         space = node["space"]
         expected_class = "scalar" if info.shape == () else "simple"
-        if space["class"] != expected_class or tuple(prepared.space.shape or ()) != info.shape:
+        if space["class"] != expected_class or shape != info.shape:
             return f"dataset {info.name!r} has another shape than the tensor"
         problem = tensor_type_problem(node["type"], info.dtype)
         if problem is not None:

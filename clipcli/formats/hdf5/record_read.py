@@ -21,7 +21,7 @@ for an empty dataspace.
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ from clipcli.formats.hdf5.portable import (
 from clipcli.formats.structure_record import (
     MAX_STRUCTURE_BYTES,
     STRUCTURE_FORMAT,
+    STRUCTURE_KEY,
     STRUCTURE_VERSION,
     Structure,
 )
@@ -62,6 +63,9 @@ class Hdf5Source(Protocol):
 
     @property
     def infos(self) -> list[TensorInfo]: ...
+
+    @property
+    def metadata(self) -> Mapping[str, str]: ...
 
     def non_tensor_rows(self, item: NonTensorInfo) -> Iterator[RowSlice]: ...
 
@@ -198,11 +202,18 @@ def _whole_record_problem(structure: Structure, reader: Hdf5Source, size: int) -
     """The rules over the whole record (the tree, the chunk and allocation budgets), taken
     against the smallest OUT that can hold it, the tensors' bytes and the record itself:
     its budgets grow with the size of the file it is read back from."""
-    from clipcli.formats.hdf5 import record_check
+    from clipcli.formats.hdf5 import record_check, record_rebuild
+
+    metadata = reader.metadata  # what OUT's __metadata__ will hold beside the record
+    recorded = structure.nodes[0]["attrs"] if structure.nodes else []
+
+    def follow_root(root: record_check.ReadyNode) -> dict[str, str]:
+        record_rebuild.follow_metadata(root, recorded, metadata, STRUCTURE_KEY)
+        return record_rebuild.added_metadata(root, metadata, STRUCTURE_KEY)
 
     infos = reader.infos
     problem = record_check.record_problem(
-        structure, infos, size + sum(info.nbytes for info in infos)
+        structure, infos, size + sum(info.nbytes for info in infos), follow_root
     )
     return None if problem is None else f"outside what a structure record may hold: {problem}"
 

@@ -26,8 +26,10 @@ __all__ = [
     "MAX_FILTERS",
     "ReadyAttribute",
     "ReadyNode",
+    "added_metadata",
     "create_nodes",
     "follow_metadata",
+    "root_texts",
     "prepare",
     "space_points_of",
 ]
@@ -102,9 +104,35 @@ def follow_metadata(
     root.attributes = kept
 
 
+def added_metadata(root: ReadyNode, metadata: Mapping[str, str], reserved: str) -> dict[str, str]:
+    """The metadata a rebuild adds as root string attributes: all but the record's own
+    key (`reserved`) and the attributes the recorded root already creates."""
+    created = {attr.name.decode() for attr in root.attributes}
+    return {key: value for key, value in metadata.items() if key != reserved and key not in created}
+
+
 def _plain(name: str, value: str) -> ReadyAttribute:
     """A root attribute holding `value` as a plain UTF-8 string (a metadata value)."""
     return _values(_PLAIN_STRING, {"class": "scalar"}, {"strings": [value]}, name.encode("utf-8"))
+
+
+def root_texts(nodes: Sequence[object]) -> dict[str, str]:
+    """The metadata value each root attribute of a record shows as (those that are text),
+    read before the record is checked: anything malformed is left out here (prepare()
+    refuses it)."""
+    root = nodes[0] if nodes else None
+    attrs = root.get("attrs") if isinstance(root, dict) else None
+    texts: dict[str, str] = {}
+    for attr in attrs if isinstance(attrs, list) else []:
+        if not isinstance(attr, dict) or not isinstance(attr.get("name"), str):
+            continue
+        try:
+            text = _recorded_text(attr)
+        except (ValueError, TypeError, IndexError):  # bad base64 or fields: malformed
+            continue
+        if text is not None:
+            texts[attr["name"]] = text
+    return texts
 
 
 def _recorded_text(attr: Json) -> str | None:
@@ -119,8 +147,18 @@ def _recorded_text(attr: Json) -> str | None:
         strings = data.get("strings")
         return strings[0] if isinstance(strings, list) and isinstance(strings[0], str) else None
     raw = base64.b64decode(data.get("raw", ""), validate=True)
-    end = raw.find(b"\x00")
+    # As h5py reads it: the library converts the file's padding to NUL padding (a
+    # NUL-terminated string ends at its first NUL, a space-padded one loses its trailing
+    # spaces), and numpy's bytes drop the trailing NULs. Compared otherwise, a
+    # space-padded attribute read as metadata never matched its record, so it was
+    # rebuilt as a plain variable-length string (found by attack s33rec).
+    h5t = load_h5py().h5t
+    pad = desc.get("pad")
+    if pad == h5t.STR_NULLTERM:
+        raw = raw.split(b"\x00", 1)[0]
+    elif pad == h5t.STR_SPACEPAD:
+        raw = raw.rstrip(b" ")
     try:
-        return (raw if end < 0 else raw[:end]).decode("utf-8")
+        return raw.rstrip(b"\x00").decode("utf-8")
     except UnicodeDecodeError:
         return None

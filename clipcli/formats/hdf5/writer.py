@@ -37,7 +37,12 @@ from clipcli.formats.hdf5.library import (
 )
 from clipcli.formats.hdf5.reader import Hdf5Reader
 from clipcli.formats.hdf5.record_check import ReadyNode, check_attribute_budget, prepare
-from clipcli.formats.hdf5.record_rebuild import create_nodes, follow_metadata
+from clipcli.formats.hdf5.record_rebuild import (
+    added_metadata,
+    create_nodes,
+    follow_metadata,
+    root_texts,
+)
 from clipcli.formats.hdf5.replica import Replica, split_path
 from clipcli.formats.structure_record import STRUCTURE_KEY
 from clipcli.system.address_space import HDF5_BYTES, check_room
@@ -196,6 +201,11 @@ class Hdf5Writer(Writer):
         if structure is not None and structure.origin is not None:
             return None  # copied attribute by attribute, with the source's own settings
         metadata = {k: v for k, v in metadata.items() if k != STRUCTURE_KEY}
+        # A value the record's own root attribute shows is written as recorded, in its
+        # exact type (a NUL-padded string may hold a NUL): only the others are written
+        # as plain strings (record_rebuild.follow_metadata).
+        recorded = root_texts(structure.nodes) if structure is not None else {}
+        plain = {k: v for k, v in metadata.items() if recorded.get(k) != v}
         # Root attributes, created in tracked order (measured with h5py 3 / HDF5 1.14:
         # the 65,536th fails with "attribute creation index can't be incremented", a
         # 65,535-byte name with "decoded name length is invalid").
@@ -212,12 +222,12 @@ class Hdf5Writer(Writer):
                     f"metadata key {key[:40]!r}...: an HDF5 attribute name holds at most "
                     f"{HDF5_MAX_ATTRIBUTE_NAME_BYTES} bytes of UTF-8"
                 )
-            if "\x00" in value or not utf8_encodable(value):
+            if key in plain and ("\x00" in value or not utf8_encodable(value)):
                 return f"metadata key {key!r}: HDF5 strings hold no NUL byte and only UTF-8"
         # Each value is a variable-length string in the global heap, and the reader bounds
         # what attributes may read by their count times the largest heap object.
-        largest = max((len(value.encode()) for value in metadata.values()), default=0)
-        if len(metadata) * largest > limits.MAX_ATTRIBUTE_BYTES:
+        largest = max((len(value.encode()) for value in plain.values()), default=0)
+        if len(plain) * largest > limits.MAX_ATTRIBUTE_BYTES:
             return (
                 f"{len(metadata)} metadata values of up to {largest} bytes would be over the "
                 f"{limits.MAX_ATTRIBUTE_BYTES >> 20} MiB the HDF5 reader allows attributes "
@@ -298,14 +308,7 @@ class Hdf5Writer(Writer):
                 self.file.attrs[key] = value
 
     def _added_metadata(self, root: ReadyNode) -> dict[str, str]:
-        """The metadata a rebuild adds as root string attributes: all but the record's own
-        key and the attributes the recorded root already creates."""
-        created = {attr.name.decode() for attr in root.attributes}
-        return {
-            key: value
-            for key, value in self.checkpoint.metadata.items()
-            if key != STRUCTURE_KEY and key not in created
-        }
+        return added_metadata(root, self.checkpoint.metadata, STRUCTURE_KEY)
 
     def _create_plain_layout(self) -> None:
         """A dataset per tensor at its name's path, contiguous and uncompressed."""
