@@ -371,3 +371,27 @@ def test_ties_land_exactly_on_the_limit(dtype: type) -> None:
     _, factors = slices.axes_scales(singles, (0,), 0.5)
     out = (singles.astype(np.float64) * factors).astype(dtype).astype(np.float64)
     assert np.all(np.abs(out) == 0.5)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_a_margin_asked_again_is_the_one_worked_out_fresh(dtype: type) -> None:
+    """_SliceRounding keeps its last margins and gives a slice whose factor was asked for
+    before that margin again (the search keeps most slices' factors from step to step).
+    Each margin, after any history of questions, must equal a fresh object's, bit for bit,
+    narrowed or not, and so must the factors."""
+    rng = np.random.default_rng(31)
+    rows: np.ndarray = (rng.standard_normal((12, 40)) * 3).astype(dtype)
+    limit = 2.0
+    ratios = limit / np.sqrt(np.sum(rows.astype(np.float64) ** 2, axis=1))
+    asked = [ratios * (1 + d) for d in (-1e-3, 1e-3, 0.0)]
+    mixed = asked[0].copy()
+    mixed[::2] = asked[1][::2]  # half the slices' factors as before, half changed
+    asked += [mixed, asked[0], ratios * 0.5]
+    kept = slices._SliceRounding.of(rows, limit)
+    for factors in asked:
+        fresh = slices._SliceRounding.of(rows, limit)
+        assert kept.margin(factors).tobytes() == fresh.margin(factors).tobytes()
+    narrowed_margin = kept.within(asked[0], asked[1])[0]
+    for factors in (mixed, asked[2], mixed, ratios * (1 - 5e-4)):
+        fresh = slices._SliceRounding.of(rows, limit).within(asked[0], asked[1])[0]
+        assert narrowed_margin(factors).tobytes() == fresh(factors).tobytes()

@@ -11,7 +11,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -255,6 +255,14 @@ class _SliceRounding:
     owner: np.ndarray  # the slice of each (nondecreasing)
     fixed: np.ndarray  # per slice: sum of count * (round(v * s) / limit)**2, settled values
     whole: tuple[np.ndarray, np.ndarray, np.ndarray]  # magnitudes, counts, each slice's start
+    begins: np.ndarray  # where each slice's moving values start (and, last, their end)
+    # The last few margins asked for (factors, margins): the search asks for every slice's
+    # margin at each step, and keeps most slices' factors from one step to the next (a
+    # slice whose guesses bracket its answer waits at its low end while others go on).
+    # A slice whose factor was asked for before gets that margin again, without rounding
+    # its values: a float16 box of 2**20 elements went through ~7 roundings of all its
+    # values, most of them for slices already bracketed.
+    recent: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list, compare=False)
 
     @staticmethod
     def of(picked: np.ndarray, limit: float) -> _SliceRounding:
@@ -288,6 +296,7 @@ class _SliceRounding:
             owner,
             np.zeros(slices),
             (magnitudes, counts, begins),
+            begins,
         )
 
     def guesses(self, ratios: np.ndarray, unit: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -323,14 +332,44 @@ class _SliceRounding:
         return rounded
 
     def margin(self, factors: np.ndarray) -> np.ndarray:
-        rounded = self._rounded(factors) / self.limit
-        squares = rounded * rounded * self.counts  # exact: a count times a square
-        sums = self.fixed + np.bincount(self.owner, squares, minlength=self.slices)
+        result = np.empty(self.slices)
+        todo = np.ones(self.slices, bool)
+        for known, margins in reversed(self.recent):
+            same = todo & (factors == known)
+            result[same] = margins[same]
+            todo &= ~same
+        if todo.all():
+            result = self._margin_of(factors, None)
+        elif todo.any():
+            which = np.flatnonzero(todo)
+            result[which] = self._margin_of(factors, which)
+        if len(self.recent) >= 4:
+            del self.recent[0]
+        self.recent.append((factors.copy(), result.copy()))
+        return result
+
+    def _margin_of(self, factors: np.ndarray, which: np.ndarray | None) -> np.ndarray:
+        """The margins of the slices `which` (None: every slice), worked out: each slice's
+        terms are summed in the same order either way, so a margin does not depend on the
+        slices asked for with it."""
+        if which is None:
+            at, local, sums_of = None, self.owner, self.slices
+            magnitudes, counts, fixed = self.magnitudes, self.counts, self.fixed
+            each = factors[self.owner]
+        else:
+            at, local = _positions(self.begins, which)
+            sums_of = which.size
+            magnitudes, counts, fixed = self.magnitudes[at], self.counts[at], self.fixed[which]
+            each = factors[self.owner[at]]
+        rounded = narrow_round(magnitudes * each, self.dtype).astype(np.float64) / self.limit
+        squares = rounded * rounded * counts  # exact: a count times a square
+        sums = fixed + np.bincount(local, squares, minlength=sums_of)
         result: np.ndarray = 1.0 - 2 * U64 - sums * (1 + self.terms * U64)
         # Two orders of adding a slice's terms differ by at most ~terms roundings of it.
         close = np.flatnonzero(np.abs(result) <= 4 * self.terms * U64)
         if close.size:
-            result[close] = self._whole_margin(factors, close)
+            slices = close if which is None else which[close]
+            result[close] = self._whole_margin(factors, slices)
         return result
 
     def _whole_margin(self, factors: np.ndarray, which: np.ndarray) -> np.ndarray:
@@ -345,10 +384,7 @@ class _SliceRounding:
         magnitudes, counts, begins = self.whole
         lengths = begins[which + 1] - begins[which]
         ends = np.cumsum(lengths)
-        local = np.repeat(np.arange(which.size), lengths)
-        at = np.repeat(begins[which], lengths) + (
-            np.arange(local.size) - np.repeat(ends - lengths, lengths)
-        )
+        at, local = _positions(begins, which)
         rounded = narrow_round(magnitudes[at] * factors[which][local], self.dtype)
         wide = rounded.astype(np.float64)
         scaled = wide / self.limit
@@ -399,6 +435,7 @@ class _SliceRounding:
             self.owner[settled], rounded * rounded * self.counts[settled], minlength=self.slices
         )
         moving = ~settled
+        owner = self.owner[moving]
         narrowed = _SliceRounding(
             self.dtype,
             self.limit,
@@ -406,11 +443,25 @@ class _SliceRounding:
             self.terms,
             self.magnitudes[moving],
             self.counts[moving],
-            self.owner[moving],
+            owner,
             fixed,
             self.whole,
+            np.searchsorted(owner, np.arange(self.slices + 1)),
         )
         return narrowed.margin, narrowed.next_change, narrowed.within
+
+
+def _positions(begins: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions of the values of the slices `which` (in order), given where each
+    slice's values begin (begins[k] to begins[k + 1]), and for each the index into
+    `which` of its slice."""
+    lengths = begins[which + 1] - begins[which]
+    ends = np.cumsum(lengths)
+    local = np.repeat(np.arange(which.size), lengths)
+    at = np.repeat(begins[which], lengths) + (
+        np.arange(local.size) - np.repeat(ends - lengths, lengths)
+    )
+    return at, local
 
 
 def _picked_slices(array: np.ndarray, axes: tuple[int, ...], which: np.ndarray) -> np.ndarray:
