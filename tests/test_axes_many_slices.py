@@ -393,5 +393,5 @@ def test_a_margin_asked_again_is_the_one_worked_out_fresh(dtype: type) -> None:
         assert kept.margin(factors).tobytes() == fresh.margin(factors).tobytes()
     narrowed_margin = kept.within(asked[0], asked[1])[0]
     for factors in (mixed, asked[2], mixed, ratios * (1 - 5e-4)):
-        fresh = slices._SliceRounding.of(rows, limit).within(asked[0], asked[1])[0]
-        assert narrowed_margin(factors).tobytes() == fresh(factors).tobytes()
+        fresh_margin = slices._SliceRounding.of(rows, limit).within(asked[0], asked[1])[0]
+        assert narrowed_margin(factors).tobytes() == fresh_margin(factors).tobytes()
