@@ -176,3 +176,53 @@ def test_clip_writes_the_tie_through_every_whole_tensor_mode(
         assert written.tolist() == [3.0, 4.0], mode
         assert run_main("clip", *mode, "-q", "--force", out, again).code == 0
         assert np.load(again)["a"].tobytes() == written.tobytes()
+
+
+def test_near_tie_searches_sum_exactly_once_per_distinct_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attack s33num: at a limit one ulp under a tie, the bisection probes many factors
+    that round to one same output, and each probe summed the ~100,000 exact terms again
+    (5-7x the CPU of the float64 search). An exact sum is now made once per distinct
+    output: counted here as events (the calls), not time."""
+    sums: list[int] = []
+    real = counted_squares_within
+
+    def counted(values: np.ndarray, counts: np.ndarray, limit: float) -> bool:
+        sums.append(values.size)
+        return real(values, counts, limit)
+
+    monkeypatch.setattr(scaling, "counted_squares_within", counted)
+    values = np.arange(1, 2001, dtype=np.float64)
+    array: np.ndarray = np.random.default_rng(4).permutation(values).astype(np.float16)
+    exact = _output_sumsq([array], Fraction(1, 2))
+    limit = math.sqrt(float(exact))
+    while Fraction(limit) ** 2 >= exact:  # the largest float whose square is under the tie
+        limit = math.nextafter(limit, 0.0)
+    _assert_largest([array], limit)
+    assert 0 < len(sums) <= 3, len(sums)
+
+
+def test_tied_slices_split_the_limit_once_per_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attack s33num: 200,000 rows of [6, 8] at C = 5, every row an exact tie, took 7x the
+    CPU when each slice's exact check split C**2 and made numpy calls of its own. The
+    split is made once per margin, whatever the number of slices decided exactly."""
+    from clipcli.numerics import slices
+
+    splits: list[float] = []
+    from clipcli.numerics.certain import limit_split
+
+    real = limit_split
+
+    def counted(limit: float) -> tuple[float, float] | None:
+        splits.append(limit)
+        return real(limit)
+
+    monkeypatch.setattr(slices, "limit_split", counted)
+    rng = np.random.default_rng(9)
+    rows = np.tile([6.0, 8.0], (2000, 1)) * rng.choice([-1.0, 1.0], size=(2000, 2))
+    array: np.ndarray = rows.astype(np.float16)
+    _, scales = slices.axes_scales(array, (1,), 5.0)
+    out = (array.astype(np.float64) * scales.reshape(-1, 1)).astype(np.float16)
+    assert np.all(np.abs(out.astype(np.float64)).sum(axis=1) == 7.0)  # [3, 4]: exactly C
+    assert 0 < len(splits) <= 20, len(splits)

@@ -40,20 +40,44 @@ def counted_squares_within(values: np.ndarray, counts: np.ndarray, limit: float)
     (the counts split in two), C**2 is split exactly (Dekker), and math.fsum's correctly
     rounded sum has the exact sum's sign: a few ms for 65,536 terms, where fractions took
     a second."""
+    split = limit_split(limit)
+    if split is None:
+        return _fractions_within(values, counts, limit)
+    low, high = counted_terms(values, counts)
+    terms = low.tolist() if high is None else [*low.tolist(), *high.tolist()]
+    return terms_within(terms, split)
+
+
+def limit_split(limit: float) -> tuple[float, float] | None:
+    """limit**2 as an exact sum high + low, or None where the split could overflow or lose
+    bits (limits outside 1e-140..1e140: decided with fractions)."""
     if not _SPLIT_RANGE[0] < limit < _SPLIT_RANGE[1]:
-        exact = sum(
-            (
-                Fraction(v) ** 2 * int(c)
-                for v, c in zip(values.tolist(), counts.tolist(), strict=True)
-            ),
-            Fraction(0),
-        )
-        return exact <= Fraction(limit) ** 2
+        return None
+    high, low = two_square(np.asarray(limit))
+    return float(high), float(low)
+
+
+def counted_terms(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """counts * values**2 as exact float64 terms, elementwise: the terms of the counts below
+    2**26, and those of the rest of each count (None when every count is below 2**26)."""
     squares = values * values
     high_counts = np.floor(counts / _COUNT_SPLIT) * _COUNT_SPLIT
-    high, low = two_square(np.asarray(limit))
-    terms = [*(high_counts * squares).tolist(), *((counts - high_counts) * squares).tolist()]
-    return math.fsum([*terms, -float(high), -float(low)]) <= 0.0
+    if not high_counts.any():
+        return counts * squares, None
+    return (counts - high_counts) * squares, high_counts * squares
+
+
+def terms_within(terms: list[float], split: tuple[float, float]) -> bool:
+    """Whether exact float64 terms sum to at most high + low (limit_split), exactly."""
+    return math.fsum([*terms, -split[0], -split[1]]) <= 0.0
+
+
+def _fractions_within(values: np.ndarray, counts: np.ndarray, limit: float) -> bool:
+    exact = sum(
+        (Fraction(v) ** 2 * int(c) for v, c in zip(values.tolist(), counts.tolist(), strict=True)),
+        Fraction(0),
+    )
+    return exact <= Fraction(limit) ** 2
 
 
 def split_sumsq(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

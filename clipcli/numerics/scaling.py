@@ -430,6 +430,13 @@ class _HistogramBound:
     whole: tuple[Histogram, ...]  # the histograms before any narrowing
     fixed: float = 0.0  # sum of count * (round(v * s) / limit)**2 over settled values
     recent: dict[tuple[int, float], np.ndarray] = field(default_factory=dict, compare=False)
+    # Exact decisions by the output they were made on: a bisection near a tie probes many
+    # factors that round to one same output (attack s33num: 23 exact sums of 100,000
+    # terms for one tensor, most of them repeats). Within a narrowing the settled values
+    # round the same way throughout, so the moving values' roundings name the output.
+    decided: dict[bytes, bool] = field(default_factory=dict, compare=False)
+    # The same by the whole output, shared by every narrowing of the search.
+    decided_whole: dict[bytes, bool] = field(default_factory=dict, compare=False)
 
     def margin(self, scales: np.ndarray) -> np.ndarray:
         s = float(scales[0])
@@ -451,10 +458,18 @@ class _HistogramBound:
 
     def _exactly_within(self, s: float) -> bool:
         """Whether the output of factor s over the whole histograms has norm <= limit."""
-        rounded = [self._rounded(hist, s) for hist in self.whole]
-        return counted_squares_within(
-            np.concatenate(rounded), np.concatenate([h.counts for h in self.whole]), self.limit
-        )
+        key = b"".join(self._rounded(hist, s).tobytes() for hist in self.histograms)
+        known = self.decided.get(key)
+        if known is None:
+            rounded = np.concatenate([self._rounded(hist, s) for hist in self.whole])
+            whole_key = rounded.tobytes()
+            known = self.decided_whole.get(whole_key)
+            if known is None:
+                counts = np.concatenate([h.counts for h in self.whole])
+                known = counted_squares_within(rounded, counts, self.limit)
+                _remember(self.decided_whole, whole_key, known)
+            _remember(self.decided, key, known)
+        return known
 
     def _squares(self, hist: Histogram, s: float) -> np.ndarray:
         rounded = self._rounded(hist, s) / self.limit
@@ -501,10 +516,23 @@ class _HistogramBound:
             fixed += float(np.sum(hist.counts[settled] * (rounded * rounded)))
             moving.append(Histogram(hist.dtype, hist.values[~settled], hist.counts[~settled]))
         narrowed = _HistogramBound(
-            self.limit, tuple(moving), self.wide, self.terms, self.whole, fixed
+            self.limit,
+            tuple(moving),
+            self.wide,
+            self.terms,
+            self.whole,
+            fixed,
+            decided_whole=self.decided_whole,
         )
         changes = narrowed.next_change if self.wide is None else None
         return narrowed.margin, changes, narrowed.within
+
+
+def _remember(decided: dict[bytes, bool], key: bytes, fits: bool) -> None:
+    """Keep a decision, and at most the 8 latest (each key is an output's bytes)."""
+    if len(decided) >= 8:
+        del decided[next(iter(decided))]
+    decided[key] = fits
 
 
 def _histogram_factor(
