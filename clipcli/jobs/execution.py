@@ -367,7 +367,9 @@ def _clip_slices_streamed(
     boxes = _boxes_of(reader, info)
     if slices.boxes_hold_whole_slices(info.shape, tensor.axes, slices.STREAM_BOX_ELEMENTS):
         return _clip_slices_box_by_box(boxes, tensor, spec.limit, settle)
-    scales = slices.streamed_axes_scales(boxes, info.shape, tensor.axes, info.dtype, spec.limit)
+    scales = slices.streamed_axes_scales(
+        boxes, info.shape, tensor.axes, info.dtype, spec.limit, interrupts.check
+    )
     clipped = int(np.count_nonzero(scales != 1.0))
     if not clipped:
         return Outcome(tensor.before, False, 0, int(scales.size)), None

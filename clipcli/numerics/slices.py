@@ -680,7 +680,12 @@ def slice_pieces(slice_count: int, slice_numel: int) -> list[slice]:
 
 
 def streamed_axes_scales(
-    boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any], limit: float
+    boxes: Boxes,
+    shape: tuple[int, ...],
+    axes: tuple[int, ...],
+    dtype: np.dtype[Any],
+    limit: float,
+    between: Callable[[], None] = lambda: None,
 ) -> np.ndarray:
     """axes_scales' factors of the tensor the boxes hold (keepdims): one pass for the
     sums (two for float64), then the factors a piece of slices (slice_pieces) at a time.
@@ -688,7 +693,9 @@ def streamed_axes_scales(
     8/16-bit floats and float64, every slice over it), one pass gathers the values of a
     window of pieces (SLICE_WINDOW_BYTES). Memory beyond a box: 9 bytes a slice kept (the
     sums, whose array each piece's factors then take over; float64: 17; 13 at the peak,
-    measured), a window's values and what one piece needs."""
+    measured), a window's values and what one piece needs. between() is called before
+    each piece's factors are searched (the caller's signal check: a window of float16
+    pairs is 64 pieces and ~9 s of searching, with no box read in between)."""
     sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
     all_sums, all_exps = sums.reshape(-1), exps.reshape(-1)
     slice_numel = math.prod(shape[a] for a in axes)
@@ -698,6 +705,7 @@ def streamed_axes_scales(
     for window in _windows(pieces, window_slices):
         gathered = _Gathered(boxes, shape, axes, dtype, slice(window[0].start, window[-1].stop))
         for piece in window:
+            between()
             picked = gathered.picker(piece)
             _, factors = scales_from_sums(
                 all_sums[piece],

@@ -1,0 +1,53 @@
+"""A signal during --axes' factor search is acted on at the next piece of slices.
+
+Where the boxes cut every slice (numerics.slices.streamed_axes_scales), the factors are
+searched a piece of 2**18 slices at a time after one pass gathers a window's values, and no
+box is read between two pieces: a window of float16 pairs is 64 pieces, ~9 s of searching
+with no signal check (the box reads check, the search did not). Now the search checks
+before each piece.
+
+The child stops itself (SIGSTOP) inside the second piece's search; the test sends SIGTERM
+there and lets it go on: it must end as SIGTERM (143, one line, no OUT) without searching a
+third piece. Events, not time: the child counts the pieces it searched in a file.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+from expect import one_error_line, signalled_where_it_stops
+from handmade import write_safetensors
+
+_STOPPED_IN_THE_SECOND_PIECE = """
+import os, signal, sys
+from clipcli.numerics import slices
+searched = slices.scales_from_sums
+count = 0
+def counting(*args, **kwargs):
+    global count
+    count += 1
+    with open({counts!r}, "w") as out:
+        out.write(str(count))
+    if count == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return searched(*args, **kwargs)
+slices.scales_from_sums = counting
+from clipcli.cli.entry import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_the_slices_search_stops_at_the_next_piece(tmp_path: Path) -> None:
+    src, out, counts = tmp_path / "pairs.safetensors", tmp_path / "out.safetensors", tmp_path / "n"
+    rng = np.random.default_rng(2)
+    columns = 4 << 18  # four pieces of 2**18 two-element slices, one window
+    write_safetensors(src, {"w": (rng.standard_normal((2, columns)) * 3).astype(np.float16)})
+    script = _STOPPED_IN_THE_SECOND_PIECE.format(counts=str(counts))
+    args = ["clip", "--norm", "1", "--axes", "0", "-q", "--no-fsync", str(src), str(out)]
+    code, err = signalled_where_it_stops(script, args, signal.SIGTERM)
+    assert code == 143, err
+    assert "SIGTERM" in one_error_line(err)
+    assert counts.read_text() == "2"
+    assert not out.exists()
