@@ -89,6 +89,7 @@ class _OutputCheck:
                 total.merge(_scaled_sumsq(reader, info, mantissa, exponent))
                 continue
             for partial in map_chunks(self._reader, info, scaled):
+                interrupts.check()  # a pass over the data: a signal must not wait for its end
                 total.merge(partial)
         return total
 
@@ -124,6 +125,7 @@ def _decoded_sumsq(
 ) -> CertainSumsq:
     total = CertainSumsq()
     for chunk in reader.scaled_chunks(info, mantissa, exponent):
+        interrupts.check()
         total.add(chunk)
     return total
 
@@ -163,6 +165,7 @@ class _LogicalOutputCheck(_OutputCheck):
         total = CertainSumsq()
         for info in infos:
             for chunk in self._reader.chunks(info):
+                interrupts.check()
                 total.add(rounding.scale_chunk(chunk, mantissa, exponent))
         return total
 

@@ -1,5 +1,6 @@
-"""A signal during --axes' factor search is acted on at the next piece of slices.
+"""Signals during the factor searches' own passes, acted on at the next piece or chunk.
 
+1. --axes.
 Where the boxes cut every slice (numerics.slices.streamed_axes_scales), the factors are
 searched a piece of 2**18 slices at a time after one pass gathers a window's values, and no
 box is read between two pieces: a window of float16 pairs is 64 pieces, ~9 s of searching
@@ -9,6 +10,9 @@ before each piece.
 The child stops itself (SIGSTOP) inside the second piece's search; the test sends SIGTERM
 there and lets it go on: it must end as SIGTERM (143, one line, no OUT) without searching a
 third piece. Events, not time: the child counts the pieces it searched in a file.
+
+2. --global over float64 checks TF's factor by a pass over the rounded output while
+planning, which checked no signal until the write pass began.
 """
 
 from __future__ import annotations
@@ -50,4 +54,40 @@ def test_sigterm_during_the_slices_search_stops_at_the_next_piece(tmp_path: Path
     assert code == 143, err
     assert "SIGTERM" in one_error_line(err)
     assert counts.read_text() == "2"
+    assert not out.exists()
+
+
+_STOPPED_IN_THE_CHECKING_PASS = """
+import os, signal, sys
+from clipcli.numerics import rounding
+scale = rounding.scale_chunk
+count = 0
+def counting(*args, **kwargs):
+    global count
+    count += 1
+    with open({counts!r}, "w") as out:
+        out.write(str(count))
+    if count == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return scale(*args, **kwargs)
+rounding.scale_chunk = counting
+from clipcli.cli.entry import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_the_float64_checking_pass_stops_it(tmp_path: Path) -> None:
+    """--global over float64 tensors checks TF's factor by a pass over the rounded output
+    (numerics.scaling._verified_factor) while planning: a pass over the whole checkpoint,
+    which checked no signal until the write pass began. 32 chunks; stopped in the second,
+    the pass must end within the chunks already handed to the workers."""
+    src, out, counts = tmp_path / "w.safetensors", tmp_path / "out.safetensors", tmp_path / "n"
+    rng = np.random.default_rng(3)
+    write_safetensors(src, {"w": rng.standard_normal(32 << 18)})  # 32 chunks of 2 MiB
+    script = _STOPPED_IN_THE_CHECKING_PASS.format(counts=str(counts))
+    args = ["clip", "--global", "1", "-q", "--no-fsync", str(src), str(out)]
+    code, err = signalled_where_it_stops(script, args, signal.SIGTERM)
+    assert code == 143, err
+    assert "SIGTERM" in one_error_line(err)
+    assert int(counts.read_text()) <= 12
     assert not out.exists()
