@@ -14,7 +14,8 @@ system seconds, the figure to trust on a shared machine; peak RSS = %M):
   [S * 131072, 2], 13 million slices, each box holding whole ones), and --axes 0 on one of
   two rows ([2, S * 131072]: the boxes cut every slice), most slices clipped;
 - clip --norm 0.5 --axes 1 on one bfloat16 [4096, 11008] tensor (an MLP matrix of a 7B
-  model, 90 MB; `--no-bf16`: left out), every row clipped, and --global 0.5 on it.
+  model, 90 MB; `--no-bf16`: left out), every row clipped, and --global 0.5 on it; and
+  --axes 1 on the same normals in float16.
 
 `--other NAME=CHECKOUT` runs the same commands with another checkout's clipcli (its
 directory on PYTHONPATH, run from outside any checkout), interleaved with this one, e.g.
@@ -83,9 +84,10 @@ def write_pairs(path: Path, mib: int, rows: bool) -> None:
             out.write(rng.standard_normal(step, dtype=np.float32).tobytes())
 
 
-def write_bf16_matrix(path: Path) -> None:
-    """One bfloat16 tensor of [4096, 11008], seeded normals of standard deviation 0.02."""
-    header = {"w": {"dtype": "BF16", "shape": [4096, 11008], "data_offsets": [0, 4096 * 11008 * 2]}}
+def write_bf16_matrix(path: Path, code: str = "BF16") -> None:
+    """One bfloat16 (code "F16": float16) tensor of [4096, 11008], seeded normals of
+    standard deviation 0.02."""
+    header = {"w": {"dtype": code, "shape": [4096, 11008], "data_offsets": [0, 4096 * 11008 * 2]}}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     rng = np.random.default_rng(2)
@@ -93,7 +95,10 @@ def write_bf16_matrix(path: Path) -> None:
         out.write(struct.pack("<Q", len(text)) + text)
         for _ in range(0, 4096, 256):
             rows = (rng.standard_normal((256, 11008)) * 0.02).astype(np.float32)
-            out.write((rows.view(np.uint32) >> 16).astype("<u2").tobytes())  # truncated
+            if code == "F16":
+                out.write(rows.astype("<f2").tobytes())
+            else:
+                out.write((rows.view(np.uint32) >> 16).astype("<u2").tobytes())  # truncated
 
 
 def run(checkout: Path, args: list[str], scratch: Path) -> tuple[float, float, int]:
@@ -139,6 +144,9 @@ def main() -> None:
         matrix = scratch / "bf16-4096x11008.safetensors"
         if not args.no_bf16 and not matrix.exists():
             write_bf16_matrix(matrix)
+        half = scratch / "f16-4096x11008.safetensors"
+        if not args.no_bf16 and not half.exists():
+            write_bf16_matrix(half, "F16")
         out = str(scratch / "out.safetensors")
         jobs = [
             (f"norms, {args.tensors:,} one-element tensors", ["norms", str(tiny)]),
@@ -190,6 +198,12 @@ def main() -> None:
                 (
                     "clip --global 0.5, bfloat16 [4096, 11008]",
                     ["clip", "--global", "0.5", *flags, str(matrix), out],
+                )
+            )
+            jobs.append(
+                (
+                    "clip --norm 0.5 --axes 1, float16 [4096, 11008]",
+                    ["clip", "--norm", "0.5", "--axes", "1", *flags, str(half), out],
                 )
             )
         results: dict[tuple[str, str], list[tuple[float, float, int]]] = {}

@@ -349,6 +349,8 @@ def clip(
         writer_cls = policy.check_writable(reader, target)
         logical = views.logical(reader)
         _refuse_format_bound_parts(logical, writer_cls, target.out)  # before any loss line
+        if not dry_run:
+            _expect_all_elements(reader, writer_cls)  # the input's refusal before any loss
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
         losses += _join_losses(reader, writer_cls, target)
@@ -555,6 +557,7 @@ def convert(
             reader = _cast_reader(stored, target_dtype, allow_lossy)
         _refuse_undecoded(stored, reader, dtype)
         writer_cls = policy.check_writable(reader, target)
+        _expect_all_elements(reader, writer_cls)  # the input's refusal before any loss
         losses = writer_cls.structure_losses(reader)
         losses += archive_losses(reader, writer_cls.format_name)
         losses += _join_losses(reader, writer_cls, target)
@@ -786,6 +789,16 @@ def _execute(
     return lowering.lift(made, lowered, outcomes, logical)
 
 
+def _expect_all_elements(reader: Reader, writer_cls: type[Writer]) -> None:
+    """Every element will be made (OUT holds no fill values): the input's budgets charged
+    for them now (Reader.expect_all_elements, once per tensor however often asked). Asked
+    before the structure's losses are listed: a record dropped for what the input itself
+    is refused for would otherwise be named as a loss that --allow-lossy accepts, only for
+    the run to be refused after it."""
+    if not writer_cls.copies_constants(reader):
+        reader.expect_all_elements()
+
+
 def _write_out(
     reader: Reader,
     writer_cls: type[Writer],
@@ -802,8 +815,7 @@ def _write_out(
 
     guard = InputGuard(reader.source_identities())
     policy.check_target(reader, writer_cls, target, allow_large_side_files)
-    if not writer_cls.copies_constants(reader):
-        reader.expect_all_elements()  # an input budget's refusal comes before OUT exists
+    _expect_all_elements(reader, writer_cls)  # an input budget's refusal before OUT exists
     # Said once OUT is written (with the target's own notes): a failed run leaves nothing
     # out of anything, and its stderr is the one error line.
     left_out: list[str] = []
