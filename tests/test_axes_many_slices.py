@@ -395,3 +395,27 @@ def test_a_margin_asked_again_is_the_one_worked_out_fresh(dtype: type) -> None:
     for factors in (mixed, asked[2], mixed, ratios * (1 - 5e-4)):
         fresh_margin = slices._SliceRounding.of(rows, limit).within(asked[0], asked[1])[0]
         assert narrowed_margin(factors).tobytes() == fresh_margin(factors).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes"),
+    [((6, 7), (1,)), ((6, 7), (0,)), ((3, 4, 5), (1, 2)), ((3, 4, 5), (0, 2)), ((4, 1, 6), (2,))],
+)
+@pytest.mark.parametrize("budget", [1, 5, 7, 14, 20, 42, 1000])
+def test_gathered_slices_are_the_tensors_rows_whatever_the_boxes(
+    shape: tuple[int, ...], axes: tuple[int, ...], budget: int
+) -> None:
+    """streamed_picked copies whole slices met in order (a box of whole rows) as a plain
+    block, and scatters the rest: either way the rows are the tensor's slices, for every
+    span (at, around and across box edges)."""
+    array = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    rest = [i for i in range(len(shape)) if i not in axes]
+    moved = np.moveaxis(array, list(axes), list(range(len(rest), len(shape))))
+    reference = moved.reshape(-1, math.prod(shape[a] for a in axes))
+    count = reference.shape[0]
+    for start in range(count):
+        for stop in (start + 1, min(count, start + 3), count):
+            got = slices.streamed_picked(
+                boxes_of(array, budget), shape, axes, array.dtype, slice(start, stop)
+            )
+            assert got.tobytes() == reference[start:stop].tobytes(), (start, stop)

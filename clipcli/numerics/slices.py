@@ -649,8 +649,23 @@ def streamed_picked(
         columns = _raveled([ranges[a] for a in axes], [shape[a] for a in axes])
         moved = np.moveaxis(box, list(axes), list(range(box.ndim - len(axes), box.ndim)))
         rows = moved.reshape(len(slice_ids), -1)[inside]
-        picked[(slice_ids[inside] - span.start)[:, None], columns[None, :]] = rows
+        at = slice_ids[inside] - span.start
+        if columns.size == picked.shape[1] and _ascending_run(at) and _ascending_run(columns):
+            # Whole slices, in order (a box of rows holding whole ones): a plain copy, where
+            # the scatter below cost ~10% of a bfloat16 --axes 1 run.
+            picked[at[0] : at[0] + at.size] = rows
+        else:
+            picked[at[:, None], columns[None, :]] = rows
     return picked
+
+
+def _ascending_run(indices: np.ndarray) -> bool:
+    """Whether the indices are k, k + 1, k + 2, ... (one at least)."""
+    return (
+        bool(indices.size)
+        and int(indices[-1]) - int(indices[0]) == indices.size - 1
+        and (indices.size < 2 or bool(np.all(np.diff(indices) == 1)))
+    )
 
 
 def _raveled(ranges: list[range], shape: list[int]) -> np.ndarray:
