@@ -226,3 +226,67 @@ def test_tied_slices_split_the_limit_once_per_margin(monkeypatch: pytest.MonkeyP
     out = (array.astype(np.float64) * scales.reshape(-1, 1)).astype(np.float16)
     assert np.all(np.abs(out.astype(np.float64)).sum(axis=1) == 7.0)  # [3, 4]: exactly C
     assert 0 < len(splits) <= 20, len(splits)
+
+
+def test_terms_at_most_against_fractions() -> None:
+    """The extraction that adds up exact terms (certain.terms_at_most): terms of either
+    sign spread over 300 binades, equal ones, zeros, one to 3,000 of them; limits at the
+    sum's own square root and one ulp either side, and sums that are exactly a limit's
+    square (3**2 + 4**2 = 5**2, scaled, with tiny terms that cancel)."""
+    from clipcli.numerics.certain import limit_split, terms_at_most
+
+    def split(limit: float) -> tuple[float, float]:
+        parts = limit_split(limit)
+        assert parts is not None
+        return parts
+
+    rng = np.random.default_rng(17)
+    for trial in range(300):
+        size = int(rng.integers(1, 3000)) if trial % 3 else int(rng.integers(1, 20))
+        exponents = rng.integers(-150, 150, size=size)
+        terms = np.ldexp(rng.integers(1, 2**20, size=size).astype(np.float64), exponents)
+        if trial % 4 == 0:
+            terms[rng.random(size) < 0.3] = 0.0
+        if trial % 5 == 0:
+            terms = np.repeat(terms[:1], size)
+        if trial % 7 == 0:
+            terms[::2] *= -1.0  # rests and parts of either sign
+        exact = sum(map(Fraction, terms.tolist()), Fraction(0))
+        if exact <= 0:
+            assert terms_at_most(terms, split(1.0)) == (exact <= 1)
+            continue
+        root = math.sqrt(float(exact))
+        if not 1e-140 < root < 1e140:
+            continue
+        for limit in (root, math.nextafter(root, 0.0), math.nextafter(root, math.inf)):
+            expected = exact <= Fraction(limit) ** 2
+            assert terms_at_most(terms, split(limit)) == expected, (trial, limit)
+    tiny = 2.0**-100
+    for scale in (1.0, 2.0**40, 2.0**-60):
+        at_limit = np.array([9.0, 16.0, tiny, -tiny, tiny / 3, -tiny / 3]) * scale
+        assert terms_at_most(at_limit, split(5.0 * math.sqrt(scale)))
+        over = np.array([9.0, 16.0, tiny]) * scale
+        assert not terms_at_most(over, split(5.0 * math.sqrt(scale)))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_long_slices_near_a_tie_are_decided_exactly(dtype: type) -> None:
+    """Slices of more than EXTRACT_FROM_TERMS distinct magnitudes decide near-ties by
+    extraction: each row's factor is within C exactly and the next grid factor over it."""
+    from clipcli.numerics import slices
+
+    rng = np.random.default_rng(23)
+    rows: np.ndarray = (rng.standard_normal((3, 3000)) * [[1e-3], [1.0], [300.0]]).astype(dtype)
+    distinct = [np.unique(np.abs(r.astype(np.float64))).size for r in rows]
+    assert min(distinct) > slices.EXTRACT_FROM_TERMS
+    for k in range(3):
+        tied = _output_sumsq([rows[k]], Fraction(1, 2))
+        root = math.sqrt(float(tied))
+        for limit in (root, math.nextafter(root, 0.0), math.nextafter(root, math.inf)):
+            _, scales = slices.axes_scales(rows[k : k + 1], (1,), limit)
+            factor = float(scales.reshape(-1)[0])
+            bound = Fraction(limit) ** 2
+            assert _output_sumsq([rows[k]], Fraction(factor)) <= bound
+            bits = exact_product_bits([rows.dtype])
+            step = Fraction(2) ** (math.frexp(factor)[1] - bits)
+            assert _output_sumsq([rows[k]], Fraction(factor) + step) > bound
