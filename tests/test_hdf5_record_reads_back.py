@@ -234,3 +234,20 @@ def test_a_record_that_is_not_the_tensors_own_is_a_loss(clipcli: Cli, tmp_path: 
     assert back_run.returncode == 0, back_run
     with h5py.File(back, "r") as f:
         assert f["mask"][()].tolist() == [False, True, True, False]
+
+
+def test_a_model_directory_names_what_no_record_could_hold(clipcli: Cli, tmp_path: Path) -> None:
+    """Attack s33sig: a model directory's shards keep none of the structure, and the loss
+    line summed up what the record holds: once the parts outside the record's rules were
+    dropped from it, "(0 attributes, 0 groups)" named nothing that was lost."""
+    src = tmp_path / "e.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("w", data=np.ones((3, 4), np.float32))
+        many = h5py.enum_dtype({f"m{i}": i for i in range(5000)}, basetype="i2")
+        f["w"].attrs.create("e", np.array([3], dtype="i2"), dtype=many)
+    refused = clipcli("convert", "-q", src, f"{tmp_path / 'out'}/")
+    assert refused.returncode == 2, refused
+    assert "attribute 'e' of '/w'" in refused.stderr
+    run = clipcli("convert", "-q", "--allow-lossy", src, f"{tmp_path / 'kept'}/")
+    assert run.returncode == 0, run
+    assert "attribute 'e' of '/w'" in run.stderr

@@ -80,7 +80,15 @@ class Structure:
         return [] if self.document is None else list(self.document["nodes"])
 
     def summary(self) -> str:
-        """What the structure holds, in a few words (for a loss message)."""
+        """What the structure holds, in a few words (for a loss message), and what could
+        not be recorded of it, named (those parts are lost too where the whole structure
+        is: a model directory's shards keep none of it)."""
+        dropped = self.dropped
+        shown = "; ".join(dropped[:3]) + (
+            f"; and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+        )
+        if self.document is None:
+            return shown or "nothing recorded"
         nodes = self.nodes
         attributes = sum(len(node.get("attrs", ())) for node in nodes)
         groups = sum(node["kind"] == "group" and node["path"] != "/" for node in nodes)
@@ -91,6 +99,8 @@ class Structure:
             parts[0] += f" (root attribute {STRUCTURE_KEY!r} among them)"
         if others:
             parts.append(f"{len(others)} non-tensor datasets ({_names(others)})")
+        if dropped:
+            parts.append(f"and what no record could hold: {shown}")
         return ", ".join(parts)
 
     def storage_settings(self) -> dict[str, str]:
