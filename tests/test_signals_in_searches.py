@@ -91,3 +91,44 @@ def test_sigterm_during_the_float64_checking_pass_stops_it(tmp_path: Path) -> No
     assert "SIGTERM" in one_error_line(err)
     assert int(counts.read_text()) <= 12
     assert not out.exists()
+
+
+_STOPPED_AMONG_THE_STRINGS = """
+import atexit, os, signal, sys
+from clipcli.formats.hdf5 import record_check
+checked = record_check._string_bytes
+count = 0
+def counting(item):
+    global count
+    count += 1
+    if count == 70_000:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return checked(item)
+record_check._string_bytes = counting
+atexit.register(lambda: open({counts!r}, "w").write(str(count)))
+from clipcli.cli.entry import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_among_a_records_strings_stops_at_the_next_check(tmp_path: Path) -> None:
+    """Attack s33sig: a vocabulary of 2,000,000 variable-length strings is checked string by
+    string (a record is checked by the rules it is read back by), seconds of Python with no
+    look for a signal. Stopped at the 70,000th string, the run must end at the next check
+    (every 65,536 strings), not after all 300,000."""
+    import h5py
+
+    src, out, counts = tmp_path / "v.h5", tmp_path / "out.safetensors", tmp_path / "n"
+    with h5py.File(src, "w") as f:
+        f["w"] = np.ones(4, np.float32)
+        f.create_dataset(
+            "vocab", data=[f"word{i}" for i in range(300_000)], dtype=h5py.string_dtype()
+        )
+    script = _STOPPED_AMONG_THE_STRINGS.format(counts=str(counts))
+    code, err = signalled_where_it_stops(
+        script, ["convert", "-q", str(src), str(out)], signal.SIGTERM
+    )
+    assert code == 143, err
+    assert "SIGTERM" in one_error_line(err)
+    assert 70_000 <= int(counts.read_text()) <= 2 * 65_536
+    assert not out.exists()

@@ -38,8 +38,11 @@ from clipcli.formats.hdf5.safety import (
     vlen_attribute_elements,
 )
 from clipcli.formats.structure_record import Structure
+from clipcli.system import interrupts
 
 LAYOUTS = {"compact": 0, "contiguous": 1, "chunked": 2}
+# Variable-length strings checked between two looks for a signal (~1 us each).
+STRINGS_BETWEEN_CHECKS = 1 << 16
 # A variable-length element as the file stores it: a 4-byte length and a global heap ID
 # (an 8-byte collection address and a 4-byte index); its bytes live in the heap.
 VLEN_STORED_BYTES = 16
@@ -578,6 +581,8 @@ def _values(type_desc: Json, space_desc: Json, data: object, name: bytes) -> Rea
         dtype = h5py.string_dtype(encoding="utf-8" if type_desc["cset"] == 1 else "ascii")
         values = np.empty(points, dtype=dtype)
         for index, item in enumerate(strings):
+            if not index % STRINGS_BETWEEN_CHECKS:
+                interrupts.check()  # millions of strings: seconds of Python
             values[index] = _string_bytes(item)
         memory_type = h5py.h5t.py_create(dtype)
         return ReadyAttribute(name, type_id, space, values.reshape(shape), memory_type, raw=False)

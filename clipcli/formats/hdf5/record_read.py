@@ -47,6 +47,7 @@ from clipcli.formats.structure_record import (
     STRUCTURE_VERSION,
     Structure,
 )
+from clipcli.system import interrupts
 
 
 class Hdf5Source(Protocol):
@@ -309,6 +310,7 @@ def _dataset_data(
     raw: list[bytes] = []
     size = 0
     for piece in reader.non_tensor_rows(item):
+        interrupts.check()  # a dataset of millions of strings: seconds of Python
         if item.variable_length:
             strings.extend(_string(v) for v in piece.values.reshape(-1))
             size += sum(len(v) for v in piece.values.reshape(-1))
