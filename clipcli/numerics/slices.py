@@ -164,6 +164,24 @@ def scales_from_sums(
     within_exactly(near) says, for the slices marked `near` (in C order), whether each
     one's exact sum of squares is <= limit**2; picked(over) gives the slices marked `over`
     as rows (only asked for 8/16-bit floats and float64, whose margin needs the values)."""
+    # Limits far below (or above) the data's scale take the margins' relative squares past
+    # float64's range: inf is over the limit, NaN never fits, 0 fits, all of them decided
+    # as they should be; numpy's warnings of it are not clipcli's to print (stderr holds
+    # clipcli's lines only: --norm 1e-300 --axes 0 printed a RuntimeWarning, attack s33num2).
+    with np.errstate(all="ignore"):
+        return _scales_from_sums(sums, exps, limit, dtype, shape, axes, within_exactly, picked)
+
+
+def _scales_from_sums(
+    sums: np.ndarray,
+    exps: np.ndarray,
+    limit: float,
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    axes: tuple[int, ...],
+    within_exactly: Callable[[np.ndarray], np.ndarray],
+    picked: Callable[[np.ndarray], np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         norms = np.ldexp(np.sqrt(sums), exps)
         # limit / norm from the scaled sums, so slices whose norm overflows still clip.
