@@ -26,6 +26,12 @@ from clipcli.formats.hdf5.portable import MAX_TYPE_SIZE
 Cli = Callable[..., Run]
 
 
+def _converts_back(clipcli: Cli, out: Path, back: Path) -> None:
+    """clipcli reads its own OUT back into HDF5: the promise under test."""
+    run = clipcli("convert", "-q", out, back)
+    assert run.returncode == 0, run
+
+
 def _with_attributes(path: Path, sizes: dict[str, int]) -> None:
     """A float32 tensor 'w' (with a small attribute 'ok'), and at the root one fixed-length
     string attribute of each given size, named by its key."""
@@ -55,8 +61,7 @@ def test_the_attacks_attributes_are_losses_and_what_is_kept_reads_back(
     run = clipcli("clip", "--global", "1", "-q", "--allow-lossy", src, out)
     assert run.returncode == 0, run
     assert "attribute 'big' of '/'" in run.stderr
-    back_run = clipcli("convert", "-q", out, back)
-    assert back_run.returncode == 0, back_run
+    _converts_back(clipcli, out, back)
     with h5py.File(back, "r") as f:
         assert f["w"].attrs["ok"] == 3
         assert "pair" not in f["w"].attrs
@@ -73,8 +78,7 @@ def test_a_type_of_exactly_the_records_limit_is_kept_and_one_byte_more_dropped(
     assert run.returncode == 0, run
     assert "attribute 'past' of '/'" in run.stderr
     assert "'at'" not in run.stderr
-    back_run = clipcli("convert", "-q", out, back)
-    assert back_run.returncode == 0, back_run
+    _converts_back(clipcli, out, back)
     with h5py.File(back, "r") as f:
         kept = f.attrs.get_id("at")
         assert kept.get_type().get_size() == MAX_TYPE_SIZE
@@ -93,8 +97,7 @@ def test_objects_outside_the_rules_are_dropped_and_named(clipcli: Cli, tmp_path:
     assert run.returncode == 0, run
     assert "named datatype '/wide_type'" in run.stderr
     assert "dataset '/names'" in run.stderr
-    back_run = clipcli("convert", "-q", out, back)
-    assert back_run.returncode == 0, back_run
+    _converts_back(clipcli, out, back)
     with h5py.File(back, "r") as f:
         assert sorted(f) == ["vocab", "w"]
         assert f["vocab"][()].tolist() == [b"a", b"bb"]
@@ -114,8 +117,7 @@ def test_a_record_over_a_budget_of_what_it_describes_is_dropped_whole(
     run = clipcli("clip", "--global", "1", "-q", "--allow-lossy", src, out)
     assert run.returncode == 0, run
     assert "the HDF5 structure (outside what a structure record may hold" in run.stderr
-    back_run = clipcli("convert", "-q", out, back)
-    assert back_run.returncode == 0, back_run
+    _converts_back(clipcli, out, back)
     with h5py.File(back, "r") as f:
         values = f["w"][()].astype(np.float64)
         assert abs(float(np.sqrt(np.sum(values**2))) - 1.0) < 1e-6
@@ -186,8 +188,7 @@ def test_a_large_space_padded_attribute_beside_variable_length_ones_reads_back(
     run = clipcli("clip", "--global", "1", "-q", src, out)
     assert run.returncode == 0, run
     assert run.stderr == ""
-    back_run = clipcli("convert", "-q", out, back)
-    assert back_run.returncode == 0, back_run
+    _converts_back(clipcli, out, back)
     with h5py.File(src, "r") as before, h5py.File(back, "r") as after:
         assert _raw_attribute(after, "desc") == _raw_attribute(before, "desc")
 
@@ -209,8 +210,7 @@ def test_metadata_left_beside_a_dropped_attribute_counts_in_the_budget(
     assert "attribute budget" in refused.stderr or "64 MiB limit" in refused.stderr
     run = clipcli("convert", "-q", "--allow-lossy", src, out)
     assert run.returncode == 0, run
-    back_run = clipcli("convert", "-q", out, back)
-    assert back_run.returncode == 0, back_run
+    _converts_back(clipcli, out, back)
     with h5py.File(back, "r") as f:
         assert f.attrs["big"] == "x" * 2_000_000  # as metadata: a plain string
 
@@ -230,8 +230,7 @@ def test_a_record_that_is_not_the_tensors_own_is_a_loss(clipcli: Cli, tmp_path: 
     assert "dataset 'mask'" in refused.stderr
     assert not out.exists()
     assert clipcli("convert", "-q", "--allow-lossy", src, out).returncode == 0
-    back_run = clipcli("convert", "-q", out, back)
-    assert back_run.returncode == 0, back_run
+    _converts_back(clipcli, out, back)
     with h5py.File(back, "r") as f:
         assert f["mask"][()].tolist() == [False, True, True, False]
 

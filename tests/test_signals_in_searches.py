@@ -24,23 +24,31 @@ import numpy as np
 from expect import one_error_line, signalled_where_it_stops
 from handmade import write_safetensors
 
-_STOPPED_IN_THE_SECOND_PIECE = """
-import os, signal, sys
-from clipcli.numerics import slices
-searched = slices.scales_from_sums
+# The child: clipcli with module.function counting its calls (written to a file as the
+# child exits) and stopping its own process (SIGSTOP) on call number `stop`; the test sends
+# the signal there and lets it go on.
+_STOPPED_ON_A_CALL = """
+import atexit, importlib, os, signal, sys
+module = importlib.import_module({module!r})
+real = getattr(module, {function!r})
 count = 0
 def counting(*args, **kwargs):
     global count
     count += 1
-    with open({counts!r}, "w") as out:
-        out.write(str(count))
-    if count == 2:
+    if count == {stop}:
         os.kill(os.getpid(), signal.SIGSTOP)
-    return searched(*args, **kwargs)
-slices.scales_from_sums = counting
+    return real(*args, **kwargs)
+setattr(module, {function!r}, counting)
+atexit.register(lambda: open({counts!r}, "w").write(str(count)))
 from clipcli.cli.entry import main
 sys.exit(main(sys.argv[1:]))
 """
+
+
+def _stopped_on_call(module: str, function: str, stop: int, counts: Path) -> str:
+    return _STOPPED_ON_A_CALL.format(
+        module=module, function=function, stop=stop, counts=str(counts)
+    )
 
 
 def test_sigterm_during_the_slices_search_stops_at_the_next_piece(tmp_path: Path) -> None:
@@ -48,32 +56,13 @@ def test_sigterm_during_the_slices_search_stops_at_the_next_piece(tmp_path: Path
     rng = np.random.default_rng(2)
     columns = 4 << 18  # four pieces of 2**18 two-element slices, one window
     write_safetensors(src, {"w": (rng.standard_normal((2, columns)) * 3).astype(np.float16)})
-    script = _STOPPED_IN_THE_SECOND_PIECE.format(counts=str(counts))
+    script = _stopped_on_call("clipcli.numerics.slices", "scales_from_sums", 2, counts)
     args = ["clip", "--norm", "1", "--axes", "0", "-q", "--no-fsync", str(src), str(out)]
     code, err = signalled_where_it_stops(script, args, signal.SIGTERM)
     assert code == 143, err
     assert "SIGTERM" in one_error_line(err)
     assert counts.read_text() == "2"
     assert not out.exists()
-
-
-_STOPPED_IN_THE_CHECKING_PASS = """
-import os, signal, sys
-from clipcli.numerics import rounding
-scale = rounding.scale_chunk
-count = 0
-def counting(*args, **kwargs):
-    global count
-    count += 1
-    with open({counts!r}, "w") as out:
-        out.write(str(count))
-    if count == 2:
-        os.kill(os.getpid(), signal.SIGSTOP)
-    return scale(*args, **kwargs)
-rounding.scale_chunk = counting
-from clipcli.cli.entry import main
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 def test_sigterm_during_the_float64_checking_pass_stops_it(tmp_path: Path) -> None:
@@ -84,31 +73,13 @@ def test_sigterm_during_the_float64_checking_pass_stops_it(tmp_path: Path) -> No
     src, out, counts = tmp_path / "w.safetensors", tmp_path / "out.safetensors", tmp_path / "n"
     rng = np.random.default_rng(3)
     write_safetensors(src, {"w": rng.standard_normal(32 << 18)})  # 32 chunks of 2 MiB
-    script = _STOPPED_IN_THE_CHECKING_PASS.format(counts=str(counts))
+    script = _stopped_on_call("clipcli.numerics.rounding", "scale_chunk", 2, counts)
     args = ["clip", "--global", "1", "-q", "--no-fsync", str(src), str(out)]
     code, err = signalled_where_it_stops(script, args, signal.SIGTERM)
     assert code == 143, err
     assert "SIGTERM" in one_error_line(err)
     assert int(counts.read_text()) <= 12
     assert not out.exists()
-
-
-_STOPPED_AMONG_THE_STRINGS = """
-import atexit, os, signal, sys
-from clipcli.formats.hdf5 import record_check
-checked = record_check._string_bytes
-count = 0
-def counting(item):
-    global count
-    count += 1
-    if count == 70_000:
-        os.kill(os.getpid(), signal.SIGSTOP)
-    return checked(item)
-record_check._string_bytes = counting
-atexit.register(lambda: open({counts!r}, "w").write(str(count)))
-from clipcli.cli.entry import main
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 def test_sigterm_among_a_records_strings_stops_at_the_next_check(tmp_path: Path) -> None:
@@ -124,7 +95,7 @@ def test_sigterm_among_a_records_strings_stops_at_the_next_check(tmp_path: Path)
         f.create_dataset(
             "vocab", data=[f"word{i}" for i in range(300_000)], dtype=h5py.string_dtype()
         )
-    script = _STOPPED_AMONG_THE_STRINGS.format(counts=str(counts))
+    script = _stopped_on_call("clipcli.formats.hdf5.record_check", "_string_bytes", 70_000, counts)
     code, err = signalled_where_it_stops(
         script, ["convert", "-q", str(src), str(out)], signal.SIGTERM
     )

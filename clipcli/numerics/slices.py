@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -150,6 +150,25 @@ def axes_scales(
     )
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _without_float_warnings(fn: _F) -> _F:
+    """fn run with numpy's floating-point warnings off. Limits far below (or above) the
+    data's scale take the margins' relative squares past float64's range: inf is over the
+    limit, NaN never fits, 0 fits, all of them decided as they should be; numpy's warnings
+    of it are not clipcli's to print (stderr holds clipcli's lines only: --norm 1e-300
+    --axes 0 printed a RuntimeWarning, attack s33num2)."""
+
+    @functools.wraps(fn)
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with np.errstate(all="ignore"):
+            return fn(*args, **kwargs)
+
+    return cast(_F, quiet)
+
+
+@_without_float_warnings
 def scales_from_sums(
     sums: np.ndarray,
     exps: np.ndarray,
@@ -164,30 +183,11 @@ def scales_from_sums(
     within_exactly(near) says, for the slices marked `near` (in C order), whether each
     one's exact sum of squares is <= limit**2; picked(over) gives the slices marked `over`
     as rows (only asked for 8/16-bit floats and float64, whose margin needs the values)."""
-    # Limits far below (or above) the data's scale take the margins' relative squares past
-    # float64's range: inf is over the limit, NaN never fits, 0 fits, all of them decided
-    # as they should be; numpy's warnings of it are not clipcli's to print (stderr holds
-    # clipcli's lines only: --norm 1e-300 --axes 0 printed a RuntimeWarning, attack s33num2).
-    with np.errstate(all="ignore"):
-        return _scales_from_sums(sums, exps, limit, dtype, shape, axes, within_exactly, picked)
-
-
-def _scales_from_sums(
-    sums: np.ndarray,
-    exps: np.ndarray,
-    limit: float,
-    dtype: np.dtype[Any],
-    shape: tuple[int, ...],
-    axes: tuple[int, ...],
-    within_exactly: Callable[[np.ndarray], np.ndarray],
-    picked: Callable[[np.ndarray], np.ndarray],
-) -> tuple[np.ndarray, np.ndarray]:
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        norms = np.ldexp(np.sqrt(sums), exps)
-        # limit / norm from the scaled sums, so slices whose norm overflows still clip.
-        ratios = np.where(
-            sums > 0, np.ldexp(limit / np.sqrt(np.where(sums > 0, sums, 1.0)), -exps), np.inf
-        )
+    norms = np.ldexp(np.sqrt(sums), exps)
+    # limit / norm from the scaled sums, so slices whose norm overflows still clip.
+    ratios = np.where(
+        sums > 0, np.ldexp(limit / np.sqrt(np.where(sums > 0, sums, 1.0)), -exps), np.inf
+    )
     over = (ratios < 1.0 + AMBIGUOUS) & np.isfinite(sums)
     scales = np.ones(ratios.shape)
     if not np.any(over) or math.isinf(limit):
