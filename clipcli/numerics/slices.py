@@ -400,9 +400,9 @@ class _SliceRounding:
         count * round(v * s)**2 is an exact float64 (a square of at most 11 significant
         bits, times a count), and limit**2 is split exactly in two (Dekker): one term
         against them is a subtraction (slices of one magnitude: one element, or equal
-        ones, whose best output often lands exactly on the limit), more go through
-        math.fsum (certain.counted_squares_within, which also takes the limits too far out
-        for the split and counts past 2**31, whose single term could round)."""
+        ones, whose best output often lands exactly on the limit), more are added up
+        exactly (math.fsum, or extraction for long slices: certain.terms_at_most). Limits
+        too far out for the split are decided with fractions (counted_squares_within)."""
         magnitudes, counts, begins = self.whole
         lengths = begins[which + 1] - begins[which]
         ends = np.cumsum(lengths)
