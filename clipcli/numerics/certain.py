@@ -47,8 +47,13 @@ def counted_squares_within(values: np.ndarray, counts: np.ndarray, limit: float)
 
 
 def terms_at_most(terms: np.ndarray, split: tuple[float, float]) -> bool:
-    """Whether the exact sum of `terms` (float64, fewer than 2**40, finite, their sum well
-    inside float64's range) is at most high + low (limit_split), exactly. The terms are
+    """Whether the exact sum of `terms` (float64, fewer than 2**40, each of magnitude at
+    most 2**1000 / n: sigma below must be a float64; clipcli's terms, counts times squares
+    of 8/16-bit values, are below 2**320) is at most high + low (limit_split), exactly.
+    Attack s33ext found OverflowError past that (terms of 1e303 with n >= 2**15), and
+    inputs built against it (a ladder of powers of two that cancel, one per pass, beside
+    a million tiny terms) 10x slower than math.fsum; clipcli's nonnegative terms span
+    ~570 bits, a few passes. The terms are
     added up by extraction (Rump, Ogita and Oishi's ExtractVector): with sigma a power of
     two at least 2 * n * max|t|, each q = (sigma + t) - sigma is exact and a multiple of
     2**-53 * sigma, so the q add up exactly in any order, and t - q is exact, of either
