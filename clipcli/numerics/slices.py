@@ -375,7 +375,7 @@ class _SliceRounding:
         terms are summed in the same order either way, so a margin does not depend on the
         slices asked for with it."""
         if which is None:
-            at, local, sums_of = None, self.owner, self.slices
+            local, sums_of = self.owner, self.slices
             magnitudes, counts, fixed = self.magnitudes, self.counts, self.fixed
             each = factors[self.owner]
         else:
