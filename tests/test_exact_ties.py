@@ -318,3 +318,44 @@ def test_limits_past_the_datas_range_print_no_numpy_warnings(tmp_path: Path) -> 
                 )
                 assert run.returncode == 0, run.stderr
                 assert run.stderr == "", (dtype, limit, axes, run.stderr)
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_slices_at_the_extraction_threshold_are_decided_alike(
+    extra: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slice of exactly EXTRACT_FROM_TERMS distinct magnitudes is decided with
+    math.fsum, one more by extraction: both land exactly on a tie. The row holds 1, 2, ...,
+    count - 1 and one x with 1**2 + ... + x**2 = m**2 (m even): halved, its output has norm
+    m / 2 = C exactly."""
+    from clipcli.numerics import slices
+
+    count = slices.EXTRACT_FROM_TERMS + extra
+    base = sum(v * v for v in range(1, count))
+    x = next(
+        x
+        for x in range(count, 2049)
+        if math.isqrt(base + x * x) ** 2 == base + x * x and math.isqrt(base + x * x) % 2 == 0
+    )
+    limit = math.isqrt(base + x * x) / 2
+    row = np.array([*range(1, count), x], dtype=np.float16).reshape(1, -1)
+    used: list[str] = []
+
+    def spying(name: str) -> Callable[..., bool]:
+        real = getattr(slices, name)
+
+        def spy(terms: object, split: tuple[float, float]) -> bool:
+            used.append(name)
+            return bool(real(terms, split))
+
+        return spy
+
+    for name in ("terms_within", "terms_at_most"):
+        monkeypatch.setattr(slices, name, spying(name))
+    _, scales = slices.axes_scales(row, (1,), limit)
+    factor = Fraction(float(scales.reshape(-1)[0]))
+    assert _output_sumsq([row.reshape(-1)], factor) == Fraction(limit) ** 2
+    bits = exact_product_bits([row.dtype])
+    step = Fraction(2) ** (math.frexp(float(factor))[1] - bits)
+    assert _output_sumsq([row.reshape(-1)], factor + step) > Fraction(limit) ** 2
+    assert set(used) == {"terms_at_most" if extra else "terms_within"}
