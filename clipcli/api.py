@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from clipcli.jobs.plan import Outcome, Plan, Reason, TensorPlan
     from clipcli.jobs.spec import ClipSpec
     from clipcli.logical.view import QuantizedRows
-    from clipcli.numerics.norms import NormAccumulator
+    from clipcli.numerics.norms import NormAccumulator, Normed
     from clipcli.output.target import Target
 
 # What clip and convert import in their functions, beyond what ls and norms need: norms
@@ -254,7 +254,7 @@ class ClipRow(NamedTuple):
         return self.plan.before
 
     @property
-    def after(self) -> NormAccumulator:
+    def after(self) -> Normed:
         return self.outcome.after
 
     @property

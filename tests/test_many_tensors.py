@@ -30,7 +30,7 @@ from clipcli.formats.safetensors import reader as st_reader
 from clipcli.formats.safetensors.header import build_header, header_length
 from clipcli.formats.safetensors.writer import COPY_AHEAD_MIN_BYTES, SafetensorsWriter
 from clipcli.jobs import pipeline
-from clipcli.numerics.many import SHORT, accumulate_each
+from clipcli.numerics.many import SHORT, accumulate_each, norms_each
 from clipcli.numerics.norms import NormAccumulator
 from clipcli.report import OutputFormat, render
 from clipcli.report.model import Column, Report
@@ -101,6 +101,38 @@ def test_one_element_each_is_measured_one_at_a_time_bit_for_bit(
     together = accumulate_each(arrays)
     for array, acc in zip(arrays, together, strict=True):
         assert same_stats(acc, one_at_a_time(array)), (array, dtype)
+
+
+def same_float(x: float, y: float) -> bool:
+    return np.array([x], np.float64).tobytes() == np.array([y], np.float64).tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norms_together_are_the_norms_one_at_a_time_bit_for_bit(dtype: np.dtype) -> None:
+    """norms_each (what a clip keeps of small tensors it wrote together) gives each
+    array's NormAccumulator norm, bit for bit, from the smallest float32 subnormal to the
+    largest float32, NaN and infinities included; checked against Fraction sums."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(5)
+    arrays = [np.array(v) for v in ([], [1e-45], [-1e-45, 1e-45], [3.4e38, -3.4e38], [0.0])]
+    for size in [1, 1, 2, SHORT, SHORT + 1, 3, 64]:  # SHORT: at the limit and past it
+        for _ in range(40):
+            values = rng.standard_normal(size) * rng.choice([1e-40, 1e-3, 1.0, 1e30])
+            if rng.random() < 0.5:
+                values[rng.integers(size)] = rng.choice(SPECIAL)
+            arrays.append(values)
+    with np.errstate(all="ignore"):
+        arrays = [a.astype(dtype) for a in arrays]
+    for array, norm in zip(arrays, norms_each(arrays), strict=True):
+        assert same_float(norm, one_at_a_time(array).norm), (array, dtype)
+        wide = array.astype(np.complex128 if dtype.kind == "c" else np.float64)
+        if dtype.kind == "f" and np.all(np.isfinite(wide)) and 0 < array.size <= SHORT:
+            # The sum rounded once, its root once: within 2**-52 of the exact norm.
+            exact = sum(Fraction(float(v)) ** 2 for v in wide)
+            slack = Fraction(1, 2**52)
+            low, high = Fraction(norm) * (1 - slack), Fraction(norm) * (1 + slack)
+            assert low**2 <= exact <= high**2, (array, dtype)
 
 
 def test_a_norm_accumulator_holds_no_dict() -> None:
@@ -218,6 +250,7 @@ MODES = [
     ["--norm", "0.5"],
     ["--average", "0.01"],
     ["--value", "0.3"],
+    ["--norm", "1e-6"],  # float16 values flushed to zero and made subnormal, counted alike
 ]
 
 

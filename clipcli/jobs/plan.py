@@ -23,7 +23,7 @@ from clipcli.jobs.groups import compile_group_by, group_key
 from clipcli.jobs.measurement import Measurement, TensorStats
 from clipcli.jobs.spec import ClipSpec, Mode, axes_fit, exact_limit, normalize_axes, tensor_limit
 from clipcli.numerics import rounding, scaling
-from clipcli.numerics.norms import NormAccumulator, global_norm
+from clipcli.numerics.norms import NormAccumulator, Normed, global_norm
 
 # ---------------------------------------------------------------- the plan
 
@@ -119,11 +119,25 @@ class Flushes:
         self.to_subnormal += to_subnormal
 
 
+class _NothingFlushed(Flushes):
+    """Flushes that stay at zero: shared by the outcomes settled at once with nothing
+    flushed (small tensors written together, 200,000 of them), so never added to."""
+
+    __slots__ = ()
+
+    def add(self, to_zero: int, to_subnormal: int) -> None:  # noqa: ARG002
+        raise TypeError("NOTHING_FLUSHED is shared: an outcome that streams has its own")
+
+
+NOTHING_FLUSHED: Flushes = _NothingFlushed()
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What the write pass did to one tensor."""
+    """What the write pass did to one tensor. `after`: the statistics of what was written
+    (a NormAccumulator, which a streamed tensor fills in as it goes, or just its norm)."""
 
-    after: NormAccumulator = field(default_factory=NormAccumulator)
+    after: Normed = field(default_factory=NormAccumulator)
     changed: bool = False
     slices_clipped: int = 0  # AXES only
     slices: int = 0

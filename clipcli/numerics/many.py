@@ -14,7 +14,7 @@ dot product, so they are left to add.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,9 +33,7 @@ def accumulate_each(arrays: Sequence[np.ndarray]) -> list[NormAccumulator]:
         if 0 < array.size <= SHORT and _widening(array.dtype) is not None:
             short.setdefault(array.dtype, []).append(index)
         else:
-            accumulators[index] = acc = NormAccumulator()
-            if array.size:
-                acc.add(array)
+            accumulators[index] = _accumulated(array)
     for dtype, indices in short.items():
         made = _measure_short(dtype, [arrays[i] for i in indices])
         for index, acc in zip(indices, made, strict=True):
@@ -64,25 +62,73 @@ def _as_float32(flat: np.ndarray) -> np.ndarray:
     return flat.astype(np.float32)
 
 
+def norms_each(arrays: Sequence[np.ndarray]) -> list[float]:
+    """The L2 norm of each flat array: accumulate_each(arrays)[k].norm, bit for bit,
+    without making an accumulator of each short one. A sum of one or two squares of
+    float32 values lies within float64's normal range (2**-298 to 2**256), where
+    NormAccumulator.norm's sqrt of the sum's mantissa, scaled back by a power of two, is
+    the correctly rounded sqrt of the sum itself."""
+    norms: list[float | None] = [None] * len(arrays)
+    short: dict[np.dtype[Any], list[int]] = {}
+    for index, array in enumerate(arrays):
+        if 0 < array.size <= SHORT and _widening(array.dtype) is not None:
+            short.setdefault(array.dtype, []).append(index)
+        else:
+            norms[index] = _accumulated(array).norm
+    for dtype, indices in short.items():
+        members = [arrays[i] for i in indices]
+        columns = _ShortColumns.of(dtype, members)
+        roots = np.sqrt(columns.sums).tolist()
+        for index, array, on_fast_path, root in zip(
+            indices, members, columns.fast.tolist(), roots, strict=True
+        ):
+            norms[index] = root if on_fast_path else _accumulated(array).norm
+    return norms  # type: ignore[return-value]  # every index was filled above
+
+
+def _accumulated(array: np.ndarray) -> NormAccumulator:
+    acc = NormAccumulator()
+    if array.size:
+        acc.add(array)
+    return acc
+
+
+class _ShortColumns(NamedTuple):
+    """What add() works out of each of many short tensors of one dtype, at once: their
+    sizes, largest and smallest values, float64 sums of squares, and whether each is on
+    add()'s fast path (finite, the widened values the data's own)."""
+
+    sizes: np.ndarray
+    highs: np.ndarray
+    lows: np.ndarray
+    sums: np.ndarray
+    fast: np.ndarray
+
+    @classmethod
+    def of(cls, dtype: np.dtype[Any], arrays: list[np.ndarray]) -> _ShortColumns:
+        bound = _widening(dtype)
+        assert bound is not None
+        sizes = np.fromiter((a.size for a in arrays), np.intp, len(arrays))
+        starts = np.zeros(len(arrays), np.intp)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        values = _as_float32(np.concatenate(arrays))
+        wide = values.astype(np.float64)
+        if len(values) == len(arrays):  # one element each (200,000 of them): no reductions
+            highs = lows = values
+            sums = wide * wide
+        else:
+            highs = np.maximum.reduceat(values, starts)
+            lows = np.minimum.reduceat(values, starts)
+            sums = np.add.reduceat(wide * wide, starts)
+        with np.errstate(invalid="ignore"):  # NaN compares False: add() takes those
+            fast = (-bound < lows) & (highs < bound)
+        return cls(sizes, highs, lows, sums, fast)
+
+
 def _measure_short(dtype: np.dtype[Any], arrays: list[np.ndarray]) -> list[NormAccumulator]:
-    bound = _widening(dtype)
-    assert bound is not None
-    sizes = np.fromiter((a.size for a in arrays), np.intp, len(arrays))
-    starts = np.zeros(len(arrays), np.intp)
-    np.cumsum(sizes[:-1], out=starts[1:])
-    values = _as_float32(np.concatenate(arrays))
-    wide = values.astype(np.float64)
-    if len(values) == len(arrays):  # one element each (200,000 of them): no reductions
-        highs = lows = values
-        sums = wide * wide
-    else:
-        highs = np.maximum.reduceat(values, starts)
-        lows = np.minimum.reduceat(values, starts)
-        sums = np.add.reduceat(wide * wide, starts)
+    sizes, highs, lows, sums, fast = _ShortColumns.of(dtype, arrays)
     # frexp of each sum at once: (0.0, 0) for a zero sum, which is ScaledSum()'s own state.
     mants, exps = np.frexp(sums)
-    with np.errstate(invalid="ignore"):  # NaN compares False: add() takes those
-        fast = (-bound < lows) & (highs < bound)
     high_list = highs.tolist()
     # One element each: the same floats, held once (~5 MB for 200,000 tensors).
     low_list = high_list if lows is highs else lows.tolist()
@@ -99,9 +145,7 @@ def _measure_short(dtype: np.dtype[Any], arrays: list[np.ndarray]) -> list[NormA
     made = []
     for array, on_fast_path, high, low, mant, exp, numel in rows:
         if not on_fast_path:
-            acc = NormAccumulator()
-            acc.add(array)
-            made.append(acc)
+            made.append(_accumulated(array))
             continue
         # What add() makes of one finite chunk in a fresh accumulator, built at once (every
         # field up to max_value given: 200,000 tensors): the sum as ScaledSum.add(sumsq, 0)
