@@ -53,9 +53,7 @@ def search_factor(
     if power is None and elsewhere is None:  # a plain checkpoint: one record per member
         powers = [False] * len(members)
         as_values = False
-        as_members = [
-            scaling.Member(m.info.name, m.info.dtype, m.info.numel, m.stats) for m in members
-        ]
+        as_members: Sequence[scaling.Measured] = members  # no record of each (200,000)
     else:
         powers = [power is not None and bool(power(m.info)) for m in members]
         live = [p for p, m in zip(powers, members, strict=True) if m.stats.ssq > 0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from clipcli.formats.base import TensorInfo
 from clipcli.jobs import roles
@@ -15,6 +15,8 @@ from clipcli.jobs.groups import compile_group_by, group_key, group_order
 from clipcli.numerics.norms import NormAccumulator, global_norm
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from clipcli.logical.view import QuantizedRows
 
 
@@ -30,6 +32,28 @@ class TensorStats(NamedTuple):
     role: roles.Role = roles.Role.WEIGHT
     selected: bool = True  # by --include/--exclude
     tied_to: str | None = None  # the same values as this earlier tensor: not in_global
+
+    # What the factor search reads of a member (numerics.scaling.Measured): a tensor
+    # as it is stored, its output its own values rounded to its own dtype.
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.info.dtype
+
+    @property
+    def numel(self) -> int:
+        return self.info.numel
+
+    @property
+    def rounded_elsewhere(self) -> bool:
+        return False
+
+    @property
+    def power_of_two(self) -> bool:
+        return False
 
 
 class GroupStats(NamedTuple):
