@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from clipcli.errors import DataRefusedError, UsageError
 from clipcli.formats.base import (
     Checkpoint,
-    Listed,
+    ListedTensor,
     NonTensorInfo,
     Reader,
     TensorInfo,
@@ -62,7 +62,7 @@ class Listing(NamedTuple):
 
     format_name: str
     metadata: dict[str, str]
-    tensors: list[Listed]
+    tensors: list[ListedTensor]
     non_tensors: list[NonTensorInfo]
     shards: dict[str, str] | None  # tensor -> the file holding it, in a model directory
     quantized: QuantizedRows | None = None  # what rows say of quantized weights

@@ -16,6 +16,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -422,3 +423,59 @@ def test_the_cli_collects_long_lived_objects_rarely() -> None:
         assert gc.get_threshold()[0] == before[0]
     finally:
         gc.set_threshold(*before)
+
+
+# safetensors' dtype codes, from its format documentation, with numpy's names.
+CODES = {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16,
+    "I32": np.int32, "U32": np.uint32, "I64": np.int64, "U64": np.uint64,
+    "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64,
+    "C64": np.complex64, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+    "F8_E4M3FNUZ": ml_dtypes.float8_e4m3fnuz, "F8_E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
+}  # fmt: skip
+
+
+def _write_every_code(path: Path, names: list[str]) -> None:
+    """A safetensors file (by hand) of one [k % 3, 2] tensor per name, codes in turn."""
+    header, offset = {}, 0
+    codes = list(CODES)
+    for name in names:
+        k = int(name.split(".")[1])
+        shape, size = [k % 3, 2], (k % 3) * 2 * np.dtype(CODES[codes[k]]).itemsize
+        header[name] = {"dtype": codes[k], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(offset))
+
+
+def _fields(listing: list[Any]) -> list[tuple[Any, ...]]:
+    return [(t.name, t.dtype_name, t.shape, t.nbytes, t.numel) for t in listing]
+
+
+def test_the_listing_reads_the_same_once_the_infos_exist(tmp_path: Path) -> None:
+    """A safetensors reader (a file, and a model directory of shards) lists its tensors
+    from the header alone, then, once it has made its infos, gives those as its listing
+    (one record of each tensor, not two): the same names, dtypes, shapes and sizes, every
+    safetensors dtype among them, in the same order."""
+    names = [f"t.{k}" for k in range(len(CODES))]
+    single = tmp_path / "one.safetensors"
+    _write_every_code(single, names)
+    directory = tmp_path / "model"
+    directory.mkdir()
+    halves = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for shard, held in halves.items():
+        _write_every_code(directory / shard, held)
+    weight_map = {n: shard for shard, held in halves.items() for n in held}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    expected_types = {n: np.dtype(CODES[list(CODES)[k]]).name for k, n in enumerate(names)}
+    for path in (single, directory):
+        with open_reader(path) as reader:
+            before = _fields(list(reader.listing))
+            infos = reader.infos
+            assert _fields(list(reader.listing)) == before
+            assert [(i.name, i.dtype_name, i.shape, i.nbytes) for i in infos] == [
+                f[:4] for f in before
+            ]
+        assert {f[0]: f[1] for f in before} == expected_types

@@ -88,6 +88,12 @@ class Listed(NamedTuple):
         return math.prod(self.shape)
 
 
+# What Reader.listing gives of each tensor: a Listed read from a header alone, or the
+# TensorInfo itself once a reader has made its infos (the same name, dtype_name, shape and
+# nbytes, held once: two records of each of 200,000 tensors were 15 MB more).
+ListedTensor = Listed | TensorInfo
+
+
 def byte_view(array: np.ndarray, dtype: np.dtype[Any]) -> memoryview:
     """The array's bytes as `dtype`, C-contiguous, without a copy where none is needed."""
     import numpy as np
@@ -230,7 +236,7 @@ class ReaderCore(ABC):
         """Tensors in file order, without reading their data."""
 
     @property
-    def listing(self) -> list[Listed]:
+    def listing(self) -> Sequence[ListedTensor]:
         """What `ls` shows of the tensors, in file order. A reader that can list without
         numpy (safetensors) answers this without building `infos`."""
         return [Listed(i.name, i.dtype_name, i.shape, i.nbytes) for i in self.infos]

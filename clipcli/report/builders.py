@@ -14,7 +14,7 @@ from clipcli.words import count, count_number
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
     from clipcli.api import ClipResult, ClipRow
-    from clipcli.formats.base import Listed, NonTensorInfo
+    from clipcli.formats.base import ListedTensor, NonTensorInfo
     from clipcli.jobs.diff import DiffResult
     from clipcli.jobs.measurement import Measurement, TensorStats
     from clipcli.logical.view import QuantizedRows
@@ -89,7 +89,7 @@ def ls_report(
     path: str,
     fmt: str,
     metadata: Mapping[str, str],
-    infos: Sequence[Listed],
+    infos: Sequence[ListedTensor],
     sort: SortKey = SortKey.NAME,
     shards: Mapping[str, str] | None = None,
     listed_of: int | None = None,

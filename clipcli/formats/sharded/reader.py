@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from clipcli.errors import InputError
-from clipcli.formats.base import DirectoryLayout, Listed, Reader, Shard, StoredBytes, TensorInfo
+from clipcli.formats.base import (
+    DirectoryLayout,
+    ListedTensor,
+    Reader,
+    Shard,
+    StoredBytes,
+    TensorInfo,
+)
 from clipcli.formats.safetensors import SafetensorsReader  # the shards' interface
 from clipcli.formats.sharded.layout import (
     DERIVED_INDEX_KEYS,
@@ -304,13 +311,15 @@ class ShardedReader(Reader):
     # -- the Reader interface
 
     @property
-    def listing(self) -> list[Listed]:
-        return self._listing
+    def listing(self) -> Sequence[ListedTensor]:
+        # The infos once they exist, as a shard's own listing is (one record of each).
+        return self._listing if self._infos is None else self._infos
 
     @property
     def infos(self) -> list[TensorInfo]:
         if self._infos is None:
             self._infos = [info for reader in self._readers.values() for info in reader.infos]
+            self._listing = []
         return self._infos
 
     @property
