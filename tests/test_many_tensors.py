@@ -374,6 +374,20 @@ def test_header_length_in_batches_is_the_built_header(count: int) -> None:
     ]
     for metadata in ({}, {"k": "v", "ä": '"'}):
         assert header_length(infos, metadata) == len(build_header(infos, metadata)) - 8
+        # The header as built after being measured (the batches kept), and as json spells
+        # it: __metadata__ first, then the entries in order, space-padded to 8 bytes.
+        header_length(infos, metadata)
+        built = build_header(infos, metadata)
+        entries: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+        offset = 0
+        for info in infos:
+            span = [offset, offset + info.nbytes]
+            entries[info.name] = {"dtype": "F16", "shape": list(info.shape), "data_offsets": span}
+            offset += info.nbytes
+        text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)
+        assert built == len(text).to_bytes(8, "little") + text
+        assert build_header(infos, metadata) == built  # and as built unmeasured
 
 
 def test_a_plain_header_entry_and_a_dict_one_read_the_same(tmp_path: Path) -> None:

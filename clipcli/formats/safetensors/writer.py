@@ -24,7 +24,7 @@ from clipcli.formats.base import (
 from clipcli.formats.safetensors.header import (
     CODES,
     buffer_size_overflows,
-    build_header,
+    header_pieces,
     header_problem,
 )
 from clipcli.formats.structure_record import STRUCTURE_KEY
@@ -66,15 +66,17 @@ class SafetensorsWriter(Writer):
         super().__init__(path, checkpoint, durable)
         self.check_tensors(checkpoint.infos)
         self._file: BinaryIO = self._open(path)
-        header = build_header(checkpoint.infos, with_structure(checkpoint))
-        self._reserve(len(header) + sum(info.nbytes for info in checkpoint.infos))
-        self._file.write(header)
+        pieces = header_pieces(checkpoint.infos, with_structure(checkpoint))
+        header_bytes = sum(map(len, pieces))
+        self._reserve(header_bytes + sum(info.nbytes for info in checkpoint.infos))
+        self._file.writelines(pieces)
+        del pieces
         # Where the next byte goes, kept here: the buffered file's tell() asks the kernel
         # (an lseek) on every call, one per tensor written (200,000 tensors: ~0.4 s).
-        self._position = len(header)
+        self._position = header_bytes
         self._writeback = WritebackStarter(self._file.fileno()) if durable else None
         self._offsets: dict[str, int] = {}
-        position = len(header)
+        position = header_bytes
         for info in checkpoint.infos:
             self._offsets[info.name] = position
             position += info.nbytes
