@@ -73,3 +73,17 @@ def test_the_records_made_per_tensor_hold_no_dict_and_stay_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         record.factor = 2.0  # type: ignore[misc]
     assert dataclasses.replace(record, factor=0.5).factor == 0.5
+
+
+def test_the_shared_nothing_flushed_cannot_be_added_to() -> None:
+    """Outcomes made without flushes of their own share NOTHING_FLUSHED (200,000 tensors):
+    adding to it would count one tensor's flushes for every other, so it refuses."""
+    from clipcli.jobs.plan import NOTHING_FLUSHED
+
+    assert Outcome().flushes is NOTHING_FLUSHED
+    with pytest.raises(TypeError):
+        NOTHING_FLUSHED.add(1, 0)
+    assert (NOTHING_FLUSHED.to_zero, NOTHING_FLUSHED.to_subnormal) == (0, 0)
+    own = Flushes()
+    own.add(2, 3)
+    assert (own.to_zero, own.to_subnormal) == (2, 3)

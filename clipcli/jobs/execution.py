@@ -245,13 +245,13 @@ def execute(
         if known is not None:  # its statistics known already: the pass only scales
             outcomes[info.name] = known
             return _counted_out(map_chunks(reader, info, transform), progress)
-        after = NormAccumulator()
-        outcome = outcomes[info.name] = Outcome(after, changed=True)
+        after, flushes = NormAccumulator(), Flushes()
+        outcomes[info.name] = Outcome(after, True, 0, 0, flushes)
         count = tensor.action is Action.SCALE
         if tensor.action is Action.SCALE and info.name in scalers:
             transform, count = scalers[info.name], False  # bytes, not values
         pairs = map_chunks(reader, info, functools.partial(_with_stats, transform, count))
-        return _measured(pairs, after, outcome.flushes, progress)
+        return _measured(pairs, after, flushes, progress)
 
     def joins(info: TensorInfo) -> bool:  # --axes reads each tensor whole, on its own
         return by_name[info.name].action is not Action.AXES and info.name not in scalers

@@ -132,6 +132,10 @@ class _NothingFlushed(Flushes):
 NOTHING_FLUSHED: Flushes = _NothingFlushed()
 
 
+def _nothing_flushed() -> Flushes:
+    return NOTHING_FLUSHED
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What the write pass did to one tensor. `after`: the statistics of what was written
@@ -141,7 +145,10 @@ class Outcome:
     changed: bool = False
     slices_clipped: int = 0  # AXES only
     slices: int = 0
-    flushes: Flushes = field(default_factory=Flushes)
+    # NOTHING_FLUSHED unless given: an outcome that counts flushes as it streams is made
+    # with a Flushes of its own (a new one for each of 200,000 unchanged tensors cost
+    # ~0.8 us and 48 bytes apiece).
+    flushes: Flushes = field(default_factory=_nothing_flushed)
 
 
 def copy_plan(infos: Iterable[TensorInfo]) -> Plan:
