@@ -503,3 +503,58 @@ def test_the_listing_reads_the_same_once_the_infos_exist(tmp_path: Path) -> None
                 f[:4] for f in before
             ]
         assert {f[0]: f[1] for f in before} == expected_types
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--value", "0.5"],
+        ["--min", "0"],
+        ["--global", "1", "--skip-nonfinite"],
+        ["--norm", "1e-3", "--skip-nonfinite"],
+    ],
+    ids=" ".join,
+)
+def test_signalling_nans_among_many_small_tensors_warn_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]
+) -> None:
+    """float32 and float16 signalling NaNs (the quiet bit clear) in tensors measured and
+    written together: widening them raises numpy's invalid-value flag, which must not
+    reach stderr as a RuntimeWarning (the test run makes warnings errors: exit 70). Found
+    by the session-34 attack."""
+    patterns = [0x7F800001, 0xFF800001, 0x7FC00000, 0x7FBFFFFF, 0x3F800000, 0x00000001]
+    others = [  # (bit patterns, dtype): NaNs with the quiet bit clear, then a number
+        ([0x7C01, 0xFD00, 0x3C00], np.float16),
+        ([0x7F81, 0xFF81, 0x3F80], ml_dtypes.bfloat16),
+        ([0x7F, 0xFF, 0x38], ml_dtypes.float8_e4m3fn),
+        ([0x7D, 0xFE, 0x3C], ml_dtypes.float8_e5m2),
+        ([0x7FF0000000000001, 0xFFF0000000000001, 0x3FF0000000000000], np.float64),
+    ]
+    tensors: dict[str, np.ndarray] = {}
+    for i in range(60):
+        k = 1 + i % 3
+        if i % 4 == 3:
+            bits, kind = others[i // 4 % len(others)]
+            unsigned = np.dtype(f"u{np.dtype(kind).itemsize}")
+            tensors[f"n.{i}"] = np.array(bits[:k], unsigned).view(kind)
+        else:
+            bits = [patterns[(i + j) % len(patterns)] for j in range(k)]
+            tensors[f"n.{i}"] = np.array(bits, np.uint32).view(np.float32)
+    src = write_safetensors(tmp_path / "snan.safetensors", tensors)
+    out = tmp_path / "out.safetensors"
+    assert main(["clip", *mode, "-q", str(src), str(out)]) == 0
+    assert main(["norms", "-q", str(src)]) in (0, 1)
+    err = capsys.readouterr().err
+    assert all(line.startswith("clipcli: ") for line in err.splitlines()), err
+
+
+def test_a_float64_signalling_nan_leaves_the_extremes_of_the_other_values() -> None:
+    """np.nanmax warned "All-NaN slice" on [sNaN, 1.0] (float64, the quiet bit clear),
+    a stray stderr line: the extremes --value clamps by are those of the values that are
+    not NaN, with no warning (the test run makes warnings errors)."""
+    for bits, high, low in [
+        ([0x7FF0000000000001, 0x3FF0000000000000], 1.0, 1.0),
+        ([0xFFF0000000000001, 0x7FF0000000000000, 0xBFF0000000000000], math.inf, -1.0),
+    ]:
+        acc = one_at_a_time(np.array(bits, np.uint64).view(np.float64))
+        assert (acc.max_value, acc.min_value, acc.nan_count) == (high, low, 1)

@@ -112,7 +112,8 @@ class _ShortColumns(NamedTuple):
         starts = np.zeros(len(arrays), np.intp)
         np.cumsum(sizes[:-1], out=starts[1:])
         values = _as_float32(np.concatenate(arrays))
-        wide = values.astype(np.float64)
+        with np.errstate(invalid="ignore"):  # a signalling NaN widens quietly, as in add()
+            wide = values.astype(np.float64)
         if len(values) == len(arrays):  # one element each (200,000 of them): no reductions
             highs = lows = values
             sums = wide * wide

@@ -261,9 +261,11 @@ class NormAccumulator:
             self.nan_count += int(np.count_nonzero(np.isnan(chunk)))
             self.inf_count += int(np.count_nonzero(np.isinf(chunk)))
             if chunk.dtype.kind != "c":
-                has_values = not np.all(np.isnan(wide))
-                if has_values:
-                    high, low = float(np.nanmax(wide)), float(np.nanmin(wide))
+                # The NaNs taken out first: np.nanmax warns "All-NaN slice encountered"
+                # (a stray stderr line) where a float64 signalling NaN meets a number.
+                values = wide[~np.isnan(wide)]
+                if values.size:
+                    high, low = float(values.max()), float(values.min())
                     self.max_value = max(self.max_value, high)
                     self.min_value = min(self.min_value, low)
             chunk = chunk[finite]
