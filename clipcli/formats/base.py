@@ -422,8 +422,6 @@ class Reader(ReaderCore, FastReading, HoldsStructure, ModelDirectoryLayout):
 
 class Writer(ABC):
     format_name: ClassVar[str]
-    # The smallest tensor that copy_ahead may copy; None: it copies none (the default).
-    copies_ahead_from_bytes: ClassVar[int | None] = None
 
     def __init__(self, path: Path, checkpoint: Checkpoint, durable: bool = False) -> None:
         self.path = path
@@ -565,8 +563,7 @@ class Writer(ABC):
     def copy_ahead(self, source: Reader, info: TensorInfo) -> None:  # noqa: B027 - optional
         """A hint, given while tensors are still being measured, that `info` will probably
         be unchanged: a writer that knows where it goes may start copying it now, in the
-        background. write() or copy_unchanged() for it must still follow, in order. Only
-        tensors of copies_ahead_from_bytes and more are hinted."""
+        background. write() or copy_unchanged() for it must still follow, in order."""
 
     def parts(self) -> list[list[TensorInfo]] | None:
         """The tensors, in checkpoint order, cut into parts that go to separate files (a

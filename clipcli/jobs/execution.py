@@ -47,17 +47,12 @@ from clipcli.system.parallel import loaded
 
 def copy_ahead_hook(
     spec: ClipSpec, reader: Reader, writer: Writer
-) -> Callable[[TensorStats], None] | None:
-    """Hands the writer each measured tensor that the plan will most likely leave alone,
-    of the sizes it copies ahead (the verdict on each of 200,000 tiny tensors cost ~0.2 s
-    of CPU for nothing); None for a writer that copies none ahead."""
+) -> Callable[[TensorStats], None]:
+    """Hands the writer each measured tensor that the plan will most likely leave alone."""
     verdict = EarlyVerdict(spec)
-    least = writer.copies_ahead_from_bytes
-    if least is None:
-        return None
 
     def on_measured(t: TensorStats) -> None:
-        if t.info.nbytes >= least and verdict.unchanged(t):
+        if verdict.unchanged(t):
             writer.copy_ahead(reader, t.info)
 
     return on_measured

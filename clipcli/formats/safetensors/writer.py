@@ -98,8 +98,6 @@ class SafetensorsWriter(Writer):
                 raise
             # Filesystems without fallocate support (EOPNOTSUPP, EINVAL) just grow the file.
 
-    copies_ahead_from_bytes = COPY_AHEAD_MIN_BYTES
-
     def copy_ahead(self, source: Reader, info: TensorInfo) -> None:
         """Kernel-copy the tensor to its final offset on a background thread, so that when
         nothing changes the copy overlaps the measuring pass instead of following it."""
