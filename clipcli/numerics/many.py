@@ -28,17 +28,29 @@ SHORT = 2  # elements
 def accumulate_each(arrays: Sequence[np.ndarray]) -> list[NormAccumulator]:
     """A finished NormAccumulator for each flat array, as add() would make it."""
     accumulators: list[NormAccumulator | None] = [None] * len(arrays)
-    short: dict[np.dtype[Any], list[int]] = {}
-    for index, array in enumerate(arrays):
-        if 0 < array.size <= SHORT and _widening(array.dtype) is not None:
-            short.setdefault(array.dtype, []).append(index)
-        else:
-            accumulators[index] = _accumulated(array)
+    short, others = _short_by_dtype(arrays)
+    for index in others:
+        accumulators[index] = _accumulated(arrays[index])
     for dtype, indices in short.items():
         made = _measure_short(dtype, [arrays[i] for i in indices])
         for index, acc in zip(indices, made, strict=True):
             accumulators[index] = acc
     return accumulators  # type: ignore[return-value]  # every index was filled above
+
+
+def _short_by_dtype(
+    arrays: Sequence[np.ndarray],
+) -> tuple[dict[np.dtype[Any], list[int]], list[int]]:
+    """The positions of the arrays of one to SHORT elements on add()'s fast path, by
+    dtype, and those of every other array."""
+    short: dict[np.dtype[Any], list[int]] = {}
+    others: list[int] = []
+    for index, array in enumerate(arrays):
+        if 0 < array.size <= SHORT and _widening(array.dtype) is not None:
+            short.setdefault(array.dtype, []).append(index)
+        else:
+            others.append(index)
+    return short, others
 
 
 def _widening(dtype: np.dtype[Any]) -> float | None:
@@ -69,12 +81,9 @@ def norms_each(arrays: Sequence[np.ndarray]) -> list[float]:
     NormAccumulator.norm's sqrt of the sum's mantissa, scaled back by a power of two, is
     the correctly rounded sqrt of the sum itself."""
     norms: list[float | None] = [None] * len(arrays)
-    short: dict[np.dtype[Any], list[int]] = {}
-    for index, array in enumerate(arrays):
-        if 0 < array.size <= SHORT and _widening(array.dtype) is not None:
-            short.setdefault(array.dtype, []).append(index)
-        else:
-            norms[index] = _accumulated(array).norm
+    short, others = _short_by_dtype(arrays)
+    for index in others:
+        norms[index] = _accumulated(arrays[index]).norm
     for dtype, indices in short.items():
         members = [arrays[i] for i in indices]
         columns = _ShortColumns.of(dtype, members)
