@@ -25,7 +25,7 @@ from handmade import read_safetensors, write_safetensors
 from safetensors.numpy import load_file
 
 from clipcli.cli.entry import main
-from clipcli.formats.base import TensorInfo
+from clipcli.formats.base import Checkpoint, StoredBytes, TensorInfo
 from clipcli.formats.opening import open_reader
 from clipcli.formats.safetensors import reader as st_reader
 from clipcli.formats.safetensors.header import build_header, header_length
@@ -548,3 +548,64 @@ def test_a_float64_signalling_nan_leaves_the_extremes_of_the_other_values() -> N
     ]:
         acc = one_at_a_time(np.array(bits, np.uint64).view(np.float64))
         assert (acc.max_value, acc.min_value, acc.nan_count) == (high, low, 1)
+
+
+# ---------------------------------------------------------------- the writer's layout
+
+
+def _writer_of(tmp_path: Path, sizes: list[int]) -> tuple[SafetensorsWriter, list[TensorInfo]]:
+    infos = [TensorInfo(f"t{k}", np.dtype(np.uint8), (n,), n) for k, n in enumerate(sizes)]
+    return SafetensorsWriter(tmp_path / "w.safetensors", Checkpoint(infos, {})), infos
+
+
+def test_the_writer_refuses_to_close_a_file_short_or_long_of_its_header(tmp_path: Path) -> None:
+    """Tensors go where the one before ended (no offset of each is kept): a file whose
+    bytes do not end where the header lays them out is never closed as done."""
+    for written in (2, 3, 4):  # one byte short, exact, one byte more than the 3 laid out
+        writer, (info,) = _writer_of(tmp_path, [3])
+        writer.write(info, [np.zeros(written, np.uint8)])
+        if written == 3:
+            writer.close()
+            assert load_file(str(tmp_path / "w.safetensors"))["t0"].tolist() == [0, 0, 0]
+        else:
+            with pytest.raises(RuntimeError, match="lays out"):
+                writer.close()
+
+
+def test_a_tensor_copied_ahead_must_come_in_its_place(tmp_path: Path) -> None:
+    """A tensor big enough to be copied ahead keeps the offset the header gave it: reached
+    anywhere else (out of order), the writer refuses rather than writing it there."""
+    big = COPY_AHEAD_MIN_BYTES
+    src = write_safetensors(
+        tmp_path / "in.safetensors", {"t0": np.ones(4, np.uint8), "t1": np.ones(big, np.uint8)}
+    )
+    with open_reader(src) as reader:
+        writer = SafetensorsWriter(tmp_path / "w.safetensors", Checkpoint(list(reader.infos), {}))
+        try:
+            with pytest.raises(RuntimeError, match="out of order"):
+                writer.copy_unchanged(reader, reader.infos[1])  # before t0
+        finally:
+            writer.abort()
+
+
+def test_runs_are_copied_whole_only_where_stored_sizes_are_theirs(tmp_path: Path) -> None:
+    """copy_unchanged_many copies a run in one piece only when each tensor's stored bytes
+    are exactly its size (what the header lays out here); else the caller writes them."""
+    src = write_safetensors(tmp_path / "in.safetensors", {"a": np.ones(4, np.uint8)})
+    fd = os.open(src, os.O_RDONLY)
+    try:
+
+        class Source:
+            def __init__(self, spans: list[tuple[int, int]]) -> None:
+                self.spans = dict(zip(["t0", "t1"], spans, strict=True))
+
+            def stored_bytes(self, info: TensorInfo) -> StoredBytes:
+                begin, end = self.spans[info.name]
+                return StoredBytes(src, lambda: fd, begin, end)
+
+        for spans, whole in [([(8, 10), (10, 12)], True), ([(8, 11), (11, 12)], False)]:
+            writer, infos = _writer_of(tmp_path, [2, 2])
+            assert writer.copy_unchanged_many(Source(spans), infos) is whole  # type: ignore[arg-type]
+            writer.abort()
+    finally:
+        os.close(fd)

@@ -75,11 +75,16 @@ class SafetensorsWriter(Writer):
         # (an lseek) on every call, one per tensor written (200,000 tensors: ~0.4 s).
         self._position = header_bytes
         self._writeback = WritebackStarter(self._file.fileno()) if durable else None
-        self._offsets: dict[str, int] = {}
+        # Tensors come in order (write_tensors): each goes where the one before it ended.
+        # Kept apart: where each tensor that may be copied ahead goes (an offset of each of
+        # 200,000 tiny tensors held 14 MB), and where the last one ends.
+        self._ahead_offsets: dict[str, int] = {}
         position = header_bytes
         for info in checkpoint.infos:
-            self._offsets[info.name] = position
+            if info.nbytes >= COPY_AHEAD_MIN_BYTES:
+                self._ahead_offsets[info.name] = position
             position += info.nbytes
+        self._end = position
         self._ahead: dict[str, Future[None]] = {}
         self._copier: ThreadPoolExecutor | None = None
         self._threadless = False  # no thread could be started: no copying ahead
@@ -112,7 +117,7 @@ class SafetensorsWriter(Writer):
                 stored.fileno(),
                 stored.begin,
                 stored.end,
-                self._offsets[info.name],
+                self._ahead_offsets[info.name],
             )
         except RuntimeError:
             # Its thread cannot be started (RLIMIT_NPROC): the tensor is copied in order
@@ -200,13 +205,13 @@ class SafetensorsWriter(Writer):
         for info, where in zip(infos, stored, strict=True):
             if where is None or where.path != first.path or where.begin != end:
                 return False
-            if self._offsets[info.name] != self._offsets[infos[0].name] + (end - first.begin):
+            if where.end - where.begin != info.nbytes:  # laid out here at nbytes each
                 return False
             end = where.end
         for info in infos:
             self._settle(info)
         self._file.flush()
-        position = self._offsets[infos[0].name]
+        position = self._next_offset(infos[0])
         self._copy_range(first.fileno(), first.begin, end, position)
         self._position = self._file.seek(position + end - first.begin)
         self._written()
@@ -219,13 +224,26 @@ class SafetensorsWriter(Writer):
             if stored is None:
                 return False
             self._file.flush()
-            self._copy_range(stored.fileno(), stored.begin, stored.end, self._offsets[info.name])
-        self._position = self._file.seek(self._offsets[info.name] + info.nbytes)
+            self._copy_range(stored.fileno(), stored.begin, stored.end, self._next_offset(info))
+        self._position = self._file.seek(self._next_offset(info) + info.nbytes)
         self._written()
         return True
 
+    def _next_offset(self, info: TensorInfo) -> int:
+        """Where `info` goes: where the tensor before it ended (tensors come in order),
+        which is where the header laid it out; checked where that offset is kept."""
+        laid_out = self._ahead_offsets.get(info.name, self._position)
+        if laid_out != self._position:
+            raise RuntimeError(f"tensor {info.name!r} reached the writer out of order")
+        return self._position
+
     def close(self) -> None:
         self._stop_copier()
+        if self._position != self._end:  # every byte the header lays out, no more
+            self._file.close()
+            raise RuntimeError(
+                f"wrote {self._position} bytes where the header lays out {self._end}"
+            )
         self._file.close()
 
     def abort(self) -> None:
