@@ -119,6 +119,7 @@ class SafetensorsReader(Reader):
             self._identity = FileIdentity.of_stat(os.fstat(self._file.fileno()))
             self._listing, self._offsets, self._metadata = self._parse(self._file)
             self._infos: list[TensorInfo] | None = None
+            self._infos_made = threading.Lock()  # made once, whichever thread asks first
             self._structure: Structure | None = None
         except BaseException:
             self._file.close()
@@ -364,18 +365,25 @@ class SafetensorsReader(Reader):
         # The infos themselves once they exist (their fields are the listing's): one record
         # of each tensor, not two. Making a listing again from the infos instead cost 0.3 s
         # of CPU on 200,000 tensors (the quantized markers list names after the infos).
-        return self._listing if self._infos is None else self._infos
+        # The listing read first: the infos are set before it is let go (infos()).
+        listing, infos = self._listing, self._infos
+        return listing if infos is None else infos
 
     @property
     def infos(self) -> list[TensorInfo]:
-        if self._infos is None:  # numpy (and ml_dtypes for BF16/F8) from here on
-            dtypes = {name: dtype_of(CODES[name]) for name in {t.dtype_name for t in self._listing}}
-            make = TensorInfo._make
-            self._infos = [
-                make((name, dtypes[dtype], shape, nbytes))
-                for name, dtype, shape, nbytes in self._listing
-            ]
-            self._listing = []  # `listing` is the infos from here on
+        if self._infos is None:
+            with self._infos_made:  # two threads asking first get the same infos
+                if self._infos is None:  # numpy (and ml_dtypes for BF16/F8) from here on
+                    listing = self._listing
+                    dtypes = {
+                        name: dtype_of(CODES[name]) for name in {t.dtype_name for t in listing}
+                    }
+                    make = TensorInfo._make
+                    self._infos = [
+                        make((name, dtypes[dtype], shape, nbytes))
+                        for name, dtype, shape, nbytes in listing
+                    ]
+                    self._listing = []  # `listing` is the infos from here on
         return self._infos
 
     @property

@@ -119,6 +119,7 @@ class ShardedReader(Reader):
         # Listed from the headers alone (no numpy: `ls model_dir/`); `infos` on first use.
         self._listing = [t for name in names for t in self._readers[name].listing]
         self._infos: list[TensorInfo] | None = None
+        self._infos_made = threading.Lock()
         self._content_kinds: dict[Path, str] = {}  # files left out for their content
         self._other_files, self._side_folders, self._skipped_files = self._scan_directory()
 
@@ -312,14 +313,19 @@ class ShardedReader(Reader):
 
     @property
     def listing(self) -> Sequence[ListedTensor]:
-        # The infos once they exist, as a shard's own listing is (one record of each).
-        return self._listing if self._infos is None else self._infos
+        # The infos once they exist, as a shard's own listing is (one record of each); the
+        # listing read first, as the infos are set before it is let go.
+        listing, infos = self._listing, self._infos
+        return listing if infos is None else infos
 
     @property
     def infos(self) -> list[TensorInfo]:
         if self._infos is None:
-            self._infos = [info for reader in self._readers.values() for info in reader.infos]
-            self._listing = []
+            with self._infos_made:  # two threads asking first get the same infos
+                if self._infos is None:
+                    readers = self._readers.values()
+                    self._infos = [info for reader in readers for info in reader.infos]
+                    self._listing = []
         return self._infos
 
     @property
