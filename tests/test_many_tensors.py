@@ -624,7 +624,7 @@ def test_infos_asked_from_two_threads_at_once_are_made_once(
         tmp_path / "in.safetensors", {f"t{k}": np.ones(2, np.float32) for k in range(50)}
     )
     inside, release = threading.Event(), threading.Event()
-    real = st_reader.dtype_of
+    real = st_reader.dtype_of  # type: ignore[attr-defined]
 
     def held(code: str) -> np.dtype:
         inside.set()
