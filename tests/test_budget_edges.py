@@ -59,6 +59,23 @@ def test_e8m0_refusal_names_the_limit_asked_for(
     assert not out.exists()
 
 
+def test_e8m0_refusal_names_the_smallest_of_the_dtype_without_zero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A group of a float16 tensor (listed first) and an e8m0 one: the refusal names the
+    smallest e8m0 value (2**-127), not the first member's dtype's (which has a zero: the
+    message said "0"). Found by the session-34 attack."""
+    from clipcli.cli.entry import main
+
+    tensors = {"a": np.ones(3, np.float16), "e": np.ones(4, E8M0)}
+    src = write_safetensors(tmp_path / "in.safetensors", tensors)
+    out = tmp_path / "out.safetensors"
+    assert main(["clip", "--global", "1e-40", "-q", str(src), str(out)]) == 4
+    line = one_error_line(capsys.readouterr().err)
+    assert f"every value at least its smallest, {2.0**-127:g})" in line
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("limit_squared_over_floor", "code"), [(1 + 2**-21, 4), (1 + 2**-19, 0)], ids=["in", "above"]
 )

@@ -195,20 +195,21 @@ def _refuse_unreachable(members: Sequence[Measured], limit: float) -> None:
     rounding would write NaN. Refused (exit 4), as for value bounds no value can meet."""
     floor = Fraction(0)
     zeroless = []
+    least = math.inf  # the smallest value of the zero-less members' dtypes, for the message
     for member in members:
         smallest = smallest_without_zero(member.dtype)
         if smallest is not None:
             floor += Fraction(smallest) ** 2 * member.numel
             zeroless.append(member.name)
+            least = min(least, smallest)
     # At the floor itself the search has no room (every factor below the first change
     # gives the floor): refuse there too, with a hair of margin, rather than write NaN.
     if zeroless and floor * (1 + Fraction(1, 2**20)) >= Fraction(limit) ** 2:
         names = ", ".join(repr(name) for name in zeroless[:3])
         more = f" and {len(zeroless) - 3} more" if len(zeroless) > 3 else ""
-        smallest = smallest_without_zero(members[0].dtype) or 0
         raise DataRefusedError(
             f"{names}{more}: a dtype without zero (every value at least its smallest, "
-            f"{smallest:g}) cannot be scaled to a norm of {limit:g}: the least it can reach "
+            f"{least:g}) cannot be scaled to a norm of {limit:g}: the least it can reach "
             f"is {math.sqrt(floor):g}; choose a larger limit or exclude these tensors"
         )
 
