@@ -20,7 +20,7 @@ import numpy as np
 
 from clipcli.dtypes import is_bfloat16, is_float8
 from clipcli.numerics import float16, lookup
-from clipcli.numerics.norms import NormAccumulator, ScaledSum
+from clipcli.numerics.norms import NormAccumulator, ScaledSum, accumulate
 
 SHORT = 2  # elements
 
@@ -30,7 +30,7 @@ def accumulate_each(arrays: Sequence[np.ndarray]) -> list[NormAccumulator]:
     accumulators: list[NormAccumulator | None] = [None] * len(arrays)
     short, others = _short_by_dtype(arrays)
     for index in others:
-        accumulators[index] = _accumulated(arrays[index])
+        accumulators[index] = accumulate((arrays[index],))
     for dtype, indices in short.items():
         made = _measure_short(dtype, [arrays[i] for i in indices])
         for index, acc in zip(indices, made, strict=True):
@@ -83,7 +83,7 @@ def norms_each(arrays: Sequence[np.ndarray]) -> list[float]:
     norms: list[float | None] = [None] * len(arrays)
     short, others = _short_by_dtype(arrays)
     for index in others:
-        norms[index] = _accumulated(arrays[index]).norm
+        norms[index] = accumulate((arrays[index],)).norm
     for dtype, indices in short.items():
         members = [arrays[i] for i in indices]
         columns = _ShortColumns.of(dtype, members)
@@ -91,15 +91,8 @@ def norms_each(arrays: Sequence[np.ndarray]) -> list[float]:
         for index, array, on_fast_path, root in zip(
             indices, members, columns.fast.tolist(), roots, strict=True
         ):
-            norms[index] = root if on_fast_path else _accumulated(array).norm
+            norms[index] = root if on_fast_path else accumulate((array,)).norm
     return norms  # type: ignore[return-value]  # every index was filled above
-
-
-def _accumulated(array: np.ndarray) -> NormAccumulator:
-    acc = NormAccumulator()
-    if array.size:
-        acc.add(array)
-    return acc
 
 
 class _ShortColumns(NamedTuple):
@@ -155,7 +148,7 @@ def _measure_short(dtype: np.dtype[Any], arrays: list[np.ndarray]) -> list[NormA
     made = []
     for array, on_fast_path, high, low, mant, exp, numel in rows:
         if not on_fast_path:
-            made.append(_accumulated(array))
+            made.append(accumulate((array,)))
             continue
         # What add() makes of one finite chunk in a fresh accumulator, built at once (every
         # field up to max_value given: 200,000 tensors): the sum as ScaledSum.add(sumsq, 0)

@@ -334,17 +334,11 @@ def header_length(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> i
         total += _json_bytes("__metadata__") + 1 + 2 + inner + len(metadata) - 1
         pieces += 1
     batches: list[str] = []  # kept for build_header while the header stays within limits
-    batch: list[str] = []
     joined = 0  # batches measured, each with its own commas
-    for text in _entry_texts(infos):
-        batch.append(text)
-        if len(batch) == _PIECES_AT_ONCE:
-            total += _add_batch(batch, batches, total)
-            pieces, joined = pieces + len(batch), joined + 1
-            batch = []
-    if batch:
-        total += _add_batch(batch, batches, total)
-        pieces, joined = pieces + len(batch), joined + 1
+    for text in _batches(infos):
+        total += _add_batch(text, batches, total)
+        joined += 1
+    pieces += len(infos)
     # The commas between pieces, less those inside the batches (len(batch) - 1 each).
     total += max(pieces - 1, 0) - (len(infos) - joined)
     padded = total + -total % 8
@@ -353,10 +347,9 @@ def header_length(infos: Iterable[TensorInfo], metadata: Mapping[str, str]) -> i
     return padded
 
 
-def _add_batch(batch: list[str], batches: list[str], so_far: int) -> int:
-    """The UTF-8 length of the batch's entries joined by commas (their commas counted), the
-    joined text kept in `batches` until the header so far passes MAX_HEADER_BYTES."""
-    text = ",".join(batch)
+def _add_batch(text: str, batches: list[str], so_far: int) -> int:
+    """The UTF-8 length of a batch's entries joined by commas (their commas counted), the
+    text kept in `batches` until the header so far passes MAX_HEADER_BYTES."""
     length = len(text) if text.isascii() else len(text.encode("utf-8"))
     if so_far + length <= MAX_HEADER_BYTES:
         batches.append(text)

@@ -239,12 +239,11 @@ class SafetensorsWriter(Writer):
 
     def close(self) -> None:
         self._stop_copier()
+        self._file.close()
         if self._position != self._end:  # every byte the header lays out, no more
-            self._file.close()
             raise RuntimeError(
                 f"wrote {self._position} bytes where the header lays out {self._end}"
             )
-        self._file.close()
 
     def abort(self) -> None:
         self._stop_copier()
