@@ -259,7 +259,7 @@ def test_a_written_checkpoint_reads_as_safetensors_reads_it(tmp_path: Path) -> N
                 assert listed[name].shape == array.shape
                 assert listed[name].nbytes == array.nbytes
                 assert np.dtype(listed[name].dtype_name) == array.dtype
-                begin = reader._offsets[name]
+                begin = reader._offsets.begin(name)
                 assert raw[begin : begin + array.nbytes] == array.tobytes()
     finally:
         reader.close()

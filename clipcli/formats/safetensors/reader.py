@@ -44,6 +44,7 @@ from clipcli.formats.safetensors.header import (
     dtype_of,
     header_object,
 )
+from clipcli.formats.safetensors.offsets import TensorOffsets
 from clipcli.formats.structure_record import (
     STRUCTURE_KEY,
     MalformedStructure,
@@ -174,7 +175,7 @@ class SafetensorsReader(Reader):
     def _fail(self, problem: str, tensor: str | None = None) -> InputError:
         return InputError(self.path, problem, tensor)
 
-    def _parse(self, handle: BinaryIO) -> tuple[list[Listed], dict[str, int], dict[str, str]]:
+    def _parse(self, handle: BinaryIO) -> tuple[list[Listed], TensorOffsets, dict[str, str]]:
         """The tensors (in file order), where each begins in the file, and the metadata."""
         file_size = os.fstat(handle.fileno()).st_size
         prefix = handle.read(8)
@@ -230,7 +231,7 @@ class SafetensorsReader(Reader):
         header_len: int,
         file_size: int,
         metadata: dict[str, str],
-    ) -> tuple[list[Listed], dict[str, int], dict[str, str]]:
+    ) -> tuple[list[Listed], TensorOffsets, dict[str, str]]:
         """The entries checked to tile the data section exactly, in file order."""
         entries.sort(key=_BYTE_RANGE)
         expected = 0
@@ -245,7 +246,9 @@ class SafetensorsReader(Reader):
             raise self._fail(f"{kind}: tensors need {expected} data bytes, file has {actual}")
         listing = [info for info, _, _ in entries]
         # Where each tensor begins in the file; it ends nbytes later (checked above).
-        offsets = {info.name: 8 + header_len + begin for info, begin, _ in entries}
+        offsets = TensorOffsets(
+            [info.name for info in listing], [8 + header_len + begin for _, begin, _ in entries]
+        )
         return listing, offsets, metadata
 
     def _parse_metadata(self, raw: object) -> dict[str, str]:
@@ -408,7 +411,7 @@ class SafetensorsReader(Reader):
 
     def byte_range(self, info: TensorInfo) -> tuple[int, int]:
         """Absolute [begin, end) of the tensor's bytes in the file."""
-        begin = self._offsets[info.name]
+        begin = self._offsets.begin(info.name)
         return begin, begin + info.nbytes
 
     def stored_bytes(self, info: TensorInfo) -> StoredBytes:
@@ -438,7 +441,7 @@ class SafetensorsReader(Reader):
     def loader_of_many(self, infos: Sequence[TensorInfo]) -> Callable[[], list[np.ndarray]] | None:
         """One pread for tensors stored in this order with at most MANY_SPAN_BYTES from the
         first one's start to the last one's end (what lies between, unasked, is read too)."""
-        begins = [self._offsets[info.name] for info in infos]
+        begins = self._offsets.begins([info.name for info in infos])
         end = begins[0]
         for begin, info in zip(begins, infos, strict=True):
             if begin < end:
