@@ -33,9 +33,7 @@ def _one_by_one(parts: list[NormAccumulator]) -> NormAccumulator:
 
 def _plain(parts: list[NormAccumulator]) -> bool:
     """Whether merged() sums these parts as plain float64."""
-    return norms._plain_sum(
-        [p.sumsq.mant for p in parts], [p.sumsq.exp for p in parts], ScaledSum()
-    )
+    return norms._plain_sum(parts, ScaledSum())
 
 
 def _bits(value: float) -> str:
@@ -173,3 +171,31 @@ def test_global_norm_at_and_past_the_safe_range(edge: float) -> None:
 def test_global_norm_of_odd_values_is_the_scaled_sum(values: list[float]) -> None:
     assert _bits(global_norm(values)) == _bits(norms._global_norm_scaled(values))
     assert _bits(global_norm(iter(values))) == _bits(norms._global_norm_scaled(values))
+
+
+@pytest.mark.parametrize(
+    "extremes",
+    [
+        [0.0, -0.0],
+        [-0.0, 0.0],
+        [-0.0, -0.0, 0.0],
+        [0.0, 0.0, -0.0, -1.0],
+        [1.0, -0.0, 0.0],
+        [math.inf],
+        [-math.inf],
+        [math.inf, -0.0],
+        [-math.inf, 0.0, -0.0],
+        [],
+    ],
+)
+def test_merged_keeps_the_first_of_equal_extremes_as_the_loop_does(extremes: list[float]) -> None:
+    """Zeros of either sign tie: the first one seen is kept, in each extreme, as merge()
+    one part at a time keeps it (and the fresh accumulator's own value before any)."""
+    parts = []
+    for value in extremes:
+        part = NormAccumulator()
+        part.min_value = part.max_value = value
+        part.max_abs = abs(value) if math.isfinite(value) else 0.0
+        parts.append(part)
+    for order in (parts, parts[::-1]):
+        assert _fields(merged(order)) == _fields(_one_by_one(order))

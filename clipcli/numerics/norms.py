@@ -566,25 +566,44 @@ def merged(parts: Sequence[NormAccumulator]) -> NormAccumulator:
     together = NormAccumulator()
     if any(part.counts is not None for part in parts):
         return _merged_one_by_one(parts, together)
-    peaks = [part.max_abs for part in parts]
-    lows = [part.min_value for part in parts]
-    highs = [part.max_value for part in parts]
+    # Each field as one float64 array, no list of floats first, and the extremes' arrays
+    # let go before the sums' are made: 200,000 parts held five lists and their arrays at
+    # once (~25 MB of a clip's heap, resident from then on).
+    peaks, lows, highs = (_column(parts, name) for name in ("max_abs", "min_value", "max_value"))
     # A NaN extreme would make the builtin max and min depend on where it stands.
-    if np.isnan(np.array([peaks, lows, highs], np.float64)).any():
+    if np.isnan(peaks).any() or np.isnan(lows).any() or np.isnan(highs).any():
         return _merged_one_by_one(parts, together)
-    sums = [part.sumsq for part in parts]
-    if not _plain_sum([s.mant for s in sums], [s.exp for s in sums], together.sumsq):
+    max_abs = _first_extreme(peaks, 0.0, highest=True)
+    min_value = _first_extreme(lows, math.inf, highest=False)
+    max_value = _first_extreme(highs, -math.inf, highest=True)
+    del peaks, lows, highs
+    if not _plain_sum(parts, together.sumsq):
         return _merged_one_by_one(parts, together)
-    # max(so_far, x) one by one keeps the first of equal values (0.0 before -0.0), as the
-    # builtin max and min over the whole list do, the fresh accumulator's value first.
-    together.max_abs = max(0.0, max(peaks, default=0.0))
-    together.min_value = min(math.inf, min(lows, default=math.inf))
-    together.max_value = max(-math.inf, max(highs, default=-math.inf))
+    together.max_abs, together.min_value, together.max_value = max_abs, min_value, max_value
     together.nonfinite = sum(part.nonfinite for part in parts)
     together.nan_count = sum(part.nan_count for part in parts)
     together.inf_count = sum(part.inf_count for part in parts)
     together.numel = sum(part.numel for part in parts)
     return together
+
+
+def _column(parts: Sequence[NormAccumulator], name: str) -> np.ndarray:
+    read = operator.attrgetter(name)
+    return np.fromiter((read(part) for part in parts), np.float64, len(parts))
+
+
+def _first_extreme(values: np.ndarray, start: float, highest: bool) -> float:
+    """What merge() one part at a time leaves (the builtin max or min of start, then the
+    values in order, none NaN): the first of equal extremes, so the first zero's sign where
+    0.0 and -0.0 tie (start first)."""
+    if values.size == 0:
+        return start
+    found = float(values.max() if highest else values.min())
+    if (found <= start) if highest else (found >= start):
+        return start
+    if found == 0.0:
+        found = float(values[np.argmax(values == 0.0)])  # the first zero, with its sign
+    return found
 
 
 def _merged_one_by_one(parts: Sequence[NormAccumulator], into: NormAccumulator) -> NormAccumulator:
@@ -593,21 +612,22 @@ def _merged_one_by_one(parts: Sequence[NormAccumulator], into: NormAccumulator) 
     return into
 
 
-def _plain_sum(mant_list: list[float], exp_list: list[int], into: ScaledSum) -> bool:
-    """The terms mant * 2**exp added in order as plain float64 (see _PLAIN_EXP) into the
-    fresh `into`; False, leaving it alone, where that could differ from ScaledSum.add one
-    by one (extreme exponents, negative or non-finite terms)."""
-    mants = np.array(mant_list, np.float64)
-    exps = np.array(exp_list, np.int64)
+def _plain_sum(parts: Sequence[NormAccumulator], into: ScaledSum) -> bool:
+    """The parts' sums added in order as plain float64 (see _PLAIN_EXP) into the fresh
+    `into`; False, leaving it alone, where that could differ from ScaledSum.add one by one
+    (extreme exponents, negative or non-finite terms). Each array is let go as soon as it
+    is used (200,000 parts: 1.6 MB each)."""
+    mants = np.fromiter((part.sumsq.mant for part in parts), np.float64, len(parts))
+    exps = np.fromiter((part.sumsq.exp for part in parts), np.int64, len(parts))
     live = mants != 0
-    if (
-        len(mant_list) >= 2**100
-        or not np.all(np.isfinite(mants) & (mants >= 0))
-        or np.any(np.abs(exps[live]) > _PLAIN_EXP)
-    ):
+    if mants.size >= 2**100 or not np.all(np.isfinite(mants) & (mants >= 0)):
         return False
-    terms = np.ldexp(mants[live], exps[live])
+    mants, exps = mants[live], exps[live]
+    if np.any(np.abs(exps) > _PLAIN_EXP):
+        return False
+    terms = np.ldexp(mants, exps)
+    del mants, exps
     if terms.size:
-        total = float(np.cumsum(terms)[-1])
+        total = float(np.cumsum(terms, out=terms)[-1])
         into.mant, into.exp = math.frexp(total)
     return True
