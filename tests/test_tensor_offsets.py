@@ -1,16 +1,20 @@
-"""Where each safetensors tensor begins, found by name (formats.safetensors.offsets): the
-sorted-name index against a plain dict, and through the reader against the bytes the
-safetensors library reads back."""
+"""Where a name stands among many (formats.names) and where each safetensors tensor
+begins (formats.safetensors.offsets): the sorted-name index against a plain dict, asked in
+every order a caller asks (in order, each name a few times, runs started again, out of
+order, from racing threads), and through the reader against the bytes the safetensors
+library reads back."""
 
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from clipcli.formats.names import NamePositions
 from clipcli.formats.safetensors.offsets import TensorOffsets
 from clipcli.formats.safetensors.reader import SafetensorsReader
 
@@ -46,6 +50,49 @@ def test_every_name_is_found_as_a_dict_finds_it(count: int) -> None:
             assert offsets.begins(asked) == [reference[n] for n in asked]
 
 
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 500])
+def test_positions_in_every_order_a_caller_asks(count: int) -> None:
+    rng = random.Random(count)
+    names = _names(count, rng)
+    position = NamePositions(names)
+    assert len(position) == count
+    # The writer's pattern: each name asked a few times in a row, in list order; then a
+    # run asked ahead (joins) and asked again from its start (kept, outputs).
+    for at, name in enumerate(names):
+        assert [position(name) for _ in range(3)] == [at] * 3
+    for start in range(0, count, 7):
+        run = names[start : start + 7]
+        for _ in range(2):
+            assert [position(n) for n in run] == list(range(start, start + len(run)))
+    for _ in range(3 * count):  # out of order, and backwards
+        at = rng.randrange(count)
+        assert position(names[at]) == at
+        assert position(names[at - 1]) == (at - 1) % count
+
+
+def test_positions_are_right_whichever_thread_moves_the_hint() -> None:
+    """Four threads each sweep the names in their own order at once; the hint they share
+    is only ever a guess, so every answer is the name's own position."""
+    names = _names(2000, random.Random(7))
+    position = NamePositions(names)
+    orders = [list(range(2000)), list(range(1999, -1, -1))]
+    orders += [random.Random(seed).sample(range(2000), 2000) for seed in (1, 2)]
+    start = threading.Barrier(len(orders))
+    wrong: list[tuple[int, int]] = []
+
+    def sweep(order: list[int]) -> None:
+        start.wait()
+        for _ in range(5):
+            wrong.extend((at, got) for at in order if (got := position(names[at])) != at)
+
+    threads = [threading.Thread(target=sweep, args=(order,)) for order in orders]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+
+
 @pytest.mark.parametrize("missing", ["", "a.b.", "layers.1", "layers.20", "\uffff", "zz"])
 def test_a_name_the_file_lacks_is_a_key_error(missing: str) -> None:
     names = ["a", "a.b", "layers.10", "layers.2", "z"]
@@ -56,6 +103,11 @@ def test_a_name_the_file_lacks_is_a_key_error(missing: str) -> None:
         offsets.begins(["a", missing])  # found after a name that is found
     with pytest.raises(KeyError):
         offsets.begins([missing, "a"])
+    position = NamePositions(names)
+    for before in ("a", "z"):  # the hint at either end
+        position(before)
+        with pytest.raises(KeyError):
+            position(missing)
 
 
 def test_the_reader_reads_each_tensor_where_the_library_does(tmp_path: Path) -> None:
