@@ -51,7 +51,7 @@ def search_factor(
     elsewhere = getattr(check, "rounded_elsewhere", None)
     power = getattr(check, "power_of_two", None)
     if power is None and elsewhere is None:  # a plain checkpoint: one record per member
-        powers = [False] * len(members)
+        powers: Sequence[bool] = ()  # read only where as_values
         as_values = False
         as_members: Sequence[scaling.Measured] = members  # no record of each (200,000)
     else:
