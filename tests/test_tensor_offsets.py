@@ -137,3 +137,11 @@ def test_the_reader_reads_each_tensor_where_the_library_does(tmp_path: Path) -> 
                     assert array.tobytes() == reference[info.name].tobytes()
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("names", [["a", "a"], ["a", "b", "a"], ["", "x", ""], ["é", "e", "é"]])
+def test_a_repeated_name_is_refused(names: list[str]) -> None:
+    """Bisection would find one of two equal names (a dict kept the last): refused."""
+    with pytest.raises(ValueError, match="twice"):
+        NamePositions(names)
+    NamePositions(sorted(set(names)))  # the same names once each are fine

@@ -11,16 +11,21 @@ it are tried first: a run asked in order costs one bisection.
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 from array import array
 from collections.abc import Sequence
 
 
 class NamePositions:
     def __init__(self, names: Sequence[str]) -> None:
-        """names: distinct, in their order; kept, not copied."""
+        """names, in their order (kept, not copied); ValueError if one is repeated (the
+        bisection would find one of them: a dict kept the last)."""
         order = sorted(range(len(names)), key=names.__getitem__)
         self._names = names
         self._sorted = [names[i] for i in order]
+        if any(map(operator.eq, self._sorted, itertools.islice(self._sorted, 1, None))):
+            raise ValueError("a name is listed twice")
         self._places = array("i", order)  # the position of each sorted name (< 2**31)
         self._last = 0  # a hint only: each use checks it, so threads may race on it
 
