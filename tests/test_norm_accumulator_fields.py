@@ -97,3 +97,17 @@ def test_constructs_compares_and_prints_as_the_dataclass_did() -> None:
         hash(a)
     with pytest.raises(AttributeError):
         a.unknown = 1  # type: ignore[attr-defined]  # slots: no stray fields
+
+
+def test_writing_a_default_value_makes_no_object_of_its_own() -> None:
+    """merge() adds every count, zeros included: an accumulator that only ever holds the
+    defaults shares the one object, and one that then holds something else gets its own."""
+    acc, other = NormAccumulator(), NormAccumulator()
+    acc.merge(other)
+    acc.nonfinite = 0
+    acc.counts = None
+    acc.keep_histogram = False
+    assert acc._unusual is other._unusual
+    acc.nan_count = 1
+    assert acc._unusual is not other._unusual
+    assert (acc.nan_count, other.nan_count, NormAccumulator().nan_count) == (1, 0, 0)

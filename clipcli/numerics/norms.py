@@ -204,6 +204,8 @@ _T = TypeVar("_T")
 
 def _write_unusual(held: NormAccumulator, value: object, name: str) -> None:
     if held._unusual is _ORDINARY:  # the shared one is never written: a copy of its own
+        if getattr(_ORDINARY, name) is value:  # 0, False, None: as it stands (merge() adds 0)
+            return
         held._unusual = _Unusual()
     setattr(held._unusual, name, value)
 
