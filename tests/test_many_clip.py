@@ -121,6 +121,25 @@ def test_ordered_bytes_are_numpys_bytes(array: np.ndarray, order: Literal["<", "
     assert bytes(ordered_bytes(array, dtype, order)) == expected
 
 
+@pytest.mark.parametrize("source", ["<f4", ">f4", "=f4", "<i2", ">i2", "<c8", ">c16", "i1", "u1"])
+@pytest.mark.parametrize("target", ["<f4", ">f4", "=f4", "float32", "<i2", ">i2", "<c8", "i1"])
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_ordered_bytes_in_every_byte_order_pair(
+    source: str, target: str, order: Literal["<", ">"]
+) -> None:
+    """Whatever byte order the array and the target dtype spell (safetensors' dtypes say
+    '<', numpy's own '=', a big-endian source '>'), the bytes are the target's values in
+    `order`, as numpy casts and lays them out."""
+    step = 1 if np.dtype(source).kind in "iu" else 1.5
+    array = (np.arange(0, 6) * step).astype(source)
+    dtype = np.dtype(target)
+    if array.dtype.kind == "c" and dtype.kind != "c":
+        return  # a complex array is never written as real values
+    expected_dtype = dtype.newbyteorder(order) if dtype.itemsize > 1 else dtype
+    expected = np.ascontiguousarray(array.astype(expected_dtype)).tobytes()
+    assert bytes(ordered_bytes(array, dtype, order)) == expected
+
+
 # ---------------------------------------------------------------- the output check
 
 

@@ -121,9 +121,8 @@ def ordered_bytes(array: np.ndarray, dtype: np.dtype[Any], order: str) -> memory
     import numpy as np
 
     if (
-        array.dtype is dtype
-        and order == _NATIVE_ORDER
-        and dtype.byteorder in "=|"
+        (array.dtype is dtype or array.dtype == dtype)  # '<f4' is float32 here, '>f4' is not
+        and _byte_order(dtype) == order  # '<' (safetensors' own dtypes) or '=' on this machine
         and array.ndim  # a 0-d array comes out 1-d below
         and array.flags.c_contiguous
     ):  # as it stands (200,000 tiny tensors: the common case, spared the questions below)
