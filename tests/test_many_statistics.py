@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,6 +30,12 @@ def _one_by_one(parts: list[NormAccumulator]) -> NormAccumulator:
     for part in parts:
         together.merge(part)
     return together
+
+
+def _padded(parts: list[NormAccumulator]) -> list[NormAccumulator]:
+    """The parts, then enough fresh ones (no sum, no extreme, no element: they change
+    nothing) for merged() to work on columns instead of merging one at a time."""
+    return parts + [NormAccumulator() for _ in range(norms.MERGED_BY_COLUMNS)]
 
 
 def _plain(parts: list[NormAccumulator]) -> bool:
@@ -79,7 +86,8 @@ def test_merged_is_the_one_by_one_merge_of_measured_tensors(seed: int) -> None:
         size = int(rng.integers(0, 6))
         values = rng.standard_normal(size).astype(np.float32) * float(rng.choice([1e-30, 1, 1e30]))
         parts.append(accumulate_array(values))
-    assert _fields(merged(parts)) == _fields(_one_by_one(parts))
+    for some in (parts, _padded(parts)):  # one at a time, and on columns
+        assert _fields(merged(some)) == _fields(_one_by_one(some))
 
 
 @pytest.mark.parametrize("spread", [1, 60, 400, 900])
@@ -93,7 +101,7 @@ def test_merged_is_the_one_by_one_merge_across_exponents(spread: int) -> None:
 @pytest.mark.parametrize(("exp", "plain"), [(900, True), (901, False), (-900, True), (-901, False)])
 def test_plain_sum_up_to_its_exponent_limit_and_not_past_it(exp: int, plain: bool) -> None:
     rng = random.Random(exp)
-    parts = [_part(0.75, 0, rng), _part(0.625, exp, rng), _part(0.5, 3, rng)]
+    parts = _padded([_part(0.75, 0, rng), _part(0.625, exp, rng), _part(0.5, 3, rng)])
     assert _plain(parts) is plain
     assert _fields(merged(parts)) == _fields(_one_by_one(parts))
 
@@ -108,7 +116,7 @@ def test_plain_sum_up_to_its_exponent_limit_and_not_past_it(exp: int, plain: boo
 )
 def test_merged_takes_the_loop_for_terms_the_plain_sum_cannot_carry(odd: ScaledSum) -> None:
     rng = random.Random(1)
-    parts = [_part(0.75, 4, rng), _part(0.5, 1, rng), _part(0.5, 2, rng)]
+    parts = _padded([_part(0.75, 4, rng), _part(0.5, 1, rng), _part(0.5, 2, rng)])
     parts[1].sumsq = odd
     assert not _plain(parts)
     assert _fields(merged(parts)) == _fields(_one_by_one(parts))
@@ -116,14 +124,15 @@ def test_merged_takes_the_loop_for_terms_the_plain_sum_cannot_carry(odd: ScaledS
 
 def test_merged_takes_the_loop_for_a_nan_extreme_and_for_histograms() -> None:
     rng = random.Random(2)
-    parts = [_part(0.75, 4, rng), _part(0.5, 1, rng)]
+    parts = _padded([_part(0.75, 4, rng), _part(0.5, 1, rng)])
     parts[0].max_value = math.nan  # builtin max would depend on where it stands
     parts[1].max_value = 2.0  # one by one: max(-inf, nan) keeps -inf, then 2.0
     assert merged(parts).max_value == 2.0
     assert _fields(merged(parts)) == _fields(_one_by_one(parts))
     counting = NormAccumulator(keep_histogram=True)
     counting.add(np.array([1.0, 2.0], np.float16))
-    together, expected = merged([counting, parts[1]]), _one_by_one([counting, parts[1]])
+    some = _padded([counting, parts[1]])
+    together, expected = merged(some), _one_by_one(some)
     assert _fields(together) == _fields(expected)
     assert together.counts is not None
     assert expected.counts is not None
@@ -197,5 +206,27 @@ def test_merged_keeps_the_first_of_equal_extremes_as_the_loop_does(extremes: lis
         part.min_value = part.max_value = value
         part.max_abs = abs(value) if math.isfinite(value) else 0.0
         parts.append(part)
-    for order in (parts, parts[::-1]):
+    # Fresh parts change no extreme: enough of them for merged() to work on columns.
+    fresh = [NormAccumulator() for _ in range(norms.MERGED_BY_COLUMNS)]
+    for order in (parts + fresh, fresh + parts, parts[::-1] + fresh, fresh + parts[::-1]):
         assert _fields(merged(order)) == _fields(_one_by_one(order))
+
+
+def test_merged_works_on_columns_from_its_threshold_and_one_at_a_time_below(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Below MERGED_BY_COLUMNS parts merged() merges one at a time (numpy's fixed cost is
+    ~26 us); from it, on columns. Both give the one-at-a-time statistics."""
+    rng = random.Random(5)
+    original, columns = norms._column, []
+
+    def counted(*args: Any) -> np.ndarray:
+        columns.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(norms, "_column", counted)
+    for count in (norms.MERGED_BY_COLUMNS - 1, norms.MERGED_BY_COLUMNS):
+        parts = [_part(*_normalised(rng, -30, 30), rng) for _ in range(count)]
+        columns.clear()
+        assert _fields(merged(parts)) == _fields(_one_by_one(parts))
+        assert bool(columns) is (count == norms.MERGED_BY_COLUMNS)

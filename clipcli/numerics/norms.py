@@ -450,20 +450,26 @@ class NormAccumulator:
         return math.inf if self.inf_count else self.max_abs
 
     def merge(self, other: NormAccumulator) -> None:
+        if other._unusual is not _ORDINARY:  # non-finite counts or bit-pattern counts
+            self._merge_unusual(other)
+        self.sumsq.merge(other.sumsq)
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.numel += other.numel
+        self.min_value = min(self.min_value, other.min_value)
+        self.max_value = max(self.max_value, other.max_value)
+
+    def _merge_unusual(self, other: NormAccumulator) -> None:
+        """merge()'s part for the rarely set fields (an accumulator without them has zero
+        counts and no histogram: adding them would change nothing, at ~1 us a merge)."""
         if other.counts is not None:
             self.keep_histogram, self.hist_dtype = True, other.hist_dtype
             if self.counts is None:
                 self.counts = other.counts.copy()
             else:
                 self.counts += other.counts
-        self.sumsq.merge(other.sumsq)
-        self.max_abs = max(self.max_abs, other.max_abs)
         self.nonfinite += other.nonfinite
         self.nan_count += other.nan_count
         self.inf_count += other.inf_count
-        self.numel += other.numel
-        self.min_value = min(self.min_value, other.min_value)
-        self.max_value = max(self.max_value, other.max_value)
 
     @property
     def norm(self) -> float:
@@ -562,11 +568,17 @@ def _global_norm_scaled(norms: Iterable[float]) -> float:
     return acc.norm
 
 
+# Parts from which merged() works on columns: ~26 us of numpy calls whatever the count, then
+# ~0.6 us a part, where merge() one at a time costs ~0.6 us a part (a factor searched for
+# each of 200,000 tensors merges one part each time: 26 us against 1).
+MERGED_BY_COLUMNS = 512
+
+
 def merged(parts: Sequence[NormAccumulator]) -> NormAccumulator:
     """A fresh NormAccumulator into which every part was merged, in order: the same
     statistics, bit for bit, as NormAccumulator().merge(part) for each part in turn."""
     together = NormAccumulator()
-    if any(part.counts is not None for part in parts):
+    if len(parts) < MERGED_BY_COLUMNS or any(part.counts is not None for part in parts):
         return _merged_one_by_one(parts, together)
     # Each field as one float64 array, no list of floats first, and the extremes' arrays
     # let go before the sums' are made: 200,000 parts held five lists and their arrays at
