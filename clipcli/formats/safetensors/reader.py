@@ -247,7 +247,7 @@ class SafetensorsReader(Reader):
         listing = [info for info, _, _ in entries]
         # Where each tensor begins in the file; it ends nbytes later (checked above).
         offsets = TensorOffsets(
-            [info.name for info in listing], [8 + header_len + begin for _, begin, _ in entries]
+            [info.name for info in listing], (8 + header_len + begin for _, begin, _ in entries)
         )
         return listing, offsets, metadata
 
