@@ -48,6 +48,7 @@ def test_every_name_is_found_as_a_dict_finds_it(count: int) -> None:
         mixed = [rng.choice(names) for _ in range(rng.randint(1, 6))] if count else []
         for asked in (run, mixed, run + mixed, mixed + run, run[::-1]):
             assert offsets.begins(asked) == [reference[n] for n in asked]
+            assert NamePositions(names).of_run(asked) == [names.index(n) for n in asked]
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 500])

@@ -261,7 +261,7 @@ def execute(
         return plan.tensors[position(info.name)].action is Action.KEEP
 
     def outputs(infos: list[TensorInfo], arrays: list[np.ndarray]) -> list[np.ndarray]:
-        places = [position(i.name) for i in infos]
+        places = position.of_run([i.name for i in infos])
         if not arrays:  # copied as they are
             for at in places:
                 outcomes[at] = Outcome(plan.tensors[at].before, changed=False)
