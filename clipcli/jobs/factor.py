@@ -11,7 +11,7 @@ tensors to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
 
 from clipcli.formats.base import TensorInfo
@@ -20,7 +20,7 @@ from clipcli.numerics import scaling
 from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.scaling import Factor
 
-__all__ = ["Factor", "OutputCheck", "search_factor", "tf_factor"]
+__all__ = ["Factor", "OutputCheck", "search_each_factor", "search_factor", "tf_factor"]
 
 # The sum of squares of these tensors with every value scaled by mantissa * 2**exponent
 # and rounded to its dtype, with a certain error bound. A check may also have a method
@@ -80,6 +80,29 @@ def search_factor(
         return total
 
     return scaling.group_factor(as_members, limit, output_sumsq, exact_limit)
+
+
+def search_each_factor(
+    members: Sequence[TensorStats],
+    limit_of: Callable[[TensorStats], tuple[float, Fraction | None]],
+    check: OutputCheck,
+) -> Iterator[Factor | None]:
+    """search_factor([member], *limit_of(member), check) for each member in order (--norm,
+    --average): the same factors, those of a plain checkpoint's tensors searched together
+    (scaling.each_factor)."""
+    if getattr(check, "rounded_elsewhere", None) or getattr(check, "power_of_two", None):
+        return (_alone(member, *limit_of(member), check) for member in members)
+
+    def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
+        return check([members[i].info for i in which], factor.mantissa, factor.exponent)
+
+    return scaling.each_factor(members, limit_of, output_sumsq)
+
+
+def _alone(
+    member: TensorStats, limit: float, exact_limit: Fraction | None, check: OutputCheck
+) -> Factor | None:
+    return search_factor([member], limit, check, exact_limit)
 
 
 def tf_factor(use_norm: float, limit: float) -> Factor | None:

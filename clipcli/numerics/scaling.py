@@ -21,11 +21,12 @@ norm equal to C is left alone and one a hair above it is clipped.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -185,6 +186,104 @@ def group_factor(
     if factor.mantissa == 0 and any(smallest_without_zero(d) for d in dtypes):
         _refuse_unreachable(live_members, 0.0)  # never round a zero-less dtype by 0 (NaN)
     return factor
+
+
+# each_factor searches this many members at a time: their records and the search's arrays
+# stay small (200,000 at once raised a clip's peak by ~45 MB), and a search over a block
+# costs ~60 numpy calls whatever its size.
+EACH_BLOCK = 4096
+
+
+AnyMeasured = TypeVar("AnyMeasured", bound=Measured)
+
+
+def each_factor(
+    members: Sequence[AnyMeasured],
+    limit_of: Callable[[AnyMeasured], tuple[float, Fraction | None]],
+    output_sumsq: OutputSumsq,
+) -> Iterator[Factor | None]:
+    """group_factor([member], limit, ..., exact) of each member on its own, with (limit,
+    exact) = limit_of(member) (--norm, --average): the same factors bit for bit, in
+    order. The members whose search runs on the rounding bound alone (no histogram, not
+    float64, clearly over their limit) are searched together, one problem each, in one
+    search_factors call per dtype and block of EACH_BLOCK: a bisection of thousands of
+    problems at once rather than one of ~100 us for each (200,000 one-element tensors).
+    `output_sumsq` takes positions in `members`."""
+    on_bound: dict[np.dtype[Any], bool] = {}  # by dtype: _searched_on_bound
+    for start in range(0, len(members), EACH_BLOCK):
+        block = range(start, min(start + EACH_BLOCK, len(members)))
+        factors: list[Factor | None] = [None] * len(block)
+        # The members searched together, by dtype: their places in the block, limit / norm
+        # and limit.
+        together: dict[np.dtype[Any], tuple[list[int], list[float], list[float]]] = {}
+        for place, i in enumerate(block):
+            member = members[i]
+            limit, exact = limit_of(member)
+            dtype, stats = member.dtype, member.stats
+            if dtype not in on_bound:
+                on_bound[dtype] = _searched_on_bound(dtype)
+            if (
+                on_bound[dtype]
+                and stats.histogram is None
+                and not member.rounded_elsewhere
+                and not member.power_of_two
+                and stats.sumsq.mant != 0.0
+                and not math.isinf(limit)
+            ):
+                ratio = merged([stats]).limit_ratio(limit)  # what group_factor decides by
+                if ratio > 1 + AMBIGUOUS:
+                    continue  # clearly within its limit: left as it is
+                if TINY_RATIO <= ratio < 1.0 and abs(ratio - 1) > AMBIGUOUS:
+                    places, ratios, searched_limits = together.setdefault(dtype, ([], [], []))
+                    places.append(place)
+                    ratios.append(ratio)
+                    searched_limits.append(limit)
+                    continue
+            alone = functools.partial(_at_positions, output_sumsq, (i,))
+            factors[place] = group_factor([member], limit, alone, exact)
+        for dtype, (places, ratios, searched_limits) in together.items():
+            numels = [members[start + place].numel for place in places]
+            found = _bound_factors(numels, searched_limits, ratios, dtype)
+            for place, factor in zip(places, found.tolist(), strict=True):
+                factors[place] = Factor(factor)
+        yield from factors
+
+
+def _searched_on_bound(dtype: np.dtype[Any]) -> bool:
+    """Whether group_factor searches a member of this dtype without a histogram on the
+    rounding bound (WideBound) when it is the only member: float64 and complex128 are
+    verified by a pass instead, and a dtype without zero may be refused."""
+    return mantissa_digits(dtype) != 53 and smallest_without_zero(dtype) is None
+
+
+def _bound_factors(
+    numels: Sequence[int], limits: Sequence[float], ratios: Sequence[float], dtype: np.dtype[Any]
+) -> np.ndarray:
+    """The factors _histogram_factor finds for members of `dtype` without a histogram,
+    each on its own (limit / norm in `ratios`): the margin of a group with a WideBound
+    alone, _HistogramBound.margin's, one problem per member."""
+    ratio = np.asarray(ratios, np.float64)
+    numel = np.asarray(numels, np.int64)
+    limit = np.asarray(limits, np.float64)
+    bound_ratio = _bound_ratio(ratio, numel)
+    unit, step = unit_roundoff(dtype), smallest_subnormal(dtype)
+
+    def margin(scales: np.ndarray) -> np.ndarray:
+        norms = _relative_norm(scales, bound_ratio, unit, step, numel, limit)
+        with np.errstate(over="ignore"):
+            upper = (norms * norms) * (1 + 4 * U64)
+        result: np.ndarray = 1.0 - 2 * U64 - upper
+        return result
+
+    lows, highs = guesses(ratio, worst_unit([dtype]), fine=True)
+    return search_factors(margin, lows, highs, exact_product_bits([dtype]))
+
+
+def _at_positions(
+    output_sumsq: OutputSumsq, positions: Sequence[int], which: Sequence[int], factor: Factor
+) -> CertainSumsq:
+    """output_sumsq of a search over members[positions]: `which` indexes `positions`."""
+    return output_sumsq([positions[j] for j in which], factor)
 
 
 # ---------------------------------------------------------------- the steps
@@ -406,11 +505,8 @@ class WideBound:
 
     @staticmethod
     def of(stats_norm_ratio: float, dtypes: Sequence[np.dtype[Any]], numel: int) -> WideBound:
-        # The measured norm's own error: each dot product of up to _DOT_TERMS squares,
-        # the blocks then merged one by one (a rigorous, if pessimistic, bound).
-        error = (_DOT_TERMS + numel // _DOT_TERMS + 8) * U64
         return WideBound(
-            stats_norm_ratio * (1 - error),
+            _bound_ratio(stats_norm_ratio, numel),
             max(unit_roundoff(d) for d in dtypes),
             max(smallest_subnormal(d) for d in dtypes),
             numel,
@@ -418,11 +514,32 @@ class WideBound:
 
     def relative_norm(self, scales: np.ndarray, limit: float) -> np.ndarray:
         """An upper bound of ||round(s*x)|| / limit for each factor s."""
-        with np.errstate(over="ignore"):
-            rel: np.ndarray = scales / self.ratio * (1 + self.unit) + math.sqrt(self.numel) * (
-                self.step / 2 / limit
-            )
-        return (rel * (1 + 4 * U64)).astype(np.float64)
+        return _relative_norm(scales, self.ratio, self.unit, self.step, self.numel, limit)
+
+
+def _relative_norm(
+    scales: np.ndarray,
+    ratio: float | np.ndarray,
+    unit: float,
+    step: float,
+    numel: int | np.ndarray,
+    limit: float | np.ndarray,
+) -> np.ndarray:
+    """WideBound.relative_norm, for one group or for many at once (each_factor: ratio,
+    numel and limit one per member); the same operations in the same order either way, so
+    the same bits."""
+    with np.errstate(over="ignore"):
+        root = np.sqrt(np.asarray(numel, np.float64))
+        rel: np.ndarray = scales / ratio * (1 + unit) + root * (step / 2 / limit)
+    return (rel * (1 + 4 * U64)).astype(np.float64)
+
+
+def _bound_ratio(ratio: float | np.ndarray, numel: int | np.ndarray) -> Any:
+    """limit / (an upper bound of the exact norm) from limit / (the measured norm): the
+    measured norm's own error is at most one rounding per term of each dot product of up
+    to _DOT_TERMS squares, and one per block merged after (rigorous, if pessimistic)."""
+    error = (_DOT_TERMS + numel // _DOT_TERMS + 8) * U64
+    return ratio * (1 - error)
 
 
 @dataclass(frozen=True)
