@@ -35,56 +35,65 @@ def _member(name: str, values: np.ndarray, histogram: bool, elsewhere: bool) -> 
     return scaling.Member(name, values.dtype, values.size, stats, elsewhere)
 
 
+Spec = tuple[np.ndarray, bool, bool]  # values, histogram kept, rounded elsewhere
+Problem = tuple[list[Spec], float, Fraction | None]  # members, limit, exact limit
+
+
 class _Passes:
     """output_sumsq over arrays in memory (each chunk scaled and rounded as the write pass
-    does), recording every pass asked for."""
+    does), recording every pass asked for by the members' positions in the whole list."""
 
     def __init__(self, arrays: Sequence[np.ndarray]) -> None:
         self.arrays = arrays
         self.asked: list[tuple[tuple[int, ...], float, int]] = []
 
-    def __call__(self, which: Sequence[int], factor: scaling.Factor) -> CertainSumsq:
-        self.asked.append((tuple(which), factor.mantissa, factor.exponent))
-        total = CertainSumsq()
-        for i in which:
-            with np.errstate(all="ignore"):
-                total.add(rounding.scale_chunk(self.arrays[i], factor.mantissa, factor.exponent))
-        return total
+    def of(self, positions: Sequence[int]) -> scaling.OutputSumsq:
+        def output_sumsq(which: Sequence[int], factor: scaling.Factor) -> CertainSumsq:
+            chosen = [positions[i] for i in which]
+            self.asked.append((tuple(chosen), factor.mantissa, factor.exponent))
+            total = CertainSumsq()
+            for i in chosen:
+                with np.errstate(all="ignore"):
+                    array = self.arrays[i]
+                    total.add(rounding.scale_chunk(array, factor.mantissa, factor.exponent))
+            return total
+
+        return output_sumsq
 
 
-def _alone(passes: _Passes, position: int) -> scaling.OutputSumsq:
-    def output_sumsq(which: Sequence[int], factor: scaling.Factor) -> CertainSumsq:
-        return passes([position for _ in which], factor)
-
-    return output_sumsq
-
-
-def _compare(cases: Sequence[Case], elsewhere: Sequence[bool] = ()) -> list[scaling.Factor | None]:
-    """each_factor against group_factor of each member alone: the same factors, errors and
-    passes. Returns the factors."""
-    arrays = [values for values, _, _ in cases]
-    marks = list(elsewhere) or [False] * len(cases)
-    members = [
-        _member(f"t{i}", values, kept, marks[i]) for i, (values, _, kept) in enumerate(cases)
-    ]
-    limits = {
-        id(m): (limit, Fraction(limit) if math.isfinite(limit) else None)
-        for m, (_, limit, _) in zip(members, cases, strict=True)
-    }
+def _compare_problems(problems: Sequence[Problem]) -> list[scaling.Factor | None]:
+    """each_factor against group_factor of each problem alone: the same factors, errors
+    and passes. Returns the factors."""
+    arrays: list[np.ndarray] = []
+    groups: list[list[scaling.Member]] = []
+    place: dict[int, int] = {}  # id(member) -> its position in arrays
+    for members, _, _ in problems:
+        group = []
+        for values, kept, elsewhere in members:
+            member = _member(f"t{len(arrays)}", values, kept, elsewhere)
+            place[id(member)] = len(arrays)
+            arrays.append(values)
+            group.append(member)
+        groups.append(group)
 
     expected: list[scaling.Factor | None | str] = []
     one_by_one = _Passes(arrays)
-    for i, member in enumerate(members):
-        limit, exact = limits[id(member)]
+    for group, (_, limit, exact) in zip(groups, problems, strict=True):
+        passes = one_by_one.of([place[id(m)] for m in group])
         try:
-            expected.append(scaling.group_factor([member], limit, _alone(one_by_one, i), exact))
+            expected.append(scaling.group_factor(group, limit, passes, exact))
         except DataRefusedError as exc:
             expected.append(str(exc))
             break
     together = _Passes(arrays)
     found: list[scaling.Factor | None | str] = []
+    queue = (
+        (group, limit, exact) for group, (_, limit, exact) in zip(groups, problems, strict=True)
+    )
     try:
-        found.extend(scaling.each_factor(members, lambda m: limits[id(m)], together))
+        found.extend(
+            scaling.each_factor(queue, lambda group: together.of([place[id(m)] for m in group]))
+        )
     except DataRefusedError as exc:
         found.append(str(exc))
     if expected and isinstance(expected[-1], str):
@@ -95,6 +104,17 @@ def _compare(cases: Sequence[Case], elsewhere: Sequence[bool] = ()) -> list[scal
         assert found == expected
     assert together.asked == one_by_one.asked
     return [f for f in found if not isinstance(f, str)]
+
+
+def _compare(cases: Sequence[Case], elsewhere: Sequence[bool] = ()) -> list[scaling.Factor | None]:
+    """_compare_problems with a problem per tensor, as --norm makes them."""
+    marks = list(elsewhere) or [False] * len(cases)
+    return _compare_problems(
+        [
+            ([(values, kept, mark)], limit, Fraction(limit) if math.isfinite(limit) else None)
+            for (values, limit, kept), mark in zip(cases, marks, strict=True)
+        ]
+    )
 
 
 def _output_within(values: np.ndarray, factor: scaling.Factor, limit: float) -> bool:
@@ -218,6 +238,27 @@ def test_small_blocks_with_every_kind(monkeypatch: pytest.MonkeyPatch) -> None:
         ratio = float(rng.choice(RATIOS))
         cases.append((values, _norm(values) * ratio, bool(k % 2)))
     _compare(cases)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_groups_get_group_factor_bit_for_bit(seed: int) -> None:
+    """--group-by's problems: groups of 1 to 6 tensors of mixed dtypes (float32 beside
+    float64, 16-bit floats with and without histograms, complex64), zero tensors among
+    live ones, limits around the group's norm; the exact limit left to group_factor."""
+    rng = np.random.default_rng(50 + seed)
+    kinds = [np.float32, np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.complex64]
+    problems: list[Problem] = []
+    for _ in range(200):
+        members: list[Spec] = []
+        for _ in range(int(rng.integers(1, 7))):
+            dtype = kinds[int(rng.integers(len(kinds)))]
+            size = int(rng.integers(1, 5))
+            scale = 0.0 if rng.random() < 0.15 else 10.0 ** rng.uniform(-5, 3)
+            values = (rng.standard_normal(size) * scale).astype(dtype)
+            members.append((values, bool(rng.random() < 0.3), False))
+        norm = math.sqrt(sum(_norm(values) ** 2 for values, _, _ in members))
+        problems.append((members, norm * float(rng.choice(RATIOS)), None))
+    _compare_problems(problems)
 
 
 @pytest.mark.parametrize("mode", [Mode.NORM, Mode.AVERAGE, Mode.GLOBAL])

@@ -11,7 +11,7 @@ tensors to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from fractions import Fraction
 
 from clipcli.formats.base import TensorInfo
@@ -83,26 +83,22 @@ def search_factor(
 
 
 def search_each_factor(
-    members: Sequence[TensorStats],
-    limit_of: Callable[[TensorStats], tuple[float, Fraction | None]],
-    check: OutputCheck,
+    problems: Iterable[scaling.Problem[TensorStats]], check: OutputCheck
 ) -> Iterator[Factor | None]:
-    """search_factor([member], *limit_of(member), check) for each member in order (--norm,
-    --average): the same factors, those of a plain checkpoint's tensors searched together
+    """search_factor(members, limit, check, exact_limit) for each problem (members, limit,
+    exact_limit) in order: --norm and --average (a tensor each), --group-by (a group each).
+    The same factors; those of a plain checkpoint's tensors are searched together
     (scaling.each_factor)."""
     if getattr(check, "rounded_elsewhere", None) or getattr(check, "power_of_two", None):
-        return (_alone(member, *limit_of(member), check) for member in members)
+        return (search_factor(members, limit, check, exact) for members, limit, exact in problems)
 
-    def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
-        return check([members[i].info for i in which], factor.mantissa, factor.exponent)
+    def output_sumsq_of(members: Sequence[TensorStats]) -> scaling.OutputSumsq:
+        def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
+            return check([members[i].info for i in which], factor.mantissa, factor.exponent)
 
-    return scaling.each_factor(members, limit_of, output_sumsq)
+        return output_sumsq
 
-
-def _alone(
-    member: TensorStats, limit: float, exact_limit: Fraction | None, check: OutputCheck
-) -> Factor | None:
-    return search_factor([member], limit, check, exact_limit)
+    return scaling.each_factor(problems, output_sumsq_of)
 
 
 def tf_factor(use_norm: float, limit: float) -> Factor | None:

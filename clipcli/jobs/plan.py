@@ -357,7 +357,7 @@ def _plan_each(
             found = limits[numel] = (tensor_limit(spec, numel), exact_limit(spec, numel))
         return found
 
-    factors = search_each_factor(members, limit_of, check)
+    factors = search_each_factor((((t,), *limit_of(t)) for t in members), check)
     return [_scaled(t, factor) for t, factor in zip(members, factors, strict=True)]
 
 
@@ -370,7 +370,8 @@ def _plan_groups(
     groups: dict[str, list[TensorStats]] = {}
     for t in members:
         groups.setdefault(group_key(t.info.name, pattern), []).append(t)
-    factors = {name: search_factor(group, spec.limit, check) for name, group in groups.items()}
+    problems = ((group, spec.limit, None) for group in groups.values())
+    factors = dict(zip(groups, search_each_factor(problems, check), strict=True))
     made = []
     for t in members:
         group = group_key(t.info.name, pattern)

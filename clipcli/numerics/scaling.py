@@ -21,9 +21,9 @@ norm equal to C is left alone and one a hair above it is clipped.
 
 from __future__ import annotations
 
-import functools
+import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -188,85 +188,119 @@ def group_factor(
     return factor
 
 
-# each_factor searches this many members at a time: their records and the search's arrays
+# each_factor searches this many problems at a time: their records and the search's arrays
 # stay small (200,000 at once raised a clip's peak by ~45 MB), and a search over a block
 # costs ~60 numpy calls whatever its size.
 EACH_BLOCK = 4096
 
-
 AnyMeasured = TypeVar("AnyMeasured", bound=Measured)
+# One factor search: the members scaled together, the limit (the float their output is
+# scaled to) and the exact limit group_factor decides by (None: the limit itself).
+Problem = tuple[Sequence[AnyMeasured], float, Fraction | None]
 
 
 def each_factor(
-    members: Sequence[AnyMeasured],
-    limit_of: Callable[[AnyMeasured], tuple[float, Fraction | None]],
-    output_sumsq: OutputSumsq,
+    problems: Iterable[Problem[AnyMeasured]],
+    output_sumsq_of: Callable[[Sequence[AnyMeasured]], OutputSumsq],
 ) -> Iterator[Factor | None]:
-    """group_factor([member], limit, ..., exact) of each member on its own, with (limit,
-    exact) = limit_of(member) (--norm, --average): the same factors bit for bit, in
-    order. The members whose search runs on the rounding bound alone (no histogram, not
-    float64, clearly over their limit) are searched together, one problem each, in one
-    search_factors call per dtype and block of EACH_BLOCK: a bisection of thousands of
-    problems at once rather than one of ~100 us for each (200,000 one-element tensors).
-    `output_sumsq` takes positions in `members`."""
-    on_bound: dict[np.dtype[Any], bool] = {}  # by dtype: _searched_on_bound
-    for start in range(0, len(members), EACH_BLOCK):
-        block = range(start, min(start + EACH_BLOCK, len(members)))
+    """group_factor(members, limit, output_sumsq_of(members), exact) of each problem, in
+    order: the same factors bit for bit, the same passes over the data in the same order.
+    --norm and --average have a problem per tensor, --group-by one per group.
+
+    The problems whose search runs on the rounding bound alone (no member with a histogram
+    or rounded elsewhere, not float64 only, clearly over their limit) are searched
+    together, one problem each, in one search_factors call per block of EACH_BLOCK and set
+    of dtypes: a bisection of thousands of problems at once rather than one of ~100 us for
+    each (200,000 one-element tensors)."""
+    digits: dict[np.dtype[Any], int] = {}  # by dtype: _bound_digits
+    queue = iter(problems)
+    while block := list(itertools.islice(queue, EACH_BLOCK)):
         factors: list[Factor | None] = [None] * len(block)
-        # The members searched together, by dtype: their places in the block, limit / norm
-        # and limit.
-        together: dict[np.dtype[Any], tuple[list[int], list[float], list[float]]] = {}
-        for place, i in enumerate(block):
-            member = members[i]
-            limit, exact = limit_of(member)
-            dtype, stats = member.dtype, member.stats
-            if dtype not in on_bound:
-                on_bound[dtype] = _searched_on_bound(dtype)
-            if (
-                on_bound[dtype]
-                and stats.histogram is None
-                and not member.rounded_elsewhere
-                and not member.power_of_two
-                and stats.sumsq.mant != 0.0
-                and not math.isinf(limit)
-            ):
-                ratio = merged([stats]).limit_ratio(limit)  # what group_factor decides by
-                if ratio > 1 + AMBIGUOUS:
-                    continue  # clearly within its limit: left as it is
-                if TINY_RATIO <= ratio < 1.0 and abs(ratio - 1) > AMBIGUOUS:
-                    places, ratios, searched_limits = together.setdefault(dtype, ([], [], []))
-                    places.append(place)
-                    ratios.append(ratio)
-                    searched_limits.append(limit)
-                    continue
-            alone = functools.partial(_at_positions, output_sumsq, (i,))
-            factors[place] = group_factor([member], limit, alone, exact)
-        for dtype, (places, ratios, searched_limits) in together.items():
-            numels = [members[start + place].numel for place in places]
-            found = _bound_factors(numels, searched_limits, ratios, dtype)
-            for place, factor in zip(places, found.tolist(), strict=True):
+        together: dict[frozenset[np.dtype[Any]], _Batch] = {}  # by the live members' dtypes
+        for place, (members, limit, exact) in enumerate(block):
+            searched = _bounded_search(members, limit, digits)
+            if searched is _LEFT_ALONE:
+                continue
+            if isinstance(searched, tuple):
+                ratio, wide_ratio, numel, dtypes = searched
+                batch = together.setdefault(dtypes, _Batch([], [], [], [], []))
+                batch.places.append(place)
+                batch.ratios.append(ratio)
+                batch.wide_ratios.append(wide_ratio)
+                batch.numels.append(numel)
+                batch.limits.append(limit)
+                continue
+            factors[place] = group_factor(members, limit, output_sumsq_of(members), exact)
+        for dtypes, batch in together.items():
+            found = _bound_factors(batch, dtypes)
+            for place, factor in zip(batch.places, found.tolist(), strict=True):
                 factors[place] = Factor(factor)
         yield from factors
 
 
-def _searched_on_bound(dtype: np.dtype[Any]) -> bool:
-    """Whether group_factor searches a member of this dtype without a histogram on the
-    rounding bound (WideBound) when it is the only member: float64 and complex128 are
-    verified by a pass instead, and a dtype without zero may be refused."""
-    return mantissa_digits(dtype) != 53 and smallest_without_zero(dtype) is None
+class _Batch(NamedTuple):
+    """The problems of a block searched together, one entry each."""
+
+    places: list[int]  # in the block
+    ratios: list[float]  # limit / norm of the members (group_factor's ratio)
+    wide_ratios: list[float]  # limit / norm of the live members (its WideBound's)
+    numels: list[int]  # of the live members
+    limits: list[float]
 
 
-def _bound_factors(
-    numels: Sequence[int], limits: Sequence[float], ratios: Sequence[float], dtype: np.dtype[Any]
-) -> np.ndarray:
-    """The factors _histogram_factor finds for members of `dtype` without a histogram,
-    each on its own (limit / norm in `ratios`): the margin of a group with a WideBound
-    alone, _HistogramBound.margin's, one problem per member."""
-    ratio = np.asarray(ratios, np.float64)
-    numel = np.asarray(numels, np.int64)
-    limit = np.asarray(limits, np.float64)
-    bound_ratio = _bound_ratio(ratio, numel)
-    unit, step = unit_roundoff(dtype), smallest_subnormal(dtype)
+_LEFT_ALONE = "left alone"
+
+
+def _bounded_search(
+    members: Sequence[Measured], limit: float, digits: dict[np.dtype[Any], int]
+) -> tuple[float, float, int, frozenset[np.dtype[Any]]] | str | None:
+    """What group_factor(members, limit, ...) would do, where it needs no pass and no
+    histogram: _LEFT_ALONE (within the limit, a zero norm), or the ratios, live size and
+    dtypes of a search on the rounding bound alone (_bound_factors); None for the rest
+    (group_factor itself). `digits`: _bound_digits of each dtype met so far."""
+    for member in members:
+        dtype = member.dtype
+        if dtype not in digits:
+            digits[dtype] = _bound_digits(dtype)
+        if not digits[dtype] or member.rounded_elsewhere or member.power_of_two:
+            return None
+        if member.stats.histogram is not None:
+            return None
+    if math.isinf(limit):
+        return None
+    together = merged([member.stats for member in members])
+    ratio = together.limit_ratio(limit)
+    if together.sumsq.mant == 0.0 or ratio > 1 + AMBIGUOUS:
+        return _LEFT_ALONE
+    if not (TINY_RATIO <= ratio < 1.0 and abs(ratio - 1) > AMBIGUOUS):
+        return None  # decided exactly, or verified by a pass
+    if len(members) == 1:  # --norm, --average: live, since its norm is not zero
+        live: Sequence[Measured] = members
+        wide = together
+    else:
+        live = [member for member in members if member.stats.sumsq.mant != 0.0]
+        # group_factor's WideBound is of the live members: the same merge if all are
+        wide = together if len(live) == len(members) else merged([m.stats for m in live])
+    dtypes = frozenset(member.dtype for member in live)
+    if all(digits[dtype] == 53 for dtype in dtypes):
+        return None  # float64 only: verified by a pass
+    return ratio, wide.limit_ratio(limit), sum(member.numel for member in live), dtypes
+
+
+def _bound_digits(dtype: np.dtype[Any]) -> int:
+    """The significant bits of a dtype that group_factor may search on the rounding
+    bound; 0 for a dtype without zero (which group_factor may refuse)."""
+    return mantissa_digits(dtype) if smallest_without_zero(dtype) is None else 0
+
+
+def _bound_factors(batch: _Batch, dtypes: frozenset[np.dtype[Any]]) -> np.ndarray:
+    """The factors _histogram_factor finds for problems without histograms, one problem
+    per entry of the batch: the margin of _HistogramBound with a WideBound alone."""
+    numel = np.asarray(batch.numels, np.int64)
+    limit = np.asarray(batch.limits, np.float64)
+    bound_ratio = _bound_ratio(np.asarray(batch.wide_ratios, np.float64), numel)
+    unit = max(unit_roundoff(dtype) for dtype in dtypes)
+    step = max(smallest_subnormal(dtype) for dtype in dtypes)
 
     def margin(scales: np.ndarray) -> np.ndarray:
         norms = _relative_norm(scales, bound_ratio, unit, step, numel, limit)
@@ -275,15 +309,9 @@ def _bound_factors(
         result: np.ndarray = 1.0 - 2 * U64 - upper
         return result
 
-    lows, highs = guesses(ratio, worst_unit([dtype]), fine=True)
-    return search_factors(margin, lows, highs, exact_product_bits([dtype]))
-
-
-def _at_positions(
-    output_sumsq: OutputSumsq, positions: Sequence[int], which: Sequence[int], factor: Factor
-) -> CertainSumsq:
-    """output_sumsq of a search over members[positions]: `which` indexes `positions`."""
-    return output_sumsq([positions[j] for j in which], factor)
+    ratio = np.asarray(batch.ratios, np.float64)
+    lows, highs = guesses(ratio, worst_unit(list(dtypes)), fine=True)
+    return search_factors(margin, lows, highs, exact_product_bits(list(dtypes)))
 
 
 # ---------------------------------------------------------------- the steps
