@@ -137,7 +137,11 @@ def run() -> None:
         from clipcli.cli.entry import main
 
         _preload(sys.argv[1:])
-    except (MemoryError, ImportError) as exc:  # before main()'s boundary: as it would say
+    except (MemoryError, ImportError, SystemError) as exc:
+        # Before main()'s boundary: as it would say. SystemError too: CPython's compile()
+        # of a module with no bytecode cached (PYTHONDONTWRITEBYTECODE, a fresh install)
+        # can fail under an address-space limit, "returned NULL without setting an
+        # exception" (seen importing clipcli.report.builders at `prlimit --as` 16 MiB).
         from clipcli.system.address_space import refused_memory
 
         if not refused_memory(exc):

@@ -468,6 +468,41 @@ def _check_limited(done: subprocess.CompletedProcess[str]) -> None:
         assert done.stderr == ""
 
 
+# A module compiled at start-up under an address-space limit (no bytecode cached) may fail
+# in compile() with CPython's SystemError instead of a MemoryError: made to happen here
+# at a known point, the first import of the command's modules.
+COMPILE_FAILS = """
+import builtins, resource, sys
+import clipcli.__main__ as entry
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (1 << 40, hard))  # a limit is set, far above use
+real_import = builtins.__import__
+failing = sys.argv[-1]
+def failing_import(name, *args, **kwargs):
+    if name == failing:
+        raise SystemError("<built-in function compile> returned NULL without setting an exception")
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = failing_import
+sys.argv = ["clipcli", *sys.argv[1:-1]]
+entry.run()
+"""
+
+
+@pytest.mark.parametrize("module", ["clipcli.jobs.execution", "clipcli.api"])
+def test_a_compile_refused_at_start_up_is_out_of_memory(tmp_path: Path, module: str) -> None:
+    """Before: a traceback and exit 1 (seen at `prlimit --as` 16 MiB with no bytecode
+    cached), and nothing written."""
+    src = tmp_path / "m.safetensors"
+    INPUTS["m.safetensors"](src)
+    argv = ["clip", "--global", "1", str(src), str(tmp_path / "out.safetensors"), module]
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_FAILS, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 5, done.stderr
+    _one_line(done.stderr, "out of memory")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 @pytest.mark.parametrize("mib", [16, 32, 48, 64, 96, 128, 160, 192])
 @pytest.mark.parametrize("command", ["ls", "norms", "clip", "diff"])
 @pytest.mark.parametrize("name", ["m.safetensors", "m.keras", "m.npz"])
