@@ -9,7 +9,7 @@ then executes the plan into OUT's target (clipcli.output.target: one commit poin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -294,16 +294,18 @@ class ClipResult(NamedTuple):
         """rows[index], without making the others."""
         return ClipRow(self.plan.tensors[index], self.outcomes[index])
 
-    def norms(self) -> tuple[list[float], list[float], float, float]:
+    def norms(self) -> tuple[Sequence[float], Sequence[float], float, float]:
         """Each tensor's norm before and after, then global_before and global_after: each
-        norm worked out once for the report, which reads all four (200,000 tensors)."""
+        norm worked out once for the report, which reads all four (200,000 tensors; as
+        arrays of doubles, not lists of floats: 5 MB less each)."""
+        from array import array
         from itertools import compress
 
         from clipcli.numerics.norms import global_norm
 
         tensors = self.plan.tensors
-        before = [p.before.norm for p in tensors]
-        after = [outcome.after.norm for outcome in self.outcomes]
+        before = array("d", (p.before.norm for p in tensors))
+        after = array("d", (outcome.after.norm for outcome in self.outcomes))
         if len(after) != len(before):
             raise ValueError("a clip result with an outcome for every planned tensor expected")
         counted = [p.in_global for p in tensors]

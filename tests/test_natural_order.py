@@ -7,10 +7,11 @@ into ASCII digit runs by hand, the runs compared as Python ints (no digit limit)
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 
-from clipcli.jobs.groups import natural_key
+from clipcli.jobs.groups import natural_key, packed_natural_key
 
 
 def reference_key(name: str) -> tuple[object, ...]:
@@ -64,5 +65,39 @@ def test_natural_order_matches_the_reference() -> None:
                 )
                 == name
             )
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
+def _sign(a: Any, b: Any) -> int:
+    return int(a > b) - int(a < b)
+
+
+def test_packed_key_orders_as_the_tuple_key() -> None:
+    """packed_natural_key (the report's sort) against natural_key on every pair: the same
+    sign of comparison, for texts with NUL, \\x01 and \\x02 (the escapes and the text's
+    end), characters past the BMP and U+10FFFF, lone surrogates, prefixes, runs with
+    leading zeros and counts that need more than one byte (256 digits, 65,536 digits)."""
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        rng = np.random.default_rng(12)
+        alphabet = ["a", "b", ".", "0", "1", "9", "\x00", "\x01", "\x02", "\x7f", "é", "\ud800"]
+        alphabet += ["\udfff", "\ue000", "\U0001f600", "\U0010ffff", "²", "\uffff"]
+        names = ["", "\x00", "\x01", "\x02", "a", "a\x00", "a\x01", "a\x00b", "a0", "a\x000"]
+        names += ["1" * 256, "1" * 255 + "2", "0" + "1" * 256, "9" * 65_536, "1" + "0" * 65_535]
+        names += ["x" + "0" * 256 + "1", "x" + "0" * 255 + "1", "layers.10", "layers.2"]
+        for _ in range(700):
+            size = int(rng.integers(0, 8))
+            names.append("".join(rng.choice(alphabet, size=size)))
+        tuples = [natural_key(name) for name in names]
+        packed = [packed_natural_key(name) for name in names]
+        for i in range(len(names)):
+            for j in range(len(names)):
+                assert _sign(packed[i], packed[j]) == _sign(tuples[i], tuples[j]), (
+                    names[i][:20],
+                    names[j][:20],
+                )
+        assert sorted(names, key=packed_natural_key) == sorted(names, key=reference_key)
     finally:
         sys.set_int_max_str_digits(limit)

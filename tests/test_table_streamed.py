@@ -1,5 +1,5 @@
 """A long table written to a pipe or file with no width to fit (no COLUMNS) is streamed a
-block of rows at a time from its column texts (report/table._render_plain_streamed): it
+block of rows at a time (report/table._render_plain_streamed), its rows read twice: it
 must be byte for byte the table that the laid-out route writes when the width is ample
 (every column shown, names whole, plain rows past PLAIN_TABLE_ROWS), for ASCII and
 non-ASCII cells, on a UTF-8 stream and on an ASCII one; at PLAIN_TABLE_ROWS rows the table
@@ -9,10 +9,12 @@ is still boxed, one row more and it is plain.
 from __future__ import annotations
 
 import io
+from array import array
 
 import pytest
 
-from clipcli.report.model import Column, Report
+from clipcli.report.model import Column, Report, Rows, Value
+from clipcli.report.serialize import write_csv, write_json, write_jsonl
 from clipcli.report.table import _ROWS_AT_ONCE, PLAIN_TABLE_ROWS, render_table
 
 COLUMNS = (
@@ -70,3 +72,65 @@ def test_streamed_table_is_the_laid_out_one(rows: int, wide_names: bool, encodin
     boxed = rows <= PLAIN_TABLE_ROWS
     assert lines[1][0] in "┏+" if boxed else lines[1].startswith("tensor")
     assert sum(line.startswith(("model.", "│ model.", "| model.")) for line in lines) == rows
+
+
+def _rows_of(rep: Report, reads: list[int]) -> Rows:
+    """rep's rows made when read (model.Rows, as clip_report gives them), counting reads."""
+    made = tuple(rep.rows)
+
+    def row(position: int) -> tuple[Value, ...]:
+        reads[position] += 1
+        return made[position]
+
+    return Rows(row, array("l", range(len(made))))
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii"])
+@pytest.mark.parametrize("rows", [PLAIN_TABLE_ROWS, _ROWS_AT_ONCE * 2 + 3])
+def test_rows_made_when_read_give_the_same_table(rows: int, encoding: str) -> None:
+    """A report whose rows are made when read is drawn as the same report with a tuple of
+    rows, JSON and CSV included; the streamed table reads each row twice (widths, then
+    lines), the laid-out one once. Non-ASCII names only in the last block: the blocks
+    before are ASCII, escaped or not per block as the whole table was."""
+    plain = report(rows, wide_names=False)
+    last = tuple(
+        (f"{row[0]}é漢",) + tuple(row[1:]) if k >= _ROWS_AT_ONCE * 2 else row
+        for k, row in enumerate(plain.rows)
+    )
+    rep = plain._replace(rows=last)
+    for width in (None, 10**6):
+        reads = [0] * rows
+        lazy = rep._replace(rows=_rows_of(rep, reads))
+        assert rendered(lazy, width, encoding) == rendered(rep, width, encoding)
+        streamed = width is None and rows > PLAIN_TABLE_ROWS
+        assert set(reads) == {2 if streamed else 1}
+    lazy = rep._replace(rows=_rows_of(rep, [0] * rows))
+    for write in (write_json, write_jsonl, write_csv):
+        out, expected = io.StringIO(), io.StringIO()
+        write(lazy, out)
+        write(rep, expected)
+        assert out.getvalue() == expected.getvalue()
+
+
+def test_rows_read_as_a_tuple_does() -> None:
+    made = tuple((f"t{k}", k * 0.5) for k in range(10))
+    order = array("l", [3, 1, 4, 1, 5, 9, 2, 6])
+    rows = Rows(made.__getitem__, order)
+    expected = tuple(made[k] for k in order)
+    assert len(rows) == len(expected)
+    assert rows[0] == expected[0]
+    assert rows[-1] == expected[-1]
+    assert rows[2:5] == expected[2:5]
+    assert rows[::-2] == expected[::-2]
+    assert tuple(rows) == expected
+    assert list(rows) == list(expected)
+    assert rows == expected
+    assert rows == list(expected)
+    assert rows != expected[:-1]
+    assert bool(Rows(made.__getitem__, array("l"))) is False
+    assert bool(rows) is True
+    assert repr(rows) == f"Rows({expected!r})"
+    with pytest.raises(IndexError):
+        rows[len(expected)]
+    with pytest.raises(TypeError):
+        hash(rows)

@@ -62,6 +62,33 @@ def natural_key(name: str) -> NaturalKey:
     return tuple(key)
 
 
+def packed_natural_key(name: str) -> bytes:
+    """natural_key packed into bytes that sort the same way, in about a third of the
+    memory (a report sorts all its names at once: 200,000 tuple keys were ~36 MB).
+
+    Text is UTF-8 (whose byte order is code point order; lone surrogates as UTF-8 would
+    spell them), with NUL and \x01 escaped as \x01\x01 and \x01\x02 so that the NUL
+    ending each text sorts below every character: a text that is a prefix of another
+    sorts first, as in the tuple. A run is its digit count, its digits and its length,
+    each count as one byte of size then big-endian bytes (larger numbers sort later)."""
+    parts = _DIGITS.split(name)
+    packed = []
+    for position, part in enumerate(parts):
+        if position % 2 == 0:
+            text = part.encode("utf-8", "surrogatepass")
+            packed.append(text.replace(b"\x01", b"\x01\x02").replace(b"\x00", b"\x01\x01"))
+            packed.append(b"\x00")
+        else:
+            digits = part.lstrip("0")
+            packed += (_packed_count(len(digits)), digits.encode("ascii"), _packed_count(len(part)))
+    return b"".join(packed)
+
+
+def _packed_count(n: int) -> bytes:
+    size = (n.bit_length() + 7) // 8
+    return bytes((size,)) + n.to_bytes(size, "big")
+
+
 def group_order(name: str) -> tuple[bool, NaturalKey]:
     """Groups in natural name order, with the tensors that matched no group last."""
     return name == OTHER_GROUP, natural_key(name)

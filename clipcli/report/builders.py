@@ -6,10 +6,11 @@ No arithmetic on tensors here: the numbers come measured; ordering keys come fro
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from clipcli.report.model import Column, Report, SortKey, Value
+from clipcli.report.model import Column, Report, Rows, SortKey, Value
 from clipcli.words import count, count_number
 
 if TYPE_CHECKING:  # keep `clipcli --help` from importing numpy
@@ -45,9 +46,9 @@ def ordered(
     if sort is not SortKey.FILE:
         # Imported here (once, not per row): groups.py is pure but sits with the jobs;
         # --help need not load it.
-        from clipcli.jobs.groups import natural_key
+        from clipcli.jobs.groups import packed_natural_key
 
-        rows.sort(key=lambda r: natural_key(name(r)))  # also the tie-break of the others
+        rows.sort(key=lambda r: packed_natural_key(name(r)))  # also the others' tie-break
     if sort is SortKey.NORM:
         rows.sort(key=lambda r: (not counted(r), _norm_first(norm(r))))
     elif sort is SortKey.SIZE:
@@ -377,13 +378,15 @@ def clip_note(row: ClipRow) -> str:
 _PLAIN_REASONS = frozenset(REASON_TEXT) - {"left out", "per slice"}
 
 
-def _clip_rows(
-    result: ClipResult, listed: Iterable[int], before: Sequence[float], after: Sequence[float]
-) -> Iterator[tuple[Value, ...]]:
-    """The table's cells of the rows listed (by position), each field read once, and the
-    common note (a reason's fixed text) without clip_note's questions: 200,000 rows."""
+def _clip_row(
+    result: ClipResult, before: Sequence[float], after: Sequence[float]
+) -> Callable[[int], tuple[Value, ...]]:
+    """The table's cells of the row of the tensor at a position, each field read once,
+    and the common note (a reason's fixed text) without clip_note's questions: 200,000
+    rows, each made when a renderer reads it (model.Rows)."""
     tensors, outcomes, q = result.plan.tensors, result.outcomes, result.quantized
-    for k in listed:
+
+    def row(k: int) -> tuple[Value, ...]:
         plan = tensors[k]
         info = plan.info
         reason = plan.reason.value
@@ -397,7 +400,7 @@ def _clip_rows(
         else:
             note = clip_note(result.row(k))
         factor = plan.factor
-        yield (
+        return (
             info.name,
             info.dtype_name if q is None else q.dtype(info.name, info.dtype_name),
             before[k],
@@ -406,6 +409,8 @@ def _clip_rows(
             outcomes[k].changed,
             note,
         )
+
+    return row
 
 
 def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | None = None) -> Report:
@@ -421,7 +426,9 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
         lambda k: every[k].in_global,
         lambda k: every[k].info.nbytes,
     )
-    rows = tuple(_clip_rows(result, listed, before, after))
+    # Positions as an array: a list of 200,000 ints is 7 MB.
+    rows = Rows(_clip_row(result, before, after), array("l", listed))
+    del listed
     spec = result.spec
     outcomes = result.outcomes
     changed = sum(o.changed for o in outcomes)

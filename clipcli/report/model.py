@@ -7,8 +7,9 @@ turn a Report into text. Nothing here imports numpy or rich.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 
 class OutputFormat(str, Enum):
@@ -40,6 +41,47 @@ class ListingSortKey(str, Enum):
 Value = str | int | float | bool | tuple[int, ...] | list[int] | dict[str, Any] | None
 
 
+Row = tuple[Value, ...]
+
+
+class Rows(Sequence[Row]):
+    """A report's rows, each made when it is read: row(p) for each position p, in order.
+    200,000 rows of 7 cells held at once were ~24 MB (a tuple and a float or two each)
+    on top of the plan they are read from; renderers read them a block at a time. Reads
+    as a tuple of rows does: len, indexing, slices (a tuple), iteration and ==."""
+
+    __slots__ = ("_positions", "_row")
+
+    def __init__(self, row: Callable[[int], Row], positions: Sequence[int]) -> None:
+        self._row = row
+        self._positions = positions
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+    @overload
+    def __getitem__(self, index: int) -> Row: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Row, ...]: ...
+    def __getitem__(self, index: int | slice) -> Row | tuple[Row, ...]:
+        if isinstance(index, slice):
+            return tuple(map(self._row, self._positions[index]))
+        return self._row(self._positions[index])
+
+    def __iter__(self) -> Iterator[Row]:
+        return map(self._row, self._positions)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # as a list's: rows are compared, not keyed
+
+    def __repr__(self) -> str:
+        return f"Rows({tuple(self)!r})"
+
+
 # Column and Report are NamedTuples rather than frozen dataclasses: immutable all the same,
 # and ~1 ms less start-up for every command that reports (issue 12, item 7).
 class Column(NamedTuple):
@@ -61,7 +103,7 @@ class Report(NamedTuple):
 
     title: str
     columns: tuple[Column, ...]
-    rows: tuple[tuple[Value, ...], ...]
+    rows: Sequence[Row]  # a tuple, or Rows made when read
     summary: tuple[tuple[str, Any], ...] = ()  # JSON-only fields around the rows
     footer: tuple[str, ...] = ()
     rows_key: str = "tensors"  # the JSON key holding the rows

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 from clipcli.errors import printable
-from clipcli.report.model import Report, Value, json_number, object_text
+from clipcli.report.model import Report, Row, Value, json_number, object_text
 
 # Rows turned into JSON at a time: 200,000 rows made into dicts at once held ~80 MB more.
 JSON_ROWS_AT_ONCE = 4096
@@ -36,7 +37,7 @@ def write_jsonl(report: Report, stream: TextIO) -> None:
         stream.write("".join(json.dumps(r, allow_nan=False) + "\n" for r in records))
 
 
-def _records(report: Report, rows: tuple[tuple[Value, ...], ...]) -> list[dict[str, Value]]:
+def _records(report: Report, rows: Iterable[Row]) -> list[dict[str, Value]]:
     keys = tuple(c.key for c in report.columns)
     return [dict(zip(keys, row, strict=True)) for row in rows]
 

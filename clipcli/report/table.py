@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, TextIO
 
 from clipcli.errors import printable
@@ -322,10 +322,10 @@ def constant_columns(report: Report, texts: Sequence[Sequence[str]]) -> list[str
 def render_table(report: Report, stream: TextIO, width: int | None) -> None:
     titles = tuple(c._replace(title=our_text(stream, c.title)) for c in report.columns)
     report = report._replace(columns=titles)  # measured as they will be written
-    by_column = [_column_texts([row[i] for row in report.rows]) for i in range(len(report.columns))]
     if width is None and len(report.rows) > PLAIN_TABLE_ROWS:
-        _render_plain_streamed(report, by_column, stream)
+        _render_plain_streamed(report, stream)
         return
+    by_column = _texts_by_column(report)
     texts = [list(row) for row in zip(*by_column, strict=True)] if report.rows else []
     if not "".join(text for row in texts for text in row).isascii():  # ASCII fits any stream
         texts = [[encodable(stream, text) for text in row] for row in texts]
@@ -358,28 +358,42 @@ def render_table(report: Report, stream: TextIO, width: int | None) -> None:
         stream.write("".join(line + "\n" for note in notes for line in fit_line(note, width)))
 
 
-def _render_plain_streamed(report: Report, by_column: list[list[str]], stream: TextIO) -> None:
+def _texts_by_column(report: Report) -> list[list[str]]:
+    """The cells' texts, a list per column, reading each row once (Rows makes a row
+    each time it is read)."""
+    rows = tuple(report.rows)
+    return [_column_texts([row[i] for row in rows]) for i in range(len(report.columns))]
+
+
+def _text_blocks(report: Report, stream: TextIO) -> Iterator[list[list[str]]]:
+    """The cells' texts as they will be written (escaped where `stream` cannot hold
+    them), a block of rows at a time, a list per column."""
+    for start in range(0, len(report.rows), _ROWS_AT_ONCE):
+        rows = report.rows[start : start + _ROWS_AT_ONCE]
+        block = [_column_texts([row[i] for row in rows]) for i in range(len(report.columns))]
+        if not all("".join(texts).isascii() for texts in block):  # ASCII fits any stream
+            block = [[encodable(stream, text) for text in texts] for texts in block]
+        yield block
+
+
+def _render_plain_streamed(report: Report, stream: TextIO) -> None:
     """render_table for a long table with no width to fit (a pipe or file, no COLUMNS):
-    every column shown, names whole, plain rows (what fit() and _plain_lines give then),
-    written a block of rows at a time from the column texts, without a list per row nor
-    all padded cells and lines at once (200,000 rows: ~150 MB less)."""
-    if not all("".join(column).isascii() for column in by_column):  # ASCII fits any stream
-        by_column = [[encodable(stream, text) for text in column] for column in by_column]
+    every column shown, names whole, plain rows (what fit() and _plain_lines give then).
+    The rows are read twice, a block at a time: once for the columns' widths, once to
+    write them; no text of a cell is held beyond its block (200,000 rows: ~150 MB less
+    than a list per row and every line at once, and ~30 MB less than every cell's text)."""
     columns = report.columns
-    widths = [
-        widest([column.title, *texts]) for column, texts in zip(columns, by_column, strict=True)
-    ]
-    ascii_only = all(
-        "".join([column.title, *texts]).isascii()
-        for column, texts in zip(columns, by_column, strict=True)
-    )
+    widths = [widest([column.title]) for column in columns]
+    ascii_only = all(column.title.isascii() for column in columns)
+    for block in _text_blocks(report, stream):
+        widths = [max(w, widest(texts)) for w, texts in zip(widths, block, strict=True)]
+        ascii_only = ascii_only and all("".join(texts).isascii() for texts in block)
     notes = [our_text(stream, printable(line)) for line in report.footer]
     notes += [metadata_line(key, value, None) for key, value in report.metadata]
     notes += [metadata_change_line(*change, None) for change in report.metadata_changes]
     stream.write("".join(line + "\n" for line in title_lines(printable(report.title), None)))
     stream.write(_plain_block(columns, widths, [[c.title] for c in columns], ascii_only))
-    for start in range(0, len(report.rows), _ROWS_AT_ONCE):
-        block = [texts[start : start + _ROWS_AT_ONCE] for texts in by_column]
+    for block in _text_blocks(report, stream):
         stream.write(_plain_block(columns, widths, block, ascii_only))
     if notes:
         stream.write("".join(line + "\n" for note in notes for line in fit_line(note, None)))
