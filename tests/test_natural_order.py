@@ -7,11 +7,18 @@ into ASCII digit runs by hand, the runs compared as Python ints (no digit limit)
 from __future__ import annotations
 
 import sys
+from array import array
 from typing import Any
 
 import numpy as np
+import pytest
 
-from clipcli.jobs.groups import natural_key, packed_natural_key
+from clipcli.jobs.groups import (
+    NATURAL_ORDER_BLOCK,
+    natural_key,
+    natural_order,
+    packed_natural_key,
+)
 
 
 def reference_key(name: str) -> tuple[object, ...]:
@@ -101,3 +108,22 @@ def test_packed_key_orders_as_the_tuple_key() -> None:
         assert sorted(names, key=packed_natural_key) == sorted(names, key=reference_key)
     finally:
         sys.set_int_max_str_digits(limit)
+
+
+@pytest.mark.parametrize("count", [0, 1, 4096, 4097, 9000])
+@pytest.mark.parametrize("long_at", [None, 0, 8999])
+def test_natural_order_is_the_stable_sort_by_natural_key(count: int, long_at: int | None) -> None:
+    """natural_order (fixed-width packed keys past a block of names, tuple keys below it
+    or where one long name would widen every key, wherever it stands) against sorted()
+    by natural_key: the same positions, repeated names in their own order."""
+    rng = np.random.default_rng(count)
+    alphabet = ["a", ".", "0", "1", "7", "\x00", "\x01", "é", "\ud800", "\U0010ffff", "漢"]
+    names = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 7)))) for _ in range(count)]
+    names[: count // 10] = [f"layers.{k % 12}.w" for k in range(count // 10)]  # repeats
+    if long_at is not None and long_at < count:
+        names[long_at] = "x" + "1" * 3000  # its digits are kept (leading zeros are not)
+    expected = sorted(range(count), key=lambda k: natural_key(names[k]))
+    found = natural_order(count, names.__getitem__)
+    assert list(found) == expected
+    fixed = count > NATURAL_ORDER_BLOCK and (long_at is None or long_at >= count)
+    assert isinstance(found, array) == fixed

@@ -38,22 +38,47 @@ def ordered(
     counted: Callable[[T], bool],
     size: Callable[[T], int],
 ) -> list[T]:
-    """The rows of any command in --sort order, the first --top of them. Natural name order
-    is the default (layers.2 before layers.10: file order is no guide, as safetensors and
-    h5py store names sorted as text); --sort norm ranks what the global norm counts,
-    largest first, and lists the rest after it, each part in name order."""
-    rows = list(items)
-    if sort is not SortKey.FILE:
-        # Imported here (once, not per row): groups.py is pure but sits with the jobs;
-        # --help need not load it.
-        from clipcli.jobs.groups import packed_natural_key
+    """The rows of any command in --sort order, the first --top of them (ordered_positions
+    of the items)."""
+    positions = ordered_positions(
+        len(items),
+        sort,
+        top,
+        lambda k: name(items[k]),
+        lambda k: norm(items[k]),
+        lambda k: counted(items[k]),
+        lambda k: size(items[k]),
+    )
+    return [items[k] for k in positions]
 
-        rows.sort(key=lambda r: packed_natural_key(name(r)))  # also the others' tie-break
+
+def ordered_positions(
+    count: int,
+    sort: SortKey,
+    top: int | None,
+    name: Callable[[int], str],
+    norm: Callable[[int], float | None],
+    counted: Callable[[int], bool],
+    size: Callable[[int], int],
+) -> Sequence[int]:
+    """The positions of `count` rows in --sort order, the first --top of them. Natural name
+    order is the default (layers.2 before layers.10: file order is no guide, as safetensors
+    and h5py store names sorted as text); --sort norm ranks what the global norm counts,
+    largest first, and lists the rest after it, each part in name order. Positions, not
+    rows: an array, where 200,000 ints in a list are 7 MB."""
+    positions: Sequence[int] = range(count)
+    if sort is not SortKey.FILE:
+        # Imported here: groups.py is pure but sits with the jobs; --help need not load it.
+        from clipcli.jobs.groups import natural_order
+
+        positions = natural_order(count, name)  # also the others' tie-break
     if sort is SortKey.NORM:
-        rows.sort(key=lambda r: (not counted(r), _norm_first(norm(r))))
+        positions = array(
+            "q", sorted(positions, key=lambda k: (not counted(k), _norm_first(norm(k))))
+        )
     elif sort is SortKey.SIZE:
-        rows.sort(key=lambda r: -size(r))
-    return rows if top is None else rows[:top]
+        positions = array("q", sorted(positions, key=lambda k: -size(k)))
+    return positions if top is None else positions[:top]
 
 
 def written_to(out: str) -> str:
@@ -417,8 +442,8 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
     # Rows by position, each norm worked out once: a checkpoint may hold 200,000 tensors.
     every = result.plan.tensors
     before, after, global_before, global_after = result.norms()
-    listed = ordered(
-        range(len(every)),
+    listed = ordered_positions(
+        len(every),
         sort,
         top,
         lambda k: every[k].info.name,
@@ -426,9 +451,7 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
         lambda k: every[k].in_global,
         lambda k: every[k].info.nbytes,
     )
-    # Positions as an array: a list of 200,000 ints is 7 MB.
-    rows = Rows(_clip_row(result, before, after), array("l", listed))
-    del listed
+    rows = Rows(_clip_row(result, before, after), listed)
     spec = result.spec
     outcomes = result.outcomes
     changed = sum(o.changed for o in outcomes)
