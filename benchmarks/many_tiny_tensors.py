@@ -155,6 +155,14 @@ def main() -> None:
                 f"clip --global 1, {args.tensors:,}",
                 ["clip", "--global", "1", "--quiet", "--force", str(tiny), out],
             ),
+            (  # the report of every tensor, to /dev/null: the streamed plain table
+                f"clip --global 1 with its table, {args.tensors:,}",
+                ["clip", "--global", "1", "--force", str(tiny), out],
+            ),
+            (  # a factor search per tensor
+                f"clip --norm 0.5, {args.tensors:,}",
+                ["clip", "--norm", "0.5", "--quiet", "--force", str(tiny), out],
+            ),
         ]
         if args.axes_mib:
             axes = ["clip", "--norm", "1", "--axes", "0", "--quiet", "--force", "--no-fsync"]
