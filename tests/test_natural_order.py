@@ -123,7 +123,8 @@ def test_natural_order_is_the_stable_sort_by_natural_key(count: int, long_at: in
     if long_at is not None and long_at < count:
         names[long_at] = "x" + "1" * 3000  # its digits are kept (leading zeros are not)
     expected = sorted(range(count), key=lambda k: natural_key(names[k]))
-    found = natural_order(count, names.__getitem__)
+    found = natural_order(count, names.__getitem__, compact=True)
     assert list(found) == expected
+    assert list(natural_order(count, names.__getitem__)) == expected
     fixed = count > NATURAL_ORDER_BLOCK and (long_at is None or long_at >= count)
     assert isinstance(found, array) == fixed
