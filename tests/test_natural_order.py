@@ -19,6 +19,8 @@ from clipcli.jobs.groups import (
     natural_order,
     packed_natural_key,
 )
+from clipcli.report.builders import ordered, ordered_positions
+from clipcli.report.model import SortKey
 
 
 def reference_key(name: str) -> tuple[object, ...]:
@@ -123,8 +125,27 @@ def test_natural_order_is_the_stable_sort_by_natural_key(count: int, long_at: in
     if long_at is not None and long_at < count:
         names[long_at] = "x" + "1" * 3000  # its digits are kept (leading zeros are not)
     expected = sorted(range(count), key=lambda k: natural_key(names[k]))
-    found = natural_order(count, names.__getitem__, compact=True)
+    found = natural_order(count, names.__getitem__)
     assert list(found) == expected
-    assert list(natural_order(count, names.__getitem__)) == expected
     fixed = count > NATURAL_ORDER_BLOCK and (long_at is None or long_at >= count)
     assert isinstance(found, array) == fixed
+
+
+@pytest.mark.parametrize("sort", list(SortKey))
+@pytest.mark.parametrize("top", [None, 0, 1, 4097, 10**6])
+def test_clip_report_positions_are_the_ordered_rows(sort: SortKey, top: int | None) -> None:
+    """ordered_positions (clip's report: packed keys, positions in an array) gives what
+    ordered gives of range(count), for every --sort and --top: ties in norm and size
+    broken by name, NaN and figures that do not apply after every number."""
+    rng = np.random.default_rng(5)
+    count = 6000
+    names = [f"layers.{int(k)}.w{'é' if k % 3 else ''}" for k in rng.integers(0, 900, count)]
+    norms = [
+        None if k % 17 == 0 else float("nan") if k % 13 == 0 else float(k % 50)
+        for k in range(count)
+    ]
+    counted = [bool(k % 5) for k in range(count)]
+    sizes = [int(k % 7) * 4 for k in range(count)]
+    figures = (names.__getitem__, norms.__getitem__, counted.__getitem__, sizes.__getitem__)
+    expected = ordered(range(count), sort, top, *figures)
+    assert list(ordered_positions(count, sort, top, *figures)) == expected

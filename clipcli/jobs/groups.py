@@ -107,19 +107,18 @@ NATURAL_ORDER_BLOCK = 4096
 FIXED_WIDTH_SLACK = 80
 
 
-def natural_order(count: int, name: Callable[[int], str], compact: bool = False) -> Sequence[int]:
+def natural_order(count: int, name: Callable[[int], str]) -> Sequence[int]:
     """The positions 0 .. count-1 in natural order of name(position), stable.
 
-    `compact`: the packed keys are made a block at a time into numpy fixed-width byte
+    The packed keys are made a block at a time into numpy fixed-width byte
     strings and sorted there: 200,000 short names' tuple keys, with the int of each
     position, were ~40 MB at once; as fixed-width strings they are ~3 MB, for ~1 us more
     a name. numpy compares them as unsigned bytes padded with NULs, which orders packed
     keys as Python does: two keys never differ by trailing NULs alone (a key that goes on
-    past another holds a run's length, never zero). Otherwise, for a few names, and where
-    one long name would make every key as long, the tuple keys are sorted as Python
-    objects: the same order."""
-    # (ls reads no tensor and loads no numpy, ~80 ms: its names sort as tuples.)
-    if compact and count > NATURAL_ORDER_BLOCK and "numpy" in sys.modules:
+    past another holds a run's length, never zero). For a few names, where one long name
+    would make every key as long, and where numpy is not loaded, the tuple keys are sorted
+    as Python objects: the same order."""
+    if count > NATURAL_ORDER_BLOCK and "numpy" in sys.modules:
         order = _fixed_width_order(count, name)
         if order is not None:
             return order

@@ -38,18 +38,18 @@ def ordered(
     counted: Callable[[T], bool],
     size: Callable[[T], int],
 ) -> list[T]:
-    """The rows of any command in --sort order, the first --top of them (ordered_positions
-    of the items)."""
-    positions = ordered_positions(
-        len(items),
-        sort,
-        top,
-        lambda k: name(items[k]),
-        lambda k: norm(items[k]),
-        lambda k: counted(items[k]),
-        lambda k: size(items[k]),
-    )
-    return [items[k] for k in positions]
+    """The rows of any command in --sort order, the first --top of them. Natural name order
+    is the default (layers.2 before layers.10: file order is no guide, as safetensors and
+    h5py store names sorted as text); --sort norm ranks what the global norm counts,
+    largest first, and lists the rest after it, each part in name order."""
+    rows = list(items)
+    if sort is not SortKey.FILE:
+        # Imported here (once, not per row): groups.py is pure but sits with the jobs;
+        # --help need not load it.
+        from clipcli.jobs.groups import natural_key
+
+        rows.sort(key=lambda r: natural_key(name(r)))  # also the tie-break of the others
+    return _ranked(rows, sort, top, norm, counted, size)
 
 
 def ordered_positions(
@@ -60,27 +60,36 @@ def ordered_positions(
     norm: Callable[[int], float | None],
     counted: Callable[[int], bool],
     size: Callable[[int], int],
-    compact: bool = False,
 ) -> Sequence[int]:
-    """The positions of `count` rows in --sort order, the first --top of them. Natural name
-    order is the default (layers.2 before layers.10: file order is no guide, as safetensors
-    and h5py store names sorted as text); --sort norm ranks what the global norm counts,
-    largest first, and lists the rest after it, each part in name order. Positions, not
-    rows: an array, where 200,000 ints in a list are 7 MB. `compact`: names sorted in
-    less memory for ~1 us more each (groups.natural_order)."""
-    positions: Sequence[int] = range(count)
-    if sort is not SortKey.FILE:
-        # Imported here: groups.py is pure but sits with the jobs; --help need not load it.
-        from clipcli.jobs.groups import natural_order
+    """ordered(range(count), ...) in less memory, for clip's report: its sort comes after
+    the write pass, with the plan and outcome of every tensor still held, at the run's
+    peak. The names sorted as packed keys (groups.natural_order: ~3 MB for 200,000 short
+    names where tuple keys were ~40 MB, for ~1 us more a name), positions as an array."""
+    if sort is SortKey.FILE:
+        return range(count) if top is None else range(min(count, top))
+    from clipcli.jobs.groups import natural_order
 
-        positions = natural_order(count, name, compact)  # also the others' tie-break
+    positions = natural_order(count, name)
+    if sort is SortKey.NAME:
+        return positions if top is None else positions[:top]
+    return array("q", _ranked(list(positions), sort, top, norm, counted, size))
+
+
+def _ranked(
+    rows: list[T],
+    sort: SortKey,
+    top: int | None,
+    norm: Callable[[T], float | None],
+    counted: Callable[[T], bool],
+    size: Callable[[T], int],
+) -> list[T]:
+    """Rows in name order put in --sort norm or --sort size order (stable: name order
+    breaks ties), the first --top of them."""
     if sort is SortKey.NORM:
-        positions = array(
-            "q", sorted(positions, key=lambda k: (not counted(k), _norm_first(norm(k))))
-        )
+        rows.sort(key=lambda r: (not counted(r), _norm_first(norm(r))))
     elif sort is SortKey.SIZE:
-        positions = array("q", sorted(positions, key=lambda k: -size(k)))
-    return positions if top is None else positions[:top]
+        rows.sort(key=lambda r: -size(r))
+    return rows if top is None else rows[:top]
 
 
 def written_to(out: str) -> str:
@@ -452,9 +461,6 @@ def clip_report(result: ClipResult, sort: SortKey = SortKey.NAME, top: int | Non
         lambda k: before[k],  # --sort norm: the norm each tensor had before the clip
         lambda k: every[k].in_global,
         lambda k: every[k].info.nbytes,
-        # clip's report comes after the write pass, with the plan and the outcome of every
-        # tensor still held: its sort is at the run's peak (norms' is after its peak).
-        compact=True,
     )
     rows = Rows(_clip_row(result, before, after), listed)
     spec = result.spec
