@@ -99,8 +99,8 @@ _SMALL_COUNTS = (b"\x00", *(bytes((1, n)) for n in range(1, 256)))
 _DIGIT_BYTES = re.compile(rb"([0-9]+)")
 
 
-# natural_order makes keys this many names at a time; fewer names are sorted as Python
-# bytes (no numpy import for a short listing).
+# natural_order packs keys this many names at a time; fewer names are sorted by their
+# tuple keys.
 NATURAL_ORDER_BLOCK = 4096
 # ... and sorts them as fixed-width byte strings while the widest key is at most this many
 # bytes longer than the mean: a bytes object costs about that much more than its bytes.
@@ -110,14 +110,14 @@ FIXED_WIDTH_SLACK = 80
 def natural_order(count: int, name: Callable[[int], str]) -> Sequence[int]:
     """The positions 0 .. count-1 in natural order of name(position), stable.
 
-    The packed keys are made a block at a time into numpy fixed-width byte
-    strings and sorted there: 200,000 short names' tuple keys, with the int of each
-    position, were ~40 MB at once; as fixed-width strings they are ~3 MB, for ~1 us more
-    a name. numpy compares them as unsigned bytes padded with NULs, which orders packed
-    keys as Python does: two keys never differ by trailing NULs alone (a key that goes on
-    past another holds a run's length, never zero). For a few names, where one long name
-    would make every key as long, and where numpy is not loaded, the tuple keys are sorted
-    as Python objects: the same order."""
+    The packed keys are made a block at a time into numpy fixed-width byte strings and
+    sorted there: 200,000 short names' tuple keys, with the int of each position, were
+    ~40 MB at once; as fixed-width strings they are ~3 MB, for ~1 us more a name. numpy
+    compares them as unsigned bytes padded with NULs, which orders packed keys as Python
+    does: two keys never differ by trailing NULs alone (a key that goes on past another
+    holds a run's length, never zero). For a few names, where one long name would make
+    every key as long, and where numpy is not loaded, the tuple keys are sorted as Python
+    objects: the same order."""
     if count > NATURAL_ORDER_BLOCK and "numpy" in sys.modules:
         order = _fixed_width_order(count, name)
         if order is not None:
