@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
+from test_axes_many_slices import round_exactly
 
 from clipcli.errors import DataRefusedError
 from clipcli.jobs.spec import ClipSpec, Mode, exact_limit, tensor_limit
@@ -120,6 +122,13 @@ def _compare(cases: Sequence[Case], elsewhere: Sequence[bool] = ()) -> list[scal
 def _output_within(values: np.ndarray, factor: scaling.Factor, limit: float) -> bool:
     """Exactly: numpy rounds the exact product once to the dtype (factor * value is exact
     in float64 by the factor's bits), and the squares are summed as Fractions."""
+    if values.dtype.itemsize <= 2:  # ml_dtypes rounds float64 through float32: twice
+        s = Fraction(math.ldexp(factor.mantissa, factor.exponent))
+        exact = [
+            round_exactly(Fraction(v) * s, values.dtype.type)
+            for v in values.astype(np.float64).tolist()
+        ]
+        return sum((v**2 for v in exact), Fraction(0)) <= Fraction(limit) ** 2
     with np.errstate(all="ignore"):
         wide = np.complex128 if values.dtype.kind == "c" else np.float64
         scaled = values.astype(wide) * math.ldexp(factor.mantissa, factor.exponent)
@@ -277,3 +286,50 @@ def test_tensor_limit_is_the_exact_limit_rounded_down(mode: Mode) -> None:
             assert Fraction(value) <= exact if math.isfinite(value) else exact > 2**1023
             if math.isfinite(value) and value < 1.7976931348623157e308:
                 assert Fraction(math.nextafter(value, math.inf)) > exact
+
+
+SMALL = [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", SMALL, ids=lambda d: np.dtype(d).name)
+def test_histogram_problems_get_group_factor_bit_for_bit(
+    dtype: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8- and 16-bit members with their histograms, searched together on them
+    (_histogram_factors): tensors and groups of one dtype, zero members among live ones,
+    exact ties (6s and 8s at C = 5 sqrt(m): the output lands on C), limits on both sides
+    of the ambiguous band, subnormal outputs; every problem is searched together (the
+    batch is counted), and the factor is the largest whose output's exact norm <= C."""
+    rng = np.random.default_rng(int(np.dtype(dtype).itemsize) * 7 + len(np.dtype(dtype).name))
+    problems: list[Problem] = []
+    for k in range(120):
+        members: list[Spec] = []
+        for _ in range(1 if k % 3 else int(rng.integers(2, 4))):
+            if k % 5 == 0:
+                m = int(rng.choice([1, 4, 9]))
+                values = (np.array([6.0, 8.0] * m) * rng.choice([-1.0, 1.0], 2 * m)).astype(dtype)
+            elif k % 7 == 0:
+                values = np.zeros(3, dtype)
+            else:
+                size = int(rng.integers(1, 200))
+                values = (rng.standard_normal(size) * 10.0 ** rng.uniform(-2, 1)).astype(dtype)
+            members.append((values, True, False))
+        norm = math.sqrt(sum(_norm(v) ** 2 for v, _, _ in members))
+        ratio = 0.5 if k % 5 == 0 else float(rng.choice(RATIOS + [1e-3, 0.01]))
+        limit = norm * ratio if norm else 1.0
+        problems.append((members, limit, Fraction(limit)))
+    searched = []
+    batched = scaling._histogram_factors
+
+    def counting(batch: Any, dtype: Any) -> np.ndarray:
+        searched.append(len(batch.places))
+        return batched(batch, dtype)
+
+    monkeypatch.setattr(scaling, "_histogram_factors", counting)
+    factors = _compare_problems(problems)
+    assert sum(searched) >= 60  # most of them went through the batch
+    for (members, limit, _), factor in zip(problems, factors, strict=True):
+        if factor is not None:
+            for values, _, _ in members:
+                if len(members) == 1:
+                    assert _output_within(values, factor, limit)

@@ -217,23 +217,34 @@ def each_factor(
     while block := list(itertools.islice(queue, EACH_BLOCK)):
         factors: list[Factor | None] = [None] * len(block)
         together: dict[frozenset[np.dtype[Any]], _Batch] = {}  # by the live members' dtypes
+        counted: dict[np.dtype[Any], _HistogramBatch] = {}  # by their one dtype
         for place, (members, limit, exact) in enumerate(block):
             searched = _bounded_search(members, limit, digits)
             if searched is _LEFT_ALONE:
                 continue
-            if isinstance(searched, tuple):
-                ratio, wide_ratio, numel, dtypes = searched
-                batch = together.setdefault(dtypes, _Batch([], [], [], [], []))
+            if isinstance(searched, _OnBound):
+                batch = together.setdefault(searched.dtypes, _Batch([], [], [], [], []))
                 batch.places.append(place)
-                batch.ratios.append(ratio)
-                batch.wide_ratios.append(wide_ratio)
-                batch.numels.append(numel)
+                batch.ratios.append(searched.ratio)
+                batch.wide_ratios.append(searched.wide_ratio)
+                batch.numels.append(searched.numel)
                 batch.limits.append(limit)
+                continue
+            if isinstance(searched, _OnHistograms):
+                histograms = counted.setdefault(searched.dtype, _HistogramBatch([], [], [], []))
+                histograms.places.append(place)
+                histograms.ratios.append(searched.ratio)
+                histograms.limits.append(limit)
+                histograms.histograms.append(searched.histograms)
                 continue
             factors[place] = group_factor(members, limit, output_sumsq_of(members), exact)
         for dtypes, batch in together.items():
             found = _bound_factors(batch, dtypes)
             for place, factor in zip(batch.places, found.tolist(), strict=True):
+                factors[place] = Factor(factor)
+        for dtype, histograms in counted.items():
+            found = _histogram_factors(histograms, dtype)
+            for place, factor in zip(histograms.places, found.tolist(), strict=True):
                 factors[place] = Factor(factor)
         yield from factors
 
@@ -248,26 +259,50 @@ class _Batch(NamedTuple):
     limits: list[float]
 
 
+class _HistogramBatch(NamedTuple):
+    """The problems of a block whose members are all 8- or 16-bit floats of one dtype,
+    searched together on their histograms, one entry each."""
+
+    places: list[int]  # in the block
+    ratios: list[float]  # limit / norm (group_factor's ratio)
+    limits: list[float]
+    histograms: list[list[tuple[np.ndarray, np.ndarray]]]  # of the live members
+
+
+class _OnBound(NamedTuple):
+    ratio: float
+    wide_ratio: float
+    numel: int
+    dtypes: frozenset[np.dtype[Any]]
+
+
+class _OnHistograms(NamedTuple):
+    ratio: float
+    dtype: np.dtype[Any]
+    histograms: list[tuple[np.ndarray, np.ndarray]]
+
+
 _LEFT_ALONE = "left alone"
 
 
 def _bounded_search(
     members: Sequence[Measured], limit: float, digits: dict[np.dtype[Any], int]
-) -> tuple[float, float, int, frozenset[np.dtype[Any]]] | str | None:
-    """What group_factor(members, limit, ...) would do, where it needs no pass and no
-    histogram: _LEFT_ALONE (within the limit, a zero norm), or the ratios, live size and
-    dtypes of a search on the rounding bound alone (_bound_factors); None for the rest
-    (group_factor itself). `digits`: _bound_digits of each dtype met so far."""
+) -> _OnBound | _OnHistograms | str | None:
+    """What group_factor(members, limit, ...) would do, where it needs no pass: _LEFT_ALONE
+    (within the limit, a zero norm); _OnBound, a search on the rounding bound alone
+    (_bound_factors); _OnHistograms, the exact search on the histograms of members of one
+    8- or 16-bit dtype (_histogram_factors); None for the rest (group_factor itself).
+    `digits`: _bound_digits of each dtype met so far."""
+    kept = 0  # members with a histogram
     for member in members:
         dtype = member.dtype
         if dtype not in digits:
             digits[dtype] = _bound_digits(dtype)
         if not digits[dtype] or member.rounded_elsewhere or member.power_of_two:
             return None
-        if member.stats.histogram is not None:
-            return None
-    if math.isinf(limit):
-        return None
+        kept += member.stats.histogram is not None
+    if kept not in (0, len(members)) or math.isinf(limit):
+        return None  # members with histograms beside others: group_factor
     together = merged([member.stats for member in members])
     ratio = together.limit_ratio(limit)
     if together.sumsq.mant == 0.0 or ratio > 1 + AMBIGUOUS:
@@ -282,9 +317,14 @@ def _bounded_search(
         # group_factor's WideBound is of the live members: the same merge if all are
         wide = together if len(live) == len(members) else merged([m.stats for m in live])
     dtypes = frozenset(member.dtype for member in live)
+    if kept:
+        if len(dtypes) != 1:
+            return None
+        histograms = [m.stats.histogram for m in live]
+        return _OnHistograms(ratio, next(iter(dtypes)), histograms)  # type: ignore[arg-type]
     if all(digits[dtype] == 53 for dtype in dtypes):
         return None  # float64 only: verified by a pass
-    return ratio, wide.limit_ratio(limit), sum(member.numel for member in live), dtypes
+    return _OnBound(ratio, wide.limit_ratio(limit), sum(member.numel for member in live), dtypes)
 
 
 def _bound_digits(dtype: np.dtype[Any]) -> int:
@@ -312,6 +352,45 @@ def _bound_factors(batch: _Batch, dtypes: frozenset[np.dtype[Any]]) -> np.ndarra
     ratio = np.asarray(batch.ratios, np.float64)
     lows, highs = guesses(ratio, worst_unit(list(dtypes)), fine=True)
     return search_factors(margin, lows, highs, exact_product_bits(list(dtypes)))
+
+
+def _histogram_factors(batch: _HistogramBatch, dtype: np.dtype[Any]) -> np.ndarray:
+    """The factors _histogram_factor finds for problems whose members are all of one 8-
+    or 16-bit dtype, one problem per entry: the largest factor on the search's grid whose
+    rounded output has an exact norm <= the limit. That factor is defined by the data
+    alone, so this search (every problem's sums at once, no narrowing) finds the one
+    _HistogramBound finds: each margin is certain outside a band around zero and decided
+    exactly within it (counted_squares_within), as there."""
+    table = float64_values(dtype)
+    values_of, counts_of = [], []
+    for histograms in batch.histograms:
+        values_of.append(np.concatenate([table[bits] for bits, _ in histograms]))
+        counts_of.append(np.concatenate([counts for _, counts in histograms]))
+    lengths = np.fromiter((v.size for v in values_of), np.int64, len(values_of))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    values = np.concatenate(values_of)
+    counts = np.concatenate(counts_of).astype(np.float64)
+    limit = np.asarray(batch.limits, np.float64)
+    each_limit = np.repeat(limit, lengths)
+    terms = lengths.astype(np.float64)  # the float64 sums' error bound, as _HistogramBound's
+    del values_of, counts_of
+
+    def margin(scales: np.ndarray) -> np.ndarray:
+        rounded = narrow_round(values * np.repeat(scales, lengths), dtype).astype(np.float64)
+        scaled = rounded / each_limit
+        total = np.add.reduceat(counts * (scaled * scaled), starts)
+        upper = total * (1 + (terms + 4) * U64)
+        result: np.ndarray = 1.0 - 2 * U64 - upper
+        for p in np.flatnonzero(np.abs(result) <= 4 * (terms + 8) * U64).tolist():
+            # Either sign possible: decided exactly on the whole output
+            part = slice(int(starts[p]), int(starts[p] + lengths[p]))
+            within = counted_squares_within(rounded[part], counts[part], float(limit[p]))
+            result[p] = max(result[p], 0.0) if within else min(result[p], -U64 * U64)
+        return result
+
+    ratio = np.asarray(batch.ratios, np.float64)
+    lows, highs = guesses(ratio, worst_unit([dtype]), fine=True)
+    return search_factors(margin, lows, highs, exact_product_bits([dtype]))
 
 
 # ---------------------------------------------------------------- the steps
