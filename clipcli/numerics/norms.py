@@ -124,13 +124,15 @@ class _Patterns(NamedTuple):
     """What finish() needs of every bit pattern of an 8- or 16-bit float, computed once per
     dtype (finish runs once per tensor: 65,536-entry passes add up over thousands)."""
 
-    nan: np.ndarray  # codes of NaN
-    inf: np.ndarray  # codes of +-inf
-    used: np.ndarray  # codes of finite nonzero values, ascending
-    magnitudes: np.ndarray  # |value| of each code (index by code)
-    squares: np.ndarray  # value**2 of each code, exact (index by code)
-    by_value: np.ndarray  # the non-NaN codes in ascending order of value
-    sorted_values: np.ndarray  # their values
+    # Each indexed by code: finish() looks up only the codes a tensor holds (a pass over
+    # all 65,536 codes per table cost ~400 us a tensor: 20,000 small bf16 tensors, 8 s).
+    is_nan: np.ndarray  # bool
+    is_inf: np.ndarray  # bool
+    is_used: np.ndarray  # bool: a finite nonzero value
+    rank: np.ndarray  # the code's place in by_value; -1 for NaN
+    magnitudes: np.ndarray  # |value|
+    squares: np.ndarray  # value**2, exact
+    sorted_values: np.ndarray  # the non-NaN codes' values in ascending order, ties by code
 
 
 @functools.cache
@@ -143,13 +145,15 @@ def _patterns(dtype: np.dtype[Any]) -> _Patterns:
         squares = values * values
     by_value = np.flatnonzero(~nan)
     by_value = by_value[np.argsort(values[by_value], kind="stable")]
+    rank = np.full(values.size, -1, np.int32)
+    rank[by_value] = np.arange(by_value.size, dtype=np.int32)
     return _Patterns(
-        nan=np.flatnonzero(nan),
-        inf=np.flatnonzero(np.isinf(values)),
-        used=np.flatnonzero(finite & (values != 0)),
+        is_nan=nan,
+        is_inf=np.isinf(values),
+        is_used=finite & (values != 0),
+        rank=rank,
         magnitudes=magnitudes,
         squares=squares,
-        by_value=by_value,
         sorted_values=values[by_value],
     )
 
@@ -423,18 +427,21 @@ class NormAccumulator:
         counts, self.counts = self.counts, None
         assert self.hist_dtype is not None
         facts = _patterns(self.hist_dtype)
-        nan_count = int(counts[facts.nan].sum())
-        inf_count = int(counts[facts.inf].sum())
+        codes = np.flatnonzero(counts)  # the codes present, ascending
+        present = counts[codes]
+        nan_count = int(present[facts.is_nan[codes]].sum())
+        inf_count = int(present[facts.is_inf[codes]].sum())
         self.nan_count += nan_count
         self.inf_count += inf_count
         self.nonfinite += nan_count + inf_count
-        seen = np.flatnonzero(counts[facts.by_value])  # positions in value order
-        if seen.size:
-            self.min_value = min(self.min_value, float(facts.sorted_values[seen[0]]))
-            self.max_value = max(self.max_value, float(facts.sorted_values[seen[-1]]))
-        bits = np.flatnonzero(counts[facts.used])
-        bits = facts.used[bits]
-        kept = counts[bits]
+        ranks = facts.rank[codes]
+        ranks = ranks[ranks >= 0]  # in value order: the first and last present
+        if ranks.size:
+            self.min_value = min(self.min_value, float(facts.sorted_values[ranks.min()]))
+            self.max_value = max(self.max_value, float(facts.sorted_values[ranks.max()]))
+        used = facts.is_used[codes]
+        bits = codes[used]
+        kept = present[used]
         if bits.size:
             self.max_abs = max(self.max_abs, float(facts.magnitudes[bits].max()))
             # v**2 is exact in float64 for 16-bit v, and so is count * v**2 below 2**53.
