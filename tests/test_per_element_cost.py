@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import tracemalloc
+import warnings
 from fractions import Fraction
 
 import ml_dtypes
@@ -89,14 +90,53 @@ def test_bfloat16_scaling_of_every_value_is_one_correct_rounding(
 
 def test_bfloat16_scaling_goes_through_a_table() -> None:
     """One 65,536-entry table per factor (~1 ns/element), not ml_dtypes' rounding of each
-    element (13 ns/element): the second chunk with the same factor adds no table."""
+    element (13 ns/element), for a chunk of at least 1/TABLE_SHARE of the values: the
+    second chunk with the same factor adds no table, and a small chunk after it uses it.
+    (Session 36: a chunk smaller than that, with a factor whose table is not made, is
+    scaled directly: --norm made a table for every small tensor. The test's first chunk
+    was 1,000 values; it is now the smallest that makes a table.)"""
     rounding._scale_table.cache_clear()
-    chunk = np.linspace(-3, 3, 1000, dtype=np.float32).astype(BF16)
+    rounding._TABLES_MADE.clear()
+    size = (1 << 16) // rounding.TABLE_SHARE
+    chunk = np.linspace(-3, 3, size, dtype=np.float32).astype(BF16)
     factor = truncate_factor(0.6, exact_product_bits([BF16]))
     rounding.scale_chunk(chunk, factor)
     rounding.scale_chunk(chunk[::-1].copy(), factor)
+    rounding.scale_chunk(chunk[:1000].copy(), factor)
     info = rounding._scale_table.cache_info()
-    assert (info.misses, info.hits) == (1, 1)
+    assert (info.misses, info.hits) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "dtype", [BF16, np.dtype(np.float16), np.dtype(ml_dtypes.float8_e4m3fn)], ids=str
+)
+@pytest.mark.parametrize(("scale", "exponent"), BF16_FACTORS)
+def test_a_small_chunk_is_scaled_as_its_table_would(
+    dtype: np.dtype, scale: float, exponent: int
+) -> None:
+    """Below 1/TABLE_SHARE of the values (exactly at it, a table; one fewer, none) a chunk
+    is scaled directly, to the same bits as the table gives (NaN, inf, subnormals and
+    zeros of both signs included), without a warning."""
+    rounding._scale_table.cache_clear()
+    rounding._TABLES_MADE.clear()
+    codes = 256**dtype.itemsize
+    every = np.arange(codes, dtype=np.uint32).astype(f"u{dtype.itemsize}").view(dtype)
+    table = rounding.scale_chunk(every, scale, exponent)  # the whole table's own values
+    rounding._scale_table.cache_clear()
+    rounding._TABLES_MADE.clear()
+    at_least = codes // rounding.TABLE_SHARE
+    rng = np.random.default_rng(codes)
+    for size in (1, at_least - 1, at_least):
+        picks = rng.choice(codes, size=size, replace=False)
+        before = rounding._scale_table.cache_info().misses
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = rounding.scale_chunk(every[picks], scale, exponent)
+        made = rounding._scale_table.cache_info().misses - before
+        assert made == (1 if size == at_least else 0)
+        assert np.array_equal(
+            got.view(f"u{dtype.itemsize}"), table[picks].view(f"u{dtype.itemsize}")
+        )
 
 
 def float32_probe(size: int) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,11 @@ def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0)
     if np.ndim(scale) == 0 and is_small_float(chunk.dtype):
         # bfloat16 included: ml_dtypes rounds float32 to bfloat16 one element at a time
         # (with narrow_round's passes, 13 ns/element; the table lookup is ~1 ns).
-        return lookup.look_up(chunk, _scale_table(chunk.dtype, float(scale), exponent))
+        table = _made_table(chunk.dtype, float(scale), exponent, chunk.size)
+        if table is not None:
+            return lookup.look_up(chunk, table)
+        with np.errstate(all="ignore"):  # as the table is made: the same values, bit for bit
+            return _scale(chunk, scale, exponent)
     if (
         np.ndim(scale) == 0
         and chunk.dtype.kind == "f"
@@ -134,6 +139,32 @@ def _scale_in_blocks(chunk: np.ndarray, scale: float, exponent: int) -> np.ndarr
             np.ldexp(wide, exponent, out=wide)
         out[start : start + piece.size] = wide  # the one rounding, as astype in narrow_round
     return out.reshape(chunk.shape)
+
+
+# A chunk of at least 1/TABLE_SHARE of its dtype's values has a table made for its factor;
+# a smaller one is scaled directly unless the table is made already: --norm gives each
+# tensor its own factor, and 20,000 small bfloat16 tensors each paid for a 65,536-value
+# table (~150 us) to scale a few hundred values.
+TABLE_SHARE = 16
+
+
+def _made_table(dtype: np.dtype[Any], scale: float, exponent: int, size: int) -> np.ndarray | None:
+    """_scale_table's table for this factor if it was made lately or is worth making.
+    (Either way the values are the same: only the cost differs.)"""
+    key = (dtype, scale, exponent)
+    with _TABLES_LOCK:  # threads scale chunks
+        made = key in _TABLES_MADE
+        if not made and size * TABLE_SHARE >= 256**dtype.itemsize:
+            _TABLES_MADE[key] = made = True
+            if len(_TABLES_MADE) > 16:
+                del _TABLES_MADE[next(iter(_TABLES_MADE))]
+    return _scale_table(dtype, scale, exponent) if made else None
+
+
+# The factors of the tables made last (a dict as an ordered set), as many as _scale_table
+# keeps.
+_TABLES_MADE: dict[tuple[np.dtype[Any], float, int], bool] = {}
+_TABLES_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=16)
