@@ -55,6 +55,25 @@ def write_tiny(path: Path, count: int) -> None:
         out.write(struct.pack("<Q", len(text)) + text + values.tobytes())
 
 
+def write_small_bf16(path: Path, count: int, numel: int = 64) -> None:
+    """count bfloat16 tensors b0, b1, ... of `numel` seeded standard normals each (a
+    per-tensor clip of many small 16-bit tensors: a factor search and a scaling each)."""
+    header = {
+        f"b{i}": {
+            "dtype": "BF16",
+            "shape": [numel],
+            "data_offsets": [2 * numel * i, 2 * numel * (i + 1)],
+        }
+        for i in range(count)
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    rows = np.random.default_rng(1).standard_normal(count * numel).astype(np.float32)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text)
+        out.write((rows.view(np.uint32) >> 16).astype("<u2").tobytes())  # truncated
+
+
 def write_single(path: Path, mib: int) -> None:
     """One float32 tensor of [mib * 256, 1024], seeded standard normals, in 32 MiB steps."""
     rows = mib * 256
@@ -131,6 +150,9 @@ def main() -> None:
         single = scratch / f"single-{args.axes_mib}mib.safetensors"
         if not tiny.exists():
             write_tiny(tiny, args.tensors)
+        small_bf16 = scratch / f"bf16-{args.tensors // 10}x64.safetensors"
+        if not small_bf16.exists():
+            write_small_bf16(small_bf16, args.tensors // 10)
         if args.axes_mib and not single.exists():
             write_single(single, args.axes_mib)
         pairs = {
@@ -162,6 +184,10 @@ def main() -> None:
             (  # a factor search per tensor
                 f"clip --norm 0.5, {args.tensors:,}",
                 ["clip", "--norm", "0.5", "--quiet", "--force", str(tiny), out],
+            ),
+            (  # the same on 16-bit tensors: exact searches on their histograms
+                f"clip --norm 5, {args.tensors // 10:,} bfloat16 tensors of 64",
+                ["clip", "--norm", "5", "--quiet", "--force", str(small_bf16), out],
             ),
         ]
         if args.axes_mib:
