@@ -10,6 +10,7 @@ of numpy's own rounding of the exact product has a norm <= C as a Fraction.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
@@ -333,3 +334,21 @@ def test_histogram_problems_get_group_factor_bit_for_bit(
             for values, _, _ in members:
                 if len(members) == 1:
                     assert _output_within(values, factor, limit)
+
+
+@pytest.mark.parametrize("limit", [1.34684704745754e-118, 9.332636185032189e-302, 5e-324])
+def test_a_tiny_limit_warns_nothing(limit: float) -> None:
+    """Outputs far over a tiny limit overflow the float64 sums of squares to inf (over the
+    limit): no RuntimeWarning, alone or together, with or without histograms (attack s36:
+    C = 1e-118 printed "overflow encountered in multiply")."""
+    rng = np.random.default_rng(9)
+    problems: list[Problem] = []
+    for dtype in [*SMALL, np.float32, np.complex64]:
+        top = float(ml_dtypes.finfo(dtype).max) if dtype is not np.complex64 else 3e38
+        values = (rng.uniform(-0.5, 0.5, 50) * top).astype(dtype)  # the search tries 1
+        for kept in (True, False):
+            problems.append(([(values, kept, False)], limit, Fraction(limit)))
+        problems.append(([(values, True, False), (values[:5].copy(), True, False)], limit, None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compare_problems(problems)

@@ -377,9 +377,10 @@ def _histogram_factors(batch: _HistogramBatch, dtype: np.dtype[Any]) -> np.ndarr
 
     def margin(scales: np.ndarray) -> np.ndarray:
         rounded = narrow_round(values * np.repeat(scales, lengths), dtype).astype(np.float64)
-        scaled = rounded / each_limit
-        total = np.add.reduceat(counts * (scaled * scaled), starts)
-        upper = total * (1 + (terms + 4) * U64)
+        with np.errstate(over="ignore"):  # inf: over the limit, as _HistogramBound's
+            scaled = rounded / each_limit
+            total = np.add.reduceat(counts * (scaled * scaled), starts)
+            upper = total * (1 + (terms + 4) * U64)
         result: np.ndarray = 1.0 - 2 * U64 - upper
         for p in np.flatnonzero(np.abs(result) <= 4 * (terms + 8) * U64).tolist():
             # Either sign possible: decided exactly on the whole output
@@ -693,7 +694,8 @@ class _HistogramBound:
         total = self.fixed
         for hist in self.histograms:
             # np.sum, not a BLAS dot: that spins up threads, 1.5 ms for 30,000 terms.
-            total += float(np.sum(hist.counts * self._squares(hist, s)))
+            with np.errstate(over="ignore"):  # inf: over the limit
+                total += float(np.sum(hist.counts * self._squares(hist, s)))
         # The float64 sums above err by at most (terms + 3) roundings of their total.
         upper = total * (1 + (self.terms + 4) * U64)
         if self.wide is not None:
@@ -722,8 +724,11 @@ class _HistogramBound:
         return known
 
     def _squares(self, hist: Histogram, s: float) -> np.ndarray:
-        rounded = self._rounded(hist, s) / self.limit
-        squares: np.ndarray = rounded * rounded
+        # Outputs far over a tiny limit overflow to inf: a margin of -inf, never a warning
+        # (attack s36: C = 1e-118 printed "overflow encountered in multiply").
+        with np.errstate(over="ignore"):
+            rounded = self._rounded(hist, s) / self.limit
+            squares: np.ndarray = rounded * rounded
         return squares
 
     def _rounded(self, hist: Histogram, s: float) -> np.ndarray:
@@ -762,8 +767,9 @@ class _HistogramBound:
         for hist in self.histograms:
             at_low, at_high = self._rounded(hist, s_low), self._rounded(hist, s_high)
             settled = at_low == at_high
-            rounded = at_low[settled] / self.limit
-            fixed += float(np.sum(hist.counts[settled] * (rounded * rounded)))
+            with np.errstate(over="ignore"):  # inf: over the limit, as in margin
+                rounded = at_low[settled] / self.limit
+                fixed += float(np.sum(hist.counts[settled] * (rounded * rounded)))
             moving.append(Histogram(hist.dtype, hist.values[~settled], hist.counts[~settled]))
         narrowed = _HistogramBound(
             self.limit,
