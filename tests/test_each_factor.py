@@ -170,6 +170,9 @@ def test_float32_members_get_group_factor_bit_for_bit(seed: int) -> None:
             assert _output_within(values, factor, limit)
 
 
+SUBNORMAL_PARTS = bytes.fromhex("9c1c0000402b0080")  # 1.03e-41 - 1.55e-41j, complex64
+
+
 def test_every_path_of_the_search_in_one_list() -> None:
     """Members that each_factor searches together beside every kind it leaves to
     group_factor: float64 and complex128 (verified by a pass), 8- and 16-bit floats with
@@ -194,6 +197,13 @@ def test_every_path_of_the_search_in_one_list() -> None:
         (np.array([1e-40, -3e-41], np.float32), 1e-42, False),  # subnormal outputs
         (np.array([1e-40], np.float32), 5e-46, False),  # under the smallest: zero
         (np.array([2.0], np.float32), 1.0, False),
+        # complex64 subnormal parts round apart: written over C before (attack s36)
+        (
+            np.frombuffer(bytes.fromhex("9c1c0000402b0080"), np.complex64),
+            1.860247643066752e-41,
+            False,
+        ),
+        (np.frombuffer(bytes.fromhex("9c1c0000402b0080") * 3, np.complex64), 3.2e-41, False),
     ]
     factors = _compare(cases)
     assert factors[0] is not None

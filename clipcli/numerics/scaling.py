@@ -255,7 +255,7 @@ class _Batch(NamedTuple):
     places: list[int]  # in the block
     ratios: list[float]  # limit / norm of the members (group_factor's ratio)
     wide_ratios: list[float]  # limit / norm of the live members (its WideBound's)
-    numels: list[int]  # of the live members
+    numels: list[int]  # values the live members round (_rounded_values)
     limits: list[float]
 
 
@@ -324,7 +324,7 @@ def _bounded_search(
         return _OnHistograms(ratio, next(iter(dtypes)), histograms)  # type: ignore[arg-type]
     if all(digits[dtype] == 53 for dtype in dtypes):
         return None  # float64 only: verified by a pass
-    return _OnBound(ratio, wide.limit_ratio(limit), sum(member.numel for member in live), dtypes)
+    return _OnBound(ratio, wide.limit_ratio(limit), _rounded_values(live), dtypes)
 
 
 def _bound_digits(dtype: np.dtype[Any]) -> int:
@@ -470,9 +470,15 @@ def _wide_bound(members: Sequence[Measured], limit: float) -> WideBound | None:
     if not wide:
         return None
     ratio = merged([m.stats for m in wide]).limit_ratio(limit)
-    return WideBound.of(
-        ratio, list(dict.fromkeys(m.dtype for m in wide)), sum(m.numel for m in wide)
-    )
+    return WideBound.of(ratio, list(dict.fromkeys(m.dtype for m in wide)), _rounded_values(wide))
+
+
+def _rounded_values(members: Sequence[Measured]) -> int:
+    """How many values the members' output rounds, each on its own: two per complex
+    element (its parts round apart: a complex64 tensor of subnormals was bounded as if
+    each element moved by half a step, not by half a step in each part, and written over
+    its limit; attack s36)."""
+    return sum(m.numel * (2 if m.dtype.kind == "c" else 1) for m in members)
 
 
 def _verified_factor(
