@@ -220,9 +220,11 @@ def scales_from_sums(
         # summed with a certain error bound instead.
         margin = _slice_values_margin(picked(over), dtype, limit)
     else:
-        # np.sum over each slice errs by at most slice_numel roundings (pairwise: fewer).
-        bound = WideBound(1.0, unit, smallest_subnormal(dtype), slice_numel)
-        rel_error = (slice_numel + 8) * U64
+        # np.sum over each slice errs by at most one rounding a value (pairwise: fewer);
+        # a complex element's parts are two values, rounded apart (attack s36).
+        values = slice_numel * (2 if dtype.kind == "c" else 1)
+        bound = WideBound(1.0, unit, smallest_subnormal(dtype), values)
+        rel_error = (values + 8) * U64
         slice_ratio = ratios[over] * (1 - rel_error)
 
         def margin(factors: np.ndarray) -> np.ndarray:
