@@ -363,3 +363,24 @@ def test_a_tiny_limit_warns_nothing(limit: float) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _compare_problems(problems)
+
+
+def test_histogram_problems_in_parts_of_bounded_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch is searched HISTOGRAM_VALUES_AT_ONCE distinct values at a time: exactly at
+    the bound one part, a value more a new one; a problem over the bound alone. The same
+    factors as group_factor whatever the parts."""
+    monkeypatch.setattr(scaling, "HISTOGRAM_VALUES_AT_ONCE", 10)
+    parts: list[list[int]] = []
+    batched = scaling._histogram_factors
+
+    def recording(batch: Any, dtype: Any) -> np.ndarray:
+        parts.append([sum(bits.size for bits, _ in h) for h in batch.histograms])
+        return batched(batch, dtype)
+
+    monkeypatch.setattr(scaling, "_histogram_factors", recording)
+    problems: list[Problem] = []
+    for size in (3, 3, 4, 1, 25, 9, 2):  # distinct values each: 1, 2, 4, ... as float16
+        values = np.arange(1, size + 1, dtype=np.float16) * np.float16(0.5)
+        problems.append(([(values, True, False)], _norm(values) * 0.7, None))
+    _compare_problems(problems)
+    assert parts == [[3, 3, 4], [1], [25], [9], [2]]
