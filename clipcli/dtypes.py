@@ -109,6 +109,12 @@ def real_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dtype
 
 
+def parts_per_element(dtype: np.dtype[Any]) -> int:
+    """How many values one element holds that round each on its own: a complex element's
+    real and imaginary parts (2), any other element (1)."""
+    return 2 if dtype.kind == "c" else 1
+
+
 def bits_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     """The unsigned integer dtype of the same size: a view as it gives the bit patterns."""
     return np.dtype(f"u{dtype.itemsize}")

@@ -34,6 +34,7 @@ from clipcli.dtypes import (
     bits_dtype,
     float64_values,
     mantissa_digits,
+    parts_per_element,
     smallest_subnormal,
     smallest_without_zero,
     unit_roundoff,
@@ -508,7 +509,7 @@ def _rounded_values(members: Sequence[Measured]) -> int:
     element (its parts round apart: a complex64 tensor of subnormals was bounded as if
     each element moved by half a step, not by half a step in each part, and written over
     its limit; attack s36)."""
-    return sum(m.numel * (2 if m.dtype.kind == "c" else 1) for m in members)
+    return sum(m.numel * parts_per_element(m.dtype) for m in members)
 
 
 def _verified_factor(

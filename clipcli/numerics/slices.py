@@ -21,6 +21,7 @@ from clipcli.dtypes import (
     bits_dtype,
     is_small_float,
     mantissa_digits,
+    parts_per_element,
     real_dtype,
     smallest_subnormal,
 )
@@ -222,7 +223,7 @@ def scales_from_sums(
     else:
         # np.sum over each slice errs by at most one rounding a value (pairwise: fewer);
         # a complex element's parts are two values, rounded apart (attack s36).
-        values = slice_numel * (2 if dtype.kind == "c" else 1)
+        values = slice_numel * parts_per_element(dtype)
         bound = WideBound(1.0, unit, smallest_subnormal(dtype), values)
         rel_error = (values + 8) * U64
         slice_ratio = ratios[over] * (1 - rel_error)
