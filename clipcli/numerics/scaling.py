@@ -411,13 +411,11 @@ def _histogram_factors(batch: _HistogramBatch, dtype: np.dtype[Any]) -> np.ndarr
         with np.errstate(over="ignore"):  # inf: over the limit, as _HistogramBound's
             scaled = rounded / each_limit
             total = np.add.reduceat(counts * (scaled * scaled), starts)
-            upper = total * (1 + (terms + 4) * U64)
-        result: np.ndarray = 1.0 - 2 * U64 - upper
-        for p in np.flatnonzero(np.abs(result) <= 4 * (terms + 8) * U64).tolist():
-            # Either sign possible: decided exactly on the whole output
+            result: np.ndarray = 1.0 - 2 * U64 - _summed_upper(total, terms)
+        for p in np.flatnonzero(_undecided(result, terms)).tolist():
             part = slice(int(starts[p]), int(starts[p] + lengths[p]))
             within = counted_squares_within(rounded[part], counts[part], float(limit[p]))
-            result[p] = max(result[p], 0.0) if within else min(result[p], -U64 * U64)
+            result[p] = _decided(result[p], within)
         return result
 
     ratio = np.asarray(batch.ratios, np.float64)
@@ -733,16 +731,15 @@ class _HistogramBound:
             # np.sum, not a BLAS dot: that spins up threads, 1.5 ms for 30,000 terms.
             with np.errstate(over="ignore"):  # inf: over the limit
                 total += float(np.sum(hist.counts * self._squares(hist, s)))
-        # The float64 sums above err by at most (terms + 3) roundings of their total.
-        upper = total * (1 + (self.terms + 4) * U64)
+        upper = _summed_upper(total, self.terms)
         if self.wide is not None:
             w = float(self.wide.relative_norm(np.asarray([s]), self.limit)[0])
             upper = (upper + w * w) * (1 + 4 * U64)
         result = 1.0 - 2 * U64 - upper
         # fixed and the moving values' sums add the terms in another order than the whole
         # histograms: within this band either sign is possible, so it is decided exactly.
-        if self.wide is None and abs(result) <= 4 * (self.terms + 8) * U64:
-            result = max(result, 0.0) if self._exactly_within(s) else min(result, -U64 * U64)
+        if self.wide is None and _undecided(result, self.terms):
+            result = _decided(result, self._exactly_within(s))
         return np.asarray([result])
 
     def _exactly_within(self, s: float) -> bool:
@@ -819,6 +816,27 @@ class _HistogramBound:
         )
         changes = narrowed.next_change if self.wide is None else None
         return narrowed.margin, changes, narrowed.within
+
+
+# The margin rule of both histogram searches (_HistogramBound and _histogram_factors): for
+# a float64 total (a float, or one per problem) of `terms` counted squares.
+
+
+def _summed_upper(total: Any, terms: Any) -> Any:
+    """An upper bound of the exact sum: the float64 sum errs by at most (terms + 3)
+    roundings of its total."""
+    return total * (1 + (terms + 4) * U64)
+
+
+def _undecided(margin: Any, terms: Any) -> Any:
+    """Whether the margin is so near zero that either sign is possible: then decided
+    exactly (counted_squares_within)."""
+    return abs(margin) <= 4 * (terms + 8) * U64
+
+
+def _decided(margin: float, within: bool) -> float:
+    """An undecided margin given the sign the exact decision says."""
+    return max(margin, 0.0) if within else min(margin, -U64 * U64)
 
 
 def _remember(decided: dict[bytes, bool], key: bytes, fits: bool) -> None:
