@@ -11,6 +11,7 @@ tensors to it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from fractions import Fraction
 
@@ -50,7 +51,7 @@ def search_factor(
     bit-identical. Refuses (exit 4) a limit that a dtype without zero cannot reach."""
     elsewhere = getattr(check, "rounded_elsewhere", None)
     power = getattr(check, "power_of_two", None)
-    if power is None and elsewhere is None:  # a plain checkpoint: one record per member
+    if _plain(check):  # one record per member
         powers: Sequence[bool] = ()  # read only where as_values
         as_values = False
         as_members: Sequence[scaling.Measured] = members  # no record of each (200,000)
@@ -70,9 +71,11 @@ def search_factor(
             for m, p in zip(members, powers, strict=True)
         ]
 
+    stored = _pass_over(check, members)
+
     def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
         if not as_values:
-            return check([members[i].info for i in which], factor.mantissa, factor.exponent)
+            return stored(which, factor)
         others = [members[i].info for i in which if not powers[i]]
         total = check(others, factor.mantissa, factor.exponent)
         values = [members[i].info for i in which if powers[i]]
@@ -89,16 +92,26 @@ def search_each_factor(
     exact_limit) in order: --norm and --average (a tensor each), --group-by (a group each).
     The same factors; those of a plain checkpoint's tensors are searched together
     (scaling.each_factor)."""
-    if getattr(check, "rounded_elsewhere", None) or getattr(check, "power_of_two", None):
+    if not _plain(check):
         return (search_factor(members, limit, check, exact) for members, limit, exact in problems)
+    return scaling.each_factor(problems, functools.partial(_pass_over, check))
 
-    def output_sumsq_of(members: Sequence[TensorStats]) -> scaling.OutputSumsq:
-        def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
-            return check([members[i].info for i in which], factor.mantissa, factor.exponent)
 
-        return output_sumsq
+def _plain(check: OutputCheck) -> bool:
+    """A check that asks none of the optional questions: a plain checkpoint, each tensor's
+    output its own values rounded to its own dtype."""
+    return getattr(check, "rounded_elsewhere", None) is None and (
+        getattr(check, "power_of_two", None) is None
+    )
 
-    return scaling.each_factor(problems, output_sumsq_of)
+
+def _pass_over(check: OutputCheck, members: Sequence[TensorStats]) -> scaling.OutputSumsq:
+    """The search's pass over members[which] scaled by a factor: the check of their infos."""
+
+    def output_sumsq(which: Sequence[int], factor: Factor) -> CertainSumsq:
+        return check([members[i].info for i in which], factor.mantissa, factor.exponent)
+
+    return output_sumsq
 
 
 def tf_factor(use_norm: float, limit: float) -> Factor | None:
