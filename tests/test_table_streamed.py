@@ -134,3 +134,18 @@ def test_rows_read_as_a_tuple_does() -> None:
         rows[len(expected)]
     with pytest.raises(TypeError):
         hash(rows)
+
+
+@pytest.mark.parametrize("wide_last", [False, True])
+def test_a_stream_that_cannot_hold_ascii_is_escaped_as_one_table(wide_last: bool) -> None:
+    """cp864 has no '%' (attack s36b): the streamed table escapes every cell or none, as
+    the laid-out one does, not block by block: '%' in every name, a non-ASCII name only
+    in the last block (or none at all)."""
+    plain = report(_ROWS_AT_ONCE * 2 + 3, wide_names=False)
+    rows = tuple(
+        (f"p%{k}" + ("é" if wide_last and k == _ROWS_AT_ONCE * 2 + 1 else ""), *row[1:])
+        for k, row in enumerate(plain.rows)
+    )
+    rep = plain._replace(rows=rows)
+    streamed = rendered(rep, None, "cp864")
+    assert streamed == rendered(rep, 10**6, "cp864")

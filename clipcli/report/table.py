@@ -365,15 +365,26 @@ def _texts_by_column(report: Report) -> list[list[str]]:
     return [_column_texts([row[i] for row in rows]) for i in range(len(report.columns))]
 
 
-def _text_blocks(report: Report, stream: TextIO) -> Iterator[list[list[str]]]:
-    """The cells' texts as they will be written (escaped where `stream` cannot hold
-    them), a block of rows at a time, a list per column."""
+def _text_blocks(report: Report, stream: TextIO, escape: bool | None) -> Iterator[list[list[str]]]:
+    """The cells' texts as they will be written, a block of rows at a time, a list per
+    column: escaped where `stream` cannot hold them when `escape` is True, never when it
+    is False, and in the blocks that are not all ASCII when it is None (which is the same
+    where the stream holds ASCII: _holds_ascii)."""
     for start in range(0, len(report.rows), _ROWS_AT_ONCE):
         rows = report.rows[start : start + _ROWS_AT_ONCE]
         block = [_column_texts([row[i] for row in rows]) for i in range(len(report.columns))]
-        if not all("".join(texts).isascii() for texts in block):  # ASCII fits any stream
+        if escape or (escape is None and not all("".join(t).isascii() for t in block)):
             block = [[encodable(stream, text) for text in texts] for texts in block]
         yield block
+
+
+_PRINTABLE_ASCII = "".join(map(chr, range(32, 127)))
+
+
+def _holds_ascii(stream: TextIO) -> bool:
+    """Whether `stream`'s encoding holds every printable ASCII character (cp864 has no
+    '%': attack s36b)."""
+    return encodable(stream, _PRINTABLE_ASCII) == _PRINTABLE_ASCII
 
 
 def _render_plain_streamed(report: Report, stream: TextIO) -> None:
@@ -383,9 +394,15 @@ def _render_plain_streamed(report: Report, stream: TextIO) -> None:
     write them; no text of a cell is held beyond its block (200,000 rows: ~150 MB less
     than a list per row and every line at once, and ~30 MB less than every cell's text)."""
     columns = report.columns
+    # As the laid-out table: every cell escaped if any is not ASCII. Decided per block
+    # where that is the same (the stream holds ASCII), else by a first look at every block.
+    escape = None
+    if not _holds_ascii(stream):
+        blocks = _text_blocks(report, stream, False)
+        escape = not all("".join(t).isascii() for block in blocks for t in block)
     widths = [widest([column.title]) for column in columns]
     ascii_only = all(column.title.isascii() for column in columns)
-    for block in _text_blocks(report, stream):
+    for block in _text_blocks(report, stream, escape):
         widths = [max(w, widest(texts)) for w, texts in zip(widths, block, strict=True)]
         ascii_only = ascii_only and all("".join(texts).isascii() for texts in block)
     notes = [our_text(stream, printable(line)) for line in report.footer]
@@ -393,7 +410,7 @@ def _render_plain_streamed(report: Report, stream: TextIO) -> None:
     notes += [metadata_change_line(*change, None) for change in report.metadata_changes]
     stream.write("".join(line + "\n" for line in title_lines(printable(report.title), None)))
     stream.write(_plain_block(columns, widths, [[c.title] for c in columns], ascii_only))
-    for block in _text_blocks(report, stream):
+    for block in _text_blocks(report, stream, escape):
         stream.write(_plain_block(columns, widths, block, ascii_only))
     if notes:
         stream.write("".join(line + "\n" for note in notes for line in fit_line(note, None)))
