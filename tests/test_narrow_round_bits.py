@@ -1,0 +1,157 @@
+"""narrow_round on the float64's bits (rounding._to_bfloat16, and float16 block by block) against a
+rounding written from the definition (exact fractions, ties to even), and against the
+float32-to-odd path it replaced, on the values where such code goes wrong: ties and their
+neighbours, the carry into the next binade, the largest finite value and the step past
+it, bfloat16's smallest normal and the subnormals below it, zeros, infinities and NaNs
+whose payload sits only in the bits that are cut."""
+
+import math
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from clipcli.numerics import rounding
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def reference(x: float) -> float:
+    """x rounded to bfloat16 (8 significant bits, exponents down to 2**-133), from the
+    definition."""
+    if math.isnan(x) or math.isinf(x) or x == 0:
+        return x
+    _, e = math.frexp(x)  # |x| = m * 2**e, 0.5 <= m < 1
+    quantum = max(e - 8, -133)
+    steps = round(Fraction(x) / Fraction(2) ** quantum)  # ties to even
+    value = Fraction(steps) * Fraction(2) ** quantum
+    if abs(value) >= 2**128:
+        return math.copysign(math.inf, x)
+    if value == 0:
+        return math.copysign(0.0, x)
+    return float(value)
+
+
+def edge_values() -> np.ndarray:
+    rng = np.random.default_rng(20261128)
+    steps = rng.integers(0, 0x7F80, 3000, dtype=np.uint32)  # positive finite bfloat16 codes
+    values = (steps << np.uint32(16)).view(np.float32).astype(np.float64)
+    above = (steps + 1).astype(np.uint32) << np.uint32(16)
+    nexts = above.view(np.float32).astype(np.float64)  # the last is inf: no tie above it
+    values, nexts = values[nexts < np.inf], nexts[nexts < np.inf]
+    ties = (values + nexts) / 2  # exactly halfway (exact in float64)
+    near = [ties, np.nextafter(ties, 0), np.nextafter(ties, np.inf), values, nexts]
+    spread = np.ldexp(rng.random(3000) + 0.5, rng.integers(-150, 131, 3000))
+    specials = [
+        0.0,
+        -0.0,
+        math.inf,
+        -math.inf,
+        2.0**-126,
+        np.nextafter(2.0**-126, 0),
+        2.0**-133,
+        2.0**-134,
+        np.nextafter(2.0**-134, 1),
+        2.0**-135,
+        1.5 * 2.0**-134,
+        5e-324,
+        2.0**128 - 2.0**120,
+        2.0**128 - 2.0**119,
+        np.nextafter(2.0**128 - 2.0**119, 0),
+        2.0**128,
+        1.7976931348623157e308,
+        1.0 + 2.0**-8,
+        1.0 + 3 * 2.0**-8,
+        (1.0 + 2.0**-8) * (1 + 2.0**-52),
+        2.0 - 2.0**-8,
+        np.nextafter(2.0 - 2.0**-8, 0),
+    ]
+    out = np.concatenate(near + [spread, np.asarray(specials, np.float64)])
+    return np.concatenate([out, -out])
+
+
+def test_bits_match_the_definition_at_every_edge() -> None:
+    values = edge_values()
+    got = rounding.narrow_round(values, BF16).astype(np.float64)
+    want = np.asarray([reference(float(x)) for x in values])
+    assert np.array_equal(got, want, equal_nan=True)
+    # Zeros keep their sign, bit for bit.
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_nan_stays_nan_whatever_its_payload() -> None:
+    payloads = np.asarray(
+        [
+            0x7FF0_0000_0000_0001,
+            0x7FF0_0000_1000_0000,
+            0x7FF8_0000_0000_0000,
+            0xFFF0_0000_0000_0001,
+            0x7FFF_FFFF_FFFF_FFFF,
+        ],
+        np.uint64,
+    ).view(np.float64)
+    got = rounding.narrow_round(payloads, BF16).astype(np.float32)
+    assert np.isnan(got).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bits_match_the_float32_path_on_any_bits(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, np.iinfo(np.uint64).max, 1 << 18, dtype=np.uint64, endpoint=True)
+    values = bits.view(np.float64)
+    near = np.ldexp(rng.random(1 << 18), rng.integers(-140, 132, 1 << 18))
+    for wide in (values, near, near.reshape(512, 512)[:, ::3]):
+        got = rounding.narrow_round(wide, BF16)
+        want = rounding._through_float32(wide, BF16)
+        nan = np.isnan(want.astype(np.float32))
+        assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
+        assert np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
+def test_empty_and_zero_dimensional() -> None:
+    assert rounding.narrow_round(np.zeros(0), BF16).shape == (0,)
+    one = rounding.narrow_round(np.asarray(1.00390625), BF16)
+    assert one.shape == ()
+    assert float(one) == 1.0  # a tie: to even
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+@pytest.mark.parametrize("odd_at", [0, -1])
+def test_blocks_at_their_edges(extra: int, odd_at: int) -> None:
+    """The rounding goes block by block (_SCALE_BLOCK elements): an element only the
+    slow path gets right (a subnormal, a NaN) at either end of an array one under, at and
+    one over a block is still right."""
+    size = rounding._SCALE_BLOCK + extra
+    rng = np.random.default_rng(size)
+    for odd in (3.1 * 2.0**-134, np.uint64(0x7FF0_0000_0000_0001).view(np.float64)):
+        wide = rng.standard_normal(size)
+        wide[odd_at] = odd
+        got = rounding.narrow_round(wide, BF16).view(np.uint16)
+        want = rounding._through_float32(wide, BF16).view(np.uint16)
+        assert np.array_equal(got[:-1] if odd_at else got[1:], want[:-1] if odd_at else want[1:])
+        assert np.isnan(float(got.view(BF16)[odd_at])) == np.isnan(odd)
+        if not np.isnan(odd):
+            assert got[odd_at] == want[odd_at]
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1, rounding._SCALE_BLOCK + 1])
+def test_float16_by_blocks_matches_numpys_own_rounding(extra: int) -> None:
+    """float16 is rounded block by block too: against numpy's direct float64-to-float16
+    cast (its own code, one rounding), with ties, overflow, subnormals and NaN at the
+    blocks' ends."""
+    size = rounding._SCALE_BLOCK + extra
+    rng = np.random.default_rng(size)
+    wide = np.ldexp(rng.random(size) + 0.5, rng.integers(-30, 18, size))
+    halves = rng.integers(0, 0x7C00, size, dtype=np.uint16).view(np.float16).astype(np.float64)
+    wide[::7] = halves[::7] * (1 + 2.0**-11)  # ties, where ends are even or odd
+    specials = [65520.0, 65519.99, 2.0**-25, 3 * 2.0**-26, np.nan, -np.inf, -0.0, 1e300]
+    for at in (0, rounding._SCALE_BLOCK - 1, -1):
+        if -size <= at < size:
+            wide[at] = specials[at % len(specials)]
+    wide = np.concatenate([wide, specials])
+    with np.errstate(over="ignore"):
+        want = wide.astype(np.float16)
+    got = rounding.narrow_round(wide, np.dtype(np.float16))
+    assert np.array_equal(got, want, equal_nan=True)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
