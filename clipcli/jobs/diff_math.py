@@ -46,6 +46,7 @@ from clipcli.jobs.diff import (
     SAME,
     SHAPE_CHANGED,
     DiffResult,
+    ManyPairs,
     Pair,
     PieceWork,
     Status,
@@ -53,6 +54,7 @@ from clipcli.jobs.diff import (
 )
 from clipcli.jobs.diff_metadata import file_changes
 from clipcli.numerics.difference import difference
+from clipcli.numerics.many import accumulate_each
 from clipcli.numerics.norms import (
     NormAccumulator,
     ScaledSum,
@@ -106,24 +108,80 @@ def reduce_piece(item: PieceWork) -> tuple[int, Partial]:
     return item.index, _compare(item.a, item.b, item.same_dtype, item.as_complex, item.by_value)
 
 
+def reduce_many(item: ManyPairs) -> list[Partial]:
+    """A Partial for each pair of small whole tensors, as reduce_piece gives it: A's
+    statistics and which pairs are bit-identical worked out for all at once (most pairs of
+    a checkpoint and its clipped or converted copy are one or the other), the rest pair
+    by pair."""
+    arrays_a, arrays_b = item.load()
+    accs_a = accumulate_each(arrays_a)
+    identical = _identical_each(arrays_a, arrays_b, item.jobs)
+    changed = [k for k, same in enumerate(identical) if not same]
+    accs_b: list[NormAccumulator | None] = [None] * len(arrays_b)
+    for k, measured in zip(changed, accumulate_each([arrays_b[k] for k in changed]), strict=True):
+        accs_b[k] = measured
+    partials = []
+    for a, b, acc_a, acc_b, job in zip(arrays_a, arrays_b, accs_a, accs_b, item.jobs, strict=True):
+        if acc_b is None:  # bit-identical
+            partials.append(_unchanged(acc_a, a.nbytes + b.nbytes))
+        else:
+            flags = (job.same_dtype, job.as_complex, job.by_value)
+            partials.append(_compare(a, b, *flags, acc_a=acc_a, acc_b=acc_b))
+    return partials
+
+
+def _identical_each(
+    arrays_a: list[np.ndarray], arrays_b: list[np.ndarray], jobs: Sequence[Pair]
+) -> list[bool]:
+    """Whether each pair is bit-identical (same dtype, not compared by value), one
+    comparison per pair of dtypes over the pairs laid end to end; False says only "not
+    known here": _compare decides."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for k, (a, b, job) in enumerate(zip(arrays_a, arrays_b, jobs, strict=True)):
+        if job.same_dtype and not job.by_value and a.size:
+            groups.setdefault((a.dtype.str, b.dtype.str), []).append(k)
+    identical = [False] * len(arrays_a)
+    for members in groups.values():
+        bits_a = np.concatenate([_bits(arrays_a[k]).reshape(-1) for k in members])
+        bits_b = np.concatenate([_bits(arrays_b[k]).reshape(-1) for k in members])
+        starts = np.cumsum([0] + [arrays_a[k].size for k in members[:-1]])
+        same = np.logical_and.reduceat(bits_a == bits_b, starts)
+        for k, each in zip(members, same.tolist(), strict=True):
+            identical[k] = each
+    return identical
+
+
+def _unchanged(acc_a: NormAccumulator, nbytes: int) -> Partial:
+    """A bit-identical pair: B's statistics are A's, the difference is zero, A·B = ‖A‖²."""
+    dot = (acc_a.ssq, 2 * acc_a.exp) if not acc_a.nonfinite else (0.0, 0)
+    return Partial(acc_a, copy.copy(acc_a), NormAccumulator(), dot, True, nbytes)
+
+
 def _compare(
-    a: np.ndarray, b: np.ndarray, same_dtype: bool, as_complex: bool, by_value: bool = False
+    a: np.ndarray,
+    b: np.ndarray,
+    same_dtype: bool,
+    as_complex: bool,
+    by_value: bool = False,
+    acc_a: NormAccumulator | None = None,
+    acc_b: NormAccumulator | None = None,
 ) -> Partial:
+    """The Partial of a pair of aligned pieces; acc_a, acc_b: each side's statistics, if
+    worked out (B's only where the pair is not bit-identical)."""
     nbytes = a.nbytes + b.nbytes
-    acc_a = accumulate([a])
+    if acc_a is None:
+        acc_a = accumulate([a])
     if by_value:
         # A logical tensor's values are decoded, not stored: equal values (NaN as NaN, -0.0
         # as 0.0: a negative-zero code times a scale) are the same tensor, whatever dtype
         # the other side stores them in (a plain float32 copy of a quantized weight). A
         # dtype change is told from the dtypes its rows show (api._shown_dtypes).
         if np.array_equal(a, b, equal_nan=True):
-            dot = (acc_a.ssq, 2 * acc_a.exp) if not acc_a.nonfinite else (0.0, 0)
-            return Partial(acc_a, copy.copy(acc_a), NormAccumulator(), dot, True, nbytes)
+            return _unchanged(acc_a, nbytes)
     elif same_dtype and np.array_equal(_bits(a), _bits(b)):
-        # Bit-identical: B's statistics are A's, the difference is zero, A·B = ‖A‖².
-        dot = (acc_a.ssq, 2 * acc_a.exp) if not acc_a.nonfinite else (0.0, 0)
-        return Partial(acc_a, copy.copy(acc_a), NormAccumulator(), dot, True, nbytes)
-    acc_b = accumulate([b])
+        return _unchanged(acc_a, nbytes)
+    if acc_b is None:
+        acc_b = accumulate([b])
     wide_a, wide_b = _wide(a, as_complex), _wide(b, as_complex)
     # Exact differences, not those of the widened values: int64 2**60 + 1 vs 2**60 is 1.
     diff, shift = difference(_real_parts(a, as_complex), _real_parts(b, as_complex))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -33,6 +33,16 @@ if TYPE_CHECKING:  # the comparison is imported by compare() only
 R = TypeVar("R")
 W = TypeVar("W")
 P = TypeVar("P")
+
+
+class _Stored(Protocol):
+    """What small_runs needs of a tensor (or a pair of them): its bytes."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+S = TypeVar("S", bound=_Stored)
 
 # Less than this in all is measured in this thread: handing small chunks to threads costs
 # more than it saves (norms of 1-16 MiB: 3-7 ms more CPU, no less wall time, 2 cores), and
@@ -183,6 +193,8 @@ def measure(
 _Piece = tuple[int, Callable[[], Any], int]
 _MANY = -1
 _MEASURED = -2
+
+
 # Tensors of at most SMALL_TENSOR_BYTES are read and measured MANY_TENSORS at a time (at
 # most MANY_BYTES): per tensor, a read, a task and a NormAccumulator.add cost ~30 us,
 # which 200,000 one-element tensors turned into most of a minute.
@@ -191,21 +203,21 @@ MANY_TENSORS = 4096
 MANY_BYTES = 2 << 20
 
 
-def small_runs(
-    infos: Sequence[TensorInfo], joins: Callable[[TensorInfo], bool]
-) -> Iterator[list[int]]:
+def small_runs(infos: Sequence[S], joins: Callable[[S], bool]) -> Iterator[list[int]]:
     """The indices of `infos` in order, cut into runs: consecutive tensors of at most
     SMALL_TENSOR_BYTES for which joins() holds, MANY_TENSORS and MANY_BYTES at most
-    together; every other tensor is a run of its own."""
+    together; every other tensor is a run of its own. (`diff` runs pairs of tensors:
+    diff.Pair.nbytes is their larger side's, each side being one read.)"""
     run: list[int] = []
     run_bytes = 0
     for index, info in enumerate(infos):
-        if info.nbytes <= SMALL_TENSOR_BYTES and joins(info):
-            if run and (len(run) == MANY_TENSORS or run_bytes + info.nbytes > MANY_BYTES):
+        size = info.nbytes
+        if size <= SMALL_TENSOR_BYTES and joins(info):
+            if run and (len(run) == MANY_TENSORS or run_bytes + size > MANY_BYTES):
                 yield run
                 run, run_bytes = [], 0
             run.append(index)
-            run_bytes += info.nbytes
+            run_bytes += size
             continue
         if run:
             yield run
@@ -449,7 +461,7 @@ def compare(
     """
     # Imported here: `norms` and `clip` should not load the comparison's modules.
     from clipcli.jobs import diff_math
-    from clipcli.jobs.diff import PieceWork, pair_tensors, piece_work
+    from clipcli.jobs.diff import ManyPairs, PieceWork, pair_tensors, piece_work
 
     if chunk_elems is not None and chunk_elems < 1:
         raise UsageError(f"chunk_elems must be positive, got {chunk_elems}")
@@ -459,14 +471,29 @@ def compare(
         (p.info_a.nbytes if p.info_a else 0) + (p.info_b.nbytes if p.info_b else 0) for p in pairs
     )
 
-    def reduce(item: PieceWork) -> tuple[int, diff_math.Partial, int]:
+    def reduce(
+        item: PieceWork | ManyPairs,
+    ) -> tuple[int, diff_math.Partial | list[diff_math.Partial], int]:
+        if isinstance(item, ManyPairs):
+            partials = diff_math.reduce_many(item)
+            return item.index, partials, sum(p.nbytes for p in partials)
         index, partial = diff_math.reduce_piece(item)
         return index, partial, partial.nbytes
 
+    def merge(index: int, partial: diff_math.Partial | list[diff_math.Partial]) -> None:
+        if isinstance(partial, list):
+            for run, part in zip(running[index : index + len(partial)], partial, strict=True):
+                run.merge(part)
+        else:
+            running[index].merge(partial)
+
+    def runs(jobs: Sequence[diff.Pair]) -> Iterator[list[int]]:
+        return small_runs(jobs, _pairs_join)
+
     reduce_stream(
-        piece_work(a, b, pairs, chunk_elems),
+        piece_work(a, b, pairs, chunk_elems, runs),
         reduce,
-        lambda index, partial: running[index].merge(partial),
+        merge,
         len(pairs),
         progress,
         "comparing",
@@ -487,6 +514,10 @@ def compare(
     # view over it because it has no ties).
     tied_a, tied_b = (_tied(r) for r in (a, b))
     return diff_math.result(a, b, pairs, tensors, weights, tied_a, tied_b)
+
+
+def _pairs_join(pair: diff.Pair) -> bool:
+    return pair.paired
 
 
 def _tied(reader: Reader) -> Mapping[str, str]:
