@@ -100,7 +100,8 @@ OUT_OF_MEMORY = 5
 
 
 def _exit_out_of_memory(exc: BaseException) -> None:
-    detail = f": {exc}" if str(exc) else ""
+    # CPython's SystemError or compiler ValueError for it says nothing a user can act on.
+    detail = f": {exc}" if str(exc) and not isinstance(exc, (SystemError, ValueError)) else ""
     try:  # noqa: SIM105 - contextlib is not loaded yet: start-up time
         os.write(2, f"clipcli: error: out of memory{detail}\n".encode())
     except OSError:
@@ -137,11 +138,12 @@ def run() -> None:
         from clipcli.cli.entry import main
 
         _preload(sys.argv[1:])
-    except (MemoryError, ImportError, SystemError) as exc:
-        # Before main()'s boundary: as it would say. SystemError too: CPython's compile()
-        # of a module with no bytecode cached (PYTHONDONTWRITEBYTECODE, a fresh install)
-        # can fail under an address-space limit, "returned NULL without setting an
-        # exception" (seen importing clipcli.report.builders at `prlimit --as` 16 MiB).
+    except (MemoryError, ImportError, SystemError, ValueError) as exc:
+        # Before main()'s boundary: as it would say. SystemError and ValueError too:
+        # CPython's compile() of a module with no bytecode cached (PYTHONDONTWRITEBYTECODE,
+        # a fresh install) can fail under an address-space limit, "returned NULL without
+        # setting an exception" (seen importing clipcli.report.builders at `prlimit --as`
+        # 16 MiB) or "field 'target' is required for AnnAssign" (15 MiB).
         from clipcli.system.address_space import refused_memory
 
         if not refused_memory(exc):

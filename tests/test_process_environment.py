@@ -477,30 +477,55 @@ import clipcli.__main__ as entry
 soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 resource.setrlimit(resource.RLIMIT_AS, (1 << 40, hard))  # a limit is set, far above use
 real_import = builtins.__import__
-failing = sys.argv[-1]
+failing, error = sys.argv[-2:]
 def failing_import(name, *args, **kwargs):
     if name == failing:
-        raise SystemError("<built-in function compile> returned NULL without setting an exception")
+        raise eval(error)
     return real_import(name, *args, **kwargs)
 builtins.__import__ = failing_import
-sys.argv = ["clipcli", *sys.argv[1:-1]]
+sys.argv = ["clipcli", *sys.argv[1:-2]]
 entry.run()
 """
+COMPILE_ERRORS = [
+    'SystemError("<built-in function compile> returned NULL without setting an exception")',
+    "ValueError(\"field 'target' is required for AnnAssign\")",
+]
 
 
+@pytest.mark.parametrize("error", COMPILE_ERRORS)
 @pytest.mark.parametrize("module", ["clipcli.jobs.execution", "clipcli.api"])
-def test_a_compile_refused_at_start_up_is_out_of_memory(tmp_path: Path, module: str) -> None:
-    """Before: a traceback and exit 1 (seen at `prlimit --as` 16 MiB with no bytecode
-    cached), and nothing written."""
+def test_a_compile_refused_at_start_up_is_out_of_memory(
+    tmp_path: Path, module: str, error: str
+) -> None:
+    """Before: a traceback and exit 1 (seen at `prlimit --as` 16 MiB, and at 15 MiB as the
+    compiler's ValueError, with no bytecode cached), and nothing written."""
     src = tmp_path / "m.safetensors"
     INPUTS["m.safetensors"](src)
-    argv = ["clip", "--global", "1", str(src), str(tmp_path / "out.safetensors"), module]
+    argv = ["clip", "--global", "1", str(src), str(tmp_path / "out.safetensors"), module, error]
     done = subprocess.run(
         [sys.executable, "-c", COMPILE_FAILS, *argv], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 5, done.stderr
     _one_line(done.stderr, "out of memory")
+    assert "required" not in done.stderr
+    assert "NULL" not in done.stderr
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_only_the_compilers_lost_node_under_a_limit_is_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiler's ValueError is out of memory only in its own words and only while an
+    address-space limit is set (without one, an allocation does not fail); any other
+    ValueError is a bug (exit 70 at the boundary)."""
+    lost = ValueError("field 'target' is required for AnnAssign")
+    monkeypatch.setattr(address_space, "_limited", lambda: True)
+    assert address_space.refused_memory(lost)
+    assert not address_space.refused_memory(ValueError("field 'target' is required"))
+    assert not address_space.refused_memory(ValueError("field 'a b' is required for AnnAssign"))
+    assert not address_space.refused_memory(ValueError("could not convert string to float: 'x'"))
+    monkeypatch.setattr(address_space, "_limited", lambda: False)
+    assert not address_space.refused_memory(lost)
 
 
 @pytest.mark.parametrize("mib", [16, 32, 48, 64, 96, 128, 160, 192])

@@ -79,16 +79,28 @@ _NULL_WITHOUT_EXCEPTION = (
 )
 
 
+def _node_lost(text: str) -> bool:
+    """Whether `text` is CPython's compiler checking a syntax tree whose node it could not
+    allocate: "field 'target' is required for AnnAssign" (compile() of clipcli's own, valid
+    source at `prlimit --as` 15 MiB, no bytecode cached). No regex: `re` is not loaded at
+    start-up."""
+    field, _, node = text.removeprefix("field '").partition("' is required for ")
+    return text.startswith("field '") and field.isidentifier() and node.isidentifier()
+
+
 def refused_memory(exc: BaseException) -> bool:
     """Whether `exc` is the address space running out: MemoryError, the dynamic loader
-    failing to map an extension module (ImportError "failed to map segment"), or CPython's
-    SystemError for a C call that failed without an exception while an address-space
-    limit is set (without one, an allocation does not fail: the kernel ends the process)."""
+    failing to map an extension module (ImportError "failed to map segment"), or, while
+    an address-space limit is set (without one, an allocation does not fail: the kernel
+    ends the process), CPython's SystemError for a C call that failed without an
+    exception, or its compiler's ValueError for a syntax-tree node lost the same way."""
     if isinstance(exc, MemoryError):
         return True
     text = str(exc)
     if isinstance(exc, SystemError):
         return any(marker in text for marker in _NULL_WITHOUT_EXCEPTION) and _limited()
+    if isinstance(exc, ValueError):
+        return _node_lost(text) and _limited()
     return isinstance(exc, ImportError) and (
         "failed to map segment" in text or "Cannot allocate memory" in text
     )
