@@ -7,7 +7,8 @@ Rows (each a whole `python -m clipcli` process, timed with /usr/bin/time: CPU = 
 system seconds, the figure to trust on a shared machine; peak RSS = %M):
 
 - norms (table), norms --format json, clip --global 1 (durable, as users run it) on a
-  safetensors file of N one-element float32 tensors (default 200,000: 14 MB);
+  safetensors file of N one-element float32 tensors (default 200,000: 14 MB); diff of it
+  against a copy (every pair bit-identical) and against half its values (4 in 5 changed);
 - clip --norm 1 --axes 0 --no-fsync on one float32 tensor of M MiB (default 1024:
   [M * 256, 1024]), every column clipped; and --axes 1 on it (M * 256 rows);
 - clip --norm 1 --axes 1 on a float32 tensor of S MiB of two-element rows (default 100:
@@ -42,15 +43,16 @@ import numpy as np
 HERE = Path(__file__).resolve().parent.parent  # this checkout
 
 
-def write_tiny(path: Path, count: int) -> None:
-    """count one-element float32 tensors t0, t1, ... holding i % 5 (safetensors by hand)."""
+def write_tiny(path: Path, count: int, scale: float = 1.0) -> None:
+    """count one-element float32 tensors t0, t1, ... holding (i % 5) * scale (safetensors
+    by hand)."""
     header = {
         f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
         for i in range(count)
     }
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    values = (np.arange(count) % 5).astype("<f4")
+    values = ((np.arange(count) % 5) * scale).astype("<f4")
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(text)) + text + values.tobytes())
 
@@ -150,6 +152,14 @@ def main() -> None:
         single = scratch / f"single-{args.axes_mib}mib.safetensors"
         if not tiny.exists():
             write_tiny(tiny, args.tensors)
+        # diff's B sides: the same values (every pair bit-identical), and half of them
+        # (every nonzero pair changed)
+        tiny_copy = scratch / f"tiny-{args.tensors}-copy.safetensors"
+        tiny_half = scratch / f"tiny-{args.tensors}-half.safetensors"
+        if not tiny_copy.exists():
+            write_tiny(tiny_copy, args.tensors)
+        if not tiny_half.exists():
+            write_tiny(tiny_half, args.tensors, 0.5)
         small_bf16 = scratch / f"bf16-{args.tensors // 10}x64.safetensors"
         if not small_bf16.exists():
             write_small_bf16(small_bf16, args.tensors // 10)
@@ -184,6 +194,14 @@ def main() -> None:
             (  # a factor search per tensor
                 f"clip --norm 0.5, {args.tensors:,}",
                 ["clip", "--norm", "0.5", "--quiet", "--force", str(tiny), out],
+            ),
+            (  # paired small tensors read and compared many at a time
+                f"diff, {args.tensors:,} pairs, bit-identical",
+                ["diff", str(tiny), str(tiny_copy)],
+            ),
+            (
+                f"diff, {args.tensors:,} pairs, 4 in 5 changed",
+                ["diff", str(tiny), str(tiny_half)],
             ),
             (  # the same on 16-bit tensors: exact searches on their histograms
                 f"clip --norm 5, {args.tensors // 10:,} bfloat16 tensors of 64",
