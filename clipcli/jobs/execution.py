@@ -23,7 +23,7 @@ from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.names import NamePositions
 from clipcli.jobs.factor import OutputCheck
 from clipcli.jobs.measurement import TensorStats
-from clipcli.jobs.pipeline import map_chunks, write_tensors
+from clipcli.jobs.pipeline import map_chunks, small_runs, write_tensors
 from clipcli.jobs.plan import (
     NOTHING_FLUSHED,
     Action,
@@ -102,8 +102,40 @@ class _OutputCheck:
                 total.merge(partial)
         return total
 
+    def each(
+        self, groups: Sequence[Sequence[TensorInfo]], mantissa: float, exponent: int
+    ) -> list[CertainSumsq]:
+        """self(group, mantissa, exponent) of each group, in order, with the small tensors
+        read many at a time (pipeline.small_runs, Reader.loader_of_many): the same sums (a
+        small tensor is one chunk either way, and the parts add up as fractions), without a
+        read and a task per tensor. For a plain check only (nothing rounded elsewhere)."""
+        infos = [info for group in groups for info in group]
+        sums: list[CertainSumsq] = []
+        for run in small_runs(infos, _always):
+            load = self._reader.loader_of_many([infos[i] for i in run]) if len(run) > 1 else None
+            if load is None:
+                sums.extend(self([infos[i]], mantissa, exponent) for i in run)
+                continue
+            interrupts.check()  # a pass over the data: a signal must not wait for its end
+            for array in load():
+                part = CertainSumsq()
+                part.add(rounding.scale_chunk(array, mantissa, exponent))
+                sums.append(part)
+        totals, at = [], 0
+        for group in groups:
+            total = CertainSumsq()
+            for part in sums[at : at + len(group)]:
+                total.merge(part)
+            totals.append(total)
+            at += len(group)
+        return totals
+
     def _rounded_elsewhere(self, info: TensorInfo) -> bool:  # noqa: ARG002
         return False
+
+
+def _always(_info: TensorInfo) -> bool:
+    return True
 
 
 def _scaled_sumsq(

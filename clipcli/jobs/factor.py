@@ -28,7 +28,10 @@ __all__ = ["Factor", "OutputCheck", "search_each_factor", "search_factor", "tf_f
 # `rounded_elsewhere(info) -> bool` (clipcli.jobs.execution.output_check: a logical tensor
 # whose factor is rounded in its stored scales): the search then verifies every factor
 # for a group that holds such a tensor (scaling.Member.rounded_elsewhere).
-# A check may also have `power_of_two(info) -> bool` (a logical tensor whose stored
+# A plain check may have `each(groups, mantissa, exponent) -> list[CertainSumsq]`: the
+# check of each group, in order, in one go (clipcli.jobs.execution: small tensors read
+# many at a time); the search then decides ties (a norm within rounding error of C)
+# together. A check may also have `power_of_two(info) -> bool` (a logical tensor whose stored
 # scales are E8M0 exponents) and `as_values(infos, mantissa, exponent)` (the same sum of
 # squares with those tensors' real values scaled as float64): such a tensor's write takes
 # the factor f rounded down to a power of two 2**-k, which the plan then records as its
@@ -94,7 +97,15 @@ def search_each_factor(
     (scaling.each_factor)."""
     if not _plain(check):
         return (search_factor(members, limit, check, exact) for members, limit, exact in problems)
-    return scaling.each_factor(problems, functools.partial(_pass_over, check))
+    each = getattr(check, "each", None)
+    stored_sumsq_each = None
+    if each is not None:  # ties decided together: the members as stored, a read for many
+
+        def stored_sumsq_each(groups: Sequence[Sequence[TensorStats]]) -> list[CertainSumsq]:
+            sums: list[CertainSumsq] = each([[m.info for m in group] for group in groups], 1.0, 0)
+            return sums
+
+    return scaling.each_factor(problems, functools.partial(_pass_over, check), stored_sumsq_each)
 
 
 def _plain(check: OutputCheck) -> bool:

@@ -147,11 +147,14 @@ def group_factor(
     limit: float,
     output_sumsq: OutputSumsq,
     exact_limit: Fraction | None = None,
+    over_exactly: bool = False,
 ) -> Factor | None:
     """The largest uniform factor whose rounded output, over all members together, has
     norm <= limit; None to leave them as they are (within the limit, a zero norm, C = inf).
     Apply it to the members whose norm is nonzero: a zero tensor stays bit-identical.
-    DataRefusedError (exit 4) when no factor can reach the limit (a dtype without zero)."""
+    DataRefusedError (exit 4) when no factor can reach the limit (a dtype without zero).
+    over_exactly: the members' measured norm is within rounding error of the limit and
+    already known, exactly, to be over it (each_factor decides such ties together)."""
     together = merged([member.stats for member in members])
     ratio = together.limit_ratio(limit)
     if together.sumsq.mant == 0.0 or math.isinf(limit) or ratio > 1 + AMBIGUOUS:
@@ -164,7 +167,7 @@ def group_factor(
         # exact_limit: the limit as a real number when the float `limit` is its rounding
         # down (--average's C * n): a norm between the two is within, so kept.
         within = exact_limit if exact_limit is not None else Fraction(limit)
-        if _within_exactly(_live(members), members, within, output_sumsq):
+        if not over_exactly and _within_exactly(_live(members), members, within, output_sumsq):
             return None
         ratio = min(ratio, 1 - U64)
     elif not ratio < 1.0:
@@ -203,25 +206,33 @@ Problem = tuple[Sequence[AnyMeasured], float, Fraction | None]
 def each_factor(
     problems: Iterable[Problem[AnyMeasured]],
     output_sumsq_of: Callable[[Sequence[AnyMeasured]], OutputSumsq],
+    stored_sumsq_each: StoredSumsqEach[AnyMeasured] | None = None,
 ) -> Iterator[Factor | None]:
     """group_factor(members, limit, output_sumsq_of(members), exact) of each problem, in
-    order: the same factors bit for bit, the same passes over the data in the same order.
-    --norm and --average have a problem per tensor, --group-by one per group.
+    order: the same factors bit for bit. --norm and --average have a problem per tensor,
+    --group-by one per group.
 
     The problems whose search runs on the rounding bound alone (no member with a histogram
     or rounded elsewhere, not float64 only, clearly over their limit) are searched
     together, one problem each, in one search_factors call per block of EACH_BLOCK and set
     of dtypes: a bisection of thousands of problems at once rather than one of ~100 us for
-    each (200,000 one-element tensors)."""
+    each (200,000 one-element tensors). Given stored_sumsq_each (the sums of squares of
+    many groups of members as stored, in one go), the block's ties (a measured norm within
+    rounding error of its limit: a clipped checkpoint clipped again) are decided together
+    too, instead of by a pass each (~50 us a small tensor)."""
     digits: dict[np.dtype[Any], int] = {}  # by dtype: _bound_digits
     queue = iter(problems)
     while block := list(itertools.islice(queue, EACH_BLOCK)):
         factors: list[Factor | None] = [None] * len(block)
         together: dict[frozenset[np.dtype[Any]], _Batch] = {}  # by the live members' dtypes
         counted: dict[np.dtype[Any], _HistogramBatch] = {}  # by their one dtype
+        ties: list[int] = []  # places
         for place, (members, limit, exact) in enumerate(block):
             searched = _bounded_search(members, limit, digits)
             if searched is _LEFT_ALONE:
+                continue
+            if searched is _TIE and stored_sumsq_each is not None:
+                ties.append(place)
                 continue
             if isinstance(searched, _OnBound):
                 batch = together.setdefault(searched.dtypes, _Batch([], [], [], [], []))
@@ -248,7 +259,41 @@ def each_factor(
                 found = _histogram_factors(part, dtype)
                 for place, factor in zip(part.places, found.tolist(), strict=True):
                     factors[place] = Factor(factor)
+        if ties:
+            assert stored_sumsq_each is not None
+            tied = [block[place] for place in ties]
+            for place, within in zip(
+                ties, _each_within_exactly(tied, stored_sumsq_each), strict=True
+            ):
+                if not within:  # a hair over: searched as group_factor searches it
+                    members, limit, exact = block[place]
+                    output_sumsq = output_sumsq_of(members)
+                    factors[place] = group_factor(members, limit, output_sumsq, exact, True)
         yield from factors
+
+
+# The sums of squares of groups of members, each group's values as stored (rounded by a
+# factor of 1), with a certain error bound: one CertainSumsq per group, in order, in one
+# go (small tensors read many at a time).
+StoredSumsqEach = Callable[[Sequence[Sequence[AnyMeasured]]], list[CertainSumsq]]
+
+
+def _each_within_exactly(
+    problems: Sequence[Problem[AnyMeasured]], stored_sumsq_each: StoredSumsqEach[AnyMeasured]
+) -> list[bool]:
+    """group_factor's exact decision of each tie (_within_exactly), the passes over the
+    members without histograms made in one go."""
+    lives = [_live(members) for members, _, _ in problems]
+    wide = [
+        [members[i] for i in live if members[i].stats.histogram is None]
+        for live, (members, _, _) in zip(lives, problems, strict=True)
+    ]
+    sums = stored_sumsq_each(wide)
+    decided = []
+    for live, check, (members, limit, exact) in zip(lives, sums, problems, strict=True):
+        check.total += _histogram_sumsq(live, members)
+        decided.append(check.at_most(exact if exact is not None else Fraction(limit)))
+    return decided
 
 
 class _Batch(NamedTuple):
@@ -285,6 +330,7 @@ class _OnHistograms(NamedTuple):
 
 
 _LEFT_ALONE = "left alone"
+_TIE = "a tie"
 
 
 def _bounded_search(
@@ -293,7 +339,8 @@ def _bounded_search(
     """What group_factor(members, limit, ...) would do, where it needs no pass: _LEFT_ALONE
     (within the limit, a zero norm); _OnBound, a search on the rounding bound alone
     (_bound_factors); _OnHistograms, the exact search on the histograms of members of one
-    8- or 16-bit dtype (_histogram_factors); None for the rest (group_factor itself).
+    8- or 16-bit dtype (_histogram_factors); _TIE, a measured norm within rounding error
+    of the limit (decided exactly); None for the rest (group_factor itself).
     `digits`: _bound_digits of each dtype met so far."""
     kept = 0  # members with a histogram
     for member in members:
@@ -309,8 +356,10 @@ def _bounded_search(
     ratio = together.limit_ratio(limit)
     if together.sumsq.mant == 0.0 or ratio > 1 + AMBIGUOUS:
         return _LEFT_ALONE
-    if not (TINY_RATIO <= ratio < 1.0 and abs(ratio - 1) > AMBIGUOUS):
-        return None  # decided exactly, or verified by a pass
+    if abs(ratio - 1) <= AMBIGUOUS:
+        return _TIE  # decided exactly: by a pass over the members without histograms
+    if not TINY_RATIO <= ratio < 1.0:
+        return None  # verified by a pass
     if len(members) == 1:  # --norm, --average: live, since its norm is not zero
         live: Sequence[Measured] = members
         wide = together
@@ -462,6 +511,14 @@ def _within_exactly(
 ) -> bool:
     """Whether the norm of the live members together is <= limit: exact over histograms
     (as fractions), with a certain bound over the rest (one more pass over those)."""
+    wide = [i for i in live if members[i].stats.histogram is None]
+    check = output_sumsq(wide, Factor(1.0))
+    check.total += _histogram_sumsq(live, members)
+    return check.at_most(limit)
+
+
+def _histogram_sumsq(live: Sequence[int], members: Sequence[Measured]) -> Fraction:
+    """The exact sum of squares of the live members with histograms."""
     total = Fraction(0)
     for i in live:
         histogram = members[i].stats.histogram
@@ -470,10 +527,7 @@ def _within_exactly(
             values = float64_values(members[i].dtype)[bits]
             for value, count in zip(values.tolist(), counts.tolist(), strict=True):
                 total += Fraction(value) ** 2 * count
-    wide = [i for i in live if members[i].stats.histogram is None]
-    check = output_sumsq(wide, Factor(1.0))
-    check.total += total
-    return check.at_most(limit)
+    return total
 
 
 def _histograms(members: Sequence[Measured]) -> list[Histogram]:
