@@ -9,6 +9,7 @@ system seconds, the figure to trust on a shared machine; peak RSS = %M):
 - norms (table), norms --format json, clip --global 1 (durable, as users run it) on a
   safetensors file of N one-element float32 tensors (default 200,000: 14 MB); diff of it
   against a copy (every pair bit-identical) and against half its values (4 in 5 changed);
+  clip --norm 1 of what clip --norm 1 made of it (4 in 5 tensors exactly at the limit);
 - clip --norm 1 --axes 0 --no-fsync on one float32 tensor of M MiB (default 1024:
   [M * 256, 1024]), every column clipped; and --axes 1 on it (M * 256 rows);
 - clip --norm 1 --axes 1 on a float32 tensor of S MiB of two-element rows (default 100:
@@ -43,16 +44,16 @@ import numpy as np
 HERE = Path(__file__).resolve().parent.parent  # this checkout
 
 
-def write_tiny(path: Path, count: int, scale: float = 1.0) -> None:
-    """count one-element float32 tensors t0, t1, ... holding (i % 5) * scale (safetensors
-    by hand)."""
+def write_tiny(path: Path, count: int, scale: float = 1.0, cap: int = 4) -> None:
+    """count one-element float32 tensors t0, t1, ... holding min(i % 5, cap) * scale
+    (safetensors by hand)."""
     header = {
         f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
         for i in range(count)
     }
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    values = ((np.arange(count) % 5) * scale).astype("<f4")
+    values = (np.minimum(np.arange(count) % 5, cap) * scale).astype("<f4")
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(text)) + text + values.tobytes())
 
@@ -160,6 +161,10 @@ def main() -> None:
             write_tiny(tiny_copy, args.tensors)
         if not tiny_half.exists():
             write_tiny(tiny_half, args.tensors, 0.5)
+        # what clip --norm 1 makes of `tiny`: every nonzero tensor exactly at the limit
+        tiny_ties = scratch / f"tiny-{args.tensors}-ties.safetensors"
+        if not tiny_ties.exists():
+            write_tiny(tiny_ties, args.tensors, cap=1)
         small_bf16 = scratch / f"bf16-{args.tensors // 10}x64.safetensors"
         if not small_bf16.exists():
             write_small_bf16(small_bf16, args.tensors // 10)
@@ -202,6 +207,10 @@ def main() -> None:
             (
                 f"diff, {args.tensors:,} pairs, 4 in 5 changed",
                 ["diff", str(tiny), str(tiny_half)],
+            ),
+            (  # a clipped checkpoint clipped again: 160,000 ties, decided exactly
+                f"clip --norm 1 again, {args.tensors:,} (4 in 5 at the limit)",
+                ["clip", "--norm", "1", "--quiet", "--force", str(tiny_ties), out],
             ),
             (  # the same on 16-bit tensors: exact searches on their histograms
                 f"clip --norm 5, {args.tensors // 10:,} bfloat16 tensors of 64",
