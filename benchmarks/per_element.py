@@ -20,6 +20,9 @@ from clipcli.numerics.norms import NormAccumulator, accumulate
 
 CHUNK = 1 << 20  # elements per chunk, as the readers hand out 2 MiB of bf16
 FACTOR = 0.6875  # a factor as the search makes them (few bits: the product is exact)
+# Per-row factors of up to 45 significant bits, as the --axes search makes them.
+ROW_FACTORS = (0.5 + np.random.default_rng(1).random((CHUNK // 4096, 1)) / 2).view(np.int64)
+ROW_FACTORS = ((ROW_FACTORS >> 8) << 8).view(np.float64)
 
 
 def per_element(fn, array: np.ndarray) -> float:
@@ -44,6 +47,10 @@ def main() -> None:
         "norms: NormAccumulator.add": lambda c: NormAccumulator().add(c),
         "clip measure (histograms)": lambda c: NormAccumulator(keep_histogram=True).add(c),
         "clip write: scale_chunk": lambda c: rounding.scale_chunk(c, FACTOR),
+        # --axes: a factor per slice (here per row of 4,096): rounded on the fly, no table
+        "clip write --axes: a factor per row": lambda c: rounding.scale_chunk(
+            c.reshape(-1, 4096), ROW_FACTORS[: c.size // 4096]
+        ),
         "clip write: flushes": lambda c: rounding.flushes(c, c),
         "clip write: outcome stats": lambda c: accumulate([c]),
     }

@@ -7,6 +7,7 @@ whose payload sits only in the bits that are cut."""
 
 import math
 from fractions import Fraction
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -155,3 +156,42 @@ def test_float16_by_blocks_matches_numpys_own_rounding(extra: int) -> None:
     got = rounding.narrow_round(wide, np.dtype(np.float16))
     assert np.array_equal(got, want, equal_nan=True)
     assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float32, np.float64, BF16, np.float16, ml_dtypes.float8_e4m3fn, np.complex64, ">f4"],
+    ids=str,
+)
+@pytest.mark.parametrize(
+    ("shape", "axes"),
+    [
+        ((3, 70_000), (1,)),
+        ((70_000, 3), (1,)),
+        ((70_000, 3), (0,)),
+        ((2, 40_000, 2), (1,)),
+        ((2, 40_000, 2), (0, 2)),
+        ((1, 200_000), (1,)),
+        ((65_537,), (0,)),
+    ],
+)
+def test_per_slice_scaling_in_row_blocks_is_the_whole_box_scaled(
+    dtype: Any, shape: tuple[int, ...], axes: tuple[int, ...]
+) -> None:
+    """--axes scales a box a block of leading rows at a time (_scale_rows_in_blocks): the
+    same values, bit for bit, as the whole box scaled at once (_scale), whatever the
+    slices' layout against the blocks."""
+    rng = np.random.default_rng(len(shape) * 7 + len(axes))
+    values = rng.standard_normal(shape) * 3
+    if np.dtype(dtype).kind == "c":
+        values = values + 1j * rng.standard_normal(shape)
+    box = values.astype(dtype)
+    keep = tuple(1 if i in axes else n for i, n in enumerate(shape))
+    mantissas = rng.integers(1 << 40, 1 << 44, keep).astype(np.float64)
+    scales = np.ldexp(mantissas, -45)  # the search's factors: 45 bits at most, below 1
+    got = rounding.scale_chunk(box, scales)
+    with np.errstate(all="ignore"):
+        want = rounding._scale(box, scales, 0)
+    assert got.dtype == want.dtype
+    assert got.shape == want.shape
+    assert got.tobytes() == want.tobytes()

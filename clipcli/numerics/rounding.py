@@ -200,7 +200,23 @@ def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0)
         and (exponent == 0 or chunk.dtype.itemsize == 4)
     ):
         return _scale_in_blocks(chunk, float(scale), exponent)
+    if np.ndim(scale) and chunk.ndim and chunk.size > _SCALE_BLOCK:
+        return _scale_rows_in_blocks(chunk, np.asarray(scale), exponent)
     return _scale(chunk, scale, exponent)
+
+
+def _scale_rows_in_blocks(chunk: np.ndarray, scales: np.ndarray, exponent: int) -> np.ndarray:
+    """_scale with a factor per slice (--axes: scales broadcast against the chunk), a block
+    of leading rows at a time: the same operations on each element, their temporaries
+    (the widened values, the products, the rounding's) in cache instead of fresh pages the
+    size of the whole box (a bfloat16 box of 2**20 values: ~14 ns/element, now ~4)."""
+    rows = max(1, _SCALE_BLOCK // max(1, chunk.size // chunk.shape[0]))
+    per_row = scales.ndim == chunk.ndim and scales.shape[0] == chunk.shape[0]
+    out = np.empty(chunk.shape, chunk.dtype)
+    for start in range(0, chunk.shape[0], rows):
+        part = scales[start : start + rows] if per_row else scales
+        out[start : start + rows] = _scale(chunk[start : start + rows], part, exponent)
+    return out
 
 
 # Elements per block of _scale_in_blocks: a 512 KiB float64 buffer, reused, stays in L2.
