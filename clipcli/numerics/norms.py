@@ -427,7 +427,9 @@ class NormAccumulator:
         counts, self.counts = self.counts, None
         assert self.hist_dtype is not None
         facts = _patterns(self.hist_dtype)
-        codes = np.flatnonzero(counts)  # the codes present, ascending
+        # The codes present, ascending. (A bool array first: np.flatnonzero of 65,536 int64
+        # counts took ~120 us, of their != 0 ~18 us; 20,000 small bf16 tensors, 2 s.)
+        codes = np.flatnonzero(counts != 0)
         present = counts[codes]
         nan_count = int(present[facts.is_nan[codes]].sum())
         inf_count = int(present[facts.is_inf[codes]].sum())
