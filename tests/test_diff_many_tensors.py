@@ -11,7 +11,6 @@ by handmade's own safetensors writer."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from handmade import write_safetensors
+from test_many_tensors import count_preads
 
 from clipcli.cli.entry import main
 from clipcli.formats.safetensors.reader import SafetensorsReader
@@ -129,14 +129,7 @@ def test_paired_small_tensors_take_one_read_a_side(
     tensors = {f"t{i}": np.full(2, i, np.float32) for i in range(500)}
     path_a = write_safetensors(tmp_path / "a.safetensors", tensors)
     path_b = write_safetensors(tmp_path / "b.safetensors", tensors)
-    calls: list[int] = []
-    real = os.preadv
-
-    def spy(fd: int, buffers: list[memoryview], offset: int) -> int:
-        calls.append(offset)
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", spy)
+    calls = count_preads(monkeypatch)
     assert main(["diff", "-q", str(path_a), str(path_b)]) == 0
     assert len(calls) == 2  # was 1,000: one per tensor and side
     capsys.readouterr()

@@ -12,7 +12,6 @@ output and report are the same bytes as the one-tie-at-a-time route (`each` take
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 from conftest import Run
 from handmade import read_safetensors, write_safetensors
+from test_many_tensors import count_preads
 
 from clipcli.jobs import execution
 from clipcli.numerics import scaling
@@ -118,14 +118,7 @@ def test_ties_of_small_tensors_take_one_read(
     of them all (the measuring read and the writing copy aside), not one read each."""
     src = tmp_path / "tied.safetensors"
     write_safetensors(src, {f"t{i}": np.array([3.0, 4.0], np.float32) for i in range(500)})
-    calls: list[int] = []
-    real = os.preadv
-
-    def spy(fd: int, buffers: list[memoryview], offset: int) -> int:
-        calls.append(offset)
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", spy)
+    calls = count_preads(monkeypatch)
     out = tmp_path / "out.safetensors"
     assert run_main("clip", "--norm", "5", "-q", src, out).code == 0
     assert out.read_bytes() == src.read_bytes()
