@@ -21,10 +21,40 @@ from handmade import write_safetensors
 from test_many_tensors import count_preads
 
 from clipcli.cli.entry import main
+from clipcli.formats.base import TensorInfo
 from clipcli.formats.safetensors.reader import SafetensorsReader
-from clipcli.jobs import pipeline
+from clipcli.jobs import diff_math, pipeline
+from clipcli.jobs.diff import Pair
 
-KINDS: list[Any] = [np.float32, np.float16, ml_dtypes.bfloat16, np.float64, np.int64]
+KINDS: list[Any] = [
+    np.float32,
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.float64,
+    np.int64,
+    np.complex64,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,  # the same width and dtype.str as e4m3fn
+    np.bool_,
+]
+
+
+FLOATS = (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+
+
+def _floating(kind: Any) -> bool:
+    return np.dtype(kind).kind == "f" or kind in FLOATS
+
+
+def _changed(values: np.ndarray) -> np.ndarray:
+    """The values with each one changed (doubled, negated for bool), in their dtype."""
+    if values.dtype == np.bool_:
+        return ~values
+    if values.dtype.kind in "iu":
+        return values + 1
+    return (values.astype(np.complex128 if values.dtype.kind == "c" else np.float64) * 2).astype(
+        values.dtype
+    )
 
 
 def pair_of_checkpoints(tmp: Path, count: int, seed: int) -> tuple[Path, Path]:
@@ -38,26 +68,30 @@ def pair_of_checkpoints(tmp: Path, count: int, seed: int) -> tuple[Path, Path]:
         name = f"layers.{i}.w"
         if np.dtype(kind).kind == "i":
             values = rng.integers(-(2**62), 2**62, size).astype(kind)
+        elif np.dtype(kind).kind == "c":
+            values = (rng.standard_normal(size) + 1j * rng.standard_normal(size)).astype(kind)
+        elif kind is np.bool_:
+            values = rng.integers(0, 2, size).astype(bool)
         else:
             values = (rng.standard_normal(size) * 3).astype(kind)
         a[name] = values
         change = i % 11
         if change == 0:  # identical
             b[name] = values.copy()
-        elif change == 1 and size:  # one element nudged
+        elif change == 1 and size:  # one element changed
             other = values.copy()
-            other[-1] = other[-1] + 1 if kind is np.int64 else -other[-1]
+            other[-1:] = _changed(values[-1:])
             b[name] = other
-        elif change == 2 and np.dtype(kind).kind == "f":  # another dtype, same shape
+        elif change == 2 and _floating(kind):  # another dtype, same shape
             b[name] = values.astype(np.float32 if kind is not np.float32 else np.float64)
-        elif change == 3 and size and np.dtype(kind).kind == "f":  # NaN / inf on a side
+        elif change == 3 and size and _floating(kind):  # NaN / inf on a side
             other = values.copy()
             other[0] = np.nan
             b[name] = other
-            if size > 1:
+            if size > 1 and kind is not ml_dtypes.float8_e4m3fn:  # e4m3fn holds no inf
                 values[1] = np.inf
                 other[1] = np.inf
-        elif change == 4 and size and np.dtype(kind).kind == "f":  # -0.0 against 0.0
+        elif change == 4 and size and _floating(kind):  # -0.0 against 0.0
             values[0] = 0.0
             other = values.copy()
             other[0] = -0.0
@@ -73,8 +107,8 @@ def pair_of_checkpoints(tmp: Path, count: int, seed: int) -> tuple[Path, Path]:
             other = values.copy()
             other[0] = 2**60 + 1
             b[name] = other
-        else:  # scaled
-            b[name] = (values * 2).astype(values.dtype) if values.dtype.kind == "f" else values
+        else:  # every element changed
+            b[name] = _changed(values)
     b["only.in.b"] = np.ones(3, np.float32)
     return write_safetensors(tmp / "a.safetensors", a), write_safetensors(tmp / "b.safetensors", b)
 
@@ -154,3 +188,33 @@ def test_a_reader_that_gives_too_few_elements_is_refused(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "read 2 and 1 elements, the shape holds 2" in err[0]
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [(np.complex128, np.complex128), ("<f4", ">f4"), ("<f8", "<f8"), ("<i2", ">i2")],
+    ids=str,
+)
+def test_identical_pairs_are_told_by_their_words(dtypes: tuple[Any, Any]) -> None:
+    """_identical_each lays the pairs end to end as words: a complex128 element is two
+    words, another byte order is compared by value. Each pair's answer is its own: one
+    changed element, first or last, in one pair only."""
+    rng = np.random.default_rng(5)
+    sizes = [1, 2, 3, 5, 1, 4]
+    base = [rng.standard_normal(n) * 100 for n in sizes]
+    arrays_a = [v.astype(dtypes[0]) for v in base]
+    arrays_b = [v.astype(dtypes[1]) for v in base]
+    jobs = [
+        Pair(
+            TensorInfo(f"t{k}", np.dtype(dtypes[0]), (n,), n * np.dtype(dtypes[0]).itemsize),
+            TensorInfo(f"t{k}", np.dtype(dtypes[1]), (n,), n * np.dtype(dtypes[1]).itemsize),
+        )
+        for k, n in enumerate(sizes)
+    ]
+    assert diff_math._identical_each(arrays_a, arrays_b, jobs) == [True] * len(sizes)
+    for k in range(len(sizes)):
+        for at in (0, -1):
+            changed = [v.copy() for v in arrays_b]
+            changed[k][at] = changed[k][at] + 1
+            expected = [j != k for j in range(len(sizes))]
+            assert diff_math._identical_each(arrays_a, changed, jobs) == expected

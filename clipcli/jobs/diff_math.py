@@ -141,10 +141,11 @@ def _identical_each(
             groups.setdefault((a.dtype.str, b.dtype.str), []).append(k)
     identical = [False] * len(arrays_a)
     for members in groups.values():
-        bits_a = np.concatenate([_bits(arrays_a[k]).reshape(-1) for k in members])
-        bits_b = np.concatenate([_bits(arrays_b[k]).reshape(-1) for k in members])
-        starts = np.cumsum([0] + [arrays_a[k].size for k in members[:-1]])
-        same = np.logical_and.reduceat(bits_a == bits_b, starts)
+        # Words, not elements: _bits views a complex128 element as two uint64.
+        words_a = [_bits(arrays_a[k]).reshape(-1) for k in members]
+        words_b = [_bits(arrays_b[k]).reshape(-1) for k in members]
+        starts = np.cumsum([0] + [words.size for words in words_a[:-1]])
+        same = np.logical_and.reduceat(np.concatenate(words_a) == np.concatenate(words_b), starts)
         for k, each in zip(members, same.tolist(), strict=True):
             identical[k] = each
     return identical
