@@ -193,8 +193,6 @@ def measure(
 _Piece = tuple[int, Callable[[], Any], int]
 _MANY = -1
 _MEASURED = -2
-
-
 # Tensors of at most SMALL_TENSOR_BYTES are read and measured MANY_TENSORS at a time (at
 # most MANY_BYTES): per tensor, a read, a task and a NormAccumulator.add cost ~30 us,
 # which 200,000 one-element tensors turned into most of a minute.
