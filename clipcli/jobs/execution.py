@@ -37,7 +37,7 @@ from clipcli.jobs.progress import SILENT, LockedProgress, Progress
 from clipcli.jobs.spec import ClipSpec
 from clipcli.logical.reader import LogicalReader
 from clipcli.numerics import rounding, slices
-from clipcli.numerics.certain import CertainSumsq
+from clipcli.numerics.certain import CertainSumsq, sumsq_each
 from clipcli.numerics.many import norms_each
 from clipcli.numerics.norms import KnownNorm, NormAccumulator, accumulate, accumulate_array
 from clipcli.system import interrupts
@@ -117,10 +117,10 @@ class _OutputCheck:
                 sums.extend(self([infos[i]], mantissa, exponent) for i in run)
                 continue
             interrupts.check()  # a pass over the data: a signal must not wait for its end
-            for array in load():
-                part = CertainSumsq()
-                part.add(rounding.scale_chunk(array, mantissa, exponent))
-                sums.append(part)
+            arrays = load()
+            if (mantissa, exponent) != (1.0, 0):  # by 1, each value rounds to itself
+                arrays = [rounding.scale_chunk(array, mantissa, exponent) for array in arrays]
+            sums.extend(sumsq_each(arrays))
         totals, at = [], 0
         for group in groups:
             total = CertainSumsq()

@@ -244,3 +244,54 @@ class CertainSumsq:
             return math.ldexp(math.sqrt(self.total / Fraction(4) ** half), half)
         except OverflowError:
             return math.inf
+
+
+# sumsq_each works out arrays of up to this many nonzero values together (a row each);
+# longer ones go through add(). (Their rests stay far below _EXACT_REST: summed exactly.)
+EACH_UP_TO = 1024
+
+
+def sumsq_each(arrays: list[np.ndarray]) -> list[CertainSumsq]:
+    """CertainSumsq().add(array) of each array, the same fractions bit for bit: the arrays
+    of one dtype laid end to end, and those with the same number of nonzero values split
+    and summed as the rows of one matrix (each row's operations are add()'s, element for
+    element). A tie of a small tensor was ~50 us, mostly numpy calls on a few values
+    (clip --norm of a clipped checkpoint of 200,000 tensors: every one a tie)."""
+    results = [CertainSumsq() for _ in arrays]
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for k, array in enumerate(arrays):
+        if array.dtype.kind == "c" or array.size == 0:
+            results[k].add(array)  # complex: two values an element; empty: nothing
+        else:
+            by_dtype.setdefault(array.dtype, []).append(k)
+    for members in by_dtype.values():
+        magnitudes = np.abs(widen_real(np.concatenate([arrays[k].reshape(-1) for k in members])))
+        sizes = np.fromiter((arrays[k].size for k in members), np.intp, len(members))
+        owner = np.repeat(np.arange(len(members)), sizes)
+        kept = magnitudes != 0
+        magnitudes, owner = magnitudes[kept], owner[kept]
+        nonzero = np.bincount(owner, minlength=len(members))
+        starts = np.zeros(len(members), np.intp)
+        np.cumsum(nonzero[:-1], out=starts[1:])
+        for n in np.unique(nonzero).tolist():
+            rows = np.flatnonzero(nonzero == n)
+            if n == 0:
+                continue  # all zeros: add() adds nothing
+            if n > EACH_UP_TO:
+                for row in rows.tolist():
+                    results[members[row]].add(arrays[members[row]])
+                continue
+            values = magnitudes[starts[rows][:, None] + np.arange(n)]
+            _, exps = np.frexp(values.max(axis=1))
+            x = np.ldexp(values, -exps[:, None])
+            main, rest = split_sumsq(x)
+            errors = underflow_bound(x)
+            for row, top, part, error, exp in zip(
+                rows.tolist(), main.tolist(), rest, errors.tolist(), exps.tolist(), strict=True
+            ):
+                exact = sum((Fraction(v) for v in part[part != 0].tolist()), Fraction(0))
+                weight = Fraction(4) ** exp
+                result = results[members[row]]
+                result.total += (Fraction(top) + exact) * weight
+                result.bound += Fraction(error) * weight
+    return results
