@@ -33,9 +33,11 @@ def alone(array: np.ndarray) -> CertainSumsq:
 
 
 def exact(array: np.ndarray) -> Fraction:
-    values = array.astype(np.complex128 if array.dtype.kind == "c" else np.float64).reshape(-1)
-    parts = values.view(np.float64) if values.dtype.kind == "c" else values
-    return sum((Fraction(float(v)) ** 2 for v in parts.tolist()), Fraction(0))
+    if array.dtype.kind == "c":
+        parts = array.astype(np.complex128).reshape(-1).view(np.float64)
+    else:
+        parts = array.astype(np.float64).reshape(-1)
+    return sum((Fraction(float(v)) ** 2 for v in parts), Fraction(0))
 
 
 def small_arrays(seed: int) -> list[np.ndarray]:
