@@ -73,6 +73,10 @@ except KeyboardInterrupt:
 
 import errno  # after the guard: built in, like os and sys
 
+TYPE_CHECKING = False  # typing is not loaded yet: start-up time (mypy reads it as True)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 GUARDED = tuple(getattr(_signal, n) for n in _ENDING_NAMES if hasattr(_signal, n))
 
 
@@ -99,14 +103,27 @@ def _print_version(line: bytes) -> int:
 OUT_OF_MEMORY = 5
 
 
-def _exit_out_of_memory(exc: BaseException) -> None:
-    # CPython's SystemError or compiler ValueError for it says nothing a user can act on.
-    detail = f": {exc}" if str(exc) and not isinstance(exc, (SystemError, ValueError)) else ""
+def _exit_out_of_memory(detail: str) -> None:
     try:  # noqa: SIM105 - contextlib is not loaded yet: start-up time
         os.write(2, f"clipcli: error: out of memory{detail}\n".encode())
-    except OSError:
+    except (OSError, MemoryError):
         pass
     os._exit(OUT_OF_MEMORY)
+
+
+def _start_up_refused_memory(
+    exc: BaseException, classify: "Callable[[BaseException], bool] | None"
+) -> bool:
+    """Whether start-up's `exc` is memory running out. `classify` is
+    address_space.refused_memory, None when even that small module could not load: then
+    only a MemoryError or an ENOMEM says so. Classifying can itself run out of memory:
+    memory is short then, whatever `exc` was."""
+    if classify is None:
+        return isinstance(exc, MemoryError) or getattr(exc, "errno", None) == errno.ENOMEM
+    try:
+        return classify(exc)
+    except MemoryError:
+        return True
 
 
 class _RoomForNumpy:
@@ -130,25 +147,31 @@ def run() -> None:
 
         raise SystemExit(_print_version(f"clipcli {__version__}\n".encode()))
 
-    from clipcli.system.blas import single_threaded_blas
-
-    single_threaded_blas()  # before anything imports numpy (_preload does)
-    sys.meta_path.insert(0, _RoomForNumpy)
+    classify: Callable[[BaseException], bool] | None = None
+    detail: Callable[[BaseException], str] | None = None
     try:
+        # The classifier first, while little is loaded: the handler below imports nothing
+        # (an import there failed for want of memory and chained a second traceback).
+        from clipcli.system import address_space
+
+        classify, detail = address_space.refused_memory, address_space.memory_detail
+        from clipcli.system.blas import single_threaded_blas
+
+        single_threaded_blas()  # before anything imports numpy (_preload does)
+        sys.meta_path.insert(0, _RoomForNumpy)
         from clipcli.cli.entry import main
 
         _preload(sys.argv[1:])
-    except (MemoryError, ImportError, SystemError, ValueError) as exc:
+    except (MemoryError, ImportError, SystemError, ValueError, OSError) as exc:
         # Before main()'s boundary: as it would say. SystemError and ValueError too:
         # CPython's compile() of a module with no bytecode cached (PYTHONDONTWRITEBYTECODE,
         # a fresh install) can fail under an address-space limit, "returned NULL without
         # setting an exception" (seen importing clipcli.report.builders at `prlimit --as`
-        # 16 MiB) or "field 'target' is required for AnnAssign" (15 MiB).
-        from clipcli.system.address_space import refused_memory
-
-        if not refused_memory(exc):
+        # 16 MiB) or "field 'target' is required for AnnAssign" (15 MiB); and importlib's
+        # listing of a folder, OSError ENOMEM (13 MiB).
+        if not _start_up_refused_memory(exc, classify):
             raise
-        _exit_out_of_memory(exc)
+        _exit_out_of_memory("" if detail is None else detail(exc))
     try:
         code = main()
     except KeyboardInterrupt:  # landed between main()'s boundary and here

@@ -12,6 +12,7 @@ numpy's float64 sums, not clipcli's own arithmetic.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -478,8 +479,14 @@ soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 resource.setrlimit(resource.RLIMIT_AS, (1 << 40, hard))  # a limit is set, far above use
 real_import = builtins.__import__
 failing, error = sys.argv[-2:]
+memory_gone = False
 def failing_import(name, *args, **kwargs):
+    # Once memory has run out, no import succeeds: not the handler's, not `resource`.
+    global memory_gone
+    if memory_gone:
+        raise MemoryError()
     if name == failing:
+        memory_gone = True
         raise eval(error)
     return real_import(name, *args, **kwargs)
 builtins.__import__ = failing_import
@@ -489,6 +496,7 @@ entry.run()
 COMPILE_ERRORS = [
     'SystemError("<built-in function compile> returned NULL without setting an exception")',
     "ValueError(\"field 'target' is required for AnnAssign\")",
+    "OSError(12, 'Cannot allocate memory', '/tmp')",  # importlib listing a folder
 ]
 
 
@@ -498,7 +506,10 @@ def test_a_compile_refused_at_start_up_is_out_of_memory(
     tmp_path: Path, module: str, error: str
 ) -> None:
     """Before: a traceback and exit 1 (seen at `prlimit --as` 16 MiB, and at 15 MiB as the
-    compiler's ValueError, with no bytecode cached), and nothing written."""
+    compiler's ValueError, with no bytecode cached), and nothing written. Every import
+    after the failure fails too, as when memory is gone: the handler must need none (it
+    imported its classifier, which imported `resource`: a chained traceback, or a failed
+    `import resource` read as "no limit set", at 16,000 KiB; an ENOMEM was exit 70)."""
     src = tmp_path / "m.safetensors"
     INPUTS["m.safetensors"](src)
     argv = ["clip", "--global", "1", str(src), str(tmp_path / "out.safetensors"), module, error]
@@ -509,6 +520,7 @@ def test_a_compile_refused_at_start_up_is_out_of_memory(
     _one_line(done.stderr, "out of memory")
     assert "required" not in done.stderr
     assert "NULL" not in done.stderr
+    assert "Errno" not in done.stderr
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -526,6 +538,20 @@ def test_only_the_compilers_lost_node_under_a_limit_is_memory(
     assert not address_space.refused_memory(ValueError("could not convert string to float: 'x'"))
     monkeypatch.setattr(address_space, "_limited", lambda: False)
     assert not address_space.refused_memory(lost)
+
+
+def test_an_enomem_is_out_of_memory_and_no_other_errno() -> None:
+    """A system call's ENOMEM is memory refused, limit or not (importlib listing a folder at
+    `prlimit --as` 13 MiB was exit 70); EIO, ENOSPC and an errno-less OSError are not."""
+    assert address_space.refused_memory(OSError(errno.ENOMEM, "Cannot allocate memory", "/tmp"))
+    for other in (errno.EIO, errno.ENOSPC, errno.EMFILE):
+        assert not address_space.refused_memory(OSError(other, os.strerror(other)))
+    assert not address_space.refused_memory(OSError("no errno"))
+    assert address_space.memory_detail(OSError(errno.ENOMEM, "Cannot allocate memory")) == ""
+    assert address_space.memory_detail(MemoryError("the limit leaves 3 MiB")) == (
+        ": the limit leaves 3 MiB"
+    )
+    assert address_space.memory_detail(MemoryError()) == ""
 
 
 @pytest.mark.parametrize("mib", [16, 32, 48, 64, 96, 128, 160, 192])

@@ -22,7 +22,7 @@ from clipcli.cli.commands.common import (
 )
 from clipcli.errors import ClipcliError, ExitCode, Verdict, printable
 from clipcli.system import interrupts
-from clipcli.system.address_space import refused_memory
+from clipcli.system.address_space import memory_detail, refused_memory
 from clipcli.system.inputs import out_of_descriptors
 
 
@@ -66,9 +66,7 @@ def exit_code_for(exc: BaseException, args: list[str] | None = None) -> int:
     if refused_memory(exc):
         # As for a full disk (exit 5): the environment refused a resource (`ulimit -v`, a
         # container's memory); the input is not at fault. A write staged so far is gone.
-        # (CPython's SystemError or compiler ValueError for it says nothing a user can act on)
-        detail = f": {exc}" if str(exc) and not isinstance(exc, (SystemError, ValueError)) else ""
-        return fail(f"out of memory{detail}", ExitCode.WRITE_FAILED)
+        return fail(f"out of memory{memory_detail(exc)}", ExitCode.WRITE_FAILED)
     no_descriptor = out_of_descriptors(exc)  # e.g. importing a module (h5py) at `ulimit -n`
     if no_descriptor is not None:
         return fail(str(no_descriptor), no_descriptor.exit_code)

@@ -5,10 +5,20 @@ OpenBLAS (numpy's BLAS) maps 32 MiB buffers when numpy loads and on a first matr
 (matplotlib makes one); when the mapping fails it calls exit(1) from C: no exception, no
 cleanup, and 1 is --fail-above's code. So before numpy or matplotlib loads, the room left
 under the limit is checked, and a MemoryError (one line, exit 5) says what is missing.
-This module imports nothing that the interpreter has not loaded (start-up time).
+This module imports nothing that the interpreter has not loaded (start-up time), but
+`resource`: __main__ loads this module before anything that can run out of memory, so that
+telling an out-of-memory failure apart needs no import when memory is short (an import can
+fail then: seen at `prlimit --as` 16,000 KiB, where a failed `import resource` read as "no
+limit set" and the compiler's ValueError came out as a traceback).
 """
 
+import errno
 import os
+
+try:
+    import resource
+except ImportError:  # not on Unix
+    resource = None  # type: ignore[assignment]
 
 # Measured with numpy 2 and scipy-openblas (82 MiB), plus a margin for other builds.
 NUMPY_BYTES = 96 << 20
@@ -21,9 +31,7 @@ PLOT_BYTES = 112 << 20
 
 def check_room(needed: int, what: str) -> None:
     """Raise MemoryError if the address-space limit leaves less than `needed` bytes."""
-    try:
-        import resource
-    except ImportError:  # not on Unix
+    if resource is None:
         return
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]
     if limit == resource.RLIM_INFINITY:
@@ -51,9 +59,7 @@ def has_room(needed: int) -> bool:
 
 def _limited() -> bool:
     """Whether an address-space (or data segment) limit is set for this process."""
-    try:
-        import resource
-    except ImportError:  # not on Unix
+    if resource is None:
         return False
     limits = (resource.getrlimit(kind)[0] for kind in (resource.RLIMIT_AS, resource.RLIMIT_DATA))
     return any(limit != resource.RLIM_INFINITY for limit in limits)
@@ -93,8 +99,11 @@ def refused_memory(exc: BaseException) -> bool:
     failing to map an extension module (ImportError "failed to map segment"), or, while
     an address-space limit is set (without one, an allocation does not fail: the kernel
     ends the process), CPython's SystemError for a C call that failed without an
-    exception, or its compiler's ValueError for a syntax-tree node lost the same way."""
+    exception, or its compiler's ValueError for a syntax-tree node lost the same way; and
+    a system call's ENOMEM (importlib listing a folder at `prlimit --as` 13 MiB)."""
     if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
         return True
     text = str(exc)
     if isinstance(exc, SystemError):
@@ -104,3 +113,16 @@ def refused_memory(exc: BaseException) -> bool:
     return isinstance(exc, ImportError) and (
         "failed to map segment" in text or "Cannot allocate memory" in text
     )
+
+
+def memory_detail(exc: BaseException) -> str:
+    """What to add to "out of memory" for `exc`: its own words where they say something a
+    user can act on (a MemoryError's, such as room_problem's), nothing for CPython's
+    SystemError or compiler ValueError, nor for an ENOMEM's "Cannot allocate memory"."""
+    if isinstance(exc, (SystemError, ValueError, OSError)):
+        return ""
+    try:
+        text = str(exc)
+    except MemoryError:
+        return ""
+    return f": {text}" if text else ""
