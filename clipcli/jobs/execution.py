@@ -85,11 +85,11 @@ class _OutputCheck:
         rounded = [info for info in infos if self._rounded_elsewhere(info)]
         if rounded:  # the weights whose code energies are kept: one sum for them all
             assert isinstance(reader, LogicalReader)
-            together, part = reader.energy_sumsq_together(rounded, mantissa, exponent)
-            if part is not None:
+            together, energy = reader.energy_sumsq_together(rounded, mantissa, exponent)
+            if energy is not None:
                 each = [info for info in rounded if info.name in together]
-                exactly = functools.partial(_decoded_sumsq_of, reader, each, mantissa, exponent)
-                total.add_bounded(part[0], part[1], exactly)
+                of_each = functools.partial(_decoded_sumsq_of, reader, each, mantissa, exponent)
+                total.add_bounded(energy[0], energy[1], of_each)
         for info in infos:
             if info.name in together:
                 continue
@@ -97,9 +97,21 @@ class _OutputCheck:
                 assert isinstance(reader, LogicalReader)
                 total.merge(_scaled_sumsq(reader, info, mantissa, exponent))
                 continue
+            tensor = CertainSumsq()
             for partial in map_chunks(self._reader, info, scaled):
                 interrupts.check()  # a pass over the data: a signal must not wait for its end
-                total.merge(partial)
+                tensor.merge(partial)
+            exactly = functools.partial(self._exactly, info, mantissa, exponent)
+            total.merge(exact_on_demand(tensor, exactly))
+        return total
+
+    def _exactly(self, info: TensorInfo, mantissa: float, exponent: int) -> CertainSumsq:
+        """The tensor scaled and rounded, its sum of squares exactly: read again, only for a
+        decision its bound could not make."""
+        total = CertainSumsq()
+        for chunk in self._reader.chunks(info):
+            interrupts.check()
+            total.add_exactly(rounding.scale_chunk(chunk, mantissa, exponent))
         return total
 
     def each(
@@ -110,25 +122,21 @@ class _OutputCheck:
         small tensor is one chunk either way, and the parts add up as fractions), without a
         read and a task per tensor. For a plain check only (nothing rounded elsewhere)."""
         infos = [info for group in groups for info in group]
-        sums: list[CertainSumsq] = []
+        totals = _GroupTotals([len(group) for group in groups])
         for run in small_runs(infos, _always):
             load = self._reader.loader_of_many([infos[i] for i in run]) if len(run) > 1 else None
             if load is None:
-                sums.extend(self([infos[i]], mantissa, exponent) for i in run)
+                for i in run:
+                    totals.add(self([infos[i]], mantissa, exponent))
                 continue
             interrupts.check()  # a pass over the data: a signal must not wait for its end
             arrays = load()
             if (mantissa, exponent) != (1.0, 0):  # by 1, each value rounds to itself
                 arrays = [rounding.scale_chunk(array, mantissa, exponent) for array in arrays]
-            sums.extend(sumsq_each(arrays))
-        totals, at = [], 0
-        for group in groups:
-            total = CertainSumsq()
-            for part in sums[at : at + len(group)]:
-                total.merge(part)
-            totals.append(total)
-            at += len(group)
-        return totals
+            for i, part in zip(run, sumsq_each(arrays), strict=True):
+                exactly = functools.partial(self._exactly, infos[i], mantissa, exponent)
+                totals.add(exact_on_demand(part, exactly))
+        return totals.done()
 
     def _rounded_elsewhere(self, info: TensorInfo) -> bool:  # noqa: ARG002
         return False
@@ -136,6 +144,45 @@ class _OutputCheck:
 
 def _always(_info: TensorInfo) -> bool:
     return True
+
+
+def exact_on_demand(part: CertainSumsq, exactly: Callable[[], CertainSumsq]) -> CertainSumsq:
+    """`part` (sums from CertainSumsq.add), or where its bound is not 0, the same total and
+    bound with `exactly` (the same values summed with add_exactly) to work it out when a
+    decision falls within the bound: a tensor of over 2,048 values whose norm is exactly C
+    read as over and was clipped (attack s37b)."""
+    if part.exact:
+        return part
+    result = CertainSumsq()
+    result.add_bounded(part.total, part.bound, exactly)
+    return result
+
+
+class _GroupTotals:
+    """Each group's sum, its members' parts merged as they come, in order: a group of
+    193,600 tensors held a sum each until the end (attack s37b: +37 MB)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self._sizes = sizes
+        self._totals: list[CertainSumsq] = []
+        self._current = CertainSumsq()
+        self._members = 0
+        self._close_whole()
+
+    def add(self, part: CertainSumsq) -> None:
+        self._current.merge(part)
+        self._members += 1
+        self._close_whole()
+
+    def done(self) -> list[CertainSumsq]:
+        assert len(self._totals) == len(self._sizes)
+        return self._totals
+
+    def _close_whole(self) -> None:
+        sizes, totals = self._sizes, self._totals
+        while len(totals) < len(sizes) and self._members == sizes[len(totals)]:
+            totals.append(self._current)
+            self._current, self._members = CertainSumsq(), 0
 
 
 def _scaled_sumsq(
@@ -146,14 +193,14 @@ def _scaled_sumsq(
     summed exactly from its decoded values only when a decision falls within that bound
     (CertainSumsq.add_bounded): the search's checks land within about 1e-11 of the limit,
     so that is rare, and each check is a counting pass instead of a decoding one."""
-    exactly = functools.partial(_decoded_sumsq, reader, info, mantissa, exponent)
+    exactly = functools.partial(_decoded_sumsq, reader, info, mantissa, exponent, exact=True)
     loaders = reader.scaled_sumsq_loaders(info, mantissa, exponent)
     if loaders is None:
-        return exactly()
+        return exact_on_demand(_decoded_sumsq(reader, info, mantissa, exponent), exactly)
     total, bound = Fraction(0), Fraction(0)
     for piece in loaded(loaders):
         if piece is None:  # NaN or infinity: as before, from the decoded values
-            return exactly()
+            return exact_on_demand(_decoded_sumsq(reader, info, mantissa, exponent), exactly)
         total += piece[0]
         bound += piece[1]
     result = CertainSumsq()
@@ -162,21 +209,25 @@ def _scaled_sumsq(
 
 
 def _decoded_sumsq(
-    reader: LogicalReader, info: TensorInfo, mantissa: float, exponent: int
+    reader: LogicalReader, info: TensorInfo, mantissa: float, exponent: int, exact: bool = False
 ) -> CertainSumsq:
     total = CertainSumsq()
     for chunk in reader.scaled_chunks(info, mantissa, exponent):
         interrupts.check()
-        total.add(chunk)
+        if exact:
+            total.add_exactly(chunk)
+        else:
+            total.add(chunk)
     return total
 
 
 def _decoded_sumsq_of(
     reader: LogicalReader, infos: Sequence[TensorInfo], mantissa: float, exponent: int
 ) -> CertainSumsq:
+    """The weights' decoded values scaled and rounded, their sum of squares exactly."""
     total = CertainSumsq()
     for info in infos:
-        total.merge(_decoded_sumsq(reader, info, mantissa, exponent))
+        total.merge(_decoded_sumsq(reader, info, mantissa, exponent, exact=True))
     return total
 
 
@@ -205,9 +256,12 @@ class _LogicalOutputCheck(_OutputCheck):
         (clipcli.jobs.factor.search_factor)."""
         total = CertainSumsq()
         for info in infos:
+            part = CertainSumsq()
             for chunk in self._reader.chunks(info):
                 interrupts.check()
-                total.add(rounding.scale_chunk(chunk, mantissa, exponent))
+                part.add(rounding.scale_chunk(chunk, mantissa, exponent))
+            exactly = functools.partial(self._exactly, info, mantissa, exponent)
+            total.merge(exact_on_demand(part, exactly))
         return total
 
 
