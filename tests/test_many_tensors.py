@@ -25,6 +25,7 @@ from handmade import read_safetensors, write_safetensors
 from safetensors.numpy import load_file
 
 from clipcli.cli.entry import main
+from clipcli.errors import InputError
 from clipcli.formats.base import Checkpoint, StoredBytes, TensorInfo
 from clipcli.formats.opening import open_reader
 from clipcli.formats.safetensors import reader as st_reader
@@ -243,6 +244,35 @@ def test_small_tensors_far_apart_are_read_one_by_one(
         monkeypatch.setattr(st_reader, "MANY_SPAN_BYTES", 4096 + 7)
         assert reader.loader_of_many([a, big]) is None  # one byte short of it
         assert reader.loader_of_many([b, a]) is None  # not in file order
+
+
+@pytest.mark.parametrize(
+    ("cut", "blamed"),
+    [
+        (0, "t0"),  # the file ends where the first tensor starts
+        (8, "t1"),  # exactly at the end of t0: t1 is the first not read
+        (9, "t1"),
+        (8 * 7 + 3, "t7"),
+        (8 * 9 + 7, "t9"),  # one byte short of the last
+        (8 * 9 + 16, "t11"),  # in the unasked t10 and t11 ... t10 lies between, t11 asked
+    ],
+)
+def test_a_file_cut_short_under_a_read_of_many_blames_the_first_tensor_not_read(
+    tmp_path: Path, cut: int, blamed: str
+) -> None:
+    """One read for many small tensors: the tensor named when the file shrank under it is
+    the first one the file ends inside (it was always the first of the batch: attack s37)."""
+    tensors = {f"t{i}": np.full(2, i, np.float32) for i in range(12)}
+    src = write_safetensors(tmp_path / "cut.safetensors", tensors)
+    with open_reader(src) as reader:
+        assert isinstance(reader, st_reader.SafetensorsReader)
+        infos = [info for info in reader.infos if info.name != "t10"]
+        start, _ = reader.byte_range(infos[0])
+        load = reader.loader_of_many(infos)
+        assert load is not None
+        os.truncate(src, start + cut)
+        with pytest.raises(InputError, match=f"tensor '{blamed}': file shrank while reading"):
+            load()
 
 
 MODES = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import math
@@ -453,7 +454,12 @@ class SafetensorsReader(Reader):
 
     def _read_many(self, infos: list[TensorInfo], begins: list[int], end: int) -> list[np.ndarray]:
         start = begins[0]
-        raw = self._pread(start, end, infos[0].name)
+        ends = [begin + info.nbytes for begin, info in zip(begins, infos, strict=True)]
+
+        def cut_short(at: int) -> str:  # the first tensor not wholly read when the file ends
+            return infos[min(bisect.bisect_right(ends, at), len(infos) - 1)].name
+
+        raw = self._pread(start, end, cut_short)
         return [
             raw[begin - start : begin - start + info.nbytes].view(info.dtype)
             for begin, info in zip(begins, infos, strict=True)
@@ -463,9 +469,9 @@ class SafetensorsReader(Reader):
         """Elements stored in the absolute byte range [start, stop), read with pread."""
         return self._pread(start, stop, info.name).view(info.dtype)
 
-    def _pread(self, start: int, stop: int, name: str) -> np.ndarray:
+    def _pread(self, start: int, stop: int, name: str | Callable[[int], str]) -> np.ndarray:
         """The bytes [start, stop) of the file, read with pread (`name`: the tensor a short
-        read is blamed on).
+        read is blamed on, or what names it from the offset where the file ended).
 
         pread into a fresh buffer keeps the resident set bounded, where a memory map
         would count every touched page of a multi-GB file.
@@ -480,7 +486,8 @@ class SafetensorsReader(Reader):
             while done < len(view):
                 got = os.preadv(fd, [view[done:]], start + done)
                 if got == 0:
-                    raise self._fail("file shrank while reading", name)
+                    blamed = name if isinstance(name, str) else name(start + done)
+                    raise self._fail("file shrank while reading", blamed)
                 done += got
         finally:
             self._done()
