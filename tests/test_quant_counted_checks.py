@@ -251,9 +251,9 @@ class Spies:
             self.counted += 1
             return real_counted(*args)
 
-        def decoded(*args: Any) -> Any:
+        def decoded(*args: Any, **kwargs: Any) -> Any:
             self.decoded += 1
-            return real_decoded(*args)
+            return real_decoded(*args, **kwargs)
 
         monkeypatch.setattr(coded, "bounded_table_sumsq", counted)
         monkeypatch.setattr(execution, "_decoded_sumsq", decoded)
