@@ -195,21 +195,42 @@ def test_ties_read_many_at_a_time_or_in_chunks_decide_alike(
     assert exact_sumsq(written["over"]) <= (Fraction(float(VALUE)) * 50) ** 2
 
 
-def test_group_totals_close_each_group_as_its_last_member_comes() -> None:
-    """execution._OutputCheck.each merges each tensor's sum into its group as it comes
-    (a group of 193,600 tensors held a sum each: attack s37b), empty groups included:
-    a group of tensors that all have histograms has no member to read."""
-    from clipcli.jobs.execution import _GroupTotals
+@pytest.mark.parametrize("factor", [(1.0, 0), (0.5, 0), (1.0, -3)])  # exact scalings
+def test_the_checks_sums_are_certain_and_worked_out_exact(
+    tmp_path: Path, factor: tuple[float, int]
+) -> None:
+    """_OutputCheck and its each(): small tensors read many at a time, consecutive members
+    of a group summed as one array, members alone as rows (sumsq_each), large ones chunk
+    by chunk. Every group's sum holds the exact one within its bound, and worked out it is
+    the exact one; empty groups are 0 (a group whose members all have histograms)."""
+    from clipcli.formats.opening import open_reader
+    from clipcli.jobs import execution
 
-    sizes = [0, 2, 0, 0, 1, 3, 0]
-    totals = _GroupTotals(sizes)
-    closed = []
-    for k in range(sum(sizes)):
-        part = CertainSumsq()
-        part.add(np.array([float(k + 1)]))
-        totals.add(part)
-        closed.append(len(totals._totals))
-    assert closed == [1, 4, 5, 5, 5, 7]  # empty groups close with the one before
-    assert [t.total for t in totals.done()] == [0, 1 + 4, 0, 0, 9, 16 + 25 + 36, 0]
-    assert _GroupTotals([]).done() == []
-    assert [t.total for t in _GroupTotals([0, 0]).done()] == [0, 0]
+    rng = np.random.default_rng(5)
+    tensors: dict[str, np.ndarray] = {}
+    for i in range(300):
+        size = int(rng.choice([1, 2, 7, 3000, 20000]))
+        dtype = [np.float64, np.float32, np.complex64][i % 3]
+        values = rng.standard_normal(size) * 10.0 ** rng.integers(-30, 30)
+        if dtype is np.complex64:
+            values = values + 1j * rng.standard_normal(size)
+        tensors[f"t{i:03d}"] = values.astype(dtype)
+    src = tmp_path / "in.safetensors"
+    write_safetensors(src, tensors)
+    mantissa, exponent = factor
+    scale = Fraction(mantissa) * Fraction(2) ** exponent
+    with open_reader(src) as reader:
+        infos = {info.name: info for info in reader.infos}
+        names = list(infos)
+        cuts = sorted(rng.choice(len(names), 40, replace=True).tolist())
+        parts = [names[a:b] for a, b in zip([0, *cuts], [*cuts, len(names)], strict=True)]
+        groups = [[infos[name] for name in part] for part in parts]  # some empty
+        check = execution.output_check(reader)
+        each = check.each(groups, mantissa, exponent)  # type: ignore[attr-defined]
+        one_at_a_time = [check(group, mantissa, exponent) for group in groups]
+        for sums in (each, one_at_a_time):
+            for part, total in zip(parts, sums, strict=True):
+                exact = sum((exact_sumsq(tensors[n]) for n in part), Fraction(0)) * scale**2
+                assert total.total - total.bound <= exact <= total.total + total.bound
+                total._work_out_loose()
+                assert (total.total, total.bound) == (exact, 0)
