@@ -419,3 +419,27 @@ def test_gathered_slices_are_the_tensors_rows_whatever_the_boxes(
                 boxes_of(array, budget), shape, axes, array.dtype, slice(start, stop)
             )
             assert got.tobytes() == reference[start:stop].tobytes(), (start, stop)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[0], [3], [0, 0, 5], [5, 0, 0], [2, 0, 3, 0, 0, 1], [1] * 9, [0] * 4, [300, 7, 0, 4096]],
+)
+def test_segment_sums_are_each_segments_own_sum_and_0_when_empty(lengths: list[int]) -> None:
+    """slices._segment_sums (np.add.reduceat, which gives an empty segment the next value
+    instead of 0) against plain sums of each segment; and a segment's sum is the same bits
+    whatever segments lie beside it (a margin must not depend on the slices asked with it)."""
+    rng = np.random.default_rng(sum(lengths))
+    values = rng.standard_normal(sum(lengths)) * 10.0 ** rng.integers(-20, 20, sum(lengths))
+    begins = slices._begins_of(np.array(lengths, np.intp))
+    assert begins.tolist() == [0, *np.cumsum(lengths).tolist()]
+    sums = slices._segment_sums(values, begins)
+    assert sums.shape == (len(lengths),)
+    for k, length in enumerate(lengths):
+        own = values[begins[k] : begins[k + 1]]
+        if length == 0:
+            assert sums[k] == 0.0
+            continue
+        alone = slices._segment_sums(own, np.array([0, length]))
+        assert alone[0] == sums[k]  # the same bits alone
+        assert abs(sums[k] - math.fsum(own.tolist())) <= length * 2**-52 * np.abs(own).sum()

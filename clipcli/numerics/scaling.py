@@ -58,6 +58,7 @@ from clipcli.numerics.search import (
     search_factors,
     worst_unit,
 )
+from clipcli.numerics.widening import widen
 
 # Each float64 dot product of NormAccumulator covers CACHE_BLOCK elements: its sum of
 # squares is off by at most that many roundings, the merged blocks by one more each.
@@ -461,7 +462,7 @@ def _histogram_factors(batch: _HistogramBatch, dtype: np.dtype[Any]) -> np.ndarr
     del values_of, counts_of
 
     def margin(scales: np.ndarray) -> np.ndarray:
-        rounded = narrow_round(values * np.repeat(scales, lengths), dtype).astype(np.float64)
+        rounded = widen(narrow_round(values * np.repeat(scales, lengths), dtype))
         with np.errstate(over="ignore"):  # inf: over the limit, as _HistogramBound's
             scaled = rounded / each_limit
             total = np.add.reduceat(counts * (scaled * scaled), starts)
@@ -834,7 +835,7 @@ class _HistogramBound:
         key = (id(hist), s)
         rounded = self.recent.get(key)
         if rounded is None:
-            rounded = narrow_round(hist.values * s, hist.dtype).astype(np.float64)
+            rounded = widen(narrow_round(hist.values * s, hist.dtype))
             if len(self.recent) >= 8:
                 del self.recent[next(iter(self.recent))]
             self.recent[key] = rounded
@@ -851,7 +852,7 @@ class _HistogramBound:
             uint = bits_dtype(hist.dtype)
             up = (rounded.view(uint) + np.asarray(1, uint)).view(hist.dtype)
             with np.errstate(all="ignore"):
-                here, there = rounded.astype(np.float64), up.astype(np.float64)
+                here, there = widen(rounded), widen(up)
                 there = np.where(np.isfinite(there) & (there > here), there, np.inf)
                 crossing = (here + there) / 2 / magnitudes
             first = min(first, float(np.min(crossing)) * (1 - 4 * U64))
