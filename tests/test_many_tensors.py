@@ -105,6 +105,23 @@ def test_one_element_each_is_measured_one_at_a_time_bit_for_bit(
         assert same_stats(acc, one_at_a_time(array)), (array, dtype)
 
 
+def test_one_float64_element_each_at_the_safe_ranges_edges() -> None:
+    """One float64 element each is measured together where add() squares it unscaled
+    (|x| within [SAFE_LO, SAFE_HI], or 0): exactly at each edge, one ulp outside it, and
+    the extremes of float64, with their signs; the same statistics and norms as add()."""
+    from clipcli.numerics.norms import SAFE_HI, SAFE_LO
+
+    edges = [SAFE_LO, SAFE_HI]
+    values = [0.0, -0.0, 5e-324, 2.2250738585072014e-308, 1.7976931348623157e308]
+    for edge in edges:
+        values += [edge, float(np.nextafter(edge, 0.0)), float(np.nextafter(edge, np.inf))]
+    values += [-v for v in values] + [np.nan, np.inf, -np.inf, 1.0, 3.0]
+    arrays = [np.array([v], np.float64) for v in values]
+    for array, acc, norm in zip(arrays, accumulate_each(arrays), norms_each(arrays), strict=True):
+        assert same_stats(acc, one_at_a_time(array)), array
+        assert same_float(norm, one_at_a_time(array).norm), array
+
+
 def same_float(x: float, y: float) -> bool:
     return np.array([x], np.float64).tobytes() == np.array([y], np.float64).tobytes()
 
