@@ -180,15 +180,18 @@ def run() -> None:
     # The outcome is decided and reported: a late signal must not add a traceback to it.
     for signum in GUARDED:
         _signal.signal(signum, _signal.SIG_IGN)
-    if code > 128:  # ended by a signal (128 + N)
-        # CPython 3.11 marks a KeyboardInterrupt "unhandled" when it passes through exec()
-        # of a string (dataclasses and namedtuple do that while importing), even though
-        # main() handled it; the interpreter would then kill itself with SIGINT at exit
-        # instead of returning 130. Cleanup already ran inside main(); flush and leave.
+    if code > 128 or code == OUT_OF_MEMORY:
+        # Ended by a signal (128 + N): CPython 3.11 marks a KeyboardInterrupt "unhandled"
+        # when it passes through exec() of a string (dataclasses and namedtuple do that
+        # while importing), even though main() handled it; the interpreter would then kill
+        # itself with SIGINT at exit instead of returning 130. Out of memory (or a write
+        # refused): the interpreter's finalization, short of memory itself, printed
+        # "MemoryError: " lines after the one line (attack s38, `prlimit --as` 19,250
+        # KiB). Cleanup already ran inside main(); flush and leave.
         for stream in (sys.stdout, sys.stderr):
             try:  # noqa: SIM105 - contextlib is not loaded yet: start-up time
                 stream.flush()
-            except (OSError, ValueError):
+            except (OSError, ValueError, MemoryError):
                 pass
         os._exit(code)
     raise SystemExit(code)

@@ -524,6 +524,37 @@ def test_a_compile_refused_at_start_up_is_out_of_memory(
     assert not (tmp_path / "out.safetensors").exists()
 
 
+FINALIZATION_FAILS = """
+import sys
+import clipcli.__main__ as entry
+import clipcli.cli.entry
+
+class FailsWhenFinalized:  # as an object does when memory is short at exit
+    def __del__(self):
+        raise MemoryError()
+
+sys.modules["clipcli"].held_until_exit = FailsWhenFinalized()
+clipcli.cli.entry.main = lambda: int(sys.argv.pop())  # the command's exit code
+sys.argv = ["clipcli", "ls", *sys.argv[1:]]
+entry.run()
+"""
+
+
+@pytest.mark.parametrize("code", [5, 0, 3])
+def test_out_of_memory_leaves_without_the_interpreters_finalization(code: int) -> None:
+    """Exit 5 ends the process at once (its one line said, output flushed): the
+    interpreter's finalization, short of memory too, printed "MemoryError: " lines after
+    it (attack s38, `prlimit --as` 19,250 KiB). Other exits finalize as before."""
+    done = subprocess.run(
+        [sys.executable, "-c", FINALIZATION_FAILS, "m.safetensors", str(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == code, done.stderr
+    assert ("MemoryError" in done.stderr) is (code != 5), done.stderr
+
+
 def test_only_the_compilers_lost_node_under_a_limit_is_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
