@@ -82,6 +82,28 @@ def test_sigterm_during_the_float64_checking_pass_stops_it(tmp_path: Path) -> No
     assert not out.exists()
 
 
+def test_sigterm_among_the_float16_searches_stops_at_the_next_part(tmp_path: Path) -> None:
+    """Attack s38: --norm of 1,500 float16 tensors of 65,536 values (each searched on its
+    histogram, 65,536 distinct values a part) held a SIGTERM for 20 s of searching. Now
+    the searches look for a signal after each part (scaling.each_factor's `between`):
+    stopped in the second of 40 parts, the run ends before a third."""
+    src, out, counts = tmp_path / "h.safetensors", tmp_path / "out.safetensors", tmp_path / "n"
+    rng = np.random.default_rng(4)
+    tensors = {}
+    for i in range(40):
+        bits = rng.integers(0, 0x7C00, 65536).astype(np.uint16)  # finite, ~all magnitudes
+        bits |= rng.integers(0, 2, 65536).astype(np.uint16) << 15
+        tensors[f"t{i:02d}"] = bits.view(np.float16)
+    write_safetensors(src, tensors)
+    script = _stopped_on_call("clipcli.numerics.scaling", "_histogram_factors", 2, counts)
+    args = ["clip", "--norm", "1", "-q", "--no-fsync", str(src), str(out)]
+    code, err = signalled_where_it_stops(script, args, signal.SIGTERM)
+    assert code == 143, err
+    assert "SIGTERM" in one_error_line(err)
+    assert counts.read_text() == "2"
+    assert not out.exists()
+
+
 def test_sigterm_among_a_records_strings_stops_at_the_next_check(tmp_path: Path) -> None:
     """Attack s33sig: a vocabulary of 2,000,000 variable-length strings is checked string by
     string (a record is checked by the rules it is read back by), seconds of Python with no

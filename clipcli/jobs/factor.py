@@ -20,6 +20,7 @@ from clipcli.jobs.measurement import TensorStats
 from clipcli.numerics import scaling
 from clipcli.numerics.certain import CertainSumsq
 from clipcli.numerics.scaling import Factor
+from clipcli.system import interrupts
 
 __all__ = ["Factor", "OutputCheck", "search_each_factor", "search_factor", "tf_factor"]
 
@@ -96,7 +97,7 @@ def search_each_factor(
     The same factors; those of a plain checkpoint's tensors are searched together
     (scaling.each_factor)."""
     if not _plain(check):
-        return (search_factor(members, limit, check, exact) for members, limit, exact in problems)
+        return _one_by_one(problems, check)
     each = getattr(check, "each", None)
     stored_sumsq_each = None
     if each is not None:  # ties decided together: the members as stored, a read for many
@@ -105,7 +106,16 @@ def search_each_factor(
             sums: list[CertainSumsq] = each([[m.info for m in group] for group in groups], 1.0, 0)
             return sums
 
-    return scaling.each_factor(problems, functools.partial(_pass_over, check), stored_sumsq_each)
+    output_sumsq_of = functools.partial(_pass_over, check)
+    return scaling.each_factor(problems, output_sumsq_of, stored_sumsq_each, interrupts.check)
+
+
+def _one_by_one(
+    problems: Iterable[scaling.Problem[TensorStats]], check: OutputCheck
+) -> Iterator[Factor | None]:
+    for members, limit, exact in problems:
+        interrupts.check()  # between searches: a signal must not wait for them all
+        yield search_factor(members, limit, check, exact)
 
 
 def _plain(check: OutputCheck) -> bool:
