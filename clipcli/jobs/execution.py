@@ -165,7 +165,15 @@ class _OutputCheck:
     def _exactly(self, infos: Sequence[TensorInfo], mantissa: float, exponent: int) -> CertainSumsq:
         """The tensors scaled and rounded, their sum of squares exactly: read again, only
         for a decision a bound could not make (many at a time where they were so read)."""
+        return self._read_sumsq(infos, mantissa, exponent, exact=True)
+
+    def _read_sumsq(
+        self, infos: Sequence[TensorInfo], mantissa: float, exponent: int, exact: bool
+    ) -> CertainSumsq:
+        """The tensors read in this thread, scaled and rounded, their sum of squares
+        (CertainSumsq.add_exactly where `exact`, else add)."""
         total = CertainSumsq()
+        add = total.add_exactly if exact else total.add
         load = self._reader.loader_of_many(infos) if len(infos) > 1 else None
         chunks = (
             load()
@@ -174,7 +182,7 @@ class _OutputCheck:
         )
         for chunk in chunks:
             interrupts.check()
-            total.add_exactly(rounding.scale_chunk(chunk, mantissa, exponent))
+            add(rounding.scale_chunk(chunk, mantissa, exponent))
         return total
 
     def _rounded_elsewhere(self, info: TensorInfo) -> bool:  # noqa: ARG002
@@ -206,13 +214,17 @@ def _scaled_sumsq(
     (CertainSumsq.add_bounded): the search's checks land within about 1e-11 of the limit,
     so that is rare, and each check is a counting pass instead of a decoding one."""
     exactly = functools.partial(_decoded_sumsq, reader, info, mantissa, exponent, exact=True)
+
+    def decoded() -> CertainSumsq:
+        return exact_on_demand(_decoded_sumsq(reader, info, mantissa, exponent), exactly)
+
     loaders = reader.scaled_sumsq_loaders(info, mantissa, exponent)
     if loaders is None:
-        return exact_on_demand(_decoded_sumsq(reader, info, mantissa, exponent), exactly)
+        return decoded()
     total, bound = Fraction(0), Fraction(0)
     for piece in loaded(loaders):
         if piece is None:  # NaN or infinity: as before, from the decoded values
-            return exact_on_demand(_decoded_sumsq(reader, info, mantissa, exponent), exactly)
+            return decoded()
         total += piece[0]
         bound += piece[1]
     result = CertainSumsq()
@@ -280,10 +292,7 @@ class _LogicalOutputCheck(_OutputCheck):
         (clipcli.jobs.factor.search_factor)."""
         total = CertainSumsq()
         for info in infos:
-            part = CertainSumsq()
-            for chunk in self._reader.chunks(info):
-                interrupts.check()
-                part.add(rounding.scale_chunk(chunk, mantissa, exponent))
+            part = self._read_sumsq([info], mantissa, exponent, exact=False)
             exactly = functools.partial(self._exactly, [info], mantissa, exponent)
             total.merge(exact_on_demand(part, exactly))
         return total

@@ -8,7 +8,7 @@ in plain float64, with their error bounded; small sets of them exactly, as fract
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import numpy as np
@@ -64,17 +64,8 @@ def terms_at_most(terms: np.ndarray, split: tuple[float, float]) -> bool:
     over the terms themselves cost ~260 ns a term where their exponents spread wide
     (attack s33num2: 13 ms for each of 49,501 bfloat16 squares spanning 1e60 to 1e-80)."""
     parts = [-split[0], -split[1]]
-    rest = terms.astype(np.float64, copy=True)
-    spread = (2 * max(1, rest.size)).bit_length()
-    while rest.size:
-        largest = float(np.max(np.abs(rest)))
-        if largest == 0.0:
-            break
-        sigma = math.ldexp(1.0, math.frexp(largest)[1] + spread)
-        extracted = (sigma + rest) - sigma
-        parts.append(float(np.sum(extracted)))
-        rest -= extracted
-        rest = rest[rest != 0.0]
+    for part, rest in _extracted(terms):
+        parts.append(part)
         so_far = math.fsum(parts)  # the exact sum of the parts, correctly rounded
         left = rest.size * float(np.max(np.abs(rest))) * (1 + 2.0**-50) if rest.size else 0.0
         slack = abs(so_far) * 2.0**-52 + left
@@ -83,6 +74,22 @@ def terms_at_most(terms: np.ndarray, split: tuple[float, float]) -> bool:
         if so_far + slack < 0.0:
             return True
     return math.fsum(parts) <= 0.0
+
+
+def _extracted(terms: np.ndarray) -> Iterator[tuple[float, np.ndarray]]:
+    """The passes of extraction over float64 terms (terms_at_most's docstring): each the
+    exact sum of the top bits it took, in one float64, and the exact nonzero rests left."""
+    rest = terms.astype(np.float64, copy=True)
+    spread = (2 * max(1, rest.size)).bit_length()
+    while rest.size:
+        largest = float(np.max(np.abs(rest)))
+        if largest == 0.0:
+            return
+        sigma = math.ldexp(1.0, math.frexp(largest)[1] + spread)
+        extracted = (sigma + rest) - sigma
+        rest -= extracted
+        rest = rest[rest != 0.0]
+        yield float(np.sum(extracted)), rest
 
 
 def limit_split(limit: float) -> tuple[float, float] | None:
@@ -165,17 +172,7 @@ def exact_sum(terms: np.ndarray) -> Fraction:
     extraction (as terms_at_most, to the end): each pass adds the terms' top bits exactly,
     in one float64, and leaves exact rests. ~5 ns a term for a float32 chunk's error
     terms (2 passes), ~20 ns for a float64 chunk's (4); a pass per ~33 bits of spread."""
-    parts: list[float] = []
-    rest = terms[terms != 0.0].astype(np.float64, copy=False)
-    spread = (2 * max(1, rest.size)).bit_length()
-    while rest.size:
-        largest = float(np.max(np.abs(rest)))
-        sigma = math.ldexp(1.0, math.frexp(largest)[1] + spread)
-        extracted = (sigma + rest) - sigma
-        parts.append(float(np.sum(extracted)))
-        rest = rest - extracted
-        rest = rest[rest != 0.0]
-    return sum((Fraction(part) for part in parts), Fraction(0))
+    return sum((Fraction(part) for part, _ in _extracted(terms[terms != 0.0])), Fraction(0))
 
 
 class CertainSumsq:
