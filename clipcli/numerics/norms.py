@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar, o
 import numpy as np
 
 from clipcli.dtypes import bits_dtype, float64_values, is_bfloat16, is_float8, is_small_float
-from clipcli.numerics import float16, lookup
+from clipcli.numerics import float16, lookup, sign_magnitude
 from clipcli.numerics.widening import widen_real
 
 # Elements per piece inside NormAccumulator.add: 2 MiB of float64.
@@ -340,6 +340,12 @@ class NormAccumulator:
             return
         if chunk.size == 0:
             return
+        if chunk.ndim == 1 and (bits := sign_magnitude.layout(chunk.dtype)) is not None:
+            # Hot path of the 8- and 16-bit floats: extremes from the bits, then as below.
+            extremes = sign_magnitude.finite_extremes(chunk, bits)
+            if extremes is not None:
+                self._add_finite(sign_magnitude.widenable(chunk, bits), *extremes)
+                return
         # Hot path (16- and 32-bit floats): every value is exact in float32, and squares
         # cannot overflow or underflow in float64. numpy's float16 max/min/cast run at
         # 1-5 ns/element, so float16 goes through float32 too.
@@ -354,12 +360,7 @@ class NormAccumulator:
         if chunk.dtype.kind == "f" and chunk.dtype.itemsize == 4:
             high, low = float(chunk.max()), float(chunk.min())
             if -bound < low and high < bound:  # also False for NaN
-                wide = _widened(chunk)
-                self.add_sumsq(float(wide @ wide), 0)
-                self.numel += chunk.size
-                self.max_value = max(self.max_value, high)
-                self.min_value = min(self.min_value, low)
-                self.max_abs = max(self.max_abs, high, -low)
+                self._add_finite(chunk, high, low)
                 return
         chunk = narrow  # float16 with inf/NaN: the bit trick's stand-ins are not the values
         self.numel += chunk.size
@@ -401,6 +402,16 @@ class NormAccumulator:
         exp = rescale_exponent(chunk_max)
         scaled = np.ldexp(wide, -exp) if exp else wide
         self.add_sumsq(float(np.dot(scaled, scaled)), exp)
+
+    def _add_finite(self, chunk: np.ndarray, high: float, low: float) -> None:
+        """Add a chunk of finite values whose squares cannot overflow or underflow in
+        float64, given its extremes; chunk is anything _widened makes float64 exactly."""
+        wide = _widened(chunk)
+        self.add_sumsq(float(wide @ wide), 0)
+        self.numel += chunk.size
+        self.max_value = max(self.max_value, high)
+        self.min_value = min(self.min_value, low)
+        self.max_abs = max(self.max_abs, high, -low)
 
     def add_repeated(self, value: np.ndarray, count: int) -> None:
         """Accumulate `count` copies of one value (a tensor known to hold nothing else) in

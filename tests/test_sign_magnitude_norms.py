@@ -1,0 +1,211 @@
+"""Issue 20, norms of 8- and 16-bit floats: their extremes come from two integer maxes over
+the bits (numerics.sign_magnitude), not from comparing values. Checked against ml_dtypes'
+own float64 values and numpy's max/min on them (no clipcli code), for every dtype
+ml_dtypes has: every pair of 8-bit codes, every 16-bit code beside +0, -0 and the extremes,
+one-signed chunks, and each non-finite code at the end of a finite chunk; and that the
+whole NormAccumulator of such a chunk is the one its float64 copy gives.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from clipcli.numerics import sign_magnitude
+from clipcli.numerics.norms import NormAccumulator
+
+NAMES = [
+    "bfloat16",
+    "float16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3",
+    "float8_e3m4",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn",
+    "float6_e2m3fn",
+    "float6_e3m2fn",
+]
+DTYPES = [
+    np.dtype(np.float16) if name == "float16" else np.dtype(getattr(ml_dtypes, name))
+    for name in NAMES
+    if name == "float16" or hasattr(ml_dtypes, name)
+]
+# The dtypes the bit path must take (the others are measured the float32 way).
+SIGN_MAGNITUDE = {
+    "bfloat16",
+    "float16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3",
+    "float8_e3m4",
+}
+
+
+def codes_of(dtype: np.dtype, codes: np.ndarray) -> np.ndarray:
+    return np.asarray(codes, np.uint32).astype(f"u{dtype.itemsize}").view(dtype)
+
+
+def wide(chunk: np.ndarray) -> np.ndarray:
+    """ml_dtypes' (or numpy's) own float64 values of the chunk."""
+    with np.errstate(invalid="ignore"):  # signalling NaN codes
+        return chunk.astype(np.float64)
+
+
+def reference(chunk: np.ndarray) -> tuple[float, float] | None:
+    """(max, min) of the chunk's values as ml_dtypes widens them; None with inf or NaN or
+    where either is zero (left to numpy, whose choice between 0.0 and -0.0 is order's)."""
+    values = wide(chunk)
+    if not np.isfinite(values).all():
+        return None
+    high, low = float(values.max()), float(values.min())
+    return None if high == 0.0 or low == 0.0 else (high, low)
+
+
+def same(got: tuple[float, float] | None, want: tuple[float, float] | None) -> bool:
+    return got == want  # floats compare by value: -0.0 == 0.0 either way
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_layout_is_found_where_it_holds(dtype: np.dtype) -> None:
+    layout = sign_magnitude.layout(dtype)
+    assert (layout is not None) == (dtype.name in SIGN_MAGNITUDE)
+    if layout is not None:
+        finite = np.isfinite(wide(codes_of(dtype, np.arange(256**dtype.itemsize))))
+        moved = sign_magnitude.widenable(codes_of(dtype, np.flatnonzero(finite)), layout)
+        want = wide(codes_of(dtype, np.flatnonzero(finite)))
+        assert np.array_equal(wide(moved), want)
+
+
+def test_not_native_byte_order_has_no_layout() -> None:
+    assert sign_magnitude.layout(np.dtype(">f2")) is None
+    assert sign_magnitude.layout(np.dtype(np.float32)) is None
+
+
+@pytest.mark.parametrize(
+    "dtype", [d for d in DTYPES if d.name in SIGN_MAGNITUDE and d.itemsize == 1], ids=str
+)
+def test_every_pair_of_8_bit_codes(dtype: np.dtype) -> None:
+    layout = sign_magnitude.layout(dtype)
+    assert layout is not None
+    for first in range(256):
+        for second in range(256):
+            chunk = codes_of(dtype, np.array([first, second]))
+            got = sign_magnitude.finite_extremes(chunk, layout)
+            assert same(got, reference(chunk)), (first, second, got)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_every_16_bit_code_beside_zeros_and_extremes(name: str) -> None:
+    dtype = np.dtype(np.float16) if name == "float16" else np.dtype(ml_dtypes.bfloat16)
+    layout = sign_magnitude.layout(dtype)
+    assert layout is not None
+    values = wide(codes_of(dtype, np.arange(65536)))
+    finite = np.flatnonzero(np.isfinite(values))
+    # The partners: +0, -0, the smallest subnormals, the largest finite codes, and the
+    # first non-finite code of each half (exactly at the limit of the finite ones).
+    top_positive = int(finite[finite < 32768].max())
+    top_negative = int(finite.max())
+    partners = [0, 32768, 1, 32769, top_positive, top_negative, top_positive + 1, top_negative + 1]
+    codes = np.arange(65536)
+    for partner in partners:
+        # The reference for all pairs at once: numpy's max/min of the two float64 values.
+        pairs = np.stack([values[codes], np.full(65536, values[partner])], axis=1)
+        ok = np.isfinite(pairs).all(axis=1)
+        highs, lows = pairs.max(axis=1), pairs.min(axis=1)
+        chunks = codes_of(dtype, np.stack([codes, np.full(65536, partner)], axis=1))
+        for code in codes:
+            got = sign_magnitude.finite_extremes(chunks[code], layout)
+            zero = highs[code] == 0.0 or lows[code] == 0.0
+            want = (float(highs[code]), float(lows[code])) if ok[code] and not zero else None
+            assert got == want, (code, partner, got)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d.name in SIGN_MAGNITUDE], ids=str)
+@pytest.mark.parametrize("signs", ["positive", "negative", "zeros", "mixed"])
+def test_one_signed_and_mixed_chunks(dtype: np.dtype, signs: str) -> None:
+    layout = sign_magnitude.layout(dtype)
+    assert layout is not None
+    half = 256**dtype.itemsize // 2
+    values = wide(codes_of(dtype, np.arange(2 * half)))
+    finite = np.flatnonzero(np.isfinite(values))
+    pool = {
+        "positive": finite[finite < half],
+        "negative": finite[finite >= half],
+        "zeros": np.array([0, half]),
+        "mixed": finite,
+    }[signs]
+    rng = np.random.default_rng(7)
+    for size in (1, 2, 3, 100, 5000):
+        chunk = codes_of(dtype, rng.choice(pool, size))
+        assert same(sign_magnitude.finite_extremes(chunk, layout), reference(chunk))
+        # A strided view of it: the bits are read through the same strides.
+        assert same(sign_magnitude.finite_extremes(chunk[::3], layout), reference(chunk[::3]))
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d.name in SIGN_MAGNITUDE], ids=str)
+def test_each_non_finite_code_ends_a_finite_chunk(dtype: np.dtype) -> None:
+    layout = sign_magnitude.layout(dtype)
+    assert layout is not None
+    values = wide(codes_of(dtype, np.arange(256**dtype.itemsize)))
+    finite = np.flatnonzero(np.isfinite(values))
+    rng = np.random.default_rng(3)
+    for bad in np.flatnonzero(~np.isfinite(values))[::7]:
+        codes = np.append(rng.choice(finite, 64), bad)
+        assert sign_magnitude.finite_extremes(codes_of(dtype, codes), layout) is None
+
+
+def accumulated(chunk: np.ndarray) -> NormAccumulator:
+    held = NormAccumulator()
+    held.add(chunk)
+    return held
+
+
+def bits_of(held: NormAccumulator) -> bytes:
+    """Every statistic's bits (-0.0 told from 0.0, NaN equal to NaN)."""
+    fields = [held.max_abs, held.min_value, held.max_value, held.sumsq.mant]
+    counts = [held.sumsq.exp, held.numel, held.nonfinite, held.nan_count, held.inf_count]
+    return np.array(fields, np.float64).tobytes() + np.array(counts, np.int64).tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["finite", "non_finite", "zeros", "non_negative"])
+def test_accumulator_is_the_float32_copys_bit_for_bit(dtype: np.dtype, case: str) -> None:
+    """The statistics the chunk's float32 copy gives (the way these dtypes were measured
+    before), bit for bit, and the float64 copy's by value: the same float64 values summed
+    in the same order."""
+    values = wide(codes_of(dtype, np.arange(256**dtype.itemsize)))
+    finite = np.flatnonzero(np.isfinite(values))
+    if case == "non_negative":
+        finite = finite[values[finite] >= 0]
+    codes = np.random.default_rng(5).choice(finite, 3 * (1 << 18) + 11)
+    non_finite = np.flatnonzero(~np.isfinite(values))
+    if case == "non_finite" and non_finite.size:
+        codes[12345] = non_finite[0]
+    if case in ("zeros", "non_negative"):  # +0 and, where the dtype has one, -0
+        codes[[7, 9, 1 << 18, (1 << 18) + 2]] = [0, values.size // 2] * 2
+    chunk = codes_of(dtype, codes)
+    for part in (chunk, chunk[1:], chunk[::2], chunk[:1], chunk[7:10], chunk[9:10]):
+        got = accumulated(part)
+        with np.errstate(invalid="ignore"):
+            as_float32 = part.astype(np.float32)
+        assert bits_of(got) == bits_of(accumulated(as_float32))
+        assert got == accumulated(wide(part))
+
+
+def test_bit_move_at_its_widest() -> None:
+    """bfloat16 moved bit by bit fills all 31 bits below float32's sign (exactly at the
+    limit of what the move allows): still every finite value."""
+    dtype = np.dtype(ml_dtypes.bfloat16)
+    values = wide(codes_of(dtype, np.arange(65536)))
+    finite = np.isfinite(values)
+    how = sign_magnitude._bit_move(dtype, values, finite)
+    assert how is not None
+    assert how[0] == 16
+    with np.errstate(invalid="ignore"):  # bfloat16's NaN codes stay NaN here
+        moved = sign_magnitude._moved(codes_of(dtype, np.arange(65536)).view(np.int16), how)
+    assert np.array_equal(wide(moved)[finite], values[finite])
