@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from clipcli.dtypes import (
+    all_values,
     bits_dtype,
     finfo,
     has_infinity,
@@ -200,9 +201,38 @@ def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0)
         and (exponent == 0 or chunk.dtype.itemsize == 4)
     ):
         return _scale_in_blocks(chunk, float(scale), exponent)
+    if np.ndim(scale) and chunk.dtype.itemsize == 1 and is_small_float(chunk.dtype):
+        looked_up = _scale_by_tables(chunk, np.asarray(scale, np.float64), exponent)
+        if looked_up is not None:
+            return looked_up
     if np.ndim(scale) and chunk.ndim and chunk.size > _SCALE_BLOCK:
         return _scale_rows_in_blocks(chunk, np.asarray(scale), exponent)
     return _scale(chunk, scale, exponent)
+
+
+# An 8-bit float chunk with a factor per slice has a table of each factor's 256 results
+# made when it holds at least this many elements per table entry: an entry costs what
+# scaling and rounding an element costs (~10 ns), a lookup ~1.5.
+FACTOR_TABLES_FROM = 4
+
+
+def _scale_by_tables(chunk: np.ndarray, scales: np.ndarray, exponent: int) -> np.ndarray | None:
+    """scale_chunk of an 8-bit float chunk by scales broadcast against it (--axes: a factor
+    per slice) through a table of each factor's results on all 256 values: _scale of the
+    same value by the same factor, so the same bits, looked up instead of rounded one
+    element at a time. None where it would not pay, or scales do not broadcast to the
+    chunk's shape."""
+    if scales.size * 256 * FACTOR_TABLES_FROM > chunk.size or exponent:
+        return None  # (factors per slice come with no exponent: _scale takes none)
+    if np.broadcast_shapes(scales.shape, chunk.shape) != chunk.shape:
+        return None
+    with np.errstate(all="ignore"):  # as _scale_table: the tables hold NaN and extremes
+        tables = _scale(all_values(chunk.dtype), scales.reshape(-1, 1), exponent)
+    entries = tables.view(np.uint8).reshape(-1)
+    first_entries = (np.arange(scales.size, dtype=np.intp) * 256).reshape(scales.shape)
+    where = np.add(chunk.view(np.uint8), first_entries, dtype=np.intp)
+    looked_up: np.ndarray = np.take(entries, where)
+    return looked_up.view(chunk.dtype)
 
 
 def _scale_rows_in_blocks(chunk: np.ndarray, scales: np.ndarray, exponent: int) -> np.ndarray:
