@@ -76,9 +76,9 @@ def test_the_layout_is_found_where_it_holds(dtype: np.dtype) -> None:
     assert (layout is not None) == (dtype.name in SIGN_MAGNITUDE)
     if layout is not None:
         finite = np.isfinite(wide(codes_of(dtype, np.arange(256**dtype.itemsize))))
-        moved = sign_magnitude.widenable(codes_of(dtype, np.flatnonzero(finite)), layout)
+        moved, power = sign_magnitude.scaled_values(codes_of(dtype, np.flatnonzero(finite)), layout)
         want = wide(codes_of(dtype, np.flatnonzero(finite)))
-        assert np.array_equal(wide(moved), want)
+        assert np.array_equal(np.ldexp(wide(moved), power), want)
 
 
 def test_not_native_byte_order_has_no_layout() -> None:
@@ -199,13 +199,29 @@ def test_accumulator_is_the_float32_copys_bit_for_bit(dtype: np.dtype, case: str
 
 def test_bit_move_at_its_widest() -> None:
     """bfloat16 moved bit by bit fills all 31 bits below float32's sign (exactly at the
-    limit of what the move allows): still every finite value."""
+    limit of what the move allows): still every finite value, times 2**0."""
     dtype = np.dtype(ml_dtypes.bfloat16)
     values = wide(codes_of(dtype, np.arange(65536)))
     finite = np.isfinite(values)
     how = sign_magnitude._bit_move(dtype, values, finite)
     assert how is not None
     assert how[0] == 16
-    with np.errstate(invalid="ignore"):  # bfloat16's NaN codes stay NaN here
-        moved = sign_magnitude._moved(codes_of(dtype, np.arange(65536)).view(np.int16), how)
+    assert how[2] == 0
+    moved = sign_magnitude._moved(codes_of(dtype, np.arange(65536)).view(np.int16), how)
     assert np.array_equal(wide(moved)[finite], values[finite])
+
+
+@pytest.mark.parametrize("size", [(1 << 18) - 1, 1 << 18, (1 << 18) + 1])
+def test_moved_bits_past_the_reused_buffer(size: int) -> None:
+    """Up to 2**18 values are moved in a buffer reused by the thread, beyond it in a fresh
+    one (CLIPCLI_CACHE_BLOCK can hand over bigger chunks): the same values either way,
+    and a reused buffer's values are not those of the call before."""
+    dtype = np.dtype(np.float16)
+    layout = sign_magnitude.layout(dtype)
+    assert layout is not None
+    rng = np.random.default_rng(size)
+    first = rng.standard_normal(size).astype(dtype)
+    second = rng.standard_normal(size).astype(dtype)
+    for chunk in (first, second):
+        moved, power = sign_magnitude.scaled_values(chunk, layout)
+        assert np.array_equal(np.ldexp(moved.astype(np.float64), power), wide(chunk))

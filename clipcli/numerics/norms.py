@@ -344,7 +344,7 @@ class NormAccumulator:
             # Hot path of the 8- and 16-bit floats: extremes from the bits, then as below.
             extremes = sign_magnitude.finite_extremes(chunk, bits)
             if extremes is not None:
-                self._add_finite(sign_magnitude.widenable(chunk, bits), *extremes)
+                self._add_finite(*sign_magnitude.scaled_values(chunk, bits), *extremes)
                 return
         # Hot path (16- and 32-bit floats): every value is exact in float32, and squares
         # cannot overflow or underflow in float64. numpy's float16 max/min/cast run at
@@ -360,7 +360,7 @@ class NormAccumulator:
         if chunk.dtype.kind == "f" and chunk.dtype.itemsize == 4:
             high, low = float(chunk.max()), float(chunk.min())
             if -bound < low and high < bound:  # also False for NaN
-                self._add_finite(chunk, high, low)
+                self._add_finite(chunk, 0, high, low)
                 return
         chunk = narrow  # float16 with inf/NaN: the bit trick's stand-ins are not the values
         self.numel += chunk.size
@@ -403,11 +403,12 @@ class NormAccumulator:
         scaled = np.ldexp(wide, -exp) if exp else wide
         self.add_sumsq(float(np.dot(scaled, scaled)), exp)
 
-    def _add_finite(self, chunk: np.ndarray, high: float, low: float) -> None:
-        """Add a chunk of finite values whose squares cannot overflow or underflow in
-        float64, given its extremes; chunk is anything _widened makes float64 exactly."""
+    def _add_finite(self, chunk: np.ndarray, exp: int, high: float, low: float) -> None:
+        """Add a chunk of finite values, given as values * 2**-exp (anything _widened makes
+        float64 exactly, whose squares cannot overflow or underflow there), and their
+        extremes."""
         wide = _widened(chunk)
-        self.add_sumsq(float(wide @ wide), 0)
+        self.add_sumsq(float(wide @ wide), exp)
         self.numel += chunk.size
         self.max_value = max(self.max_value, high)
         self.min_value = min(self.min_value, low)

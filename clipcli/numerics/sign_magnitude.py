@@ -15,6 +15,8 @@ measured the float32 way.
 from __future__ import annotations
 
 import functools
+import math
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -23,15 +25,16 @@ from clipcli.dtypes import finfo, float64_values, is_bfloat16, is_small_float
 
 
 class Layout(NamedTuple):
-    """What finite_extremes and widenable need of one dtype."""
+    """What finite_extremes and scaled_values need of one dtype."""
 
     half: int  # the first code with the sign bit set
     values: np.ndarray  # float64 value of each code
     finite: np.ndarray  # bool, per code
-    # float32 by moving bits (see widenable): the left shift that puts the code's exponent
-    # and mantissa in float32's place, the mask that clears the sign's extra copies, and
-    # the power of two that corrects the exponent's bias. None: widened by ml_dtypes' cast.
-    to_float32: tuple[int, np.int32, np.float32] | None
+    # float32 by moving bits (see scaled_values): the left shift that puts the code's
+    # exponent and mantissa in float32's place, the mask that clears the sign's extra
+    # copies, and the power of two k such that the float32 read is value * 2**-k. None:
+    # widened by ml_dtypes' cast, unscaled.
+    to_float32: tuple[int, np.int32, int] | None
 
 
 @functools.cache
@@ -57,11 +60,11 @@ def layout(dtype: np.dtype[Any]) -> Layout | None:
 
 def _bit_move(
     dtype: np.dtype[Any], values: np.ndarray, finite: np.ndarray
-) -> tuple[int, np.int32, np.float32] | None:
+) -> tuple[int, np.int32, int] | None:
     """float32 by moving bits for a sign-magnitude float with IEEE-style subnormals: its
-    sign-extended code shifted left so that the mantissa ends at float32's, the sign's
-    copies masked off, then scaled by the power of two between the exponent biases. Only
-    returned when it gives every finite code's value exactly."""
+    sign-extended code shifted left so that the mantissa ends at float32's and the sign's
+    copies masked off read as the value times a power of two (the difference of the
+    exponent biases). Only returned when that holds exactly for every finite code."""
     bits = dtype.itemsize * 8
     mantissa = int(finfo(dtype).nmant)
     shift = 23 - mantissa
@@ -69,24 +72,41 @@ def _bit_move(
     if shift < 0 or magnitude_bits > 31:
         return None
     mask = np.int32(np.uint32(0x80000000 | ((1 << magnitude_bits) - 1)).view(np.int32))
-    # The smallest normal code (exponent field 1) decoded as float32 is 2**-126.
-    smallest_normal = values[1 << mantissa]
-    gap = np.float32(smallest_normal / 2.0**-126)
+    # The smallest normal code (exponent field 1) reads as float32's smallest normal.
+    gap = math.frexp(values[1 << mantissa])[1] - math.frexp(2.0**-126)[1]
     codes = np.arange(values.size, dtype=np.uint32).astype(f"u{dtype.itemsize}")
+    moved = _moved(codes.view(f"i{dtype.itemsize}"), (shift, mask, gap))
     with np.errstate(invalid="ignore"):  # NaN codes may move to NaN: not compared
-        moved = _moved(codes.view(f"i{dtype.itemsize}"), (shift, mask, gap))
-    if not np.array_equal(moved[finite].astype(np.float64), values[finite]):
+        read = np.ldexp(moved.astype(np.float64), gap)
+    if not np.array_equal(read[finite], values[finite]):
         return None
     return shift, mask, gap
 
 
-def _moved(signed: np.ndarray, how: tuple[int, np.int32, np.float32]) -> np.ndarray:
-    shift, mask, gap = how
-    bits: np.ndarray = np.left_shift(signed, shift, dtype=np.int32)
+# Each thread's int32 buffer for the moved bits (as norms._SCRATCH, and for its reasons).
+_SCRATCH = threading.local()
+
+
+def _moved(signed: np.ndarray, how: tuple[int, np.int32, int]) -> np.ndarray:
+    """The codes' values times 2**-gap, as float32, in this thread's buffer when it fits
+    (valid until this thread's next call)."""
+    shift, mask, _ = how
+    if signed.size > _SCRATCH_ELEMENTS:
+        bits: np.ndarray = np.empty(signed.size, np.int32)
+    else:
+        buffer = getattr(_SCRATCH, "bits", None)
+        if buffer is None:
+            buffer = _SCRATCH.bits = np.empty(_SCRATCH_ELEMENTS, np.int32)
+        bits = buffer[: signed.size]
+    # A sign-extending copy, then shifts in place: np.left_shift(..., dtype=np.int32)
+    # casts through a buffer of its own and took half again as long.
+    np.copyto(bits, signed)
+    bits <<= shift
     bits &= mask
-    wide: np.ndarray = bits.view(np.float32)
-    wide *= gap  # a power of two: exact (a subnormal float32 times it is a normal value)
-    return wide
+    return bits.view(np.float32)
+
+
+_SCRATCH_ELEMENTS = 1 << 18  # NormAccumulator.add's blocks (norms.CACHE_BLOCK by default)
 
 
 def finite_extremes(chunk: np.ndarray, facts: Layout) -> tuple[float, float] | None:
@@ -112,10 +132,12 @@ def finite_extremes(chunk: np.ndarray, facts: Layout) -> tuple[float, float] | N
     return None if high == 0.0 or low == 0.0 else (high, low)
 
 
-def widenable(chunk: np.ndarray, facts: Layout) -> np.ndarray:
-    """The chunk's values in an array numpy's copyto widens to float64 fast: bfloat16 as it
-    is (ml_dtypes' cast), the others moved bit by bit into float32. Exact for every finite
-    value; inf and NaN are not carried (callers check with finite_extremes first)."""
+def scaled_values(chunk: np.ndarray, facts: Layout) -> tuple[np.ndarray, int]:
+    """(values, k): the chunk's values times 2**-k, exactly, in an array numpy's copyto
+    widens to float64 fast: bfloat16 as it is (ml_dtypes' cast, k = 0), the others moved
+    bit by bit into float32. Squares and sums of these are those of the values times
+    4**-k, bit for bit (a power of two far from float64's limits changes no rounding).
+    inf and NaN are not carried: callers check with finite_extremes first."""
     if facts.to_float32 is None:
-        return chunk
-    return _moved(chunk.view(f"i{chunk.dtype.itemsize}"), facts.to_float32)
+        return chunk, 0
+    return _moved(chunk.view(f"i{chunk.dtype.itemsize}"), facts.to_float32), facts.to_float32[2]
