@@ -322,7 +322,10 @@ class NormAccumulator:
         self.sumsq.add(ssq, 2 * exp)
 
     def add(self, chunk: np.ndarray) -> None:
-        """Accumulate one chunk of any numeric dtype."""
+        """Accumulate one chunk of any numeric dtype and shape."""
+        if chunk.ndim != 1:
+            # Statistics do not depend on the shape; the dot products below need 1-D.
+            chunk = chunk.reshape(-1)
         if self.keep_histogram and is_small_float(chunk.dtype):
             counts = lookup.bit_pattern_counts(chunk)
             if self.counts is None:
@@ -332,7 +335,7 @@ class NormAccumulator:
             self.numel += chunk.size
             self.hist_dtype = chunk.dtype
             return
-        if chunk.size > CACHE_BLOCK and chunk.ndim == 1:
+        if chunk.size > CACHE_BLOCK:
             # Work through big chunks in pieces whose float64 copy stays in L2 cache:
             # the widen / reduce / dot passes then run from cache instead of memory.
             for start in range(0, chunk.size, CACHE_BLOCK):
@@ -340,7 +343,7 @@ class NormAccumulator:
             return
         if chunk.size == 0:
             return
-        if chunk.ndim == 1 and (bits := sign_magnitude.layout(chunk.dtype)) is not None:
+        if (bits := sign_magnitude.layout(chunk.dtype)) is not None:
             # Hot path of the 8- and 16-bit floats: extremes from the bits, then as below.
             extremes = sign_magnitude.finite_extremes(chunk, bits)
             if extremes is not None:

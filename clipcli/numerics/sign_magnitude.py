@@ -6,7 +6,7 @@ are sign-magnitude: among the codes with the sign bit clear, a larger code is a 
 value; among those with it set, a larger code is a more negative one; and inf and NaN are
 the top codes of each half. So one integer max over the bits as signed and one over them as
 unsigned name the largest and the most negative value, and whether any inf or NaN is
-there, at ~0.04 ns/element each (a zero extreme excepted: see finite_extremes). Every
+there, at ~0.04 ns/element each (a zero extreme of both signs aside: finite_extremes). Every
 dtype is checked against that description on all of its codes once (`layout`); one that
 does not fit it (the fnuz floats, whose NaN is -0's code; the sign-less float8_e8m0fnu) is
 measured the float32 way.
@@ -111,25 +111,24 @@ _SCRATCH_ELEMENTS = 1 << 18  # NormAccumulator.add's blocks (norms.CACHE_BLOCK b
 
 def finite_extremes(chunk: np.ndarray, facts: Layout) -> tuple[float, float] | None:
     """(largest, smallest) value of a non-empty 1-D chunk of the layout's dtype, or None if
-    it holds inf or NaN, or if either is a zero: which zero numpy's max and min return
-    where 0.0 and -0.0 meet depends on their order, and the chunk is then measured as
-    numpy measures it (the same statistics as before, and as numerics.many's)."""
+    it holds inf or NaN, or if a zero extreme meets values of the other sign: which of 0.0
+    and -0.0 numpy's max and min return where both are there depends on their order, and
+    the chunk is then measured as numpy measures it (the same statistics as before, and
+    as numerics.many's). A zero extreme of a one-signed chunk is that sign's zero."""
     unsigned = chunk.view(f"u{chunk.dtype.itemsize}")
     signed = chunk.view(f"i{chunk.dtype.itemsize}")
     top_unsigned, top_signed = int(unsigned.max()), int(signed.max())
     # The largest code with the sign bit clear is the largest value (when there is one);
     # the largest code with it set is the most negative value.
-    largest = top_signed if top_signed >= 0 else None
-    most_negative = top_unsigned if top_unsigned >= facts.half else None
-    for code in (largest, most_negative):
-        if code is not None and not facts.finite[code]:
-            return None
-    if largest is None:  # all negative: the largest is the negative code nearest -0
-        largest = int(signed.min()) + 2 * facts.half
-    if most_negative is None:  # none negative: the smallest is the smallest code
-        most_negative = int(unsigned.min())
+    has_non_negative, has_negative = top_signed >= 0, top_unsigned >= facts.half
+    largest = top_signed if has_non_negative else int(signed.min()) + 2 * facts.half
+    most_negative = top_unsigned if has_negative else int(unsigned.min())
+    if not (facts.finite[largest] and facts.finite[most_negative]):
+        return None
     high, low = float(facts.values[largest]), float(facts.values[most_negative])
-    return None if high == 0.0 or low == 0.0 else (high, low)
+    if (high == 0.0 or low == 0.0) and has_non_negative and has_negative:
+        return None
+    return high, low
 
 
 def scaled_values(chunk: np.ndarray, facts: Layout) -> tuple[np.ndarray, int]:
