@@ -15,20 +15,11 @@ from fractions import Fraction
 import ml_dtypes
 import numpy as np
 import pytest
+from small_floats import FP8_NAMES, dtypes_of
 
 from clipcli.numerics import rounding
 
-NAMES = [
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3",
-    "float8_e3m4",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e4m3b11fnuz",
-    "float8_e8m0fnu",
-]
-DTYPES = [np.dtype(getattr(ml_dtypes, name)) for name in NAMES if hasattr(ml_dtypes, name)]
+DTYPES = dtypes_of(FP8_NAMES)
 PER_ENTRY = rounding.FACTOR_TABLES_FROM
 
 

@@ -11,39 +11,14 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from small_floats import FP8_NAMES, SMALL_FLOAT_NAMES, dtypes_of
 
 from clipcli.numerics import sign_magnitude
 from clipcli.numerics.norms import NormAccumulator
 
-NAMES = [
-    "bfloat16",
-    "float16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3",
-    "float8_e3m4",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e4m3b11fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn",
-    "float6_e2m3fn",
-    "float6_e3m2fn",
-]
-DTYPES = [
-    np.dtype(np.float16) if name == "float16" else np.dtype(getattr(ml_dtypes, name))
-    for name in NAMES
-    if name == "float16" or hasattr(ml_dtypes, name)
-]
+DTYPES = dtypes_of(SMALL_FLOAT_NAMES)
 # The dtypes the bit path must take (the others are measured the float32 way).
-SIGN_MAGNITUDE = {
-    "bfloat16",
-    "float16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3",
-    "float8_e3m4",
-}
+SIGN_MAGNITUDE = {"bfloat16", "float16", *FP8_NAMES[:4]}
 
 
 def codes_of(dtype: np.dtype, codes: np.ndarray) -> np.ndarray:
