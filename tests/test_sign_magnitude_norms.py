@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from small_floats import FP8_NAMES, SMALL_FLOAT_NAMES, dtypes_of
 
-from clipcli.numerics import sign_magnitude
-from clipcli.numerics.norms import NormAccumulator
+from clipcli.numerics import norms, sign_magnitude
+from clipcli.numerics.norms import CACHE_BLOCK, NormAccumulator
 
 DTYPES = dtypes_of(SMALL_FLOAT_NAMES)
 # The dtypes the bit path must take (the others are measured the float32 way).
@@ -62,8 +62,10 @@ def test_the_layout_is_found_where_it_holds(dtype: np.dtype) -> None:
     assert (layout is not None) == (dtype.name in SIGN_MAGNITUDE)
     if layout is not None:
         finite = np.isfinite(wide(codes_of(dtype, np.arange(256**dtype.itemsize))))
-        moved, power = sign_magnitude.scaled_values(codes_of(dtype, np.flatnonzero(finite)), layout)
-        want = wide(codes_of(dtype, np.flatnonzero(finite)))
+        codes = codes_of(dtype, np.flatnonzero(finite))
+        bits = np.empty(codes.size, np.int32)
+        moved, power = sign_magnitude.scaled_values(codes, layout, bits)
+        want = wide(codes)
         assert np.array_equal(np.ldexp(wide(moved), power), want)
 
 
@@ -195,24 +197,30 @@ def test_bit_move_at_its_widest() -> None:
     assert how is not None
     assert how[0] == 16
     assert how[2] == 0
-    moved = sign_magnitude._moved(codes_of(dtype, np.arange(65536)).view(np.int16), how)
+    signed = codes_of(dtype, np.arange(65536)).view(np.int16)
+    moved = sign_magnitude._moved(signed, how, np.empty(65536, np.int32))
     assert np.array_equal(wide(moved)[finite], values[finite])
 
 
-@pytest.mark.parametrize("size", [(1 << 18) - 1, 1 << 18, (1 << 18) + 1])
+@pytest.mark.parametrize("size", [CACHE_BLOCK - 1, CACHE_BLOCK, CACHE_BLOCK + 1])
 def test_moved_bits_past_the_reused_buffer(size: int) -> None:
-    """Up to 2**18 values are moved in a buffer reused by the thread, beyond it in a fresh
-    one (CLIPCLI_CACHE_BLOCK can hand over bigger chunks): the same values either way,
-    and a reused buffer's values are not those of the call before."""
+    """Up to CACHE_BLOCK values are moved in a buffer reused by the thread, beyond it in a
+    fresh one (CLIPCLI_CACHE_BLOCK can hand over bigger chunks): the same values either
+    way, and a reused buffer's values are not those of the call before."""
     dtype = np.dtype(np.float16)
     layout = sign_magnitude.layout(dtype)
     assert layout is not None
     rng = np.random.default_rng(size)
     first = rng.standard_normal(size).astype(dtype)
     second = rng.standard_normal(size).astype(dtype)
+    buffers = []
     for chunk in (first, second):
-        moved, power = sign_magnitude.scaled_values(chunk, layout)
+        bits = norms._scratch("bits", np.int32, size)
+        buffers.append(bits)
+        moved, power = sign_magnitude.scaled_values(chunk, layout, bits)
+        assert np.shares_memory(moved, bits)
         assert np.array_equal(np.ldexp(moved.astype(np.float64), power), wide(chunk))
+    assert np.shares_memory(buffers[0], buffers[1]) == (size <= CACHE_BLOCK)
 
 
 @pytest.mark.parametrize(

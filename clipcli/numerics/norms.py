@@ -33,21 +33,30 @@ CACHE_BLOCK = (
     else 1 << 18
 )
 
-# Each thread's float64 buffer for the hot path's widening: a fresh 2 MiB array per block
-# is a malloc and free in the one arena every thread shares (system.parallel: lock traffic
-# that grows with the thread count) and a buffer that is cold in this core's cache.
+# Each thread's buffers for the hot path (the float64 widening, float16/fp8's moved bits):
+# a fresh 2 MiB array per block is a malloc and free in the one arena every thread shares
+# (system.parallel: lock traffic that grows with the thread count) and a buffer that is
+# cold in this core's cache.
 _SCRATCH = threading.local()
 
 
-def _widened(chunk: np.ndarray) -> np.ndarray:
-    """chunk as float64, exactly (the same values astype gives), in this thread's buffer
-    when it fits: valid until this thread's next call."""
-    if chunk.ndim != 1 or chunk.size > CACHE_BLOCK:
-        return chunk.astype(np.float64)
-    buffer = getattr(_SCRATCH, "wide", None)
+def _scratch(name: str, dtype: type[np.generic], size: int) -> np.ndarray:
+    """`size` elements of this thread's buffer `name` (CACHE_BLOCK elements of dtype), or a
+    fresh array where more are asked for: valid until this thread's next call for name."""
+    if size > CACHE_BLOCK:
+        return np.empty(size, dtype)
+    buffer = getattr(_SCRATCH, name, None)
     if buffer is None:
-        buffer = _SCRATCH.wide = np.empty(CACHE_BLOCK, np.float64)
-    wide: np.ndarray = buffer[: chunk.size]
+        buffer = np.empty(CACHE_BLOCK, dtype)
+        setattr(_SCRATCH, name, buffer)
+    part: np.ndarray = buffer[:size]
+    return part
+
+
+def _widened(chunk: np.ndarray) -> np.ndarray:
+    """A 1-D chunk as float64, exactly (the same values astype gives), in this thread's
+    buffer when it fits: valid until this thread's next call."""
+    wide = _scratch("wide", np.float64, chunk.size)
     np.copyto(wide, chunk)
     return wide
 
@@ -347,7 +356,8 @@ class NormAccumulator:
             # Hot path of the 8- and 16-bit floats: extremes from the bits, then as below.
             extremes = sign_magnitude.finite_extremes(chunk, layout)
             if extremes is not None:
-                self._add_finite(*sign_magnitude.scaled_values(chunk, layout), *extremes)
+                bits = _scratch("bits", np.int32, chunk.size)
+                self._add_finite(*sign_magnitude.scaled_values(chunk, layout, bits), *extremes)
                 return
         # Hot path of float32 (and of the 8- and 16-bit floats the bits left undecided):
         # every value is exact in float32, and squares cannot overflow or underflow in

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -52,10 +51,10 @@ def layout(dtype: np.dtype[Any]) -> Layout | None:
             return None
         if not (np.diff(kept) > 0).all():  # strictly increasing
             return None
-    to_float32 = None if is_bfloat16(dtype) else _bit_move(dtype, values, finite)
-    if to_float32 is None and not is_bfloat16(dtype):
-        return None
-    return Layout(half, values, finite, to_float32)
+    if is_bfloat16(dtype):
+        return Layout(half, values, finite, None)
+    to_float32 = _bit_move(dtype, values, finite)
+    return None if to_float32 is None else Layout(half, values, finite, to_float32)
 
 
 def _bit_move(
@@ -75,7 +74,9 @@ def _bit_move(
     # The smallest normal code (exponent field 1) reads as float32's smallest normal.
     gap = math.frexp(values[1 << mantissa])[1] - math.frexp(2.0**-126)[1]
     codes = np.arange(values.size, dtype=np.uint32).astype(f"u{dtype.itemsize}")
-    moved = _moved(codes.view(f"i{dtype.itemsize}"), (shift, mask, gap))
+    moved = _moved(
+        codes.view(f"i{dtype.itemsize}"), (shift, mask, gap), np.empty(codes.size, np.int32)
+    )
     with np.errstate(invalid="ignore"):  # NaN codes may move to NaN: not compared
         read = np.ldexp(moved.astype(np.float64), gap)
     if not np.array_equal(read[finite], values[finite]):
@@ -83,30 +84,15 @@ def _bit_move(
     return shift, mask, gap
 
 
-# Each thread's int32 buffer for the moved bits (as norms._SCRATCH, and for its reasons).
-_SCRATCH = threading.local()
-
-
-def _moved(signed: np.ndarray, how: tuple[int, np.int32, int]) -> np.ndarray:
-    """The codes' values times 2**-gap, as float32, in this thread's buffer when it fits
-    (valid until this thread's next call)."""
+def _moved(signed: np.ndarray, how: tuple[int, np.int32, int], bits: np.ndarray) -> np.ndarray:
+    """The codes' values times 2**-gap, as float32, in `bits` (int32, as many elements)."""
     shift, mask, _ = how
-    if signed.size > _SCRATCH_ELEMENTS:
-        bits: np.ndarray = np.empty(signed.size, np.int32)
-    else:
-        buffer = getattr(_SCRATCH, "bits", None)
-        if buffer is None:
-            buffer = _SCRATCH.bits = np.empty(_SCRATCH_ELEMENTS, np.int32)
-        bits = buffer[: signed.size]
     # A sign-extending copy, then shifts in place: np.left_shift(..., dtype=np.int32)
     # casts through a buffer of its own and took half again as long.
     np.copyto(bits, signed)
     bits <<= shift
     bits &= mask
     return bits.view(np.float32)
-
-
-_SCRATCH_ELEMENTS = 1 << 18  # NormAccumulator.add's blocks (norms.CACHE_BLOCK by default)
 
 
 def finite_extremes(chunk: np.ndarray, facts: Layout) -> tuple[float, float] | None:
@@ -131,12 +117,14 @@ def finite_extremes(chunk: np.ndarray, facts: Layout) -> tuple[float, float] | N
     return high, low
 
 
-def scaled_values(chunk: np.ndarray, facts: Layout) -> tuple[np.ndarray, int]:
+def scaled_values(chunk: np.ndarray, facts: Layout, bits: np.ndarray) -> tuple[np.ndarray, int]:
     """(values, k): the chunk's values times 2**-k, exactly, in an array numpy's copyto
     widens to float64 fast: bfloat16 as it is (ml_dtypes' cast, k = 0), the others moved
-    bit by bit into float32. Squares and sums of these are those of the values times
-    4**-k, bit for bit (a power of two far from float64's limits changes no rounding).
-    inf and NaN are not carried: callers check with finite_extremes first."""
+    bit by bit into float32 in `bits` (int32, chunk.size elements, overwritten; the caller
+    owns it: norms reuses one per thread). Squares and sums of these are those of the
+    values times 4**-k, bit for bit (a power of two far from float64's limits changes no
+    rounding). inf and NaN are not carried: callers check with finite_extremes first."""
     if facts.to_float32 is None:
         return chunk, 0
-    return _moved(chunk.view(f"i{chunk.dtype.itemsize}"), facts.to_float32), facts.to_float32[2]
+    signed = chunk.view(f"i{chunk.dtype.itemsize}")
+    return _moved(signed, facts.to_float32, bits), facts.to_float32[2]
