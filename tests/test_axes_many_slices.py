@@ -405,8 +405,8 @@ def test_a_margin_asked_again_is_the_one_worked_out_fresh(dtype: type) -> None:
 def test_gathered_slices_are_the_tensors_rows_whatever_the_boxes(
     shape: tuple[int, ...], axes: tuple[int, ...], budget: int
 ) -> None:
-    """streamed_picked copies whole slices met in order (a box of whole rows) as a plain
-    block, and scatters the rest: either way the rows are the tensor's slices, for every
+    """streamed_picked copies a rectangle of consecutive slices and places (a box of rows)
+    as a block, and scatters the rest: either way the rows are the tensor's slices, for every
     span (at, around and across box edges)."""
     array = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
     rest = [i for i in range(len(shape)) if i not in axes]
@@ -419,6 +419,50 @@ def test_gathered_slices_are_the_tensors_rows_whatever_the_boxes(
                 boxes_of(array, budget), shape, axes, array.dtype, slice(start, stop)
             )
             assert got.tobytes() == reference[start:stop].tobytes(), (start, stop)
+
+
+STRIP = slices.TRANSPOSE_STRIP
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes"),
+    [
+        ((2 * STRIP + 3, 5), (0,)),
+        ((STRIP + 1, 3, 4), (0,)),
+        ((3, 2 * STRIP + 1, 2), (0, 1)),
+        ((2 * STRIP, 6), (0,)),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, STRIP - 1, STRIP, STRIP + 1, 2 * STRIP, 10**6])
+def test_gathered_columns_are_the_tensors_whatever_the_strips(
+    shape: tuple[int, ...], axes: tuple[int, ...], rows: int
+) -> None:
+    """Boxes of `rows` rows with --axes 0: every slice gets a piece of each box, copied a
+    strip of TRANSPOSE_STRIP box rows at a time (boxes at, below and above one strip's
+    width, and whole tensors): the rows are the tensor's slices all the same."""
+    array = np.arange(math.prod(shape), dtype=np.float64).reshape(shape) * 0.5 - 7
+    budget = rows * math.prod(shape[1:])
+    rest = [i for i in range(len(shape)) if i not in axes]
+    moved = np.moveaxis(array, list(axes), list(range(len(rest), len(shape))))
+    reference = moved.reshape(-1, math.prod(shape[a] for a in axes))
+    count = reference.shape[0]
+    for start, stop in [(0, count), (1, count), (0, 1), (count // 2, min(count, count // 2 + 2))]:
+        got = slices.streamed_picked(
+            boxes_of(array, budget), shape, axes, array.dtype, slice(start, stop)
+        )
+        assert got.tobytes() == reference[start:stop].tobytes(), (start, stop)
+
+
+@pytest.mark.parametrize("width", [1, STRIP - 1, STRIP, STRIP + 1, 3 * STRIP + 2])
+@pytest.mark.parametrize("dtype", [np.uint8, np.float16, np.float32, np.float64])
+def test_copy_rectangle_copies_strided_and_contiguous_sources(width: int, dtype: type) -> None:
+    """_copy_rectangle is target[...] = source: from a transposed view (strips) and from a
+    C-order array (one copy), at and around the strip width."""
+    box = np.arange(width * 13).reshape(width, 13).astype(dtype)
+    for source in (box.T, np.ascontiguousarray(box.T)):
+        target = np.zeros((13, width), dtype)
+        slices._copy_rectangle(target, source)
+        assert target.tobytes() == np.ascontiguousarray(source).tobytes()
 
 
 @pytest.mark.parametrize(

@@ -704,15 +704,40 @@ def streamed_picked(
             continue
         columns = _raveled([ranges[a] for a in axes], [shape[a] for a in axes])
         moved = np.moveaxis(box, list(axes), list(range(box.ndim - len(axes), box.ndim)))
-        rows = moved.reshape(len(slice_ids), -1)[inside]
+        rows = moved.reshape(len(slice_ids), -1)
         at = slice_ids[inside] - span.start
-        if columns.size == picked.shape[1] and _ascending_run(at) and _ascending_run(columns):
-            # Whole slices, in order (a box of rows holding whole ones): a plain copy, where
-            # the scatter below cost ~10% of a bfloat16 --axes 1 run.
-            picked[at[0] : at[0] + at.size] = rows
+        if _ascending_run(at) and _ascending_run(columns):
+            # A block of consecutive slices and consecutive places in them (a box of rows:
+            # whole slices for --axes 1, a piece of every column for --axes 0): a copy of
+            # one rectangle, where the scatter below cost ~10% of a bfloat16 --axes 1 run.
+            # slice_ids ascend, so the slices inside are one run of the box's rows.
+            first = int(np.argmax(inside))
+            _copy_rectangle(
+                picked[at[0] : at[0] + at.size, columns[0] : columns[0] + columns.size],
+                rows[first : first + at.size],
+            )
         else:
-            picked[at[:, None], columns[None, :]] = rows
+            picked[at[:, None], columns[None, :]] = rows[inside]
     return picked
+
+
+# Columns per strip of _copy_rectangle: each row of the target then reads this many
+# elements a row of the box apart, on as many pages (few enough for the TLB).
+TRANSPOSE_STRIP = 8
+
+
+def _copy_rectangle(target: np.ndarray, source: np.ndarray) -> None:
+    """target[...] = source for 2-D arrays of one shape. A source read across its rows (a
+    box's columns, for --axes 0) is copied a strip of TRANSPOSE_STRIP columns at a time:
+    numpy copies in the target's order, so each target row reads one element from each of
+    the box's rows, a page apart (a TLB miss each); a strip keeps that to a few pages.
+    1.0-1.5 ns/element instead of 5-11 (float64 and bfloat16 [512, 4096] boxes)."""
+    if source.shape[1] <= TRANSPOSE_STRIP or source.strides[1] == source.itemsize:
+        target[...] = source
+        return
+    for start in range(0, source.shape[1], TRANSPOSE_STRIP):
+        strip = slice(start, start + TRANSPOSE_STRIP)
+        target[:, strip] = source[:, strip]
 
 
 def _ascending_run(indices: np.ndarray) -> bool:
