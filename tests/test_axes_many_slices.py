@@ -458,9 +458,9 @@ def test_gathered_columns_are_the_tensors_whatever_the_strips(
 def test_copy_rectangle_copies_strided_and_contiguous_sources(width: int, dtype: type) -> None:
     """_copy_rectangle is target[...] = source: from a transposed view (strips) and from a
     C-order array (one copy), at and around the strip width."""
-    box = np.arange(width * 13).reshape(width, 13).astype(dtype)
+    box: np.ndarray = np.arange(width * 13).reshape(width, 13).astype(dtype)
     for source in (box.T, np.ascontiguousarray(box.T)):
-        target = np.zeros((13, width), dtype)
+        target: np.ndarray = np.zeros((13, width), dtype)
         slices._copy_rectangle(target, source)
         assert target.tobytes() == np.ascontiguousarray(source).tobytes()
 

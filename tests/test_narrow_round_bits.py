@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from clipcli.numerics import rounding
+from clipcli.numerics.widening import widen
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -195,3 +196,98 @@ def test_per_slice_scaling_in_row_blocks_is_the_whole_box_scaled(
     assert got.dtype == want.dtype
     assert got.shape == want.shape
     assert got.tobytes() == want.tobytes()
+
+
+F16 = np.dtype(np.float16)
+
+
+def reference_float16(x: float) -> float:
+    """x rounded to float16 (11 significant bits, exponents down to 2**-24), from the
+    definition."""
+    if math.isnan(x) or math.isinf(x) or x == 0:
+        return x
+    _, e = math.frexp(x)
+    quantum = max(e - 11, -24)
+    value = Fraction(round(Fraction(x) / Fraction(2) ** quantum)) * Fraction(2) ** quantum
+    if abs(value) >= 2**16:
+        return math.copysign(math.inf, x)
+    return math.copysign(0.0, x) if value == 0 else float(value)
+
+
+def float16_edge_values() -> np.ndarray:
+    codes = np.arange(0x7C00, dtype=np.uint16)  # every positive finite float16
+    values = codes.view(np.float16).astype(np.float64)
+    nexts = (codes + np.uint16(1)).view(np.float16).astype(np.float64)  # the last: inf
+    ties = ((values + nexts) / 2)[:-1]
+    near = [ties, np.nextafter(ties, 0), np.nextafter(ties, np.inf), values]
+    largest, past = 65504.0, 65520.0  # the tie above the largest rounds to inf
+    specials = [largest, past, np.nextafter(past, 0), np.nextafter(past, np.inf), 1e300]
+    specials += [2.0**-14, np.nextafter(2.0**-14, 0), 2.0**-24, 2.0**-25, 3 * 2.0**-26]
+    specials += [np.nextafter(2.0**-25, 1), 5e-324, 0.0, -0.0, 1.7976931348623157e308]
+    out = np.concatenate(near + [np.asarray(specials, np.float64)])
+    return np.concatenate([out, -out])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "values", "definition"),
+    [(BF16, edge_values, reference), (F16, float16_edge_values, reference_float16)],
+    ids=["bfloat16", "float16"],
+)
+def test_rounded_as_float64_is_the_definition_at_every_edge(
+    dtype: np.dtype[Any], values: Any, definition: Any
+) -> None:
+    """rounded_as_float64 (the factor searches' rounding, on float64's bits) against the
+    rounding from the definition and against widen(narrow_round(...)), bit for bit, zeros'
+    signs included: ties and their neighbours, every float16, the largest finite value
+    and the tie past it, the smallest normal and the subnormals below it. inf and NaN
+    among the values send the whole array to narrow_round: the same answer."""
+    wide = values()
+    finite = wide[np.isfinite(wide)]
+    got = rounding.rounded_as_float64(finite, dtype)
+    grid = rounding._float64_grid(dtype)
+    assert grid is not None
+    assert rounding._on_float64_bits(finite, grid) is not None
+    want = np.asarray([definition(float(x)) for x in finite])
+    assert got.view(np.uint64).tolist() == want.view(np.uint64).tolist()
+    with np.errstate(over="ignore"):
+        through = widen(rounding.narrow_round(wide, dtype))
+    assert np.array_equal(rounding.rounded_as_float64(wide, dtype), through, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+@pytest.mark.parametrize("odd_at", [0, -1])
+def test_rounded_as_float64_at_the_blocks_edges(
+    dtype: np.dtype[Any], extra: int, odd_at: int
+) -> None:
+    """Block by block (_SCALE_BLOCK elements): a subnormal result, an overflow or a NaN
+    at either end of an array one under, at and one over a block (a NaN in the last
+    block, after the others were rounded, still hands the whole array to narrow_round),
+    and a 2-D strided view: the same bits as widen(narrow_round(...))."""
+    size = rounding._SCALE_BLOCK + extra
+    rng = np.random.default_rng(size + odd_at)
+    for odd in (3.1 * 2.0**-134, 3.1 * 2.0**-26, 1e300, -1e300, math.nan, math.inf):
+        wide = rng.standard_normal(size) * 10.0 ** rng.integers(-6, 6, size)
+        wide[odd_at] = odd
+        with np.errstate(over="ignore"):
+            want = widen(rounding.narrow_round(wide, dtype))
+        got = rounding.rounded_as_float64(wide, dtype)
+        assert got.shape == want.shape
+        assert np.array_equal(got, want, equal_nan=True)
+        assert np.array_equal(np.signbit(got), np.signbit(want))
+    strided = rng.standard_normal((300, 700))[:, ::3]
+    got = rounding.rounded_as_float64(strided, dtype)
+    assert got.shape == strided.shape
+    want = widen(rounding.narrow_round(strided, dtype))
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
+def test_rounded_as_float64_of_other_dtypes_is_narrow_rounds(dtype: Any) -> None:
+    """Dtypes without a float64 grid take narrow_round itself."""
+    assert rounding._float64_grid(np.dtype(dtype)) is None
+    wide = np.random.default_rng(5).standard_normal(1000) * 100
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = widen(rounding.narrow_round(wide, np.dtype(dtype)))
+        got = rounding.rounded_as_float64(wide, np.dtype(dtype))
+    assert np.array_equal(got, want, equal_nan=True)

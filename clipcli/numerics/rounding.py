@@ -14,7 +14,7 @@ import functools
 import math
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -142,6 +142,88 @@ def _to_bfloat16(wide: np.ndarray) -> np.ndarray:
         )
         result[start : start + piece.size][odd] = _through_float32(piece[odd], BFLOAT16)
     shaped: np.ndarray = result.reshape(np.shape(wide))
+    return shaped
+
+
+def rounded_as_float64(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """widen(narrow_round(wide, dtype)): float64 values rounded once to `dtype`, as float64.
+    The factor searches round products this way at every step, and need the float64 values,
+    not the dtype's bits: for bfloat16 and float16 the rounding is done on float64's own
+    bits (_on_float64_bits), without the trip through float32 and the dtype and back."""
+    grid = _float64_grid(dtype) if wide.dtype == np.float64 else None
+    if grid is not None and wide.size:
+        rounded = _on_float64_bits(wide, grid)
+        if rounded is not None:
+            return rounded
+    return widen(narrow_round(wide, dtype))
+
+
+class _Grid(NamedTuple):
+    """A float format's values, as _on_float64_bits rounds to them."""
+
+    cut: int  # float64 mantissa bits below the format's last one
+    smallest_normal: float
+    step: float  # the subnormals' spacing (the smallest positive value)
+    largest: float  # the largest finite value
+    overflow: float  # from this magnitude up values round to +-inf (half a step above largest)
+
+
+@functools.cache
+def _float64_grid(dtype: np.dtype[Any]) -> _Grid | None:
+    """The grid of bfloat16 and float16 (IEEE layouts with subnormals and inf); None for
+    the others, which take narrow_round."""
+    if dtype not in (BFLOAT16, np.dtype(np.float16)):
+        return None
+    info = finfo(dtype)
+    largest = float(info.max)
+    # The largest value has an odd last bit in both, so the tie half a step above it goes
+    # to the even neighbour, past the range: inf.
+    past = 2.0 ** (math.frexp(largest)[1])
+    return _Grid(
+        52 - int(info.nmant),
+        float(info.smallest_normal),
+        float(info.smallest_subnormal),
+        largest,
+        largest + (past - largest) / 2,
+    )
+
+
+def _on_float64_bits(wide: np.ndarray, grid: _Grid) -> np.ndarray | None:
+    """Finite float64 values rounded to the grid, to nearest with ties to even, as float64;
+    None if any is inf or NaN (narrow_round's business). Normal results: the mantissa
+    rounded on the bits as _to_bfloat16 does (adding just under half a step plus the kept
+    part's last bit carries into the exponent exactly where rounding up does); below the
+    smallest normal the step is fixed: np.rint of the value in steps (exact: a power of
+    two); past the largest finite value, +-inf, as the dtype's own rounding gives. Block
+    by block, the magnitudes in a buffer that stays in cache."""
+    flat = np.ascontiguousarray(wide).reshape(-1)
+    out = np.empty(flat.size, np.float64)
+    magnitude = np.empty(min(_SCALE_BLOCK, flat.size), np.uint64)
+    cut, kept = np.uint64(grid.cut), ~np.uint64((1 << grid.cut) - 1)
+    below_half = np.uint64((1 << (grid.cut - 1)) - 1)
+    smallest_normal = np.float64(grid.smallest_normal).view(np.uint64)
+    overflow = np.float64(grid.overflow).view(np.uint64)
+    for start in range(0, flat.size, _SCALE_BLOCK):
+        bits = flat[start : start + _SCALE_BLOCK].view(np.uint64)
+        size = bits.size
+        mag, rounded = magnitude[:size], out[start : start + size].view(np.uint64)
+        np.bitwise_and(bits, _MAGNITUDE, out=mag)
+        top = mag.max()
+        if top >= _FLOAT64_INF:
+            return None
+        np.right_shift(bits, cut, out=rounded)
+        rounded &= np.uint64(1)
+        rounded += bits
+        rounded += below_half
+        rounded &= kept
+        if mag.min() < smallest_normal:
+            small = mag < smallest_normal
+            piece = flat[start : start + size][small]
+            rounded.view(np.float64)[small] = np.rint(piece / grid.step) * grid.step
+        if top >= overflow:
+            over = mag >= overflow
+            rounded.view(np.float64)[over] = np.copysign(math.inf, flat[start : start + size][over])
+    shaped: np.ndarray = out.reshape(np.shape(wide))
     return shaped
 
 

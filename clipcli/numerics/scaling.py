@@ -47,7 +47,7 @@ from clipcli.numerics.certain import (
     exact_sum,
 )
 from clipcli.numerics.norms import CACHE_BLOCK, NormAccumulator, merged
-from clipcli.numerics.rounding import narrow_round
+from clipcli.numerics.rounding import narrow_round, rounded_as_float64
 from clipcli.numerics.search import (
     AMBIGUOUS,
     U64,
@@ -469,7 +469,7 @@ def _histogram_factors(batch: _HistogramBatch, dtype: np.dtype[Any]) -> np.ndarr
     del values_of, counts_of
 
     def margin(scales: np.ndarray) -> np.ndarray:
-        rounded = widen(narrow_round(values * np.repeat(scales, lengths), dtype))
+        rounded = rounded_as_float64(values * np.repeat(scales, lengths), dtype)
         with np.errstate(over="ignore"):  # inf: over the limit, as _HistogramBound's
             scaled = rounded / each_limit
             total = np.add.reduceat(counts * (scaled * scaled), starts)
@@ -842,7 +842,7 @@ class _HistogramBound:
         key = (id(hist), s)
         rounded = self.recent.get(key)
         if rounded is None:
-            rounded = widen(narrow_round(hist.values * s, hist.dtype))
+            rounded = rounded_as_float64(hist.values * s, hist.dtype)
             if len(self.recent) >= 8:
                 del self.recent[next(iter(self.recent))]
             self.recent[key] = rounded

@@ -36,7 +36,7 @@ from clipcli.numerics.certain import (
     two_square,
 )
 from clipcli.numerics.norms import accumulate_array, rescale_exponents
-from clipcli.numerics.rounding import narrow_round, scale_chunk
+from clipcli.numerics.rounding import narrow_round, rounded_as_float64, scale_chunk
 from clipcli.numerics.scaling import WideBound
 from clipcli.numerics.search import (
     AMBIGUOUS,
@@ -247,7 +247,7 @@ def _slice_values_margin(picked: np.ndarray, dtype: np.dtype[Any], limit: float)
 
     def margin(factors: np.ndarray) -> np.ndarray:
         each = np.repeat(factors, per_slice)  # complex: per real and imaginary part
-        rounded = widen(narrow_round(flat * each, real_dtype(dtype)))
+        rounded = rounded_as_float64(flat * each, real_dtype(dtype))
         return _certain_rows_margin(rounded.reshape(slices, per_slice), limit)
 
     return margin
@@ -353,7 +353,7 @@ class _SliceRounding:
 
     def _rounded(self, factors: np.ndarray) -> np.ndarray:
         each = factors[self.owner]
-        rounded: np.ndarray = widen(narrow_round(self.magnitudes * each, self.dtype))
+        rounded: np.ndarray = rounded_as_float64(self.magnitudes * each, self.dtype)
         return rounded
 
     def margin(self, factors: np.ndarray) -> np.ndarray:
@@ -386,7 +386,7 @@ class _SliceRounding:
             begins = _begins_of(self.begins[which + 1] - self.begins[which])
             magnitudes, counts, fixed = self.magnitudes[at], self.counts[at], self.fixed[which]
             each = factors[self.owner[at]]
-        rounded = widen(narrow_round(magnitudes * each, self.dtype)) / self.limit
+        rounded = rounded_as_float64(magnitudes * each, self.dtype) / self.limit
         squares = rounded * rounded * counts  # exact: a count times a square
         sums = fixed + _segment_sums(squares, begins)
         result: np.ndarray = 1.0 - 2 * U64 - sums * (1 + self.terms * U64)
@@ -410,8 +410,7 @@ class _SliceRounding:
         lengths = begins[which + 1] - begins[which]
         ends = np.cumsum(lengths)
         at, local = _positions(begins, which)
-        rounded = narrow_round(magnitudes[at] * factors[which][local], self.dtype)
-        wide = widen(rounded)
+        wide = rounded_as_float64(magnitudes[at] * factors[which][local], self.dtype)
         scaled = wide / self.limit
         counted = counts[at]
         sums = _segment_sums(scaled * scaled * counted, _begins_of(lengths))
