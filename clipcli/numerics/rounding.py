@@ -29,7 +29,7 @@ from clipcli.dtypes import (
     smallest_without_zero,
 )
 from clipcli.errors import DataRefusedError
-from clipcli.numerics import float16, lookup
+from clipcli.numerics import float8, float16, lookup
 from clipcli.numerics.norms import NormAccumulator
 from clipcli.numerics.widening import widen
 
@@ -238,6 +238,8 @@ def _through_float32(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     bits |= (back != wide) & finite  # inexact: make it odd (sticky bit)
     if dtype == np.float16:
         return float16.from_float32(single)
+    if dtype.itemsize == 1 and (narrow := float8.from_float32(single, dtype)) is not None:
+        return narrow
     smallest = smallest_without_zero(dtype)
     if smallest is not None:
         # No zero to round to (e8m0fnu: 2**-127 and up). Below float32's normal range the
