@@ -23,6 +23,9 @@ FACTOR = 0.6875  # a factor as the search makes them (few bits: the product is e
 # Per-row factors of up to 45 significant bits, as the --axes search makes them.
 ROW_FACTORS = (0.5 + np.random.default_rng(1).random((CHUNK // 4096, 1)) / 2).view(np.int64)
 ROW_FACTORS = ((ROW_FACTORS >> 8) << 8).view(np.float64)
+# ... and per column (--axes 0 of a [256, 4096] box: too many factors for fp8's tables).
+COLUMN_FACTORS = (0.5 + np.random.default_rng(2).random((1, 4096)) / 2).view(np.int64)
+COLUMN_FACTORS = ((COLUMN_FACTORS >> 8) << 8).view(np.float64)
 
 
 def per_element(fn, array: np.ndarray) -> float:
@@ -50,6 +53,9 @@ def main() -> None:
         # --axes: a factor per slice (here per row of 4,096): rounded on the fly, no table
         "clip write --axes: a factor per row": lambda c: rounding.scale_chunk(
             c.reshape(-1, 4096), ROW_FACTORS[: c.size // 4096]
+        ),
+        "clip write --axes: a factor per column": lambda c: rounding.scale_chunk(
+            c.reshape(-1, 4096), COLUMN_FACTORS
         ),
         "clip write: flushes": lambda c: rounding.flushes(c, c),
         "clip write: outcome stats": lambda c: accumulate([c]),
