@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from clipcli.dtypes import float64_values
 from clipcli.numerics import rounding
 from clipcli.numerics.widening import widen
 
@@ -199,6 +200,8 @@ def test_per_slice_scaling_in_row_blocks_is_the_whole_box_scaled(
 
 
 F16 = np.dtype(np.float16)
+# The fp8 formats with a float64 grid (float8.from_float32 serves them).
+FP8 = [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3, ml_dtypes.float8_e3m4]
 
 
 def reference_float16(x: float) -> float:
@@ -254,7 +257,7 @@ def test_rounded_as_float64_is_the_definition_at_every_edge(
     assert np.array_equal(rounding.rounded_as_float64(wide, dtype), through, equal_nan=True)
 
 
-@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+@pytest.mark.parametrize("dtype", [BF16, F16, *(np.dtype(d) for d in FP8)], ids=str)
 @pytest.mark.parametrize("extra", [-1, 0, 1])
 @pytest.mark.parametrize("odd_at", [0, -1])
 def test_rounded_as_float64_at_the_blocks_edges(
@@ -282,11 +285,49 @@ def test_rounded_as_float64_at_the_blocks_edges(
     assert got.tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
+def fp8_neighbourhoods(dtype: np.dtype[Any]) -> np.ndarray:
+    """Every value, midpoint and the float64 values either side of each, the ties past
+    the largest value (e4m3fn's rounds down to it: its largest code is even), float64's
+    extremes and a spread of magnitudes; both signs."""
+    values = float64_values(dtype)
+    finite = np.unique(np.abs(values[np.isfinite(values)]))
+    middles = (finite[1:] + finite[:-1]) / 2
+    past = finite[-1] + (finite[-1] - finite[-2]) / 2
+    points = np.concatenate([finite, middles, [past, past * 1.5, finite[-1] * 4, 1e300]])
+    near = [points, np.nextafter(points, 0), np.nextafter(points, np.inf), [5e-324, 0.0]]
+    spread = np.ldexp(np.random.default_rng(9).random(5000) + 0.5, np.arange(5000) % 60 - 40)
+    out = np.concatenate([*near, spread])
+    return np.concatenate([out, -out])
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: np.dtype(d).name)
+def test_rounded_as_float64_of_fp8_is_narrow_rounds_and_the_definition(dtype: Any) -> None:
+    """The fp8 formats float8.from_float32 serves have a float64 grid too: the same bits
+    as widen(narrow_round(...)), NaN where ml_dtypes overflows to it (e4m3fn), and the
+    definition's values (test_float8_bits.reference)."""
+    from test_float8_bits import reference as fp8_reference
+
+    dtype = np.dtype(dtype)
+    assert rounding._float64_grid(dtype) is not None
+    wide = fp8_neighbourhoods(dtype)
+    got = rounding.rounded_as_float64(wide, dtype)
+    with np.errstate(all="ignore"):
+        want = widen(rounding.narrow_round(wide, dtype))
+    assert np.array_equal(got, want, equal_nan=True)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+    definition = np.asarray([fp8_reference(float(x), dtype) for x in wide])
+    assert np.array_equal(got, definition, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float32, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e8m0fnu],
+    ids=lambda d: np.dtype(d).name,
+)
 def test_rounded_as_float64_of_other_dtypes_is_narrow_rounds(dtype: Any) -> None:
     """Dtypes without a float64 grid take narrow_round itself."""
     assert rounding._float64_grid(np.dtype(dtype)) is None
-    wide = np.random.default_rng(5).standard_normal(1000) * 100
+    wide = np.abs(np.random.default_rng(5).standard_normal(1000) * 100)
     with np.errstate(over="ignore", invalid="ignore"):
         want = widen(rounding.narrow_round(wide, np.dtype(dtype)))
         got = rounding.rounded_as_float64(wide, np.dtype(dtype))

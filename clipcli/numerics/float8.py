@@ -6,7 +6,7 @@ slice's values), that cast was most of an fp8 --axes clip. The sign-magnitude fp
 (float8_e4m3fn, e5m2, e4m3, e3m4) round like float16 does (float16.from_float32): on
 the integer bits for normal results, by the FPU's own rounding of an added power of two
 for subnormal ones, ~1.5 ns/element. Each dtype is checked once against ml_dtypes on
-every value's neighbourhood before it is used (`_layout`); one that does not fit (the
+every value's neighbourhood before it is used (`layout`); one that does not fit (the
 fnuz formats, whose NaN is -0's code; e8m0fnu, which has no sign) keeps ml_dtypes' cast.
 """
 
@@ -41,8 +41,8 @@ def from_float32(single: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray | None:
     """float32 values rounded to the 8-bit float `dtype` (nearest, ties to even), bit for
     bit ml_dtypes' cast, inf and NaN included (those few elements are cast by ml_dtypes
     itself); None for a dtype this does not serve."""
-    layout = _layout(dtype)
-    if layout is None:
+    found = layout(dtype)
+    if found is None:
         return None
     flat = np.ascontiguousarray(single, np.float32).reshape(-1)
     out = np.empty(flat.size, np.uint8)
@@ -51,7 +51,7 @@ def from_float32(single: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray | None:
     odd = False
     for start in range(0, flat.size, _ROUND_BLOCK):
         bits = flat[start : start + _ROUND_BLOCK].view(_U32)
-        odd |= _round_block(bits, layout, *(b[: bits.size] for b in buffers))
+        odd |= _round_block(bits, found, *(b[: bits.size] for b in buffers))
         np.copyto(out[start : start + bits.size], buffers[1][: bits.size], casting="unsafe")
     narrow = out.view(dtype)
     if odd:  # inf or NaN in: ml_dtypes decides those (NaN payloads, inf's own code)
@@ -63,7 +63,7 @@ def from_float32(single: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray | None:
 
 
 def _round_block(
-    bits: np.ndarray, layout: _Layout, magnitude: np.ndarray, code: np.ndarray, sub: np.ndarray
+    bits: np.ndarray, constants: _Layout, magnitude: np.ndarray, code: np.ndarray, sub: np.ndarray
 ) -> bool:
     """The codes of the float32 `bits` into `code` (the other two are scratch); whether
     any was inf or NaN (its code here is a stand-in: the caller replaces it)."""
@@ -71,28 +71,28 @@ def _round_block(
     special = bool(magnitude.max() >= _F32_INF) if magnitude.size else False
     # Normal results: round to nearest even on the integer bits, then rebias the exponent
     # (a value below the normal range wraps around here: the subnormal code replaces it).
-    np.right_shift(magnitude, layout.shift, out=code)
+    np.right_shift(magnitude, constants.shift, out=code)
     code &= _U32(1)
     code += magnitude
-    code += layout.below_half
-    code >>= layout.shift
-    code -= layout.rebias
+    code += constants.below_half
+    code >>= constants.shift
+    code -= constants.rebias
     # Subnormal results: adding `magic` in float32 rounds the value to the format's
     # subnormal step by the FPU's own round-to-nearest-even; the low bits are the code
     # (the smallest normal's, where it rounds up to it).
     with np.errstate(invalid="ignore", over="ignore"):  # inf/NaN lanes: replaced later
-        np.add(magnitude.view(np.float32), layout.magic, out=sub.view(np.float32))
-    sub -= layout.magic.view(_U32)
+        np.add(magnitude.view(np.float32), constants.magic, out=sub.view(np.float32))
+    sub -= constants.magic.view(_U32)
     # Blend without np.copyto(where=)'s branches, which mispredict where values straddle
     # the smallest normal: all ones where the magnitude is below it (an arithmetic shift
     # of the difference, which fits int32: magnitudes are below 2**31).
-    np.subtract(magnitude, layout.smallest_normal, out=magnitude)
+    np.subtract(magnitude, constants.smallest_normal, out=magnitude)
     below = magnitude.view(np.int32)
     below >>= 31
     sub ^= code
     sub &= magnitude
     code ^= sub
-    np.minimum(code, layout.overflow, out=code)  # past the largest: the overflow code
+    np.minimum(code, constants.overflow, out=code)  # past the largest: the overflow code
     np.right_shift(bits, 24, out=magnitude)
     magnitude &= _U32(0x80)
     code |= magnitude  # the sign
@@ -100,7 +100,7 @@ def _round_block(
 
 
 @functools.cache
-def _layout(dtype: np.dtype[Any]) -> _Layout | None:
+def layout(dtype: np.dtype[Any]) -> _Layout | None:
     """The constants of a sign-magnitude 8-bit float whose every code this rounding gets
     right: None unless the checks on all its values' neighbourhoods pass."""
     if dtype.itemsize != 1 or sign_magnitude.layout(dtype) is None:
@@ -115,7 +115,7 @@ def _layout(dtype: np.dtype[Any]) -> _Layout | None:
         past = int(np.asarray(np.inf, np.float32).astype(dtype).view(np.uint8)) & 0x7F
     if past != top + 1:
         return None
-    layout = _Layout(
+    constants = _Layout(
         shift=23 - mantissa,
         rebias=_U32((127 - bias) << mantissa),
         below_half=_U32((1 << (22 - mantissa)) - 1),
@@ -123,10 +123,10 @@ def _layout(dtype: np.dtype[Any]) -> _Layout | None:
         magic=np.float32(step * 2.0**23),
         overflow=_U32(past),
     )
-    return layout if _agrees_with_ml_dtypes(dtype, layout) else None
+    return constants if _agrees_with_ml_dtypes(dtype, constants) else None
 
 
-def _agrees_with_ml_dtypes(dtype: np.dtype[Any], layout: _Layout) -> bool:
+def _agrees_with_ml_dtypes(dtype: np.dtype[Any], constants: _Layout) -> bool:
     """Whether this rounding gives ml_dtypes' codes on every finite value of the dtype,
     every midpoint between neighbours and the float32 values either side of each, the
     largest value and past it, and float32's extremes and subnormals."""
@@ -147,6 +147,6 @@ def _agrees_with_ml_dtypes(dtype: np.dtype[Any], layout: _Layout) -> bool:
         want = single.astype(dtype).view(np.uint8)
     codes = np.empty(single.size, np.uint8)
     buffers = [np.empty(single.size, _U32) for _ in range(3)]
-    _round_block(single.view(_U32), layout, *buffers)
+    _round_block(single.view(_U32), constants, *buffers)
     np.copyto(codes, buffers[1], casting="unsafe")
     return bool(np.array_equal(codes, want))

@@ -148,8 +148,9 @@ def _to_bfloat16(wide: np.ndarray) -> np.ndarray:
 def rounded_as_float64(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     """widen(narrow_round(wide, dtype)): float64 values rounded once to `dtype`, as float64.
     The factor searches round products this way at every step, and need the float64 values,
-    not the dtype's bits: for bfloat16 and float16 the rounding is done on float64's own
-    bits (_on_float64_bits), without the trip through float32 and the dtype and back."""
+    not the dtype's bits: for bfloat16, float16 and the sign-magnitude fp8 formats the
+    rounding is done on float64's own bits (_on_float64_bits), without the trip through
+    float32 and the dtype and back."""
     grid = _float64_grid(dtype) if wide.dtype == np.float64 else None
     if grid is not None and wide.size:
         rounded = _on_float64_bits(wide, grid)
@@ -165,26 +166,25 @@ class _Grid(NamedTuple):
     smallest_normal: float
     step: float  # the subnormals' spacing (the smallest positive value)
     largest: float  # the largest finite value
-    overflow: float  # from this magnitude up values round to +-inf (half a step above largest)
+    past: float  # what a value rounded past it becomes (sign aside): inf, or NaN (e4m3fn)
 
 
 @functools.cache
 def _float64_grid(dtype: np.dtype[Any]) -> _Grid | None:
-    """The grid of bfloat16 and float16 (IEEE layouts with subnormals and inf); None for
-    the others, which take narrow_round."""
-    if dtype not in (BFLOAT16, np.dtype(np.float16)):
+    """The grid of bfloat16, float16 and the fp8 formats float8.from_float32 serves
+    (sign-magnitude, -0 included, subnormals); None for the others, which take
+    narrow_round."""
+    if dtype not in (BFLOAT16, np.dtype(np.float16)) and float8.layout(dtype) is None:
         return None
     info = finfo(dtype)
-    largest = float(info.max)
-    # The largest value has an odd last bit in both, so the tie half a step above it goes
-    # to the even neighbour, past the range: inf.
-    past = 2.0 ** (math.frexp(largest)[1])
+    with np.errstate(invalid="ignore", over="ignore"):
+        past = float(np.asarray(math.inf, np.float32).astype(dtype).astype(np.float64))
     return _Grid(
         52 - int(info.nmant),
         float(info.smallest_normal),
         float(info.smallest_subnormal),
-        largest,
-        largest + (past - largest) / 2,
+        float(info.max),
+        abs(past),
     )
 
 
@@ -194,7 +194,7 @@ def _on_float64_bits(wide: np.ndarray, grid: _Grid) -> np.ndarray | None:
     rounded on the bits as _to_bfloat16 does (adding just under half a step plus the kept
     part's last bit carries into the exponent exactly where rounding up does); below the
     smallest normal the step is fixed: np.rint of the value in steps (exact: a power of
-    two); past the largest finite value, +-inf, as the dtype's own rounding gives. Block
+    two); past the largest finite value, what the dtype's own rounding gives there. Block
     by block, the magnitudes in a buffer that stays in cache."""
     flat = np.ascontiguousarray(wide).reshape(-1)
     out = np.empty(flat.size, np.float64)
@@ -202,7 +202,7 @@ def _on_float64_bits(wide: np.ndarray, grid: _Grid) -> np.ndarray | None:
     cut, kept = np.uint64(grid.cut), ~np.uint64((1 << grid.cut) - 1)
     below_half = np.uint64((1 << (grid.cut - 1)) - 1)
     smallest_normal = np.float64(grid.smallest_normal).view(np.uint64)
-    overflow = np.float64(grid.overflow).view(np.uint64)
+    largest = np.float64(grid.largest).view(np.uint64)
     for start in range(0, flat.size, _SCALE_BLOCK):
         bits = flat[start : start + _SCALE_BLOCK].view(np.uint64)
         size = bits.size
@@ -220,9 +220,11 @@ def _on_float64_bits(wide: np.ndarray, grid: _Grid) -> np.ndarray | None:
             small = mag < smallest_normal
             piece = flat[start : start + size][small]
             rounded.view(np.float64)[small] = np.rint(piece / grid.step) * grid.step
-        if top >= overflow:
-            over = mag >= overflow
-            rounded.view(np.float64)[over] = np.copysign(math.inf, flat[start : start + size][over])
+        if top > largest:  # some may have rounded past it (a tie may round down to it)
+            np.bitwise_and(rounded, _MAGNITUDE, out=mag)
+            over = mag > largest
+            signs = flat[start : start + size][over]
+            rounded.view(np.float64)[over] = np.copysign(grid.past, signs)
     shaped: np.ndarray = out.reshape(np.shape(wide))
     return shaped
 
