@@ -332,3 +332,31 @@ def test_rounded_as_float64_of_other_dtypes_is_narrow_rounds(dtype: Any) -> None
         want = widen(rounding.narrow_round(wide, np.dtype(dtype)))
         got = rounding.rounded_as_float64(wide, np.dtype(dtype))
     assert np.array_equal(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, *(np.dtype(d) for d in FP8)], ids=str)
+@pytest.mark.parametrize("below", [0, 1, 7, 8, 9, 63, 64])
+def test_rounded_as_float64_picks_or_blends_subnormal_results(
+    dtype: np.dtype[Any], below: int
+) -> None:
+    """A block of 64 values of which `below` round on the subnormal step: picked out by
+    index up to 1 in _PICKED_BELOW (8 of 64, the limit, included), blended into every
+    element beyond it (9 and up); ties on that step, -0.0 and values just under the
+    smallest normal among them. Either way the bits are widen(narrow_round(...))'s."""
+    assert rounding._PICKED_BELOW == 8
+    grid = rounding._float64_grid(dtype)
+    assert grid is not None
+    rng = np.random.default_rng(below)
+    step, normal = grid.step, grid.smallest_normal
+    tiny = [1.5 * step, 2.5 * step, -0.0, normal * (1 - 2.0**-30), -3.5 * step, 0.7 * step]
+    small = [tiny[k % len(tiny)] * (1 + (k // len(tiny))) for k in range(below)]
+    edge = normal * (1 - 2.0**-30)  # every one of them below the smallest normal
+    small = [math.copysign(min(abs(v), edge), v) for v in small]
+    large = list(normal * (1 + rng.random(64 - below) * 8) * rng.choice([-1, 1], 64 - below))
+    wide = np.asarray(small + large, np.float64)
+    rng.shuffle(wide)
+    assert int(np.count_nonzero(np.abs(wide) < normal)) == below
+    got = rounding.rounded_as_float64(wide, dtype)
+    with np.errstate(all="ignore"):
+        want = widen(rounding.narrow_round(wide, dtype))
+    assert got.view(np.uint64).tolist() == want.view(np.uint64).tolist()

@@ -199,6 +199,7 @@ def _on_float64_bits(wide: np.ndarray, grid: _Grid) -> np.ndarray | None:
     flat = np.ascontiguousarray(wide).reshape(-1)
     out = np.empty(flat.size, np.float64)
     magnitude = np.empty(min(_SCALE_BLOCK, flat.size), np.uint64)
+    subnormal = np.empty(magnitude.size, np.float64)
     cut, kept = np.uint64(grid.cut), ~np.uint64((1 << grid.cut) - 1)
     below_half = np.uint64((1 << (grid.cut - 1)) - 1)
     smallest_normal = np.float64(grid.smallest_normal).view(np.uint64)
@@ -217,9 +218,13 @@ def _on_float64_bits(wide: np.ndarray, grid: _Grid) -> np.ndarray | None:
         rounded += below_half
         rounded &= kept
         if mag.min() < smallest_normal:
+            piece = flat[start : start + size]
             small = mag < smallest_normal
-            piece = flat[start : start + size][small]
-            rounded.view(np.float64)[small] = np.rint(piece / grid.step) * grid.step
+            if np.count_nonzero(small) * _PICKED_BELOW > size:
+                _blend_subnormals(piece, rounded, mag, subnormal[:size], grid)
+            else:  # a few: picked out by index (most bfloat16 and float16 data)
+                steps = np.rint(piece[small] / grid.step)
+                rounded.view(np.float64)[small] = steps * grid.step
         if top > largest:  # some may have rounded past it (a tie may round down to it)
             np.bitwise_and(rounded, _MAGNITUDE, out=mag)
             over = mag > largest
@@ -227,6 +232,35 @@ def _on_float64_bits(wide: np.ndarray, grid: _Grid) -> np.ndarray | None:
             rounded.view(np.float64)[over] = np.copysign(grid.past, signs)
     shaped: np.ndarray = out.reshape(np.shape(wide))
     return shaped
+
+
+# Subnormal results are picked out by index while they are at most 1 in this many of a
+# block (~8 ns each), and blended into every element's result beyond (~1.5 ns an element).
+_PICKED_BELOW = 8
+
+
+def _blend_subnormals(
+    values: np.ndarray, rounded: np.ndarray, magnitude: np.ndarray, work: np.ndarray, grid: _Grid
+) -> None:
+    """Where a value's magnitude is below the grid's smallest normal, its rounding to the
+    subnormal step (np.rint of the value in steps: exact, a power of two) replaces the one
+    in `rounded` (bits). Computed for every element and blended on the bits: fp8 data has
+    many values down there, and picking them out by index cost ~8 ns a value. `magnitude`
+    (the values' magnitude bits) is used up."""
+    with np.errstate(over="ignore"):  # a large value's steps overflow: not blended in
+        np.multiply(values, 1.0 / grid.step, out=work)
+    np.rint(work, out=work)
+    work *= grid.step
+    # All ones where the magnitude is below the smallest normal: the difference wraps to a
+    # negative int64 there (magnitudes are below 2**63), and an arithmetic shift spreads
+    # its sign.
+    magnitude -= np.float64(grid.smallest_normal).view(np.uint64)
+    below = magnitude.view(np.int64)
+    below >>= 63
+    blend = work.view(np.uint64)
+    blend ^= rounded
+    blend &= magnitude
+    rounded ^= blend
 
 
 def _through_float32(wide: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
