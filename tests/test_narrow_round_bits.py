@@ -360,3 +360,24 @@ def test_rounded_as_float64_picks_or_blends_subnormal_results(
     with np.errstate(all="ignore"):
         want = widen(rounding.narrow_round(wide, dtype))
     assert got.view(np.uint64).tolist() == want.view(np.uint64).tolist()
+
+
+@pytest.mark.parametrize(
+    "dtype", [F16, BF16, np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.float32)], ids=str
+)
+@pytest.mark.parametrize("value", [1.0009765625, 2.0**-20, -0.0, 70000.0, math.nan])
+def test_zero_dimensional_values_round_as_one_element_arrays(
+    dtype: np.dtype[Any], value: float
+) -> None:
+    """A 0-D float64 rounds to a 0-D array of the dtype, the same bits as a 1-element
+    array's (float16 raised TypeError: numpy hands 0-D results back as scalars; attack
+    s40b)."""
+    with np.errstate(all="ignore"):
+        zero_d = rounding.narrow_round(np.asarray(value), dtype)
+        one = rounding.narrow_round(np.asarray([value]), dtype)
+        wide = rounding.rounded_as_float64(np.asarray(value), dtype)
+    assert zero_d.shape == ()
+    assert zero_d.dtype == dtype
+    assert zero_d.reshape(1).tobytes() == one.tobytes()
+    assert wide.shape == ()
+    assert np.array_equal(wide.reshape(1), widen(one), equal_nan=True)

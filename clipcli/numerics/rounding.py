@@ -76,9 +76,10 @@ def _by_blocks(
     """round_to over blocks of _SCALE_BLOCK elements into one output: its temporaries stay
     in cache instead of being fresh pages the size of the whole array (a float16 --axes
     clip rounds 2**20 values a box, 6 ns/element where a block costs ~2)."""
-    if wide.size <= _SCALE_BLOCK:
-        return round_to(wide)
-    flat = np.ascontiguousarray(wide).reshape(-1)
+    flat = np.ascontiguousarray(wide).reshape(-1)  # 1-D: numpy gives 0-D results as scalars
+    if flat.size <= _SCALE_BLOCK:
+        whole: np.ndarray = round_to(flat).reshape(np.shape(wide))
+        return whole
     out = np.empty(flat.size, dtype)
     for start in range(0, flat.size, _SCALE_BLOCK):
         out[start : start + _SCALE_BLOCK] = round_to(flat[start : start + _SCALE_BLOCK])
