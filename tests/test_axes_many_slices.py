@@ -454,13 +454,17 @@ def test_gathered_columns_are_the_tensors_whatever_the_strips(
 
 
 @pytest.mark.parametrize("width", [1, STRIP - 1, STRIP, STRIP + 1, 3 * STRIP + 2])
+@pytest.mark.parametrize("rows", [13, slices.STRIPS_FROM_ROWS - 1, slices.STRIPS_FROM_ROWS])
 @pytest.mark.parametrize("dtype", [np.uint8, np.float16, np.float32, np.float64])
-def test_copy_rectangle_copies_strided_and_contiguous_sources(width: int, dtype: type) -> None:
-    """_copy_rectangle is target[...] = source: from a transposed view (strips) and from a
-    C-order array (one copy), at and around the strip width."""
-    box: np.ndarray = np.arange(width * 13).reshape(width, 13).astype(dtype)
+def test_copy_rectangle_copies_strided_and_contiguous_sources(
+    width: int, rows: int, dtype: type
+) -> None:
+    """_copy_rectangle is target[...] = source: from a transposed view (strips from
+    STRIPS_FROM_ROWS target rows, the limit included; one copy below) and from a C-order
+    array (one copy), at and around the strip width."""
+    box: np.ndarray = np.arange(width * rows).reshape(width, rows).astype(dtype)
     for source in (box.T, np.ascontiguousarray(box.T)):
-        target: np.ndarray = np.zeros((13, width), dtype)
+        target: np.ndarray = np.zeros((rows, width), dtype)
         slices._copy_rectangle(target, source)
         assert target.tobytes() == np.ascontiguousarray(source).tobytes()
 

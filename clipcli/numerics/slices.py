@@ -723,6 +723,9 @@ def streamed_picked(
 # Columns per strip of _copy_rectangle: each row of the target then reads this many
 # elements a row of the box apart, on as many pages (few enough for the TLB).
 TRANSPOSE_STRIP = 8
+# Target rows (slices) from which strips pay: a strip is a Python step, which a few rows
+# of 8 elements do not amortise (float16 [2**25, 4] with --axes 0 took twice as long).
+STRIPS_FROM_ROWS = 64
 
 
 def _copy_rectangle(target: np.ndarray, source: np.ndarray) -> None:
@@ -730,8 +733,13 @@ def _copy_rectangle(target: np.ndarray, source: np.ndarray) -> None:
     box's columns, for --axes 0) is copied a strip of TRANSPOSE_STRIP columns at a time:
     numpy copies in the target's order, so each target row reads one element from each of
     the box's rows, a page apart (a TLB miss each); a strip keeps that to a few pages.
-    1.0-1.5 ns/element instead of 5-11 (float64 and bfloat16 [512, 4096] boxes)."""
-    if source.shape[1] <= TRANSPOSE_STRIP or source.strides[1] == source.itemsize:
+    1.0-1.5 ns/element instead of 5-11 (float64 and bfloat16 [512, 4096] boxes). Few
+    target rows (a tall, narrow tensor's few columns) are copied in one go."""
+    if (
+        source.shape[0] < STRIPS_FROM_ROWS
+        or source.shape[1] <= TRANSPOSE_STRIP
+        or source.strides[1] == source.itemsize
+    ):
         target[...] = source
         return
     for start in range(0, source.shape[1], TRANSPOSE_STRIP):
