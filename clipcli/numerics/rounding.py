@@ -93,21 +93,31 @@ _MAGNITUDE = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
 _BFLOAT16_NORMAL = np.uint64(0x3810_0000_0000_0000)
 _FLOAT64_INF = np.uint64(0x7FF0_0000_0000_0000)
 # bfloat16 keeps 7 of float64's 52 stored mantissa bits: 45 are rounded off.
-_CUT = np.uint64(45)
-_BELOW_HALF = np.uint64((1 << 44) - 1)
-_KEPT = np.uint64(0xFFFF_E000_0000_0000)
+_BFLOAT16_CUT = 45
+
+
+def _round_mantissa(bits: np.ndarray, cut: int, out: np.ndarray) -> None:
+    """float64 bits (uint64) rounded to nearest, ties to even, with their last `cut`
+    mantissa bits cleared, into `out`: adding just under half a step plus the kept part's
+    last bit carries into the exponent exactly where rounding up does. Right for results
+    in the target's normal range (and past it: a larger exponent); subnormal results, inf
+    and NaN are the caller's."""
+    np.right_shift(bits, np.uint64(cut), out=out)
+    out &= np.uint64(1)
+    out += bits
+    out += np.uint64((1 << (cut - 1)) - 1)
+    out &= ~np.uint64((1 << cut) - 1)
 
 
 def _to_bfloat16(wide: np.ndarray) -> np.ndarray:
     """narrow_round to bfloat16 on the bits: round float64's mantissa to bfloat16's 8
-    significant bits, to nearest with ties to even (adding just under half a step, plus
-    the kept part's last bit, carries into the exponent exactly where rounding up does),
-    then an exact cast to float32, whose top 16 bits are the bfloat16. Right for zeros and
-    for bfloat16's normal range, past its largest value too (the cast gives +-inf);
-    below 2**-126 the step is fixed, not relative, and NaN's payload could be cut to
-    inf: those few elements go through _through_float32. Block by block through buffers
-    that stay in cache (a fresh page costs more than the arithmetic on it): ~1 ns/element
-    against 6-9 (rounding the search's products was most of a bfloat16 --axes clip's CPU)."""
+    significant bits, to nearest with ties to even (_round_mantissa), then an exact cast to
+    float32, whose top 16 bits are the bfloat16. Right for zeros and for bfloat16's normal
+    range, past its largest value too (the cast gives +-inf); below 2**-126 the step is
+    fixed, not relative, and NaN's payload could be cut to inf: those few elements go
+    through _through_float32. Block by block through buffers that stay in cache (a fresh
+    page costs more than the arithmetic on it): ~1 ns/element against 6-9 (rounding the
+    search's products was most of a bfloat16 --axes clip's CPU)."""
     flat = np.ascontiguousarray(wide).reshape(-1)
     out = np.empty(flat.size, np.uint16)
     work = np.empty(min(_SCALE_BLOCK, flat.size), np.uint64)
@@ -116,11 +126,7 @@ def _to_bfloat16(wide: np.ndarray) -> np.ndarray:
     for start in range(0, flat.size, _SCALE_BLOCK):
         bits = flat[start : start + _SCALE_BLOCK].view(np.uint64)
         rounded, narrow = work[: bits.size], single[: bits.size]
-        np.right_shift(bits, _CUT, out=rounded)
-        rounded &= np.uint64(1)
-        rounded += bits
-        rounded += _BELOW_HALF
-        rounded &= _KEPT
+        _round_mantissa(bits, _BFLOAT16_CUT, rounded)
         with np.errstate(all="ignore"):  # the odd elements are worked out again below
             np.copyto(narrow, rounded.view(np.float64), casting="unsafe")
         top = narrow.view(np.uint32)
@@ -192,8 +198,7 @@ def _float64_grid(dtype: np.dtype[Any]) -> _Grid | None:
 def _on_float64_bits(wide: np.ndarray, grid: _Grid) -> np.ndarray | None:
     """Finite float64 values rounded to the grid, to nearest with ties to even, as float64;
     None if any is inf or NaN (narrow_round's business). Normal results: the mantissa
-    rounded on the bits as _to_bfloat16 does (adding just under half a step plus the kept
-    part's last bit carries into the exponent exactly where rounding up does); below the
+    rounded on the bits (_round_mantissa, as _to_bfloat16 does); below the
     smallest normal the step is fixed: np.rint of the value in steps (exact: a power of
     two); past the largest finite value, what the dtype's own rounding gives there. Block
     by block, the magnitudes in a buffer that stays in cache."""
@@ -201,8 +206,6 @@ def _on_float64_bits(wide: np.ndarray, grid: _Grid) -> np.ndarray | None:
     out = np.empty(flat.size, np.float64)
     magnitude = np.empty(min(_SCALE_BLOCK, flat.size), np.uint64)
     subnormal = np.empty(magnitude.size, np.float64)
-    cut, kept = np.uint64(grid.cut), ~np.uint64((1 << grid.cut) - 1)
-    below_half = np.uint64((1 << (grid.cut - 1)) - 1)
     smallest_normal = np.float64(grid.smallest_normal).view(np.uint64)
     largest = np.float64(grid.largest).view(np.uint64)
     for start in range(0, flat.size, _SCALE_BLOCK):
@@ -213,11 +216,7 @@ def _on_float64_bits(wide: np.ndarray, grid: _Grid) -> np.ndarray | None:
         top = mag.max()
         if top >= _FLOAT64_INF:
             return None
-        np.right_shift(bits, cut, out=rounded)
-        rounded &= np.uint64(1)
-        rounded += bits
-        rounded += below_half
-        rounded &= kept
+        _round_mantissa(bits, grid.cut, rounded)
         if mag.min() < smallest_normal:
             piece = flat[start : start + size]
             small = mag < smallest_normal
