@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, TypeVar, cast
@@ -26,6 +26,7 @@ from clipcli.dtypes import (
     smallest_subnormal,
 )
 from clipcli.numerics.certain import (
+    CertainSumsq,
     counted_squares_within,
     counted_terms,
     limit_split,
@@ -35,9 +36,9 @@ from clipcli.numerics.certain import (
     terms_within,
     two_square,
 )
-from clipcli.numerics.norms import accumulate_array, rescale_exponents
+from clipcli.numerics.norms import NormAccumulator, accumulate_array, rescale_exponents
 from clipcli.numerics.rounding import narrow_round, rounded_as_float64, scale_chunk
-from clipcli.numerics.scaling import WideBound
+from clipcli.numerics.scaling import Factor, Member, OutputSumsq, WideBound, each_factor
 from clipcli.numerics.search import (
     AMBIGUOUS,
     U64,
@@ -803,6 +804,8 @@ def streamed_axes_scales(
     each piece's factors are searched (the caller's signal check: a window of float16
     pairs is 64 pieces and ~9 s of searching, with no box read in between)."""
     sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
+    if counts_long_slices(shape, axes, dtype, STREAM_BOX_ELEMENTS):
+        return _counted_axes_scales(boxes, shape, axes, dtype, limit, sums, between)
     all_sums, all_exps = sums.reshape(-1), exps.reshape(-1)
     slice_numel = math.prod(shape[a] for a in axes)
 
@@ -825,6 +828,128 @@ def streamed_axes_scales(
             )
             all_sums[piece] = factors  # this piece's sums are used up
     return sums  # now the factors
+
+
+# Slices of 8/16-bit floats whose values take at least this many bytes are searched on
+# their histograms of bit patterns, as `clip --norm` searches a whole tensor, where a box
+# holds at most COUNTED_PIECES_PER_BOX pieces of slices. Gathering such slices' values held
+# each whole, with float64 working copies: [2, 2**28] bfloat16 with --axes 1 took 2.7 GB
+# and 50 s. A histogram is 8 bytes a bit pattern (512 KiB for 16 bits) however long the
+# slice; with many pieces in a box (long columns of a wide matrix) a histogram each would
+# be counted piece by piece, and the gathered values are cheaper.
+LONG_SLICE_BYTES = 4 << 20
+COUNTED_PIECES_PER_BOX = 16
+
+
+def counts_long_slices(
+    shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any], budget: int
+) -> bool:
+    """Whether streamed_axes_scales searches the slices on their histograms: 8/16-bit
+    float slices of LONG_SLICE_BYTES or more, at most COUNTED_PIECES_PER_BOX in a box of
+    box_indices(shape, budget)."""
+    slice_numel = math.prod(shape[a] for a in axes)
+    if not is_small_float(dtype) or slice_numel * dtype.itemsize < LONG_SLICE_BYTES:
+        return False
+    first = box_shape(shape, box_indices(shape, budget)[0])
+    pieces = math.prod(n for i, n in enumerate(first) if i not in axes)
+    return pieces <= COUNTED_PIECES_PER_BOX
+
+
+def _counted_axes_scales(
+    boxes: Boxes,
+    shape: tuple[int, ...],
+    axes: tuple[int, ...],
+    dtype: np.dtype[Any],
+    limit: float,
+    sums: np.ndarray,
+    between: Callable[[], None],
+) -> np.ndarray:
+    """streamed_axes_scales' factors (keepdims, in place of `sums`) for counts_long_slices:
+    the slices that may be over the limit have their bit patterns counted, a window of
+    SLICE_WINDOW_BYTES of histograms a pass, and each is searched as a tensor of its own
+    (scaling.each_factor: the factor `clip --norm` gives the slice as a 1-D tensor). Sums
+    of 8/16-bit floats are exact to far better than CANDIDATE_SLACK, so no slice over the
+    limit is left out; a candidate within it is left alone by the exact search."""
+    flat = sums.reshape(-1)
+    with np.errstate(divide="ignore"):
+        ratios = limit / np.sqrt(flat)
+    candidates = np.flatnonzero(np.isfinite(flat) & (flat > 0) & (ratios < 1 + CANDIDATE_SLACK))
+    scales = np.ones(flat.size)
+    if math.isinf(limit):
+        return scales.reshape(sums.shape)
+    slice_numel = math.prod(shape[a] for a in axes)
+    per_window = max(1, SLICE_WINDOW_BYTES // (8 * 256**dtype.itemsize))
+    slice_of: dict[int, int] = {}  # id() of a window's member: its slice's number
+
+    def output_sumsq_of(of: Sequence[Member]) -> OutputSumsq:
+        return functools.partial(_scaled_sumsq, boxes, shape, axes, slice_of[id(of[0])])
+
+    for start in range(0, candidates.size, per_window):
+        window = candidates[start : start + per_window]
+        counted = {int(k): NormAccumulator(keep_histogram=True) for k in window}
+        for slice_id, piece in _pieces_of(boxes, shape, axes, window):
+            counted[slice_id].add(piece)
+        members = []
+        slice_of.clear()
+        for slice_id, stats in counted.items():
+            stats.finish()
+            members.append(Member(f"slice {slice_id}", dtype, slice_numel, stats))
+            slice_of[id(members[-1])] = slice_id
+        problems = [([member], limit, None) for member in members]
+        found = each_factor(problems, output_sumsq_of, between=between)
+        for slice_id, factor in zip(counted, found, strict=True):
+            if factor is not None:
+                scales[slice_id] = math.ldexp(factor.mantissa, factor.exponent)
+    return scales.reshape(sums.shape)
+
+
+# How far below the limit a slice's float64 norm may be and the slice still be counted:
+# 8/16-bit values' squares are exact in float64, so the sums err by at most a rounding
+# per addition (~2**-53 * the values, far less for pairwise sums).
+CANDIDATE_SLACK = 2.0**-20
+
+
+def _pieces_of(
+    boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], wanted: np.ndarray
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(slice number, its values in one box) for the slices numbered in `wanted` (C order
+    of the slices), in one pass over the boxes: every value of each such slice once."""
+    rest = [i for i in range(len(shape)) if i not in axes]
+    want = np.zeros(math.prod(shape[i] for i in rest), bool)
+    want[wanted] = True
+    for box, index in boxes():
+        ranges = [
+            range(part, part + 1) if isinstance(part, int) else range(*part.indices(n))
+            for part, n in zip(index, shape, strict=True)
+        ]
+        slice_ids = _raveled([ranges[i] for i in rest], [shape[i] for i in rest])
+        inside = np.flatnonzero(want[slice_ids])
+        if not inside.size:
+            continue
+        moved = np.moveaxis(box, list(axes), list(range(box.ndim - len(axes), box.ndim)))
+        rows = moved.reshape(len(slice_ids), -1)
+        for k in inside.tolist():
+            yield int(slice_ids[k]), rows[k]
+
+
+def _scaled_sumsq(
+    boxes: Boxes,
+    shape: tuple[int, ...],
+    axes: tuple[int, ...],
+    slice_id: int,
+    members: Sequence[int],
+    factor: Factor,
+) -> CertainSumsq:
+    """scaling.OutputSumsq of a problem whose one member is the slice: the certain sum of
+    squares of the slice scaled by `factor` and rounded as the write pass rounds it where
+    `members` names it (the search asks for it where no histogram decides: factors below
+    2**-900), of nothing where it does not (an exact tie, decided on the histogram)."""
+    total = CertainSumsq()
+    if not members:
+        return total
+    for _, piece in _pieces_of(boxes, shape, axes, np.array([slice_id])):
+        total.add(scale_chunk(piece, factor.mantissa, factor.exponent))
+    return total
 
 
 def _windows(pieces: list[slice], window_slices: int) -> list[list[slice]]:

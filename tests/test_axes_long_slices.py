@@ -1,0 +1,113 @@
+"""`clip --norm C --axes ...` on long slices of 8/16-bit floats (issue 20, "--axes in
+bounded memory"). Slices longer than a box had their values gathered, each whole, for the
+exact search, with float64 working copies: a 1 GiB bfloat16 tensor of two slices ([2,
+2**28], --axes 1) took 2.7 GB and 50 s. Such slices are now counted (a histogram of bit
+patterns each) and searched as `clip --norm` searches a whole tensor.
+
+References: the gathered search (LONG_SLICE_BYTES out of reach), whose scaled output must
+be the same bit for bit, and `clip --norm` of each slice written as a tensor of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from handmade import read_safetensors, write_safetensors
+from test_axes_bounded_memory import boxes_of
+
+from clipcli.cli.entry import main
+from clipcli.numerics import slices
+from clipcli.numerics.rounding import scale_chunk
+
+DTYPES = [ml_dtypes.bfloat16, np.float16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+BUDGET = 64  # box elements: every slice below is longer than a box
+# Slices of 144 values (slice 0: all ones, norm 12 exactly), as rows, a 1-D tensor, long
+# columns of a narrow matrix and trailing blocks of a 3-D tensor.
+SHAPES_AND_AXES = [((3, 144), (1,)), ((144,), (0,)), ((144, 2), (0,)), ((2, 3, 48), (1, 2))]
+
+
+def slice_rows(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    moved = np.moveaxis(array, axes, range(array.ndim - len(axes), array.ndim))
+    return moved.reshape(-1, math.prod(array.shape[a] for a in axes))
+
+
+def axes_scales(array: np.ndarray, axes: tuple[int, ...], limit: float) -> np.ndarray:
+    return slices.streamed_axes_scales(
+        boxes_of(array, BUDGET), array.shape, axes, array.dtype, limit
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("shape", "axes"), SHAPES_AND_AXES)
+def test_counted_slices_scale_as_the_gathered_ones(
+    monkeypatch: pytest.MonkeyPatch, dtype: type, shape: tuple[int, ...], axes: tuple[int, ...]
+) -> None:
+    rng = np.random.default_rng(len(shape) * 7 + np.dtype(dtype).itemsize)
+    array: np.ndarray = (rng.standard_normal(shape) * 3).astype(dtype)
+    values = slice_rows(array, axes).copy()
+    values[0] = 1  # norm 12: a limit of 12 is an exact tie
+    if len(values) > 1:
+        values[-1] = 0  # a zero slice stays as it is
+    array = _from_rows(values, shape, axes)
+    monkeypatch.setattr(slices, "STREAM_BOX_ELEMENTS", BUDGET)
+    norms = np.sqrt(np.sum(slice_rows(array, axes).astype(np.float64) ** 2, axis=1))
+    limits = [12.0, math.nextafter(12.0, 0.0), float(np.median(norms)) * 0.6, 1e-300, 1e30]
+    for limit in limits:
+        monkeypatch.setattr(slices, "LONG_SLICE_BYTES", 1)
+        assert slices.counts_long_slices(shape, axes, array.dtype, BUDGET)
+        counted = axes_scales(array, axes, limit)
+        monkeypatch.setattr(slices, "LONG_SLICE_BYTES", 1 << 40)
+        assert not slices.counts_long_slices(shape, axes, array.dtype, BUDGET)
+        gathered = axes_scales(array, axes, limit)
+        assert np.array_equal(counted != 1.0, gathered != 1.0), limit
+        assert scale_chunk(array, counted).tobytes() == scale_chunk(array, gathered).tobytes()
+        first = (counted != 1.0).reshape(-1)[0]
+        assert first == (limit < 12.0)  # the tie is left alone, a hair below it clips
+
+
+def _from_rows(rows: np.ndarray, shape: tuple[int, ...], axes: tuple[int, ...]) -> np.ndarray:
+    """The array of `shape` whose slices over `axes` are `rows` (slice_rows' inverse)."""
+    rest = [i for i in range(len(shape)) if i not in axes]
+    moved = rows.reshape([shape[i] for i in rest] + [shape[a] for a in axes])
+    return np.ascontiguousarray(np.moveaxis(moved, range(len(rest), len(shape)), axes))
+
+
+def test_long_slices_are_counted_from_exactly_the_threshold() -> None:
+    budget = slices.STREAM_BOX_ELEMENTS
+    long = slices.LONG_SLICE_BYTES // 2  # bfloat16 values
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert slices.counts_long_slices((2, long), (1,), bf16, budget)
+    assert not slices.counts_long_slices((2, long - 1), (1,), bf16, budget)
+    assert slices.counts_long_slices((long,), (0,), bf16, budget)
+    assert not slices.counts_long_slices((2, long), (1,), np.dtype(np.float32), budget)
+    # Columns: each box holds a piece of every one of them.
+    most = slices.COUNTED_PIECES_PER_BOX
+    assert slices.counts_long_slices((long, most), (0,), bf16, budget)
+    assert not slices.counts_long_slices((long, most + 1), (0,), bf16, budget)
+
+
+def test_each_long_slice_is_clipped_as_a_tensor_of_its_own(tmp_path: Path) -> None:
+    """Against `clip --norm` of each row written as a tensor (the whole-tensor path), at
+    the real threshold: two rows of LONG_SLICE_BYTES each, one over the limit by a hair
+    (norm exactly 2**10 * 1.5), one at it exactly."""
+    n = slices.LONG_SLICE_BYTES // 2
+    rng = np.random.default_rng(9)
+    rows = rng.standard_normal((2, n)).astype(ml_dtypes.bfloat16)
+    rows[1] = 0
+    rows[1, :9] = 512  # norm 1536
+    assert slices.counts_long_slices(rows.shape, (1,), rows.dtype, slices.STREAM_BOX_ELEMENTS)
+    together = write_safetensors(tmp_path / "rows.safetensors", {"w": rows})
+    apart = write_safetensors(tmp_path / "apart.safetensors", {"a": rows[0], "b": rows[1]})
+    for limit in ["1536", "1535.9999", "900.5"]:
+        out_rows, out_apart = tmp_path / f"r{limit}.safetensors", tmp_path / f"a{limit}.safetensors"
+        args = ["clip", "--norm", limit, "-q", "--no-fsync"]
+        assert main([*args, "--axes", "1", str(together), str(out_rows)]) == 0
+        assert main([*args, str(apart), str(out_apart)]) == 0
+        clipped, each = read_safetensors(out_rows)["w"], read_safetensors(out_apart)
+        assert clipped[0].tobytes() == each["a"].tobytes()
+        assert clipped[1].tobytes() == each["b"].tobytes()
+        assert (clipped[1].tobytes() == rows[1].tobytes()) == (limit == "1536")
