@@ -20,7 +20,7 @@ from handmade import read_safetensors, write_safetensors
 from test_axes_bounded_memory import boxes_of
 
 from clipcli.cli.entry import main
-from clipcli.numerics import slices
+from clipcli.numerics import rounding, slices
 from clipcli.numerics.rounding import scale_chunk
 
 DTYPES = [ml_dtypes.bfloat16, np.float16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
@@ -111,3 +111,26 @@ def test_each_long_slice_is_clipped_as_a_tensor_of_its_own(tmp_path: Path) -> No
         assert clipped[0].tobytes() == each["a"].tobytes()
         assert clipped[1].tobytes() == each["b"].tobytes()
         assert (clipped[1].tobytes() == rows[1].tobytes()) == (limit == "1536")
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("factors", [1, 2, 16, 17])
+def test_a_few_factors_scale_through_kept_tables_bit_for_bit(dtype: type, factors: int) -> None:
+    """A box across a few long slices (one factor: the scalar table; up to 16: a kept table
+    each; 17: rounded one by one) gives the bits of rounding each element on its own
+    (rounding._scale), every bit pattern (NaN payloads, infinities, subnormals) included."""
+    rng = np.random.default_rng(factors)
+    codes = np.tile(np.arange(65536, dtype=np.uint16), factors * 2)
+    chunk: np.ndarray = codes.view(dtype).reshape(
+        -1, factors
+    )  # a column per factor: every pattern each
+    # Search-like factors: 20 significant bits (their products are exact in float64), and 1.
+    wanted = np.ldexp(np.round(np.ldexp(rng.uniform(0.001, 0.999, factors), 20)), -20)
+    wanted[0] = 1.0
+    scales = wanted.reshape(1, factors)
+    with np.errstate(all="ignore"):  # NaN and infinities among the values
+        got = rounding.scale_chunk(chunk, scales)
+        expected = rounding._scale(chunk, scales, 0)
+    assert got.dtype == chunk.dtype
+    assert got.shape == chunk.shape
+    assert got.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()

@@ -321,8 +321,17 @@ def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0)
         and (exponent == 0 or chunk.dtype.itemsize == 4)
     ):
         return _scale_in_blocks(chunk, float(scale), exponent)
-    if np.ndim(scale) and chunk.dtype.itemsize == 1 and is_small_float(chunk.dtype):
+    small = is_small_float(chunk.dtype)
+    if small and np.ndim(scale) and np.size(scale) == 1 and np.ndim(scale) <= chunk.ndim:
+        # One factor for the whole chunk (a box within one long slice, --axes): the same
+        # values as broadcasting it, through the table above.
+        return scale_chunk(chunk, float(np.asarray(scale).reshape(-1)[0]), exponent)
+    if np.ndim(scale) and chunk.dtype.itemsize == 1 and small:
         looked_up = _scale_by_tables(chunk, np.asarray(scale, np.float64), exponent)
+        if looked_up is not None:
+            return looked_up
+    if np.ndim(scale) and chunk.dtype.itemsize == 2 and small:
+        looked_up = _scale_by_kept_tables(chunk, np.asarray(scale, np.float64), exponent)
         if looked_up is not None:
             return looked_up
     if np.ndim(scale) and chunk.ndim and chunk.size > _SCALE_BLOCK:
@@ -351,6 +360,30 @@ def _scale_by_tables(chunk: np.ndarray, scales: np.ndarray, exponent: int) -> np
     entries = tables.view(np.uint8).reshape(-1)
     first_entries = (np.arange(scales.size, dtype=np.intp) * 256).reshape(scales.shape)
     where = np.add(chunk.view(np.uint8), first_entries, dtype=np.intp)
+    looked_up: np.ndarray = np.take(entries, where)
+    return looked_up.view(chunk.dtype)
+
+
+def _scale_by_kept_tables(
+    chunk: np.ndarray, scales: np.ndarray, exponent: int
+) -> np.ndarray | None:
+    """scale_chunk of a 16-bit float chunk by a few factors broadcast against it (--axes: a
+    box across a few long slices, each box of the tensor with the same factors) through
+    each factor's _scale_table, kept from box to box: _scale of the same value by the same
+    factor, so the same bits, looked up (~1 ns/element) instead of rounded (~4). None where
+    there are more factors than _scale_table keeps, the chunk is too small to pay for a
+    table each (TABLE_SHARE, as _made_table), or scales do not broadcast to its shape."""
+    if (
+        exponent
+        or scales.size > _KEPT_TABLES
+        or chunk.size * TABLE_SHARE < scales.size * 256**chunk.dtype.itemsize
+        or np.broadcast_shapes(scales.shape, chunk.shape) != chunk.shape
+    ):
+        return None
+    tables = [_scale_table(chunk.dtype, factor, 0) for factor in scales.reshape(-1).tolist()]
+    entries = np.concatenate(tables)
+    first_entries = (np.arange(scales.size, dtype=np.intp) << 16).reshape(scales.shape)
+    where = np.add(chunk.view(np.uint16), first_entries, dtype=np.intp)
     looked_up: np.ndarray = np.take(entries, where)
     return looked_up.view(chunk.dtype)
 
@@ -422,7 +455,10 @@ _TABLES_MADE: dict[tuple[np.dtype[Any], float, int], bool] = {}
 _TABLES_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=16)
+_KEPT_TABLES = 16  # _scale_table's cache
+
+
+@functools.lru_cache(maxsize=_KEPT_TABLES)
 def _scale_table(dtype: np.dtype[Any], scale: float, exponent: int) -> np.ndarray:
     """Every value of an 8- or 16-bit float scaled as _scale does, as bits. One table per
     scale serves every chunk: a global clip has one scale for the whole checkpoint."""
