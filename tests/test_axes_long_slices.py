@@ -114,20 +114,22 @@ def test_each_long_slice_is_clipped_as_a_tensor_of_its_own(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
-@pytest.mark.parametrize("factors", [1, 2, 16, 17])
+@pytest.mark.parametrize("factors", [1, 2, 4, 17])
 def test_a_few_factors_scale_through_kept_tables_bit_for_bit(dtype: type, factors: int) -> None:
-    """A box across a few long slices (one factor: the scalar table; up to 16: a kept table
-    each; 17: rounded one by one) gives the bits of rounding each element on its own
-    (rounding._scale), every bit pattern (NaN payloads, infinities, subnormals) included."""
+    """A box across a few long slices (one factor: the scalar table; a few: a kept table
+    each, from FACTOR_TABLES_FROM elements per table entry; 17: rounded one by one) gives
+    the bits of rounding each element on its own (rounding._scale), every bit pattern (NaN
+    payloads, infinities, subnormals) included."""
     rng = np.random.default_rng(factors)
-    codes = np.tile(np.arange(65536, dtype=np.uint16), factors * 2)
-    chunk: np.ndarray = codes.view(dtype).reshape(
-        -1, factors
-    )  # a column per factor: every pattern each
+    codes = np.tile(np.arange(65536, dtype=np.uint16), factors * rounding.FACTOR_TABLES_FROM)
+    chunk: np.ndarray = codes.view(dtype).reshape(-1, factors)  # every pattern per factor
     # Search-like factors: 20 significant bits (their products are exact in float64), and 1.
     wanted = np.ldexp(np.round(np.ldexp(rng.uniform(0.001, 0.999, factors), 20)), -20)
     wanted[0] = 1.0
     scales = wanted.reshape(1, factors)
+    if 1 < factors <= 16:  # at the threshold exactly, and one row short of it
+        assert rounding._scale_by_kept_tables(chunk, scales, 0) is not None
+        assert rounding._scale_by_kept_tables(chunk[1:], scales, 0) is None
     with np.errstate(all="ignore"):  # NaN and infinities among the values
         got = rounding.scale_chunk(chunk, scales)
         expected = rounding._scale(chunk, scales, 0)

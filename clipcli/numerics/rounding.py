@@ -372,11 +372,12 @@ def _scale_by_kept_tables(
     each factor's _scale_table, kept from box to box: _scale of the same value by the same
     factor, so the same bits, looked up (~1 ns/element) instead of rounded (~4). None where
     there are more factors than _scale_table keeps, the chunk is too small to pay for a
-    table each (TABLE_SHARE, as _made_table), or scales do not broadcast to its shape."""
+    table each (FACTOR_TABLES_FROM elements per entry: the boxes of whole slices each
+    have factors of their own, whose tables are used once), or scales do not broadcast."""
     if (
         exponent
         or scales.size > _KEPT_TABLES
-        or chunk.size * TABLE_SHARE < scales.size * 256**chunk.dtype.itemsize
+        or chunk.size < FACTOR_TABLES_FROM * scales.size * 256**chunk.dtype.itemsize
         or np.broadcast_shapes(scales.shape, chunk.shape) != chunk.shape
     ):
         return None
