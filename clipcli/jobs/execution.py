@@ -513,7 +513,7 @@ def _clip_slices_streamed(
     if slices.boxes_hold_whole_slices(info.shape, tensor.axes, slices.STREAM_BOX_ELEMENTS):
         return _clip_slices_box_by_box(boxes, tensor, spec.limit, settle)
     scales = slices.streamed_axes_scales(
-        boxes, info.shape, tensor.axes, info.dtype, spec.limit, interrupts.check
+        boxes, info.shape, tensor.axes, info.dtype, spec.limit, interrupts.check, info.name
     )
     clipped = int(np.count_nonzero(scales != 1.0))
     if not clipped:
