@@ -694,10 +694,7 @@ def streamed_picked(
     rest = [i for i in range(len(shape)) if i not in axes]
     picked = np.empty((span.stop - span.start, math.prod(shape[a] for a in axes)), dtype)
     for box, index in boxes():
-        ranges = [
-            range(part, part + 1) if isinstance(part, int) else range(*part.indices(n))
-            for part, n in zip(index, shape, strict=True)
-        ]
+        ranges = _box_ranges(index, shape)
         slice_ids = _raveled([ranges[i] for i in rest], [shape[i] for i in rest])
         inside = (slice_ids >= span.start) & (slice_ids < span.stop)
         if not np.any(inside):
@@ -749,6 +746,14 @@ def _copy_rectangle(target: np.ndarray, source: np.ndarray) -> None:
     for start in range(0, source.shape[1], TRANSPOSE_STRIP):
         strip = slice(start, start + TRANSPOSE_STRIP)
         target[:, strip] = source[:, strip]
+
+
+def _box_ranges(index: tuple[int | slice, ...], shape: tuple[int, ...]) -> list[range]:
+    """The positions a box at `index` spans along each axis."""
+    return [
+        range(part, part + 1) if isinstance(part, int) else range(*part.indices(n))
+        for part, n in zip(index, shape, strict=True)
+    ]
 
 
 def _ascending_run(indices: np.ndarray) -> bool:
@@ -923,10 +928,7 @@ def _pieces_of(
     want = np.zeros(math.prod(shape[i] for i in rest), bool)
     want[wanted] = True
     for box, index in boxes():
-        ranges = [
-            range(part, part + 1) if isinstance(part, int) else range(*part.indices(n))
-            for part, n in zip(index, shape, strict=True)
-        ]
+        ranges = _box_ranges(index, shape)
         slice_ids = _raveled([ranges[i] for i in rest], [shape[i] for i in rest])
         inside = np.flatnonzero(want[slice_ids])
         if not inside.size:
