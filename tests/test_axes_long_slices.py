@@ -128,8 +128,8 @@ def test_a_few_factors_scale_through_kept_tables_bit_for_bit(dtype: type, factor
     wanted[0] = 1.0
     scales = wanted.reshape(1, factors)
     if 1 < factors <= 16:  # at the threshold exactly, and one row short of it
-        assert rounding._scale_by_kept_tables(chunk, scales, 0) is not None
-        assert rounding._scale_by_kept_tables(chunk[1:], scales, 0) is None
+        assert rounding._scale_by_tables(chunk, scales, 0) is not None
+        assert rounding._scale_by_tables(chunk[1:], scales, 0) is None
     with np.errstate(all="ignore"):  # NaN and infinities among the values
         got = rounding.scale_chunk(chunk, scales)
         expected = rounding._scale(chunk, scales, 0)

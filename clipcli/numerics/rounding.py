@@ -326,12 +326,8 @@ def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0)
         # One factor for the whole chunk (a box within one long slice, --axes): the same
         # values as broadcasting it, through the table above.
         return scale_chunk(chunk, float(np.asarray(scale).reshape(-1)[0]), exponent)
-    if np.ndim(scale) and chunk.dtype.itemsize == 1 and small:
+    if np.ndim(scale) and small:
         looked_up = _scale_by_tables(chunk, np.asarray(scale, np.float64), exponent)
-        if looked_up is not None:
-            return looked_up
-    if np.ndim(scale) and chunk.dtype.itemsize == 2 and small:
-        looked_up = _scale_by_kept_tables(chunk, np.asarray(scale, np.float64), exponent)
         if looked_up is not None:
             return looked_up
     if np.ndim(scale) and chunk.ndim and chunk.size > _SCALE_BLOCK:
@@ -339,52 +335,38 @@ def scale_chunk(chunk: np.ndarray, scale: float | np.ndarray, exponent: int = 0)
     return _scale(chunk, scale, exponent)
 
 
-# An 8-bit float chunk with a factor per slice has a table of each factor's 256 results
-# made when it holds at least this many elements per table entry: an entry costs what
-# scaling and rounding an element costs (~10 ns), a lookup ~1.5.
+# An 8/16-bit float chunk with a factor per slice has a table of each factor's results
+# when it holds at least this many elements per table entry: an entry costs what scaling
+# and rounding an element costs (~10 ns), a lookup ~1.5.
 FACTOR_TABLES_FROM = 4
 
 
 def _scale_by_tables(chunk: np.ndarray, scales: np.ndarray, exponent: int) -> np.ndarray | None:
-    """scale_chunk of an 8-bit float chunk by scales broadcast against it (--axes: a factor
-    per slice) through a table of each factor's results on all 256 values: _scale of the
-    same value by the same factor, so the same bits, looked up instead of rounded one
-    element at a time. None where it would not pay, or scales do not broadcast to the
-    chunk's shape."""
-    if scales.size * 256 * FACTOR_TABLES_FROM > chunk.size or exponent:
+    """scale_chunk of an 8/16-bit float chunk by scales broadcast against it (--axes: a
+    factor per slice) through a table of each factor's results on all the dtype's values:
+    _scale of the same value by the same factor, so the same bits, looked up instead of
+    rounded one element at a time. 8-bit tables (256 values) are made for the chunk;
+    16-bit ones are _scale_table's, kept from box to box (a box across a few long slices:
+    every box of the tensor has the same factors), so at most as many factors as it keeps.
+    None where it would not pay (FACTOR_TABLES_FROM: boxes of whole slices have factors of
+    their own, whose tables would be used once), or scales do not broadcast to the chunk's
+    shape."""
+    values = 256**chunk.dtype.itemsize
+    if scales.size * values * FACTOR_TABLES_FROM > chunk.size or exponent:
         return None  # (factors per slice come with no exponent: _scale takes none)
     if np.broadcast_shapes(scales.shape, chunk.shape) != chunk.shape:
         return None
-    with np.errstate(all="ignore"):  # as _scale_table: the tables hold NaN and extremes
-        tables = _scale(all_values(chunk.dtype), scales.reshape(-1, 1), exponent)
-    entries = tables.view(np.uint8).reshape(-1)
-    first_entries = (np.arange(scales.size, dtype=np.intp) * 256).reshape(scales.shape)
-    where = np.add(chunk.view(np.uint8), first_entries, dtype=np.intp)
-    looked_up: np.ndarray = np.take(entries, where)
-    return looked_up.view(chunk.dtype)
-
-
-def _scale_by_kept_tables(
-    chunk: np.ndarray, scales: np.ndarray, exponent: int
-) -> np.ndarray | None:
-    """scale_chunk of a 16-bit float chunk by a few factors broadcast against it (--axes: a
-    box across a few long slices, each box of the tensor with the same factors) through
-    each factor's _scale_table, kept from box to box: _scale of the same value by the same
-    factor, so the same bits, looked up (~1 ns/element) instead of rounded (~4). None where
-    there are more factors than _scale_table keeps, the chunk is too small to pay for a
-    table each (FACTOR_TABLES_FROM elements per entry: the boxes of whole slices each
-    have factors of their own, whose tables are used once), or scales do not broadcast."""
-    if (
-        exponent
-        or scales.size > _KEPT_TABLES
-        or chunk.size < FACTOR_TABLES_FROM * scales.size * 256**chunk.dtype.itemsize
-        or np.broadcast_shapes(scales.shape, chunk.shape) != chunk.shape
-    ):
+    bits = bits_dtype(chunk.dtype)
+    if chunk.dtype.itemsize == 1:
+        with np.errstate(all="ignore"):  # as _scale_table: the tables hold NaN and extremes
+            tables = _scale(all_values(chunk.dtype), scales.reshape(-1, 1), exponent)
+        entries = tables.view(bits).reshape(-1)
+    elif scales.size <= _KEPT_TABLES:
+        entries = np.concatenate([_scale_table(chunk.dtype, f, 0) for f in scales.ravel().tolist()])
+    else:
         return None
-    tables = [_scale_table(chunk.dtype, factor, 0) for factor in scales.reshape(-1).tolist()]
-    entries = np.concatenate(tables)
-    first_entries = (np.arange(scales.size, dtype=np.intp) << 16).reshape(scales.shape)
-    where = np.add(chunk.view(np.uint16), first_entries, dtype=np.intp)
+    first_entries = (np.arange(scales.size, dtype=np.intp) * values).reshape(scales.shape)
+    where = np.add(chunk.view(bits), first_entries, dtype=np.intp)
     looked_up: np.ndarray = np.take(entries, where)
     return looked_up.view(chunk.dtype)
 

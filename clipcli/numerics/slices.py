@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from clipcli.numerics.certain import (
 )
 from clipcli.numerics.norms import NormAccumulator, accumulate_array, rescale_exponents
 from clipcli.numerics.rounding import narrow_round, rounded_as_float64, scale_chunk
-from clipcli.numerics.scaling import Factor, Member, OutputSumsq, WideBound, each_factor
+from clipcli.numerics.scaling import Factor, OutputSumsq, WideBound, each_factor
 from clipcli.numerics.search import (
     AMBIGUOUS,
     U64,
@@ -536,11 +536,15 @@ def _positions(begins: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.nd
 
 def _picked_slices(array: np.ndarray, axes: tuple[int, ...], which: np.ndarray) -> np.ndarray:
     """The slices marked in `which` (keepdims shape) as rows of a 2-D array."""
-    rest = [i for i in range(array.ndim) if i not in axes]
-    moved = np.moveaxis(array, list(axes), list(range(array.ndim - len(axes), array.ndim)))
-    rows = moved.reshape(math.prod(array.shape[i] for i in rest), -1)
-    picked: np.ndarray = rows[which.reshape(-1)]
+    picked: np.ndarray = _slice_rows(array, axes)[which.reshape(-1)]
     return picked
+
+
+def _slice_rows(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """The array's slices over `axes` (or their pieces, in a box) as the rows of a 2-D
+    array, in C order of the slices: a view where the reduced axes are the last ones."""
+    moved = np.moveaxis(array, list(axes), list(range(array.ndim - len(axes), array.ndim)))
+    return moved.reshape(math.prod(n for i, n in enumerate(array.shape) if i not in axes), -1)
 
 
 def _rows(array: np.ndarray, axes: tuple[int, ...], which: np.ndarray) -> np.ndarray:
@@ -700,8 +704,7 @@ def streamed_picked(
         if not np.any(inside):
             continue
         columns = _raveled([ranges[a] for a in axes], [shape[a] for a in axes])
-        moved = np.moveaxis(box, list(axes), list(range(box.ndim - len(axes), box.ndim)))
-        rows = moved.reshape(len(slice_ids), -1)
+        rows = _slice_rows(box, axes)
         at = slice_ids[inside] - span.start
         if _ascending_run(at) and _ascending_run(columns):
             # A block of consecutive slices and consecutive places in them (a box of rows:
@@ -888,29 +891,40 @@ def _counted_axes_scales(
         return scales.reshape(sums.shape)
     slice_numel = math.prod(shape[a] for a in axes)
     per_window = max(1, SLICE_WINDOW_BYTES // (8 * 256**dtype.itemsize))
-    slice_of: dict[int, int] = {}  # id() of a window's member: its slice's number
 
-    def output_sumsq_of(of: Sequence[Member]) -> OutputSumsq:
-        return functools.partial(_scaled_sumsq, boxes, shape, axes, slice_of[id(of[0])])
+    def output_sumsq_of(of: Sequence[_CountedSlice]) -> OutputSumsq:
+        return functools.partial(_scaled_sumsq, boxes, shape, axes, of[0].number)
 
     for start in range(0, candidates.size, per_window):
         window = candidates[start : start + per_window]
         counted = {int(k): NormAccumulator(keep_histogram=True) for k in window}
         for slice_id, piece in _pieces_of(boxes, shape, axes, window):
             counted[slice_id].add(piece)
-        members = []
-        slice_of.clear()
+        problems = []
         for slice_id, stats in counted.items():
             stats.finish()
-            # The name messages give (a refusal: `name (slice 3)`).
-            members.append(Member(f"{name} (slice {slice_id})", dtype, slice_numel, stats))
-            slice_of[id(members[-1])] = slice_id
-        problems = [([member], limit, None) for member in members]
+            label = f"{name} (slice {slice_id})"  # what messages say (a refusal)
+            problems.append(
+                ([_CountedSlice(label, dtype, slice_numel, stats, slice_id)], limit, None)
+            )
         found = each_factor(problems, output_sumsq_of, between=between)
         for slice_id, factor in zip(counted, found, strict=True):
             if factor is not None:
                 scales[slice_id] = math.ldexp(factor.mantissa, factor.exponent)
     return scales.reshape(sums.shape)
+
+
+class _CountedSlice(NamedTuple):
+    """A long slice as the factor search's member (scaling.Measured), with its number (C
+    order of the slices) for the pass over its output the search may ask for."""
+
+    name: str
+    dtype: np.dtype[Any]
+    numel: int
+    stats: NormAccumulator  # finished, with the slice's histogram
+    number: int
+    rounded_elsewhere: bool = False
+    power_of_two: bool = False
 
 
 # How far below the limit a slice's float64 norm may be and the slice still be counted:
@@ -933,8 +947,7 @@ def _pieces_of(
         inside = np.flatnonzero(want[slice_ids])
         if not inside.size:
             continue
-        moved = np.moveaxis(box, list(axes), list(range(box.ndim - len(axes), box.ndim)))
-        rows = moved.reshape(len(slice_ids), -1)
+        rows = _slice_rows(box, axes)
         for k in inside.tolist():
             yield int(slice_ids[k]), rows[k]
 
