@@ -535,12 +535,16 @@ def _clip_slices_box_by_box(
     info, axes = tensor.info, tensor.axes
     slice_count = info.numel // math.prod(info.shape[a] for a in axes)
 
-    def factors(box: np.ndarray) -> np.ndarray:
-        return slices.box_axes_scales(box, axes, info.dtype, limit)
+    keepdims = slices.keepdims_shape(info.shape, axes)
+
+    def factors(box: np.ndarray, index: tuple[int | slice, ...]) -> np.ndarray:
+        starts = [s.start for s in slices.box_region(index, axes)]
+        first = int(np.ravel_multi_index(starts, keepdims))  # the box's first slice
+        return slices.box_axes_scales(box, axes, info.dtype, limit, info.name, first)
 
     first: tuple[int, np.ndarray] | None = None  # the first box with a clipped slice
-    for k, (box, _) in enumerate(boxes()):
-        scales = factors(box)
+    for k, (box, index) in enumerate(boxes()):
+        scales = factors(box, index)
         if np.any(scales != 1.0):
             first = k, scales
             break
@@ -551,11 +555,11 @@ def _clip_slices_box_by_box(
 
     def scaled_boxes(first_clipped: int, its_scales: np.ndarray) -> Iterator[np.ndarray]:
         clipped = 0
-        for k, (box, _) in enumerate(boxes()):
+        for k, (box, index) in enumerate(boxes()):
             if k < first_clipped:
                 scales = np.ones(slices.keepdims_shape(box.shape, axes))
             else:
-                scales = its_scales if k == first_clipped else factors(box)
+                scales = its_scales if k == first_clipped else factors(box, index)
             clipped += int(np.count_nonzero(scales != 1.0))
             scaled = rounding.scale_chunk(box, scales)
             flushes.add(*rounding.flushes(box, scaled))
@@ -616,7 +620,7 @@ def _clip_slices(
     """--axes: the whole tensor in memory (one box at most), each slice scaled on its own."""
     assert spec is not None
     array = reader.read(tensor.info)
-    _, scales = slices.axes_scales(array, tensor.axes, spec.limit)
+    _, scales = slices.axes_scales(array, tensor.axes, spec.limit, tensor.info.name)
     clipped = int(np.count_nonzero(scales != 1.0))
     if not clipped:
         return array, Outcome(tensor.before, False, 0, int(scales.size))

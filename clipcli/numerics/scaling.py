@@ -73,10 +73,8 @@ TINY_EXPONENT = -1021
 # ---------------------------------------------------------------- the entry points
 
 
-class Measured(Protocol):
-    """What the factor search reads of each member: a Member, or any record that tells
-    the same (the planner's own per-tensor statistics, so that --global over 200,000
-    tensors makes no record of each: 19 MB at the clip's peak)."""
+class Extent(Protocol):
+    """What refuse_unreachable reads of each member: its name, dtype and size."""
 
     @property
     def name(self) -> str: ...
@@ -84,6 +82,13 @@ class Measured(Protocol):
     def dtype(self) -> np.dtype[Any]: ...
     @property
     def numel(self) -> int: ...
+
+
+class Measured(Extent, Protocol):
+    """What the factor search reads of each member: a Member, or any record that tells
+    the same (the planner's own per-tensor statistics, so that --global over 200,000
+    tensors makes no record of each: 19 MB at the clip's peak)."""
+
     @property
     def stats(self) -> NormAccumulator: ...
     @property
@@ -166,7 +171,6 @@ def group_factor(
     if together.sumsq.mant == 0.0 or math.isinf(limit) or ratio > 1 + AMBIGUOUS:
         return None
     live_members = [m for m in members if m.stats.sumsq.mant != 0.0]
-    _refuse_unreachable(live_members, limit)
     if abs(ratio - 1) <= AMBIGUOUS:
         # The measured norm is within its own rounding error of C: decide exactly, so that
         # a norm equal to C is left alone and one a hair above it is clipped.
@@ -178,6 +182,9 @@ def group_factor(
         ratio = min(ratio, 1 - U64)
     elif not ratio < 1.0:
         return None
+    # Over the limit (exactly, where it was close): a member at the least norm its dtype
+    # allows, equal to the limit, is within it and kept, not refused.
+    refuse_unreachable(live_members, limit)
     # Each dtype once, in order (what is asked of them is a max, any or all: a list of
     # 200,000 was ~2 MB of the plan's heap).
     dtypes = list(dict.fromkeys(m.dtype for m in live_members))
@@ -194,7 +201,7 @@ def group_factor(
         assert chosen is not None
         factor = Factor(chosen)
     if factor.mantissa == 0 and any(smallest_without_zero(d) for d in dtypes):
-        _refuse_unreachable(live_members, 0.0)  # never round a zero-less dtype by 0 (NaN)
+        refuse_unreachable(live_members, 0.0)  # never round a zero-less dtype by 0 (NaN)
     return factor
 
 
@@ -494,7 +501,7 @@ def _live(members: Sequence[Measured]) -> list[int]:
     return [i for i, m in enumerate(members) if m.stats.sumsq.mant != 0.0]
 
 
-def _refuse_unreachable(members: Sequence[Measured], limit: float) -> None:
+def refuse_unreachable(members: Sequence[Extent], limit: float) -> None:
     """A dtype with no zero (float8_e8m0fnu: powers of two only) cannot scale below its
     smallest value: when even that gives a norm over the limit, no factor works, and the
     rounding would write NaN. Refused (exit 4), as for value bounds no value can meet."""

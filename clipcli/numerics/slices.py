@@ -24,6 +24,7 @@ from clipcli.dtypes import (
     parts_per_element,
     real_dtype,
     smallest_subnormal,
+    smallest_without_zero,
 )
 from clipcli.numerics.certain import (
     CertainSumsq,
@@ -38,7 +39,13 @@ from clipcli.numerics.certain import (
 )
 from clipcli.numerics.norms import NormAccumulator, accumulate_array, rescale_exponents
 from clipcli.numerics.rounding import narrow_round, rounded_as_float64, scale_chunk
-from clipcli.numerics.scaling import Factor, OutputSumsq, WideBound, each_factor
+from clipcli.numerics.scaling import (
+    Factor,
+    OutputSumsq,
+    WideBound,
+    each_factor,
+    refuse_unreachable,
+)
 from clipcli.numerics.search import (
     AMBIGUOUS,
     U64,
@@ -128,7 +135,7 @@ def _scaled_sums(array: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, 
 
 
 def axes_scales(
-    array: np.ndarray, axes: tuple[int, ...], limit: float
+    array: np.ndarray, axes: tuple[int, ...], limit: float, name: str = "tensor"
 ) -> tuple[np.ndarray, np.ndarray]:
     """(per-slice norms, per-slice factors) with keepdims; factor 1.0 marks unchanged slices.
 
@@ -149,6 +156,7 @@ def axes_scales(
         axes,
         lambda near: _rows_within_exactly(_rows(array, axes, near), limit),
         lambda over: _picked_slices(array, axes, over),
+        name,
     )
 
 
@@ -180,11 +188,16 @@ def scales_from_sums(
     axes: tuple[int, ...],
     within_exactly: Callable[[np.ndarray], np.ndarray],
     picked: Callable[[np.ndarray], np.ndarray],
+    name: str = "tensor",
+    first: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """axes_scales from the slices' sums of squares (slice_sumsq), whatever holds the data:
     within_exactly(near) says, for the slices marked `near` (in C order), whether each
     one's exact sum of squares is <= limit**2; picked(over) gives the slices marked `over`
-    as rows (only asked for 8/16-bit floats and float64, whose margin needs the values)."""
+    as rows (only asked for 8/16-bit floats and float64, whose margin needs the values).
+    DataRefusedError (exit 4) when a slice needs clipping and no factor can do it (a dtype
+    without zero), naming the tensor (`name`) and the slice (`first` is the number of the
+    first slice of `sums` in the tensor), as group_factor refuses a tensor."""
     norms = np.ldexp(np.sqrt(sums), exps)
     # limit / norm from the scaled sums, so slices whose norm overflows still clip.
     ratios = np.where(
@@ -202,8 +215,15 @@ def scales_from_sums(
         ratios = np.where(near, np.minimum(ratios, 1 - U64), ratios)
         if not np.any(over):
             return norms, scales
-    bits = exact_product_bits([dtype])
     slice_numel = math.prod(shape[a] for a in axes)
+    if smallest_without_zero(dtype) is not None:
+        # Without this the search rounds the slice to its smallest values, over the limit
+        # (--norm 1e-300 --axes 1 on float8_e8m0fnu wrote norms of 2e-38, exit 0). After
+        # the exact decision: a slice at the least norm its dtype allows, equal to the
+        # limit, is within it and kept.
+        number = first + int(np.flatnonzero(over)[0])
+        refuse_unreachable([_SliceExtent(f"{name} (slice {number})", dtype, slice_numel)], limit)
+    bits = exact_product_bits([dtype])
     unit = worst_unit([dtype])
     if is_small_float(dtype):  # exact from the values, narrowed as the search closes in
         rounding = _SliceRounding.of(picked(over), limit)
@@ -802,6 +822,7 @@ def streamed_axes_scales(
     limit: float,
     between: Callable[[], None] = lambda: None,
     name: str = "tensor",
+    first: int = 0,
 ) -> np.ndarray:
     """axes_scales' factors of the tensor the boxes hold (keepdims): one pass for the
     sums (two for float64), then the factors a piece of slices (slice_pieces) at a time.
@@ -814,7 +835,7 @@ def streamed_axes_scales(
     pairs is 64 pieces and ~9 s of searching, with no box read in between)."""
     sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
     if counts_long_slices(shape, axes, dtype, STREAM_BOX_ELEMENTS):
-        return _counted_axes_scales(boxes, shape, axes, dtype, limit, sums, between, name)
+        return _counted_axes_scales(boxes, shape, axes, dtype, limit, sums, between, name, first)
     all_sums, all_exps = sums.reshape(-1), exps.reshape(-1)
     slice_numel = math.prod(shape[a] for a in axes)
 
@@ -834,6 +855,8 @@ def streamed_axes_scales(
                 axes,
                 _exact_check(picked, limit),
                 picked,
+                name,
+                first + piece.start,
             )
             all_sums[piece] = factors  # this piece's sums are used up
     return sums  # now the factors
@@ -875,6 +898,7 @@ def _counted_axes_scales(
     sums: np.ndarray,
     between: Callable[[], None],
     name: str,
+    first: int,
 ) -> np.ndarray:
     """streamed_axes_scales' factors (keepdims, in place of `sums`) for counts_long_slices:
     the slices that may be over the limit have their bit patterns counted, a window of
@@ -903,7 +927,7 @@ def _counted_axes_scales(
         problems = []
         for slice_id, stats in counted.items():
             stats.finish()
-            label = f"{name} (slice {slice_id})"  # what messages say (a refusal)
+            label = f"{name} (slice {first + slice_id})"  # what messages say (a refusal)
             problems.append(
                 ([_CountedSlice(label, dtype, slice_numel, stats, slice_id)], limit, None)
             )
@@ -912,6 +936,14 @@ def _counted_axes_scales(
             if factor is not None:
                 scales[slice_id] = math.ldexp(factor.mantissa, factor.exponent)
     return scales.reshape(sums.shape)
+
+
+class _SliceExtent(NamedTuple):
+    """A slice as refuse_unreachable's member (scaling.Extent)."""
+
+    name: str
+    dtype: np.dtype[Any]
+    numel: int
 
 
 class _CountedSlice(NamedTuple):
@@ -1027,14 +1059,24 @@ def keepdims_shape(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, 
 
 
 def box_axes_scales(
-    box: np.ndarray, axes: tuple[int, ...], dtype: np.dtype[Any], limit: float
+    box: np.ndarray,
+    axes: tuple[int, ...],
+    dtype: np.dtype[Any],
+    limit: float,
+    name: str = "tensor",
+    first: int = 0,
 ) -> np.ndarray:
     """The factors of a box that holds whole slices (boxes_hold_whole_slices), keepdims
     on the box: the ones streamed_axes_scales gives these slices over the whole tensor,
     bit for bit (each slice's sum of squares comes from its own box alone, added to 0, and
-    each slice's factor is searched for on its own)."""
+    each slice's factor is searched for on its own). first: the number of the box's first
+    slice in the tensor, for a refusal's message."""
     whole = tuple(slice(None) for _ in box.shape)
-    return streamed_axes_scales(lambda: iter([(box, whole)]), box.shape, axes, dtype, limit)
+
+    def boxes() -> Iterator[Box]:
+        return iter([(box, whole)])
+
+    return streamed_axes_scales(boxes, box.shape, axes, dtype, limit, name=name, first=first)
 
 
 def scale_box(
