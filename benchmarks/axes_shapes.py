@@ -7,7 +7,9 @@ or long columns of a wide matrix (the target: <= 200 MiB on a 1 GiB tensor, any 
 
 Each row is one whole `python -m clipcli` process (--no-fsync, warm page cache), this
 checkout and every --other one (PYTHONPATH=CHECKOUT) interleaved; the limit is half the
-slices' typical norm, so every slice is clipped. Seeded standard normals, written a piece
+slices' typical norm, so every slice is clipped (or, where a shape says so, the norm
+of its first row: a tie within the sums' rounding, which only an exact decision
+settles). Seeded standard normals, written a piece
 at a time (the generator never holds a tensor)."""
 
 from __future__ import annotations
@@ -37,13 +39,24 @@ SHAPES = {
     "wide columns, bf16 [n/8192, 8192] --axes 0": ("BF16", lambda n: (n // 8192, 8192), "0"),
     "two long rows, f32 [2, n/2] --axes 1": ("F32", lambda n: (2, n // 2), "1"),
     "two long rows, f64 [2, n/2] --axes 1": ("F64", lambda n: (2, n // 2), "1"),
+    "one 1-D f64 slice [n] --axes 0": ("F64", lambda n: (n,), "0"),
+    "16 long rows, f64 [16, n/16] --axes 1": ("F64", lambda n: (16, n // 16), "1"),
+    "8 long columns, f32 [n/8, 8] --axes 0": ("F32", lambda n: (n // 8, 8), "0"),
+    "two long rows, f32 [2, n/2] --axes 1, limit = row 0's norm": (
+        "F32",
+        lambda n: (2, n // 2),
+        "1",
+    ),
     "two-element columns, bf16 [2, n/2] --axes 0": ("BF16", lambda n: (2, n // 2), "0"),
 }
 DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
 
 
-def write_tensor(path: Path, code: str, shape: tuple[int, ...], seed: int) -> None:
+def write_tensor(path: Path, code: str, shape: tuple[int, ...], seed: int) -> float:
+    """Writes the tensor; returns the float64 norm of its first row (a limit at a tie)."""
     dtype = np.dtype(DTYPES[code])
+    row = int(np.prod(shape[1:]))
+    row_sumsq = 0.0
     count = int(np.prod(shape))
     header = json.dumps(
         {"w": {"dtype": code, "shape": list(shape), "data_offsets": [0, count * dtype.itemsize]}}
@@ -54,7 +67,12 @@ def write_tensor(path: Path, code: str, shape: tuple[int, ...], seed: int) -> No
         out.write(struct.pack("<Q", len(header)) + header)
         for start in range(0, count, PIECE):
             size = min(PIECE, count - start)
-            out.write(rng.standard_normal(size, dtype=np.float32).astype(dtype).tobytes())
+            values = rng.standard_normal(size, dtype=np.float32).astype(dtype)
+            if start < row:
+                head = values[: row - start].astype(np.float64)
+                row_sumsq += float(np.dot(head, head))
+            out.write(values.tobytes())
+    return float(np.sqrt(row_sumsq))
 
 
 def main() -> None:
@@ -75,12 +93,13 @@ def main() -> None:
     for seed, (name, (code, shape_of, axes)) in enumerate(chosen.items()):
         itemsize = np.dtype(DTYPES[code]).itemsize
         shape = shape_of(int(args.gib * GIB) // itemsize)
-        src = where / f"{code}-{'x'.join(map(str, shape))}.safetensors"
-        if not src.exists():
-            log(f"writing {src}")
-            write_tensor(src, code, shape, seed)
+        src = where / f"{code}-{'x'.join(map(str, shape))}-{seed}.safetensors"
+        log(f"writing {src}")
+        first_row_norm = write_tensor(src, code, shape, seed)
         slice_numel = int(np.prod([shape[int(a)] for a in axes.split(",")]))
         limit = f"{0.5 * slice_numel**0.5:.6g}"
+        if "limit = row 0's norm" in name:  # within rounding error of it: decided exactly
+            limit = repr(first_row_norm)
         out = where / "out.safetensors"
         argv = ["clip", "--norm", limit, "--axes", axes, "-q", "--force", "--no-fsync"]
         samples: dict[str, list] = {tree: [] for tree in trees}

@@ -19,6 +19,7 @@ import numpy as np
 
 from clipcli.dtypes import (
     bits_dtype,
+    is_floating,
     is_small_float,
     mantissa_digits,
     parts_per_element,
@@ -833,9 +834,9 @@ def streamed_axes_scales(
     measured), a window's values and what one piece needs. between() is called before
     each piece's factors are searched (the caller's signal check: a window of float16
     pairs is 64 pieces and ~9 s of searching, with no box read in between)."""
-    sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
     if counts_long_slices(shape, axes, dtype, STREAM_BOX_ELEMENTS):
-        return _counted_axes_scales(boxes, shape, axes, dtype, limit, sums, between, name, first)
+        return _counted_axes_scales(boxes, shape, axes, dtype, limit, between, name, first)
+    sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
     all_sums, all_exps = sums.reshape(-1), exps.reshape(-1)
     slice_numel = math.prod(shape[a] for a in axes)
 
@@ -882,7 +883,7 @@ def counts_long_slices(
     float slices of LONG_SLICE_BYTES or more, at most COUNTED_PIECES_PER_BOX in a box of
     box_indices(shape, budget)."""
     slice_numel = math.prod(shape[a] for a in axes)
-    if not is_small_float(dtype) or slice_numel * dtype.itemsize < LONG_SLICE_BYTES:
+    if not is_floating(dtype) or slice_numel * dtype.itemsize < LONG_SLICE_BYTES:
         return False
     first = box_shape(shape, box_indices(shape, budget)[0])
     pieces = math.prod(n for i, n in enumerate(first) if i not in axes)
@@ -895,32 +896,33 @@ def _counted_axes_scales(
     axes: tuple[int, ...],
     dtype: np.dtype[Any],
     limit: float,
-    sums: np.ndarray,
     between: Callable[[], None],
     name: str,
     first: int,
 ) -> np.ndarray:
-    """streamed_axes_scales' factors (keepdims, in place of `sums`) for counts_long_slices:
-    the slices that may be over the limit have their bit patterns counted, a window of
-    SLICE_WINDOW_BYTES of histograms a pass, and each is searched as a tensor of its own
-    (scaling.each_factor: the factor `clip --norm` gives the slice as a 1-D tensor). Sums
-    of 8/16-bit floats are exact to far better than CANDIDATE_SLACK, so no slice over the
-    limit is left out; a candidate within it is left alone by the exact search."""
-    flat = sums.reshape(-1)
-    with np.errstate(divide="ignore"):
-        ratios = limit / np.sqrt(flat)
-    candidates = np.flatnonzero(np.isfinite(flat) & (flat > 0) & (ratios < 1 + CANDIDATE_SLACK))
-    scales = np.ones(flat.size)
+    """streamed_axes_scales' factors (keepdims) for counts_long_slices: each slice that
+    may be over the limit is measured as `clip --norm` measures a tensor (NormAccumulator)
+    and searched as a tensor of its own (scaling.each_factor: the factor `clip --norm`
+    gives the slice as a 1-D tensor). 8/16-bit floats: the slices' sums of squares first
+    (streamed_sumsq), then the bit patterns of those that may be over the limit counted, a
+    window of SLICE_WINDOW_BYTES of histograms a pass. Wider floats keep no histogram (a
+    NormAccumulator is ~1 KB): every slice is measured in one pass, and where the search
+    needs the output's norm (a tie, float64's check of its factor) it takes a pass over
+    that slice's pieces."""
+    slice_count = math.prod(n for i, n in enumerate(shape) if i not in axes)
+    scales = np.ones(slice_count)
     if math.isinf(limit):
-        return scales.reshape(sums.shape)
+        return scales.reshape(keepdims_shape(shape, axes))
+    if is_small_float(dtype):
+        windows = _candidate_windows(boxes, shape, axes, dtype, limit)
+    else:
+        windows = [np.arange(slice_count)]
     slice_numel = math.prod(shape[a] for a in axes)
-    per_window = max(1, SLICE_WINDOW_BYTES // (8 * 256**dtype.itemsize))
 
     def output_sumsq_of(of: Sequence[_CountedSlice]) -> OutputSumsq:
         return functools.partial(_scaled_sumsq, boxes, shape, axes, of[0].number)
 
-    for start in range(0, candidates.size, per_window):
-        window = candidates[start : start + per_window]
+    for window in windows:
         counted = {int(k): NormAccumulator(keep_histogram=True) for k in window}
         for slice_id, piece in _pieces_of(boxes, shape, axes, window):
             counted[slice_id].add(piece)
@@ -935,7 +937,22 @@ def _counted_axes_scales(
         for slice_id, factor in zip(counted, found, strict=True):
             if factor is not None:
                 scales[slice_id] = math.ldexp(factor.mantissa, factor.exponent)
-    return scales.reshape(sums.shape)
+    return scales.reshape(keepdims_shape(shape, axes))
+
+
+def _candidate_windows(
+    boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any], limit: float
+) -> list[np.ndarray]:
+    """The 8/16-bit float slices that may be over the limit (their sums' ratio within
+    CANDIDATE_SLACK of it, or under), in windows of SLICE_WINDOW_BYTES of histograms. Sums
+    of 8/16-bit floats are exact to far better than CANDIDATE_SLACK, so no slice over the
+    limit is left out; a candidate within it is left alone by the exact search."""
+    sums = streamed_sumsq(boxes, shape, axes, dtype)[0].reshape(-1)  # exponents all 0
+    with np.errstate(divide="ignore"):
+        ratios = limit / np.sqrt(sums)
+    candidates = np.flatnonzero(np.isfinite(sums) & (sums > 0) & (ratios < 1 + CANDIDATE_SLACK))
+    per_window = max(1, SLICE_WINDOW_BYTES // (8 * 256**dtype.itemsize))
+    return [candidates[k : k + per_window] for k in range(0, candidates.size, per_window)]
 
 
 class _SliceExtent(NamedTuple):
@@ -981,7 +998,9 @@ def _pieces_of(
             continue
         rows = _slice_rows(box, axes)
         for k in inside.tolist():
-            yield int(slice_ids[k]), rows[k]
+            # Contiguous (a column's piece is a strided view): complex values are measured
+            # through a view of their parts, which needs it.
+            yield int(slice_ids[k]), np.ascontiguousarray(rows[k])
 
 
 def _scaled_sumsq(
