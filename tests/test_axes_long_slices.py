@@ -196,7 +196,7 @@ def test_long_wide_slices_are_clipped_within_the_limit_and_close_to_it(
     values[0] = 1  # norm 12: a limit of 12 is an exact tie (times the magnitude)
     if len(values) > 1:
         values[-1] = 0
-    rows = (values * magnitude).astype(dtype)
+    rows: np.ndarray = (values * magnitude).astype(dtype)
     array = _from_rows(rows, shape, axes)
     monkeypatch.setattr(slices, "STREAM_BOX_ELEMENTS", BUDGET)
     monkeypatch.setattr(slices, "LONG_SLICE_BYTES", 1)
