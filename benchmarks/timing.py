@@ -109,7 +109,15 @@ def run_once(cmd: Cmd) -> Sample:
             argv = [PY, "-c", WRAPPER, report.name, *cmd.argv]
         busy = busy_seconds()
         started = time.perf_counter()
-        proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # From a neutral folder: `python -m clipcli` puts the working folder first on
+        # sys.path, so run from a checkout it imported that checkout's clipcli whatever
+        # PYTHONPATH named (axes_shapes.py's --other rows ran this checkout's code).
+        proc = subprocess.run(
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=tempfile.gettempdir(),
+        )
         wall = time.perf_counter() - started
         busy = busy_seconds() - busy
         usage = report.read().split()
