@@ -138,6 +138,24 @@ def test_factors_worked_out_by_pieces_are_the_whole_tensors(
                     assert np.array_equal(got, whole), (shape, axes, budget)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("block_values", [1, 9, 10, 11, 19, 20, 1 << 20])
+def test_float64_margins_by_blocks_of_rows_are_the_whole_windows(
+    dtype: type, block_values: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float64 slices' margins are worked out a block of rows at a time (rows of 10
+    float64 values: a row a block for 1, 9, 10 and 11 values, one row short of 20, two at 20, all
+    at once): the factors are the ones the whole window gives, bit for bit."""
+    array = random_array((10, 10), dtype, 4)
+    if np.dtype(dtype).kind == "c":
+        array = array[:, :5].copy()  # 5 complex values: rows of 10 float64 parts
+    _, whole = slices.axes_scales(array, (1,), 1.5)
+    monkeypatch.setattr(slices, "MARGIN_BLOCK_VALUES", block_values)
+    _, blocked = slices.axes_scales(array, (1,), 1.5)
+    assert np.array_equal(blocked, whole)
+    assert np.count_nonzero(whole != 1.0) > 1
+
+
 @pytest.mark.parametrize("pieces", [1, 5, 6, 7, 12])
 def test_windows_group_pieces_up_to_the_window_exactly(pieces: int) -> None:
     """Pieces of 2 slices in windows of 6 slices: 3 pieces a window, a 4th starts the next."""
