@@ -509,3 +509,28 @@ def test_segment_sums_are_each_segments_own_sum_and_0_when_empty(lengths: list[i
         alone = slices._segment_sums(own, np.array([0, length]))
         assert alone[0] == sums[k]  # the same bits alone
         assert abs(sums[k] - math.fsum(own.tolist())) <= length * 2**-52 * np.abs(own).sum()
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32], ids=lambda d: np.dtype(d).name)
+def test_boxes_searched_in_threads_give_the_bytes_and_report_of_one(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    dtype: type,
+) -> None:
+    """--axes 1 where each box holds whole rows: the write pass searches its boxes in
+    worker threads. 1, 2 and 5 threads (more than the boxes in flight) write the same
+    bytes and report the same norms and clipped-slice count."""
+    monkeypatch.setattr(slices, "STREAM_BOX_ELEMENTS", 96)  # 2 rows of 48 a box, 32 boxes
+    array = random_array((64, 48), dtype, 8)
+    src = write_safetensors(tmp_path / "in.safetensors", {"w": array})
+    seen = []
+    for threads in ["1", "2", "5"]:
+        monkeypatch.setenv("CLIPCLI_THREADS", threads)
+        out = tmp_path / f"out{threads}.safetensors"
+        assert main(["clip", "--norm", "20", "--axes", "1", "--json", str(src), str(out)]) == 0
+        report = json.loads(capsys.readouterr().out)
+        seen.append((read_safetensors(out)["w"].tobytes(), report["tensors"]))
+    assert seen[0] == seen[1] == seen[2]
+    note = seen[0][1][0]["note"]  # "N of 64 slices clipped"
+    assert note.endswith(" of 64 slices clipped") and note.split()[0] not in ("0", "64"), note
