@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from handmade import read_safetensors, write_safetensors
+from peak_memory import peak_rss
 from test_axes_bounded_memory import boxes_of
 
 from clipcli.cli.entry import main
@@ -200,6 +201,7 @@ def test_long_wide_slices_are_clipped_within_the_limit_and_close_to_it(
     array = _from_rows(rows, shape, axes)
     monkeypatch.setattr(slices, "STREAM_BOX_ELEMENTS", BUDGET)
     monkeypatch.setattr(slices, "LONG_SLICE_BYTES", 1)
+    monkeypatch.setattr(slices, "CHECK_BLOCK_ELEMENTS", 5)  # a tie's check, 5 at a time
     assert slices.counts_long_slices(shape, axes, array.dtype, BUDGET)
     src = tmp_path / "t.npz"
     np.savez(src, w=array)
@@ -225,3 +227,29 @@ def test_long_wide_slices_are_clipped_within_the_limit_and_close_to_it(
                 if limit > 1e-290:  # above float64's subnormals' reach
                     assert got >= (Fraction(limit) * (1 - Fraction(tolerance))) ** 2, (limit, k)
         out.unlink()
+
+
+@pytest.mark.parametrize("dtype", [np.complex128, np.complex64])
+def test_long_complex_rows_stay_within_the_memory_target(tmp_path: Path, dtype: type) -> None:
+    """Two long complex rows (64 MiB), the second row's limit a hair below its norm (a tie
+    the search checks on the output): peak RSS under 200 MiB. complex128 took 242 MB
+    (boxes of 2**20 elements, 16 MiB, with float64 working copies), complex64's check of
+    the tie 219 MB (CertainSumsq.add on a whole box); both found by session 42's attack."""
+    n = (32 << 20) // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(12)
+    rows: np.ndarray = (rng.standard_normal((2, n)) + 1j * rng.standard_normal((2, n))).astype(
+        dtype
+    )
+    norm = float(np.sqrt(np.sum(np.abs(rows[1].astype(np.complex128)) ** 2)))
+    limit = math.nextafter(norm, 0.0)
+    src, out = tmp_path / "in.npy", tmp_path / "out.npy"
+    np.save(src, rows)
+    del rows
+    code, peak, stderr = peak_rss(
+        "clip", "--norm", repr(limit), "--axes", "1", "-q", "--no-fsync", src, out
+    )
+    assert code == 0, stderr
+    assert peak < 200 << 20, peak
+    written = np.load(out)
+    for row in written:
+        assert float(np.sqrt(np.sum(np.abs(row.astype(np.complex128)) ** 2))) <= limit * (1 + 1e-15)

@@ -533,4 +533,15 @@ def test_boxes_searched_in_threads_give_the_bytes_and_report_of_one(
         seen.append((read_safetensors(out)["w"].tobytes(), report["tensors"]))
     assert seen[0] == seen[1] == seen[2]
     note = seen[0][1][0]["note"]  # "N of 64 slices clipped"
-    assert note.endswith(" of 64 slices clipped") and note.split()[0] not in ("0", "64"), note
+    assert note.endswith(" of 64 slices clipped"), note
+    assert note.split()[0] not in ("0", "64"), note
+
+
+def test_box_elements_hold_the_float64_boxes_bytes_from_exactly_8_bytes() -> None:
+    """Boxes of STREAM_BOX_ELEMENTS up to 8 bytes an element (float64, complex64), half
+    that for complex128: a box's float64 working copies take a float64 box's bytes."""
+    full = slices.STREAM_BOX_ELEMENTS
+    for dtype in [ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16, np.float32, np.float64]:
+        assert slices.box_elements(np.dtype(dtype)) == full
+    assert slices.box_elements(np.dtype(np.complex64)) == full
+    assert slices.box_elements(np.dtype(np.complex128)) == full // 2

@@ -348,7 +348,7 @@ def execute(
         at = position(info.name)
         tensor = plan.tensors[at]
         if tensor.action is Action.AXES:
-            if len(slices.box_indices(info.shape, slices.STREAM_BOX_ELEMENTS)) > 1:
+            if len(slices.box_indices(info.shape, slices.box_elements(info.dtype))) > 1:
                 outcomes[at], scaled = _clip_slices_streamed(
                     reader, tensor, plan.spec, functools.partial(outcomes.__setitem__, at)
                 )
@@ -510,7 +510,8 @@ def _clip_slices_streamed(
     assert spec is not None
     info = tensor.info
     boxes = _boxes_of(reader, info)
-    if slices.boxes_hold_whole_slices(info.shape, tensor.axes, slices.STREAM_BOX_ELEMENTS):
+    budget = slices.box_elements(info.dtype)
+    if slices.boxes_hold_whole_slices(info.shape, tensor.axes, budget):
         return _clip_slices_box_by_box(boxes, tensor, spec.limit, settle)
     scales = slices.streamed_axes_scales(
         boxes, info.shape, tensor.axes, info.dtype, spec.limit, interrupts.check, info.name
@@ -603,10 +604,11 @@ def _scaled_boxes(
 def _boxes_of(reader: Reader, info: TensorInfo) -> slices.Boxes:
     """The tensor's boxes (numerics.slices.box_indices), read anew on each call: the
     reader's chunks cut or joined to the boxes' sizes, at most a chunk and a box at once."""
-    indices = slices.box_indices(info.shape, slices.STREAM_BOX_ELEMENTS)
+    budget = slices.box_elements(info.dtype)
+    indices = slices.box_indices(info.shape, budget)
 
     def one_pass() -> Iterator[slices.Box]:
-        chunks = reader.chunks(info, slices.STREAM_BOX_ELEMENTS)
+        chunks = reader.chunks(info, budget)
         left = np.empty(0, info.dtype)
         for index in indices:
             shape = slices.box_shape(info.shape, index)

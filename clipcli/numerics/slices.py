@@ -638,6 +638,14 @@ def _scale_index(block: tuple[slice, ...], axes: tuple[int, ...]) -> tuple[slice
 
 STREAM_BOX_ELEMENTS = 1 << 20
 
+
+def box_elements(dtype: np.dtype[Any]) -> int:
+    """The box size for `dtype`: STREAM_BOX_ELEMENTS up to 8 bytes an element, fewer for
+    wider ones, so that a box's float64 working copies take no more than a float64 box's
+    (complex128 rows with --axes 1 took 242 MB with boxes of 2**20 elements, 16 MiB)."""
+    return max(1, STREAM_BOX_ELEMENTS * 8 // max(8, dtype.itemsize))
+
+
 Box = tuple[np.ndarray, tuple[int | slice, ...]]  # a box shaped as a block, and its index
 Boxes = Callable[[], Iterator[Box]]
 
@@ -843,7 +851,7 @@ def streamed_axes_scales(
     measured), a window's values and what one piece needs. between() is called before
     each piece's factors are searched (the caller's signal check: a window of float16
     pairs is 64 pieces and ~9 s of searching, with no box read in between)."""
-    if counts_long_slices(shape, axes, dtype, STREAM_BOX_ELEMENTS):
+    if counts_long_slices(shape, axes, dtype, box_elements(dtype)):
         return _counted_axes_scales(boxes, shape, axes, dtype, limit, between, name, first)
     sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
     all_sums, all_exps = sums.reshape(-1), exps.reshape(-1)
@@ -1028,8 +1036,15 @@ def _scaled_sumsq(
     if not members:
         return total
     for _, piece in _pieces_of(boxes, shape, axes, np.array([slice_id])):
-        total.add(scale_chunk(piece, factor.mantissa, factor.exponent))
+        # A block at a time: CertainSumsq.add makes some ten float64 temporaries of what
+        # it is given (a complex64 box's took a tie of two long rows to 219 MB).
+        for start in range(0, piece.size, CHECK_BLOCK_ELEMENTS):
+            block = piece[start : start + CHECK_BLOCK_ELEMENTS]
+            total.add(scale_chunk(block, factor.mantissa, factor.exponent))
     return total
+
+
+CHECK_BLOCK_ELEMENTS = 1 << 18
 
 
 def _windows(pieces: list[slice], window_slices: int) -> list[list[slice]]:
