@@ -253,3 +253,44 @@ def test_long_complex_rows_stay_within_the_memory_target(tmp_path: Path, dtype: 
     written = np.load(out)
     for row in written:
         assert float(np.sqrt(np.sum(np.abs(row.astype(np.complex128)) ** 2))) <= limit * (1 + 1e-15)
+
+
+def _exact_sumsq_float64(values: np.ndarray) -> Fraction:
+    """sum(v**2) exactly: each float64 as an integer mantissa times a power of two, the
+    squares of each power's mantissas summed as Python integers."""
+    mantissas, exponents = np.frexp(values.astype(np.float64).reshape(-1))
+    integers = np.ldexp(mantissas, 53).astype(np.int64)
+    total = Fraction(0)
+    for exponent in np.unique(exponents).tolist():
+        squares = sum(int(m) * int(m) for m in integers[exponents == exponent].tolist())
+        total += Fraction(squares) * Fraction(2) ** (2 * (exponent - 53))
+    return total
+
+
+def test_a_long_slice_held_in_memory_is_searched_as_a_tensor(tmp_path: Path) -> None:
+    """A float64 [2**19] (4 MiB: one long slice, and one box, so held in memory) with
+    --axes 0 goes the long slices' way (its tie within an ulp of the limit took 5 s on its
+    gathered values, attack s42); at its norm, an ulp below and above: kept bit for bit
+    where its exact norm is <= C, else clipped to <= C and within a few roundings of it."""
+    values = np.random.default_rng(14).standard_normal(1 << 19)
+    dtype = values.dtype
+    assert slices.counts_long_slices(values.shape, (0,), dtype, slices.box_elements(dtype))
+    assert len(slices.box_indices(values.shape, slices.box_elements(dtype))) == 1
+    src, out = tmp_path / "in.npy", tmp_path / "out.npy"
+    np.save(src, values)
+    exact = _exact_sumsq_float64(values)
+    norm = float(np.sqrt(np.sum(values * values)))
+    kept = []
+    for limit in [math.nextafter(norm, 0.0), norm, math.nextafter(norm, math.inf)]:
+        args = ["clip", "--norm", repr(limit), "--axes", "0", "-q", "--no-fsync", "--force"]
+        assert main([*args, str(src), str(out)]) == 0
+        written = np.load(out)
+        kept.append(exact <= Fraction(limit) ** 2)
+        if kept[-1]:
+            assert written.tobytes() == values.tobytes(), limit
+        else:
+            got = _exact_sumsq_float64(written)
+            assert got <= Fraction(limit) ** 2, limit
+            assert got >= (Fraction(limit) * (1 - Fraction(1, 2**49))) ** 2, limit
+    assert not kept[0]  # clipped an ulp below its norm,
+    assert kept[2]  # kept an ulp above it

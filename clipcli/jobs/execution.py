@@ -635,7 +635,7 @@ def _clip_slices(
     """--axes: the whole tensor in memory (one box at most), each slice scaled on its own."""
     assert spec is not None
     array = reader.read(tensor.info)
-    _, scales = slices.axes_scales(array, tensor.axes, spec.limit, tensor.info.name)
+    scales = slices.held_axes_scales(array, tensor.axes, spec.limit, tensor.info.name)
     clipped = int(np.count_nonzero(scales != 1.0))
     if not clipped:
         return array, Outcome(tensor.before, False, 0, int(scales.size))
