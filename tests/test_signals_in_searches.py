@@ -65,6 +65,25 @@ def test_sigterm_during_the_slices_search_stops_at_the_next_piece(tmp_path: Path
     assert not out.exists()
 
 
+def test_sigterm_while_boxes_are_searched_in_threads_stops_within_those_in_flight(
+    tmp_path: Path,
+) -> None:
+    """--axes 1 of a float16 [1024, 16384]: 16 boxes of 64 whole rows, each box's factors
+    searched in the worker threads (at most 2 a thread in flight, 4 threads by default).
+    Stopped in the third box's search, the run ends as SIGTERM without searching the
+    boxes after those already handed out, and writes nothing."""
+    src, out, counts = tmp_path / "rows.safetensors", tmp_path / "out.safetensors", tmp_path / "n"
+    rng = np.random.default_rng(5)
+    write_safetensors(src, {"w": rng.standard_normal((1024, 16384)).astype(np.float16)})
+    script = _stopped_on_call("clipcli.numerics.slices", "box_axes_scales", 3, counts)
+    args = ["clip", "--norm", "1", "--axes", "1", "-q", "--no-fsync", str(src), str(out)]
+    code, err = signalled_where_it_stops(script, args, signal.SIGTERM)
+    assert code == 143, err
+    assert "SIGTERM" in one_error_line(err)
+    assert int(counts.read_text()) <= 12  # 3, and at most 2 a thread of 4 besides
+    assert not out.exists()
+
+
 def test_sigterm_during_the_float64_checking_pass_stops_it(tmp_path: Path) -> None:
     """--global over float64 tensors checks TF's factor by a pass over the rounded output
     (numerics.scaling._verified_factor) while planning: a pass over the whole checkpoint,
