@@ -545,3 +545,46 @@ def test_box_elements_hold_the_float64_boxes_bytes_from_exactly_8_bytes() -> Non
         assert slices.box_elements(np.dtype(dtype)) == full
     assert slices.box_elements(np.dtype(np.complex64)) == full
     assert slices.box_elements(np.dtype(np.complex128)) == full // 2
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes"), [((12, 4, 3, 3), "2,3"), ((2, 10, 6), "2"), ((2, 10, 6), "-1")]
+)
+def test_boxes_that_keep_a_later_axis_whole_clip_as_one_box_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], axes: str
+) -> None:
+    """Boxes cut an early axis and keep a later, unreduced one whole (conv weights with
+    --axes 2,3, 3-D tensors with --axes 2): the box's region has slice(None) there. The
+    box-by-box route was exit 70 on them (attack s42b: the first slice's number for a
+    refusal's message took that None as a start); its output is the one the tensor held
+    whole gets."""
+    array = random_array(shape, np.float32, 6)
+    src = write_safetensors(tmp_path / "in.safetensors", {"w": array})
+    args = ["clip", "--norm", "1", "--axes", axes, "-q", "--no-fsync", str(src)]
+    assert main([*args, str(tmp_path / "whole.safetensors")]) == 0
+    monkeypatch.setattr(slices, "STREAM_BOX_ELEMENTS", 2 * math.prod(shape[1:]))
+    assert main([*args, str(tmp_path / "boxes.safetensors")]) == 0
+    whole = read_safetensors(tmp_path / "whole.safetensors")["w"]
+    boxed = read_safetensors(tmp_path / "boxes.safetensors")["w"]
+    assert boxed.tobytes() == whole.tobytes()
+    assert boxed.tobytes() != array.tobytes()
+
+
+def test_a_refusal_in_a_box_that_keeps_a_later_axis_whole_names_the_slice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """float8_e8m0fnu [6, 4, 4], --axes 2, boxes of 2 x 4 x 4: the slices of 4 smallest
+    values (2**-127) have norm 2**-126, the limit; slice (3, 2), number 14, holds 1s and
+    is over it, and no factor reaches it. The refusal names that slice."""
+    codes = np.zeros((6, 4, 4), np.uint8)
+    codes[3, 2] = 127  # 1.0s
+    tensor = codes.view(ml_dtypes.float8_e8m0fnu)
+    src = write_safetensors(tmp_path / "in.safetensors", {"s": tensor})
+    monkeypatch.setattr(slices, "STREAM_BOX_ELEMENTS", 2 * 4 * 4)
+    floor = 2.0**-126
+    out = tmp_path / "out.safetensors"
+    assert main(["clip", "--norm", repr(floor), "--axes", "2", "-q", str(src), str(out)]) == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("clipcli: error: 's (slice 14)': a dtype without zero"), err
+    assert not out.exists()

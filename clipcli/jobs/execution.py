@@ -43,7 +43,7 @@ from clipcli.numerics.certain import CertainSumsq, sumsq_each
 from clipcli.numerics.many import norms_each
 from clipcli.numerics.norms import KnownNorm, NormAccumulator, accumulate, accumulate_array
 from clipcli.system import interrupts
-from clipcli.system.parallel import loaded, ordered_map
+from clipcli.system.parallel import loaded
 
 # ---------------------------------------------------------------- while measuring
 
@@ -539,7 +539,9 @@ def _clip_slices_box_by_box(
     keepdims = slices.keepdims_shape(info.shape, axes)
 
     def factors(box: np.ndarray, index: tuple[int | slice, ...]) -> np.ndarray:
-        starts = [s.start for s in slices.box_region(index, axes)]
+        # A whole axis's part is slice(None): its start is None, that is 0 (a box of a
+        # conv weight with --axes 2,3 keeps its later axes whole: exit 70, attack s42b).
+        starts = [part.start or 0 for part in slices.box_region(index, axes)]
         first = int(np.ravel_multi_index(starts, keepdims))  # the box's first slice
         return slices.box_axes_scales(box, axes, info.dtype, limit, info.name, first)
 
@@ -554,35 +556,22 @@ def _clip_slices_box_by_box(
     after, flushes = NormAccumulator(), Flushes()
     outcome = Outcome(after, True, 0, slice_count, flushes)
 
-    def scaled(
-        item: tuple[int, slices.Box],
-    ) -> tuple[np.ndarray, NormAccumulator, int, tuple[int, int]]:
-        """One box scaled (in a worker thread): its output, statistics, clipped slices
-        and flushes, merged in order by the caller."""
-        k, (box, index) = item
-        if k < first_clipped:
-            scales = np.ones(slices.keepdims_shape(box.shape, axes))
-        else:
-            scales = its_scales if k == first_clipped else factors(box, index)
-        out = rounding.scale_chunk(box, scales)
-        flushed = rounding.flushes(box, out)
-        flat = out.reshape(-1)
-        return flat, accumulate([flat]), int(np.count_nonzero(scales != 1.0)), flushed
-
-    def scaled_boxes() -> Iterator[np.ndarray]:
-        # The boxes' factors in worker threads (ordered_map), read here in order: the
-        # search is most of --axes' CPU (~25 ns an element of bfloat16, against ~1 to
-        # scale), and each box's factors depend on the box alone.
+    def scaled_boxes(first_clipped: int, its_scales: np.ndarray) -> Iterator[np.ndarray]:
         clipped = 0
-        for out, partial, count, flushed in ordered_map(scaled, enumerate(boxes())):
-            after.merge(partial)
-            flushes.add(*flushed)
-            clipped += count
-            yield out
+        for k, (box, index) in enumerate(boxes()):
+            if k < first_clipped:
+                scales = np.ones(slices.keepdims_shape(box.shape, axes))
+            else:
+                scales = its_scales if k == first_clipped else factors(box, index)
+            clipped += int(np.count_nonzero(scales != 1.0))
+            scaled = rounding.scale_chunk(box, scales)
+            flushes.add(*rounding.flushes(box, scaled))
+            flat = scaled.reshape(-1)
+            after.add(flat)
+            yield flat
         settle(dataclasses.replace(outcome, slices_clipped=clipped))
 
-    first_clipped, its_scales = first
-    return outcome, scaled_boxes()
+    return outcome, scaled_boxes(*first)
 
 
 def _scaled_boxes(
