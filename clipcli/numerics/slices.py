@@ -862,7 +862,9 @@ def streamed_axes_scales(
     sums, whose array each piece's factors then take over; float64: 17; 13 at the peak,
     measured), a window's values and what one piece needs. between() is called before
     each piece's factors are searched (the caller's signal check: a window of float16
-    pairs is 64 pieces and ~9 s of searching, with no box read in between)."""
+    pairs is 64 pieces and ~9 s of searching, with no box read in between). Long slices
+    (counts_long_slices) are measured and searched each as a tensor of its own instead
+    (_counted_axes_scales)."""
     if counts_long_slices(shape, axes, dtype, box_elements(dtype)):
         return _counted_axes_scales(boxes, shape, axes, dtype, limit, between, name, first)
     sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
@@ -892,11 +894,12 @@ def streamed_axes_scales(
     return sums  # now the factors
 
 
-# Slices of 8/16-bit floats whose values take at least this many bytes are searched on
-# their histograms of bit patterns, as `clip --norm` searches a whole tensor, where a box
-# holds at most COUNTED_PIECES_PER_BOX pieces of slices. Gathering such slices' values held
-# each whole, with float64 working copies: [2, 2**28] bfloat16 with --axes 1 took 2.7 GB
-# and 50 s. A histogram is 8 bytes a bit pattern (512 KiB for 16 bits) however long the
+# Float slices whose values take at least this many bytes are measured and searched as
+# `clip --norm` measures and searches a whole tensor (8/16-bit floats on their histograms
+# of bit patterns), where a box holds at most COUNTED_PIECES_PER_BOX pieces of slices.
+# Gathering such slices' values held each whole, with float64 working copies: [2, 2**28]
+# bfloat16 with --axes 1 took 2.7 GB and 50 s, float64 [2, 2**26] 5.8 GB and 57 s.
+# A histogram is 8 bytes a bit pattern (512 KiB for 16 bits) however long the
 # slice, but each piece costs a count of its own (~40 us), so with many short pieces in a
 # box (long columns of a wide matrix) the gathered values are cheaper. Measured on bf16
 # columns of 2**21 values, --axes 0, every column clipped: 64 columns, counted 3.0 s of
@@ -908,8 +911,8 @@ COUNTED_PIECES_PER_BOX = 64
 def counts_long_slices(
     shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any], budget: int
 ) -> bool:
-    """Whether streamed_axes_scales searches the slices on their histograms: 8/16-bit
-    float slices of LONG_SLICE_BYTES or more, at most COUNTED_PIECES_PER_BOX in a box of
+    """Whether streamed_axes_scales searches the slices each as a tensor of its own: float
+    slices of LONG_SLICE_BYTES or more, at most COUNTED_PIECES_PER_BOX in a box of
     box_indices(shape, budget)."""
     slice_numel = math.prod(shape[a] for a in axes)
     if not is_floating(dtype) or slice_numel * dtype.itemsize < LONG_SLICE_BYTES:
@@ -999,7 +1002,7 @@ class _CountedSlice(NamedTuple):
     name: str
     dtype: np.dtype[Any]
     numel: int
-    stats: NormAccumulator  # finished, with the slice's histogram
+    stats: NormAccumulator  # finished (8/16-bit floats: with the slice's histogram)
     number: int
     rounded_elsewhere: bool = False
     power_of_two: bool = False
