@@ -275,8 +275,12 @@ def scales_from_sums(
 # Values whose margins _slice_values_margin works out at once: each step makes some six
 # float64 temporaries of them (the products, their rounding, the scaled rows, the split
 # sums), which over a whole window of gathered values (64 MiB) took complex128 columns,
-# [2^16, 2^10] --axes 0, to 296 MB.
-MARGIN_BLOCK_VALUES = 1 << 20
+# [2^16, 2^10] --axes 0, to 296 MB. At 2**20 values (8 MiB a temporary) the certain
+# margin ran from memory at 16-19 ns a value; at 2**17 (1 MiB) from cache at 9.5-10
+# (float64 --axes 1 of [1024, 2**17] searches five margins a box). A row longer than this
+# is a block of its own; each row's margin depends on that row alone, so the block
+# changes no factor.
+MARGIN_BLOCK_VALUES = 1 << 17
 
 
 def _slice_values_margin(picked: np.ndarray, dtype: np.dtype[Any], limit: float) -> Margin:
