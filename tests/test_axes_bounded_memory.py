@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -30,9 +30,10 @@ from clipcli.numerics import slices
 def boxes_of(array: np.ndarray, budget: int) -> slices.Boxes:
     indices = slices.box_indices(array.shape, budget)
 
-    def one_pass() -> Iterator[slices.Box]:
+    def one_pass(only: Callable[[slices.BoxIndex], bool] | None = None) -> Iterator[slices.Box]:
         for index in indices:
-            yield array[index].reshape(slices.box_shape(array.shape, index)), index
+            if only is None or only(index):  # the others unread, as at random access
+                yield array[index].reshape(slices.box_shape(array.shape, index)), index
 
     return one_pass
 

@@ -326,6 +326,17 @@ class FastReading:
         caller reads them one by one. Asked for small tensors only (a few MiB in all)."""
         return None
 
+    def elements_loader(
+        self,
+        info: TensorInfo,  # noqa: ARG002 - default of an interface method
+        start: int,  # noqa: ARG002
+        stop: int,  # noqa: ARG002
+    ) -> Callable[[], np.ndarray] | None:
+        """A thread-safe loader of the tensor's elements [start, stop) in C order, flat
+        (0 <= start <= stop <= numel), for readers with random access; None where reading
+        must be sequential. --axes reads just the boxes that hold one long slice with it."""
+        return None
+
     def measured_loaders(
         self,
         info: TensorInfo,  # noqa: ARG002 - default of an interface method

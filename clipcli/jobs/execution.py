@@ -592,11 +592,18 @@ def _scaled_boxes(
 
 def _boxes_of(reader: Reader, info: TensorInfo) -> slices.Boxes:
     """The tensor's boxes (numerics.slices.box_indices), read anew on each call: the
-    reader's chunks cut or joined to the boxes' sizes, at most a chunk and a box at once."""
+    reader's chunks cut or joined to the boxes' sizes, at most a chunk and a box at once.
+    A pass asked for `only` some boxes reads just those where the reader has random
+    access (Reader.elements_loader), else reads through and leaves the others out."""
     budget = slices.box_elements(info.dtype)
     indices = slices.box_indices(info.shape, budget)
 
-    def one_pass() -> Iterator[slices.Box]:
+    def one_pass(only: Callable[[slices.BoxIndex], bool] | None = None) -> Iterator[slices.Box]:
+        if only is not None and reader.elements_loader(info, 0, 0) is not None:
+            return _boxes_at(reader, info, indices, only)
+        return slices.accepted(in_order(), only)
+
+    def in_order() -> Iterator[slices.Box]:
         chunks = reader.chunks(info, budget)
         left = np.empty(0, info.dtype)
         for index in indices:
@@ -616,6 +623,25 @@ def _boxes_of(reader: Reader, info: TensorInfo) -> slices.Boxes:
             yield box.reshape(shape), index
 
     return one_pass
+
+
+def _boxes_at(
+    reader: Reader,
+    info: TensorInfo,
+    indices: list[slices.BoxIndex],
+    only: Callable[[slices.BoxIndex], bool],
+) -> Iterator[slices.Box]:
+    """The boxes whose index `only` accepts, each read at its own place in the tensor."""
+    start = 0
+    for index in indices:
+        shape = slices.box_shape(info.shape, index)
+        size = math.prod(shape)
+        if only(index):
+            interrupts.check()
+            load = reader.elements_loader(info, start, start + size)
+            assert load is not None  # the reader said it reads at any offset
+            yield load().reshape(shape), index
+        start += size
 
 
 def _clip_slices(

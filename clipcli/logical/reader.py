@@ -124,6 +124,12 @@ class LogicalReader(Reader):
         part = self._plain_part(info)
         return None if part is None else self.stored.chunk_loaders(part)
 
+    def elements_loader(
+        self, info: TensorInfo, start: int, stop: int
+    ) -> Callable[[], np.ndarray] | None:
+        part = self._plain_part(info)
+        return None if part is None else self.stored.elements_loader(part, start, stop)
+
     def measured_loaders(self, info: TensorInfo) -> Iterator[Callable[[], NormAccumulator]] | None:
         if self._plain_part(info) is not None:
             return None

@@ -10,10 +10,10 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -662,8 +662,23 @@ def box_elements(dtype: np.dtype[Any]) -> int:
     return max(1, STREAM_BOX_ELEMENTS * 8 // max(8, dtype.itemsize))
 
 
-Box = tuple[np.ndarray, tuple[int | slice, ...]]  # a box shaped as a block, and its index
-Boxes = Callable[[], Iterator[Box]]
+BoxIndex = tuple[int | slice, ...]
+Box = tuple[np.ndarray, BoxIndex]  # a box shaped as a block, and its index
+
+
+class Boxes(Protocol):
+    """A pass over a tensor's boxes, in order, read anew on each call. Given `only` (a test
+    of a box's index), the pass yields just the boxes it accepts and may leave the others
+    unread (a reader with random access does): a check of one long slice's output read the
+    whole tensor for it, a pass per float64 row ([64, 2**21] with --axes 1: 64 GiB read)."""
+
+    def __call__(self, only: Callable[[BoxIndex], bool] | None = None) -> Iterator[Box]: ...
+
+
+def accepted(boxes: Iterable[Box], only: Callable[[BoxIndex], bool] | None) -> Iterator[Box]:
+    """The boxes whose index `only` accepts (all of them without it), for passes over boxes
+    that are at hand or read in order anyway."""
+    return iter(boxes) if only is None else (box for box in boxes if only(box[1]))
 
 
 def box_indices(shape: tuple[int, ...], budget: int) -> list[tuple[int | slice, ...]]:
@@ -1026,9 +1041,16 @@ def _pieces_of(
     rest = [i for i in range(len(shape)) if i not in axes]
     want = np.zeros(math.prod(shape[i] for i in rest), bool)
     want[wanted] = True
-    for box, index in boxes():
+
+    def slice_ids_of(index: BoxIndex) -> np.ndarray:
         ranges = _box_ranges(index, shape)
-        slice_ids = _raveled([ranges[i] for i in rest], [shape[i] for i in rest])
+        return _raveled([ranges[i] for i in rest], [shape[i] for i in rest])
+
+    def holds_one(index: BoxIndex) -> bool:
+        return bool(want[slice_ids_of(index)].any())
+
+    for box, index in boxes(only=holds_one):
+        slice_ids = slice_ids_of(index)
         inside = np.flatnonzero(want[slice_ids])
         if not inside.size:
             continue
@@ -1135,8 +1157,8 @@ def box_axes_scales(
     slice in the tensor, for a refusal's message."""
     whole = tuple(slice(None) for _ in box.shape)
 
-    def boxes() -> Iterator[Box]:
-        return iter([(box, whole)])
+    def boxes(only: Callable[[BoxIndex], bool] | None = None) -> Iterator[Box]:
+        return accepted([(box, whole)], only)
 
     return streamed_axes_scales(boxes, box.shape, axes, dtype, limit, name=name, first=first)
 

@@ -439,6 +439,15 @@ class SafetensorsReader(Reader):
         for start in range(begin, end, step):
             yield functools.partial(self.read_bytes, info, start, min(start + step, end))
 
+    def elements_loader(
+        self, info: TensorInfo, start: int, stop: int
+    ) -> Callable[[], np.ndarray] | None:
+        begin, end = self.byte_range(info)
+        size = info.dtype.itemsize
+        if not 0 <= start <= stop <= info.numel or begin + stop * size > end:
+            raise ValueError(f"elements [{start}, {stop}) are not in tensor {info.name!r}")
+        return functools.partial(self.read_bytes, info, begin + start * size, begin + stop * size)
+
     def loader_of_many(self, infos: Sequence[TensorInfo]) -> Callable[[], list[np.ndarray]] | None:
         """One pread for tensors stored in this order with at most MANY_SPAN_BYTES from the
         first one's start to the last one's end (what lies between, unasked, is read too)."""

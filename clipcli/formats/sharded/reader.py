@@ -343,6 +343,11 @@ class ShardedReader(Reader):
     def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]]:
         return self._reader_of(info).chunk_loaders(info)
 
+    def elements_loader(
+        self, info: TensorInfo, start: int, stop: int
+    ) -> Callable[[], np.ndarray] | None:
+        return self._reader_of(info).elements_loader(info, start, stop)
+
     def read(self, info: TensorInfo) -> np.ndarray:
         return self._reader_of(info).read(info)
 
