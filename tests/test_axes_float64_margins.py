@@ -1,0 +1,134 @@
+"""The margins of float64 slices in the --axes search (numerics.slices._certain_rows_margin).
+
+A float64 slice's search asks about five margins, each a certain bound of the rounded
+slice's sum of squares against C**2 by split sums (~10 ns a value). Where the plain float64
+sum of squares is far enough from C**2 for its rounding to leave no doubt (the search's
+first guesses, 2**-24 either side of TF's factor), the plain sum now decides (~1 ns).
+
+References: exact sums of squares as fractions, and the factors found where every margin
+takes the split sums (the plain decision out of reach), which must be the same.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from clipcli.numerics import slices
+from clipcli.numerics.search import U64
+
+
+def _slack(terms: int) -> float:
+    return (terms + 4) * U64 * 1.01
+
+
+def _edge(terms: int, side: int) -> float:
+    """The ratio nearest 1 that is still decided on `side` (-1: under, +1: over), found by
+    stepping float by float from 1 (a few dozen steps: the slack is that many ulps)."""
+    r = 1.0
+    ones = np.ones(1)
+    while not slices._plainly_decided(np.array([r]), ones, terms)[0]:
+        r = math.nextafter(r, side * math.inf)
+    return r
+
+
+@pytest.mark.parametrize("terms", [1, 7, 1000, 1 << 17])
+def test_the_plain_sum_decides_from_exactly_its_slack(terms: int) -> None:
+    """At the first decided ratio on each side: decided; one float nearer 1: not. And the
+    first decided ratio is where the strict comparison with (1 +- slack) first holds."""
+    slack = _slack(terms)
+    under, over = _edge(terms, -1), _edge(terms, +1)
+    assert under * (1 + slack) < 1.0 <= math.nextafter(under, 2.0) * (1 + slack)
+    assert over * (1 - slack) > 1.0 >= math.nextafter(over, 0.0) * (1 - slack)
+    ones = np.ones(2)
+    decided = slices._plainly_decided
+    assert decided(np.array([under, over]), ones, terms).all()
+    nearer = np.array([math.nextafter(under, 2.0), math.nextafter(over, 0.0)])
+    assert not decided(nearer, ones, terms).any()
+    # The slack covers the sum's rounding: at least (terms + 3) roundings of each side.
+    assert 1.0 - under >= (terms + 3) * U64
+    assert over - 1.0 >= (terms + 3) * U64
+
+
+def test_the_plain_sum_decides_only_where_c_squared_is_within_its_range() -> None:
+    low, high = slices._PLAIN_DECIDES
+    far = np.full(4, 0.5)
+    csq = np.array([low, math.nextafter(low, 0.0), high, math.nextafter(high, math.inf)])
+    assert slices._plainly_decided(far, csq, 8).tolist() == [True, False, True, False]
+    assert not slices._plainly_decided(np.array([math.inf, math.nan]), np.ones(2), 8).any()
+
+
+def _norm(row: np.ndarray) -> float:
+    """The row's L2 norm from its exact sum of squares (any magnitude float64 holds)."""
+    total = sum((Fraction(v) ** 2 for v in row.tolist()), Fraction(0))
+    if not total:
+        return 0.0
+    half = (total.numerator.bit_length() - total.denominator.bit_length()) // 2
+    return math.ldexp(math.sqrt(float(total / Fraction(4) ** half)), half)
+
+
+def _exact_margin(row: np.ndarray, limit: float) -> Fraction:
+    """1 - (the row's exact sum of squares) / limit**2."""
+    total = sum((Fraction(v) ** 2 for v in row.tolist()), Fraction(0))
+    return 1 - total / Fraction(limit) ** 2
+
+
+def test_margins_have_the_exact_sign_whichever_sum_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of 1 to 64 values at magnitudes from 1e-300 to 1e300, against limits from 0.5 to
+    2 times their norm and within a few ulps of it: margin >= 0 only where the exact sum
+    of squares is <= C**2, and below 0 only where it is over (or so close to C**2 that
+    only an exact decision tells: the split sums' bound is certain, not exact); both sums
+    decide some rows."""
+    split_rows: list[int] = []
+    split = slices._split_rows_margin
+
+    def counted(x: np.ndarray, c: np.ndarray) -> np.ndarray:
+        split_rows.append(x.shape[0])
+        return split(x, c)
+
+    monkeypatch.setattr(slices, "_split_rows_margin", counted)
+    rng = np.random.default_rng(11)
+    asked = 0
+    for trial in range(400):
+        n = int(rng.integers(1, 65))
+        scale = 10.0 ** rng.uniform(-300, 300)
+        rows = rng.standard_normal((3, n)) * scale
+        norm = _norm(rows[0])
+        if trial % 2:
+            limit = norm * float(rng.uniform(0.5, 2.0))
+        else:
+            limit = norm
+            for _ in range(int(rng.integers(-4, 5))):
+                limit = math.nextafter(limit, math.inf if trial % 4 else 0.0)
+        margins = slices._certain_rows_margin(rows, limit)
+        for row, margin in zip(rows, margins, strict=True):
+            exact = _exact_margin(row, limit)
+            if margin >= 0:  # certain: it fits
+                assert exact >= 0, (trial, n, limit)
+            else:  # over, or within the split sums' tiny bound of C**2 (an exact tie)
+                assert exact < Fraction(1, 2**100), (trial, n, limit)
+        asked += rows.shape[0]
+    assert 0 < sum(split_rows) < asked
+
+
+def test_the_factors_are_the_split_sums_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float64 boxes of rows (--axes 1) at magnitudes from 1e-300 to 1e300, every row over
+    the limit, some rows alike and limits at a row's norm: the same factors, bit for bit,
+    with the plain decision and without it."""
+    rng = np.random.default_rng(12)
+    for trial in range(60):
+        n = int(rng.choice([1, 2, 5, 64, 1000, 3000]))
+        scale = 10.0 ** rng.uniform(-300, 300)
+        box = rng.standard_normal((6, n)) * scale
+        if trial % 3 == 0:
+            box[1:] = box[0]
+        norm = _norm(box[0])
+        limit = norm * (1.0 if trial % 2 else 0.5)
+        with_plain = slices.box_axes_scales(box, (1,), box.dtype, limit)
+        monkeypatch.setattr(slices, "_PLAIN_DECIDES", (math.inf, -math.inf))
+        split_only = slices.box_axes_scales(box, (1,), box.dtype, limit)
+        monkeypatch.undo()
+        assert with_plain.tobytes() == split_only.tobytes(), (trial, n, scale)
