@@ -1,7 +1,7 @@
 """The floor for `norms` on a .safetensors file: the least work that gives a correct answer.
 
 Parse the header, np.memmap the data, and sum squares tensor by tensor, chunk by chunk, with
-float64 accumulation (`c = x[i:i+n].astype(np.float64); s += c @ c`), BLAS pinned to one
+float64 accumulation (`c = x[i:i+n].astype(np.float64); s += np.dot(c, c)`), BLAS pinned to one
 thread. No validation, no max|x|, no non-finite count, no report: it prints the global L2
 norm and, with --per-tensor, one `name norm` line per tensor.
 
@@ -36,7 +36,9 @@ def dtype_of(name: str) -> np.dtype:
 
 def chunk_sumsq(x: np.ndarray, i: int) -> float:
     c = x[i : i + CHUNK].astype(np.float64)
-    return float(c @ c)
+    # np.dot, not c @ c: the same bits, but matmul holds the GIL through the BLAS call, so
+    # the threaded floor's dots ran one at a time (benchmarks/gil_ops.py).
+    return float(np.dot(c, c))
 
 
 def main(path: str, per_tensor: bool, threads: int) -> None:
