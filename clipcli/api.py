@@ -8,12 +8,13 @@ then executes the plan into OUT's target (clipcli.output.target: one commit poin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from clipcli.errors import DataRefusedError, UsageError
+from clipcli.errors import DataRefusedError, NotFiniteError, UsageError
 from clipcli.formats.base import (
     Checkpoint,
     ListedTensor,
@@ -801,6 +802,18 @@ def _expect_all_elements(reader: Reader, writer_cls: type[Writer]) -> None:
         reader.expect_all_elements()
 
 
+@contextlib.contextmanager
+def _blaming_a_changed_input(guard: InputGuard) -> Iterator[None]:
+    """A value measured finite that a later pass reads as inf or NaN (NotFiniteError) is
+    the input changing under the run: the input's identity then says so (exit 3, one
+    line); if it did not change, the error stands (a fault of clipcli's, exit 70)."""
+    try:
+        yield
+    except NotFiniteError:
+        guard.check("while it was being read")
+        raise
+
+
 def _write_out(
     reader: Reader,
     writer_cls: type[Writer],
@@ -834,11 +847,13 @@ def _write_out(
             staged, Checkpoint(list(reader.infos), metadata, reader), target.durable
         )
         try:
-            made = make_plan(writer, guard)
+            with _blaming_a_changed_input(guard):
+                made = make_plan(writer, guard)
         except BaseException:
             writer.abort()
             raise
-        outcomes = _execute(made, logical or reader, reader, writer, progress)
+        with _blaming_a_changed_input(guard):
+            outcomes = _execute(made, logical or reader, reader, writer, progress)
         guard.check("while it was being read")
     for note in [*left_out, *target.notes]:
         notify("note", note)

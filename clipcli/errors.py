@@ -52,6 +52,12 @@ class InputError(ClipcliError):
         super().__init__(f"{where}: {problem}")
 
 
+class NotFiniteError(ValueError):
+    """A value summed for a decision that only finite values reach (a clip's check of its
+    output) is inf or NaN: the input changed while it was read (clipcli.api asks the input's
+    identity), else a fault of clipcli's (exit 70)."""
+
+
 class DataRefusedError(ClipcliError):
     """The data cannot be processed as asked: non-finite values, axes out of range."""
 

@@ -13,6 +13,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from clipcli.errors import NotFiniteError
 from clipcli.numerics.widening import widen_real
 
 
@@ -175,6 +176,16 @@ def exact_sum(terms: np.ndarray) -> Fraction:
     return sum((Fraction(part) for part, _ in _extracted(terms[terms != 0.0])), Fraction(0))
 
 
+def _finite_peak(magnitudes: np.ndarray) -> float:
+    """The largest of nonzero magnitudes (NaN if any is NaN); NotFiniteError unless finite:
+    only finite values are summed (the values of an input that changed while it was read
+    reached Fraction as NaN, exit 70, attack s43)."""
+    peak = float(magnitudes.max())
+    if not math.isfinite(peak):
+        raise NotFiniteError("a value to sum for a certain decision is inf or NaN")
+    return peak
+
+
 class CertainSumsq:
     """A sum of squares with a rigorous error bound, for the final "<= C" check of float64
     output (a plain float64 dot product errs by ~1e-14 there, about 150 float64 roundings
@@ -200,7 +211,7 @@ class CertainSumsq:
         magnitudes = magnitudes[magnitudes != 0]
         if magnitudes.size == 0:
             return
-        exp = math.frexp(float(magnitudes.max()))[1]
+        exp = math.frexp(_finite_peak(magnitudes))[1]
         x = np.ldexp(magnitudes, -exp)[None, :]  # below 1; tiny ones may underflow
         main, rest = split_sumsq(x)
         weight = Fraction(4) ** exp
@@ -221,7 +232,7 @@ class CertainSumsq:
         magnitudes = np.abs(widen_real(chunk)).reshape(-1)
         magnitudes = magnitudes[magnitudes != 0]
         while magnitudes.size:
-            exp = math.frexp(float(magnitudes.max()))[1]
+            exp = math.frexp(_finite_peak(magnitudes))[1]
             in_band = magnitudes >= math.ldexp(1.0, exp - _BAND)
             x = np.ldexp(magnitudes[in_band], -exp)[None, :]
             main, rest = split_sumsq(x)

@@ -402,13 +402,17 @@ def _scale_in_blocks(chunk: np.ndarray, scale: float, exponent: int) -> np.ndarr
         exponent += shift
     factor = np.float64(scale)
     buffer = np.empty(min(_SCALE_BLOCK, flat.size), np.float64)
-    for start in range(0, flat.size, _SCALE_BLOCK):
-        piece = flat[start : start + _SCALE_BLOCK]
-        wide = buffer[: piece.size]
-        np.multiply(piece, factor, out=wide)
-        if exponent:
-            np.ldexp(wide, exponent, out=wide)
-        out[start : start + piece.size] = wide  # the one rounding, as astype in narrow_round
+    # A tensor holding NaN is never scaled: a (signalling) NaN here comes from an input
+    # that changed while it was read, which the identity check then refuses in one line;
+    # numpy's "invalid value" warning would be a second (attack s43).
+    with np.errstate(invalid="ignore"):
+        for start in range(0, flat.size, _SCALE_BLOCK):
+            piece = flat[start : start + _SCALE_BLOCK]
+            wide = buffer[: piece.size]
+            np.multiply(piece, factor, out=wide)
+            if exponent:
+                np.ldexp(wide, exponent, out=wide)
+            out[start : start + piece.size] = wide  # the one rounding, as narrow_round's
     return out.reshape(chunk.shape)
 
 
