@@ -42,6 +42,8 @@ SHAPES = {
     "one 1-D f64 slice [n] --axes 0": ("F64", lambda n: (n,), "0"),
     "16 long rows, f64 [16, n/16] --axes 1": ("F64", lambda n: (16, n // 16), "1"),
     "8 long columns, f32 [n/8, 8] --axes 0": ("F32", lambda n: (n // 8, 8), "0"),
+    "128 columns, f64 [n/128, 128] --axes 0": ("F64", lambda n: (n // 128, 128), "0"),
+    "1024 rows of 2**17, f64 [n/2**17, 2**17] --axes 1": ("F64", lambda n: (n >> 17, 1 << 17), "1"),
     "two long rows, f32 [2, n/2] --axes 1, limit = row 0's norm": (
         "F32",
         lambda n: (2, n // 2),

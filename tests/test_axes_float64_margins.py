@@ -132,3 +132,54 @@ def test_the_factors_are_the_split_sums_ones(monkeypatch: pytest.MonkeyPatch) ->
         split_only = slices.box_axes_scales(box, (1,), box.dtype, limit)
         monkeypatch.undo()
         assert with_plain.tobytes() == split_only.tobytes(), (trial, n, scale)
+
+
+@pytest.mark.parametrize("block", [7, 64, 1000])
+def test_long_rows_in_pieces_give_the_whole_rows_factors(
+    monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    """Rows longer than MARGIN_BLOCK_VALUES are worked out a piece at a time
+    (_long_row_margin): the factors are those of the rows taken whole, bit for bit, with
+    the plain decision and without it (every margin by the split sums), at magnitudes
+    from 1e-300 to 1e300, rows alike, tiny values beside large ones, limits at a row's
+    norm and within ulps of it."""
+    rng = np.random.default_rng(13)
+    for trial in range(24):
+        n = int(rng.choice([8, 65, 999, 1000, 1001, 2500]))
+        scale = 10.0 ** rng.uniform(-300, 300)
+        rows = rng.standard_normal((4, n)) * scale
+        if trial % 3 == 0:
+            rows[1:] = rows[0]
+        if trial % 4 == 1:
+            rows[:, ::3] *= 1e-200
+        limit = _norm(rows[0]) * (1.0 if trial % 2 else 0.5)
+        if trial % 6 == 5:
+            limit = math.nextafter(limit, 0.0)
+        whole = slices.axes_scales(rows, (1,), limit)[1]
+        with monkeypatch.context() as patched:
+            patched.setattr(slices, "MARGIN_BLOCK_VALUES", block)
+            pieces = slices.axes_scales(rows, (1,), limit)[1]
+            patched.setattr(slices, "_PLAIN_DECIDES", (math.inf, -math.inf))
+            split_only = slices.axes_scales(rows, (1,), limit)[1]
+        assert pieces.tobytes() == whole.tobytes(), (trial, n, block)
+        assert split_only.tobytes() == whole.tobytes(), (trial, n, block)
+
+
+def test_a_long_rows_margin_has_the_exact_sign(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_long_row_margin against fractions: >= 0 only where the exact sum of squares of the
+    rounded row is <= C**2 (rows of 9 to 300 values in pieces of 4 to 64)."""
+    rng = np.random.default_rng(14)
+    for trial in range(200):
+        monkeypatch.setattr(slices, "MARGIN_BLOCK_VALUES", int(rng.choice([4, 7, 64])))
+        n = int(rng.integers(9, 301))
+        row = rng.standard_normal(n) * 10.0 ** rng.uniform(-300, 300)
+        limit = _norm(row)
+        factor = float(rng.choice([1.0, 0.5, math.nextafter(1.0, 0.0)]))
+        peak = float(np.max(np.abs(row)))
+        margin = slices._long_row_margin(row, factor, peak, np.dtype(np.float64), limit)
+        rounded = row * factor  # float64: the product is the one rounding
+        exact = _exact_margin(rounded, limit)
+        if margin >= 0:
+            assert exact >= 0, (trial, n)
+        else:
+            assert exact < Fraction(1, 2**100), (trial, n)

@@ -132,8 +132,14 @@ def split_sumsq(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     parts are added pairwise keeping each addition's exact error (TwoSum): only the tiny
     terms in `rest` are left to add."""
     high, low = two_square(x)
-    errors = [low]
-    level = high
+    main, errors = pairwise_two_sum(high)
+    return main, np.concatenate([low, *errors], axis=1)
+
+
+def pairwise_two_sum(level: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Each row of `level` added pairwise, each addition's exact error kept (TwoSum): the
+    rows' float64 sums, and the errors (arrays of rows) whose sums make them exact."""
+    errors = []
     while level.shape[1] > 1:
         if level.shape[1] % 2:
             level = np.pad(level, ((0, 0), (0, 1)))
@@ -141,7 +147,7 @@ def split_sumsq(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         level = a + b
         b_part = level - a
         errors.append((a - (level - b_part)) + (b - b_part))
-    return level[:, 0], np.concatenate(errors, axis=1)
+    return level[:, 0], errors
 
 
 def underflow_bound(x: np.ndarray) -> np.ndarray:

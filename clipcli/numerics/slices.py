@@ -32,6 +32,7 @@ from clipcli.numerics.certain import (
     counted_squares_within,
     counted_terms,
     limit_split,
+    pairwise_two_sum,
     split_sumsq,
     sumsq_error_bound,
     terms_at_most,
@@ -285,19 +286,79 @@ MARGIN_BLOCK_VALUES = 1 << 17
 
 def _slice_values_margin(picked: np.ndarray, dtype: np.dtype[Any], limit: float) -> Margin:
     """margin(factors) for float64 slices given as rows, from their values, a block of
-    rows (MARGIN_BLOCK_VALUES) at a time."""
+    rows (MARGIN_BLOCK_VALUES) at a time; a row longer than that a piece at a time
+    (_long_row_margin)."""
     values = widen_real(picked)  # complex: real and imaginary parts side by side
     per_block = max(1, MARGIN_BLOCK_VALUES // max(1, values.shape[1]))
+    rounds_to = real_dtype(dtype)
+    if values.shape[1] > MARGIN_BLOCK_VALUES:
+        peaks = np.max(np.abs(values), axis=1)
+
+        def long_rows_margin(factors: np.ndarray) -> np.ndarray:
+            return np.array(
+                [
+                    _long_row_margin(row, float(factor), float(peak), rounds_to, limit)
+                    for row, factor, peak in zip(values, factors, peaks, strict=True)
+                ]
+            )
+
+        return long_rows_margin
 
     def margin(factors: np.ndarray) -> np.ndarray:
         result = np.empty(values.shape[0])
         for start in range(0, values.shape[0], per_block):
             rows = slice(start, start + per_block)
-            rounded = rounded_as_float64(values[rows] * factors[rows, None], real_dtype(dtype))
+            rounded = rounded_as_float64(values[rows] * factors[rows, None], rounds_to)
             result[rows] = _certain_rows_margin(rounded, limit)
         return result
 
     return margin
+
+
+def _long_row_margin(
+    row: np.ndarray, factor: float, peak: float, dtype: np.dtype[Any], limit: float
+) -> float:
+    """_certain_rows_margin of one row scaled by `factor` and rounded to `dtype`, worked
+    out MARGIN_BLOCK_VALUES values at a time, so that its temporaries are a piece's, not
+    the row's (float64 columns of 2**20 values, --axes 0: 8 MiB each, some ten of them at
+    once, took a 1 GiB [2**20, 128] to 205 MB). `peak` is the row's largest magnitude:
+    rounding is monotone and symmetric, so the rounded row's is its product rounded. The
+    plain sum of squares decides where it can (the same test, for any order of its
+    additions); otherwise each piece's squares are split and summed pairwise as there,
+    their sums added pairwise with each addition's error kept, and every error term's
+    float64 sum bounded as sumsq_error_bound bounds it (any order of addition)."""
+    pieces = [row[k : k + MARGIN_BLOCK_VALUES] for k in range(0, row.size, MARGIN_BLOCK_VALUES)]
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        top = float(rounded_as_float64(np.array([peak * factor]), dtype)[0])
+        exp = math.frexp(top if top > 0 else 1.0)[1]
+        c = float(np.ldexp(limit, -exp))
+
+        def scaled(piece: np.ndarray) -> np.ndarray:
+            x: np.ndarray = np.ldexp(rounded_as_float64(piece * factor, dtype), -exp)
+            return x
+
+        total = sum(float(np.dot(x, x)) for x in map(scaled, pieces))
+        ratio = total / (c * c)
+        if _plainly_decided(np.array([ratio]), np.array([c * c]), row.size)[0]:
+            return 1.0 - ratio
+        mains, corr, magnitudes, terms, tiny = [], 0.0, 0.0, 0, 0
+        for x in map(scaled, pieces):
+            main, rest = split_sumsq(x[None, :])
+            mains.append(float(main[0]))
+            corr += float(rest.sum())
+            magnitudes += float(np.abs(rest).sum())
+            terms += rest.shape[1]
+            tiny += int(np.count_nonzero(np.abs(x) < 2.0**-400))
+        main_sum, errors = pairwise_two_sum(np.array([mains]))
+        for error in errors:
+            corr += float(error.sum())
+            magnitudes += float(np.abs(error).sum())
+            terms += error.shape[1]
+        # As sumsq_error_bound and underflow_bound, for the terms of every piece together.
+        bound = (terms + 4) * 2.0**-53 * magnitudes * 2 + 4 * tiny * 2.0**-1074
+        c_high, c_low = two_square(np.array([c]))
+        gap = (c_high[0] - main_sum[0]) + (c_low[0] - corr) - bound - 4 * U64 * U64 * c_high[0]
+        return float(gap / c_high[0]) if math.isfinite(c_high[0]) else 1.0
 
 
 @dataclass(frozen=True)
@@ -627,11 +688,14 @@ def _certain_rows_margin(rows: np.ndarray, limit: float) -> np.ndarray:
     x = np.ldexp(rows, -exps[:, None])
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         c = np.ldexp(np.full(rows.shape[0], limit), -exps)
-        ratio = (x * x).sum(axis=1) / (c * c)
+        # einsum: no temporary of the squares (a row of a gathered column can be 8 MiB).
+        ratio = np.einsum("ij,ij->i", x, x) / (c * c)
     plain = _plainly_decided(ratio, c * c, rows.shape[1])
     result: np.ndarray = 1.0 - ratio
     split = np.flatnonzero(~plain)
-    if split.size:
+    if split.size == x.shape[0]:
+        result = _split_rows_margin(x, c)  # every row: no copy of them
+    elif split.size:
         result[split] = _split_rows_margin(x[split], c[split])
     return result
 
