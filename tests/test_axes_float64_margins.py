@@ -17,7 +17,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from clipcli.numerics import slices
+from clipcli.numerics import norms, slices
 from clipcli.numerics.search import U64
 
 
@@ -183,3 +183,19 @@ def test_a_long_rows_margin_has_the_exact_sign(monkeypatch: pytest.MonkeyPatch) 
             assert exact >= 0, (trial, n)
         else:
             assert exact < Fraction(1, 2**100), (trial, n)
+
+
+def test_slice_exponents_kept_small_are_the_full_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """streamed_sumsq keeps float64 slices' exponents as int16, worked out in blocks: the
+    same exponents as rescale_exponents, from the smallest subnormal to the largest
+    float64, across block bounds (blocks of 3 for 8 peaks)."""
+    monkeypatch.setattr(slices, "EXPONENT_BLOCK", 3)
+    peaks = np.array(
+        [5e-324, 2.0**-1022, 2.0**-401, 2.0**-400, 1.0, 2.0**400, 2.0**401, 1.7976931348623157e308]
+    ).reshape(2, 1, 4)
+    small = slices._small_exponents(peaks)
+    assert small.dtype == np.int16
+    assert small.shape == peaks.shape
+    assert np.array_equal(small, norms.rescale_exponents(peaks))
+    assert small.min() == -1073
+    assert small.max() == 1024

@@ -846,12 +846,29 @@ def streamed_sumsq(
         for box, index in boxes():
             region = box_region(index, axes)
             peak[region] = np.maximum(peak[region], _peaks(box, axes))
-        exps = rescale_exponents(peak)
+        exps = _small_exponents(peak)
+        del peak  # before the sums are made: float64 [2, 2**26] --axes 0 held both
     total = np.zeros(keep_shape)
     for box, index in boxes():
         region = box_region(index, axes)
         total[region] += _sum_squares(box, axes, exps[region])
     return total, exps
+
+
+# Peaks whose exponents _small_exponents works out at once (its temporaries: some 30
+# bytes a peak; 67 million slices of a float64 [2, 2**26] peaked at 1.97 GB).
+EXPONENT_BLOCK = 1 << 20
+
+
+def _small_exponents(peaks: np.ndarray) -> np.ndarray:
+    """rescale_exponents of each peak as int16 (float64's exponents lie within +-1100),
+    a block of EXPONENT_BLOCK at a time: 2 bytes a slice kept, not 8."""
+    flat = peaks.reshape(-1)
+    exps = np.empty(flat.size, np.int16)
+    for start in range(0, flat.size, EXPONENT_BLOCK):
+        block = slice(start, start + EXPONENT_BLOCK)
+        exps[block] = rescale_exponents(flat[block])
+    return exps.reshape(peaks.shape)
 
 
 def streamed_picked(
@@ -980,8 +997,9 @@ def streamed_axes_scales(
     Where a piece needs its slices' values (those within rounding error of the limit; for
     8/16-bit floats and float64, every slice over it), one pass gathers the values of a
     window of pieces (SLICE_WINDOW_BYTES). Memory beyond a box: 9 bytes a slice kept (the
-    sums, whose array each piece's factors then take over; float64: 17; 13 at the peak,
-    measured), a window's values and what one piece needs. between() is called before
+    sums, whose array each piece's factors then take over; float64: 10, the sums and
+    their exponents; 13 at the peak, measured), a window's values and what one piece
+    needs. between() is called before
     each piece's factors are searched (the caller's signal check: a window of float16
     pairs is 64 pieces and ~9 s of searching, with no box read in between). Long slices
     (counts_long_slices) are measured and searched each as a tensor of its own instead
