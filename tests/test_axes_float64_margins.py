@@ -114,19 +114,25 @@ def test_margins_have_the_exact_sign_whichever_sum_decides(monkeypatch: pytest.M
     assert 0 < sum(split_rows) < asked
 
 
+def _hard_rows(
+    rng: np.random.Generator, trial: int, count: int, lengths: list[int]
+) -> tuple[np.ndarray, float]:
+    """`count` float64 rows of one of `lengths` at a magnitude from 1e-300 to 1e300, all
+    alike every third trial, and a limit at the first row's norm (odd trials) or half it."""
+    rows = rng.standard_normal((count, int(rng.choice(lengths)))) * 10.0 ** rng.uniform(-300, 300)
+    if trial % 3 == 0:
+        rows[1:] = rows[0]
+    return rows, _norm(rows[0]) * (1.0 if trial % 2 else 0.5)
+
+
 def test_the_factors_are_the_split_sums_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """float64 boxes of rows (--axes 1) at magnitudes from 1e-300 to 1e300, every row over
     the limit, some rows alike and limits at a row's norm: the same factors, bit for bit,
     with the plain decision and without it."""
     rng = np.random.default_rng(12)
     for trial in range(60):
-        n = int(rng.choice([1, 2, 5, 64, 1000, 3000]))
-        scale = 10.0 ** rng.uniform(-300, 300)
-        box = rng.standard_normal((6, n)) * scale
-        if trial % 3 == 0:
-            box[1:] = box[0]
-        norm = _norm(box[0])
-        limit = norm * (1.0 if trial % 2 else 0.5)
+        box, limit = _hard_rows(rng, trial, 6, [1, 2, 5, 64, 1000, 3000])
+        n, scale = box.shape[1], float(np.max(np.abs(box)))
         with_plain = slices.box_axes_scales(box, (1,), box.dtype, limit)
         monkeypatch.setattr(slices, "_PLAIN_DECIDES", (math.inf, -math.inf))
         split_only = slices.box_axes_scales(box, (1,), box.dtype, limit)
@@ -145,14 +151,11 @@ def test_long_rows_in_pieces_give_the_whole_rows_factors(
     norm and within ulps of it."""
     rng = np.random.default_rng(13)
     for trial in range(24):
-        n = int(rng.choice([8, 65, 999, 1000, 1001, 2500]))
-        scale = 10.0 ** rng.uniform(-300, 300)
-        rows = rng.standard_normal((4, n)) * scale
-        if trial % 3 == 0:
-            rows[1:] = rows[0]
+        rows, limit = _hard_rows(rng, trial, 4, [8, 65, 999, 1000, 1001, 2500])
+        n = rows.shape[1]
         if trial % 4 == 1:
             rows[:, ::3] *= 1e-200
-        limit = _norm(rows[0]) * (1.0 if trial % 2 else 0.5)
+            limit = _norm(rows[0]) * (1.0 if trial % 2 else 0.5)
         if trial % 6 == 5:
             limit = math.nextafter(limit, 0.0)
         whole = slices.axes_scales(rows, (1,), limit)[1]
