@@ -22,7 +22,7 @@ import pytest
 
 from clipcli.numerics.norms import sum_of_squares
 
-CALLS = 200  # a chance each: the other thread needs a CPU while one call runs
+CALLS = 2000  # a chance each: the other thread needs a CPU while one call runs
 
 
 @pytest.fixture
