@@ -278,9 +278,9 @@ def scales_from_sums(
 # sums), which over a whole window of gathered values (64 MiB) took complex128 columns,
 # [2^16, 2^10] --axes 0, to 296 MB. At 2**20 values (8 MiB a temporary) the certain
 # margin ran from memory at 16-19 ns a value; at 2**17 (1 MiB) from cache at 9.5-10
-# (float64 --axes 1 of [1024, 2**17] searches five margins a box). A row longer than this
-# is a block of its own; each row's margin depends on that row alone, so the block
-# changes no factor.
+# (float64 --axes 1 of [1024, 2**17] searches five margins a box). Each row's margin
+# depends on that row alone, so the block changes no factor; a row longer than this is
+# worked out a piece of this many values at a time (_long_row_margin).
 MARGIN_BLOCK_VALUES = 1 << 17
 
 
