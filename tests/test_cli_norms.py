@@ -128,7 +128,7 @@ def test_norms_reports_nonfinite_values(
     assert report["global_norm"] is None
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "complex64"])
 def test_signalling_nans_are_counted_without_a_warning(
     tmp_path: Path,
     write_checkpoint: Callable[..., Path],
@@ -137,7 +137,12 @@ def test_signalling_nans_are_counted_without_a_warning(
 ) -> None:
     """A signalling NaN (quiet bit clear) made numpy warn "invalid value encountered in
     cast" on stderr when it was widened; a NaN is data to count, not a warning."""
-    bits = {"float16": [0x7C01, 0x3C00, 0xFC00], "float32": [0x7F800001, 0x3F800000, 0xFF800000]}
+    bits = {
+        "float16": [0x7C01, 0x3C00, 0xFC00],
+        "float32": [0x7F800001, 0x3F800000, 0xFF800000],
+        # complex64 (attack s43b): sNaN + 1.0j, 1.0 - inf j (its widening to complex128)
+        "complex64": [0x7F800001, 0x3F800000, 0x3F800000, 0xFF800000],
+    }
     unsigned = np.uint16 if dtype == "float16" else np.uint32
     x = np.array(bits[dtype], dtype=unsigned).view(dtype)  # sNaN, 1.0, -inf
     path = write_checkpoint(tmp_path / "s.safetensors", {"x": x})
