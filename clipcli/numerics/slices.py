@@ -324,41 +324,67 @@ def _long_row_margin(
     once, took a 1 GiB [2**20, 128] to 205 MB). `peak` is the row's largest magnitude:
     rounding is monotone and symmetric, so the rounded row's is its product rounded. The
     plain sum of squares decides where it can (the same test, for any order of its
-    additions); otherwise each piece's squares are split and summed pairwise as there,
-    their sums added pairwise with each addition's error kept, and every error term's
-    float64 sum bounded as sumsq_error_bound bounds it (any order of addition)."""
-    pieces = [row[k : k + MARGIN_BLOCK_VALUES] for k in range(0, row.size, MARGIN_BLOCK_VALUES)]
+    additions). Otherwise the split sums are those of the row taken whole, bit for bit:
+    the pieces are aligned blocks of the pairwise tree (MARGIN_BLOCK_VALUES is a power of
+    two), their error terms go where the whole row's go (_pairwise_layout), and the
+    pieces' sums are added pairwise as the whole row's levels add them. (Bounds worked out
+    piece by piece gave another factor, one ulp apart, on a row crafted between the two:
+    attack s43b.)"""
+    block = MARGIN_BLOCK_VALUES
+    assert block & (block - 1) == 0, "pieces must be aligned blocks of the pairwise tree"
+    pieces = range(0, row.size, block)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
         top = float(rounded_as_float64(np.array([peak * factor]), dtype)[0])
         exp = math.frexp(top if top > 0 else 1.0)[1]
-        c = float(np.ldexp(limit, -exp))
+        c = np.ldexp(np.full(1, limit), -exp)  # float64 arithmetic: c * c may be 0 or inf
 
-        def scaled(piece: np.ndarray) -> np.ndarray:
+        def scaled(start: int) -> np.ndarray:
+            piece = row[start : start + block]
             x: np.ndarray = np.ldexp(rounded_as_float64(piece * factor, dtype), -exp)
             return x
 
-        total = sum(float(np.dot(x, x)) for x in map(scaled, pieces))
+        total = np.full(1, sum(float(np.dot(x, x)) for x in map(scaled, pieces)))
         ratio = total / (c * c)
-        if _plainly_decided(np.array([ratio]), np.array([c * c]), row.size)[0]:
-            return 1.0 - ratio
-        mains, corr, magnitudes, terms, tiny = [], 0.0, 0.0, 0, 0
-        for x in map(scaled, pieces):
-            main, rest = split_sumsq(x[None, :])
-            mains.append(float(main[0]))
-            corr += float(rest.sum())
-            magnitudes += float(np.abs(rest).sum())
-            terms += rest.shape[1]
+        if _plainly_decided(ratio, c * c, row.size)[0]:
+            return float(1.0 - ratio[0])
+        offsets = _pairwise_layout(row.size)
+        rest = np.zeros((1, offsets[-1]))  # the whole row's error terms, as split_sumsq's
+        mains = np.empty((1, len(pieces)))
+        tiny = 0
+        for k, start in enumerate(pieces):
+            x = scaled(start)[None, :]
+            high, low = two_square(x)
+            main, errors = pairwise_two_sum(high)
+            mains[0, k] = main[0]
+            rest[0, start : start + low.shape[1]] = low[0]
+            for level, error in enumerate(errors, start=1):
+                at = offsets[level] + start // 2**level
+                rest[0, at : at + error.shape[1]] = error[0]
             tiny += int(np.count_nonzero(np.abs(x) < 2.0**-400))
-        main_sum, errors = pairwise_two_sum(np.array([mains]))
-        for error in errors:
-            corr += float(error.sum())
-            magnitudes += float(np.abs(error).sum())
-            terms += error.shape[1]
-        # As sumsq_error_bound and underflow_bound, for the terms of every piece together.
-        bound = (terms + 4) * 2.0**-53 * magnitudes * 2 + 4 * tiny * 2.0**-1074
-        c_high, c_low = two_square(np.array([c]))
-        gap = (c_high[0] - main_sum[0]) + (c_low[0] - corr) - bound - 4 * U64 * U64 * c_high[0]
-        return float(gap / c_high[0]) if math.isfinite(c_high[0]) else 1.0
+        main_sum, errors = pairwise_two_sum(mains)
+        first = block.bit_length()  # the level the pieces' sums are added at
+        for level, error in enumerate(errors, start=first):
+            rest[0, offsets[level] : offsets[level] + error.shape[1]] = error[0]
+        corr = rest.sum(axis=1)
+        magnitudes = np.abs(rest, out=rest).sum(axis=1)  # rest is not needed again
+        # sumsq_error_bound and underflow_bound, on the same terms in the same order.
+        bound = (offsets[-1] + 4) * 2.0**-53 * magnitudes * 2 + 4 * tiny * 2.0**-1074
+        c_high, c_low = two_square(c)
+        gap = (c_high - main_sum) + (c_low - corr) - bound - 4 * U64 * U64 * c_high
+        return float(gap[0] / c_high[0]) if np.isfinite(c_high[0]) else 1.0
+
+
+def _pairwise_layout(size: int) -> list[int]:
+    """Where split_sumsq's error terms of a row of `size` values lie: the squares' low
+    parts from 0, then each level L's (the additions of level L - 1's values in pairs,
+    the odd one out with a padding 0) from entry L; the last entry is how many there are
+    in all."""
+    offsets = [0, size]
+    length = size
+    while length > 1:
+        length = (length + length % 2) // 2
+        offsets.append(offsets[-1] + length)
+    return offsets
 
 
 @dataclass(frozen=True)
