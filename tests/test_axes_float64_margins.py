@@ -168,7 +168,7 @@ def test_long_rows_in_pieces_give_the_whole_rows_factors(
         assert split_only.tobytes() == whole.tobytes(), (trial, n, block)
 
 
-@pytest.mark.parametrize("block", [4, 8, 64])
+@pytest.mark.parametrize("block", [4, 8, 9, 64])
 def test_a_long_rows_split_margin_is_the_whole_rows_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:

@@ -325,13 +325,12 @@ def _long_row_margin(
     rounding is monotone and symmetric, so the rounded row's is its product rounded. The
     plain sum of squares decides where it can (the same test, for any order of its
     additions). Otherwise the split sums are those of the row taken whole, bit for bit:
-    the pieces are aligned blocks of the pairwise tree (MARGIN_BLOCK_VALUES is a power of
-    two), their error terms go where the whole row's go (_pairwise_layout), and the
-    pieces' sums are added pairwise as the whole row's levels add them. (Bounds worked out
-    piece by piece gave another factor, one ulp apart, on a row crafted between the two:
-    attack s43b.)"""
-    block = MARGIN_BLOCK_VALUES
-    assert block & (block - 1) == 0, "pieces must be aligned blocks of the pairwise tree"
+    the pieces are aligned blocks of the pairwise tree (MARGIN_BLOCK_VALUES rounded down
+    to a power of two), their error terms go where the whole row's go (_pairwise_layout),
+    and the pieces' sums are added pairwise as the whole row's levels add them. (Bounds
+    worked out piece by piece gave another factor, one ulp apart, on a row crafted
+    between the two: attack s43b.)"""
+    block = 1 << (MARGIN_BLOCK_VALUES.bit_length() - 1)  # a power of two: aligned blocks
     pieces = range(0, row.size, block)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
         top = float(rounded_as_float64(np.array([peak * factor]), dtype)[0])
