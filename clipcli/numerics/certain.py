@@ -160,8 +160,16 @@ def underflow_bound(x: np.ndarray) -> np.ndarray:
 def sumsq_error_bound(x: np.ndarray, rest: np.ndarray) -> np.ndarray:
     """Per row, a bound of the error of main + (rest summed in plain float64): the float64
     sum of rest errs by at most (terms + 4) roundings of the sum of magnitudes."""
-    rounding = (rest.shape[1] + 4) * 2.0**-53 * np.abs(rest).sum(axis=1) * 2
+    rounding = rest_rounding_bound(rest.shape[1], np.abs(rest).sum(axis=1))
     result: np.ndarray = rounding + underflow_bound(x)
+    return result
+
+
+def rest_rounding_bound(terms: int, magnitudes: np.ndarray) -> np.ndarray:
+    """Per row, how far the float64 sum of `terms` error terms, in any order of addition,
+    may be from their exact sum, given the sum of their magnitudes: (terms + 4) roundings
+    of it."""
+    result: np.ndarray = (terms + 4) * 2.0**-53 * magnitudes * 2
     return result
 
 

@@ -33,11 +33,12 @@ from clipcli.numerics.certain import (
     counted_terms,
     limit_split,
     pairwise_two_sum,
+    rest_rounding_bound,
     split_sumsq,
-    sumsq_error_bound,
     terms_at_most,
     terms_within,
     two_square,
+    underflow_bound,
 )
 from clipcli.numerics.norms import NormAccumulator, accumulate_array, rescale_exponents
 from clipcli.numerics.rounding import narrow_round, rounded_as_float64, scale_chunk
@@ -349,7 +350,7 @@ def _long_row_margin(
         offsets = _pairwise_layout(row.size)
         rest = np.zeros((1, offsets[-1]))  # the whole row's error terms, as split_sumsq's
         mains = np.empty((1, len(pieces)))
-        tiny = 0
+        underflow = np.zeros(1)  # exact: a sum of multiples of 2**-1072
         for k, start in enumerate(pieces):
             x = scaled(start)[None, :]
             high, low = two_square(x)
@@ -359,18 +360,12 @@ def _long_row_margin(
             for level, error in enumerate(errors, start=1):
                 at = offsets[level] + start // 2**level
                 rest[0, at : at + error.shape[1]] = error[0]
-            tiny += int(np.count_nonzero(np.abs(x) < 2.0**-400))
+            underflow += underflow_bound(x)
         main_sum, errors = pairwise_two_sum(mains)
         first = block.bit_length()  # the level the pieces' sums are added at
         for level, error in enumerate(errors, start=first):
             rest[0, offsets[level] : offsets[level] + error.shape[1]] = error[0]
-        corr = rest.sum(axis=1)
-        magnitudes = np.abs(rest, out=rest).sum(axis=1)  # rest is not needed again
-        # sumsq_error_bound and underflow_bound, on the same terms in the same order.
-        bound = (offsets[-1] + 4) * 2.0**-53 * magnitudes * 2 + 4 * tiny * 2.0**-1074
-        c_high, c_low = two_square(c)
-        gap = (c_high - main_sum) + (c_low - corr) - bound - 4 * U64 * U64 * c_high
-        return float(gap[0] / c_high[0]) if np.isfinite(c_high[0]) else 1.0
+        return float(_split_margin(main_sum, rest, underflow, c)[0])
 
 
 def _pairwise_layout(size: int) -> list[int]:
@@ -741,9 +736,18 @@ def _split_rows_margin(x: np.ndarray, c: np.ndarray) -> np.ndarray:
     """_certain_rows_margin's certain bound for rows scaled to peaks in [0.5, 1), against
     the limit scaled alike (c)."""
     main, rest = split_sumsq(x)
+    return _split_margin(main, rest, underflow_bound(x), c)
+
+
+def _split_margin(
+    main: np.ndarray, rest: np.ndarray, underflow: np.ndarray, c: np.ndarray
+) -> np.ndarray:
+    """Per row, 1 - (a certain upper bound of main + the sum of rest's terms, and what
+    underflow may have lost) / c**2 (split_sumsq's parts of rows scaled as c is). `rest`
+    is overwritten: its magnitudes are summed in place."""
     corr = rest.sum(axis=1)
-    bound = sumsq_error_bound(x, rest)
-    with np.errstate(over="ignore", invalid="ignore"):
+    bound = rest_rounding_bound(rest.shape[1], np.abs(rest, out=rest).sum(axis=1)) + underflow
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         c_high, c_low = two_square(c)
         gap = (c_high - main) + (c_low - corr) - bound - 4 * U64 * U64 * c_high
         result = gap / c_high
@@ -1024,9 +1028,9 @@ def streamed_axes_scales(
     window of pieces (SLICE_WINDOW_BYTES). Memory beyond a box: 9 bytes a slice kept (the
     sums, whose array each piece's factors then take over; float64: 10, the sums and
     their exponents; 13 at the peak, measured), a window's values and what one piece
-    needs. between() is called before
-    each piece's factors are searched (the caller's signal check: a window of float16
-    pairs is 64 pieces and ~9 s of searching, with no box read in between). Long slices
+    needs. between() is called before each piece's factors are searched (the caller's
+    signal check: a window of float16 pairs is 64 pieces and ~9 s of searching, with no
+    box read in between). Long slices
     (counts_long_slices) are measured and searched each as a tensor of its own instead
     (_counted_axes_scales)."""
     if counts_long_slices(shape, axes, dtype, box_elements(dtype)):
