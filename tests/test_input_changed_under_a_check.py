@@ -72,6 +72,7 @@ def test_a_long_slice_check_of_a_changed_input_is_exit_3(
     assert len(err) == 1
     assert "was modified while it was being read" in err[0]
     assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]  # no temp file
 
 
 def test_a_whole_tensor_check_of_a_changed_input_is_exit_3(
@@ -96,6 +97,7 @@ def test_a_whole_tensor_check_of_a_changed_input_is_exit_3(
     assert len(err) == 1
     assert "was modified" in err[0]
     assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]  # no temp file
 
 
 def test_a_non_finite_value_in_a_certain_sum_is_its_own_error() -> None:
