@@ -220,6 +220,12 @@ class CertainSumsq:
         # (total, bound, how to work the part out) of each part added with add_bounded
         self._loose: list[tuple[Fraction, Fraction, Callable[[], CertainSumsq]]] = []
 
+    def copy(self) -> CertainSumsq:
+        """Another sum equal to this one, that adding to leaves this one as it is."""
+        other = CertainSumsq()
+        other.total, other.bound, other._loose = self.total, self.bound, list(self._loose)
+        return other
+
     def add(self, chunk: np.ndarray) -> None:
         magnitudes = np.abs(widen_real(chunk)).reshape(-1)
         magnitudes = magnitudes[magnitudes != 0]

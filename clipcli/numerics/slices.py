@@ -27,6 +27,7 @@ from clipcli.dtypes import (
     smallest_subnormal,
     smallest_without_zero,
 )
+from clipcli.errors import DataRefusedError
 from clipcli.numerics.certain import (
     CertainSumsq,
     counted_squares_within,
@@ -45,6 +46,7 @@ from clipcli.numerics.rounding import narrow_round, rounded_as_float64, scale_ch
 from clipcli.numerics.scaling import (
     Factor,
     OutputSumsq,
+    Problem,
     WideBound,
     each_factor,
     refuse_unreachable,
@@ -1110,9 +1112,9 @@ def _counted_axes_scales(
     gives the slice as a 1-D tensor). 8/16-bit floats: the slices' sums of squares first
     (streamed_sumsq), then the bit patterns of those that may be over the limit counted, a
     window of SLICE_WINDOW_BYTES of histograms a pass. Wider floats keep no histogram (a
-    NormAccumulator is ~1 KB): every slice is measured in one pass, and where the search
-    needs the output's norm (a tie, float64's check of its factor) it takes a pass over
-    that slice's pieces."""
+    NormAccumulator is ~1 KB): every slice is measured in one pass. Where the searches
+    need outputs' norms (a tie, float64's check of its factor), one pass over the boxes
+    that hold those slices answers every slice's question at once (_lockstep_factors)."""
     slice_count = math.prod(n for i, n in enumerate(shape) if i not in axes)
     scales = np.ones(slice_count)
     if math.isinf(limit):
@@ -1122,9 +1124,6 @@ def _counted_axes_scales(
     else:
         windows = [np.arange(slice_count)]
     slice_numel = math.prod(shape[a] for a in axes)
-
-    def output_sumsq_of(of: Sequence[_CountedSlice]) -> OutputSumsq:
-        return functools.partial(_scaled_sumsq, boxes, shape, axes, of[0].number)
 
     for window in windows:
         counted = {int(k): NormAccumulator(keep_histogram=True) for k in window}
@@ -1137,7 +1136,7 @@ def _counted_axes_scales(
             problems.append(
                 ([_CountedSlice(label, dtype, slice_numel, stats, slice_id)], limit, None)
             )
-        found = each_factor(problems, output_sumsq_of, between=between)
+        found = _lockstep_factors(problems, boxes, shape, axes, between)
         for slice_id, factor in zip(counted, found, strict=True):
             if factor is not None:
                 scales[slice_id] = math.ldexp(factor.mantissa, factor.exponent)
@@ -1214,28 +1213,100 @@ def _pieces_of(
             yield int(slice_ids[k]), np.ascontiguousarray(rows[k])
 
 
-def _scaled_sumsq(
+class _Unanswered(Exception):
+    """A search asked for an output's sum of squares that no pass has worked out yet."""
+
+    def __init__(self, question: _Question) -> None:
+        super().__init__(question)
+        self.question = question
+
+
+class _Question(NamedTuple):
+    """What a counted slice's search asks (scaling.OutputSumsq): the certain sum of squares
+    of the slice scaled by mantissa * 2**exponent and rounded as the write pass rounds it."""
+
+    slice_id: int
+    mantissa: float
+    exponent: int
+
+
+def _lockstep_factors(
+    problems: Sequence[Problem[_CountedSlice]],
     boxes: Boxes,
     shape: tuple[int, ...],
     axes: tuple[int, ...],
-    slice_id: int,
-    members: Sequence[int],
-    factor: Factor,
-) -> CertainSumsq:
-    """scaling.OutputSumsq of a problem whose one member is the slice: the certain sum of
-    squares of the slice scaled by `factor` and rounded as the write pass rounds it where
-    `members` names it (the search asks for it where no histogram decides: factors below
-    2**-900), of nothing where it does not (an exact tie, decided on the histogram)."""
-    total = CertainSumsq()
-    if not members:
-        return total
-    for _, piece in _pieces_of(boxes, shape, axes, np.array([slice_id])):
-        # A block at a time: CertainSumsq.add makes some ten float64 temporaries of what
-        # it is given (a complex64 box's took a tie of two long rows to 219 MB).
-        for start in range(0, piece.size, CHECK_BLOCK_ELEMENTS):
-            block = piece[start : start + CHECK_BLOCK_ELEMENTS]
-            total.add(scale_chunk(block, factor.mantissa, factor.exponent))
-    return total
+    between: Callable[[], None],
+) -> list[Factor | None]:
+    """each_factor's factor of each problem (one counted slice each), its checks of the
+    output made for all the slices together: a pass over the boxes per slice made float64
+    [2**21, 64] with --axes 0 read its 1 GiB 64 times or more. Each search is run until it
+    asks about an output no pass has summed yet (_Unanswered); one pass over the boxes
+    holding those slices then sums every output asked for, and the searches that asked are
+    run again from their start, given what is known from memory. A search is a function of
+    its slice's statistics and of these answers alone, so run again it asks the same
+    questions in the same order and finds the factor each_factor finds, bit for bit: each
+    answer is the sum _output_sums makes of the slice alone."""
+    answers: dict[_Question, CertainSumsq] = {}
+
+    def output_sumsq_of(of: Sequence[_CountedSlice]) -> OutputSumsq:
+        def answered(members: Sequence[int], factor: Factor) -> CertainSumsq:
+            if not members:  # an exact tie decided on the histogram: nothing to read
+                return CertainSumsq()
+            question = _Question(of[0].number, factor.mantissa, factor.exponent)
+            known = answers.get(question)
+            if known is None:
+                raise _Unanswered(question)
+            return known.copy()  # a search may add to a sum it is given (scaling's ties)
+
+        return answered
+
+    found: list[Factor | None] = [None] * len(problems)
+    waiting = list(range(len(problems)))
+    # A refusal (a slice no factor brings within the limit) is raised once the searches
+    # before it are done: the one raised is the first in order, as one search after
+    # another would have raised it.
+    refused: DataRefusedError | None = None
+    while waiting:
+        asked: list[_Question] = []
+        still = []
+        for place in waiting:
+            search = each_factor([problems[place]], output_sumsq_of, between=between)
+            try:
+                found[place] = next(search)
+            except _Unanswered as unanswered:
+                asked.append(unanswered.question)
+                still.append(place)
+            except DataRefusedError as refusal:
+                refused = refusal
+                break  # the searches after it are not needed
+        answers.update(_output_sums(boxes, shape, axes, asked))
+        waiting = still
+    if refused is not None:
+        raise refused
+    return found
+
+
+def _output_sums(
+    boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], questions: Sequence[_Question]
+) -> dict[_Question, CertainSumsq]:
+    """The answer to each question, in one pass over the boxes that hold the slices asked
+    about: each slice's pieces in the order the boxes come, a block at a time, whichever
+    other slices are asked about with it."""
+    totals = {question: CertainSumsq() for question in questions}
+    by_slice: dict[int, list[_Question]] = {}
+    for question in questions:
+        by_slice.setdefault(question.slice_id, []).append(question)
+    if not by_slice:
+        return totals
+    wanted = np.array(sorted(by_slice), dtype=np.intp)
+    for slice_id, piece in _pieces_of(boxes, shape, axes, wanted):
+        for question in by_slice[slice_id]:
+            # A block at a time: CertainSumsq.add makes some ten float64 temporaries of
+            # what it is given (a complex64 box's took a tie of two long rows to 219 MB).
+            for start in range(0, piece.size, CHECK_BLOCK_ELEMENTS):
+                block = piece[start : start + CHECK_BLOCK_ELEMENTS]
+                totals[question].add(scale_chunk(block, question.mantissa, question.exponent))
+    return totals
 
 
 CHECK_BLOCK_ELEMENTS = 1 << 18
