@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from clipcli.jobs.diff import DiffResult  # diff's modules load when a diff runs
     from clipcli.jobs.measurement import Measurement
+    from clipcli.jobs.pipeline import CountOnceOver
     from clipcli.jobs.plan import Outcome, Plan, Reason, TensorPlan
     from clipcli.jobs.spec import ClipSpec
     from clipcli.logical.view import QuantizedRows
@@ -442,6 +443,7 @@ def plan_clip(
         if spec.mode is not Mode.VALUE and spec.axes is None
         else None,
         on_measured=hook,
+        count_once_over=None if _is_logical(reader) else _count_once_over(spec),
     )
     made = plan(measurement, spec, execution.output_check(reader))
     from clipcli.logical.reader import LogicalReader
@@ -695,6 +697,23 @@ def _is_logical(reader: Reader) -> bool:
     from clipcli.logical.reader import LogicalReader
 
     return isinstance(reader, LogicalReader)
+
+
+def _count_once_over(spec: ClipSpec) -> CountOnceOver | None:
+    """When the histograms of a clip's 8/16-bit floats are counted: once a tensor's own
+    norm (--norm) or the global norm (--global) may be over the limit; from the start in
+    the other modes (--average's limit depends on the tensor, --group-by's and --use-norm's
+    factors on more than one norm)."""
+    from clipcli.jobs import pipeline
+    from clipcli.jobs.spec import Mode
+
+    if spec.axes is not None or spec.use_norm is not None or spec.group_by is not None:
+        return None
+    if spec.mode is Mode.NORM:
+        return pipeline.CountOnceOver(spec.limit, per_tensor=True)
+    if spec.mode is Mode.GLOBAL:
+        return pipeline.CountOnceOver(spec.limit, per_tensor=False)
+    return None
 
 
 def _may_scale(selection: Selection) -> Callable[[TensorInfo], bool]:
