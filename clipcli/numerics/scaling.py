@@ -353,6 +353,14 @@ _LEFT_ALONE = "left alone"
 _TIE = "a tie"
 
 
+def decided_without_output(members: Sequence[Measured], limit: float) -> bool:
+    """Whether each_factor (given no stored_sumsq_each) decides the problem (members,
+    limit) without asking for an output's sum of squares: left alone, or searched in a
+    batch on the rounding bound or on histograms."""
+    searched = _bounded_search(members, limit, {})
+    return searched is _LEFT_ALONE or isinstance(searched, _OnBound | _OnHistograms)
+
+
 def _bounded_search(
     members: Sequence[Measured], limit: float, digits: dict[np.dtype[Any], int]
 ) -> _OnBound | _OnHistograms | str | None:

@@ -48,6 +48,7 @@ from clipcli.numerics.scaling import (
     OutputSumsq,
     Problem,
     WideBound,
+    decided_without_output,
     each_factor,
     refuse_unreachable,
 )
@@ -1151,7 +1152,9 @@ def _candidate_windows(
     of 8/16-bit floats are exact to far better than CANDIDATE_SLACK, so no slice over the
     limit is left out; a candidate within it is left alone by the exact search."""
     sums = streamed_sumsq(boxes, shape, axes, dtype)[0].reshape(-1)  # exponents all 0
-    with np.errstate(divide="ignore"):
+    # A zero sum's ratio is inf, and so is one past float64 (--norm 1e300 over a slice of
+    # subnormals): neither is a candidate. No warning reaches stderr (attack s44).
+    with np.errstate(divide="ignore", over="ignore"):
         ratios = limit / np.sqrt(sums)
     candidates = np.flatnonzero(np.isfinite(sums) & (sums > 0) & (ratios < 1 + CANDIDATE_SLACK))
     per_window = max(1, SLICE_WINDOW_BYTES // (8 * 256**dtype.itemsize))
@@ -1237,8 +1240,8 @@ def _lockstep_factors(
     axes: tuple[int, ...],
     between: Callable[[], None],
 ) -> list[Factor | None]:
-    """each_factor's factor of each problem (one counted slice each), its checks of the
-    output made for all the slices together: a pass over the boxes per slice made float64
+    """each_factor's factor of each problem (one counted slice each), the checks of the
+    outputs made for all the slices together: a pass over the boxes per slice made float64
     [2**21, 64] with --axes 0 read its 1 GiB 64 times or more. Each search is run until it
     asks about an output no pass has summed yet (_Unanswered); one pass over the boxes
     holding those slices then sums every output asked for, and the searches that asked are
@@ -1261,7 +1264,19 @@ def _lockstep_factors(
         return answered
 
     found: list[Factor | None] = [None] * len(problems)
-    waiting = list(range(len(problems)))
+    # The searches that ask nothing (on histograms, on the rounding bound) are searched
+    # together, in one batch, as each_factor searches them: one at a time they took ~7 ms
+    # each (float8 [128, 2048, 2048] with --axes 1,2: 0.04 -> 0.9 s, attack s44).
+    quiet = [
+        place
+        for place, (members, limit, _) in enumerate(problems)
+        if decided_without_output(members, limit)
+    ]
+    batch = each_factor([problems[place] for place in quiet], output_sumsq_of, between=between)
+    for place, factor in zip(quiet, batch, strict=True):
+        found[place] = factor
+    searched = set(quiet)
+    waiting = [place for place in range(len(problems)) if place not in searched]
     # A refusal (a slice no factor brings within the limit) is raised once the searches
     # before it are done: the one raised is the first in order, as one search after
     # another would have raised it.
