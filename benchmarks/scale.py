@@ -45,6 +45,7 @@ JOBS = {
     "norms-dir": "norms, bf16 model directory",
     "clip-file": "clip --global 1.0, bf16 file",
     "noop-file": "no-op clip --global 1e30, bf16 file",
+    "noop-norm-file": "no-op clip --norm 1e30, bf16 file",
     "clip-dir": "clip --global 1.0, bf16 model directory",
 }
 
@@ -202,7 +203,7 @@ def main() -> int:
     f32, bf16, directory = work / "fp32.safetensors", work / "bf16.safetensors", work / "bf16-dir"
     if jobs & {"norms-fp32", "norms-bf16"}:  # the floor reads the fp32 file
         write_safetensors(f32, "F32", fp32_tensors, seed=1)
-    if jobs & {"norms-bf16", "clip-file", "noop-file"}:
+    if jobs & {"norms-bf16", "clip-file", "noop-file", "noop-norm-file"}:
         write_safetensors(bf16, "BF16", bf16_tensors, seed=2)
     if jobs & {"norms-dir", "clip-dir"}:
         write_directory(directory, bf16_tensors, args.shards)
@@ -254,11 +255,13 @@ def main() -> int:
     groups.append(("norms, bf16 model directory", dir_norms))
     copy_sync = ["sh", "-c", 'cp "$0" "$1" && sync "$1"', str(bf16), str(out)]
     dd = ["dd", f"if={bf16}", f"of={out}", "bs=8M", "conv=fsync", "status=none"]
-    for label, limit in (("clip --global 1.0", "1.0"), ("no-op clip --global 1e30", "1e30")):
+    for label, mode, limit in (
+        ("clip --global 1.0", "--global", "1.0"),
+        ("no-op clip --global 1e30", "--global", "1e30"),
+        ("no-op clip --norm 1e30", "--norm", "1e30"),
+    ):
         rows = [("cp + sync", copy_sync, base, clear), ("dd conv=fsync", dd, base, clear)]
-        rows += threaded(
-            label, clipcli("clip", "--global", limit, str(bf16), str(out), "--quiet"), clear
-        )
+        rows += threaded(label, clipcli("clip", mode, limit, str(bf16), str(out), "--quiet"), clear)
         groups.append((f"{label}, bf16 file", rows))
     copy_dir = ["sh", "-c", 'cp -r "$0" "$1" && sync -f "$1"', str(directory), str(out_dir)]
     rows = [("cp -r + sync", copy_dir, base, clear)]

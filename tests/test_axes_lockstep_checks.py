@@ -56,6 +56,19 @@ def _one_at_a_time(
     return list(each_factor(problems, output_sumsq_of, between=between))
 
 
+def _counting_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many questions each pass over the boxes answered (slices._output_sums spied on)."""
+    passes: list[int] = []
+    plain_sums = slices._output_sums
+
+    def counted(*args: Any) -> dict[slices._Question, CertainSumsq]:
+        passes.append(len(args[-1]))
+        return plain_sums(*args)
+
+    monkeypatch.setattr(slices, "_output_sums", counted)
+    return passes
+
+
 def _rows(dtype: type, rows: int, seed: int) -> np.ndarray:
     """Rows of ROW normals; row 0 all ones (norm 12: a limit of 12 is an exact tie), row 1
     all ones too, row 2 zero."""
@@ -83,23 +96,12 @@ def test_lockstep_checks_give_each_slice_searched_alone_bit_for_bit(
     assert slices.counts_long_slices(array.shape, axes, array.dtype, BUDGET)
     norms = np.sqrt(np.sum(np.abs(rows.astype(np.complex128)) ** 2, axis=1))
     limits = [12.0, math.nextafter(12.0, 0.0), float(np.median(norms)) * 0.5, 1e-300, 1e30]
-    passes: list[int] = []
-    plain_sums = slices._output_sums
-
-    def counted(*args: object) -> dict[slices._Question, CertainSumsq]:
-        questions = args[-1]
-        assert isinstance(questions, list)
-        passes.append(len(questions))
-        return plain_sums(*args)  # type: ignore[arg-type]
-
     for limit in limits:
-        monkeypatch.setattr(slices, "_output_sums", counted)
-        passes.clear()
-        together = slices.streamed_axes_scales(
-            boxes_of(array, BUDGET), array.shape, axes, array.dtype, limit
-        )
-        rounds = list(passes)
-        monkeypatch.setattr(slices, "_output_sums", plain_sums)
+        with monkeypatch.context() as spied:
+            rounds = _counting_passes(spied)
+            together = slices.streamed_axes_scales(
+                boxes_of(array, BUDGET), array.shape, axes, array.dtype, limit
+            )
         with monkeypatch.context() as alone:
             alone.setattr(slices, "_lockstep_factors", _one_at_a_time)
             apart = slices.streamed_axes_scales(
@@ -120,16 +122,7 @@ def test_a_float64_check_of_every_row_is_one_pass_a_round(monkeypatch: pytest.Mo
     rows = _rows(np.float64, 64, seed=3)
     monkeypatch.setattr(slices, "STREAM_BOX_ELEMENTS", BUDGET)
     monkeypatch.setattr(slices, "LONG_SLICE_BYTES", 1)
-    passes: list[int] = []
-    plain_sums = slices._output_sums
-
-    def counted(*args: object) -> dict[slices._Question, CertainSumsq]:
-        questions = args[-1]
-        assert isinstance(questions, list)
-        passes.append(len(questions))
-        return plain_sums(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(slices, "_output_sums", counted)
+    passes = _counting_passes(monkeypatch)
     columns = np.ascontiguousarray(rows.T)
     slices.streamed_axes_scales(boxes_of(columns, BUDGET), columns.shape, (0,), columns.dtype, 5.0)
     assert passes[0] == 63  # every row's first check (all but the zero row are over 5)
@@ -188,15 +181,8 @@ def test_searches_that_ask_nothing_are_searched_in_one_batch(
         calls.append(len(problems))
         return plain_each(problems, *args, **kwargs)
 
-    passes: list[int] = []
-    plain_sums = slices._output_sums
-
-    def counted_sums(*args: Any) -> Any:
-        passes.append(len(args[-1]))
-        return plain_sums(*args)
-
     monkeypatch.setattr(slices, "each_factor", counted_each)
-    monkeypatch.setattr(slices, "_output_sums", counted_sums)
+    passes = _counting_passes(monkeypatch)
     scales = slices.streamed_axes_scales(boxes_of(rows, BUDGET), rows.shape, (1,), rows.dtype, 6.0)
     assert np.count_nonzero(scales != 1.0) == 11  # every row but the zero one
     assert calls == [11]  # the 11 slices over it, the zero one no candidate

@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from handmade import write_safetensors
+from test_histograms_where_scaled import counting_spy
 
 from clipcli import api
 from clipcli.formats import base
@@ -64,18 +65,6 @@ def _clip(run_main: Any, src: Path, out: Path, mode: list[str]) -> dict[str, Any
     assert result.code == 0, result.stderr
     report: dict[str, Any] = json.loads(result.stdout)
     return report
-
-
-def _counting_spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    kept: list[bool] = []
-    real = NormAccumulator.__init__
-
-    def spy(self: NormAccumulator, *args: Any, **kwargs: Any) -> None:
-        real(self, *args, **kwargs)
-        kept.append(self.keep_histogram)
-
-    monkeypatch.setattr(NormAccumulator, "__init__", spy)
-    return kept
 
 
 def _limits(norms: dict[str, float]) -> list[tuple[str, float]]:
@@ -134,7 +123,7 @@ def test_a_clip_that_scales_nothing_counts_no_bit_patterns(
     tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch, mode: list[str]
 ) -> None:
     src, norms = _checkpoint(tmp_path)
-    kept = _counting_spy(monkeypatch)
+    kept = counting_spy(monkeypatch)
     report = _clip(run_main, src, tmp_path / "out.safetensors", mode)
     assert not any(kept)
     assert (tmp_path / "out.safetensors").read_bytes() == src.read_bytes()
@@ -150,7 +139,7 @@ def test_a_global_norm_near_the_limit_counts_every_tensor_again(
     is counted in the pass after the measuring one, and the clip still changes nothing."""
     src, norms = _checkpoint(tmp_path)
     total = math.sqrt(sum(n * n for n in norms.values()))
-    kept = _counting_spy(monkeypatch)
+    kept = counting_spy(monkeypatch)
     report = _clip(
         run_main, src, tmp_path / "out.safetensors", ["--global", repr(total * (1 + 2**-30))]
     )

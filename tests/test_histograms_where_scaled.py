@@ -63,6 +63,19 @@ def test_only_the_tensors_asked_for_count_bit_patterns(tmp_path: Path) -> None:
         assert stats[name].numel == plain[name].numel
 
 
+def counting_spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each NormAccumulator made from now on counts bit patterns, in order."""
+    kept: list[bool] = []
+    real = NormAccumulator.__init__
+
+    def spy(self: NormAccumulator, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        kept.append(self.keep_histogram)
+
+    monkeypatch.setattr(NormAccumulator, "__init__", spy)
+    return kept
+
+
 def clipped(run_main: Any, src: Path, out: Path, *mode: str) -> dict[str, Any]:
     result = run_main("clip", *mode, src, out, "--format", "json")
     assert result.code == 0, result.stderr
@@ -83,14 +96,7 @@ def test_tensors_a_clip_never_scales_are_written_as_they_were(
         "optimizer.state.0.exp_avg": bf16(rng, 32, 32),
     }
     src = write_safetensors(tmp_path / "m.safetensors", arrays)
-    kept: list[bool] = []
-    real = NormAccumulator.__init__
-
-    def spy(self: NormAccumulator, *args: Any, **kwargs: Any) -> None:
-        real(self, *args, **kwargs)
-        kept.append(self.keep_histogram)
-
-    monkeypatch.setattr(NormAccumulator, "__init__", spy)
+    kept = counting_spy(monkeypatch)
     rows = clipped(
         run_main, src, tmp_path / "out.safetensors", *mode, "--exclude", "model.skipped.*"
     )
