@@ -206,3 +206,56 @@ def test_an_input_changed_before_a_second_count_is_exit_3(
     assert "was modified" in err[0]  # while being read, or between two passes
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+@pytest.mark.parametrize("guess", ["always", "never", "as it comes"])
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_what_a_clip_reports_does_not_depend_on_the_shape_guess(
+    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch, guess: str, threads: str
+) -> None:
+    """Tensors of one shape with norms alternating about the limit: whether the guess
+    counts a tensor depends on the threads (attack s44b: 3 reports in 16 runs). Counted
+    from the start or not at all, or as the guess comes, the report is the same, and a
+    tensor left alone reports what `norms` does."""
+    rng = np.random.default_rng(11)
+    # Magnitudes over 40 decades: float64 sums of their squares round, so a histogram's sum
+    # and the plain one differ in their last bits.
+    shape = (256, 160)  # 80 KiB: `norms` too measures it on its own, not with others
+    spread = 10.0 ** rng.uniform(-30, 10, shape)
+    arrays = {
+        f"model.layers.{k}.weight": (rng.standard_normal(shape) * spread * (1 + k % 2)).astype(
+            ml_dtypes.bfloat16
+        )
+        for k in range(12)
+    }
+    src = write_safetensors(tmp_path / "alt.safetensors", arrays)
+    monkeypatch.setattr(base, "CHUNK_BYTES", 16384)  # five chunks a tensor
+    with open_reader(src) as reader:
+        found = pipeline.measure(reader, list(reader.infos), Selection().describe)
+    norms = {row.info.name: row.norm for row in found.tensors}
+    limit = float(np.median(list(norms.values())))
+    monkeypatch.setenv("CLIPCLI_THREADS", threads)
+    if threads != "1":
+        monkeypatch.setattr(pipeline, "INLINE_BELOW_BYTES", 0)
+    reference = _clip(run_main, src, tmp_path / "ref.safetensors", ["--norm", repr(limit)])
+    if guess != "as it comes":
+        real = pipeline._Counting.counts
+
+        def guessed(self: Any, index: int, load: Any) -> bool:
+            if guess == "always":
+                self.shapes_over.add(self.infos[index].shape)
+            else:
+                self.shapes_over.clear()
+            return bool(real(self, index, load))
+
+        monkeypatch.setattr(pipeline._Counting, "counts", guessed)
+    report = _clip(run_main, src, tmp_path / "out.safetensors", ["--norm", repr(limit)])
+    assert report["tensors"] == reference["tensors"]
+    assert report["global_norm_before"] == reference["global_norm_before"]
+    assert (tmp_path / "out.safetensors").read_bytes() == (
+        tmp_path / "ref.safetensors"
+    ).read_bytes()
+    left_alone = [row for row in report["tensors"] if not row["changed"]]
+    assert len(left_alone) == 6
+    for row in left_alone:
+        assert row["norm_before"] == norms[row["name"]]

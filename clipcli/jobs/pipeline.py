@@ -143,7 +143,7 @@ def measure(
         for index, info in enumerate(infos)
         if histograms is not None and is_small_float(info.dtype) and histograms(info)
     )
-    counting = _Counting(count_once_over, infos, counted, histograms)
+    counting = _Counting(count_once_over, reader, infos, counted, histograms)
 
     def reduce(item: _Piece) -> tuple[int, NormAccumulator | list[NormAccumulator] | _Skipped, int]:
         index, load, repeat = item
@@ -187,9 +187,8 @@ def measure(
         acc = counting.complete(index, stats[index])
         if acc is None:  # an empty tensor
             acc = NormAccumulator()
-        stats[index] = acc
         acc.finish()
-        counting.finished(index, acc)
+        acc = stats[index] = counting.finished(index, acc)
         rows.append(describe(infos[index], acc))
         if on_measured is not None:
             on_measured(rows[-1])
@@ -264,12 +263,16 @@ class _Counting:
 
     Per tensor, a tensor of the shape of one found over the limit is counted from its first
     chunk: a model's tensors of one shape (each layer's q_proj) have like norms, and a
-    tensor of one chunk found over it is otherwise measured twice. A guess never changes
-    what is found, only what is read twice."""
+    tensor of one chunk found over it is otherwise measured twice. Whether the guess is
+    made in time depends on the threads (the tensor before may not be done), so a tensor it
+    counted that is clearly within the limit is measured again without counting: what a
+    tensor reports depends on its values and the limit alone (attack s44b: the same clip
+    reported 3 ways in 16 runs). A guess never changes what is found, only what is read."""
 
     def __init__(
         self,
         policy: CountOnceOver | None,
+        reader: Reader,
         infos: Sequence[TensorInfo],
         counted: frozenset[int],
         histograms: Callable[[TensorInfo], bool] | None,
@@ -288,15 +291,19 @@ class _Counting:
         self.plain: dict[int, NormAccumulator] = {}  # per deferred tensor, its skipped chunks'
         self.loads: dict[int, list[Callable[[], Any]]] = {}
         self.uncounted: list[int] = []  # done with none of their chunks counted
-        self.infos = infos
+        self.reader, self.infos = reader, infos
         self.shapes_over: set[tuple[int, ...]] = set()  # per tensor: the last of each shape
+        self.held: set[int] = set()  # deferred tensors with a chunk handed over already read
 
     def counts(self, index: int, load: Callable[[], Any]) -> bool:
         """Whether this chunk of tensor `index` counts its bit patterns now (worker threads:
         `over` only grows, and a chunk that misses its growth is counted when its tensor
         is done). A chunk the reader handed over already read (no random access) is
         counted now: it could not be read again."""
-        if index not in self.deferred or _held(load):
+        if index not in self.deferred:
+            return True
+        if _held(load):
+            self.held.add(index)
             return True
         assert self.policy is not None
         if self.policy.per_tensor:
@@ -350,15 +357,31 @@ class _Counting:
                 whole.merge(part)
         return whole
 
-    def finished(self, index: int, stats: NormAccumulator) -> None:
-        """Tensor `index` measured and finished: the guess for the next of its shape."""
+    def finished(self, index: int, stats: NormAccumulator) -> NormAccumulator:
+        """Tensor `index` measured and finished: the guess for the next of its shape, and
+        the statistics it reports (measured again without counting where a guess counted
+        it and it is clearly within the limit)."""
         if self.policy is None or not self.policy.per_tensor or index not in self.deferred:
-            return
-        shape = self.infos[index].shape
-        if _may_be_over(stats, self.policy.limit):
-            self.shapes_over.add(shape)
+            return stats
+        info, limit = self.infos[index], self.policy.limit
+        if _may_be_over(stats, limit):
+            self.shapes_over.add(info.shape)
         else:
-            self.shapes_over.discard(shape)
+            self.shapes_over.discard(info.shape)
+        if (
+            stats.histogram is None  # not counted
+            or index in self.held  # counted from the start whatever the guess
+            or index in self.over  # its own chunks' norm may be over: counted either way
+            or self.reader.constant(info) is not None
+            or stats.nonfinite
+            or not stats.limit_ratio(limit) > 1 + _CLEARLY_WITHIN / 2
+        ):
+            return stats
+        # Counted on a guess, and perhaps clearly within: decided as an uncounted tensor is
+        # (on its plain statistics), and reported as one if it is. Under 2**-17 the plain
+        # statistics, a few roundings away, cannot be clearly within (2**-16): not read.
+        plain = _measured_plainly(self.reader, info)
+        return stats if _may_be_over(plain, limit) else plain
 
     def to_count_again(self, rows: Sequence[TensorStats]) -> list[int]:
         """The tensors done without counts that a clip may still scale: per tensor, those
@@ -377,6 +400,21 @@ class _Counting:
 
 
 _ALL = -1  # `over`'s key for all the tensors together (global)
+
+
+def _measured_plainly(reader: Reader, info: TensorInfo) -> NormAccumulator:
+    """The tensor's statistics measured without counting, bit for bit as measure() makes
+    them: each chunk on its own, merged in order into the first."""
+    whole: NormAccumulator | None = None
+    for load in chunk_sources(reader, info):
+        interrupts.check()
+        part = NormAccumulator()
+        part.add(load())
+        if whole is None:
+            whole = part
+        else:
+            whole.merge(part)
+    return whole if whole is not None else NormAccumulator()
 
 
 def _may_be_over(stats: NormAccumulator, limit: float) -> bool:
