@@ -712,7 +712,7 @@ def _count_once_over(spec: ClipSpec) -> CountOnceOver | None:
     if spec.mode is Mode.NORM:
         return pipeline.CountOnceOver(spec.limit, per_tensor=True)
     if spec.mode is Mode.GLOBAL:
-        return pipeline.CountOnceOver(spec.limit, per_tensor=False)
+        return pipeline.CountOnceOver(spec.limit, False, spec.skip_nonfinite)
     return None
 
 

@@ -259,3 +259,46 @@ def test_what_a_clip_reports_does_not_depend_on_the_shape_guess(
     assert len(left_alone) == 6
     for row in left_alone:
         assert row["norm_before"] == norms[row["name"]]
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_a_skipped_non_finite_tensor_starts_no_counting(
+    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch, threads: str
+) -> None:
+    """--global --skip-nonfinite leaves a tensor with Inf out of the global norm: the
+    finite tensors, clearly within C, count nothing and report what `norms` does (the Inf
+    had every tensor counted again: attack s44c), and the bytes are the same."""
+    rng = np.random.default_rng(12)
+    shape = (256, 160)  # 80 KiB: measured on its own by `norms` too
+    arrays: dict[str, np.ndarray] = {
+        f"model.layers.{k}.weight": (
+            rng.standard_normal(shape) * 10.0 ** rng.uniform(-30, 10, shape)
+        ).astype(ml_dtypes.bfloat16)
+        for k in range(3)
+    }
+    arrays["model.head.weight"] = np.array([1.0, np.inf, 2.0], np.float32)
+    src = write_safetensors(tmp_path / "inf.safetensors", arrays)
+    monkeypatch.setattr(base, "CHUNK_BYTES", 16384)
+    with open_reader(src) as reader:
+        found = pipeline.measure(reader, list(reader.infos), Selection().describe)
+    norms = {row.info.name: row.norm for row in found.tensors}
+    finite = [n for name, n in norms.items() if math.isfinite(n)]
+    limit = 4 * math.sqrt(sum(n * n for n in finite))
+    monkeypatch.setenv("CLIPCLI_THREADS", threads)
+    if threads != "1":
+        monkeypatch.setattr(pipeline, "INLINE_BELOW_BYTES", 0)
+    mode = ["--global", repr(limit), "--skip-nonfinite"]
+    with monkeypatch.context() as counting:
+        counting.setattr(api, "_count_once_over", lambda _spec: None)
+        reference = _clip(run_main, src, tmp_path / "ref.safetensors", mode)
+    kept = counting_spy(monkeypatch)
+    report = _clip(run_main, src, tmp_path / "out.safetensors", mode)
+    assert not any(kept)
+    assert (tmp_path / "out.safetensors").read_bytes() == (
+        tmp_path / "ref.safetensors"
+    ).read_bytes()
+    assert [row["changed"] for row in report["tensors"]] == [False] * 4
+    assert [row["changed"] for row in reference["tensors"]] == [False] * 4
+    for row in report["tensors"]:
+        if row["name"] != "model.head.weight":
+            assert row["norm_before"] == norms[row["name"]]

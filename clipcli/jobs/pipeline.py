@@ -232,6 +232,10 @@ class CountOnceOver:
 
     limit: float
     per_tensor: bool
+    # --skip-nonfinite: a tensor with NaN/Inf is left alone and out of the global norm,
+    # so the global norm so far is its finite tensors' (without it, NaN/Inf refuses the
+    # clip, and any may be over: counted, as the plan's refusal sees them).
+    skip_nonfinite: bool = False
 
 
 # A tensor measured without its counts is left so only where its norm is certainly within
@@ -330,6 +334,8 @@ class _Counting:
         if index not in self.grouped or _ALL in self.over:
             return
         assert self.policy is not None
+        if self.policy.skip_nonfinite and stats.nonfinite:
+            return  # the plan leaves its tensor out of the global norm
         self.so_far.merge(stats)
         if _may_be_over(self.so_far, self.policy.limit):
             self.over.add(_ALL)
@@ -386,15 +392,21 @@ class _Counting:
     def to_count_again(self, rows: Sequence[TensorStats]) -> list[int]:
         """The tensors done without counts that a clip may still scale: per tensor, those
         not clearly within the limit (none: a tensor's counting starts as soon as its own
-        norm may be over); global, all of them unless the global norm is clearly within."""
+        norm may be over); global, all of them once counting started or unless the global
+        norm (of finite tensors, with --skip-nonfinite) is clearly within."""
         if not self.uncounted:
             return []
         assert self.policy is not None
         if self.policy.per_tensor:
             return [i for i in self.uncounted if _may_be_over(rows[i].stats, self.policy.limit)]
+        if _ALL in self.over:
+            # Counting started: every tensor is counted, whichever chunks the threads
+            # counted first, so that what each reports does not depend on their timing.
+            return list(self.uncounted)
         together = NormAccumulator()
+        skipped = self.policy.skip_nonfinite
         for row in rows:
-            if row.in_global:
+            if row.in_global and not (skipped and row.stats.nonfinite):
                 together.merge(row.stats)
         return list(self.uncounted) if _may_be_over(together, self.policy.limit) else []
 
