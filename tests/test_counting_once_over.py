@@ -55,9 +55,22 @@ def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, float]]:
     }
     arrays["model.head.weight"] = rng.standard_normal(50).astype(np.float32)
     path = write_safetensors(tmp_path / "m.safetensors", arrays)
+    return path, _norms_of(path)
+
+
+def _norms_of(path: Path) -> dict[str, float]:
+    """Each tensor's norm as `norms` measures it (the measuring pass without histograms)."""
     with open_reader(path) as reader:
         found = pipeline.measure(reader, list(reader.infos), Selection().describe)
-    return path, {row.info.name: row.norm for row in found.tensors}
+    return {row.info.name: row.norm for row in found.tensors}
+
+
+def _threads(monkeypatch: pytest.MonkeyPatch, threads: str) -> None:
+    """CLIPCLI_THREADS; more than one run in worker threads, which race, however small
+    the file."""
+    monkeypatch.setenv("CLIPCLI_THREADS", threads)
+    if threads != "1":
+        monkeypatch.setattr(pipeline, "INLINE_BELOW_BYTES", 0)
 
 
 def _clip(run_main: Any, src: Path, out: Path, mode: list[str]) -> dict[str, Any]:
@@ -98,9 +111,7 @@ def test_a_clip_writes_what_counting_from_the_start_wrote(
 ) -> None:
     src, norms = _checkpoint(tmp_path)
     monkeypatch.setattr(base, "CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setenv("CLIPCLI_THREADS", threads)
-    if threads != "1":
-        monkeypatch.setattr(pipeline, "INLINE_BELOW_BYTES", 0)  # worker threads race
+    _threads(monkeypatch, threads)
     for flag, limit in _limits(norms):
         mode = [flag, repr(limit)]
         deferred = _clip(run_main, src, tmp_path / "deferred.safetensors", mode)
@@ -230,13 +241,9 @@ def test_what_a_clip_reports_does_not_depend_on_the_shape_guess(
     }
     src = write_safetensors(tmp_path / "alt.safetensors", arrays)
     monkeypatch.setattr(base, "CHUNK_BYTES", 16384)  # five chunks a tensor
-    with open_reader(src) as reader:
-        found = pipeline.measure(reader, list(reader.infos), Selection().describe)
-    norms = {row.info.name: row.norm for row in found.tensors}
+    norms = _norms_of(src)
     limit = float(np.median(list(norms.values())))
-    monkeypatch.setenv("CLIPCLI_THREADS", threads)
-    if threads != "1":
-        monkeypatch.setattr(pipeline, "INLINE_BELOW_BYTES", 0)
+    _threads(monkeypatch, threads)
     reference = _clip(run_main, src, tmp_path / "ref.safetensors", ["--norm", repr(limit)])
     if guess != "as it comes":
         real = pipeline._Counting.counts
@@ -279,14 +286,10 @@ def test_a_skipped_non_finite_tensor_starts_no_counting(
     arrays["model.head.weight"] = np.array([1.0, np.inf, 2.0], np.float32)
     src = write_safetensors(tmp_path / "inf.safetensors", arrays)
     monkeypatch.setattr(base, "CHUNK_BYTES", 16384)
-    with open_reader(src) as reader:
-        found = pipeline.measure(reader, list(reader.infos), Selection().describe)
-    norms = {row.info.name: row.norm for row in found.tensors}
+    norms = _norms_of(src)
     finite = [n for name, n in norms.items() if math.isfinite(n)]
     limit = 4 * math.sqrt(sum(n * n for n in finite))
-    monkeypatch.setenv("CLIPCLI_THREADS", threads)
-    if threads != "1":
-        monkeypatch.setattr(pipeline, "INLINE_BELOW_BYTES", 0)
+    _threads(monkeypatch, threads)
     mode = ["--global", repr(limit), "--skip-nonfinite"]
     with monkeypatch.context() as counting:
         counting.setattr(api, "_count_once_over", lambda _spec: None)
