@@ -13,6 +13,7 @@ import os
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple, Self
@@ -138,6 +139,34 @@ def ordered_bytes(array: np.ndarray, dtype: np.dtype[Any], order: str) -> memory
 
 def default_chunk_elems(dtype: np.dtype[Any]) -> int:
     return max(1, CHUNK_BYTES // max(1, dtype.itemsize))
+
+
+class FileRange(NamedTuple):
+    """The bytes [start, stop) of an open file that a chunk loader reads with pread.
+    in_use() holds the descriptor open (never released or reused) while the caller reads
+    through it, and yields it: another process may then read the same bytes (the measuring
+    pass counts 8/16-bit float chunks in helper processes, system.counting)."""
+
+    in_use: Callable[[], AbstractContextManager[int]]
+    start: int
+    stop: int
+
+
+class RangeLoader:
+    """A chunk loader whose chunk is the bytes of a FileRange (`where`) as they are, viewed
+    as `dtype`: called, it reads them as the reader does (read(start, stop))."""
+
+    __slots__ = ("_read", "dtype", "where")
+
+    def __init__(
+        self, read: Callable[[int, int], np.ndarray], dtype: np.dtype[Any], where: FileRange
+    ) -> None:
+        self._read = read
+        self.dtype = dtype
+        self.where = where
+
+    def __call__(self) -> np.ndarray:
+        return self._read(self.where.start, self.where.stop)
 
 
 class StoredBytes(NamedTuple):

@@ -345,13 +345,7 @@ class NormAccumulator:
             # Statistics do not depend on the shape; the dot products below need 1-D.
             chunk = chunk.reshape(-1)
         if self.keep_histogram and is_small_float(chunk.dtype):
-            counts = lookup.bit_pattern_counts(chunk)
-            if self.counts is None:
-                self.counts = counts
-            else:
-                self.counts += counts
-            self.numel += chunk.size
-            self.hist_dtype = chunk.dtype
+            self.add_counts(lookup.bit_pattern_counts(chunk), chunk.dtype, chunk.size)
             return
         if chunk.size > CACHE_BLOCK:
             # Work through big chunks in pieces whose float64 copy stays in L2 cache:
@@ -436,6 +430,17 @@ class NormAccumulator:
         self.max_value = max(self.max_value, high)
         self.min_value = min(self.min_value, low)
         self.max_abs = max(self.max_abs, high, -low)
+
+    def add_counts(self, counts: np.ndarray, dtype: np.dtype[Any], numel: int) -> None:
+        """Accumulate a chunk of `numel` elements of an 8/16-bit float dtype given as its
+        bit-pattern counts (lookup.bit_pattern_counts of it, intp; made elsewhere, as
+        system.counting makes them), as add() of the chunk does with keep_histogram."""
+        if self.counts is None:
+            self.counts = counts
+        else:
+            self.counts += counts
+        self.numel += numel
+        self.hist_dtype = dtype
 
     def add_repeated(self, value: np.ndarray, count: int) -> None:
         """Accumulate `count` copies of one value (a tensor known to hold nothing else) in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import json
 import math
@@ -17,8 +18,10 @@ from clipcli.errors import InputError
 from clipcli.formats.base import (
     NUMPY_MAX_BYTES,
     NUMPY_MAX_RANK,
+    FileRange,
     Listed,
     ListedTensor,
+    RangeLoader,
     Reader,
     StoredBytes,
     TensorInfo,
@@ -164,6 +167,15 @@ class SafetensorsReader(Reader):
             except BaseException:
                 self._users -= 1
                 raise
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[int]:
+        """The descriptor, held open (not released) until the block ends."""
+        fd = self._acquire()
+        try:
+            yield fd
+        finally:
+            self._done()
 
     def _done(self) -> None:
         with self._lock:
@@ -436,8 +448,10 @@ class SafetensorsReader(Reader):
     ) -> Iterator[Callable[[], np.ndarray]]:
         begin, end = self.byte_range(info)
         step = (chunk_elems or default_chunk_elems(info.dtype)) * info.dtype.itemsize
+        read = functools.partial(self.read_bytes, info)
         for start in range(begin, end, step):
-            yield functools.partial(self.read_bytes, info, start, min(start + step, end))
+            where = FileRange(self._in_use, start, min(start + step, end))
+            yield RangeLoader(read, info.dtype, where)
 
     def elements_loader(
         self, info: TensorInfo, start: int, stop: int

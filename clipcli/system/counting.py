@@ -1,0 +1,243 @@
+"""Bit-pattern counts of 8/16-bit float chunks made in helper processes.
+
+clip's measuring pass counts the bit patterns of every 8/16-bit float chunk a clip may
+scale (np.bincount, ~1.2 ns an element), and np.bincount holds the GIL for about a third
+of each call (its min/max scan): threads count at most ~1.4x as fast as one on two cores
+and stop near ~2.7x on any number (benchmarks/RESULTS.md, sessions 40 and 45). Processes
+each have their own GIL. Each helper is forked once, before the pass, and serves one
+request at a time over its own socket: the parent sends a chunk's place in a file with the
+file's descriptor (SCM_RIGHTS: the helper reads the very file the reader opened, through a
+duplicate it closes after the read), the helper preads the bytes and counts them with the
+function it was given (the parent's own, so the counts are the same by construction), and
+leaves them in a shared page for the parent to copy out: only 16 bytes and a descriptor
+cross per 2 MiB chunk, and the counts.
+
+Nothing here can change a result. A helper that cannot read the whole range (the file
+shrank), fails in any way, or is gone (killed, out of memory) answers nothing usable, and
+the caller then reads and counts the chunk itself, as it would without helpers, so the
+reader's own checks and messages apply. Where no helper can be forked (RLIMIT_NPROC, no
+fork on this platform) there are none. Helpers ignore SIGINT (the parent acts on it, then
+closes them) and take other signals' default actions; their stdin, stdout and stderr are
+/dev/null and they hold no other descriptor of the parent's. close() kills and reaps them,
+so none outlives the pass, and one whose parent dies sees its socket end and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import queue
+import signal
+import socket
+import struct
+import threading
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
+
+from clipcli.system import interrupts
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+class FileRange(Protocol):
+    """Where a chunk lies (formats.base.FileRange): the bytes [start, stop) of the file
+    whose descriptor in_use() yields and holds open."""
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def stop(self) -> int: ...
+
+    @property
+    def in_use(self) -> Callable[[], AbstractContextManager[int]]: ...
+
+
+# A request: the range's start and length, and the itemsize (1 or 2) to count it as.
+_REQUEST = struct.Struct("<QQQ")
+_COUNTED, _NOT_COUNTED = b"K", b"N"
+# The largest table of counts: one per pattern of a 16-bit float.
+_MAX_COUNTS = 1 << 16
+# The knob that turns the helpers off (a developer's, for benchmarks and tests): "0".
+KNOB = "CLIPCLI_COUNTING_PROCESSES"
+
+
+def available() -> bool:
+    """Whether this platform can fork helpers and pass them descriptors."""
+    return hasattr(os, "fork") and hasattr(socket, "send_fds") and hasattr(socket, "AF_UNIX")
+
+
+class _Helper:
+    """One forked helper: its socket, its shared page of counts, its process id; `alive`
+    turns False once it stops answering (and stays so)."""
+
+    def __init__(self, count: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.page = mmap.mmap(-1, _MAX_COUNTS * 8)  # anonymous and shared: seen by both
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with warnings.catch_warnings():
+            # Python 3.12+ warns that forking a process with threads may deadlock the
+            # child; the helper touches no lock another thread may hold (see _serve).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            try:
+                pid = os.fork()
+            except BaseException:
+                ours.close()
+                theirs.close()
+                self.page.close()
+                raise
+        if pid == 0:  # the helper: never returns
+            _serve(theirs, self.page, count)
+        theirs.close()
+        self.socket, self.pid, self.alive = ours, pid, True
+
+    def close(self) -> None:
+        self.alive = False
+        self.socket.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        self.page.close()
+
+
+def _serve(sock: socket.socket, page: mmap.mmap, count: Callable[[np.ndarray], np.ndarray]) -> None:
+    """The helper's whole life: answer requests until the parent's end of the socket is
+    gone, then exit without running any of the parent's exit handlers. It uses only system
+    calls, numpy and `count`, none of which takes a lock another thread of the parent may
+    have held when it forked (Python's own are reset by fork)."""
+    try:
+        import fcntl  # POSIX, as fork is
+
+        import numpy as np
+
+        # The parent's handlers (system.interrupts) back to the default actions (one
+        # ignored from the start, as under nohup, stays so), SIGINT ignored: Ctrl-C
+        # reaches the whole group, and the parent finishes its chunk, then closes us.
+        for number in interrupts.HANDLED:
+            if signal.getsignal(number) not in (signal.SIG_IGN, signal.SIG_DFL):
+                signal.signal(number, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # the parent gone: end here
+        if sock.fileno() <= 2:  # the parent runs with stdin/out/err closed: move it up
+            high = fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD, 3)
+            sock.detach()
+            sock = socket.socket(fileno=high)
+        null = os.open(os.devnull, os.O_RDWR)
+        for standard in (0, 1, 2):
+            if null != standard:
+                os.dup2(null, standard)
+        own = sock.fileno()
+        os.closerange(3, own)  # null among them, when it is not 0-2
+        os.closerange(own + 1, _max_descriptors())
+        counts_out = np.frombuffer(page, np.int64, _MAX_COUNTS)
+        buffer = np.empty(0, np.uint8)
+        while True:
+            message, fds, _, _ = socket.recv_fds(sock, _REQUEST.size, 1)
+            if len(message) != _REQUEST.size or len(fds) != 1:
+                break  # the parent closed its end (or sent what it never sends)
+            try:
+                start, length, itemsize = _REQUEST.unpack(message)
+                if buffer.size < length:
+                    buffer = np.empty(length, np.uint8)
+                raw = buffer[:length]
+                whole = _read_into(fds[0], raw, start)
+            except Exception:  # any failure: the parent reads and counts it itself
+                whole = False
+            finally:
+                os.close(fds[0])  # before answering: the parent's file is never held
+            counts = None
+            try:
+                if whole:
+                    counts = count(raw.view(np.uint16 if itemsize == 2 else np.uint8))
+                if counts is not None and counts.size <= _MAX_COUNTS:
+                    counts_out[: counts.size] = counts
+                else:
+                    counts = None
+            except Exception:
+                counts = None
+            sock.send(_NOT_COUNTED if counts is None else _COUNTED)
+    finally:
+        os._exit(0)
+
+
+def _read_into(fd: int, raw: np.ndarray, start: int) -> bool:
+    """raw filled from the file at `start`; False where the file ends first (the reader's
+    own read then blames the tensor)."""
+    view = memoryview(raw)  # type: ignore[arg-type]
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], start + done)
+        if got == 0:
+            return False
+        done += got
+    return True
+
+
+def _max_descriptors() -> int:
+    try:
+        return max(3, os.sysconf("SC_OPEN_MAX"))
+    except (ValueError, OSError):
+        return 1 << 16
+
+
+class CountingProcesses:
+    """Up to `processes` helpers that count 8/16-bit float chunks where they lie in a file
+    (see the module). count() may be called from any number of threads at once: each
+    request takes a free helper, waiting for one if all are busy."""
+
+    def __init__(self, count: Callable[[np.ndarray], np.ndarray], processes: int) -> None:
+        self._helpers: list[_Helper] = []
+        for _ in range(processes):
+            try:
+                self._helpers.append(_Helper(count))
+            except OSError:  # EAGAIN (RLIMIT_NPROC), ENOMEM: fewer helpers, or none
+                break
+        self._free: queue.SimpleQueue[_Helper] = queue.SimpleQueue()
+        for helper in self._helpers:
+            self._free.put(helper)
+        self._lock = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        """How many helpers were started."""
+        return len(self._helpers)
+
+    def count(self, where: FileRange, itemsize: int) -> np.ndarray | None:
+        """The bit-pattern counts (intp) of the range's bytes as `itemsize`-byte codes,
+        as `count` gives them; None where no helper counted them (the caller reads and
+        counts the chunk itself)."""
+        import numpy as np
+
+        if not self._helpers:
+            return None
+        helper = self._free.get()
+        try:
+            if not helper.alive:  # put back below, so that no caller ever waits for good
+                return None
+            request = _REQUEST.pack(where.start, where.stop - where.start, itemsize)
+            try:
+                with where.in_use() as fd:
+                    # MSG_NOSIGNAL: a helper gone is EPIPE here, never a SIGPIPE.
+                    socket.send_fds(helper.socket, [request], [fd], socket.MSG_NOSIGNAL)
+                    answer = helper.socket.recv(1)
+            except OSError:  # the helper is gone (EPIPE, ECONNRESET)
+                answer = b""
+            if answer == _COUNTED:
+                size = 256**itemsize
+                counts: np.ndarray = np.frombuffer(helper.page, np.int64, size).astype(np.intp)
+                return counts
+            if answer != _NOT_COUNTED:
+                helper.alive = False
+            return None
+        finally:
+            self._free.put(helper)
+
+    def close(self) -> None:
+        """Every helper killed and reaped (none is counting: the callers are done)."""
+        with self._lock:
+            helpers, self._helpers = self._helpers, []
+        for helper in helpers:
+            helper.close()
