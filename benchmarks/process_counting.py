@@ -8,10 +8,12 @@ process either as it is (`--counting threads`) or with `lookup.bit_pattern_count
 replaced by one that hands each chunk to a process forked before the command starts, one
 per worker thread and one for the main thread (`--counting processes`: the chunk copied
 into a shared slot, the counts read back; processes_vs_threads.Counter). The written
-bytes must be the same either way (cmp them). Not clipcli's code: a measurement of what
-a process pool would win, before building one with the fallbacks, signals and limits it
-needs. On the 2-core VM it loses (RESULTS.md, session 45): the hand-off of each chunk
-(2 MiB in, 512 KiB of counts out, two pipe wake-ups) costs more than the GIL it frees.
+bytes must be the same either way (cmp them). Not clipcli's code: the first design
+measured (RESULTS.md, session 45), which lost on the 2-core VM: the hand-off of each chunk
+(2 MiB copied in, 512 KiB of counts out, two pipe wake-ups) cost more than the GIL it
+freed. The one built (clipcli.system.counting) has each helper read the chunk itself
+through the reader's descriptor; compare it with `CLIPCLI_COUNTING_PROCESSES=0`.
+Run this one with CLIPCLI_COUNTING_PROCESSES=0 too, so that the two do not mix.
 
     /usr/bin/time -f "%e s %U u %S s" python benchmarks/process_counting.py \
         --counting processes -- clip --no-fsync -q --global 1.0 IN.safetensors OUT.safetensors

@@ -309,3 +309,16 @@ def test_helpers_are_gone_when_the_pass_fails(
         )
     assert pids
     assert _gone(pids)
+
+
+def test_helpers_close_where_sigchld_is_ignored() -> None:
+    """SIGCHLD ignored (inherited so from a parent): the kernel reaps each helper itself,
+    and closing them must not fail on ECHILD."""
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        pool = _pool(2)
+        pids = [helper.pid for helper in pool._helpers]
+        pool.close()
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert _gone(pids)

@@ -31,6 +31,7 @@ import queue
 import signal
 import socket
 import struct
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -67,8 +68,9 @@ KNOB = "CLIPCLI_COUNTING_PROCESSES"
 
 
 def available() -> bool:
-    """Whether this platform can fork helpers and pass them descriptors."""
-    return hasattr(os, "fork") and hasattr(socket, "send_fds") and hasattr(socket, "AF_UNIX")
+    """Whether this platform can fork helpers and pass them descriptors: Linux only (macOS
+    forks, but a forked child of a process with some frameworks loaded may be killed)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "send_fds")
 
 
 class _Helper:
@@ -99,8 +101,11 @@ class _Helper:
         self.socket.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        os.waitpid(self.pid, 0)
-        self.page.close()
+        # ECHILD: SIGCHLD ignored (inherited so), and the kernel reaped it already.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        with contextlib.suppress(BufferError):  # a view of it still held: freed with it
+            self.page.close()
 
 
 def _serve(sock: socket.socket, page: mmap.mmap, count: Callable[[np.ndarray], np.ndarray]) -> None:
