@@ -39,6 +39,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 from clipcli.system import interrupts
+from clipcli.system.file_map import map_shared
 
 if TYPE_CHECKING:
     import numpy as np
@@ -78,7 +79,7 @@ class _Helper:
     turns False once it stops answering (and stays so)."""
 
     def __init__(self, count: Callable[[np.ndarray], np.ndarray]) -> None:
-        self.page = mmap.mmap(-1, _MAX_COUNTS * 8)  # anonymous and shared: seen by both
+        self.page = map_shared(_MAX_COUNTS * 8)  # seen by both processes
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with warnings.catch_warnings():
             # Python 3.12+ warns that forking a process with threads may deadlock the
@@ -198,7 +199,7 @@ class CountingProcesses:
         for _ in range(processes):
             try:
                 self._helpers.append(_Helper(count))
-            except OSError:  # EAGAIN (RLIMIT_NPROC), ENOMEM: fewer helpers, or none
+            except (OSError, MemoryError):  # EAGAIN (RLIMIT_NPROC), ENOMEM: fewer, or none
                 break
         self._free: queue.SimpleQueue[_Helper] = queue.SimpleQueue()
         for helper in self._helpers:
