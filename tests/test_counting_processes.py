@@ -322,3 +322,85 @@ def test_helpers_close_where_sigchld_is_ignored() -> None:
     finally:
         signal.signal(signal.SIGCHLD, previous)
     assert _gone(pids)
+
+
+def test_a_descriptor_above_the_soft_limit_is_closed_in_a_helper(tmp_path: Path) -> None:
+    """Inherited at 5,000 under a soft RLIMIT_NOFILE of 256 (attack s45): closed too."""
+    import resource
+
+    kept = tmp_path / "secret"
+    kept.write_bytes(b"x")
+    fd = os.open(kept, os.O_RDONLY)
+    high = os.dup2(fd, 5000)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        pool = _pool(1)
+        pid = pool._helpers[0].pid
+        try:
+            where = _Range(fd)
+            assert pool.count(where.at(0, 1), 1) is not None  # it has closed what it had
+            listed = os.listdir(f"/proc/{pid}/fd")
+        finally:
+            pool.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        os.close(high)
+        os.close(fd)
+    assert sorted(int(name) for name in listed)[:3] == [0, 1, 2]
+    assert len(listed) == 4, listed
+
+
+def test_a_helper_dumps_no_core() -> None:
+    """SIGQUIT (Ctrl-\\) to the group would leave a helper's memory as a core file: its
+    core size limit is 0."""
+    pool = _pool(1)
+    pid = pool._helpers[0].pid
+    try:
+        assert pool.count(_Range(0).at(0, 0), 1) is not None  # set up and answering
+        limits = Path(f"/proc/{pid}/limits").read_text().splitlines()
+    finally:
+        pool.close()
+    core = next(line for line in limits if line.startswith("Max core file size")).split()
+    assert core[4:6] == ["0", "0"], core
+
+
+def test_a_stopped_helper_dies_with_its_parent() -> None:
+    """The parent SIGKILLed while a helper is stopped (it can never read its socket's end):
+    the helper is killed with it (PR_SET_PDEATHSIG), not left stopped for good."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys\n"
+        "from clipcli.numerics import lookup\n"
+        "from clipcli.system import counting\n"
+        "import contextlib\n"
+        "from clipcli.formats.base import FileRange\n"
+        "pool = counting.CountingProcesses(lookup.bit_pattern_counts, 1)\n"
+        "nothing = FileRange(lambda: contextlib.nullcontext(0), 0, 0)\n"
+        "assert pool.count(nothing, 1) is not None  # set up and answering\n"
+        "print(pool._helpers[0].pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as parent:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline())
+        os.kill(pid, signal.SIGSTOP)
+        parent.kill()
+        parent.wait()
+    # The event waited for is the helper's end; the bound only keeps a failure from hanging.
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and "State:\tZ" not in _status(pid):
+        assert time.monotonic() < deadline, f"helper {pid} outlived its parent"
+        time.sleep(0.01)
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "State:\tZ (gone)"

@@ -259,8 +259,10 @@ def _counting_processes(
     loaders are RangeLoaders: measure() uses the helpers for those alone) and this
     platform can fork and pass descriptors; None otherwise, and where the knob
     (CLIPCLI_COUNTING_PROCESSES=0) or RLIMIT_NPROC leaves none."""
-    from clipcli.system import counting
-
+    try:
+        from clipcli.system import counting
+    except ImportError:  # (under a tight address-space limit): the threads count
+        return None
     threads = worker_count()
     if (
         workers is not None

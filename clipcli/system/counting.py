@@ -28,6 +28,7 @@ import contextlib
 import mmap
 import os
 import queue
+import resource
 import signal
 import socket
 import struct
@@ -78,8 +79,13 @@ class _Helper:
     """One forked helper: its socket, its shared page of counts, its process id; `alive`
     turns False once it stops answering (and stays so)."""
 
-    def __init__(self, count: Callable[[np.ndarray], np.ndarray]) -> None:
+    def __init__(
+        self,
+        count: Callable[[np.ndarray], np.ndarray],
+        die_with_parent: Callable[[], None] | None,
+    ) -> None:
         self.page = map_shared(_MAX_COUNTS * 8)  # seen by both processes
+        parent = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with warnings.catch_warnings():
             # Python 3.12+ warns that forking a process with threads may deadlock the
@@ -93,7 +99,7 @@ class _Helper:
                 self.page.close()
                 raise
         if pid == 0:  # the helper: never returns
-            _serve(theirs, self.page, count)
+            _serve(theirs, self.page, count, parent, die_with_parent)
         theirs.close()
         self.socket, self.pid, self.alive = ours, pid, True
 
@@ -109,7 +115,13 @@ class _Helper:
             self.page.close()
 
 
-def _serve(sock: socket.socket, page: mmap.mmap, count: Callable[[np.ndarray], np.ndarray]) -> None:
+def _serve(
+    sock: socket.socket,
+    page: mmap.mmap,
+    count: Callable[[np.ndarray], np.ndarray],
+    parent: int,
+    die_with_parent: Callable[[], None] | None,
+) -> None:
     """The helper's whole life: answer requests until the parent's end of the socket is
     gone, then exit without running any of the parent's exit handlers. It uses only system
     calls, numpy and `count`, none of which takes a lock another thread of the parent may
@@ -135,9 +147,15 @@ def _serve(sock: socket.socket, page: mmap.mmap, count: Callable[[np.ndarray], n
         for standard in (0, 1, 2):
             if null != standard:
                 os.dup2(null, standard)
-        own = sock.fileno()
-        os.closerange(3, own)  # null among them, when it is not 0-2
-        os.closerange(own + 1, _max_descriptors())
+        _close_all_but(sock.fileno())  # null among them, when it is not 0-2
+        # No core file from a helper (SIGQUIT, Ctrl-\, dumps core by default: a helper's
+        # memory left in the working directory), and none left behind stopped if the
+        # parent dies (SIGKILL, which ends even a stopped process).
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if die_with_parent is not None:
+            die_with_parent()
+        if os.getppid() != parent:  # it died before that took effect
+            return
         counts_out = np.frombuffer(page, np.int64, _MAX_COUNTS)
         buffer = np.empty(0, np.uint8)
         while True:
@@ -182,11 +200,39 @@ def _read_into(fd: int, raw: np.ndarray, start: int) -> bool:
     return True
 
 
-def _max_descriptors() -> int:
+def _close_all_but(own: int) -> None:
+    """Every descriptor from 3 up closed but `own`: those /proc lists (any number, above
+    the soft RLIMIT_NOFILE too: one inherited at 5,000 under a limit of 256 stayed open),
+    else up to the hard limit."""
     try:
-        return max(3, os.sysconf("SC_OPEN_MAX"))
-    except (ValueError, OSError):
-        return 1 << 16
+        listed = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        top = hard if 0 < hard < 1 << 24 else 1 << 24
+        os.closerange(3, own)
+        os.closerange(own + 1, top)
+        return
+    for fd in listed:  # the listing's own descriptor among them: closed already
+        if fd > 2 and fd != own:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """In the parent, before forking: what makes a helper get SIGKILL when its parent
+    ends (prctl PR_SET_PDEATHSIG); None where libc cannot be asked."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    set_parent_death_signal = 1  # PR_SET_PDEATHSIG
+
+    def die_with_parent() -> None:
+        prctl(set_parent_death_signal, signal.SIGKILL, 0, 0, 0)
+
+    return die_with_parent
 
 
 class CountingProcesses:
@@ -196,9 +242,10 @@ class CountingProcesses:
 
     def __init__(self, count: Callable[[np.ndarray], np.ndarray], processes: int) -> None:
         self._helpers: list[_Helper] = []
+        die_with_parent = _parent_death_signal()
         for _ in range(processes):
             try:
-                self._helpers.append(_Helper(count))
+                self._helpers.append(_Helper(count, die_with_parent))
             except (OSError, MemoryError):  # EAGAIN (RLIMIT_NPROC), ENOMEM: fewer, or none
                 break
         self._free: queue.SimpleQueue[_Helper] = queue.SimpleQueue()
