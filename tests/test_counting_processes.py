@@ -18,10 +18,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
-from handmade import write_safetensors
+from test_counting_once_over import _checkpoint as mixed_checkpoint
 
 from clipcli.formats import base
 from clipcli.formats.base import FileRange
@@ -31,24 +30,11 @@ from clipcli.jobs.selection import Selection
 from clipcli.numerics import lookup
 from clipcli.system import counting
 
-NAMES = [f"model.layers.{i}.weight" for i in range(4)]
-
 
 def _checkpoint(tmp_path: Path) -> Path:
     """bfloat16, float16 and float8 weights of growing norm, and a float32 one."""
-    rng = np.random.default_rng(11)
-    dtypes: list[Any] = [
-        ml_dtypes.bfloat16,
-        np.float16,
-        ml_dtypes.float8_e4m3fn,
-        ml_dtypes.bfloat16,
-    ]
-    arrays: dict[str, np.ndarray] = {
-        name: (rng.standard_normal((33, 41)) * (k + 1)).astype(dtype)
-        for k, (name, dtype) in enumerate(zip(NAMES, dtypes, strict=True))
-    }
-    arrays["model.head.weight"] = rng.standard_normal(70).astype(np.float32)
-    return write_safetensors(tmp_path / "m.safetensors", arrays)
+    path, _ = mixed_checkpoint(tmp_path)
+    return path
 
 
 def _helpers_used(monkeypatch: pytest.MonkeyPatch, threads: str = "3") -> list[int]:
