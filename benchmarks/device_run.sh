@@ -13,7 +13,8 @@
 # variable (the machine's default), every run a whole process, 3 timed runs each after a
 # warm-up, interleaved. Prints the markdown tables; writes under $OUT: machine.txt,
 # scale.md (the table), scale.json (every run), summary.md (speed-up per thread count),
-# scale.stderr.
+# scale.stderr; then clip-dir again with the bit patterns counted in the threads
+# (CLIPCLI_COUNTING_PROCESSES=0): scale_threads_counting.md/.json/.stderr.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -73,6 +74,14 @@ timeout -k 10 450 "$python" benchmarks/scale.py \
     2>"$out/scale.stderr" | tee "$out/scale.md"
 status=${PIPESTATUS[0]}
 [ "$status" -eq 0 ] || echo "scale.py ended with status $status (124: stopped at 450 s; see scale.stderr)"
+
+# The same clip with its bit patterns counted in the threads, not in helper processes
+# (system.counting): what the helpers win where the GIL stops threads (session 45).
+echo "## clip-dir, counted in threads (CLIPCLI_COUNTING_PROCESSES=0)"
+CLIPCLI_COUNTING_PROCESSES=0 timeout -k 10 240 "$python" benchmarks/scale.py \
+    --size "$size" --runs "$runs" --shards 4 --threads "$threads" \
+    --jobs clip-dir --keep "$work/files" --json "$out/scale_threads_counting.json" \
+    2>"$out/scale_threads_counting.stderr" | tee "$out/scale_threads_counting.md"
 
 # Speed-up per thread count against 1 thread, and against each group's first row.
 "$python" - "$out/scale.json" <<'EOF' | tee "$out/summary.md"
