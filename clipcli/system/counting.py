@@ -9,7 +9,7 @@ request at a time over its own socket: the parent sends a chunk's place in a fil
 file's descriptor (SCM_RIGHTS: the helper reads the very file the reader opened, through a
 duplicate it closes after the read), the helper preads the bytes and counts them with the
 function it was given (the parent's own, so the counts are the same by construction), and
-leaves them in a shared page for the parent to copy out: only 16 bytes and a descriptor
+leaves them in a shared page for the parent to copy out: only 24 bytes and a descriptor
 cross per 2 MiB chunk, and the counts.
 
 Nothing here can change a result. A helper that cannot read the whole range (the file
@@ -18,8 +18,9 @@ the caller then reads and counts the chunk itself, as it would without helpers, 
 reader's own checks and messages apply. Where no helper can be forked (RLIMIT_NPROC, no
 fork on this platform) there are none. Helpers ignore SIGINT (the parent acts on it, then
 closes them) and take other signals' default actions; their stdin, stdout and stderr are
-/dev/null and they hold no other descriptor of the parent's. close() kills and reaps them,
-so none outlives the pass, and one whose parent dies sees its socket end and exits.
+/dev/null and they hold no other descriptor of the parent's, and they dump no core.
+close() kills and reaps them, so none outlives the pass, and one whose parent dies is
+killed with it (PR_SET_PDEATHSIG), stopped or not.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import signal
 import socket
 import struct
 import sys
-import threading
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from clipcli.system import interrupts
 from clipcli.system.file_map import map_shared
+from clipcli.system.inputs import pread_into
 
 if TYPE_CHECKING:
     import numpy as np
@@ -167,7 +168,8 @@ def _serve(
                 if buffer.size < length:
                     buffer = np.empty(length, np.uint8)
                 raw = buffer[:length]
-                whole = _read_into(fds[0], raw, start)
+                # Fewer bytes where the file ends first: the reader's own read blames it.
+                whole = pread_into(fds[0], memoryview(raw), start) == length  # type: ignore[arg-type]
             except Exception:  # any failure: the parent reads and counts it itself
                 whole = False
             finally:
@@ -185,19 +187,6 @@ def _serve(
             sock.send(_NOT_COUNTED if counts is None else _COUNTED)
     finally:
         os._exit(0)
-
-
-def _read_into(fd: int, raw: np.ndarray, start: int) -> bool:
-    """raw filled from the file at `start`; False where the file ends first (the reader's
-    own read then blames the tensor)."""
-    view = memoryview(raw)  # type: ignore[arg-type]
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], start + done)
-        if got == 0:
-            return False
-        done += got
-    return True
 
 
 def _close_all_but(own: int) -> None:
@@ -251,7 +240,6 @@ class CountingProcesses:
         self._free: queue.SimpleQueue[_Helper] = queue.SimpleQueue()
         for helper in self._helpers:
             self._free.put(helper)
-        self._lock = threading.Lock()
 
     @property
     def size(self) -> int:
@@ -290,7 +278,6 @@ class CountingProcesses:
 
     def close(self) -> None:
         """Every helper killed and reaped (none is counting: the callers are done)."""
-        with self._lock:
-            helpers, self._helpers = self._helpers, []
+        helpers, self._helpers = self._helpers, []
         for helper in helpers:
             helper.close()

@@ -143,6 +143,19 @@ def read_input(path: Path, limit: int, expected: Path | None = None) -> tuple[by
             raise InputError(path, f"cannot read: {exc.strerror}") from None
 
 
+def pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+    """`buffer` filled from the file at `offset` with preadv, one call after another
+    (a call may read less than asked): the bytes read, fewer than asked only where the
+    file ends first. OSError is the caller's to word."""
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(fd, [buffer[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
 def fd_path(fd: int) -> str | None:
     """A name that reopens exactly this descriptor's file (Linux /proc/self/fd), for a
     library that insists on opening by name; None where there is no such name."""

@@ -40,7 +40,7 @@ from clipcli.formats.gguf.header import (
     read_header,
 )
 from clipcli.system.identity import FileIdentity
-from clipcli.system.inputs import open_input
+from clipcli.system.inputs import open_input, pread_into
 
 if TYPE_CHECKING:
     import numpy as np
@@ -277,12 +277,8 @@ class GgufReader(Reader):
 
         raw = np.empty(stop - start, dtype=np.uint8)
         view = memoryview(raw)  # type: ignore[arg-type]
-        done = 0
-        while done < len(view):
-            got = os.preadv(self._file.fileno(), [view[done:]], start + done)
-            if got == 0:
-                raise self._fail("file shrank while reading", name)
-            done += got
+        if pread_into(self._file.fileno(), view, start) < raw.size:
+            raise self._fail("file shrank while reading", name)
         return raw
 
     def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:

@@ -44,7 +44,7 @@ from clipcli.formats.pytorch.unpickler import (
 )
 from clipcli.system.file_map import map_read_only
 from clipcli.system.identity import FileIdentity
-from clipcli.system.inputs import open_input
+from clipcli.system.inputs import open_input, pread_into
 
 if TYPE_CHECKING:
     import numpy as np
@@ -498,16 +498,13 @@ class PyTorchReader(Reader):
 
         raw = np.empty(count, dtype=np.uint8)
         view = memoryview(raw)  # type: ignore[arg-type]
-        done = 0
         with self._reading() as fd:
-            while done < count:
-                try:
-                    got = os.preadv(fd, [view[done:]], offset + done)
-                except OSError as exc:
-                    raise InputError(self.path, f"cannot read: {exc.strerror}") from None
-                if got == 0:
-                    raise InputError(self.path, "file is truncated (it changed while being read?)")
-                done += got
+            try:
+                done = pread_into(fd, view, offset)
+            except OSError as exc:
+                raise InputError(self.path, f"cannot read: {exc.strerror}") from None
+        if done < count:
+            raise InputError(self.path, "file is truncated (it changed while being read?)")
         return raw
 
     def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]] | None:

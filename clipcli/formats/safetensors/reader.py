@@ -56,7 +56,7 @@ from clipcli.formats.structure_record import (
     parse_structure,
 )
 from clipcli.system.identity import FileIdentity
-from clipcli.system.inputs import open_input
+from clipcli.system.inputs import open_input, pread_into
 
 if TYPE_CHECKING:
     import numpy as np
@@ -502,18 +502,14 @@ class SafetensorsReader(Reader):
         import numpy as np  # here, not at the top: listing a header needs no numpy
 
         raw = np.empty(stop - start, dtype=np.uint8)
-        view = memoryview(raw)  # type: ignore[arg-type]
-        done = 0
-        fd = self._acquire()
+        fd = self._acquire()  # not _in_use(): a generator's context costs each small read
         try:
-            while done < len(view):
-                got = os.preadv(fd, [view[done:]], start + done)
-                if got == 0:
-                    blamed = name if isinstance(name, str) else name(start + done)
-                    raise self._fail("file shrank while reading", blamed)
-                done += got
+            done = pread_into(fd, memoryview(raw), start)  # type: ignore[arg-type]
         finally:
             self._done()
+        if done < raw.size:
+            blamed = name if isinstance(name, str) else name(start + done)
+            raise self._fail("file shrank while reading", blamed)
         return raw
 
     def read(self, info: TensorInfo) -> np.ndarray:
