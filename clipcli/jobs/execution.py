@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from clipcli.errors import WriteError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.names import NamePositions
 from clipcli.jobs.factor import OutputCheck
@@ -42,7 +43,7 @@ from clipcli.numerics import rounding, slices
 from clipcli.numerics.certain import CertainSumsq, sumsq_each
 from clipcli.numerics.many import norms_each
 from clipcli.numerics.norms import KnownNorm, NormAccumulator, accumulate, accumulate_array
-from clipcli.system import interrupts
+from clipcli.system import interrupts, scratch
 from clipcli.system.parallel import loaded
 
 # ---------------------------------------------------------------- while measuring
@@ -513,6 +514,10 @@ def _clip_slices_streamed(
     budget = slices.box_elements(info.dtype)
     if slices.boxes_hold_whole_slices(info.shape, tensor.axes, budget):
         return _clip_slices_box_by_box(boxes, tensor, spec.limit, settle)
+    if reader.elements_loader(info, 0, 0) is not None:  # a group's boxes read on their own
+        groups = slices.slice_groups(info.shape, tensor.axes, info.dtype)
+        if len(groups) > 1:
+            return _clip_slices_by_groups(boxes, groups, tensor, spec.limit)
     scales = slices.streamed_axes_scales(
         boxes, info.shape, tensor.axes, info.dtype, spec.limit, interrupts.check, info.name
     )
@@ -521,7 +526,58 @@ def _clip_slices_streamed(
         return Outcome(tensor.before, False, 0, int(scales.size)), None
     after, flushes = NormAccumulator(), Flushes()
     outcome = Outcome(after, True, clipped, int(scales.size), flushes)
-    return outcome, _scaled_boxes(boxes, scales, tensor.axes, after, flushes)
+
+    def factors_of(_box: np.ndarray, index: slices.BoxIndex) -> np.ndarray:
+        return scales[slices.box_region(index, tensor.axes)]
+
+    return outcome, _scaled_boxes(boxes, factors_of, after, flushes)
+
+
+def _clip_slices_by_groups(
+    boxes: slices.Boxes, groups: list[slice], tensor: TensorPlan, limit: float
+) -> tuple[Outcome, Iterator[np.ndarray] | None]:
+    """_clip_slices_streamed for a tensor of more slices than one group holds
+    (slices.slice_groups: two-element columns of a [2, 2**28] tensor are 2**28 slices):
+    each group's factors are worked out from the boxes that hold its slices and put in a
+    temporary file (8 bytes a slice), from which the writing pass reads each box's. The
+    memory stays that of one group whatever the number of slices; the factors are those
+    of the whole tensor at once, slice by slice (each depends on its own slice alone)."""
+    info, axes = tensor.info, tensor.axes
+    fd, _ = scratch.unnamed_file("clipcli-factors-")
+    spill = os.fdopen(fd, "r+b", buffering=0)  # closed at the latest when collected
+    try:
+        clipped = 0
+        for group in groups:
+            factors = slices.streamed_axes_scales(
+                boxes, info.shape, axes, info.dtype, limit, interrupts.check, info.name, span=group
+            )
+            clipped += int(np.count_nonzero(factors != 1.0))
+            scratch.write_at(fd, memoryview(factors), group.start * 8)  # type: ignore[arg-type]
+    except BaseException:
+        spill.close()
+        raise
+    count = groups[-1].stop
+    if not clipped:
+        spill.close()
+        return Outcome(tensor.before, False, 0, count), None
+    after, flushes = NormAccumulator(), Flushes()
+    outcome = Outcome(after, True, clipped, count, flushes)
+
+    def factors_of(box: np.ndarray, index: slices.BoxIndex) -> np.ndarray:
+        held = slices.box_slices(index, info.shape, axes)
+        factors = np.empty(len(held))
+        scratch.read_at(spill.fileno(), memoryview(factors), held.start * 8)  # type: ignore[arg-type]
+        # Read back from a file another process of this user could write: only factors
+        # that clip_by_norm can give (0 to 1) are ever applied.
+        if not np.all((factors >= 0.0) & (factors <= 1.0)):
+            raise WriteError(f"a temporary file of clipcli's changed while in use ({info.name!r})")
+        return factors.reshape(slices.keepdims_shape(box.shape, axes))
+
+    def scaled() -> Iterator[np.ndarray]:
+        with spill:
+            yield from _scaled_boxes(boxes, factors_of, after, flushes)
+
+    return outcome, scaled()
 
 
 def _clip_slices_box_by_box(
@@ -576,14 +632,14 @@ def _clip_slices_box_by_box(
 
 def _scaled_boxes(
     boxes: slices.Boxes,
-    scales: np.ndarray,
-    axes: tuple[int, ...],
+    factors_of: Callable[[np.ndarray, slices.BoxIndex], np.ndarray],
     after: NormAccumulator,
     flushes: Flushes,
 ) -> Iterator[np.ndarray]:
-    """The scaled boxes, their statistics and flushes counted into after and flushes."""
+    """The boxes scaled by their slices' factors (keepdims on the box), their statistics
+    and flushes counted into after and flushes."""
     for box, index in boxes():
-        scaled = slices.scale_box(box, index, scales, axes)
+        scaled = rounding.scale_chunk(box, factors_of(box, index))
         flushes.add(*rounding.flushes(box, scaled))
         flat = scaled.reshape(-1)
         after.add(flat)

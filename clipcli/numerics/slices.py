@@ -865,25 +865,72 @@ def box_region(index: tuple[int | slice, ...], axes: tuple[int, ...]) -> tuple[s
     )
 
 
+def box_slices(index: BoxIndex, shape: tuple[int, ...], axes: tuple[int, ...]) -> range:
+    """The slices (numbered in C order) a box holds elements of: always consecutive ones,
+    since a box fixes the leading axes, cuts one and takes the rest whole."""
+    keep = keepdims_shape(shape, axes)
+    bounds = [part.indices(n)[:2] for part, n in zip(box_region(index, axes), keep, strict=True)]
+    first = int(np.ravel_multi_index([begin for begin, _ in bounds], keep))
+    last = int(np.ravel_multi_index([end - 1 for _, end in bounds], keep))
+    return range(first, last + 1)
+
+
+def holding_any_of(
+    shape: tuple[int, ...], axes: tuple[int, ...], span: slice
+) -> Callable[[BoxIndex], bool]:
+    """A Boxes `only` test: whether a box holds elements of any slice of `span`."""
+
+    def holds(index: BoxIndex) -> bool:
+        held = box_slices(index, shape, axes)
+        return bool(held.start < span.stop and span.start < held.stop)
+
+    return holds
+
+
+def _overlap(held: range, span: slice) -> tuple[slice, slice]:
+    """Where the slices both `held` by a box and in `span` lie: in an array over the span,
+    and in the box's own per-slice array."""
+    begin, end = max(held.start, span.start), min(held.stop, span.stop)
+    return slice(begin - span.start, end - span.start), slice(begin - held.start, end - held.start)
+
+
 def streamed_sumsq(
-    boxes: Boxes, shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any]
+    boxes: Boxes,
+    shape: tuple[int, ...],
+    axes: tuple[int, ...],
+    dtype: np.dtype[Any],
+    span: slice | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """slice_sumsq of the tensor the boxes hold. Only float64 data (real part) can need
-    rescaling: its slices' peaks take a pass of their own first; narrower data cannot
-    overflow or underflow float64 squares, and its exponents are all 0."""
+    """slice_sumsq of the tensor the boxes hold (keepdims), or, given a `span` of slices,
+    of those slices alone (flat), from the boxes that hold them. Only float64 data (real
+    part) can need rescaling: its slices' peaks take a pass of their own first; narrower
+    data cannot overflow or underflow float64 squares, and its exponents are all 0."""
     keep_shape = keepdims_shape(shape, axes)
-    exps = np.zeros(keep_shape, dtype=np.int8)  # all 0 (one byte a slice: there may be 10**8)
+    whole = span is None
+    span = slice(0, math.prod(keep_shape)) if span is None else span
+    only = None if whole else holding_any_of(shape, axes, span)
+    size = span.stop - span.start
+    exps = np.zeros(size, dtype=np.int8)  # all 0 (one byte a slice: there may be 10**8)
     if real_dtype(dtype).itemsize >= 8:
-        peak = np.zeros(keep_shape)
-        for box, index in boxes():
-            region = box_region(index, axes)
-            peak[region] = np.maximum(peak[region], _peaks(box, axes))
+        peak = np.zeros(size)
+        for box, index in boxes(only):
+            at, part = _overlap(box_slices(index, shape, axes), span)
+            peak[at] = np.maximum(peak[at], _peaks(box, axes).reshape(-1)[part])
         exps = _small_exponents(peak)
         del peak  # before the sums are made: float64 [2, 2**26] --axes 0 held both
-    total = np.zeros(keep_shape)
-    for box, index in boxes():
-        region = box_region(index, axes)
-        total[region] += _sum_squares(box, axes, exps[region])
+    total = np.zeros(size)
+    for box, index in boxes(only):
+        held = box_slices(index, shape, axes)
+        at, part = _overlap(held, span)
+        box_exps = np.zeros(keepdims_shape(box.shape, axes), exps.dtype)
+        box_exps.reshape(-1)[part] = exps[at]
+        # The box's slices outside the span have no exponent of theirs (0): their squares,
+        # left out, may overflow.
+        partial = len(held) > part.stop - part.start
+        with np.errstate(over="ignore") if partial else np.errstate():
+            total[at] += _sum_squares(box, axes, box_exps).reshape(-1)[part]
+    if whole:
+        return total.reshape(keep_shape), exps.reshape(keep_shape)
     return total, exps
 
 
@@ -911,10 +958,12 @@ def streamed_picked(
     span: slice,
 ) -> np.ndarray:
     """The slices numbered span.start to span.stop - 1 (in C order) of the tensor the boxes
-    hold, as rows in the same order, gathered in one pass (memory: those slices)."""
+    hold, as rows in the same order, gathered in one pass over the boxes that hold them
+    (memory: those slices)."""
     rest = [i for i in range(len(shape)) if i not in axes]
     picked = np.empty((span.stop - span.start, math.prod(shape[a] for a in axes)), dtype)
-    for box, index in boxes():
+    everything = span.start == 0 and span.stop == math.prod(keepdims_shape(shape, axes))
+    for box, index in boxes(None if everything else holding_any_of(shape, axes, span)):
         ranges = _box_ranges(index, shape)
         slice_ids = _raveled([ranges[i] for i in rest], [shape[i] for i in rest])
         inside = (slice_ids >= span.start) & (slice_ids < span.stop)
@@ -1027,9 +1076,12 @@ def streamed_axes_scales(
     between: Callable[[], None] = lambda: None,
     name: str = "tensor",
     first: int = 0,
+    span: slice | None = None,
 ) -> np.ndarray:
-    """axes_scales' factors of the tensor the boxes hold (keepdims): one pass for the
-    sums (two for float64), then the factors a piece of slices (slice_pieces) at a time.
+    """axes_scales' factors of the tensor the boxes hold (keepdims), or, given a `span` of
+    its slices (slice_groups), of those slices alone (flat), from the boxes that hold
+    them: one pass for the sums (two for float64), then the factors a piece of slices
+    (slice_pieces) at a time.
     Where a piece needs its slices' values (those within rounding error of the limit; for
     8/16-bit floats and float64, every slice over it), one pass gathers the values of a
     window of pieces (SLICE_WINDOW_BYTES). Memory beyond a box: 9 bytes a slice kept (the
@@ -1041,21 +1093,27 @@ def streamed_axes_scales(
     (counts_long_slices) are measured and searched each as a tensor of its own instead
     (_counted_axes_scales)."""
     if counts_long_slices(shape, axes, dtype, box_elements(dtype)):
+        assert span is None  # slice_groups: long slices are few, one group
         return _counted_axes_scales(boxes, shape, axes, dtype, limit, between, name, first)
-    sums, exps = streamed_sumsq(boxes, shape, axes, dtype)
+    sums, exps = streamed_sumsq(boxes, shape, axes, dtype, span)
     all_sums, all_exps = sums.reshape(-1), exps.reshape(-1)
     slice_numel = math.prod(shape[a] for a in axes)
+    base = 0 if span is None else span.start  # the number of the first slice of all_sums
 
-    pieces = slice_pieces(all_sums.size, slice_numel)
+    pieces = [
+        slice(base + piece.start, base + piece.stop)
+        for piece in slice_pieces(all_sums.size, slice_numel)
+    ]
     window_slices = max(1, SLICE_WINDOW_BYTES // max(1, slice_numel * dtype.itemsize))
     for window in _windows(pieces, window_slices):
         gathered = _Gathered(boxes, shape, axes, dtype, slice(window[0].start, window[-1].stop))
         for piece in window:
             between()
             picked = gathered.picker(piece)
+            own = slice(piece.start - base, piece.stop - base)  # the piece in all_sums
             _, factors = scales_from_sums(
-                all_sums[piece],
-                all_exps[piece],
+                all_sums[own],
+                all_exps[own],
                 limit,
                 dtype,
                 shape,
@@ -1065,7 +1123,7 @@ def streamed_axes_scales(
                 name,
                 first + piece.start,
             )
-            all_sums[piece] = factors  # this piece's sums are used up
+            all_sums[own] = factors  # this piece's sums are used up
     return sums  # now the factors
 
 
@@ -1081,6 +1139,27 @@ def streamed_axes_scales(
 # CPU and 80 MiB against gathered 3.5 s and 133 MiB; 256 columns, 16.0 s against 11.7.
 LONG_SLICE_BYTES = 4 << 20
 COUNTED_PIECES_PER_BOX = 64
+
+
+# Slices whose sums and factors streamed_axes_scales works out together, at most, where a
+# tensor has more (slice_groups): it keeps ~9 bytes a slice while they are searched, and
+# their caller keeps the factors elsewhere. Two-element bfloat16 columns, [2, 2**26] with
+# --axes 0, held 676 MiB at once, 10 bytes a slice.
+SLICE_GROUP = 1 << 21
+
+
+def slice_groups(
+    shape: tuple[int, ...], axes: tuple[int, ...], dtype: np.dtype[Any]
+) -> list[slice]:
+    """Spans of consecutive slices (in C order) that streamed_axes_scales can work out one
+    at a time (its `span`), each at most SLICE_GROUP slices: one span of them all where
+    they are no more, or long (counts_long_slices: few). A box holds consecutive slices
+    (box_slices), at most box_elements of them, so a pass over a group's boxes reads each
+    box at most twice in all the groups' passes."""
+    count = math.prod(keepdims_shape(shape, axes))
+    if count <= SLICE_GROUP or counts_long_slices(shape, axes, dtype, box_elements(dtype)):
+        return [slice(0, count)]
+    return [slice(start, min(start + SLICE_GROUP, count)) for start in range(0, count, SLICE_GROUP)]
 
 
 def counts_long_slices(

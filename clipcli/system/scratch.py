@@ -20,7 +20,7 @@ from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from clipcli.errors import WriteError
-from clipcli.system.inputs import out_of_descriptors
+from clipcli.system.inputs import out_of_descriptors, pread_into
 
 # Where temporary files go when TMPDIR is not set, in this order. Never the working
 # directory (tempfile's last resort): that is often the input's own folder.
@@ -380,6 +380,19 @@ def write_at(fd: int, data: bytes | memoryview, position: int) -> None:
             view, position = view[written:], position + written
     except OSError as exc:
         raise failure(exc) from None
+
+
+def read_at(fd: int, buffer: memoryview, position: int) -> None:
+    """`buffer` filled from a scratch file at `position`: what write_at put there. A file
+    that ends first was cut by someone else (it has no name, only a descriptor): exit 5,
+    as for a scratch write that fails."""
+    view = buffer.cast("B")
+    try:
+        done = pread_into(fd, view, position)
+    except OSError as exc:
+        raise failure(exc) from None
+    if done < len(view):
+        raise WriteError(f"a temporary file in {_shown()} was cut short while in use")
 
 
 def open_new(path: str | os.PathLike[str]) -> int:
