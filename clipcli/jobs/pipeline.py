@@ -272,10 +272,15 @@ def _counting_processes(
         or sum(infos[i].nbytes for i in counted) < COUNTING_PROCESSES_FROM
     ):
         return None
-    # Tensors stored as a file's bytes (safetensors): their chunk loaders are RangeLoaders.
-    # (Asking for a loader could start a read in a reader that streams.)
+    # Tensors stored as a file's bytes (safetensors, plain GGUF), whose chunk loaders are
+    # RangeLoaders: stored_bytes first, since asking a reader that streams for a loader
+    # could start a read; then the loaders themselves (a .npy file has stored bytes and
+    # reads its chunks in one go: helpers forked for it would count nothing).
     first = next(i for i in sorted(counted) if infos[i].numel)
     if reader.stored_bytes(infos[first]) is None:
+        return None
+    loaders = reader.chunk_loaders(infos[first])
+    if loaders is None or not isinstance(next(iter(loaders), None), RangeLoader):
         return None
     helpers = counting.CountingProcesses(lookup.bit_pattern_counts, threads)
     if not helpers.size:

@@ -13,6 +13,7 @@ loads yaml, ~60 ms): `ls` of a GGUF file needs neither it nor numpy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -23,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from clipcli.errors import InputError
 from clipcli.formats.base import (
+    FileRange,
     Listed,
+    RangeLoader,
     Reader,
     StoredBytes,
     TensorInfo,
@@ -247,8 +250,16 @@ class GgufReader(Reader):
             step = (chunk_elems or default_chunk_elems(info.dtype)) * info.dtype.itemsize
             if block > 1:  # whole blocks: what GGUFView rescales field by field
                 step = max(type_size, step // type_size * type_size)
+            read = functools.partial(self._read_as, info.dtype)
+            # A plain little-endian tensor's chunks are the file's bytes as they are: another
+            # process may count them (system.counting), as a safetensors file's.
+            as_stored = entry.plain and not self.header.big_endian
             for start in range(begin, end, step):
-                yield functools.partial(self._read_as, info.dtype, start, min(start + step, end))
+                if as_stored:
+                    where = FileRange(self._in_use, start, min(start + step, end))
+                    yield RangeLoader(read, info.dtype, where)
+                else:
+                    yield functools.partial(read, start, min(start + step, end))
             return
         blocks = max(1, (chunk_elems or default_chunk_elems(info.dtype)) // block)
         step = blocks * type_size
@@ -256,6 +267,20 @@ class GgufReader(Reader):
             yield functools.partial(
                 self._read_decoded, decode, start, min(start + step, end), info.name
             )
+
+    def elements_loader(
+        self, info: TensorInfo, start: int, stop: int
+    ) -> Callable[[], np.ndarray] | None:
+        """A plain tensor's elements [start, stop) (its bytes lie in C order); None for a
+        block type."""
+        entry = self._entries[info.name]
+        if not entry.plain:
+            return None
+        if not 0 <= start <= stop <= info.numel:
+            raise ValueError(f"elements [{start}, {stop}) are not in tensor {info.name!r}")
+        begin, size = self.header.data_start + entry.offset, info.dtype.itemsize
+        first, last = begin + start * size, begin + stop * size
+        return functools.partial(self._read_as, info.dtype, first, last)
 
     def _read_as(self, dtype: np.dtype[Any], start: int, stop: int) -> np.ndarray:
         raw = self.pread(start, stop)
@@ -288,6 +313,11 @@ class GgufReader(Reader):
             return None
         begin = self.header.data_start + entry.offset
         return StoredBytes(self.path, self._file.fileno, begin, begin + entry.nbytes)
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[int]:
+        """The descriptor (open until close(): never released while the reader lives)."""
+        yield self._file.fileno()
 
     def close(self) -> None:
         with self._lock:
