@@ -157,3 +157,34 @@ def test_gguf_axes_by_groups_write_what_one_group_does(
     assert "b.weight" in grouped
     clipped = official(tmp_path / "out5.gguf")["b.weight"]
     assert np.all(np.sqrt(np.sum(clipped**2, axis=0)) <= 1.0)
+
+
+def test_a_quantized_checkpoints_plain_tensors_are_counted_by_helpers(
+    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block-scaled fp8 checkpoint (read through clipcli.logical) whose embeddings and
+    norms are bfloat16: those plain tensors have their stored bytes, so the helpers count
+    them, with the bytes and report of counting in the threads."""
+    import ml_dtypes
+    from handmade import write_safetensors
+
+    rng = np.random.default_rng(7)
+    src = write_safetensors(
+        tmp_path / "fp8.safetensors",
+        {
+            "model.embed_tokens.weight": rng.standard_normal((64, 512)).astype(ml_dtypes.bfloat16),
+            "model.layers.0.mlp.down_proj.weight": rng.uniform(-448, 448, (2, 64)).astype(
+                ml_dtypes.float8_e4m3fn
+            ),
+            "model.layers.0.mlp.down_proj.weight_scale_inv": np.array([[0.01], [0.02]], np.float32),
+            "model.norm.weight": rng.standard_normal(4096).astype(ml_dtypes.bfloat16),
+        },
+    )
+    counted = _helpers_used(monkeypatch)
+    mode = ["--global", "0.5"]
+    by_helpers = _clip(run_main, src, tmp_path / "a.safetensors", mode)
+    assert counted, "the helpers counted nothing"
+    assert by_helpers == _without_helpers(
+        run_main, monkeypatch, src, tmp_path / "b.safetensors", mode
+    )
+    assert any("down_proj" in t["name"] for t in by_helpers[0]["tensors"])

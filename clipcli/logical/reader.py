@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clipcli.formats.base import Listed, Reader, TensorInfo
+from clipcli.formats.base import Listed, Reader, StoredBytes, TensorInfo
 from clipcli.logical.view import LogicalTensor, Quantization, QuantizedRows, View
 
 if TYPE_CHECKING:
@@ -123,6 +123,12 @@ class LogicalReader(Reader):
     def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]] | None:
         part = self._plain_part(info)
         return None if part is None else self.stored.chunk_loaders(part)
+
+    def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:
+        """A plain tensor's bytes, as its stored tensor's (a quantized checkpoint's bf16
+        embeddings and norms: their chunks are then counted where they lie)."""
+        part = self._plain_part(info)
+        return None if part is None else self.stored.stored_bytes(part)
 
     def elements_loader(
         self, info: TensorInfo, start: int, stop: int
