@@ -250,6 +250,69 @@ def test_helpers_killed_mid_pass_change_nothing(
     assert _gone(pids)
 
 
+def test_helpers_stopped_on_their_own_are_left_and_the_threads_count(
+    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every helper SIGSTOPped (alone, not with clipcli) before the first chunk is sent:
+    a helper stopped never answers, and the thread that asked it waited for good (attack
+    s45). Each waiting thread now sees its helper stopped, leaves it and counts the chunk
+    itself: the same bytes and report; the stopped helpers are killed and reaped."""
+    src = _checkpoint(tmp_path)
+    counted = _helpers_used(monkeypatch)
+    real = counting.CountingProcesses.count  # the spy
+    pids: list[int] = []
+    once = threading.Lock()
+
+    def stopping(self: counting.CountingProcesses, where: Any, itemsize: int) -> Any:
+        with once:
+            if not pids:
+                pids.extend(helper.pid for helper in self._helpers)
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+        return real(self, where, itemsize)
+
+    monkeypatch.setattr(counting.CountingProcesses, "count", stopping)
+    got = _clip(run_main, src, tmp_path / "a.safetensors", ["--norm", "0.5"])
+    assert pids
+    assert not counted  # stopped before any request: none counted
+    assert got == _without_helpers(
+        run_main, monkeypatch, src, tmp_path / "b.safetensors", ["--norm", "0.5"]
+    )
+    assert _gone(pids)
+
+
+def test_a_helper_is_stopped_as_proc_tells() -> None:
+    """_stopped reads the state from /proc: running, stopped, continued, gone."""
+    import subprocess
+    import sys
+
+    waiting = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+    child = subprocess.Popen(waiting, stdin=subprocess.PIPE)
+    try:
+        assert not counting._stopped(child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        _wait_for_state(child.pid, b"T")
+        assert counting._stopped(child.pid)
+        os.kill(child.pid, signal.SIGCONT)
+        _wait_for_state(child.pid, b"S", b"R")
+        assert not counting._stopped(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+        assert child.stdin is not None
+        child.stdin.close()
+    assert counting._stopped(child.pid)  # gone: nothing to wait for
+
+
+def _wait_for_state(pid: int, *states: bytes) -> None:
+    """Until /proc says the process is in one of `states` (an event, not a delay)."""
+    while True:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            if stat.read().rsplit(b")", 1)[1].split()[0] in states:
+                return
+        os.sched_yield()
+
+
 def test_an_input_cut_short_while_helpers_count_is_exit_3(
     tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -30,6 +30,7 @@ import mmap
 import os
 import queue
 import resource
+import select
 import signal
 import socket
 import struct
@@ -66,6 +67,10 @@ _REQUEST = struct.Struct("<QQQ")
 _COUNTED, _NOT_COUNTED = b"K", b"N"
 # The largest table of counts: one per pattern of a 16-bit float.
 _MAX_COUNTS = 1 << 16
+# How often a thread waiting for a helper's answer looks whether the helper was stopped
+# on its own (SIGSTOP to it alone): it then never answers, and the thread would wait for
+# good. The decision is the helper's state, not the time it took.
+_LOOK_EVERY_MS = 500
 # The knob that turns the helpers off (a developer's, for benchmarks and tests): "0".
 KNOB = "CLIPCLI_COUNTING_PROCESSES"
 
@@ -114,6 +119,30 @@ class _Helper:
             os.waitpid(self.pid, 0)
         with contextlib.suppress(BufferError):  # a view of it still held: freed with it
             self.page.close()
+
+
+def _answer(helper: _Helper) -> bytes:
+    """The helper's one-byte answer to the request just sent; b"" where it is stopped on
+    its own, or gone (its state unreadable): the caller then counts the chunk itself. A
+    helper stopped with clipcli (Ctrl-Z stops the whole group) is running again once
+    clipcli is, and answers."""
+    poller = select.poll()
+    poller.register(helper.socket, select.POLLIN)
+    while not poller.poll(_LOOK_EVERY_MS):
+        if _stopped(helper.pid):
+            return b""
+    return helper.socket.recv(1)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T, or t: stopped by a tracer) or cannot be
+    looked at any more (gone), from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return True
+    return not fields or fields[0] in (b"T", b"t")
 
 
 def _serve(
@@ -263,7 +292,7 @@ class CountingProcesses:
                 with where.in_use() as fd:
                     # MSG_NOSIGNAL: a helper gone is EPIPE here, never a SIGPIPE.
                     socket.send_fds(helper.socket, [request], [fd], socket.MSG_NOSIGNAL)
-                    answer = helper.socket.recv(1)
+                    answer = _answer(helper)
             except OSError:  # the helper is gone (EPIPE, ECONNRESET)
                 answer = b""
             if answer == _COUNTED:
