@@ -205,15 +205,17 @@ def spoil_the_factors(
     return positions
 
 
-@pytest.mark.parametrize("value", [float("nan"), 1.0000000000000002, -0.0 - 1e-300, 2.0])
+@pytest.mark.parametrize("value", [float("nan"), 1.0000000000000002, -1e-300, 2.0, 0.5, -0.0, 0.0])
 def test_factors_changed_in_the_temporary_file_are_refused_and_no_output_is_left(
     grouped: tuple[Path, Path],
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     value: float,
 ) -> None:
-    """Only a factor clip_by_norm can give (0 to 1) is applied: one outside, or NaN, written
-    into the file while clipcli runs, is exit 5 with one line, and no OUT."""
+    """A factor written into the file while clipcli runs, by another process of this user
+    (through /proc/<pid>/fd), is exit 5 with one line and no OUT: outside [0, 1] or NaN,
+    and inside it too (0.5 takes a slice clipped by 0.2 over the limit; -0.0 flips every
+    sign; attack s46)."""
     src, out = grouped
     positions = spoil_the_factors(
         monkeypatch, lambda fd, at: os.pwrite(fd, np.array([value]).tobytes(), at)
@@ -227,18 +229,45 @@ def test_factors_changed_in_the_temporary_file_are_refused_and_no_output_is_left
     assert sorted(p.name for p in out.parent.iterdir()) == ["in.safetensors"]
 
 
-def test_factors_at_the_ends_of_their_range_are_applied(
+def test_factors_rewritten_as_they_were_are_applied(
     grouped: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Exactly 0 and exactly 1 are factors clip_by_norm gives: written in, they are used
-    (the check is inclusive at both ends)."""
+    """The check is of the bytes, not of a write: the same bytes written again pass, and
+    the output is the one an untouched run writes."""
     src, out = grouped
-    spoil_the_factors(monkeypatch, lambda fd, at: os.pwrite(fd, np.array([0.0, 1.0]).tobytes(), at))
-    assert main(["clip", "--norm", "1", "--axes", "0", "-q", "--no-fsync", str(src), str(out)]) == 0
-    written = read_safetensors(out)["w"]
-    original = read_safetensors(src)["w"]
-    assert written[0, 0] == 0  # factor 0
-    assert written[0, 1] == original[0, 1]  # factor 1
+    untouched = out.with_name("untouched.safetensors")
+    args = ["clip", "--norm", "1", "--axes", "0", "-q", "--no-fsync"]
+    assert main([*args, str(src), str(untouched)]) == 0
+
+    def same_again(fd: int, at: int) -> None:
+        os.pwrite(fd, os.pread(fd, 64, at), at)
+
+    spoil_the_factors(monkeypatch, same_again)
+    assert main([*args, str(src), str(out)]) == 0
+    assert out.read_bytes() == untouched.read_bytes()
+
+
+def test_a_file_cut_while_groups_are_worked_out_and_grown_again_is_refused(
+    grouped: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Cut to nothing after the first group is written: the next group's write grows it
+    again, and the first group's hole reads as zeros, factors a range check accepts
+    (attack s46: a real run wrote a third of its slices as zeros, exit 0)."""
+    src, out = grouped
+    real = scratch.write_at
+    writes: list[int] = []
+
+    def write_at(fd: int, data: bytes | memoryview, position: int) -> None:
+        if len(writes) == 1:
+            os.ftruncate(fd, 0)
+        writes.append(position)
+        real(fd, data, position)
+
+    monkeypatch.setattr(scratch, "write_at", write_at)
+    assert main(["clip", "--norm", "1", "--axes", "0", "-q", str(src), str(out)]) == 5
+    assert len(writes) >= 2
+    assert "changed while in use" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_a_temporary_file_cut_short_is_exit_5(

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from clipcli.errors import WriteError
 from clipcli.formats.base import Checkpoint, Reader, TensorInfo, Writer
 from clipcli.formats.names import NamePositions
 from clipcli.jobs.factor import OutputCheck
@@ -43,7 +42,7 @@ from clipcli.numerics import rounding, slices
 from clipcli.numerics.certain import CertainSumsq, sumsq_each
 from clipcli.numerics.many import norms_each
 from clipcli.numerics.norms import KnownNorm, NormAccumulator, accumulate, accumulate_array
-from clipcli.system import interrupts, scratch
+from clipcli.system import interrupts
 from clipcli.system.parallel import loaded
 
 # ---------------------------------------------------------------- while measuring
@@ -538,13 +537,14 @@ def _clip_slices_by_groups(
 ) -> tuple[Outcome, Iterator[np.ndarray] | None]:
     """_clip_slices_streamed for a tensor of more slices than one group holds
     (slices.slice_groups: two-element columns of a [2, 2**28] tensor are 2**28 slices):
-    each group's factors are worked out from the boxes that hold its slices and put in a
-    temporary file (8 bytes a slice), from which the writing pass reads each box's. The
+    each group's factors are worked out from the boxes that hold its slices and kept in a
+    temporary file (SpilledFactors), from which the writing pass reads each box's. The
     memory stays that of one group whatever the number of slices; the factors are those
     of the whole tensor at once, slice by slice (each depends on its own slice alone)."""
+    from clipcli.jobs.spilled_factors import SpilledFactors
+
     info, axes = tensor.info, tensor.axes
-    fd, _ = scratch.unnamed_file("clipcli-factors-")
-    spill = os.fdopen(fd, "r+b", buffering=0)  # closed at the latest when collected
+    spilled = SpilledFactors(groups, info.name)
     try:
         clipped = 0
         for group in groups:
@@ -552,29 +552,23 @@ def _clip_slices_by_groups(
                 boxes, info.shape, axes, info.dtype, limit, interrupts.check, info.name, span=group
             )
             clipped += int(np.count_nonzero(factors != 1.0))
-            scratch.write_at(fd, memoryview(factors), group.start * 8)  # type: ignore[arg-type]
+            spilled.put(factors)
     except BaseException:
-        spill.close()
+        spilled.close()
         raise
     count = groups[-1].stop
     if not clipped:
-        spill.close()
+        spilled.close()
         return Outcome(tensor.before, False, 0, count), None
     after, flushes = NormAccumulator(), Flushes()
     outcome = Outcome(after, True, clipped, count, flushes)
 
     def factors_of(box: np.ndarray, index: slices.BoxIndex) -> np.ndarray:
-        held = slices.box_slices(index, info.shape, axes)
-        factors = np.empty(len(held))
-        scratch.read_at(spill.fileno(), memoryview(factors), held.start * 8)  # type: ignore[arg-type]
-        # Read back from a file another process of this user could write: only factors
-        # that clip_by_norm can give (0 to 1) are ever applied.
-        if not np.all((factors >= 0.0) & (factors <= 1.0)):
-            raise WriteError(f"a temporary file of clipcli's changed while in use ({info.name!r})")
+        factors = spilled.of(slices.box_slices(index, info.shape, axes))
         return factors.reshape(slices.keepdims_shape(box.shape, axes))
 
     def scaled() -> Iterator[np.ndarray]:
-        with spill:
+        with spilled:
             yield from _scaled_boxes(boxes, factors_of, after, flushes)
 
     return outcome, scaled()
