@@ -280,6 +280,18 @@ def test_a_temporary_file_cut_short_is_exit_5(
     assert not out.exists()
 
 
+def test_a_temporary_file_grown_past_its_factors_is_exit_5(
+    grouped: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bytes added after the last group change no factor read, but the file is not what
+    clipcli wrote (attack s46b): refused like any other change, and one byte counts."""
+    src, out = grouped
+    spoil_the_factors(monkeypatch, lambda fd, _at: os.ftruncate(fd, os.fstat(fd).st_size + 1))
+    assert main(["clip", "--norm", "1", "--axes", "0", "-q", str(src), str(out)]) == 5
+    assert "changed while in use" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_no_usable_temporary_directory_is_exit_5_naming_it(
     grouped: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

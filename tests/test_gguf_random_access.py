@@ -188,3 +188,16 @@ def test_a_quantized_checkpoints_plain_tensors_are_counted_by_helpers(
         run_main, monkeypatch, src, tmp_path / "b.safetensors", mode
     )
     assert any("down_proj" in t["name"] for t in by_helpers[0]["tensors"])
+
+
+def test_a_clip_that_counts_nothing_starts_no_helper_whatever_the_threshold(
+    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--value counts no bit patterns: with the helpers' threshold at 0 bytes (a test's
+    setting) the pass still runs without them (it raised StopIteration, exit 70: attack
+    s46b)."""
+    src = _weights(tmp_path)
+    counted = _helpers_used(monkeypatch)
+    run = run_main("clip", "--value", "0.1", "--no-fsync", "-q", src, tmp_path / "o.gguf")
+    assert run.code == 0, run.stderr
+    assert not counted

@@ -276,8 +276,8 @@ def _counting_processes(
     # RangeLoaders: stored_bytes first, since asking a reader that streams for a loader
     # could start a read; then the loaders themselves (a .npy file has stored bytes and
     # reads its chunks in one go: helpers forked for it would count nothing).
-    first = next(i for i in sorted(counted) if infos[i].numel)
-    if reader.stored_bytes(infos[first]) is None:
+    first = next((i for i in sorted(counted) if infos[i].numel), None)
+    if first is None or reader.stored_bytes(infos[first]) is None:
         return None
     loaders = reader.chunk_loaders(infos[first])
     if loaders is None or not isinstance(next(iter(loaders), None), RangeLoader):

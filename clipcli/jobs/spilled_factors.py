@@ -86,7 +86,10 @@ class SpilledFactors:
         factors = np.empty(group.stop - group.start)
         data = memoryview(factors).cast("B")  # type: ignore[arg-type]
         scratch.read_at(self._file.fileno(), data, group.start * 8)
-        if not hmac.compare_digest(self._digest(data), self._digests[at]):
+        # Grown past its last factor too: no factor read changes, but the file is not what
+        # was written (attack s46b).
+        grown = scratch.size_of(self._file.fileno()) != self._groups[-1].stop * 8
+        if grown or not hmac.compare_digest(self._digest(data), self._digests[at]):
             raise WriteError(
                 f"a temporary file of clipcli's was changed while in use ({self._name!r})"
             )

@@ -395,6 +395,14 @@ def read_at(fd: int, buffer: memoryview, position: int) -> None:
         raise WriteError(f"a temporary file in {_shown()} was cut short while in use")
 
 
+def size_of(fd: int) -> int:
+    """A scratch file's size in bytes."""
+    try:
+        return os.fstat(fd).st_size
+    except OSError as exc:
+        raise failure(exc) from None
+
+
 def open_new(path: str | os.PathLike[str]) -> int:
     """A new file in a scratch directory, for writing."""
     try:
