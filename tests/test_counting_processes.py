@@ -76,17 +76,25 @@ def _without_helpers(run_main: Any, monkeypatch: pytest.MonkeyPatch, *args: Any)
 MODES = [["--global", "0.5"], ["--norm", "0.5"], ["--global", "30"], ["--norm", "20"]]
 
 
+def assert_helpers_count_as_threads(
+    run_main: Any, monkeypatch: pytest.MonkeyPatch, src: Path, mode: list[str]
+) -> dict[str, Any]:
+    """The clip of `src` with helpers counting (some chunks at least) writes and reports
+    what it does with the threads counting; the outputs go beside `src`. Its report."""
+    counted = _helpers_used(monkeypatch)
+    by_helpers = _clip(run_main, src, src.with_stem("by-helpers"), mode)
+    assert counted, "the helpers counted nothing"
+    assert by_helpers == _without_helpers(
+        run_main, monkeypatch, src, src.with_stem("by-threads"), mode
+    )
+    return by_helpers[0]
+
+
 @pytest.mark.parametrize("mode", MODES, ids=" ".join)
 def test_a_clip_counted_by_helpers_writes_and_reports_what_threads_did(
     tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch, mode: list[str]
 ) -> None:
-    src = _checkpoint(tmp_path)
-    counted = _helpers_used(monkeypatch)
-    by_helpers = _clip(run_main, src, tmp_path / "a.safetensors", mode)
-    assert counted, "the helpers counted nothing"
-    assert by_helpers == _without_helpers(
-        run_main, monkeypatch, src, tmp_path / "b.safetensors", mode
-    )
+    assert_helpers_count_as_threads(run_main, monkeypatch, _checkpoint(tmp_path), mode)
 
 
 def test_the_knob_turns_the_helpers_off(
@@ -218,6 +226,35 @@ def test_no_helper_where_fork_is_refused(
     )
 
 
+def _signal_the_helpers(
+    monkeypatch: pytest.MonkeyPatch, signum: int, *, after_first_count: bool
+) -> list[int]:
+    """Every helper sent `signum` once, at the first request (before it is sent, or once
+    its counts are back): their process ids, filled in then (the spy of _helpers_used
+    stays in the chain)."""
+    real = counting.CountingProcesses.count
+    pids: list[int] = []
+    once = threading.Lock()
+
+    def signal_all(self: counting.CountingProcesses) -> None:
+        with once:
+            if not pids:
+                pids.extend(helper.pid for helper in self._helpers)
+                for pid in pids:
+                    os.kill(pid, signum)
+
+    def count(self: counting.CountingProcesses, where: Any, itemsize: int) -> Any:
+        if not after_first_count:
+            signal_all(self)
+        counts = real(self, where, itemsize)
+        if after_first_count:
+            signal_all(self)
+        return counts
+
+    monkeypatch.setattr(counting.CountingProcesses, "count", count)
+    return pids
+
+
 def test_helpers_killed_mid_pass_change_nothing(
     tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -225,21 +262,7 @@ def test_helpers_killed_mid_pass_change_nothing(
     themselves, with the same bytes and report and nothing on stderr."""
     src = _checkpoint(tmp_path)
     counted = _helpers_used(monkeypatch)
-    real = counting.CountingProcesses.count  # the spy
-    pids: list[int] = []
-
-    once = threading.Lock()
-
-    def killing(self: counting.CountingProcesses, where: Any, itemsize: int) -> Any:
-        counts = real(self, where, itemsize)
-        with once:
-            if not pids:
-                pids.extend(helper.pid for helper in self._helpers)
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
-        return counts
-
-    monkeypatch.setattr(counting.CountingProcesses, "count", killing)
+    pids = _signal_the_helpers(monkeypatch, signal.SIGKILL, after_first_count=True)
     got = _clip(run_main, src, tmp_path / "a.safetensors", ["--norm", "0.5"])
     # Counts finished before the kill (one per helper at most: those in flight), then none.
     assert pids
@@ -259,19 +282,7 @@ def test_helpers_stopped_on_their_own_are_left_and_the_threads_count(
     itself: the same bytes and report; the stopped helpers are killed and reaped."""
     src = _checkpoint(tmp_path)
     counted = _helpers_used(monkeypatch)
-    real = counting.CountingProcesses.count  # the spy
-    pids: list[int] = []
-    once = threading.Lock()
-
-    def stopping(self: counting.CountingProcesses, where: Any, itemsize: int) -> Any:
-        with once:
-            if not pids:
-                pids.extend(helper.pid for helper in self._helpers)
-                for pid in pids:
-                    os.kill(pid, signal.SIGSTOP)
-        return real(self, where, itemsize)
-
-    monkeypatch.setattr(counting.CountingProcesses, "count", stopping)
+    pids = _signal_the_helpers(monkeypatch, signal.SIGSTOP, after_first_count=False)
     got = _clip(run_main, src, tmp_path / "a.safetensors", ["--norm", "0.5"])
     assert pids
     assert not counted  # stopped before any request: none counted

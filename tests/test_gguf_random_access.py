@@ -14,7 +14,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from test_counting_processes import _clip, _helpers_used, _without_helpers
+from test_counting_processes import _clip, _helpers_used, assert_helpers_count_as_threads
 from test_format_gguf import write_gguf
 
 from clipcli.formats import base
@@ -55,11 +55,7 @@ def official(path: Path) -> dict[str, np.ndarray]:
 def test_a_gguf_clip_is_counted_by_helpers_and_writes_what_threads_did(
     tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch, mode: list[str]
 ) -> None:
-    src = _weights(tmp_path)
-    counted = _helpers_used(monkeypatch)
-    by_helpers = _clip(run_main, src, tmp_path / "a.gguf", mode)
-    assert counted, "the helpers counted nothing"
-    assert by_helpers == _without_helpers(run_main, monkeypatch, src, tmp_path / "b.gguf", mode)
+    assert_helpers_count_as_threads(run_main, monkeypatch, _weights(tmp_path), mode)
 
 
 def test_a_big_endian_gguf_is_counted_in_the_threads(
@@ -180,14 +176,8 @@ def test_a_quantized_checkpoints_plain_tensors_are_counted_by_helpers(
             "model.norm.weight": rng.standard_normal(4096).astype(ml_dtypes.bfloat16),
         },
     )
-    counted = _helpers_used(monkeypatch)
-    mode = ["--global", "0.5"]
-    by_helpers = _clip(run_main, src, tmp_path / "a.safetensors", mode)
-    assert counted, "the helpers counted nothing"
-    assert by_helpers == _without_helpers(
-        run_main, monkeypatch, src, tmp_path / "b.safetensors", mode
-    )
-    assert any("down_proj" in t["name"] for t in by_helpers[0]["tensors"])
+    report = assert_helpers_count_as_threads(run_main, monkeypatch, src, ["--global", "0.5"])
+    assert any("down_proj" in t["name"] for t in report["tensors"])
 
 
 def test_a_clip_that_counts_nothing_starts_no_helper_whatever_the_threshold(
