@@ -589,3 +589,25 @@ def test_a_refusal_in_a_box_that_keeps_a_later_axis_whole_names_the_slice(
     assert err.count("\n") == 1, err
     assert err.startswith("clipcli: error: 's (slice 14)': a dtype without zero"), err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("per_slice", [1, 2, 3, 1023, 1024, 1025])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn])
+def test_slice_roundings_are_the_same_whichever_sort_orders_the_codes(
+    monkeypatch: pytest.MonkeyPatch, per_slice: int, dtype: type
+) -> None:
+    """Short slices' codes are sorted with numpy's default sort, long ones' with its radix
+    sort (RADIX_SORT_FROM, at and one either side of it): codes are integers, so the
+    distinct magnitudes, their counts and their slices are the same either way."""
+    rng = np.random.default_rng(per_slice)
+    values = rng.standard_normal((7, per_slice)) * 3
+    values[:, ::3] = values[:, :1]  # repeated magnitudes, and their negatives
+    values[:, 1::5] = -values[:, 1::5]
+    picked: np.ndarray = values.astype(dtype)
+    built = []
+    for radix_from in [1, 1 << 30]:
+        monkeypatch.setattr(slices, "RADIX_SORT_FROM", radix_from)
+        rounding = slices._SliceRounding.of(picked, 1.0)
+        built.append((rounding.magnitudes, rounding.counts, rounding.owner, rounding.begins))
+    for a, b in zip(*built, strict=True):
+        assert np.array_equal(a, b)

@@ -384,6 +384,13 @@ def _pairwise_layout(size: int) -> list[int]:
     return offsets
 
 
+# Values per slice from which _SliceRounding sorts a slice's codes with numpy's stable
+# (radix) sort rather than its default one. Per 2**20 float16 codes (one thread): rows of 2
+# 9.8 ms stable against 2.4 default, of 256 3.6 against 0.5, of 1,024 2.7 against 3.8, of
+# 11,008 2.6 against 10.8.
+RADIX_SORT_FROM = 1024
+
+
 @dataclass(frozen=True)
 class _SliceRounding:
     """margin(factors) for slices of 8/16-bit floats given as rows: each slice's exact sum
@@ -426,7 +433,13 @@ class _SliceRounding:
         the limit). Each row's magnitudes are sorted by their bits (the order of their
         values) and counted."""
         slices, per_slice = picked.shape
-        codes = np.sort(np.abs(picked).view(bits_dtype(picked.dtype)), axis=1, kind="stable")
+        # Codes are integers, so any sort gives the same rows. numpy's stable sort of 16-bit
+        # codes is a radix sort, with a cost per row that short rows do not amortise.
+        magnitudes_bits = np.abs(picked).view(bits_dtype(picked.dtype))
+        if per_slice >= RADIX_SORT_FROM:
+            codes = np.sort(magnitudes_bits, axis=1, kind="stable")
+        else:
+            codes = np.sort(magnitudes_bits, axis=1)
         flat = codes.reshape(-1)
         first = np.empty(flat.size, bool)
         first[:1] = True
