@@ -890,8 +890,11 @@ def box_slices(index: BoxIndex, shape: tuple[int, ...], axes: tuple[int, ...]) -
 
 def holding_any_of(
     shape: tuple[int, ...], axes: tuple[int, ...], span: slice
-) -> Callable[[BoxIndex], bool]:
-    """A Boxes `only` test: whether a box holds elements of any slice of `span`."""
+) -> Callable[[BoxIndex], bool] | None:
+    """The `only` of a pass over the slices of `span`: whether a box holds elements of any
+    of them; None (every box, read in order) where the span is all the slices."""
+    if span.start == 0 and span.stop == math.prod(keepdims_shape(shape, axes)):
+        return None
 
     def holds(index: BoxIndex) -> bool:
         held = box_slices(index, shape, axes)
@@ -921,7 +924,7 @@ def streamed_sumsq(
     keep_shape = keepdims_shape(shape, axes)
     whole = span is None
     span = slice(0, math.prod(keep_shape)) if span is None else span
-    only = None if whole else holding_any_of(shape, axes, span)
+    only = holding_any_of(shape, axes, span)
     size = span.stop - span.start
     exps = np.zeros(size, dtype=np.int8)  # all 0 (one byte a slice: there may be 10**8)
     if real_dtype(dtype).itemsize >= 8:
@@ -975,8 +978,7 @@ def streamed_picked(
     (memory: those slices)."""
     rest = [i for i in range(len(shape)) if i not in axes]
     picked = np.empty((span.stop - span.start, math.prod(shape[a] for a in axes)), dtype)
-    everything = span.start == 0 and span.stop == math.prod(keepdims_shape(shape, axes))
-    for box, index in boxes(None if everything else holding_any_of(shape, axes, span)):
+    for box, index in boxes(holding_any_of(shape, axes, span)):
         ranges = _box_ranges(index, shape)
         slice_ids = _raveled([ranges[i] for i in rest], [shape[i] for i in rest])
         inside = (slice_ids >= span.start) & (slice_ids < span.stop)
@@ -1492,10 +1494,3 @@ def box_axes_scales(
         return accepted([(box, whole)], only)
 
     return streamed_axes_scales(boxes, box.shape, axes, dtype, limit, name=name, first=first)
-
-
-def scale_box(
-    box: np.ndarray, index: tuple[int | slice, ...], scales: np.ndarray, axes: tuple[int, ...]
-) -> np.ndarray:
-    """One box scaled slice by slice, rounded to its dtype (as scale_slices does)."""
-    return scale_chunk(box, scales[box_region(index, axes)])

@@ -251,9 +251,9 @@ class GgufReader(Reader):
             if block > 1:  # whole blocks: what GGUFView rescales field by field
                 step = max(type_size, step // type_size * type_size)
             read = functools.partial(self._read_as, info.dtype)
-            # A plain little-endian tensor's chunks are the file's bytes as they are: another
-            # process may count them (system.counting), as a safetensors file's.
-            as_stored = entry.plain and not self.header.big_endian
+            # Chunks of stored bytes may be counted by another process (system.counting),
+            # as a safetensors file's.
+            as_stored = self._as_stored(entry)
             for start in range(begin, end, step):
                 if as_stored:
                     where = FileRange(self._in_use, start, min(start + step, end))
@@ -306,10 +306,15 @@ class GgufReader(Reader):
             raise self._fail("file shrank while reading", name)
         return raw
 
+    def _as_stored(self, entry: TensorEntry) -> bool:
+        """Whether the tensor's bytes are its values as they are (plain, little-endian):
+        what a kernel copy may take and another process may count."""
+        return entry.plain and not self.header.big_endian
+
     def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:
         """A plain little-endian tensor's bytes, as safetensors stores them."""
         entry = self._entries[info.name]
-        if not entry.plain or self.header.big_endian:
+        if not self._as_stored(entry):
             return None
         begin = self.header.data_start + entry.offset
         return StoredBytes(self.path, self._file.fileno, begin, begin + entry.nbytes)
