@@ -4,9 +4,11 @@ then hands out tensors in C-order pieces."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from clipcli.formats.hdf5.record_read import read_structure
 from clipcli.formats.hdf5.safety import DatasetChecks
 from clipcli.formats.structure_record import STRUCTURE_KEY, Structure
 from clipcli.system.address_space import HDF5_BYTES, check_room
+from clipcli.system.heap import give_back_freed_memory
 from clipcli.system.identity import FileIdentity
 from clipcli.system.inputs import fd_path, open_input_fd
 
@@ -114,6 +117,8 @@ class Hdf5Reader(Reader):
         self._expanded: set[str] = set()  # unallocated tensors whose elements were made
         self._expanded_bytes = 0
         self._structure: Structure | None = None
+        self._held: tuple[str, Any] | None = None  # elements_loader's dataset, by tensor
+        self._held_lock = threading.Lock()
 
     def _open_file(self, h5py: Any, name: str) -> None:
         # Lock where the filesystem can, but do not fail where it cannot (NFS, Lustre).
@@ -378,14 +383,14 @@ class Hdf5Reader(Reader):
             raise KeyError(name)
         return self._opened(name)
 
-    def _opened(self, name: str) -> Any:
+    def _opened(self, name: str, cache: int | None = None) -> Any:
         """A checked dataset, opened with a chunk cache of what its reads need kept
-        decoded (DatasetChecks.cache_bytes), not the file's 64 MiB: the library holds a
-        decoded chunk at its real size while counting its chunk's, so a cache of many
-        small chunks that each decode to megabytes held gigabytes."""
+        decoded (DatasetChecks.cache_bytes, unless given), not the file's 64 MiB: the
+        library holds a decoded chunk at its real size while counting its chunk's, so a
+        cache of many small chunks that each decode to megabytes held gigabytes."""
         h5py = load_h5py()
         with input_errors(self.path, "cannot open dataset", name):
-            cache = self._checks.cache_bytes.get(name)
+            cache = cache or self._checks.cache_bytes.get(name)
             if cache is None:
                 return self.file["/" + name]
             access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
@@ -405,6 +410,9 @@ class Hdf5Reader(Reader):
             for start in range(0, info.numel, step):
                 yield np.full(min(step, info.numel - start), value, dtype=info.dtype)
             return
+        if self._held is not None:  # read in order now: the runs' decoded chunks let go
+            self._held = None
+            give_back_freed_memory()  # the heap keeps them otherwise (system.heap)
         dataset = self.dataset(info.name)
         room = filter_room(dataset, info)
         rows = self._checks.band_rows.get(info.name)
@@ -423,6 +431,36 @@ class Hdf5Reader(Reader):
                 else:
                     piece = self._read_range(dataset, info, start, stop)
             yield piece
+
+    def elements_loader(
+        self, info: TensorInfo, start: int, stop: int
+    ) -> Callable[[], np.ndarray] | None:
+        """Elements [start, stop) in C order, read as hyperslabs: the library decodes the
+        chunks they touch, keeping those of a band for the next run (DatasetChecks.
+        band_cache_bytes). None for an unallocated tensor (made from its fill value, which
+        is charged when its elements are made)."""
+        if not 0 <= start <= stop <= info.numel:
+            raise ValueError(f"elements [{start}, {stop}) are not in tensor {info.name!r}")
+        if info.name in self._checks.fill_only:
+            return None
+        return functools.partial(self._read_elements, info, start, stop)
+
+    def _read_elements(self, info: TensorInfo, start: int, stop: int) -> np.ndarray:
+        with self._held_lock:  # one tensor's dataset held open: its chunk cache is reused
+            if self._held is None or self._held[0] != info.name:
+                self._held = None  # its cache let go before the next one fills
+                cache = self._checks.band_cache_bytes.get(info.name)
+                self._held = info.name, self._opened(info.name, cache)
+            dataset = self._held[1]
+        room = filter_room(dataset, info)
+        with input_errors(
+            self.path,
+            f"cannot read elements [{start}, {stop})",
+            info.name,
+            reading_data=True,
+            filter_room=room,
+        ):
+            return self._read_range(dataset, info, start, stop)
 
     @staticmethod
     def _read_range(dataset: Any, info: TensorInfo, start: int, stop: int) -> np.ndarray:
@@ -454,6 +492,7 @@ class Hdf5Reader(Reader):
         return out
 
     def close(self) -> None:
+        self._held = None
         try:
             self.file.close()
         finally:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import struct
+import threading
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -27,7 +29,7 @@ from clipcli.formats.npz.npyheader import InputProblem, _read_exactly, _read_npy
 from clipcli.formats.zipsafe import BoundedMember, check_zip_layout, open_member
 from clipcli.system import interrupts, scratch
 from clipcli.system.identity import FileIdentity
-from clipcli.system.inputs import open_input
+from clipcli.system.inputs import open_input, pread_into
 
 # Column-major (Fortran-order) members: read whole below this size, else transposed
 # through temporary files a tile of FORTRAN_TILE_BYTES at a time (fortran.py).
@@ -63,6 +65,9 @@ class NpzReader(Reader):
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
             self._handle.close()
             raise InputError(path, f"not a valid npz (zip) file: {exc}") from None
+        # Stored members whose CRC was checked whole, and where their array data starts.
+        self._checked_starts: dict[str, int] = {}
+        self._checking = threading.Lock()
         try:
             self._infos, self._members = self._scan()
         except BaseException:
@@ -178,6 +183,38 @@ class NpzReader(Reader):
             if remaining == 0 and crc != entry.CRC:
                 raise InputError(self.path, "CRC mismatch: the member data is corrupt", info.name)
             yield raw.view(info.dtype)
+
+    def elements_loader(
+        self, info: TensorInfo, start: int, stop: int
+    ) -> Callable[[], np.ndarray] | None:
+        """Elements [start, stop) of an uncompressed C-order member, one pread; the member's
+        CRC is checked over the whole of it before the first such read (a run of it cannot
+        be checked on its own). Compressed or column-major members: None."""
+        member = self._members[info.name]
+        if not 0 <= start <= stop <= info.numel:
+            raise ValueError(f"elements [{start}, {stop}) are not in tensor {info.name!r}")
+        if member.fortran or member.zip_info.compress_type != zipfile.ZIP_STORED:
+            return None
+        return functools.partial(self._read_elements, info, member, start, stop)
+
+    def _read_elements(
+        self, info: TensorInfo, member: _Member, start: int, stop: int
+    ) -> np.ndarray:
+        size = info.dtype.itemsize
+        raw = np.empty((stop - start) * size, dtype=np.uint8)
+        try:
+            with self._checking:
+                data_start = self._checked_starts.get(info.name)
+                if data_start is None:
+                    data_start = self._stored_data_start(info, member)
+                    self._checked_starts[info.name] = data_start
+            view = memoryview(raw)  # type: ignore[arg-type]
+            got = pread_into(self._handle.fileno(), view, data_start + start * size)
+        except OSError as exc:
+            raise InputError(self.path, f"cannot read data: {exc.strerror}", info.name) from None
+        if got != raw.size:
+            raise InputError(self.path, "truncated member data", info.name)
+        return raw.view(info.dtype)
 
     def _fortran_chunks(
         self, info: TensorInfo, member: _Member, chunk_elems: int | None

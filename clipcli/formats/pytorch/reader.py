@@ -528,6 +528,25 @@ class PyTorchReader(Reader):
                 self._load, count * itemsize, start + position * itemsize, file_dtype, info.dtype
             )
 
+    def elements_loader(
+        self, info: TensorInfo, start: int, stop: int
+    ) -> Callable[[], np.ndarray] | None:
+        """Elements [start, stop) of a contiguous tensor, one pread (a strided view: None,
+        it is read in order through its maps)."""
+        located = self._located[info.name]
+        if not 0 <= start <= stop <= info.numel:
+            raise ValueError(f"elements [{start}, {stop}) are not in tensor {info.name!r}")
+        if not located.contiguous:
+            return None
+        itemsize = info.dtype.itemsize
+        return functools.partial(
+            self._load,
+            (stop - start) * itemsize,
+            located.begin + located.first + start * itemsize,
+            self._file_dtype(info.dtype),
+            info.dtype,
+        )
+
     def _load(
         self, count: int, offset: int, file_dtype: np.dtype[Any], dtype: np.dtype[Any]
     ) -> np.ndarray:
