@@ -272,10 +272,11 @@ def _counting_processes(
         or sum(infos[i].nbytes for i in counted) < COUNTING_PROCESSES_FROM
     ):
         return None
-    # Tensors stored as a file's bytes (safetensors, plain GGUF), whose chunk loaders are
-    # RangeLoaders: stored_bytes first, since asking a reader that streams for a loader
-    # could start a read; then the loaders themselves (a .npy file has stored bytes and
-    # reads its chunks in one go: helpers forked for it would count nothing).
+    # Tensors stored as a file's bytes (safetensors, plain GGUF, little-endian PyTorch),
+    # whose chunk loaders are RangeLoaders: stored_bytes first, since asking a reader that
+    # streams for a loader could start a read; then the loaders themselves (a .npy file
+    # has stored bytes and reads its chunks in one go: helpers forked for it would count
+    # nothing).
     first = next((i for i in sorted(counted) if infos[i].numel), None)
     if first is None or reader.stored_bytes(infos[first]) is None:
         return None

@@ -26,7 +26,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 from clipcli.errors import InputError
 from clipcli.formats import expansion
 from clipcli.formats.base import (
+    FileRange,
+    RangeLoader,
     Reader,
+    StoredBytes,
     TensorInfo,
     default_chunk_elems,
     numpy_shape_problem,
@@ -518,15 +521,32 @@ class PyTorchReader(Reader):
     def _loaders(
         self, info: TensorInfo, located: _Located, elems: int
     ) -> Iterator[Callable[[], np.ndarray]]:
-        itemsize = info.dtype.itemsize
-        start = located.begin + located.first
+        """pread loaders of the tensor's chunks: RangeLoaders where the stored bytes are the
+        values (little-endian, or one byte each), which helper processes may then count
+        from the file (system.counting), else loaders that swap the bytes read."""
         file_dtype = self._file_dtype(info.dtype)
-        numel = info.numel
-        for position in range(0, numel, elems):
-            count = min(elems, numel - position)
-            yield functools.partial(
-                self._load, count * itemsize, start + position * itemsize, file_dtype, info.dtype
-            )
+        begin = located.begin + located.first
+        end = begin + info.nbytes
+        step = elems * info.dtype.itemsize
+        as_stored = functools.partial(self._read_as_stored, info.dtype)
+        for start in range(begin, end, step):
+            stop = min(start + step, end)
+            if file_dtype == info.dtype:
+                yield RangeLoader(as_stored, info.dtype, FileRange(self._reading, start, stop))
+            else:
+                yield functools.partial(self._load, stop - start, start, file_dtype, info.dtype)
+
+    def _read_as_stored(self, dtype: np.dtype[Any], start: int, stop: int) -> np.ndarray:
+        return self._pread(stop - start, start).view(dtype)
+
+    def stored_bytes(self, info: TensorInfo) -> StoredBytes | None:
+        """A contiguous tensor's bytes where they are the values (little-endian, or one
+        byte each): a kernel copy may take them, and helpers count them in place."""
+        located = self._located[info.name]
+        if not located.contiguous or self._file_dtype(info.dtype) != info.dtype:
+            return None
+        begin = located.begin + located.first
+        return StoredBytes(self.path, self.fileno, begin, begin + info.nbytes)
 
     def elements_loader(
         self, info: TensorInfo, start: int, stop: int
