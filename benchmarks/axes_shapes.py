@@ -3,14 +3,16 @@ on one tensor of --gib GiB per shape, where the slices are few and long, many an
 or long columns of a wide matrix (the target: <= 200 MiB on a 1 GiB tensor, any shape).
 
     python benchmarks/axes_shapes.py [--gib 1] [--runs 1] [--other NAME=CHECKOUT ...]
-        [--only NAME ...] [--keep DIR]
+        [--only NAME ...] [--keep DIR] [--container npz|h5|pt]
 
 Each row is one whole `python -m clipcli` process (--no-fsync, warm page cache), this
 checkout and every --other one (PYTHONPATH=CHECKOUT) interleaved; the limit is half the
 slices' typical norm, so every slice is clipped (or, where a shape says so, the norm
 of its first row: a tie within the sums' rounding, which only an exact decision
 settles). Seeded standard normals, written a piece
-at a time (the generator never holds a tensor)."""
+at a time (the generator never holds a tensor). --container: the tensor converted to that
+format by this checkout's `clipcli convert` (npz and HDF5 hold no bfloat16: those shapes
+are left out), to measure its reader's path."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import json
 import os
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -50,6 +53,7 @@ SHAPES = {
         "1",
     ),
     "two-element columns, bf16 [2, n/2] --axes 0": ("BF16", lambda n: (2, n // 2), "0"),
+    "two-element columns, f32 [2, n/2] --axes 0": ("F32", lambda n: (2, n // 2), "0"),
 }
 DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
 
@@ -84,6 +88,7 @@ def main() -> None:
     parser.add_argument("--other", action="append", default=[], help="NAME=CHECKOUT")
     parser.add_argument("--only", action="append", default=[], help="a shape's name, in part")
     parser.add_argument("--keep", type=Path, help="generate (and keep) the files here")
+    parser.add_argument("--container", choices=["npz", "h5", "pt"], help="convert to this first")
     args = parser.parse_args()
     trees = {"this": REPO} | {k: Path(v) for k, v in (o.split("=", 1) for o in args.other)}
     chosen = {k: v for k, v in SHAPES.items() if not args.only or any(o in k for o in args.only)}
@@ -93,16 +98,26 @@ def main() -> None:
     print("| shape | tree | wall s | CPU s | peak RSS MiB |")
     print("|---|---|---|---|---|")
     for seed, (name, (code, shape_of, axes)) in enumerate(chosen.items()):
+        if code == "BF16" and args.container in ("npz", "h5"):
+            continue
         itemsize = np.dtype(DTYPES[code]).itemsize
         shape = shape_of(int(args.gib * GIB) // itemsize)
         src = where / f"{code}-{'x'.join(map(str, shape))}-{seed}.safetensors"
         log(f"writing {src}")
         first_row_norm = write_tensor(src, code, shape, seed)
+        if args.container:
+            stored = src.with_suffix(f".{args.container}")
+            log(f"converting to {stored}")
+            os.environ["PYTHONPATH"] = str(REPO)
+            convert = [PY, "-m", "clipcli", "convert", "-q", "--force", str(src), str(stored)]
+            subprocess.run(convert, check=True)
+            src.unlink()
+            src = stored
         slice_numel = int(np.prod([shape[int(a)] for a in axes.split(",")]))
         limit = f"{0.5 * slice_numel**0.5:.6g}"
         if "limit = row 0's norm" in name:  # within rounding error of it: decided exactly
             limit = repr(first_row_norm)
-        out = where / "out.safetensors"
+        out = where / f"out{src.suffix}"
         argv = ["clip", "--norm", limit, "--axes", axes, "-q", "--force", "--no-fsync"]
         samples: dict[str, list] = {tree: [] for tree in trees}
         for _ in range(args.runs):
@@ -122,8 +137,8 @@ def main() -> None:
                 print(f"| {name} | {tree} | {wall:.2f} | {cpu:.2f} | {rss:.0f} |", flush=True)
         if args.keep is None:
             src.unlink()
-    out = where / "out.safetensors"
-    out.unlink(missing_ok=True)
+    for out in where.glob("out.*"):
+        out.unlink()
     if args.keep is None:
         where.rmdir()
 

@@ -262,6 +262,7 @@ class NpzReader(Reader):
         # zipfile checks the CRC as it streams; reading through a mapping, we check it here.
         crc = 0
         for piece in range(start, start + int(entry.compress_size), CHUNK_BYTES):
+            interrupts.check()  # a multi-GB member takes seconds
             length = min(CHUNK_BYTES, start + int(entry.compress_size) - piece)
             data = os.pread(self._handle.fileno(), length, piece)
             if len(data) != length:
