@@ -184,7 +184,7 @@ def _hdf5(path: Path, values: np.ndarray) -> Path:
 
 def _hdf5_bands(path: Path, values: np.ndarray) -> Path:
     """Compressed chunks narrower than a row: read in order a band of rows at a time, and
-    at offsets through a cache of a band's chunks (DatasetChecks.band_cache_bytes)."""
+    at offsets by hyperslabs through the dataset's own chunk cache."""
     return _h5(path.with_suffix(".h5"), data=values, chunks=(2, 8), compression="gzip")
 
 

@@ -383,14 +383,14 @@ class Hdf5Reader(Reader):
             raise KeyError(name)
         return self._opened(name)
 
-    def _opened(self, name: str, cache: int | None = None) -> Any:
+    def _opened(self, name: str) -> Any:
         """A checked dataset, opened with a chunk cache of what its reads need kept
-        decoded (DatasetChecks.cache_bytes, unless given), not the file's 64 MiB: the
-        library holds a decoded chunk at its real size while counting its chunk's, so a
-        cache of many small chunks that each decode to megabytes held gigabytes."""
+        decoded (DatasetChecks.cache_bytes), not the file's 64 MiB: the library holds a
+        decoded chunk at its real size while counting its chunk's, so a cache of many
+        small chunks that each decode to megabytes held gigabytes."""
         h5py = load_h5py()
         with input_errors(self.path, "cannot open dataset", name):
-            cache = cache or self._checks.cache_bytes.get(name)
+            cache = self._checks.cache_bytes.get(name)
             if cache is None:
                 return self.file["/" + name]
             access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
@@ -436,9 +436,12 @@ class Hdf5Reader(Reader):
         self, info: TensorInfo, start: int, stop: int
     ) -> Callable[[], np.ndarray] | None:
         """Elements [start, stop) in C order, read as hyperslabs: the library decodes the
-        chunks they touch, keeping those of a band for the next run (DatasetChecks.
-        band_cache_bytes). None for an unallocated tensor (made from its fill value, which
-        is charged when its elements are made)."""
+        chunks they touch, through the dataset's own chunk cache (DatasetChecks.
+        cache_bytes: the decoding budget counts that many chunks held at once; a cache of a
+        band's chunks for runs shorter than a band held a band of decompression bombs,
+        ~4 GB from a 9 MB file, attack s47). So a run shorter than its chunks' band decodes
+        that band's chunks again, at most ~64 MiB for each run. None for an unallocated
+        tensor (made from its fill value, charged when its elements are made)."""
         if not 0 <= start <= stop <= info.numel:
             raise ValueError(f"elements [{start}, {stop}) are not in tensor {info.name!r}")
         if info.name in self._checks.fill_only:
@@ -449,8 +452,7 @@ class Hdf5Reader(Reader):
         with self._held_lock:  # one tensor's dataset held open: its chunk cache is reused
             if self._held is None or self._held[0] != info.name:
                 self._held = None  # its cache let go before the next one fills
-                cache = self._checks.band_cache_bytes.get(info.name)
-                self._held = info.name, self._opened(info.name, cache)
+                self._held = info.name, self._opened(info.name)
             dataset = self._held[1]
         room = filter_room(dataset, info)
         with input_errors(

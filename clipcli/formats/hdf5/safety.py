@@ -74,7 +74,6 @@ class DatasetChecks:
         # Compressed tensors of rank 2 and more read a band of chunks (rows along the first
         # axis) at a time, by this many rows, where a band fits the chunk cache's bytes.
         self.band_rows: dict[str, int] = {}
-        self.band_cache_bytes: dict[str, int] = {}
         self.declared_chunks = 0  # every chunk of every chunked dataset's shape
 
     def _fail(self, problem: str, tensor: str | None = None) -> InputError:
@@ -245,10 +244,6 @@ class DatasetChecks:
                 # Read a band of chunks at a time (Hdf5Reader.chunks): each chunk decoded
                 # once, then let go; the library holds at most two.
                 self.band_rows[name] = int(rows)
-                # Runs of elements read at any offset (Hdf5Reader.elements_loader) keep
-                # the chunks of a band decoded instead: a run shorter than a band then
-                # decodes each chunk once while the runs stay in its band.
-                self.band_cache_bytes[name] = min(limits.CHUNK_CACHE_BYTES, band // 2 * chunk_bytes)
                 band = 2
         self.cache_bytes[name] = min(limits.CHUNK_CACHE_BYTES, band * chunk_bytes)
         # At most this many chunks are held decoded at once: each may take its share of
