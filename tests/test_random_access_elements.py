@@ -257,3 +257,22 @@ def test_axes_by_groups_write_and_report_what_one_group_does(
     clipped = np.frombuffer(results[1][1], np.float32).reshape(2, 40).astype(np.float64)
     assert np.all(np.sqrt(np.sum(clipped**2, axis=0)) <= 1.0)
     assert "slices clipped" in results[0][0]["tensors"][0]["note"]
+
+
+def test_hdf5_runs_are_read_through_the_cache_the_decoding_budget_counted(
+    tmp_path: Path,
+) -> None:
+    """A compressed dataset read by bands: its runs go through a chunk cache of the bytes
+    DatasetChecks counted held at once (two chunks), not a band's chunks: a band of 4,096
+    chunks that each decoded to 1 MiB held ~4 GB from a 9 MB file (attack s47)."""
+    path = _h5(tmp_path / "b.h5", data=_values(shape=(2, 4096)), chunks=(1, 64), compression="gzip")
+    with open_reader(path) as reader:
+        info = reader.infos[0]
+        counted = reader._checks.cache_bytes[info.name]  # type: ignore[attr-defined]
+        assert info.name in reader._checks.band_rows  # type: ignore[attr-defined]
+        load = reader.elements_loader(info, 4000, 4200)
+        assert load is not None
+        assert load().size == 200
+        dataset = reader._held[1]  # type: ignore[attr-defined]
+        _slots, cache, _w0 = dataset.id.get_access_plist().get_chunk_cache()
+        assert cache == counted == 2 * 64 * 4
