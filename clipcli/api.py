@@ -373,10 +373,16 @@ def clip(
             check.release()
             if check.occupied and not force:
                 notify("note", f"{target.out} exists: the run without --dry-run needs --force")
-            made = plan_clip(logical, spec, selection, progress)
-            outcomes = _execute(
-                made, logical, reader, execution.DiscardingWriter(), progress, "computing"
-            )
+            # The input must not change from opening to the report, as a real run's to
+            # its commit: a pass that reads at offsets (--axes groups) reads its bytes
+            # apart from the in-order pass that checks an npz member's CRC (attack s47).
+            guard = InputGuard(reader.source_identities())
+            with _blaming_a_changed_input(guard):
+                made = plan_clip(logical, spec, selection, progress)
+                outcomes = _execute(
+                    made, logical, reader, execution.DiscardingWriter(), progress, "computing"
+                )
+            guard.check("while it was being read")
         else:
             made, outcomes = _write_out(
                 reader,

@@ -17,6 +17,7 @@ the same clip with every slice in one group.
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -202,6 +203,22 @@ def _pytorch(path: Path, values: np.ndarray) -> Path:
     return out
 
 
+def _keras_archive(path: Path, values: np.ndarray) -> Path:
+    """A .keras archive (laid out as layouts.keras_archive): its weights member is
+    unpacked and read by an Hdf5Reader, whose runs the archive's reader hands on (attack
+    s47: it did not, so no group was used)."""
+    from layouts import KERAS_CONFIG, KERAS_METADATA
+
+    weights = _h5(path.with_suffix(".weights.h5"), data=values)
+    archive_path = path.with_suffix(".keras")
+    with zipfile.ZipFile(archive_path, "w") as archive:
+        archive.writestr("metadata.json", KERAS_METADATA, zipfile.ZIP_DEFLATED)
+        archive.writestr("config.json", KERAS_CONFIG, zipfile.ZIP_DEFLATED)
+        archive.write(weights, "model.weights.h5", zipfile.ZIP_STORED)
+    weights.unlink()
+    return archive_path
+
+
 def _read_back(path: Path) -> np.ndarray:
     with open_reader(path) as reader:
         return reader.read(next(i for i in reader.infos if i.name == "w"))
@@ -212,6 +229,7 @@ WRITERS: dict[str, Callable[[Path, np.ndarray], Path]] = {
     "hdf5": _hdf5,
     "hdf5-bands": _hdf5_bands,
     "keras-weights": _keras_weights,
+    "keras-archive": _keras_archive,
     "pytorch": _pytorch,
 }
 
@@ -276,3 +294,71 @@ def test_hdf5_runs_are_read_through_the_cache_the_decoding_budget_counted(
         dataset = reader._held[1]  # type: ignore[attr-defined]
         _slots, cache, _w0 = dataset.id.get_access_plist().get_chunk_cache()
         assert cache == counted == 2 * 64 * 4
+
+
+def test_the_keras_archive_reader_hands_on_every_fast_path_of_its_weights_reader() -> None:
+    """Every FastReading method the HDF5 reader has its own of, the .keras reader hands on
+    to it: one left out falls back to the slow default without a word (attack s47:
+    elements_loader, so a .keras --axes held every slice's sums)."""
+    from clipcli.formats.base import FastReading
+    from clipcli.formats.hdf5 import Hdf5Reader
+    from clipcli.formats.keras_archive import KerasArchiveReader
+
+    for name, default in vars(FastReading).items():
+        if callable(default) and getattr(Hdf5Reader, name) is not default:
+            assert getattr(KerasArchiveReader, name) is not default, name
+
+
+def test_an_npz_changed_and_restored_while_a_dry_run_reads_it_is_exit_3(
+    tmp_path: Path, run_main: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every column within the limit; right after the member's CRC check (the first run
+    read at an offset), its data is rewritten over the limit, mtime put back; the original
+    bytes are back before the in-order pass, whose CRC check passes. The groups measured
+    the rewritten bytes: a dry run reported 40 of 40 slices clipped, exit 0 (attack s47).
+    The input's identity (its ctime) says it changed, as it does for a real run."""
+    from clipcli.formats.npz import reader as npz_reader
+
+    src = tmp_path / "m.npz"
+    within = np.full((2, 40), 0.1, np.float32)
+    np.savez(src, w=within)
+    original = src.read_bytes()
+    at = original.index(within.tobytes())
+    over = np.full((2, 40), 100.0, np.float32).tobytes()
+    rewritten = original[:at] + over + original[at + len(over) :]
+
+    def put(data: bytes) -> None:
+        before = os.stat(src)
+        with open(src, "r+b") as file:
+            file.write(data)
+        os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+    real_check, real_in_order = (
+        npz_reader.NpzReader._stored_data_start,
+        npz_reader.NpzReader._stored_chunks,
+    )
+    events: list[str] = []
+
+    def check_then_rewrite(self: Any, info: Any, member: Any) -> int:
+        start = real_check(self, info, member)
+        put(rewritten)
+        events.append("rewritten")
+        return start
+
+    def restore_then_read(self: Any, *args: Any) -> Any:
+        if events[-1:] == ["rewritten"]:
+            put(original)
+            events.append("restored")
+        yield from real_in_order(self, *args)
+
+    monkeypatch.setattr(npz_reader.NpzReader, "_stored_data_start", check_then_rewrite)
+    monkeypatch.setattr(npz_reader.NpzReader, "_stored_chunks", restore_then_read)
+    monkeypatch.setattr(slices, "STREAM_BOX_ELEMENTS", 8)
+    monkeypatch.setattr(slices, "SLICE_GROUP", 5)
+    monkeypatch.setattr(base, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(pipeline, "INLINE_BELOW_BYTES", 0)
+    run = run_main("clip", "--norm", "1", "--axes", "0", "--dry-run", src, tmp_path / "o.npz")
+    assert events == ["rewritten", "restored"]
+    assert run.code == 3, run.stdout
+    assert "modified while it was being read" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1

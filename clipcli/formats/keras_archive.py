@@ -197,6 +197,11 @@ class KerasArchiveReader(Reader):
     def chunk_loaders(self, info: TensorInfo) -> Iterator[Callable[[], np.ndarray]] | None:
         return self._weights().chunk_loaders(info)
 
+    def elements_loader(
+        self, info: TensorInfo, start: int, stop: int
+    ) -> Callable[[], np.ndarray] | None:
+        return self._weights().elements_loader(info, start, stop)
+
     def read(self, info: TensorInfo) -> np.ndarray:
         return self._weights().read(info)
 
