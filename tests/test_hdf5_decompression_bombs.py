@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -337,6 +338,11 @@ def test_small_bombs_under_the_limit_do_not_add_up(tmp_path: Path) -> None:
         ((3000, 700), (3000, 1), 2 * 700),
         ((8, 6, 10), (2, 3, 4), 2 * 2 * 3),
         ((5, 0), (1, 4), 2),  # no chunk along an axis: still one band of one
+        ((2, 1 << 27), (1, 1 << 18), 2),  # rows chunked one at a time: read one by one
+        ((4, 256, 131072), (1, 256, 32), 2 * 4096),  # bands along the second axis
+        ((4, 6, 10), (1, 1, 4), 2),
+        ((1, 8, 10), (4, 2, 4), 2 * 3),  # a chunk deeper than its one-index axis
+        ((4, 6, 10), (2, 1, 4), 2 * 6 * 3),  # the first axis chunked deeper than one
     ],
 )
 def test_the_chunks_a_read_keeps_are_two_bands(
@@ -357,18 +363,51 @@ def test_a_datasets_cache_is_its_bands_and_at_most_the_files(tmp_path: Path) -> 
         f.create_dataset("one", data=np.ones(4096, "f4"), chunks=(256,), compression="gzip")
         f.create_dataset("two", data=np.ones((64, 4096), "f4"), chunks=(8, 512))
         f.create_dataset("wide", shape=(4, 1 << 24), dtype="f4", chunks=(1, 1 << 16))
+        f.create_dataset("deep", shape=(4, 1 << 24), dtype="f4", chunks=(2, 1 << 16))
         f.create_dataset("gz", data=np.ones((64, 4096), "f4"), chunks=(8, 512), compression="gzip")
     with open_reader(path) as reader:
         checks = reader._checks  # type: ignore[attr-defined]
         assert checks.cache_bytes["one"] == 2 * 256 * 4
         assert checks.cache_bytes["two"] == 2 * 8 * 8 * 512 * 4
-        assert checks.cache_bytes["wide"] == limits.CHUNK_CACHE_BYTES  # not 2 x 256 x 256 KiB
+        # Rows chunked one at a time are read one after another: two chunks, not two
+        # rows of 256 each (the file's 64 MiB, which norms of a gzip [2, 2**25] held).
+        assert checks.cache_bytes["wide"] == 2 * (1 << 16) * 4
+        assert checks.cache_bytes["deep"] == limits.CHUNK_CACHE_BYTES  # not 2 x 256 x 256 KiB
         assert checks.cache_bytes["gz"] == 2 * 8 * 512 * 4
         assert checks.band_rows == {"gz": 8}
         for name in ("two", "gz"):
             dataset = reader.dataset(name)  # type: ignore[attr-defined]
             cache = dataset.id.get_access_plist().get_chunk_cache()
             assert cache[1] == checks.cache_bytes[name]
+
+
+def test_a_written_datasets_cache_is_its_bands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer fills a chunked dataset in C-order pieces: its cache holds the chunks
+    that fills at once (band_chunks), not the file's 64 MiB (row chunks of a gzip
+    [2, 2**25] clipped: 297 -> 95 MB). The library ignores the cache a second open of a
+    dataset asks for, so the test reads the cache the write went through."""
+    from clipcli.cli.entry import main
+    from clipcli.formats.hdf5 import writer as hdf5_writer
+
+    src = tmp_path / "in.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("rows", data=np.ones((4, 4096), "f4"), chunks=(1, 512), compression="gzip")
+        f.create_dataset("deep", data=np.ones((4, 4096), "f4"), chunks=(2, 512), compression="gzip")
+    caches: dict[str, int] = {}
+    real = hdf5_writer.Hdf5Writer._opened_for_writing
+
+    def spy(self: hdf5_writer.Hdf5Writer, info: Any) -> Any:
+        dataset = real(self, info)
+        caches[info.name] = dataset.id.get_access_plist().get_chunk_cache()[1]
+        return dataset
+
+    monkeypatch.setattr(hdf5_writer.Hdf5Writer, "_opened_for_writing", spy)
+    assert (
+        main(["clip", "--global", "1", "-q", "--no-fsync", str(src), str(tmp_path / "o.h5")]) == 0
+    )
+    assert caches == {"rows": 2 * 512 * 4, "deep": 2 * 8 * 2 * 512 * 4}
 
 
 class _Array:

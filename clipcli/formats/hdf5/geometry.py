@@ -66,12 +66,17 @@ def block_shape(block: tuple[slice, ...]) -> tuple[int, ...]:
 
 def band_chunks(shape: Sequence[int], chunks: Sequence[int]) -> int:
     """The chunks that reading `shape` in C-order pieces may need kept decoded at once:
-    every chunk of two bands along the first axis (a piece may end inside one band, whose
-    chunks the next piece goes on with, and begin the next); two for rank 0 and 1."""
-    if len(shape) <= 1:
-        return 2
-    per_band = math.prod(-(-dim // chunk) for dim, chunk in zip(shape[1:], chunks[1:], strict=True))
-    return 2 * max(1, per_band)
+    every chunk of two bands along the first axis whose chunks hold more than one index
+    of it (a piece may end inside one band, whose chunks the next piece goes on with, and
+    begin the next). Axes before it are chunked one index at a time: their bands' chunks
+    are read one after another (row chunks (1, 2**18) of a [2, 2**27] need two chunks, not
+    two rows of 512 each: a 64 MiB cache, 60 MiB more at every read). Two where every
+    axis is chunked one index at a time, and for rank 0."""
+    for axis, (dim, chunk) in enumerate(zip(shape, chunks, strict=True)):
+        if min(dim, chunk) > 1:
+            later = zip(shape[axis + 1 :], chunks[axis + 1 :], strict=True)
+            return 2 * max(1, math.prod(-(-d // c) for d, c in later))
+    return 2
 
 
 class BandReader:

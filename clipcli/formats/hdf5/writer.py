@@ -29,7 +29,7 @@ from clipcli.formats.base import (
     utf8_encodable,
 )
 from clipcli.formats.hdf5.filters import describe_lossy
-from clipcli.formats.hdf5.geometry import block_shape, flat_range_blocks
+from clipcli.formats.hdf5.geometry import band_chunks, block_shape, flat_range_blocks
 from clipcli.formats.hdf5.library import (
     input_errors,
     load_h5py,
@@ -365,7 +365,7 @@ class Hdf5Writer(Writer):
             self._write(info, chunks)
 
     def _write(self, info: TensorInfo, chunks: Iterable[np.ndarray]) -> None:
-        dataset = self.file["/" + info.name]
+        dataset = self._opened_for_writing(info)
         if dataset.shape != info.shape:
             raise ValueError(f"tensor {info.name!r} has shape {info.shape}, not {dataset.shape}")
         position = 0
@@ -385,6 +385,24 @@ class Hdf5Writer(Writer):
             raise ValueError(f"tensor {info.name!r} got {position} of {info.numel} elements")
         dataset.id.flush()  # a full disk shows here, not later in a destructor
         self._written.add(info.name)
+
+    def _opened_for_writing(self, info: TensorInfo) -> Any:
+        """The tensor's dataset, chunked ones opened with a chunk cache of the chunks that
+        writing it in C-order pieces fills at once (geometry.band_chunks), not the file's
+        64 MiB: row chunks of a [2, 2**25] held 64 MiB of them, half-compressed."""
+        h5py = load_h5py()
+        dataset = self.file["/" + info.name]
+        chunks = dataset.chunks
+        if chunks is None:
+            return dataset
+        # Closed first: the library ignores the cache asked for by a second open of a
+        # dataset already open, and gives the first open's.
+        del dataset
+        chunk_bytes = math.prod(chunks) * info.dtype.itemsize
+        cache = min(limits.CHUNK_CACHE_BYTES, band_chunks(info.shape, chunks) * chunk_bytes)
+        access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+        access.set_chunk_cache(limits.CHUNK_CACHE_SLOTS, cache, limits.CHUNK_CACHE_W0)
+        return h5py.Dataset(h5py.h5d.open(self.file.id, ("/" + info.name).encode(), dapl=access))
 
     def copy_unchanged(self, source: Reader, info: TensorInfo) -> bool:
         """Copy a chunked dataset's stored (compressed) chunks byte for byte, skipping the
