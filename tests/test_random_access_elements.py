@@ -283,7 +283,7 @@ def test_hdf5_runs_are_read_through_the_cache_the_decoding_budget_counted(
     """A compressed dataset read by bands: its runs go through a chunk cache of the bytes
     DatasetChecks counted held at once (two chunks), not a band's chunks: a band of 4,096
     chunks that each decoded to 1 MiB held ~4 GB from a 9 MB file (attack s47)."""
-    path = _h5(tmp_path / "b.h5", data=_values(shape=(2, 4096)), chunks=(1, 64), compression="gzip")
+    path = _h5(tmp_path / "b.h5", data=_values(shape=(2, 4096)), chunks=(2, 64), compression="gzip")
     with open_reader(path) as reader:
         info = reader.infos[0]
         counted = reader._checks.cache_bytes[info.name]  # type: ignore[attr-defined]
@@ -293,7 +293,7 @@ def test_hdf5_runs_are_read_through_the_cache_the_decoding_budget_counted(
         assert load().size == 200
         dataset = reader._held[1]  # type: ignore[attr-defined]
         _slots, cache, _w0 = dataset.id.get_access_plist().get_chunk_cache()
-        assert cache == counted == 2 * 64 * 4
+        assert cache == counted == 2 * 2 * 64 * 4
 
 
 def test_the_keras_archive_reader_hands_on_every_fast_path_of_its_weights_reader() -> None:
