@@ -4,6 +4,7 @@ then hands out tensors in C-order pieces."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -419,13 +420,7 @@ class Hdf5Reader(Reader):
         bands = None if rows is None else BandReader(dataset, info.shape, info.dtype, rows)
         for start in range(0, info.numel, step):
             stop = min(start + step, info.numel)
-            with input_errors(
-                self.path,
-                f"cannot read elements [{start}, {stop})",
-                info.name,
-                reading_data=True,
-                filter_room=room,
-            ):
+            with self._reading_elements(info, start, stop, room):
                 if bands is not None:
                     piece = bands.piece(start, stop)
                 else:
@@ -454,15 +449,21 @@ class Hdf5Reader(Reader):
                 self._held = None  # its cache let go before the next one fills
                 self._held = info.name, self._opened(info.name)
             dataset = self._held[1]
-        room = filter_room(dataset, info)
-        with input_errors(
+        with self._reading_elements(info, start, stop, filter_room(dataset, info)):
+            return self._read_range(dataset, info, start, stop)
+
+    def _reading_elements(
+        self, info: TensorInfo, start: int, stop: int, room: int
+    ) -> contextlib.AbstractContextManager[None]:
+        """The library's failures reading elements [start, stop) as one line (InputError;
+        out of memory where a filter needed `room` bytes)."""
+        return input_errors(
             self.path,
             f"cannot read elements [{start}, {stop})",
             info.name,
             reading_data=True,
             filter_room=room,
-        ):
-            return self._read_range(dataset, info, start, stop)
+        )
 
     @staticmethod
     def _read_range(dataset: Any, info: TensorInfo, start: int, stop: int) -> np.ndarray:
