@@ -129,12 +129,20 @@ def test_an_hdf5_dataset_is_read_at_any_offset(tmp_path: Path, storage: dict[str
         assert_reads_any_run(reader, "w", official)
 
 
-def test_an_unallocated_hdf5_dataset_is_made_in_order(tmp_path: Path) -> None:
-    """No storage: its fill value, charged to the expansion budget when its elements are
-    made, not when a run of them is asked for."""
-    empty = _h5(tmp_path / "e.h5", shape=(2, 40), dtype=np.float32, fillvalue=2.0)
+def test_an_unallocated_hdf5_datasets_runs_are_its_fill_value_charged_once_made(
+    tmp_path: Path,
+) -> None:
+    """No storage: runs of its fill value, charged to the expansion budget when the first
+    is made (as reading it in order charges it), not when a run is asked for."""
+    empty = _h5(tmp_path / "e.h5", shape=(2, 40), dtype=np.float32, fillvalue=2.5)
     with open_reader(empty) as reader:
-        assert reader.elements_loader(reader.infos[0], 0, 1) is None
+        info = reader.infos[0]
+        load = reader.elements_loader(info, 3, 10)
+        assert load is not None
+        assert not reader._expanded  # type: ignore[attr-defined]
+        assert load().tolist() == [2.5] * 7
+        assert reader._expanded == {"w"}  # type: ignore[attr-defined]
+        assert_reads_any_run(reader, "w", np.full((2, 40), 2.5, np.float32))
 
 
 def _expected(stem: str) -> dict[str, np.ndarray]:
@@ -189,6 +197,11 @@ def _hdf5_bands(path: Path, values: np.ndarray) -> Path:
     return _h5(path.with_suffix(".h5"), data=values, chunks=(2, 8), compression="gzip")
 
 
+def _hdf5_unallocated(path: Path, values: np.ndarray) -> Path:
+    """No storage: every element its fill value, every column over the limit."""
+    return _h5(path.with_suffix(".h5"), shape=values.shape, dtype=values.dtype, fillvalue=3.0)
+
+
 def _keras_weights(path: Path, values: np.ndarray) -> Path:
     return _h5(path.with_suffix(".weights.h5"), data=values)
 
@@ -228,6 +241,7 @@ WRITERS: dict[str, Callable[[Path, np.ndarray], Path]] = {
     "npz": _npz,
     "hdf5": _hdf5,
     "hdf5-bands": _hdf5_bands,
+    "hdf5-unallocated": _hdf5_unallocated,
     "keras-weights": _keras_weights,
     "keras-archive": _keras_archive,
     "pytorch": _pytorch,

@@ -435,13 +435,19 @@ class Hdf5Reader(Reader):
         cache_bytes: the decoding budget counts that many chunks held at once; a cache of a
         band's chunks for runs shorter than a band held a band of decompression bombs,
         ~4 GB from a 9 MB file, attack s47). So a run shorter than its chunks' band decodes
-        that band's chunks again, at most ~64 MiB for each run. None for an unallocated
-        tensor (made from its fill value, charged when its elements are made)."""
+        that band's chunks again, at most ~64 MiB for each run. An unallocated tensor's
+        runs are its fill value, charged (once) when the first run is made, as chunks()
+        charges it."""
         if not 0 <= start <= stop <= info.numel:
             raise ValueError(f"elements [{start}, {stop}) are not in tensor {info.name!r}")
         if info.name in self._checks.fill_only:
-            return None
+            return functools.partial(self._fill_run, info, stop - start)
         return functools.partial(self._read_elements, info, start, stop)
+
+    def _fill_run(self, info: TensorInfo, count: int) -> np.ndarray:
+        value = self._constant_elements(info)
+        assert value is not None  # fill_only: no storage
+        return np.full(count, value, dtype=info.dtype)
 
     def _read_elements(self, info: TensorInfo, start: int, stop: int) -> np.ndarray:
         with self._held_lock:  # one tensor's dataset held open: its chunk cache is reused
