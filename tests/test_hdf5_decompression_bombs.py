@@ -505,12 +505,15 @@ def test_a_compressed_non_tensor_still_reads(tmp_path: Path) -> None:
         assert np.array_equal(f["words"][...], np.array([b"w%d" % i for i in range(3000)]))
 
 
-@pytest.mark.parametrize(("columns", "banded"), [(8 << 20, True), ((8 << 20) + 1, False)])
-def test_a_band_of_exactly_the_cache_bytes_is_read_by_bands(
+@pytest.mark.parametrize(("columns", "banded"), [(8 << 20, True), ((8 << 20) + 1, True)])
+def test_a_band_of_the_cache_bytes_and_more_is_read_by_bands(
     tmp_path: Path, columns: int, banded: bool
 ) -> None:
     """A band (two rows of float32 here) of exactly CHUNK_CACHE_BYTES is read a band at a
-    time; one element more is left to the chunk cache."""
+    time, and one element more too: the cache cannot hold two bands of its chunks, and at
+    CHUNK_CACHE_W0 < 1 it lets go of chunks read in part, so a C-order pass through the
+    cache would decode each chunk again for every piece (at 1.0 it kept them all, past its
+    size: attack s47b)."""
     from clipcli.formats.hdf5 import limits
 
     assert limits.CHUNK_CACHE_BYTES == 2 * (8 << 20) * 4
@@ -521,3 +524,80 @@ def test_a_band_of_exactly_the_cache_bytes_is_read_by_bands(
         )
     with open_reader(path) as reader:
         assert reader._checks.band_rows == ({"w": 2} if banded else {})  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("columns", "refused"), [(2048, False), (2049, True)])
+def test_a_band_over_the_band_limit_that_the_cache_cannot_hold_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, columns: int, refused: bool
+) -> None:
+    """Compressed chunks two rows deep whose band of rows is over MAX_BAND_BYTES (16 KiB
+    here: 2 rows of 2,048 float32) and whose two bands of chunks the cache cannot hold:
+    read in order, each chunk would be decoded again for every piece that crosses it (a
+    5.7 MB file's float16 [64, 2**23] in chunks 64 rows deep: 102 s of norms with the
+    cache honoured, 1.1 GB without: attack s47b). Exactly at the limit it is read by
+    bands; one column more is exit 3, one line. Unallocated, it is made from its fill
+    value and never read through the library: not refused."""
+    from clipcli.cli.entry import main
+    from clipcli.formats.hdf5 import limits
+
+    monkeypatch.setattr(limits, "CHUNK_CACHE_BYTES", 4096)
+    monkeypatch.setattr(limits, "MAX_BAND_BYTES", 2 * 2048 * 4)
+    path = tmp_path / "tall.h5"
+    values = np.random.default_rng(5).standard_normal((3, columns)).astype("f4")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", data=values, chunks=(2, 64), compression="gzip")
+        f.create_dataset("fill", shape=(3, columns), chunks=(2, 64), dtype="f4", compression="gzip")
+    if refused:
+        with pytest.raises(InputError, match=r"tensor 'w'.*over 0 MiB: each chunk would be"):
+            open_reader(path)
+        return
+    with open_reader(path) as reader:
+        assert reader._checks.band_rows == {"w": 2, "fill": 2}  # type: ignore[attr-defined]
+        info = next(i for i in reader.infos if i.name == "w")
+        got = np.concatenate(list(reader.chunks(info, 1000)))
+        assert np.array_equal(got, values.reshape(-1))
+    assert main(["norms", "-q", str(path)]) == 0
+
+
+_HALF_READS = """
+import sys
+import h5py, numpy as np
+from clipcli.formats.hdf5 import limits
+path, chunk = sys.argv[1], int(sys.argv[2])
+f = h5py.File(path, "r")
+access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+access.set_chunk_cache(limits.CHUNK_CACHE_SLOTS, 2 * chunk * 4, limits.CHUNK_CACHE_W0)
+dataset = h5py.Dataset(h5py.h5d.open(f.id, b"/w", dapl=access))
+half = np.empty(chunk // 2, "f4")
+dataset.read_direct(half, source_sel=np.s_[0 : chunk // 2])
+def resident_kib():  # now, not the peak: a child's peak starts at its parent's
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+before = resident_kib()
+for start in range(chunk, dataset.shape[0], chunk):
+    dataset.read_direct(half, source_sel=np.s_[start : start + chunk // 2])
+print(resident_kib() - before)
+"""
+
+
+def test_chunks_read_in_part_leave_the_cache_at_its_size(tmp_path: Path) -> None:
+    """The first half of each of 1,024 gzip chunks of 64 KiB, through a cache of two: at
+    CHUNK_CACHE_W0 the library lets go of chunks read in part once the cache is full. At
+    1.0 it kept every one (64 MiB here; 1.1 GB for a 5.7 MB file read in C order through
+    chunks 64 rows deep: attack s47b). The library itself is what is measured (the
+    resident set of a child, which keeps what the cache holds)."""
+    import subprocess
+    import sys
+
+    chunk = 1 << 14
+    path = tmp_path / "c.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", data=np.ones(1024 * chunk, "f4"), chunks=(chunk,), compression="gzip")
+    probe = subprocess.run(
+        [sys.executable, "-c", _HALF_READS, str(path), str(chunk)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    grown_kib = int(probe.stdout)
+    assert grown_kib < 16 << 10, grown_kib  # 64 MiB of chunks held at 1.0

@@ -62,7 +62,16 @@ def chunk_budget(file_size: int) -> int:
 CHUNK_CACHE_BYTES = 64 << 20
 HEAP_SCAN_WINDOW = 16 << 20  # global-heap search: bytes read at a time
 CHUNK_CACHE_SLOTS = 12_401  # a prime, as HDF5 recommends, ~100x the chunks that fit
-CHUNK_CACHE_W0 = 1.0  # evict fully read/written chunks first: we never revisit them
+# Evict fully read/written chunks first (we rarely revisit them), but not only those: at
+# 1.0 the library (HDF5 2.0) never evicts a chunk read in part, whatever the cache's size,
+# so C-order pieces through tall chunks kept every chunk of a band decoded (a 5.7 MB file's
+# float16 [64, 2**23] held 1.1 GB; small bombs in them 2.6 GB: attack s47b).
+CHUNK_CACHE_W0 = 0.99
+# A compressed tensor whose chunks' bands (every chunk along its first axis' chunk rows)
+# the cache cannot hold is read a band at a time into a buffer of this much at most (one
+# chunk may already decode to this much); a larger band would be decoded once for each
+# piece that crosses it, and is refused.
+MAX_BAND_BYTES = MAX_CHUNK_BYTES
 
 
 def object_budget(file_size: int) -> int:

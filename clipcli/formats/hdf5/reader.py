@@ -434,14 +434,16 @@ class Hdf5Reader(Reader):
         chunks they touch, through the dataset's own chunk cache (DatasetChecks.
         cache_bytes: the decoding budget counts that many chunks held at once; a cache of a
         band's chunks for runs shorter than a band held a band of decompression bombs,
-        ~4 GB from a 9 MB file, attack s47). So a run shorter than its chunks' band decodes
-        that band's chunks again, at most ~64 MiB for each run. An unallocated tensor's
-        runs are its fill value, charged (once) when the first run is made, as chunks()
-        charges it."""
+        ~4 GB from a 9 MB file, attack s47). None for a tensor read a band at a time: its
+        chunks span rows that runs would decode again for each run. An unallocated
+        tensor's runs are its fill value, charged (once) when the first run is made, as
+        chunks() charges it."""
         if not 0 <= start <= stop <= info.numel:
             raise ValueError(f"elements [{start}, {stop}) are not in tensor {info.name!r}")
         if info.name in self._checks.fill_only:
             return functools.partial(self._fill_run, info, stop - start)
+        if info.name in self._checks.band_rows:
+            return None
         return functools.partial(self._read_elements, info, start, stop)
 
     def _fill_run(self, info: TensorInfo, count: int) -> np.ndarray:

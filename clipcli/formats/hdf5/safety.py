@@ -240,11 +240,24 @@ class DatasetChecks:
         if tensor and band > 2 and any(c in decoding.DECOMPRESSORS for c in codes):
             rows = min(chunk_shape[0], shape[0])
             band_bytes = rows * math.prod(shape[1:]) * element_bytes
-            if 0 < band_bytes <= limits.CHUNK_CACHE_BYTES:
+            cache_holds_bands = band * chunk_bytes <= limits.CHUNK_CACHE_BYTES
+            if 0 < band_bytes <= limits.CHUNK_CACHE_BYTES or (
+                0 < band_bytes <= limits.MAX_BAND_BYTES and not cache_holds_bands
+            ):
                 # Read a band of chunks at a time (Hdf5Reader.chunks): each chunk decoded
                 # once, then let go; the library holds at most two.
                 self.band_rows[name] = int(rows)
                 band = 2
+            elif name not in self.fill_only and not cache_holds_bands:  # over MAX_BAND_BYTES
+                raise self._fail(
+                    f"its compressed chunks {list(chunk_shape)} of shape {list(shape)} are "
+                    f"read in order {band // 2 * chunk_bytes} bytes of them at once, over "
+                    f"the {limits.CHUNK_CACHE_BYTES >> 20} MiB cache, and a band of its rows "
+                    f"is {band_bytes} bytes, over {limits.MAX_BAND_BYTES >> 20} MiB: each "
+                    "chunk would be decoded again for every piece that crosses it; refusing "
+                    "it (rechunk it with h5repack -l, or store it uncompressed)",
+                    name,
+                )
         self.cache_bytes[name] = min(limits.CHUNK_CACHE_BYTES, band * chunk_bytes)
         # At most this many chunks are held decoded at once: each may take its share of
         # the limit.
