@@ -389,6 +389,7 @@ def test_a_written_datasets_cache_is_its_bands(
     [2, 2**25] clipped: 297 -> 95 MB). The library ignores the cache a second open of a
     dataset asks for, so the test reads the cache the write went through."""
     from clipcli.cli.entry import main
+    from clipcli.formats.hdf5 import limits
     from clipcli.formats.hdf5 import writer as hdf5_writer
 
     src = tmp_path / "in.h5"
@@ -404,10 +405,16 @@ def test_a_written_datasets_cache_is_its_bands(
         return dataset
 
     monkeypatch.setattr(hdf5_writer.Hdf5Writer, "_opened_for_writing", spy)
-    assert (
-        main(["clip", "--global", "1", "-q", "--no-fsync", str(src), str(tmp_path / "o.h5")]) == 0
-    )
+    args = ["clip", "--global", "1", "-q", "--no-fsync", "--force"]
+    assert main([*args, str(src), str(tmp_path / "o.h5")]) == 0
     assert caches == {"rows": 2 * 512 * 4, "deep": 2 * 8 * 2 * 512 * 4}
+    # Two bands of "deep" over the cache: one band and a chunk (up to MAX_BAND_BYTES and a
+    # chunk: the reader reads no larger band), since chunks written in part are let go
+    # and each would be encoded again for every piece.
+    monkeypatch.setattr(limits, "CHUNK_CACHE_BYTES", 4096)
+    caches.clear()
+    assert main([*args, str(src), str(tmp_path / "o.h5")]) == 0
+    assert caches == {"rows": 2 * 512 * 4, "deep": (8 + 1) * 2 * 512 * 4}
 
 
 class _Array:

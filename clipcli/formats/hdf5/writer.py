@@ -389,7 +389,11 @@ class Hdf5Writer(Writer):
     def _opened_for_writing(self, info: TensorInfo) -> Any:
         """The tensor's dataset, chunked ones opened with a chunk cache of the chunks that
         writing it in C-order pieces fills at once (geometry.band_chunks), not the file's
-        64 MiB: row chunks of a [2, 2**25] held 64 MiB of them, half-compressed."""
+        64 MiB: row chunks of a [2, 2**25] held 64 MiB of them, half-compressed. Where two
+        bands of chunks are over 64 MiB, one band and a chunk, up to MAX_BAND_BYTES (a
+        band the reader reads whole): the cache lets go of chunks written in part
+        (CHUNK_CACHE_W0), and a chunk let go is read, decoded and encoded again for each
+        piece that crosses it."""
         h5py = load_h5py()
         dataset = self.file["/" + info.name]
         chunks = dataset.chunks
@@ -399,7 +403,11 @@ class Hdf5Writer(Writer):
         # dataset already open, and gives the first open's.
         del dataset
         chunk_bytes = math.prod(chunks) * info.dtype.itemsize
-        cache = min(limits.CHUNK_CACHE_BYTES, band_chunks(info.shape, chunks) * chunk_bytes)
+        band = band_chunks(info.shape, chunks)
+        cache = min(limits.CHUNK_CACHE_BYTES, band * chunk_bytes)
+        if cache < band * chunk_bytes:
+            one_band = (band // 2 + 1) * chunk_bytes
+            cache = max(cache, min(one_band, limits.MAX_BAND_BYTES + chunk_bytes))
         access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
         access.set_chunk_cache(limits.CHUNK_CACHE_SLOTS, cache, limits.CHUNK_CACHE_W0)
         return h5py.Dataset(h5py.h5d.open(self.file.id, ("/" + info.name).encode(), dapl=access))
