@@ -10,6 +10,7 @@ helpers off.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ def test_stored_bytes_are_the_values_torch_recorded(name: str) -> None:
                 continue
             assert stored is not None, info.name
             assert stored.end - stored.begin == info.nbytes
-            raw = os.pread(stored.fileno(), info.nbytes, stored.begin)
+            with stored.in_use() as fd:
+                raw = os.pread(fd, info.nbytes, stored.begin)
             values = np.frombuffer(raw, info.dtype)
             widened = values.astype(np.float64) if values.dtype.kind not in "biu" else values
             np.testing.assert_array_equal(
@@ -123,3 +125,67 @@ def test_unchanged_tensors_are_copied_by_the_kernel_to_safetensors(
     assert sorted(got) == sorted(want)
     for key, values in want.items():
         assert got[key].tobytes() == values.tobytes(), key
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
+def test_a_copy_ahead_holds_its_shard_while_the_directory_lets_shards_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    """A model directory keeps MAX_OPEN_SHARDS shards open (1 here). An unchanged tensor's
+    kernel copy is queued on the copier's thread; by the time it runs, the directory has
+    let its shard go and opened the next, which may take the same descriptor number: a
+    copy that kept the number copied shard 65's bytes for shard 1's tensor, exit 0, or
+    failed with EBADF as a write error (attack s47c, 80 shards; safetensors before this
+    session too). The copy holds its shard's descriptor (StoredBytes.in_use) where it
+    runs. While the first copy runs, the directory opens the other shards."""
+    from clipcli.formats.sharded import reader as sharded_reader
+
+    directory = tmp_path / "model"
+    directory.mkdir()
+    weight_map = {}
+    stem = "model" if suffix == ".safetensors" else "pytorch_model"
+    for shard in range(3):
+        name = f"t{shard}"
+        src = write_safetensors(
+            tmp_path / f"{name}.safetensors", {name: np.full((128, 128), shard + 1.0, np.float32)}
+        )
+        file = f"{stem}-{shard + 1:05d}-of-00003{suffix}"
+        if suffix == ".safetensors":
+            src.rename(directory / file)
+        else:
+            assert main(["convert", "-q", str(src), str(directory / file)]) == 0
+        weight_map[name] = file
+    index = directory / f"{stem}{suffix}.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    monkeypatch.setattr(sharded_reader, "MAX_OPEN_SHARDS", 1)
+    directories: list[Any] = []
+    real_used = sharded_reader.ShardedReader._used
+
+    def used(self: Any, shard: str) -> None:
+        directories.append(self)
+        real_used(self, shard)
+
+    monkeypatch.setattr(sharded_reader.ShardedReader, "_used", used)
+    real_copy = safetensors_writer.SafetensorsWriter._copy_range
+    copied_from: list[str] = []
+
+    def copy_range(self: Any, source_fd: int, begin: int, end: int, position: int) -> None:
+        if not copied_from:  # the directory lets this shard go and opens the others
+            for shard in sorted(set(weight_map.values()))[1:]:
+                with (
+                    directories[-1]
+                    .shard_reader(shard)
+                    .stored_bytes(directories[-1].shard_reader(shard).infos[0])
+                    .in_use()
+                ):
+                    pass
+        copied_from.append(os.path.basename(os.readlink(f"/proc/self/fd/{source_fd}")))
+        real_copy(self, source_fd, begin, end, position)
+
+    monkeypatch.setattr(safetensors_writer.SafetensorsWriter, "_copy_range", copy_range)
+    out = tmp_path / "one.safetensors"
+    assert main(["clip", "--global", "1e9", "-q", "--no-fsync", str(directory), str(out)]) == 0
+    assert copied_from[0] == weight_map["t0"]
+    got = load_file(out)
+    for shard in range(3):
+        assert np.all(got[f"t{shard}"] == shard + 1.0), shard

@@ -174,7 +174,11 @@ class StoredBytes(NamedTuple):
     little-endian, nothing between): what a kernel copy may take byte for byte."""
 
     path: Path
-    fileno: Callable[[], int]  # the descriptor, reopened if it was released
+    # The descriptor, held open while the block runs (reopened, and checked to be the same
+    # file, if it was released): a copy must hold it where it runs. A number taken before
+    # and used later, on the copier's thread, could by then be another shard's (a model
+    # directory keeps 64 shards open: a tensor was copied from shard 65, exit 0: s47c).
+    in_use: Callable[[], AbstractContextManager[int]]
     begin: int
     end: int
 

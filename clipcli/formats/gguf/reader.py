@@ -317,7 +317,7 @@ class GgufReader(Reader):
         if not self._as_stored(entry):
             return None
         begin = self.header.data_start + entry.offset
-        return StoredBytes(self.path, self._file.fileno, begin, begin + entry.nbytes)
+        return StoredBytes(self.path, self._in_use, begin, begin + entry.nbytes)
 
     @contextlib.contextmanager
     def _in_use(self) -> Iterator[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -104,7 +105,12 @@ class NpyReader(Reader):
         if self._fortran or info.dtype.str[0] not in "<|":
             return None
         begin = self._data_offset
-        return StoredBytes(self.path, self._handle.fileno, begin, begin + info.nbytes)
+        fd = self._handle.fileno()  # open until close(): never released
+
+        def opened() -> contextlib.AbstractContextManager[int]:
+            return contextlib.nullcontext(fd)
+
+        return StoredBytes(self.path, opened, begin, begin + info.nbytes)
 
     def source_identities(self) -> dict[Path, FileIdentity]:
         return {self.path: self._identity}

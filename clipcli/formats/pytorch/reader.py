@@ -546,7 +546,7 @@ class PyTorchReader(Reader):
         if not located.contiguous or self._file_dtype(info.dtype) != info.dtype:
             return None
         begin = located.begin + located.first
-        return StoredBytes(self.path, self.fileno, begin, begin + info.nbytes)
+        return StoredBytes(self.path, self._reading, begin, begin + info.nbytes)
 
     def elements_loader(
         self, info: TensorInfo, start: int, stop: int

@@ -429,7 +429,7 @@ class SafetensorsReader(Reader):
 
     def stored_bytes(self, info: TensorInfo) -> StoredBytes:
         begin, end = self.byte_range(info)
-        return StoredBytes(self.path, self.fileno, begin, end)
+        return StoredBytes(self.path, self._in_use, begin, end)
 
     def fileno(self) -> int:
         """The open descriptor (reopened if released); valid until the next release()."""

@@ -16,6 +16,7 @@ import numpy as np
 from clipcli.formats.base import (
     Checkpoint,
     Reader,
+    StoredBytes,
     TensorInfo,
     WritebackStarter,
     Writer,
@@ -113,11 +114,7 @@ class SafetensorsWriter(Writer):
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clipcli-copy")
         try:
             self._ahead[info.name] = self._copier.submit(
-                self._copy_range,
-                stored.fileno(),
-                stored.begin,
-                stored.end,
-                self._ahead_offsets[info.name],
+                self._copy_stored, stored, stored.end, self._ahead_offsets[info.name]
             )
         except RuntimeError:
             # Its thread cannot be started (RLIMIT_NPROC): the tensor is copied in order
@@ -125,6 +122,12 @@ class SafetensorsWriter(Writer):
             self._copier.shutdown(wait=True, cancel_futures=True)
             self._copier = None
             self._threadless = True
+
+    def _copy_stored(self, stored: StoredBytes, end: int, position: int) -> None:
+        """Copy the source's bytes [stored.begin, end) to `position`, holding the source's
+        descriptor for as long as it takes (on whichever thread runs it)."""
+        with stored.in_use() as source_fd:
+            self._copy_range(source_fd, stored.begin, end, position)
 
     def _copy_range(self, source_fd: int, begin: int, end: int, position: int) -> None:
         writeback = self._writeback  # started out of order when copying ahead
@@ -212,7 +215,7 @@ class SafetensorsWriter(Writer):
             self._settle(info)
         self._file.flush()
         position = self._next_offset(infos[0])
-        self._copy_range(first.fileno(), first.begin, end, position)
+        self._copy_stored(first, end, position)
         self._position = self._file.seek(position + end - first.begin)
         self._written()
         return True
@@ -224,7 +227,7 @@ class SafetensorsWriter(Writer):
             if stored is None:
                 return False
             self._file.flush()
-            self._copy_range(stored.fileno(), stored.begin, stored.end, self._next_offset(info))
+            self._copy_stored(stored, stored.end, self._next_offset(info))
         self._position = self._file.seek(self._next_offset(info) + info.nbytes)
         self._written()
         return True
