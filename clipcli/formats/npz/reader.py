@@ -162,11 +162,7 @@ class NpzReader(Reader):
         zipfile would: ~40% faster than zipfile's buffered stream for multi-GB members."""
         entry = member.zip_info
         fd = self._handle.fileno()
-        local = os.pread(fd, 30, entry.header_offset)
-        if len(local) != 30 or local[:4] != b"PK\x03\x04":
-            raise InputError(self.path, "bad zip local header", info.name)
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        start = entry.header_offset + 30 + name_len + extra_len
+        start = self._member_start(info, entry)
         if start + entry.compress_size > os.fstat(fd).st_size:
             raise InputError(self.path, "member data runs past the end of the file", info.name)
         crc = zlib.crc32(os.pread(fd, member.data_offset, start))
@@ -252,13 +248,20 @@ class NpzReader(Reader):
                 problem = f"cannot read column-major data: {exc.strerror}"
                 raise InputError(self.path, problem, info.name) from None
 
-    def _stored_data_start(self, info: TensorInfo, member: _Member) -> int:
-        entry = member.zip_info
+    def _member_start(self, info: TensorInfo, entry: zipfile.ZipInfo) -> int:
+        """Where a stored member's bytes begin: past its local header, whose name and
+        extra field may be longer than the central directory's."""
         local = os.pread(self._handle.fileno(), 30, entry.header_offset)
         if len(local) != 30 or local[:4] != b"PK\x03\x04":
             raise InputError(self.path, "bad zip local header", info.name)
         name_len, extra_len = struct.unpack("<HH", local[26:30])
-        start = int(entry.header_offset) + 30 + name_len + extra_len
+        return int(entry.header_offset) + 30 + int(name_len) + int(extra_len)
+
+    def _stored_data_start(self, info: TensorInfo, member: _Member) -> int:
+        """Where a stored member's array data begins, once its CRC has been checked over
+        the whole member."""
+        entry = member.zip_info
+        start = self._member_start(info, entry)
         # zipfile checks the CRC as it streams; reading through a mapping, we check it here.
         crc = 0
         for piece in range(start, start + int(entry.compress_size), CHUNK_BYTES):
