@@ -28,7 +28,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from common import GIB, PY, REPO, log
+from common import GIB, PY, REPO, compile_clipcli, log
 from timing import Cmd, Failure, run_once
 
 PIECE = 1 << 24  # values generated at a time
@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--container", choices=["npz", "h5", "pt"], help="convert to this first")
     args = parser.parse_args()
     trees = {"this": REPO} | {k: Path(v) for k, v in (o.split("=", 1) for o in args.other)}
+    for root in trees.values():
+        compile_clipcli(str(root))  # as pip install does: no compiling in the timed runs
     chosen = {k: v for k, v in SHAPES.items() if not args.only or any(o in k for o in args.only)}
     where = args.keep or Path(tempfile.mkdtemp(prefix="axes_shapes_"))
     where.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from common import CLIPCLI, PY, REPO, human
+from common import CLIPCLI, PY, REPO, compile_clipcli, human
 from jobs import Row
 from timing import COLD_MIB, NOISY, TIME, Bench, Pinned
 
@@ -36,11 +36,7 @@ def compile_bytecode() -> str:
     install under PYTHONDONTWRITEBYTECODE=1 (set on this sandbox) recompiles a dozen modules
     from source on every run instead: about 16 ms per command that an installed copy never
     pays. Returns the line for the report."""
-    code = (
-        "import clipcli, compileall, os, sys; "
-        "sys.exit(not compileall.compile_dir(os.path.dirname(clipcli.__file__), quiet=1))"
-    )
-    ok = subprocess.run([PY, "-c", code], capture_output=True).returncode == 0
+    ok = compile_clipcli()
     env = (
         " (PYTHONDONTWRITEBYTECODE is set here)"
         if os.environ.get("PYTHONDONTWRITEBYTECODE")

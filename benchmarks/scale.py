@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import compile_clipcli
 
 HERE = Path(__file__).resolve().parent
 CLIPCLI = [sys.executable, "-m", "clipcli"]
@@ -194,6 +195,7 @@ def main() -> int:
     jobs = set(args.jobs.split(","))
     if jobs - set(JOBS):
         parser.error(f"unknown jobs: {', '.join(sorted(jobs - set(JOBS)))}")
+    compiled = compile_clipcli()  # as pip install does: no compiling inside the timed runs
     cores = len(os.sched_getaffinity(0))
     threads = [int(t) for t in args.threads.split(",")] if args.threads else thread_counts(cores)
     work = args.keep or Path(tempfile.mkdtemp(prefix="clipcli-scale-"))
@@ -286,6 +288,7 @@ def main() -> int:
     everything: list[dict[str, object]] = []
     print(f"# scale benchmark: {cores} cores, {args.size:g} GiB per checkpoint, {args.runs} runs")
     print(f"load average before: {os.getloadavg()}, torch: {'yes' if torch else 'not installed'}")
+    print(f"clipcli's modules: {'compiled to bytecode first' if compiled else 'compile FAILED'}")
     if not GNU_TIME.exists():
         print("no /usr/bin/time: peak RSS is wait4's, which counts this script's own at fork")
     print()
