@@ -45,6 +45,16 @@ def truncate_factor(scale: float, bits: int) -> float:
     return float(_factor_of(_key_of(np.asarray([scale], np.float64), bits), bits)[0])
 
 
+def on_grid(scales: np.ndarray, bits: int) -> np.ndarray:
+    """Non-negative factors truncated to `bits` significant bits: the search's candidates."""
+    return _factor_of(_key_of(scales, bits), bits)
+
+
+def grid_step_below(scales: np.ndarray, bits: int) -> np.ndarray:
+    """The candidate one step below each factor's truncation (0 stays 0)."""
+    return _factor_of(np.maximum(_key_of(scales, bits) - 1, 0), bits)
+
+
 def _key_of(scales: np.ndarray, bits: int) -> np.ndarray:
     """Order-preserving integer keys of non-negative factors with `bits` significant bits
     (truncating the rest): consecutive keys are consecutive candidate factors."""
