@@ -54,6 +54,8 @@ SHAPES = {
     ),
     "two-element columns, bf16 [2, n/2] --axes 0": ("BF16", lambda n: (2, n // 2), "0"),
     "two-element columns, f32 [2, n/2] --axes 0": ("F32", lambda n: (2, n // 2), "0"),
+    "rows of 4096, bf16 [n/4096, 4096] --axes 1": ("BF16", lambda n: (n // 4096, 4096), "1"),
+    "rows of 4096, f32 [n/4096, 4096] --axes 1": ("F32", lambda n: (n // 4096, 4096), "1"),
 }
 DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
 
