@@ -28,6 +28,7 @@ from clipcli.dtypes import (
     smallest_without_zero,
 )
 from clipcli.errors import DataRefusedError
+from clipcli.numerics import sign_magnitude
 from clipcli.numerics.certain import (
     CertainSumsq,
     counted_squares_within,
@@ -443,9 +444,14 @@ class _SliceRounding:
         the limit). Each row's magnitudes are sorted by their bits (the order of their
         values) and counted."""
         slices, per_slice = picked.shape
+        bits = picked.view(bits_dtype(picked.dtype))
+        layout = sign_magnitude.layout(picked.dtype)
+        if layout is not None:  # |x| is x's code without the sign bit (np.abs: 9x slower)
+            magnitudes_bits = bits & np.asarray(layout.half - 1, bits.dtype)
+        else:
+            magnitudes_bits = np.abs(picked).view(bits.dtype)
         # Codes are integers, so any sort gives the same rows. numpy's stable sort of 16-bit
         # codes is a radix sort, with a cost per row that short rows do not amortise.
-        magnitudes_bits = np.abs(picked).view(bits_dtype(picked.dtype))
         if per_slice >= RADIX_SORT_FROM:
             codes = np.sort(magnitudes_bits, axis=1, kind="stable")
         else:
@@ -456,15 +462,15 @@ class _SliceRounding:
         np.not_equal(flat[1:], flat[:-1], out=first[1:])
         first[::per_slice] = True  # every row starts its own runs
         starts = np.flatnonzero(first)
-        counts = np.diff(np.append(starts, flat.size)).astype(np.float64)
-        magnitudes = flat[starts].view(picked.dtype).astype(np.float64)
-        nonzero = magnitudes > 0
-        magnitudes, counts, owner = (
-            magnitudes[nonzero],
-            counts[nonzero],
-            (starts // per_slice)[nonzero],
-        )
-        begins = np.searchsorted(owner, np.arange(slices + 1))
+        counts = np.empty(starts.size)
+        np.subtract(starts[1:], starts[:-1], out=counts[:-1])
+        counts[-1:] = flat.size - starts[-1:]
+        magnitudes = widen(flat[starts].view(picked.dtype))
+        zeros = magnitudes == 0  # (not code 0: float8_e8m0fnu's is 2**-127)
+        if zeros.any():
+            starts, counts, magnitudes = starts[~zeros], counts[~zeros], magnitudes[~zeros]
+        begins = np.searchsorted(starts, np.arange(slices + 1) * per_slice)
+        owner = np.repeat(np.arange(slices), np.diff(begins))
         return _SliceRounding(
             picked.dtype,
             limit,
@@ -494,7 +500,6 @@ class _SliceRounding:
         113 -> 68 ms, bfloat16 rows of 16 578 -> 292 ms, float16 pairs 783 -> 649 ms with
         the estimate; bfloat16 rows of 4,096 38 -> 19 ms with the crossings (each factor the
         same: the search is exact)."""
-        crossing, estimate = self._crossing(ratios, unit, bits)
         # The spread: unit * sqrt(sum of w**2 / 3), w a value's share of its slice's sum.
         squares = self.magnitudes * self.magnitudes
         sums = _segment_sums(self.counts * squares, self.begins)
@@ -502,6 +507,7 @@ class _SliceRounding:
         with np.errstate(all="ignore"):
             spread = unit * np.sqrt(fourths / 3) / sums
         spread = np.where(np.isfinite(spread), np.minimum(spread, unit), unit)
+        crossing, estimate = self._crossing(ratios, spread, unit, bits)
         lows, highs = guesses(ratios, unit)
         low_rungs = [estimate * (1 - c * spread) for c in (0.5, 2, 8)]
         high_rungs = [estimate * (1 + c * spread) for c in (0.5, 2, 8)]
@@ -519,7 +525,7 @@ class _SliceRounding:
         )
 
     def _crossing(
-        self, ratios: np.ndarray, unit: float, bits: int
+        self, ratios: np.ndarray, spread: np.ndarray, unit: float, bits: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """(crossing, estimate) per slice. The crossing: where its rounded output's sum of
         squares crosses limit**2 within a quarter of the dtype's relative spacing (unit / 2)
@@ -530,14 +536,23 @@ class _SliceRounding:
         one of the two is the answer wherever the float64 sums decide the crossing right,
         and two margins then bracket it to a single step, where the bisection took ~30 per
         box. The estimate: TF's factor scaled by how far the output's sum of squares there
-        is from limit**2 (the sum grows as s**2)."""
+        is from limit**2 (the sum grows as s**2).
+
+        The steps are looked through in a window reaching past the estimate by 8 spreads
+        first, then, for the slices whose crossing is not in it, in the whole window: a
+        slice left to the bisection costs a box as much as all the others (~30 margins),
+        and the whole window holds a third of float16 rows' values."""
         start = on_grid(ratios, bits)
-        width = unit / 2
         codes = narrow_round(self.magnitudes * start[self.owner], self.dtype)
         here = widen(codes)
         scaled = here / self.limit
         sums = self.fixed + _segment_sums(self.counts * scaled * scaled, self.begins)
         fits = sums <= 1.0
+        with np.errstate(all="ignore"):
+            estimate = start / np.sqrt(sums)
+            near = np.abs(estimate / start - 1.0) * 1.5 + 8 * spread
+        estimate = np.where(np.isfinite(estimate) & (estimate > 0), estimate, ratios)
+        near = np.where(np.isfinite(near), np.minimum(near, unit / 2), unit / 2)
         # Upward from a slice that fits (the first step that takes it over), downward
         # from one that does not (the last step down that brings it within). A product
         # or neighbour past the ends (inf, NaN, a code wrapped below 0) is no step.
@@ -546,26 +561,51 @@ class _SliceRounding:
         one = np.asarray(1, code.dtype)
         with np.errstate(all="ignore"):
             there = widen(np.where(up, code + one, code - one).view(self.dtype))
-            usable = np.where(up, there > here, (there < here) & (code > 0))
+            steps = np.where(up, there > here, (there < here) & (code > 0))
             middle = (here + there) * 0.5  # exact: the products cross it at `at` below
-            usable &= np.isfinite(middle)  # neither end overflowed to inf (or is NaN)
-            reach = self.magnitudes * (start * np.where(fits, 1 + width, 1 - width))[self.owner]
-            usable &= np.where(up, middle <= reach, middle >= reach)
-        with np.errstate(all="ignore"):
-            estimate = start / np.sqrt(sums)
-        estimate = np.where(np.isfinite(estimate) & (estimate > 0), estimate, ratios)
-        picked = np.flatnonzero(usable)
-        result = np.full(self.slices, np.nan)
+            steps &= np.isfinite(middle)  # neither end overflowed to inf (or is NaN)
+        crossing = np.full(self.slices, np.nan)
+        for width in (near, np.full(self.slices, unit / 2)):
+            # The steps within the window, of the slices still without a crossing: all of
+            # them at first, then the few slices' own values.
+            missing = np.flatnonzero(np.isnan(crossing))
+            if not missing.size:
+                break
+            at = None if missing.size == self.slices else _positions(self.begins, missing)[0]
+            owner, magnitudes, mid, upward, stepping = (
+                (self.owner, self.magnitudes, middle, up, steps)
+                if at is None
+                else (self.owner[at], self.magnitudes[at], middle[at], up[at], steps[at])
+            )
+            reach = magnitudes * (start * np.where(fits, 1 + width, 1 - width))[owner]
+            stepping = stepping & np.where(upward, mid <= reach, mid >= reach)
+            picked = np.flatnonzero(stepping) if at is None else at[stepping]
+            self._first_step_over(picked, start, width, sums, fits, here, there, crossing)
+        return crossing, estimate
+
+    def _first_step_over(
+        self,
+        picked: np.ndarray,
+        start: np.ndarray,
+        width: np.ndarray,
+        sums: np.ndarray,
+        fits: np.ndarray,
+        here: np.ndarray,
+        there: np.ndarray,
+        crossing: np.ndarray,
+    ) -> None:
+        """_crossing's steps `picked` (value positions) taken in order from each slice's
+        start until its sum crosses 1: the factor of that step into `crossing`. Sorting
+        every step (a tenth of a box's values) cost more than the bisection it saves; so
+        they are first summed by cells of their slice's window, and only the cell where
+        the sum crosses 1 is sorted."""
         if not picked.size:
-            return result, estimate
+            return
         owner, magnitudes = self.owner[picked], self.magnitudes[picked]
-        at = middle[picked] / magnitudes
-        after_step, before_step = there[picked] / self.limit, scaled[picked]
+        at = (here[picked] + there[picked]) * 0.5 / magnitudes
+        after_step, before_step = there[picked] / self.limit, here[picked] / self.limit
         step = (after_step * after_step - before_step * before_step) * self.counts[picked]
-        # Nearest the start first. Sorting every candidate (a tenth of a box's values)
-        # cost more than the bisection it saves; so they are first summed by cells of
-        # their slice's window, and only the cell where the sum crosses 1 is sorted.
-        distance = np.abs(at / start[owner] - 1.0) / width  # 0 .. 1
+        distance = np.abs(at / start[owner] - 1.0) / width[owner]  # 0 .. 1, nearest first
         cells = int(np.clip(picked.size // (4 * self.slices), 1, 64))
         cell = np.minimum(distance * cells, cells - 1).astype(np.intp)
         per_cell = np.bincount(owner * cells + cell, step, self.slices * cells)
@@ -575,12 +615,11 @@ class _SliceRounding:
         crossed = np.where(fits[:, None], after > 1.0, after <= 1.0)
         found = np.asarray(crossed.any(axis=1))
         first_cell = np.argmax(crossed, axis=1)
-        before = (
-            after[np.arange(self.slices), first_cell] - per_cell[np.arange(self.slices), first_cell]
-        )
+        every = np.arange(self.slices)
+        before = after[every, first_cell] - per_cell[every, first_cell]
         inside = np.flatnonzero(found[owner] & (cell == first_cell[owner]))
         if not inside.size:
-            return result, estimate
+            return
         owner, at, step = owner[inside], at[inside], step[inside]
         order = np.lexsort((distance[inside], owner))
         owner, at, step = owner[order], at[order], step[order]
@@ -591,8 +630,7 @@ class _SliceRounding:
         hits = np.flatnonzero(np.where(fits[owner], totals > 1.0, totals <= 1.0))
         if hits.size:
             first_hit = hits[np.r_[True, owner[hits][1:] != owner[hits][:-1]]]
-            result[owner[first_hit]] = at[first_hit]
-        return result, estimate
+            crossing[owner[first_hit]] = at[first_hit]
 
     def _rounded(self, factors: np.ndarray) -> np.ndarray:
         each = factors[self.owner]
