@@ -653,3 +653,75 @@ def test_slice_histograms_count_each_rows_magnitudes_as_unique_does(
         assert np.array_equal(rounding.counts[span], counts), row
         assert np.all(rounding.owner[span] == row)
     assert rounding.begins[-1] == rounding.magnitudes.size
+
+
+@pytest.mark.parametrize("dtype", SMALL_FLOATS, ids=lambda d: np.dtype(d).name)
+def test_crossing_guesses_change_no_factor(dtype: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slices of CROSSINGS_FROM values or more start the search at their crossings
+    (_SliceRounding._crossing); the factors must be those of the estimate's rungs alone,
+    bit for bit, for rows just under, at and over the threshold, mixed scales and zeros,
+    and limits at a row's own norm."""
+    rng = np.random.default_rng(7)
+    threshold = slices.CROSSINGS_FROM
+    for per_slice in (threshold - 1, threshold, threshold + 37):
+        values = rng.standard_normal((12, per_slice)) * rng.choice([1e-3, 1.0, 30.0], (12, 1))
+        values[rng.random(values.shape) < 0.1] = 0.0
+        with np.errstate(all="ignore"):
+            array = values.astype(dtype)
+        wide = array.astype(np.float64)
+        wide = np.where(np.isfinite(wide), wide, 0.0)
+        norms = np.sqrt(np.sum(wide * wide, axis=1))
+        for limit in (float(np.median(norms)) * 0.9, float(norms[0]), float(norms.min()) / 3):
+            if not limit > 0:
+                continue
+            crossings: list[int] = []
+            found = slices._SliceRounding._crossing
+
+            def counted(
+                self: object, *args: object, found: object = found, calls: list[int] = crossings
+            ) -> object:
+                calls.append(1)
+                return found(self, *args)  # type: ignore[operator]
+
+            monkeypatch.setattr(slices._SliceRounding, "_crossing", counted)
+            with np.errstate(all="ignore"):
+                with_crossings = slices.axes_scales(array, (1,), limit)[1]
+            monkeypatch.setattr(slices, "CROSSINGS_FROM", 1 << 40)
+            with np.errstate(all="ignore"):
+                without = slices.axes_scales(array, (1,), limit)[1]
+            monkeypatch.undo()
+            assert np.array_equal(with_crossings.view(np.int64), without.view(np.int64))
+            if per_slice >= threshold and np.any(with_crossings != 1.0):
+                assert crossings  # the path under test ran
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2],
+    ids=lambda d: np.dtype(d).name,
+)
+def test_long_small_float_slices_get_the_largest_factor_within_the_limit(dtype: type) -> None:
+    """As the test above for rows of 60, for rows long enough to start from their
+    crossings: each factor's output is within C exactly, and one step more is over it."""
+    from clipcli.numerics.search import exact_product_bits
+
+    rng = np.random.default_rng(23)
+    per_slice = slices.CROSSINGS_FROM + 76
+    values = rng.standard_normal((4, per_slice)) * rng.choice([0.01, 1.0, 20.0], size=(4, 1))
+    array: np.ndarray = values.astype(dtype)
+    wide = array.astype(np.float64)
+    norms = np.sqrt((wide * wide).sum(axis=1))
+    bits = exact_product_bits([array.dtype])
+    for limit in [float(np.median(norms)) * 0.8, float(norms[1]) * 0.999]:
+        _, scales = slices.axes_scales(array, (1,), limit)
+        bound = Fraction(limit) ** 2
+        for row, factor in zip(array, scales.reshape(-1), strict=True):
+            exact = [Fraction(float(v)) for v in row.astype(np.float64)]
+            if factor == 1.0:
+                assert sum(v * v for v in exact) <= bound
+                continue
+            s = Fraction(float(factor))
+            assert sum(round_exactly(v * s, dtype) ** 2 for v in exact) <= bound
+            step = Fraction(2) ** (math.frexp(float(factor))[1] - 1 - bits + 1)
+            above = sum(round_exactly(v * (s + step), dtype) ** 2 for v in exact)
+            assert above > bound, (factor, float(above / bound))

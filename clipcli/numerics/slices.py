@@ -492,15 +492,15 @@ class _SliceRounding:
         shift its answer from TF's factor r by about unit / sqrt(3 * its elements) (2**-14
         for a bfloat16 row of 11,008), far past search.guesses' nearest rungs, and every
         rung missed is a pass over all the values. So the rounded output is summed once at
-        r, and the first guesses are where that sum crosses limit**2 as the values' roundings
-        change one by one (_crossing): the answer itself, or a step above it, wherever the
-        float64 sums decide it right. Where no crossing is found, the answer is estimated
-        from that sum (it grows as s**2), and the rungs sit at 0.5, 2 and 8 spreads on
-        either side of the estimate; the search's own widest rungs stay as the last resort.
-        Measured per box of 2**20 elements: a bfloat16 row of 11,008 46 -> 29 ms, float16
-        113 -> 68 ms, bfloat16 rows of 16 578 -> 292 ms, float16 pairs 783 -> 649 ms with
-        the estimate; bfloat16 rows of 4,096 38 -> 19 ms with the crossings (each factor the
-        same: the search is exact)."""
+        r and the answer estimated from it (the sum grows as s**2); the rungs sit at 0.5, 2
+        and 8 spreads on either side of the estimate, and the search's own widest rungs
+        stay as the last resort. Measured per box of 2**20 elements: a bfloat16 row of
+        11,008 46 -> 29 ms, float16 113 -> 68 ms, bfloat16 rows of 16 578 -> 292 ms,
+        float16 pairs 783 -> 649 ms. Slices of CROSSINGS_FROM values or more are first
+        guessed where that sum crosses limit**2 as the values' roundings change one by one
+        (_crossing): the answer itself, or a step above it, wherever the float64 sums decide
+        it right (bfloat16 rows of 4,096: 40 -> 15 ms a box). Each factor is the same
+        whatever the guesses: the search is exact."""
         # The spread: unit * sqrt(sum of w**2 / 3), w a value's share of its slice's sum.
         squares = self.magnitudes * self.magnitudes
         sums = _segment_sums(self.counts * squares, self.begins)
@@ -548,8 +548,8 @@ class _SliceRounding:
         box. The estimate: TF's factor scaled by how far the output's sum of squares there
         is from limit**2 (the sum grows as s**2).
 
-        The steps are looked through in a window reaching past the estimate by 8 spreads
-        first, then, for the slices whose crossing is not in it, in the whole window: a
+        The steps are looked through in a window reaching past the estimate by NEAR_SPREADS
+        spreads first, then, for the slices whose crossing is not in it, in the whole window: a
         slice left to the bisection costs a box as much as all the others (~30 margins),
         and the whole window holds a third of float16 rows' values."""
         start = on_grid(ratios, bits)
@@ -560,7 +560,7 @@ class _SliceRounding:
         fits = sums <= 1.0
         with np.errstate(all="ignore"):
             estimate = start / np.sqrt(sums)
-            near = np.abs(estimate / start - 1.0) * 1.5 + 8 * spread
+            near = np.abs(estimate / start - 1.0) * 1.5 + NEAR_SPREADS * spread
         estimate = np.where(np.isfinite(estimate) & (estimate > 0), estimate, ratios)
         near = np.where(np.isfinite(near), np.minimum(near, unit / 2), unit / 2)
         # Upward from a slice that fits (the first step that takes it over), downward
@@ -787,11 +787,17 @@ class _SliceRounding:
 
 
 # Values per slice from which the search's first guesses are the crossings
-# (_SliceRounding._crossing). Shorter slices' answers lie further from TF's factor, and the
-# few slices whose crossing is not found keep the bisection going for the box: per box of
-# 2**20 values, bfloat16 rows of 16 took 194 ms with the estimate's rungs, 232 with the
-# crossings; rows of 64 120 and 101, of 1,024 57 and 30 (float16 alike).
-CROSSINGS_FROM = 32
+# (_SliceRounding._crossing). Shorter slices' answers lie further from TF's factor, in
+# wider windows of more values, and the few slices whose crossing is not found keep the
+# bisection going for the box. CPU per box of 2**20 values, estimate's rungs against
+# crossings (min of 3, benchmarks/RESULTS.md session 48): bfloat16 rows of 128 86 / 104
+# ms, 512 57 / 67, 1,024 43 / 46, 2,048 31 / 20, 4,096 40 / 15; float16 rows of 128 93 /
+# 86, 1,024 75 / 67, 4,096 59 / 44; float8_e4m3fn rows of 1,024 19 / 14.
+CROSSINGS_FROM = 1024
+# How far past the estimate, in spreads, the first window of crossings reaches (then the
+# whole window for the slices left): 8 spreads took bfloat16 rows of 4,096 21 ms a box, 2
+# spreads 15 (fewer values to step through; a few more slices look again).
+NEAR_SPREADS = 2
 
 
 # From this many terms a slice's exact sum goes through extraction first (a few numpy
