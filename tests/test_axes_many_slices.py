@@ -725,3 +725,58 @@ def test_long_small_float_slices_get_the_largest_factor_within_the_limit(dtype: 
             step = Fraction(2) ** (math.frexp(float(factor))[1] - 1 - bits + 1)
             above = sum(round_exactly(v * (s + step), dtype) ** 2 for v in exact)
             assert above > bound, (factor, float(above / bound))
+
+
+@pytest.mark.parametrize("threads", ["2", "3", "8"])
+def test_boxes_worked_out_side_by_side_report_and_write_what_one_thread_does(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    threads: str,
+) -> None:
+    """Boxes of whole slices are cut into parts for the worker threads and joined again:
+    the report (norms after, to the last bit) and the bytes must be one thread's. Rows of
+    3,000 and 3,001 values, so that no box is a whole number of the statistics' blocks
+    (boxes cut smaller for the threads summed the norms in other groups: attack s48)."""
+    rng = np.random.default_rng(48)
+    src = tmp_path / "rows.safetensors"
+    write_safetensors(
+        src,
+        {
+            "a": rng.standard_normal((600, 3000)).astype(ml_dtypes.bfloat16),
+            "b": rng.standard_normal((700, 3001)).astype(np.float32),
+            "c": rng.standard_normal((1000, 1500)).astype(np.float16),
+        },
+    )
+    out = tmp_path / "out.safetensors"
+    outputs = {}
+    for count in ("1", threads):
+        monkeypatch.setenv("CLIPCLI_THREADS", count)
+        args = ["--norm", "0.5", "--axes", "1", "--force", str(src), str(out)]
+        outputs[count] = (clip_json(args, capsys), out.read_bytes())
+    one, many = outputs["1"], outputs[threads]
+    assert many[1] == one[1]
+    assert json.dumps(many[0], sort_keys=True) == json.dumps(one[0], sort_keys=True)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((4096, 4096), ml_dtypes.bfloat16), ((1 << 23, 2), np.float16)],
+    ids=["bf16 rows of 4096", "f16 pairs"],
+)
+def test_boxes_side_by_side_hold_about_one_threads_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], dtype: type
+) -> None:
+    """32 MiB of rows (worked out side by side) and of pairs (short slices: one thread)
+    with --axes 1: at CLIPCLI_THREADS=16 the peak is within 48 MiB of one thread's. A
+    full box searched per thread, up to 16 at once, grew ~25-40 MiB a thread (attack s48:
+    float16 pairs 105 MiB on one thread, 614 on sixteen)."""
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    write_safetensors(src, {"w": np.random.default_rng(9).standard_normal(shape).astype(dtype)})
+    peaks = {}
+    for threads in ("1", "16"):
+        monkeypatch.setenv("CLIPCLI_THREADS", threads)
+        args = ["clip", "--norm", "0.5", "--axes", "1", "-q", "--no-fsync", "--force"]
+        code, peaks[threads], stderr = peak_rss(*args, src, out)
+        assert code == 0, stderr
+    assert peaks["16"] - peaks["1"] < 48 << 20, peaks

@@ -510,12 +510,9 @@ def _clip_slices_streamed(
     assert spec is not None
     info = tensor.info
     budget = slices.box_elements(info.dtype)
-    if slices.boxes_hold_whole_slices(info.shape, tensor.axes, budget):
-        side_by_side = _side_by_side_budget(info, tensor.axes, budget)
-        return _clip_slices_box_by_box(
-            _boxes_of(reader, info, side_by_side), tensor, spec.limit, settle
-        )
     boxes = _boxes_of(reader, info)
+    if slices.boxes_hold_whole_slices(info.shape, tensor.axes, budget):
+        return _clip_slices_box_by_box(boxes, tensor, spec.limit, settle)
     if reader.elements_loader(info, 0, 0) is not None:  # a group's boxes read on their own
         groups = slices.slice_groups(info.shape, tensor.axes, info.dtype)
         if len(groups) > 1:
@@ -528,7 +525,7 @@ def _clip_slices_streamed(
         spec.limit,
         interrupts.check,
         info.name,
-        side_by_side=_pieces_side_by_side(),
+        side_by_side=_pieces_side_by_side(info, tensor.axes),
     )
     clipped = int(np.count_nonzero(scales != 1.0))
     if not clipped:
@@ -542,26 +539,34 @@ def _clip_slices_streamed(
     return outcome, _scaled_boxes(boxes, factors_of, after, flushes)
 
 
-# The smallest share of a box that boxes worked out side by side are cut to: per element,
-# a box's factor search costs about the same from 2**18 elements up (bfloat16 rows of
-# 4,096: 14.5-15.5 ns at 2**18 and 2**22, 17 at 2**17).
+# Threads that work out a tensor's boxes (or pieces of slices) side by side, at most, each
+# box (piece) cut into as many parts: the parts in flight then hold about two boxes
+# whatever CLIPCLI_THREADS says (each worker's search holds ~20 bytes a value; a thread
+# per part of a box of 2**20 values grew 25-40 MB a thread: attack s48). Per value, a
+# search costs about the same from a quarter of a box up (bfloat16 rows of 4,096:
+# 14.5-15.5 ns at 2**18 and 2**22 values, 17 at 2**17).
 SIDE_BY_SIDE_SHARE = 4
 
 
-def _pieces_side_by_side() -> tuple[slices.PieceMap, int]:
-    """How streamed_axes_scales works out its pieces of slices: in the worker threads, in
-    order, each piece a share of the values (as boxes, _side_by_side_budget)."""
-    return ordered_map, min(worker_count(), SIDE_BY_SIDE_SHARE)
+# Values a slice holds, at least, for its tensor's boxes (pieces) to be worked out side by
+# side. Shorter slices of 8/16-bit floats are searched on ~100 bytes a value (a histogram
+# entry and its search state per value, where a long slice's values share entries): float16
+# pairs [2**24, 2] took 105 MiB on one thread, 175 on two, 272 on four, for no gain.
+SIDE_BY_SIDE_FROM = 1024
 
 
-def _side_by_side_budget(info: TensorInfo, axes: tuple[int, ...], budget: int) -> int:
-    """The box size for a tensor whose boxes the worker threads work out side by side
-    (_clip_slices_box_by_box): the box budget shared among them, down to a
-    SIDE_BY_SIDE_SHARE of it, so that the boxes in flight hold about what one box does
-    (each box's search holds ~20 bytes a value: 2**20 bfloat16 values, 19 MiB); the whole
-    budget where smaller boxes would cut slices."""
-    share = budget // min(worker_count(), SIDE_BY_SIDE_SHARE)
-    return share if slices.boxes_hold_whole_slices(info.shape, axes, share) else budget
+def _side_by_side_share(info: TensorInfo, axes: tuple[int, ...]) -> int:
+    """How many threads work out the tensor's boxes (pieces) side by side."""
+    if math.prod(info.shape[a] for a in axes) < SIDE_BY_SIDE_FROM:
+        return 1
+    return min(worker_count(), SIDE_BY_SIDE_SHARE)
+
+
+def _pieces_side_by_side(info: TensorInfo, axes: tuple[int, ...]) -> tuple[slices.PieceMap, int]:
+    """How streamed_axes_scales works out its pieces of slices: in up to SIDE_BY_SIDE_SHARE
+    worker threads, in order, each piece that share of the values."""
+    share = _side_by_side_share(info, axes)
+    return functools.partial(ordered_map, workers=share), share
 
 
 def _clip_slices_by_groups(
@@ -589,7 +594,7 @@ def _clip_slices_by_groups(
                 interrupts.check,
                 info.name,
                 span=group,
-                side_by_side=_pieces_side_by_side(),
+                side_by_side=_pieces_side_by_side(info, axes),
             )
             clipped += int(np.count_nonzero(factors != 1.0))
             spilled.put(factors)
@@ -646,30 +651,57 @@ def _clip_slices_box_by_box(
     after, flushes = NormAccumulator(), Flushes()
     outcome = Outcome(after, True, 0, slice_count, flushes)
 
-    def scaled_box(
-        numbered: tuple[int, slices.Box], first_clipped: int, its_scales: np.ndarray
-    ) -> tuple[int, np.ndarray, tuple[int, int]]:
-        k, (box, index) = numbered
-        if k < first_clipped:
-            scales = np.ones(slices.keepdims_shape(box.shape, axes))
-        else:
-            scales = its_scales if k == first_clipped else factors(box, index)
-        scaled = rounding.scale_chunk(box, scales)
-        return int(np.count_nonzero(scales != 1.0)), scaled, rounding.flushes(box, scaled)
+    def scaled_part(
+        part: tuple[int, int, slices.BoxPart, np.ndarray | None],
+    ) -> tuple[int, int, int, np.ndarray, tuple[int, int]]:
+        k, axis, piece, known = part
+        scales = factors(piece.values, piece.at) if known is None else known
+        scaled = rounding.scale_chunk(piece.values, scales)
+        flushed = rounding.flushes(piece.values, scaled)
+        return k, axis, int(np.count_nonzero(scales != 1.0)), scaled, flushed
 
     def scaled_boxes(first_clipped: int, its_scales: np.ndarray) -> Iterator[np.ndarray]:
-        # Boxes are worked out side by side in the worker threads (each depends on its
-        # own values alone: a bfloat16 box's factor search is ~17 ms of numpy calls on
-        # arrays of ~200,000, which let go of the GIL), and come back in order, so the
-        # statistics are summed in the same order as on one thread.
+        # Each box is cut into parts (whole slices each) that the worker threads work out
+        # side by side (each depends on its own values alone: a bfloat16 box's factor
+        # search is ~15 ms of numpy calls on arrays of ~200,000, which let go of the
+        # GIL); the parts come back in order and are joined again, so the boxes, their
+        # statistics and the order they are summed in are those of one thread (boxes cut
+        # smaller for the threads changed the reported norms' last bits: attack s48). At
+        # most SIDE_BY_SIDE_SHARE threads, each box cut into as many parts: the parts in
+        # flight hold about two boxes, whatever CLIPCLI_THREADS says.
+        share = _side_by_side_share(info, axes)
+
+        def parts() -> Iterator[tuple[int, int, slices.BoxPart, np.ndarray | None]]:
+            for k, (box, index) in enumerate(boxes()):
+                axis, pieces = slices.split_box(box, index, axes, share)
+                for piece in pieces:
+                    known: np.ndarray | None = None
+                    if k < first_clipped:
+                        known = np.ones(slices.keepdims_shape(piece.values.shape, axes))
+                    elif k == first_clipped:
+                        known = its_scales[piece.within]
+                    yield k, axis, piece, known
+
         clipped = 0
-        work = functools.partial(scaled_box, first_clipped=first_clipped, its_scales=its_scales)
-        for count, scaled, flushed in ordered_map(work, enumerate(boxes())):
+        joined: list[np.ndarray] = []
+        box_number, box_axis = 0, -1
+
+        def whole_box() -> np.ndarray:
+            box = joined[0] if len(joined) == 1 else np.concatenate(joined, axis=box_axis)
+            flat = box.reshape(-1)
+            after.add(flat)
+            return flat
+
+        for k, axis, count, scaled, flushed in ordered_map(scaled_part, parts(), share):
+            if k != box_number:
+                yield whole_box()
+                joined = []
+            box_number, box_axis = k, axis
             clipped += count
             flushes.add(*flushed)
-            flat = scaled.reshape(-1)
-            after.add(flat)
-            yield flat
+            joined.append(scaled)
+        if joined:
+            yield whole_box()
         settle(dataclasses.replace(outcome, slices_clipped=clipped))
 
     return outcome, scaled_boxes(*first)
@@ -692,13 +724,12 @@ def _scaled_boxes(
         yield flat
 
 
-def _boxes_of(reader: Reader, info: TensorInfo, budget: int | None = None) -> slices.Boxes:
-    """The tensor's boxes (numerics.slices.box_indices) of `budget` elements (the dtype's
-    box_elements when None), read anew on each call: the reader's chunks cut or joined to
-    the boxes' sizes, at most a chunk and a box at once. A pass asked for `only` some
-    boxes reads just those where the reader has random access (Reader.elements_loader),
-    else reads through and leaves the others out."""
-    budget = slices.box_elements(info.dtype) if budget is None else budget
+def _boxes_of(reader: Reader, info: TensorInfo) -> slices.Boxes:
+    """The tensor's boxes (numerics.slices.box_indices), read anew on each call: the
+    reader's chunks cut or joined to the boxes' sizes, at most a chunk and a box at once.
+    A pass asked for `only` some boxes reads just those where the reader has random
+    access (Reader.elements_loader), else reads through and leaves the others out."""
+    budget = slices.box_elements(info.dtype)
     indices = slices.box_indices(info.shape, budget)
 
     def one_pass(only: Callable[[slices.BoxIndex], bool] | None = None) -> Iterator[slices.Box]:

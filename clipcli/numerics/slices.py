@@ -1034,6 +1034,38 @@ def box_shape(shape: tuple[int, ...], index: tuple[int | slice, ...]) -> tuple[i
     )
 
 
+class BoxPart(NamedTuple):
+    """A part of a box (split_box): its values, its index in the tensor (`at`), and where
+    it lies in the box (as an index of the box, or of the box's keepdims results)."""
+
+    values: np.ndarray
+    at: BoxIndex
+    within: tuple[slice, ...]
+
+
+def split_box(
+    box: np.ndarray, index: BoxIndex, axes: tuple[int, ...], parts: int
+) -> tuple[int, list[BoxPart]]:
+    """(axis, parts): a box that holds whole slices cut into up to `parts` parts along its
+    first axis that is not reduced and spans more than one index; each still holds whole
+    slices, whose factors are the box's, and np.concatenate(parts, axis) is the box. Axis
+    -1 and the box as its one part where no axis can be cut."""
+    for axis, extent in enumerate(box.shape):
+        part = index[axis]
+        if axis in axes or extent < 2 or not isinstance(part, slice):
+            continue
+        count = min(parts, extent)
+        bounds = [extent * k // count for k in range(count + 1)]
+        start = part.start or 0
+        pieces = []
+        for low, high in itertools.pairwise(bounds):
+            within = (slice(None),) * axis + (slice(low, high),)
+            at = index[:axis] + (slice(start + low, start + high),) + index[axis + 1 :]
+            pieces.append(BoxPart(box[within], at, within))
+        return axis, pieces
+    return -1, [BoxPart(box, index, ())]
+
+
 def box_region(index: tuple[int | slice, ...], axes: tuple[int, ...]) -> tuple[slice, ...]:
     """Where a box's per-slice results go in the keepdims arrays (size 1 on `axes`)."""
     return tuple(
