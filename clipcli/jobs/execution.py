@@ -541,11 +541,11 @@ def _clip_slices_streamed(
 
 # Threads that work out a tensor's boxes (or pieces of slices) side by side, at most, each
 # box (piece) cut into as many parts: the parts in flight then hold about two boxes
-# whatever CLIPCLI_THREADS says (each worker's search holds ~20 bytes a value; a thread
-# per part of a box of 2**20 values grew 25-40 MB a thread: attack s48). Per value, a
-# search costs about the same from a quarter of a box up (bfloat16 rows of 4,096:
-# 14.5-15.5 ns at 2**18 and 2**22 values, 17 at 2**17).
-SIDE_BY_SIDE_SHARE = 4
+# whatever CLIPCLI_THREADS says. Each running part's search holds its own working set,
+# ~20 bytes a value for bfloat16 rows and ~40 for float16 ones (more distinct values): a
+# 1 GiB float16 [2**17, 4096] with --axes 1 peaked at 126 MiB on one thread, 197 with two
+# parts, 228 with four (attack s48b: pieces of four took 1 GiB bfloat16 columns to 206 MiB).
+SIDE_BY_SIDE_SHARE = 2
 
 
 # Values a slice holds, at least, for its tensor's boxes (pieces) to be worked out side by
