@@ -306,6 +306,24 @@ def round_exactly(q: Fraction, dtype: type) -> Fraction:
     return rounded
 
 
+def assert_largest_within(
+    array: np.ndarray, scales: np.ndarray, limit: float, bits: int, dtype: type
+) -> None:
+    """Each row's factor: its output's exact norm (fractions) is <= limit, and one step of
+    the search's grid more takes it over; a row left as it is (factor 1) is within."""
+    bound = Fraction(limit) ** 2
+    for row, factor in zip(array, scales.reshape(-1), strict=True):
+        exact = [Fraction(float(v)) for v in row.astype(np.float64)]
+        if factor == 1.0:
+            assert sum(v * v for v in exact) <= bound  # within: left as it is
+            continue
+        s = Fraction(float(factor))
+        assert sum(round_exactly(v * s, dtype) ** 2 for v in exact) <= bound
+        step = Fraction(2) ** (math.frexp(float(factor))[1] - 1 - bits + 1)
+        above = sum(round_exactly(v * (s + step), dtype) ** 2 for v in exact)
+        assert above > bound, (factor, float(above / bound))
+
+
 @pytest.mark.parametrize(
     "dtype",
     [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2],
@@ -331,17 +349,7 @@ def test_small_float_slice_factors_are_within_the_limit_and_the_largest(dtype: t
     near = [math.nextafter(t, direction) for t in tied for direction in (0.0, math.inf)]
     for limit in [float(np.median(norms)), float(norms.min()) * 0.5, *tied, *near]:
         _, scales = slices.axes_scales(array, (1,), limit)
-        bound = Fraction(limit) ** 2
-        for row, factor in zip(array, scales.reshape(-1), strict=True):
-            exact = [Fraction(float(v)) for v in row.astype(np.float64)]
-            if factor == 1.0:
-                assert sum(v * v for v in exact) <= bound  # within: left as it is
-                continue
-            s = Fraction(float(factor))
-            assert sum(round_exactly(v * s, dtype) ** 2 for v in exact) <= bound
-            step = Fraction(2) ** (math.frexp(float(factor))[1] - 1 - bits + 1)
-            above = sum(round_exactly(v * (s + step), dtype) ** 2 for v in exact)
-            assert above > bound, (factor, float(above / bound))
+        assert_largest_within(array, scales, limit, bits, dtype)
 
 
 def test_an_attacks_float16_row_gets_the_same_factor_alone_and_among_others(
@@ -714,17 +722,7 @@ def test_long_small_float_slices_get_the_largest_factor_within_the_limit(dtype: 
     bits = exact_product_bits([array.dtype])
     for limit in [float(np.median(norms)) * 0.8, float(norms[1]) * 0.999]:
         _, scales = slices.axes_scales(array, (1,), limit)
-        bound = Fraction(limit) ** 2
-        for row, factor in zip(array, scales.reshape(-1), strict=True):
-            exact = [Fraction(float(v)) for v in row.astype(np.float64)]
-            if factor == 1.0:
-                assert sum(v * v for v in exact) <= bound
-                continue
-            s = Fraction(float(factor))
-            assert sum(round_exactly(v * s, dtype) ** 2 for v in exact) <= bound
-            step = Fraction(2) ** (math.frexp(float(factor))[1] - 1 - bits + 1)
-            above = sum(round_exactly(v * (s + step), dtype) ** 2 for v in exact)
-            assert above > bound, (factor, float(above / bound))
+        assert_largest_within(array, scales, limit, bits, dtype)
 
 
 @pytest.mark.parametrize("threads", ["2", "3", "8"])
