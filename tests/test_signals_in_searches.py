@@ -20,6 +20,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from expect import one_error_line, signalled_where_it_stops
@@ -78,15 +79,15 @@ def test_sigterm_during_the_slices_search_stops_at_the_next_piece(
 def test_sigterm_while_boxes_are_searched_stops_at_the_next_box(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    """--axes 1 of a float16 [1024, 16384]: 16 boxes of 64 whole rows (32 of 32 rows, two
-    threads), each box's factors searched as the box is written. Stopped in the third
-    box's search, the run ends as SIGTERM and writes nothing; on one thread before a
-    fourth box is searched, on two within the boxes already handed to the workers (two
-    per worker: up to the sixth)."""
+    """--axes 1 of a bfloat16 [1024, 16384]: 16 boxes of 64 whole rows (each cut in two
+    parts of 32 rows for two threads), each box's factors searched as the box is
+    written. Stopped in the third search, the run ends as SIGTERM and writes nothing; on
+    one thread before a fourth box is searched, on two within the parts already handed
+    to the workers (two per worker: up to the sixth search)."""
     monkeypatch.setenv("CLIPCLI_THREADS", str(threads))
     src, out, counts = tmp_path / "rows.safetensors", tmp_path / "out.safetensors", tmp_path / "n"
     rng = np.random.default_rng(5)
-    write_safetensors(src, {"w": rng.standard_normal((1024, 16384)).astype(np.float16)})
+    write_safetensors(src, {"w": rng.standard_normal((1024, 16384)).astype(ml_dtypes.bfloat16)})
     script = _stopped_on_call("clipcli.numerics.slices", "box_axes_scales", 3, counts)
     args = ["clip", "--norm", "1", "--axes", "1", "-q", "--no-fsync", str(src), str(out)]
     code, err = signalled_where_it_stops(script, args, signal.SIGTERM)

@@ -43,7 +43,7 @@ from clipcli.numerics.certain import CertainSumsq, sumsq_each
 from clipcli.numerics.many import norms_each
 from clipcli.numerics.norms import KnownNorm, NormAccumulator, accumulate, accumulate_array
 from clipcli.system import interrupts
-from clipcli.system.parallel import loaded, ordered_map, worker_count
+from clipcli.system.parallel import loaded, machine_worker_count, ordered_map, worker_count
 
 # ---------------------------------------------------------------- while measuring
 
@@ -556,8 +556,15 @@ SIDE_BY_SIDE_FROM = 1024
 
 
 def _side_by_side_share(info: TensorInfo, axes: tuple[int, ...]) -> int:
-    """How many threads work out the tensor's boxes (pieces) side by side."""
+    """How many threads work out the tensor's boxes (pieces) side by side: one for short
+    slices; for float16, whose rows hold nearly every value apart (~40 bytes a value in a
+    part's search: 1 GiB of rows of 4,096 peaked at 126 MiB on one thread, 197 on two,
+    attack s48c); and where the writer's shards are already written side by side (a
+    directory's two shards, --axes 0: 136 MiB on one thread, 271-280 on sixteen, each
+    shard's pieces searched two at a time; attack s48c)."""
     if math.prod(info.shape[a] for a in axes) < SIDE_BY_SIDE_FROM:
+        return 1
+    if info.dtype == np.float16 or worker_count() < machine_worker_count():
         return 1
     return min(worker_count(), SIDE_BY_SIDE_SHARE)
 
