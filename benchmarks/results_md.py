@@ -32,10 +32,9 @@ def git(*args: str) -> str:
 
 
 def compile_bytecode() -> str:
-    """Compile clipcli's modules to bytecode first, as `pip install` does. An editable
-    install under PYTHONDONTWRITEBYTECODE=1 (set on this sandbox) recompiles a dozen modules
-    from source on every run instead: about 16 ms per command that an installed copy never
-    pays. Returns the line for the report."""
+    """Compile clipcli's modules to bytecode first, as `pip install` does
+    (common.compile_clipcli says what it costs otherwise). Returns the line for the
+    report."""
     ok = compile_clipcli()
     env = (
         " (PYTHONDONTWRITEBYTECODE is set here)"

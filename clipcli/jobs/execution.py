@@ -509,8 +509,8 @@ def _clip_slices_streamed(
     at the end, the chunks hand the finished outcome to `settle`."""
     assert spec is not None
     info = tensor.info
-    budget = slices.box_elements(info.dtype)
     boxes = _boxes_of(reader, info)
+    budget = slices.box_elements(info.dtype)
     if slices.boxes_hold_whole_slices(info.shape, tensor.axes, budget):
         return _clip_slices_box_by_box(boxes, tensor, spec.limit, settle)
     if reader.elements_loader(info, 0, 0) is not None:  # a group's boxes read on their own

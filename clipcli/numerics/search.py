@@ -42,7 +42,7 @@ def exact_product_bits(dtypes: Sequence[np.dtype[Any]]) -> int:
 
 def truncate_factor(scale: float, bits: int) -> float:
     """`scale` rounded toward zero to `bits` significant bits."""
-    return float(_factor_of(_key_of(np.asarray([scale], np.float64), bits), bits)[0])
+    return float(on_grid(np.asarray([scale], np.float64), bits)[0])
 
 
 def on_grid(scales: np.ndarray, bits: int) -> np.ndarray:
