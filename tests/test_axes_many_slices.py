@@ -783,3 +783,29 @@ def test_boxes_side_by_side_hold_about_one_threads_memory(
             assert code == 0, stderr
         growth[mode[0]] = peaks["16"] - peaks["1"]
     assert growth["--axes"] - growth["--global"] < 48 << 20, growth
+
+
+def test_side_by_side_from_slices_of_exactly_1024_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads for a tensor's boxes where slices hold SIDE_BY_SIDE_FROM values or more,
+    exactly at it too; one under it, for float16, and never more than SIDE_BY_SIDE_SHARE
+    whatever CLIPCLI_THREADS says."""
+    from clipcli.formats.base import TensorInfo
+    from clipcli.jobs import execution
+
+    def share(dtype: type, shape: tuple[int, ...], axes: tuple[int, ...]) -> int:
+        info = TensorInfo("w", np.dtype(dtype), shape, 0)
+        return execution._side_by_side_share(info, axes)
+
+    at = execution.SIDE_BY_SIDE_FROM
+    assert at == 1024
+    monkeypatch.setenv("CLIPCLI_THREADS", "2")
+    assert share(ml_dtypes.bfloat16, (64, at), (1,)) == 2
+    assert share(ml_dtypes.bfloat16, (64, at - 1), (1,)) == 1
+    assert share(ml_dtypes.bfloat16, (at, 64), (0,)) == 2
+    assert share(ml_dtypes.bfloat16, (64, 32, 32), (1, 2)) == 2  # 32 x 32 = 1024
+    assert share(np.float32, (64, at), (1,)) == 2
+    assert share(np.float16, (64, at), (1,)) == 1
+    monkeypatch.setenv("CLIPCLI_THREADS", "64")
+    assert share(ml_dtypes.bfloat16, (64, at), (1,)) == execution.SIDE_BY_SIDE_SHARE == 2
+    monkeypatch.setenv("CLIPCLI_THREADS", "1")
+    assert share(ml_dtypes.bfloat16, (64, at), (1,)) == 1
